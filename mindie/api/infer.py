@@ -1,0 +1,191 @@
+"""POST /infer and POST /infer_token: one handler, token ids or text in, JSON or SSE out."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import falcon
+import falcon.asgi
+
+from mindie import protocol as P
+from mindie import responses as R
+from mindie.client import NoWorkerError, RequestStream
+from mindie.errors import ApiError
+from mindie.frontend import FrontEnd
+from mindie.validation import InferRequest, check_token_ids, parse_infer_request
+
+log = logging.getLogger("mindie.api")
+
+IDLE_TICK_S = 1.0  # how often an idle stream checks for a client disconnect
+
+
+class _Tick:
+    """Sent while a stream waits: zero bytes on the wire, but Falcon checks for a client
+    disconnect after every item, so a vanished client is noticed within IDLE_TICK_S."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def serialize(self, handler=None) -> bytes:
+        return b""
+
+
+class _Raw:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __bool__(self) -> bool:
+        return True
+
+    def serialize(self, handler=None) -> bytes:
+        return self.data
+
+
+_TICK = _Tick()
+
+
+class Deadlines:
+    """MindIE's wait deadline (mindie.md §4.2): min(client timeout, tokenTimeout) measured from
+    the last token for streams (from the start otherwise), and e2eTimeout from the start."""
+
+    def __init__(self, timeout: int | None, token_timeout: float, e2e_timeout: float, stream: bool):
+        self.start = time.monotonic()
+        self.timeout = timeout
+        self.token_timeout = token_timeout
+        self.e2e_end = self.start + e2e_timeout
+        self.stream = stream
+        self.mark = self.start
+
+    def token(self) -> None:
+        if self.stream:
+            self.mark = time.monotonic()
+
+    def next(self) -> tuple[float, str]:
+        """(monotonic deadline, MindIE's description of it)."""
+        cands = [(self.mark + self.token_timeout, "server tokenTimeout"), (self.e2e_end, "server e2eTimeout")]
+        if self.timeout is not None:
+            cands.append((self.mark + self.timeout, "client timeout"))
+        return min(cands)
+
+
+class InferResource:
+    def __init__(self, fe: FrontEnd):
+        self.fe = fe
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        fe = self.fe
+        fe.metrics.received()
+        try:
+            body = await fe.read_body(req)
+            ireq = parse_infer_request(body, fe.limits)
+            token_ids = ireq.input_ids
+            if token_ids is None:
+                token_ids = check_token_ids(await fe.encode(ireq.inputs), fe.limits)
+            params = ireq.sampling
+            cap = fe.limits.max_seq_len - len(token_ids)
+            if params.max_new_tokens > cap:
+                params.max_new_tokens = max(1, cap)
+            try:
+                stream = fe.client.submit(token_ids, params, ireq.priority)
+            except NoWorkerError as e:
+                raise ApiError(503, f"No device worker is ready: {e}")
+        except ApiError as e:
+            fe.metrics.failed()
+            resp.status = e.status
+            resp.content_type = falcon.MEDIA_JSON
+            resp.data = e.body()
+            return
+        deadlines = Deadlines(ireq.timeout, fe.token_timeout, fe.e2e_timeout, ireq.stream)
+        fe.metrics.prompt_tokens(len(token_ids))
+        if ireq.stream:
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.set_header("X-Accel-Buffering", "no")
+            resp.sse = self._stream(ireq, stream, deadlines)
+        else:
+            status, data = await self._collect(ireq, stream, deadlines)
+            resp.status = status
+            resp.content_type = falcon.MEDIA_JSON
+            resp.data = data
+
+    async def _collect(self, ireq: InferRequest, stream: RequestStream, dl: Deadlines) -> tuple[int, bytes]:
+        fe = self.fe
+        ids: list[int] = []
+        finish = ""
+        try:
+            while not finish:
+                deadline, desc = dl.next()
+                frames = await stream.get(max(0.0, deadline - time.monotonic()))
+                if not frames:
+                    if time.monotonic() >= deadline:
+                        fe.client.cancel(stream)
+                        raise ApiError(500, f"Engine callback timeout: {desc}")
+                    continue
+                for f in frames:
+                    if f.error is not None:
+                        raise ApiError(f.error.status, f.error.message, f.error.error_type)
+                    ids.extend(f.token_ids)
+                    if f.finish_reason:
+                        finish = f.finish_reason
+        except ApiError as e:
+            fe.metrics.failed()
+            return e.status, e.body()
+        finally:
+            if not stream.finished:
+                fe.client.cancel(stream)
+        text = fe.decode(ids)
+        fe.metrics.succeeded(len(ids))
+        details = R.Details(finish, len(ids), ids, ireq.sampling.seed) if ireq.details else None
+        return 200, R.reply(text, details)
+
+    async def _stream(self, ireq: InferRequest, stream: RequestStream, dl: Deadlines) -> AsyncIterator[object]:
+        fe = self.fe
+        detok = fe.detokenizer()
+        ids: list[int] = []
+        pending: tuple[list[int], str, float | None, float | None] | None = None
+        try:
+            while True:
+                deadline, desc = dl.next()
+                wait = min(IDLE_TICK_S, deadline - time.monotonic())
+                frames = await stream.get(max(0.0, wait))
+                if not frames:
+                    if time.monotonic() >= deadline:
+                        fe.client.cancel(stream)
+                        fe.metrics.failed()
+                        # MindIE writes the raw text into the open stream, then closes it.
+                        yield _Raw(f"Engine callback timeout: {desc}".encode())
+                        return
+                    yield _TICK
+                    continue
+                dl.token()
+                for f in frames:
+                    if f.error is not None:
+                        fe.metrics.failed()
+                        yield _Raw(R.sse(R.ErrorFrame(f.error.message, f.error.error_type)))
+                        return
+                    # A frame is written once the next one is known, so the last token goes
+                    # out in the final frame with "text": null, as MindIE does.
+                    for i, tok in enumerate(f.token_ids):
+                        if pending is not None:
+                            yield _Raw(R.stream_frame(pending[0], pending[1], pending[2], pending[3]))
+                        prefill = R.ms(f.prefill_ms) if (not ids and i == 0) else None
+                        decode = None if prefill is not None else R.ms(f.decode_ms / max(1, len(f.token_ids)))
+                        ids.append(tok)
+                        pending = ([tok], detok.push([tok]), prefill, decode)
+                    if f.finish_reason:
+                        details = R.StreamDetails(f.finish_reason, len(ids), ireq.sampling.seed) \
+                            if ireq.details else None
+                        last = pending or ([], "", None, None)
+                        fe.metrics.succeeded(len(ids))
+                        yield _Raw(R.final_stream_frame(last[0], last[2], last[3], detok.full_text(), details))
+                        return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never leave a truncated chunked body without a reason
+            log.exception("stream of request %s failed", stream.request_id)
+            yield _Raw(R.sse(R.ErrorFrame(f"Internal error: {e}", "Incomplete Generation")))
+        finally:
+            if not stream.finished:
+                fe.client.cancel(stream)

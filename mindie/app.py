@@ -1,0 +1,56 @@
+"""The falcon.asgi application of a front end (one per gunicorn worker).
+
+    gunicorn -c deploy/gunicorn.conf.py  ->  mindie.app:create_app()
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import falcon
+import falcon.asgi
+
+from mindie.api.health import HealthResource, LiveResource, MetricsResource, ModelResource, ModelsResource
+from mindie.api.infer import InferResource
+from mindie.errors import ERROR_TYPES, ApiError
+from mindie.frontend import FrontEnd
+
+log = logging.getLogger("mindie.app")
+
+
+def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
+    """Every Falcon error (404, 405, ...) in MindIE's {"error", "error_type"} shape, whatever
+    the Accept header says (Falcon's default would send an empty body to an SSE client)."""
+    status = exc.status_code
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = ApiError(status, exc.description or exc.title or "Error",
+                         ERROR_TYPES.get(status, exc.title or "Error")).body()
+
+
+async def _unexpected(req, resp, ex: Exception, params) -> None:
+    if isinstance(ex, falcon.HTTPError):
+        raise ex
+    log.exception("unhandled error on %s %s", req.method, req.path)
+    resp.status = 500
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = ApiError(500, f"Server internal error: {type(ex).__name__}").body()
+
+
+def create_app() -> falcon.asgi.App:
+    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [frontend pid %(process)d] %(name)s: %(message)s")
+    fe = FrontEnd.from_env()
+    app = falcon.asgi.App(middleware=[fe])
+    infer = InferResource(fe)
+    app.add_route("/infer", infer)
+    app.add_route("/infer_token", infer)
+    app.add_route("/health", HealthResource(fe))
+    app.add_route("/v2/health/live", LiveResource(fe, ready=False))
+    app.add_route("/v2/health/ready", LiveResource(fe, ready=True))
+    app.add_route("/v1/models", ModelsResource(fe))
+    app.add_route("/v1/models/{model}", ModelResource(fe))
+    app.add_route("/metrics", MetricsResource(fe))
+    app.set_error_serializer(_serialize_error)
+    app.add_error_handler(Exception, _unexpected)
+    return app

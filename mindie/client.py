@@ -1,0 +1,270 @@
+"""Asyncio client of the device workers: what a front end (and the tests) use.
+
+One PUSH socket per worker for jobs, one SUB socket connected to every worker for frames,
+subscribed to this client's own id and to heartbeats. A worker is used only after its
+``Welcome`` arrives on our topic (the subscription is then proven live). Every FrameBatch
+carries a per-(worker, client) sequence number: a gap fails the affected requests instead
+of emitting corrupted output. A worker silent for ``WORKER_TIMEOUT_S``, or one that comes
+back as a new instance, fails its in-flight requests with an error.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from mindie import protocol as P
+
+log = logging.getLogger("mindie.client")
+
+
+class NoWorkerError(Exception):
+    """No device worker is ready to take a request."""
+
+
+@dataclass
+class WorkerEndpoint:
+    worker_id: str
+    job_endpoint: str
+    pub_endpoint: str
+
+
+@dataclass(eq=False)
+class WorkerLink:
+    ep: WorkerEndpoint
+    push: zmq.Socket
+    welcomed: bool = False
+    instance: str = ""
+    expected_seq: int = 0
+    last_heard: float = 0.0
+    heartbeat: P.Heartbeat | None = None
+    model_name: str = ""
+    vocab_size: int = 0
+    max_seq_len: int = 0
+    inflight: dict[str, "RequestStream"] = field(default_factory=dict)
+
+    def load(self) -> tuple[float, float]:
+        hb = self.heartbeat
+        kv_used = 1.0 - hb.free_blocks / hb.total_blocks if hb and hb.total_blocks else 0.0
+        return (len(self.inflight) + (hb.waiting if hb else 0), kv_used)
+
+
+class RequestStream:
+    """Frames of one request, in order; ends with a finish reason or an error."""
+
+    def __init__(self, request_id: str, link: WorkerLink):
+        self.request_id = request_id
+        self.link = link
+        self.frames: collections.deque[P.TokenFrame] = collections.deque()
+        self.event = asyncio.Event()
+        self.finished = False
+        self.error: P.RequestError | None = None
+        self.submitted_at = time.monotonic()
+
+    def _push(self, frame: P.TokenFrame) -> None:
+        if self.finished:
+            return
+        self.frames.append(frame)
+        if frame.finish_reason or frame.error is not None:
+            self.finished = True
+            self.error = frame.error
+        self.event.set()
+
+    def _fail(self, status: int, error_type: str, message: str) -> None:
+        self._push(P.TokenFrame(self.request_id, finish_reason=P.FINISH_ERROR,
+                                error=P.RequestError(status, error_type, message)))
+
+    async def get(self, timeout: float | None) -> list[P.TokenFrame]:
+        """Every frame received since the last call; waits up to ``timeout`` seconds for one.
+        Returns [] on timeout."""
+        if not self.frames:
+            self.event.clear()
+            try:
+                await asyncio.wait_for(self.event.wait(), timeout)
+            except asyncio.TimeoutError:
+                return []
+        out = list(self.frames)
+        self.frames.clear()
+        return out
+
+
+class DeviceClient:
+    def __init__(self, endpoints: list[WorkerEndpoint], frontend_id: str | None = None,
+                 ctx: zmq.asyncio.Context | None = None):
+        self.frontend_id = frontend_id or f"fe-{os.getpid()}-{secrets.token_hex(4)}"
+        self.ctx = ctx or zmq.asyncio.Context()
+        self._own_ctx = ctx is None
+        # Jobs go out through plain sockets: a NOBLOCK send on an asyncio socket reports
+        # zmq.Again through a future instead of raising, and these sends never block anyway.
+        self.job_ctx = zmq.Context()
+        self.endpoints = endpoints
+        self.links: dict[str, WorkerLink] = {}
+        self.sub: zmq.asyncio.Socket | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.ready_event = asyncio.Event()
+        self.gaps = 0  # sequence gaps seen (frames lost); tests assert it stays 0
+        self._rr = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, self.frontend_id.encode())
+        self.sub.setsockopt(zmq.SUBSCRIBE, P.HEARTBEAT_TOPIC)
+        for ep in self.endpoints:
+            push = self.job_ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.IMMEDIATE, 1)  # never queue jobs toward a worker that is not there
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(ep.job_endpoint)
+            self.sub.connect(ep.pub_endpoint)
+            self.links[ep.worker_id] = WorkerLink(ep, push)
+        self.tasks = [asyncio.create_task(self._reader(), name="zmq-reader"),
+                      asyncio.create_task(self._hello_loop(), name="zmq-hello")]
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        for link in self.links.values():
+            for stream in list(link.inflight.values()):
+                stream._fail(503, "Service Unavailable", "The service has been stopped.")
+            link.push.close(0)
+        if self.sub is not None:
+            self.sub.close(0)
+        self.job_ctx.destroy(linger=0)
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self.ready_event.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def ready_links(self) -> list[WorkerLink]:
+        return [link for link in self.links.values() if link.welcomed]
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, token_ids: list[int], params: P.SamplingParams, priority: int = 5,
+               deadline: float = 0.0, request_id: str | None = None) -> RequestStream:
+        links = self.ready_links()
+        if not links:
+            raise NoWorkerError("no device worker is ready")
+        link = min(links, key=lambda lk: lk.load())
+        rid = request_id or secrets.token_hex(8)
+        stream = RequestStream(rid, link)
+        try:
+            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, deadline,
+                                             time.time())), zmq.NOBLOCK)
+        except zmq.Again:
+            raise NoWorkerError(f"device worker {link.ep.worker_id} is not connected")
+        link.inflight[rid] = stream
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Abort a request on its worker (client gone, timeout); safe to call twice."""
+        link = stream.link
+        if link.inflight.pop(stream.request_id, None) is None:
+            return
+        stream.finished = True
+        self._send_cancel(link, [stream.request_id])
+
+    def _send_cancel(self, link: WorkerLink, rids: list[str]) -> None:
+        try:
+            link.push.send(P.encode(P.Cancel(self.frontend_id, rids)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # worker gone: it has nothing to cancel
+
+    def _fail_link(self, link: WorkerLink, message: str) -> None:
+        streams = list(link.inflight.values())
+        link.inflight.clear()
+        for s in streams:
+            s._fail(500, "Incomplete Generation", message)
+        if streams:
+            log.error("%s: failed %d in-flight requests", message, len(streams))
+
+    # -- background tasks -----------------------------------------------------------------
+    async def _hello_loop(self) -> None:
+        pid = os.getpid()
+        while True:
+            now = time.monotonic()
+            for link in self.links.values():
+                if link.welcomed and now - link.last_heard > P.WORKER_TIMEOUT_S:
+                    link.welcomed = False
+                    self._fail_link(link, f"Device worker {link.ep.worker_id} stopped responding "
+                                          f"(no heartbeat for {now - link.last_heard:.1f} s)")
+                try:
+                    link.push.send(P.encode(P.Hello(self.frontend_id, pid, not link.welcomed)), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            if not self.ready_links():
+                self.ready_event.clear()
+            await asyncio.sleep(P.HELLO_INTERVAL_S if self.ready_links() else 0.05)
+
+    async def _reader(self) -> None:
+        while True:
+            topic, data = await self.sub.recv_multipart()
+            try:
+                msg = P.decode_pub(data)
+            except Exception:
+                log.exception("undecodable frame message on topic %r", topic)
+                continue
+            link = self.links.get(msg.worker_id)
+            if link is None:
+                continue
+            link.last_heard = time.monotonic()
+            if isinstance(msg, P.FrameBatch):
+                self._on_frames(link, msg)
+            elif isinstance(msg, P.Heartbeat):
+                if link.welcomed and msg.instance != link.instance:
+                    link.welcomed = False  # restarted: handshake again
+                    self._fail_link(link, f"Device worker {link.ep.worker_id} restarted")
+                link.heartbeat = msg
+            elif isinstance(msg, P.Welcome):
+                if msg.frontend_id != self.frontend_id:
+                    continue
+                if link.instance and msg.instance != link.instance:
+                    self._fail_link(link, f"Device worker {link.ep.worker_id} restarted")
+                if not link.welcomed or msg.instance != link.instance:
+                    link.instance = msg.instance
+                    link.expected_seq = msg.seq + 1
+                    link.model_name, link.vocab_size, link.max_seq_len = msg.model_name, msg.vocab_size, msg.max_seq_len
+                    link.welcomed = True
+                    log.info("device worker %s ready (model %s)", link.ep.worker_id, msg.model_name)
+                    self.ready_event.set()
+
+    def _on_frames(self, link: WorkerLink, batch: P.FrameBatch) -> None:
+        if not link.welcomed or batch.instance != link.instance:
+            return  # from before our handshake, or from a dead instance
+        if batch.seq != link.expected_seq:
+            self.gaps += 1
+            lost = batch.seq - link.expected_seq
+            link.expected_seq = batch.seq + 1
+            rids = list(link.inflight)
+            self._fail_link(link, f"Lost {lost} frame messages from device worker {link.ep.worker_id} "
+                                  f"(sequence gap); the affected requests were aborted")
+            if rids:
+                self._send_cancel(link, rids)
+            return
+        link.expected_seq += 1
+        for frame in batch.frames:
+            stream = link.inflight.get(frame.request_id)
+            if stream is None:
+                continue  # cancelled here already
+            stream._push(frame)
+            if stream.finished:
+                del link.inflight[frame.request_id]

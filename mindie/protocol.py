@@ -1,0 +1,162 @@
+"""Wire protocol between front ends and device workers (ZeroMQ + msgspec msgpack).
+
+Both sides import this module and nothing else of each other. Every message is an
+``array_like`` msgspec Struct with an integer tag, so a message encodes as a compact
+msgpack array whose first element is the tag. Evolve messages only by appending fields
+with defaults (older peers ignore trailing items, newer peers fill missing ones).
+
+Sockets (see docs/design.md):
+  front end PUSH  --Submit/Cancel/Hello-->  worker PULL   (one PUSH per worker)
+  worker PUB      --[topic, FrameBatch|Welcome|Heartbeat]-->  front end SUB
+The PUB topic is the front-end id for Welcome/FrameBatch, and ``HEARTBEAT_TOPIC`` for heartbeats.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+HEARTBEAT_TOPIC = b"\x00hb"
+
+# Finish reasons, spelled as MindIE reports them (mindie.md section 4.5).
+FINISH_EOS = "eos_token"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "stop_sequence"
+FINISH_ERROR = "error"  # internal: the frame carries an error, the front end reports it
+
+
+class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Base of every wire message."""
+
+
+class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Per-request sampling parameters; the defaults mean greedy decoding."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    watermark: bool = False
+    max_new_tokens: int = 20
+    ignore_eos: bool = False
+
+
+class Submit(Message, tag=1):
+    """A new request for a worker."""
+
+    request_id: str
+    frontend_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int = 5
+    deadline: float = 0.0  # wall-clock epoch seconds; 0 = none
+    arrival: float = 0.0  # wall-clock epoch seconds when the front end accepted it
+
+
+class Cancel(Message, tag=2):
+    """Abort requests (client gone, timeout). Unknown ids are ignored."""
+
+    frontend_id: str
+    request_ids: list[str]
+
+
+class Hello(Message, tag=3):
+    """Front-end liveness, sent every ``HELLO_INTERVAL_S`` to every worker.
+
+    ``want_welcome`` asks the worker to (re)send ``Welcome``: the front end has not yet
+    seen one, so its subscription is not proven live.
+    """
+
+    frontend_id: str
+    pid: int
+    want_welcome: bool = True
+
+
+class Welcome(Message, tag=4):
+    """Answer to Hello on the front end's topic. ``seq`` is the last frame sequence sent
+    to that front end; the next FrameBatch carries ``seq + 1``."""
+
+    worker_id: str
+    instance: str  # random per worker process start: a change means a restarted worker
+    frontend_id: str
+    seq: int
+    model_name: str
+    vocab_size: int
+    max_seq_len: int
+
+
+class RequestError(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Why a request ended with an error; status/error_type as MindIE reports them."""
+
+    status: int
+    error_type: str
+    message: str
+
+
+class TokenFrame(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: list[int] = []
+    finish_reason: str = ""  # "" while running
+    prefill_ms: float = 0.0  # set on the first frame of a request
+    decode_ms: float = 0.0  # ms since this request's previous token
+    error: Union[RequestError, None] = None
+
+
+class FrameBatch(Message, tag=5):
+    """All frames of one engine step for one front end."""
+
+    worker_id: str
+    instance: str
+    seq: int
+    frames: list[TokenFrame]
+
+
+class Heartbeat(Message, tag=6):
+    """Worker load, published every ``HEARTBEAT_INTERVAL_S`` on HEARTBEAT_TOPIC."""
+
+    worker_id: str
+    instance: str
+    device: str
+    pid: int
+    model_name: str
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    preempted: int = 0
+    prefix_hit_rate: float = 0.0
+    block_size: int = 0
+    steps: int = 0
+    ready: bool = True
+
+
+JobMessage = Union[Submit, Cancel, Hello]
+PubMessage = Union[Welcome, FrameBatch, Heartbeat]
+
+HELLO_INTERVAL_S = 0.5
+HEARTBEAT_INTERVAL_S = 0.25
+# A worker not heard from for this long is dead for a front end; a front end whose Hellos
+# stop for FRONTEND_TIMEOUT_S is dead for a worker.
+WORKER_TIMEOUT_S = 3.0
+FRONTEND_TIMEOUT_S = 5.0
+
+_encoder = msgspec.msgpack.Encoder()
+_job_decoder = msgspec.msgpack.Decoder(JobMessage)
+_pub_decoder = msgspec.msgpack.Decoder(PubMessage)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_job(data: bytes) -> JobMessage:
+    return _job_decoder.decode(data)
+
+
+def decode_pub(data: bytes) -> PubMessage:
+    return _pub_decoder.decode(data)

@@ -1,0 +1,58 @@
+"""Where the device workers live: one per BackendConfig.npuDeviceIds entry.
+
+Shared by the supervisor (which starts them) and the front ends (which connect to them),
+so both derive the same ipc endpoints from the config and the run directory. Torch-free.
+"""
+from __future__ import annotations
+
+import os
+
+from mindie.client import WorkerEndpoint
+from mindie.config import Config, default_run_dir
+from workers.spec import WorkerSpec
+
+
+def run_dir_for(config: Config, run_dir: str | None = None) -> str:
+    return run_dir or os.environ.get("MINDIE_RUN_DIR") or config.ServerConfig.runDir or \
+        default_run_dir(config.ServerConfig.port)
+
+
+def worker_endpoints(config: Config, run_dir: str | None = None) -> list[WorkerEndpoint]:
+    rd = run_dir_for(config, run_dir)
+    return [WorkerEndpoint(f"w{i}", f"ipc://{rd}/w{i}-jobs.ipc", f"ipc://{rd}/w{i}-frames.ipc")
+            for i in range(len(config.BackendConfig.npuDeviceIds))]
+
+
+def model_dir(config: Config) -> str:
+    """The checkpoint directory; the launcher resolves the demo model into MINDIE_MODEL_DIR."""
+    return config.BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath or \
+        os.environ.get("MINDIE_MODEL_DIR", "")
+
+
+def worker_specs(config: Config, run_dir: str | None = None, null_model: bool = False,
+                 null_step_ms: float = 0.0) -> list[tuple[WorkerSpec, dict[str, str]]]:
+    """One (spec, extra environment) per device worker."""
+    from workers.backends import visibility_env  # torch-free module level
+
+    backend = config.BackendConfig
+    deploy = backend.ModelDeployConfig
+    sched = backend.ScheduleConfig
+    model = deploy.ModelConfig[0]
+    device_type = backend.deviceType
+    n = len(backend.npuDeviceIds)
+    threads = backend.cpuThreadsPerWorker or max(1, (os.cpu_count() or 1) // n)
+    kv_gb = float(model.cpuMemSize) if device_type == "cpu" else float(max(0, model.npuMemSize))
+    out = []
+    for ep, ids in zip(worker_endpoints(config, run_dir), backend.npuDeviceIds):
+        spec = WorkerSpec(
+            worker_id=ep.worker_id, job_endpoint=ep.job_endpoint, pub_endpoint=ep.pub_endpoint,
+            device_type=device_type, device_ids=list(ids), model_path=model_dir(config),
+            model_name=model.modelName, dtype=model.dtype, kv_cache_gb=kv_gb, block_size=sched.cacheBlockSize,
+            max_seq_len=deploy.maxSeqLen, max_iter_times=sched.maxIterTimes, max_batch_size=sched.maxBatchSize,
+            max_prefill_batch_size=sched.maxPrefillBatchSize, max_prefill_tokens=sched.maxPrefillTokens,
+            enable_prefix_cache=sched.enablePrefixCache, threads=threads if device_type == "cpu" else 0,
+            null_model=null_model, null_step_ms=null_step_ms,
+            watermark_gamma=config.ServerConfig.watermarkGamma, watermark_delta=config.ServerConfig.watermarkDelta,
+            log_level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper())
+        out.append((spec, visibility_env(device_type, list(ids))))
+    return out

@@ -1,0 +1,647 @@
+"""Parse and validate ``/infer`` and ``/infer_token`` request bodies exactly as MindIE does.
+
+Source of truth: mindie.md §3/§4 and MindIE-LLM's C++ (``single_req_self_develop_infer_interface.cpp``
+``ValidateAndPrepareReqToken``/``SetupInferParams``, ``infer_param.cpp``, ``parse_protocol.cpp``,
+``llm_manager_impl.cpp ProcessReqInputIds``). The order of checks is MindIE's, and the first
+failure is reported:
+
+1. JSON parse (invalid JSON or invalid UTF-8)         -> 422 ``Failed to parse request context to json``
+2. ``stopped`` flag (after /stopService)              -> 503 ``The service has been stopped``
+3. inputs: conflict / missing / input_id / inputs text -> 422 (messages in ``_check_ids``/``_check_text``)
+   (text is tokenised here when ``encode`` is given), then the token count (0, 1048576]
+4. ``parameters`` in MindIE's order: temperature, top_k, top_p, typical_p, do_sample, seed,
+   repetition_penalty, watermark, priority, max_new_tokens, timeout, details; then top-level
+   ``stream``                                          -> 422
+5. engine checks (``check_token_ids``): ids >= vocab, input too long -> 424
+   ``Failed to enqueue inferRequest. ...``; or truncation.
+
+JSON type semantics (nlohmann): a non-negative integer literal is "unsigned", a negative one
+"integer", anything with a fraction/exponent (or an integer beyond 64 bits) "float"; "float"
+checks accept any number, "integer" checks accept unsigned and integer, and ``true`` is never a
+number. An optional key that is absent **or null** is "not set". ``inputs``/``input_id`` are the
+exception: MindIE tests them with ``contains()``, so ``null`` there counts as present.
+
+Numbers in messages: MindIE prints the JSON value itself (``jsonObj[key]`` -> nlohmann
+``dump``), so ``0`` prints ``0``, ``0.0`` prints ``0.0``, ``1e-7`` prints ``1e-07`` (``_dump``),
+and the FLT_MAX bound prints as ``3.40282e+38`` (C++ stream default precision).
+
+Deviations (documented choices):
+- A list ``inputs`` (MindIE's multimodal form) passes MindIE's own checks and is then rejected
+  with 422 ``Multimodal inputs are not supported by this model.``: this server is text-only.
+- ``-0`` is "integer" for nlohmann but decodes to ``0`` here, so ``"priority": -0`` is accepted.
+- A body that is valid JSON but not an object gives ``Not found inputs.`` (nlohmann's
+  ``contains`` is false on non-objects), as MindIE.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional, Union
+
+import msgspec
+
+from mindie.errors import generation_error, service_unavailable, validation_error
+from mindie.protocol import SamplingParams
+
+__all__ = [
+    "Limits",
+    "InferRequest",
+    "parse_infer_request",
+    "attach_input_ids",
+    "check_token_count",
+    "check_token_ids",
+    "cap_max_new_tokens",
+    "implicit_do_sample",
+    "random_seed",
+]
+
+MAX_TOKEN_ID = 1024 * 1024  # endpoint range for an input id: [0, 1048576]
+MAX_TOKENS_NUM = 1024 * 1024  # input length range: (0, 1048576]
+MAX_INT32 = 2**31 - 1
+INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
+_UINT64_MAX = 2**64 - 1
+FLT_MAX = 3.4028234663852886e38  # MindIE bounds temperature/repetition_penalty by float max
+_FLT_MAX_TEXT = "3.40282e+38"  # how MindIE's std::stringstream prints FLT_MAX
+MAX_PRIORITY = 5
+MAX_TIMEOUT_S = 65535
+DEFAULT_MAX_NEW_TOKENS = 20
+DEFAULT_PRIORITY = 5
+
+_PARSE_ERROR = "Failed to parse request context to json"
+_ENQUEUE = "Failed to enqueue inferRequest. "
+
+
+# --------------------------------------------------------------------------------------------
+# Limits and the parsed request
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Request limits taken from the server config (build with ``Limits.from_config``).
+
+    ``truncation``: 0 (or False) rejects over-long input with 424; -1 (or True) right-truncates,
+    i.e. keeps the first ``max_input_len`` tokens; 1 left-truncates, i.e. keeps the last ones
+    (mindie.md §8 ``truncation``). ``vocab_size``/``max_position_embeddings`` 0 = unknown (not
+    checked), as in MindIE.
+    """
+
+    vocab_size: int = 0
+    max_input_len: int = 2048  # min(maxInputTokenLen, maxSeqLen - 1)
+    truncation: int = 0
+    max_request_length_mb: int = 40
+    max_seq_len: int = 2560
+    max_iter_times: int = 512
+    max_position_embeddings: int = 0
+
+    def __post_init__(self) -> None:
+        t = self.truncation
+        # MindIE's config accepts a bool here too: true = -1 (right), false = 0.
+        t = -1 if t is True else 0 if t is False else int(t)
+        if t not in (-1, 0, 1):
+            raise ValueError(f"truncation must be -1, 0 or 1 (or a bool), got {self.truncation!r}")
+        object.__setattr__(self, "truncation", t)
+
+    @classmethod
+    def from_config(
+        cls,
+        *,
+        max_seq_len: int,
+        max_input_token_len: int,
+        max_iter_times: int,
+        truncation: int | bool = 0,
+        vocab_size: int = 0,
+        max_request_length_mb: int = 40,
+        max_position_embeddings: int = 0,
+    ) -> "Limits":
+        """Limits from MindIE config keys; ``max_input_len = min(maxInputTokenLen, maxSeqLen-1)``."""
+        return cls(
+            vocab_size=vocab_size,
+            max_input_len=min(max_input_token_len, max_seq_len - 1),
+            truncation=truncation,  # type: ignore[arg-type]  # normalised in __post_init__
+            max_request_length_mb=max_request_length_mb,
+            max_seq_len=max_seq_len,
+            max_iter_times=max_iter_times,
+            max_position_embeddings=max_position_embeddings,
+        )
+
+    @property
+    def max_text_len(self) -> int:
+        """Max ``inputs`` length in UTF-16 units (MindIE ``GetMaxInputLen``: maxRequestLength MiB)."""
+        return self.max_request_length_mb * 1024 * 1024
+
+    @property
+    def truncation_len(self) -> int:
+        """How many tokens truncation keeps."""
+        mpe = self.max_position_embeddings
+        return min(self.max_input_len, mpe) if mpe > 0 else self.max_input_len
+
+
+class InferRequest(msgspec.Struct, kw_only=True):
+    """A validated /infer or /infer_token request.
+
+    ``input_ids`` is None only when the body had text ``inputs`` and ``parse_infer_request`` got
+    no ``encode``: then call ``attach_input_ids`` after tokenising. Once ids are attached they are
+    final (truncated if configured) and ``max_new_tokens`` (= ``sampling.max_new_tokens``) is
+    ``min(max_new_tokens or 20, maxIterTimes, maxSeqLen - len(input_ids))``; before that it is
+    ``min(max_new_tokens or 20, maxIterTimes)``.
+    The ``temperature``..``watermark`` fields are what the user set (None = not set); ``sampling``
+    holds the effective values (seed always filled).
+    """
+
+    input_ids: Optional[list[int]] = None
+    inputs: Optional[str] = None
+    stream: bool = False
+    details: bool = False
+    priority: int = DEFAULT_PRIORITY
+    timeout: Optional[int] = None  # seconds; None = not set (server timeouts apply)
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    truncated: int = 0  # number of input tokens cut by truncation
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    typical_p: Optional[float] = None
+    do_sample: Optional[bool] = None
+    seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    watermark: Optional[bool] = None
+    max_new_tokens_set: Optional[int] = None  # the user's max_new_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Small public helpers
+# --------------------------------------------------------------------------------------------
+
+
+def implicit_do_sample(
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    typical_p: float | None,
+) -> bool:
+    """Whether to sample when the request did not say (``do_sample`` absent or null).
+
+    TGI's rule (tgi.md §3.2): sampling is on when any warper is set to a non-neutral value:
+    temperature != 1.0, top_k != 0, top_p < 1.0 or typical_p < 1.0 (None = not set). An explicit
+    neutral value (temperature 1.0, typical_p 1.0) keeps greedy decoding. repetition_penalty,
+    watermark and seed never switch sampling on. An explicit ``do_sample`` always wins.
+    """
+    return (
+        (temperature is not None and temperature != 1.0)
+        or (top_k is not None and top_k != 0)
+        or (top_p is not None and top_p < 1.0)
+        or (typical_p is not None and typical_p < 1.0)
+    )
+
+
+def random_seed() -> int:
+    """A fresh seed in [0, 2**63 - 1] (MindIE draws one whenever the request has none)."""
+    return secrets.randbits(63)
+
+
+def check_token_count(n: int) -> None:
+    """422 unless 0 < n <= 1048576 (MindIE endpoint check on the prompt length)."""
+    if n == 0 or n > MAX_TOKENS_NUM:
+        raise validation_error(
+            f"Inputs token length must be in (0, {MAX_TOKENS_NUM}], but got {n}"
+        )
+
+
+def check_token_ids(ids: list[int], limits: Limits) -> list[int]:
+    """Engine-side prompt checks (MindIE ``ProcessReqInputIds``); returns the ids to run.
+
+    Order as MindIE: any id >= vocab_size -> 424 ``... Invalid Input Ids``; then with
+    truncation on, cut to ``limits.truncation_len`` (first tokens kept for -1, last for 1);
+    with truncation 0, too long -> 424 ``... cannot be greater than N,the input ids length is M``.
+    Works for ``input_id`` and for tokenised ``inputs`` alike.
+    """
+    return _engine_checks(ids, limits, vocab_checked=False)
+
+
+def _engine_checks(ids: list[int], limits: Limits, vocab_checked: bool) -> list[int]:
+    n = len(ids)
+    # vocab_checked: the fast body decode already bounded every id by vocab_size - 1.
+    if not vocab_checked and limits.vocab_size > 0 and n and max(ids) >= limits.vocab_size:
+        raise generation_error(_ENQUEUE + "Invalid Input Ids")
+    if limits.truncation != 0:
+        keep = limits.truncation_len
+        if n > keep:
+            return ids[:keep] if limits.truncation < 0 else ids[n - keep:]
+        return ids
+    mpe = limits.max_position_embeddings
+    if 0 < mpe < n:
+        raise generation_error(
+            _ENQUEUE + "This model's maximum input ids length cannot be greater than "
+            f"maxPositionEmbeddings {mpe},the input ids length is {n}"
+        )
+    if n > limits.max_input_len:
+        # No space after the comma: MindIE's exact text.
+        raise generation_error(
+            _ENQUEUE + "This model's maximum input ids length cannot be greater than "
+            f"{limits.max_input_len},the input ids length is {n}"
+        )
+    if n > limits.max_seq_len:  # only reachable with inconsistent hand-made Limits
+        raise generation_error(
+            _ENQUEUE + "This model's maximum input ids length cannot be greater than "
+            f"maxSeqLen {limits.max_seq_len},the input ids length is {n}"
+        )
+    return ids
+
+
+def cap_max_new_tokens(max_new_tokens: int, input_len: int, limits: Limits) -> int:
+    """Effective output budget: ``min(max_new_tokens, maxIterTimes, maxSeqLen - input_len)``."""
+    return max(0, min(max_new_tokens, limits.max_iter_times, limits.max_seq_len - input_len))
+
+
+def attach_input_ids(req: InferRequest, ids: list[int], limits: Limits) -> InferRequest:
+    """Finish a text request tokenised after ``parse_infer_request``: count check (422), engine
+    checks (424/truncation), and the ``maxSeqLen - input_len`` cap on ``max_new_tokens``."""
+    check_token_count(len(ids))
+    _finish(req, ids, limits, vocab_checked=False)
+    return req
+
+
+def _finish(req: InferRequest, ids: list[int], limits: Limits, vocab_checked: bool) -> None:
+    run_ids = _engine_checks(ids, limits, vocab_checked)
+    req.truncated = len(ids) - len(run_ids)
+    req.input_ids = run_ids
+    req.max_new_tokens = cap_max_new_tokens(req.max_new_tokens, len(run_ids), limits)
+    req.sampling.max_new_tokens = req.max_new_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# JSON type model (nlohmann semantics)
+# --------------------------------------------------------------------------------------------
+
+
+def _json_kind(v: Any) -> str:
+    """nlohmann's type name for a decoded JSON value."""
+    t = type(v)
+    if t is int:
+        if 0 <= v <= _UINT64_MAX:
+            return "unsigned"
+        if _INT64_MIN <= v < 0:
+            return "integer"
+        return "float"  # nlohmann parses integer literals beyond 64 bits as doubles
+    if t is float:
+        return "float"
+    if t is bool:
+        return "boolean"
+    if t is str:
+        return "string"
+    if t is list:
+        return "array"
+    if t is dict:
+        return "object"
+    return "null"
+
+
+_ACCEPTS = {
+    "float": ("unsigned", "integer", "float"),
+    "integer": ("unsigned", "integer"),
+    "unsigned": ("unsigned",),
+    "boolean": ("boolean",),
+    "object": ("object",),
+}
+
+
+def _dump_float(x: float) -> str:
+    """nlohmann ``dump`` of a double: shortest round-trip digits, like ``repr``.
+
+    nlohmann switches to exponent notation when the decimal exponent is >= 15 (``1e+15``) where
+    Python waits until 16; below 1e-4 both use ``1e-05`` style.
+    """
+    if x == 0.0:
+        return "-0.0" if math.copysign(1.0, x) < 0 else "0.0"
+    r = repr(x)
+    if "e" in r or abs(x) < 1e15:
+        return r
+    sign = "-" if x < 0 else ""
+    whole, _, frac = repr(abs(x)).partition(".")
+    digits = (whole + frac).rstrip("0")
+    mant = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+    return f"{sign}{mant}e+{len(whole) - 1:02d}"
+
+
+def _dump(v: Any) -> str:
+    """How MindIE prints a JSON number in a message (``jsonObj[key]`` / ``.dump()``)."""
+    if type(v) is int and _INT64_MIN <= v <= _UINT64_MAX:
+        return str(v)
+    return _dump_float(_as_float(v))
+
+
+def _as_float(v: Any) -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an integer literal too big for a double: nlohmann rejects the body
+        raise validation_error(_PARSE_ERROR) from None
+
+
+def _get(p: dict[str, Any], key: str, want: str) -> Any:
+    """The value of optional ``key`` (None when absent or null), type-checked like
+    MindIE's ``CheckOptionalItemType``."""
+    v = p.get(key)
+    if v is None:
+        return None
+    if _json_kind(v) not in _ACCEPTS[want]:
+        raise validation_error(f"{key} must be {want} type.")
+    return v
+
+
+# --------------------------------------------------------------------------------------------
+# Body decoding
+# --------------------------------------------------------------------------------------------
+
+
+_UNSET = msgspec.UNSET
+_any_decoder = msgspec.json.Decoder()
+
+
+@functools.lru_cache(maxsize=16)
+def _body_decoder(id_bound: int) -> msgspec.json.Decoder:
+    """Decoder for the keys MindIE reads; msgspec skips every other key without building objects.
+
+    ``input_id`` is typed as a list of ints in [0, id_bound] (id_bound folds the vocabulary into
+    the endpoint range), so the common request is parsed and its ids checked in one C pass. Any
+    deviation raises ``ValidationError`` and ``_decode_body`` falls back to a generic decode that
+    finds MindIE's message.
+    """
+    ids_type = Union[Optional[list[Annotated[int, msgspec.Meta(ge=0, le=id_bound)]]], msgspec.UnsetType]
+    body_type = msgspec.defstruct(
+        "_Body",
+        [
+            ("inputs", Any, _UNSET),
+            ("input_id", ids_type, _UNSET),
+            ("stream", Any, _UNSET),
+            ("parameters", Any, _UNSET),
+        ],
+    )
+    return msgspec.json.Decoder(body_type)
+
+
+class _Parsed:
+    """The four top-level values MindIE reads (UNSET = key absent)."""
+
+    __slots__ = ("inputs", "input_id", "stream", "parameters", "ids_checked")
+
+    def __init__(self, src: Any, ids_checked: bool) -> None:
+        get = src.get if type(src) is dict else (lambda k, d: getattr(src, k))
+        self.inputs = get("inputs", _UNSET)
+        self.input_id = get("input_id", _UNSET)
+        self.stream = get("stream", _UNSET)
+        self.parameters = get("parameters", _UNSET)
+        # True: input_id (if a list) already passed the endpoint range and vocab checks.
+        self.ids_checked = ids_checked
+
+
+def _id_bound(limits: Limits) -> int:
+    return min(MAX_TOKEN_ID, limits.vocab_size - 1) if limits.vocab_size > 0 else MAX_TOKEN_ID
+
+
+def _decode_body(body: bytes, limits: Limits) -> _Parsed | None:
+    """Parse the body; None when it is valid JSON but not an object."""
+    if not isinstance(body, (bytes, bytearray)):
+        body = bytes(body)
+    # msgspec does not look inside skipped keys, but MindIE rejects any invalid UTF-8 in the
+    # body (wstring_convert before parsing). isascii() is a fast C scan; only non-ASCII bodies
+    # pay for a full decode.
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise validation_error(_PARSE_ERROR) from None
+    try:
+        return _Parsed(_body_decoder(_id_bound(limits)).decode(body), True)
+    except msgspec.ValidationError:
+        pass  # slow path below: not an object, a bad/out-of-vocab input_id, or a number overflow
+    except msgspec.DecodeError:
+        raise validation_error(_PARSE_ERROR) from None
+    try:
+        value = _any_decoder.decode(body)
+    except msgspec.DecodeError:  # includes numbers that overflow a double (nlohmann rejects them)
+        raise validation_error(_PARSE_ERROR) from None
+    return _Parsed(value, False) if type(value) is dict else None
+
+
+def _check_ids(value: Any) -> list[int]:
+    """``input_id`` checks on a generic value (MindIE ``CheckTokenInput``); the first bad
+    element decides the message, as in MindIE's loop."""
+    if value is None:
+        raise validation_error("Input_id should not be empty")
+    if type(value) is not list:
+        raise validation_error("Parameter input_id must be an array")
+    for x in value:
+        if _json_kind(x) not in ("unsigned", "integer"):
+            raise validation_error("Parameter input_id must be integer")
+        if x < 0 or x > MAX_TOKEN_ID:
+            raise validation_error("Data element in param input_id is invalid")
+    return value
+
+
+def _utf16_len(text: str) -> int:
+    if text.isascii():
+        return len(text)
+    return len(text.encode("utf-16-le", "surrogatepass")) >> 1
+
+
+def _check_multimodal(items: list[Any]) -> bool:
+    """MindIE ``CheckMultimodalUrlFromJson``; returns whether any media url is present."""
+    media = 0
+    for item in items:
+        if type(item) is not dict:
+            continue  # nlohmann contains() is false on non-objects
+        if "text" in item and type(item["text"]) is not str:
+            raise validation_error("Request param text must be string")
+        if not ("image_url" in item or "video_url" in item or "audio_url" in item):
+            continue
+        for key in ("image_url", "audio_url", "video_url"):  # MindIE's order
+            if key in item and item[key] is None:
+                raise validation_error(f"Request param {key} null")
+        media += 1
+        if media > 20:
+            raise validation_error("The number of multimodal url should be no more than 20")
+    return media > 0
+
+
+def _check_text(value: Any, limits: Limits) -> str:
+    """``inputs`` checks (MindIE ``CheckTextInput``), before tokenisation."""
+    if value is None:
+        raise validation_error("Inputs must not be null")
+    if type(value) is str:
+        text = value
+    elif type(value) is list:
+        if not value:
+            raise validation_error("Inputs arr is empty")
+        _check_multimodal(value)
+        text = msgspec.json.encode(value).decode()  # MindIE measures the dumped list
+    else:
+        raise validation_error("The type of inputs is abnormal")
+    n = _utf16_len(text)
+    limit = limits.max_text_len
+    if n == 0 or n > limit:
+        raise validation_error(
+            f"Inputs must be necessary and data type must be string and length in (0, {limit}]"
+            f", but the length of inputs is {n}"
+        )
+    if type(value) is list:
+        raise validation_error("Multimodal inputs are not supported by this model.")
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+def parse_infer_request(
+    body: bytes,
+    limits: Limits,
+    *,
+    encode: Callable[[str], list[int]] | None = None,
+    stopped: bool = False,
+) -> InferRequest:
+    """Validate an /infer or /infer_token body; raise ``ApiError`` with MindIE's first error.
+
+    ``encode`` tokenises text ``inputs`` at MindIE's point in the order (before parameter
+    checks); without it a text request comes back with ``input_ids`` None and the caller must
+    call ``attach_input_ids`` after tokenising. ``stopped`` = the service was stopped (503 after
+    a successful parse, as MindIE).
+    """
+    b = _decode_body(body, limits)
+    if stopped:
+        raise service_unavailable("The service has been stopped")
+    if b is None:
+        raise validation_error("Not found inputs.")
+
+    # ---- inputs (ValidateAndPrepareReqToken) ----
+    has_text = b.inputs is not _UNSET
+    has_ids = b.input_id is not _UNSET
+    text: str | None = None
+    ids: list[int] | None = None
+    if has_text and has_ids:
+        raise validation_error("Input conflict.")
+    if has_text:
+        text = _check_text(b.inputs, limits)
+        if encode is not None:
+            ids = encode(text)
+            check_token_count(len(ids))
+    elif has_ids:
+        v = b.input_id
+        # Fast path: the typed decode already checked every element (type, range, vocab).
+        ids = v if (b.ids_checked and v is not None) else _check_ids(v)
+        check_token_count(len(ids))
+    else:
+        raise validation_error("Not found inputs.")
+
+    # ---- parameters (SetupInferParams), in MindIE's order ----
+    params = b.parameters
+    if params is _UNSET or params is None:
+        p: dict[str, Any] = {}
+    elif type(params) is dict:
+        p = params
+    else:
+        raise validation_error("parameters must be object type.")
+
+    temperature = top_p = typical_p = repetition_penalty = None
+    v = _get(p, "temperature", "float")
+    if v is not None:
+        temperature = _as_float(v)
+        if not 0.0 < temperature <= FLT_MAX:
+            raise validation_error(
+                f"Parameter temperature must be in (0.0,{_FLT_MAX_TEXT}], got {_dump(v)}."
+            )
+    top_k = _get(p, "top_k", "integer")
+    if top_k is not None and not 0 < top_k <= MAX_INT32:
+        # MindIE's text (no final period; -1 is named but rejected on this endpoint).
+        raise validation_error(f"Parameter top_k must be in -1 || (0,{MAX_INT32}], got {_dump(top_k)}")
+    v = _get(p, "top_p", "float")
+    if v is not None:
+        top_p = _as_float(v)
+        if not 0.0 < top_p < 1.0:  # 1.0 itself is rejected on /infer (allowUpperBound=false)
+            raise validation_error(f"Parameter top_p must be in (0.0,1.0], got {_dump(v)}.")
+    v = _get(p, "typical_p", "float")
+    if v is not None:
+        typical_p = _as_float(v)
+        if not 0.0 < typical_p <= 1.0:
+            raise validation_error(f"Parameter typical_p must be in (0.0,1.0], got {_dump(v)}.")
+    do_sample = _get(p, "do_sample", "boolean")
+    seed = _get(p, "seed", "unsigned")
+    if seed is not None and seed > INT64_MAX:
+        raise validation_error(f"Parameter seed must be in [0, {INT64_MAX}], got {_dump(seed)}.")
+    v = _get(p, "repetition_penalty", "float")
+    if v is not None:
+        repetition_penalty = _as_float(v)
+        if not 0.0 < repetition_penalty <= FLT_MAX:
+            raise validation_error(
+                f"Parameter 'repetition_penalty' must be in (0.0, {_FLT_MAX_TEXT}], got {_dump(v)}."
+            )
+    watermark = _get(p, "watermark", "boolean")
+    priority = _get(p, "priority", "unsigned")
+    if priority is not None and not 1 <= priority <= MAX_PRIORITY:
+        raise validation_error(f"Parameter priority must be in [1,{MAX_PRIORITY}], got {priority}.")
+    max_new_tokens = _get(p, "max_new_tokens", "integer")
+    if max_new_tokens is not None and not 0 < max_new_tokens <= MAX_INT32:
+        raise validation_error(
+            f"Parameter max_new_tokens must be in (0,{MAX_INT32}], got {_dump(max_new_tokens)}."
+        )
+    timeout = _get(p, "timeout", "unsigned")
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise validation_error(
+            "Parameter timeout must be strictly positive and small than 65535 seconds, "
+            f"got {_dump(timeout)}."
+        )
+    details = _get(p, "details", "boolean")
+    stream = b.stream
+    if stream is _UNSET or stream is None:
+        stream = False
+    elif type(stream) is not bool:
+        raise validation_error("stream must be boolean type.")
+
+    # ---- build ----
+    effective_do_sample = (
+        do_sample if do_sample is not None
+        else implicit_do_sample(temperature, top_k, top_p, typical_p)
+    )
+    eff_top_k = top_k or 0
+    if eff_top_k and limits.vocab_size > 0:
+        eff_top_k = min(eff_top_k, limits.vocab_size)  # MindIE VerifyTopK clamps to the vocab
+    mnt = min(max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
+              limits.max_iter_times)
+    sampling = SamplingParams(
+        do_sample=effective_do_sample,
+        temperature=temperature if temperature is not None else 1.0,
+        top_k=eff_top_k,
+        top_p=top_p if top_p is not None else 1.0,
+        typical_p=typical_p if typical_p is not None else 1.0,
+        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+        seed=seed if seed is not None else random_seed(),
+        watermark=bool(watermark),
+        max_new_tokens=mnt,
+    )
+    req = InferRequest(
+        inputs=text,
+        stream=stream,
+        details=bool(details),
+        priority=priority if priority is not None else DEFAULT_PRIORITY,
+        timeout=timeout,
+        max_new_tokens=mnt,
+        sampling=sampling,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        typical_p=typical_p,
+        do_sample=do_sample,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        watermark=watermark,
+        max_new_tokens_set=max_new_tokens,
+    )
+    if ids is not None:
+        # Engine checks (424) come after every 422, as in MindIE.
+        _finish(req, ids, limits, vocab_checked=has_ids and b.ids_checked)
+    return req
+

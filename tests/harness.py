@@ -1,0 +1,138 @@
+"""Helpers for tests that start real processes (supervisor + device workers, or the whole
+server through scripts/launch.sh) on loopback."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model_path: str = "",
+                 schedule: dict | None = None, deploy: dict | None = None, server: dict | None = None,
+                 model: dict | None = None) -> Path:
+    cfg = {
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "httpsEnabled": False, "runDir": run_dir,
+                         **(server or {})},
+        "BackendConfig": {
+            "npuDeviceIds": [[i] for i in range(workers)],
+            "deviceType": "cpu",
+            "cpuThreadsPerWorker": 1,
+            "ModelDeployConfig": {
+                "maxSeqLen": 2560, "maxInputTokenLen": 2048, "truncation": False,
+                "ModelConfig": [{"modelName": "demo", "modelWeightPath": model_path, "cpuMemSize": 1,
+                                 "dtype": "float32", **(model or {})}],
+                **(deploy or {}),
+            },
+            "ScheduleConfig": {"cacheBlockSize": 16, "maxBatchSize": 64, "maxPrefillBatchSize": 32,
+                               "maxPrefillTokens": 4096, "maxIterTimes": 512, **(schedule or {})},
+        },
+    }
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def short_run_dir() -> str:
+    """ipc paths must stay under 107 bytes: keep the run dir short."""
+    d = tempfile.mkdtemp(prefix="mt", dir="/tmp")
+    os.chmod(d, 0o700)
+    return d
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def descendants(pid: int) -> list[int]:
+    result, todo = [], [pid]
+    while todo:
+        for c in children_of(todo.pop()):
+            result.append(c)
+            todo.append(c)
+    return result
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    """scripts/launch.sh running in the background, with its log in a file."""
+
+    def __init__(self, config: Path, port: int, env: dict | None = None, frontends: int = 1,
+                 args: list[str] | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = config.parent / f"server-{port}.log"
+        self.log = open(self.log_path, "wb")
+        e = dict(os.environ)
+        e.update(env or {})
+        e.setdefault("MINDIE_LOG_LEVEL", "INFO")
+        e["PYTHON"] = sys.executable
+        self.proc = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(config), "--frontends", str(frontends),
+             *(args or [])], stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=ROOT)
+
+    def wait_ready(self, timeout: float = 90.0) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def workers(self) -> list[int]:
+        """pids of the device-worker processes."""
+        pids = []
+        for pid in descendants(self.proc.pid):
+            with contextlib.suppress(OSError):
+                if b"workers.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(pid)
+        return pids
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for pid in descendants(self.proc.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

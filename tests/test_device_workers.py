@@ -1,0 +1,229 @@
+"""Device side end to end: real supervisor, real worker processes, real ZeroMQ, the
+protocol client. Two CPU device workers stand in for two NPUs."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mindie import protocol as P
+from mindie.client import DeviceClient, RequestStream
+from mindie.config import load_config
+from mindie.topology import worker_endpoints
+from tests.harness import ROOT, alive, children_of, free_port, short_run_dir, write_config
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, demo_model):
+    tmp = tmp_path_factory.mktemp("cluster")
+    run_dir = short_run_dir()
+    cfg_path = write_config(tmp / "config.json", port=free_port(), run_dir=run_dir, model_path=demo_model,
+                            schedule={"maxBatchSize": 64})
+    log = open(tmp / "supervisor.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", "--config", str(cfg_path)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    yield proc, load_config(str(cfg_path)), tmp / "supervisor.log"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    log.close()
+
+
+async def _client(config, timeout=60.0) -> DeviceClient:
+    c = DeviceClient(worker_endpoints(config))
+    await c.start()
+    t0 = time.monotonic()
+    while len(c.ready_links()) < len(c.links):
+        assert time.monotonic() - t0 < timeout, "device workers not ready"
+        await asyncio.sleep(0.05)
+    return c
+
+
+async def _collect(stream: RequestStream, timeout: float = 60.0) -> tuple[list[int], str, P.RequestError | None]:
+    ids: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        frames = await stream.get(max(0.01, deadline - time.monotonic()))
+        assert frames or time.monotonic() < deadline, "request timed out"
+        for f in frames:
+            ids.extend(f.token_ids)
+            if f.error is not None:
+                return ids, f.finish_reason, f.error
+            if f.finish_reason:
+                return ids, f.finish_reason, None
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(rng.randrange(3, 80))] for _ in range(n)]
+
+
+def test_concurrent_greedy_equals_alone_and_no_frame_lost(cluster):
+    _, config, _ = cluster
+
+    async def main():
+        c = await _client(config)
+        try:
+            prompts = _prompts(16)
+            alone = []
+            for p in prompts:
+                ids, reason, err = await _collect(c.submit(p, P.SamplingParams(max_new_tokens=24)))
+                assert err is None and reason == "length" and len(ids) == 24
+                alone.append(ids)
+            streams = [c.submit(p, P.SamplingParams(max_new_tokens=24)) for p in prompts]
+            together = await asyncio.gather(*(_collect(s) for s in streams))
+            assert [t[0] for t in together] == alone
+            assert c.gaps == 0
+            # Both workers took part.
+            assert len({s.link.ep.worker_id for s in streams}) == 2
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_length_cap_and_max_seq_len(cluster):
+    _, config, _ = cluster
+
+    async def main():
+        c = await _client(config)
+        try:
+            ids, reason, err = await _collect(c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=1)))
+            assert (len(ids), reason, err) == (1, "length", None)
+            # maxIterTimes (512) caps max_new_tokens on the worker.
+            ids, reason, err = await _collect(c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=100000)), 120)
+            assert (len(ids), reason) == (512, "length")
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_rejects_input_beyond_vocab_and_too_long(cluster):
+    _, config, _ = cluster
+
+    async def main():
+        c = await _client(config)
+        try:
+            _, reason, err = await _collect(c.submit([5, 32000], P.SamplingParams()))
+            assert err is not None and err.status == 424 and "Invalid Input Ids" in err.message
+            _, reason, err = await _collect(c.submit([5] * 2560, P.SamplingParams()))
+            assert err is not None and err.status == 424 and "2559" in err.message
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_cancel_frees_request(cluster):
+    _, config, _ = cluster
+
+    async def main():
+        c = await _client(config)
+        try:
+            streams = [c.submit(p, P.SamplingParams(max_new_tokens=400)) for p in _prompts(6, seed=3)]
+            await asyncio.sleep(0.5)
+            for s in streams:
+                c.cancel(s)
+            # The workers report nothing running and every KV block free.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+                hbs = [lk.heartbeat for lk in c.links.values()]
+                if all(hb and hb.running == 0 and hb.waiting == 0 and hb.free_blocks == hb.total_blocks
+                       for hb in hbs):
+                    break
+            else:
+                raise AssertionError(f"requests not freed: {hbs}")
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_frontend_death_cancels_its_requests(cluster):
+    _, config, _ = cluster
+
+    async def main():
+        c = await _client(config)
+        watcher = await _client(config)
+        try:
+            for p in _prompts(4, seed=5):
+                c.submit(p, P.SamplingParams(max_new_tokens=2000))
+            # The front end vanishes without a word: no Cancel, its Hellos stop.
+            for t in c.tasks:
+                t.cancel()
+            deadline = time.monotonic() + P.FRONTEND_TIMEOUT_S + 10
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+                hbs = [lk.heartbeat for lk in watcher.links.values()]
+                if all(hb and hb.running == 0 and hb.free_blocks == hb.total_blocks for hb in hbs):
+                    break
+            else:
+                raise AssertionError(f"orphaned requests not cancelled: {hbs}")
+        finally:
+            await c.close()
+            await watcher.close()
+
+    asyncio.run(main())
+
+
+def test_kill_worker_is_detected_and_restarted(cluster):
+    proc, config, log_path = cluster
+
+    async def main():
+        c = await _client(config)
+        try:
+            streams = [c.submit(p, P.SamplingParams(max_new_tokens=2000)) for p in _prompts(4, seed=9)]
+            await asyncio.sleep(0.5)
+            victim_id = streams[0].link.ep.worker_id
+            workers = children_of(proc.pid)
+            assert len(workers) == 2
+            # Find the victim's pid from its heartbeat.
+            pid = c.links[victim_id].heartbeat.pid
+            assert pid in workers
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            victims = [s for s in streams if s.link.ep.worker_id == victim_id]
+            results = await asyncio.gather(*(_collect(s, 15) for s in victims))
+            seen = time.monotonic() - t0
+            assert all(err is not None and err.status == 500 for _, _, err in results)
+            assert seen < P.WORKER_TIMEOUT_S + 3
+            # The supervisor restarts it and the client handshakes again.
+            deadline = time.monotonic() + 60
+            while not c.links[victim_id].welcomed:
+                assert time.monotonic() < deadline, "worker not restarted"
+                await asyncio.sleep(0.1)
+            assert c.links[victim_id].heartbeat.pid != pid
+            for s in streams:
+                c.cancel(s)
+            ids, reason, err = await _collect(c.submit([1, 2, 3], P.SamplingParams(max_new_tokens=4)))
+            assert err is None and len(ids) == 4
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+    assert "killed by SIGKILL" in log_path.read_text()
+
+
+def test_supervisor_stop_leaves_no_process(tmp_path, demo_model):
+    cfg_path = write_config(tmp_path / "config.json", port=free_port(), run_dir=short_run_dir(),
+                            model_path=demo_model)
+    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", "--config", str(cfg_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while len(children_of(proc.pid)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    kids = children_of(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    time.sleep(0.2)
+    assert not any(alive(k) for k in kids)

@@ -1,0 +1,53 @@
+"""Device backends: what differs between NPU, CUDA and CPU, behind one small interface.
+
+A backend is chosen from ``BackendConfig.deviceType`` ("auto" picks npu, then cuda, then cpu).
+Each worker process owns one device; visibility is set through the environment by the
+supervisor before the process starts (ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES), so
+inside the worker the device is always index 0.
+"""
+from __future__ import annotations
+
+from workers.backends.base import Backend
+
+
+def get_backend(device_type: str, threads: int = 0) -> Backend:
+    """Return the backend for ``device_type`` ("auto", "npu", "cuda" or "cpu")."""
+    if device_type == "auto":
+        device_type = detect()
+    if device_type == "npu":
+        from workers.backends.npu import NpuBackend
+        return NpuBackend()
+    if device_type == "cuda":
+        from workers.backends.cuda import CudaBackend
+        return CudaBackend()
+    if device_type == "cpu":
+        from workers.backends.cpu import CpuBackend
+        return CpuBackend(threads)
+    raise ValueError(f"BackendConfig.deviceType: unknown device type {device_type!r} (auto, npu, cuda, cpu)")
+
+
+def detect() -> str:
+    """npu when torch_npu imports and sees a device, else cuda when available, else cpu."""
+    import importlib.util
+    if importlib.util.find_spec("torch_npu") is not None:
+        try:
+            import torch_npu  # noqa: F401
+            import torch
+            if torch.npu.is_available():
+                return "npu"
+        except Exception:  # a broken CANN install must not stop a CPU/CUDA host
+            pass
+    import torch
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def visibility_env(device_type: str, device_ids: list[int]) -> dict[str, str]:
+    """Environment that makes ``device_ids`` the only devices a worker process sees."""
+    ids = ",".join(str(i) for i in device_ids)
+    if device_type == "npu":
+        return {"ASCEND_RT_VISIBLE_DEVICES": ids}
+    if device_type == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": ids}
+    return {}

@@ -1,0 +1,32 @@
+"""The interface every device backend implements."""
+from __future__ import annotations
+
+import torch
+
+
+class Backend:
+    name = "base"
+
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        """Per-process initialisation (threads, device selection)."""
+
+    def kv_cache_bytes(self, configured_gb: float, fraction: float = 0.8) -> int:
+        """Bytes to give the KV cache: the configured GiB figure, or a fraction of free memory."""
+        if configured_gb > 0:
+            return int(configured_gb * (1 << 30))
+        return int(self.free_memory() * fraction)
+
+    def free_memory(self) -> int:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (timing, overlap)."""
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,47 @@
+"""CPU backend: a "device" is a worker process with its share of the cores."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from workers.backends.base import Backend
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, threads: int = 0):
+        self.threads = threads
+
+    def setup(self) -> None:
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        # One interop thread: the worker runs one forward at a time.
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def free_memory(self) -> int:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 4 << 30
+
+    def kv_cache_bytes(self, configured_gb: float, fraction: float = 0.8) -> int:
+        # Never take most of the host's RAM by default on CPU: 1 GiB unless configured.
+        return int((configured_gb if configured_gb > 0 else 1.0) * (1 << 30))
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def describe(self) -> str:
+        return f"cpu ({torch.get_num_threads()} threads, pid {os.getpid()})"

@@ -1,0 +1,30 @@
+"""CUDA backend: one process sees one GPU through CUDA_VISIBLE_DEVICES."""
+from __future__ import annotations
+
+import torch
+
+from workers.backends.base import Backend
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def setup(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("deviceType is cuda but torch sees no CUDA device "
+                               "(check CUDA_VISIBLE_DEVICES and the torch build)")
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def free_memory(self) -> int:
+        free, _total = torch.cuda.mem_get_info()
+        return free
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def describe(self) -> str:
+        return f"cuda ({torch.cuda.get_device_name(0)})"

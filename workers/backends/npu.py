@@ -1,0 +1,38 @@
+"""Ascend NPU backend through torch_npu: one process sees one NPU via ASCEND_RT_VISIBLE_DEVICES.
+
+Exercised: nothing here has run on an NPU in this project's CI (no Ascend hardware is
+available); the CPU and CUDA backends run the same engine and model code. What this module
+relies on, from torch_npu's documented API (shared/reference/torch-npu.md): ``import torch_npu``
+registers the ``npu`` device, ``torch.npu.set_device``, ``torch.npu.mem_get_info`` and
+``torch.npu.synchronize``. The model and paged attention use portable torch ops, which
+torch_npu implements; the fused paged-attention ops (torch_npu.npu_incre_flash_attention /
+_npu_paged_attention) are the next step and would plug in as another attention class.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.backends.base import Backend
+
+
+class NpuBackend(Backend):
+    name = "npu"
+
+    def setup(self) -> None:
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+        except ImportError as e:
+            raise RuntimeError("deviceType is npu but torch_npu is not installed: pip install '.[npu]'") from e
+        if not torch.npu.is_available():
+            raise RuntimeError("deviceType is npu but no NPU is visible (check ASCEND_RT_VISIBLE_DEVICES)")
+        torch.npu.set_device(0)
+
+    def device(self) -> torch.device:
+        return torch.device("npu", 0)
+
+    def free_memory(self) -> int:
+        free, _total = torch.npu.mem_get_info()
+        return free
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()

@@ -1,0 +1,153 @@
+"""Paged KV-cache bookkeeping: block allocation, reference counts and prefix caching.
+
+Blocks hold ``block_size`` token positions. A full block that has been computed is
+registered under a hash chained over the whole prefix (hash of the previous block's hash
+and this block's token ids), so a later request with an identical prefix reuses it.
+Freed blocks keep their content and hash and sit in an LRU free list: they are reused
+by a prefix hit until a fresh allocation evicts them (oldest first).
+
+Blocks are registered only once computed (after the step that filled them), never at
+allocation time, so a request can never read a block another request is still filling.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from workers.engine.sequence import Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the previous block's hash (ints hash deterministically)."""
+    return hash((prev, token_ids))
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences; optional prefix caching."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_cache = enable_prefix_cache
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in LRU order: the first is evicted first. Values unused.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt blocks looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # -- allocation ----------------------------------------------------------------------
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached content
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the leading full blocks of ``seq.tokens`` (not yet taken).
+
+        At least one token is always left to compute, since the last position's logits
+        are needed.
+        """
+        if not self.enable_prefix_cache:
+            return []
+        hits: list[int] = []
+        prev: int | None = None
+        bs = self.block_size
+        full = (seq.num_tokens - 1) // bs
+        for i in range(full):
+            ids = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, ids)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != ids:
+                break
+            hits.append(block_id)
+            prev = h
+        return hits
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Give ``seq`` the cached blocks ``hits`` (from match_prefix) as its first blocks."""
+        self.prefix_queries += max(0, (seq.num_tokens - 1) // self.block_size)
+        self.prefix_hits += len(hits)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_computed = seq.num_cached = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+
+    def can_grow(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+        need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free - reserve
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for the next ``num_new_tokens`` KV positions of ``seq``."""
+        need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        if need > self.num_free:
+            raise RuntimeError("out of KV blocks (the scheduler must check can_grow first)")
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def release(self, seq: Sequence) -> None:
+        """Return every block of ``seq``; hashed blocks stay reusable until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    # Unhashed content is useless: put it first in line for reuse.
+                    self.free[block_id] = None
+                    self.free.move_to_end(block_id, last=False)
+                else:
+                    self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_hashed_blocks = 0
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Publish newly completed full blocks of ``seq`` in the prefix cache."""
+        if not self.enable_prefix_cache:
+            return
+        bs = self.block_size
+        full = seq.num_computed // bs
+        if full <= seq.num_hashed_blocks:
+            return
+        prev = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        for i in range(seq.num_hashed_blocks, full):
+            ids = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, ids)
+            block = self.blocks[seq.block_table[i]]
+            block.hash = h
+            block.token_ids = ids
+            self.hash_to_block.setdefault(h, block.block_id)
+            prev = h
+        seq.num_hashed_blocks = full

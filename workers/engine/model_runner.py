@@ -1,0 +1,86 @@
+"""Runners: turn a scheduled batch into next tokens.
+
+``ModelRunner`` runs a torch decoder over the flat batch with paged attention and samples;
+``NullRunner`` produces tokens with no model compute, to measure the serving stack alone.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable
+
+import torch
+
+from workers.engine.attention import PagedAttention, build_metadata
+from workers.engine.scheduler import ScheduledBatch
+from workers.engine.sequence import Sequence
+
+SampleFn = Callable[[torch.Tensor, list[Sequence]], list[int]]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int], kv_dtype: torch.dtype,
+                 sample: SampleFn, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device):
+        self.model = model
+        self.kv_shape = kv_shape  # (num_layers, n_kv_heads, head_dim)
+        self.kv_dtype = kv_dtype
+        self.attn: PagedAttention | None = None
+        self.sample = sample
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return block_size * PagedAttention.bytes_per_slot(*self.kv_shape, self.kv_dtype)
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        layers, kv_heads, head_dim = self.kv_shape
+        self.attn = PagedAttention(layers, num_blocks * block_size, kv_heads, head_dim, self.kv_dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, block_size: int) -> list[int | None]:
+        ids: list[int] = []
+        pos: list[int] = []
+        last_rows: list[int] = []
+        sampled_seqs: list[Sequence] = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed
+            ids.extend(seq.tokens[start:start + n])
+            pos.extend(range(start, start + n))
+            if start + n == seq.num_tokens:
+                last_rows.append(len(ids) - 1)
+                sampled_seqs.append(seq)
+        self.attn.meta = build_metadata([s.block_table for s in batch.seqs], [s.num_computed for s in batch.seqs],
+                                        batch.num_tokens, block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, self.attn)
+        result: list[int | None] = [None] * len(batch.seqs)
+        if sampled_seqs:
+            rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            tokens = self.sample(logits, sampled_seqs)
+            it = iter(tokens)
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+                if seq.num_computed + n == seq.num_tokens:
+                    result[i] = int(next(it))
+        return result
+
+
+class NullRunner:
+    """No model: every step costs ``step_ms`` plus ``token_us`` per computed token and emits
+    token ids cycling through the vocabulary (never EOS), so requests run their full length."""
+
+    def __init__(self, vocab_size: int = 32000, step_ms: float = 0.0, token_us: float = 0.0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.step_ms = step_ms
+        self.token_us = token_us
+        self._ids = itertools.cycle(range(3, vocab_size))
+
+    def execute(self, batch: ScheduledBatch, block_size: int) -> list[int | None]:
+        cost = self.step_ms / 1000.0 + self.token_us * sum(batch.num_tokens) / 1e6
+        if cost > 0:
+            time.sleep(cost)
+        return [next(self._ids) if seq.num_computed + n == seq.num_tokens else None
+                for seq, n in zip(batch.seqs, batch.num_tokens)]

@@ -1,0 +1,443 @@
+"""Batched, seeded next-token sampler with TGI's semantics (reference/tgi.md §3).
+
+Per step and row: watermark bias -> repetition penalty -> (sampling rows only) temperature ->
+top_k -> top_p -> typical_p -> draw. Greedy rows take the argmax after watermark and penalty.
+Everything is vectorised over the batch; Python only loops over requests to read parameters.
+
+Randomness is counter-based: the draw of a request at generation step ``s`` uses uniforms that
+are a pure function of ``(seed, s)`` (splitmix64, computed exactly in Python). The token
+therefore depends only on the request's own seed, parameters, history and logits: not on the
+batch composition, the row position, preemption, the device or a process restart, and there is
+no generator state to keep. The draw is inverse-CDF sampling (one uniform per row; TGI's
+exponential race needs one random number per vocabulary entry, which on CPU costs more than the
+whole rest of the sampler); in the dense route it is two-level (chunk, then token in the chunk,
+each with its own uniform) so float32 keeps full precision.
+
+Two routes for sampling rows, because top_p needs the probability-sorted vocabulary and a full
+sort of [64, 32000] costs ~70 ms on CPU:
+
+* candidate route (rows with top_k <= ``max_candidate_k`` or top_p, and no typical_p): filter
+  and draw on the ``topk`` window of the row (k+1 entries for top_k rows, ``candidates`` for
+  top_p-only rows), in a canonical order (probability desc, token id asc). A row whose kept set
+  is not provably inside its window (a tie at the k-th value, or a nucleus reaching the window's
+  edge) is recomputed by the dense route.
+* dense route: TGI's formulas over the whole vocabulary (full sorts for top_p / typical_p).
+
+A row's window depends only on its own parameters, so which route serves it, and so its token,
+never depends on the batch. Documented differences from TGI: a top_p tie at the nucleus edge is
+broken by the lower token id (TGI: arbitrary sort order); the watermark green list is hash-based
+(see watermark.py); the padding-0 quirk of TGI's penalty and watermark is not reproduced.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from mindie.protocol import SamplingParams
+from workers.engine.watermark import WatermarkConfig, WatermarkLogitsProcessor
+
+_NEG_INF = float("-inf")
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_U24 = 1.0 / (1 << 24)
+
+
+def effective_do_sample(given: Mapping[str, Any], *, explicit_wins: bool = True) -> bool:
+    """Whether a request samples, from the parameters the user actually set.
+
+    ``given`` maps parameter names to the values the user sent; a missing key or ``None`` means
+    "not set". The implicit rule (TGI ``HeterogeneousNextTokenChooser``, tgi.md §3.2; MindIE:
+    "do_sample unset -> decided by the other parameters") is: sample when any warper is set to a
+    non-neutral value, i.e. temperature != 1.0, top_k > 0, top_p < 1.0 or typical_p < 1.0. An
+    explicit neutral value (temperature 1.0, top_p 1.0) stays greedy; repetition_penalty,
+    watermark and seed never switch sampling on.
+
+    An explicit ``do_sample`` then combines with it:
+    * ``explicit_wins=True`` (MindIE /infer, /infer_token, Triton): an explicit true or false is
+      final, e.g. ``do_sample=false, temperature=0.7`` is greedy.
+    * ``explicit_wins=False`` (TGI /generate): ``do_sample OR implicit``, so
+      ``do_sample=false, temperature=0.7`` samples.
+    Put the result in ``SamplingParams.do_sample``; the sampler reads only that flag.
+    """
+    def val(name: str) -> Any:
+        return given.get(name)
+
+    t, k, p, tp = val("temperature"), val("top_k"), val("top_p"), val("typical_p")
+    implicit = ((t is not None and t != 1.0) or (k is not None and k > 0)
+                or (p is not None and p < 1.0) or (tp is not None and tp < 1.0))
+    ds = val("do_sample")
+    if ds is None:
+        return bool(implicit)
+    return bool(ds) if explicit_wins else bool(ds) or bool(implicit)
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + _GOLDEN) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def draw_uniforms(seed: int, step: int) -> tuple[float, float]:
+    """Two independent uniforms in [0, 1) (24-bit, exact in float32) for draw ``step`` of ``seed``:
+    the ``step``-th output of a splitmix64 stream whose start is the mixed seed."""
+    z = _splitmix64((_splitmix64(seed & _M64) + step * _GOLDEN) & _M64)
+    return (z >> 40) * _U24, ((z >> 16) & 0xFFFFFF) * _U24
+
+
+class SamplingState:
+    """What the sampler needs about one request across steps.
+
+    Create it once per request (``token_ids`` = the prompt, plus any tokens already generated
+    with ``prompt_len`` set) and keep it for the request's whole life, preemptions included;
+    after each step ``append`` the sampled token (or ``sync`` with the full token list). The
+    draw index is ``num_generated``, so a recomputed request draws the same tokens again.
+    ``params.do_sample`` must already be the effective flag (see ``effective_do_sample``);
+    a temperature <= 0 also means greedy, and non-positive penalties are ignored.
+    """
+
+    __slots__ = ("params", "seed", "sample", "temperature", "top_k", "top_p", "typical_p",
+                 "penalty", "watermark", "prompt_len", "_ids", "_n")
+
+    def __init__(self, params: SamplingParams, token_ids: Sequence[int], prompt_len: int | None = None) -> None:
+        self.params = params
+        self.seed = int(params.seed) & _M64
+        t = float(params.temperature)
+        self.sample = bool(params.do_sample) and t > 0.0
+        # Greedy rows get neutral warpers: argmax ignores them anyway.
+        self.temperature = t if self.sample else 1.0
+        self.top_k = max(0, int(params.top_k)) if self.sample else 0
+        self.top_p = float(params.top_p) if self.sample and params.top_p < 1.0 else 1.0
+        self.typical_p = float(params.typical_p) if self.sample and params.typical_p < 1.0 else 1.0
+        rp = float(params.repetition_penalty)
+        self.penalty = rp if rp > 0.0 and math.isfinite(rp) else 1.0
+        self.watermark = bool(params.watermark)
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        self.prompt_len = len(ids) if prompt_len is None else int(prompt_len)
+        cap = len(ids) + max(16, min(int(params.max_new_tokens), 1024))
+        self._ids = np.empty(cap, dtype=np.int64)
+        self._ids[: len(ids)] = ids
+        self._n = len(ids)
+
+    @property
+    def num_generated(self) -> int:
+        return self._n - self.prompt_len
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """Prompt + generated ids (a view: copy it to keep it)."""
+        return self._ids[: self._n]
+
+    @property
+    def last_token(self) -> int:
+        return int(self._ids[self._n - 1]) if self._n else 0
+
+    def append(self, token_id: int) -> None:
+        if self._n == len(self._ids):
+            self._ids = np.concatenate([self._ids, np.empty(len(self._ids), dtype=np.int64)])
+        self._ids[self._n] = token_id
+        self._n += 1
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Bring the history up to ``tokens`` (prompt + generated), appending what is new."""
+        n = len(tokens)
+        if n < self._n:
+            self._n = 0
+        for t in tokens[self._n:]:
+            self.append(t)
+
+
+class SampleOutput(NamedTuple):
+    tokens: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None  # float32 [B]: log-prob of the token under the final distribution
+
+
+class Sampler:
+    """Batched sampler; one per worker. ``sampler(logits, states) -> LongTensor[B]``.
+
+    ``logits`` is [B, V] for the rows to sample, in the order of ``states``; it may be modified
+    in place (penalties). Call it once per engine step, then ``states[i].append(tokens[i])``.
+    """
+
+    def __init__(self, watermark: WatermarkConfig | None = None, *, candidates: int = 128,
+                 max_candidate_k: int = 1024, chunk: int = 256) -> None:
+        self.watermark = WatermarkLogitsProcessor(watermark)
+        self.candidates = max(2, candidates)
+        self.max_candidate_k = max_candidate_k
+        self.chunk = chunk
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        return self._run(logits, states, False, False)[0]
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
+               want_logprobs: bool = False) -> SampleOutput:
+        tokens, logprobs, _ = self._run(logits, states, want_logprobs, False)
+        return SampleOutput(tokens, logprobs)
+
+    def distribution(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """[B, V] probabilities the tokens are actually drawn from (one-hot for greedy rows),
+        through the same routes as ``__call__`` (for tests and top-n reporting)."""
+        return self._run(logits, states, False, True)[2]
+
+    # -- driver ------------------------------------------------------------------------------
+
+    def _run(self, logits: torch.Tensor, states: Sequence[SamplingState], want_logprobs: bool,
+             want_dist: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        B, V = logits.shape
+        dev = logits.device
+        if logits.dtype != torch.float32:  # bf16/fp16 model output: filter and draw in fp32
+            logits = logits.float()
+        if not want_dist and not any(s.sample or s.penalty != 1.0 or s.watermark for s in states):
+            tok = logits.argmax(-1)  # fast path: all greedy, nothing to adjust
+            return tok, self._greedy_logprobs(logits, tok) if want_logprobs else None, logits
+
+        wm = [i for i, s in enumerate(states) if s.watermark]
+        if wm:
+            self._apply_watermark(logits, states, wm)
+        rp = [i for i, s in enumerate(states) if s.penalty != 1.0]
+        if rp:
+            self._apply_repetition_penalty(logits, states, rp)
+
+        tokens = torch.empty(B, dtype=torch.long, device=dev)
+        logprobs = torch.empty(B, dtype=torch.float32, device=dev) if want_logprobs else None
+        dist = torch.zeros(B, V, dtype=torch.float32, device=dev) if want_dist else logits
+
+        greedy = [i for i, s in enumerate(states) if not s.sample]
+        if greedy:
+            idx, x = _take(logits, greedy)
+            tok = x.argmax(-1)
+            _put(tokens, idx, tok)
+            if logprobs is not None:
+                _put(logprobs, idx, self._greedy_logprobs(x, tok))
+            if want_dist:
+                _put(dist, idx, torch.zeros_like(x).scatter_(1, tok[:, None], 1.0))
+
+        sampled = [i for i, s in enumerate(states) if s.sample]
+        if not sampled:
+            return tokens, logprobs, dist
+        u = torch.tensor([draw_uniforms(states[i].seed, states[i].num_generated) for i in sampled],
+                         dtype=torch.float32).to(dev)
+        pos_of = {row: j for j, row in enumerate(sampled)}
+        cand = [i for i in sampled if states[i].typical_p >= 1.0
+                and (0 < states[i].top_k <= self.max_candidate_k or states[i].top_p < 1.0)]
+        cand_set = set(cand)
+        dense = [i for i in sampled if i not in cand_set]
+        if cand:
+            idx, x = _take(logits, cand)
+            uc = u[[pos_of[i] for i in cand]]
+            tok, lp, ok, cdist = self._candidate_route(x, [states[i] for i in cand], uc[:, 0:1], want_dist)
+            ok_l = ok.tolist()  # the only host sync: which rows must be redone densely
+            good = [j for j, flag in enumerate(ok_l) if flag]
+            if len(good) == len(cand):
+                _put(tokens, idx, tok)
+                if logprobs is not None:
+                    _put(logprobs, idx, lp)
+                if want_dist:
+                    _put(dist, idx, cdist)
+            elif good:
+                g = torch.tensor(good, device=dev)
+                rows = torch.tensor([cand[j] for j in good], device=dev)
+                tokens[rows] = tok[g]
+                if logprobs is not None:
+                    logprobs[rows] = lp[g]
+                if want_dist:
+                    dist[rows] = cdist[g]
+            dense += [cand[j] for j, flag in enumerate(ok_l) if not flag]
+        if dense:
+            dense.sort()
+            idx, x = _take(logits, dense)
+            ud = u[[pos_of[i] for i in dense]]
+            tok, lp, ddist = self._dense_route(x, [states[i] for i in dense], ud[:, 0:1], ud[:, 1:2])
+            _put(tokens, idx, tok)
+            if logprobs is not None:
+                _put(logprobs, idx, lp)
+            if want_dist:
+                _put(dist, idx, ddist)
+        return tokens, logprobs, dist
+
+    @staticmethod
+    def _greedy_logprobs(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+
+    # -- penalties (in place on logits) --------------------------------------------------------
+
+    def _apply_watermark(self, logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
+        prev = torch.tensor([states[i].last_token for i in rows], dtype=torch.long).to(logits.device)
+        idx, x = _take(logits, rows)
+        self.watermark(x, prev)
+        if idx is not None:
+            logits.index_copy_(0, idx, x)
+
+    @staticmethod
+    def _apply_repetition_penalty(logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
+        """CTRL penalty over the distinct ids of prompt + generated, as one gather/scatter over a
+        padded [R, L] id tensor (duplicates write identical values, so they are harmless)."""
+        dev, V = logits.device, logits.shape[1]
+        ids = pad_sequence([torch.from_numpy(states[i].token_ids) for i in rows], batch_first=True,
+                           padding_value=-1).to(dev)
+        if ids.shape[1] == 0:
+            return
+        # Pads and ids outside the logits (tokenizer vocab > lm_head) become a real id of the row,
+        # so they neither crash the gather nor penalise a token that never occurred.
+        valid = (ids >= 0) & (ids < V)
+        first = ids.gather(1, valid.to(torch.uint8).argmax(1, keepdim=True)).clamp_(0, V - 1)
+        ids = torch.where(valid, ids, first)
+        pen = torch.tensor([states[i].penalty for i in rows], dtype=torch.float32).to(dev)[:, None]
+        pen = torch.where(valid.any(1, keepdim=True), pen, torch.ones_like(pen))
+        idx, x = _take(logits, rows)
+        s = x.gather(1, ids)
+        x.scatter_(1, ids, torch.where(s < 0, s * pen, s / pen))
+        if idx is not None:
+            logits.index_copy_(0, idx, x)
+
+    # -- candidate route -----------------------------------------------------------------------
+
+    def _candidate_route(self, x: torch.Tensor, st: list[SamplingState], u: torch.Tensor, want_dist: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Filter and draw inside each row's topk window. Returns tokens, logprobs, ok (rows whose
+        result is exact; the others must go dense) and optionally the dense distribution."""
+        R, V = x.shape
+        dev = x.device
+        ks = [s.top_k if s.top_k < V else 0 for s in st]  # top_k >= V filters nothing
+        win = [k + 1 if k else min(self.candidates, V) for k in ks]
+        K = max(win)
+        f = torch.tensor([[s.temperature, s.top_p] for s in st], dtype=torch.float32).to(dev)
+        temp, top_p = f[:, 0:1], f[:, 1:2]
+        iw = torch.tensor([[k, w] for k, w in zip(ks, win)], dtype=torch.long).to(dev)
+        kt, wt = iw[:, 0:1], iw[:, 1:2]
+
+        vals, idx = torch.topk(x, K, dim=-1)
+        vals = vals / temp  # the same elementwise op as the dense route's x / T
+        # Canonical order (value desc, id asc): topk's order among ties may depend on K.
+        idx, perm = idx.sort(dim=-1)
+        vals = vals.gather(1, perm)
+        vals, perm = vals.sort(dim=-1, descending=True, stable=True)
+        idx = idx.gather(1, perm)
+
+        pos = torch.arange(K, device=dev)[None, :]
+        has_k = kt > 0
+        limit = torch.where(has_k, kt, wt)  # positions this row may keep
+        w = (vals - vals[:, :1]).exp().masked_fill_(pos >= limit, 0.0)
+        c = w.cumsum(-1)
+        # Mass top_p is measured against: the k survivors, or the whole (tempered) row.
+        z = c.gather(1, limit - 1)
+        p_only = [j for j, k in enumerate(ks) if not k]
+        if p_only:
+            pj = torch.tensor(p_only, device=dev)
+            lse = torch.logsumexp(x[pj] / temp[pj], dim=-1, keepdim=True)
+            z[pj] = (lse - vals[pj, :1]).exp()
+        keep = (((c - w) < top_p * z) | (pos == 0)) & (pos < limit)  # a prefix of the window
+        m = keep.sum(-1, keepdim=True)
+        # Exact only if the kept set cannot change with a wider window:
+        kth = vals.gather(1, (kt - 1).clamp(min=0))
+        after_k = vals.gather(1, kt.clamp(max=K - 1))
+        ok_k = (kth > after_k) | (kth == _NEG_INF)
+        ok_p = (wt >= V) | (vals.gather(1, m - 1) > vals.gather(1, wt - 1))
+        ok = torch.where(has_k, ok_k, ok_p)[:, 0]
+
+        w = w * keep
+        total = c.gather(1, m - 1)
+        j = (c <= u * total).sum(-1, keepdim=True)
+        j = torch.minimum(j, (w > 0).sum(-1, keepdim=True) - 1).clamp_(min=0)  # never a zero-mass token
+        tok = idx.gather(1, j)[:, 0]
+        lp = (w.gather(1, j) / total).log()[:, 0]
+        dist = None
+        if want_dist:
+            dist = torch.zeros(R, V, dtype=torch.float32, device=dev).scatter_(1, idx, w / total)
+        return tok, lp, ok, dist
+
+    # -- dense route ---------------------------------------------------------------------------
+
+    def _dense_route(self, x: torch.Tensor, st: list[SamplingState], u1: torch.Tensor, u2: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """TGI's warpers over the whole vocabulary, then the two-level draw."""
+        R, V = x.shape
+        dev = x.device
+        f = torch.tensor([[s.temperature, s.top_p, s.typical_p] for s in st], dtype=torch.float32).to(dev)
+        x = x / f[:, 0:1]
+        ks = [s.top_k if s.top_k < V else 0 for s in st]
+        if any(ks):
+            kt = torch.tensor(ks, dtype=torch.long).to(dev)[:, None]
+            kth = torch.topk(x, max(ks), dim=-1).values.gather(1, (kt - 1).clamp(min=0))
+            kth = kth.masked_fill_(kt == 0, _NEG_INF)
+            x = x.masked_fill_(x < kth, _NEG_INF)  # ties with the k-th value survive
+        for col, warp in ((1, _top_p_), (2, _typical_)):
+            rows = [j for j, s in enumerate(st) if (s.top_p if col == 1 else s.typical_p) < 1.0]
+            if rows:
+                idx, xs = _take(x, rows)
+                warp(xs, f[rows, col:col + 1])
+                if idx is not None:
+                    x.index_copy_(0, idx, xs)
+        probs = torch.softmax(x, dim=-1)
+        tok = self._draw_two_level(probs, u1, u2)
+        return tok, probs.gather(1, tok[:, None])[:, 0].log(), probs
+
+    def _draw_two_level(self, probs: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF draw: pick a chunk of ``chunk`` ids by its mass with u1, then an id inside
+        it with u2. Exact in distribution, and no float32 cumsum over the whole vocabulary."""
+        R, V = probs.shape
+        C = min(self.chunk, V)
+        nf = V // C
+        sums = [probs[:, : nf * C].reshape(R, nf, C).sum(-1)]
+        if V % C:
+            sums.append(probs[:, nf * C:].sum(-1, keepdim=True))
+        S = torch.cat(sums, dim=1) if len(sums) > 1 else sums[0]
+        cs = S.cumsum(-1)
+        j = (cs <= u1 * cs[:, -1:]).sum(-1, keepdim=True)
+        j = torch.minimum(j, _last_nonzero(S))
+        cols = j * C + torch.arange(C, device=probs.device)[None, :]
+        wc = probs.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0.0)
+        cc = wc.cumsum(-1)
+        i = (cc <= u2 * cc[:, -1:]).sum(-1, keepdim=True)
+        i = torch.minimum(i, _last_nonzero(wc))
+        return (j * C + i)[:, 0]
+
+
+def _top_p_(x: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Nucleus filter in place: keep the smallest most-likely prefix whose mass reaches top_p
+    (the token crossing the line included, the most likely token always). Equivalent to TGI's
+    ascending form ``cumsum <= 1 - top_p -> remove``; stable sort breaks ties by id."""
+    sv, si = x.sort(dim=-1, descending=True, stable=True)
+    w = (sv - sv[:, :1]).exp()
+    c = w.cumsum(-1)
+    remove = (c - w) >= top_p * c[:, -1:]
+    remove[:, 0] = False
+    x.masked_fill_(remove.scatter(1, si, remove), _NEG_INF)
+
+
+def _typical_(x: torch.Tensor, mass: torch.Tensor) -> None:
+    """Typical filter in place, TGI's / transformers' formula (Meister et al.)."""
+    lp = torch.log_softmax(x, dim=-1)
+    ent = -(lp * lp.exp()).nansum(-1, keepdim=True)
+    shifted = (-lp - ent).abs()
+    ss, si = shifted.sort(dim=-1, stable=True)
+    cum = x.gather(1, si).softmax(dim=-1).cumsum(dim=-1)
+    last = (cum < mass).sum(dim=1, keepdim=True).clamp_(max=x.shape[1] - 1)
+    x.masked_fill_(shifted > ss.gather(1, last), _NEG_INF)
+
+
+def _last_nonzero(w: torch.Tensor) -> torch.Tensor:
+    """[R, 1] index of the last positive entry of each row (0 if none)."""
+    n = w.shape[1]
+    return (n - 1 - (w > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)).clamp_(min=0)
+
+
+def _take(t: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(index, rows of t): the tensor itself when ``rows`` is every row in order, else a copy."""
+    if len(rows) == t.shape[0] and all(r == i for i, r in enumerate(rows)):
+        return None, t
+    idx = torch.tensor(rows, dtype=torch.long, device=t.device)
+    return idx, t.index_select(0, idx)
+
+
+def _put(out: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor) -> None:
+    if idx is None:
+        out.copy_(val)
+    else:
+        out.index_copy_(0, idx, val)

@@ -1,0 +1,343 @@
+"""Model hyper-parameters parsed from a Hugging Face model directory.
+
+`ModelArgs.from_dir(path)` reads `config.json` (and `generation_config.json` when present) of a
+Llama-family checkpoint (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral) and returns a validated,
+flat description that `workers.models.llama.DecoderLM` is built from.
+
+This module deliberately does not import torch: front ends read the EOS/BOS ids from it and
+must stay small.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["ModelArgs", "ModelConfigError", "RopeScaling", "SUPPORTED_ARCHS"]
+
+# model_type / architectures[0] -> arch family.
+SUPPORTED_ARCHS: dict[str, str] = {
+    "llama": "llama",
+    "LlamaForCausalLM": "llama",
+    "qwen2": "qwen2",
+    "Qwen2ForCausalLM": "qwen2",
+    "qwen3": "qwen3",
+    "Qwen3ForCausalLM": "qwen3",
+    "mistral": "mistral",
+    "MistralForCausalLM": "mistral",
+}
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelConfigError(ValueError):
+    """A model's config.json cannot be served; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `rope_type` is "llama3" (Llama 3.1+) or "linear"."""
+
+    rope_type: str
+    factor: float
+    # llama3 only:
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Everything the decoder needs to know about a checkpoint (see module docstring)."""
+
+    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q, k, v projections
+    o_proj_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias; never Qwen2)
+    mlp_bias: bool = False  # Llama `mlp_bias`
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before rope
+    sliding_window: int | None = None
+    # Per-layer window (None = full attention); Qwen2/3 only window layers >= max_window_layers.
+    layer_windows: tuple[int | None, ...] = ()
+    torch_dtype: str | None = None  # "float32" | "bfloat16" | "float16" as stored in the checkpoint
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    model_type: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (self.sliding_window,) * self.num_hidden_layers)
+
+    # ------------------------------------------------------------------ parsing
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelArgs":
+        """Parse `<path>/config.json` and, when present, `<path>/generation_config.json`."""
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelConfigError(f"{cfg_file}: not found (expected a Hugging Face model directory)")
+        cfg = _read_json(cfg_file)
+        gen_file = path / "generation_config.json"
+        gen = _read_json(gen_file) if gen_file.is_file() else None
+        return cls.from_dict(cfg, gen, source=str(cfg_file))
+
+    @classmethod
+    def from_dict(
+        cls,
+        cfg: Mapping[str, Any],
+        generation_config: Mapping[str, Any] | None = None,
+        *,
+        source: str = "config.json",
+    ) -> "ModelArgs":
+        """Parse an already-loaded config dict (see `from_dir`). Errors name `source` and the key."""
+
+        def err(key: str, msg: str) -> ModelConfigError:
+            return ModelConfigError(f"{source}: {key}: {msg}")
+
+        def get_int(key: str, default: int | None = None, *, minimum: int = 1) -> int:
+            v = cfg.get(key, default)
+            if v is None:
+                raise err(key, "missing (required)")
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise err(key, f"must be an integer >= {minimum}, got {v!r}")
+            return v
+
+        def get_float(key: str, default: float) -> float:
+            v = cfg.get(key, default)
+            if v is None:
+                v = default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise err(key, f"must be a positive number, got {v!r}")
+            return float(v)
+
+        def get_bool(key: str, default: bool) -> bool:
+            v = cfg.get(key, default)
+            if v is None:
+                return default
+            if not isinstance(v, bool):
+                raise err(key, f"must be true or false, got {v!r}")
+            return v
+
+        arch = _arch_of(cfg, err)
+
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise err("hidden_act", f"only 'silu' is supported, got {act!r}")
+
+        hidden = get_int("hidden_size")
+        n_heads = get_int("num_attention_heads")
+        n_kv = cfg.get("num_key_value_heads")
+        n_kv = n_heads if n_kv is None else get_int("num_key_value_heads")
+        if n_heads % n_kv:
+            raise err("num_key_value_heads", f"{n_kv} does not divide num_attention_heads={n_heads}")
+        if cfg.get("head_dim") is not None:
+            head_dim = get_int("head_dim")
+        else:
+            if hidden % n_heads:
+                raise err("hidden_size", f"{hidden} is not a multiple of num_attention_heads={n_heads}")
+            head_dim = hidden // n_heads
+        if head_dim % 2:
+            raise err("head_dim", f"rotary embeddings need an even head_dim, got {head_dim}")
+        n_layers = get_int("num_hidden_layers")
+        max_pos = get_int("max_position_embeddings", 4096 if arch == "llama" else None)
+
+        rope_theta, rope_scaling = _parse_rope(cfg, err, max_pos)
+
+        # Bias layout differs per family: Llama/Qwen3 `attention_bias` covers q,k,v,o; Qwen2 always
+        # has q,k,v bias and never o bias (its config has no attention_bias key at all).
+        if arch == "qwen2":
+            qkv_bias, o_bias = True, False
+        elif arch == "mistral":
+            qkv_bias = o_bias = False
+        else:
+            qkv_bias = o_bias = get_bool("attention_bias", False)
+        mlp_bias = get_bool("mlp_bias", False) if arch == "llama" else False
+
+        sliding_window, layer_windows = _parse_sliding_window(cfg, arch, n_layers, err)
+
+        dtype = cfg.get("torch_dtype", cfg.get("dtype"))
+        if dtype is not None and dtype not in _DTYPES:
+            # fp8/quantised checkpoints need kernels we do not have; fail early and say why.
+            raise err("torch_dtype", f"unsupported checkpoint dtype {dtype!r} (supported: {', '.join(_DTYPES)})")
+
+        gen = generation_config or {}
+        eos_ids = _union_ids(
+            _ids(cfg.get("eos_token_id"), err, "eos_token_id"),
+            _ids(gen.get("eos_token_id"), lambda k, m: ModelConfigError(f"generation_config.json: {k}: {m}"), "eos_token_id"),
+        )
+        bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+            raise err("bos_token_id", f"must be an integer, got {bos!r}")
+
+        return cls(
+            arch=arch,
+            vocab_size=get_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get_int("intermediate_size"),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=get_float("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=get_bool("tie_word_embeddings", False),
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=arch == "qwen3",
+            sliding_window=sliding_window,
+            layer_windows=layer_windows,
+            torch_dtype=dtype,
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            model_type=str(cfg.get("model_type", "")),
+        )
+
+    # ---------------------------------------------------------------- helpers
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"{path}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object at top level")
+    return data
+
+
+def _arch_of(cfg: Mapping[str, Any], err: Any) -> str:
+    model_type = cfg.get("model_type")
+    if model_type is not None:
+        if model_type not in SUPPORTED_ARCHS:
+            supported = sorted({k for k in SUPPORTED_ARCHS if k.islower()})
+            raise err("model_type", f"unsupported model type {model_type!r} (supported: {', '.join(supported)})")
+        return SUPPORTED_ARCHS[model_type]
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in SUPPORTED_ARCHS:
+            return SUPPORTED_ARCHS[a]
+    if archs:
+        raise err("architectures", f"unsupported architecture {archs!r} (supported: "
+                  f"{', '.join(sorted(k for k in SUPPORTED_ARCHS if not k.islower()))})")
+    raise err("model_type", "missing (and no 'architectures' either); cannot tell the model family")
+
+
+def _parse_rope(cfg: Mapping[str, Any], err: Any, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """Read rope_theta and scaling from either the classic (`rope_theta` + `rope_scaling`) or the
+    transformers>=5 (`rope_parameters`) layout."""
+    key = "rope_scaling"
+    params = cfg.get("rope_scaling")
+    if params is None and cfg.get("rope_parameters") is not None:
+        key, params = "rope_parameters", cfg["rope_parameters"]
+    if params is not None and not isinstance(params, dict):
+        raise err(key, f"must be an object or null, got {params!r}")
+    params = dict(params or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise err(key, "per-layer-type RoPE parameters are not supported by the Llama-family decoder")
+
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise err("rope_theta", f"must be a positive number, got {theta!r}")
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        raise err("partial_rotary_factor", f"only 1.0 is supported, got {prf!r}")
+
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type not in ("llama3", "linear"):
+        raise err(f"{key}.rope_type", f"unsupported RoPE scaling type {rope_type!r} (supported: default, llama3, linear)")
+
+    def num(name: str, default: float | None = None) -> float:
+        v = params.get(name, default)
+        if v is None:
+            raise err(f"{key}.{name}", f"missing (required for rope_type {rope_type!r})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise err(f"{key}.{name}", f"must be a positive number, got {v!r}")
+        return float(v)
+
+    factor = num("factor")
+    if rope_type == "linear":
+        return float(theta), RopeScaling("linear", factor)
+    low, high = num("low_freq_factor"), num("high_freq_factor")
+    if high <= low:
+        raise err(f"{key}.high_freq_factor", f"must be greater than low_freq_factor ({high} <= {low})")
+    # transformers falls back to max_position_embeddings when the original length is absent.
+    orig = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos))
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        raise err(f"{key}.original_max_position_embeddings", f"must be a positive integer, got {orig!r}")
+    return float(theta), RopeScaling("llama3", factor, low, high, orig)
+
+
+def _parse_sliding_window(
+    cfg: Mapping[str, Any], arch: str, n_layers: int, err: Any
+) -> tuple[int | None, tuple[int | None, ...]]:
+    """Sliding-window attention: Mistral when `sliding_window` is set; Qwen2/3 only when
+    `use_sliding_window` is true, and then only on layers >= `max_window_layers` (or as `layer_types` says)."""
+    if arch == "llama":
+        return None, (None,) * n_layers
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, (None,) * n_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise err("sliding_window", f"must be a positive integer or null, got {window!r}")
+    if arch == "mistral":
+        return window, (window,) * n_layers
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+            raise err("layer_types", f"must be a list of {n_layers} entries, got {layer_types!r}")
+        bad = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
+        if bad:
+            raise err("layer_types", f"unsupported layer type(s) {sorted(set(bad))!r}")
+        return window, tuple(window if t == "sliding_attention" else None for t in layer_types)
+    mwl = cfg.get("max_window_layers", 28)
+    if isinstance(mwl, bool) or not isinstance(mwl, int) or mwl < 0:
+        raise err("max_window_layers", f"must be a non-negative integer, got {mwl!r}")
+    return window, tuple(window if i >= mwl else None for i in range(n_layers))
+
+
+def _ids(value: Any, err: Any, key: str) -> list[int]:
+    if value is None:
+        return []
+    vals = value if isinstance(value, list) else [value]
+    for v in vals:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise err(key, f"must be a token id or a list of token ids, got {value!r}")
+    return list(vals)
+
+
+def _union_ids(*lists: list[int]) -> list[int]:
+    out: list[int] = []
+    for ids in lists:
+        for i in ids:
+            if i not in out:
+                out.append(i)
+    return out

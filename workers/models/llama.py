@@ -1,0 +1,232 @@
+"""One readable Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral) in plain torch.
+
+The model runs over a FLAT batch: the tokens of many sequences (prefill chunks and decode steps
+alike) are concatenated into one `[T]` tensor with their absolute `positions`. Everything except
+attention is position-wise, so the model never needs to know where sequences start or end; the
+attention object passed to `forward` does (it owns the KV cache and the sequence boundaries).
+
+Numerics follow transformers so that logits match it on the same weights: RMSNorm is computed in
+fp32 and cast back before the weight multiply, cos/sin are computed in fp32 and cast to the
+activation dtype before being applied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs, RopeScaling
+
+__all__ = ["Attention", "DecoderLM", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
+
+
+class Attention(Protocol):
+    """What `DecoderLM.forward` calls once per layer.
+
+    q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim] (rope already applied to q, k);
+    window: sliding-window size for this layer or None. A query at position p may attend to keys
+    at positions max(0, p - window + 1) .. p of its own sequence (transformers' convention).
+    Returns [T, n_heads, head_dim]. The softmax scale is 1/sqrt(head_dim).
+    """
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+    ) -> torch.Tensor: ...
+
+
+class Linear(nn.Linear):
+    """nn.Linear without random init: every weight is overwritten by the checkpoint anyway, and
+    skipping init keeps construction on the meta device free (no torch._refs import)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without random init (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as transformers computes it: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(in_dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, with Llama 3.1 / linear scaling exactly as
+    transformers' `_compute_llama3_parameters` / `_compute_linear_scaling_rope_parameters`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {scaling.rope_type!r}")
+    factor = scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept, and the
+    # band in between is interpolated smoothly.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed fp32 cos/sin tables indexed by absolute position (NeoX "rotate half" layout).
+
+    The tables are plain attributes, not buffers, so `model.to(torch.bfloat16)` cannot round them:
+    they stay fp32 and only follow the device (moved on first use).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        # Same op order as transformers (positions.float() * inv_freq, then cos/sin) so the values match.
+        freqs = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos()  # [max_positions, head_dim/2]
+        self.sin = freqs.sin()
+        self.max_positions = max_positions
+
+    def to_device(self, device: torch.device | str) -> None:
+        """Move the tables (the loader calls this so the first forward does not pay for it)."""
+        self.cos = self.cos.to(device)
+        self.sin = self.sin.to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, Hkv, D] by their token's position."""
+        if self.cos.device != positions.device:
+            self.to_device(positions.device)
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D/2]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Equal, op for op, to transformers' x*cat(cos,cos) + rotate_half(x)*cat(sin,sin).
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderAttention(nn.Module):
+    """q/k/v projection (fused into one matmul), optional q/k norm, rope, attention, o projection."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.q_size, self.kv_size = args.q_size, args.kv_size
+        self.window = args.layer_windows[layer_idx]
+        # Rows are [q; k; v], the loader copies the three HF matrices into those slices.
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, dtype) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv_heads, self.head_dim)
+        v = v.view(t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before rope
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = attn(self.layer_idx, q, k, v.contiguous(), self.window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with gate and up fused into one matmul (rows [gate; up])."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.self_attn = DecoderAttention(args, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.mlp = MLP(args, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLM(nn.Module):
+    """Llama-family causal LM over a flat batch of tokens.
+
+    Parameters start uninitialised: build it with `workers.models.loader.load_model`.
+
+    `forward(input_ids [T], positions [T], attn) -> hidden [T, hidden_size]` (after the final norm);
+    `compute_logits(hidden [N, hidden_size]) -> fp32 logits [N, vocab_size]`. Callers select the
+    rows they need (e.g. the last token of each sequence) before `compute_logits`, which is where
+    most of the FLOPs of a small model go.
+    """
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None, max_positions: int | None = None) -> None:
+        """`max_positions` caps the rope table (defaults to max_position_embeddings); pass the
+        server's max sequence length to save memory on 128k-context models."""
+        super().__init__()
+        self.args = args
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        # Tied checkpoints reuse the embedding matrix: no separate module, so nothing can untie it.
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+        self.rope = RotaryEmbedding(
+            args.head_dim, max_positions or args.max_position_embeddings, args.rope_theta, args.rope_scaling
+        )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Sliding window per layer (None = full attention), as passed to `attn`."""
+        return self.args.layer_windows
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """input_ids, positions: LongTensor [T] (flat batch). Returns normed hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> fp32 logits [N, vocab_size]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

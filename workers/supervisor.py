@@ -1,0 +1,167 @@
+"""Device-worker supervisor: one worker process per device entry, restarted when it dies.
+
+Runs beside the gunicorn master (a sibling under scripts/launch.sh, never its child: the
+master reaps any child with waitpid(-1) and would swallow exit statuses). It
+- starts one ``workers.worker`` process per ``npuDeviceIds`` entry, with device visibility
+  set in its environment and, on CPU, its share of the cores;
+- restarts a worker that exits, with exponential backoff, logging the exit code or signal;
+- on SIGTERM/SIGINT stops every worker (SIGTERM, then SIGKILL after a grace period) and
+  exits; workers also get SIGKILL if the supervisor itself dies (PR_SET_PDEATHSIG), and the
+  supervisor exits if its own parent (the launcher) disappears, so nothing is orphaned.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from workers.spec import WorkerSpec, encode_spec
+
+log = logging.getLogger("workers.supervisor")
+
+PR_SET_PDEATHSIG = 1
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0  # a worker up this long resets its backoff
+STOP_GRACE_S = 10.0
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+@dataclass
+class Child:
+    spec: WorkerSpec
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    restarts: int = 0
+    backoff: float = BACKOFF_START_S
+    restart_at: float = 0.0
+    log_extra: dict = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, specs: list[tuple[WorkerSpec, dict[str, str]]]):
+        self.children = [Child(spec, env) for spec, env in specs]
+        self.stopping = False
+        self.parent = os.getppid()
+
+    def _spawn(self, child: Child) -> None:
+        env = dict(os.environ)
+        env.update(child.env)
+        cmd = [sys.executable, "-m", "workers.worker", "--spec", encode_spec(child.spec)]
+        child.proc = subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=set_pdeathsig)
+        child.started = time.monotonic()
+        log.info("started worker %s (pid %d, device %s %s)", child.spec.worker_id, child.proc.pid,
+                 child.spec.device_type, child.spec.device_ids)
+
+    def start(self) -> None:
+        for child in self.children:
+            self._spawn(child)
+
+    def poll_once(self) -> None:
+        """Notice dead workers and restart them when their backoff has passed."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is not None:
+                code = child.proc.poll()
+                if code is None:
+                    if now - child.started > STABLE_AFTER_S:
+                        child.backoff = BACKOFF_START_S
+                    continue
+                child.proc = None
+                child.restarts += 1
+                child.restart_at = now + child.backoff
+                log.error("worker %s %s after %.1f s; restarting in %.1f s (restart #%d)", child.spec.worker_id,
+                          describe_exit(code), now - child.started, child.backoff, child.restarts)
+                child.backoff = min(child.backoff * 2, BACKOFF_MAX_S)
+            elif not self.stopping and now >= child.restart_at:
+                self._spawn(child)
+
+    def run(self) -> None:
+        self.start()
+        while not self.stopping:
+            self.poll_once()
+            if os.getppid() != self.parent:
+                log.error("launcher (pid %d) is gone: stopping", self.parent)
+                break
+            time.sleep(0.2)
+        self.stop()
+
+    def stop(self) -> None:
+        self.stopping = True
+        procs = [c.proc for c in self.children if c.proc is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d did not stop in %.0f s: SIGKILL", p.pid, STOP_GRACE_S)
+                p.kill()
+                p.wait()
+        log.info("all device workers stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description="Start and watch one device worker per npuDeviceIds entry of the config. "
+                    "Normally started by scripts/launch.sh next to gunicorn.")
+    ap.add_argument("--config", default=os.environ.get("MIES_CONFIG_JSON_PATH"),
+                    help="MindIE-shaped config.json (default: $MIES_CONFIG_JSON_PATH, else built-in defaults)")
+    ap.add_argument("--run-dir", default=os.environ.get("MINDIE_RUN_DIR"),
+                    help="private directory for the ipc sockets (default: ServerConfig.runDir)")
+    ap.add_argument("--null-model", action="store_true", default=os.environ.get("MINDIE_NULL_MODEL") == "1",
+                    help="serve the null model (no compute) to benchmark the serving stack")
+    ap.add_argument("--null-step-ms", type=float, default=float(os.environ.get("MINDIE_NULL_STEP_MS", "0")),
+                    help="fixed cost of one null-model step in ms")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [supervisor pid %(process)d] %(message)s")
+    from mindie.config import ConfigError, load_config
+    from mindie.topology import worker_specs
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        raise SystemExit(2)
+    set_pdeathsig(signal.SIGTERM)
+    sup = Supervisor(worker_specs(config, args.run_dir, null_model=args.null_model, null_step_ms=args.null_step_ms))
+
+    def _stop(signum, _frame):
+        log.info("signal %s: stopping device workers", signal.Signals(signum).name)
+        sup.stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # SIGHUP reloads front ends only
+    sup.run()
+
+
+if __name__ == "__main__":
+    main()

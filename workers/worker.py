@@ -1,0 +1,231 @@
+"""Device worker process: one device, one engine, two ZeroMQ sockets.
+
+Loop: drain the job socket without blocking (Submit / Cancel / Hello) -> one engine step ->
+publish one FrameBatch per front end with new tokens -> heartbeat when due. When idle it
+waits on the job socket for at most a heartbeat interval, so heartbeats keep flowing.
+
+Run by the supervisor as ``python -m workers.worker --spec '<json>'``.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from mindie import protocol as P
+from workers.spec import WorkerSpec, decode_spec
+
+log = logging.getLogger("workers.worker")
+
+
+@dataclass
+class FrontendState:
+    seq: int = 0  # last FrameBatch sequence number sent to this front end
+    last_hello: float = field(default_factory=time.monotonic)
+    requests: set[str] = field(default_factory=set)
+
+
+def _lock_endpoint(endpoint: str) -> object | None:
+    """A second bind on an ipc path silently steals it; a lock file makes it an error."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):] + ".lock"
+    fh = open(path, "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"another process already serves {endpoint} (lock {path} is held)")
+    return fh
+
+
+def build_engine(spec: WorkerSpec):
+    """Load the model (or the null model) and size the KV cache; returns (engine, info)."""
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.model_runner import NullRunner
+
+    cfg = dict(block_size=spec.block_size, max_seq_len=spec.max_seq_len, max_iter_times=spec.max_iter_times,
+               max_batch_size=spec.max_batch_size, max_prefill_batch_size=spec.max_prefill_batch_size,
+               max_prefill_tokens=spec.max_prefill_tokens, enable_prefix_cache=spec.enable_prefix_cache)
+    if spec.null_model:
+        runner = NullRunner(spec.null_vocab_size, spec.null_step_ms)
+        # Blocks are bookkeeping only here: size them as a 1 GiB cache of a small model would.
+        num_blocks = max(64, (spec.max_batch_size * spec.max_seq_len) // spec.block_size + 1)
+        log.info("null model: no compute, %.2f ms per step, %d blocks", spec.null_step_ms, num_blocks)
+        return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg)), {
+            "model_name": spec.model_name, "vocab_size": spec.null_vocab_size, "device": "null"}
+
+    from workers.backends import get_backend
+    from workers.model_setup import load_runner
+
+    backend = get_backend(spec.device_type, spec.threads)
+    backend.setup()
+    runner, info, bytes_per_block = load_runner(spec, backend)
+    kv_bytes = backend.kv_cache_bytes(spec.kv_cache_gb)
+    num_blocks = max(1, kv_bytes // bytes_per_block)
+    runner.allocate_kv(num_blocks, spec.block_size)
+    log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s", num_blocks, spec.block_size,
+             num_blocks * bytes_per_block / (1 << 30), num_blocks * spec.block_size, backend.describe())
+    info["device"] = backend.describe()
+    return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg)), info
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.instance = secrets.token_hex(6)
+        self.stop = False
+        self.frontends: dict[str, FrontendState] = {}
+        t0 = time.perf_counter()
+        self.engine, self.info = build_engine(spec)
+        log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
+                 self.info["model_name"], self.info["vocab_size"])
+        self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)  # jobs are small; never drop one
+        self.pull.bind(spec.job_endpoint)
+        self.pub = self.ctx.socket(zmq.PUB)
+        # PUB drops silently at the HWM; sequence numbers detect it. High enough that it
+        # takes a front end stalled for many seconds at full load to reach it.
+        self.pub.setsockopt(zmq.SNDHWM, 200_000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(spec.pub_endpoint)
+        self.next_heartbeat = 0.0
+        self.pending: dict[str, list[P.TokenFrame]] = {}
+
+    # -- messages ---------------------------------------------------------------------------
+    def _frontend(self, fid: str) -> FrontendState:
+        st = self.frontends.get(fid)
+        if st is None:
+            st = self.frontends[fid] = FrontendState()
+            log.info("front end %s connected", fid)
+        return st
+
+    def _emit(self, fid: str, frame: P.TokenFrame) -> None:
+        self.pending.setdefault(fid, []).append(frame)
+
+    def handle(self, msg: P.JobMessage) -> None:
+        if isinstance(msg, P.Submit):
+            st = self._frontend(msg.frontend_id)
+            res = self.engine.add(msg)
+            if isinstance(res, P.RequestError):
+                self._emit(msg.frontend_id, P.TokenFrame(msg.request_id, finish_reason=P.FINISH_ERROR, error=res))
+            else:
+                st.requests.add(msg.request_id)
+        elif isinstance(msg, P.Cancel):
+            st = self.frontends.get(msg.frontend_id)
+            for rid in msg.request_ids:
+                if self.engine.abort(rid) is not None and st is not None:
+                    st.requests.discard(rid)
+        elif isinstance(msg, P.Hello):
+            st = self._frontend(msg.frontend_id)
+            st.last_hello = time.monotonic()
+            if msg.want_welcome:
+                self.pub.send_multipart([msg.frontend_id.encode(), P.encode(P.Welcome(
+                    self.spec.worker_id, self.instance, msg.frontend_id, st.seq, self.info["model_name"],
+                    self.info["vocab_size"], self.spec.max_seq_len))])
+
+    def drain(self, timeout_ms: int) -> None:
+        if not self.pull.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.handle(P.decode_job(data))
+            except Exception:  # a malformed job must never kill the device loop
+                log.exception("bad job message (%d bytes) ignored", len(data))
+
+    # -- housekeeping -----------------------------------------------------------------------
+    def reap(self) -> None:
+        """Cancel requests of dead front ends and requests past their deadline."""
+        now = time.monotonic()
+        for fid, st in list(self.frontends.items()):
+            if now - st.last_hello > P.FRONTEND_TIMEOUT_S:
+                for rid in st.requests:
+                    self.engine.abort(rid)
+                log.warning("front end %s silent for %.1f s: cancelled its %d requests", fid,
+                            now - st.last_hello, len(st.requests))
+                del self.frontends[fid]
+        for seq in self.engine.expire(time.time()):
+            err = P.RequestError(500, "Incomplete Generation", "Engine callback timeout: client timeout")
+            self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, finish_reason=P.FINISH_ERROR, error=err))
+
+    def publish(self) -> None:
+        for fid, frames in self.pending.items():
+            st = self.frontends.get(fid)
+            if st is None:
+                continue  # front end gone; its requests were cancelled
+            for f in frames:
+                if f.finish_reason:
+                    st.requests.discard(f.request_id)
+            st.seq += 1
+            self.pub.send_multipart([fid.encode(), P.encode(P.FrameBatch(
+                self.spec.worker_id, self.instance, st.seq, frames))])
+        self.pending.clear()
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self.next_heartbeat:
+            return
+        self.next_heartbeat = now + P.HEARTBEAT_INTERVAL_S
+        bm = self.engine.blocks
+        self.pub.send_multipart([P.HEARTBEAT_TOPIC, P.encode(P.Heartbeat(
+            self.spec.worker_id, self.instance, self.info["device"], os.getpid(), self.info["model_name"],
+            self.engine.num_running, self.engine.num_waiting, bm.num_free, bm.num_blocks,
+            self.engine.scheduler.num_preemptions, bm.hit_rate, bm.block_size, self.engine.steps))])
+
+    # -- main loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        log.info("worker %s serving: jobs %s, frames %s", self.spec.worker_id, self.spec.job_endpoint,
+                 self.spec.pub_endpoint)
+        while not self.stop:
+            busy = self.engine.has_work()
+            self.drain(0 if busy else int(P.HEARTBEAT_INTERVAL_S * 1000 / 2))
+            self.reap()
+            if self.engine.has_work():
+                for out in self.engine.step():
+                    seq = out.seq
+                    self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
+                                                             out.prefill_ms, out.decode_ms, out.error))
+            self.publish()
+            self.heartbeat()
+        self.close()
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.pub.close(0)
+        self.ctx.term()
+        log.info("worker %s stopped", self.spec.worker_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="MindIE-py device worker (started by the supervisor).")
+    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON (see workers/spec.py)")
+    args = ap.parse_args(argv)
+    spec = decode_spec(args.spec)
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [worker {spec.worker_id} pid %(process)d] %(name)s: %(message)s")
+    worker = Worker(spec)
+
+    def _stop(signum, _frame):
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        worker.stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    worker.run()
+
+
+if __name__ == "__main__":
+    main()
