@@ -47,6 +47,7 @@ __all__ = ["TextTokenizer", "IncrementalDetokenizer", "load_tokenizer"]
 
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_LONG_WINDOW = 16  # tokens; a held window longer than this is shrunk (_shrink_window)
 
 
 class TextTokenizer:
@@ -96,7 +97,7 @@ class IncrementalDetokenizer:
     """Streaming text for the generated ids of one request (see the module docstring)."""
 
     __slots__ = ("all_ids", "_decode", "_special", "_bytes", "_ids", "_start", "_read", "_done",
-                 "_emitted", "_full")
+                 "_emitted", "_full", "_run", "_run_stop")
 
     def __init__(self, tok: TextTokenizer) -> None:
         self._decode = tok.tokenizer.decode
@@ -109,6 +110,8 @@ class IncrementalDetokenizer:
         self._done = 0  # chars of decode(_ids[_start:]) already emitted
         self._emitted = 0  # chars emitted in total
         self._full: str | None = None
+        self._run = -1  # start of the open run of byte-fallback tokens at the end, -1 = none
+        self._run_stop = -1  # window end last decoded while that run was open
 
     def push(self, ids: Iterable[int]) -> str:
         """Add one step's ids; return the newly completed text ("" while bytes are held)."""
@@ -120,36 +123,82 @@ class IncrementalDetokenizer:
             return ""
         self._full = None
         all_ids = self._ids
+        base = len(all_ids)
         all_ids.extend(new)
         start = self._start
-        stop = len(all_ids)
         byte_ids = self._bytes
-        if byte_ids and all_ids[-1] in byte_ids:
-            # An open run of byte tokens: only the text before the run is final.
-            while stop > start and all_ids[stop - 1] in byte_ids:
-                stop -= 1
-            text = self._decode(all_ids[start:stop], skip_special_tokens=True) if stop > start else ""
-            out = text[self._done:] if len(text) > self._done else ""
-        elif (text := self._decode(all_ids[start:], skip_special_tokens=True)).endswith(_REPLACEMENT):
+        if byte_ids:
+            run = self._run
+            for k, i in enumerate(new):
+                if i in byte_ids:
+                    if run < 0:
+                        run = base + k
+                else:
+                    run = -1
+            self._run = run
+            if run >= 0:
+                return self._emit_before_run(max(run, start))
+        self._run_stop = -1
+        text = self._decode(all_ids[start:], skip_special_tokens=True)
+        if text.endswith(_REPLACEMENT):
             # Possibly an incomplete character: emit what precedes the trailing U+FFFD run and
             # keep the window where it is, so the held bytes are decoded again with the rest.
             end = len(text.rstrip(_REPLACEMENT))
             out = text[self._done:end] if end > self._done else ""
-        else:
-            out = text[self._done:] if len(text) > self._done else ""
-            # Everything decoded is complete: slide the window to start after the last
-            # completed step, keeping those tokens as context for the next one.
-            new_start = self._read
-            if new_start != self._start:
-                self._start = new_start
-                text = self._decode(all_ids[new_start:], skip_special_tokens=True)
-            self._read = len(all_ids)
-            self._done = len(text)
+            self._done += len(out)
             self._emitted += len(out)
+            if len(all_ids) - start > _LONG_WINDOW:
+                out += self._shrink_window(text)
             return out
+        out = text[self._done:] if len(text) > self._done else ""
+        # Everything decoded is complete: slide the window to start after the last completed
+        # step, keeping those tokens as context for the next one.
+        new_start = self._read
+        if new_start != start:
+            self._start = new_start
+            text = self._decode(all_ids[new_start:], skip_special_tokens=True)
+        self._read = len(all_ids)
+        self._done = len(text)
+        self._emitted += len(out)
+        return out
+
+    def _emit_before_run(self, stop: int) -> str:
+        """An open run of byte tokens ends the window: only the text before it is final."""
+        if stop == self._run_stop:
+            return ""  # same text as last step; the run just got longer
+        self._run_stop = stop
+        start = self._start
+        text = self._decode(self._ids[start:stop], skip_special_tokens=True) if stop > start else ""
+        out = text[self._done:] if len(text) > self._done else ""
         self._done += len(out)
         self._emitted += len(out)
         return out
+
+    def _shrink_window(self, text: str) -> str:
+        """Bound the window when many steps in a row end in U+FFFD; return extra final text.
+
+        Happens on long runs of invalid bytes (each one is final garbage, but the text keeps
+        ending in U+FFFD) or on many characters split across tokens. Any incomplete character
+        sits in the last 3 tokens, so try a split point b among them: when
+        ``decode(head) + decode(tail) == decode(window)`` no character straddles b, ``head``
+        can never change, and the window restarts at b.
+        """
+        ids = self._ids
+        decode = self._decode
+        start, n = self._start, len(ids)
+        for b in range(n - 1, max(start, n - 4), -1):
+            head = decode(ids[start:b], skip_special_tokens=True)
+            if not text.startswith(head):
+                continue
+            if head + decode(ids[b:], skip_special_tokens=True) != text:
+                continue
+            done = self._done
+            out = head[done:] if len(head) > done else ""
+            self._done = max(0, done - len(head))
+            self._emitted += len(out)
+            self._start = self._read = b
+            return out
+        return ""
 
     def full_text(self) -> str:
         """``decode(all_ids, skip_special_tokens=True)`` (cached until the next push)."""
@@ -160,7 +209,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The rest of ``full_text()`` not yet emitted (held bytes show as U+FFFD, as in decode).
 
-        Call once the request has finished; a later ``push`` continues after the flushed text.
+        Call once the request has finished. A later ``push`` continues after the flushed text
+        (exact only if the flush did not cut a character: held bytes were flushed as U+FFFD).
         """
         full = self.full_text()
         rest = full[self._emitted:]

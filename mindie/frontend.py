@@ -1,7 +1,6 @@
 """Per-process state of a front end: config, limits, tokenizer, device client, metrics."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -12,14 +11,12 @@ import falcon.asgi
 from mindie.client import DeviceClient
 from mindie.config import Config, load_config
 from mindie.detokenizer import IncrementalDetokenizer, load_tokenizer
-from mindie.errors import ApiError, request_too_large
+from mindie.errors import request_too_large
 from mindie.metrics import Metrics
 from mindie.topology import model_dir, worker_endpoints
 from mindie.validation import Limits
 
 log = logging.getLogger("mindie.frontend")
-
-ENCODE_OFFLOAD_CHARS = 20_000  # longer texts are tokenised in a thread, off the event loop
 
 
 class FrontEnd:
@@ -34,17 +31,13 @@ class FrontEnd:
             model_cfg = json.load(f)
         self.vocab_size = int(model_cfg.get("vocab_size", 0))
         self.max_body = server.maxRequestLength * 1024 * 1024
-        self.limits = Limits(
-            vocab_size=self.vocab_size,
-            max_input_len=config.max_input_len,
-            truncation=deploy.truncation,
-            max_request_length_mb=server.maxRequestLength,
-            max_seq_len=deploy.maxSeqLen,
-            max_iter_times=config.BackendConfig.ScheduleConfig.maxIterTimes,
-        )
-        dynamic = config.EnableDynamicAdjustTimeoutConfig
-        self.token_timeout = 3600.0 if dynamic else float(server.tokenTimeout)
-        self.e2e_timeout = 65535.0 if dynamic else float(server.e2eTimeout)
+        self.limits = Limits.from_config(
+            max_seq_len=deploy.maxSeqLen, max_input_token_len=deploy.maxInputTokenLen,
+            max_iter_times=config.BackendConfig.ScheduleConfig.maxIterTimes, truncation=deploy.truncation,
+            vocab_size=self.vocab_size, max_request_length_mb=server.maxRequestLength,
+            max_position_embeddings=int(model_cfg.get("max_position_embeddings", 0)))
+        self.token_timeout = float(config.token_timeout)
+        self.e2e_timeout = float(config.e2e_timeout)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.metrics = Metrics(self.model_name)
         self.client: DeviceClient | None = None
@@ -77,11 +70,6 @@ class FrontEnd:
                 raise request_too_large(self.config.ServerConfig.maxRequestLength)
             chunks.append(chunk)
         return b"".join(chunks)
-
-    async def encode(self, text: str) -> list[int]:
-        if len(text) > ENCODE_OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

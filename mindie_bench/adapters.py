@@ -472,7 +472,10 @@ class HttpClient:
                     conn, reused = c, True
                     break
             if conn is None:
-                conn = await self._connect(key)
+                try:
+                    conn = await asyncio.wait_for(self._connect(key), timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"connect timed out after {timeout:g} s") from None
             fut: asyncio.Future[bool] = loop.create_future()
             ex = _Exchange(fut, on_head or (lambda s, h: None))
             conn.start(ex, req)

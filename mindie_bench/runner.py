@@ -242,14 +242,23 @@ async def run_segment(adapter: Adapter, workload: WorkloadFn, cfg: LoadConfig, l
             if bad and len(bad) == len(wres):
                 print(f"warning: every warm-up request failed, e.g. {bad[0].error}", file=sys.stderr)
         specs = workload(cfg.prompts(), cfg.seed)
+        cpu0 = time.process_time()
         results, dur, t0 = await drive(
             adapter, client, specs, concurrency=cfg.concurrency, request_rate=cfg.request_rate,
             duration=cfg.duration, seed=cfg.seed, timeout=cfg.timeout,
             progress=Progress(label, None if cfg.duration else len(specs), cfg.duration, cfg.progress))
+        cpu = time.process_time() - cpu0
     finally:
         await client.aclose()
     seg = Segment(label, cfg.concurrency, cfg.request_rate, results, dur, t0)
     seg.stats = st.aggregate(results, dur)
+    # The load generator's own CPU use (fraction of one core): near 1.0 means the client,
+    # not the server, may be limiting the measurement.
+    seg.stats["client_cpu_s"] = cpu
+    seg.stats["client_cpu_util"] = cpu / dur if dur > 0 else math.nan
+    if dur > 1.0 and cpu / dur > 0.8:
+        print(f"warning: {label}: the load generator used {cpu / dur:.0%} of a core; it may be the bottleneck",
+              file=sys.stderr)
     return seg
 
 

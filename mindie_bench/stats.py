@@ -152,6 +152,8 @@ def format_report(stats: dict[str, Any], title: str = "") -> str:
     row("Request throughput (req/s):", stats["request_throughput"])
     row("Output token throughput (tok/s):", stats["output_throughput"])
     row("Total token throughput (tok/s):", stats["total_token_throughput"])
+    if "client_cpu_util" in stats:
+        row("Load generator CPU (share of a core):", stats["client_cpu_util"])
     for key, label in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
                        ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
         lines.append(f"{' ' + label + ' ':-^{w}}")

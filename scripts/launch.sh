@@ -73,7 +73,8 @@ stop_all() {
   kill -TERM "$sup" 2>/dev/null || true
   wait "$sup" 2>/dev/null || true
 }
-trap 'stop_all' TERM INT
+signalled=0
+trap 'signalled=1; stop_all' TERM INT
 trap 'kill -HUP "$gun" 2>/dev/null || true' HUP
 
 status=0
@@ -86,4 +87,6 @@ while [ "$stopping" = 0 ]; do
   fi
 done
 rm -rf "$PROMETHEUS_MULTIPROC_DIR"
+# Stopped on request: a clean exit. Otherwise a component died: report its status.
+[ "$signalled" = 1 ] && status=0
 exit "$status"

@@ -111,7 +111,8 @@ class Server:
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.tail()}")
 
     def tail(self, n: int = 60) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def workers(self) -> list[int]:

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -102,7 +102,8 @@ class Native(_Base):
             if mode == "cut" and i == stop - 1:
                 raise RuntimeError("simulated crash mid-stream")
             last = i == stop - 1
-            head = '{"prefill_time":45.54,"decode_time":null,' if i == 0 else '{"prefill_time":null,"decode_time":16.80,'
+            head = ('{"prefill_time":45.54,"decode_time":null,' if i == 0
+                    else '{"prefill_time":null,"decode_time":16.80,')
             tail = f'"token":{{"id":[{100 + i}],"text":"t"}}}}' if not last else (
                 f'"generated_text":"tt","details":{{"finish_reason":"{"eos_token" if mode == "eos" else "length"}",'
                 f'"generated_tokens":{stop},"seed":1}},"token":{{"id":[{100 + i}],"text":null}}}}')
@@ -327,12 +328,21 @@ def test_text_for_tgi() -> None:
 # ----------------------------------------------------------------------------- parsing
 
 
+def _collector() -> tuple[list[bytes], Callable[[bytes, float], None]]:
+    got: list[bytes] = []
+
+    def sink(data: bytes, t: float) -> None:
+        got.append(data)
+
+    return got, sink
+
+
 def test_sse_parser_any_split() -> None:
     stream = (b": keep-alive\n\ndata: {\"a\":1}\n\ndata:{\"a\":2}\r\n\r\nevent: x\ndata: [DONE]\n\n"
               b"data: tail\n")
     for cut in range(len(stream) + 1):
-        got: list[bytes] = []
-        p = SSEParser(lambda d, t, got=got: got.append(d))
+        got, sink = _collector()
+        p = SSEParser(sink)
         p.feed(stream[:cut], 0.0)
         p.feed(stream[cut:], 0.0)
         p.close(0.0)
@@ -352,8 +362,8 @@ def test_http_parser_byte_by_byte() -> None:
            b"9\r\ndata: a\n\n\r\n9\r\ndata: b\n\n\r\n0\r\n\r\n")
 
     async def go() -> tuple[list[bytes], bool]:
-        got: list[bytes] = []
-        p = SSEParser(lambda d, t, got=got: got.append(d))
+        got, sink = _collector()
+        p = SSEParser(sink)
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         conn = _Conn()
         conn.connection_made(_FakeTransport())  # type: ignore[arg-type]

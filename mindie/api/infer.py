@@ -14,7 +14,7 @@ from mindie import responses as R
 from mindie.client import NoWorkerError, RequestStream
 from mindie.errors import ApiError
 from mindie.frontend import FrontEnd
-from mindie.validation import InferRequest, check_token_ids, parse_infer_request
+from mindie.validation import InferRequest, parse_infer_request
 
 log = logging.getLogger("mindie.api")
 
@@ -79,16 +79,10 @@ class InferResource:
         fe.metrics.received()
         try:
             body = await fe.read_body(req)
-            ireq = parse_infer_request(body, fe.limits)
+            ireq = parse_infer_request(body, fe.limits, encode=fe.tokenizer.encode)
             token_ids = ireq.input_ids
-            if token_ids is None:
-                token_ids = check_token_ids(await fe.encode(ireq.inputs), fe.limits)
-            params = ireq.sampling
-            cap = fe.limits.max_seq_len - len(token_ids)
-            if params.max_new_tokens > cap:
-                params.max_new_tokens = max(1, cap)
             try:
-                stream = fe.client.submit(token_ids, params, ireq.priority)
+                stream = fe.client.submit(token_ids, ireq.sampling, ireq.priority)
             except NoWorkerError as e:
                 raise ApiError(503, f"No device worker is ready: {e}")
         except ApiError as e:

@@ -332,7 +332,7 @@ class Sampler:
             pj = torch.tensor(p_only, device=dev)
             lse = torch.logsumexp(x[pj] / temp[pj], dim=-1, keepdim=True)
             z[pj] = (lse - vals[pj, :1]).exp()
-        keep = (((c - w) < top_p * z) | (pos == 0)) & (pos < limit)  # a prefix of the window
+        keep = (((c - w) < top_p * z) | (top_p >= 1.0) | (pos == 0)) & (pos < limit)  # a prefix
         m = keep.sum(-1, keepdim=True)
         # Exact only if the kept set cannot change with a wider window:
         kth = vals.gather(1, (kt - 1).clamp(min=0))

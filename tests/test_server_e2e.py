@@ -1,0 +1,307 @@
+"""The whole server through scripts/launch.sh on loopback: gunicorn front ends, supervisor,
+two CPU device workers, ZeroMQ, HTTP. Requests and answers are checked on the wire."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from mindie.detokenizer import load_tokenizer
+from tests.harness import Server, alive, descendants, free_port, short_run_dir, write_config
+
+pytestmark = pytest.mark.timeout(600)
+
+SEED_BODY = {
+    "input_id": [5618, 19678, 701, 9072, 13],
+    "stream": False,
+    "parameters": {
+        "temperature": 0.5, "top_k": 10, "top_p": 0.95, "max_new_tokens": 20, "do_sample": True, "seed": None,
+        "repetition_penalty": 1.03, "details": True, "typical_p": 0.5, "watermark": False, "priority": 5,
+        "timeout": 10,
+    },
+}
+FRAME_RE = re.compile(rb"data: (\{.*?\})\n\n", re.S)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, demo_model):
+    tmp = tmp_path_factory.mktemp("server")
+    port = free_port()
+    cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
+                       server={"maxRequestLength": 1})
+    srv = Server(cfg, port, frontends=2)
+    srv.wait_ready()
+    srv.tokenizer = load_tokenizer(demo_model)
+    yield srv
+    srv.stop()
+
+
+def post(srv: Server, body, path: str = "/infer_token", **kw) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(srv.url + path, content=data, timeout=kw.pop("timeout", 60), **kw)
+
+
+def parse_stream(raw: bytes) -> list[dict]:
+    frames = FRAME_RE.findall(raw)
+    # Nothing but frames on the wire: no [DONE], no comments, no stray bytes.
+    assert b"".join(b"data: " + f + b"\n\n" for f in frames) == raw, raw[-300:]
+    return [json.loads(f) for f in frames]
+
+
+# -- the seed request --------------------------------------------------------------------------
+def test_seed_request_non_stream(server):
+    r = post(server, SEED_BODY)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert list(body) == ["generated_text", "details"]
+    d = body["details"]
+    assert list(d) == ["finish_reason", "generated_tokens", "generated_token_ids", "seed"]
+    assert d["finish_reason"] == "length" and d["generated_tokens"] == 20
+    assert len(d["generated_token_ids"]) == 20 and all(isinstance(i, int) for i in d["generated_token_ids"])
+    assert isinstance(d["seed"], int) and 0 <= d["seed"] <= 2**63 - 1
+    assert body["generated_text"] == server.tokenizer.decode(d["generated_token_ids"])
+    # Compact JSON with the seed's key order on the wire.
+    assert r.content.startswith(b'{"generated_text":')
+
+
+def test_seed_request_stream(server):
+    body = dict(SEED_BODY, stream=True)
+    with httpx.stream("POST", server.url + "/infer_token", content=json.dumps(body), timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    frames = parse_stream(raw)
+    assert len(frames) == 20
+    first, last = frames[0], frames[-1]
+    assert list(first) == ["prefill_time", "decode_time", "token"]
+    assert isinstance(first["prefill_time"], (int, float)) and first["decode_time"] is None
+    for f in frames[1:-1]:
+        assert list(f) == ["prefill_time", "decode_time", "token"]
+        assert f["prefill_time"] is None and isinstance(f["decode_time"], (int, float))
+        assert list(f["token"]) == ["id", "text"] and len(f["token"]["id"]) == 1
+        assert isinstance(f["token"]["text"], str)
+    assert list(last) == ["prefill_time", "decode_time", "generated_text", "details", "token"]
+    assert last["token"]["text"] is None and len(last["token"]["id"]) == 1
+    assert list(last["details"]) == ["finish_reason", "generated_tokens", "seed"]
+    assert last["details"]["finish_reason"] == "length" and last["details"]["generated_tokens"] == 20
+    ids = [f["token"]["id"][0] for f in frames]
+    assert last["generated_text"] == server.tokenizer.decode(ids)
+    streamed = "".join(f["token"]["text"] for f in frames[:-1])
+    # The last token's text only appears in generated_text (its frame has "text": null).
+    assert last["generated_text"].startswith(streamed)
+    assert "\ufffd" not in streamed
+
+
+def test_details_false_and_text_input(server):
+    r = post(server, {"inputs": "Hello, world", "parameters": {"max_new_tokens": 3}}, path="/infer")
+    assert r.status_code == 200, r.text
+    assert list(r.json()) == ["generated_text"]
+    with httpx.stream("POST", server.url + "/infer", content=json.dumps(
+            {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 2}}), timeout=60) as r:
+        frames = parse_stream(r.read())
+    assert frames[-1]["details"] is None and "generated_text" in frames[-1]
+
+
+def test_seeded_request_is_reproducible(server):
+    body = json.loads(json.dumps(SEED_BODY))
+    body["parameters"]["seed"] = 1234
+    a, b = post(server, body).json(), post(server, body).json()
+    assert a == b and a["details"]["seed"] == 1234
+
+
+# -- concurrency -------------------------------------------------------------------------------
+def test_32_concurrent_streams_complete_and_correct(server):
+    prompts = [[(7 * i + j) % 31000 + 3 for j in range(5 + i % 17)] for i in range(32)]
+    expected = []
+    for p in prompts:
+        r = post(server, {"input_id": p, "parameters": {"max_new_tokens": 16, "details": True}})
+        expected.append(r.json()["details"]["generated_token_ids"])
+
+    async def one(client: httpx.AsyncClient, p):
+        async with client.stream("POST", "/infer_token", content=json.dumps(
+                {"input_id": p, "stream": True, "parameters": {"max_new_tokens": 16, "details": True}})) as r:
+            assert r.status_code == 200
+            return parse_stream(await r.aread())
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(main())
+    for frames, exp in zip(results, expected):
+        assert [f["token"]["id"][0] for f in frames] == exp
+        assert frames[-1]["details"]["generated_tokens"] == 16
+
+
+# -- validation --------------------------------------------------------------------------------
+BAD = [
+    (b"{not json", 422, "Failed to parse request context to json"),
+    ({"inputs": "a", "input_id": [1]}, 422, "Input conflict."),
+    ({"parameters": {}}, 422, "Not found inputs."),
+    ({"input_id": "abc"}, 422, "Parameter input_id must be an array"),
+    ({"input_id": [1, "x"]}, 422, "Parameter input_id must be integer"),
+    ({"input_id": [1, -5]}, 422, "Data element in param input_id is invalid"),
+    ({"input_id": []}, 422, "Inputs token length must be in (0, 1048576], but got 0"),
+    ({"input_id": [1, 40000]}, 424, "Failed to enqueue inferRequest. Invalid Input Ids"),
+    ({"input_id": [1] * 2049}, 424, "Failed to enqueue inferRequest. This model's maximum input ids length "
+                                    "cannot be greater than 2048,the input ids length is 2049"),
+    ({"input_id": [1], "stream": 1}, 422, "stream must be boolean type."),
+    ({"input_id": [1], "parameters": []}, 422, "parameters must be object type."),
+    ({"input_id": [1], "parameters": {"temperature": 0}}, 422, "Parameter temperature must be in"),
+    ({"input_id": [1], "parameters": {"top_k": 0}}, 422, "Parameter top_k must be in"),
+    ({"input_id": [1], "parameters": {"top_p": 1.0}}, 422, "Parameter top_p must be in (0.0,1.0]"),
+    ({"input_id": [1], "parameters": {"typical_p": 1.5}}, 422, "Parameter typical_p must be in (0.0,1.0]"),
+    ({"input_id": [1], "parameters": {"do_sample": 1}}, 422, "do_sample must be boolean type."),
+    ({"input_id": [1], "parameters": {"seed": -1}}, 422, "seed must be unsigned type."),
+    ({"input_id": [1], "parameters": {"repetition_penalty": 0}}, 422, "Parameter 'repetition_penalty' must be in"),
+    ({"input_id": [1], "parameters": {"watermark": "yes"}}, 422, "watermark must be boolean type."),
+    ({"input_id": [1], "parameters": {"priority": 0}}, 422, "Parameter priority must be in [1,5], got 0."),
+    ({"input_id": [1], "parameters": {"priority": 5.0}}, 422, "priority must be unsigned type."),
+    ({"input_id": [1], "parameters": {"max_new_tokens": 0}}, 422, "Parameter max_new_tokens must be in"),
+    ({"input_id": [1], "parameters": {"timeout": 0}}, 422, "Parameter timeout must be strictly positive"),
+    ({"input_id": [1], "parameters": {"details": "no"}}, 422, "details must be boolean type."),
+]
+
+
+@pytest.mark.parametrize("body,status,message", BAD, ids=[m[:40] for _, _, m in BAD])
+def test_validation(server, body, status, message):
+    r = post(server, body)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert list(err) == ["error", "error_type"]
+    assert err["error"].startswith(message), err
+    assert err["error_type"] == {422: "Input Validation Error", 424: "Generation Error"}[status]
+
+
+def test_unknown_keys_ignored_and_null_is_absent(server):
+    r = post(server, {"input_id": [5, 6], "whatever": 1, "parameters": {
+        "max_new_tokens": 2, "stop": ["x"], "ignore_eos": True, "temperature": None, "details": True}})
+    assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 2
+
+
+def test_body_too_large(server):
+    r = post(server, b'{"input_id": [' + b"1," * (600 * 1024) + b"1]}")
+    assert r.status_code == 413
+    assert r.json() == {"error": "Request body too large. Maximum allowed size is 1MB.",
+                        "error_type": "Request Entity Too Large"}
+
+
+def test_health_models_and_404(server):
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.content == b""
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "demo"
+    r = httpx.get(server.url + "/nope")
+    assert r.status_code == 404 and list(r.json()) == ["error", "error_type"]
+
+
+# -- disconnects and failures ------------------------------------------------------------------
+def _running(srv: Server) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    m = re.search(r'^num_requests_running\{[^}]*\} ([0-9.e+]+)$', text, re.M)
+    return float(m.group(1)) if m else -1.0
+
+
+def test_client_disconnect_frees_request(server):
+    body = {"input_id": [5, 6, 7], "stream": True, "parameters": {"max_new_tokens": 2000}}
+    with httpx.stream("POST", server.url + "/infer_token", content=json.dumps(body), timeout=60) as r:
+        it = r.iter_bytes()
+        next(it)
+    # Both device workers report nothing running within a few seconds of the disconnect.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if _running(server) == 0:
+            break
+    else:
+        raise AssertionError(f"request still running after disconnect: {_running(server)}")
+
+
+def test_kill_device_worker_during_streaming(server):
+    body = {"input_id": [9, 10, 11], "stream": True, "parameters": {"max_new_tokens": 3000}}
+
+    async def one(client):
+        async with client.stream("POST", "/infer_token", content=json.dumps(body)) as r:
+            return await r.aread()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            tasks = [asyncio.create_task(one(client)) for _ in range(4)]
+            await asyncio.sleep(1.5)
+            victim = server.workers()[0]
+            os.kill(victim, signal.SIGKILL)
+            t0 = time.monotonic()
+            done, pending = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert done, "no stream ended after a worker was killed"
+            elapsed = time.monotonic() - t0
+            for t in pending:
+                t.cancel()
+            return [t.result() for t in done], elapsed, victim
+
+    results, elapsed, victim = asyncio.run(main())
+    assert elapsed < 8
+    for raw in results:
+        frames = parse_stream(raw)
+        assert list(frames[-1]) == ["error", "error_type"]
+        assert frames[-1]["error_type"] == "Incomplete Generation"
+    # The supervisor restarts the worker and the server serves again.
+    deadline = time.monotonic() + 60
+    while True:
+        pids = server.workers()
+        if len(pids) == 2 and victim not in pids:
+            r = post(server, {"input_id": [1, 2], "parameters": {"max_new_tokens": 2}})
+            if r.status_code == 200:
+                break
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(0.5)
+
+
+# -- timeouts, signals, config -----------------------------------------------------------------
+def test_timeouts_sighup_and_sigterm(tmp_path, demo_model):
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
+                       server={"e2eTimeout": 3})
+    srv = Server(cfg, port, frontends=1)
+    try:
+        srv.wait_ready()
+        # Non-stream: the request's own timeout.
+        r = post(srv, {"input_id": [3, 4], "parameters": {"max_new_tokens": 5000, "timeout": 1}})
+        assert r.status_code == 500
+        assert r.json() == {"error": "Engine callback timeout: client timeout", "error_type": "Incomplete Generation"}
+        # Stream: the server's e2eTimeout ends it with MindIE's raw text.
+        with httpx.stream("POST", srv.url + "/infer_token", content=json.dumps(
+                {"input_id": [3, 4], "stream": True, "parameters": {"max_new_tokens": 5000}}), timeout=30) as r:
+            raw = r.read()
+        assert raw.endswith(b"Engine callback timeout: server e2eTimeout")
+        # SIGHUP: new front ends, same device workers, still serving.
+        workers_before = sorted(srv.workers())
+        srv.proc.send_signal(signal.SIGHUP)
+        time.sleep(3)
+        assert sorted(srv.workers()) == workers_before
+        srv.wait_ready(30)
+        assert post(srv, {"input_id": [1], "parameters": {"max_new_tokens": 1}}).status_code == 200
+        everything = descendants(srv.proc.pid)
+        assert len(everything) >= 5  # supervisor, 2 workers, gunicorn master, a front end
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.tail()
+    time.sleep(0.5)
+    assert [p for p in everything if alive(p)] == []
+
+
+def test_bad_config_fails_naming_the_key(tmp_path, demo_model):
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
+                       schedule={"maxBatchSize": 0})
+    srv = Server(cfg, port)
+    assert srv.proc.wait(60) != 0
+    srv.log.close()
+    assert "BackendConfig.ScheduleConfig.maxBatchSize" in srv.log_path.read_text()
