@@ -122,7 +122,7 @@ _ServerConfig = ServerConfig
 
 
 class ModelConfig(_Section):
-    modelName: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$", max_length=256)] = "llama_65b"
+    modelName: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$", max_length=256)] = "demo"  # MindIE's sample file says "llama_65b"; absent here means the demo model
     # "" = the built-in demo model. Relative paths: from the config file's directory (from the
     # current directory when set by MINDIE_MODEL_PATH); load_config makes it absolute.
     modelWeightPath: str = ""

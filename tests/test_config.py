@@ -140,7 +140,7 @@ def test_defaults_without_a_file() -> None:
     assert c.BackendConfig.npuDeviceIds == [[0]] and c.instances == [[0]] and c.world_size == 1
     assert c.BackendConfig.deviceType == "auto" and c.BackendConfig.cpuThreadsPerWorker == 0
     assert (c.deploy.maxSeqLen, c.deploy.maxInputTokenLen, c.deploy.truncation) == (2560, 2048, False)
-    assert c.model.modelName == "llama_65b" and c.model.modelWeightPath == "" and c.model.is_demo
+    assert c.model.modelName == "demo" and c.model.modelWeightPath == "" and c.model.is_demo
     assert (c.model.npuMemSize, c.model.cpuMemSize, c.model.cpu_kv_cache_gib, c.model.dtype) == (-1, 0, 1, "auto")
     sch = c.schedule
     assert (sch.cacheBlockSize, sch.maxPrefillBatchSize, sch.maxPrefillTokens) == (128, 50, 8192)

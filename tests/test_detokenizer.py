@@ -235,7 +235,7 @@ def byte_ids(tok: TextTokenizer, *values: int) -> list[int]:
 
 def test_byte_fallback_character_is_released_when_the_run_closes() -> None:
     tok = TOKENIZERS["llama2_bytefallback"]
-    x = content_ids(tok, "x")[-1:]
+    x = [next(i for i in content_ids(tok, "the") if i not in tok.byte_ids)]
     d = tok.detokenizer()
     outs = [d.push([i]) for i in byte_ids(tok, 0xE4, 0xB8, 0xAD)]  # 中
     assert outs == ["", "", ""]
@@ -288,6 +288,32 @@ def test_window_stays_small(name: str) -> None:
     # whole run at once); the samples' longest run is 10 CJK/emoji characters of 3-4 bytes.
     assert max(sizes) <= 48
     assert sum(sizes) <= 4 * len(ids)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_long_runs_of_invalid_bytes_stay_linear(name: str) -> None:
+    # Every step ends in U+FFFD (final garbage or an open byte run): exact, and the decoded
+    # windows stay bounded instead of growing with the whole run.
+    tok = TOKENIZERS[name]
+    if tok.byte_ids:
+        stray = byte_ids(tok, 0x80)[0]
+    else:  # byte-level: any single-byte token >= 0x80 decodes to U+FFFD alone
+        vocab = tok.tokenizer.get_vocab()
+        stray = next(i for t, i in sorted(vocab.items()) if len(t) == 1 and tok.decode([i]) == FFFD)
+    ids = [stray] * 2000 + content_ids(tok, " ok")
+    d = tok.detokenizer()
+    sizes: list[int] = []
+    real = d._decode
+
+    def spy(window: list[int], skip_special_tokens: bool = True) -> str:
+        sizes.append(len(window))
+        return real(window, skip_special_tokens=skip_special_tokens)
+
+    d._decode = spy  # type: ignore[method-assign]
+    out = "".join(d.push([i]) for i in ids)
+    d._decode = real  # type: ignore[method-assign]
+    assert out + d.flush() == tok.decode(ids)
+    assert sum(sizes) <= 20 * len(ids)
 
 
 # ---------------------------------------------------------------------------------------------

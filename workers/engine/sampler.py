@@ -17,10 +17,10 @@ Two routes for sampling rows, because top_p needs the probability-sorted vocabul
 sort of [64, 32000] costs ~70 ms on CPU:
 
 * candidate route (rows with top_k <= ``max_candidate_k`` or top_p, and no typical_p): filter
-  and draw on the ``topk`` window of the row (k+1 entries for top_k rows, ``candidates`` for
-  top_p-only rows), in a canonical order (probability desc, token id asc). A row whose kept set
-  is not provably inside its window (a tie at the k-th value, or a nucleus reaching the window's
-  edge) is recomputed by the dense route.
+  and draw on the ``topk`` window of the row (k+1 entries for top_k rows; for top_p-only rows
+  128, then 1024 entries), in a canonical order (probability desc, token id asc). A row whose
+  kept set is not provably inside its window (a tie at the k-th value, or a nucleus reaching the
+  window's edge) tries the next window, then the dense route.
 * dense route: TGI's formulas over the whole vocabulary (full sorts for top_p / typical_p).
 
 A row's window depends only on its own parameters, so which route serves it, and so its token,
@@ -163,10 +163,12 @@ class Sampler:
     in place (penalties). Call it once per engine step, then ``states[i].append(tokens[i])``.
     """
 
-    def __init__(self, watermark: WatermarkConfig | None = None, *, candidates: int = 128,
+    def __init__(self, watermark: WatermarkConfig | None = None, *, candidates: int | Sequence[int] = (128, 1024),
                  max_candidate_k: int = 1024, chunk: int = 256) -> None:
         self.watermark = WatermarkLogitsProcessor(watermark)
-        self.candidates = max(2, candidates)
+        # Window sizes tried in turn for top_p-only rows before the dense route (sampled tokens
+        # depend on this setting, not on the batch).
+        self.candidates = tuple(max(2, c) for c in ((candidates,) if isinstance(candidates, int) else candidates))
         self.max_candidate_k = max_candidate_k
         self.chunk = chunk
 
@@ -228,27 +230,32 @@ class Sampler:
                 and (0 < states[i].top_k <= self.max_candidate_k or states[i].top_p < 1.0)]
         cand_set = set(cand)
         dense = [i for i in sampled if i not in cand_set]
-        if cand:
+        for tier, window in enumerate(self.candidates):
+            if tier:  # only top_p-only rows gain from a wider window; top_k rows with ties go dense
+                dense += [i for i in cand if 0 < states[i].top_k < V]
+                cand = [i for i in cand if not 0 < states[i].top_k < V]
+            if not cand:
+                break
             idx, x = _take(logits, cand)
             uc = u[[pos_of[i] for i in cand]]
-            tok, lp, ok, cdist = self._candidate_route(x, [states[i] for i in cand], uc[:, 0:1], want_dist)
-            ok_l = ok.tolist()  # the only host sync: which rows must be redone densely
+            tok, lp, ok, cdist = self._candidate_route(x, [states[i] for i in cand], uc[:, 0:1], window, want_dist)
+            ok_l = ok.tolist()  # host sync: which rows need a wider window or the dense route
             good = [j for j, flag in enumerate(ok_l) if flag]
             if len(good) == len(cand):
-                _put(tokens, idx, tok)
-                if logprobs is not None:
-                    _put(logprobs, idx, lp)
-                if want_dist:
-                    _put(dist, idx, cdist)
+                idx_good: torch.Tensor | None = idx
             elif good:
                 g = torch.tensor(good, device=dev)
-                rows = torch.tensor([cand[j] for j in good], device=dev)
-                tokens[rows] = tok[g]
+                idx_good = torch.tensor([cand[j] for j in good], device=dev)
+                tok, lp = tok[g], lp[g]
+                cdist = cdist[g] if cdist is not None else None
+            if good:
+                _put(tokens, idx_good, tok)
                 if logprobs is not None:
-                    logprobs[rows] = lp[g]
-                if want_dist:
-                    dist[rows] = cdist[g]
-            dense += [cand[j] for j, flag in enumerate(ok_l) if not flag]
+                    _put(logprobs, idx_good, lp)
+                if cdist is not None:
+                    _put(dist, idx_good, cdist)
+            cand = [cand[j] for j, flag in enumerate(ok_l) if not flag]
+        dense += cand
         if dense:
             dense.sort()
             idx, x = _take(logits, dense)
@@ -298,14 +305,16 @@ class Sampler:
 
     # -- candidate route -----------------------------------------------------------------------
 
-    def _candidate_route(self, x: torch.Tensor, st: list[SamplingState], u: torch.Tensor, want_dist: bool
+    @staticmethod
+    def _candidate_route(x: torch.Tensor, st: list[SamplingState], u: torch.Tensor, window: int, want_dist: bool
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Filter and draw inside each row's topk window. Returns tokens, logprobs, ok (rows whose
-        result is exact; the others must go dense) and optionally the dense distribution."""
+        """Filter and draw inside each row's topk window (k + 1 for top_k rows, ``window`` for
+        top_p-only rows). Returns tokens, logprobs, ok (rows whose result is exact; the others
+        need a wider window or the dense route) and optionally the dense distribution."""
         R, V = x.shape
         dev = x.device
         ks = [s.top_k if s.top_k < V else 0 for s in st]  # top_k >= V filters nothing
-        win = [k + 1 if k else min(self.candidates, V) for k in ks]
+        win = [k + 1 if k else min(window, V) for k in ks]
         K = max(win)
         f = torch.tensor([[s.temperature, s.top_p] for s in st], dtype=torch.float32).to(dev)
         temp, top_p = f[:, 0:1], f[:, 1:2]
@@ -317,7 +326,7 @@ class Sampler:
         # Canonical order (value desc, id asc): topk's order among ties may depend on K.
         idx, perm = idx.sort(dim=-1)
         vals = vals.gather(1, perm)
-        vals, perm = vals.sort(dim=-1, descending=True, stable=True)
+        vals, perm = vals.sort(dim=-1, descending=True, stable=False)
         idx = idx.gather(1, perm)
 
         pos = torch.arange(K, device=dev)[None, :]
@@ -329,9 +338,15 @@ class Sampler:
         z = c.gather(1, limit - 1)
         p_only = [j for j, k in enumerate(ks) if not k]
         if p_only:
-            pj = torch.tensor(p_only, device=dev)
-            lse = torch.logsumexp(x[pj] / temp[pj], dim=-1, keepdim=True)
-            z[pj] = (lse - vals[pj, :1]).exp()
+            pj, xs = _take(x, p_only)
+            tj = temp if pj is None else temp[pj]
+            if any(st[j].temperature != 1.0 for j in p_only):
+                xs = xs / tj
+            lse = torch.logsumexp(xs, dim=-1, keepdim=True)
+            if pj is None:
+                z = (lse - vals[:, :1]).exp()
+            else:
+                z[pj] = (lse - vals[pj, :1]).exp()
         keep = (((c - w) < top_p * z) | (top_p >= 1.0) | (pos == 0)) & (pos < limit)  # a prefix
         m = keep.sum(-1, keepdim=True)
         # Exact only if the kept set cannot change with a wider window:
@@ -360,7 +375,8 @@ class Sampler:
         R, V = x.shape
         dev = x.device
         f = torch.tensor([[s.temperature, s.top_p, s.typical_p] for s in st], dtype=torch.float32).to(dev)
-        x = x / f[:, 0:1]
+        if any(s.temperature != 1.0 for s in st):
+            x = x / f[:, 0:1]
         ks = [s.top_k if s.top_k < V else 0 for s in st]
         if any(ks):
             kt = torch.tensor(ks, dtype=torch.long).to(dev)[:, None]
