@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 import zlib
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWar
 
 from mindie.protocol import SamplingParams
 from workers.engine import watermark as wm
-from workers.engine.sampler import Sampler, SamplingState, draw_uniforms, effective_do_sample
+from workers.engine.sampler import Sampler, SamplingState, draw_uniforms
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,36 +71,6 @@ def assert_matches_reference(got: torch.Tensor, logits: torch.Tensor, params: li
                 break
         else:
             pytest.fail(f"row {r} {p}: support {(g > 0).sum()} tokens, reference {(ref > 0).sum()}")
-
-
-# --------------------------------------------------------------------------------------------
-# effective_do_sample
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("given,mindie,tgi", [
-    ({}, False, False),
-    ({"temperature": None, "top_k": None, "do_sample": None}, False, False),
-    ({"temperature": 1.0}, False, False),
-    ({"temperature": 0.7}, True, True),
-    ({"temperature": 1.5}, True, True),
-    ({"top_k": 50}, True, True),
-    ({"top_k": 0}, False, False),
-    ({"top_k": -1}, False, False),
-    ({"top_p": 0.9}, True, True),
-    ({"top_p": 1.0}, False, False),
-    ({"typical_p": 0.5}, True, True),
-    ({"typical_p": 1.0}, False, False),
-    ({"repetition_penalty": 1.3, "watermark": True, "seed": 7}, False, False),
-    ({"do_sample": True}, True, True),
-    ({"do_sample": True, "temperature": 1.0}, True, True),
-    ({"do_sample": False}, False, False),
-    ({"do_sample": False, "temperature": 0.7}, False, True),
-    ({"do_sample": False, "top_k": 5, "top_p": 0.5}, False, True),
-])
-def test_effective_do_sample(given: dict, mindie: bool, tgi: bool) -> None:
-    assert effective_do_sample(given) is mindie
-    assert effective_do_sample(given, explicit_wins=False) is tgi
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +293,20 @@ def test_same_seed_same_tokens_across_processes() -> None:
                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "123"})
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == here["result"]
+
+
+def test_state_recreated_each_step_gives_the_same_tokens() -> None:
+    """The draw index is len(tokens) - prompt_len, so an engine may also rebuild the state from
+    its token list every step (or after a preemption) without changing the output."""
+    target = TARGETS[0]
+    kept = _run_target(target, 0, [])
+    tokens = [5, 6, 7]
+    sampler = Sampler()
+    for step in range(12):
+        logits = randn(1, 2000, 1000 + step, 2.5)
+        state = SamplingState(sp(**target), tokens, prompt_len=3)
+        tokens = tokens + [int(sampler(logits, [state])[0])]
+    assert tokens[3:] == kept
 
 
 def test_different_seeds_differ() -> None:

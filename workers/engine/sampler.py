@@ -46,35 +46,6 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _U24 = 1.0 / (1 << 24)
 
 
-def effective_do_sample(given: Mapping[str, Any], *, explicit_wins: bool = True) -> bool:
-    """Whether a request samples, from the parameters the user actually set.
-
-    ``given`` maps parameter names to the values the user sent; a missing key or ``None`` means
-    "not set". The implicit rule (TGI ``HeterogeneousNextTokenChooser``, tgi.md §3.2; MindIE:
-    "do_sample unset -> decided by the other parameters") is: sample when any warper is set to a
-    non-neutral value, i.e. temperature != 1.0, top_k > 0, top_p < 1.0 or typical_p < 1.0. An
-    explicit neutral value (temperature 1.0, top_p 1.0) stays greedy; repetition_penalty,
-    watermark and seed never switch sampling on.
-
-    An explicit ``do_sample`` then combines with it:
-    * ``explicit_wins=True`` (MindIE /infer, /infer_token, Triton): an explicit true or false is
-      final, e.g. ``do_sample=false, temperature=0.7`` is greedy.
-    * ``explicit_wins=False`` (TGI /generate): ``do_sample OR implicit``, so
-      ``do_sample=false, temperature=0.7`` samples.
-    Put the result in ``SamplingParams.do_sample``; the sampler reads only that flag.
-    """
-    def val(name: str) -> Any:
-        return given.get(name)
-
-    t, k, p, tp = val("temperature"), val("top_k"), val("top_p"), val("typical_p")
-    implicit = ((t is not None and t != 1.0) or (k is not None and k > 0)
-                or (p is not None and p < 1.0) or (tp is not None and tp < 1.0))
-    ds = val("do_sample")
-    if ds is None:
-        return bool(implicit)
-    return bool(ds) if explicit_wins else bool(ds) or bool(implicit)
-
-
 def _splitmix64(x: int) -> int:
     z = (x + _GOLDEN) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -96,7 +67,7 @@ class SamplingState:
     with ``prompt_len`` set) and keep it for the request's whole life, preemptions included;
     after each step ``append`` the sampled token (or ``sync`` with the full token list). The
     draw index is ``num_generated``, so a recomputed request draws the same tokens again.
-    ``params.do_sample`` must already be the effective flag (see ``effective_do_sample``);
+    ``params.do_sample`` must already be the effective flag (the front end decides it: ``mindie.validation.implicit_do_sample``);
     a temperature <= 0 also means greedy, and non-positive penalties are ignored.
     """
 
@@ -326,7 +297,7 @@ class Sampler:
         # Canonical order (value desc, id asc): topk's order among ties may depend on K.
         idx, perm = idx.sort(dim=-1)
         vals = vals.gather(1, perm)
-        vals, perm = vals.sort(dim=-1, descending=True, stable=False)
+        vals, perm = vals.sort(dim=-1, descending=True, stable=True)
         idx = idx.gather(1, perm)
 
         pos = torch.arange(K, device=dev)[None, :]
@@ -376,7 +347,7 @@ class Sampler:
         dev = x.device
         f = torch.tensor([[s.temperature, s.top_p, s.typical_p] for s in st], dtype=torch.float32).to(dev)
         if any(s.temperature != 1.0 for s in st):
-            x = x / f[:, 0:1]
+            x = x.div_(f[:, 0:1])  # in place: x is a copy or the caller's logits (documented)
         ks = [s.top_k if s.top_k < V else 0 for s in st]
         if any(ks):
             kt = torch.tensor(ks, dtype=torch.long).to(dev)[:, None]

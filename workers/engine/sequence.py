@@ -42,6 +42,7 @@ class Sequence:
     enqueue_t: float = field(default_factory=time.perf_counter)
     last_token_t: float = 0.0
     finish_reason: str = ""
+    sampler_state: object = None  # the sampler's per-request history (workers/engine/sampler.py)
 
     @property
     def num_tokens(self) -> int:

@@ -73,8 +73,9 @@ class DemoSize:
 PRESETS: dict[str, DemoSize] = {
     # ~11M parameters (8.2M of them the tied embedding); loads in a fraction of a second.
     "demo": DemoSize(),
-    # Benchmark model, ~40M parameters (16.4M tied embedding + 23M in 8 layers).
-    "bench30m": DemoSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1376),
+    # Benchmark model of the engine issue: hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 32000;
+    # ~31M parameters (16.4M tied embedding + 14.8M in 8 layers with intermediate 688).
+    "bench30m": DemoSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=688),
 }
 
 

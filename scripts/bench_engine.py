@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Engine-alone throughput: the device worker's engine in this process, no sockets, no HTTP.
+
+Keeps ``--concurrency`` requests in flight (a finished one is replaced at once) until
+``--num-prompts`` have finished, and prints output tokens/s. Prompts are random token ids;
+requests ignore EOS so every one generates exactly ``--output-len`` tokens.
+
+    python scripts/bench_engine.py --preset bench30m --dtype bfloat16 --concurrency 1,8,32,64
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="Hugging Face model dir (default: a demo model, see --preset)")
+    ap.add_argument("--preset", default="demo", choices=["demo", "bench30m"],
+                    help="which built-in model to generate when --model is not given")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,16", help="comma-separated list")
+    ap.add_argument("--num-prompts", type=int, default=0, help="per concurrency level (default 2x concurrency, >= 8)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--kv-gb", type=float, default=1.0)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    from mindie.protocol import SamplingParams, Submit
+    from workers.backends.cpu import CpuBackend
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.model_setup import load_runner
+    from workers.spec import WorkerSpec
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model
+    if not model:
+        from workers.models.demo import PRESETS, ensure_demo_model
+        model = str(ensure_demo_model(**dataclasses.asdict(PRESETS[args.preset])))
+    spec = WorkerSpec(worker_id="bench", job_endpoint="", pub_endpoint="", model_path=model, dtype=args.dtype,
+                      block_size=args.block_size, max_seq_len=4096, max_iter_times=4096, max_batch_size=256,
+                      max_prefill_batch_size=64, max_prefill_tokens=8192)
+    backend = CpuBackend(args.threads)
+    runner, info, bytes_per_block = load_runner(spec, backend)
+    num_blocks = int(args.kv_gb * (1 << 30)) // bytes_per_block
+    runner.allocate_kv(num_blocks, args.block_size)
+    print(f"model {model} ({args.dtype}), {torch.get_num_threads()} threads, {num_blocks} KV blocks", file=sys.stderr)
+    rng = random.Random(0)
+    results = []
+    for conc in [int(c) for c in args.concurrency.split(",")]:
+        n_total = args.num_prompts or max(8, 2 * conc)
+        engine = Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_seq_len=4096,
+                                             max_iter_times=4096, max_batch_size=256, max_prefill_batch_size=64,
+                                             max_prefill_tokens=8192, enable_prefix_cache=False))
+        params = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
+
+        def submit(i: int) -> None:
+            ids = [rng.randrange(3, info["vocab_size"]) for _ in range(args.prompt_len)]
+            engine.add(Submit(f"r{i}", "bench", ids, params))
+
+        # Warm-up: one short request, so one-time costs are not measured.
+        engine.add(Submit("warm", "bench", [5] * args.prompt_len, SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+        started = 0
+        for _ in range(min(conc, n_total)):
+            submit(started)
+            started += 1
+        done = tokens = 0
+        t0 = time.perf_counter()
+        last_print = t0
+        while done < n_total:
+            for out in engine.step():
+                tokens += len(out.token_ids)
+                if out.finish_reason:
+                    done += 1
+                    if started < n_total:
+                        submit(started)
+                        started += 1
+            now = time.perf_counter()
+            if now - last_print > 2:
+                print(f"  c={conc}: {done}/{n_total} done, {tokens / (now - t0):.0f} tok/s", file=sys.stderr)
+                last_print = now
+        dt = time.perf_counter() - t0
+        res = {"concurrency": conc, "requests": n_total, "output_tokens": tokens, "seconds": round(dt, 2),
+               "output_tok_s": round(tokens / dt, 1)}
+        results.append(res)
+        print(json.dumps(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
