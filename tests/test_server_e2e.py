@@ -305,3 +305,96 @@ def test_bad_config_fails_naming_the_key(tmp_path, demo_model):
     assert srv.proc.wait(60) != 0
     srv.log.close()
     assert "BackendConfig.ScheduleConfig.maxBatchSize" in srv.log_path.read_text()
+
+
+# -- fidelity: seeds, watermark ----------------------------------------------------------------
+def _seeded(seed: int, n: int = 24) -> dict:
+    return {"input_id": [5618, 19678, 701, 9072, 13], "parameters": {
+        "do_sample": True, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "repetition_penalty": 1.05,
+        "seed": seed, "max_new_tokens": n, "details": True}}
+
+
+def _mixed(i: int) -> dict:
+    p = {"max_new_tokens": 8 + i % 9, "details": True}
+    if i % 2:
+        p.update(do_sample=True, temperature=0.3 + i / 50, seed=i)
+    return {"input_id": [(i * 31 + j) % 30000 + 3 for j in range(3 + i % 13)], "parameters": p}
+
+
+def test_seed_same_alone_in_batch_and_after_restart(tmp_path, demo_model):
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model)
+
+    async def batch(url: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            bodies = [_mixed(i) for i in range(31)] + [_seeded(777)]
+            random_order = bodies[::2] + bodies[1::2]
+            rs = await asyncio.gather(*(client.post("/infer_token", content=json.dumps(b)) for b in random_order))
+            return [r.json() for r in rs]
+
+    srv = Server(cfg, port)
+    try:
+        srv.wait_ready()
+        alone = post(srv, _seeded(777)).json()
+        in_batch = [r for r in asyncio.run(batch(srv.url)) if r["details"]["seed"] == 777]
+    finally:
+        srv.stop()
+    srv = Server(cfg, port)
+    try:
+        srv.wait_ready()
+        after_restart = post(srv, _seeded(777)).json()
+        different = post(srv, _seeded(778)).json()
+    finally:
+        srv.stop()
+    assert len(in_batch) == 1
+    assert alone["details"]["generated_token_ids"] == in_batch[0]["details"]["generated_token_ids"]
+    assert alone == after_restart
+    assert different["details"]["generated_token_ids"] != alone["details"]["generated_token_ids"]
+
+
+def test_watermark_is_detected(server):
+    from workers.engine.watermark import detect
+
+    def z(watermark: bool) -> float:
+        body = {"input_id": [5618, 19678, 701, 9072, 13], "parameters": {
+            "do_sample": True, "temperature": 1.0, "top_p": 0.99, "seed": 99, "max_new_tokens": 200,
+            "details": True, "watermark": watermark}}
+        r = post(server, body)
+        ids = r.json()["details"]["generated_token_ids"]
+        assert len(ids) == 200
+        return detect([5618, 19678, 701, 9072, 13][-1:] + ids, 32000)[0]
+
+    assert z(True) > 6
+    assert z(False) < 3
+
+
+def test_priority_one_admitted_first_when_saturated(tmp_path, demo_model):
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
+                       workers=1, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1})
+    srv = Server(cfg, port)
+
+    async def main() -> list[str]:
+        finished: list[str] = []
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            async def req(name: str, prio: int, n: int) -> None:
+                r = await client.post("/infer_token", content=json.dumps(
+                    {"input_id": [5, 6, 7], "parameters": {"max_new_tokens": n, "priority": prio}}))
+                assert r.status_code == 200, r.text
+                finished.append(name)
+
+            tasks = [asyncio.create_task(req("busy", 5, 400))]
+            await asyncio.sleep(0.3)  # "busy" holds the only batch slot
+            for name in ("p5a", "p5b", "p5c"):
+                tasks.append(asyncio.create_task(req(name, 5, 10)))
+                await asyncio.sleep(0.05)
+            tasks.append(asyncio.create_task(req("p1", 1, 10)))
+            await asyncio.gather(*tasks)
+        return finished
+
+    try:
+        srv.wait_ready()
+        order = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert order[0] == "busy" and order[1] == "p1", order
