@@ -1,50 +1,79 @@
 """Paged attention for the portable torch path (CPU and CUDA).
 
-The KV cache is one tensor per layer of shape [num_blocks * block_size, n_kv_heads, head_dim]
-(a flat list of token slots); a sequence's block table maps its positions to slots.
-Per step the engine builds ``AttentionMetadata`` once; every layer then
-  1. writes the new k/v rows into their slots (``slot_mapping``), and
-  2. attends each query row to its sequence's cached keys, in two padded groups: decodes
-     (one query each) and prefills/chunks (several queries each). One SDPA call per group,
-     no Python loop over sequences.
-The NPU backend swaps this class for torch_npu's paged-attention ops (workers/backends/npu.py).
+The KV cache of a layer is a tensor [num_blocks, n_kv_heads, block_size, head_dim]; a
+sequence's block table lists its blocks in position order. Per step the engine builds
+``AttentionMetadata`` once; every layer then
+  1. writes the new k/v rows into their (block, offset) slots, and
+  2. attends, with no Python loop over sequences:
+     - decodes (one query each): gather each sequence's blocks ([B, nb, Hkv, bs, D], contiguous
+       block copies), scores per block with one batched matmul, one softmax over all the
+       sequence's positions, values per block, summed. Measured on CPU (B=32, 2 blocks of 128)
+       at a quarter of the time of SDPA with a mask on the gathered keys.
+     - prefills (several queries each): prompts with nothing cached use causal SDPA on the new
+       keys directly (right padding keeps it exact); chunks after a cached prefix gather their
+       blocks and use SDPA with an explicit mask.
+The NPU backend would swap this class for torch_npu's paged-attention ops (workers/backends/npu.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 
+def _pad_tables(tables: list[list[int]], nb: int) -> torch.Tensor:
+    return torch.tensor([t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long)
+
+
 @dataclass
-class _Group:
-    """Padded view of a set of sequences for one SDPA call."""
+class _Decode:
+    rows: torch.Tensor  # [B] rows of the flat batch
+    tables: torch.Tensor  # [B, nb]
+    pos: torch.Tensor  # [B] position of the query (= context length - 1)
+    masks: dict = field(default_factory=dict)
 
-    q_index: torch.Tensor  # [B, Q] rows of the flat batch (padding points at row 0)
-    q_valid: torch.Tensor  # [B, Q] bool
-    k_slots: torch.Tensor  # [B, K] cache slots (padding points at slot 0)
-    q_pos: torch.Tensor  # [B, Q] absolute positions of the queries
-    k_len: torch.Tensor  # [B] number of valid keys (context length)
-    masks: dict
-
-    def mask(self, window: int | None) -> torch.Tensor:
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """[B, nb, 1, 1, bs]: which cached positions each query may see."""
         if window not in self.masks:
-            k_pos = torch.arange(self.k_slots.shape[1], device=self.k_slots.device)
+            nb = self.tables.shape[1]
+            k_pos = torch.arange(nb * block_size, device=self.pos.device).view(1, nb, block_size)
+            m = k_pos <= self.pos[:, None, None]
+            if window is not None:
+                m &= k_pos > self.pos[:, None, None] - window
+            self.masks[window] = m[:, :, None, None, :]
+        return self.masks[window]
+
+
+@dataclass
+class _Prefill:
+    q_index: torch.Tensor  # [B, Q] rows of the flat batch (padding points at row 0)
+    q_valid: torch.Tensor  # [B, Q]
+    tables: torch.Tensor  # [B, nb]
+    q_pos: torch.Tensor  # [B, Q] absolute positions of the queries
+    k_len: torch.Tensor  # [B] context length after this step
+    fresh: bool  # nothing cached before this step for any of them
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        """[B, 1, Q, nb*bs] for SDPA on gathered keys."""
+        if window not in self.masks:
+            k_pos = torch.arange(self.tables.shape[1] * block_size, device=self.q_pos.device)
             m = (k_pos[None, None, :] <= self.q_pos[:, :, None]) & (k_pos[None, None, :] < self.k_len[:, None, None])
             if window is not None:
                 m &= k_pos[None, None, :] > self.q_pos[:, :, None] - window
-            # Padding rows attend to slot 0 so softmax never sees an all-masked row.
+            # Padding rows attend to position 0 so softmax never sees an all-masked row.
             m |= ~self.q_valid[:, :, None] & (k_pos[None, None, :] == 0)
-            self.masks[window] = m[:, None]  # [B, 1, Q, K]
+            self.masks[window] = m[:, None]
         return self.masks[window]
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] slot of every new token
-    decode: _Group | None
-    prefill: _Group | None
+    blocks: torch.Tensor  # [T] block of every new token
+    offsets: torch.Tensor  # [T] offset in its block
+    decode: _Decode | None
+    prefill: _Prefill | None
     num_tokens: int
 
 
@@ -57,54 +86,64 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens (``num_new[i]`` from position ``start_pos[i]``)
     are laid out one sequence after another in the flat batch."""
-    slots: list[int] = []
+    blocks: list[int] = []
+    offsets: list[int] = []
     dec: list[int] = []
     pre: list[int] = []
-    offsets: list[int] = []
+    row0: list[int] = []
     off = 0
     for i, (table, start, n) in enumerate(zip(block_tables, start_pos, num_new)):
-        offsets.append(off)
+        row0.append(off)
         for p in range(start, start + n):
-            slots.append(table[p // block_size] * block_size + p % block_size)
+            blocks.append(table[p // block_size])
+            offsets.append(p % block_size)
         (dec if n == 1 else pre).append(i)
         off += n
 
-    def group(idx: list[int]) -> _Group | None:
-        if not idx:
-            return None
-        q_max = max(num_new[i] for i in idx)
-        k_max = max(start_pos[i] + num_new[i] for i in idx)
-        nb = -(-k_max // block_size)
-        tables = torch.tensor([block_tables[i][:nb] + [0] * (nb - len(block_tables[i][:nb])) for i in idx],
-                              dtype=torch.long)
-        k_pos = torch.arange(k_max)
-        k_slots = tables[:, k_pos // block_size] * block_size + (k_pos % block_size)[None, :]
+    decode = None
+    if dec:
+        nb = -(-max(start_pos[i] + 1 for i in dec) // block_size)
+        decode = _Decode(torch.tensor([row0[i] for i in dec], device=device),
+                         _pad_tables([block_tables[i] for i in dec], nb).to(device),
+                         torch.tensor([start_pos[i] for i in dec], device=device))
+    prefill = None
+    if pre:
+        q_max = max(num_new[i] for i in pre)
+        nb = -(-max(start_pos[i] + num_new[i] for i in pre) // block_size)
         q_ar = torch.arange(q_max)
-        n_new = torch.tensor([num_new[i] for i in idx])
-        starts = torch.tensor([start_pos[i] for i in idx])
-        offs = torch.tensor([offsets[i] for i in idx])
+        n_new = torch.tensor([num_new[i] for i in pre])
+        starts = torch.tensor([start_pos[i] for i in pre])
         q_valid = q_ar[None, :] < n_new[:, None]
-        q_index = torch.where(q_valid, offs[:, None] + q_ar[None, :], 0)
-        q_pos = starts[:, None] + q_ar[None, :]
-        k_len = starts + n_new
-        return _Group(q_index.to(device), q_valid.to(device), k_slots.to(device), q_pos.to(device),
-                      k_len.to(device), {})
-
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        decode=group(dec), prefill=group(pre), num_tokens=off,
-    )
+        q_index = torch.where(q_valid, torch.tensor([row0[i] for i in pre])[:, None] + q_ar[None, :], 0)
+        prefill = _Prefill(q_index.to(device), q_valid.to(device),
+                           _pad_tables([block_tables[i] for i in pre], nb).to(device),
+                           (starts[:, None] + q_ar[None, :]).to(device), (starts + n_new).to(device),
+                           fresh=all(start_pos[i] == 0 for i in pre))
+    return AttentionMetadata(torch.tensor(blocks, dtype=torch.long, device=device),
+                             torch.tensor(offsets, dtype=torch.long, device=device), decode, prefill, off)
 
 
 class PagedAttention:
     """The ``attn`` object the model calls per layer; owns the KV cache tensors."""
 
-    def __init__(self, num_layers: int, num_slots: int, n_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_slots, n_kv_heads, head_dim)
+        shape = (num_blocks, n_kv_heads, block_size, head_dim)
+        self.block_size = block_size
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.meta: AttentionMetadata | None = None
+        # Gather buffers reused by every layer: a fresh multi-MB tensor per call costs an
+        # mmap/munmap and page faults on CPU, more than the copy itself.
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def _gather(self, name: str, cache: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        n = flat.numel()
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape[0] < n:
+            buf = self._scratch[name] = torch.empty((max(n, 2 * (buf.shape[0] if buf is not None else 0)),
+                                                     *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        return torch.index_select(cache, 0, flat, out=buf[:n])
 
     @staticmethod
     def bytes_per_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -114,17 +153,46 @@ class PagedAttention:
                  window: int | None = None) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        kc[meta.blocks, :, meta.offsets] = k.to(kc.dtype)
+        vc[meta.blocks, :, meta.offsets] = v.to(vc.dtype)
+        if meta.prefill is None:
+            return self._decode(meta.decode, q, kc, vc, window)
         out = torch.empty_like(q)
-        for g in (meta.decode, meta.prefill):
-            if g is None:
-                continue
-            qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-            kg = kc[g.k_slots].transpose(1, 2)  # [B, Hkv, K, D]
-            vg = vc[g.k_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(window),
+        if meta.decode is not None:
+            out[meta.decode.rows] = self._decode(meta.decode, q[meta.decode.rows], kc, vc, window)
+        g = meta.prefill
+        qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
+        if g.fresh and window is None:
+            kg = k[g.q_index].transpose(1, 2).to(kc.dtype)  # right-padded: causal SDPA stays exact
+            vg = v[g.q_index].transpose(1, 2).to(kc.dtype)
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=kg.shape[1] != qg.shape[1])
+        else:
+            B, nb = g.tables.shape
+            flat = g.tables.view(-1)
+            kg = self._gather("k", kc, flat).view(B, nb, *kc.shape[1:]).transpose(1, 2).reshape(
+                B, kc.shape[1], nb * self.block_size, kc.shape[3])
+            vg = self._gather("v", vc, flat).view(B, nb, *vc.shape[1:]).transpose(1, 2).reshape(
+                B, vc.shape[1], nb * self.block_size, vc.shape[3])
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(window, self.block_size),
                                                enable_gqa=kg.shape[1] != qg.shape[1])
-            o = o.transpose(1, 2)  # [B, Q, H, D]
-            out[g.q_index[g.q_valid]] = o[g.q_valid]
+        o = o.transpose(1, 2)  # [B, Q, H, D]
+        out[g.q_index[g.q_valid]] = o[g.q_valid]
         return out
+
+    def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                window: int | None) -> torch.Tensor:
+        B, H, D = q.shape
+        nb = g.tables.shape[1]
+        hkv, bs = kc.shape[1], kc.shape[2]
+        flat = g.tables.view(-1)
+        # index_select copies whole blocks; several times faster than advanced indexing on CPU.
+        kb = self._gather("k", kc, flat).view(B, nb, hkv, bs, D)
+        vb = self._gather("v", vc, flat).view(B, nb, hkv, bs, D)
+        qg = q.view(B, 1, hkv, H // hkv, D).to(kc.dtype)
+        s = torch.matmul(qg, kb.transpose(-1, -2)).float()  # [B, nb, Hkv, G, bs]
+        s.mul_(D ** -0.5)
+        s.masked_fill_(~g.mask(window, bs), float("-inf"))
+        p = torch.softmax(s.permute(0, 2, 3, 1, 4).reshape(B, hkv, H // hkv, nb * bs), dim=-1)
+        p = p.view(B, hkv, H // hkv, nb, bs).permute(0, 3, 1, 2, 4).to(vb.dtype)
+        o = torch.matmul(p, vb).sum(1, dtype=torch.float32)  # [B, Hkv, G, D]
+        return o.reshape(B, H, D).to(q.dtype)

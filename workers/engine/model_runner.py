@@ -35,7 +35,7 @@ class ModelRunner:
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         layers, kv_heads, head_dim = self.kv_shape
-        self.attn = PagedAttention(layers, num_blocks * block_size, kv_heads, head_dim, self.kv_dtype, self.device)
+        self.attn = PagedAttention(layers, num_blocks, block_size, kv_heads, head_dim, self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_size: int) -> list[int | None]:
