@@ -129,7 +129,8 @@ class ModelConfig(_Section):
     # Project: 0/absent = the length of each npuDeviceIds entry (MindIE: default 4, must match).
     worldSize: Annotated[int, Meta(ge=0, le=64)] = 0
     # MindIE: host swap GB. Project: KV-cache GiB on the CPU backend; 0 = 1 GiB (see cpu_kv_cache_gib).
-    cpuMemSize: Annotated[int, Meta(ge=0, le=65536)] = 0
+    # A fraction (0.5) is accepted too, so several CPU workers can share one budget.
+    cpuMemSize: Union[Annotated[int, Meta(ge=0, le=65536)], Annotated[float, Meta(ge=0, le=65536)]] = 0
     npuMemSize: Annotated[int, Meta(ge=-1, le=65536)] = -1  # KV-cache GB per NPU/GPU; -1 = auto fraction
     dtype: DType = "auto"  # project extension; "auto" = the checkpoint's torch_dtype
 
@@ -139,7 +140,7 @@ class ModelConfig(_Section):
         return not self.modelWeightPath
 
     @property
-    def cpu_kv_cache_gib(self) -> int:
+    def cpu_kv_cache_gib(self) -> float:
         return self.cpuMemSize or 1
 
 

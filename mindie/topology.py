@@ -41,9 +41,12 @@ def worker_specs(config: Config, run_dir: str | None = None, null_model: bool = 
     device_type = backend.deviceType
     n = len(backend.npuDeviceIds)
     threads = backend.cpuThreadsPerWorker or max(1, (os.cpu_count() or 1) // n)
+    # Idle workers lend their cores only when the split is automatic.
+    share = device_type == "cpu" and not backend.cpuThreadsPerWorker and n > 1
     kv_gb = float(model.cpuMemSize) if device_type == "cpu" else float(max(0, model.npuMemSize))
     out = []
-    for ep, ids in zip(worker_endpoints(config, run_dir), backend.npuDeviceIds):
+    rd = run_dir_for(config, run_dir)
+    for index, (ep, ids) in enumerate(zip(worker_endpoints(config, run_dir), backend.npuDeviceIds)):
         spec = WorkerSpec(
             worker_id=ep.worker_id, job_endpoint=ep.job_endpoint, pub_endpoint=ep.pub_endpoint,
             device_type=device_type, device_ids=list(ids), model_path=model_dir(config),
@@ -52,6 +55,7 @@ def worker_specs(config: Config, run_dir: str | None = None, null_model: bool = 
             max_prefill_batch_size=sched.maxPrefillBatchSize, max_prefill_tokens=sched.maxPrefillTokens,
             enable_prefix_cache=sched.enablePrefixCache, threads=threads if device_type == "cpu" else 0,
             null_model=null_model, null_step_ms=null_step_ms,
+            core_share_file=f"{rd}/cores.busy" if share else "", worker_index=index, num_workers=n,
             watermark_gamma=config.ServerConfig.watermarkGamma, watermark_delta=config.ServerConfig.watermarkDelta,
             log_level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper())
         out.append((spec, visibility_env(device_type, list(ids))))

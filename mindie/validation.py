@@ -621,6 +621,9 @@ def parse_infer_request(
         seed=seed if seed is not None else random_seed(),
         watermark=bool(watermark),
         max_new_tokens=mnt,
+        # Project extension: MindIE ignores `ignore_eos` on this route (AISBench sends it);
+        # honoured here when it is a boolean so benchmarks get exact lengths, ignored otherwise.
+        ignore_eos=p.get("ignore_eos") is True,
     )
     req = InferRequest(
         inputs=text,

@@ -343,7 +343,8 @@ def test_unknown_keys_ignored() -> None:
         "parameters": {"stop": ["x"], "ignore_eos": True, "n": "bad", "best_of": -1,
                        "skip_special_tokens": 5, "presence_penalty": "x"},
     })
-    assert r.input_ids == [1] and r.sampling.ignore_eos is False
+    # ignore_eos is the one extension honoured (see test_ignore_eos_extension_only_when_boolean_true)
+    assert r.input_ids == [1] and r.sampling.ignore_eos is True
 
 
 def test_duplicate_keys_last_wins() -> None:
@@ -556,3 +557,12 @@ def test_sampling_params_travel_on_the_wire() -> None:
     back = protocol.decode_job(protocol.encode(sub))
     assert isinstance(back, protocol.Submit) and back.params == r.sampling
     assert msgspec.json.decode(msgspec.json.encode(r), type=InferRequest) == r
+
+
+def test_ignore_eos_extension_only_when_boolean_true() -> None:
+    lim = Limits(vocab_size=32000)
+    on = parse_infer_request(b'{"input_id": [1], "parameters": {"ignore_eos": true}}', lim)
+    off = parse_infer_request(b'{"input_id": [1], "parameters": {"ignore_eos": "yes"}}', lim)
+    absent = parse_infer_request(b'{"input_id": [1]}', lim)
+    assert on.sampling.ignore_eos is True
+    assert off.sampling.ignore_eos is False and absent.sampling.ignore_eos is False

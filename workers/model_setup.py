@@ -39,6 +39,7 @@ def load_runner(spec: WorkerSpec, backend: Backend) -> tuple[ModelRunner, dict, 
     device = backend.device()
     t0 = time.perf_counter()
     model, args = load_model(path, dtype, device, max_positions=spec.max_seq_len)
+    backend.prepare_model(model)
     log.info("loaded %s (%s, %d layers, vocab %d) as %s on %s in %.2f s", path, args.arch, args.num_hidden_layers,
              args.vocab_size, dtype, device, time.perf_counter() - t0)
     eos = frozenset(args.eos_token_ids)

@@ -26,6 +26,10 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     max_prefill_tokens: int = 8192
     enable_prefix_cache: bool = True
     threads: int = 0
+    # CPU: borrow the cores of idle sibling workers (workers/backends/core_share.py).
+    core_share_file: str = ""
+    worker_index: int = 0
+    num_workers: int = 1
     null_model: bool = False  # no model compute: serving-stack benchmark
     null_step_ms: float = 0.0
     null_vocab_size: int = 32000

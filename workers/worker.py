@@ -100,6 +100,10 @@ class Worker:
         self.pub.bind(spec.pub_endpoint)
         self.next_heartbeat = 0.0
         self.pending: dict[str, list[P.TokenFrame]] = {}
+        self.cores = None
+        if spec.core_share_file and not spec.null_model:
+            from workers.backends.core_share import CoreShare
+            self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
 
     # -- messages ---------------------------------------------------------------------------
     def _frontend(self, fid: str) -> FrontendState:
@@ -193,7 +197,12 @@ class Worker:
             busy = self.engine.has_work()
             self.drain(0 if busy else int(P.HEARTBEAT_INTERVAL_S * 1000 / 2))
             self.reap()
-            if self.engine.has_work():
+            busy = self.engine.has_work()
+            if self.cores is not None:
+                self.cores.set_busy(busy)
+                if busy:
+                    self.cores.apply()
+            if busy:
                 for out in self.engine.step():
                     seq = out.seq
                     self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
@@ -203,6 +212,8 @@ class Worker:
         self.close()
 
     def close(self) -> None:
+        if self.cores is not None:
+            self.cores.close()
         self.pull.close(0)
         self.pub.close(0)
         self.ctx.term()

@@ -25,6 +25,9 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for queued device work (timing, overlap)."""
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Device-specific rewrites after loading (weight layouts, fused kernels)."""
+
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
 

@@ -40,6 +40,10 @@ class CpuBackend(Backend):
         # Never take most of the host's RAM by default on CPU: 1 GiB unless configured.
         return int((configured_gb if configured_gb > 0 else 1.0) * (1 << 30))
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        from workers.backends.cpu_linear import pack_linears
+        pack_linears(model)
+
     def default_dtype(self) -> torch.dtype:
         return torch.float32
 

@@ -107,6 +107,8 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos()  # [max_positions, head_dim/2]
         self.sin = freqs.sin()
         self.max_positions = max_positions
+        self._key: tuple = (None, None)
+        self._rows: tuple = ()
 
     def to_device(self, device: torch.device | str) -> None:
         """Move the tables (the loader calls this so the first forward does not pay for it)."""
@@ -119,8 +121,12 @@ class RotaryEmbedding(nn.Module):
         """Rotate q [T, H, D] and k [T, Hkv, D] by their token's position."""
         if self.cos.device != positions.device:
             self.to_device(positions.device)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        # Every layer of one forward passes the same positions: look the rows up once.
+        if positions is not self._key[0] or q.dtype != self._key[1]:
+            self._key = (positions, q.dtype)
+            self._rows = (self.cos[positions].to(q.dtype)[:, None, :],  # [T, 1, D/2]
+                          self.sin[positions].to(q.dtype)[:, None, :])
+        cos, sin = self._rows
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -210,6 +216,7 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         # Tied checkpoints reuse the embedding matrix: no separate module, so nothing can untie it.
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+        self.logits_linear = None
         self.rope = RotaryEmbedding(
             args.head_dim, max_positions or args.max_position_embeddings, args.rope_theta, args.rope_scaling
         )
@@ -228,5 +235,8 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> fp32 logits [N, vocab_size]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.logits_linear is not None:  # a device backend's faster kernel (workers/backends)
+            return self.logits_linear(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
