@@ -34,7 +34,7 @@ def server(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("server")
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       server={"maxRequestLength": 1})
+                       server={"maxRequestLength": 1}, schedule={"maxIterTimes": 2500})
     srv = Server(cfg, port, frontends=2)
     srv.wait_ready()
     srv.tokenizer = load_tokenizer(demo_model)
@@ -235,7 +235,7 @@ def test_kill_device_worker_during_streaming(server):
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             tasks = [asyncio.create_task(one(client)) for _ in range(4)]
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.0)  # 2500 tokens each: all still running when the worker dies
             victim = server.workers()[0]
             os.kill(victim, signal.SIGKILL)
             t0 = time.monotonic()
@@ -268,7 +268,7 @@ def test_kill_device_worker_during_streaming(server):
 def test_timeouts_sighup_and_sigterm(tmp_path, demo_model):
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       server={"e2eTimeout": 3})
+                       server={"e2eTimeout": 2}, schedule={"maxIterTimes": 2500})
     srv = Server(cfg, port, frontends=1)
     try:
         srv.wait_ready()
