@@ -138,7 +138,6 @@ class InferResource:
         fe = self.fe
         detok = fe.detokenizer()
         ids: list[int] = []
-        pending: tuple[list[int], str, float | None, float | None] | None = None
         try:
             while True:
                 deadline, desc = dl.next()
@@ -159,21 +158,22 @@ class InferResource:
                         fe.metrics.failed()
                         yield _Raw(R.sse(R.ErrorFrame(f.error.message, f.error.error_type)))
                         return
-                    # A frame is written once the next one is known, so the last token goes
-                    # out in the final frame with "text": null, as MindIE does.
+                    n = len(f.token_ids)
                     for i, tok in enumerate(f.token_ids):
-                        if pending is not None:
-                            yield _Raw(R.stream_frame(pending[0], pending[1], pending[2], pending[3]))
                         prefill = R.ms(f.prefill_ms) if (not ids and i == 0) else None
-                        decode = None if prefill is not None else R.ms(f.decode_ms / max(1, len(f.token_ids)))
+                        decode = None if prefill is not None else R.ms(f.decode_ms / max(1, n))
                         ids.append(tok)
-                        pending = ([tok], detok.push([tok]), prefill, decode)
+                        text = detok.push([tok])
+                        if f.finish_reason and i == n - 1:
+                            break  # the last token goes out in the final frame, "text": null
+                        yield _Raw(R.stream_frame([tok], text, prefill, decode))
                     if f.finish_reason:
                         details = R.StreamDetails(f.finish_reason, len(ids), ireq.sampling.seed) \
                             if ireq.details else None
-                        last = pending or ([], "", None, None)
                         fe.metrics.succeeded(len(ids))
-                        yield _Raw(R.final_stream_frame(last[0], last[2], last[3], detok.full_text(), details))
+                        last = f.token_ids[-1:] if n else []
+                        yield _Raw(R.final_stream_frame(last, prefill if n else None, decode if n else None,
+                                                        detok.full_text(), details))
                         return
         except asyncio.CancelledError:
             raise

@@ -119,15 +119,19 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] by their token's position."""
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, D] (any number of heads) by its token's position."""
         if self.cos.device != positions.device:
             self.to_device(positions.device)
         # Every layer of one forward passes the same positions: look the rows up once.
-        if positions is not self._key[0] or q.dtype != self._key[1]:
-            self._key = (positions, q.dtype)
-            self._rows = (self.cos[positions].to(q.dtype)[:, None, :],  # [T, 1, D/2]
-                          self.sin[positions].to(q.dtype)[:, None, :])
+        if positions is not self._key[0] or x.dtype != self._key[1]:
+            self._key = (positions, x.dtype)
+            self._rows = (self.cos[positions].to(x.dtype)[:, None, :],  # [T, 1, D/2]
+                          self.sin[positions].to(x.dtype)[:, None, :])
         cos, sin = self._rows
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,14 +159,18 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.n_heads, self.head_dim)
-        k = k.view(t, self.n_kv_heads, self.head_dim)
-        v = v.view(t, self.n_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before rope
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        out = attn(self.layer_idx, q, k, v.contiguous(), self.window)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.n_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.n_kv_heads, self.head_dim))
+            q, k = rope(positions, q, k)
+        else:
+            # q and k are adjacent columns of one matmul output: rotate both in one pass.
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
+            q, k = rope.rotate(positions, qk).split([self.n_heads, self.n_kv_heads], dim=1)
+        out = attn(self.layer_idx, q, k, v, self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
