@@ -29,11 +29,19 @@ def model_dir(config: Config) -> str:
         os.environ.get("MINDIE_MODEL_DIR", "")
 
 
+def visibility_env(device_type: str, device_ids: list[int]) -> dict[str, str]:
+    """Environment that makes ``device_ids`` the only devices a worker process sees."""
+    ids = ",".join(str(i) for i in device_ids)
+    if device_type == "npu":
+        return {"ASCEND_RT_VISIBLE_DEVICES": ids}
+    if device_type == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": ids}
+    return {}
+
+
 def worker_specs(config: Config, run_dir: str | None = None, null_model: bool = False,
                  null_step_ms: float = 0.0) -> list[tuple[WorkerSpec, dict[str, str]]]:
     """One (spec, extra environment) per device worker."""
-    from workers.backends import visibility_env  # torch-free module level
-
     backend = config.BackendConfig
     deploy = backend.ModelDeployConfig
     sched = backend.ScheduleConfig

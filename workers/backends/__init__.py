@@ -7,10 +7,13 @@ inside the worker the device is always index 0.
 """
 from __future__ import annotations
 
-from workers.backends.base import Backend
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.backends.base import Backend
 
 
-def get_backend(device_type: str, threads: int = 0) -> Backend:
+def get_backend(device_type: str, threads: int = 0) -> "Backend":
     """Return the backend for ``device_type`` ("auto", "npu", "cuda" or "cpu")."""
     if device_type == "auto":
         device_type = detect()
@@ -41,13 +44,3 @@ def detect() -> str:
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
-
-
-def visibility_env(device_type: str, device_ids: list[int]) -> dict[str, str]:
-    """Environment that makes ``device_ids`` the only devices a worker process sees."""
-    ids = ",".join(str(i) for i in device_ids)
-    if device_type == "npu":
-        return {"ASCEND_RT_VISIBLE_DEVICES": ids}
-    if device_type == "cuda":
-        return {"CUDA_VISIBLE_DEVICES": ids}
-    return {}

@@ -123,6 +123,19 @@ def build_metadata(
                              torch.tensor(offsets, dtype=torch.long, device=device), decode, prefill, off)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. On CPU it is backed by an anonymous mmap, so pages become
+    resident only once written: a configured cache costs memory as it fills, not at start.
+    (Zeros matter: masked positions are multiplied by 0, and uninitialised memory may hold NaN.)"""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import math
+    import mmap
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(1, nbytes))
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class PagedAttention:
     """The ``attn`` object the model calls per layer; owns the KV cache tensors."""
 
@@ -130,8 +143,8 @@ class PagedAttention:
                  dtype: torch.dtype, device: torch.device):
         shape = (num_blocks, n_kv_heads, block_size, head_dim)
         self.block_size = block_size
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_cache = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v_cache = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.meta: AttentionMetadata | None = None
         # Gather buffers reused by every layer: a fresh multi-MB tensor per call costs an
         # mmap/munmap and page faults on CPU, more than the copy itself.
