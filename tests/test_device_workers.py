@@ -60,6 +60,17 @@ async def _collect(stream: RequestStream, timeout: float = 60.0) -> tuple[list[i
                 return ids, f.finish_reason, None
 
 
+async def _wait_all_free(c: DeviceClient, timeout: float, what: str) -> None:
+    """Wait until every worker's heartbeat reports no request and every KV block free."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.3)
+        hbs = [lk.heartbeat for lk in c.links.values()]
+        if all(hb and hb.running == 0 and hb.waiting == 0 and hb.free_blocks == hb.total_blocks for hb in hbs):
+            return
+    raise AssertionError(f"{what}: {hbs}")
+
+
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 32000) for _ in range(rng.randrange(3, 80))] for _ in range(n)]
@@ -133,15 +144,7 @@ def test_cancel_frees_request(cluster):
             for s in streams:
                 c.cancel(s)
             # The workers report nothing running and every KV block free.
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.3)
-                hbs = [lk.heartbeat for lk in c.links.values()]
-                if all(hb and hb.running == 0 and hb.waiting == 0 and hb.free_blocks == hb.total_blocks
-                       for hb in hbs):
-                    break
-            else:
-                raise AssertionError(f"requests not freed: {hbs}")
+            await _wait_all_free(c, 10, "requests not freed")
         finally:
             await c.close()
 
@@ -160,14 +163,7 @@ def test_frontend_death_cancels_its_requests(cluster):
             # The front end vanishes without a word: no Cancel, its Hellos stop.
             for t in c.tasks:
                 t.cancel()
-            deadline = time.monotonic() + P.FRONTEND_TIMEOUT_S + 10
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.3)
-                hbs = [lk.heartbeat for lk in watcher.links.values()]
-                if all(hb and hb.running == 0 and hb.free_blocks == hb.total_blocks for hb in hbs):
-                    break
-            else:
-                raise AssertionError(f"orphaned requests not cancelled: {hbs}")
+            await _wait_all_free(watcher, P.FRONTEND_TIMEOUT_S + 10, "orphaned requests not cancelled")
         finally:
             await c.close()
             await watcher.close()

@@ -398,3 +398,15 @@ def test_priority_one_admitted_first_when_saturated(tmp_path, demo_model):
     finally:
         srv.stop()
     assert order[0] == "busy" and order[1] == "p1", order
+
+
+def test_bench_native_adapter_against_this_server(server):
+    """mindie-bench's native adapter on the real server: exact token counts and timings."""
+    from tests.test_bench import send, spec
+
+    r = send(server.url, "native", spec(17, n_in=9), timeout=60)
+    assert r.ok, r.error
+    assert r.output_tokens == 17 and r.expected_output_tokens == 17
+    assert r.ttft is not None and 0 < r.ttft <= r.e2e
+    bad = send(server.url, "native", spec(0), timeout=60)  # max_new_tokens 0 is refused
+    assert not bad.ok and bad.error.startswith("HTTP 422")
