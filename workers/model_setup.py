@@ -45,6 +45,6 @@ def load_runner(spec: WorkerSpec, backend: Backend) -> tuple[ModelRunner, dict, 
     eos = frozenset(args.eos_token_ids)
     sample = make_sample_fn(args.vocab_size, device, spec.watermark_gamma, spec.watermark_delta)
     runner = ModelRunner(model, (args.num_hidden_layers, args.num_key_value_heads, args.head_dim), dtype, sample,
-                         args.vocab_size, eos, device)
+                         args.vocab_size, eos, device, attention_cls=backend.attention_class())
     info = {"model_name": spec.model_name, "vocab_size": args.vocab_size}
     return runner, info, runner.bytes_per_block(spec.block_size)

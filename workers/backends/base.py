@@ -25,6 +25,11 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for queued device work (timing, overlap)."""
 
+    def attention_class(self) -> type:
+        """The paged-attention implementation for this device (portable torch by default)."""
+        from workers.engine.attention import PagedAttention
+        return PagedAttention
+
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific rewrites after loading (weight layouts, fused kernels)."""
 

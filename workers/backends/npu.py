@@ -4,9 +4,9 @@ Exercised: nothing here has run on an NPU in this project's CI (no Ascend hardwa
 available); the CPU and CUDA backends run the same engine and model code. What this module
 relies on, from torch_npu's documented API (shared/reference/torch-npu.md): ``import torch_npu``
 registers the ``npu`` device, ``torch.npu.set_device``, ``torch.npu.mem_get_info`` and
-``torch.npu.synchronize``. The model and paged attention use portable torch ops, which
-torch_npu implements; the fused paged-attention ops (torch_npu.npu_incre_flash_attention /
-_npu_paged_attention) are the next step and would plug in as another attention class.
+``torch.npu.synchronize``. The model uses portable torch ops, which torch_npu implements;
+attention uses torch_npu's fused paged-attention ops (workers/backends/npu_attention.py, checked
+on CPU against a fake torch_npu that implements their documented contracts).
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ class NpuBackend(Backend):
 
     def device(self) -> torch.device:
         return torch.device("npu", 0)
+
+    def attention_class(self) -> type:
+        from workers.backends.npu_attention import NpuPagedAttention
+        return NpuPagedAttention
 
     def free_memory(self) -> int:
         free, _total = torch.npu.mem_get_info()

@@ -162,6 +162,10 @@ class PagedAttention:
     def bytes_per_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
+        """Per-step metadata, built once and used by every layer."""
+        self.meta = build_metadata(block_tables, start_pos, num_new, self.block_size, self.k_cache[0].device)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None = None) -> torch.Tensor:
         meta = self.meta

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from workers.engine.attention import PagedAttention, build_metadata
+from workers.engine.attention import PagedAttention
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 
@@ -20,22 +20,24 @@ SampleFn = Callable[[torch.Tensor, list[Sequence]], list[int]]
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int], kv_dtype: torch.dtype,
-                 sample: SampleFn, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device):
+                 sample: SampleFn, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device,
+                 attention_cls: type = PagedAttention):
         self.model = model
+        self.attention_cls = attention_cls  # PagedAttention, or the NPU's (workers/backends/npu_attention.py)
         self.kv_shape = kv_shape  # (num_layers, n_kv_heads, head_dim)
         self.kv_dtype = kv_dtype
-        self.attn: PagedAttention | None = None
+        self.attn = None
         self.sample = sample
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.device = device
 
     def bytes_per_block(self, block_size: int) -> int:
-        return block_size * PagedAttention.bytes_per_slot(*self.kv_shape, self.kv_dtype)
+        return block_size * self.attention_cls.bytes_per_slot(*self.kv_shape, self.kv_dtype)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         layers, kv_heads, head_dim = self.kv_shape
-        self.attn = PagedAttention(layers, num_blocks, block_size, kv_heads, head_dim, self.kv_dtype, self.device)
+        self.attn = self.attention_cls(layers, num_blocks, block_size, kv_heads, head_dim, self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_size: int) -> list[int | None]:
@@ -50,8 +52,8 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sampled_seqs.append(seq)
-        self.attn.meta = build_metadata([s.block_table for s in batch.seqs], [s.num_computed for s in batch.seqs],
-                                        batch.num_tokens, block_size, self.device)
+        self.attn.prepare([s.block_table for s in batch.seqs], [s.num_computed for s in batch.seqs],
+                          batch.num_tokens)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, self.attn)
