@@ -190,12 +190,15 @@ class DeviceClient:
             pass  # worker gone: it has nothing to cancel
 
     def _fail_link(self, link: WorkerLink, message: str) -> None:
+        """End every in-flight request on ``link`` with an error, and cancel them on the worker
+        in case it is still alive (a gap, a worker that was only slow)."""
         streams = list(link.inflight.values())
         link.inflight.clear()
         for s in streams:
             s._fail(500, "Incomplete Generation", message)
         if streams:
             log.error("%s: failed %d in-flight requests", message, len(streams))
+            self._send_cancel(link, [s.request_id for s in streams])
 
     # -- background tasks -----------------------------------------------------------------
     async def _hello_loop(self) -> None:
@@ -239,6 +242,11 @@ class DeviceClient:
                     continue
                 if link.instance and msg.instance != link.instance:
                     self._fail_link(link, f"Device worker {link.ep.worker_id} restarted")
+                elif link.welcomed and msg.seq != link.expected_seq - 1:
+                    # The worker forgot us (we were silent too long) and started counting again.
+                    self._fail_link(link, f"Device worker {link.ep.worker_id} dropped this front end's requests "
+                                          f"(no Hello for {P.FRONTEND_TIMEOUT_S:.0f} s)")
+                    link.welcomed = False
                 if not link.welcomed or msg.instance != link.instance:
                     link.instance = msg.instance
                     link.expected_seq = msg.seq + 1
@@ -254,11 +262,8 @@ class DeviceClient:
             self.gaps += 1
             lost = batch.seq - link.expected_seq
             link.expected_seq = batch.seq + 1
-            rids = list(link.inflight)
             self._fail_link(link, f"Lost {lost} frame messages from device worker {link.ep.worker_id} "
                                   f"(sequence gap); the affected requests were aborted")
-            if rids:
-                self._send_cancel(link, rids)
             return
         link.expected_seq += 1
         for frame in batch.frames:

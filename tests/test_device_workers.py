@@ -223,3 +223,65 @@ def test_supervisor_stop_leaves_no_process(tmp_path, demo_model):
     assert proc.wait(20) == 0
     time.sleep(0.2)
     assert not any(alive(k) for k in kids)
+
+
+@pytest.fixture
+def null_supervisor(tmp_path, demo_model):
+    """Start a one-worker supervisor on the null model with ``step_ms`` per step."""
+    procs = []
+
+    def start(step_ms: float, **schedule):
+        cfg_path = write_config(tmp_path / "config.json", port=free_port(), run_dir=short_run_dir(),
+                                model_path=demo_model, workers=1, schedule=schedule or None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "workers.supervisor", "--config", str(cfg_path), "--null-model",
+             "--null-step-ms", str(step_ms)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return load_config(str(cfg_path))
+
+    yield start
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_frontend_reaped_while_silent_learns_it_at_once(null_supervisor):
+    """A front end whose Hellos stop (a stalled loop) has its requests cancelled by the worker;
+    when it speaks again the worker's fresh Welcome makes it fail them at once, not hang."""
+    config = null_supervisor(20, maxIterTimes=2500)  # 2500 steps of 20 ms: still running when reaped
+
+    async def main():
+        c = await _client(config)
+        try:
+            s = c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=2500))
+            c.tasks[1].cancel()  # the hello loop
+            await asyncio.sleep(P.FRONTEND_TIMEOUT_S + 1.5)
+            c.tasks[1] = asyncio.create_task(c._hello_loop())
+            ids, reason, err = await _collect(s, 10)
+            assert err is not None and err.status == 500 and "dropped" in err.message, (reason, err)
+            # The link is usable again afterwards.
+            deadline = time.monotonic() + 10
+            while not all(lk.welcomed for lk in c.links.values()):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            ids, reason, err = await _collect(c.submit([1, 2, 3], P.SamplingParams(max_new_tokens=3)))
+            assert err is None and len(ids) == 3
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_long_step_does_not_look_like_a_dead_worker(null_supervisor):
+    """Heartbeats come from their own thread: a step longer than the liveness timeout (here the
+    null model sleeping 4.5 s per step) must not fail the requests."""
+    config = null_supervisor((P.WORKER_TIMEOUT_S + 1.5) * 1000)
+
+    async def main():
+        c = await _client(config)
+        try:
+            ids, reason, err = await _collect(c.submit([5, 6], P.SamplingParams(max_new_tokens=2)), 60)
+            assert err is None and reason == "length" and len(ids) == 2
+        finally:
+            await c.close()
+
+    asyncio.run(main())

@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -98,7 +99,10 @@ class Worker:
         self.pub.setsockopt(zmq.SNDHWM, 200_000)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(spec.pub_endpoint)
-        self.next_heartbeat = 0.0
+        # The PUB socket is shared with the heartbeat thread: every send holds this lock
+        # (ZeroMQ sockets may change threads only behind a full memory barrier).
+        self.pub_lock = threading.Lock()
+        self.heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.pending: dict[str, list[P.TokenFrame]] = {}
         self.cores = None
         if spec.core_share_file and not spec.null_model:
@@ -113,12 +117,19 @@ class Worker:
             log.info("front end %s connected", fid)
         return st
 
+    def _welcome(self, fid: str, st: FrontendState) -> None:
+        self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq, self.info["model_name"],
+                                           self.info["vocab_size"], self.spec.max_seq_len))
+
     def _emit(self, fid: str, frame: P.TokenFrame) -> None:
         self.pending.setdefault(fid, []).append(frame)
 
     def handle(self, msg: P.JobMessage) -> None:
         if isinstance(msg, P.Submit):
+            known = msg.frontend_id in self.frontends
             st = self._frontend(msg.frontend_id)
+            if not known:
+                self._welcome(msg.frontend_id, st)
             res = self.engine.add(msg)
             if isinstance(res, P.RequestError):
                 self._emit(msg.frontend_id, P.TokenFrame(msg.request_id, finish_reason=P.FINISH_ERROR, error=res))
@@ -130,12 +141,13 @@ class Worker:
                 if self.engine.abort(rid) is not None and st is not None:
                     st.requests.discard(rid)
         elif isinstance(msg, P.Hello):
+            known = msg.frontend_id in self.frontends
             st = self._frontend(msg.frontend_id)
             st.last_hello = time.monotonic()
-            if msg.want_welcome:
-                self.pub.send_multipart([msg.frontend_id.encode(), P.encode(P.Welcome(
-                    self.spec.worker_id, self.instance, msg.frontend_id, st.seq, self.info["model_name"],
-                    self.info["vocab_size"], self.spec.max_seq_len))])
+            # An unknown front end always gets a Welcome: if it was reaped while silent, the
+            # new sequence start tells it that its requests here are gone.
+            if msg.want_welcome or not known:
+                self._welcome(msg.frontend_id, st)
 
     def drain(self, timeout_ms: int) -> None:
         if not self.pull.poll(timeout_ms):
@@ -174,25 +186,33 @@ class Worker:
                 if f.finish_reason:
                     st.requests.discard(f.request_id)
             st.seq += 1
-            self.pub.send_multipart([fid.encode(), P.encode(P.FrameBatch(
-                self.spec.worker_id, self.instance, st.seq, frames))])
+            self._send(fid.encode(), P.FrameBatch(self.spec.worker_id, self.instance, st.seq, frames))
         self.pending.clear()
 
-    def heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self.next_heartbeat:
-            return
-        self.next_heartbeat = now + P.HEARTBEAT_INTERVAL_S
-        bm = self.engine.blocks
-        self.pub.send_multipart([P.HEARTBEAT_TOPIC, P.encode(P.Heartbeat(
-            self.spec.worker_id, self.instance, self.info["device"], os.getpid(), self.info["model_name"],
-            self.engine.num_running, self.engine.num_waiting, bm.num_free, bm.num_blocks,
-            self.engine.scheduler.num_preemptions, bm.hit_rate, bm.block_size, self.engine.steps))])
+    def _send(self, topic: bytes, msg: P.Message) -> None:
+        data = P.encode(msg)
+        with self.pub_lock:
+            self.pub.send_multipart([topic, data])
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeats from their own thread, so a long engine step (a big prefill on CPU) never
+        looks like a dead worker. Torch releases the GIL while it computes."""
+        while not self.stop:
+            bm = self.engine.blocks
+            try:
+                self._send(P.HEARTBEAT_TOPIC, P.Heartbeat(
+                    self.spec.worker_id, self.instance, self.info["device"], os.getpid(), self.info["model_name"],
+                    self.engine.num_running, self.engine.num_waiting, bm.num_free, bm.num_blocks,
+                    self.engine.scheduler.num_preemptions, bm.hit_rate, bm.block_size, self.engine.steps))
+            except zmq.ZMQError:
+                return  # socket closed: shutting down
+            time.sleep(P.HEARTBEAT_INTERVAL_S)
 
     # -- main loop --------------------------------------------------------------------------
     def run(self) -> None:
         log.info("worker %s serving: jobs %s, frames %s", self.spec.worker_id, self.spec.job_endpoint,
                  self.spec.pub_endpoint)
+        self.heartbeat_thread.start()
         while not self.stop:
             busy = self.engine.has_work()
             self.drain(0 if busy else int(P.HEARTBEAT_INTERVAL_S * 1000 / 2))
@@ -203,13 +223,25 @@ class Worker:
                 if busy:
                     self.cores.apply()
             if busy:
-                for out in self.engine.step():
-                    seq = out.seq
-                    self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
-                                                             out.prefill_ms, out.decode_ms, out.error))
+                self.step()
             self.publish()
-            self.heartbeat()
+        self.heartbeat_thread.join(2 * P.HEARTBEAT_INTERVAL_S)
         self.close()
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # one bad batch must not take the worker and every request down
+            log.exception("engine step failed: aborting the %d requests of this worker", len(self.engine.requests))
+            err = P.RequestError(500, "Incomplete Generation", f"Device step failed: {type(e).__name__}: {e}")
+            for rid, seq in list(self.engine.requests.items()):
+                self.engine.abort(rid)
+                self._emit(seq.frontend_id, P.TokenFrame(rid, finish_reason=P.FINISH_ERROR, error=err))
+            return
+        for out in outputs:
+            seq = out.seq
+            self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
+                                                     out.prefill_ms, out.decode_ms, out.error))
 
     def close(self) -> None:
         if self.cores is not None:
