@@ -181,7 +181,7 @@ def test_kill_worker_is_detected_and_restarted(cluster):
             await asyncio.sleep(0.5)
             victim_id = streams[0].link.ep.worker_id
             workers = children_of(proc.pid)
-            assert len(workers) == 2
+            assert len(workers) == 2, workers
             # Find the victim's pid from its heartbeat.
             pid = c.links[victim_id].heartbeat.pid
             assert pid in workers
@@ -190,8 +190,8 @@ def test_kill_worker_is_detected_and_restarted(cluster):
             victims = [s for s in streams if s.link.ep.worker_id == victim_id]
             results = await asyncio.gather(*(_collect(s, 15) for s in victims))
             seen = time.monotonic() - t0
-            assert all(err is not None and err.status == 500 for _, _, err in results)
-            assert seen < P.WORKER_TIMEOUT_S + 3
+            assert all(err is not None and err.status == 500 for _, _, err in results), results
+            assert seen < P.WORKER_TIMEOUT_S + 3, (seen, results)
             # The supervisor restarts it and the client handshakes again.
             deadline = time.monotonic() + 60
             while not c.links[victim_id].welcomed:
