@@ -96,7 +96,9 @@ def test_seed_request_stream(server):
     streamed = "".join(f["token"]["text"] for f in frames[:-1])
     # The last token's text only appears in generated_text (its frame has "text": null).
     assert last["generated_text"].startswith(streamed)
-    assert "\ufffd" not in streamed
+    # No frame carries a broken character: a U+FFFD may only come from bytes that are invalid in
+    # the whole output too (a random model can emit those).
+    assert streamed.count("\ufffd") <= last["generated_text"].count("\ufffd")
 
 
 def test_details_false_and_text_input(server):
