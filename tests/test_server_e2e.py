@@ -412,3 +412,17 @@ def test_bench_native_adapter_against_this_server(server):
     assert r.ttft is not None and 0 < r.ttft <= r.e2e
     bad = send(server.url, "native", spec(0), timeout=60)  # max_new_tokens 0 is refused
     assert not bad.ok and bad.error.startswith("HTTP 422")
+
+
+def test_non_stream_client_disconnect_frees_request(server):
+    body = {"input_id": [5, 6, 8], "parameters": {"max_new_tokens": 2400}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/infer_token", content=json.dumps(body), timeout=1.0)
+    # 2400 tokens take several more seconds: it must be gone well before it could finish.
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if _running(server) == 0:
+            break
+    else:
+        raise AssertionError(f"non-stream request still running after its client left: {_running(server)}")

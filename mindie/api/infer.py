@@ -46,6 +46,22 @@ class _Raw:
 _TICK = _Tick()
 
 
+async def _watch_disconnect(req: falcon.asgi.Request, gone: asyncio.Event, stream: RequestStream) -> None:
+    """Notice a client that hangs up while its non-stream request runs, so the request is
+    cancelled on its worker. The body has been read in full, so the next ASGI message can
+    only be the disconnect. Falcon has no public hook for this; ``_receive`` is its ASGI
+    receive callable (Falcon 4)."""
+    receive = getattr(req, "_receive", None)
+    if receive is None:
+        return
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            gone.set()
+            stream.event.set()  # wake the collector
+            return
+
+
 class Deadlines:
     """MindIE's wait deadline (mindie.md §4.2): min(client timeout, tokenTimeout) measured from
     the last token for streams (from the start otherwise), and e2eTimeout from the start."""
@@ -99,19 +115,25 @@ class InferResource:
             resp.set_header("X-Accel-Buffering", "no")
             resp.sse = self._stream(ireq, stream, deadlines)
         else:
-            status, data = await self._collect(ireq, stream, deadlines)
+            status, data = await self._collect(req, ireq, stream, deadlines)
             resp.status = status
             resp.content_type = falcon.MEDIA_JSON
             resp.data = data
 
-    async def _collect(self, ireq: InferRequest, stream: RequestStream, dl: Deadlines) -> tuple[int, bytes]:
+    async def _collect(self, req: falcon.asgi.Request, ireq: InferRequest, stream: RequestStream,
+                       dl: Deadlines) -> tuple[int, bytes]:
         fe = self.fe
         ids: list[int] = []
         finish = ""
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(req, gone, stream))
         try:
             while not finish:
                 deadline, desc = dl.next()
                 frames = await stream.get(max(0.0, deadline - time.monotonic()))
+                if gone.is_set():
+                    fe.metrics.failed()
+                    return 499, b""  # nobody is listening; the request is cancelled below
                 if not frames:
                     if time.monotonic() >= deadline:
                         fe.client.cancel(stream)
@@ -127,6 +149,7 @@ class InferResource:
             fe.metrics.failed()
             return e.status, e.body()
         finally:
+            watcher.cancel()
             if not stream.finished:
                 fe.client.cancel(stream)
         text = fe.decode(ids)
