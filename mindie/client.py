@@ -66,7 +66,6 @@ class RequestStream:
         self.event = asyncio.Event()
         self.finished = False
         self.error: P.RequestError | None = None
-        self.submitted_at = time.monotonic()
 
     def _push(self, frame: P.TokenFrame) -> None:
         if self.finished:
@@ -110,7 +109,6 @@ class DeviceClient:
         self.tasks: list[asyncio.Task] = []
         self.ready_event = asyncio.Event()
         self.gaps = 0  # sequence gaps seen (frames lost); tests assert it stays 0
-        self._rr = 0
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:

@@ -212,19 +212,22 @@ def _running(srv: Server) -> float:
     return float(m.group(1)) if m else -1.0
 
 
+def _wait_nothing_running(srv: Server, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if _running(srv) == 0:
+            return
+    raise AssertionError(f"{what}: {_running(srv)}")
+
+
 def test_client_disconnect_frees_request(server):
     body = {"input_id": [5, 6, 7], "stream": True, "parameters": {"max_new_tokens": 2000}}
     with httpx.stream("POST", server.url + "/infer_token", content=json.dumps(body), timeout=60) as r:
         it = r.iter_bytes()
         next(it)
     # Both device workers report nothing running within a few seconds of the disconnect.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        if _running(server) == 0:
-            break
-    else:
-        raise AssertionError(f"request still running after disconnect: {_running(server)}")
+    _wait_nothing_running(server, 10, "request still running after disconnect")
 
 
 def test_kill_device_worker_during_streaming(server):
@@ -419,10 +422,4 @@ def test_non_stream_client_disconnect_frees_request(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/infer_token", content=json.dumps(body), timeout=1.0)
     # 2400 tokens take several more seconds: it must be gone well before it could finish.
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        if _running(server) == 0:
-            break
-    else:
-        raise AssertionError(f"non-stream request still running after its client left: {_running(server)}")
+    _wait_nothing_running(server, 3, "non-stream request still running after its client left")

@@ -43,7 +43,7 @@ def load_runner(spec: WorkerSpec, backend: Backend) -> tuple[ModelRunner, dict, 
     log.info("loaded %s (%s, %d layers, vocab %d) as %s on %s in %.2f s", path, args.arch, args.num_hidden_layers,
              args.vocab_size, dtype, device, time.perf_counter() - t0)
     eos = frozenset(args.eos_token_ids)
-    sample = make_sample_fn(args.vocab_size, device, spec.watermark_gamma, spec.watermark_delta)
+    sample = make_sample_fn(spec.watermark_gamma, spec.watermark_delta)
     runner = ModelRunner(model, (args.num_hidden_layers, args.num_key_value_heads, args.head_dim), dtype, sample,
                          args.vocab_size, eos, device, attention_cls=backend.attention_class())
     info = {"model_name": spec.model_name, "vocab_size": args.vocab_size}

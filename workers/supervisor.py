@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from workers.spec import WorkerSpec, encode_spec
 
@@ -59,7 +59,6 @@ class Child:
     restarts: int = 0
     backoff: float = BACKOFF_START_S
     restart_at: float = 0.0
-    log_extra: dict = field(default_factory=dict)
 
 
 class Supervisor:

@@ -241,7 +241,7 @@ class Worker:
         for out in outputs:
             seq = out.seq
             self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
-                                                     out.prefill_ms, out.decode_ms, out.error))
+                                                     out.prefill_ms, out.decode_ms))
 
     def close(self) -> None:
         if self.cores is not None:

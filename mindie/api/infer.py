@@ -9,7 +9,6 @@ from typing import AsyncIterator
 import falcon
 import falcon.asgi
 
-from mindie import protocol as P
 from mindie import responses as R
 from mindie.client import NoWorkerError, RequestStream
 from mindie.errors import ApiError

@@ -38,7 +38,6 @@ class StepOutput:
     finish_reason: str = ""
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
-    error: RequestError | None = None
 
 
 class Runner(Protocol):
@@ -48,7 +47,7 @@ class Runner(Protocol):
     vocab_size: int
     eos_token_ids: frozenset[int]
 
-    def execute(self, batch: ScheduledBatch, block_size: int) -> list[int | None]: ...
+    def execute(self, batch: ScheduledBatch) -> list[int | None]: ...
 
 
 class Engine:
@@ -123,7 +122,7 @@ class Engine:
         if batch.empty:
             return []
         self.steps += 1
-        sampled = self.runner.execute(batch, self.cfg.block_size)
+        sampled = self.runner.execute(batch)
         now = time.perf_counter()
         outputs: list[StepOutput] = []
         for seq, n, tok in zip(batch.seqs, batch.num_tokens, sampled):

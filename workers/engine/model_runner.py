@@ -40,7 +40,7 @@ class ModelRunner:
         self.attn = self.attention_cls(layers, num_blocks, block_size, kv_heads, head_dim, self.kv_dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, block_size: int) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
         ids: list[int] = []
         pos: list[int] = []
         last_rows: list[int] = []
@@ -80,7 +80,7 @@ class NullRunner:
         self.token_us = token_us
         self._ids = itertools.cycle(range(3, vocab_size))
 
-    def execute(self, batch: ScheduledBatch, block_size: int) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
         cost = self.step_ms / 1000.0 + self.token_us * sum(batch.num_tokens) / 1e6
         if cost > 0:
             time.sleep(cost)

@@ -31,7 +31,7 @@ broken by the lower token id (TGI: arbitrary sort order); the watermark green li
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch

@@ -15,8 +15,7 @@ from workers.engine.sequence import Sequence
 from workers.engine.watermark import WatermarkConfig
 
 
-def make_sample_fn(vocab_size: int, device: torch.device, gamma: float = 0.5,
-                   delta: float = 2.0) -> Callable[[torch.Tensor, list[Sequence]], list[int]]:
+def make_sample_fn(gamma: float = 0.5, delta: float = 2.0) -> Callable[[torch.Tensor, list[Sequence]], list[int]]:
     sampler = Sampler(WatermarkConfig(gamma=gamma, delta=delta))
 
     def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
