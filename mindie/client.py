@@ -246,6 +246,8 @@ class DeviceClient:
                                           f"(no Hello for {P.FRONTEND_TIMEOUT_S:.0f} s)")
                     link.welcomed = False
                 if not link.welcomed or msg.instance != link.instance:
+                    if msg.instance != link.instance:
+                        link.heartbeat = None  # the old instance's load figures mean nothing now
                     link.instance = msg.instance
                     link.expected_seq = msg.seq + 1
                     link.model_name, link.vocab_size, link.max_seq_len = msg.model_name, msg.vocab_size, msg.max_seq_len
