@@ -14,6 +14,7 @@ import torch
 
 from mindie.protocol import FINISH_EOS, FINISH_LENGTH, RequestError, SamplingParams, Submit
 from workers.backends.cpu import CpuBackend
+from workers.engine.attention import PagedAttention
 from workers.engine.engine import Engine, EngineConfig
 from workers.model_setup import load_runner
 from workers.spec import WorkerSpec
@@ -21,11 +22,18 @@ from workers.spec import WorkerSpec
 transformers = pytest.importorskip("transformers")
 
 
+class PortableCpuBackend(CpuBackend):
+    """The CPU backend with the portable torch attention (the CUDA path's) instead of the C kernels."""
+
+    def attention_class(self) -> type:
+        return PagedAttention
+
+
 def make_engine(model_dir: str, num_blocks: int = 256, block_size: int = 16, dtype: str = "float32",
-                **cfg) -> Engine:
+                portable: bool = False, **cfg) -> Engine:
     spec = WorkerSpec(worker_id="t", job_endpoint="", pub_endpoint="", model_path=model_dir, dtype=dtype,
                       block_size=block_size)
-    runner, _info, _ = load_runner(spec, CpuBackend())
+    runner, _info, _ = load_runner(spec, PortableCpuBackend() if portable else CpuBackend())
     runner.allocate_kv(num_blocks, block_size)
     return Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=block_size, **cfg))
 
@@ -185,8 +193,9 @@ def test_max_seq_len_caps_output(demo_model):
 from tests.test_models import CASES, _make_hf  # noqa: E402
 
 
+@pytest.mark.parametrize("attention", ["cpu-kernels", "portable"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_continuation_matches_transformers(case, tmp_path):
+def test_greedy_continuation_matches_transformers(case, attention, tmp_path):
     hf, path = _make_hf(case, tmp_path)
     rng = random.Random(1)
     ps = [[rng.randrange(3, 160) for _ in range(n)] for n in (5, 24, 37)]
@@ -200,7 +209,9 @@ def test_greedy_continuation_matches_transformers(case, tmp_path):
                 ids.append(int(logits.argmax()))
             expected.append(ids[len(p):])
     # Block size 16 so sequences span several blocks; prefill chunks of 20 tokens.
-    eng = make_engine(str(path), num_blocks=64, max_prefill_tokens=20)
+    eng = make_engine(str(path), num_blocks=64, max_prefill_tokens=20, portable=attention == "portable")
+    expect_cls = "PagedAttention" if attention == "portable" else "CpuPagedAttention"
+    assert type(eng.runner.attn).__name__ == expect_cls
     res = run(eng, {f"p{i}": (p, SamplingParams(max_new_tokens=n_new, ignore_eos=True)) for i, p in enumerate(ps)})
     for i in range(len(ps)):
         assert res[f"p{i}"][0] == expected[i], f"{case}: prompt {i} diverged"

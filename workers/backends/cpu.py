@@ -44,6 +44,13 @@ class CpuBackend(Backend):
         from workers.backends.cpu_linear import pack_linears
         pack_linears(model)
 
+    def attention_class(self) -> type:
+        from workers.backends import cpu_kernels
+        if cpu_kernels.load() is None:
+            return super().attention_class()
+        from workers.backends.cpu_attention import CpuPagedAttention
+        return CpuPagedAttention
+
     def default_dtype(self) -> torch.dtype:
         return torch.float32
 

@@ -12,7 +12,9 @@ sequence's block table lists its blocks in position order. Per step the engine b
      - prefills (several queries each): prompts with nothing cached use causal SDPA on the new
        keys directly (right padding keeps it exact); chunks after a cached prefix gather their
        blocks and use SDPA with an explicit mask.
-The NPU backend would swap this class for torch_npu's paged-attention ops (workers/backends/npu.py).
+Backends may swap this class: the NPU's uses torch_npu's paged-attention ops
+(workers/backends/npu_attention.py); the CPU's replaces the cache write and the decode part with C
+kernels that read the blocks in place (workers/backends/cpu_attention.py).
 """
 from __future__ import annotations
 
@@ -170,8 +172,7 @@ class PagedAttention:
                  window: int | None = None) -> torch.Tensor:
         meta = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc[meta.blocks, :, meta.offsets] = k.to(kc.dtype)
-        vc[meta.blocks, :, meta.offsets] = v.to(vc.dtype)
+        self._write(layer, k, v)
         if meta.prefill is None:
             return self._decode(meta.decode, q, kc, vc, window)
         out = torch.empty_like(q)
@@ -195,6 +196,12 @@ class PagedAttention:
         o = o.transpose(1, 2)  # [B, Q, H, D]
         out[g.q_index[g.q_valid]] = o[g.q_valid]
         return out
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new k/v rows [T, Hkv, D] in their cache slots."""
+        meta, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
+        kc[meta.blocks, :, meta.offsets] = k.to(kc.dtype)
+        vc[meta.blocks, :, meta.offsets] = v.to(vc.dtype)
 
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 window: int | None) -> torch.Tensor:

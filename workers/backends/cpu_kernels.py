@@ -1,0 +1,111 @@
+"""Build and load the CPU backend's C kernels (cpu_paged_attention.c).
+
+The source is compiled once per host with the system C compiler (``-O3 -march=native -fopenmp``)
+into a cache directory keyed by the source, the compiler and the CPU's feature flags, and loaded
+with ctypes (which releases the GIL while a kernel runs). Both device workers of a box may build
+at the same moment: each compiles to a private temporary file and renames it into place.
+
+Without a compiler, or with ``MINDIE_CPU_KERNELS=0``, ``load()`` returns None and the CPU backend
+keeps the portable torch attention (the reason is logged once).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("workers.backends")
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+         # Let the dot products and row updates vectorise (fp32 reassociation only).
+         "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+BUILD_TIMEOUT_S = 180
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_reason = ""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINDIE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mindie-py", "kernels")
+    return Path(root)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _build(cc: str) -> Path:
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+    key = hashlib.sha256(src + version + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = cache_dir() / f"cpu_paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built CPU attention kernels in %.1f s: %s", time.perf_counter() - t0, out)
+    return out
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None (see ``unavailable_reason()``)."""
+    global _lib, _tried, _reason
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("MINDIE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        _reason = "disabled by MINDIE_CPU_KERNELS"
+    elif (cc := _compiler()) is None:
+        _reason = "no C compiler (set CC)"
+    else:
+        try:
+            import torch  # noqa: F401  (its libgomp must be loaded first so the kernels share it)
+            lib = ctypes.CDLL(str(_build(cc)))
+            lib.paged_decode.restype = ctypes.c_int
+            lib.paged_decode.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] \
+                + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+            lib.paged_write.restype = None
+            lib.paged_write.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p] + [ctypes.c_int64] * 5
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _reason = f"build failed: {e}"
+    if _lib is None:
+        log.warning("CPU attention kernels unavailable (%s): using the portable torch attention", _reason)
+    return _lib
+
+
+def unavailable_reason() -> str:
+    return _reason
