@@ -21,6 +21,7 @@
 
 #define MAX_D 256
 #define MAX_G 16
+#define CHUNK 128
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
@@ -52,13 +53,15 @@ static inline void store_f16(_Float16 *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = (_Float16)src[i];
 }
 
-/* One (sequence, kv head) work item. */
+/* One (sequence, kv head) work item, over chunks of up to CHUNK cached positions: scores of the
+ * chunk for the G heads, one rescale of the running sums per chunk, then the value rows. */
 #define DEFINE_DECODE(SUFFIX, T)                                                                        \
     static void decode_one_##SUFFIX(const T *q, const T *kc, const T *vc, const int64_t *table,        \
                                     int64_t p, int64_t H, int64_t Hkv, int64_t bs, int64_t D,           \
                                     int64_t window, float scale, int64_t kvh, T *out) {                \
         const int64_t G = H / Hkv;                                                                      \
-        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G], row[MAX_D], s[MAX_G];           \
+        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G], row[MAX_D];                     \
+        float sc[MAX_G][CHUNK];                                                                         \
         for (int64_t g = 0; g < G; g++) {                                                               \
             load_##SUFFIX(q + (kvh * G + g) * D, qf[g], D);                                             \
             for (int64_t d = 0; d < D; d++) { qf[g][d] *= scale; acc[g][d] = 0.0f; }                    \
@@ -66,30 +69,42 @@ static inline void store_f16(_Float16 *dst, const float *src, int64_t n) {
             l[g] = 0.0f;                                                                                \
         }                                                                                               \
         const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;                       \
-        for (int64_t t = lo; t <= p; t++) {                                                             \
-            const int64_t off = ((table[t / bs] * Hkv + kvh) * bs + t % bs) * D;                        \
-            load_##SUFFIX(kc + off, row, D);                                                            \
-            for (int64_t g = 0; g < G; g++) {                                                           \
-                float dot = 0.0f;                                                                       \
-                for (int64_t d = 0; d < D; d++) dot += qf[g][d] * row[d];                               \
-                s[g] = dot;                                                                             \
-            }                                                                                           \
-            load_##SUFFIX(vc + off, row, D);                                                            \
-            for (int64_t g = 0; g < G; g++) {                                                           \
-                float corr = 1.0f, e;                                                                   \
-                if (s[g] > m[g]) {                                                                      \
-                    corr = expf(m[g] - s[g]);                                                           \
-                    m[g] = s[g];                                                                        \
-                    e = 1.0f;                                                                           \
-                } else {                                                                                \
-                    e = expf(s[g] - m[g]);                                                              \
+        for (int64_t t0 = lo; t0 <= p;) {                                                               \
+            const int64_t blk = t0 / bs, in_blk = t0 % bs;                                              \
+            int64_t n = bs - in_blk;                                                                    \
+            if (n > p + 1 - t0) n = p + 1 - t0;                                                         \
+            if (n > CHUNK) n = CHUNK;                                                                   \
+            const int64_t base = ((table[blk] * Hkv + kvh) * bs + in_blk) * D;                          \
+            for (int64_t j = 0; j < n; j++) {                                                           \
+                load_##SUFFIX(kc + base + j * D, row, D);                                               \
+                for (int64_t g = 0; g < G; g++) {                                                       \
+                    float dot = 0.0f;                                                                   \
+                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * row[d];                           \
+                    sc[g][j] = dot;                                                                     \
                 }                                                                                       \
-                l[g] = l[g] * corr + e;                                                                 \
-                if (corr != 1.0f)                                                                       \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] = acc[g][d] * corr + e * row[d];          \
-                else                                                                                    \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += e * row[d];                            \
             }                                                                                           \
+            for (int64_t g = 0; g < G; g++) {                                                           \
+                float mb = m[g];                                                                        \
+                for (int64_t j = 0; j < n; j++) mb = sc[g][j] > mb ? sc[g][j] : mb;                     \
+                if (mb > m[g]) {                                                                        \
+                    const float corr = expf(m[g] - mb);                                                 \
+                    l[g] *= corr;                                                                       \
+                    for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;                                  \
+                    m[g] = mb;                                                                          \
+                }                                                                                       \
+                float sum = 0.0f;                                                                       \
+                _Pragma("omp simd reduction(+:sum)")                                                    \
+                for (int64_t j = 0; j < n; j++) { sc[g][j] = expf(sc[g][j] - mb); sum += sc[g][j]; }    \
+                l[g] += sum;                                                                            \
+            }                                                                                           \
+            for (int64_t j = 0; j < n; j++) {                                                           \
+                load_##SUFFIX(vc + base + j * D, row, D);                                               \
+                for (int64_t g = 0; g < G; g++) {                                                       \
+                    const float e = sc[g][j];                                                           \
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += e * row[d];                            \
+                }                                                                                       \
+            }                                                                                           \
+            t0 += n;                                                                                    \
         }                                                                                               \
         for (int64_t g = 0; g < G; g++) {                                                               \
             const float inv = 1.0f / l[g];                                                              \
