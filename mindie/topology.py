@@ -39,6 +39,20 @@ def visibility_env(device_type: str, device_ids: list[int]) -> dict[str, str]:
     return {}
 
 
+def overlap_default(device_type: str, null_model: bool = False) -> bool:
+    """Whether steps overlap with the worker loop's I/O when ScheduleConfig.overlapSteps is null.
+
+    An accelerator computes while the host thread is free, so the loop's work is hidden; the
+    null model sleeps through its step time like one. On CPU the compute thread and the loop
+    share the cores (measured in docs/performance.md)."""
+    if null_model or device_type in ("cuda", "npu"):
+        return True
+    return CPU_OVERLAP_DEFAULT
+
+
+CPU_OVERLAP_DEFAULT = False
+
+
 def worker_specs(config: Config, run_dir: str | None = None, null_model: bool = False,
                  null_step_ms: float = 0.0) -> list[tuple[WorkerSpec, dict[str, str]]]:
     """One (spec, extra environment) per device worker."""
@@ -61,7 +75,9 @@ def worker_specs(config: Config, run_dir: str | None = None, null_model: bool = 
             model_name=model.modelName, dtype=model.dtype, kv_cache_gb=kv_gb, block_size=sched.cacheBlockSize,
             max_seq_len=deploy.maxSeqLen, max_iter_times=sched.maxIterTimes, max_batch_size=sched.maxBatchSize,
             max_prefill_batch_size=sched.maxPrefillBatchSize, max_prefill_tokens=sched.maxPrefillTokens,
-            enable_prefix_cache=sched.enablePrefixCache, threads=threads if device_type == "cpu" else 0,
+            enable_prefix_cache=sched.enablePrefixCache,
+            overlap=overlap_default(device_type, null_model) if sched.overlapSteps is None else sched.overlapSteps,
+            threads=threads if device_type == "cpu" else 0,
             null_model=null_model, null_step_ms=null_step_ms,
             core_share_file=f"{rd}/cores.busy" if share else "", worker_index=index, num_workers=n,
             watermark_gamma=config.ServerConfig.watermarkGamma, watermark_delta=config.ServerConfig.watermarkDelta,

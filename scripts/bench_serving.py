@@ -68,6 +68,51 @@ class RssSampler(threading.Thread):
             time.sleep(0.2)
 
 
+def bench_model() -> str:
+    """The bench30m preset's directory (built on first use)."""
+    from workers.models.demo import PRESETS, ensure_demo_model
+    return str(ensure_demo_model(**dataclasses.asdict(PRESETS["bench30m"])))
+
+
+def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1, dtype: str = "bfloat16",
+                 kv_gib: float = 1.0, overlap: bool | None = None, null_model: bool = False,
+                 null_step_ms: float = 0.0) -> tuple[subprocess.Popen, str, float, Path]:
+    """Start scripts/launch.sh on a fresh config; returns (process, url, launch->ready s, tmp dir)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mb", dir="/tmp"))
+    os.chmod(tmp, 0o700)
+    cfg = {
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "httpsEnabled": False, "runDir": str(tmp),
+                         "maxLinkNum": 1000},
+        "BackendConfig": {
+            "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu",
+            "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 2048, "ModelConfig": [{
+                "modelName": "bench", "modelWeightPath": model, "dtype": dtype,
+                "cpuMemSize": kv_gib / workers}]},
+            "ScheduleConfig": {"cacheBlockSize": 128, "maxBatchSize": 512, "maxPrefillBatchSize": 64,
+                               "maxPrefillTokens": 8192, "maxIterTimes": 4096, "overlapSteps": overlap},
+        },
+    }
+    cfg_path = tmp / "config.json"
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    env = dict(os.environ, MINDIE_LOG_LEVEL="WARNING", PYTHON=sys.executable)
+    launch = [str(ROOT / "scripts" / "launch.sh"), "--config", str(cfg_path), "--frontends", str(frontends)]
+    if null_model:
+        launch += ["--null-model", "--null-step-ms", str(null_step_ms)]
+    t0 = time.monotonic()
+    # Same session as this script (no setsid): the kernel groups CPU scheduling by session.
+    server = subprocess.Popen(["bash", *launch], env=env, stdout=open(tmp / "server.log", "wb"),
+                              stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() - t0 < 120:
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return server, url, time.monotonic() - t0, tmp
+        except OSError:
+            time.sleep(0.05)
+    server.terminate()
+    sys.exit(f"server not ready in 120 s; log: {tmp / 'server.log'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
@@ -82,6 +127,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18700)
     ap.add_argument("--null-model", action="store_true", help="no model compute: serving stack only")
     ap.add_argument("--null-step-ms", type=float, default=0.0)
+    ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                    help="ScheduleConfig.overlapSteps (auto = the device's default)")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-alone runs")
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args()
@@ -89,47 +136,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    model = args.model
-    if not model:
-        from workers.models.demo import PRESETS, ensure_demo_model
-        model = str(ensure_demo_model(**dataclasses.asdict(PRESETS["bench30m"])))
-    tmp = Path(tempfile.mkdtemp(prefix="mb", dir="/tmp"))
-    os.chmod(tmp, 0o700)
-    cfg = {
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": args.port, "httpsEnabled": False, "runDir": str(tmp),
-                         "maxLinkNum": 1000},
-        "BackendConfig": {
-            "npuDeviceIds": [[i] for i in range(args.workers)], "deviceType": "cpu",
-            "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 2048, "ModelConfig": [{
-                "modelName": "bench", "modelWeightPath": model, "dtype": args.dtype,
-                "cpuMemSize": args.kv_gib / args.workers}]},
-            "ScheduleConfig": {"cacheBlockSize": 128, "maxBatchSize": 512, "maxPrefillBatchSize": 64,
-                               "maxPrefillTokens": 8192, "maxIterTimes": 4096},
-        },
-    }
-    cfg_path = tmp / "config.json"
-    cfg_path.write_text(json.dumps(cfg, indent=1))
-    env = dict(os.environ, MINDIE_LOG_LEVEL="WARNING", PYTHON=sys.executable)
-    launch = [str(ROOT / "scripts" / "launch.sh"), "--config", str(cfg_path), "--frontends", str(args.frontends)]
-    if args.null_model:
-        launch += ["--null-model", "--null-step-ms", str(args.null_step_ms)]
+    model = args.model or bench_model()
     print(f"model {model}; server: {args.workers} workers, {args.frontends} front ends", file=sys.stderr)
-    t0 = time.monotonic()
-    # Same session as this script (no setsid): the kernel groups CPU scheduling by session.
-    server = subprocess.Popen(["bash", *launch], env=env, stdout=open(tmp / "server.log", "wb"),
-                              stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{args.port}"
-    ready_s = None
-    while time.monotonic() - t0 < 120:
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                ready_s = time.monotonic() - t0
-                break
-        except OSError:
-            time.sleep(0.05)
-    if ready_s is None:
-        server.terminate()
-        sys.exit(f"server not ready in 120 s; log: {tmp / 'server.log'}")
+    server, url, ready_s, tmp = start_server(
+        model, args.port, workers=args.workers, frontends=args.frontends, dtype=args.dtype, kv_gib=args.kv_gib,
+        overlap={"auto": None, "on": True, "off": False}[args.overlap], null_model=args.null_model,
+        null_step_ms=args.null_step_ms)
     print(f"launch -> ready: {ready_s:.2f} s", file=sys.stderr)
     rss = RssSampler(server.pid)
     rss.start()

@@ -30,12 +30,12 @@ class PortableCpuBackend(CpuBackend):
 
 
 def make_engine(model_dir: str, num_blocks: int = 256, block_size: int = 16, dtype: str = "float32",
-                portable: bool = False, **cfg) -> Engine:
+                portable: bool = False, overlap: bool = False, **cfg) -> Engine:
     spec = WorkerSpec(worker_id="t", job_endpoint="", pub_endpoint="", model_path=model_dir, dtype=dtype,
                       block_size=block_size)
     runner, _info, _ = load_runner(spec, PortableCpuBackend() if portable else CpuBackend())
     runner.allocate_kv(num_blocks, block_size)
-    return Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=block_size, **cfg))
+    return Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=block_size, **cfg), overlap=overlap)
 
 
 def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]], priority: dict | None = None,
@@ -75,12 +75,13 @@ def alone(demo_model) -> dict[str, list[int]]:
     return res
 
 
-@pytest.mark.parametrize("variant", ["batch64", "tiny_cache_preemption", "chunked_prefill", "all"])
+@pytest.mark.parametrize("variant", ["batch64", "tiny_cache_preemption", "chunked_prefill", "all", "all_overlapped"])
 def test_greedy_outputs_independent_of_batching(demo_model, alone, variant):
     ps = prompts(64)
     kw = {"batch64": {}, "tiny_cache_preemption": dict(num_blocks=40),
           "chunked_prefill": dict(max_prefill_tokens=37),
-          "all": dict(num_blocks=40, max_prefill_tokens=37, max_batch_size=20)}[variant]
+          "all": dict(num_blocks=40, max_prefill_tokens=37, max_batch_size=20),
+          "all_overlapped": dict(num_blocks=40, max_prefill_tokens=37, max_batch_size=20, overlap=True)}[variant]
     eng = make_engine(demo_model, **kw)
     res = run(eng, {f"r{i}": (p, GREEDY) for i, p in enumerate(ps)})
     assert {k: v[0] for k, v in res.items()} == alone
@@ -144,6 +145,49 @@ def test_no_block_leaks_after_cancel_timeout_and_preemption(demo_model):
         eng.step()
     assert eng.scheduler.num_preemptions > 0
     assert eng.check_no_leaks()
+
+
+def test_overlapped_step_cancel_in_flight(demo_model, alone):
+    """With overlap a step computes on the engine's thread; a request cancelled (or timed out)
+    while its step is in flight gets no output from that step, its blocks are freed once the
+    step is collected, and the others are unaffected."""
+    ps = prompts(64)
+    eng = make_engine(demo_model, overlap=True)
+    for i in range(4):
+        eng.add(Submit(f"r{i}", "fe", ps[i], GREEDY, deadline=1.0 if i == 2 else 0.0))
+    flight = eng.launch()
+    assert flight is not None and len(flight.batch.seqs) == 4
+    with pytest.raises(RuntimeError, match="in flight"):
+        eng.launch()
+    free_before = eng.blocks.num_free
+    assert eng.abort("r1") is not None
+    assert [s.request_id for s in eng.expire(now=10.0)] == ["r2"]
+    assert eng.blocks.num_free == free_before  # still in use by the computing step
+    outs = eng.collect(flight)
+    assert sorted(o.seq.request_id for o in outs) == ["r0", "r3"]
+    assert eng.blocks.num_free > free_before
+    got = {o.seq.request_id: list(o.token_ids) for o in outs}
+    while eng.has_work():
+        for o in eng.step():
+            got[o.seq.request_id].extend(o.token_ids)
+    assert got == {"r0": alone["r0"], "r3": alone["r3"]}
+    assert eng.check_no_leaks()
+    eng.close()
+
+
+def test_overlapped_step_failure_is_raised_by_collect(demo_model):
+    eng = make_engine(demo_model, overlap=True)
+    eng.add(Submit("r", "fe", [5, 6, 7], GREEDY))
+
+    def boom():
+        raise ValueError("device lost")
+
+    flight = eng.launch(before=boom)
+    with pytest.raises(ValueError, match="device lost"):
+        eng.collect(flight)
+    assert eng.abort("r") is not None
+    assert eng.check_no_leaks()
+    eng.close()
 
 
 def test_seeded_sampling_independent_of_batch(demo_model):

@@ -29,12 +29,14 @@ SEED_BODY = {
 FRAME_RE = re.compile(rb"data: (\{.*?\})\n\n", re.S)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_model):
+@pytest.fixture(scope="module", params=[False, True], ids=["sequential-steps", "overlapped-steps"])
+def server(tmp_path_factory, demo_model, request):
+    """Every test against this server runs twice: worker loop in turn, and with step overlap."""
     tmp = tmp_path_factory.mktemp("server")
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       server={"maxRequestLength": 1}, schedule={"maxIterTimes": 2500})
+                       server={"maxRequestLength": 1},
+                       schedule={"maxIterTimes": 2500, "overlapSteps": request.param})
     srv = Server(cfg, port, frontends=2)
     srv.wait_ready()
     srv.tokenizer = load_tokenizer(demo_model)

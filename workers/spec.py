@@ -26,6 +26,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     max_prefill_tokens: int = 8192
     enable_prefix_cache: bool = True
     threads: int = 0
+    overlap: bool = False  # compute steps on a thread while the loop does the I/O (engine.Engine)
     # CPU: borrow the cores of idle sibling workers (workers/backends/core_share.py).
     core_share_file: str = ""
     worker_index: int = 0

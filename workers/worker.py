@@ -1,8 +1,10 @@
 """Device worker process: one device, one engine, two ZeroMQ sockets.
 
 Loop: drain the job socket without blocking (Submit / Cancel / Hello) -> one engine step ->
-publish one FrameBatch per front end with new tokens -> heartbeat when due. When idle it
-waits on the job socket for at most a heartbeat interval, so heartbeats keep flowing.
+publish one FrameBatch per front end with new tokens. With step overlap (WorkerSpec.overlap) the
+step is launched first and computes on the engine's compute thread while the loop drains jobs
+and publishes the previous step's frames. When idle it waits on the job socket for at most half
+a heartbeat interval; heartbeats come from their own thread.
 
 Run by the supervisor as ``python -m workers.worker --spec '<json>'``.
 """
@@ -60,7 +62,7 @@ def build_engine(spec: WorkerSpec):
         # Blocks are bookkeeping only here: size them as a 1 GiB cache of a small model would.
         num_blocks = max(64, (spec.max_batch_size * spec.max_seq_len) // spec.block_size + 1)
         log.info("null model: no compute, %.2f ms per step, %d blocks", spec.null_step_ms, num_blocks)
-        return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg)), {
+        return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg), overlap=spec.overlap), {
             "model_name": spec.model_name, "vocab_size": spec.null_vocab_size, "device": "null"}
 
     from workers.backends import get_backend
@@ -75,7 +77,8 @@ def build_engine(spec: WorkerSpec):
     log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s", num_blocks, spec.block_size,
              num_blocks * bytes_per_block / (1 << 30), num_blocks * spec.block_size, backend.describe())
     info["device"] = backend.describe()
-    return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg)), info
+    log.info("step overlap %s", "on (model computes on its own thread)" if spec.overlap else "off")
+    return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg), overlap=spec.overlap), info
 
 
 class Worker:
@@ -104,6 +107,7 @@ class Worker:
         self.pub_lock = threading.Lock()
         self.heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.pending: dict[str, list[P.TokenFrame]] = {}
+        self.idle_wait_ms = int(P.HEARTBEAT_INTERVAL_S * 1000 / 2)
         self.cores = None
         if spec.core_share_file and not spec.null_model:
             from workers.backends.core_share import CoreShare
@@ -214,36 +218,71 @@ class Worker:
                  self.spec.pub_endpoint)
         self.heartbeat_thread.start()
         while not self.stop:
-            busy = self.engine.has_work()
-            self.drain(0 if busy else int(P.HEARTBEAT_INTERVAL_S * 1000 / 2))
-            self.reap()
-            busy = self.engine.has_work()
-            if self.cores is not None:
-                self.cores.set_busy(busy)
-                if busy:
-                    self.cores.apply()
-            if busy:
-                self.step()
-            self.publish()
+            if self.engine.overlap:
+                self._iterate_overlapped()
+            else:
+                self._iterate()
         self.heartbeat_thread.join(2 * P.HEARTBEAT_INTERVAL_S)
         self.close()
 
-    def step(self) -> None:
+    def _iterate(self) -> None:
+        """Jobs in, one step computed, its frames out."""
+        busy = self.engine.has_work()
+        self.drain(0 if busy else self.idle_wait_ms)
+        self.reap()
+        flight = self._launch() if self._set_busy(self.engine.has_work()) else None
+        if flight is not None:
+            self._collect(flight)
+        self.publish()
+
+    def _iterate_overlapped(self) -> None:
+        """Step launched first; while it computes on the compute thread, jobs come in and the
+        previous step's frames go out (ZeroMQ and msgpack release or barely need the GIL)."""
+        flight = self._launch() if self._set_busy(self.engine.has_work()) else None
+        self.drain(0 if flight is not None else self.idle_wait_ms)
+        self.reap()
+        self.publish()
+        if flight is not None:
+            self._collect(flight)
+            # Right away rather than after the next launch: a finished request's last frame
+            # (and an idle worker's only frames) must not wait for another step.
+            if not self.engine.has_work():
+                self.publish()
+
+    def _set_busy(self, busy: bool) -> bool:
+        if self.cores is not None:
+            self.cores.set_busy(busy)
+        return busy
+
+    def _launch(self):
         try:
-            outputs = self.engine.step()
-        except Exception as e:  # one bad batch must not take the worker and every request down
-            log.exception("engine step failed: aborting the %d requests of this worker", len(self.engine.requests))
-            err = P.RequestError(500, "Incomplete Generation", f"Device step failed: {type(e).__name__}: {e}")
-            for rid, seq in list(self.engine.requests.items()):
-                self.engine.abort(rid)
-                self._emit(seq.frontend_id, P.TokenFrame(rid, finish_reason=P.FINISH_ERROR, error=err))
+            return self.engine.launch(before=self.cores.apply if self.cores is not None else None)
+        except Exception as e:
+            self._fail_all(e)
+            return None
+
+    def _collect(self, flight) -> None:
+        try:
+            outputs = self.engine.collect(flight)
+        except Exception as e:
+            self._fail_all(e)
             return
         for out in outputs:
             seq = out.seq
             self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
                                                      out.prefill_ms, out.decode_ms))
 
+    def _fail_all(self, e: Exception) -> None:
+        """One bad batch must not take the worker down: end this worker's requests with errors."""
+        log.error("engine step failed: aborting the %d requests of this worker", len(self.engine.requests),
+                  exc_info=e)
+        err = P.RequestError(500, "Incomplete Generation", f"Device step failed: {type(e).__name__}: {e}")
+        for rid, seq in list(self.engine.requests.items()):
+            self.engine.abort(rid)
+            self._emit(seq.frontend_id, P.TokenFrame(rid, finish_reason=P.FINISH_ERROR, error=err))
+
     def close(self) -> None:
+        self.engine.close()
         if self.cores is not None:
             self.cores.close()
         self.pull.close(0)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 from mindie.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, RequestError, Submit
 from workers.engine.block_manager import BlockManager
@@ -32,6 +33,15 @@ class EngineConfig:
 
 
 @dataclass
+class InFlight:
+    """A launched step: its batch and the future of its sampled tokens."""
+
+    batch: ScheduledBatch
+    future: Future
+    seqs: set[int] = field(default_factory=set)  # id() of the batch's sequences
+
+
+@dataclass
 class StepOutput:
     seq: Sequence
     token_ids: list[int]
@@ -51,9 +61,18 @@ class Runner(Protocol):
 
 
 class Engine:
-    def __init__(self, runner: Runner, cfg: EngineConfig):
+    """``overlap``: run the model on a compute thread, so that the caller can take in jobs,
+    encode and send the previous step's frames while the device (or, on CPU, torch's
+    thread pool) computes: ``launch()``, other work, ``collect()``. Without it ``launch()``
+    computes at once. ``step()`` is both in one call."""
+
+    def __init__(self, runner: Runner, cfg: EngineConfig, overlap: bool = False):
         self.runner = runner
         self.cfg = cfg
+        self.overlap = overlap
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-compute") if overlap else None
+        self._inflight: InFlight | None = None
+        self._deferred: list[Sequence] = []  # aborted while their step computes: freed at collect
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_prefill_batch_size, cfg.max_prefill_tokens), self.blocks)
@@ -93,8 +112,11 @@ class Engine:
         """Cancel a request and free its blocks now; unknown ids are ignored."""
         seq = self.requests.pop(request_id, None)
         if seq is not None:
-            self.scheduler.remove(seq)
             seq.finish_reason = FINISH_ABORT
+            if self._inflight is not None and id(seq) in self._inflight.seqs:
+                self._deferred.append(seq)  # the compute thread may still read its block table
+            else:
+                self.scheduler.remove(seq)
         return seq
 
     def expire(self, now: float) -> list[Sequence]:
@@ -118,14 +140,50 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        f = self.launch()
+        return self.collect(f) if f is not None else []
+
+    def launch(self, before: Callable[[], object] | None = None) -> InFlight | None:
+        """Schedule the next step and start computing it (``before`` runs first, on the thread
+        that computes: torch's thread count is per thread). None when nothing can run."""
+        if self._inflight is not None:
+            raise RuntimeError("a step is already in flight: collect() it first")
         batch = self.scheduler.schedule()
         if batch.empty:
-            return []
+            return None
         self.steps += 1
-        sampled = self.runner.execute(batch)
+
+        def compute() -> list[int | None]:
+            if before is not None:
+                before()
+            return self.runner.execute(batch)
+
+        if self._pool is not None:
+            future = self._pool.submit(compute)
+        else:
+            future = Future()
+            try:
+                future.set_result(compute())
+            except Exception as e:  # raised again by collect(), as the threaded path does
+                future.set_exception(e)
+        self._inflight = InFlight(batch, future, {id(s) for s in batch.seqs})
+        return self._inflight
+
+    def collect(self, f: InFlight) -> list[StepOutput]:
+        """Wait for a launched step and turn its tokens into outputs (finishing sequences)."""
+        try:
+            sampled = f.future.result()
+        finally:
+            self._inflight = None
+            for seq in self._deferred:
+                self.scheduler.remove(seq)
+            self._deferred.clear()
+        batch = f.batch
         now = time.perf_counter()
         outputs: list[StepOutput] = []
         for seq, n, tok in zip(batch.seqs, batch.num_tokens, sampled):
+            if seq.finish_reason == FINISH_ABORT:
+                continue  # cancelled while it computed
             seq.num_computed += n
             self.blocks.register_computed(seq)
             if tok is None:
@@ -151,8 +209,13 @@ class Engine:
 
     def check_no_leaks(self) -> bool:
         """True when no request is left and every block is free (used by tests)."""
-        return not self.requests and self.blocks.num_free == self.blocks.num_blocks and all(
+        return not self.requests and self._inflight is None and self.blocks.num_free == self.blocks.num_blocks and all(
             b.ref_count == 0 for b in self.blocks.blocks)
 
 
-__all__ = ["Engine", "EngineConfig", "StepOutput", "Runner", "Status"]
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+__all__ = ["Engine", "EngineConfig", "InFlight", "StepOutput", "Runner", "Status"]

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Decode attention of one layer: the portable torch path against the CPU C kernels, side by side.
+
+For each (batch, context) it fills a random paged KV cache, times one decode call (cache write +
+attention) of `PagedAttention` and of `CpuPagedAttention` alternately, checks that they agree,
+and prints microseconds per call and the speed-up. Shapes default to the bench30m model's
+(8 heads, 4 KV heads, head size 64, blocks of 128).
+
+    python scripts/bench_attention.py
+    python scripts/bench_attention.py --dtype float32 --batch 1,16 --context 512,2048
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from workers.backends import cpu_kernels
+from workers.backends.cpu_attention import CpuPagedAttention
+from workers.engine.attention import PagedAttention
+
+
+def per_call_us(fn, reps: int) -> float:
+    for _ in range(10):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--batch", default="1,8,32,64")
+    ap.add_argument("--context", default="150,1000")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    args = ap.parse_args()
+    if cpu_kernels.load() is None:
+        raise SystemExit(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dt = getattr(torch, args.dtype)
+    h, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    print(f"{args.dtype}, {h} heads / {hkv} KV heads x {d}, blocks of {bs}, {torch.get_num_threads()} threads")
+    print(f"{'batch':>5} {'context':>7} {'torch us':>9} {'kernel us':>10} {'speed-up':>9} {'max |diff|':>11}")
+    g = torch.Generator().manual_seed(0)
+    for ctx in (int(c) for c in args.context.split(",")):
+        for B in (int(b) for b in args.batch.split(",")):
+            per_seq = -(-ctx // bs)
+            nb = B * per_seq + 1
+            ref = PagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
+            ker = CpuPagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
+            for a, b in ((ref.k_cache[0], ker.k_cache[0]), (ref.v_cache[0], ker.v_cache[0])):
+                a.copy_(torch.randn(a.shape, generator=g).to(dt))
+                b.copy_(a)
+            perm = torch.randperm(nb, generator=g).tolist()
+            tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(B)]
+            q = torch.randn(B, h, d, generator=g).to(dt)
+            kv = torch.randn(B, hkv, d, generator=g).to(dt)
+            with torch.inference_mode():
+                for a in (ref, ker):
+                    a.prepare(tables, [ctx - 1] * B, [1] * B)
+                diff = (ref(0, q, kv, kv).float() - ker(0, q, kv, kv).float()).abs().max().item()
+                t_ref = per_call_us(lambda: ref(0, q, kv, kv), args.reps)
+                t_ker = per_call_us(lambda: ker(0, q, kv, kv), args.reps)
+            print(f"{B:>5} {ctx:>7} {t_ref:>9.0f} {t_ker:>10.0f} {t_ref / t_ker:>8.1f}x {diff:>11.4f}")
+
+
+if __name__ == "__main__":
+    main()
