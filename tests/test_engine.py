@@ -14,6 +14,7 @@ import torch
 
 from mindie.protocol import FINISH_EOS, FINISH_LENGTH, RequestError, SamplingParams, Submit
 from workers.backends.cpu import CpuBackend
+from workers.backends.cpu_linear import pack_linears
 from workers.engine.attention import PagedAttention
 from workers.engine.engine import Engine, EngineConfig
 from workers.model_setup import load_runner
@@ -23,10 +24,14 @@ transformers = pytest.importorskip("transformers")
 
 
 class PortableCpuBackend(CpuBackend):
-    """The CPU backend with the portable torch attention (the CUDA path's) instead of the C kernels."""
+    """The CPU backend without its C kernels: the portable torch attention, norms and rope (the
+    CUDA path's code)."""
 
     def attention_class(self) -> type:
         return PagedAttention
+
+    def prepare_model(self, model) -> None:
+        pack_linears(model)
 
 
 def make_engine(model_dir: str, num_blocks: int = 256, block_size: int = 16, dtype: str = "float32",

@@ -41,8 +41,10 @@ class CpuBackend(Backend):
         return int((configured_gb if configured_gb > 0 else 1.0) * (1 << 30))
 
     def prepare_model(self, model: torch.nn.Module) -> None:
+        from workers.backends.cpu_fused import fuse_model
         from workers.backends.cpu_linear import pack_linears
         pack_linears(model)
+        fuse_model(model)
 
     def attention_class(self) -> type:
         from workers.backends import cpu_kernels

@@ -1,5 +1,5 @@
 """CPU paged attention: the portable torch attention with its cache write and its decode part
-done by C kernels (cpu_paged_attention.c) that read the KV blocks in place.
+done by C kernels (cpu_kernels.c) that read the KV blocks in place.
 
 The torch decode path gathers every decoding sequence's blocks into a scratch tensor (K and V,
 every layer) and pays about fifteen op dispatches per layer; the kernel does one pass over the

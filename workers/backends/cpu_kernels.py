@@ -1,4 +1,4 @@
-"""Build and load the CPU backend's C kernels (cpu_paged_attention.c).
+"""Build and load the CPU backend's C kernels (cpu_kernels.c: paged attention, RMSNorm, rope).
 
 The source is compiled once per host with the system C compiler (``-O3 -march=native -fopenmp``)
 into a cache directory keyed by the source, the compiler and the CPU's feature flags, and loaded
@@ -22,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger("workers.backends")
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          # Let the dot products and row updates vectorise (fp32 reassociation only).
          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
@@ -59,7 +59,7 @@ def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     key = hashlib.sha256(src + version + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_paged_attention-{key}.so"
+    out = cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +99,12 @@ def load() -> ctypes.CDLL | None:
             lib.paged_write.restype = None
             lib.paged_write.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p] + [ctypes.c_int64] * 5
+            lib.rms_norm.restype = ctypes.c_int
+            lib.rms_norm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+            lib.rope_inplace.restype = ctypes.c_int
+            lib.rope_inplace.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 \
+                + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = f"build failed: {e}"

@@ -1,4 +1,4 @@
-/* Paged-attention kernels for the CPU backend (built at first use by cpu_kernels.py).
+/* C kernels for the CPU backend (built at first use by cpu_kernels.py): paged attention, RMSNorm, rope.
  *
  * The portable torch path must copy every decoding sequence's KV blocks into a scratch tensor
  * (twice per layer) before its batched matmuls can run, and pays ~15 op dispatches per layer;
@@ -153,3 +153,100 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
             memcpy((char *)cache + ((blocks[t] * Hkv + h) * bs + offsets[t]) * row,
                    (const char *)k + t * t_stride * elem_size + h * row, row);
 }
+
+/* ---- Fused elementwise kernels of the decoder layer (cpu_fused.py) ----------------------------
+ * Both round like transformers' eager code, op by op, so outputs match it on the same weights:
+ * no contraction of a*b+c into one fused multiply-add here (it rounds once where torch rounds twice). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+static inline float round_to(int dtype, float x) {
+    if (dtype == 1) return bf16_to_f32(f32_to_bf16(x));
+    if (dtype == 2) return (float)(_Float16)x;
+    return x;
+}
+
+static inline float load_one(int dtype, const void *p, int64_t i) {
+    if (dtype == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dtype == 2) return (float)((const _Float16 *)p)[i];
+    return ((const float *)p)[i];
+}
+
+static inline void store_one(int dtype, void *p, int64_t i, float v) {
+    if (dtype == 1) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else if (dtype == 2) ((_Float16 *)p)[i] = (_Float16)v;
+    else ((float *)p)[i] = v;
+}
+
+/* The row loops below take dtype as a compile-time constant (always_inline + a switch at the
+ * call), so each element type gets its own branch-free, vectorised loop. */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void rms_row(int dtype, const void *x, int64_t off, const void *w, void *out, int64_t out_off, int64_t C,
+                    float eps, float *buf) {
+    float ss = 0.0f;
+    for (int64_t c = 0; c < C; c++) {
+        buf[c] = load_one(dtype, x, off + c);
+        ss += buf[c] * buf[c];
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)C + eps);
+    for (int64_t c = 0; c < C; c++)
+        store_one(dtype, out, out_off + c, load_one(dtype, w, c) * round_to(dtype, buf[c] * inv));
+}
+
+/* RMSNorm of N rows of C elements (row r at x + r * row_stride): out[r] = w * to_dtype(x * rsqrt(mean(x^2) + eps)),
+ * statistics in fp32, as transformers' LlamaRMSNorm. out is contiguous [N, C]. C <= 65536. */
+int rms_norm(int dtype, const void *x, int64_t row_stride, const void *w, void *out, int64_t N, int64_t C,
+             float eps) {
+    if (C > 65536 || dtype < 0 || dtype > 2) return -1;
+    _Pragma("omp parallel for schedule(static) if (N * C > 262144)")
+    for (int64_t r = 0; r < N; r++) {
+        float buf[C];
+        switch (dtype) {
+        case 0: rms_row(0, x, r * row_stride, w, out, r * C, C, eps, buf); break;
+        case 1: rms_row(1, x, r * row_stride, w, out, r * C, C, eps, buf); break;
+        default: rms_row(2, x, r * row_stride, w, out, r * C, C, eps, buf); break;
+        }
+    }
+    return 0;
+}
+
+INLINE void rope_token(int dtype, void *x, int64_t base0, int64_t H, int64_t D, const float *cr, const float *sr) {
+    const int64_t half = D / 2;
+    float c[half], s[half];
+    for (int64_t i = 0; i < half; i++) { c[i] = round_to(dtype, cr[i]); s[i] = round_to(dtype, sr[i]); }
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t base = base0 + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = load_one(dtype, x, base + i), x2 = load_one(dtype, x, base + half + i);
+            const float a = round_to(dtype, round_to(dtype, x1 * c[i]) - round_to(dtype, x2 * s[i]));
+            const float b = round_to(dtype, round_to(dtype, x2 * c[i]) + round_to(dtype, x1 * s[i]));
+            store_one(dtype, x, base + i, a);
+            store_one(dtype, x, base + half + i, b);
+        }
+    }
+}
+
+/* Rotary embedding in place, NeoX "rotate half" layout, on T tokens x H heads of D elements (token t
+ * head h at x + t * t_stride + h * D). cos/sin: fp32 tables [max_pos, D/2] rounded to the activation
+ * type first, then x1*c - x2*s and x2*c + x1*s with each product and sum rounded, as transformers
+ * computes q * cos + rotate_half(q) * sin in that type. Returns -1 for a position out of the table. */
+int rope_inplace(int dtype, void *x, int64_t T, int64_t t_stride, int64_t H, int64_t D, const int64_t *pos,
+                 const float *cos_t, const float *sin_t, int64_t max_pos) {
+    const int64_t half = D / 2;
+    if (dtype < 0 || dtype > 2) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return -1;
+    _Pragma("omp parallel for schedule(static) if (T * H * D > 262144)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *cr = cos_t + pos[t] * half, *sr = sin_t + pos[t] * half;
+        switch (dtype) {
+        case 0: rope_token(0, x, t * t_stride, H, D, cr, sr); break;
+        case 1: rope_token(1, x, t * t_stride, H, D, cr, sr); break;
+        default: rope_token(2, x, t * t_stride, H, D, cr, sr); break;
+        }
+    }
+    return 0;
+}
+
+#pragma GCC pop_options

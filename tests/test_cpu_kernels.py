@@ -1,7 +1,8 @@
-"""The CPU backend's C attention kernels (workers/backends/cpu_paged_attention.c) against the
-portable torch attention: same cache contents after the write, same outputs for decodes in
-pure and mixed batches, every dtype, GQA ratio, head size, block size and sliding window; and the
-fallback to the torch path when the kernels cannot be built."""
+"""The CPU backend's C kernels (workers/backends/cpu_kernels.c). Paged attention against the
+portable torch attention: same cache contents after the write, same outputs for decodes in pure
+and mixed batches, every dtype, GQA ratio, head size, block size and sliding window. RMSNorm and
+rope against transformers' formulas, rounding included. The fallback to the torch code when the
+kernels cannot be built or do not cover a layout."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,10 @@ import torch
 
 from workers.backends import cpu_kernels
 from workers.backends.cpu_attention import CpuPagedAttention
+from workers.backends.cpu_fused import CpuRMSNorm, CpuRotaryEmbedding
 from workers.engine.attention import PagedAttention
+from workers.models.config import RopeScaling
+from workers.models.llama import RMSNorm, RotaryEmbedding
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -113,7 +117,7 @@ PROBE = ("from workers.backends.cpu import CpuBackend; from workers.backends imp
 def test_cpu_backend_uses_kernels_when_built(tmp_path):
     out = _run_fresh(PROBE, MINDIE_KERNEL_CACHE=str(tmp_path))
     assert out.startswith("CpuPagedAttention |"), out
-    assert list(tmp_path.glob("cpu_paged_attention-*.so")), "kernel not built into the cache dir"
+    assert list(tmp_path.glob("cpu_kernels-*.so")), "kernel not built into the cache dir"
 
 
 @pytest.mark.parametrize("env,reason", [({"MINDIE_CPU_KERNELS": "0"}, "disabled by MINDIE_CPU_KERNELS"),
@@ -124,3 +128,68 @@ def test_falls_back_to_portable_attention(tmp_path, env, reason):
     name, why = (s.strip() for s in out.split("|"))
     assert name == "PagedAttention"
     assert why.startswith(reason), why
+
+
+# -- RMSNorm and rope --------------------------------------------------------------------------
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor [T, H, D]; cos/sin [T, D/2] fp32."""
+    c = torch.cat((cos, cos), -1).to(x.dtype)[:, None]
+    s = torch.cat((sin, sin), -1).to(x.dtype)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * c + torch.cat((-x2, x1), dim=-1) * s
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,c", [(1, 512), (7, 96), (300, 1024)])
+def test_rms_norm_matches_transformers(dt, rows, c):
+    g = torch.Generator().manual_seed(rows * c)
+    norm = RMSNorm(c, 1e-6, dt)
+    norm.weight.data.copy_((1 + 0.1 * torch.randn(c, generator=g)).to(dt))
+    fused = CpuRMSNorm(norm, cpu_kernels.load())
+    base = (3 * torch.randn(rows, c + 40, generator=g)).to(dt)
+    for x in (base[:, :c], base[:, :c].contiguous().view(rows, 1, c)):  # strided rows, 3-D contiguous
+        with torch.inference_mode():
+            got = fused(x)
+        ref = _hf_rms_norm(x, norm.weight, 1e-6)
+        assert got.shape == x.shape and got.dtype == dt
+        # fp32 sums in another order may move a value across one rounding boundary, no more.
+        ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dt]
+        torch.testing.assert_close(got.float(), ref.float(), rtol=ulp, atol=ulp)
+        if dt != torch.float32:  # in fp32 the sum order shows in the last bit
+            assert (got == ref).float().mean() > 0.99
+
+
+def test_rms_norm_falls_back_on_layouts_it_does_not_cover():
+    norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    fused = CpuRMSNorm(norm, cpu_kernels.load())
+    x = torch.randn(5, 8, 64 * 3).to(torch.bfloat16)[:, :, :64]  # 3-D, not contiguous
+    torch.testing.assert_close(fused(x), norm(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_rope_in_place_is_exactly_transformers(dt, d):
+    g = torch.Generator().manual_seed(d)
+    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192) if d == 128 else None
+    rope = RotaryEmbedding(d, 4096, 500000.0 if scaling else 10000.0, scaling)
+    fused = CpuRotaryEmbedding(rope, cpu_kernels.load())
+    t, h, hkv = 9, 4, 2
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dt)
+    before = qkv.clone()
+    pos = torch.tensor([0, 1, 2, 100, 101, 2000, 4095, 7, 3000])
+    qk = qkv[:, :(h + hkv) * d].view(t, h + hkv, d)
+    ref = _hf_rope(qk.clone(), rope.cos[pos], rope.sin[pos])
+    with torch.inference_mode():
+        out = fused.rotate(pos, qk)
+    assert out.data_ptr() == qkv.data_ptr()  # rotated in place
+    assert torch.equal(out, ref)
+    assert torch.equal(qkv[:, (h + hkv) * d:], before[:, (h + hkv) * d:])  # v untouched
+    with pytest.raises(IndexError, match="outside the table"):
+        fused.rotate(torch.tensor([4096]), torch.randn(1, 1, d).to(dt))
