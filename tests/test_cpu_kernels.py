@@ -120,6 +120,12 @@ def test_cpu_backend_uses_kernels_when_built(tmp_path):
     assert list(tmp_path.glob("cpu_kernels-*.so")), "kernel not built into the cache dir"
 
 
+def test_unwritable_cache_dir_falls_back_to_the_temp_dir(tmp_path):
+    out = _run_fresh(PROBE, MINDIE_KERNEL_CACHE="/proc/no-such-dir", TMPDIR=str(tmp_path))
+    assert out.startswith("CpuPagedAttention |"), out
+    assert list(tmp_path.glob("mindie-py-kernels-*/cpu_kernels-*.so"))
+
+
 @pytest.mark.parametrize("env,reason", [({"MINDIE_CPU_KERNELS": "0"}, "disabled by MINDIE_CPU_KERNELS"),
                                         ({"CC": "false"}, "build failed"),
                                         ({"CC": "/nonexistent/cc"}, "no C compiler")])

@@ -59,10 +59,19 @@ def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     key = hashlib.sha256(src + version + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_kernels-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"cpu_kernels-{key}.so"
+    for d in (cache_dir(), Path(tempfile.gettempdir()) / f"mindie-py-kernels-{os.getuid()}"):
+        if (d / name).exists():
+            return d / name
+        try:  # a read-only home (containers) falls back to the temp dir
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable directory for the kernels ({cache_dir()} nor the temp dir)")
+    out = d / name
     t0 = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -75,7 +84,7 @@ def _build(cc: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built CPU attention kernels in %.1f s: %s", time.perf_counter() - t0, out)
+    log.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - t0, out)
     return out
 
 
