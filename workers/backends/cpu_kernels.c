@@ -35,112 +35,109 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(v.u >> 16);
 }
 
-/* Load n elements of type T as fp32. */
-#define DEFINE_LOAD(NAME, T, CONV)                                          \
-    static inline void NAME(const T *src, float *dst, int64_t n) {          \
-        for (int64_t i = 0; i < n; i++) dst[i] = CONV(src[i]);              \
-    }
-#define ID(x) ((float)(x))
-DEFINE_LOAD(load_f32, float, ID)
-DEFINE_LOAD(load_bf16, uint16_t, bf16_to_f32)
-DEFINE_LOAD(load_f16, _Float16, ID)
+/* Element access by type code (0 fp32, 1 bf16, 2 fp16). The kernels pass the code as a
+ * compile-time constant (always_inline + a switch at the call), so every element type gets its
+ * own branch-free, vectorised loops. */
+#define INLINE static inline __attribute__((always_inline))
 
-static inline void store_f32(float *dst, const float *src, int64_t n) { memcpy(dst, src, n * sizeof(float)); }
-static inline void store_bf16(uint16_t *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
-}
-static inline void store_f16(_Float16 *dst, const float *src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = (_Float16)src[i];
+INLINE float load_one(int dtype, const void *p, int64_t i) {
+    if (dtype == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dtype == 2) return (float)((const _Float16 *)p)[i];
+    return ((const float *)p)[i];
 }
 
-/* One (sequence, kv head) work item, over chunks of up to CHUNK cached positions: scores of the
- * chunk for the G heads, one rescale of the running sums per chunk, then the value rows. */
-#define DEFINE_DECODE(SUFFIX, T)                                                                        \
-    static void decode_one_##SUFFIX(const T *q, const T *kc, const T *vc, const int64_t *table,        \
-                                    int64_t p, int64_t H, int64_t Hkv, int64_t bs, int64_t D,           \
-                                    int64_t window, float scale, int64_t kvh, T *out) {                \
-        const int64_t G = H / Hkv;                                                                      \
-        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G], row[MAX_D];                     \
-        float sc[MAX_G][CHUNK];                                                                         \
-        for (int64_t g = 0; g < G; g++) {                                                               \
-            load_##SUFFIX(q + (kvh * G + g) * D, qf[g], D);                                             \
-            for (int64_t d = 0; d < D; d++) { qf[g][d] *= scale; acc[g][d] = 0.0f; }                    \
-            m[g] = -INFINITY;                                                                           \
-            l[g] = 0.0f;                                                                                \
-        }                                                                                               \
-        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;                       \
-        for (int64_t t0 = lo; t0 <= p;) {                                                               \
-            const int64_t blk = t0 / bs, in_blk = t0 % bs;                                              \
-            int64_t n = bs - in_blk;                                                                    \
-            if (n > p + 1 - t0) n = p + 1 - t0;                                                         \
-            if (n > CHUNK) n = CHUNK;                                                                   \
-            const int64_t base = ((table[blk] * Hkv + kvh) * bs + in_blk) * D;                          \
-            for (int64_t j = 0; j < n; j++) {                                                           \
-                load_##SUFFIX(kc + base + j * D, row, D);                                               \
-                for (int64_t g = 0; g < G; g++) {                                                       \
-                    float dot = 0.0f;                                                                   \
-                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * row[d];                           \
-                    sc[g][j] = dot;                                                                     \
-                }                                                                                       \
-            }                                                                                           \
-            for (int64_t g = 0; g < G; g++) {                                                           \
-                float mb = m[g];                                                                        \
-                for (int64_t j = 0; j < n; j++) mb = sc[g][j] > mb ? sc[g][j] : mb;                     \
-                if (mb > m[g]) {                                                                        \
-                    const float corr = expf(m[g] - mb);                                                 \
-                    l[g] *= corr;                                                                       \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;                                  \
-                    m[g] = mb;                                                                          \
-                }                                                                                       \
-                float sum = 0.0f;                                                                       \
-                _Pragma("omp simd reduction(+:sum)")                                                    \
-                for (int64_t j = 0; j < n; j++) { sc[g][j] = expf(sc[g][j] - mb); sum += sc[g][j]; }    \
-                l[g] += sum;                                                                            \
-            }                                                                                           \
-            for (int64_t j = 0; j < n; j++) {                                                           \
-                load_##SUFFIX(vc + base + j * D, row, D);                                               \
-                for (int64_t g = 0; g < G; g++) {                                                       \
-                    const float e = sc[g][j];                                                           \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += e * row[d];                            \
-                }                                                                                       \
-            }                                                                                           \
-            t0 += n;                                                                                    \
-        }                                                                                               \
-        for (int64_t g = 0; g < G; g++) {                                                               \
-            const float inv = 1.0f / l[g];                                                              \
-            for (int64_t d = 0; d < D; d++) acc[g][d] *= inv;                                           \
-            store_##SUFFIX(out + (kvh * G + g) * D, acc[g], D);                                         \
-        }                                                                                               \
-    }                                                                                                   \
-    static void decode_##SUFFIX(const T *q, const T *kc, const T *vc, const int64_t *tables,           \
-                                int64_t max_blocks, const int64_t *pos, int64_t B, int64_t H,          \
-                                int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale,       \
-                                T *out) {                                                               \
-        int64_t work = 0;                                                                               \
-        for (int64_t b = 0; b < B; b++) work += pos[b] + 1;                                             \
-        _Pragma("omp parallel for schedule(dynamic, 1) if (work * Hkv * D > 65536)")                   \
-        for (int64_t i = 0; i < B * Hkv; i++) {                                                         \
-            const int64_t b = i / Hkv, kvh = i % Hkv;                                                   \
-            decode_one_##SUFFIX(q + b * H * D, kc, vc, tables + b * max_blocks, pos[b], H, Hkv, bs, D,  \
-                                window, scale, kvh, out + b * H * D);                                   \
-        }                                                                                               \
-    }
+INLINE void store_one(int dtype, void *p, int64_t i, float v) {
+    if (dtype == 1) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else if (dtype == 2) ((_Float16 *)p)[i] = (_Float16)v;
+    else ((float *)p)[i] = v;
+}
 
-DEFINE_DECODE(f32, float)
-DEFINE_DECODE(bf16, uint16_t)
-DEFINE_DECODE(f16, _Float16)
+INLINE float round_to(int dtype, float x) {
+    if (dtype == 1) return bf16_to_f32(f32_to_bf16(x));
+    if (dtype == 2) return (float)(_Float16)x;
+    return x;
+}
+
+/* One (sequence, kv head) work item, over chunks of up to CHUNK cached positions of one block:
+ * scores of the chunk for the G query heads, one rescale of the running sums per chunk, then the
+ * value rows. Cached rows are read in place and converted to fp32 inside the loops. */
+INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
+                        int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                        void *out) {
+    const int64_t G = H / Hkv;
+    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G], sc[MAX_G][CHUNK];
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t d = 0; d < D; d++) {
+            qf[g][d] = load_one(dt, q, (kvh * G + g) * D + d) * scale;
+            acc[g][d] = 0.0f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+    for (int64_t t0 = lo; t0 <= p;) {
+        const int64_t in_blk = t0 % bs;
+        int64_t n = bs - in_blk;
+        if (n > p + 1 - t0) n = p + 1 - t0;
+        if (n > CHUNK) n = CHUNK;
+        const int64_t base = ((table[t0 / bs] * Hkv + kvh) * bs + in_blk) * D;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t r = base + j * D;
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; d++) dot += qf[g][d] * load_one(dt, kc, r + d);
+                sc[g][j] = dot;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float mb = m[g];
+            for (int64_t j = 0; j < n; j++) mb = sc[g][j] > mb ? sc[g][j] : mb;
+            if (mb > m[g]) {
+                const float corr = expf(m[g] - mb);  /* 0 on the first chunk: m = -inf */
+                l[g] *= corr;
+                for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
+                m[g] = mb;
+            }
+            float sum = 0.0f;
+            _Pragma("omp simd reduction(+:sum)")
+            for (int64_t j = 0; j < n; j++) { sc[g][j] = expf(sc[g][j] - mb); sum += sc[g][j]; }
+            l[g] += sum;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t r = base + j * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float e = sc[g][j];
+                for (int64_t d = 0; d < D; d++) acc[g][d] += e * load_one(dt, vc, r + d);
+            }
+        }
+        t0 += n;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++) store_one(dt, out, (kvh * G + g) * D + d, acc[g][d] * inv);
+    }
+}
 
 /* dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or -1 when a dimension exceeds the static buffers. */
 int paged_decode(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
                  int64_t max_blocks, const int64_t *pos, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
                  int64_t D, int64_t window, float scale, void *out) {
-    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G) return -1;
-    switch (dtype) {
-    case 0: decode_f32(q, kc, vc, tables, max_blocks, pos, B, H, Hkv, bs, D, window, scale, out); return 0;
-    case 1: decode_bf16(q, kc, vc, tables, max_blocks, pos, B, H, Hkv, bs, D, window, scale, out); return 0;
-    case 2: decode_f16(q, kc, vc, tables, max_blocks, pos, B, H, Hkv, bs, D, window, scale, out); return 0;
+    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || dtype < 0 || dtype > 2) return -1;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += pos[b] + 1;
+    _Pragma("omp parallel for schedule(dynamic, 1) if (work * Hkv * D > 65536)")
+    for (int64_t i = 0; i < B * Hkv; i++) {
+        const int64_t b = i / Hkv, kvh = i % Hkv;
+        const void *qb = (const char *)q + b * H * D * (dtype == 0 ? 4 : 2);
+        void *ob = (char *)out + b * H * D * (dtype == 0 ? 4 : 2);
+        const int64_t *table = tables + b * max_blocks;
+        switch (dtype) {
+        case 0: decode_item(0, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, kvh, ob); break;
+        case 1: decode_item(1, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, kvh, ob); break;
+        default: decode_item(2, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, kvh, ob); break;
+        }
     }
-    return -1;
+    return 0;
 }
 
 /* Write T new rows into cache[blocks[t], :, offsets[t], :]: token t's [Hkv, D] rows start at
@@ -159,28 +156,6 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
  * no contraction of a*b+c into one fused multiply-add here (it rounds once where torch rounds twice). */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-
-static inline float round_to(int dtype, float x) {
-    if (dtype == 1) return bf16_to_f32(f32_to_bf16(x));
-    if (dtype == 2) return (float)(_Float16)x;
-    return x;
-}
-
-static inline float load_one(int dtype, const void *p, int64_t i) {
-    if (dtype == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
-    if (dtype == 2) return (float)((const _Float16 *)p)[i];
-    return ((const float *)p)[i];
-}
-
-static inline void store_one(int dtype, void *p, int64_t i, float v) {
-    if (dtype == 1) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else if (dtype == 2) ((_Float16 *)p)[i] = (_Float16)v;
-    else ((float *)p)[i] = v;
-}
-
-/* The row loops below take dtype as a compile-time constant (always_inline + a switch at the
- * call), so each element type gets its own branch-free, vectorised loop. */
-#define INLINE static inline __attribute__((always_inline))
 
 INLINE void rms_row(int dtype, const void *x, int64_t off, const void *w, void *out, int64_t out_off, int64_t C,
                     float eps, float *buf) {
