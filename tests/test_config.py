@@ -457,3 +457,20 @@ def test_config_module_does_not_import_torch() -> None:
     code = "import sys, mindie.config; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("value,device,null_model,expected", [
+    (None, "cpu", False, False), (None, "cuda", False, True), (None, "npu", False, True),
+    (None, "cpu", True, True), (True, "cpu", False, True), (False, "cuda", False, False)])
+def test_overlap_steps_reaches_the_worker_spec(tmp_path: Path, value, device, null_model, expected) -> None:
+    from mindie.topology import worker_specs
+    data = with_value("BackendConfig.ScheduleConfig.overlapSteps", value)
+    data["BackendConfig"]["deviceType"] = device
+    specs = worker_specs(load_dict(tmp_path, data), run_dir=str(tmp_path), null_model=null_model)
+    assert [s.overlap for s, _env in specs] == [expected] * len(specs)
+
+
+def test_overlap_steps_must_be_bool_or_null(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_dict(tmp_path, with_value("BackendConfig.ScheduleConfig.overlapSteps", "yes"))
+    assert str(e.value).startswith("BackendConfig.ScheduleConfig.overlapSteps: ")

@@ -26,7 +26,7 @@ def _pair(layers, nb, bs, hkv, d, dt, seed):
     g = torch.Generator().manual_seed(seed)
     ref = PagedAttention(layers, nb, bs, hkv, d, dt, torch.device("cpu"))
     ker = CpuPagedAttention(layers, nb, bs, hkv, d, dt, torch.device("cpu"))
-    assert ker.lib is not None, cpu_kernels.unavailable_reason()
+    assert ker.lib is not None or d > 256, cpu_kernels.unavailable_reason()  # D > 256: torch path by design
     for a, b in zip(ref.k_cache + ref.v_cache, ker.k_cache + ker.v_cache):
         a.copy_(torch.randn(a.shape, generator=g).to(dt))
         b.copy_(a)
@@ -34,8 +34,10 @@ def _pair(layers, nb, bs, hkv, d, dt, seed):
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h,hkv,d", [(8, 4, 64), (4, 4, 32), (16, 2, 128), (6, 1, 80)])
-@pytest.mark.parametrize("bs,window", [(16, None), (128, None), (16, 7), (32, 100)])
+@pytest.mark.parametrize("h,hkv,d", [(8, 4, 64), (4, 4, 32), (16, 2, 128), (6, 1, 80),
+                                     (16, 1, 256),  # the kernel's limits: 16 query heads per KV head, D 256
+                                     (32, 1, 64), (2, 2, 320)])  # beyond them: the torch path
+@pytest.mark.parametrize("bs,window", [(16, None), (128, None), (16, 7), (32, 100), (256, None), (512, 300)])
 def test_decode_matches_portable(dt, h, hkv, d, bs, window):
     lens = [1, 2, 17, bs, bs + 1, 3 * bs + 5]  # context lengths incl. the new token
     nb = sum(-(-n // bs) for n in lens) + 3
@@ -60,6 +62,19 @@ def test_decode_matches_portable(dt, h, hkv, d, bs, window):
             assert torch.equal(ref.k_cache[layer], ker.k_cache[layer])
             assert torch.equal(ref.v_cache[layer], ker.v_cache[layer])
             torch.testing.assert_close(o_ker.float(), o_ref.float(), atol=TOL[dt], rtol=TOL[dt])
+
+
+def test_mismatched_shapes_never_reach_the_c_code():
+    """The C write and rope trust their shapes; a mismatch takes the torch path, which raises."""
+    _ref, ker, g = _pair(1, 4, 16, 2, 64, torch.float32, seed=9)
+    ker.prepare([[0], [1]], [3, 5], [1, 1])
+    with pytest.raises(RuntimeError):
+        ker(0, torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64), None)  # 3 rows, 2 slots
+    rope = CpuRotaryEmbedding(RotaryEmbedding(64, 128, 10000.0, None), cpu_kernels.load())
+    with pytest.raises(RuntimeError):
+        rope.rotate(torch.tensor([1, 2, 3]), torch.randn(2, 4, 64))  # 3 positions for 2 tokens
+    with pytest.raises(RuntimeError):
+        rope.rotate(torch.tensor([1, 2]), torch.randn(2, 4, 32))  # head size 32 against a table for 64
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import msgspec
@@ -35,12 +36,13 @@ class PortableCpuBackend(CpuBackend):
 
 
 def make_engine(model_dir: str, num_blocks: int = 256, block_size: int = 16, dtype: str = "float32",
-                portable: bool = False, overlap: bool = False, **cfg) -> Engine:
+                portable: bool = False, overlap: bool = False, thread_init=None, **cfg) -> Engine:
     spec = WorkerSpec(worker_id="t", job_endpoint="", pub_endpoint="", model_path=model_dir, dtype=dtype,
                       block_size=block_size)
     runner, _info, _ = load_runner(spec, PortableCpuBackend() if portable else CpuBackend())
     runner.allocate_kv(num_blocks, block_size)
-    return Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=block_size, **cfg), overlap=overlap)
+    return Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=block_size, **cfg), overlap=overlap,
+                  thread_init=thread_init)
 
 
 def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]], priority: dict | None = None,
@@ -178,6 +180,30 @@ def test_overlapped_step_cancel_in_flight(demo_model, alone):
     assert got == {"r0": alone["r0"], "r3": alone["r3"]}
     assert eng.check_no_leaks()
     eng.close()
+
+
+def test_overlapped_step_intake_and_cancel_of_waiting_while_computing(demo_model, alone):
+    """While a step computes, the loop thread admits new requests and cancels one that is
+    still waiting (its blocks, none yet, and queue slot go at once); the thread init hook runs
+    on the compute thread."""
+    ps = prompts(64)
+    seen = []
+    eng = make_engine(demo_model, overlap=True, max_batch_size=2,
+                      thread_init=lambda: seen.append(threading.current_thread().name))
+    for i in range(3):
+        eng.add(Submit(f"r{i}", "fe", ps[i], GREEDY))
+    flight = eng.launch()
+    assert {s.request_id for s in flight.batch.seqs} == {"r0", "r1"}  # r2 waits: batch cap 2
+    eng.add(Submit("r3", "fe", ps[3], GREEDY))
+    assert eng.abort("r2") is not None and eng.num_waiting == 1
+    got = {o.seq.request_id: list(o.token_ids) for o in eng.collect(flight)}
+    while eng.has_work():
+        for o in eng.step():
+            got.setdefault(o.seq.request_id, []).extend(o.token_ids)
+    assert got == {"r0": alone["r0"], "r1": alone["r1"], "r3": alone["r3"]}
+    assert eng.check_no_leaks()
+    eng.close()
+    assert seen and seen[0].startswith("engine-compute")
 
 
 def test_overlapped_step_failure_is_raised_by_collect(demo_model):

@@ -78,7 +78,8 @@ def build_engine(spec: WorkerSpec):
              num_blocks * bytes_per_block / (1 << 30), num_blocks * spec.block_size, backend.describe())
     info["device"] = backend.describe()
     log.info("step overlap %s", "on (model computes on its own thread)" if spec.overlap else "off")
-    return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg), overlap=spec.overlap), info
+    return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg), overlap=spec.overlap,
+                  thread_init=backend.bind_thread), info
 
 
 class Worker:
@@ -239,6 +240,8 @@ class Worker:
         """Step launched first; while it computes on the compute thread, jobs come in and the
         previous step's frames go out (ZeroMQ and msgpack release or barely need the GIL)."""
         flight = self._launch() if self._set_busy(self.engine.has_work()) else None
+        if flight is None and self.pending:
+            self.publish()  # error frames of a failed launch go out before an idle wait
         self.drain(0 if flight is not None else self.idle_wait_ms)
         self.reap()
         self.publish()

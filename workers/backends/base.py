@@ -25,6 +25,10 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for queued device work (timing, overlap)."""
 
+    def bind_thread(self) -> None:
+        """Make the calling thread compute like the one that ran ``setup`` (the engine's
+        compute thread calls it): per-thread state such as the current device."""
+
     def attention_class(self) -> type:
         """The paged-attention implementation for this device (portable torch by default)."""
         from workers.engine.attention import PagedAttention

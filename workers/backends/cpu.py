@@ -23,6 +23,10 @@ class CpuBackend(Backend):
         except RuntimeError:
             pass
 
+    def bind_thread(self) -> None:
+        # OpenMP's thread count is per thread: a new thread would otherwise start with every core.
+        torch.set_num_threads(self.threads if self.threads > 0 else torch.get_num_threads())
+
     def device(self) -> torch.device:
         return torch.device("cpu")
 

@@ -25,16 +25,20 @@ class CpuPagedAttention(PagedAttention):
         super().__init__(num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device)
         # Shapes the kernels do not cover keep the torch path (whole object, every layer).
         self.lib = cpu_kernels.load() if dtype in _DTYPE_CODE and head_dim <= 256 else None
+        if self.lib is not None and dtype == torch.float16 and not self.lib.has_f16:
+            self.lib = None
         self.code = _DTYPE_CODE.get(dtype, -1)
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.k_ptr = [t.data_ptr() for t in self.k_cache]
         self.v_ptr = [t.data_ptr() for t in self.v_cache]
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.lib is None:
-            return super()._write(layer, k, v)
         meta = self.meta
         hkv, bs, d = self.k_cache[layer].shape[1:]
+        t = meta.blocks.numel()
+        # The C write trusts its shapes: anything unexpected takes the checked torch path.
+        if self.lib is None or k.shape != (t, hkv, d) or v.shape != (t, hkv, d) or meta.offsets.numel() != t:
+            return super()._write(layer, k, v)
         for src, dst in ((k, self.k_ptr[layer]), (v, self.v_ptr[layer])):
             src = src.to(self.k_cache[layer].dtype)
             if src.stride(2) != 1 or src.stride(1) != d:

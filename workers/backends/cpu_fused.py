@@ -39,7 +39,8 @@ class CpuRMSNorm(nn.Module):
             rows, stride = x.view(-1, c), c
         else:
             return self.fallback(x)
-        if code is None or self.weight.dtype != x.dtype or not self.weight.is_contiguous():
+        if (code is None or self.weight.dtype != x.dtype or not self.weight.is_contiguous()
+                or self.weight.numel() != c or (code == 2 and not self.lib.has_f16)):
             return self.fallback(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         if self.lib.rms_norm(code, rows.data_ptr(), stride, self.weight.data_ptr(), out.data_ptr(), rows.shape[0],
@@ -60,8 +61,11 @@ class CpuRotaryEmbedding(RotaryEmbedding):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         code = _CODE.get(x.dtype)
-        if (code is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2
-                or positions.dtype != torch.long or not positions.is_contiguous() or self.cos.device.type != "cpu"):
+        if (code is None or (code == 2 and not self.lib.has_f16) or x.dim() != 3 or x.stride(2) != 1
+                or x.stride(1) != x.shape[2] or x.shape[2] != 2 * self.cos.shape[1]
+                or positions.dtype != torch.long or not positions.is_contiguous()
+                or positions.numel() != x.shape[0] or self.cos.dtype != torch.float32
+                or self.cos.device.type != "cpu"):
             return super().rotate(positions, x)
         rc = self.lib.rope_inplace(code, x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2],
                                    positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.max_positions)

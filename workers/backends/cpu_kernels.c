@@ -19,6 +19,18 @@
 #include <stdint.h>
 #include <string.h>
 
+/* fp16 needs the compiler's _Float16 (GCC >= 12 / clang on x86-64, aarch64); without it the
+ * fp16 entry points return -1 and the Python side keeps torch for fp16 models. */
+#ifdef __FLT16_MAX__
+#define HAVE_F16 1
+typedef _Float16 f16_t;
+#else
+#define HAVE_F16 0
+typedef uint16_t f16_t; /* placeholder, never read as a number */
+#endif
+
+int kernels_have_f16(void) { return HAVE_F16; }
+
 #define MAX_D 256
 #define MAX_G 16
 #define CHUNK 128
@@ -42,19 +54,25 @@ static inline uint16_t f32_to_bf16(float f) {
 
 INLINE float load_one(int dtype, const void *p, int64_t i) {
     if (dtype == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
-    if (dtype == 2) return (float)((const _Float16 *)p)[i];
+#if HAVE_F16
+    if (dtype == 2) return (float)((const f16_t *)p)[i];
+#endif
     return ((const float *)p)[i];
 }
 
 INLINE void store_one(int dtype, void *p, int64_t i, float v) {
     if (dtype == 1) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else if (dtype == 2) ((_Float16 *)p)[i] = (_Float16)v;
+#if HAVE_F16
+    else if (dtype == 2) ((f16_t *)p)[i] = (f16_t)v;
+#endif
     else ((float *)p)[i] = v;
 }
 
 INLINE float round_to(int dtype, float x) {
     if (dtype == 1) return bf16_to_f32(f32_to_bf16(x));
-    if (dtype == 2) return (float)(_Float16)x;
+#if HAVE_F16
+    if (dtype == 2) return (float)(f16_t)x;
+#endif
     return x;
 }
 
@@ -122,7 +140,7 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
 int paged_decode(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
                  int64_t max_blocks, const int64_t *pos, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
                  int64_t D, int64_t window, float scale, void *out) {
-    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || dtype < 0 || dtype > 2) return -1;
+    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += pos[b] + 1;
     _Pragma("omp parallel for schedule(dynamic, 1) if (work * Hkv * D > 65536)")
@@ -156,6 +174,9 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
  * no contraction of a*b+c into one fused multiply-add here (it rounds once where torch rounds twice). */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
 
 INLINE void rms_row(int dtype, const void *x, int64_t off, const void *w, void *out, int64_t out_off, int64_t C,
                     float eps, float *buf) {
@@ -173,7 +194,7 @@ INLINE void rms_row(int dtype, const void *x, int64_t off, const void *w, void *
  * statistics in fp32, as transformers' LlamaRMSNorm. out is contiguous [N, C]. C <= 65536. */
 int rms_norm(int dtype, const void *x, int64_t row_stride, const void *w, void *out, int64_t N, int64_t C,
              float eps) {
-    if (C > 65536 || dtype < 0 || dtype > 2) return -1;
+    if (C > 65536 || dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
     _Pragma("omp parallel for schedule(static) if (N * C > 262144)")
     for (int64_t r = 0; r < N; r++) {
         float buf[C];
@@ -209,7 +230,7 @@ INLINE void rope_token(int dtype, void *x, int64_t base0, int64_t H, int64_t D, 
 int rope_inplace(int dtype, void *x, int64_t T, int64_t t_stride, int64_t H, int64_t D, const int64_t *pos,
                  const float *cos_t, const float *sin_t, int64_t max_pos) {
     const int64_t half = D / 2;
-    if (dtype < 0 || dtype > 2) return -1;
+    if (dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
     for (int64_t t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= max_pos) return -1;
     _Pragma("omp parallel for schedule(static) if (T * H * D > 262144)")

@@ -2,8 +2,10 @@
 
 The source is compiled once per host with the system C compiler (``-O3 -march=native -fopenmp``)
 into a cache directory keyed by the source, the compiler and the CPU's feature flags, and loaded
-with ctypes (which releases the GIL while a kernel runs). Both device workers of a box may build
-at the same moment: each compiles to a private temporary file and renames it into place.
+with ctypes (which releases the GIL while a kernel runs). The device workers of a box start
+together: a file lock lets one build while the others wait, and the library is written to a
+temporary file and renamed into place. Only a directory that belongs to this user and that
+nobody else can write to is used.
 
 Without a compiler, or with ``MINDIE_CPU_KERNELS=0``, ``load()`` returns None and the CPU backend
 keeps the portable torch attention (the reason is logged once).
@@ -11,6 +13,7 @@ keeps the portable torch attention (the reason is logged once).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -55,35 +58,45 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
+def _private_dir(d: Path) -> bool:
+    """Create ``d`` (mode 0700) if needed; True when it is ours and nobody else can write to it.
+    A library found in a directory another user controls is never loaded."""
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = d.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(d, os.W_OK)
+
+
 def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     key = hashlib.sha256(src + version + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     name = f"cpu_kernels-{key}.so"
-    for d in (cache_dir(), Path(tempfile.gettempdir()) / f"mindie-py-kernels-{os.getuid()}"):
-        if (d / name).exists():
-            return d / name
-        try:  # a read-only home (containers) falls back to the temp dir
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                break
-        except OSError:
-            continue
-    else:
-        raise RuntimeError(f"no writable directory for the kernels ({cache_dir()} nor the temp dir)")
+    # A read-only home (containers) falls back to a private directory under the temp dir.
+    dirs = (cache_dir(), Path(tempfile.gettempdir()) / f"mindie-py-kernels-{os.getuid()}")
+    d = next((d for d in dirs if _private_dir(d)), None)
+    if d is None:
+        raise RuntimeError(f"no private writable directory for the kernels ({' nor '.join(map(str, dirs))})")
     out = d / name
-    t0 = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                             timeout=BUILD_TIMEOUT_S)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # The device workers of a box start together: one builds, the others wait for its result.
+    with open(d / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists() and out.stat().st_uid == os.getuid():
+            return out
+        t0 = time.perf_counter()
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+        os.close(fd)
+        try:
+            res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                 timeout=BUILD_TIMEOUT_S)
+            if res.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     log.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - t0, out)
     return out
 
@@ -114,6 +127,8 @@ def load() -> ctypes.CDLL | None:
             lib.rope_inplace.restype = ctypes.c_int
             lib.rope_inplace.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 \
                 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+            lib.kernels_have_f16.restype = ctypes.c_int
+            lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = f"build failed: {e}"

@@ -16,6 +16,9 @@ class CudaBackend(Backend):
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = True
 
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(0)  # the current device is per thread
+
     def device(self) -> torch.device:
         return torch.device("cuda", 0)
 

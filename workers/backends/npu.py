@@ -27,6 +27,9 @@ class NpuBackend(Backend):
             raise RuntimeError("deviceType is npu but no NPU is visible (check ASCEND_RT_VISIBLE_DEVICES)")
         torch.npu.set_device(0)
 
+    def bind_thread(self) -> None:
+        torch.npu.set_device(0)  # the current device is per thread
+
     def device(self) -> torch.device:
         return torch.device("npu", 0)
 

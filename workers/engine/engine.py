@@ -66,11 +66,15 @@ class Engine:
     thread pool) computes: ``launch()``, other work, ``collect()``. Without it ``launch()``
     computes at once. ``step()`` is both in one call."""
 
-    def __init__(self, runner: Runner, cfg: EngineConfig, overlap: bool = False):
+    def __init__(self, runner: Runner, cfg: EngineConfig, overlap: bool = False,
+                 thread_init: Callable[[], object] | None = None):
+        """``thread_init`` runs once on the compute thread (device binding and torch's thread
+        count are per thread: ``Backend.bind_thread``)."""
         self.runner = runner
         self.cfg = cfg
         self.overlap = overlap
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-compute") if overlap else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-compute",
+                                        initializer=thread_init) if overlap else None
         self._inflight: InFlight | None = None
         self._deferred: list[Sequence] = []  # aborted while their step computes: freed at collect
         self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache)
