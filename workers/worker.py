@@ -239,6 +239,9 @@ class Worker:
     def _iterate_overlapped(self) -> None:
         """Step launched first; while it computes on the compute thread, jobs come in and the
         previous step's frames go out (ZeroMQ and msgpack release or barely need the GIL)."""
+        # Jobs that arrived during the last step join the next one (without this they would wait
+        # a step more than in the sequential loop: the other drain runs after the launch).
+        self.drain(0)
         flight = self._launch() if self._set_busy(self.engine.has_work()) else None
         if flight is None and self.pending:
             self.publish()  # error frames of a failed launch go out before an idle wait
