@@ -74,8 +74,9 @@ def build_engine(spec: WorkerSpec):
     kv_bytes = backend.kv_cache_bytes(spec.kv_cache_gb)
     num_blocks = max(1, kv_bytes // bytes_per_block)
     runner.allocate_kv(num_blocks, spec.block_size)
-    log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s", num_blocks, spec.block_size,
-             num_blocks * bytes_per_block / (1 << 30), num_blocks * spec.block_size, backend.describe())
+    log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s, attention %s", num_blocks,
+             spec.block_size, num_blocks * bytes_per_block / (1 << 30), num_blocks * spec.block_size,
+             backend.describe(), type(runner.attn).__name__)
     info["device"] = backend.describe()
     log.info("step overlap %s", "on (model computes on its own thread)" if spec.overlap else "off")
     return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg), overlap=spec.overlap,
