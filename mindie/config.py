@@ -172,7 +172,7 @@ class ScheduleConfig(_Section):
     maxN: Annotated[int, Meta(ge=1, le=819200)] = 128
     enablePrefixCache: bool = True  # project extension
     # Project extension: compute each step on a thread while the worker loop takes in jobs and
-    # sends the previous step's frames. null = the device's default (engine.overlap_default).
+    # sends the previous step's frames. null = the device's default (topology.overlap_default).
     overlapSteps: bool | None = None
 
 

@@ -44,13 +44,8 @@ def overlap_default(device_type: str, null_model: bool = False) -> bool:
 
     An accelerator computes while the host thread is free, so the loop's work is hidden; the
     null model sleeps through its step time like one. On CPU the compute thread and the loop
-    share the cores (measured in docs/performance.md)."""
-    if null_model or device_type in ("cuda", "npu"):
-        return True
-    return CPU_OVERLAP_DEFAULT
-
-
-CPU_OVERLAP_DEFAULT = False
+    share the cores and overlap measured neutral (docs/performance.md): off."""
+    return null_model or device_type in ("cuda", "npu")
 
 
 def worker_specs(config: Config, run_dir: str | None = None, null_model: bool = False,

@@ -43,7 +43,7 @@ def main() -> None:
     servers = []
     try:
         for i, overlap in enumerate((True, False)):
-            proc, url, ready_s, _tmp = start_server(
+            proc, url, ready_s = start_server(
                 model, args.port + i, workers=args.workers, dtype=args.dtype, overlap=overlap,
                 null_model=args.null_model, null_step_ms=args.null_step_ms)
             servers.append((proc, url))

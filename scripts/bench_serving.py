@@ -76,8 +76,9 @@ def bench_model() -> str:
 
 def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1, dtype: str = "bfloat16",
                  kv_gib: float = 1.0, overlap: bool | None = None, null_model: bool = False,
-                 null_step_ms: float = 0.0) -> tuple[subprocess.Popen, str, float, Path]:
-    """Start scripts/launch.sh on a fresh config; returns (process, url, launch->ready s, tmp dir)."""
+                 null_step_ms: float = 0.0) -> tuple[subprocess.Popen, str, float]:
+    """Start scripts/launch.sh on a fresh config (and run dir, with its server.log) under /tmp;
+    returns (process, url, launch->ready s)."""
     tmp = Path(tempfile.mkdtemp(prefix="mb", dir="/tmp"))
     os.chmod(tmp, 0o700)
     cfg = {
@@ -106,7 +107,7 @@ def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1,
     while time.monotonic() - t0 < 120:
         try:
             if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                return server, url, time.monotonic() - t0, tmp
+                return server, url, time.monotonic() - t0
         except OSError:
             time.sleep(0.05)
     server.terminate()
@@ -138,7 +139,7 @@ def main() -> None:
 
     model = args.model or bench_model()
     print(f"model {model}; server: {args.workers} workers, {args.frontends} front ends", file=sys.stderr)
-    server, url, ready_s, tmp = start_server(
+    server, url, ready_s = start_server(
         model, args.port, workers=args.workers, frontends=args.frontends, dtype=args.dtype, kv_gib=args.kv_gib,
         overlap={"auto": None, "on": True, "off": False}[args.overlap], null_model=args.null_model,
         null_step_ms=args.null_step_ms)

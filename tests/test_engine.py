@@ -7,7 +7,6 @@ import json
 import random
 import shutil
 import threading
-from pathlib import Path
 
 import msgspec
 import pytest

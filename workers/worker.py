@@ -20,11 +20,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import zmq
 
 from mindie import protocol as P
 from workers.spec import WorkerSpec, decode_spec
+
+if TYPE_CHECKING:
+    from workers.engine.engine import InFlight
 
 log = logging.getLogger("workers.worker")
 
@@ -261,14 +265,14 @@ class Worker:
             self.cores.set_busy(busy)
         return busy
 
-    def _launch(self):
+    def _launch(self) -> InFlight | None:
         try:
             return self.engine.launch(before=self.cores.apply if self.cores is not None else None)
         except Exception as e:
             self._fail_all(e)
             return None
 
-    def _collect(self, flight) -> None:
+    def _collect(self, flight: InFlight) -> None:
         try:
             outputs = self.engine.collect(flight)
         except Exception as e:

@@ -14,8 +14,6 @@ import torch
 from workers.backends import cpu_kernels
 from workers.engine.attention import PagedAttention, _Decode
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 class CpuPagedAttention(PagedAttention):
     """Same interface and cache layout as PagedAttention."""
@@ -23,11 +21,11 @@ class CpuPagedAttention(PagedAttention):
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device)
-        # Shapes the kernels do not cover keep the torch path (whole object, every layer).
-        self.lib = cpu_kernels.load() if dtype in _DTYPE_CODE and head_dim <= 256 else None
-        if self.lib is not None and dtype == torch.float16 and not self.lib.has_f16:
+        # Types and head sizes the kernels do not cover keep the torch path (whole object).
+        self.lib = cpu_kernels.load()
+        self.code = cpu_kernels.dtype_code(self.lib, dtype) if self.lib is not None else None
+        if self.code is None or head_dim > 256:
             self.lib = None
-        self.code = _DTYPE_CODE.get(dtype, -1)
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.k_ptr = [t.data_ptr() for t in self.k_cache]
         self.v_ptr = [t.data_ptr() for t in self.v_cache]
@@ -48,14 +46,15 @@ class CpuPagedAttention(PagedAttention):
 
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 window: int | None) -> torch.Tensor:
-        B, H, D = q.shape
-        if self.lib is None or H % kc.shape[1] or H // kc.shape[1] > 16:
+        if self.lib is None:
             return super()._decode(g, q, kc, vc, window)
+        B, H, D = q.shape
         qc = q.to(kc.dtype).contiguous()
         out = torch.empty_like(qc)
-        rc = self.lib.paged_decode(self.code, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), g.tables.data_ptr(),
-                                   g.tables.shape[1], g.pos.data_ptr(), B, H, kc.shape[1], kc.shape[2], D,
-                                   window or 0, D ** -0.5, out.data_ptr())
-        if rc != 0:
-            raise RuntimeError(f"paged_decode rejected shape B={B} H={H} Hkv={kc.shape[1]} D={D}")
+        # The kernel refuses, before touching anything, shapes beyond its static buffers (more
+        # than 16 query heads per KV head): those take the torch path.
+        if self.lib.paged_decode(self.code, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), g.tables.data_ptr(),
+                                 g.tables.shape[1], g.pos.data_ptr(), B, H, kc.shape[1], kc.shape[2], D,
+                                 window or 0, D ** -0.5, out.data_ptr()) != 0:
+            return super()._decode(g, q, kc, vc, window)
         return out.to(q.dtype)

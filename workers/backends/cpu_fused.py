@@ -19,8 +19,6 @@ from workers.models.llama import RMSNorm, RotaryEmbedding
 
 log = logging.getLogger("workers.backends")
 
-_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 class CpuRMSNorm(nn.Module):
     def __init__(self, norm: RMSNorm, lib):
@@ -31,7 +29,7 @@ class CpuRMSNorm(nn.Module):
         self.lib = lib
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        code = _CODE.get(x.dtype)
+        code = cpu_kernels.dtype_code(self.lib, x.dtype)
         c = x.shape[-1]
         if x.dim() == 2 and x.stride(1) == 1:
             rows, stride = x, x.stride(0)
@@ -39,8 +37,7 @@ class CpuRMSNorm(nn.Module):
             rows, stride = x.view(-1, c), c
         else:
             return self.fallback(x)
-        if (code is None or self.weight.dtype != x.dtype or not self.weight.is_contiguous()
-                or self.weight.numel() != c or (code == 2 and not self.lib.has_f16)):
+        if code is None or self.weight.dtype != x.dtype or not self.weight.is_contiguous() or self.weight.numel() != c:
             return self.fallback(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         if self.lib.rms_norm(code, rows.data_ptr(), stride, self.weight.data_ptr(), out.data_ptr(), rows.shape[0],
@@ -60,8 +57,8 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         self.lib = lib
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        code = _CODE.get(x.dtype)
-        if (code is None or (code == 2 and not self.lib.has_f16) or x.dim() != 3 or x.stride(2) != 1
+        code = cpu_kernels.dtype_code(self.lib, x.dtype)
+        if (code is None or x.dim() != 3 or x.stride(2) != 1
                 or x.stride(1) != x.shape[2] or x.shape[2] != 2 * self.cos.shape[1]
                 or positions.dtype != torch.long or not positions.is_contiguous()
                 or positions.numel() != x.shape[0] or self.cos.dtype != torch.float32

@@ -140,7 +140,9 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
 int paged_decode(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
                  int64_t max_blocks, const int64_t *pos, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
                  int64_t D, int64_t window, float scale, void *out) {
-    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
+    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || dtype < 0 || dtype > 2
+        || (dtype == 2 && !HAVE_F16))
+        return -1;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += pos[b] + 1;
     _Pragma("omp parallel for schedule(dynamic, 1) if (work * Hkv * D > 65536)")

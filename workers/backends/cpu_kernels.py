@@ -8,7 +8,7 @@ temporary file and renamed into place. Only a directory that belongs to this use
 nobody else can write to is used.
 
 Without a compiler, or with ``MINDIE_CPU_KERNELS=0``, ``load()`` returns None and the CPU backend
-keeps the portable torch attention (the reason is logged once).
+keeps the portable torch attention, norms and rope (the reason is logged once).
 """
 from __future__ import annotations
 
@@ -133,9 +133,17 @@ def load() -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = f"build failed: {e}"
     if _lib is None:
-        log.warning("CPU attention kernels unavailable (%s): using the portable torch attention", _reason)
+        log.warning("CPU kernels unavailable (%s): using the portable torch attention, norms and rope", _reason)
     return _lib
 
 
 def unavailable_reason() -> str:
     return _reason
+
+
+def dtype_code(lib: ctypes.CDLL, dtype) -> int | None:
+    """The kernels' element-type code for a torch dtype (0 fp32, 1 bf16, 2 fp16), or None when
+    this build does not cover it (fp16 needs a compiler with _Float16)."""
+    import torch
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(dtype)
+    return None if code == 2 and not lib.has_f16 else code

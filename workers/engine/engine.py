@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from mindie.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, RequestError, Submit
@@ -38,7 +38,7 @@ class InFlight:
 
     batch: ScheduledBatch
     future: Future
-    seqs: set[int] = field(default_factory=set)  # id() of the batch's sequences
+    seqs: set[int]  # id() of the batch's sequences, for abort()
 
 
 @dataclass
@@ -213,11 +213,11 @@ class Engine:
 
     def check_no_leaks(self) -> bool:
         """True when no request is left and every block is free (used by tests)."""
-        return not self.requests and self._inflight is None and self.blocks.num_free == self.blocks.num_blocks and all(
-            b.ref_count == 0 for b in self.blocks.blocks)
-
+        return (not self.requests and self._inflight is None and self.blocks.num_free == self.blocks.num_blocks
+                and all(b.ref_count == 0 for b in self.blocks.blocks))
 
     def close(self) -> None:
+        """Stop the compute thread (after the step it may be computing)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
