@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from mindie import protocol as P
+from mindie.contract import wire as P
+from mindie.contract.errors import FINISH_ERROR
+from mindie.contract.spec import WorkerSpec
 
 log = logging.getLogger("mindie.client")
 
@@ -29,25 +31,15 @@ class NoWorkerError(Exception):
     """No device worker is ready to take a request."""
 
 
-@dataclass
-class WorkerEndpoint:
-    worker_id: str
-    job_endpoint: str
-    pub_endpoint: str
-
-
 @dataclass(eq=False)
 class WorkerLink:
-    ep: WorkerEndpoint
+    ep: WorkerSpec
     push: zmq.Socket
     welcomed: bool = False
     instance: str = ""
     expected_seq: int = 0
     last_heard: float = 0.0
     heartbeat: P.Heartbeat | None = None
-    model_name: str = ""
-    vocab_size: int = 0
-    max_seq_len: int = 0
     inflight: dict[str, "RequestStream"] = field(default_factory=dict)
 
     def load(self) -> tuple[float, float]:
@@ -76,9 +68,8 @@ class RequestStream:
             self.error = frame.error
         self.event.set()
 
-    def _fail(self, status: int, error_type: str, message: str) -> None:
-        self._push(P.TokenFrame(self.request_id, finish_reason=P.FINISH_ERROR,
-                                error=P.RequestError(status, error_type, message)))
+    def _fail(self, status: int, message: str) -> None:
+        self._push(P.TokenFrame(self.request_id, finish_reason=FINISH_ERROR, error=P.request_error(status, message)))
 
     async def get(self, timeout: float | None) -> list[P.TokenFrame]:
         """Every frame received since the last call; waits up to ``timeout`` seconds for one.
@@ -95,7 +86,7 @@ class RequestStream:
 
 
 class DeviceClient:
-    def __init__(self, endpoints: list[WorkerEndpoint], frontend_id: str | None = None,
+    def __init__(self, endpoints: list[WorkerSpec], frontend_id: str | None = None,
                  ctx: zmq.asyncio.Context | None = None):
         self.frontend_id = frontend_id or f"fe-{os.getpid()}-{secrets.token_hex(4)}"
         self.ctx = ctx or zmq.asyncio.Context()
@@ -138,7 +129,7 @@ class DeviceClient:
                 pass
         for link in self.links.values():
             for stream in list(link.inflight.values()):
-                stream._fail(503, "Service Unavailable", "The service has been stopped.")
+                stream._fail(503, "The service has been stopped.")
             link.push.close(0)
         if self.sub is not None:
             self.sub.close(0)
@@ -156,9 +147,21 @@ class DeviceClient:
     def ready_links(self) -> list[WorkerLink]:
         return [link for link in self.links.values() if link.welcomed]
 
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, KV usage 0..1) over the ready workers, from their heartbeats."""
+        running = waiting = free = total = 0
+        for link in self.ready_links():
+            hb = link.heartbeat
+            if hb:
+                running += hb.running
+                waiting += hb.waiting
+                free += hb.free_blocks
+                total += hb.total_blocks
+        return running, waiting, 1.0 - free / total if total else 0.0
+
     # -- requests -------------------------------------------------------------------------
     def submit(self, token_ids: list[int], params: P.SamplingParams, priority: int = 5,
-               deadline: float = 0.0, request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None) -> RequestStream:
         links = self.ready_links()
         if not links:
             raise NoWorkerError("no device worker is ready")
@@ -166,8 +169,7 @@ class DeviceClient:
         rid = request_id or secrets.token_hex(8)
         stream = RequestStream(rid, link)
         try:
-            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, deadline,
-                                             time.time())), zmq.NOBLOCK)
+            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time())), zmq.NOBLOCK)
         except zmq.Again:
             raise NoWorkerError(f"device worker {link.ep.worker_id} is not connected")
         link.inflight[rid] = stream
@@ -193,7 +195,7 @@ class DeviceClient:
         streams = list(link.inflight.values())
         link.inflight.clear()
         for s in streams:
-            s._fail(500, "Incomplete Generation", message)
+            s._fail(500, message)
         if streams:
             log.error("%s: failed %d in-flight requests", message, len(streams))
             self._send_cancel(link, [s.request_id for s in streams])
@@ -250,9 +252,8 @@ class DeviceClient:
                         link.heartbeat = None  # the old instance's load figures mean nothing now
                     link.instance = msg.instance
                     link.expected_seq = msg.seq + 1
-                    link.model_name, link.vocab_size, link.max_seq_len = msg.model_name, msg.vocab_size, msg.max_seq_len
                     link.welcomed = True
-                    log.info("device worker %s ready (model %s)", link.ep.worker_id, msg.model_name)
+                    log.info("device worker %s ready", link.ep.worker_id)
                     self.ready_event.set()
 
     def _on_frames(self, link: WorkerLink, batch: P.FrameBatch) -> None:

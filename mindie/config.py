@@ -1,20 +1,18 @@
 """Server configuration: MindIE Server's ``config.json``, decoded and range-checked with msgspec.
 
-The Structs below mirror MindIE's key tree exactly (``ModelDeployConfig`` and ``ScheduleConfig``
-sit inside ``BackendConfig``; ``ModelConfig`` is a list), so a user's existing MindIE file loads
-unchanged. Only the keys this project acts on are fields; every other key is accepted, left
-alone and reported by :func:`ignored_keys` so the launcher can log it once. Project-only keys
-use MindIE's camelCase style and are marked "project extension". ``docs/config.md`` has the
-full table.
+The Structs mirror MindIE's key tree (``ModelDeployConfig`` and ``ScheduleConfig`` sit inside
+``BackendConfig``; ``ModelConfig`` is a list), so a user's existing MindIE file loads unchanged.
+MindIE's key names live only at the JSON edge: fields are snake_case in Python and renamed to
+camelCase (``rename="camel"``) or to the PascalCase section names (``field(name=...)``).
+Only keys this project acts on are fields; other keys are accepted and reported in
+``Loaded.ignored``. ``load_config`` applies MindIE's adjustments to the values themselves, so
+what a consumer reads is what runs. ``docs/config.md`` has the full table.
 
 Front ends import this module, so it must never import torch (or anything heavy).
 
-Usage::
-
-    config = load_config(path)          # raises ConfigError naming the key, e.g.
-                                        # "BackendConfig.ScheduleConfig.maxBatchSize: must be >= 1, got 0"
-    config.schedule.maxBatchSize, config.model.modelName, config.max_input_len
-    for key in ignored_keys(config): log.info("config key ignored: %s", key)
+    loaded = load_config(path)   # ConfigError names the key, e.g.
+                                 # "BackendConfig.ScheduleConfig.maxBatchSize: must be >= 1, got 0"
+    loaded.config.backend.schedule.max_batch_size, loaded.notes, loaded.ignored
 """
 import ipaddress
 import json
@@ -29,9 +27,8 @@ from msgspec import Meta, field
 
 __all__ = [
     "Config", "ConfigError", "ServerConfig", "HealthCheckConfig", "BackendConfig", "ModelDeployConfig",
-    "ModelConfig", "ScheduleConfig", "LogConfig", "TlsFiles", "load_config", "ignored_keys", "config_notes",
-    "dump_effective", "env_overrides_applied", "default_run_dir", "ensure_run_dir", "tls_files", "check_tls_files",
-    "ENV_OVERRIDES",
+    "ModelConfig", "ScheduleConfig", "LogConfig", "Loaded", "load_config", "default_run_dir", "ensure_run_dir",
+    "python_log_level", "ENV_OVERRIDES",
 ]
 
 # Ranges (mindie.md section 8). Constants so docs, checks and tests agree.
@@ -63,213 +60,132 @@ class ConfigError(Exception):
         self.source = source
 
 
-class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
-    """Base of every section: unknown keys are accepted (collected separately by ignored_keys)."""
+class _Section(msgspec.Struct, kw_only=True, rename="camel"):
+    """Base of every section: snake_case fields, camelCase keys; unknown keys are accepted."""
 
 
 class HealthCheckConfig(_Section):
     # 0 disables the NPU-usage test; otherwise a failed probe with usage >= threshold reports BUSY.
-    npuUsageThreshold: Annotated[int, Meta(ge=0, le=100)] = 10
-
-
-_HealthCheckConfig = HealthCheckConfig  # aliases: a field may not share its annotation's name
+    npu_usage_threshold: Annotated[int, Meta(ge=0, le=100)] = 10
 
 
 class ServerConfig(_Section):
-    ipAddress: str = "127.0.0.1"
-    managementIpAddress: str = "127.0.0.2"
+    ip_address: str = "127.0.0.1"
+    management_ip_address: str = "127.0.0.2"
     port: Annotated[int, PORT] = 1025
-    managementPort: Annotated[int, PORT] = 1026
-    metricsPort: Annotated[int, PORT] = 1027
-    allowAllZeroIpListening: bool = False
-    maxLinkNum: Annotated[int, Meta(ge=1, le=4096)] = 1000
+    management_port: Annotated[int, PORT] = 1026
+    metrics_port: Annotated[int, PORT] = 1027
+    allow_all_zero_ip_listening: bool = False
+    max_link_num: Annotated[int, Meta(ge=1, le=4096)] = 1000
     # Project default false (MindIE: true) so the demo starts without certificates; true is honoured.
-    httpsEnabled: bool = False
-    fullTextEnabled: bool = False
-    tlsCaPath: str = "security/ca/"
-    tlsCaFile: list[str] = field(default_factory=lambda: ["ca.pem"])
-    tlsCert: str = "security/certs/server.pem"
-    tlsPk: str = "security/keys/server.key.pem"
-    tlsCrlPath: str = "security/certs/"
-    tlsCrlFiles: list[str] = field(default_factory=lambda: ["server_crl.pem"])
-    managementTlsCaFile: list[str] = field(default_factory=lambda: ["management_ca.pem"])
-    managementTlsCert: str = "security/certs/management/server.pem"
-    managementTlsPk: str = "security/keys/management/server.key.pem"
-    managementTlsCrlPath: str = "security/management/certs/"
-    managementTlsCrlFiles: list[str] = field(default_factory=lambda: ["server_crl.pem"])
-    metricsTlsCaFile: list[str] = field(default_factory=lambda: ["metrics_ca.pem"])
-    metricsTlsCert: str = "security/certs/metrics/server.pem"
-    metricsTlsPk: str = "security/keys/metrics/server.key.pem"
-    metricsTlsCrlPath: str = "security/metrics/certs/"
-    metricsTlsCrlFiles: list[str] = field(default_factory=lambda: ["server_crl.pem"])
-    tokenTimeout: Annotated[int, Meta(ge=1, le=MAX_TOKEN_TIMEOUT_S)] = 600
-    e2eTimeout: Annotated[int, Meta(ge=1, le=MAX_E2E_TIMEOUT_S)] = 600
-    maxRequestLength: Annotated[int, Meta(ge=1, le=100)] = 40  # MB
-    HealthCheckConfig: _HealthCheckConfig = field(default_factory=_HealthCheckConfig)
+    https_enabled: bool = False
+    full_text_enabled: bool = False
+    # Paths and dirs are made absolute by load_config (relative: from the config file's directory);
+    # CA files are names inside tls_ca_path, CRL files names inside their plane's CRL dir.
+    tls_ca_path: str = "security/ca/"
+    tls_ca_file: list[str] = field(default_factory=lambda: ["ca.pem"])
+    tls_cert: str = "security/certs/server.pem"
+    tls_pk: str = "security/keys/server.key.pem"
+    tls_crl_path: str = "security/certs/"
+    tls_crl_files: list[str] = field(default_factory=lambda: ["server_crl.pem"])
+    management_tls_ca_file: list[str] = field(default_factory=lambda: ["management_ca.pem"])
+    management_tls_cert: str = "security/certs/management/server.pem"
+    management_tls_pk: str = "security/keys/management/server.key.pem"
+    management_tls_crl_path: str = "security/management/certs/"
+    management_tls_crl_files: list[str] = field(default_factory=lambda: ["server_crl.pem"])
+    metrics_tls_ca_file: list[str] = field(default_factory=lambda: ["metrics_ca.pem"])
+    metrics_tls_cert: str = "security/certs/metrics/server.pem"
+    metrics_tls_pk: str = "security/keys/metrics/server.key.pem"
+    metrics_tls_crl_path: str = "security/metrics/certs/"
+    metrics_tls_crl_files: list[str] = field(default_factory=lambda: ["server_crl.pem"])
+    token_timeout: Annotated[int, Meta(ge=1, le=MAX_TOKEN_TIMEOUT_S)] = 600
+    e2e_timeout: Annotated[int, Meta(ge=1, le=MAX_E2E_TIMEOUT_S)] = 600
+    max_request_length: Annotated[int, Meta(ge=1, le=100)] = 40  # MB
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig, name="HealthCheckConfig")
     # Project extensions.
-    watermarkGamma: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.5  # green-list fraction (TGI default)
-    watermarkDelta: Annotated[float, Meta(gt=0.0, le=100.0)] = 2.0  # logit bias of green tokens
-    runDir: str = ""  # "" = default_run_dir(); resolved to an absolute path by load_config
-    frontendCount: Annotated[int, Meta(ge=0, le=64)] = 0  # gunicorn workers; 0 = auto
-
-    @property
-    def frontend_workers(self) -> int:
-        """Front-end processes to start: frontendCount, or min(4, max(1, cores // 4)) when 0."""
-        return self.frontendCount or min(4, max(1, (os.cpu_count() or 1) // 4))
-
-
-_ServerConfig = ServerConfig
+    watermark_gamma: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.5  # green-list fraction (TGI default)
+    watermark_delta: Annotated[float, Meta(gt=0.0, le=100.0)] = 2.0  # logit bias of green tokens
+    run_dir: str = ""  # "" = default_run_dir(port); made absolute by load_config
+    frontend_count: Annotated[int, Meta(ge=0, le=64)] = 0  # gunicorn workers; 0 = auto
 
 
 class ModelConfig(_Section):
-    modelName: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$", max_length=256)] = "demo"  # MindIE's sample file says "llama_65b"; absent here means the demo model
+    # MindIE's sample file says "llama_65b"; absent here means the demo model.
+    model_name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$", max_length=256)] = "demo"
     # "" = the built-in demo model. Relative paths: from the config file's directory (from the
     # current directory when set by MINDIE_MODEL_PATH); load_config makes it absolute.
-    modelWeightPath: str = ""
+    model_weight_path: str = ""
     # Project: 0/absent = the length of each npuDeviceIds entry (MindIE: default 4, must match).
-    worldSize: Annotated[int, Meta(ge=0, le=64)] = 0
-    # MindIE: host swap GB. Project: KV-cache GiB on the CPU backend; 0 = 1 GiB (see cpu_kv_cache_gib).
-    # A fraction (0.5) is accepted too, so several CPU workers can share one budget.
-    cpuMemSize: Union[Annotated[int, Meta(ge=0, le=65536)], Annotated[float, Meta(ge=0, le=65536)]] = 0
-    npuMemSize: Annotated[int, Meta(ge=-1, le=65536)] = -1  # KV-cache GB per NPU/GPU; -1 = auto fraction
+    world_size: Annotated[int, Meta(ge=0, le=64)] = 0
+    # MindIE: host swap GB. Project: KV-cache GiB of each CPU worker; 0 is loaded as 1. A fraction
+    # (0.5) is accepted too, so several CPU workers can share one budget.
+    cpu_mem_size: Union[Annotated[int, Meta(ge=0, le=65536)], Annotated[float, Meta(ge=0, le=65536)]] = 1
+    npu_mem_size: Annotated[int, Meta(ge=-1, le=65536)] = -1  # KV-cache GB per NPU/GPU; -1 = auto fraction
     dtype: DType = "auto"  # project extension; "auto" = the checkpoint's torch_dtype
-
-    @property
-    def is_demo(self) -> bool:
-        """True when no weights are configured and the built-in demo model is served."""
-        return not self.modelWeightPath
-
-    @property
-    def cpu_kv_cache_gib(self) -> float:
-        return self.cpuMemSize or 1
-
-
-_ModelConfig = ModelConfig
 
 
 class ModelDeployConfig(_Section):
-    maxSeqLen: Annotated[int, Meta(ge=2, le=MAX_TOKEN_LEN)] = 2560
-    maxInputTokenLen: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 2048
+    max_seq_len: Annotated[int, Meta(ge=2, le=MAX_TOKEN_LEN)] = 2560
+    max_input_token_len: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 2048  # loaded <= max_seq_len - 1
     truncation: Union[bool, Literal[-1, 0, 1]] = False  # false/0 reject, true/-1 right, 1 left
-    ModelConfig: Annotated[list[_ModelConfig], Meta(min_length=1)] = field(default_factory=lambda: [_ModelConfig()])
-
-    @property
-    def truncation_mode(self) -> Literal["reject", "right", "left"]:
-        """MindIE's truncation as a word: 0/false reject, -1/true right, 1 left."""
-        t = self.truncation
-        if isinstance(t, bool):
-            return "right" if t else "reject"
-        return {-1: "right", 1: "left"}.get(t, "reject")
+    # The first entry is served; further entries are validated but unused.
+    models: Annotated[list[ModelConfig], Meta(min_length=1)] = field(
+        default_factory=lambda: [ModelConfig()], name="ModelConfig")
 
 
 class ScheduleConfig(_Section):
     # Project range: any multiple of 16 in [16, 1024] (MindIE: multiple of 16 in [1, 128]).
-    cacheBlockSize: Annotated[int, Meta(ge=16, le=CACHE_BLOCK_MAX, multiple_of=16)] = 128
-    maxPrefillBatchSize: Annotated[int, Meta(ge=1, le=819200)] = 50  # also <= maxBatchSize
-    maxPrefillTokens: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 8192
-    maxBatchSize: Annotated[int, Meta(ge=1, le=819200)] = 200
-    maxIterTimes: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 512  # also <= maxSeqLen
-    maxN: Annotated[int, Meta(ge=1, le=819200)] = 128
-    enablePrefixCache: bool = True  # project extension
+    cache_block_size: Annotated[int, Meta(ge=16, le=CACHE_BLOCK_MAX, multiple_of=16)] = 128
+    max_prefill_batch_size: Annotated[int, Meta(ge=1, le=819200)] = 50  # also <= max_batch_size
+    max_prefill_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 8192  # raised at load as MindIE does
+    max_batch_size: Annotated[int, Meta(ge=1, le=819200)] = 200
+    max_iter_times: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 512  # also <= max_seq_len
+    max_n: Annotated[int, Meta(ge=1, le=819200)] = 128
+    enable_prefix_cache: bool = True  # project extension
     # Project extension: compute each step on a thread while the worker loop takes in jobs and
-    # sends the previous step's frames. null = the device's default (topology.overlap_default).
-    overlapSteps: bool | None = None
-
-
-_ModelDeployConfig = ModelDeployConfig
-_ScheduleConfig = ScheduleConfig
+    # sends the previous step's frames. null = the device's default (decided by the worker side).
+    overlap_steps: Optional[bool] = None
 
 
 class BackendConfig(_Section):
     # One inner list per model instance (= one device worker); inner length = tensor-parallel size.
-    npuDeviceIds: Annotated[
+    npu_device_ids: Annotated[
         list[Annotated[list[Annotated[int, Meta(ge=0, le=65535)]], Meta(min_length=1)]], Meta(min_length=1)
     ] = field(default_factory=lambda: [[0]])
-    deviceType: DeviceType = "auto"  # project extension; "auto" = npu, else cuda, else cpu
-    cpuThreadsPerWorker: Annotated[int, Meta(ge=0, le=4096)] = 0  # project extension; 0 = share evenly
-    ModelDeployConfig: _ModelDeployConfig = field(default_factory=_ModelDeployConfig)
-    ScheduleConfig: _ScheduleConfig = field(default_factory=_ScheduleConfig)
+    device_type: DeviceType = "auto"  # project extension; "auto" = npu, else cuda, else cpu
+    cpu_threads_per_worker: Annotated[int, Meta(ge=0, le=4096)] = 0  # project extension; 0 = share evenly
+    model_deploy: ModelDeployConfig = field(default_factory=ModelDeployConfig, name="ModelDeployConfig")
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, name="ScheduleConfig")
 
 
 class LogConfig(_Section):
     # MindIE changes this level at run time for a while; the project applies it at start.
-    dynamicLogLevel: str = ""
+    dynamic_log_level: str = ""
 
 
-_BackendConfig = BackendConfig
-_LogConfig = LogConfig
+class Config(_Section):
+    """The whole config.json."""
+
+    version: str = field(default="1.0.0", name="Version")
+    server: ServerConfig = field(default_factory=ServerConfig, name="ServerConfig")
+    backend: BackendConfig = field(default_factory=BackendConfig, name="BackendConfig")
+    log: LogConfig = field(default_factory=LogConfig, name="LogConfig")
+    # true = every inference timeout at its maximum (applied to server.*_timeout at load)
+    enable_dynamic_adjust_timeout: bool = field(default=False, name="EnableDynamicAdjustTimeoutConfig")
 
 
-class Config(_Section, dict=True):
-    """The whole config.json. ``dict=True`` lets load_config attach non-encoded load metadata."""
+class Loaded(NamedTuple):
+    config: Config
+    source: Optional[str]  # absolute path of the file, None = built-in defaults
+    ignored: list[str]  # dotted keys accepted and not used
+    notes: list[str]  # MindIE-style adjustments applied (log them)
+    env_overrides: dict[str, str]  # {dotted key: env var}
 
-    Version: str = "1.0.0"
-    ServerConfig: _ServerConfig = field(default_factory=_ServerConfig)
-    BackendConfig: _BackendConfig = field(default_factory=_BackendConfig)
-    LogConfig: _LogConfig = field(default_factory=_LogConfig)
-    EnableDynamicAdjustTimeoutConfig: bool = False  # true = every inference timeout at its maximum
 
-    @property
-    def server(self) -> ServerConfig:
-        return self.ServerConfig
-
-    @property
-    def backend(self) -> BackendConfig:
-        return self.BackendConfig
-
-    @property
-    def deploy(self) -> ModelDeployConfig:
-        return self.BackendConfig.ModelDeployConfig
-
-    @property
-    def schedule(self) -> ScheduleConfig:
-        return self.BackendConfig.ScheduleConfig
-
-    @property
-    def model(self) -> ModelConfig:
-        """The served model: the first ModelConfig entry (others are validated but unused)."""
-        return self.BackendConfig.ModelDeployConfig.ModelConfig[0]
-
-    @property
-    def instances(self) -> list[list[int]]:
-        """npuDeviceIds: one device worker per entry."""
-        return self.BackendConfig.npuDeviceIds
-
-    @property
-    def world_size(self) -> int:
-        return len(self.BackendConfig.npuDeviceIds[0])
-
-    @property
-    def max_input_len(self) -> int:
-        """Longest accepted input: min(maxInputTokenLen, maxSeqLen - 1), as in MindIE."""
-        return min(self.deploy.maxInputTokenLen, self.deploy.maxSeqLen - 1)
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        """maxPrefillTokens, raised as MindIE does when below maxInputTokenLen."""
-        d, s = self.deploy, self.schedule
-        if s.maxPrefillTokens >= d.maxInputTokenLen:
-            return s.maxPrefillTokens
-        return max(s.maxPrefillTokens, min(d.maxSeqLen, d.maxInputTokenLen + s.maxIterTimes))
-
-    @property
-    def token_timeout(self) -> int:
-        return MAX_TOKEN_TIMEOUT_S if self.EnableDynamicAdjustTimeoutConfig else self.ServerConfig.tokenTimeout
-
-    @property
-    def e2e_timeout(self) -> int:
-        return MAX_E2E_TIMEOUT_S if self.EnableDynamicAdjustTimeoutConfig else self.ServerConfig.e2eTimeout
-
-    @property
-    def log_level(self) -> str:
-        """Python logging level name: LogConfig.dynamicLogLevel, INFO when empty."""
-        level = self.LogConfig.dynamicLogLevel.strip().lower()
-        return {"": "INFO", "warn": "WARNING", "fatal": "CRITICAL"}.get(level, level.upper())
-
-    @property
-    def source_path(self) -> Optional[str]:
-        """Absolute path of the file this config came from (None = built-in defaults)."""
-        return self.__dict__.get("_source")
+def python_log_level(text: str) -> str:
+    """LogConfig.dynamicLogLevel as a Python logging level name ("" -> INFO, warn -> WARNING, ...)."""
+    level = text.strip().lower()
+    return {"": "INFO", "warn": "WARNING", "fatal": "CRITICAL"}.get(level, level.upper())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,6 +195,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "MIES_CONTAINER_IP": "ServerConfig.ipAddress",
     "MIES_CONTAINER_MANAGEMENT_IP": "ServerConfig.managementIpAddress",
     "MINDIE_PORT": "ServerConfig.port",
+    "MINDIE_RUN_DIR": "ServerConfig.runDir",
     "MINDIE_MODEL_PATH": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath",
     "MINDIE_DEVICE_TYPE": "BackendConfig.deviceType",
     "MINDIE_NPU_DEVICE_IDS": "BackendConfig.npuDeviceIds",
@@ -288,9 +205,9 @@ _DEVICE_IDS_KEY = ENV_OVERRIDES["MINDIE_NPU_DEVICE_IDS"]
 
 def _section(raw: dict, *names: str) -> Optional[dict]:
     """raw[names[0]][names[1]]..., created when missing; None when something on the way is not an object."""
-    node = raw
+    node: Any = raw
     for name in names:
-        node = node.setdefault(name, {}) if isinstance(node, dict) else None
+        node = node.setdefault(name, {})
         if not isinstance(node, dict):
             return None
     return node
@@ -323,49 +240,48 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
     """Apply the overrides that are set (empty = unset); returns {dotted key: env var}."""
     applied: dict[str, str] = {}
 
-    def get(name: str) -> Optional[str]:
-        value = env.get(name, "").strip()
-        return value or None
+    def put(name: str, node: Optional[dict], key: str, value: Any) -> None:
+        if node is not None:
+            node[key] = value
+            applied[ENV_OVERRIDES[name]] = name
 
+    get = {name: v for name in ENV_OVERRIDES if (v := env.get(name, "").strip())}
     server = _section(raw, "ServerConfig")
     backend = _section(raw, "BackendConfig")
-    for name, key in (("MIES_CONTAINER_IP", "ipAddress"), ("MIES_CONTAINER_MANAGEMENT_IP", "managementIpAddress")):
-        if (v := get(name)) is not None and server is not None:
-            server[key] = v
-            applied[ENV_OVERRIDES[name]] = name
-    if (v := get("MINDIE_PORT")) is not None and server is not None:
+    if (v := get.get("MIES_CONTAINER_IP")):
+        put("MIES_CONTAINER_IP", server, "ipAddress", v)
+    if (v := get.get("MIES_CONTAINER_MANAGEMENT_IP")):
+        put("MIES_CONTAINER_MANAGEMENT_IP", server, "managementIpAddress", v)
+    if (v := get.get("MINDIE_PORT")):
         # Non-numbers stay strings so validation reports them as a type error naming the variable.
-        server["port"] = int(v) if re.fullmatch(r"[+-]?\d+", v) else v
-        applied[ENV_OVERRIDES["MINDIE_PORT"]] = "MINDIE_PORT"
-    if (v := get("MINDIE_DEVICE_TYPE")) is not None and backend is not None:
-        backend["deviceType"] = v.lower()
-        applied[ENV_OVERRIDES["MINDIE_DEVICE_TYPE"]] = "MINDIE_DEVICE_TYPE"
-    if (v := get("MINDIE_NPU_DEVICE_IDS")) is not None and backend is not None:
+        put("MINDIE_PORT", server, "port", int(v) if re.fullmatch(r"[+-]?\d+", v) else v)
+    if (v := get.get("MINDIE_RUN_DIR")):
+        put("MINDIE_RUN_DIR", server, "runDir", os.path.abspath(os.path.expanduser(v)))
+    if (v := get.get("MINDIE_DEVICE_TYPE")):
+        put("MINDIE_DEVICE_TYPE", backend, "deviceType", v.lower())
+    if (v := get.get("MINDIE_NPU_DEVICE_IDS")):
         ids = _parse_device_ids(v)
-        backend["npuDeviceIds"] = ids
-        applied[_DEVICE_IDS_KEY] = "MINDIE_NPU_DEVICE_IDS"
+        put("MINDIE_NPU_DEVICE_IDS", backend, "npuDeviceIds", ids)
         # New devices imply a new tensor-parallel size: keep the file's worldSize from contradicting it.
-        models = _section(raw, "BackendConfig", "ModelDeployConfig")
-        entries = models.get("ModelConfig") if models is not None else None
+        deploy = _section(raw, "BackendConfig", "ModelDeployConfig")
+        entries = deploy.get("ModelConfig") if deploy is not None else None
         if isinstance(entries, list) and ids and isinstance(ids[0], list):
             for m in entries:
                 if isinstance(m, dict) and "worldSize" in m:
                     m["worldSize"] = len(ids[0])
-    if (v := get("MINDIE_MODEL_PATH")) is not None:
+    if (v := get.get("MINDIE_MODEL_PATH")):
         deploy = _section(raw, "BackendConfig", "ModelDeployConfig")
-        if deploy is not None:
-            entries = deploy.setdefault("ModelConfig", [])
-            if isinstance(entries, list):
-                if not entries:
-                    entries.append({})
-                if isinstance(entries[0], dict):
-                    entries[0]["modelWeightPath"] = os.path.abspath(os.path.expanduser(v))
-                    applied[ENV_OVERRIDES["MINDIE_MODEL_PATH"]] = "MINDIE_MODEL_PATH"
+        entries = deploy.setdefault("ModelConfig", []) if deploy is not None else None
+        if isinstance(entries, list):
+            if not entries:
+                entries.append({})
+            put("MINDIE_MODEL_PATH", entries[0] if isinstance(entries[0], dict) else None, "modelWeightPath",
+                os.path.abspath(os.path.expanduser(v)))
     return applied
 
 
 # --------------------------------------------------------------------------------------------------
-# Walking the raw JSON against the Struct types: ignored keys, value and type lookup for messages.
+# Walking the raw JSON against the Struct types (by JSON key): ignored keys, value and type lookup.
 
 def _unwrap(tp: Any) -> Any:
     while typing.get_origin(tp) is Annotated:
@@ -374,17 +290,15 @@ def _unwrap(tp: Any) -> Any:
 
 
 def _struct_fields(tp: Any) -> dict[str, Any]:
-    return {f.encode_name: f.type for f in msgspec.structs.fields(tp)}
-
-
-def _is_struct(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+    """{JSON key: type} of a Struct, or {} for anything else."""
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return {f.encode_name: f.type for f in msgspec.structs.fields(tp)}
+    return {}
 
 
 def _collect_ignored(raw: Any, tp: Any, path: str, out: list[str]) -> None:
     tp = _unwrap(tp)
-    if _is_struct(tp) and isinstance(raw, dict):
-        fields = _struct_fields(tp)
+    if (fields := _struct_fields(tp)) and isinstance(raw, dict):
         for key, value in raw.items():
             sub = f"{path}.{key}" if path else key
             if key in fields:
@@ -397,26 +311,19 @@ def _collect_ignored(raw: Any, tp: Any, path: str, out: list[str]) -> None:
             _collect_ignored(item, elem, f"{path}[{i}]", out)
 
 
-_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-
-
-def _split(path: str) -> list[Union[str, int]]:
-    return [name if name else int(index) for name, index in _SEGMENT.findall("." + path)]
-
-
 def _lookup(raw: Any, path: str) -> tuple[bool, Any, Any]:
-    """(found, raw value, declared type) of a dotted path such as 'A.B[0].c'."""
+    """(found, raw value, declared type) of a dotted JSON path such as 'A.B[0].c'."""
     value, tp, found = raw, Config, True
-    for seg in _split(path):
+    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", "." + path):
         tp = _unwrap(tp)
-        if isinstance(seg, int):
-            tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else Any
-            found = found and isinstance(value, list) and seg < len(value)
-            value = value[seg] if found else None
+        if name:
+            tp = _struct_fields(tp).get(name, Any)
+            found = found and isinstance(value, dict) and name in value
+            value = value[name] if found else None
         else:
-            tp = _struct_fields(tp).get(seg, Any) if _is_struct(tp) else Any
-            found = found and isinstance(value, dict) and seg in value
-            value = value[seg] if found else None
+            tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else Any
+            found = found and isinstance(value, list) and int(index) < len(value)
+            value = value[int(index)] if found else None
     return found, value, _unwrap(tp)
 
 
@@ -442,20 +349,19 @@ def _translate(err: msgspec.ValidationError, raw: Any) -> tuple[str, str]:
     m = re.fullmatch(r"(.*?) - at `\$(.*)`", text, re.S)
     what, path = (m.group(1), m.group(2).lstrip(".")) if m else (text, "")
     found, value, tp = _lookup(raw, path) if path else (False, None, None)
-    got = f", got {json.dumps(value)}" if found else ""
+    shown = f" {json.dumps(value)}" if found else ""
     if (t := re.fullmatch(r"Expected `([^`]+)`, got `([^`]+)`", what)):
         want = _WANT_WORDS.get(t.group(1), t.group(1))
-        return path, f"must be {want}, got {_GOT_WORDS.get(t.group(2), t.group(2))}" + (
-            f" {json.dumps(value)}" if found else "")
+        return path, f"must be {want}, got {_GOT_WORDS.get(t.group(2), t.group(2))}{shown}"
+    got = f", got{shown}" if found else ""
     if what.startswith("Invalid enum value"):
-        allowed = ", ".join(json.dumps(v) for v in _literals(tp))
-        return path, f"must be one of {allowed}{got}"
+        return path, f"must be one of {', '.join(json.dumps(v) for v in _literals(tp))}{got}"
     if (c := re.fullmatch(r"Expected `[^`]+` (.+)", what)):
         rule = c.group(1).replace("that's ", "").replace("matching regex", "match the pattern")
         rule = re.sub(r"^of length", "have length", rule)
         rule = rule if rule.startswith(("match", "have")) else "be " + rule
         return path, f"must {rule}{got}"
-    return path, what[0].lower() + what[1:] if what else what
+    return path, what[:1].lower() + what[1:]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -484,8 +390,8 @@ def _read_json(path: str) -> Any:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
 
 
-def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ) -> Config:
-    """Read, override from ``env``, validate. ``path`` None -> $MIES_CONFIG_JSON_PATH, else all defaults.
+def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ) -> Loaded:
+    """Read, override from ``env``, validate, adjust. ``path`` None -> $MIES_CONFIG_JSON_PATH, else all defaults.
 
     An explicit ``path`` wins over MIES_CONFIG_JSON_PATH (a command-line flag beats the environment).
     """
@@ -503,115 +409,98 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
     except msgspec.ValidationError as e:
         key, message = _translate(e, raw)
         raise ConfigError(message, key or "(top level)", env=_env_for(key, from_env), source=source) from None
-    base_dir = os.path.dirname(source) if source else os.getcwd()
-    config.__dict__.update(_source=source, _ignored=ignored, _env=from_env, _notes=[])
     _check(config, from_env, source)
-    _resolve_paths(config, base_dir, env)
-    return config
+    notes = _adjust(config)
+    _resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
+    return Loaded(config, source, ignored, notes, from_env)
 
 
 def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -> None:
-    """Cross-field rules msgspec's per-field constraints cannot express."""
+    """Cross-field rules msgspec's per-field constraints cannot express (keys named as in the JSON)."""
 
     def fail(key: str, message: str) -> typing.NoReturn:
         raise ConfigError(message, key, env=_env_for(key, from_env), source=source)
 
-    s, d, b = config.ServerConfig, config.deploy, config.BackendConfig
-    for key in ("ipAddress", "managementIpAddress"):
-        value = getattr(s, key)
+    s, b = config.server, config.backend
+    d, sch = b.model_deploy, b.schedule
+    for key, value in (("ipAddress", s.ip_address), ("managementIpAddress", s.management_ip_address)):
         try:
             ipaddress.ip_address(value)
         except ValueError:
             fail(f"ServerConfig.{key}", f"must be an IPv4 or IPv6 address, got {value!r}")
-        if value in _ZERO_IPS and not s.allowAllZeroIpListening:
+        if value in _ZERO_IPS and not s.allow_all_zero_ip_listening:
             fail(f"ServerConfig.{key}", f"{value} listens on every interface; "
                  "set ServerConfig.allowAllZeroIpListening to true to allow it")
-    sch = config.schedule
-    if sch.maxPrefillBatchSize > sch.maxBatchSize:
+    if sch.max_prefill_batch_size > sch.max_batch_size:
         fail("BackendConfig.ScheduleConfig.maxPrefillBatchSize",
-             f"must be <= maxBatchSize ({sch.maxBatchSize}), got {sch.maxPrefillBatchSize}")
-    if sch.maxIterTimes > d.maxSeqLen:
+             f"must be <= maxBatchSize ({sch.max_batch_size}), got {sch.max_prefill_batch_size}")
+    if sch.max_iter_times > d.max_seq_len:
         fail("BackendConfig.ScheduleConfig.maxIterTimes",
-             f"must be <= ModelDeployConfig.maxSeqLen ({d.maxSeqLen}), got {sch.maxIterTimes}")
-    ids = b.npuDeviceIds
+             f"must be <= ModelDeployConfig.maxSeqLen ({d.max_seq_len}), got {sch.max_iter_times}")
+    ids = b.npu_device_ids
     if len({len(group) for group in ids}) > 1:
         fail(_DEVICE_IDS_KEY, f"every entry must list the same number of devices, got {ids}")
     flat = [i for group in ids for i in group]
     if len(flat) != len(set(flat)):
         fail(_DEVICE_IDS_KEY, f"a device id appears twice, got {ids}")
-    for i, m in enumerate(d.ModelConfig):
+    for i, m in enumerate(d.models):
         key = f"BackendConfig.ModelDeployConfig.ModelConfig[{i}]"
-        if m.worldSize and m.worldSize != len(ids[0]):
+        if m.world_size and m.world_size != len(ids[0]):
             fail(f"{key}.worldSize", f"must equal the number of devices per npuDeviceIds entry "
-                 f"({len(ids[0])}), got {m.worldSize}")
-        if m.npuMemSize == 0:
+                 f"({len(ids[0])}), got {m.world_size}")
+        if m.npu_mem_size == 0:
             fail(f"{key}.npuMemSize", "must be -1 (auto) or >= 1 (GB), got 0")
-    level = config.LogConfig.dynamicLogLevel.strip().lower()
-    if level and level not in LOG_LEVELS:
-        fail("LogConfig.dynamicLogLevel", f"must be empty or one of {', '.join(LOG_LEVELS)}, "
-             f"got {config.LogConfig.dynamicLogLevel!r}")
-    notes: list[str] = config.__dict__["_notes"]
-    if d.maxInputTokenLen > d.maxSeqLen - 1:
-        notes.append(f"BackendConfig.ModelDeployConfig.maxInputTokenLen {d.maxInputTokenLen} > maxSeqLen - 1: "
-                     f"inputs are limited to {config.max_input_len} tokens")
-    if config.max_prefill_tokens != sch.maxPrefillTokens:
-        notes.append(f"BackendConfig.ScheduleConfig.maxPrefillTokens {sch.maxPrefillTokens} < maxInputTokenLen: "
-                     f"raised to {config.max_prefill_tokens}")
-    if len(d.ModelConfig) > 1:
-        notes.append(f"BackendConfig.ModelDeployConfig.ModelConfig has {len(d.ModelConfig)} entries: "
+    level = config.log.dynamic_log_level
+    if level.strip() and level.strip().lower() not in LOG_LEVELS:
+        fail("LogConfig.dynamicLogLevel", f"must be empty or one of {', '.join(LOG_LEVELS)}, got {level!r}")
+
+
+def _adjust(config: Config) -> list[str]:
+    """Apply MindIE's adjustments to the values (once, here); returns a note for each."""
+    notes: list[str] = []
+    d, sch, s = config.backend.model_deploy, config.backend.schedule, config.server
+    # maxPrefillTokens is raised with the unclamped maxInputTokenLen, as MindIE does.
+    prefill = sch.max_prefill_tokens
+    if prefill < d.max_input_token_len:
+        prefill = max(prefill, min(d.max_seq_len, d.max_input_token_len + sch.max_iter_times))
+    if d.max_input_token_len > d.max_seq_len - 1:
+        notes.append(f"BackendConfig.ModelDeployConfig.maxInputTokenLen {d.max_input_token_len} > maxSeqLen - 1: "
+                     f"inputs are limited to {d.max_seq_len - 1} tokens")
+        d.max_input_token_len = d.max_seq_len - 1
+    if prefill != sch.max_prefill_tokens:
+        notes.append(f"BackendConfig.ScheduleConfig.maxPrefillTokens {sch.max_prefill_tokens} < maxInputTokenLen: "
+                     f"raised to {prefill}")
+        sch.max_prefill_tokens = prefill
+    if config.enable_dynamic_adjust_timeout:
+        s.token_timeout, s.e2e_timeout = MAX_TOKEN_TIMEOUT_S, MAX_E2E_TIMEOUT_S
+        notes.append(f"EnableDynamicAdjustTimeoutConfig: ServerConfig.tokenTimeout set to {MAX_TOKEN_TIMEOUT_S}, "
+                     f"e2eTimeout to {MAX_E2E_TIMEOUT_S}")
+    if len(d.models) > 1:
+        notes.append(f"BackendConfig.ModelDeployConfig.ModelConfig has {len(d.models)} entries: "
                      "only the first is served")
+    for m in d.models:
+        m.cpu_mem_size = m.cpu_mem_size or 1  # project: 0 = 1 GiB of CPU KV cache
+    return notes
 
 
 def _resolve_paths(config: Config, base_dir: str, env: Mapping[str, str]) -> None:
-    """Make file paths absolute so every process (whatever its cwd) agrees on them."""
-    for m in config.deploy.ModelConfig:
-        m.modelWeightPath = m.modelWeightPath.strip()
-        if m.modelWeightPath:
-            m.modelWeightPath = os.path.join(base_dir, os.path.expanduser(m.modelWeightPath))
-    s = config.ServerConfig
-    s.runDir = (os.path.join(base_dir, os.path.expanduser(s.runDir)) if s.runDir
-                else default_run_dir(s.port, env))
+    """Make file paths absolute (relative: from ``base_dir``) so every process agrees on them."""
 
+    def absolute(p: str) -> str:
+        p = p.strip()
+        return os.path.join(base_dir, os.path.expanduser(p)) if p else ""
 
-def ignored_keys(config: Config) -> list[str]:
-    """Dotted paths of the file's keys this project does not use (e.g. 'ServerConfig.inferMode')."""
-    return list(config.__dict__.get("_ignored", []))
-
-
-def config_notes(config: Config) -> list[str]:
-    """Values load_config adjusted the way MindIE does (clamps, raised limits): log them once."""
-    return list(config.__dict__.get("_notes", []))
-
-
-def env_overrides_applied(config: Config) -> dict[str, str]:
-    """{dotted key: environment variable} for each override that was applied."""
-    return dict(config.__dict__.get("_env", {}))
-
-
-def dump_effective(config: Config) -> dict[str, Any]:
-    """The config as the server uses it (MindIE shape, defaults filled) plus derived values, for logging."""
-    out = msgspec.to_builtins(config)
-    out["Derived"] = {
-        "configFile": config.source_path,
-        "demoModel": config.model.is_demo,
-        "maxInputLen": config.max_input_len,
-        "maxPrefillTokens": config.max_prefill_tokens,
-        "truncation": config.deploy.truncation_mode,
-        "instances": len(config.instances),
-        "worldSize": config.world_size,
-        "cpuKvCacheGiB": config.model.cpu_kv_cache_gib,
-        "tokenTimeout": config.token_timeout,
-        "e2eTimeout": config.e2e_timeout,
-        "logLevel": config.log_level,
-        "frontendWorkers": config.ServerConfig.frontend_workers,
-        "envOverrides": env_overrides_applied(config),
-        "ignoredKeys": ignored_keys(config),
-    }
-    return out
+    for m in config.backend.model_deploy.models:
+        m.model_weight_path = absolute(m.model_weight_path)
+    s = config.server
+    for name in ("tls_ca_path", "tls_cert", "tls_pk", "tls_crl_path", "management_tls_cert", "management_tls_pk",
+                 "management_tls_crl_path", "metrics_tls_cert", "metrics_tls_pk", "metrics_tls_crl_path"):
+        setattr(s, name, absolute(getattr(s, name)))
+    s.run_dir = absolute(s.run_dir) or default_run_dir(s.port, env)
 
 
 # --------------------------------------------------------------------------------------------------
-# Run directory and TLS files.
+# Run directory.
 
 def default_run_dir(port: int, env: Mapping[str, str] = os.environ) -> str:
     """$XDG_RUNTIME_DIR/mindie-py/<port>, else <$TMPDIR or /tmp>/mindie-py-<uid>/<port>.
@@ -640,46 +529,3 @@ def ensure_run_dir(path: str) -> str:
             raise ConfigError(f"{d} must be a directory owned by uid {os.getuid()} with mode 0700 "
                               f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})", "ServerConfig.runDir")
     return path
-
-
-class TlsFiles(NamedTuple):
-    cert: str
-    key: str
-    ca_files: list[str]
-    crl_files: list[str]
-
-
-_TLS_KEYS = {  # plane -> (cert, key, CA files, CRL dir, CRL files) keys of ServerConfig
-    "business": ("tlsCert", "tlsPk", "tlsCaFile", "tlsCrlPath", "tlsCrlFiles"),
-    "management": ("managementTlsCert", "managementTlsPk", "managementTlsCaFile", "managementTlsCrlPath",
-                   "managementTlsCrlFiles"),
-    "metrics": ("metricsTlsCert", "metricsTlsPk", "metricsTlsCaFile", "metricsTlsCrlPath", "metricsTlsCrlFiles"),
-}
-
-
-def tls_files(config: Config, plane: Literal["business", "management", "metrics"] = "business") -> TlsFiles:
-    """Absolute TLS paths of one plane. As in MindIE, CA files are names inside tlsCaPath and CRL
-    files names inside the plane's CRL dir; relative paths are taken from the config file's
-    directory (MindIE: from its install directory)."""
-    s = config.ServerConfig
-    base = os.path.dirname(config.source_path) if config.source_path else os.getcwd()
-    cert, key, ca, crl_dir, crl = (getattr(s, k) for k in _TLS_KEYS[plane])
-    ca_dir = os.path.join(base, s.tlsCaPath)
-    crl_dir = os.path.join(base, crl_dir)
-    return TlsFiles(cert=os.path.join(base, cert), key=os.path.join(base, key),
-                    ca_files=[os.path.join(ca_dir, f) for f in ca],
-                    crl_files=[os.path.join(crl_dir, f) for f in crl])
-
-
-def check_tls_files(config: Config, plane: Literal["business", "management", "metrics"] = "business") -> TlsFiles:
-    """tls_files(), failing with the key's name when the certificate or key file is missing.
-
-    Not part of load_config: an unchanged MindIE file (httpsEnabled true) must load even where its
-    certificates are absent; the launcher calls this only when it is about to serve HTTPS.
-    """
-    files = tls_files(config, plane)
-    cert_key, pk_key = _TLS_KEYS[plane][:2]
-    for key, path in ((cert_key, files.cert), (pk_key, files.key)):
-        if not os.path.isfile(path):
-            raise ConfigError(f"file not found: {path}", f"ServerConfig.{key}", source=config.source_path)
-    return files

@@ -5,6 +5,10 @@ a Hugging Face ``tokenizer.json`` with the ``tokenizers`` library; ``TextTokeniz
 adds BOS etc. exactly as the tokenizer's post-processor does; ``IncrementalDetokenizer`` turns
 the ids of one request into text chunks for SSE frames.
 
+Kept over ``tokenizers.decoders.DecodeStream`` (0.23.3, scripts/bench_detokenizer.py): DecodeStream
+streams a byte-fallback byte that a later byte turns into U+FFFD (wrong text, or an "Invalid prefix"
+error) and re-decodes an open invalid-byte run every step (O(n) per token), for 0.3-0.6 µs/token saved.
+
 Streaming contract (what callers may rely on):
 - ``"".join(push(...) for each step) + flush() == full_text()``, and
   ``full_text() == tokenizer.decode(all_ids, skip_special_tokens=True)`` (MindIE's

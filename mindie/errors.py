@@ -2,41 +2,22 @@
 
 Every error body is ``{"error": "<message>", "error_type": "<type>"}`` (key order as MindIE,
 compact JSON, non-ASCII kept as UTF-8 like nlohmann's ``dump``). ``error_type`` is the MindIE
-name of the status (``ERROR_TYPES``).
+name of the status (``mindie.contract.errors.ERROR_TYPES``, shared with the device workers).
+Routes raise ``ApiError``; the app's one error handler (mindie/app.py) writes it.
 
 Decision (413): MindIE itself answers an over-long body with ``{"message": "Request body too
 large. Maximum allowed size is 40MB."}`` (cpp-httplib's error handler, mindie.md §1). We keep
 its message text verbatim but use the uniform ``{"error", "error_type"}`` shape with
 ``error_type`` "Request Entity Too Large", so clients need one error parser for every route.
-``ApiError.message_body()`` gives MindIE's exact ``{"message": ...}`` shape for a route that
-must be byte-compatible.
 """
 from __future__ import annotations
 
 import msgspec
 
-__all__ = [
-    "ERROR_TYPES",
-    "ApiError",
-    "bad_request",
-    "not_found",
-    "validation_error",
-    "generation_error",
-    "incomplete_generation",
-    "service_unavailable",
-    "request_too_large",
-]
+from mindie.contract.errors import error_type as _error_type
 
-# MindIE's g_exceptionInfo (mindie.md §3) plus our 413 name (see module docstring).
-ERROR_TYPES: dict[int, str] = {
-    400: "Bad Request",
-    404: "NotFoundError",
-    413: "Request Entity Too Large",
-    422: "Input Validation Error",
-    424: "Generation Error",
-    500: "Incomplete Generation",
-    503: "Service Unavailable",
-}
+__all__ = ["ApiError", "not_found", "validation_error", "generation_error", "service_unavailable",
+           "request_too_large"]
 
 _encode = msgspec.json.encode
 
@@ -50,24 +31,15 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.error_type = error_type if error_type is not None else ERROR_TYPES.get(status, "Error")
+        self.error_type = error_type if error_type is not None else _error_type(status)
 
     def body(self) -> bytes:
         """``{"error": message, "error_type": type}`` as compact UTF-8 JSON."""
         # A dict literal keeps insertion order, which msgspec preserves when encoding.
         return _encode({"error": self.message, "error_type": self.error_type})
 
-    def message_body(self) -> bytes:
-        """MindIE's alternative ``{"message": ...}`` shape (used by its 413 and health routes)."""
-        return _encode({"message": self.message})
-
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.message!r}, {self.error_type!r})"
-
-
-def bad_request(message: str) -> ApiError:
-    """400 "Bad Request"."""
-    return ApiError(400, message)
 
 
 def not_found(message: str) -> ApiError:
@@ -83,11 +55,6 @@ def validation_error(message: str) -> ApiError:
 def generation_error(message: str) -> ApiError:
     """424 "Generation Error": engine enqueue rejections (``Failed to enqueue inferRequest. ...``)."""
     return ApiError(424, message)
-
-
-def incomplete_generation(message: str) -> ApiError:
-    """500 "Incomplete Generation" (timeouts, internal failures)."""
-    return ApiError(500, message)
 
 
 def service_unavailable(message: str = "The service has been stopped") -> ApiError:

@@ -1,6 +1,7 @@
-"""Launcher step before anything starts: validate the config, resolve what "auto" means on
-this host, make the run directory, make sure the model exists (generating the built-in demo
-model on first use). Prints ``NAME=value`` shell assignments for scripts/launch.sh.
+"""Launcher step before anything starts: validate the config, make the run directory and
+write the launch plan (``<runDir>/deployment.json``, see mindie/contract/spec.py). Prints
+``NAME=value`` shell assignments for scripts/launch.sh; ``python -m workers.prepare`` then
+settles the device side of the plan.
 
 Fails with exit status 2 and a message naming the config key when the config is wrong.
 """
@@ -11,40 +12,39 @@ import os
 import shlex
 import sys
 
-from mindie.config import ConfigError, ensure_run_dir, ignored_keys, load_config
+from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level
+from mindie.contract.spec import write_deployment
+from mindie.topology import build_deployment
 
 log = logging.getLogger("mindie.prepare")
 
 
 def main() -> None:
-    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO"), stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")
     try:
-        config = load_config()
-        for key in ignored_keys(config):
+        loaded = load_config()
+        config = loaded.config
+        log.info("config: %s", loaded.source or "built-in defaults (no config file)")
+        for key in loaded.ignored:
             log.info("config key accepted but not used by this server: %s", key)
-        out: dict[str, str] = {}
-        if config.BackendConfig.deviceType == "auto":
-            from workers.backends import detect
-            out["MINDIE_DEVICE_TYPE"] = detect()
-            log.info("deviceType auto -> %s", out["MINDIE_DEVICE_TYPE"])
-        model = config.BackendConfig.ModelDeployConfig.ModelConfig[0]
-        if model.modelWeightPath:
-            if not os.path.isfile(os.path.join(model.modelWeightPath, "config.json")):
-                raise ConfigError(f"{model.modelWeightPath} has no config.json (a Hugging Face model directory "
-                                  "is expected)", "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath")
-            out["MINDIE_MODEL_DIR"] = model.modelWeightPath
-        else:
-            from workers.models.demo import ensure_demo_model
-            out["MINDIE_MODEL_DIR"] = str(ensure_demo_model())
-            log.info("no modelWeightPath configured: serving the built-in demo model at %s "
-                     "(random weights, its output is gibberish)", out["MINDIE_MODEL_DIR"])
-        from mindie.topology import run_dir_for
-        out["MINDIE_RUN_DIR"] = ensure_run_dir(run_dir_for(config))
-        out["MINDIE_HOST"] = os.environ.get("MINDIE_HOST") or config.ServerConfig.ipAddress
-        out["MINDIE_PORT"] = str(config.ServerConfig.port)
-        # MindIE rejects past 3*maxLinkNum connections; uvicorn's limit_concurrency does the same job.
-        out["MINDIE_MAX_CONNECTIONS"] = str(3 * config.ServerConfig.maxLinkNum)
+        for note in loaded.notes:
+            log.info("config adjusted as MindIE does: %s", note)
+        for key, var in loaded.env_overrides.items():
+            log.info("config %s set by environment variable %s", key, var)
+        ensure_run_dir(config.server.run_dir)
+        level = os.environ.get("MINDIE_LOG_LEVEL") or python_log_level(config.log.dynamic_log_level)
+        dep = build_deployment(config, null_model=os.environ.get("MINDIE_NULL_MODEL") == "1",
+                               null_step_ms=float(os.environ.get("MINDIE_NULL_STEP_MS") or 0), log_level=level)
+        out = {
+            "MINDIE_RUN_DIR": config.server.run_dir,
+            "MINDIE_DEPLOYMENT": write_deployment(dep),
+            "MINDIE_HOST": os.environ.get("MINDIE_HOST") or config.server.ip_address,
+            "MINDIE_PORT": str(config.server.port),
+            # MindIE rejects past 3*maxLinkNum connections; uvicorn's limit_concurrency does the same job.
+            "MINDIE_MAX_CONNECTIONS": str(3 * config.server.max_link_num),
+            "MINDIE_LOG_LEVEL": level,
+        }
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         print("exit 2")

@@ -43,13 +43,12 @@ from typing import Annotated, Any, Callable, Optional, Union
 import msgspec
 
 from mindie.errors import generation_error, service_unavailable, validation_error
-from mindie.protocol import SamplingParams
+from mindie.contract.wire import SamplingParams
 
 __all__ = [
     "Limits",
     "InferRequest",
     "parse_infer_request",
-    "attach_input_ids",
     "check_token_count",
     "check_token_ids",
     "cap_max_new_tokens",
@@ -96,6 +95,8 @@ class Limits:
     max_seq_len: int = 2560
     max_iter_times: int = 512
     max_position_embeddings: int = 0
+    token_timeout: float = 600.0  # s, longest wait for the next token (tokenTimeout)
+    e2e_timeout: float = 600.0  # s, longest request (e2eTimeout)
 
     def __post_init__(self) -> None:
         t = self.truncation
@@ -116,6 +117,8 @@ class Limits:
         vocab_size: int = 0,
         max_request_length_mb: int = 40,
         max_position_embeddings: int = 0,
+        token_timeout: float = 600.0,
+        e2e_timeout: float = 600.0,
     ) -> "Limits":
         """Limits from MindIE config keys; ``max_input_len = min(maxInputTokenLen, maxSeqLen-1)``."""
         return cls(
@@ -126,6 +129,8 @@ class Limits:
             max_seq_len=max_seq_len,
             max_iter_times=max_iter_times,
             max_position_embeddings=max_position_embeddings,
+            token_timeout=token_timeout,
+            e2e_timeout=e2e_timeout,
         )
 
     @property
@@ -141,35 +146,16 @@ class Limits:
 
 
 class InferRequest(msgspec.Struct, kw_only=True):
-    """A validated /infer or /infer_token request.
+    """A validated /infer or /infer_token request: the ids to run (truncated if configured)
+    and the effective sampling parameters (``do_sample`` decided, seed always filled,
+    ``max_new_tokens`` = min(max_new_tokens or 20, maxIterTimes, maxSeqLen - len(input_ids)))."""
 
-    ``input_ids`` is None only when the body had text ``inputs`` and ``parse_infer_request`` got
-    no ``encode``: then call ``attach_input_ids`` after tokenising. Once ids are attached they are
-    final (truncated if configured) and ``max_new_tokens`` (= ``sampling.max_new_tokens``) is
-    ``min(max_new_tokens or 20, maxIterTimes, maxSeqLen - len(input_ids))``; before that it is
-    ``min(max_new_tokens or 20, maxIterTimes)``.
-    The ``temperature``..``watermark`` fields are what the user set (None = not set); ``sampling``
-    holds the effective values (seed always filled).
-    """
-
-    input_ids: Optional[list[int]] = None
-    inputs: Optional[str] = None
+    input_ids: list[int]
     stream: bool = False
     details: bool = False
     priority: int = DEFAULT_PRIORITY
     timeout: Optional[int] = None  # seconds; None = not set (server timeouts apply)
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    truncated: int = 0  # number of input tokens cut by truncation
-    temperature: Optional[float] = None
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    typical_p: Optional[float] = None
-    do_sample: Optional[bool] = None
-    seed: Optional[int] = None
-    repetition_penalty: Optional[float] = None
-    watermark: Optional[bool] = None
-    max_new_tokens_set: Optional[int] = None  # the user's max_new_tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,18 +197,15 @@ def check_token_count(n: int) -> None:
         )
 
 
-def check_token_ids(ids: list[int], limits: Limits) -> list[int]:
+def check_token_ids(ids: list[int], limits: Limits, vocab_checked: bool = False) -> list[int]:
     """Engine-side prompt checks (MindIE ``ProcessReqInputIds``); returns the ids to run.
 
     Order as MindIE: any id >= vocab_size -> 424 ``... Invalid Input Ids``; then with
     truncation on, cut to ``limits.truncation_len`` (first tokens kept for -1, last for 1);
     with truncation 0, too long -> 424 ``... cannot be greater than N,the input ids length is M``.
-    Works for ``input_id`` and for tokenised ``inputs`` alike.
+    Works for ``input_id`` and for tokenised ``inputs`` alike. The device workers trust the
+    result (they never repeat these checks).
     """
-    return _engine_checks(ids, limits, vocab_checked=False)
-
-
-def _engine_checks(ids: list[int], limits: Limits, vocab_checked: bool) -> list[int]:
     n = len(ids)
     # vocab_checked: the fast body decode already bounded every id by vocab_size - 1.
     if not vocab_checked and limits.vocab_size > 0 and n and max(ids) >= limits.vocab_size:
@@ -255,22 +238,6 @@ def _engine_checks(ids: list[int], limits: Limits, vocab_checked: bool) -> list[
 def cap_max_new_tokens(max_new_tokens: int, input_len: int, limits: Limits) -> int:
     """Effective output budget: ``min(max_new_tokens, maxIterTimes, maxSeqLen - input_len)``."""
     return max(0, min(max_new_tokens, limits.max_iter_times, limits.max_seq_len - input_len))
-
-
-def attach_input_ids(req: InferRequest, ids: list[int], limits: Limits) -> InferRequest:
-    """Finish a text request tokenised after ``parse_infer_request``: count check (422), engine
-    checks (424/truncation), and the ``maxSeqLen - input_len`` cap on ``max_new_tokens``."""
-    check_token_count(len(ids))
-    _finish(req, ids, limits, vocab_checked=False)
-    return req
-
-
-def _finish(req: InferRequest, ids: list[int], limits: Limits, vocab_checked: bool) -> None:
-    run_ids = _engine_checks(ids, limits, vocab_checked)
-    req.truncated = len(ids) - len(run_ids)
-    req.input_ids = run_ids
-    req.max_new_tokens = cap_max_new_tokens(req.max_new_tokens, len(run_ids), limits)
-    req.sampling.max_new_tokens = req.max_new_tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,6 +317,18 @@ def _get(p: dict[str, Any], key: str, want: str) -> Any:
     if _json_kind(v) not in _ACCEPTS[want]:
         raise validation_error(f"{key} must be {want} type.")
     return v
+
+
+def _float_param(p: dict[str, Any], key: str, in_range: Callable[[float], bool], message: str) -> float | None:
+    """An optional "float" parameter checked against its range; ``message`` gets the value as
+    MindIE prints it."""
+    v = _get(p, key, "float")
+    if v is None:
+        return None
+    x = _as_float(v)
+    if not in_range(x):
+        raise validation_error(message.format(_dump(v)))
+    return x
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,15 +480,13 @@ def parse_infer_request(
     body: bytes,
     limits: Limits,
     *,
-    encode: Callable[[str], list[int]] | None = None,
+    encode: Callable[[str], list[int]],
     stopped: bool = False,
 ) -> InferRequest:
     """Validate an /infer or /infer_token body; raise ``ApiError`` with MindIE's first error.
 
     ``encode`` tokenises text ``inputs`` at MindIE's point in the order (before parameter
-    checks); without it a text request comes back with ``input_ids`` None and the caller must
-    call ``attach_input_ids`` after tokenising. ``stopped`` = the service was stopped (503 after
-    a successful parse, as MindIE).
+    checks). ``stopped`` = the service was stopped (503 after a successful parse, as MindIE).
     """
     b = _decode_body(body, limits)
     if stopped:
@@ -520,15 +497,11 @@ def parse_infer_request(
     # ---- inputs (ValidateAndPrepareReqToken) ----
     has_text = b.inputs is not _UNSET
     has_ids = b.input_id is not _UNSET
-    text: str | None = None
-    ids: list[int] | None = None
     if has_text and has_ids:
         raise validation_error("Input conflict.")
     if has_text:
-        text = _check_text(b.inputs, limits)
-        if encode is not None:
-            ids = encode(text)
-            check_token_count(len(ids))
+        ids = encode(_check_text(b.inputs, limits))
+        check_token_count(len(ids))
     elif has_ids:
         v = b.input_id
         # Fast path: the typed decode already checked every element (type, range, vocab).
@@ -546,39 +519,23 @@ def parse_infer_request(
     else:
         raise validation_error("parameters must be object type.")
 
-    temperature = top_p = typical_p = repetition_penalty = None
-    v = _get(p, "temperature", "float")
-    if v is not None:
-        temperature = _as_float(v)
-        if not 0.0 < temperature <= FLT_MAX:
-            raise validation_error(
-                f"Parameter temperature must be in (0.0,{_FLT_MAX_TEXT}], got {_dump(v)}."
-            )
+    temperature = _float_param(p, "temperature", lambda x: 0.0 < x <= FLT_MAX,
+                               f"Parameter temperature must be in (0.0,{_FLT_MAX_TEXT}], got {{}}.")
     top_k = _get(p, "top_k", "integer")
     if top_k is not None and not 0 < top_k <= MAX_INT32:
         # MindIE's text (no final period; -1 is named but rejected on this endpoint).
         raise validation_error(f"Parameter top_k must be in -1 || (0,{MAX_INT32}], got {_dump(top_k)}")
-    v = _get(p, "top_p", "float")
-    if v is not None:
-        top_p = _as_float(v)
-        if not 0.0 < top_p < 1.0:  # 1.0 itself is rejected on /infer (allowUpperBound=false)
-            raise validation_error(f"Parameter top_p must be in (0.0,1.0], got {_dump(v)}.")
-    v = _get(p, "typical_p", "float")
-    if v is not None:
-        typical_p = _as_float(v)
-        if not 0.0 < typical_p <= 1.0:
-            raise validation_error(f"Parameter typical_p must be in (0.0,1.0], got {_dump(v)}.")
+    # 1.0 itself is rejected on /infer (allowUpperBound=false), whatever the message says.
+    top_p = _float_param(p, "top_p", lambda x: 0.0 < x < 1.0, "Parameter top_p must be in (0.0,1.0], got {}.")
+    typical_p = _float_param(p, "typical_p", lambda x: 0.0 < x <= 1.0,
+                             "Parameter typical_p must be in (0.0,1.0], got {}.")
     do_sample = _get(p, "do_sample", "boolean")
     seed = _get(p, "seed", "unsigned")
     if seed is not None and seed > INT64_MAX:
         raise validation_error(f"Parameter seed must be in [0, {INT64_MAX}], got {_dump(seed)}.")
-    v = _get(p, "repetition_penalty", "float")
-    if v is not None:
-        repetition_penalty = _as_float(v)
-        if not 0.0 < repetition_penalty <= FLT_MAX:
-            raise validation_error(
-                f"Parameter 'repetition_penalty' must be in (0.0, {_FLT_MAX_TEXT}], got {_dump(v)}."
-            )
+    repetition_penalty = _float_param(
+        p, "repetition_penalty", lambda x: 0.0 < x <= FLT_MAX,
+        f"Parameter 'repetition_penalty' must be in (0.0, {_FLT_MAX_TEXT}], got {{}}.")
     watermark = _get(p, "watermark", "boolean")
     priority = _get(p, "priority", "unsigned")
     if priority is not None and not 1 <= priority <= MAX_PRIORITY:
@@ -609,8 +566,10 @@ def parse_infer_request(
     eff_top_k = top_k or 0
     if eff_top_k and limits.vocab_size > 0:
         eff_top_k = min(eff_top_k, limits.vocab_size)  # MindIE VerifyTopK clamps to the vocab
-    mnt = min(max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
-              limits.max_iter_times)
+    # Engine checks (424) come after every 422, as in MindIE.
+    ids = check_token_ids(ids, limits, vocab_checked=has_ids and b.ids_checked)
+    mnt = cap_max_new_tokens(max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
+                             len(ids), limits)
     sampling = SamplingParams(
         do_sample=effective_do_sample,
         temperature=temperature if temperature is not None else 1.0,
@@ -625,26 +584,11 @@ def parse_infer_request(
         # honoured here when it is a boolean so benchmarks get exact lengths, ignored otherwise.
         ignore_eos=p.get("ignore_eos") is True,
     )
-    req = InferRequest(
-        inputs=text,
+    return InferRequest(
+        input_ids=ids,
         stream=stream,
         details=bool(details),
         priority=priority if priority is not None else DEFAULT_PRIORITY,
         timeout=timeout,
-        max_new_tokens=mnt,
         sampling=sampling,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        typical_p=typical_p,
-        do_sample=do_sample,
-        seed=seed,
-        repetition_penalty=repetition_penalty,
-        watermark=watermark,
-        max_new_tokens_set=max_new_tokens,
     )
-    if ids is not None:
-        # Engine checks (424) come after every 422, as in MindIE.
-        _finish(req, ids, limits, vocab_checked=has_ids and b.ids_checked)
-    return req
-

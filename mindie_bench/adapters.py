@@ -8,6 +8,10 @@ optional), ``Content-Length``, chunked or read-until-close bodies, and SSE ``dat
 lines. Arrival times are taken when the bytes are read from the socket, so the event
 loop's scheduling of coroutines does not add to TTFT or ITL.
 
+The response parser is ``httptools`` (llhttp; installed with ``uvicorn[standard]``), not a
+hand-written one: it passes the same tests, is 3-13x faster per SSE event and its _Conn is
+65 lines shorter (scripts/bench_http_parser.py).
+
 Token counting per API:
 
 * native ``/infer_token``: every frame's ``token.id`` list (the last frame, whose
@@ -26,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
+
+import httptools
 
 from mindie_bench.workload import RequestSpec, text_of
 
@@ -252,20 +258,21 @@ class _Exchange:
         self.got_bytes = False
 
 
-_HEAD, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _DONE = range(8)
-
-
 class _Conn(asyncio.Protocol):
-    """An HTTP/1.1 connection running one exchange at a time; parses in ``data_received``."""
+    """An HTTP/1.1 connection running one exchange at a time; httptools parses the response
+    in ``data_received`` and calls the ``on_*`` methods below."""
 
     def __init__(self) -> None:
         self.transport: Optional[asyncio.Transport] = None
         self.closed = False
         self.ex: Optional[_Exchange] = None
-        self.buf = b""
-        self.state = _DONE
-        self.remaining = 0
+        self.parser: Optional[httptools.HttpResponseParser] = None
+        self.headers: dict[str, str] = {}
+        self.head_size = 0
+        self.in_body = False  # the final (non-1xx) head has been parsed
+        self.until_close = False  # the body ends when the server closes the connection
         self.keep_alive = True
+        self.t = 0.0  # arrival time of the bytes being parsed
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -276,134 +283,67 @@ class _Conn(asyncio.Protocol):
         ex = self.ex
         if ex is None or ex.fut.done():
             return
-        t = time.perf_counter()
-        if self.state == _UNTIL_CLOSE:
-            self._deliver_rest(t)
+        if self.until_close:
             self._complete(False)
         else:
-            where = "before the response head" if self.state == _HEAD else "mid-body"
+            where = "mid-body" if self.in_body else "before the response head"
             ex.fut.set_exception(ConnectionError(f"connection closed {where}" + (f": {exc}" if exc else "")))
 
     def data_received(self, data: bytes) -> None:
-        t = time.perf_counter()
+        self.t = time.perf_counter()
         ex = self.ex
         if ex is None or ex.fut.done():
             return
         ex.got_bytes = True
-        self.buf = self.buf + data if self.buf else data
         try:
-            self._parse(ex, t)
+            self.parser.feed_data(data)  # type: ignore[union-attr]
         except Exception as e:  # malformed response: fail this exchange, drop the connection
-            if not ex.fut.done():
-                ex.fut.set_exception(e)
+            if not ex.fut.done():  # an error raised in a callback below arrives wrapped
+                ex.fut.set_exception(e.__context__ if isinstance(e, httptools.HttpParserCallbackError)
+                                     and isinstance(e.__context__, Exception) else e)
             self.close()
 
-    # parsing
-    def _emit(self, ex: _Exchange, data: bytes, t: float) -> None:
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > MAX_HEAD:
+            raise ValueError("response head too large")
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        parser, headers, ex = self.parser, self.headers, self.ex
+        assert parser is not None and ex is not None
+        status = parser.get_status_code()
+        self.headers, self.head_size = {}, 0
+        if status < 200:  # interim response: the real head follows
+            return
+        ex.status, ex.headers, self.in_body = status, headers, True
+        self.keep_alive = parser.should_keep_alive()
+        self.until_close = not ("chunked" in headers.get("transfer-encoding", "").lower()
+                                or "content-length" in headers or status in (204, 304))
+        ex.sink = ex.on_head(status, headers)
+
+    def on_body(self, data: bytes) -> None:
+        ex = self.ex
+        assert ex is not None
         if ex.sink is not None:
-            ex.sink(data, t)
+            ex.sink(data, self.t)
         elif len(ex.body) < MAX_ERROR_BODY * 32:
             ex.body += data
 
-    def _deliver_rest(self, t: float) -> None:
-        if self.ex is not None and self.buf:
-            self._emit(self.ex, self.buf, t)
-            self.buf = b""
+    def on_message_complete(self) -> None:
+        if self.in_body:  # not the end of a 1xx head
+            self._complete(True)
 
     def _complete(self, reusable: bool) -> None:
-        self.state = _DONE
         ex, self.ex = self.ex, None
         if ex is not None and not ex.fut.done():
-            ex.fut.set_result(reusable and self.keep_alive and not self.closed)
-
-    def _parse(self, ex: _Exchange, t: float) -> None:
-        while True:
-            st = self.state
-            if st == _HEAD:
-                i = self.buf.find(b"\r\n\r\n")
-                if i < 0:
-                    if len(self.buf) > MAX_HEAD:
-                        raise ValueError("response head too large")
-                    return
-                head, self.buf = self.buf[:i], self.buf[i + 4:]
-                lines = head.decode("latin-1").split("\r\n")
-                parts = lines[0].split(" ", 2)
-                if len(parts) < 2 or not parts[0].startswith("HTTP/"):
-                    raise ValueError(f"bad status line {lines[0]!r}")
-                status = int(parts[1])
-                if 100 <= status < 200:  # interim response: the real head follows
-                    continue
-                headers = {}
-                for ln in lines[1:]:
-                    k, _, v = ln.partition(":")
-                    headers[k.strip().lower()] = v.strip()
-                ex.status, ex.headers = status, headers
-                self.keep_alive = parts[0] != "HTTP/1.0" and "close" not in headers.get("connection", "").lower()
-                ex.sink = ex.on_head(status, headers)
-                if "chunked" in headers.get("transfer-encoding", "").lower():
-                    self.state = _CHUNK_SIZE
-                elif "content-length" in headers:
-                    self.remaining = int(headers["content-length"])
-                    self.state = _LENGTH
-                elif status in (204, 304):
-                    self.remaining = 0
-                    self.state = _LENGTH
-                else:
-                    self.state = _UNTIL_CLOSE
-                    self.keep_alive = False
-            elif st == _CHUNK_SIZE:
-                i = self.buf.find(b"\r\n")
-                if i < 0:
-                    return
-                size = int(self.buf[:i].split(b";", 1)[0], 16)
-                self.buf = self.buf[i + 2:]
-                if size == 0:
-                    self.state = _TRAILER
-                else:
-                    self.remaining, self.state = size, _CHUNK_DATA
-            elif st == _CHUNK_DATA:
-                if not self.buf:
-                    return
-                n = min(self.remaining, len(self.buf))
-                piece, self.buf = (self.buf, b"") if n == len(self.buf) else (self.buf[:n], self.buf[n:])
-                self.remaining -= n
-                self._emit(ex, piece, t)
-                if self.remaining:
-                    return
-                self.state = _CHUNK_END
-            elif st == _CHUNK_END:
-                if len(self.buf) < 2:
-                    return
-                if self.buf[:2] != b"\r\n":
-                    raise ValueError("bad chunk terminator")
-                self.buf = self.buf[2:]
-                self.state = _CHUNK_SIZE
-            elif st == _TRAILER:
-                i = self.buf.find(b"\r\n")
-                if i < 0:
-                    return
-                line, self.buf = self.buf[:i], self.buf[i + 2:]
-                if not line:  # end of trailers
-                    self._complete(True)
-                    return
-            elif st == _LENGTH:
-                n = min(self.remaining, len(self.buf))
-                if n:
-                    piece, self.buf = self.buf[:n], self.buf[n:]
-                    self.remaining -= n
-                    self._emit(ex, piece, t)
-                if self.remaining == 0:
-                    self._complete(True)
-                return
-            elif st == _UNTIL_CLOSE:
-                self._deliver_rest(t)
-                return
-            else:
-                return
+            ex.fut.set_result(reusable and self.keep_alive and not self.until_close and not self.closed)
 
     # API for the client
     def start(self, ex: _Exchange, request: bytes) -> None:
-        self.ex, self.buf, self.state = ex, b"", _HEAD
+        self.ex, self.headers, self.head_size, self.in_body, self.until_close = ex, {}, 0, False, False
+        self.parser = httptools.HttpResponseParser(self)
         assert self.transport is not None
         self.transport.write(request)
 

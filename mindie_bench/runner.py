@@ -397,6 +397,19 @@ _METRICS: tuple[tuple[str, str, Callable[[RequestResult], list[float]]], ...] = 
 )
 
 
+def _save(plt: Any, fig: Any, path: Path, title: str) -> Path:
+    """Grid and legend on every axis of ``fig``, the title, and the PNG written to ``path``."""
+    for ax in fig.axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_cdfs(series: Sequence[tuple[str, Sequence[RequestResult]]], path: Path, title: str = "") -> Optional[Path]:
     """Latency CDFs (TTFT, TPOT, ITL, E2E), one line per series, in one PNG."""
     plt = _pyplot()
@@ -411,14 +424,7 @@ def plot_cdfs(series: Sequence[tuple[str, Sequence[RequestResult]]], path: Path,
                 ax.step(xs, ys, where="post", label=label)
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of samples")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_sweep(series: Sequence[tuple[str, Sequence[tuple[int, dict[str, Any]]]]], path: Path,
@@ -438,14 +444,7 @@ def plot_sweep(series: Sequence[tuple[str, Sequence[tuple[int, dict[str, Any]]]]
         ax.set_xticks(ticks, [str(c) for c in ticks])
         ax.set_xlabel("concurrency")
         ax.set_ylabel(yl)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def run_document(argv: Sequence[str], kind: str, config: dict[str, Any]) -> dict[str, Any]:

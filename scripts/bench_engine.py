@@ -35,11 +35,11 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    from mindie.protocol import SamplingParams, Submit
+    from mindie.contract.spec import EngineConfig, WorkerSpec
+    from mindie.contract.wire import SamplingParams, Submit
     from workers.backends.cpu import CpuBackend
-    from workers.engine.engine import Engine, EngineConfig
-    from workers.model_setup import load_runner
-    from workers.spec import WorkerSpec
+    from workers.engine.engine import Engine
+    from workers.engine.model_runner import load_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -47,25 +47,24 @@ def main() -> None:
     if not model:
         from workers.models.demo import PRESETS, ensure_demo_model
         model = str(ensure_demo_model(**dataclasses.asdict(PRESETS[args.preset])))
+    engine_cfg = EngineConfig(block_size=args.block_size, max_seq_len=4096, max_batch_size=256,
+                              max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False)
     spec = WorkerSpec(worker_id="bench", job_endpoint="", pub_endpoint="", model_path=model, dtype=args.dtype,
-                      block_size=args.block_size, max_seq_len=4096, max_iter_times=4096, max_batch_size=256,
-                      max_prefill_batch_size=64, max_prefill_tokens=8192)
+                      engine=engine_cfg)
     backend = CpuBackend(args.threads)
-    runner, info, bytes_per_block = load_runner(spec, backend)
-    num_blocks = int(args.kv_gb * (1 << 30)) // bytes_per_block
+    runner = load_runner(spec, backend)
+    num_blocks = int(args.kv_gb * (1 << 30)) // runner.bytes_per_block(args.block_size)
     runner.allocate_kv(num_blocks, args.block_size)
     print(f"model {model} ({args.dtype}), {torch.get_num_threads()} threads, {num_blocks} KV blocks", file=sys.stderr)
     rng = random.Random(0)
     results = []
     for conc in [int(c) for c in args.concurrency.split(",")]:
         n_total = args.num_prompts or max(8, 2 * conc)
-        engine = Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_seq_len=4096,
-                                             max_iter_times=4096, max_batch_size=256, max_prefill_batch_size=64,
-                                             max_prefill_tokens=8192, enable_prefix_cache=False))
+        engine = Engine(runner, engine_cfg, num_blocks)
         params = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True)
 
         def submit(i: int) -> None:
-            ids = [rng.randrange(3, info["vocab_size"]) for _ in range(args.prompt_len)]
+            ids = [rng.randrange(3, runner.vocab_size) for _ in range(args.prompt_len)]
             engine.add(Submit(f"r{i}", "bench", ids, params))
 
         # Warm-up: one short request, so one-time costs are not measured.

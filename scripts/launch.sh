@@ -49,17 +49,19 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-# Validate the config, resolve host/port/run dir, and make sure the model exists (the
-# built-in demo model is generated on first use). Prints shell assignments.
+# Validate the config, make the run directory and write the launch plan (front-end side,
+# torch-free); then settle its device side ("auto" device, the built-in demo model, generated
+# on first use). Each prints shell assignments.
 eval "$("$PY" -m mindie.prepare)"
-export MINDIE_HOST MINDIE_PORT MINDIE_RUN_DIR MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS
+eval "$("$PY" -m workers.prepare "$MINDIE_DEPLOYMENT" || echo "exit 2")"
+export MINDIE_HOST MINDIE_PORT MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS MINDIE_LOG_LEVEL
 
 # Prometheus multiprocess mode: a fresh directory, set before anything imports the client.
 export PROMETHEUS_MULTIPROC_DIR="$MINDIE_RUN_DIR/prometheus"
 rm -rf "$PROMETHEUS_MULTIPROC_DIR"; mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 
 cd "$root"
-"$PY" -m workers.supervisor &
+"$PY" -m workers.supervisor --deployment "$MINDIE_DEPLOYMENT" &
 sup=$!
 "$PY" -m gunicorn -c "$root/deploy/gunicorn.conf.py" &
 gun=$!

@@ -48,6 +48,20 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
     return path
 
 
+def write_plan(config: Path, *, null_model: bool = False, null_step_ms: float = 0.0):
+    """The launch plan of a config file, written and settled as scripts/launch.sh does
+    (mindie.prepare, then workers.prepare); returns (path, Deployment)."""
+    from mindie.config import ensure_run_dir, load_config
+    from mindie.contract.spec import write_deployment
+    from mindie.topology import build_deployment
+    from workers.prepare import settle_deployment
+
+    cfg = load_config(str(config), env={}).config
+    ensure_run_dir(cfg.server.run_dir)
+    dep = settle_deployment(build_deployment(cfg, null_model=null_model, null_step_ms=null_step_ms))
+    return write_deployment(dep), dep
+
+
 def short_run_dir() -> str:
     """ipc paths must stay under 107 bytes: keep the run dir short."""
     d = tempfile.mkdtemp(prefix="mt", dir="/tmp")

@@ -376,6 +376,55 @@ def test_http_parser_byte_by_byte() -> None:
     assert got == [b"a", b"b"] and reusable
 
 
+_OK = b"HTTP/1.1 200 OK\r\n"
+HTTP_CASES = {  # raw response, connection lost after it?, (status, body, reusable) or an error
+    "chunked, extension, trailer": (_OK + b"Transfer-Encoding: chunked\r\n\r\n3;x=1\r\nabc\r\n2\r\nde\r\n0\r\n"
+                                    b"X-Trailer: 1\r\n\r\n", False, (200, b"abcde", True)),
+    "100 Continue first": (b"HTTP/1.1 100 Continue\r\n\r\n" + _OK + b"Content-Length: 3\r\n\r\nabc", False,
+                           (200, b"abc", True)),
+    "length, Connection: close": (b"HTTP/1.1 422 Unprocessable Entity\r\nContent-Length: 2\r\n"
+                                  b"Connection: close\r\n\r\n{}", False, (422, b"{}", False)),
+    "HTTP/1.0": (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nhi", False, (200, b"hi", False)),
+    "204": (b"HTTP/1.1 204 No Content\r\n\r\n", False, (204, b"", True)),
+    "read until close": (_OK + b"Content-Type: text/plain\r\n\r\nto the end", True, (200, b"to the end", False)),
+    "bad status line": (b"HTXP/1.1 200 OK\r\n\r\n", False, Exception),
+    "bad chunk size": (_OK + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", False, Exception),
+    "cut mid-body": (_OK + b"Content-Length: 9\r\n\r\nabc", True, ConnectionError),
+    "cut before head": (b"HTTP/1.1 200", True, ConnectionError),
+    "head too large": (_OK + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 40) for i in range(2000)) + b"\r\n",
+                       False, ValueError),
+}
+
+
+@pytest.mark.parametrize("name", list(HTTP_CASES))
+def test_http_parser_cases(name: str) -> None:
+    raw, lost, want = HTTP_CASES[name]
+
+    async def go(step: int) -> tuple[int, bytes, Any]:
+        got, sink = _collector()
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        conn = _Conn()
+        conn.connection_made(_FakeTransport())  # type: ignore[arg-type]
+        ex = _Exchange(fut, lambda s, h: sink if s == 200 else None)
+        conn.start(ex, b"")
+        for i in range(0, len(raw), step):
+            conn.data_received(raw[i:i + step])
+        if lost:
+            conn.connection_lost(None)
+        try:
+            res: Any = await asyncio.wait_for(fut, 1.0)
+        except Exception as e:
+            res = e
+        return ex.status, b"".join(got) + bytes(ex.body), res
+
+    for step in (1, 7, len(raw)) if len(raw) < 1000 else (4096,):
+        status, body, res = go_result = asyncio.run(go(step))
+        if isinstance(want, tuple):
+            assert (status, body, res) == want, (step, go_result)
+        else:
+            assert isinstance(res, want), (step, go_result)
+
+
 # ----------------------------------------------------------------------------- adapters
 
 

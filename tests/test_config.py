@@ -6,14 +6,16 @@ import re
 import stat
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import msgspec
+
 from mindie.config import (
-    Config, ConfigError, check_tls_files, config_notes, default_run_dir, dump_effective, ensure_run_dir,
-    env_overrides_applied, ignored_keys, load_config, tls_files,
+    ENV_OVERRIDES, Config, ConfigError, Loaded, default_run_dir, ensure_run_dir, load_config, python_log_level,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,74 +121,136 @@ def with_value(dotted: str, value: Any, base: dict | None = None) -> dict:
     return data
 
 
-def load_dict(tmp_path: Path, data: dict, env: dict | None = None) -> Config:
+def load_dict(tmp_path: Path, data: dict, env: dict | None = None) -> Loaded:
     return load_config(write(tmp_path, data), env=env or {})
+
+
+def cfg(tmp_path: Path, data: dict, env: dict | None = None) -> Config:
+    return load_dict(tmp_path, data, env).config
+
+
+# ---------------------------------------------------------------------------------------------- keys
+
+# Every JSON key the config has always had (MindIE's names plus the project's extensions): the
+# snake_case Python names must encode to exactly these.
+JSON_KEYS = {
+    "": {"Version", "ServerConfig", "BackendConfig", "LogConfig", "EnableDynamicAdjustTimeoutConfig"},
+    "ServerConfig": {
+        "ipAddress", "managementIpAddress", "port", "managementPort", "metricsPort", "allowAllZeroIpListening",
+        "maxLinkNum", "httpsEnabled", "fullTextEnabled", "tlsCaPath", "tlsCaFile", "tlsCert", "tlsPk", "tlsCrlPath",
+        "tlsCrlFiles", "managementTlsCaFile", "managementTlsCert", "managementTlsPk", "managementTlsCrlPath",
+        "managementTlsCrlFiles", "metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk", "metricsTlsCrlPath",
+        "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
+        "watermarkGamma", "watermarkDelta", "runDir", "frontendCount"},
+    "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
+    "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig"},
+    "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
+    "BackendConfig.ModelDeployConfig.ModelConfig[]": {
+        "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype"},
+    "BackendConfig.ScheduleConfig": {
+        "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
+        "enablePrefixCache", "overlapSteps"},
+    "LogConfig": {"dynamicLogLevel"},
+}
+
+
+def _encode_names(tp: Any, path: str, out: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{dotted section ("[]" = list items): set of JSON keys} of a Struct and the Structs inside it."""
+    out[path] = set()
+    for f in msgspec.structs.fields(tp):
+        out[path].add(f.encode_name)
+        inner, suffix = f.type, ""
+        while typing.get_origin(inner) in (typing.Annotated, list):
+            if typing.get_origin(inner) is list:
+                suffix = "[]"
+            inner = typing.get_args(inner)[0]
+        if isinstance(inner, type) and issubclass(inner, msgspec.Struct):
+            _encode_names(inner, f"{path}.{f.encode_name}".lstrip(".") + suffix, out)
+    return out
+
+
+def test_json_key_set_is_unchanged() -> None:
+    assert _encode_names(Config, "", {}) == JSON_KEYS
+
+
+def test_python_names_are_snake_case() -> None:
+    c = Config()
+    assert c.server.health_check.npu_usage_threshold == 10
+    assert c.backend.model_deploy.models[0].model_name == "demo"
+    assert c.backend.schedule.max_n == 128 and c.log.dynamic_log_level == ""
+    assert c.version == "1.0.0" and c.enable_dynamic_adjust_timeout is False
+    assert msgspec.to_builtins(Config())["BackendConfig"]["ScheduleConfig"]["maxN"] == 128
 
 
 # ---------------------------------------------------------------------------------------------- defaults
 
 def test_defaults_without_a_file() -> None:
-    c = load_config(None, env={})
-    assert c.source_path is None
-    assert ignored_keys(c) == [] and config_notes(c) == []
-    s = c.ServerConfig
-    assert (s.ipAddress, s.managementIpAddress) == ("127.0.0.1", "127.0.0.2")
-    assert (s.port, s.managementPort, s.metricsPort) == (1025, 1026, 1027)
-    assert s.httpsEnabled is False  # project default (MindIE: true)
-    assert (s.tokenTimeout, s.e2eTimeout, s.maxRequestLength, s.maxLinkNum) == (600, 600, 40, 1000)
-    assert s.HealthCheckConfig.npuUsageThreshold == 10
-    assert (s.watermarkGamma, s.watermarkDelta) == (0.5, 2.0)
-    assert s.runDir == default_run_dir(1025, {}) == f"/tmp/mindie-py-{os.getuid()}/1025"
-    assert c.BackendConfig.npuDeviceIds == [[0]] and c.instances == [[0]] and c.world_size == 1
-    assert c.BackendConfig.deviceType == "auto" and c.BackendConfig.cpuThreadsPerWorker == 0
-    assert (c.deploy.maxSeqLen, c.deploy.maxInputTokenLen, c.deploy.truncation) == (2560, 2048, False)
-    assert c.model.modelName == "demo" and c.model.modelWeightPath == "" and c.model.is_demo
-    assert (c.model.npuMemSize, c.model.cpuMemSize, c.model.cpu_kv_cache_gib, c.model.dtype) == (-1, 0, 1, "auto")
-    sch = c.schedule
-    assert (sch.cacheBlockSize, sch.maxPrefillBatchSize, sch.maxPrefillTokens) == (128, 50, 8192)
-    assert (sch.maxBatchSize, sch.maxIterTimes, sch.maxN, sch.enablePrefixCache) == (200, 512, 128, True)
-    assert c.max_input_len == 2048 and c.max_prefill_tokens == 8192
-    assert (c.token_timeout, c.e2e_timeout, c.log_level) == (600, 600, "INFO")
+    loaded = load_config(None, env={})
+    c = loaded.config
+    assert loaded.source is None and loaded.ignored == [] and loaded.notes == [] and loaded.env_overrides == {}
+    s = c.server
+    assert (s.ip_address, s.management_ip_address) == ("127.0.0.1", "127.0.0.2")
+    assert (s.port, s.management_port, s.metrics_port) == (1025, 1026, 1027)
+    assert s.https_enabled is False  # project default (MindIE: true)
+    assert (s.token_timeout, s.e2e_timeout, s.max_request_length, s.max_link_num) == (600, 600, 40, 1000)
+    assert s.health_check.npu_usage_threshold == 10
+    assert (s.watermark_gamma, s.watermark_delta, s.frontend_count) == (0.5, 2.0, 0)
+    assert s.run_dir == default_run_dir(1025, {}) == f"/tmp/mindie-py-{os.getuid()}/1025"
+    b = c.backend
+    assert b.npu_device_ids == [[0]] and b.device_type == "auto" and b.cpu_threads_per_worker == 0
+    d = b.model_deploy
+    assert (d.max_seq_len, d.max_input_token_len, d.truncation) == (2560, 2048, False)
+    m = d.models[0]
+    assert m.model_name == "demo" and m.model_weight_path == "" and m.world_size == 0
+    assert (m.npu_mem_size, m.cpu_mem_size, m.dtype) == (-1, 1, "auto")
+    sch = b.schedule
+    assert (sch.cache_block_size, sch.max_prefill_batch_size, sch.max_prefill_tokens) == (128, 50, 8192)
+    assert (sch.max_batch_size, sch.max_iter_times, sch.max_n, sch.enable_prefix_cache) == (200, 512, 128, True)
+    assert sch.overlap_steps is None
+    assert c.log.dynamic_log_level == "" and python_log_level(c.log.dynamic_log_level) == "INFO"
 
 
 def test_empty_object_file_equals_defaults(tmp_path: Path) -> None:
-    c = load_dict(tmp_path, {})
-    assert dump_effective(c)["BackendConfig"] == dump_effective(load_config(None, env={}))["BackendConfig"]
-    assert c.source_path == str(tmp_path / "config.json")
+    loaded = load_dict(tmp_path, {})
+    assert loaded.config.backend == load_config(None, env={}).config.backend
+    assert loaded.source == str(tmp_path / "config.json")
 
 
 def test_config_path_from_env_and_explicit_path_wins(tmp_path: Path) -> None:
     a = write(tmp_path, {"ServerConfig": {"port": 2000}}, "a.json")
     b = write(tmp_path, {"ServerConfig": {"port": 3000}}, "b.json")
-    assert load_config(None, env={"MIES_CONFIG_JSON_PATH": a}).ServerConfig.port == 2000
-    assert load_config(b, env={"MIES_CONFIG_JSON_PATH": a}).ServerConfig.port == 3000
-    assert load_config(None, env={"MIES_CONFIG_JSON_PATH": ""}).ServerConfig.port == 1025
+    assert load_config(None, env={"MIES_CONFIG_JSON_PATH": a}).config.server.port == 2000
+    assert load_config(None, env={"MIES_CONFIG_JSON_PATH": a}).source == a
+    assert load_config(b, env={"MIES_CONFIG_JSON_PATH": a}).config.server.port == 3000
+    assert load_config(None, env={"MIES_CONFIG_JSON_PATH": ""}).config.server.port == 1025
 
 
 def test_example_file_loads() -> None:
-    c = load_config(str(EXAMPLE), env={})
-    assert ignored_keys(c) == [] and config_notes(c) == []
-    assert c.BackendConfig.npuDeviceIds == [[0], [1]] and c.BackendConfig.deviceType == "cpu"
-    assert c.ServerConfig.port == 1025 and c.ServerConfig.httpsEnabled is False
-    assert c.model.is_demo and c.model.modelWeightPath == ""
-    assert c.schedule.maxPrefillBatchSize <= c.schedule.maxBatchSize
+    loaded = load_config(str(EXAMPLE), env={})
+    c = loaded.config
+    assert loaded.ignored == [] and loaded.notes == []
+    assert c.backend.npu_device_ids == [[0], [1]] and c.backend.device_type == "cpu"
+    assert c.server.port == 1025 and c.server.https_enabled is False
+    assert c.backend.model_deploy.models[0].model_weight_path == ""
+    assert c.backend.schedule.max_prefill_batch_size <= c.backend.schedule.max_batch_size
 
 
 def test_mindie_default_file_loads_unchanged_and_reports_ignored_keys(tmp_path: Path) -> None:
     path = write(tmp_path, MINDIE_DEFAULT)
     before = Path(path).read_bytes()
-    c = load_config(path, env={})
+    loaded = load_config(path, env={})
+    c = loaded.config
     assert Path(path).read_bytes() == before
-    assert set(ignored_keys(c)) == MINDIE_IGNORED and len(ignored_keys(c)) == len(MINDIE_IGNORED)
-    assert c.ServerConfig.httpsEnabled is True  # honoured when the file says so
-    assert c.BackendConfig.npuDeviceIds == [[0, 1, 2, 3]] and c.world_size == 4 and c.model.worldSize == 4
-    assert c.model.modelWeightPath == "/data/atb_testdata/weights/llama1-65b-safetensors" and not c.model.is_demo
-    assert c.model.cpuMemSize == 5 and c.model.cpu_kv_cache_gib == 5
-    assert c.ServerConfig.HealthCheckConfig.npuUsageThreshold == 0
-    eff = dump_effective(c)
-    json.dumps(eff)  # plain JSON types only
-    assert eff["Derived"]["ignoredKeys"] == ignored_keys(c) and eff["Derived"]["worldSize"] == 4
-    assert "tlsPkPwd" not in eff["ServerConfig"]  # ignored keys (incl. password files) are not echoed
+    assert set(loaded.ignored) == MINDIE_IGNORED and len(loaded.ignored) == len(MINDIE_IGNORED)
+    assert c.server.https_enabled is True  # honoured when the file says so
+    m = c.backend.model_deploy.models[0]
+    assert c.backend.npu_device_ids == [[0, 1, 2, 3]] and m.world_size == 4
+    assert m.model_weight_path == "/data/atb_testdata/weights/llama1-65b-safetensors" and m.model_name == "llama_65b"
+    assert m.cpu_mem_size == 5
+    assert c.server.health_check.npu_usage_threshold == 0
+    # The TLS paths of the file, made absolute against its directory.
+    assert c.server.tls_cert == str(tmp_path / "security/certs/server.pem")
+    assert "tlsPkPwd" not in msgspec.to_builtins(c)["ServerConfig"]  # ignored keys (password files) are dropped
 
 
 # ---------------------------------------------------------------------------------------------- ranges
@@ -265,17 +329,22 @@ def test_type_error_names_dotted_key(tmp_path: Path, key: str, value: Any, messa
     assert str(e.value).startswith(f"{key}: {message}")
 
 
-@pytest.mark.parametrize("value,mode", [(False, "reject"), (0, "reject"), (True, "right"), (-1, "right"),
-                                        (1, "left")])
-def test_truncation_accepts_bool_and_minus_one_zero_one(tmp_path: Path, value: Any, mode: str) -> None:
-    c = load_dict(tmp_path, with_value("BackendConfig.ModelDeployConfig.truncation", value))
-    assert c.deploy.truncation == value and c.deploy.truncation_mode == mode
+@pytest.mark.parametrize("value", [False, 0, True, -1, 1])
+def test_truncation_accepts_bool_and_minus_one_zero_one(tmp_path: Path, value: Any) -> None:
+    c = cfg(tmp_path, with_value("BackendConfig.ModelDeployConfig.truncation", value))
+    assert c.backend.model_deploy.truncation == value and type(c.backend.model_deploy.truncation) is type(value)
 
 
 def test_cache_block_size_accepts_any_multiple_of_16_up_to_1024(tmp_path: Path) -> None:
     for size in (16, 48, 128, 256, 1024):
-        assert load_dict(tmp_path, with_value("BackendConfig.ScheduleConfig.cacheBlockSize", size)
-                         ).schedule.cacheBlockSize == size
+        assert cfg(tmp_path, with_value("BackendConfig.ScheduleConfig.cacheBlockSize", size)
+                   ).backend.schedule.cache_block_size == size
+
+
+@pytest.mark.parametrize("value,loaded", [(0, 1), (0.0, 1), (5, 5), (0.5, 0.5)])
+def test_cpu_mem_size_zero_loads_as_one_gib(tmp_path: Path, value: Any, loaded: Any) -> None:
+    c = cfg(tmp_path, with_value("BackendConfig.ModelDeployConfig.ModelConfig[0].cpuMemSize", value))
+    assert c.backend.model_deploy.models[0].cpu_mem_size == loaded
 
 
 # ---------------------------------------------------------------------------------------------- JSON / file
@@ -299,7 +368,7 @@ def test_bad_json_documents(tmp_path: Path, text: str, message: str) -> None:
 def test_utf8_bom_is_accepted(tmp_path: Path) -> None:
     path = tmp_path / "bom.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"ServerConfig": {"port": 1999}}).encode())
-    assert load_config(str(path), env={}).ServerConfig.port == 1999
+    assert load_config(str(path), env={}).config.server.port == 1999
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -309,10 +378,16 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_unknown_keys_nested_in_lists_and_top_level(tmp_path: Path) -> None:
     data = {"Foo": 1, "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelName": "a"}, {"bar": 2}]}}}
-    c = load_dict(tmp_path, data)
-    assert ignored_keys(c) == ["Foo", "BackendConfig.ModelDeployConfig.ModelConfig[1].bar"]
-    assert c.model.modelName == "a"
-    assert any("only the first is served" in n for n in config_notes(c))
+    loaded = load_dict(tmp_path, data)
+    assert loaded.ignored == ["Foo", "BackendConfig.ModelDeployConfig.ModelConfig[1].bar"]
+    assert loaded.config.backend.model_deploy.models[0].model_name == "a"
+    assert any("only the first is served" in n for n in loaded.notes)
+
+
+def test_snake_case_keys_are_not_config_keys(tmp_path: Path) -> None:
+    loaded = load_dict(tmp_path, {"ServerConfig": {"port": 2000, "max_link_num": 5}, "server": {}})
+    assert loaded.config.server.max_link_num == 1000
+    assert loaded.ignored == ["ServerConfig.max_link_num", "server"]
 
 
 # ---------------------------------------------------------------------------------------------- env
@@ -323,25 +398,40 @@ def test_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
                       {"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]]}})
     env = {"MIES_CONTAINER_IP": "10.0.0.5", "MIES_CONTAINER_MANAGEMENT_IP": "10.0.0.6", "MINDIE_PORT": "18080",
            "MINDIE_MODEL_PATH": "weights/qwen", "MINDIE_DEVICE_TYPE": "CPU", "MINDIE_NPU_DEVICE_IDS": "0, 1"}
-    c = load_dict(tmp_path, data, env)
-    assert (c.ServerConfig.ipAddress, c.ServerConfig.managementIpAddress) == ("10.0.0.5", "10.0.0.6")
-    assert c.ServerConfig.port == 18080 and c.ServerConfig.runDir.endswith("/18080")
-    assert c.model.modelWeightPath == str(tmp_path / "weights" / "qwen")  # relative to the cwd, not the file
-    assert c.BackendConfig.deviceType == "cpu"
-    assert c.BackendConfig.npuDeviceIds == [[0], [1]] and c.model.worldSize == 1  # worldSize follows the ids
-    assert env_overrides_applied(c)["ServerConfig.port"] == "MINDIE_PORT"
-    assert len(env_overrides_applied(c)) == 6
+    loaded = load_dict(tmp_path, data, env)
+    c = loaded.config
+    assert (c.server.ip_address, c.server.management_ip_address) == ("10.0.0.5", "10.0.0.6")
+    assert c.server.port == 18080 and c.server.run_dir.endswith("/18080")
+    m = c.backend.model_deploy.models[0]
+    assert m.model_weight_path == str(tmp_path / "weights" / "qwen")  # relative to the cwd, not the file
+    assert c.backend.device_type == "cpu"
+    assert c.backend.npu_device_ids == [[0], [1]] and m.world_size == 1  # worldSize follows the ids
+    assert loaded.env_overrides["ServerConfig.port"] == "MINDIE_PORT"
+    assert loaded.env_overrides == {key: var for var, key in ENV_OVERRIDES.items() if var in env}
+    assert len(loaded.env_overrides) == 6
+
+
+def test_env_run_dir_relative_to_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "conf").mkdir()
+    monkeypatch.chdir(tmp_path)
+    data = {"ServerConfig": {"runDir": "from-file"}}
+    loaded = load_config(write(tmp_path / "conf", data), env={"MINDIE_RUN_DIR": "run/here"})
+    assert loaded.config.server.run_dir == str(tmp_path / "run" / "here")  # the cwd, not the file's dir
+    assert loaded.env_overrides == {"ServerConfig.runDir": "MINDIE_RUN_DIR"}
+    assert load_config(None, env={"MINDIE_RUN_DIR": "/srv/run"}).config.server.run_dir == "/srv/run"
+    assert load_config(None, env={"MINDIE_RUN_DIR": " "}).config.server.run_dir == default_run_dir(1025, {})
 
 
 def test_env_device_ids_json_form_and_empty_values_are_unset(tmp_path: Path) -> None:
-    c = load_config(None, env={"MINDIE_NPU_DEVICE_IDS": "[[0,1],[2,3]]", "MINDIE_PORT": "", "MIES_CONTAINER_IP": " "})
-    assert c.instances == [[0, 1], [2, 3]] and c.world_size == 2
-    assert c.ServerConfig.port == 1025 and c.ServerConfig.ipAddress == "127.0.0.1"
+    env = {"MINDIE_NPU_DEVICE_IDS": "[[0,1],[2,3]]", "MINDIE_PORT": "", "MIES_CONTAINER_IP": " "}
+    c = load_config(None, env=env).config
+    assert c.backend.npu_device_ids == [[0, 1], [2, 3]]
+    assert c.server.port == 1025 and c.server.ip_address == "127.0.0.1"
 
 
 def test_env_model_path_creates_model_entry() -> None:
-    c = load_config(None, env={"MINDIE_MODEL_PATH": "/models/llama"})
-    assert c.model.modelWeightPath == "/models/llama" and not c.model.is_demo
+    c = load_config(None, env={"MINDIE_MODEL_PATH": "/models/llama"}).config
+    assert c.backend.model_deploy.models[0].model_weight_path == "/models/llama"
 
 
 @pytest.mark.parametrize("env,message", [
@@ -386,28 +476,51 @@ def test_cross_field_checks(tmp_path: Path, data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_dict(tmp_path, data)
     assert str(e.value).startswith(message)
+    assert str(e.value).endswith(f"(in {tmp_path / 'config.json'})")
 
 
 def test_all_zero_ip_allowed_when_enabled(tmp_path: Path) -> None:
-    c = load_dict(tmp_path, {"ServerConfig": {"ipAddress": "0.0.0.0", "allowAllZeroIpListening": True}})
-    assert c.ServerConfig.ipAddress == "0.0.0.0"
+    c = cfg(tmp_path, {"ServerConfig": {"ipAddress": "0.0.0.0", "allowAllZeroIpListening": True}})
+    assert c.server.ip_address == "0.0.0.0"
 
 
-def test_max_input_len_clamped_and_prefill_tokens_raised(tmp_path: Path) -> None:
-    c = load_dict(tmp_path, {"BackendConfig": {
+# ---------------------------------------------------------------------------------------------- adjustments
+
+def test_max_input_token_len_clamped_and_prefill_tokens_raised(tmp_path: Path) -> None:
+    loaded = load_dict(tmp_path, {"BackendConfig": {
         "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 8192},
         "ScheduleConfig": {"maxPrefillTokens": 1024, "maxIterTimes": 256}}})
-    assert c.max_input_len == 4095  # min(maxInputTokenLen, maxSeqLen - 1)
-    assert c.max_prefill_tokens == 4096  # min(maxSeqLen, maxInputTokenLen + maxIterTimes)
-    notes = config_notes(c)
-    assert len(notes) == 2 and "limited to 4095" in notes[0] and "raised to 4096" in notes[1]
-    c = load_dict(tmp_path, {"BackendConfig": {"ScheduleConfig": {"maxPrefillTokens": 1024, "maxIterTimes": 256}}})
-    assert c.max_prefill_tokens == 2048 + 256
+    d, sch = loaded.config.backend.model_deploy, loaded.config.backend.schedule
+    assert d.max_input_token_len == 4095  # min(maxInputTokenLen, maxSeqLen - 1)
+    assert sch.max_prefill_tokens == 4096  # min(maxSeqLen, unclamped maxInputTokenLen + maxIterTimes)
+    assert len(loaded.notes) == 2 and "limited to 4095" in loaded.notes[0] and "raised to 4096" in loaded.notes[1]
+    c = cfg(tmp_path, {"BackendConfig": {"ScheduleConfig": {"maxPrefillTokens": 1024, "maxIterTimes": 256}}})
+    assert c.backend.schedule.max_prefill_tokens == 2048 + 256 and c.backend.model_deploy.max_input_token_len == 2048
 
 
-def test_dynamic_timeout_and_log_level(tmp_path: Path) -> None:
-    c = load_dict(tmp_path, {"EnableDynamicAdjustTimeoutConfig": True, "LogConfig": {"dynamicLogLevel": "Warn"}})
-    assert (c.token_timeout, c.e2e_timeout, c.log_level) == (3600, 65535, "WARNING")
+def test_values_within_limits_are_not_adjusted(tmp_path: Path) -> None:
+    loaded = load_dict(tmp_path, {"BackendConfig": {
+        "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 4095},
+        "ScheduleConfig": {"maxPrefillTokens": 4095}}})
+    assert loaded.notes == []
+    assert loaded.config.backend.model_deploy.max_input_token_len == 4095
+    assert loaded.config.backend.schedule.max_prefill_tokens == 4095
+
+
+def test_dynamic_timeout_sets_timeouts_to_their_maximum(tmp_path: Path) -> None:
+    loaded = load_dict(tmp_path, {"EnableDynamicAdjustTimeoutConfig": True,
+                                  "ServerConfig": {"tokenTimeout": 5, "e2eTimeout": 6}})
+    assert (loaded.config.server.token_timeout, loaded.config.server.e2e_timeout) == (3600, 65535)
+    assert len(loaded.notes) == 1 and "EnableDynamicAdjustTimeoutConfig" in loaded.notes[0]
+    c = cfg(tmp_path, {"ServerConfig": {"tokenTimeout": 5, "e2eTimeout": 6}})
+    assert (c.server.token_timeout, c.server.e2e_timeout) == (5, 6)
+
+
+@pytest.mark.parametrize("text,level", [("", "INFO"), (" ", "INFO"), ("Warn", "WARNING"), ("warning", "WARNING"),
+                                        ("fatal", "CRITICAL"), ("debug", "DEBUG"), ("ERROR", "ERROR")])
+def test_python_log_level(tmp_path: Path, text: str, level: str) -> None:
+    c = cfg(tmp_path, {"LogConfig": {"dynamicLogLevel": text}})
+    assert c.log.dynamic_log_level == text and python_log_level(text) == level
 
 
 # ---------------------------------------------------------------------------------------------- paths
@@ -415,9 +528,29 @@ def test_dynamic_timeout_and_log_level(tmp_path: Path) -> None:
 def test_relative_paths_follow_the_config_file(tmp_path: Path) -> None:
     data = {"ServerConfig": {"runDir": "run"},
             "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelWeightPath": "models/m"}]}}}
-    c = load_dict(tmp_path, data)
-    assert c.model.modelWeightPath == str(tmp_path / "models" / "m")
-    assert c.ServerConfig.runDir == str(tmp_path / "run")
+    c = cfg(tmp_path, data)
+    assert c.backend.model_deploy.models[0].model_weight_path == str(tmp_path / "models" / "m")
+    assert c.server.run_dir == str(tmp_path / "run")
+
+
+def test_tls_paths_follow_the_config_file(tmp_path: Path) -> None:
+    s = cfg(tmp_path, {"ServerConfig": {"httpsEnabled": True, "metricsTlsPk": "/etc/keys/m.pem"}}).server
+    assert s.tls_cert == str(tmp_path / "security/certs/server.pem")
+    assert s.tls_pk == str(tmp_path / "security/keys/server.key.pem")
+    assert s.management_tls_cert == str(tmp_path / "security/certs/management/server.pem")
+    assert s.metrics_tls_pk == "/etc/keys/m.pem"  # absolute paths stay as they are
+    # CA and CRL files are names inside their (now absolute) directories.
+    assert [os.path.join(s.tls_ca_path, f) for f in s.tls_ca_file] == [str(tmp_path / "security/ca/ca.pem")]
+    assert [os.path.join(s.tls_ca_path, f) for f in s.management_tls_ca_file] == [
+        str(tmp_path / "security/ca/management_ca.pem")]
+    assert [os.path.join(s.tls_crl_path, f) for f in s.tls_crl_files] == [
+        str(tmp_path / "security/certs/server_crl.pem")]
+    assert os.path.join(s.metrics_tls_crl_path, "x") == str(tmp_path / "security/metrics/certs/x")
+
+
+def test_tls_paths_without_a_file_follow_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert load_config(None, env={}).config.server.tls_cert == str(tmp_path / "security/certs/server.pem")
 
 
 def test_default_run_dir_prefers_xdg_runtime_dir(tmp_path: Path) -> None:
@@ -436,38 +569,21 @@ def test_ensure_run_dir_is_private(tmp_path: Path) -> None:
         ensure_run_dir(path)
 
 
-def test_tls_files_and_check(tmp_path: Path) -> None:
-    c = load_dict(tmp_path, {"ServerConfig": {"httpsEnabled": True}})
-    files = tls_files(c)
-    assert files.cert == str(tmp_path / "security/certs/server.pem")
-    assert files.ca_files == [str(tmp_path / "security/ca/ca.pem")]
-    assert files.crl_files == [str(tmp_path / "security/certs/server_crl.pem")]
-    assert tls_files(c, "management").ca_files == [str(tmp_path / "security/ca/management_ca.pem")]
-    with pytest.raises(ConfigError, match="ServerConfig.tlsCert: file not found"):
-        check_tls_files(c)
-    for p in (files.cert, files.key):
-        Path(p).parent.mkdir(parents=True, exist_ok=True)
-        Path(p).write_text("x")
-    assert check_tls_files(c) == files
-    with pytest.raises(ConfigError, match="ServerConfig.metricsTlsCert: file not found"):
-        check_tls_files(c, "metrics")
-
-
 def test_config_module_does_not_import_torch() -> None:
     code = "import sys, mindie.config; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("value,device,null_model,expected", [
-    (None, "cpu", False, False), (None, "cuda", False, True), (None, "npu", False, True),
-    (None, "cpu", True, True), (True, "cpu", False, True), (False, "cuda", False, False)])
-def test_overlap_steps_reaches_the_worker_spec(tmp_path: Path, value, device, null_model, expected) -> None:
-    from mindie.topology import worker_specs
-    data = with_value("BackendConfig.ScheduleConfig.overlapSteps", value)
-    data["BackendConfig"]["deviceType"] = device
-    specs = worker_specs(load_dict(tmp_path, data), run_dir=str(tmp_path), null_model=null_model)
-    assert [s.overlap for s, _env in specs] == [expected] * len(specs)
+@pytest.mark.parametrize("value,null_model,expected", [
+    (None, False, None), (True, False, True), (False, False, False), (None, True, True)])
+def test_overlap_steps_reaches_the_worker_spec(tmp_path: Path, value, null_model, expected) -> None:
+    # null = the device's default, settled on the worker side (workers/prepare.py); the null model overlaps.
+    from mindie.topology import build_deployment
+    data = with_value("BackendConfig.ScheduleConfig.overlapSteps", value,
+                      {"BackendConfig": {"npuDeviceIds": [[0], [1]]}})
+    dep = build_deployment(cfg(tmp_path, data), null_model=null_model)
+    assert [w.engine.overlap for w in dep.workers] == [expected, expected]
 
 
 def test_overlap_steps_must_be_bool_or_null(tmp_path: Path) -> None:

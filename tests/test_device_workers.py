@@ -3,6 +3,7 @@ protocol client. Two CPU device workers stand in for two NPUs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -12,11 +13,9 @@ import time
 
 import pytest
 
-from mindie import protocol as P
+from mindie.contract import wire as P
 from mindie.client import DeviceClient, RequestStream
-from mindie.config import load_config
-from mindie.topology import worker_endpoints
-from tests.harness import ROOT, alive, children_of, free_port, short_run_dir, write_config
+from tests.harness import ROOT, alive, children_of, free_port, short_run_dir, write_config, write_plan
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,22 +27,33 @@ def cluster(tmp_path_factory, demo_model):
     cfg_path = write_config(tmp / "config.json", port=free_port(), run_dir=run_dir, model_path=demo_model,
                             schedule={"maxBatchSize": 64})
     log = open(tmp / "supervisor.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", "--config", str(cfg_path)],
+    path, dep = write_plan(cfg_path)
+    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", "--deployment", path],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    yield proc, load_config(str(cfg_path)), tmp / "supervisor.log"
+    yield proc, dep, tmp / "supervisor.log"
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
     log.close()
 
 
-async def _client(config, timeout=60.0) -> DeviceClient:
-    c = DeviceClient(worker_endpoints(config))
+async def _client(dep, timeout=60.0) -> DeviceClient:
+    c = DeviceClient(dep.workers)
     await c.start()
     t0 = time.monotonic()
     while len(c.ready_links()) < len(c.links):
         assert time.monotonic() - t0 < timeout, "device workers not ready"
         await asyncio.sleep(0.05)
     return c
+
+
+@contextlib.asynccontextmanager
+async def _connected(dep, timeout=60.0):
+    """A client with every worker of ``dep`` ready; closed on exit."""
+    c = await _client(dep, timeout)
+    try:
+        yield c
+    finally:
+        await c.close()
 
 
 async def _collect(stream: RequestStream, timeout: float = 60.0) -> tuple[list[int], str, P.RequestError | None]:
@@ -80,8 +90,7 @@ def test_concurrent_greedy_equals_alone_and_no_frame_lost(cluster):
     _, config, _ = cluster
 
     async def main():
-        c = await _client(config)
-        try:
+        async with _connected(config) as c:
             prompts = _prompts(16)
             alone = []
             for p in prompts:
@@ -94,8 +103,6 @@ def test_concurrent_greedy_equals_alone_and_no_frame_lost(cluster):
             assert c.gaps == 0
             # Both workers took part.
             assert len({s.link.ep.worker_id for s in streams}) == 2
-        finally:
-            await c.close()
 
     asyncio.run(main())
 
@@ -104,31 +111,32 @@ def test_length_cap_and_max_seq_len(cluster):
     _, config, _ = cluster
 
     async def main():
-        c = await _client(config)
-        try:
+        async with _connected(config) as c:
             ids, reason, err = await _collect(c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=1)))
             assert (len(ids), reason, err) == (1, "length", None)
-            # maxIterTimes (512) caps max_new_tokens on the worker.
-            ids, reason, err = await _collect(c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=100000)), 120)
-            assert (len(ids), reason) == (512, "length")
-        finally:
-            await c.close()
+            # The front end caps max_new_tokens (tests/test_validation.py); a request beyond
+            # maxSeqLen that reaches a worker anyway is refused with an error, not run or hung.
+            ids, reason, err = await _collect(c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=100000)))
+            assert ids == [] and err is not None and err.status == 500 and "refused" in err.message
+            ids, reason, err = await _collect(c.submit([5] * 2550, P.SamplingParams(max_new_tokens=10)), 120)
+            assert (len(ids), reason) == (10, "length")  # exactly maxSeqLen tokens in all
 
     asyncio.run(main())
 
 
-def test_rejects_input_beyond_vocab_and_too_long(cluster):
+def test_refuses_unvalidated_input_and_lives_on(cluster):
+    """The front end validates (MindIE's 422/424 messages); a worker only asserts its
+    invariants: ids beyond the vocabulary or an input of maxSeqLen get an error frame, and the
+    worker keeps serving."""
     _, config, _ = cluster
 
     async def main():
-        c = await _client(config)
-        try:
-            _, reason, err = await _collect(c.submit([5, 32000], P.SamplingParams()))
-            assert err is not None and err.status == 424 and "Invalid Input Ids" in err.message
-            _, reason, err = await _collect(c.submit([5] * 2560, P.SamplingParams()))
-            assert err is not None and err.status == 424 and "2559" in err.message
-        finally:
-            await c.close()
+        async with _connected(config) as c:
+            for bad in ([5, 32000], [5, -1], [5] * 2560):
+                _, reason, err = await _collect(c.submit(bad, P.SamplingParams()))
+                assert err is not None and err.status == 500 and "refused by the device worker" in err.message
+            ids, reason, err = await _collect(c.submit([5, 6], P.SamplingParams(max_new_tokens=3)))
+            assert (len(ids), reason, err) == (3, "length", None)
 
     asyncio.run(main())
 
@@ -137,16 +145,13 @@ def test_cancel_frees_request(cluster):
     _, config, _ = cluster
 
     async def main():
-        c = await _client(config)
-        try:
+        async with _connected(config) as c:
             streams = [c.submit(p, P.SamplingParams(max_new_tokens=400)) for p in _prompts(6, seed=3)]
             await asyncio.sleep(0.5)
             for s in streams:
                 c.cancel(s)
             # The workers report nothing running and every KV block free.
             await _wait_all_free(c, 10, "requests not freed")
-        finally:
-            await c.close()
 
     asyncio.run(main())
 
@@ -175,8 +180,7 @@ def test_kill_worker_is_detected_and_restarted(cluster):
     proc, config, log_path = cluster
 
     async def main():
-        c = await _client(config)
-        try:
+        async with _connected(config) as c:
             streams = [c.submit(p, P.SamplingParams(max_new_tokens=2000)) for p in _prompts(4, seed=9)]
             await asyncio.sleep(0.5)
             victim_id = streams[0].link.ep.worker_id
@@ -204,8 +208,6 @@ def test_kill_worker_is_detected_and_restarted(cluster):
                 c.cancel(s)
             ids, reason, err = await _collect(c.submit([1, 2, 3], P.SamplingParams(max_new_tokens=4)))
             assert err is None and len(ids) == 4
-        finally:
-            await c.close()
 
     asyncio.run(main())
     assert "killed by SIGKILL" in log_path.read_text()
@@ -214,8 +216,8 @@ def test_kill_worker_is_detected_and_restarted(cluster):
 def test_supervisor_stop_leaves_no_process(tmp_path, demo_model):
     cfg_path = write_config(tmp_path / "config.json", port=free_port(), run_dir=short_run_dir(),
                             model_path=demo_model)
-    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", "--config", str(cfg_path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "workers.supervisor", "--deployment", write_plan(cfg_path)[0]],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while len(children_of(proc.pid)) < 2:
         assert time.monotonic() < deadline
@@ -235,10 +237,10 @@ def null_supervisor(tmp_path, demo_model):
     def start(step_ms: float, **schedule):
         cfg_path = write_config(tmp_path / "config.json", port=free_port(), run_dir=short_run_dir(),
                                 model_path=demo_model, workers=1, schedule=schedule or None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "workers.supervisor", "--config", str(cfg_path), "--null-model",
-             "--null-step-ms", str(step_ms)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        return load_config(str(cfg_path))
+        path, dep = write_plan(cfg_path, null_model=True, null_step_ms=step_ms)
+        procs.append(subprocess.Popen([sys.executable, "-m", "workers.supervisor", "--deployment", path], cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return dep
 
     yield start
     for proc in procs:
@@ -252,8 +254,7 @@ def test_frontend_reaped_while_silent_learns_it_at_once(null_supervisor):
     config = null_supervisor(20, maxIterTimes=2500)  # 2500 steps of 20 ms: still running when reaped
 
     async def main():
-        c = await _client(config)
-        try:
+        async with _connected(config) as c:
             s = c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=2500))
             c.tasks[1].cancel()  # the hello loop
             await asyncio.sleep(P.FRONTEND_TIMEOUT_S + 1.5)
@@ -267,8 +268,6 @@ def test_frontend_reaped_while_silent_learns_it_at_once(null_supervisor):
                 await asyncio.sleep(0.05)
             ids, reason, err = await _collect(c.submit([1, 2, 3], P.SamplingParams(max_new_tokens=3)))
             assert err is None and len(ids) == 3
-        finally:
-            await c.close()
 
     asyncio.run(main())
 
@@ -279,11 +278,8 @@ def test_long_step_does_not_look_like_a_dead_worker(null_supervisor):
     config = null_supervisor((P.WORKER_TIMEOUT_S + 1.5) * 1000)
 
     async def main():
-        c = await _client(config)
-        try:
+        async with _connected(config) as c:
             ids, reason, err = await _collect(c.submit([5, 6], P.SamplingParams(max_new_tokens=2)), 60)
             assert err is None and reason == "length" and len(ids) == 2
-        finally:
-            await c.close()
 
     asyncio.run(main())

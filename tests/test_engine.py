@@ -12,13 +12,14 @@ import msgspec
 import pytest
 import torch
 
-from mindie.protocol import FINISH_EOS, FINISH_LENGTH, RequestError, SamplingParams, Submit
+from mindie.contract.errors import FINISH_EOS, FINISH_LENGTH
+from mindie.contract.spec import EngineConfig, WorkerSpec
+from mindie.contract.wire import SamplingParams, Submit
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_linear import pack_linears
 from workers.engine.attention import PagedAttention
-from workers.engine.engine import Engine, EngineConfig
-from workers.model_setup import load_runner
-from workers.spec import WorkerSpec
+from workers.engine.engine import CapacityError, Engine
+from workers.engine.model_runner import load_runner
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,19 +37,18 @@ class PortableCpuBackend(CpuBackend):
 
 def make_engine(model_dir: str, num_blocks: int = 256, block_size: int = 16, dtype: str = "float32",
                 portable: bool = False, overlap: bool = False, thread_init=None, **cfg) -> Engine:
+    engine_cfg = EngineConfig(block_size=block_size, overlap=overlap, **cfg)
     spec = WorkerSpec(worker_id="t", job_endpoint="", pub_endpoint="", model_path=model_dir, dtype=dtype,
-                      block_size=block_size)
-    runner, _info, _ = load_runner(spec, PortableCpuBackend() if portable else CpuBackend())
+                      engine=engine_cfg)
+    runner = load_runner(spec, PortableCpuBackend() if portable else CpuBackend())
     runner.allocate_kv(num_blocks, block_size)
-    return Engine(runner, EngineConfig(num_blocks=num_blocks, block_size=block_size, **cfg), overlap=overlap,
-                  thread_init=thread_init)
+    return Engine(runner, engine_cfg, num_blocks, thread_init=thread_init)
 
 
 def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]], priority: dict | None = None,
         ) -> dict[str, tuple[list[int], str]]:
     for rid, (ids, params) in reqs.items():
-        res = engine.add(Submit(rid, "fe", ids, params, (priority or {}).get(rid, 5)))
-        assert not isinstance(res, RequestError), res
+        engine.add(Submit(rid, "fe", ids, params, (priority or {}).get(rid, 5)))
     out: dict[str, list[int]] = {rid: [] for rid in reqs}
     reasons: dict[str, str] = {}
     for _ in range(100000):
@@ -129,23 +129,19 @@ def test_priority_ordering_under_saturation(demo_model):
 
 def test_request_too_large_for_cache_is_rejected(demo_model):
     eng = make_engine(demo_model, num_blocks=4)  # 64 token slots
-    res = eng.add(Submit("big", "fe", [5] * 60, SamplingParams(max_new_tokens=20)))
-    assert isinstance(res, RequestError) and res.status == 424
-    assert "needs 5 KV cache blocks" in res.message and "holds only 4 blocks" in res.message
-    assert not isinstance(eng.add(Submit("ok", "fe", [5] * 40, SamplingParams(max_new_tokens=20))), RequestError)
+    with pytest.raises(CapacityError, match="needs 5 KV cache blocks .* holds only 4 blocks"):
+        eng.add(Submit("big", "fe", [5] * 60, SamplingParams(max_new_tokens=20)))
+    assert eng.add(Submit("ok", "fe", [5] * 40, SamplingParams(max_new_tokens=20))).request_id == "ok"
 
 
 def test_no_block_leaks_after_cancel_timeout_and_preemption(demo_model):
     eng = make_engine(demo_model, num_blocks=30)
     ps = prompts(12, seed=8)
     for i, p in enumerate(ps):
-        eng.add(Submit(f"r{i}", "fe", p, SamplingParams(max_new_tokens=60, ignore_eos=True),
-                       deadline=1.0 if i == 3 else 0.0))  # r3's deadline is long past
+        eng.add(Submit(f"r{i}", "fe", p, SamplingParams(max_new_tokens=60, ignore_eos=True)))
     for _ in range(6):
         eng.step()
-    expired = eng.expire(now=10.0)
-    assert [s.request_id for s in expired] == ["r3"]
-    for rid in ("r0", "r5", "r11"):
+    for rid in ("r3", "r0", "r5", "r11"):  # cancels and timeouts (the front end's) alike
         assert eng.abort(rid) is not None
     while eng.has_work():
         eng.step()
@@ -160,14 +156,13 @@ def test_overlapped_step_cancel_in_flight(demo_model, alone):
     ps = prompts(64)
     eng = make_engine(demo_model, overlap=True)
     for i in range(4):
-        eng.add(Submit(f"r{i}", "fe", ps[i], GREEDY, deadline=1.0 if i == 2 else 0.0))
+        eng.add(Submit(f"r{i}", "fe", ps[i], GREEDY))
     flight = eng.launch()
     assert flight is not None and len(flight.batch.seqs) == 4
     with pytest.raises(RuntimeError, match="in flight"):
         eng.launch()
     free_before = eng.blocks.num_free
-    assert eng.abort("r1") is not None
-    assert [s.request_id for s in eng.expire(now=10.0)] == ["r2"]
+    assert eng.abort("r1") is not None and eng.abort("r2") is not None
     assert eng.blocks.num_free == free_before  # still in use by the computing step
     outs = eng.collect(flight)
     assert sorted(o.seq.request_id for o in outs) == ["r0", "r3"]
@@ -257,10 +252,17 @@ def test_eos_from_generation_config_list(demo_model, tmp_path):
     assert (out, reason) == (greedy, FINISH_LENGTH)
 
 
-def test_max_seq_len_caps_output(demo_model):
+def test_max_seq_len_is_an_invariant(demo_model):
+    """The front end caps the output at maxSeqLen (tests/test_validation.py); the engine runs
+    exactly up to it and refuses a request beyond it instead of truncating it silently."""
     eng = make_engine(demo_model, max_seq_len=40)
-    out, reason = run(eng, {"a": ([5] * 30, SamplingParams(max_new_tokens=100, ignore_eos=True))})["a"]
+    out, reason = run(eng, {"a": ([5] * 30, SamplingParams(max_new_tokens=10, ignore_eos=True))})["a"]
     assert (len(out), reason) == (10, FINISH_LENGTH)
+    with pytest.raises(AssertionError, match="exceed maxSeqLen 40"):
+        eng.add(Submit("b", "fe", [5] * 30, SamplingParams(max_new_tokens=11)))
+    with pytest.raises(AssertionError, match="outside the vocabulary"):
+        eng.add(Submit("c", "fe", [5, 32000], SamplingParams(max_new_tokens=1)))
+    assert eng.check_no_leaks()
 
 
 # -- every model family: 64 greedy tokens identical to transformers ---------------------------

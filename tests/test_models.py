@@ -17,7 +17,7 @@ import torch
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.demo import VOCAB_SIZE, ensure_demo_model, main as demo_main
 from workers.models.loader import ModelLoadError, load_model
-from workers.models.reference_attention import DenseCausalAttention
+from tests.reference_attention import DenseCausalAttention
 
 transformers = pytest.importorskip("transformers")
 

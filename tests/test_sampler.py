@@ -1,5 +1,6 @@
-"""Sampler and watermark: TGI semantics checked against transformers' processors, seeded
-determinism, draw statistics, watermark detection."""
+"""Sampler and watermark, black box through ``Sampler.__call__`` on engine ``Sequence``s: TGI
+semantics checked against transformers' processors (exactly where the result is exact, by draw
+statistics where it is random), seeded determinism, watermark detection."""
 from __future__ import annotations
 
 import io
@@ -11,6 +12,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,15 +20,22 @@ from hypothesis import strategies as st
 from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper, TypicalLogitsWarper)
 
-from mindie.protocol import SamplingParams
+from mindie.contract.wire import SamplingParams
 from workers.engine import watermark as wm
-from workers.engine.sampler import Sampler, SamplingState, draw_uniforms
+from workers.engine.sampler import Sampler, draw_uniforms
+from workers.engine.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def sp(**kw: object) -> SamplingParams:
     return SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def seq(params: SamplingParams, ids: list[int], prompt_len: int | None = None) -> Sequence:
+    """A request as the engine holds it: ``ids`` = prompt (+ generated, with ``prompt_len``)."""
+    return Sequence(request_id="r", frontend_id="f", prompt_len=len(ids) if prompt_len is None else prompt_len,
+                    tokens=list(ids), params=params, max_new_tokens=params.max_new_tokens)
 
 
 def randn(rows: int, vocab: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -53,36 +62,120 @@ def reference_scores(logits: torch.Tensor, p: SamplingParams, ids: list[int] | N
     return x
 
 
-def assert_matches_reference(got: torch.Tensor, logits: torch.Tensor, params: list[SamplingParams],
-                             ids: list[list[int]]) -> None:
-    """Row by row: the sampler's distribution equals transformers'. Where a token sits within
-    float rounding of the top_p / typical_p line, either side is accepted: the support must lie
-    between the references computed with the mass thresholds moved by +-1e-5."""
-    eps = 1e-5
-    for r, p in enumerate(params):
-        ref = torch.softmax(reference_scores(logits[r:r + 1], p, ids[r]), -1)[0]
-        lo = torch.softmax(reference_scores(logits[r:r + 1], p, ids[r], p.top_p - eps, p.typical_p - eps), -1)[0]
-        hi = torch.softmax(reference_scores(logits[r:r + 1], p, ids[r], min(p.top_p + eps, 1.0),
-                                            min(p.typical_p + eps, 1.0)), -1)[0]
-        g = got[r]
-        for cand in (ref, lo, hi):
-            if torch.equal(g > 0, cand > 0):
-                torch.testing.assert_close(g, cand, atol=2e-6, rtol=2e-4)
-                break
-        else:
-            pytest.fail(f"row {r} {p}: support {(g > 0).sum()} tokens, reference {(ref > 0).sum()}")
+def references(logits: torch.Tensor, p: SamplingParams, ids: list[int]) -> list[torch.Tensor]:
+    """transformers' distribution for one row [1, V], plus those with the active top_p /
+    typical_p thresholds moved by -+1e-5 when their support differs: a token within float
+    rounding of the line may fall on either side."""
+    out: list[torch.Tensor] = []
+    for d in (0.0, -1e-5, 1e-5):
+        tp = p.top_p + d if p.top_p < 1.0 else 1.0
+        ty = min(p.typical_p + d, 1.0) if p.typical_p < 1.0 else 1.0
+        probs = torch.softmax(reference_scores(logits, p, ids, tp, ty), -1)[0]
+        if not any(torch.equal(probs > 0, o > 0) for o in out):
+            out.append(probs)
+    return out
+
+
+def draw_many(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], ids: list[list[int]],
+              n: list[int], seed0: int = 0) -> list[torch.Tensor]:
+    """One sampler call: row r of ``logits`` repeated n[r] times, as n[r] requests with
+    ``params[r]`` and distinct seeds (from ``seed0`` on) at their first draw. Returns the tokens
+    of each row."""
+    rows = [seq(msgspec.structs.replace(p, seed=seed0 + r * 1_000_003 + s), ids[r]) for r, p in enumerate(params)
+            for s in range(n[r])]
+    big = torch.cat([logits[r:r + 1].expand(n[r], -1) for r in range(len(params))]).contiguous()
+    return list(sampler(big, rows).split(n))
+
+
+# --------------------------------------------------------------------------------------------
+# Draw statistics
+# --------------------------------------------------------------------------------------------
+
+
+def _chi2_upper(df: int, z: float = 4.26) -> float:
+    """Chi-square quantile by Wilson-Hilferty; z = 4.26 ~ p = 1e-5 (a false alarm is very rare)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _poisson_tail(k: int, lam: float) -> float:
+    """P(X >= k) for X ~ Poisson(lam)."""
+    term, cdf = math.exp(-lam), 0.0
+    for i in range(k):
+        cdf += term
+        term *= lam / (i + 1)
+    return max(0.0, 1.0 - cdf)
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's statistic of ``counts`` against ``probs`` and its degrees of freedom; bins
+    expecting < 8 draws are pooled, and when the pool too expects < 8 it is left out of the
+    statistic and judged alone: the last value is the Poisson probability of its count or more."""
+    exp = probs.double() * float(counts.sum())
+    big = exp >= 8
+    obs_b, exp_b = counts[big].double(), exp[big]
+    stat = float(((obs_b - exp_b) ** 2 / exp_b).sum())
+    df = int(big.sum()) - 1
+    rest_o, rest_e = float(counts[~big].sum()), float(exp[~big].sum())
+    if rest_e >= 8:
+        return stat + (rest_o - rest_e) ** 2 / rest_e, df + 1, 1.0
+    return stat, df, _poisson_tail(round(rest_o), rest_e)
+
+
+def _fits(counts: torch.Tensor, probs: torch.Tensor) -> str:
+    """'' if ``counts`` are plausible draws from ``probs`` (false alarm rate ~1e-5), else why not."""
+    if outside := int(counts[probs == 0].sum()):
+        return f"{outside} draws of probability 0"
+    stat, df, tail = _chi2(counts, probs)
+    if df >= 1 and stat > _chi2_upper(df):
+        return f"chi2 {stat:.1f} > {_chi2_upper(df):.1f} (df {df})"
+    if tail < 1e-5:
+        return f"too many draws of the unlikely tokens (p = {tail:.1e})"
+    return ""
+
+
+def check_draws(toks: torch.Tensor, refs: list[torch.Tensor]) -> torch.Tensor:
+    """The drawn tokens follow one of ``refs``: every token inside its support (probability > 0)
+    and the frequencies within the statistic's bound. Returns that reference."""
+    counts = torch.bincount(toks, minlength=refs[0].numel())
+    why = [_fits(counts, ref) for ref in refs]
+    if "" not in why:
+        pytest.fail(f"{len(toks)} draws do not follow the reference: {why}")
+    return refs[why.index("")]
+
+
+def _biased(ref: torch.Tensor) -> torch.Tensor:
+    """``ref`` with its most likely token 25% more likely and the second 25% less (renormalised)."""
+    b = ref.clone()
+    top = ref.argsort(descending=True)[:2]
+    b[top[0]] *= 1.25
+    b[top[1]] *= 0.75
+    return b / b.sum()
+
+
+def assert_check_is_sharp(toks: torch.Tensor, ref: torch.Tensor) -> None:
+    """The check above would have failed had the draws followed ``ref`` off by 25% in its two
+    most likely tokens."""
+    assert _fits(torch.bincount(toks, minlength=ref.numel()), _biased(ref))
+
+
+def draws_needed(ref: torch.Tensor) -> int | None:
+    """The fewest draws (of 2000 .. 16000) with which a 25% error in the two most likely tokens
+    fails the check with a wide margin (3 standard deviations of the noncentral statistic);
+    None when 16000 are not enough (a near-uniform or a near-one-token distribution)."""
+    if int((ref > 0).sum()) < 2:
+        return None
+    for n in (2000, 4000, 8000, 16000):
+        lam, df, _ = _chi2(ref * n, _biased(ref))  # the statistic's mean excess if counts were exact
+        if df >= 1 and df + lam - 3 * math.sqrt(2 * (df + 2 * lam)) > _chi2_upper(df):
+            return n
+    return None
 
 
 # --------------------------------------------------------------------------------------------
 # Equivalence with transformers
 # --------------------------------------------------------------------------------------------
 
-V = 500
-
-
-def _states(params: list[SamplingParams], ids: list[list[int]]) -> list[SamplingState]:
-    return [SamplingState(p, i) for p, i in zip(params, ids)]
-
+V = 64
 
 CASES = {
     "temperature": dict(temperature=0.6),
@@ -95,89 +188,119 @@ CASES = {
     "top_p_T": dict(top_p=0.6, temperature=0.4),
     "typical": dict(typical_p=0.7),
     "all": dict(temperature=0.8, top_k=40, top_p=0.9, typical_p=0.95, repetition_penalty=1.3),
-    "k_p": dict(top_k=100, top_p=0.7),
+    "k_p": dict(top_k=20, top_p=0.7),
     "penalty_only": dict(repetition_penalty=1.8),
     "reward": dict(repetition_penalty=0.6, temperature=0.9),
 }
 
 
+def assert_matches_reference(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
+                             ids: list[list[int]]) -> None:
+    """Row by row, in one batch: the sampler's draws follow transformers' distribution, and,
+    wherever 16000 draws can show it, the check would have caught a 25% error in the two most
+    likely tokens."""
+    refs = [references(logits[r:r + 1], p, ids[r]) for r, p in enumerate(params)]
+    needed = [draws_needed(rs[0]) for rs in refs]
+    toks = draw_many(sampler, logits, params, ids, [n or 8000 for n in needed])
+    for r, p in enumerate(params):
+        ref = check_draws(toks[r], refs[r])
+        if needed[r]:
+            assert_check_is_sharp(toks[r], ref)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("scale", [1.0, 4.0])
 def test_distribution_matches_transformers(name: str, scale: float) -> None:
-    rows = 6
+    rows = 2
     logits = randn(rows, V, seed=zlib.crc32(name.encode()) % 1000, scale=scale)
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (rows,), generator=g)]
-    params = [sp(do_sample=True, seed=i, **CASES[name]) for i in range(rows)]
-    got = Sampler().distribution(logits.clone(), _states(params, ids))
-    assert_matches_reference(got, logits, params, ids)
+    params = [sp(do_sample=True, **CASES[name])] * rows
+    assert_matches_reference(Sampler(), logits, params, ids)
 
 
-@given(seed=st.integers(0, 10_000), k=st.sampled_from([0, 1, 3, 50, 499, 600]),
+@given(seed=st.integers(0, 10_000), k=st.sampled_from([0, 1, 3, 20, 63, 150]),
        p=st.sampled_from([1.0, 0.95, 0.5, 0.2]), t=st.sampled_from([1.0, 0.3, 2.0]),
        ty=st.sampled_from([1.0, 1.0, 0.8]), scale=st.sampled_from([0.5, 2.0, 6.0]),
-       candidates=st.sampled_from([2, 16, 128, V]))
-@settings(max_examples=60, deadline=None, derandomize=True)
+       candidates=st.sampled_from([2, 8, 32, V]))
+@settings(max_examples=30, deadline=None, derandomize=True)
 def test_routes_match_transformers(seed: int, k: int, p: float, t: float, ty: float, scale: float,
                                    candidates: int) -> None:
     """Random parameter mixes through both routes (small windows force the dense fallback)."""
-    logits = randn(3, V, seed, scale)
-    params = [sp(do_sample=True, top_k=k, top_p=p, temperature=t, typical_p=ty, seed=i) for i in range(3)]
-    ids = [[0]] * 3
-    got = Sampler(candidates=candidates).distribution(logits.clone(), _states(params, ids))
-    assert_matches_reference(got, logits, params, ids)
+    logits = randn(1, V, seed, scale)
+    params = [sp(do_sample=True, top_k=k, top_p=p, temperature=t, typical_p=ty)]
+    assert_matches_reference(Sampler(candidates=candidates), logits, params, [[0]])
 
 
 def test_top_k_keeps_ties_with_kth_value() -> None:
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.5], [5.0, 4.0, 4.0, 1.0, 1.0, 0.0]])
     params = [sp(do_sample=True, top_k=2), sp(do_sample=True, top_k=2, top_p=0.999)]
-    got = Sampler().distribution(logits.clone(), _states(params, [[0], [0]]))
-    assert (got[0] > 0).tolist() == [True, True, True, True, False, False]
-    assert (got[1] > 0).tolist() == [True, True, True, False, False, False]
-    ref = torch.softmax(TopKLogitsWarper(2)(None, logits.clone()), -1)
-    torch.testing.assert_close(got[0], ref[0])
+    toks = draw_many(Sampler(), logits, params, [[0], [0]], [4000, 4000])
+    assert set(toks[0].tolist()) == {0, 1, 2, 3}  # every kept token shows up in 4000 draws
+    assert set(toks[1].tolist()) == {0, 1, 2}
+    for r, p in enumerate(params):
+        check_draws(toks[r], references(logits[r:r + 1], p, [0]))
 
 
 def test_top_p_keeps_most_likely_token() -> None:
     logits = torch.tensor([[0.0, 9.0, 1.0, 2.0]])
-    got = Sampler().distribution(logits.clone(), _states([sp(do_sample=True, top_p=0.01)], [[0]]))
-    assert got[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    toks = draw_many(Sampler(), logits, [sp(do_sample=True, top_p=0.01)], [[0]], [500])[0]
+    assert toks.tolist() == [1] * 500
+
+
+def _two_sample_chi2(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+    """Homogeneity of two equal-size samples' token counts (bins with < 16 draws pooled)."""
+    big = (a + b) >= 16
+    stat = float(((a[big] - b[big]).double() ** 2 / (a[big] + b[big]).double()).sum())
+    df = int(big.sum()) - 1
+    ra, rb = float(a[~big].sum()), float(b[~big].sum())
+    if ra + rb >= 16:
+        stat += (ra - rb) ** 2 / (ra + rb)
+        df += 1
+    return stat, df
 
 
 def test_candidate_and_dense_routes_agree_with_ties() -> None:
     """Rounded logits give many ties; window size must not change the kept set or the draw."""
-    logits = torch.round(randn(8, V, 11, 3.0) * 2) / 2
+    logits = torch.round(randn(8, 500, 11, 3.0) * 2) / 2
     params = [sp(do_sample=True, top_p=0.83, seed=i, top_k=[0, 0, 20, 3][i % 4]) for i in range(8)]
-    outs = [Sampler(candidates=c).distribution(logits.clone(), _states(params, [[1]] * 8)) for c in (2, 64, V)]
-    for o in outs[1:]:
-        torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-5)
-    toks = [Sampler(candidates=c)(logits.clone(), _states(params, [[1]] * 8)).tolist() for c in (64, 100, 300)]
+    toks = [Sampler(candidates=c)(logits.clone(), [seq(p, [1]) for p in params]).tolist() for c in (64, 100, 300)]
     assert toks[0] == toks[1] == toks[2]
+    # Window 2 sends top_p rows (and top_k rows with a tie at the k-th value) to the dense route;
+    # the full window keeps them on the candidate route: same distribution, other draws.
+    n = 6000
+    rows = [0, 2, 3]
+    dense = draw_many(Sampler(candidates=2), logits[rows], [params[r] for r in rows], [[1]] * 3, [n] * 3)
+    cand = draw_many(Sampler(candidates=500), logits[rows], [params[r] for r in rows], [[1]] * 3, [n] * 3,
+                     seed0=10**9)  # independent draws
+    for j in range(len(rows)):
+        a, b = torch.bincount(dense[j], minlength=500), torch.bincount(cand[j], minlength=500)
+        stat, df = _two_sample_chi2(a, b)
+        assert df >= 1 and stat < _chi2_upper(df), (rows[j], stat, df)
 
 
 def test_repetition_penalty_matches_transformers_and_covers_prompt_and_output() -> None:
+    """Exact on greedy rows: the logits after the call are transformers' penalised logits (the
+    sampler applies penalties in place) and the token is their argmax."""
     logits = randn(4, V, 3, 2.0)
-    ids = [[1, 2, 3, 3, 499], [10, 20], [0, 5, 7, 9, 11, 13, 400, 17], [42]]
+    ids = [[1, 2, 3, 3, 63], [10, 20], [0, 5, 7, 9, 11, 13, 40, 17], [42]]
     pens = [1.3, 2.0, 0.7, 1.0]
-    params = [sp(repetition_penalty=p) for p in pens]
-    states = _states(params, ids)
-    states[1].append(int(logits[1].argmax()))  # a generated token is penalised too
+    rows = [seq(sp(repetition_penalty=p), i) for p, i in zip(pens, ids)]
+    rows[1].tokens.append(int(logits[1].argmax()))  # a generated token is penalised too
     ids[1].append(int(logits[1].argmax()))
-    got = Sampler().distribution(logits.clone(), [SamplingState(sp(do_sample=True, repetition_penalty=p), i)
-                                                  for p, i in zip(pens, ids)])
+    x = logits.clone()
+    toks = Sampler()(x, rows)
     for r, p in enumerate(pens):
         ref = RepetitionPenaltyLogitsProcessor(p)(torch.tensor([ids[r]]), logits[r:r + 1].clone())
-        torch.testing.assert_close(got[r], torch.softmax(ref, -1)[0])
-    toks = Sampler()(logits.clone(), states)  # greedy rows: argmax after the penalty
-    for r, p in enumerate(pens):
-        ref = RepetitionPenaltyLogitsProcessor(p)(torch.tensor([ids[r]]), logits[r:r + 1].clone())
+        torch.testing.assert_close(x[r], ref[0])
         assert toks[r].item() == ref.argmax().item()
+    assert toks[1].item() != logits[1].argmax().item()  # the penalty changed the argmax
 
 
 def test_repetition_penalty_ignores_ids_outside_logits() -> None:
     logits = randn(1, 10, 4)
     x = logits.clone()
-    Sampler()(x, [SamplingState(sp(repetition_penalty=2.0), [3, 12, 15])])
+    Sampler()(x, [seq(sp(repetition_penalty=2.0), [3, 12, 15])])
     expect = logits.clone()
     expect[0, 3] = expect[0, 3] / 2 if expect[0, 3] > 0 else expect[0, 3] * 2
     torch.testing.assert_close(x, expect)
@@ -191,36 +314,21 @@ def test_repetition_penalty_ignores_ids_outside_logits() -> None:
 def test_greedy_is_argmax_alone_and_mixed() -> None:
     logits = randn(16, 3000, 9, 3.0)
     s = Sampler()
-    all_greedy = [SamplingState(sp(seed=i), [i]) for i in range(16)]
+    all_greedy = [seq(sp(seed=i), [i]) for i in range(16)]
     assert torch.equal(s(logits.clone(), all_greedy), logits.argmax(-1))
-    mixed = [SamplingState(sp(seed=i) if i % 2 else sp(do_sample=True, top_k=5, seed=i), [i]) for i in range(16)]
+    mixed = [seq(sp(seed=i) if i % 2 else sp(do_sample=True, top_k=5, seed=i), [i]) for i in range(16)]
     out = s(logits.clone(), mixed)
     assert torch.equal(out[1::2], logits.argmax(-1)[1::2])
+    assert not torch.equal(out[0::2], logits.argmax(-1)[0::2])  # the sampled rows do sample
     # temperature <= 0 with do_sample means greedy (OpenAI-style temperature 0)
-    z = [SamplingState(sp(do_sample=True, temperature=0.0, seed=i), [i]) for i in range(16)]
+    z = [seq(sp(do_sample=True, temperature=0.0, seed=i), [i]) for i in range(16)]
     assert torch.equal(s(logits.clone(), z), logits.argmax(-1))
 
 
 def test_greedy_bf16_logits() -> None:
     logits = randn(4, 1000, 2, 3.0).to(torch.bfloat16)
-    out = Sampler()(logits, [SamplingState(sp(), [1]) for _ in range(4)])
+    out = Sampler()(logits, [seq(sp(), [1]) for _ in range(4)])
     assert torch.equal(out, logits.float().argmax(-1))
-
-
-def test_logprobs_are_those_of_the_final_distribution() -> None:
-    logits = randn(6, 800, 21, 2.0)
-    params = [sp(), sp(do_sample=True, top_k=5, seed=1), sp(do_sample=True, top_p=0.7, seed=2),
-              sp(do_sample=True, temperature=0.5, seed=3), sp(do_sample=True, typical_p=0.6, seed=4),
-              sp(repetition_penalty=1.5)]
-    states = _states(params, [[1, 2]] * 6)
-    s = Sampler()
-    out = s.sample(logits.clone(), states, want_logprobs=True)
-    dist = s.distribution(logits.clone(), [SamplingState(p if p.do_sample else sp(do_sample=True,
-                                           repetition_penalty=p.repetition_penalty), [1, 2]) for p in params])
-    for r in range(6):
-        tok = out.tokens[r].item()
-        assert dist[r, tok] > 0
-        torch.testing.assert_close(out.logprobs[r], dist[r, tok].log(), atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,20 +348,17 @@ def _run_target(target: dict, position: int, others: list[SamplingParams], steps
     """Generate ``steps`` tokens for ``target`` at row ``position`` among ``others``; the target
     row sees the same logits in every configuration, the other rows random ones."""
     sampler = sampler or Sampler()
-    tgt = SamplingState(sp(**target), [5, 6, 7])
-    rest = [SamplingState(p, [1, 2, 3, 4]) for p in others]
+    tgt = seq(sp(**target), [5, 6, 7])
+    rest = [seq(p, [1, 2, 3, 4]) for p in others]
     g_noise = torch.Generator().manual_seed(len(others) * 7 + position)
-    out = []
     for step in range(steps):
         row = randn(1, vocab, 1000 + step, 2.5)
         logits = torch.randn(len(others) + 1, vocab, generator=g_noise) * 3
         logits[position] = row[0]
         batch = rest[:position] + [tgt] + rest[position:]
-        toks = sampler(logits, batch).tolist()
-        for s, t in zip(batch, toks):
-            s.append(t)
-        out.append(toks[position])
-    return out
+        for s, t in zip(batch, sampler(logits, batch).tolist()):
+            s.tokens.append(t)  # as the engine does
+    return tgt.output_ids
 
 
 OTHERS = [sp(), sp(do_sample=True, top_k=1000, seed=3), sp(do_sample=True, top_p=0.5, seed=4),
@@ -273,15 +378,16 @@ def test_same_seed_same_tokens_whatever_the_batch(target: dict) -> None:
 
 RESTART_SNIPPET = """
 import torch
-from mindie.protocol import SamplingParams
-from workers.engine.sampler import Sampler, SamplingState
+from mindie.contract.wire import SamplingParams
+from workers.engine.sampler import Sampler
+from workers.engine.sequence import Sequence
 result = []
 for i, kw in enumerate(TARGETS):
-    state = SamplingState(SamplingParams(**kw), [5, 6, 7])
+    s = Sequence("r", "f", 3, [5, 6, 7], SamplingParams(**kw), 10)
     for step in range(10):
         logits = torch.randn(1, 2000, generator=torch.Generator().manual_seed(1000 + step)) * 2.5
-        state.append(int(Sampler()(logits, [state])[0]))
-    result.append(state.token_ids.tolist())
+        s.tokens.append(int(Sampler()(logits, [s])[0]))
+    result.append(s.tokens.tolist())
 """
 
 
@@ -295,17 +401,16 @@ def test_same_seed_same_tokens_across_processes() -> None:
     assert json.loads(res.stdout.strip().splitlines()[-1]) == here["result"]
 
 
-def test_state_recreated_each_step_gives_the_same_tokens() -> None:
-    """The draw index is len(tokens) - prompt_len, so an engine may also rebuild the state from
-    its token list every step (or after a preemption) without changing the output."""
+def test_sequence_recreated_each_step_gives_the_same_tokens() -> None:
+    """The draw index is the number of generated tokens, so a request rebuilt from its token
+    list (every step here; after a preemption in the engine) draws the same tokens."""
     target = TARGETS[0]
     kept = _run_target(target, 0, [])
     tokens = [5, 6, 7]
     sampler = Sampler()
     for step in range(12):
         logits = randn(1, 2000, 1000 + step, 2.5)
-        state = SamplingState(sp(**target), tokens, prompt_len=3)
-        tokens = tokens + [int(sampler(logits, [state])[0])]
+        tokens = tokens + [int(sampler(logits, [seq(sp(**target), tokens, prompt_len=3)])[0])]
     assert tokens[3:] == kept
 
 
@@ -327,70 +432,37 @@ def test_uniforms_depend_on_seed_and_step_only() -> None:
     assert abs(corr) < 0.06
 
 
-# --------------------------------------------------------------------------------------------
-# Draw statistics
-# --------------------------------------------------------------------------------------------
-
-
-def _chi2_upper(df: int, z: float = 4.26) -> float:
-    """Chi-square quantile by Wilson-Hilferty; z = 4.26 ~ p = 1e-5 (a false alarm is very rare)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def _chi2(counts: torch.Tensor, probs: torch.Tensor, n: int) -> tuple[float, int]:
-    exp = probs.double() * n
-    big = exp >= 8
-    obs_b, exp_b = counts[big].double(), exp[big]
-    stat = float(((obs_b - exp_b) ** 2 / exp_b).sum())
-    df = int(big.sum()) - 1
-    rest_e = float(exp[~big].sum())
-    if rest_e >= 8:
-        stat += (float(counts[~big].sum()) - rest_e) ** 2 / rest_e
-        df += 1
-    assert float(counts[probs == 0].sum()) == 0, "drew a token of probability 0"
-    return stat, df
-
-
 @pytest.mark.parametrize("params,scale", [
     (dict(temperature=0.9), 1.0),            # dense route, 1000 = 3 chunks of 256 + a tail of 232
     (dict(top_k=20, temperature=1.2), 1.0),  # candidate route
     (dict(top_p=0.9), 3.0),                  # candidate route, p only (nucleus inside the window)
-    (dict(top_p=0.97), 0.5),                 # window too small -> dense fallback
+    (dict(top_p=0.97), 0.5),                 # first window too small -> the wider one
     (dict(typical_p=0.9, top_k=300), 1.0),   # dense route
 ])
 @pytest.mark.parametrize("vary", ["seed", "step"])
 def test_sampled_frequencies_follow_distribution(params: dict, scale: float, vary: str) -> None:
     n, vocab = 12_000, 1000
     logits = randn(1, vocab, 77, scale)
+    p = sp(do_sample=True, **params)
     if vary == "seed":  # n requests with seeds 0..n-1 at their first step
-        states = [SamplingState(sp(do_sample=True, seed=s, **params), [3]) for s in range(n)]
-    else:  # one seed at steps 0..n-1 (a request that already generated `step` tokens)
-        # num_generated = len(ids) - prompt_len; only the draw index matters here
-        states = [SamplingState(sp(do_sample=True, seed=42, **params), [3], prompt_len=1 - t) for t in range(n)]
-    s = Sampler()
-    probs = s.distribution(logits.clone(), states[:1])[0]
-    toks = s(logits.expand(n, vocab).clone(), states)
-    counts = torch.bincount(toks, minlength=vocab)
-    stat, df = _chi2(counts, probs, n)
-    assert df >= 5
-    assert stat < _chi2_upper(df), (stat, df)
+        rows = [seq(msgspec.structs.replace(p, seed=s), [3]) for s in range(n)]
+    else:  # one seed at steps 0..n-1: only the draw index (tokens generated) matters, so a
+        # negative prompt_len stands for t generated tokens without storing them
+        rows = [seq(msgspec.structs.replace(p, seed=42), [3], prompt_len=1 - t) for t in range(n)]
+    assert [r.num_output for r in rows[:3]] == ([0, 0, 0] if vary == "seed" else [0, 1, 2])
+    toks = Sampler()(logits.expand(n, vocab).clone(), rows)
+    check_draws(toks, references(logits, p, [3]))
 
 
 def test_chi2_check_catches_a_biased_draw() -> None:
     """The statistic above is sharp enough: a distribution off by 25% in two tokens fails."""
     n, vocab = 12_000, 1000
     logits = randn(1, vocab, 77, 1.0)
-    states = [SamplingState(sp(do_sample=True, top_k=20, seed=s), [3]) for s in range(n)]
-    s = Sampler()
-    probs = s.distribution(logits.clone(), states[:1])[0]
-    toks = s(logits.expand(n, vocab).clone(), states)
-    biased = probs.clone()
-    top = probs.argsort(descending=True)[:2]
-    biased[top[0]] *= 1.25
-    biased[top[1]] *= 0.75
-    biased /= biased.sum()
-    stat, df = _chi2(torch.bincount(toks, minlength=vocab), biased, n)
-    assert stat > _chi2_upper(df)
+    p = sp(do_sample=True, top_k=20)
+    toks = draw_many(Sampler(), logits, [p], [[3]], [n])[0]
+    ref = check_draws(toks, references(logits, p, [3]))
+    with pytest.raises(pytest.fail.Exception):
+        check_draws(toks, [_biased(ref)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,12 +492,12 @@ def test_green_lists_have_gamma_fraction_and_vary_with_prev(gamma: float) -> Non
 def _generate(params: SamplingParams, steps: int = 200, vocab: int = 5000, gamma: float = 0.5,
               seed: int = 0) -> list[int]:
     sampler = Sampler(wm.WatermarkConfig(gamma=gamma, delta=2.0))
-    state = SamplingState(params, [17])
+    s = seq(params, [17])
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         logits = torch.randn(1, vocab, generator=g) * 2.0
-        state.append(int(sampler(logits, [state])[0]))
-    return state.token_ids.tolist()
+        s.tokens.append(int(sampler(logits, [s])[0]))
+    return s.tokens.tolist()
 
 
 @pytest.mark.parametrize("gamma", [0.5, 0.25])
@@ -476,16 +548,26 @@ def test_detector_script() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# State
+# The token history (one per request: the Sequence's)
 # --------------------------------------------------------------------------------------------
 
 
-def test_state_history() -> None:
-    s = SamplingState(sp(max_new_tokens=2), [1, 2, 3])
-    assert s.num_generated == 0 and s.last_token == 3
-    for t in range(40):  # grows past the initial capacity
-        s.append(t)
-    assert s.num_generated == 40 and s.token_ids.tolist() == [1, 2, 3] + list(range(40))
-    s2 = SamplingState(sp(), [1, 2, 3])
-    s2.sync([1, 2, 3, 9, 8])
-    assert s2.token_ids.tolist() == [1, 2, 3, 9, 8] and s2.num_generated == 2
+def test_sequence_history() -> None:
+    s = seq(sp(max_new_tokens=2), [1, 2, 3])
+    assert s.num_output == 0 and s.tokens[-1] == 3 and s.output_ids == []
+    for t in range(40):  # grows past the capacity reserved for max_new_tokens
+        s.tokens.append(t)
+    assert s.num_output == 40 and s.num_tokens == 43
+    assert s.tokens == [1, 2, 3] + list(range(40)) and list(s.tokens) == s.tokens.tolist()
+    assert s.output_ids == list(range(40)) and s.tokens[2:5] == [3, 0, 1]
+    assert isinstance(s.tokens[4], int) and all(type(t) is int for t in s.tokens[:3])
+    v = s.token_ids
+    assert v.dtype.name == "int64" and v.tolist() == s.tokens.tolist()
+    assert tuple(s.tokens[0:3]) == (1, 2, 3) and hash(tuple(s.tokens[0:3])) == hash((1, 2, 3))  # prefix cache
+    # the sampler sees what the engine appended: the penalty now covers token 7 -> not the argmax
+    logits = torch.zeros(1, 50)
+    logits[0, 7], logits[0, 8] = 2.0, 1.5
+    r = seq(sp(repetition_penalty=2.0), [1])
+    assert Sampler()(logits.clone(), [r]).item() == 7
+    r.tokens.append(7)
+    assert Sampler()(logits.clone(), [r]).item() == 8

@@ -1,7 +1,8 @@
 """Device-worker supervisor: one worker process per device entry, restarted when it dies.
 
 Runs beside the gunicorn master (a sibling under scripts/launch.sh, never its child: the
-master reaps any child with waitpid(-1) and would swallow exit statuses). It
+master reaps any child with waitpid(-1) and would swallow exit statuses). It reads the launch
+plan (``<runDir>/deployment.json``, mindie/contract/spec.py) and
 - starts one ``workers.worker`` process per ``npuDeviceIds`` entry, with device visibility
   set in its environment and, on CPU, its share of the cores;
 - restarts a worker that exits, with exponential backoff, logging the exit code or signal;
@@ -21,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from workers.spec import WorkerSpec, encode_spec
+from mindie.contract.spec import WorkerSpec, encode_spec, read_deployment
 
 log = logging.getLogger("workers.supervisor")
 
@@ -50,10 +51,19 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
+def visibility_env(device_type: str, device_ids: list[int]) -> dict[str, str]:
+    """Environment that makes ``device_ids`` the only devices a worker process sees."""
+    ids = ",".join(str(i) for i in device_ids)
+    if device_type == "npu":
+        return {"ASCEND_RT_VISIBLE_DEVICES": ids}
+    if device_type == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": ids}
+    return {}
+
+
 @dataclass
 class Child:
     spec: WorkerSpec
-    env: dict[str, str]
     proc: subprocess.Popen | None = None
     started: float = 0.0
     restarts: int = 0
@@ -62,14 +72,14 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, specs: list[tuple[WorkerSpec, dict[str, str]]]):
-        self.children = [Child(spec, env) for spec, env in specs]
+    def __init__(self, specs: list[WorkerSpec]):
+        self.children = [Child(spec) for spec in specs]
         self.stopping = False
         self.parent = os.getppid()
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ)
-        env.update(child.env)
+        env.update(visibility_env(child.spec.device_type, child.spec.device_ids))
         cmd = [sys.executable, "-m", "workers.worker", "--spec", encode_spec(child.spec)]
         child.proc = subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=set_pdeathsig)
         child.started = time.monotonic()
@@ -128,29 +138,26 @@ class Supervisor:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        description="Start and watch one device worker per npuDeviceIds entry of the config. "
+        description="Start and watch one device worker per npuDeviceIds entry of the launch plan. "
                     "Normally started by scripts/launch.sh next to gunicorn.")
-    ap.add_argument("--config", default=os.environ.get("MIES_CONFIG_JSON_PATH"),
-                    help="MindIE-shaped config.json (default: $MIES_CONFIG_JSON_PATH, else built-in defaults)")
-    ap.add_argument("--run-dir", default=os.environ.get("MINDIE_RUN_DIR"),
-                    help="private directory for the ipc sockets (default: ServerConfig.runDir)")
-    ap.add_argument("--null-model", action="store_true", default=os.environ.get("MINDIE_NULL_MODEL") == "1",
-                    help="serve the null model (no compute) to benchmark the serving stack")
-    ap.add_argument("--null-step-ms", type=float, default=float(os.environ.get("MINDIE_NULL_STEP_MS", "0")),
-                    help="fixed cost of one null-model step in ms")
+    ap.add_argument("--deployment", default=os.environ.get("MINDIE_DEPLOYMENT"),
+                    help="the launch plan, <runDir>/deployment.json, written by python -m mindie.prepare and "
+                         "settled by python -m workers.prepare (default: $MINDIE_DEPLOYMENT)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO"), stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [supervisor pid %(process)d] %(message)s")
-    from mindie.config import ConfigError, load_config
-    from mindie.topology import worker_specs
-
+    if not args.deployment:
+        ap.error("no launch plan: pass --deployment or set MINDIE_DEPLOYMENT")
     try:
-        config = load_config(args.config)
-    except ConfigError as e:
-        log.error("config error: %s", e)
+        dep = read_deployment(args.deployment)
+    except (OSError, ValueError) as e:
+        log.error("cannot read the launch plan %s: %s", args.deployment, e)
+        raise SystemExit(2)
+    if any(s.device_type == "auto" or not s.model_path for s in dep.workers):
+        log.error("%s is not settled: run python -m workers.prepare on it first", args.deployment)
         raise SystemExit(2)
     set_pdeathsig(signal.SIGTERM)
-    sup = Supervisor(worker_specs(config, args.run_dir, null_model=args.null_model, null_step_ms=args.null_step_ms))
+    sup = Supervisor(dep.workers)
 
     def _stop(signum, _frame):
         log.info("signal %s: stopping device workers", signal.Signals(signum).name)

@@ -1,7 +1,7 @@
 """Device worker process: one device, one engine, two ZeroMQ sockets.
 
 Loop: drain the job socket without blocking (Submit / Cancel / Hello) -> one engine step ->
-publish one FrameBatch per front end with new tokens. With step overlap (WorkerSpec.overlap) the
+publish one FrameBatch per front end with new tokens. With step overlap (EngineConfig.overlap) the
 step is launched first and computes on the engine's compute thread while the loop drains jobs
 and publishes the previous step's frames. When idle it waits on the job socket for at most half
 a heartbeat interval; heartbeats come from their own thread.
@@ -20,15 +20,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import zmq
 
-from mindie import protocol as P
-from workers.spec import WorkerSpec, decode_spec
+from mindie.contract import wire as P
+from mindie.contract.errors import FINISH_ERROR
+from mindie.contract.spec import WorkerSpec, decode_spec
 
-if TYPE_CHECKING:
-    from workers.engine.engine import InFlight
+from workers.engine.engine import CapacityError, Engine, InFlight
 
 log = logging.getLogger("workers.worker")
 
@@ -54,37 +53,30 @@ def _lock_endpoint(endpoint: str) -> object | None:
 
 
 def build_engine(spec: WorkerSpec):
-    """Load the model (or the null model) and size the KV cache; returns (engine, info)."""
-    from workers.engine.engine import Engine, EngineConfig
-    from workers.engine.model_runner import NullRunner
+    """Load the model (or the null model) and size the KV cache; returns (engine, vocab size, device)."""
+    from workers.engine.model_runner import NullRunner, load_runner
 
-    cfg = dict(block_size=spec.block_size, max_seq_len=spec.max_seq_len, max_iter_times=spec.max_iter_times,
-               max_batch_size=spec.max_batch_size, max_prefill_batch_size=spec.max_prefill_batch_size,
-               max_prefill_tokens=spec.max_prefill_tokens, enable_prefix_cache=spec.enable_prefix_cache)
+    cfg = spec.engine
     if spec.null_model:
         runner = NullRunner(spec.null_vocab_size, spec.null_step_ms)
-        # Blocks are bookkeeping only here: size them as a 1 GiB cache of a small model would.
-        num_blocks = max(64, (spec.max_batch_size * spec.max_seq_len) // spec.block_size + 1)
+        # Blocks are bookkeeping only here: enough for every slot at full length.
+        num_blocks = max(64, (cfg.max_batch_size * cfg.max_seq_len) // cfg.block_size + 1)
         log.info("null model: no compute, %.2f ms per step, %d blocks", spec.null_step_ms, num_blocks)
-        return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg), overlap=spec.overlap), {
-            "model_name": spec.model_name, "vocab_size": spec.null_vocab_size, "device": "null"}
+        return Engine(runner, cfg, num_blocks), "null"
 
     from workers.backends import get_backend
-    from workers.model_setup import load_runner
 
     backend = get_backend(spec.device_type, spec.threads)
     backend.setup()
-    runner, info, bytes_per_block = load_runner(spec, backend)
-    kv_bytes = backend.kv_cache_bytes(spec.kv_cache_gb)
-    num_blocks = max(1, kv_bytes // bytes_per_block)
-    runner.allocate_kv(num_blocks, spec.block_size)
+    runner = load_runner(spec, backend)
+    bytes_per_block = runner.bytes_per_block(cfg.block_size)
+    num_blocks = max(1, backend.kv_cache_bytes(spec) // bytes_per_block)
+    runner.allocate_kv(num_blocks, cfg.block_size)
     log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s, attention %s", num_blocks,
-             spec.block_size, num_blocks * bytes_per_block / (1 << 30), num_blocks * spec.block_size,
+             cfg.block_size, num_blocks * bytes_per_block / (1 << 30), num_blocks * cfg.block_size,
              backend.describe(), type(runner.attn).__name__)
-    info["device"] = backend.describe()
-    log.info("step overlap %s", "on (model computes on its own thread)" if spec.overlap else "off")
-    return Engine(runner, EngineConfig(num_blocks=num_blocks, **cfg), overlap=spec.overlap,
-                  thread_init=backend.bind_thread), info
+    log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
+    return Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), backend.describe()
 
 
 class Worker:
@@ -94,9 +86,9 @@ class Worker:
         self.stop = False
         self.frontends: dict[str, FrontendState] = {}
         t0 = time.perf_counter()
-        self.engine, self.info = build_engine(spec)
+        self.engine, self.device = build_engine(spec)
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
-                 self.info["model_name"], self.info["vocab_size"])
+                 spec.model_name, self.engine.runner.vocab_size)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -115,7 +107,7 @@ class Worker:
         self.pending: dict[str, list[P.TokenFrame]] = {}
         self.idle_wait_ms = int(P.HEARTBEAT_INTERVAL_S * 1000 / 2)
         self.cores = None
-        if spec.core_share_file and not spec.null_model:
+        if spec.core_share_file and spec.device_type == "cpu" and not spec.null_model:
             from workers.backends.core_share import CoreShare
             self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
 
@@ -128,11 +120,13 @@ class Worker:
         return st
 
     def _welcome(self, fid: str, st: FrontendState) -> None:
-        self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq, self.info["model_name"],
-                                           self.info["vocab_size"], self.spec.max_seq_len))
+        self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq))
 
     def _emit(self, fid: str, frame: P.TokenFrame) -> None:
         self.pending.setdefault(fid, []).append(frame)
+
+    def _fail(self, fid: str, request_id: str, err: P.RequestError) -> None:
+        self._emit(fid, P.TokenFrame(request_id, finish_reason=FINISH_ERROR, error=err))
 
     def handle(self, msg: P.JobMessage) -> None:
         if isinstance(msg, P.Submit):
@@ -140,9 +134,13 @@ class Worker:
             st = self._frontend(msg.frontend_id)
             if not known:
                 self._welcome(msg.frontend_id, st)
-            res = self.engine.add(msg)
-            if isinstance(res, P.RequestError):
-                self._emit(msg.frontend_id, P.TokenFrame(msg.request_id, finish_reason=P.FINISH_ERROR, error=res))
+            try:
+                self.engine.add(msg)
+            except CapacityError as e:
+                self._fail(msg.frontend_id, msg.request_id, P.request_error(424, str(e)))
+            except Exception as e:  # a request the front end should not have sent (AssertionError)
+                log.error("request %s refused: %s", msg.request_id, e)
+                self._fail(msg.frontend_id, msg.request_id, P.request_error(500, f"Request refused by the device worker: {e}"))
             else:
                 st.requests.add(msg.request_id)
         elif isinstance(msg, P.Cancel):
@@ -174,7 +172,7 @@ class Worker:
 
     # -- housekeeping -----------------------------------------------------------------------
     def reap(self) -> None:
-        """Cancel requests of dead front ends and requests past their deadline."""
+        """Cancel the requests of front ends whose Hellos stopped."""
         now = time.monotonic()
         for fid, st in list(self.frontends.items()):
             if now - st.last_hello > P.FRONTEND_TIMEOUT_S:
@@ -183,9 +181,6 @@ class Worker:
                 log.warning("front end %s silent for %.1f s: cancelled its %d requests", fid,
                             now - st.last_hello, len(st.requests))
                 del self.frontends[fid]
-        for seq in self.engine.expire(time.time()):
-            err = P.RequestError(500, "Incomplete Generation", "Engine callback timeout: client timeout")
-            self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, finish_reason=P.FINISH_ERROR, error=err))
 
     def publish(self) -> None:
         for fid, frames in self.pending.items():
@@ -211,7 +206,7 @@ class Worker:
             bm = self.engine.blocks
             try:
                 self._send(P.HEARTBEAT_TOPIC, P.Heartbeat(
-                    self.spec.worker_id, self.instance, self.info["device"], os.getpid(), self.info["model_name"],
+                    self.spec.worker_id, self.instance, self.device, os.getpid(), self.spec.model_name,
                     self.engine.num_running, self.engine.num_waiting, bm.num_free, bm.num_blocks,
                     self.engine.scheduler.num_preemptions, bm.hit_rate, bm.block_size, self.engine.steps))
             except zmq.ZMQError:
@@ -287,10 +282,10 @@ class Worker:
         """One bad batch must not take the worker down: end this worker's requests with errors."""
         log.error("engine step failed: aborting the %d requests of this worker", len(self.engine.requests),
                   exc_info=e)
-        err = P.RequestError(500, "Incomplete Generation", f"Device step failed: {type(e).__name__}: {e}")
+        err = P.request_error(500, f"Device step failed: {type(e).__name__}: {e}")
         for rid, seq in list(self.engine.requests.items()):
             self.engine.abort(rid)
-            self._emit(seq.frontend_id, P.TokenFrame(rid, finish_reason=P.FINISH_ERROR, error=err))
+            self._fail(seq.frontend_id, rid, err)
 
     def close(self) -> None:
         self.engine.close()
@@ -304,7 +299,7 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="MindIE-py device worker (started by the supervisor).")
-    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON (see workers/spec.py)")
+    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON (mindie/contract/spec.py)")
     args = ap.parse_args(argv)
     spec = decode_spec(args.spec)
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,

@@ -10,10 +10,13 @@ import falcon
 import falcon.asgi
 
 from mindie import responses as R
-from mindie.client import NoWorkerError, RequestStream
+from mindie.api.body import read_body
+from mindie.contract.errors import error_type
+from mindie.client import DeviceClient, NoWorkerError, RequestStream
+from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import ApiError
-from mindie.frontend import FrontEnd
-from mindie.validation import InferRequest, parse_infer_request
+from mindie.metrics import Metrics
+from mindie.validation import InferRequest, Limits, parse_infer_request
 
 log = logging.getLogger("mindie.api")
 
@@ -86,42 +89,45 @@ class Deadlines:
 
 
 class InferResource:
-    def __init__(self, fe: FrontEnd):
-        self.fe = fe
+    def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, limits: Limits, metrics: Metrics):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = metrics
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        fe = self.fe
-        fe.metrics.received()
+        self.metrics.received()
         try:
-            body = await fe.read_body(req)
-            ireq = parse_infer_request(body, fe.limits, encode=fe.tokenizer.encode)
-            token_ids = ireq.input_ids
+            body = await read_body(req, self.limits.max_request_length_mb)
+            ireq = parse_infer_request(body, self.limits, encode=self.tokenizer.encode)
             try:
-                stream = fe.client.submit(token_ids, ireq.sampling, ireq.priority)
+                stream = self.client.submit(ireq.input_ids, ireq.sampling, ireq.priority)
             except NoWorkerError as e:
                 raise ApiError(503, f"No device worker is ready: {e}")
-        except ApiError as e:
-            fe.metrics.failed()
-            resp.status = e.status
-            resp.content_type = falcon.MEDIA_JSON
-            resp.data = e.body()
-            return
-        deadlines = Deadlines(ireq.timeout, fe.token_timeout, fe.e2e_timeout, ireq.stream)
-        fe.metrics.prompt_tokens(len(token_ids))
+        except ApiError:
+            self.metrics.failed()
+            raise
+        lim = self.limits
+        deadlines = Deadlines(ireq.timeout, lim.token_timeout, lim.e2e_timeout, ireq.stream)
+        self.metrics.prompt_tokens(len(ireq.input_ids))
         if ireq.stream:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
             resp.sse = self._stream(ireq, stream, deadlines)
-        else:
-            status, data = await self._collect(req, ireq, stream, deadlines)
-            resp.status = status
-            resp.content_type = falcon.MEDIA_JSON
-            resp.data = data
+            return
+        try:
+            resp.data = await self._collect(req, ireq, stream, deadlines)
+        except ApiError:
+            self.metrics.failed()
+            raise
+        if resp.data is None:
+            resp.status = 499  # the client hung up; nobody reads this
+        resp.content_type = falcon.MEDIA_JSON
 
     async def _collect(self, req: falcon.asgi.Request, ireq: InferRequest, stream: RequestStream,
-                       dl: Deadlines) -> tuple[int, bytes]:
-        fe = self.fe
+                       dl: Deadlines) -> bytes | None:
+        """The JSON reply; None when the client hung up (the request is cancelled)."""
         ids: list[int] = []
         finish = ""
         gone = asyncio.Event()
@@ -131,11 +137,10 @@ class InferResource:
                 deadline, desc = dl.next()
                 frames = await stream.get(max(0.0, deadline - time.monotonic()))
                 if gone.is_set():
-                    fe.metrics.failed()
-                    return 499, b""  # nobody is listening; the request is cancelled below
+                    self.metrics.failed()
+                    return None
                 if not frames:
                     if time.monotonic() >= deadline:
-                        fe.client.cancel(stream)
                         raise ApiError(500, f"Engine callback timeout: {desc}")
                     continue
                 for f in frames:
@@ -144,21 +149,16 @@ class InferResource:
                     ids.extend(f.token_ids)
                     if f.finish_reason:
                         finish = f.finish_reason
-        except ApiError as e:
-            fe.metrics.failed()
-            return e.status, e.body()
         finally:
             watcher.cancel()
             if not stream.finished:
-                fe.client.cancel(stream)
-        text = fe.decode(ids)
-        fe.metrics.succeeded(len(ids))
+                self.client.cancel(stream)
+        self.metrics.succeeded(len(ids))
         details = R.Details(finish, len(ids), ids, ireq.sampling.seed) if ireq.details else None
-        return 200, R.reply(text, details)
+        return R.reply(self.tokenizer.decode(ids), details)
 
     async def _stream(self, ireq: InferRequest, stream: RequestStream, dl: Deadlines) -> AsyncIterator[object]:
-        fe = self.fe
-        detok = fe.detokenizer()
+        detok = IncrementalDetokenizer(self.tokenizer)
         ids: list[int] = []
         try:
             while True:
@@ -167,8 +167,8 @@ class InferResource:
                 frames = await stream.get(max(0.0, wait))
                 if not frames:
                     if time.monotonic() >= deadline:
-                        fe.client.cancel(stream)
-                        fe.metrics.failed()
+                        self.client.cancel(stream)
+                        self.metrics.failed()
                         # MindIE writes the raw text into the open stream, then closes it.
                         yield _Raw(f"Engine callback timeout: {desc}".encode())
                         return
@@ -177,7 +177,7 @@ class InferResource:
                 dl.token()
                 for f in frames:
                     if f.error is not None:
-                        fe.metrics.failed()
+                        self.metrics.failed()
                         yield _Raw(R.sse(R.ErrorFrame(f.error.message, f.error.error_type)))
                         return
                     n = len(f.token_ids)
@@ -192,7 +192,7 @@ class InferResource:
                     if f.finish_reason:
                         details = R.StreamDetails(f.finish_reason, len(ids), ireq.sampling.seed) \
                             if ireq.details else None
-                        fe.metrics.succeeded(len(ids))
+                        self.metrics.succeeded(len(ids))
                         last = f.token_ids[-1:] if n else []
                         yield _Raw(R.final_stream_frame(last, prefill if n else None, decode if n else None,
                                                         detok.full_text(), details))
@@ -201,7 +201,7 @@ class InferResource:
             raise
         except Exception as e:  # never leave a truncated chunked body without a reason
             log.exception("stream of request %s failed", stream.request_id)
-            yield _Raw(R.sse(R.ErrorFrame(f"Internal error: {e}", "Incomplete Generation")))
+            yield _Raw(R.sse(R.ErrorFrame(f"Internal error: {e}", error_type(500))))
         finally:
             if not stream.finished:
-                fe.client.cancel(stream)
+                self.client.cancel(stream)

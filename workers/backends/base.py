@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from mindie.contract.spec import WorkerSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class Backend:
     name = "base"
@@ -13,17 +17,14 @@ class Backend:
     def setup(self) -> None:
         """Per-process initialisation (threads, device selection)."""
 
-    def kv_cache_bytes(self, configured_gb: float, fraction: float = 0.8) -> int:
-        """Bytes to give the KV cache: the configured GiB figure, or a fraction of free memory."""
-        if configured_gb > 0:
-            return int(configured_gb * (1 << 30))
+    def kv_cache_bytes(self, spec: WorkerSpec, fraction: float = 0.8) -> int:
+        """Bytes to give the KV cache: npuMemSize GB, or (-1) a fraction of free memory."""
+        if spec.npu_mem_gb > 0:
+            return int(spec.npu_mem_gb * (1 << 30))
         return int(self.free_memory() * fraction)
 
     def free_memory(self) -> int:
         raise NotImplementedError
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (timing, overlap)."""
 
     def bind_thread(self) -> None:
         """Make the calling thread compute like the one that ran ``setup`` (the engine's
@@ -39,6 +40,13 @@ class Backend:
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
+
+    def resolve_dtype(self, name: str, checkpoint_dtype: str | None) -> torch.dtype:
+        """ModelConfig.dtype: a name, or "auto" = the checkpoint's torch_dtype (this device's
+        default when the checkpoint does not say)."""
+        if name != "auto":
+            return DTYPES[name]
+        return DTYPES.get(checkpoint_dtype or "", self.default_dtype())
 
     def describe(self) -> str:
         return self.name

@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from mindie.contract.spec import WorkerSpec
 from workers.backends.base import Backend
 
 
@@ -40,9 +41,9 @@ class CpuBackend(Backend):
             pass
         return 4 << 30
 
-    def kv_cache_bytes(self, configured_gb: float, fraction: float = 0.8) -> int:
-        # Never take most of the host's RAM by default on CPU: 1 GiB unless configured.
-        return int((configured_gb if configured_gb > 0 else 1.0) * (1 << 30))
+    def kv_cache_bytes(self, spec: WorkerSpec, fraction: float = 0.8) -> int:
+        # cpuMemSize GiB (1 unless configured): never most of the host's RAM by default.
+        return int((spec.cpu_mem_gb if spec.cpu_mem_gb > 0 else 1.0) * (1 << 30))
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         from workers.backends.cpu_fused import fuse_model
@@ -59,6 +60,11 @@ class CpuBackend(Backend):
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32
+
+    def resolve_dtype(self, name: str, checkpoint_dtype: str | None) -> torch.dtype:
+        dtype = super().resolve_dtype(name, checkpoint_dtype)
+        # "auto" never picks float16 here: CPUs compute it slowly; bfloat16 has its range.
+        return torch.bfloat16 if name == "auto" and dtype is torch.float16 else dtype
 
     def describe(self) -> str:
         return f"cpu ({torch.get_num_threads()} threads, pid {os.getpid()})"

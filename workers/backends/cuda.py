@@ -26,8 +26,5 @@ class CudaBackend(Backend):
         free, _total = torch.cuda.mem_get_info()
         return free
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
     def describe(self) -> str:
         return f"cuda ({torch.cuda.get_device_name(0)})"

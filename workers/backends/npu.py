@@ -3,8 +3,7 @@
 Exercised: nothing here has run on an NPU in this project's CI (no Ascend hardware is
 available); the CPU and CUDA backends run the same engine and model code. What this module
 relies on, from torch_npu's documented API (shared/reference/torch-npu.md): ``import torch_npu``
-registers the ``npu`` device, ``torch.npu.set_device``, ``torch.npu.mem_get_info`` and
-``torch.npu.synchronize``. The model uses portable torch ops, which torch_npu implements;
+registers the ``npu`` device, ``torch.npu.set_device`` and ``torch.npu.mem_get_info``. The model uses portable torch ops, which torch_npu implements;
 attention uses torch_npu's fused paged-attention ops (workers/backends/npu_attention.py, checked
 on CPU against a fake torch_npu that implements their documented contracts).
 """
@@ -40,6 +39,3 @@ class NpuBackend(Backend):
     def free_memory(self) -> int:
         free, _total = torch.npu.mem_get_info()
         return free
-
-    def synchronize(self) -> None:
-        torch.npu.synchronize()

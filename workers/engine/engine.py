@@ -12,24 +12,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from mindie.protocol import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, RequestError, Submit
+from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH
+from mindie.contract.spec import EngineConfig
+from mindie.contract.wire import Submit
 from workers.engine.block_manager import BlockManager
-from workers.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from workers.engine.scheduler import ScheduledBatch, Scheduler
 from workers.engine.sequence import Sequence, Status
 
 log = logging.getLogger("workers.engine")
 
 
-@dataclass
-class EngineConfig:
-    num_blocks: int
-    block_size: int = 128
-    max_seq_len: int = 2560
-    max_iter_times: int = 512
-    max_batch_size: int = 200
-    max_prefill_batch_size: int = 50
-    max_prefill_tokens: int = 8192
-    enable_prefix_cache: bool = True
+class CapacityError(ValueError):
+    """A request that can never run on this worker (its KV blocks exceed the whole cache)."""
 
 
 @dataclass
@@ -61,53 +55,49 @@ class Runner(Protocol):
 
 
 class Engine:
-    """``overlap``: run the model on a compute thread, so that the caller can take in jobs,
-    encode and send the previous step's frames while the device (or, on CPU, torch's
+    """With ``cfg.overlap`` the model runs on a compute thread, so that the caller can take in
+    jobs, encode and send the previous step's frames while the device (or, on CPU, torch's
     thread pool) computes: ``launch()``, other work, ``collect()``. Without it ``launch()``
-    computes at once. ``step()`` is both in one call."""
+    computes at once. ``step()`` is both in one call.
 
-    def __init__(self, runner: Runner, cfg: EngineConfig, overlap: bool = False,
+    Requests arrive validated by the front end (mindie/validation.py: lengths, ids, the
+    output budget); the engine only refuses what it alone can know (``CapacityError``)."""
+
+    def __init__(self, runner: Runner, cfg: EngineConfig, num_blocks: int,
                  thread_init: Callable[[], object] | None = None):
         """``thread_init`` runs once on the compute thread (device binding and torch's thread
         count are per thread: ``Backend.bind_thread``)."""
         self.runner = runner
         self.cfg = cfg
-        self.overlap = overlap
+        self.overlap = bool(cfg.overlap)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-compute",
-                                        initializer=thread_init) if overlap else None
+                                        initializer=thread_init) if self.overlap else None
         self._inflight: InFlight | None = None
         self._deferred: list[Sequence] = []  # aborted while their step computes: freed at collect
-        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_cache)
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_batch_size, cfg.max_prefill_batch_size, cfg.max_prefill_tokens), self.blocks)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(cfg, self.blocks)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
 
     # -- intake ---------------------------------------------------------------------------
-    def add(self, sub: Submit) -> Sequence | RequestError:
-        """Queue a request, or say why it can never run."""
+    def add(self, sub: Submit) -> Sequence:
+        """Queue a request; ``CapacityError`` when its blocks exceed the whole cache."""
         n = len(sub.token_ids)
-        if sub.request_id in self.requests:
-            return RequestError(422, "Input Validation Error", f"Duplicate request id {sub.request_id}.")
-        if n == 0:
-            return RequestError(422, "Input Validation Error", "Inputs token length must be in (0, 1048576], but got 0")
-        if n >= self.cfg.max_seq_len:
-            return RequestError(424, "Generation Error",
-                                f"Failed to enqueue inferRequest. This model's maximum input ids length cannot be "
-                                f"greater than {self.cfg.max_seq_len - 1},the input ids length is {n}")
-        if max(sub.token_ids) >= self.runner.vocab_size or min(sub.token_ids) < 0:
-            return RequestError(424, "Generation Error", "Failed to enqueue inferRequest. Invalid Input Ids")
-        max_new = max(1, min(sub.params.max_new_tokens, self.cfg.max_iter_times, self.cfg.max_seq_len - n))
+        max_new = sub.params.max_new_tokens
+        assert sub.request_id not in self.requests, f"duplicate request id {sub.request_id}"
+        assert 0 < n and 0 < max_new and n + max_new <= self.cfg.max_seq_len, \
+            f"{n} input + {max_new} output tokens exceed maxSeqLen {self.cfg.max_seq_len}"
+        assert 0 <= min(sub.token_ids) and max(sub.token_ids) < self.runner.vocab_size, \
+            f"an input id is outside the vocabulary [0, {self.runner.vocab_size})"
         need = self.blocks.blocks_needed(n + max_new)
         if need > self.blocks.num_blocks:
-            return RequestError(
-                424, "Generation Error",
+            raise CapacityError(
                 f"Failed to enqueue inferRequest. The request needs {need} KV cache blocks "
                 f"({n} input + {max_new} output tokens) but the cache holds only {self.blocks.num_blocks} blocks "
                 f"of {self.cfg.block_size} tokens")
         seq = Sequence(request_id=sub.request_id, frontend_id=sub.frontend_id, prompt_len=n,
                        tokens=list(sub.token_ids), params=sub.params, max_new_tokens=max_new,
-                       priority=sub.priority, arrival=sub.arrival or time.time(), deadline=sub.deadline)
+                       priority=sub.priority, arrival=sub.arrival or time.time())
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -122,13 +112,6 @@ class Engine:
             else:
                 self.scheduler.remove(seq)
         return seq
-
-    def expire(self, now: float) -> list[Sequence]:
-        """Abort requests past their deadline."""
-        late = [s for s in self.requests.values() if s.deadline and s.deadline < now]
-        for seq in late:
-            self.abort(seq.request_id)
-        return late
 
     # -- state ----------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -202,7 +185,7 @@ class Engine:
             seq.last_token_t = now
             if tok in self.runner.eos_token_ids and not seq.params.ignore_eos:
                 out.finish_reason = FINISH_EOS
-            elif seq.num_output >= seq.max_new_tokens or seq.num_tokens >= self.cfg.max_seq_len:
+            elif seq.num_output >= seq.max_new_tokens:  # within maxSeqLen (checked at add)
                 out.finish_reason = FINISH_LENGTH
             if out.finish_reason:
                 seq.finish_reason = out.finish_reason
@@ -222,4 +205,4 @@ class Engine:
             self._pool.shutdown(wait=True)
 
 
-__all__ = ["Engine", "EngineConfig", "InFlight", "StepOutput", "Runner", "Status"]
+__all__ = ["CapacityError", "Engine", "InFlight", "StepOutput", "Runner", "Status"]

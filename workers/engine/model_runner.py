@@ -6,16 +6,24 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from mindie.contract.spec import WorkerSpec
 from workers.engine.attention import PagedAttention
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 
-SampleFn = Callable[[torch.Tensor, list[Sequence]], list[int]]
+if TYPE_CHECKING:
+    from workers.backends.base import Backend
+
+log = logging.getLogger("workers.engine")
+
+# (logits [B, V], the B sequences to sample) -> LongTensor [B]: a workers.engine.sampler.Sampler.
+SampleFn = Callable[[torch.Tensor, list[Sequence]], torch.Tensor]
 
 
 class ModelRunner:
@@ -61,8 +69,7 @@ class ModelRunner:
         if sampled_seqs:
             rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows])
-            tokens = self.sample(logits, sampled_seqs)
-            it = iter(tokens)
+            it = iter(self.sample(logits, sampled_seqs).tolist())
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
                 if seq.num_computed + n == seq.num_tokens:
                     result[i] = int(next(it))
@@ -86,3 +93,26 @@ class NullRunner:
             time.sleep(cost)
         return [next(self._ids) if seq.num_computed + n == seq.num_tokens else None
                 for seq, n in zip(batch.seqs, batch.num_tokens)]
+
+
+def load_runner(spec: WorkerSpec, backend: Backend) -> ModelRunner:
+    """The worker's model in one pass: config.json read once, dtype picked by the backend,
+    weights loaded and rewritten for the device, sampler wired."""
+    from workers.engine.sampler import Sampler
+    from workers.engine.watermark import WatermarkConfig
+    from workers.models.config import ModelArgs
+    from workers.models.loader import load_model
+
+    if not spec.model_path:
+        raise ValueError("WorkerSpec.model_path is empty: run python -m workers.prepare on the launch plan")
+    t0 = time.perf_counter()
+    args = ModelArgs.from_dir(spec.model_path)
+    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype)
+    device = backend.device()
+    model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args)
+    backend.prepare_model(model)
+    log.info("loaded %s (%s, %d layers, vocab %d) as %s on %s in %.2f s", spec.model_path, args.arch,
+             args.num_hidden_layers, args.vocab_size, dtype, device, time.perf_counter() - t0)
+    return ModelRunner(model, (args.num_hidden_layers, args.num_key_value_heads, args.head_dim), dtype,
+                       Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
+                       frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class())

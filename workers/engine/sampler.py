@@ -31,13 +31,13 @@ broken by the lower token id (TGI: arbitrary sort order); the watermark green li
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mindie.protocol import SamplingParams
+from mindie.contract.wire import SamplingParams
 from workers.engine.watermark import WatermarkConfig, WatermarkLogitsProcessor
 
 _NEG_INF = float("-inf")
@@ -60,78 +60,54 @@ def draw_uniforms(seed: int, step: int) -> tuple[float, float]:
     return (z >> 40) * _U24, ((z >> 16) & 0xFFFFFF) * _U24
 
 
-class SamplingState:
-    """What the sampler needs about one request across steps.
+class Row(Protocol):
+    """What the sampler reads of a request (``workers.engine.sequence.Sequence`` is one).
 
-    Create it once per request (``token_ids`` = the prompt, plus any tokens already generated
-    with ``prompt_len`` set) and keep it for the request's whole life, preemptions included;
-    after each step ``append`` the sampled token (or ``sync`` with the full token list). The
-    draw index is ``num_generated``, so a recomputed request draws the same tokens again.
-    ``params.do_sample`` must already be the effective flag (the front end decides it: ``mindie.validation.implicit_do_sample``);
-    a temperature <= 0 also means greedy, and non-positive penalties are ignored.
-    """
-
-    __slots__ = ("params", "seed", "sample", "temperature", "top_k", "top_p", "typical_p",
-                 "penalty", "watermark", "prompt_len", "_ids", "_n")
-
-    def __init__(self, params: SamplingParams, token_ids: Sequence[int], prompt_len: int | None = None) -> None:
-        self.params = params
-        self.seed = int(params.seed) & _M64
-        t = float(params.temperature)
-        self.sample = bool(params.do_sample) and t > 0.0
-        # Greedy rows get neutral warpers: argmax ignores them anyway.
-        self.temperature = t if self.sample else 1.0
-        self.top_k = max(0, int(params.top_k)) if self.sample else 0
-        self.top_p = float(params.top_p) if self.sample and params.top_p < 1.0 else 1.0
-        self.typical_p = float(params.typical_p) if self.sample and params.typical_p < 1.0 else 1.0
-        rp = float(params.repetition_penalty)
-        self.penalty = rp if rp > 0.0 and math.isfinite(rp) else 1.0
-        self.watermark = bool(params.watermark)
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        self.prompt_len = len(ids) if prompt_len is None else int(prompt_len)
-        cap = len(ids) + max(16, min(int(params.max_new_tokens), 1024))
-        self._ids = np.empty(cap, dtype=np.int64)
-        self._ids[: len(ids)] = ids
-        self._n = len(ids)
+    ``params.do_sample`` must already be the effective flag (the front end decides it:
+    ``mindie.validation.implicit_do_sample``); a temperature <= 0 also means greedy, and
+    non-positive penalties are ignored. The draw index is ``num_output``, so a preempted and
+    recomputed request draws the same tokens again."""
 
     @property
-    def num_generated(self) -> int:
-        return self._n - self.prompt_len
+    def params(self) -> SamplingParams: ...
 
     @property
-    def token_ids(self) -> np.ndarray:
-        """Prompt + generated ids (a view: copy it to keep it)."""
-        return self._ids[: self._n]
+    def token_ids(self) -> np.ndarray: ...  # int64 [prompt + generated]: penalty and watermark
 
     @property
-    def last_token(self) -> int:
-        return int(self._ids[self._n - 1]) if self._n else 0
-
-    def append(self, token_id: int) -> None:
-        if self._n == len(self._ids):
-            self._ids = np.concatenate([self._ids, np.empty(len(self._ids), dtype=np.int64)])
-        self._ids[self._n] = token_id
-        self._n += 1
-
-    def sync(self, tokens: Sequence[int]) -> None:
-        """Bring the history up to ``tokens`` (prompt + generated), appending what is new."""
-        n = len(tokens)
-        if n < self._n:
-            self._n = 0
-        for t in tokens[self._n:]:
-            self.append(t)
+    def num_output(self) -> int: ...  # tokens generated so far
 
 
-class SampleOutput(NamedTuple):
-    tokens: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor | None  # float32 [B]: log-prob of the token under the final distribution
+class _Params(NamedTuple):
+    """A row's parameters as the sampler applies them, derived at each call (well under a
+    microsecond a row). Greedy rows get neutral warpers: argmax ignores them anyway."""
+
+    seed: int
+    sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    typical_p: float
+    penalty: float
+    watermark: bool
+
+
+def _effective(p: SamplingParams) -> _Params:
+    t = float(p.temperature)
+    sample = bool(p.do_sample) and t > 0.0
+    rp = float(p.repetition_penalty)
+    return _Params(int(p.seed) & _M64, sample, t if sample else 1.0, max(0, int(p.top_k)) if sample else 0,
+                   float(p.top_p) if sample and p.top_p < 1.0 else 1.0,
+                   float(p.typical_p) if sample and p.typical_p < 1.0 else 1.0,
+                   rp if rp > 0.0 and math.isfinite(rp) else 1.0, bool(p.watermark))
 
 
 class Sampler:
-    """Batched sampler; one per worker. ``sampler(logits, states) -> LongTensor[B]``.
+    """Batched sampler; one per worker: ``sampler(logits, rows) -> LongTensor[B]``.
 
-    ``logits`` is [B, V] for the rows to sample, in the order of ``states``; it may be modified
-    in place (penalties). Call it once per engine step, then ``states[i].append(tokens[i])``.
+    ``logits`` is [B, V] for the rows to sample, in the order of ``rows`` (see ``Row``); it may
+    be modified in place (penalties). Call it once per engine step; the caller then appends
+    ``tokens[i]`` to the history of ``rows[i]`` (the engine does: ``seq.tokens.append``).
     """
 
     def __init__(self, watermark: WatermarkConfig | None = None, *, candidates: int | Sequence[int] = (128, 1024),
@@ -143,145 +119,104 @@ class Sampler:
         self.max_candidate_k = max_candidate_k
         self.chunk = chunk
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        return self._run(logits, states, False, False)[0]
-
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState],
-               want_logprobs: bool = False) -> SampleOutput:
-        tokens, logprobs, _ = self._run(logits, states, want_logprobs, False)
-        return SampleOutput(tokens, logprobs)
-
-    def distribution(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """[B, V] probabilities the tokens are actually drawn from (one-hot for greedy rows),
-        through the same routes as ``__call__`` (for tests and top-n reporting)."""
-        return self._run(logits, states, False, True)[2]
-
-    # -- driver ------------------------------------------------------------------------------
-
-    def _run(self, logits: torch.Tensor, states: Sequence[SamplingState], want_logprobs: bool,
-             want_dist: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        if logits.dim() != 2 or logits.shape[0] != len(states):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+    def __call__(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         B, V = logits.shape
         dev = logits.device
         if logits.dtype != torch.float32:  # bf16/fp16 model output: filter and draw in fp32
             logits = logits.float()
-        if not want_dist and not any(s.sample or s.penalty != 1.0 or s.watermark for s in states):
-            tok = logits.argmax(-1)  # fast path: all greedy, nothing to adjust
-            return tok, self._greedy_logprobs(logits, tok) if want_logprobs else None, logits
+        ps = [_effective(r.params) for r in rows]
+        if not any(p.sample or p.penalty != 1.0 or p.watermark for p in ps):
+            return logits.argmax(-1)  # fast path: all greedy, nothing to adjust
 
-        wm = [i for i, s in enumerate(states) if s.watermark]
+        wm = [i for i, p in enumerate(ps) if p.watermark]
         if wm:
-            self._apply_watermark(logits, states, wm)
-        rp = [i for i, s in enumerate(states) if s.penalty != 1.0]
+            self._apply_watermark(logits, wm, [rows[i].token_ids for i in wm])
+        rp = [i for i, p in enumerate(ps) if p.penalty != 1.0]
         if rp:
-            self._apply_repetition_penalty(logits, states, rp)
+            self._apply_repetition_penalty(logits, rp, [rows[i].token_ids for i in rp],
+                                           [ps[i].penalty for i in rp])
 
         tokens = torch.empty(B, dtype=torch.long, device=dev)
-        logprobs = torch.empty(B, dtype=torch.float32, device=dev) if want_logprobs else None
-        dist = torch.zeros(B, V, dtype=torch.float32, device=dev) if want_dist else logits
-
-        greedy = [i for i, s in enumerate(states) if not s.sample]
+        greedy = [i for i, p in enumerate(ps) if not p.sample]
         if greedy:
             idx, x = _take(logits, greedy)
-            tok = x.argmax(-1)
-            _put(tokens, idx, tok)
-            if logprobs is not None:
-                _put(logprobs, idx, self._greedy_logprobs(x, tok))
-            if want_dist:
-                _put(dist, idx, torch.zeros_like(x).scatter_(1, tok[:, None], 1.0))
+            _put(tokens, idx, x.argmax(-1))
 
-        sampled = [i for i, s in enumerate(states) if s.sample]
+        sampled = [i for i, p in enumerate(ps) if p.sample]
         if not sampled:
-            return tokens, logprobs, dist
-        u = torch.tensor([draw_uniforms(states[i].seed, states[i].num_generated) for i in sampled],
+            return tokens
+        u = torch.tensor([draw_uniforms(ps[i].seed, rows[i].num_output) for i in sampled],
                          dtype=torch.float32).to(dev)
         pos_of = {row: j for j, row in enumerate(sampled)}
-        cand = [i for i in sampled if states[i].typical_p >= 1.0
-                and (0 < states[i].top_k <= self.max_candidate_k or states[i].top_p < 1.0)]
+        cand = [i for i in sampled if ps[i].typical_p >= 1.0
+                and (0 < ps[i].top_k <= self.max_candidate_k or ps[i].top_p < 1.0)]
         cand_set = set(cand)
         dense = [i for i in sampled if i not in cand_set]
         for tier, window in enumerate(self.candidates):
             if tier:  # only top_p-only rows gain from a wider window; top_k rows with ties go dense
-                dense += [i for i in cand if 0 < states[i].top_k < V]
-                cand = [i for i in cand if not 0 < states[i].top_k < V]
+                dense += [i for i in cand if 0 < ps[i].top_k < V]
+                cand = [i for i in cand if not 0 < ps[i].top_k < V]
             if not cand:
                 break
             idx, x = _take(logits, cand)
             uc = u[[pos_of[i] for i in cand]]
-            tok, lp, ok, cdist = self._candidate_route(x, [states[i] for i in cand], uc[:, 0:1], window, want_dist)
+            tok, ok = self._candidate_route(x, [ps[i] for i in cand], uc[:, 0:1], window)
             ok_l = ok.tolist()  # host sync: which rows need a wider window or the dense route
             good = [j for j, flag in enumerate(ok_l) if flag]
             if len(good) == len(cand):
-                idx_good: torch.Tensor | None = idx
+                _put(tokens, idx, tok)
             elif good:
-                g = torch.tensor(good, device=dev)
-                idx_good = torch.tensor([cand[j] for j in good], device=dev)
-                tok, lp = tok[g], lp[g]
-                cdist = cdist[g] if cdist is not None else None
-            if good:
-                _put(tokens, idx_good, tok)
-                if logprobs is not None:
-                    _put(logprobs, idx_good, lp)
-                if cdist is not None:
-                    _put(dist, idx_good, cdist)
+                _put(tokens, torch.tensor([cand[j] for j in good], device=dev), tok[torch.tensor(good, device=dev)])
             cand = [cand[j] for j, flag in enumerate(ok_l) if not flag]
         dense += cand
         if dense:
             dense.sort()
             idx, x = _take(logits, dense)
             ud = u[[pos_of[i] for i in dense]]
-            tok, lp, ddist = self._dense_route(x, [states[i] for i in dense], ud[:, 0:1], ud[:, 1:2])
-            _put(tokens, idx, tok)
-            if logprobs is not None:
-                _put(logprobs, idx, lp)
-            if want_dist:
-                _put(dist, idx, ddist)
-        return tokens, logprobs, dist
-
-    @staticmethod
-    def _greedy_logprobs(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        return x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+            _put(tokens, idx, self._dense_route(x, [ps[i] for i in dense], ud[:, 0:1], ud[:, 1:2]))
+        return tokens
 
     # -- penalties (in place on logits) --------------------------------------------------------
 
-    def _apply_watermark(self, logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
-        prev = torch.tensor([states[i].last_token for i in rows], dtype=torch.long).to(logits.device)
+    def _apply_watermark(self, logits: torch.Tensor, rows: list[int], ids: list[np.ndarray]) -> None:
+        prev = torch.tensor([int(t[-1]) if len(t) else 0 for t in ids], dtype=torch.long).to(logits.device)
         idx, x = _take(logits, rows)
         self.watermark(x, prev)
         if idx is not None:
             logits.index_copy_(0, idx, x)
 
     @staticmethod
-    def _apply_repetition_penalty(logits: torch.Tensor, states: Sequence[SamplingState], rows: list[int]) -> None:
+    def _apply_repetition_penalty(logits: torch.Tensor, rows: list[int], ids: list[np.ndarray],
+                                  penalties: list[float]) -> None:
         """CTRL penalty over the distinct ids of prompt + generated, as one gather/scatter over a
         padded [R, L] id tensor (duplicates write identical values, so they are harmless)."""
         dev, V = logits.device, logits.shape[1]
-        ids = pad_sequence([torch.from_numpy(states[i].token_ids) for i in rows], batch_first=True,
-                           padding_value=-1).to(dev)
-        if ids.shape[1] == 0:
+        t = pad_sequence([torch.from_numpy(a) for a in ids], batch_first=True, padding_value=-1).to(dev)
+        if t.shape[1] == 0:
             return
         # Pads and ids outside the logits (tokenizer vocab > lm_head) become a real id of the row,
         # so they neither crash the gather nor penalise a token that never occurred.
-        valid = (ids >= 0) & (ids < V)
-        first = ids.gather(1, valid.to(torch.uint8).argmax(1, keepdim=True)).clamp_(0, V - 1)
-        ids = torch.where(valid, ids, first)
-        pen = torch.tensor([states[i].penalty for i in rows], dtype=torch.float32).to(dev)[:, None]
+        valid = (t >= 0) & (t < V)
+        first = t.gather(1, valid.to(torch.uint8).argmax(1, keepdim=True)).clamp_(0, V - 1)
+        t = torch.where(valid, t, first)
+        pen = torch.tensor(penalties, dtype=torch.float32).to(dev)[:, None]
         pen = torch.where(valid.any(1, keepdim=True), pen, torch.ones_like(pen))
         idx, x = _take(logits, rows)
-        s = x.gather(1, ids)
-        x.scatter_(1, ids, torch.where(s < 0, s * pen, s / pen))
+        s = x.gather(1, t)
+        x.scatter_(1, t, torch.where(s < 0, s * pen, s / pen))
         if idx is not None:
             logits.index_copy_(0, idx, x)
 
     # -- candidate route -----------------------------------------------------------------------
 
     @staticmethod
-    def _candidate_route(x: torch.Tensor, st: list[SamplingState], u: torch.Tensor, window: int, want_dist: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _candidate_route(x: torch.Tensor, st: list[_Params], u: torch.Tensor, window: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Filter and draw inside each row's topk window (k + 1 for top_k rows, ``window`` for
-        top_p-only rows). Returns tokens, logprobs, ok (rows whose result is exact; the others
-        need a wider window or the dense route) and optionally the dense distribution."""
+        top_p-only rows). Returns the tokens and ok (rows whose result is exact; the others
+        need a wider window or the dense route)."""
         R, V = x.shape
         dev = x.device
         ks = [s.top_k if s.top_k < V else 0 for s in st]  # top_k >= V filters nothing
@@ -331,17 +266,11 @@ class Sampler:
         total = c.gather(1, m - 1)
         j = (c <= u * total).sum(-1, keepdim=True)
         j = torch.minimum(j, (w > 0).sum(-1, keepdim=True) - 1).clamp_(min=0)  # never a zero-mass token
-        tok = idx.gather(1, j)[:, 0]
-        lp = (w.gather(1, j) / total).log()[:, 0]
-        dist = None
-        if want_dist:
-            dist = torch.zeros(R, V, dtype=torch.float32, device=dev).scatter_(1, idx, w / total)
-        return tok, lp, ok, dist
+        return idx.gather(1, j)[:, 0], ok
 
     # -- dense route ---------------------------------------------------------------------------
 
-    def _dense_route(self, x: torch.Tensor, st: list[SamplingState], u1: torch.Tensor, u2: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _dense_route(self, x: torch.Tensor, st: list[_Params], u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
         """TGI's warpers over the whole vocabulary, then the two-level draw."""
         R, V = x.shape
         dev = x.device
@@ -361,9 +290,7 @@ class Sampler:
                 warp(xs, f[rows, col:col + 1])
                 if idx is not None:
                     x.index_copy_(0, idx, xs)
-        probs = torch.softmax(x, dim=-1)
-        tok = self._draw_two_level(probs, u1, u2)
-        return tok, probs.gather(1, tok[:, None])[:, 0].log(), probs
+        return self._draw_two_level(torch.softmax(x, dim=-1), u1, u2)
 
     def _draw_two_level(self, probs: torch.Tensor, u1: torch.Tensor, u2: torch.Tensor) -> torch.Tensor:
         """Inverse-CDF draw: pick a chunk of ``chunk`` ids by its mass with u1, then an id inside

@@ -14,15 +14,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from mindie.contract.spec import EngineConfig
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, Status
-
-
-@dataclass
-class SchedulerConfig:
-    max_batch_size: int = 200
-    max_prefill_batch_size: int = 50
-    max_prefill_tokens: int = 8192  # token budget of one step
 
 
 @dataclass
@@ -37,7 +31,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager):
         self.cfg = cfg
         self.blocks = blocks
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap on sort_key

@@ -4,8 +4,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Iterator, overload
 
-from mindie.protocol import SamplingParams
+import numpy as np
+
+from mindie.contract.wire import SamplingParams
 
 
 class Status(enum.Enum):
@@ -14,24 +17,76 @@ class Status(enum.Enum):
     FINISHED = 2
 
 
+class TokenIds:
+    """Prompt + generated ids of one request, the only copy: a growable int64 numpy buffer.
+
+    The engine uses it like a list (``append``, ``len``, indexing, slices and iteration give
+    Python ints); ``array`` is a zero-copy view for the sampler (the repetition penalty reads
+    it every step through ``torch.from_numpy``)."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, ids: list[int] | tuple[int, ...] | np.ndarray = (), capacity: int = 0) -> None:
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self._n = len(a)
+        self._buf = np.empty(max(capacity, self._n, 16), dtype=np.int64)
+        self._buf[: self._n] = a
+
+    @property
+    def array(self) -> np.ndarray:
+        """The ids as a view of the buffer (later appends do not show in it)."""
+        return self._buf[: self._n]
+
+    def append(self, token_id: int) -> None:
+        if self._n == len(self._buf):
+            self._buf = np.concatenate([self._buf, np.empty_like(self._buf)])
+        self._buf[self._n] = token_id
+        self._n += 1
+
+    def tolist(self) -> list[int]:
+        return self._buf[: self._n].tolist()
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return self._buf[: self._n][i].tolist()
+        return int(self._buf[: self._n][i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        return self.tolist() == (other.tolist() if isinstance(other, TokenIds) else other)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self.tolist()})"
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request inside a worker.
 
-    ``tokens`` is prompt + generated ids. ``num_computed`` counts the tokens whose KV is
-    in the cache; the tokens still to compute are ``tokens[num_computed:]`` (a whole
-    prompt, a prefill chunk, or the last generated token during decode).
+    ``tokens`` is prompt + generated ids (``TokenIds``; a list given to the constructor is
+    converted), the request's one token history: the sampler reads it too (``token_ids``).
+    ``num_computed`` counts the tokens whose KV is in the cache; the tokens still to compute
+    are ``tokens[num_computed:]`` (a whole prompt, a prefill chunk, or the last generated
+    token during decode).
     """
 
     request_id: str
     frontend_id: str
     prompt_len: int
-    tokens: list[int]
+    tokens: TokenIds  # a list[int] is accepted and converted
     params: SamplingParams
     max_new_tokens: int  # already capped by maxIterTimes and maxSeqLen
     priority: int = 5
     arrival: float = field(default_factory=time.time)
-    deadline: float = 0.0
     order: int = 0  # arrival order inside this worker, ties broken by it
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
@@ -42,11 +97,20 @@ class Sequence:
     enqueue_t: float = field(default_factory=time.perf_counter)
     last_token_t: float = 0.0
     finish_reason: str = ""
-    sampler_state: object = None  # the sampler's per-request history (workers/engine/sampler.py)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, TokenIds):
+            # Room for the whole output (max_new_tokens is capped by maxSeqLen): no regrowth.
+            self.tokens = TokenIds(self.tokens, len(self.tokens) + min(self.max_new_tokens, 1 << 16))
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """``tokens`` as an int64 numpy view, no copy (what the sampler reads)."""
+        return self.tokens.array
 
     @property
     def output_ids(self) -> list[int]:
@@ -54,6 +118,7 @@ class Sequence:
 
     @property
     def num_output(self) -> int:
+        """Generated tokens so far (also the sampler's draw index)."""
         return len(self.tokens) - self.prompt_len
 
     @property

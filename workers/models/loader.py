@@ -13,32 +13,16 @@ from safetensors import safe_open
 from .config import ModelArgs, ModelConfigError
 from .llama import DecoderLM
 
-__all__ = ["load_model", "ModelConfigError", "ModelLoadError", "safetensors_files", "resolve_dtype"]
+__all__ = ["load_model", "ModelConfigError", "ModelLoadError", "safetensors_files"]
 
 log = logging.getLogger("workers.models")
 
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tensors some checkpoints carry that the model recomputes itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class ModelLoadError(RuntimeError):
     """The weights cannot be loaded; the message names the file and tensors involved."""
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, args: ModelArgs) -> torch.dtype:
-    """None -> the checkpoint's `torch_dtype` (fp32 when the config does not say)."""
-    if dtype is None:
-        return _DTYPE_NAMES.get(args.torch_dtype or "float32", torch.float32)
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}.get(name, name)
-        if name not in _DTYPE_NAMES:
-            raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(_DTYPE_NAMES)})")
-        return _DTYPE_NAMES[name]
-    if dtype not in _DTYPE_NAMES.values():
-        raise ValueError(f"unsupported dtype {dtype} (supported: float32, bfloat16, float16)")
-    return dtype
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -74,6 +58,14 @@ def _param_slots(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
     def whole(name: str, p: torch.Tensor) -> None:
         slots[name] = (p, 0, p.shape[0])
 
+    def linear(name: str, lin: torch.nn.Module, parts: list[tuple[str, int, int]] | None = None) -> None:
+        """A linear layer's weight and bias; ``parts`` (HF name, first row, rows) when several HF
+        projections are fused into it."""
+        for proj, start, n in parts or [(name, 0, lin.weight.shape[0])]:
+            slots[f"{proj}.weight"] = (lin.weight, start, n)
+            if lin.bias is not None:
+                slots[f"{proj}.bias"] = (lin.bias, start, n)
+
     whole("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
     if model.lm_head is not None:
@@ -81,26 +73,16 @@ def _param_slots(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
         att = layer.self_attn
-        rows = {"q_proj": (0, a.q_size), "k_proj": (a.q_size, a.kv_size), "v_proj": (a.q_size + a.kv_size, a.kv_size)}
-        for proj, (start, n) in rows.items():
-            slots[f"{pre}self_attn.{proj}.weight"] = (att.qkv_proj.weight, start, n)
-            if att.qkv_proj.bias is not None:
-                slots[f"{pre}self_attn.{proj}.bias"] = (att.qkv_proj.bias, start, n)
-        whole(f"{pre}self_attn.o_proj.weight", att.o_proj.weight)
-        if att.o_proj.bias is not None:
-            whole(f"{pre}self_attn.o_proj.bias", att.o_proj.bias)
+        linear("", att.qkv_proj, [(f"{pre}self_attn.q_proj", 0, a.q_size),
+                                  (f"{pre}self_attn.k_proj", a.q_size, a.kv_size),
+                                  (f"{pre}self_attn.v_proj", a.q_size + a.kv_size, a.kv_size)])
+        linear(f"{pre}self_attn.o_proj", att.o_proj)
         if att.q_norm is not None and att.k_norm is not None:
             whole(f"{pre}self_attn.q_norm.weight", att.q_norm.weight)
             whole(f"{pre}self_attn.k_norm.weight", att.k_norm.weight)
-        mlp = layer.mlp
         inter = a.intermediate_size
-        for proj, start in (("gate_proj", 0), ("up_proj", inter)):
-            slots[f"{pre}mlp.{proj}.weight"] = (mlp.gate_up_proj.weight, start, inter)
-            if mlp.gate_up_proj.bias is not None:
-                slots[f"{pre}mlp.{proj}.bias"] = (mlp.gate_up_proj.bias, start, inter)
-        whole(f"{pre}mlp.down_proj.weight", mlp.down_proj.weight)
-        if mlp.down_proj.bias is not None:
-            whole(f"{pre}mlp.down_proj.bias", mlp.down_proj.bias)
+        linear("", layer.mlp.gate_up_proj, [(f"{pre}mlp.gate_proj", 0, inter), (f"{pre}mlp.up_proj", inter, inter)])
+        linear(f"{pre}mlp.down_proj", layer.mlp.down_proj)
         whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
         whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return slots
@@ -113,21 +95,24 @@ def _names(names: list[str], limit: int = 12) -> str:
 
 def load_model(
     path: str | Path,
-    dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     *,
     max_positions: int | None = None,
+    args: ModelArgs | None = None,
 ) -> tuple[DecoderLM, ModelArgs]:
     """Build a DecoderLM from a Hugging Face model directory and load its safetensors weights.
 
-    dtype None uses the checkpoint's `torch_dtype`. `max_positions` caps the rope table (see
-    DecoderLM). Raises ModelConfigError for a bad config.json and ModelLoadError for missing,
-    unexpected or mis-shaped tensors. Returns the model in eval mode and its ModelArgs.
+    dtype None uses the checkpoint's `torch_dtype` (float32 when it does not say). `args`: the
+    directory's ModelArgs when the caller has read them already. `max_positions` caps the rope
+    table (see DecoderLM). Raises ModelConfigError for a bad config.json and ModelLoadError for
+    missing, unexpected or mis-shaped tensors. Returns the model in eval mode and its ModelArgs.
     """
     path = Path(path)
     t0 = time.monotonic()
-    args = ModelArgs.from_dir(path)
-    dtype = resolve_dtype(dtype, args)
+    args = args or ModelArgs.from_dir(path)
+    if dtype is None:
+        dtype = getattr(torch, args.torch_dtype or "float32")
     device = torch.device(device)
     files = safetensors_files(path)
     log.info(

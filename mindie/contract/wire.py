@@ -1,6 +1,4 @@
-"""Wire protocol between front ends and device workers (ZeroMQ + msgspec msgpack).
-
-Both sides import this module and nothing else of each other. Every message is an
+"""Wire protocol between front ends and device workers (ZeroMQ + msgspec msgpack). Every message is an
 ``array_like`` msgspec Struct with an integer tag, so a message encodes as a compact
 msgpack array whose first element is the tag. Evolve messages only by appending fields
 with defaults (older peers ignore trailing items, newer peers fill missing ones).
@@ -16,13 +14,9 @@ from typing import Union
 
 import msgspec
 
-HEARTBEAT_TOPIC = b"\x00hb"
+from mindie.contract.errors import error_type
 
-# Finish reasons, spelled as MindIE reports them (mindie.md section 4.5).
-FINISH_EOS = "eos_token"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "stop_sequence"
-FINISH_ERROR = "error"  # internal: the frame carries an error, the front end reports it
+HEARTBEAT_TOPIC = b"\x00hb"
 
 
 class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -52,7 +46,6 @@ class Submit(Message, tag=1):
     token_ids: list[int]
     params: SamplingParams
     priority: int = 5
-    deadline: float = 0.0  # wall-clock epoch seconds; 0 = none
     arrival: float = 0.0  # wall-clock epoch seconds when the front end accepted it
 
 
@@ -83,9 +76,6 @@ class Welcome(Message, tag=4):
     instance: str  # random per worker process start: a change means a restarted worker
     frontend_id: str
     seq: int
-    model_name: str
-    vocab_size: int
-    max_seq_len: int
 
 
 class RequestError(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -94,6 +84,11 @@ class RequestError(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     status: int
     error_type: str
     message: str
+
+
+def request_error(status: int, message: str) -> RequestError:
+    """A RequestError with MindIE's error type for ``status``."""
+    return RequestError(status, error_type(status), message)
 
 
 class TokenFrame(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

@@ -1,0 +1,91 @@
+"""The boundary between the front end and the device side (docs/design.md, "Module map"):
+``mindie/`` imports nothing of ``workers/``; ``workers/`` imports only ``mindie.contract``;
+the contract imports only the standard library, msgspec and itself; front ends and the
+supervisor never load torch."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT
+
+STDLIB = set(sys.stdlib_module_names)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file, relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.append((node.lineno, module))
+    return out
+
+
+def files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def violations(package: str, allowed) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{line}: imports {m}" for p in files(package) for line, m in imports(p)
+            if not allowed(p, m)]
+
+
+def test_front_end_imports_nothing_of_workers() -> None:
+    assert violations("mindie", lambda p, m: top(m) != "workers") == []
+
+
+def test_workers_import_only_the_contract_of_mindie() -> None:
+    assert violations("workers", lambda p, m: top(m) != "mindie" or m == "mindie.contract"
+                      or m.startswith("mindie.contract.")) == []
+
+
+def test_contract_imports_only_stdlib_msgspec_and_itself() -> None:
+    allowed = STDLIB | {"msgspec", "__future__"}
+    bad = violations("mindie/contract", lambda p, m: top(m) in allowed or m == "mindie.contract"
+                     or m.startswith("mindie.contract."))
+    assert bad == []
+
+
+def test_the_scan_sees_a_violation(tmp_path: Path) -> None:
+    """The scanner itself: an import it must flag is flagged (relative forms included)."""
+    probe = ROOT / "mindie" / "_boundary_probe.py"
+    probe.write_text("from workers.engine import engine\nfrom ..workers import spec\nimport workers\n")
+    try:
+        bad = violations("mindie", lambda p, m: top(m) != "workers")
+    finally:
+        probe.unlink()
+    assert len(bad) == 3, bad
+
+
+BLOCK_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['torch_npu'] = None\n"
+
+
+@pytest.mark.parametrize("modules,absent", [
+    # A front end: the app and everything it builds on.
+    (["mindie.app", "mindie.frontend", "mindie.client", "mindie.prepare", "mindie.topology"], ["torch", "workers"]),
+    # The supervisor: torch-free, and without the front end's asyncio client.
+    (["workers.supervisor"], ["torch", "zmq.asyncio", "mindie.client", "mindie.config"]),
+])
+def test_imports_without_torch(modules: list[str], absent: list[str]) -> None:
+    code = BLOCK_TORCH + "".join(f"import {m}\n" for m in modules) + (
+        "loaded = [m for m in %r if sys.modules.get(m) is not None]\n"
+        "assert not loaded, loaded\n" % absent)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,77 @@
+"""Device-side launch step: settle what only the device side knows, in the launch plan.
+
+    python -m workers.prepare <runDir>/deployment.json
+
+Run by scripts/launch.sh after ``mindie.prepare`` wrote the plan and before anything starts:
+resolves ``deviceType: auto`` (npu, else cuda, else cpu), makes the built-in demo model when no
+weights are configured (random weights, real tokenizer; about 4 s, once), and fills the
+device's step-overlap default. Rewrites the file in place; prints ``MINDIE_MODEL_DIR=...``
+for the launcher. Exit status 2 with a message when the model directory is unusable.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+
+import msgspec
+
+from mindie.contract.spec import Deployment, WorkerSpec, read_deployment, write_deployment
+
+log = logging.getLogger("workers.prepare")
+
+
+def overlap_default(device_type: str) -> bool:
+    """An accelerator computes while the host thread is free, so overlapping the worker loop's
+    I/O with the step hides it; on CPU both share the cores and overlap measured neutral
+    (docs/performance.md): off."""
+    return device_type in ("cuda", "npu")
+
+
+def settle(spec: WorkerSpec, device_type: str, model_dir: str) -> WorkerSpec:
+    """``spec`` with the device, the model directory and the overlap default filled in."""
+    engine = spec.engine
+    if engine.overlap is None:
+        engine = msgspec.structs.replace(engine, overlap=overlap_default(device_type))
+    return msgspec.structs.replace(spec, device_type=device_type, model_path=model_dir, engine=engine)
+
+
+def settle_deployment(dep: Deployment) -> Deployment:
+    first = dep.workers[0]
+    device_type = first.device_type
+    if device_type == "auto":
+        from workers.backends import detect
+        device_type = detect()
+        log.info("deviceType auto -> %s", device_type)
+    model_dir = first.model_path
+    if not model_dir:
+        from workers.models.demo import ensure_demo_model
+        model_dir = str(ensure_demo_model())
+        log.info("no modelWeightPath configured: serving the built-in demo model at %s "
+                 "(random weights, its output is gibberish)", model_dir)
+    elif not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} has no "
+                         "config.json (a Hugging Face model directory is expected)")
+    return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Settle the device side of a launch plan (deployment.json): "
+                                             "'auto' device, demo model, overlap default. Run by scripts/launch.sh.")
+    ap.add_argument("deployment", help="path of deployment.json (written by python -m mindie.prepare)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [launch] %(message)s")
+    try:
+        dep = settle_deployment(read_deployment(args.deployment))
+    except SystemExit as e:
+        print(f"config error: {e.code}", file=sys.stderr)
+        raise SystemExit(2)
+    write_deployment(dep, args.deployment)
+    print(f"MINDIE_MODEL_DIR={shlex.quote(dep.model_dir)}")
+
+
+if __name__ == "__main__":
+    main()
