@@ -4,10 +4,17 @@ Started by scripts/launch.sh, which sets the environment read here. The device-w
 supervisor is NOT started from this file: it runs beside the gunicorn master under the
 launcher (SIGHUP re-executes this file, and the master reaps children it does not own).
 Nothing here imports prometheus_client: PROMETHEUS_MULTIPROC_DIR must be set before that.
+
+Liveness (docs/design.md): the master gets SIGTERM when the launcher dies (on_starting); each
+front end gets SIGTERM when the master dies (mindie/gunicorn_worker.py).
 """
-import ctypes
+import errno
 import os
 import signal
+import socket
+import sys
+
+from mindie.contract.lifecycle import die_with_parent, expected_parent
 
 bind = [f"{os.environ.get('MINDIE_HOST', '127.0.0.1')}:{os.environ.get('MINDIE_PORT', '1025')}"]
 workers = int(os.environ.get("MINDIE_FRONTENDS", "1"))
@@ -19,7 +26,7 @@ keepalive = 75
 reuse_port = True  # each front end gets its own SO_REUSEPORT socket: the kernel spreads connections
 control_socket_disable = True  # two instances on one host must not share gunicorn's control socket
 accesslog = os.environ.get("MINDIE_ACCESS_LOG") or None
-loglevel = os.environ.get("MINDIE_LOG_LEVEL", "info").lower()
+loglevel = (os.environ.get("MINDIE_LOG_LEVEL") or "info").lower()
 proc_name = "mindie-frontend"
 certfile = os.environ.get("MINDIE_TLS_CERT") or None
 keyfile = os.environ.get("MINDIE_TLS_KEY") or None
@@ -29,11 +36,32 @@ if ca_certs:
 
 
 def on_starting(server):
-    # If the launcher is SIGKILLed, the master gets SIGTERM instead of living on as an orphan.
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        pass
+    # If the launcher dies, even by SIGKILL, the master gets SIGTERM (a graceful stop of its
+    # front ends) instead of living on as an orphan; at once if it died before this line.
+    # Not for a master re-executed by USR2 (its parent is the old master).
+    if "GUNICORN_PID" not in os.environ:
+        die_with_parent(signal.SIGTERM, expected_parent())
+        _refuse_a_port_in_use(server)
+
+
+def _refuse_a_port_in_use(server):
+    """With reuse_port a second server binds the port of a running one without an error and the
+    kernel splits the connections between them: probe each address without SO_REUSEPORT first."""
+    if os.environ.get("LISTEN_FDS"):
+        return  # sockets handed over by systemd
+    for addr in server.cfg.address:
+        if not isinstance(addr, tuple):
+            continue  # a unix socket path
+        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of a past server is fine
+            try:
+                s.bind(addr[:2])
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                server.log.error("%s:%s is already in use (another server?): not starting", addr[0], addr[1])
+                sys.exit(1)
 
 
 def child_exit(server, worker):

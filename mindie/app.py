@@ -44,11 +44,11 @@ async def _unexpected(req, resp, ex: Exception, params) -> None:
 
 
 def create_app() -> falcon.asgi.App:
-    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [frontend pid %(process)d] %(name)s: %(message)s")
     fe = FrontEnd.from_env()
     app = falcon.asgi.App(middleware=[fe])
-    infer = InferResource(fe.client, fe.tokenizer, fe.limits, fe.metrics)
+    infer = InferResource(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission)
     app.add_route("/infer", infer)
     app.add_route("/infer_token", infer)
     app.add_route("/health", HealthResource(fe.client))

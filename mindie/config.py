@@ -196,7 +196,9 @@ ENV_OVERRIDES: dict[str, str] = {
     "MIES_CONTAINER_MANAGEMENT_IP": "ServerConfig.managementIpAddress",
     "MINDIE_PORT": "ServerConfig.port",
     "MINDIE_RUN_DIR": "ServerConfig.runDir",
+    "MINDIE_FRONTENDS": "ServerConfig.frontendCount",
     "MINDIE_MODEL_PATH": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath",
+    "MINDIE_MODEL_NAME": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName",
     "MINDIE_DEVICE_TYPE": "BackendConfig.deviceType",
     "MINDIE_NPU_DEVICE_IDS": "BackendConfig.npuDeviceIds",
 }
@@ -255,6 +257,8 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
     if (v := get.get("MINDIE_PORT")):
         # Non-numbers stay strings so validation reports them as a type error naming the variable.
         put("MINDIE_PORT", server, "port", int(v) if re.fullmatch(r"[+-]?\d+", v) else v)
+    if (v := get.get("MINDIE_FRONTENDS")):
+        put("MINDIE_FRONTENDS", server, "frontendCount", int(v) if re.fullmatch(r"[+-]?\d+", v) else v)
     if (v := get.get("MINDIE_RUN_DIR")):
         put("MINDIE_RUN_DIR", server, "runDir", os.path.abspath(os.path.expanduser(v)))
     if (v := get.get("MINDIE_DEVICE_TYPE")):
@@ -277,7 +281,31 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
                 entries.append({})
             put("MINDIE_MODEL_PATH", entries[0] if isinstance(entries[0], dict) else None, "modelWeightPath",
                 os.path.abspath(os.path.expanduser(v)))
+    if (v := get.get("MINDIE_MODEL_NAME")):
+        deploy = _section(raw, "BackendConfig", "ModelDeployConfig")
+        entries = deploy.setdefault("ModelConfig", []) if deploy is not None else None
+        if isinstance(entries, list):
+            if not entries:
+                entries.append({})
+            put("MINDIE_MODEL_NAME", entries[0] if isinstance(entries[0], dict) else None, "modelName", v)
     return applied
+
+
+def _default_model_name(raw: dict) -> Optional[str]:
+    """A checkpoint configured without ``modelName`` is served under its directory's name
+    (never as "demo"); returns a note when it applies."""
+    entries = (((raw.get("BackendConfig") or {}).get("ModelDeployConfig") or {}).get("ModelConfig")
+               if isinstance(raw.get("BackendConfig"), dict) else None)
+    if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
+        return None
+    m = entries[0]
+    path = m.get("modelWeightPath")
+    if "modelName" in m or not isinstance(path, str) or not path.strip():
+        return None
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(path.strip()))).strip("-.")[:256]
+    m["modelName"] = name or "model"
+    return (f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelName not set: serving {path.strip()} "
+            f"as {m['modelName']!r}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,13 +432,14 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
     ignored: list[str] = []
     _collect_ignored(raw, Config, "", ignored)
     from_env = _apply_env(raw, env)
+    name_note = _default_model_name(raw)
     try:
         config = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as e:
         key, message = _translate(e, raw)
         raise ConfigError(message, key or "(top level)", env=_env_for(key, from_env), source=source) from None
     _check(config, from_env, source)
-    notes = _adjust(config)
+    notes = _adjust(config) + ([name_note] if name_note else [])
     _resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
     return Loaded(config, source, ignored, notes, from_env)
 

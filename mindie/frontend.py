@@ -7,6 +7,7 @@ import logging
 import os
 import time
 
+from mindie.admission import Admission
 from mindie.client import DeviceClient
 from mindie.config import Config, load_config
 from mindie.contract.spec import Deployment, deployment_path, read_deployment
@@ -21,7 +22,7 @@ class FrontEnd:
     def __init__(self, config: Config, deployment: Deployment):
         server = config.server
         deploy = config.backend.model_deploy
-        self.model_name = deploy.models[0].model_name
+        self.model_name = deployment.workers[0].model_name
         self.model_dir = deployment.model_dir
         self.started = int(time.time())
         with open(os.path.join(self.model_dir, "config.json")) as f:
@@ -35,6 +36,8 @@ class FrontEnd:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.metrics = Metrics(self.model_name)
         self.client = DeviceClient(deployment.workers)
+        # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).
+        self.admission = Admission(deployment.run_dir, server.max_link_num)
 
     @classmethod
     def from_env(cls) -> "FrontEnd":

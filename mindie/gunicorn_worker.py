@@ -1,18 +1,145 @@
 """The gunicorn worker class of the front ends: uvicorn with uvloop + httptools, and a
 graceful-shutdown bound so SIGTERM cannot hang on open SSE streams (UvicornWorker does not
-forward gunicorn's graceful_timeout)."""
+forward gunicorn's graceful_timeout). A front end stops when its master dies, even by SIGKILL
+(uvicorn workers never notice it on their own)."""
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
+import time
 
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
+
+from mindie.contract.lifecycle import die_with_parent
+from mindie.errors import ApiError
+
+# Hostile input at the HTTP layer (docs/reliability.md "Hostile input"): every answer below the
+# app is in MindIE's {"error", "error_type"} shape too.
+HTTP_VERSIONS = frozenset(("1.0", "1.1"))  # what httptools may report: also "0.9" (no version), "2.0"
+
+
+def http_version_guard(app):
+    """The ASGI app, answering a request line of any other HTTP version than 1.0/1.1 (none =
+    "0.9", "HTTP/2.0" sent as text) with 505 instead of Falcon's UnsupportedError (a plain 500)."""
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and scope.get("http_version", "1.1") not in HTTP_VERSIONS:
+            body = ApiError(505, f"HTTP/{scope['http_version']} is not supported: use HTTP/1.1.",
+                            "HTTP Version Not Supported").body()
+            await send({"type": "http.response.start", "status": 505, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+MAX_HEAD_BYTES = 64 * 1024  # request line + headers; httptools itself has no limit
+
+
+class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with its 400 for an unparsable request (bad framing, bad
+    Content-Length or chunk, NUL/CR/LF in the wrong place, invalid method or target) as JSON,
+    a bound on the request head (httptools buffers a header line of any length): 431, and a
+    lost connection seen by every request on it, not only the last one parsed."""
+
+    _head = -1  # bytes of the unfinished head of the current request (-1: not in a head)
+    _heads = 0  # requests begun on this connection
+    _head_too_large = False
+    _cycles: tuple = ()  # requests of this connection whose answer is not complete
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head = 0
+        self._heads += 1
+
+    def on_headers_complete(self) -> None:
+        self._head = -1
+        if len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) > MAX_HEAD_BYTES:
+            self._head_too_large = True
+            raise ValueError("request head too large")  # httptools stops: send_400_response
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle not in self._cycles:
+            self._cycles = (*(c for c in self._cycles if not c.response_complete), self.cycle)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # uvicorn marks only self.cycle (the last request parsed): with pipelined requests the one
+        # running went on generating for nobody, then wrote to the closed transport (a traceback).
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        in_head, heads = self._head >= 0, self._heads
+        super().data_received(data)
+        # A head still unfinished: only chunks wholly inside it count (the first may hold the
+        # previous request's tail), so it may overshoot the limit by one read before the 431,
+        # never grow without bound. A finished head is measured exactly (on_headers_complete).
+        if in_head and self._head >= 0 and self._heads == heads and not self.transport.is_closing():
+            self._head += len(data)
+            if self._head > MAX_HEAD_BYTES:
+                self._head_too_large = True
+                self.send_400_response("")
+
+    def send_400_response(self, msg: str) -> None:
+        if self._head_too_large:
+            self.logger.warning("Request head over %d bytes.", MAX_HEAD_BYTES)
+            self._send_error(431, b"Request Header Fields Too Large",
+                             f"Request line and headers exceed {MAX_HEAD_BYTES} bytes.")
+        else:
+            self._send_error(400, b"Bad Request", msg)
+
+    def _send_error(self, status: int, reason: bytes, msg: str) -> None:
+        body = ApiError(status, msg, reason.decode()).body()
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+        head += [b"%s: %s\r\n" % kv for kv in self.server_state.default_headers]
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                    % len(body))
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        pass  # Upgrade headers are ignored on purpose (ws "none"); uvicorn would log two warnings
 
 
 class FrontEndWorker(UvicornWorker):
     CONFIG_KWARGS = {
         "loop": "uvloop",
-        "http": "httptools",
+        "http": JsonErrorHttpToolsProtocol,
+        # No WebSocket endpoint exists: an Upgrade header is ignored (RFC 9110 §7.8) instead of
+        # reaching a WebSocket handshake (a POST with "Upgrade: websocket" hung there).
+        "ws": "none",
         "lifespan": "on",
         "timeout_graceful_shutdown": int(os.environ.get("MINDIE_GRACEFUL_TIMEOUT", "15")) - 3,
-        "limit_concurrency": int(os.environ.get("MINDIE_MAX_CONNECTIONS", "4096")),
+        # A memory safety net far above maxLinkNum (mindie/prepare.py); requests past maxLinkNum
+        # are refused server-wide with MindIE's JSON 503 by mindie/admission.py, not here.
+        "limit_concurrency": int(os.environ.get("MINDIE_MAX_CONNECTIONS", "16384")),
     }
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self.wsgi = http_version_guard(self.wsgi)
+
+    def init_signals(self) -> None:
+        super().init_signals()  # SIGTERM is SIG_DFL from here until uvicorn installs its handler
+        # The master dies: SIGTERM now (uvicorn's graceful shutdown: stop accepting, let
+        # requests end), from the kernel or, failing that, from a watch of our parent.
+        die_with_parent(signal.SIGTERM, self.ppid)
+        threading.Thread(target=_watch_parent, args=(self.ppid,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(ppid: int) -> None:
+    while os.getppid() == ppid:
+        time.sleep(1.0)
+    logging.getLogger("mindie.frontend").error("gunicorn master (pid %d) is gone: stopping", ppid)
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn ignores a repeated SIGTERM: no harm if it fired
+    # Graceful shutdown is bounded by timeout_graceful_shutdown; a front end hung past it goes anyway.
+    time.sleep(FrontEndWorker.CONFIG_KWARGS["timeout_graceful_shutdown"] + 5)
+    os._exit(1)

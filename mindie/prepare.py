@@ -3,7 +3,12 @@ write the launch plan (``<runDir>/deployment.json``, see mindie/contract/spec.py
 ``NAME=value`` shell assignments for scripts/launch.sh; ``python -m workers.prepare`` then
 settles the device side of the plan.
 
-Fails with exit status 2 and a message naming the config key when the config is wrong.
+Before writing anything it claims the run directory for the launcher
+(mindie/contract/lifecycle.py): a run directory in use by a live server is refused, and what a
+server that died left there (sockets, locks, state files) is removed.
+
+Fails with exit status 2 and a message naming the config key when the config is wrong, or
+naming the run directory when another server uses it.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import shlex
 import sys
 
 from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level
+from mindie.contract.lifecycle import RunDirBusy, claim, launcher_pid
 from mindie.contract.spec import write_deployment
 from mindie.topology import build_deployment
 
@@ -20,7 +26,7 @@ log = logging.getLogger("mindie.prepare")
 
 
 def main() -> None:
-    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")
     try:
         loaded = load_config()
@@ -33,6 +39,15 @@ def main() -> None:
         for key, var in loaded.env_overrides.items():
             log.info("config %s set by environment variable %s", key, var)
         ensure_run_dir(config.server.run_dir)
+        try:
+            stale = claim(config.server.run_dir, launcher_pid())
+        except RunDirBusy as e:
+            print(f"cannot start: {e}", file=sys.stderr)
+            print("exit 2")
+            sys.exit(2)
+        if stale:
+            log.info("removed what a server that stopped uncleanly left in %s: %s", config.server.run_dir,
+                     ", ".join(stale))
         level = os.environ.get("MINDIE_LOG_LEVEL") or python_log_level(config.log.dynamic_log_level)
         dep = build_deployment(config, null_model=os.environ.get("MINDIE_NULL_MODEL") == "1",
                                null_step_ms=float(os.environ.get("MINDIE_NULL_STEP_MS") or 0), log_level=level)
@@ -41,9 +56,14 @@ def main() -> None:
             "MINDIE_DEPLOYMENT": write_deployment(dep),
             "MINDIE_HOST": os.environ.get("MINDIE_HOST") or config.server.ip_address,
             "MINDIE_PORT": str(config.server.port),
-            # MindIE rejects past 3*maxLinkNum connections; uvicorn's limit_concurrency does the same job.
-            "MINDIE_MAX_CONNECTIONS": str(3 * config.server.max_link_num),
+            # maxLinkNum is enforced per request, server-wide, by mindie/admission.py (a JSON 503).
+            # uvicorn's limit_concurrency (per front end, connections or requests, a plain-text
+            # 503) is only a memory safety net, far above the 10x overload the server must absorb.
+            "MINDIE_MAX_CONNECTIONS": str(max(1024, 16 * config.server.max_link_num)),
             "MINDIE_LOG_LEVEL": level,
+            # frontendCount (launch.sh --frontends / MINDIE_FRONTENDS override it); 0 = one front
+            # end per 4 cores, 1 to 4.
+            "MINDIE_FRONTENDS": str(config.server.frontend_count or min(4, max(1, (os.cpu_count() or 1) // 4))),
         }
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -15,19 +15,29 @@ Options (each also settable by the environment variable shown):
                         (default: built-in defaults: demo model, CPU workers)
   -H, --host ADDR       bind address (default ServerConfig.ipAddress)   [MINDIE_HOST]
   -p, --port PORT       bind port (default ServerConfig.port = 1025)    [MINDIE_PORT]
-  -w, --frontends N     number of front-end processes (default 1)       [MINDIE_FRONTENDS]
+  -m, --model DIR       serve this Hugging Face checkpoint               [MINDIE_MODEL_PATH]
+                        (ModelConfig[0].modelWeightPath; default: the built-in demo model)
+  -n, --model-name NAME the name clients use (ModelConfig[0].modelName;  [MINDIE_MODEL_NAME]
+                        default with --model: the directory's name)
+  -w, --frontends N     front-end processes (ServerConfig.frontendCount; [MINDIE_FRONTENDS]
+                        default: one per 4 cores, 1 to 4)
       --run-dir DIR     private directory for ipc sockets (mode 0700)   [MINDIE_RUN_DIR]
       --null-model      serve the null model (no compute; serving-stack benchmark)
                                                                         [MINDIE_NULL_MODEL=1]
       --null-step-ms MS fixed cost of one null-model step               [MINDIE_NULL_STEP_MS]
   -h, --help            show this help
 
-Other environment: MINDIE_MODEL_PATH (ModelConfig[0].modelWeightPath), MINDIE_DEVICE_TYPE
-(auto|npu|cuda|cpu), MINDIE_NPU_DEVICE_IDS ("0,1,..." = one worker per device),
-MINDIE_LOG_LEVEL (INFO), MINDIE_GRACEFUL_TIMEOUT (15 s).
+Other environment: MINDIE_DEVICE_TYPE (auto|npu|cuda|cpu), MINDIE_NPU_DEVICE_IDS ("0,1,..." = one worker per device),
+MINDIE_LOG_LEVEL (default LogConfig.dynamicLogLevel, else INFO), MINDIE_GRACEFUL_TIMEOUT (15 s).
 
 Signals: SIGTERM/SIGINT stop everything (front ends drain up to the graceful timeout, then
-device workers stop); SIGHUP reloads the front ends without reloading the models.
+device workers stop; a second SIGTERM/SIGINT kills what is left at once) and leave the run
+directory clean; SIGHUP reloads the front ends without reloading the models.
+
+If the supervisor or the gunicorn master dies, the rest is stopped and the exit status is the
+dead component's (128+signal when killed). If this script is killed, every process it started
+stops on its own within seconds, and the next start removes what was left in the run directory.
+A start refuses (exit 2) a run directory or port that a running server uses.
 USAGE
 }
 
@@ -40,6 +50,8 @@ while [ $# -gt 0 ]; do
     -c|--config) export MIES_CONFIG_JSON_PATH="$2"; shift 2 ;;
     -H|--host) export MINDIE_HOST="$2"; shift 2 ;;
     -p|--port) export MINDIE_PORT="$2"; shift 2 ;;
+    -m|--model) export MINDIE_MODEL_PATH="$2"; shift 2 ;;
+    -n|--model-name) export MINDIE_MODEL_NAME="$2"; shift 2 ;;
     -w|--frontends) export MINDIE_FRONTENDS="$2"; shift 2 ;;
     --run-dir) export MINDIE_RUN_DIR="$2"; shift 2 ;;
     --null-model) export MINDIE_NULL_MODEL=1; shift ;;
@@ -49,46 +61,127 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-# Validate the config, make the run directory and write the launch plan (front-end side,
-# torch-free); then settle its device side ("auto" device, the built-in demo model, generated
-# on first use). Each prints shell assignments.
+# Processes (docs/design.md, "Liveness"): this script -> supervisor -> device workers, and
+# this script -> gunicorn master -> front ends. Each dies with its parent; this script stops the
+# rest when one of its two children dies.
+export MINDIE_LAUNCHER_PID=$$
+trap 'exit 143' TERM INT  # until the server runs (the EXIT trap then cleans up)
+
+# Validate the config, make the run directory, claim it (refused if a live server uses it; what
+# a dead one left is removed) and write the launch plan (front-end side, torch-free); then settle
+# its device side ("auto" device, the built-in demo model, generated on first use). Each prints
+# shell assignments.
 eval "$("$PY" -m mindie.prepare)"
+# Hold the run directory's lock from now on. Every process started below inherits this
+# descriptor, so the directory counts as in use while any of them lives, even after this script
+# dies; once all have stopped, the EXIT trap removes the server's files (sockets, locks, state).
+exec {lockfd}<>"$MINDIE_RUN_DIR/server.lock"
+"$PY" -m mindie.contract.lifecycle hold "$MINDIE_RUN_DIR" "$lockfd" || exit 2
+release_run_dir() {
+  "$PY" -m mindie.contract.lifecycle release "$MINDIE_RUN_DIR" "$lockfd" || true
+}
+trap release_run_dir EXIT
 eval "$("$PY" -m workers.prepare "$MINDIE_DEPLOYMENT" || echo "exit 2")"
-export MINDIE_HOST MINDIE_PORT MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS MINDIE_LOG_LEVEL
+export MINDIE_HOST MINDIE_PORT MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS MINDIE_LOG_LEVEL \
+  MINDIE_FRONTENDS
 
 # Prometheus multiprocess mode: a fresh directory, set before anything imports the client.
 export PROMETHEUS_MULTIPROC_DIR="$MINDIE_RUN_DIR/prometheus"
 rm -rf "$PROMETHEUS_MULTIPROC_DIR"; mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 
+grace="${MINDIE_GRACEFUL_TIMEOUT:-15}"
 cd "$root"
-"$PY" -m workers.supervisor --deployment "$MINDIE_DEPLOYMENT" &
+# Each child in a process group of its own (job control): a terminal's Ctrl-C reaches only this
+# script, which stops the children in order, and what a child leaves behind can be found.
+set -m
+"$PY" -m workers.supervisor --deployment "$MINDIE_DEPLOYMENT" </dev/null &
 sup=$!
-"$PY" -m gunicorn -c "$root/deploy/gunicorn.conf.py" &
+"$PY" -m gunicorn -c "$root/deploy/gunicorn.conf.py" </dev/null &
 gun=$!
+set +m
 echo "launch.sh: supervisor pid $sup, gunicorn pid $gun, http://$MINDIE_HOST:$MINDIE_PORT" >&2
 
-stopping=0
-stop_all() {
-  stopping=1
-  kill -TERM "$gun" 2>/dev/null || true
-  wait "$gun" 2>/dev/null || true
-  kill -TERM "$sup" 2>/dev/null || true
-  wait "$sup" 2>/dev/null || true
+# Live (not zombie) members of process group $1.
+group_members() {
+  local f line rest st pg
+  for f in /proc/[0-9]*/stat; do
+    { read -r line < "$f"; } 2>/dev/null || continue
+    rest=${line##*) }; st=${rest%% *}; rest=${rest#* }; rest=${rest#* }; pg=${rest%% *}
+    if [ "$pg" = "$1" ] && [ "$st" != Z ] && [ "$st" != X ]; then f=${f#/proc/}; printf '%s ' "${f%/stat}"; fi
+  done
 }
-signalled=0
-trap 'signalled=1; stop_all' TERM INT
+# Stop child $1 (named $2): SIGTERM, wait for it across trapped signals, and report an end
+# that was not the one asked for (it died meanwhile too).
+stop_child() {
+  local st=0
+  kill -TERM "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null && st=0 || st=$?  # bash keeps the status of a child it reaped already
+  while [ "$st" -gt 128 ] && kill -0 "$1" 2>/dev/null; do wait "$1" 2>/dev/null && st=0 || st=$?; done
+  if [ "$1" != "${dead:-}" ] && [ "$st" != 0 ] && [ "$st" != 127 ] && [ "$st" != 143 ] && [ "$hurry" = 0 ]; then
+    echo "launch.sh: the $2 (pid $1) $(describe "$st") too" >&2
+  fi
+}
+# Wait up to $2 s for what is left of process group $1 (named $3), then SIGKILL it.
+sweep() {
+  local deadline=$((SECONDS + $2)) left
+  while left=$(group_members "$1"); [ -n "$left" ]; do
+    if [ "$SECONDS" -ge "$deadline" ] || [ "$hurry" = 1 ]; then
+      echo "launch.sh: $3 still running after $2 s: SIGKILL to pid $left" >&2
+      kill -KILL -- "-$1" 2>/dev/null || true
+      return
+    fi
+    sleep 0.1
+  done
+}
+describe() {  # how a child ended, from its wait status
+  if [ "$1" -gt 128 ]; then echo "was killed by SIG$(kill -l $(($1 - 128)) 2>/dev/null || echo "$(($1 - 128))")"
+  else echo "exited with status $1"; fi
+}
+
+stopping=0 signalled=0 hurry=0
+on_stop_signal() {
+  signalled=1
+  if [ "$stopping" = 1 ]; then  # asked again while stopping: no more waiting
+    hurry=1
+    kill -KILL -- "-$gun" "-$sup" 2>/dev/null || true
+  fi
+  stopping=1
+}
+trap on_stop_signal TERM INT
 trap 'kill -HUP "$gun" 2>/dev/null || true' HUP
 
-status=0
+status=0 reason=""
 while [ "$stopping" = 0 ]; do
-  if wait -n "$sup" "$gun"; then status=0; else status=$?; fi
+  dead=""
+  if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501 )); then
+    wait -n -p dead "$sup" "$gun" && status=0 || status=$?
+  else
+    wait -n "$sup" "$gun" && status=0 || status=$?
+  fi
   # wait returns >128 when a trapped signal interrupted it: loop unless a child really ended.
-  if [ "$stopping" = 0 ] && { ! kill -0 "$sup" 2>/dev/null || ! kill -0 "$gun" 2>/dev/null; }; then
-    echo "launch.sh: a component exited (status $status); stopping the rest" >&2
-    stop_all
+  if [ -z "${dead:-}" ]; then
+    if ! kill -0 "$sup" 2>/dev/null; then dead=$sup; elif ! kill -0 "$gun" 2>/dev/null; then dead=$gun; fi
+  fi
+  if [ -n "${dead:-}" ] && [ "$stopping" = 0 ]; then
+    if [ "$dead" = "$sup" ]; then what="device-worker supervisor"; else what="gunicorn master"; fi
+    reason="the $what (pid $dead) $(describe "$status")"
+    echo "launch.sh: $reason: stopping the server" >&2
+    stopping=1
   fi
 done
-rm -rf "$PROMETHEUS_MULTIPROC_DIR"
-# Stopped on request: a clean exit. Otherwise a component died: report its status.
-[ "$signalled" = 1 ] && status=0
+
+# Front ends first (they drain, or end their requests with errors once no worker answers; those
+# of a master that died stop on their own, watched here), then the device workers.
+stop_child "$gun" "gunicorn master"
+sweep "$gun" $((grace + 5)) "front ends"
+stop_child "$sup" "device-worker supervisor"
+sweep "$sup" 5 "device workers"
+
+if [ "$signalled" = 1 ] && [ -z "$reason" ]; then
+  status=0
+  echo "launch.sh: stopped on request" >&2
+else
+  [ "$status" = 0 ] && status=1  # a component that ends by itself is a failure even with status 0
+  echo "launch.sh: server stopped because $reason (exit status $status)" >&2
+fi
 exit "$status"

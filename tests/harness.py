@@ -99,8 +99,9 @@ def alive(pid: int) -> bool:
 class Server:
     """scripts/launch.sh running in the background, with its log in a file."""
 
-    def __init__(self, config: Path, port: int, env: dict | None = None, frontends: int = 1,
+    def __init__(self, config: Path, port: int, env: dict | None = None, frontends: int | None = 1,
                  args: list[str] | None = None):
+        """``frontends`` None: as the config says (ServerConfig.frontendCount)."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = config.parent / f"server-{port}.log"
@@ -110,8 +111,8 @@ class Server:
         e.setdefault("MINDIE_LOG_LEVEL", "INFO")
         e["PYTHON"] = sys.executable
         self.proc = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(config), "--frontends", str(frontends),
-             *(args or [])], stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=ROOT)
+            ["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(config),
+             *(["--frontends", str(frontends)] if frontends is not None else []), *(args or [])], stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=ROOT)
 
     def wait_ready(self, timeout: float = 90.0) -> float:
         t0 = time.monotonic()
@@ -151,3 +152,43 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+# -- process trees (tests/test_processes.py, scripts/chaos.py) -----------------------------------
+def process_roles(launcher: int) -> dict[int, str]:
+    """Every live process of the server started by launcher pid ``launcher``, with its role:
+    "supervisor", "worker", "master" (gunicorn) or "frontend"."""
+    roles = {}
+    for pid in descendants(launcher):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+            if b"workers.supervisor" in cmd:
+                roles[pid] = "supervisor"
+            elif b"workers.worker" in cmd:
+                roles[pid] = "worker"
+            elif b"gunicorn" in cmd:
+                roles[pid] = "master" if ppid == launcher else "frontend"
+    return {p: r for p, r in roles.items() if alive(p)}
+
+
+def wait_gone(pids, timeout: float) -> float | None:
+    """Seconds until none of ``pids`` is alive (zombies count as dead), or None after ``timeout``."""
+    t0 = time.monotonic()
+    while True:
+        if not any(alive(p) for p in pids):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            return None
+        time.sleep(0.05)
+
+
+def rss_mib(pids) -> float:
+    """Resident memory of ``pids`` together, MiB (processes gone meanwhile count 0)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return total / 1024

@@ -590,3 +590,30 @@ def test_overlap_steps_must_be_bool_or_null(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_dict(tmp_path, with_value("BackendConfig.ScheduleConfig.overlapSteps", "yes"))
     assert str(e.value).startswith("BackendConfig.ScheduleConfig.overlapSteps: ")
+
+
+def test_model_name_follows_the_checkpoint_unless_given(tmp_path: Path) -> None:
+    """A checkpoint configured without modelName is served under its directory's name, never as
+    "demo"; modelName in the file or MINDIE_MODEL_NAME (launch.sh --model-name) wins."""
+    loaded = load_config(None, env={"MINDIE_MODEL_PATH": "/models/Qwen2.5-7B-Instruct"})
+    assert loaded.config.backend.model_deploy.models[0].model_name == "Qwen2.5-7B-Instruct"
+    assert any("modelName not set" in n for n in loaded.notes)
+    odd = load_config(None, env={"MINDIE_MODEL_PATH": "/models/my model (v2)/"}).config
+    assert odd.backend.model_deploy.models[0].model_name == "my-model-v2"
+    named = load_config(None, env={"MINDIE_MODEL_PATH": "/models/x", "MINDIE_MODEL_NAME": "qwen"})
+    assert named.config.backend.model_deploy.models[0].model_name == "qwen" and not named.notes
+    assert named.env_overrides["BackendConfig.ModelDeployConfig.ModelConfig[0].modelName"] == "MINDIE_MODEL_NAME"
+    f = write(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [
+        {"modelName": "llama_65b", "modelWeightPath": "w"}]}}})
+    assert load_config(str(f), env={}).config.backend.model_deploy.models[0].model_name == "llama_65b"
+    assert load_config(None, env={}).config.backend.model_deploy.models[0].model_name == "demo"
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\].modelName.*MINDIE_MODEL_NAME"):
+        load_config(None, env={"MINDIE_MODEL_NAME": "bad name!"})
+
+
+def test_frontend_count_from_file_and_environment(tmp_path: Path) -> None:
+    f = write(tmp_path, {"ServerConfig": {"frontendCount": 3}})
+    assert load_config(str(f), env={}).config.server.frontend_count == 3
+    assert load_config(str(f), env={"MINDIE_FRONTENDS": "2"}).config.server.frontend_count == 2
+    with pytest.raises(ConfigError, match="ServerConfig.frontendCount.*MINDIE_FRONTENDS"):
+        load_config(None, env={"MINDIE_FRONTENDS": "65"})

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mindie.detokenizer import load_tokenizer
-from tests.harness import Server, alive, descendants, free_port, short_run_dir, write_config
+from tests.harness import Server, alive, descendants, free_port, process_roles, short_run_dir, write_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -425,3 +425,65 @@ def test_non_stream_client_disconnect_frees_request(server):
         httpx.post(server.url + "/infer_token", content=json.dumps(body), timeout=1.0)
     # 2400 tokens take several more seconds: it must be gone well before it could finish.
     _wait_nothing_running(server, 3, "non-stream request still running after its client left")
+
+
+# -- config keys that must take effect ---------------------------------------------------------
+def test_config_keys_take_effect(tmp_path, demo_model):
+    """ServerConfig.frontendCount starts that many front ends; LogConfig.dynamicLogLevel sets
+    every process's log level; --model-name names the served model (not "demo")."""
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
+                       workers=1, server={"frontendCount": 2})
+    raw = json.loads(cfg.read_text())
+    raw["LogConfig"] = {"dynamicLogLevel": "debug"}
+    cfg.write_text(json.dumps(raw))
+    srv = Server(cfg, port, frontends=None, args=["--model-name", "my-llm"], env={"MINDIE_LOG_LEVEL": ""})
+    try:
+        srv.wait_ready()
+        roles = process_roles(srv.proc.pid)
+        assert sorted(roles.values()).count("frontend") == 2, roles
+        models = httpx.get(srv.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["my-llm"]
+        assert httpx.get(srv.url + "/v1/models/demo", timeout=10).status_code == 404
+        r = post(srv, {"input_id": [5, 6, 7], "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        log = srv.tail(400)
+        assert " DEBUG [worker w0" in log and "[DEBUG]" in log, log[-2000:]  # workers and gunicorn
+    finally:
+        srv.stop()
+
+
+def test_huge_text_prompt_does_not_stall_the_front_end(tmp_path, demo_model):
+    """A 10 MB text prompt (under the default 40 MB maxRequestLength) is decoded and tokenised
+    off the event loop: the same front end keeps answering, and the prompt gets MindIE's 422
+    for more than 1048576 tokens."""
+    import threading
+
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
+                       workers=1)
+    srv = Server(cfg, port)  # one front end: the probes below share it with the big request
+    try:
+        srv.wait_ready()
+        text = "hello world, " * (10 * 1024 * 1024 // 13)  # ~2.4M tokens: tokenised, then refused
+        result = {}
+
+        def big() -> None:
+            result["r"] = httpx.post(srv.url + "/infer", json={"inputs": text}, timeout=180)
+
+        t = threading.Thread(target=big)
+        t.start()
+        worst = 0.0
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+        t.join()
+        r = result["r"]
+        assert worst < 2.0, f"/health took {worst:.1f} s while the prompt was tokenised"
+        assert r.status_code == 422 and r.json()["error"].startswith(
+            "Inputs token length must be in (0, 1048576], but got"), r.text[:300]
+        assert "WORKER TIMEOUT" not in srv.tail(400)
+    finally:
+        srv.stop()

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                                              "'auto' device, demo model, overlap default. Run by scripts/launch.sh.")
     ap.add_argument("deployment", help="path of deployment.json (written by python -m mindie.prepare)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")
     try:
         dep = settle_deployment(read_deployment(args.deployment))

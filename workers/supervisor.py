@@ -7,13 +7,17 @@ plan (``<runDir>/deployment.json``, mindie/contract/spec.py) and
   set in its environment and, on CPU, its share of the cores;
 - restarts a worker that exits, with exponential backoff, logging the exit code or signal;
 - on SIGTERM/SIGINT stops every worker (SIGTERM, then SIGKILL after a grace period) and
-  exits; workers also get SIGKILL if the supervisor itself dies (PR_SET_PDEATHSIG), and the
-  supervisor exits if its own parent (the launcher) disappears, so nothing is orphaned.
+  exits; a worker stopped this way removes its sockets and locks from the run directory.
+
+Nothing is orphaned, whatever dies (docs/design.md, "Liveness"): workers get SIGKILL when the
+supervisor dies, even by SIGKILL (PR_SET_PDEATHSIG, set in the child before exec, and the parent
+checked again right after, so a death during the fork is not missed); the supervisor gets
+SIGTERM when the launcher dies, and also stops when it sees its parent change.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import logging
 import os
 import signal
@@ -22,24 +26,15 @@ import sys
 import time
 from dataclasses import dataclass
 
+from mindie.contract.lifecycle import die_with_parent, expected_parent
 from mindie.contract.spec import WorkerSpec, encode_spec, read_deployment
 
 log = logging.getLogger("workers.supervisor")
 
-PR_SET_PDEATHSIG = 1
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a worker up this long resets its backoff
 STOP_GRACE_S = 10.0
-
-
-def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except OSError:
-        pass
 
 
 def describe_exit(code: int) -> str:
@@ -72,16 +67,20 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, specs: list[WorkerSpec]):
+    def __init__(self, specs: list[WorkerSpec], parent: int | None = None):
         self.children = [Child(spec) for spec in specs]
         self.stopping = False
-        self.parent = os.getppid()
+        self.parent = parent or os.getppid()
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ)
         env.update(visibility_env(child.spec.device_type, child.spec.device_ids))
         cmd = [sys.executable, "-m", "workers.worker", "--spec", encode_spec(child.spec)]
-        child.proc = subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=set_pdeathsig)
+        # In the child between fork and exec: SIGKILL when this (single-threaded) process dies.
+        # SIGKILL rather than SIGTERM: a worker stuck in a device call must not outlive us; the
+        # launcher (or the next start) removes what it leaves in the run directory.
+        die = functools.partial(die_with_parent, signal.SIGKILL, os.getpid())
+        child.proc = subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=die)
         child.started = time.monotonic()
         log.info("started worker %s (pid %d, device %s %s)", child.spec.worker_id, child.proc.pid,
                  child.spec.device_type, child.spec.device_ids)
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the launch plan, <runDir>/deployment.json, written by python -m mindie.prepare and "
                          "settled by python -m workers.prepare (default: $MINDIE_DEPLOYMENT)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MINDIE_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+    logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [supervisor pid %(process)d] %(message)s")
     if not args.deployment:
         ap.error("no launch plan: pass --deployment or set MINDIE_DEPLOYMENT")
@@ -156,8 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     if any(s.device_type == "auto" or not s.model_path for s in dep.workers):
         log.error("%s is not settled: run python -m workers.prepare on it first", args.deployment)
         raise SystemExit(2)
-    set_pdeathsig(signal.SIGTERM)
-    sup = Supervisor(dep.workers)
+    parent = expected_parent()
+    die_with_parent(signal.SIGTERM, parent)  # the launcher dies: stop the workers and exit
+    sup = Supervisor(dep.workers, parent)
 
     def _stop(signum, _frame):
         log.info("signal %s: stopping device workers", signal.Signals(signum).name)

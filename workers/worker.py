@@ -11,7 +11,7 @@ Run by the supervisor as ``python -m workers.worker --spec '<json>'``.
 from __future__ import annotations
 
 import argparse
-import fcntl
+import contextlib
 import logging
 import os
 import secrets
@@ -25,6 +25,7 @@ import zmq
 
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_ERROR
+from mindie.contract.lifecycle import lock_file
 from mindie.contract.spec import WorkerSpec, decode_spec
 
 from workers.engine.engine import CapacityError, Engine, InFlight
@@ -39,17 +40,28 @@ class FrontendState:
     requests: set[str] = field(default_factory=set)
 
 
-def _lock_endpoint(endpoint: str) -> object | None:
-    """A second bind on an ipc path silently steals it; a lock file makes it an error."""
+def _lock_endpoint(endpoint: str) -> int | None:
+    """A second bind on an ipc path silently steals it; a lock file makes it an error. Returns
+    the descriptor holding the lock (None for a non-ipc endpoint)."""
     if not endpoint.startswith("ipc://"):
         return None
     path = endpoint[len("ipc://"):] + ".lock"
-    fh = open(path, "w")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    fd = lock_file(path)
+    if fd is None:
         raise SystemExit(f"another process already serves {endpoint} (lock {path} is held)")
-    return fh
+    return fd
+
+
+def _unlink_endpoint(endpoint: str, lock: int | None) -> None:
+    """After a clean stop: remove the socket file and then the lock file of an endpoint whose lock
+    this process still holds (nobody else can be bound there), then drop the lock."""
+    if lock is None:
+        return
+    path = endpoint[len("ipc://"):]
+    for p in (path, path + ".lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+    os.close(lock)
 
 
 def build_engine(spec: WorkerSpec):
@@ -218,13 +230,16 @@ class Worker:
         log.info("worker %s serving: jobs %s, frames %s", self.spec.worker_id, self.spec.job_endpoint,
                  self.spec.pub_endpoint)
         self.heartbeat_thread.start()
-        while not self.stop:
-            if self.engine.overlap:
-                self._iterate_overlapped()
-            else:
-                self._iterate()
-        self.heartbeat_thread.join(2 * P.HEARTBEAT_INTERVAL_S)
-        self.close()
+        try:
+            while not self.stop:
+                if self.engine.overlap:
+                    self._iterate_overlapped()
+                else:
+                    self._iterate()
+        finally:
+            self.stop = True
+            self.heartbeat_thread.join(2 * P.HEARTBEAT_INTERVAL_S)
+            self.close()
 
     def _iterate(self) -> None:
         """Jobs in, one step computed, its frames out."""
@@ -288,12 +303,18 @@ class Worker:
             self._fail(seq.frontend_id, rid, err)
 
     def close(self) -> None:
+        """Stop cleanly: the compute thread, the sockets, then this worker's files in the run
+        directory (its two ipc sockets and their locks; the shared cores.busy and the rest are
+        the launcher's to remove once every process stopped)."""
         self.engine.close()
         if self.cores is not None:
             self.cores.close()
         self.pull.close(0)
         self.pub.close(0)
         self.ctx.term()
+        for endpoint, lock in zip((self.spec.job_endpoint, self.spec.pub_endpoint), self._locks):
+            _unlink_endpoint(endpoint, lock)
+        self._locks = [None, None]
         log.info("worker %s stopped", self.spec.worker_id)
 
 
@@ -304,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = decode_spec(args.spec)
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [worker {spec.worker_id} pid %(process)d] %(name)s: %(message)s")
+    log.debug("spec: %s", args.spec)
     worker = Worker(spec)
 
     def _stop(signum, _frame):

@@ -10,6 +10,7 @@ import falcon
 import falcon.asgi
 
 from mindie import responses as R
+from mindie.admission import Admission, Slot
 from mindie.api.body import read_body
 from mindie.contract.errors import error_type
 from mindie.client import DeviceClient, NoWorkerError, RequestStream
@@ -20,6 +21,7 @@ from mindie.validation import InferRequest, Limits, parse_infer_request
 
 log = logging.getLogger("mindie.api")
 
+LARGE_BODY = 256 * 1024  # bytes; larger bodies are parsed on a thread
 IDLE_TICK_S = 1.0  # how often an idle stream checks for a client disconnect
 
 
@@ -88,18 +90,46 @@ class Deadlines:
         return min(cands)
 
 
+def over_limit(limit: int) -> ApiError:
+    """503 "Service Unavailable" past maxLinkNum requests in progress (docs/reliability.md)."""
+    return ApiError(503, f"Too many requests: {limit} requests (maxLinkNum) are in progress, try again later.")
+
+
 class InferResource:
-    def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, limits: Limits, metrics: Metrics):
+    def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, limits: Limits, metrics: Metrics,
+                 admission: Admission | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
+        self.admission = admission
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         self.metrics.received()
+        if self.admission is None:
+            return await self._serve(req, resp, None)
+        # Admission comes first, before the body is read: past maxLinkNum a request costs no work.
+        slot = self.admission.try_acquire()
+        if slot is None:
+            self.metrics.failed()
+            raise over_limit(self.admission.limit)
+        try:
+            await self._serve(req, resp, slot)
+        finally:
+            # Released exactly once: here when no stream was handed out, else by the stream's
+            # generator when it ends (or by Slot's finalizer if Falcon never started it).
+            if resp.sse is None:
+                slot.release()
+
+    async def _serve(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, slot: Slot | None) -> None:
         try:
             body = await read_body(req, self.limits.max_request_length_mb)
-            ireq = parse_infer_request(body, self.limits, encode=self.tokenizer.encode)
+            if len(body) > LARGE_BODY:
+                # Decoding and tokenising megabytes takes seconds: off the event loop, so the
+                # front end's other streams and its gunicorn heartbeat go on meanwhile.
+                ireq = await asyncio.to_thread(parse_infer_request, body, self.limits, encode=self.tokenizer.encode)
+            else:
+                ireq = parse_infer_request(body, self.limits, encode=self.tokenizer.encode)
             try:
                 stream = self.client.submit(ireq.input_ids, ireq.sampling, ireq.priority)
             except NoWorkerError as e:
@@ -114,7 +144,7 @@ class InferResource:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.sse = self._stream(ireq, stream, deadlines)
+            resp.sse = self._stream(ireq, stream, deadlines, slot)
             return
         try:
             resp.data = await self._collect(req, ireq, stream, deadlines)
@@ -157,7 +187,8 @@ class InferResource:
         details = R.Details(finish, len(ids), ids, ireq.sampling.seed) if ireq.details else None
         return R.reply(self.tokenizer.decode(ids), details)
 
-    async def _stream(self, ireq: InferRequest, stream: RequestStream, dl: Deadlines) -> AsyncIterator[object]:
+    async def _stream(self, ireq: InferRequest, stream: RequestStream, dl: Deadlines,
+                      slot: Slot | None) -> AsyncIterator[object]:
         detok = IncrementalDetokenizer(self.tokenizer)
         ids: list[int] = []
         try:
@@ -203,5 +234,9 @@ class InferResource:
             log.exception("stream of request %s failed", stream.request_id)
             yield _Raw(R.sse(R.ErrorFrame(f"Internal error: {e}", error_type(500))))
         finally:
-            if not stream.finished:
-                self.client.cancel(stream)
+            try:
+                if not stream.finished:
+                    self.client.cancel(stream)
+            finally:
+                if slot is not None:
+                    slot.release()

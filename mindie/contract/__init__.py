@@ -5,7 +5,9 @@ Everything both sides must agree on lives here and nowhere else:
 - ``wire``: the ZeroMQ messages (msgspec Structs, msgpack) and their timing constants;
 - ``errors``: MindIE's error types by HTTP status and the finish reasons;
 - ``spec``: what a device worker is told (``WorkerSpec`` with its ``EngineConfig``), the
-  launch plan (``Deployment``) and the naming of worker endpoints in the run directory.
+  launch plan (``Deployment``) and the naming of worker endpoints in the run directory;
+- ``lifecycle``: how every process dies with its parent, and the run directory's entries, its
+  claim at start and its cleanup at stop.
 
 The rule (tests/test_boundary.py enforces it): ``workers/`` imports nothing of ``mindie/``
 but this package; ``mindie/`` outside this package imports nothing of ``workers/``; and this

@@ -30,6 +30,10 @@ class Backend:
         """Make the calling thread compute like the one that ran ``setup`` (the engine's
         compute thread calls it): per-thread state such as the current device."""
 
+    def after_step(self) -> None:
+        """Called by the runner after every step, on the thread that computed it (housekeeping
+        such as returning freed host memory; must be cheap)."""
+
     def attention_class(self) -> type:
         """The paged-attention implementation for this device (portable torch by default)."""
         from workers.engine.attention import PagedAttention

@@ -1,9 +1,31 @@
 """CPU backend: a "device" is a worker process with its share of the cores."""
 from __future__ import annotations
 
+import ctypes
 import os
+import time
 
-import torch
+# Bound oneDNN's per-shape caches before their first use (each reads its capacity then, and this
+# module is imported before the model is loaded and packed). Keys are (shape, thread count); an
+# entry costs 0.3-0.6 MiB here, and at the default 1024 + 1024 entries a worker's heap crept by
+# hundreds of MiB under mixed prompt lengths (docs/reliability.md, "Flat memory"). The packed
+# linears bucket their row counts (cpu_linear.py), so the hot set fits these bounds. Values set
+# in the environment win.
+os.environ.setdefault("LRU_CACHE_CAPACITY", "128")  # ideep: inner-product descriptors, per thread
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")  # oneDNN: primitives, per process
+
+import torch  # noqa: E402
+
+TRIM_INTERVAL_S = 5.0
+
+
+def _malloc_trim():
+    try:
+        fn = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    return fn
 
 from mindie.contract.spec import WorkerSpec
 from workers.backends.base import Backend
@@ -14,6 +36,18 @@ class CpuBackend(Backend):
 
     def __init__(self, threads: int = 0):
         self.threads = threads
+        self._trim = _malloc_trim()
+        self._next_trim = 0.0
+
+    def after_step(self) -> None:
+        # Evicted cache entries (and activations of changing sizes) leave free holes in glibc's
+        # heap that it keeps resident: hand the free pages back every few seconds (about a
+        # millisecond each time).
+        if self._trim is not None:
+            now = time.monotonic()
+            if now >= self._next_trim:
+                self._trim(0)
+                self._next_trim = now + TRIM_INTERVAL_S
 
     def setup(self) -> None:
         if self.threads > 0:

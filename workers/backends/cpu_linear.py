@@ -6,10 +6,23 @@ small-batch matmuls of decoding 1.3-2x faster here (docs/performance.md). The pa
 replaces the original, so memory does not grow, except for a tied embedding, whose plain
 copy the embedding lookup still needs. Where oneDNN cannot pack a dtype on this CPU (fp16
 without AVX-NE-CONVERT / AMX-FP16), the layer keeps ``F.linear``.
+
+Shapes are bucketed. oneDNN builds a primitive per input shape and two caches keep them: ideep's
+per-thread cache of inner-product primitive descriptors (``LRU_CACHE_CAPACITY``, 1024 entries)
+and oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 entries; two per shape
+here, the inner product and its nested brgemm matmul). An entry costs 0.4-0.6 MiB here (the
+brgemm descriptors of the primitive descriptor, and the JIT kernels), and a serving step's row
+count (its token count) takes hundreds of values under mixed prompt lengths: a worker's heap grew
+by about 0.3 MiB per request until both caches were full, some 550 MiB later (docs/reliability.md,
+"Flat memory"). So the rows of every call are padded up to one of a few sizes (``bucket_rows``:
+exact up to 16, then 8 sizes per octave, at most 12.5 % padding) and the output is sliced: a
+model has a bounded set of shapes, all of them cached after warm-up. ``MINDIE_CPU_LINEAR_BUCKETS=0``
+turns the padding off (for measurements: it brings the creep back).
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -24,12 +37,34 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+EXACT_ROWS = 16  # row counts up to this run unpadded (decode batches: memory-bound, every one common)
+BUCKETS = os.environ.get("MINDIE_CPU_LINEAR_BUCKETS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def bucket_rows(m: int) -> int:
+    """The row count a call with ``m`` rows runs at: ``m`` up to EXACT_ROWS, then the next of 8
+    evenly spaced sizes per octave (18, 20, .. 32, 36, .. 64, 72, ..): at most 12.5 % padding and
+    8 shapes per doubling (88 up to 8192 rows)."""
+    if m <= EXACT_ROWS or not BUCKETS:
+        return m
+    step = 1 << ((m - 1).bit_length() - 4)  # m in (2^k, 2^(k+1)]: step 2^(k-3)
+    return -(-m // step) * step
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
                    ) -> torch.Tensor:
     if x.dim() != 2:
         return _packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, out_features).reshape(
             *x.shape[:-1], out_features)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    m = x.shape[0]
+    rows = bucket_rows(m)
+    if rows == m:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    # Output rows depend on their own input row only: pad with zeros, run, keep the first m rows.
+    padded = x.new_empty((rows, x.shape[1]))
+    padded[:m].copy_(x)
+    padded[m:].zero_()
+    return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:m]
 
 
 class PackedLinear(nn.Module):

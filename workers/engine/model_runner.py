@@ -29,8 +29,9 @@ SampleFn = Callable[[torch.Tensor, list[Sequence]], torch.Tensor]
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int], kv_dtype: torch.dtype,
                  sample: SampleFn, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device,
-                 attention_cls: type = PagedAttention):
+                 attention_cls: type = PagedAttention, after_step: Callable[[], None] | None = None):
         self.model = model
+        self.after_step = after_step  # the backend's housekeeping (Backend.after_step)
         self.attention_cls = attention_cls  # PagedAttention, or the NPU's (workers/backends/npu_attention.py)
         self.kv_shape = kv_shape  # (num_layers, n_kv_heads, head_dim)
         self.kv_dtype = kv_dtype
@@ -73,6 +74,8 @@ class ModelRunner:
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
                 if seq.num_computed + n == seq.num_tokens:
                     result[i] = int(next(it))
+        if self.after_step is not None:
+            self.after_step()
         return result
 
 
@@ -115,4 +118,5 @@ def load_runner(spec: WorkerSpec, backend: Backend) -> ModelRunner:
              args.num_hidden_layers, args.vocab_size, dtype, device, time.perf_counter() - t0)
     return ModelRunner(model, (args.num_hidden_layers, args.num_key_value_heads, args.head_dim), dtype,
                        Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
-                       frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class())
+                       frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class(),
+                       after_step=backend.after_step)
