@@ -273,21 +273,17 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
             for m in entries:
                 if isinstance(m, dict) and "worldSize" in m:
                     m["worldSize"] = len(ids[0])
-    if (v := get.get("MINDIE_MODEL_PATH")):
-        deploy = _section(raw, "BackendConfig", "ModelDeployConfig")
-        entries = deploy.setdefault("ModelConfig", []) if deploy is not None else None
-        if isinstance(entries, list):
-            if not entries:
-                entries.append({})
-            put("MINDIE_MODEL_PATH", entries[0] if isinstance(entries[0], dict) else None, "modelWeightPath",
-                os.path.abspath(os.path.expanduser(v)))
-    if (v := get.get("MINDIE_MODEL_NAME")):
-        deploy = _section(raw, "BackendConfig", "ModelDeployConfig")
-        entries = deploy.setdefault("ModelConfig", []) if deploy is not None else None
-        if isinstance(entries, list):
-            if not entries:
-                entries.append({})
-            put("MINDIE_MODEL_NAME", entries[0] if isinstance(entries[0], dict) else None, "modelName", v)
+    first_model: Optional[dict] = None
+    for name, key in (("MINDIE_MODEL_PATH", "modelWeightPath"), ("MINDIE_MODEL_NAME", "modelName")):
+        if (v := get.get(name)):
+            if first_model is None:  # ModelConfig[0], created when the file has none
+                deploy = _section(raw, "BackendConfig", "ModelDeployConfig")
+                entries = deploy.setdefault("ModelConfig", []) if deploy is not None else None
+                if isinstance(entries, list):
+                    if not entries:
+                        entries.append({})
+                    first_model = entries[0] if isinstance(entries[0], dict) else None
+            put(name, first_model, key, os.path.abspath(os.path.expanduser(v)) if name == "MINDIE_MODEL_PATH" else v)
     return applied
 
 

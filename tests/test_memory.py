@@ -17,7 +17,7 @@ import sys
 from tests.harness import ROOT
 
 MAX_GROWTH_PCT = 6.0
-CPU_MEM_GIB = 0.5
+CPU_MEM_GIB = 0.25
 
 
 def test_rss_flat_under_mixed_load(tmp_path):
