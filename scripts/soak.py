@@ -16,7 +16,7 @@ KV cache is mapped or resident beyond cpuMemSize, or if requests failed. Exit st
 1 = a check failed, 2 = the run itself did not work.
 
     python scripts/soak.py                                  # 10 minutes, 3 % bound
-    python scripts/soak.py --seconds 60 --warmup 20 --max-growth 10 --json /tmp/soak.json
+    python scripts/soak.py --seconds 60 --warmup 25 --max-growth 7 --cpu-mem-gib 0.25   # the test's run
 """
 from __future__ import annotations
 

@@ -5,16 +5,10 @@ import ctypes
 import os
 import time
 
-# Bound oneDNN's per-shape caches before their first use (each reads its capacity then, and this
-# module is imported before the model is loaded and packed). Keys are (shape, thread count); an
-# entry costs 0.3-0.6 MiB here, and at the default 1024 + 1024 entries a worker's heap crept by
-# hundreds of MiB under mixed prompt lengths (docs/reliability.md, "Flat memory"). The packed
-# linears bucket their row counts (cpu_linear.py), so the hot set fits these bounds. Values set
-# in the environment win.
-os.environ.setdefault("LRU_CACHE_CAPACITY", "128")  # ideep: inner-product descriptors, per thread
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")  # oneDNN: primitives, per process
+import torch
 
-import torch  # noqa: E402
+from mindie.contract.spec import WorkerSpec
+from workers.backends.base import Backend
 
 TRIM_INTERVAL_S = 5.0
 
@@ -27,9 +21,6 @@ def _malloc_trim():
     fn.argtypes = [ctypes.c_size_t]
     return fn
 
-from mindie.contract.spec import WorkerSpec
-from workers.backends.base import Backend
-
 
 class CpuBackend(Backend):
     name = "cpu"
@@ -40,9 +31,9 @@ class CpuBackend(Backend):
         self._next_trim = 0.0
 
     def after_step(self) -> None:
-        # Evicted cache entries (and activations of changing sizes) leave free holes in glibc's
-        # heap that it keeps resident: hand the free pages back every few seconds (about a
-        # millisecond each time).
+        # glibc keeps the pages of freed blocks resident (a prefill step's activations reach
+        # tens of MB, then decode steps need a fraction): hand free pages back every few seconds
+        # (well under a millisecond each time; docs/reliability.md, "Flat memory").
         if self._trim is not None:
             now = time.monotonic()
             if now >= self._next_trim:

@@ -7,17 +7,16 @@ replaces the original, so memory does not grow, except for a tied embedding, who
 copy the embedding lookup still needs. Where oneDNN cannot pack a dtype on this CPU (fp16
 without AVX-NE-CONVERT / AMX-FP16), the layer keeps ``F.linear``.
 
-Shapes are bucketed. oneDNN builds a primitive per input shape and two caches keep them: ideep's
-per-thread cache of inner-product primitive descriptors (``LRU_CACHE_CAPACITY``, 1024 entries)
-and oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, 1024 entries; two per shape
-here, the inner product and its nested brgemm matmul). An entry costs 0.4-0.6 MiB here (the
-brgemm descriptors of the primitive descriptor, and the JIT kernels), and a serving step's row
-count (its token count) takes hundreds of values under mixed prompt lengths: a worker's heap grew
-by about 0.3 MiB per request until both caches were full, some 550 MiB later (docs/reliability.md,
-"Flat memory"). So the rows of every call are padded up to one of a few sizes (``bucket_rows``:
-exact up to 16, then 8 sizes per octave, at most 12.5 % padding) and the output is sliced: a
-model has a bounded set of shapes, all of them cached after warm-up. ``MINDIE_CPU_LINEAR_BUCKETS=0``
-turns the padding off (for measurements: it brings the creep back).
+Row counts are bucketed. For each input shape oneDNN builds a primitive, and two caches keep
+them, keyed by (shape, thread count): ideep's per-thread cache of inner-product descriptors
+(``LRU_CACHE_CAPACITY``, 1024) and oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
+1024; two entries per shape: the inner product and its nested brgemm matmul). Together about
+0.55 MiB per shape here. A step's row count is its token count, which takes hundreds of values
+under mixed prompt lengths, so a worker's heap grew until both caches were full (some 500 MiB)
+and then went on growing as evictions fragmented glibc's heap (docs/reliability.md, "Flat
+memory"). So every call's rows are padded to one of 68 sizes (``bucket_rows``) and the output is
+sliced: a model has a bounded set of shapes that fits both caches, and no entry is ever evicted.
+``MINDIE_CPU_LINEAR_BUCKETS=0`` turns the padding off (for measurements: the creep comes back).
 """
 from __future__ import annotations
 
@@ -37,17 +36,20 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-EXACT_ROWS = 16  # row counts up to this run unpadded (decode batches: memory-bound, every one common)
+EXACT_ROWS = 16  # row counts up to this run unpadded (decode batches: every one common)
+FINE_ROWS = 256  # up to here 8 sizes per octave, above it 4 (large prefills are rarer)
 BUCKETS = os.environ.get("MINDIE_CPU_LINEAR_BUCKETS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def bucket_rows(m: int) -> int:
     """The row count a call with ``m`` rows runs at: ``m`` up to EXACT_ROWS, then the next of 8
-    evenly spaced sizes per octave (18, 20, .. 32, 36, .. 64, 72, ..): at most 12.5 % padding and
-    8 shapes per doubling (88 up to 8192 rows)."""
+    evenly spaced sizes per octave up to FINE_ROWS (18, 20, .. 32, 36, .. 64, 72, .. 256: at most
+    12.5 % padding), then of 4 (320, 384, 448, 512, 640, ..: at most 25 %). 68 sizes up to 8192
+    rows."""
     if m <= EXACT_ROWS or not BUCKETS:
         return m
-    step = 1 << ((m - 1).bit_length() - 4)  # m in (2^k, 2^(k+1)]: step 2^(k-3)
+    # m in (2^(k-1), 2^k]: a step of 2^(k-4) gives 8 sizes in that octave, 2^(k-3) gives 4.
+    step = 1 << ((m - 1).bit_length() - (4 if m <= FINE_ROWS else 3))
     return -(-m // step) * step
 
 
