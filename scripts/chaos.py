@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,63 +48,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mindie.contract.lifecycle import leftovers  # noqa: E402
+from tests.harness import alive, free_port, process_roles as roles, rss_mib  # noqa: E402
 
 DRILLS = ["worker", "frontend", "supervisor", "master", "supervisor+master", "launcher", "launcher+master",
           "second-server", "sigterm"]
 FATAL = {"supervisor", "master", "supervisor+master", "launcher", "launcher+master"}
-
-
-# -- processes ------------------------------------------------------------------------------------
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def roles(launcher: int) -> dict[int, str]:
-    """pid -> role of every live process under the launcher."""
-    kids: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit() and (st := _stat(int(e))) is not None:
-            kids.setdefault(int(st[1]), []).append(int(e))
-    out, todo = {}, [launcher]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            todo.append(c)
-            if not alive(c):
-                continue
-            with contextlib.suppress(OSError):
-                cmd = Path(f"/proc/{c}/cmdline").read_bytes()
-                if b"workers.supervisor" in cmd:
-                    out[c] = "supervisor"
-                elif b"workers.worker" in cmd:
-                    out[c] = "worker"
-                elif b"gunicorn" in cmd:
-                    out[c] = "master" if int(_stat(c)[1]) == launcher else "frontend"
-    return out
-
-
-def rss_mib(pids) -> float:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-    return total / 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the server -----------------------------------------------------------------------------------
