@@ -15,8 +15,12 @@ import socket
 import sys
 
 from mindie.contract.lifecycle import die_with_parent, expected_parent
+from mindie.listeners import read_listeners
 
-bind = [f"{os.environ.get('MINDIE_HOST', '127.0.0.1')}:{os.environ.get('MINDIE_PORT', '1025')}"]
+# MindIE's planes (business, management, metrics; merged where ports are equal), as planned by
+# mindie.prepare. TLS is not gunicorn's: each front end wraps each socket with its plane's
+# context (mindie/gunicorn_worker.py), so the planes can have their own certificates.
+bind = [li.bind for li in read_listeners(os.environ["MINDIE_LISTENERS"])]
 workers = int(os.environ.get("MINDIE_FRONTENDS", "1"))
 worker_class = "mindie.gunicorn_worker.FrontEndWorker"
 wsgi_app = "mindie.app:create_app()"
@@ -28,11 +32,6 @@ control_socket_disable = True  # two instances on one host must not share gunico
 accesslog = os.environ.get("MINDIE_ACCESS_LOG") or None
 loglevel = (os.environ.get("MINDIE_LOG_LEVEL") or "info").lower()
 proc_name = "mindie-frontend"
-certfile = os.environ.get("MINDIE_TLS_CERT") or None
-keyfile = os.environ.get("MINDIE_TLS_KEY") or None
-ca_certs = os.environ.get("MINDIE_TLS_CA") or None
-if ca_certs:
-    cert_reqs = 2  # ssl.CERT_REQUIRED: mutual TLS as MindIE's examples use
 
 
 def on_starting(server):

@@ -6,6 +6,10 @@ subscribed to this client's own id and to heartbeats. A worker is used only afte
 carries a per-(worker, client) sequence number: a gap fails the affected requests instead
 of emitting corrupted output. A worker silent for ``WORKER_TIMEOUT_S``, or one that comes
 back as a new instance, fails its in-flight requests with an error.
+
+A ``tcp://`` worker link is a CURVE client of the worker (keys from the spec's
+``curve_key_dir``, mindie/contract/curve.py); without keys it is refused unless the spec says
+``insecure_tcp``. ``ipc://`` links need nothing: the run directory is private.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from mindie.contract import wire as P
+from mindie.contract.curve import frontend_keys, insecure_warning, link_mode
 from mindie.contract.errors import FINISH_ERROR
 from mindie.contract.spec import WorkerSpec
 
@@ -102,7 +107,32 @@ class DeviceClient:
         self.gaps = 0  # sequence gaps seen (frames lost); tests assert it stays 0
 
     # -- lifecycle ------------------------------------------------------------------------
+    def _link_keys(self) -> dict[str, tuple[bytes, bytes, bytes] | None]:
+        """{worker id: CURVE keys (server public, own public, own secret) or None (ipc, or plain
+        tcp allowed by insecure_tcp)}. Raises ``CurveKeyError`` for a tcp link it must not open."""
+        out: dict[str, tuple[bytes, bytes, bytes] | None] = {}
+        for ep in self.endpoints:
+            modes = {link_mode(e, ep.curve_key_dir, ep.insecure_tcp) for e in (ep.job_endpoint, ep.pub_endpoint)}
+            if "plain" in modes and "curve" not in modes:
+                log.warning("%s", insecure_warning(ep.job_endpoint))
+            out[ep.worker_id] = frontend_keys(ep.curve_key_dir) if "curve" in modes else None
+        return out
+
+    @staticmethod
+    def _secure(sock: zmq.Socket, endpoint: str, keys: tuple[bytes, bytes, bytes] | None) -> None:
+        """Socket options for ``endpoint``, set before connecting (they apply per connection)."""
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        if keys is not None and endpoint.startswith("tcp://"):
+            server, public, secret = keys
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
     async def start(self) -> None:
+        """Connect to every worker. Raises ``CurveKeyError`` (nothing connected) for a tcp link
+        without CURVE keys and without insecure_tcp, or for unusable key files."""
+        link_keys = self._link_keys()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -113,7 +143,9 @@ class DeviceClient:
             push.setsockopt(zmq.LINGER, 0)
             push.setsockopt(zmq.IMMEDIATE, 1)  # never queue jobs toward a worker that is not there
             push.setsockopt(zmq.SNDHWM, 0)
+            self._secure(push, ep.job_endpoint, link_keys[ep.worker_id])
             push.connect(ep.job_endpoint)
+            self._secure(self.sub, ep.pub_endpoint, link_keys[ep.worker_id])
             self.sub.connect(ep.pub_endpoint)
             self.links[ep.worker_id] = WorkerLink(ep, push)
         self.tasks = [asyncio.create_task(self._reader(), name="zmq-reader"),

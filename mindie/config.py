@@ -80,24 +80,29 @@ class ServerConfig(_Section):
     # Project default false (MindIE: true) so the demo starts without certificates; true is honoured.
     https_enabled: bool = False
     full_text_enabled: bool = False
-    # Paths and dirs are made absolute by load_config (relative: from the config file's directory);
-    # CA files are names inside tls_ca_path, CRL files names inside their plane's CRL dir.
+    # TLS files (mindie/tls.py). Paths and dirs are made absolute by load_config (relative:
+    # from the config file's directory); CA files are names inside tls_ca_path (all planes), CRL
+    # files names inside their plane's CRL dir. *_pk_pwd: a file holding the key's password in
+    # plain text ("" = key not encrypted). Project defaults: no password file, no CRL files.
     tls_ca_path: str = "security/ca/"
     tls_ca_file: list[str] = field(default_factory=lambda: ["ca.pem"])
     tls_cert: str = "security/certs/server.pem"
     tls_pk: str = "security/keys/server.key.pem"
+    tls_pk_pwd: str = ""
     tls_crl_path: str = "security/certs/"
-    tls_crl_files: list[str] = field(default_factory=lambda: ["server_crl.pem"])
+    tls_crl_files: list[str] = field(default_factory=list)
     management_tls_ca_file: list[str] = field(default_factory=lambda: ["management_ca.pem"])
     management_tls_cert: str = "security/certs/management/server.pem"
     management_tls_pk: str = "security/keys/management/server.key.pem"
+    management_tls_pk_pwd: str = ""
     management_tls_crl_path: str = "security/management/certs/"
-    management_tls_crl_files: list[str] = field(default_factory=lambda: ["server_crl.pem"])
+    management_tls_crl_files: list[str] = field(default_factory=list)
     metrics_tls_ca_file: list[str] = field(default_factory=lambda: ["metrics_ca.pem"])
     metrics_tls_cert: str = "security/certs/metrics/server.pem"
     metrics_tls_pk: str = "security/keys/metrics/server.key.pem"
+    metrics_tls_pk_pwd: str = ""
     metrics_tls_crl_path: str = "security/metrics/certs/"
-    metrics_tls_crl_files: list[str] = field(default_factory=lambda: ["server_crl.pem"])
+    metrics_tls_crl_files: list[str] = field(default_factory=list)
     token_timeout: Annotated[int, Meta(ge=1, le=MAX_TOKEN_TIMEOUT_S)] = 600
     e2e_timeout: Annotated[int, Meta(ge=1, le=MAX_E2E_TIMEOUT_S)] = 600
     max_request_length: Annotated[int, Meta(ge=1, le=100)] = 40  # MB
@@ -154,6 +159,13 @@ class BackendConfig(_Section):
     ] = field(default_factory=lambda: [[0]])
     device_type: DeviceType = "auto"  # project extension; "auto" = npu, else cuda, else cpu
     cpu_threads_per_worker: Annotated[int, Meta(ge=0, le=4096)] = 0  # project extension; 0 = share evenly
+    # Project extensions: worker links (mindie/contract/curve.py). "" = ipc sockets in runDir; an IP
+    # address = workers bind tcp://workerHost:workerPort+2i (jobs) and +2i+1 (frames), with CURVE keys
+    # from workerCurveKeyDir (made absolute by load_config), or plain tcp only if workerInsecureTcp.
+    worker_host: str = ""
+    worker_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # required in [1024, 65535] with workerHost
+    worker_curve_key_dir: str = ""
+    worker_insecure_tcp: bool = False
     model_deploy: ModelDeployConfig = field(default_factory=ModelDeployConfig, name="ModelDeployConfig")
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig, name="ScheduleConfig")
 
@@ -180,6 +192,16 @@ class Loaded(NamedTuple):
     ignored: list[str]  # dotted keys accepted and not used
     notes: list[str]  # MindIE-style adjustments applied (log them)
     env_overrides: dict[str, str]  # {dotted key: env var}
+    unapplied: list[str] = []  # keys of the file validated but without effect yet: "<key>: <why>"
+
+
+# Keys validated (so a MindIE file with a wrong value is still refused) that have no effect in
+# this server yet; the launcher logs each one the file sets.
+VALIDATED_NOT_APPLIED = {
+    "Version": "reported nowhere",
+    "ServerConfig.HealthCheckConfig.npuUsageThreshold": "the health probes have no device-usage (BUSY) test yet",
+    "BackendConfig.ScheduleConfig.maxN": "no endpoint takes n / best_of yet",
+}
 
 
 def python_log_level(text: str) -> str:
@@ -194,6 +216,7 @@ def python_log_level(text: str) -> str:
 ENV_OVERRIDES: dict[str, str] = {
     "MIES_CONTAINER_IP": "ServerConfig.ipAddress",
     "MIES_CONTAINER_MANAGEMENT_IP": "ServerConfig.managementIpAddress",
+    "MINDIE_HOST": "ServerConfig.ipAddress",  # launch.sh --host; wins over MIES_CONTAINER_IP
     "MINDIE_PORT": "ServerConfig.port",
     "MINDIE_RUN_DIR": "ServerConfig.runDir",
     "MINDIE_FRONTENDS": "ServerConfig.frontendCount",
@@ -252,6 +275,8 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
     backend = _section(raw, "BackendConfig")
     if (v := get.get("MIES_CONTAINER_IP")):
         put("MIES_CONTAINER_IP", server, "ipAddress", v)
+    if (v := get.get("MINDIE_HOST")):
+        put("MINDIE_HOST", server, "ipAddress", v)
     if (v := get.get("MIES_CONTAINER_MANAGEMENT_IP")):
         put("MIES_CONTAINER_MANAGEMENT_IP", server, "managementIpAddress", v)
     if (v := get.get("MINDIE_PORT")):
@@ -325,6 +350,8 @@ def _collect_ignored(raw: Any, tp: Any, path: str, out: list[str]) -> None:
     if (fields := _struct_fields(tp)) and isinstance(raw, dict):
         for key, value in raw.items():
             sub = f"{path}.{key}" if path else key
+            if key.startswith("//"):
+                continue  # a comment (JSON has none): deploy/config.example.json explains itself so
             if key in fields:
                 _collect_ignored(value, fields[key], sub, out)
             else:
@@ -437,7 +464,8 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
     _check(config, from_env, source)
     notes = _adjust(config) + ([name_note] if name_note else [])
     _resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
-    return Loaded(config, source, ignored, notes, from_env)
+    unapplied = [f"{k}: {why}" for k, why in VALIDATED_NOT_APPLIED.items() if _lookup(raw, k)[0]]
+    return Loaded(config, source, ignored, notes, from_env, unapplied)
 
 
 def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -> None:
@@ -475,6 +503,35 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
                  f"({len(ids[0])}), got {m.world_size}")
         if m.npu_mem_size == 0:
             fail(f"{key}.npuMemSize", "must be -1 (auto) or >= 1 (GB), got 0")
+    # Worker links (project extensions; mindie/contract/curve.py).
+    if b.worker_host:
+        from mindie.contract.curve import CurveKeyError, check_key_dir
+
+        try:
+            unspecified = ipaddress.ip_address(b.worker_host).is_unspecified
+        except ValueError:
+            fail("BackendConfig.workerHost", f"must be empty (ipc sockets in runDir) or an IPv4 or IPv6 address, "
+                 f"got {b.worker_host!r}")
+        if unspecified:
+            fail("BackendConfig.workerHost", f"{b.worker_host} is not an address front ends can connect to; "
+                 "give the address of the workers' host")
+        n = len(b.npu_device_ids)
+        if not 1024 <= b.worker_port <= 65535:
+            fail("BackendConfig.workerPort", f"must be in [1024, 65535] when workerHost is set, got {b.worker_port}")
+        if b.worker_port + 2 * n - 1 > 65535:
+            fail("BackendConfig.workerPort", f"{n} workers use ports {b.worker_port}..{b.worker_port + 2 * n - 1} "
+                 f"(two each): must be <= {65535 - 2 * n + 1}, got {b.worker_port}")
+        key_dir = b.worker_curve_key_dir.strip()
+        if not key_dir and not b.worker_insecure_tcp:
+            fail("BackendConfig.workerCurveKeyDir", "tcp worker links (workerHost is set) need CURVE keys: set it to "
+                 "a key directory (python -m mindie.curve_keys DIR makes one), or set workerInsecureTcp: true "
+                 "to allow plain tcp")
+        if key_dir:  # the files, checked where _resolve_paths will take them from
+            try:
+                check_key_dir(os.path.join(os.path.dirname(source) if source else os.getcwd(),
+                                           os.path.expanduser(key_dir)))
+            except CurveKeyError as e:
+                fail(e.key, e.message)
     level = config.log.dynamic_log_level
     if level.strip() and level.strip().lower() not in LOG_LEVELS:
         fail("LogConfig.dynamicLogLevel", f"must be empty or one of {', '.join(LOG_LEVELS)}, got {level!r}")
@@ -517,9 +574,11 @@ def _resolve_paths(config: Config, base_dir: str, env: Mapping[str, str]) -> Non
 
     for m in config.backend.model_deploy.models:
         m.model_weight_path = absolute(m.model_weight_path)
+    config.backend.worker_curve_key_dir = absolute(config.backend.worker_curve_key_dir)
     s = config.server
-    for name in ("tls_ca_path", "tls_cert", "tls_pk", "tls_crl_path", "management_tls_cert", "management_tls_pk",
-                 "management_tls_crl_path", "metrics_tls_cert", "metrics_tls_pk", "metrics_tls_crl_path"):
+    for name in ("tls_ca_path", "tls_cert", "tls_pk", "tls_pk_pwd", "tls_crl_path", "management_tls_cert",
+                 "management_tls_pk", "management_tls_pk_pwd", "management_tls_crl_path", "metrics_tls_cert",
+                 "metrics_tls_pk", "metrics_tls_pk_pwd", "metrics_tls_crl_path"):
         setattr(s, name, absolute(getattr(s, name)))
     s.run_dir = absolute(s.run_dir) or default_run_dir(s.port, env)
 

@@ -16,6 +16,7 @@ from mindie.metrics import Metrics
 from mindie.validation import Limits
 
 log = logging.getLogger("mindie.frontend")
+STARTUP_WAIT_S = 10.0
 
 
 class FrontEnd:
@@ -25,6 +26,7 @@ class FrontEnd:
         self.model_name = deployment.workers[0].model_name
         self.model_dir = deployment.model_dir
         self.started = int(time.time())
+        self.full_text = server.full_text_enabled
         with open(os.path.join(self.model_dir, "config.json")) as f:
             model_cfg = json.load(f)
         self.limits = Limits.from_config(
@@ -52,6 +54,12 @@ class FrontEnd:
         await self.client.start()
         log.info("front end %s (pid %d) connecting to %d device workers", self.client.frontend_id, os.getpid(),
                  len(self.client.links))
+        # Accept connections only once a worker link is up, if one comes soon: a front end
+        # (re)started beside running ones would otherwise answer /health with 503 while the
+        # others say 200 (connections queue in the shared socket meanwhile). Bounded well under
+        # gunicorn's 30 s heartbeat timeout; past it /health says 503 until a worker is ready.
+        if not await self.client.wait_ready(STARTUP_WAIT_S):
+            log.info("no device worker ready after %.0f s: serving (/health is 503 until one is)", STARTUP_WAIT_S)
 
     async def process_shutdown(self, scope, event) -> None:
         await self.client.close()

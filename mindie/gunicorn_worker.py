@@ -1,20 +1,30 @@
 """The gunicorn worker class of the front ends: uvicorn with uvloop + httptools, and a
 graceful-shutdown bound so SIGTERM cannot hang on open SSE streams (UvicornWorker does not
 forward gunicorn's graceful_timeout). A front end stops when its master dies, even by SIGKILL
-(uvicorn workers never notice it on their own)."""
+(uvicorn workers never notice it on their own). Each listening socket (one per plane, see
+mindie/listeners.py) gets its plane's TLS context, built from the files at boot."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import ssl
+import sys
 import threading
 import time
 
+from gunicorn.arbiter import Arbiter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import STARTUP_FAILURE, Server
 from uvicorn_worker import UvicornWorker
 
 from mindie.contract.lifecycle import die_with_parent
 from mindie.errors import ApiError
+from mindie.listeners import read_listeners
+from mindie.tls import server_context
+
+TLS_HANDSHAKE_TIMEOUT_S = 10.0  # a client that opens a connection and never says hello is dropped
 
 # Hostile input at the HTTP layer (docs/reliability.md "Hostile input"): every answer below the
 # app is in MindIE's {"error", "error_type"} shape too.
@@ -109,6 +119,36 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         pass  # Upgrade headers are ignored on purpose (ws "none"); uvicorn would log two warnings
 
 
+class PlaneServer(Server):
+    """uvicorn's Server with one TLS context per listening socket (uvicorn hands the same
+    ``config.ssl`` to every socket; the planes have their own certificates)."""
+
+    def __init__(self, config, tls_by_port: dict[int, ssl.SSLContext]):
+        super().__init__(config)
+        self.tls_by_port = tls_by_port
+
+    async def startup(self, sockets=None) -> None:
+        if sockets is None:
+            raise RuntimeError("PlaneServer serves the sockets gunicorn bound")
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            sys.exit(STARTUP_FAILURE)
+        config = self.config
+
+        def create_protocol(_loop=None):
+            return config.http_protocol_class(config=config, server_state=self.server_state,
+                                              app_state=self.lifespan.state, _loop=_loop)
+
+        loop = asyncio.get_running_loop()
+        self.servers = []
+        for sock in sockets:
+            tls = self.tls_by_port.get(sock.getsockname()[1])
+            self.servers.append(await loop.create_server(
+                create_protocol, sock=sock, ssl=tls, backlog=config.backlog,
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls else None))
+        self.started = True
+
+
 class FrontEndWorker(UvicornWorker):
     CONFIG_KWARGS = {
         "loop": "uvloop",
@@ -126,6 +166,17 @@ class FrontEndWorker(UvicornWorker):
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self.wsgi = http_version_guard(self.wsgi)
+
+    async def _serve(self) -> None:
+        # Certificates are read here, at every boot: a SIGHUP (new front ends) loads renewed files.
+        tls_by_port = {li.port: server_context(li.tls) for li in read_listeners(os.environ["MINDIE_LISTENERS"])
+                       if li.tls is not None}
+        self.config.app = self.wsgi
+        server = PlaneServer(self.config, tls_by_port)
+        self._install_sigquit_handler()
+        await server.serve(sockets=self.sockets)
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)
 
     def init_signals(self) -> None:
         super().init_signals()  # SIGTERM is SIG_DFL from here until uvicorn installs its handler

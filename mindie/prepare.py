@@ -20,6 +20,8 @@ import sys
 from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level
 from mindie.contract.lifecycle import RunDirBusy, claim, launcher_pid
 from mindie.contract.spec import write_deployment
+from mindie.listeners import plan_listeners, write_listeners
+from mindie.tls import TlsError, check_plane, permission_checks_on
 from mindie.topology import build_deployment
 
 log = logging.getLogger("mindie.prepare")
@@ -34,6 +36,8 @@ def main() -> None:
         log.info("config: %s", loaded.source or "built-in defaults (no config file)")
         for key in loaded.ignored:
             log.info("config key accepted but not used by this server: %s", key)
+        for text in loaded.unapplied:
+            log.info("config key validated but without effect in this server: %s", text)
         for note in loaded.notes:
             log.info("config adjusted as MindIE does: %s", note)
         for key, var in loaded.env_overrides.items():
@@ -48,13 +52,21 @@ def main() -> None:
         if stale:
             log.info("removed what a server that stopped uncleanly left in %s: %s", config.server.run_dir,
                      ", ".join(stale))
+        refuse_tensor_parallel(loaded)
+        listeners = plan_listeners(config.server)
+        check_listeners(listeners)
+        b = config.backend
+        if b.worker_host:
+            log.info("device-worker links: tcp on %s from port %d, %s", b.worker_host, b.worker_port,
+                     f"CURVE keys in {b.worker_curve_key_dir}" if b.worker_curve_key_dir else
+                     "PLAIN TCP (BackendConfig.workerInsecureTcp: true): not encrypted, not authenticated")
         level = os.environ.get("MINDIE_LOG_LEVEL") or python_log_level(config.log.dynamic_log_level)
         dep = build_deployment(config, null_model=os.environ.get("MINDIE_NULL_MODEL") == "1",
                                null_step_ms=float(os.environ.get("MINDIE_NULL_STEP_MS") or 0), log_level=level)
         out = {
             "MINDIE_RUN_DIR": config.server.run_dir,
             "MINDIE_DEPLOYMENT": write_deployment(dep),
-            "MINDIE_HOST": os.environ.get("MINDIE_HOST") or config.server.ip_address,
+            "MINDIE_LISTENERS": write_listeners(listeners, config.server.run_dir),
             "MINDIE_PORT": str(config.server.port),
             # maxLinkNum is enforced per request, server-wide, by mindie/admission.py (a JSON 503).
             # uvicorn's limit_concurrency (per front end, connections or requests, a plain-text
@@ -65,12 +77,45 @@ def main() -> None:
             # end per 4 cores, 1 to 4.
             "MINDIE_FRONTENDS": str(config.server.frontend_count or min(4, max(1, (os.cpu_count() or 1) // 4))),
         }
-    except ConfigError as e:
+    except (ConfigError, TlsError) as e:
         print(f"config error: {e}", file=sys.stderr)
         print("exit 2")
         sys.exit(2)
     for k, v in out.items():
         print(f"{k}={shlex.quote(v)}")
+
+
+def refuse_tensor_parallel(loaded) -> None:
+    """An npuDeviceIds entry of several devices (MindIE: one model instance over them, tensor
+    parallel) is refused by name: this server runs one worker per entry on one device."""
+    ids = loaded.config.backend.npu_device_ids
+    if len(ids[0]) > 1:
+        key = "BackendConfig.npuDeviceIds"
+        flat = [[i] for group in ids for i in group]
+        raise ConfigError(f"entries of {len(ids[0])} devices ask for tensor parallelism, which this server does "
+                          f"not do yet: list one device per entry (one worker each), e.g. {flat}", key,
+                          env=loaded.env_overrides.get(key), source=loaded.source)
+
+
+def check_listeners(listeners) -> None:
+    """Log what each listener serves; with TLS, load every file now (a bad one stops the start,
+    naming its key) and log its warnings."""
+    for li in listeners:
+        planes = " + ".join(li.planes)
+        if li.tls is None:
+            log.info("%s plane%s on %s (plain HTTP)", planes, "s" * (len(li.planes) > 1), li.url)
+            continue
+        _, warnings = check_plane(li.tls)
+        for w in warnings:
+            log.warning("%s", w)
+        if li.tls.key_password_file:
+            log.info("%s: %s read as a plain-text password (MindIE's KMC-encrypted form is not supported)",
+                     li.tls.password_key, li.tls.key_password_file)
+        log.info("%s plane%s on %s (TLS 1.2+, %s)", planes, "s" * (len(li.planes) > 1), li.url,
+                 "mutual TLS" + (", CRL checked" if li.tls.crl_files else "") if li.tls.ca_files
+                 else "no client certificates")
+    if any(li.tls for li in listeners) and not permission_checks_on():
+        log.warning("MINDIE_TLS_CHECK_PERMISSIONS=0: the permissions of the TLS files are not checked")
 
 
 if __name__ == "__main__":

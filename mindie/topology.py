@@ -33,9 +33,11 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
     run_dir = config.server.run_dir
     workers = []
     for index, ids in enumerate(groups):
-        job, pub = worker_endpoints(run_dir, index)
+        job, pub = worker_endpoints(run_dir, index, backend.worker_host, backend.worker_port)
         workers.append(WorkerSpec(
-            worker_id=f"w{index}", job_endpoint=job, pub_endpoint=pub, device_type=backend.device_type,
+            worker_id=f"w{index}", job_endpoint=job, pub_endpoint=pub,
+            curve_key_dir=backend.worker_curve_key_dir if backend.worker_host else "",
+            insecure_tcp=backend.worker_insecure_tcp, device_type=backend.device_type,
             device_ids=list(ids), model_path=model.model_weight_path, model_name=model.model_name, dtype=model.dtype,
             cpu_mem_gb=float(model.cpu_mem_size), npu_mem_gb=float(model.npu_mem_size), threads=threads,
             core_share_file=os.path.join(run_dir, "cores.busy") if share else "", worker_index=index,

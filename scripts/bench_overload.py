@@ -73,7 +73,7 @@ def start_server(args, model: str) -> tuple[subprocess.Popen, Path, float]:
     tmp = Path(tempfile.mkdtemp(prefix="mo", dir="/tmp"))
     os.chmod(tmp, 0o700)
     cfg = {
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": args.port, "httpsEnabled": False, "runDir": str(tmp),
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": args.port, "managementPort": args.port, "metricsPort": args.port, "httpsEnabled": False, "runDir": str(tmp),
                          "maxLinkNum": args.max_link_num},
         "BackendConfig": {
             "npuDeviceIds": [[i] for i in range(args.workers)], "deviceType": "cpu",

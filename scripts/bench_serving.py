@@ -82,7 +82,7 @@ def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1,
     tmp = Path(tempfile.mkdtemp(prefix="mb", dir="/tmp"))
     os.chmod(tmp, 0o700)
     cfg = {
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "httpsEnabled": False, "runDir": str(tmp),
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port, "httpsEnabled": False, "runDir": str(tmp),
                          "maxLinkNum": 1000},
         "BackendConfig": {
             "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu",

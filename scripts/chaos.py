@@ -61,7 +61,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.run_dir = run_dir
         cfg = {
-            "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "httpsEnabled": False, "runDir": run_dir},
+            "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port, "httpsEnabled": False, "runDir": run_dir},
             "BackendConfig": {
                 "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu", "cpuThreadsPerWorker": 1,
                 "ModelDeployConfig": {"maxSeqLen": 2560, "maxInputTokenLen": 2048, "ModelConfig": [

@@ -7,13 +7,16 @@ usage() {
 Usage: scripts/launch.sh [options]
 
 Starts the server: one device worker per BackendConfig.npuDeviceIds entry (under a supervisor
-that restarts crashed workers) and N gunicorn front ends (falcon.asgi on uvicorn) serving
-POST /infer, /infer_token, GET /health, /v1/models, /metrics.
+that restarts crashed workers) and N gunicorn front ends (falcon.asgi on uvicorn) serving MindIE's
+three planes: business (ServerConfig.ipAddress:port: POST /infer, /infer_token, GET /v1/models),
+management (managementIpAddress:managementPort: GET /health, /v2/health/live|ready) and metrics
+(managementIpAddress:metricsPort: GET /metrics); planes with equal ports share one listener.
+With ServerConfig.httpsEnabled every plane is HTTPS (mutual TLS when a CA is configured).
 
 Options (each also settable by the environment variable shown):
   -c, --config FILE     MindIE-shaped config.json            [MIES_CONFIG_JSON_PATH]
                         (default: built-in defaults: demo model, CPU workers)
-  -H, --host ADDR       bind address (default ServerConfig.ipAddress)   [MINDIE_HOST]
+  -H, --host ADDR       business-plane address (ServerConfig.ipAddress)  [MINDIE_HOST]
   -p, --port PORT       bind port (default ServerConfig.port = 1025)    [MINDIE_PORT]
   -m, --model DIR       serve this Hugging Face checkpoint               [MINDIE_MODEL_PATH]
                         (ModelConfig[0].modelWeightPath; default: the built-in demo model)
@@ -32,7 +35,9 @@ MINDIE_LOG_LEVEL (default LogConfig.dynamicLogLevel, else INFO), MINDIE_GRACEFUL
 
 Signals: SIGTERM/SIGINT stop everything (front ends drain up to the graceful timeout, then
 device workers stop; a second SIGTERM/SIGINT kills what is left at once) and leave the run
-directory clean; SIGHUP reloads the front ends without reloading the models.
+directory clean; SIGHUP reloads the front ends (and with them the TLS certificates, keys, CA
+and CRL files, checked first: a renewal that does not load is refused and logged) without
+reloading the models.
 
 If the supervisor or the gunicorn master dies, the rest is stopped and the exit status is the
 dead component's (128+signal when killed). If this script is killed, every process it started
@@ -82,7 +87,7 @@ release_run_dir() {
 }
 trap release_run_dir EXIT
 eval "$("$PY" -m workers.prepare "$MINDIE_DEPLOYMENT" || echo "exit 2")"
-export MINDIE_HOST MINDIE_PORT MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS MINDIE_LOG_LEVEL \
+export MINDIE_PORT MINDIE_LISTENERS MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS MINDIE_LOG_LEVEL \
   MINDIE_FRONTENDS
 
 # Prometheus multiprocess mode: a fresh directory, set before anything imports the client.
@@ -99,7 +104,7 @@ sup=$!
 "$PY" -m gunicorn -c "$root/deploy/gunicorn.conf.py" </dev/null &
 gun=$!
 set +m
-echo "launch.sh: supervisor pid $sup, gunicorn pid $gun, http://$MINDIE_HOST:$MINDIE_PORT" >&2
+echo "launch.sh: supervisor pid $sup, gunicorn pid $gun" >&2
 
 # Live (not zombie) members of process group $1.
 group_members() {
@@ -148,7 +153,17 @@ on_stop_signal() {
   stopping=1
 }
 trap on_stop_signal TERM INT
-trap 'kill -HUP "$gun" 2>/dev/null || true' HUP
+# SIGHUP: new front ends (renewed TLS files, gunicorn settings); the models stay loaded. TLS
+# files that do not load are refused here, so the running front ends keep theirs.
+on_reload() {
+  if "$PY" -m mindie.tls check "$MINDIE_LISTENERS"; then
+    echo "launch.sh: SIGHUP: reloading the front ends" >&2
+    kill -HUP "$gun" 2>/dev/null || true
+  else
+    echo "launch.sh: SIGHUP: reload refused, the front ends keep their TLS files" >&2
+  fi
+}
+trap on_reload HUP
 
 status=0 reason=""
 while [ "$stopping" = 0 ]; do

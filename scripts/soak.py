@@ -118,7 +118,7 @@ def memory(pid: int) -> dict[str, int] | None:
 def write_config(path: Path, *, port: int, run_dir: str, model: str, dtype: str, workers: int,
                  cpu_mem_gib: float, block_size: int) -> None:
     path.write_text(json.dumps({
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "httpsEnabled": False, "runDir": run_dir,
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port, "httpsEnabled": False, "runDir": run_dir,
                          "maxLinkNum": 1000},
         "BackendConfig": {
             "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu",

@@ -28,8 +28,10 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
                  schedule: dict | None = None, deploy: dict | None = None, server: dict | None = None,
                  model: dict | None = None) -> Path:
     cfg = {
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "httpsEnabled": False, "runDir": run_dir,
-                         **(server or {})},
+        # One listener for MindIE's three planes (ALL_SAME): tests talk to one port unless they
+        # split the planes on purpose.
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port,
+                         "httpsEnabled": False, "runDir": run_dir, **(server or {})},
         "BackendConfig": {
             "npuDeviceIds": [[i] for i in range(workers)],
             "deviceType": "cpu",
@@ -100,10 +102,14 @@ class Server:
     """scripts/launch.sh running in the background, with its log in a file."""
 
     def __init__(self, config: Path, port: int, env: dict | None = None, frontends: int | None = 1,
-                 args: list[str] | None = None):
-        """``frontends`` None: as the config says (ServerConfig.frontendCount)."""
+                 args: list[str] | None = None, tls=None, health_url: str | None = None):
+        """``frontends`` None: as the config says (ServerConfig.frontendCount). ``tls``: the
+        client's ssl.SSLContext for an HTTPS server; ``health_url``: where the management plane
+        answers /health (default: the business port, as write_config merges the planes)."""
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        self.health_url = health_url or self.url + "/health"
         self.log_path = config.parent / f"server-{port}.log"
         self.log = open(self.log_path, "wb")
         e = dict(os.environ)
@@ -120,7 +126,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.health_url, timeout=2, verify=self.tls or True).status_code == 200:
                     return time.monotonic() - t0
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.tail()}")

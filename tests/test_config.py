@@ -74,7 +74,6 @@ MINDIE_DEFAULT: dict[str, Any] = {
 MINDIE_IGNORED = {
     "LogConfig.logLevel", "LogConfig.logFileSize", "LogConfig.logFileNum", "LogConfig.logPath",
     "LogConfig.dynamicLogLevelValidHours", "LogConfig.dynamicLogLevelValidTime",
-    "ServerConfig.tlsPkPwd", "ServerConfig.managementTlsPkPwd", "ServerConfig.metricsTlsPkPwd",
     "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby", "ServerConfig.inferMode",
     "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort", "ServerConfig.interCommTlsCaPath",
     "ServerConfig.interCommTlsCaFiles", "ServerConfig.openAiSupport", "ServerConfig.distDPServerEnabled",
@@ -137,13 +136,15 @@ JSON_KEYS = {
     "": {"Version", "ServerConfig", "BackendConfig", "LogConfig", "EnableDynamicAdjustTimeoutConfig"},
     "ServerConfig": {
         "ipAddress", "managementIpAddress", "port", "managementPort", "metricsPort", "allowAllZeroIpListening",
-        "maxLinkNum", "httpsEnabled", "fullTextEnabled", "tlsCaPath", "tlsCaFile", "tlsCert", "tlsPk", "tlsCrlPath",
-        "tlsCrlFiles", "managementTlsCaFile", "managementTlsCert", "managementTlsPk", "managementTlsCrlPath",
-        "managementTlsCrlFiles", "metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk", "metricsTlsCrlPath",
+        "maxLinkNum", "httpsEnabled", "fullTextEnabled", "tlsCaPath", "tlsCaFile", "tlsCert", "tlsPk", "tlsPkPwd", "tlsCrlPath",
+        "tlsCrlFiles", "managementTlsCaFile", "managementTlsCert", "managementTlsPk", "managementTlsPkPwd",
+        "managementTlsCrlPath", "managementTlsCrlFiles", "metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk",
+        "metricsTlsPkPwd", "metricsTlsCrlPath",
         "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
         "watermarkGamma", "watermarkDelta", "runDir", "frontendCount"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
-    "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig"},
+    "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
+                      "workerHost", "workerPort", "workerCurveKeyDir", "workerInsecureTcp"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype"},
@@ -225,11 +226,17 @@ def test_config_path_from_env_and_explicit_path_wins(tmp_path: Path) -> None:
     assert load_config(None, env={"MIES_CONFIG_JSON_PATH": ""}).config.server.port == 1025
 
 
+def test_comment_keys_are_not_reported(tmp_path: Path) -> None:
+    loaded = load_dict(tmp_path, {"//": "x", "ServerConfig": {"//port": "y", "inferMode": "standard"}})
+    assert loaded.ignored == ["ServerConfig.inferMode"]
+
+
 def test_example_file_loads() -> None:
     loaded = load_config(str(EXAMPLE), env={})
     c = loaded.config
-    assert loaded.ignored == [] and loaded.notes == []
-    assert c.backend.npu_device_ids == [[0], [1]] and c.backend.device_type == "cpu"
+    # Starts clean: no key ignored or without effect (the // keys are comments), nothing adjusted.
+    assert loaded.ignored == [] and loaded.notes == [] and loaded.unapplied == []
+    assert c.backend.npu_device_ids == [[0]] and c.backend.device_type == "cpu"
     assert c.server.port == 1025 and c.server.https_enabled is False
     assert c.backend.model_deploy.models[0].model_weight_path == ""
     assert c.backend.schedule.max_prefill_batch_size <= c.backend.schedule.max_batch_size
@@ -250,7 +257,9 @@ def test_mindie_default_file_loads_unchanged_and_reports_ignored_keys(tmp_path: 
     assert c.server.health_check.npu_usage_threshold == 0
     # The TLS paths of the file, made absolute against its directory.
     assert c.server.tls_cert == str(tmp_path / "security/certs/server.pem")
-    assert "tlsPkPwd" not in msgspec.to_builtins(c)["ServerConfig"]  # ignored keys (password files) are dropped
+    # The key's password file (plain text here; MindIE's is KMC-encrypted), absolute too.
+    assert c.server.tls_pk_pwd == str(tmp_path / "security/pass/key_pwd.txt")
+    assert "kmcKsfMaster" not in msgspec.to_builtins(c)["ServerConfig"]  # ignored keys are dropped
 
 
 # ---------------------------------------------------------------------------------------------- ranges
@@ -534,7 +543,8 @@ def test_relative_paths_follow_the_config_file(tmp_path: Path) -> None:
 
 
 def test_tls_paths_follow_the_config_file(tmp_path: Path) -> None:
-    s = cfg(tmp_path, {"ServerConfig": {"httpsEnabled": True, "metricsTlsPk": "/etc/keys/m.pem"}}).server
+    s = cfg(tmp_path, {"ServerConfig": {"httpsEnabled": True, "metricsTlsPk": "/etc/keys/m.pem",
+                                        "tlsCrlFiles": ["server_crl.pem"]}}).server
     assert s.tls_cert == str(tmp_path / "security/certs/server.pem")
     assert s.tls_pk == str(tmp_path / "security/keys/server.key.pem")
     assert s.management_tls_cert == str(tmp_path / "security/certs/management/server.pem")
@@ -546,6 +556,7 @@ def test_tls_paths_follow_the_config_file(tmp_path: Path) -> None:
     assert [os.path.join(s.tls_crl_path, f) for f in s.tls_crl_files] == [
         str(tmp_path / "security/certs/server_crl.pem")]
     assert os.path.join(s.metrics_tls_crl_path, "x") == str(tmp_path / "security/metrics/certs/x")
+    assert s.management_tls_crl_files == [] and s.tls_pk_pwd == ""  # project defaults: no CRL, clear key
 
 
 def test_tls_paths_without_a_file_follow_the_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from mindie.contract import wire as P
+from mindie.contract.curve import CurveKeyError, insecure_warning, link_mode, worker_keys
 from mindie.contract.errors import FINISH_ERROR
 from mindie.contract.lifecycle import lock_file
 from mindie.contract.spec import WorkerSpec, decode_spec
@@ -64,6 +66,36 @@ def _unlink_endpoint(endpoint: str, lock: int | None) -> None:
     os.close(lock)
 
 
+def link_security(spec: WorkerSpec) -> tuple[str, tuple[bytes, bytes, str] | None]:
+    """("ipc" | "curve" | "plain", the CURVE keys (public, secret, allowed clients' dir) or None).
+    Exits with the reason for a tcp endpoint without keys and without the insecure flag, or for
+    unusable key files (mindie/contract/curve.py)."""
+    try:
+        modes = {link_mode(ep, spec.curve_key_dir, spec.insecure_tcp) for ep in (spec.job_endpoint, spec.pub_endpoint)}
+        mode = "curve" if "curve" in modes else "plain" if "plain" in modes else "ipc"
+        return mode, worker_keys(spec.curve_key_dir) if mode == "curve" else None
+    except CurveKeyError as e:
+        raise SystemExit(f"worker {spec.worker_id} refuses to start: {e}") from None
+
+
+def _bind(sock: zmq.Socket, endpoint: str, keys: tuple[bytes, bytes, str] | None) -> None:
+    """Bind ``sock``, as a CURVE server when ``keys`` are given (tcp); a bind error exits with
+    the endpoint named (a tcp port in use raises EADDRINUSE, nothing else guards it)."""
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    if keys is not None and endpoint.startswith("tcp://"):
+        public, secret, _ = keys
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        why = ("address already in use (another worker or program holds this port: BackendConfig.workerPort "
+               "picks the ports)" if e.errno == errno.EADDRINUSE else e.strerror)
+        raise SystemExit(f"cannot bind {endpoint}: {why}") from None
+
+
 def build_engine(spec: WorkerSpec):
     """Load the model (or the null model) and size the KV cache; returns (engine, vocab size, device)."""
     from workers.engine.model_runner import NullRunner, load_runner
@@ -97,21 +129,36 @@ class Worker:
         self.instance = secrets.token_hex(6)
         self.stop = False
         self.frontends: dict[str, FrontendState] = {}
+        mode, keys = link_security(spec)  # before the model loads: a refused link fails fast
         t0 = time.perf_counter()
         self.engine, self.device = build_engine(spec)
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
                  spec.model_name, self.engine.runner.vocab_size)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
         self.ctx = zmq.Context()
+        self.auth = None
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)  # jobs are small; never drop one
-        self.pull.bind(spec.job_endpoint)
         self.pub = self.ctx.socket(zmq.PUB)
         # PUB drops silently at the HWM; sequence numbers detect it. High enough that it
         # takes a front end stalled for many seconds at full load to reach it.
         self.pub.setsockopt(zmq.SNDHWM, 200_000)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(spec.pub_endpoint)
+        try:
+            if keys is not None:
+                # ZAP: only front ends whose public key is in clients/ complete the handshake.
+                from zmq.auth.thread import ThreadAuthenticator
+                self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("workers.worker.zap"))
+                self.auth.start()
+                self.auth.configure_curve(domain="*", location=keys[2])
+                log.info("worker links: CURVE, front ends allowed by the public keys in %s", keys[2])
+            elif mode == "plain":
+                log.warning("%s", insecure_warning(spec.job_endpoint))
+            _bind(self.pull, spec.job_endpoint, keys)
+            _bind(self.pub, spec.pub_endpoint, keys)
+        except BaseException:
+            self._close_sockets()
+            raise
         # The PUB socket is shared with the heartbeat thread: every send holds this lock
         # (ZeroMQ sockets may change threads only behind a full memory barrier).
         self.pub_lock = threading.Lock()
@@ -309,13 +356,19 @@ class Worker:
         self.engine.close()
         if self.cores is not None:
             self.cores.close()
+        self._close_sockets()
+        log.info("worker %s stopped", self.spec.worker_id)
+
+    def _close_sockets(self) -> None:
         self.pull.close(0)
         self.pub.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
         self.ctx.term()
         for endpoint, lock in zip((self.spec.job_endpoint, self.spec.pub_endpoint), self._locks):
             _unlink_endpoint(endpoint, lock)
         self._locks = [None, None]
-        log.info("worker %s stopped", self.spec.worker_id)
 
 
 def main(argv: list[str] | None = None) -> None:

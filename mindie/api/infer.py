@@ -97,8 +97,11 @@ def over_limit(limit: int) -> ApiError:
 
 class InferResource:
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, limits: Limits, metrics: Metrics,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, full_text: bool = False):
+        """``full_text``: ServerConfig.fullTextEnabled, each stream frame's ``token.text`` is the
+        text so far instead of the new piece."""
         self.client = client
+        self.full_text = full_text
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
@@ -191,6 +194,7 @@ class InferResource:
                       slot: Slot | None) -> AsyncIterator[object]:
         detok = IncrementalDetokenizer(self.tokenizer)
         ids: list[int] = []
+        so_far = ""  # fullTextEnabled
         try:
             while True:
                 deadline, desc = dl.next()
@@ -217,6 +221,8 @@ class InferResource:
                         decode = None if prefill is not None else R.ms(f.decode_ms / max(1, n))
                         ids.append(tok)
                         text = detok.push([tok])
+                        if self.full_text:
+                            so_far = text = so_far + text
                         if f.finish_reason and i == n - 1:
                             break  # the last token goes out in the final frame, "text": null
                         yield _Raw(R.stream_frame([tok], text, prefill, decode))

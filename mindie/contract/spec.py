@@ -34,8 +34,12 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     """One device worker (one npuDeviceIds entry)."""
 
     worker_id: str
-    job_endpoint: str
+    job_endpoint: str  # ipc://<runDir>/... or tcp://HOST:PORT (worker_endpoints)
     pub_endpoint: str
+    # tcp links (mindie/contract/curve.py): CURVE key directory (absolute); "" = none, then plain
+    # tcp only with insecure_tcp (BackendConfig.workerInsecureTcp). Unused for ipc.
+    curve_key_dir: str = ""
+    insecure_tcp: bool = False
     device_type: str = "cpu"  # npu | cuda | cpu; "auto" until workers.prepare settles it
     device_ids: list[int] = []
     model_path: str = ""  # "" until workers.prepare makes the built-in demo model
@@ -68,8 +72,12 @@ class Deployment(msgspec.Struct, kw_only=True):
         return self.workers[0].model_path
 
 
-def worker_endpoints(run_dir: str, index: int) -> tuple[str, str]:
-    """(job PULL, frame PUB) endpoints of worker ``index``: ipc sockets in the private run dir."""
+def worker_endpoints(run_dir: str, index: int, host: str = "", port: int = 0) -> tuple[str, str]:
+    """(job PULL, frame PUB) endpoints of worker ``index``: ipc sockets in the private run dir,
+    or with ``host`` (BackendConfig.workerHost) tcp ports ``port + 2*index`` and the one after."""
+    if host:
+        h = f"[{host}]" if ":" in host else host  # an IPv6 address
+        return f"tcp://{h}:{port + 2 * index}", f"tcp://{h}:{port + 2 * index + 1}"
     return f"ipc://{run_dir}/w{index}-jobs.ipc", f"ipc://{run_dir}/w{index}-frames.ipc"
 
 

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Do several CPU device workers on one host slow each other down? (issue 16, item 0)
+
+Starts the real server (scripts/launch.sh, built-in demo model, fp32, one front end) with one
+CPU worker (npuDeviceIds [[0]]) and then with --workers N ([[0],[1],...]), and for each prompt
+length sends --requests requests of --new-tokens tokens, at each concurrency (1 = one after
+another). Prints the wall time of every batch, and the ratio N workers / one worker.
+
+    python scripts/bench_workers.py                      # 1 vs 2 workers, concurrency 1,16,64, prompts 5,120
+    python scripts/bench_workers.py --workers 2 --concurrency 16 --prompts 120
+
+Exits 1, loudly, when N workers at full load (the highest concurrency) take longer than one
+worker by more than --tolerance (default 1.25x: N workers must deliver at least 80 % of what one
+worker does on the same cores; they should deliver as much or more).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.harness import Server, free_port, short_run_dir, write_config  # noqa: E402
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return platform.machine()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{os.cpu_count()} cores, {' '.join(isa) or 'no AVX2'}"
+
+
+async def batch(url: str, prompt_len: int, requests: int, concurrency: int, new_tokens: int) -> float:
+    """Seconds for ``requests`` requests, ``concurrency`` at a time; every reply checked."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        ids = [(i * 131 + j * 7) % 30000 + 3 for j in range(prompt_len)]
+        body = {"input_id": ids, "parameters": {"max_new_tokens": new_tokens, "details": True}}
+        async with sem:
+            r = await client.post(url + "/infer_token", content=json.dumps(body), timeout=600)
+        if r.status_code != 200 or r.json()["details"]["generated_tokens"] != new_tokens:
+            raise RuntimeError(f"request {i}: {r.status_code} {r.text[:200]}")
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(client, i) for i in range(requests)))
+        return time.perf_counter() - t0
+
+
+def run(workers: int, args, work: Path) -> dict[tuple[int, int], float]:
+    port = free_port()
+    cfg = write_config(work / f"config-{workers}.json", port=port, run_dir=short_run_dir(), workers=workers,
+                       model={"dtype": "float32"})
+    raw = json.loads(cfg.read_text())
+    raw["BackendConfig"]["cpuThreadsPerWorker"] = 0  # the default: cores shared automatically
+    raw["BackendConfig"]["ScheduleConfig"]["cacheBlockSize"] = 128
+    cfg.write_text(json.dumps(raw))
+    srv = Server(cfg, port, env={"MINDIE_LOG_LEVEL": "WARNING"})
+    out: dict[tuple[int, int], float] = {}
+    try:
+        print(f"  {workers} worker(s): starting ...", flush=True)
+        srv.wait_ready(180)
+        asyncio.run(batch(srv.url, 5, 2, 2, 4))  # warm-up: kernels, first allocations
+        for prompt in args.prompts:
+            for conc in args.concurrency:
+                dt = asyncio.run(batch(srv.url, prompt, args.requests if conc <= args.requests else conc,
+                                       conc, args.new_tokens))
+                out[(prompt, conc)] = dt
+                print(f"  {workers} worker(s)  prompt {prompt:4d}  concurrency {conc:3d}  {dt:7.2f} s", flush=True)
+    finally:
+        srv.stop()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=2, help="workers of the multi-worker server (default 2)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per batch (at least the concurrency)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default="5,120", help="prompt lengths, comma-separated")
+    ap.add_argument("--concurrency", default="1,16,64", help="concurrency levels, comma-separated")
+    ap.add_argument("--tolerance", type=float, default=1.25,
+                    help="fail when N workers take longer than one worker times this at the highest concurrency")
+    args = ap.parse_args()
+    args.prompts = [int(x) for x in args.prompts.split(",")]
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    print(f"machine: {cpu_flags()}; demo model fp32; {args.requests} requests x {args.new_tokens} new tokens")
+    with tempfile.TemporaryDirectory(prefix="bench-workers-") as d:
+        one = run(1, args, Path(d))
+        many = run(args.workers, args, Path(d))
+    print(f"\n{'prompt':>6} {'conc':>5} {'1 worker s':>11} {f'{args.workers} workers s':>12} {'ratio':>6}")
+    worst = 0.0
+    for key in one:
+        ratio = many[key] / one[key]
+        print(f"{key[0]:6d} {key[1]:5d} {one[key]:11.2f} {many[key]:12.2f} {ratio:6.2f}")
+        if key[1] == max(args.concurrency):
+            worst = max(worst, ratio)
+    if worst > args.tolerance:
+        print(f"\nFAIL: at full load {args.workers} workers take {worst:.2f}x the time of one worker "
+              f"(limit {args.tolerance}x): the workers slow each other down", file=sys.stderr)
+        return 1
+    print(f"\nOK: at full load {args.workers} workers take at most {worst:.2f}x the time of one worker")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1004 @@
+"""Every key of docs/config.md, with the tests that show its effect (or its refusal).
+
+``KEY_TESTS`` maps each documented key (dotted, as in error messages; ``ModelConfig[]`` for the
+list items) to the pytest node ids that show what the key does: the launch plan it produces
+(``mindie.topology.build_deployment``), the scheduler, sampler or backend that reads it, the
+front end's limits, or the running server. ``test_registry_*`` parse docs/config.md and keep the
+registry honest: every documented key has an entry, no entry names an undocumented key, and
+every node id names a test function that exists. Keys the docs mark "no effect" must map to
+``test_unapplied_keys_are_logged`` (the launcher says so at start).
+
+The effect tests missing elsewhere are here. The ones that need the real server share one start
+(``server``, at the end of the file): fullTextEnabled, tokenTimeout, ipAddress, maxIterTimes,
+maxSeqLen, maxInputTokenLen, truncation, modelName/modelWeightPath from the file, and what the
+worker logs for cacheBlockSize, cpuMemSize, cpuThreadsPerWorker and overlapSteps.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from mindie.config import Config, ConfigError, Loaded, ensure_run_dir, load_config
+from mindie.contract.spec import EngineConfig, WorkerSpec
+from mindie.contract.wire import SamplingParams, Submit
+from mindie.listeners import plan_listeners
+from mindie.topology import build_deployment
+from tests.harness import Server, free_port, short_run_dir, write_config
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "config.md"
+THIS = "tests/test_config_keys.py"
+UNAPPLIED = f"{THIS}::test_unapplied_keys_are_logged"
+
+
+def _here(*names: str) -> list[str]:
+    return [f"{THIS}::{n}" for n in names]
+
+
+# -------------------------------------------------------------------------------------------------
+# The registry: documented key -> tests showing its effect or its refusal.
+# -------------------------------------------------------------------------------------------------
+
+_E2E = "tests/test_server_e2e.py"
+_TLS = "tests/test_tls.py"
+_CURVE = "tests/test_worker_curve.py"
+_CFG = "tests/test_config.py"
+
+# The same tests cover a plane's six TLS keys: the files each plane is built from, a handshake per
+# plane in-process, and the real server on three planes.
+_PLANE_TLS = _here("test_tls_keys_of_each_plane") + [f"{_TLS}::test_https_and_mutual_tls_on_three_planes"]
+
+KEY_TESTS: dict[str, list[str]] = {
+    # -- top level
+    "Version": [UNAPPLIED],
+    "EnableDynamicAdjustTimeoutConfig": _here("test_dynamic_adjust_timeout_reaches_the_front_end_deadlines") + [
+        f"{_CFG}::test_dynamic_timeout_sets_timeouts_to_their_maximum"],
+    # -- ServerConfig
+    "ServerConfig.ipAddress": _here("test_listener_addresses", "test_e2e_listens_on_ip_address_port_and_run_dir"),
+    "ServerConfig.managementIpAddress": _here("test_listener_addresses") + [
+        f"{_TLS}::test_https_and_mutual_tls_on_three_planes"],
+    "ServerConfig.port": _here("test_e2e_listens_on_ip_address_port_and_run_dir") + [
+        f"{_TLS}::test_planes_merge_when_ports_are_equal", f"{_TLS}::test_https_and_mutual_tls_on_three_planes"],
+    "ServerConfig.managementPort": [f"{_TLS}::test_planes_merge_when_ports_are_equal",
+                                    f"{_TLS}::test_https_and_mutual_tls_on_three_planes"],
+    "ServerConfig.metricsPort": [f"{_TLS}::test_planes_merge_when_ports_are_equal",
+                                 f"{_TLS}::test_https_and_mutual_tls_on_three_planes"],
+    "ServerConfig.allowAllZeroIpListening": _here("test_all_zero_ip_listening") + [
+        f"{_CFG}::test_cross_field_checks", f"{_CFG}::test_all_zero_ip_allowed_when_enabled"],
+    "ServerConfig.maxLinkNum": ["tests/test_admission.py::test_burst_of_10x_admits_exactly_the_limit",
+                                "tests/test_admission.py::test_two_frontends_share_one_limit"],
+    "ServerConfig.httpsEnabled": [f"{_TLS}::test_https_and_mutual_tls_on_three_planes",
+                                  f"{_TLS}::test_plain_http_quick_start_is_unchanged"],
+    "ServerConfig.tlsCaPath": _here("test_tls_ca_path_is_shared_by_all_planes") + [
+        f"{_TLS}::test_https_and_mutual_tls_on_three_planes"],
+    "ServerConfig.tlsCaFile": _PLANE_TLS + [f"{_TLS}::test_missing_and_unreadable_files",
+                                            f"{_TLS}::test_server_only_tls_is_said_and_crl_needs_a_ca"],
+    "ServerConfig.tlsCert": _PLANE_TLS + [f"{_TLS}::test_expired_not_yet_valid_and_mismatched"],
+    "ServerConfig.tlsPk": _PLANE_TLS + [f"{_TLS}::test_a_bad_tls_file_stops_the_start_naming_the_key"],
+    "ServerConfig.tlsPkPwd": _PLANE_TLS + [f"{_TLS}::test_encrypted_key_with_a_password_file"],
+    "ServerConfig.tlsCrlPath": _PLANE_TLS,
+    "ServerConfig.tlsCrlFiles": _PLANE_TLS + [f"{_TLS}::test_server_only_tls_is_said_and_crl_needs_a_ca"],
+    **{f"ServerConfig.{plane}Tls{key}": _PLANE_TLS
+       for plane in ("management", "metrics") for key in ("CaFile", "Cert", "Pk", "PkPwd", "CrlPath", "CrlFiles")},
+    "ServerConfig.fullTextEnabled": _here("test_e2e_full_text_stream"),
+    "ServerConfig.tokenTimeout": _here("test_e2e_token_timeout",
+                                       "test_dynamic_adjust_timeout_reaches_the_front_end_deadlines"),
+    "ServerConfig.e2eTimeout": [f"{_E2E}::test_timeouts_sighup_and_sigterm"] + _here(
+        "test_dynamic_adjust_timeout_reaches_the_front_end_deadlines"),
+    "ServerConfig.maxRequestLength": [f"{_E2E}::test_body_too_large"],
+    "ServerConfig.HealthCheckConfig.npuUsageThreshold": [UNAPPLIED],
+    "ServerConfig.watermarkGamma": _here("test_watermark_gamma_and_delta_reach_the_sampler"),
+    "ServerConfig.watermarkDelta": _here("test_watermark_gamma_and_delta_reach_the_sampler"),
+    "ServerConfig.runDir": _here("test_run_dir_holds_the_worker_sockets",
+                                 "test_e2e_listens_on_ip_address_port_and_run_dir"),
+    "ServerConfig.frontendCount": [f"{_E2E}::test_config_keys_take_effect",
+                                   f"{_CFG}::test_frontend_count_from_file_and_environment"],
+    # -- BackendConfig
+    "BackendConfig.npuDeviceIds": _here("test_npu_device_ids_make_one_worker_per_entry",
+                                        "test_device_groups_are_refused_at_launch"),
+    "BackendConfig.deviceType": _here("test_device_type_picks_the_backend"),
+    "BackendConfig.cpuThreadsPerWorker": _here("test_cpu_threads_per_worker", "test_e2e_worker_applies_its_keys"),
+    "BackendConfig.workerHost": [f"{_CURVE}::test_tcp_without_keys_is_refused_unless_insecure",
+                                 f"{_CURVE}::test_worker_host_and_port_checked", f"{_CURVE}::test_ipv6_endpoints",
+                                 f"{_CURVE}::test_plain_tcp_with_the_insecure_flag"],
+    "BackendConfig.workerPort": [f"{_CURVE}::test_tcp_without_keys_is_refused_unless_insecure",
+                                 f"{_CURVE}::test_worker_host_and_port_checked",
+                                 f"{_CURVE}::test_worker_reports_a_port_in_use"],
+    "BackendConfig.workerCurveKeyDir": [f"{_CURVE}::test_curve_link_serves_the_right_front_end_only",
+                                        f"{_CURVE}::test_key_dir_relative_to_the_config_file",
+                                        f"{_CURVE}::test_missing_key_file_is_refused",
+                                        f"{_CURVE}::test_readable_secret_key_is_refused"],
+    "BackendConfig.workerInsecureTcp": [f"{_CURVE}::test_tcp_without_keys_is_refused_unless_insecure",
+                                        f"{_CURVE}::test_plain_tcp_with_the_insecure_flag",
+                                        f"{_CURVE}::test_worker_refuses_tcp_without_keys",
+                                        f"{_CURVE}::test_client_refuses_tcp_without_keys"],
+    # -- BackendConfig.ModelDeployConfig
+    "BackendConfig.ModelDeployConfig.maxSeqLen": _here("test_e2e_output_budget", "test_e2e_truncation") + [
+        "tests/test_device_workers.py::test_length_cap_and_max_seq_len"],
+    "BackendConfig.ModelDeployConfig.maxInputTokenLen": _here("test_e2e_truncation") + [
+        f"{_CFG}::test_max_input_token_len_clamped_and_prefill_tokens_raised"],
+    "BackendConfig.ModelDeployConfig.truncation": _here("test_e2e_truncation") + [
+        "tests/test_validation.py::test_truncation_config_values"],
+    "BackendConfig.ModelDeployConfig.ModelConfig": _here("test_only_the_first_model_config_is_served",
+                                                         "test_unapplied_keys_are_logged"),
+    # -- BackendConfig.ModelDeployConfig.ModelConfig[]
+    "BackendConfig.ModelDeployConfig.ModelConfig[].modelName": _here("test_e2e_model_name_and_weight_path") + [
+        f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_model_name_follows_the_checkpoint_unless_given"],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].modelWeightPath": _here(
+        "test_e2e_model_name_and_weight_path", "test_model_weight_path_must_be_a_checkpoint"),
+    # worldSize has no effect beyond its check (groups of several devices are refused at launch).
+    "BackendConfig.ModelDeployConfig.ModelConfig[].worldSize": _here("test_world_size_must_match_the_device_group",
+                                                                     "test_device_groups_are_refused_at_launch") + [
+        f"{_CFG}::test_cross_field_checks"],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].npuMemSize": _here("test_npu_and_cpu_mem_size_size_the_kv_cache"),
+    "BackendConfig.ModelDeployConfig.ModelConfig[].cpuMemSize": _here("test_npu_and_cpu_mem_size_size_the_kv_cache",
+                                                                       "test_e2e_worker_applies_its_keys"),
+    "BackendConfig.ModelDeployConfig.ModelConfig[].dtype": _here("test_dtype_is_the_models_dtype"),
+    # -- BackendConfig.ScheduleConfig
+    "BackendConfig.ScheduleConfig.cacheBlockSize": _here("test_cache_block_size_is_the_engines_block_size",
+                                                         "test_e2e_worker_applies_its_keys"),
+    "BackendConfig.ScheduleConfig.maxPrefillBatchSize": _here("test_max_prefill_batch_size_caps_admissions_per_step"),
+    "BackendConfig.ScheduleConfig.maxPrefillTokens": _here("test_max_prefill_tokens_is_the_schedulers_budget"),
+    "BackendConfig.ScheduleConfig.maxBatchSize": _here("test_max_batch_size_caps_running_requests"),
+    "BackendConfig.ScheduleConfig.maxIterTimes": _here("test_e2e_output_budget") + [
+        "tests/test_validation.py::test_max_new_tokens_budget"],
+    "BackendConfig.ScheduleConfig.maxN": [UNAPPLIED],
+    "BackendConfig.ScheduleConfig.enablePrefixCache": _here("test_enable_prefix_cache"),
+    "BackendConfig.ScheduleConfig.overlapSteps": _here("test_overlap_steps_moves_compute_to_a_thread",
+                                                       "test_e2e_worker_applies_its_keys") + [
+        f"{_CFG}::test_overlap_steps_reaches_the_worker_spec"],
+    # -- LogConfig
+    "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
+}
+
+
+# -------------------------------------------------------------------------------------------------
+# The registry against docs/config.md and the test files.
+# -------------------------------------------------------------------------------------------------
+
+class DocKey(NamedTuple):
+    key: str
+    row: str
+
+
+def documented_keys(text: str) -> list[DocKey]:
+    """Keys of the tables under the key sections of docs/config.md ("## Top level", "## `ServerConfig`",
+    "### `BackendConfig.ModelDeployConfig`", ...): the backticked names of each row's first cell."""
+    out: list[DocKey] = []
+    prefix: str | None = None
+    in_key_table = False
+    for line in text.splitlines():
+        heading = re.match(r"^#{2,3}\s+(.*?)\s*$", line)
+        if heading:
+            title = heading.group(1)
+            section = re.fullmatch(r"`([A-Za-z][A-Za-z.\[\]]*)`", title)
+            prefix = "" if title == "Top level" else section.group(1) if section else None
+            in_key_table = False
+            continue
+        if prefix is None or not line.startswith("|"):
+            in_key_table = in_key_table and line.startswith("|")
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "key":
+            in_key_table = True
+            continue
+        if not in_key_table or set(cells[0]) <= set("-: "):
+            continue
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            out.append(DocKey(f"{prefix}.{name}" if prefix else name, line))
+    return out
+
+
+def _test_functions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.name.startswith("test")}
+
+
+def test_registry_covers_every_documented_key_and_nothing_else() -> None:
+    doc = documented_keys(DOC.read_text())
+    keys = [d.key for d in doc]
+    # The parser saw every section (a broken parse must not pass as "nothing documented").
+    sections = {k.rsplit(".", 1)[0] if "." in k else "" for k in keys}
+    assert {"", "ServerConfig", "BackendConfig", "BackendConfig.ModelDeployConfig",
+            "BackendConfig.ModelDeployConfig.ModelConfig[]", "BackendConfig.ScheduleConfig",
+            "LogConfig"} <= sections, sections
+    assert len(keys) == len(set(keys)), [k for k in keys if keys.count(k) > 1]
+    assert sorted(set(keys) - set(KEY_TESTS)) == [], "documented keys without a test in KEY_TESTS"
+    assert sorted(set(KEY_TESTS) - set(keys)) == [], "KEY_TESTS names keys docs/config.md does not document"
+    assert all(KEY_TESTS[k] for k in keys)
+
+
+def test_registry_node_ids_exist() -> None:
+    functions: dict[str, set[str]] = {}
+    missing = []
+    for key, ids in KEY_TESTS.items():
+        for node in ids:
+            path, _, name = node.partition("::")
+            name = name.split("[", 1)[0]  # parametrized ids may carry their [param]
+            file = ROOT / path
+            if path not in functions:
+                functions[path] = _test_functions(file) if file.is_file() else set()
+            if "::" in name or name not in functions[path]:
+                missing.append(f"{key}: {node}")
+    assert missing == []
+
+
+def test_registry_no_effect_keys_map_to_the_launcher_log() -> None:
+    """Rows the docs mark "no effect" are shown by the launcher's log line, and only those map there
+    (besides ModelConfig, whose extra entries are logged as unused)."""
+    no_effect = {d.key for d in documented_keys(DOC.read_text()) if "no effect" in d.row}
+    assert no_effect == {"Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold",
+                         "BackendConfig.ScheduleConfig.maxN"}
+    assert all(UNAPPLIED in KEY_TESTS[k] for k in no_effect)
+    from mindie.config import VALIDATED_NOT_APPLIED
+    assert set(VALIDATED_NOT_APPLIED) == no_effect
+
+
+def _config_leaves(tp: Any, path: str, out: set[str]) -> set[str]:
+    import typing
+    for f in msgspec.structs.fields(tp):
+        inner, suffix = f.type, ""
+        while typing.get_origin(inner) in (typing.Annotated, list):
+            suffix = "[]" if typing.get_origin(inner) is list else suffix
+            inner = typing.get_args(inner)[0]
+        name = f"{path}.{f.encode_name}" if path else f.encode_name
+        if isinstance(inner, type) and issubclass(inner, msgspec.Struct):
+            if suffix:
+                out.add(name)  # a list of sections (ModelConfig) is a documented key itself
+            _config_leaves(inner, name + suffix, out)
+        else:
+            out.add(name)
+    return out
+
+
+def test_every_config_field_is_documented() -> None:
+    """The other direction: every key the server reads (a field of mindie.config.Config) has its row."""
+    assert _config_leaves(Config, "", set()) == {d.key for d in documented_keys(DOC.read_text())}
+
+
+# -------------------------------------------------------------------------------------------------
+# Helpers.
+# -------------------------------------------------------------------------------------------------
+
+def load(tmp_path: Path, data: dict, env: dict | None = None, name: str = "config.json") -> Loaded:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return load_config(str(path), env=env or {})
+
+
+def deployment(tmp_path: Path, data: dict, **kw):
+    data = json.loads(json.dumps(data))
+    data.setdefault("ServerConfig", {}).setdefault("runDir", str(tmp_path / "run"))
+    return build_deployment(load(tmp_path, data).config, **kw)
+
+
+def schedule_config(tmp_path: Path, schedule: dict, deploy: dict | None = None) -> EngineConfig:
+    """The EngineConfig the launch plan gives every worker for these ScheduleConfig keys."""
+    dep = deployment(tmp_path, {"BackendConfig": {"ModelDeployConfig": deploy or {}, "ScheduleConfig": schedule}})
+    engines = {w.engine for w in dep.workers}
+    assert len(engines) == 1
+    return engines.pop()
+
+
+class StepLog(NamedTuple):
+    tokens: int  # tokens computed in the step
+    prefills: int  # sequences whose prompt is (partly) computed in it
+    seqs: int  # sequences in the step
+    running: int  # sequences running after scheduling
+
+
+def run_engine(cfg: EngineConfig, prompts: list[list[int]], max_new: int, num_blocks: int = 4096,
+               runner=None) -> tuple[list[StepLog], Any]:
+    """Every step of the real Engine/Scheduler (null model: no compute) serving ``prompts``."""
+    from workers.engine.engine import Engine
+    from workers.engine.model_runner import NullRunner
+
+    engine = Engine(runner or NullRunner(), cfg, num_blocks)
+    for i, ids in enumerate(prompts):
+        engine.add(Submit(f"r{i}", "fe", ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True)))
+    log = []
+    try:
+        while engine.has_work():
+            flight = engine.launch()
+            assert flight is not None, "work left but nothing scheduled"
+            b = flight.batch
+            log.append(StepLog(sum(b.num_tokens), sum(1 for s in b.seqs if s.num_computed < s.prompt_len),
+                               len(b.seqs), engine.num_running))
+            engine.collect(flight)
+            assert len(log) < 10000
+        assert engine.check_no_leaks()
+    finally:
+        engine.close()
+    return log, engine
+
+
+def distinct_prompts(n: int, length: int) -> list[list[int]]:
+    return [[3 + (i * length + j) % 31000 for j in range(length)] for i in range(n)]
+
+
+# -------------------------------------------------------------------------------------------------
+# Keys validated without effect: the launcher logs them.
+# -------------------------------------------------------------------------------------------------
+
+def _prepare(tmp_path: Path, config: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
+    run_dir = tmp_path / "run"
+    env.update(MIES_CONFIG_JSON_PATH=str(config), MINDIE_RUN_DIR=str(run_dir), MINDIE_LOG_LEVEL="INFO")
+    return subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_unapplied_keys_are_logged(tmp_path: Path) -> None:
+    """Version, HealthCheckConfig.npuUsageThreshold and maxN are validated but do nothing: load_config
+    reports each one the file sets (Loaded.unapplied) and the launcher logs it; a second ModelConfig
+    entry is validated and logged as unused."""
+    data = {"Version": "2.0.0", "ServerConfig": {"HealthCheckConfig": {"npuUsageThreshold": 50}},
+            "BackendConfig": {"ScheduleConfig": {"maxN": 4}, "ModelDeployConfig": {"ModelConfig": [
+                {"modelName": "first"}, {"modelName": "second"}]}}}
+    loaded = load(tmp_path, data)
+    assert [u.split(":")[0] for u in loaded.unapplied] == [
+        "Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold", "BackendConfig.ScheduleConfig.maxN"]
+    assert load(tmp_path, {}, name="empty.json").unapplied == []  # only the keys the file sets
+    # Still validated: a wrong value is refused.
+    with pytest.raises(ConfigError, match=r"^BackendConfig\.ScheduleConfig\.maxN: must be >= 1"):
+        load(tmp_path, {"BackendConfig": {"ScheduleConfig": {"maxN": 0}}}, name="bad.json")
+
+    proc = _prepare(tmp_path, tmp_path / "config.json")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^MINDIE_DEPLOYMENT=", proc.stdout, re.M), proc.stdout  # shell assignments on stdout
+    said = "config key validated but without effect in this server: "
+    for key in ("Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold", "BackendConfig.ScheduleConfig.maxN"):
+        assert re.search(rf"{said}{re.escape(key)}: \S", proc.stderr), (key, proc.stderr)
+    assert proc.stderr.count(said) == 3
+    assert "ModelConfig has 2 entries: only the first is served" in proc.stderr
+    # A file without them: not a word.
+    (tmp_path / "plain.json").write_text("{}")
+    proc = _prepare(tmp_path, tmp_path / "plain.json")
+    assert proc.returncode == 0, proc.stderr
+    assert said not in proc.stderr
+
+
+# -------------------------------------------------------------------------------------------------
+# Launch plan, front end, listeners.
+# -------------------------------------------------------------------------------------------------
+
+def test_only_the_first_model_config_is_served(tmp_path: Path) -> None:
+    models = [{"modelName": "first", "modelWeightPath": "/models/a", "dtype": "bfloat16", "cpuMemSize": 2},
+              {"modelName": "second", "modelWeightPath": "/models/b", "dtype": "float16", "cpuMemSize": 3}]
+    dep = deployment(tmp_path, {"BackendConfig": {"npuDeviceIds": [[0], [1]],
+                                                  "ModelDeployConfig": {"ModelConfig": models}}})
+    assert {(w.model_name, w.model_path, w.dtype, w.cpu_mem_gb) for w in dep.workers} == {
+        ("first", "/models/a", "bfloat16", 2.0)}
+    bad = models[:1] + [{"dtype": "int8"}]
+    with pytest.raises(ConfigError, match=r"ModelConfig\[1\]\.dtype: must be one of"):
+        load(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": bad}}}, name="bad.json")
+    with pytest.raises(ConfigError, match=r"ModelConfig: must have length >= 1"):
+        load(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": []}}}, name="empty.json")
+
+
+def test_model_weight_path_must_be_a_checkpoint(tmp_path: Path, demo_model: str) -> None:
+    """The plan carries the path to every worker (and the front end's tokenizer); a directory
+    without config.json stops the launch naming the key."""
+    from workers.prepare import settle_deployment
+
+    (tmp_path / "m").mkdir()
+    data = {"BackendConfig": {"deviceType": "cpu", "npuDeviceIds": [[0], [1]],
+                              "ModelDeployConfig": {"ModelConfig": [{"modelWeightPath": demo_model}]}}}
+    dep = settle_deployment(deployment(tmp_path, data))
+    assert dep.model_dir == demo_model and {w.model_path for w in dep.workers} == {demo_model}
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = "m"  # relative: config's dir
+    with pytest.raises(SystemExit, match=r"ModelConfig\[0\]\.modelWeightPath: .*/m has no config\.json"):
+        settle_deployment(deployment(tmp_path, data))
+
+
+def test_world_size_must_match_the_device_group(tmp_path: Path) -> None:
+    """worldSize only has to agree with the npuDeviceIds entries (0 = their length): any other
+    value is refused, and it changes nothing in the plan."""
+    base = {"BackendConfig": {"npuDeviceIds": [[0, 1], [2, 3]], "deviceType": "cuda"}}
+    plans = []
+    for ws in (0, 2):
+        data = json.loads(json.dumps(base))
+        data["BackendConfig"]["ModelDeployConfig"] = {"ModelConfig": [{"worldSize": ws}]}
+        plans.append(deployment(tmp_path, data))
+    assert plans[0] == plans[1]
+    data["BackendConfig"]["ModelDeployConfig"] = {"ModelConfig": [{"worldSize": 4}]}
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.worldSize: must equal the number of devices per "
+                                          r"npuDeviceIds entry \(2\), got 4"):
+        load(tmp_path, data)
+
+
+def test_device_groups_are_refused_at_launch(tmp_path: Path) -> None:
+    """Entries of several devices (tensor parallelism) load (a MindIE file is valid) but the
+    launcher refuses them, naming the key, since one worker uses one device."""
+    (tmp_path / "tp.json").write_text(json.dumps({"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]]}}))
+    proc = _prepare(tmp_path, tmp_path / "tp.json")
+    assert proc.returncode == 2, proc.stderr
+    assert "BackendConfig.npuDeviceIds: entries of 4 devices ask for tensor parallelism" in proc.stderr
+    assert "[[0], [1], [2], [3]]" in proc.stderr and "exit 2" in proc.stdout
+
+
+def test_npu_device_ids_make_one_worker_per_entry(tmp_path: Path) -> None:
+    from workers.supervisor import visibility_env
+
+    for device, var in (("cuda", "CUDA_VISIBLE_DEVICES"), ("npu", "ASCEND_RT_VISIBLE_DEVICES")):
+        dep = deployment(tmp_path, {"BackendConfig": {"npuDeviceIds": [[2, 3], [4, 5], [6, 7]], "deviceType": device}})
+        assert [(w.worker_id, w.device_ids, w.worker_index, w.num_workers) for w in dep.workers] == [
+            ("w0", [2, 3], 0, 3), ("w1", [4, 5], 1, 3), ("w2", [6, 7], 2, 3)]
+        assert len({w.job_endpoint for w in dep.workers}) == 3
+        # What the supervisor puts in each worker's environment: only its own devices.
+        assert [visibility_env(w.device_type, w.device_ids) for w in dep.workers] == [
+            {var: "2,3"}, {var: "4,5"}, {var: "6,7"}]
+
+
+def test_device_type_picks_the_backend(tmp_path: Path) -> None:
+    """deviceType reaches every worker's spec; the worker builds that backend (get_backend), and
+    workers.prepare settles "auto" by probing and sets the device's overlap default."""
+    from workers.backends import detect, get_backend
+    from workers.prepare import settle_deployment
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # a checkpoint directory, as settle_deployment wants
+
+    def settled(device: str) -> WorkerSpec:
+        return settle_deployment(deployment(tmp_path, {"BackendConfig": {"deviceType": device, "ModelDeployConfig": {
+            "ModelConfig": [{"modelWeightPath": str(model)}]}}})).workers[0]
+
+    for device, cls, overlap in (("cpu", "CpuBackend", False), ("cuda", "CudaBackend", True),
+                                 ("npu", "NpuBackend", True)):
+        w = settled(device)
+        assert (w.device_type, w.engine.overlap) == (device, overlap)
+        assert type(get_backend(w.device_type)).__name__ == cls
+    dep_auto = settled("auto")
+    assert dep_auto.device_type == detect()
+
+
+def test_cpu_threads_per_worker(tmp_path: Path) -> None:
+    """A fixed count: every CPU worker's torch threads, no core lending; 0: the cores shared out
+    evenly, idle workers lending theirs."""
+    import torch
+    from workers.backends.cpu import CpuBackend
+
+    two = {"npuDeviceIds": [[0], [1]], "deviceType": "cpu"}
+    dep = deployment(tmp_path, {"BackendConfig": {**two, "cpuThreadsPerWorker": 3}})
+    assert [(w.threads, w.core_share_file) for w in dep.workers] == [(3, ""), (3, "")]
+    auto = deployment(tmp_path, {"BackendConfig": {**two, "cpuThreadsPerWorker": 0}})
+    assert {w.threads for w in auto.workers} == {max(1, (os.cpu_count() or 1) // 2)}
+    assert all(w.core_share_file.endswith("cores.busy") for w in auto.workers)
+    # The worker's backend applies it to torch (CpuBackend.setup, then on the compute thread).
+    before = torch.get_num_threads()
+    try:
+        CpuBackend(dep.workers[0].threads).setup()
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(1)
+        CpuBackend(dep.workers[0].threads).bind_thread()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_npu_and_cpu_mem_size_size_the_kv_cache(tmp_path: Path) -> None:
+    from workers.backends.cpu import CpuBackend
+    from workers.backends.cuda import CudaBackend
+
+    class Accelerator(CudaBackend):  # kv_cache_bytes as on cuda/npu, with a known free memory
+        def free_memory(self) -> int:
+            return 10 << 30
+
+    def spec(model: dict) -> WorkerSpec:
+        return deployment(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [model]}}}).workers[0]
+
+    assert Accelerator().kv_cache_bytes(spec({"npuMemSize": 3})) == 3 << 30
+    assert Accelerator().kv_cache_bytes(spec({"npuMemSize": -1})) == int((10 << 30) * 0.8)  # auto: a fraction
+    assert CpuBackend().kv_cache_bytes(spec({"cpuMemSize": 0.5})) == 1 << 29
+    assert CpuBackend().kv_cache_bytes(spec({"cpuMemSize": 3})) == 3 << 30
+    assert CpuBackend().kv_cache_bytes(spec({"cpuMemSize": 0})) == 1 << 30  # 0 is loaded as 1
+
+
+def test_run_dir_holds_the_worker_sockets(tmp_path: Path) -> None:
+    run = tmp_path / "private"
+    dep = deployment(tmp_path, {"ServerConfig": {"runDir": "private"}, "BackendConfig": {"npuDeviceIds": [[0], [1]]}})
+    assert dep.run_dir == str(run)
+    assert [(w.job_endpoint, w.pub_endpoint) for w in dep.workers] == [
+        (f"ipc://{run}/w{i}-jobs.ipc", f"ipc://{run}/w{i}-frames.ipc") for i in range(2)]
+    assert ensure_run_dir(dep.run_dir) == str(run) and (run.stat().st_mode & 0o777) == 0o700
+
+
+def test_listener_addresses(tmp_path: Path) -> None:
+    data = {"ServerConfig": {"ipAddress": "127.0.0.3", "managementIpAddress": "127.0.0.4", "port": 2001,
+                             "managementPort": 2002, "metricsPort": 2003}}
+    li = plan_listeners(load(tmp_path, data).config.server)
+    assert [(x.host, x.port, x.planes) for x in li] == [
+        ("127.0.0.3", 2001, ("business",)), ("127.0.0.4", 2002, ("management",)), ("127.0.0.4", 2003, ("metrics",))]
+    li = plan_listeners(load(tmp_path, data, env={"MINDIE_HOST": "::1"}).config.server)
+    assert li[0].host == "::1"
+
+
+def test_all_zero_ip_listening(tmp_path: Path) -> None:
+    data = {"ServerConfig": {"ipAddress": "0.0.0.0", "managementIpAddress": "::"}}
+    with pytest.raises(ConfigError, match=r"^ServerConfig\.ipAddress: 0\.0\.0\.0 listens on every interface; "
+                                          r"set ServerConfig\.allowAllZeroIpListening"):
+        load(tmp_path, data)
+    data["ServerConfig"]["allowAllZeroIpListening"] = True
+    li = plan_listeners(load(tmp_path, data).config.server)
+    assert [x.host for x in li] == ["0.0.0.0", "::", "::"]
+
+
+def test_dynamic_adjust_timeout_reaches_the_front_end_deadlines(tmp_path: Path, demo_model: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front end's limits (mindie/frontend.py) and a request's deadlines follow tokenTimeout and
+    e2eTimeout, both at their maximum with EnableDynamicAdjustTimeoutConfig."""
+    from mindie.api.infer import Deadlines
+    from mindie.frontend import FrontEnd
+    from workers.prepare import settle_deployment
+
+    monkeypatch.setattr("mindie.frontend.Metrics", lambda name: None)  # prometheus' registry is per process
+
+    def front_end(flag: bool):
+        data = {"EnableDynamicAdjustTimeoutConfig": flag,
+                "ServerConfig": {"tokenTimeout": 5, "e2eTimeout": 7, "runDir": short_run_dir()},
+                "BackendConfig": {"deviceType": "cpu",
+                                  "ModelDeployConfig": {"ModelConfig": [{"modelWeightPath": demo_model}]}}}
+        config = load(tmp_path, data).config
+        ensure_run_dir(config.server.run_dir)
+        fe = FrontEnd(config, settle_deployment(build_deployment(config)))
+        asyncio.run(fe.client.close())
+        fe.admission.close()
+        return fe
+
+    for flag, token, e2e in ((False, 5, 7), (True, 3600, 65535)):
+        lim = front_end(flag).limits
+        assert (lim.token_timeout, lim.e2e_timeout) == (token, e2e)
+        t0 = time.monotonic()
+        deadline, what = Deadlines(None, lim.token_timeout, lim.e2e_timeout, stream=False).next()
+        assert what == "server tokenTimeout" and deadline - t0 == pytest.approx(token, abs=1)
+        d = Deadlines(None, lim.token_timeout, lim.e2e_timeout, stream=True)
+        d.mark += e2e - 1  # a stream whose last token came just before its e2e limit: that limit is next
+        deadline, what = d.next()
+        assert what == "server e2eTimeout" and deadline - t0 == pytest.approx(e2e, abs=1)
+
+
+# -------------------------------------------------------------------------------------------------
+# TLS files of each plane (in-process handshakes; tests/test_tls.py starts the real server).
+# -------------------------------------------------------------------------------------------------
+
+_PREFIX = {"business": "tls", "management": "managementTls", "metrics": "metricsTls"}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from cryptography.hazmat.primitives import serialization
+    from tests.certs import Pki, pem_key, write
+
+    p = Pki(tmp_path_factory.mktemp("pki"))
+    # Each plane's key again, encrypted, with its password file.
+    for plane in _PREFIX:
+        pk = serialization.load_pem_private_key((p.root / f"security/keys/{plane}/server.key.pem").read_bytes(), None)
+        write(p.root / f"enc/{plane}.key.pem", pem_key(pk, f"pw-{plane}".encode()))
+        write(p.root / f"enc/{plane}.pwd", f"pw-{plane}\n".encode())
+    write(p.root / "enc/wrong.pwd", b"nope\n")
+    return p
+
+
+def _plane_ctx(pki, plane: str, **server) -> ssl.SSLContext:
+    """The server context a front end builds for ``plane`` from a config with the pki's files."""
+    from mindie.tls import check_plane, plane_tls
+
+    path = pki.root / f"cfg-{plane}-{abs(hash(json.dumps(server, sort_keys=True)))}.json"
+    path.write_text(json.dumps({"ServerConfig": {**pki.server_config(), **server}}))
+    ctx, _ = check_plane(plane_tls(load_config(str(path), env={}).config.server, plane))
+    return ctx
+
+
+def _client(pki, who: str | None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki.root / "security/ca/ca.pem"))
+    if who:
+        cert, key, _ = getattr(pki, who)
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> tuple[int | None, bool]:
+    """(serial of the certificate the server presented, whether the server accepted the client)."""
+    from cryptography import x509
+
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    accepted: list[bool] = []
+
+    def serve() -> None:
+        try:
+            with server.wrap_socket(a, server_side=True) as s:
+                s.sendall(b"ok")
+                accepted.append(True)
+        except (ssl.SSLError, OSError):
+            accepted.append(False)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    serial = None
+    try:
+        with client.wrap_socket(b, server_hostname="127.0.0.1") as c:
+            serial = x509.load_der_x509_certificate(c.getpeercert(binary_form=True)).serial_number
+            try:
+                c.recv(2)
+            except (ssl.SSLError, OSError):
+                pass
+    except (ssl.SSLError, OSError):
+        pass
+    t.join(10)
+    a.close()
+    b.close()
+    return serial, accepted == [True]
+
+
+@pytest.mark.parametrize("plane", list(_PREFIX))
+def test_tls_keys_of_each_plane(pki, plane: str) -> None:
+    """Each plane's Cert/Pk is the certificate it presents, its CaFile the CAs its clients must
+    chain to, its CrlPath/CrlFiles the revocations it checks, its PkPwd the password of its key;
+    changing one plane's key changes that plane only."""
+    from mindie.tls import TlsError
+
+    k = _PREFIX[plane]
+    others = [p for p in _PREFIX if p != plane]
+    ctx = _plane_ctx(pki, plane)
+    serial = getattr(pki, f"{plane}_cert").serial_number
+    assert _handshake(ctx, _client(pki, "client")) == (serial, True)
+    assert _handshake(ctx, _client(pki, "stranger"))[1] is False  # CaFile: another CA's client
+    assert _handshake(ctx, _client(pki, "revoked"))[1] is False  # CrlFiles in CrlPath
+    assert _handshake(ctx, _client(pki, None))[1] is False  # mutual TLS
+    # Cert/Pk: another plane's pair is served when named here.
+    other = others[0]
+    ctx = _plane_ctx(pki, plane, **{f"{k}Cert": f"security/certs/{other}/server.pem",
+                                    f"{k}Pk": f"security/keys/{other}/server.key.pem"})
+    assert _handshake(ctx, _client(pki, "client")) == (getattr(pki, f"{other}_cert").serial_number, True)
+    # CrlFiles [] : the revoked client gets in; CaFile [] : no client certificate asked for.
+    assert _handshake(_plane_ctx(pki, plane, **{f"{k}CrlFiles": []}), _client(pki, "revoked"))[1] is True
+    assert _handshake(_plane_ctx(pki, plane, **{f"{k}CrlFiles": [], f"{k}CaFile": []}), _client(pki, None))[1]
+    # CrlPath: where the CRL files are looked up.
+    with pytest.raises(TlsError) as e:
+        _plane_ctx(pki, plane, **{f"{k}CrlPath": "security/elsewhere/"})
+    assert e.value.key == f"ServerConfig.{k}CrlFiles" and "security/elsewhere/ca_crl.pem does not exist" in str(e.value)
+    # PkPwd: the password of an encrypted key.
+    enc = {f"{k}Pk": f"enc/{plane}.key.pem"}
+    ctx = _plane_ctx(pki, plane, **enc, **{f"{k}PkPwd": f"enc/{plane}.pwd"})
+    assert _handshake(ctx, _client(pki, "client")) == (serial, True)
+    with pytest.raises(TlsError) as e:
+        _plane_ctx(pki, plane, **enc)
+    assert e.value.key == f"ServerConfig.{k}Pk" and "is encrypted" in str(e.value)
+    with pytest.raises(TlsError) as e:
+        _plane_ctx(pki, plane, **enc, **{f"{k}PkPwd": "enc/wrong.pwd"})
+    assert e.value.key == f"ServerConfig.{k}PkPwd" and "wrong password" in str(e.value)
+    # The other planes do not read this plane's keys.
+    broken = {f"{k}Cert": "security/none.pem", f"{k}Pk": "none", f"{k}CaFile": ["none.pem"], f"{k}PkPwd": "none",
+              f"{k}CrlPath": "none/"}
+    for p in others:
+        assert _handshake(_plane_ctx(pki, p, **broken), _client(pki, "client")) == (
+            getattr(pki, f"{p}_cert").serial_number, True)
+
+
+def test_tls_ca_path_is_shared_by_all_planes(pki) -> None:
+    """tlsCaPath is the directory of every plane's CA files: pointed at a directory whose ca.pem is
+    another CA, every plane takes that CA's clients and refuses the test CA's."""
+    from tests.certs import pem_cert, write
+
+    write(pki.root / "other-ca/ca.pem", pem_cert(pki.other_ca.cert), 0o644)
+    no_crl = {f"{k}CrlFiles": [] for k in _PREFIX.values()}
+    for plane in _PREFIX:
+        ctx = _plane_ctx(pki, plane, tlsCaPath="other-ca/", **no_crl)
+        assert _handshake(ctx, _client(pki, "stranger"))[1] is True
+        assert _handshake(ctx, _client(pki, "client"))[1] is False
+        assert _handshake(_plane_ctx(pki, plane, **no_crl), _client(pki, "stranger"))[1] is False
+
+
+# -------------------------------------------------------------------------------------------------
+# The engine: scheduler, block manager, compute thread (real classes, null model).
+# -------------------------------------------------------------------------------------------------
+
+def test_max_prefill_tokens_is_the_schedulers_budget(tmp_path: Path) -> None:
+    """No step computes more than maxPrefillTokens tokens, and full steps use the whole budget; a
+    value below maxInputTokenLen is raised at load (MindIE) and the raised value is the budget."""
+    deploy = {"maxSeqLen": 256, "maxInputTokenLen": 64}
+    prompts = distinct_prompts(8, 60)
+    for prefill, budget in ((100, 100), (50, 64 + 8)):  # raised to min(maxSeqLen, maxInputTokenLen + maxIterTimes)
+        cfg = schedule_config(tmp_path, {"maxPrefillTokens": prefill, "maxIterTimes": 8}, deploy)
+        assert cfg.max_prefill_tokens == budget
+        log, _ = run_engine(cfg, prompts, max_new=4)
+        assert max(s.tokens for s in log) == budget
+        assert sum(s.tokens for s in log) == 8 * (60 + 4 - 1)  # every prompt and decode computed once
+    # The default budget (8192) takes all eight prompts in the first step.
+    log, _ = run_engine(schedule_config(tmp_path, {"maxIterTimes": 8}, deploy), prompts, max_new=4)
+    assert log[0].tokens == 8 * 60
+
+
+def test_max_prefill_batch_size_caps_admissions_per_step(tmp_path: Path) -> None:
+    cfg = schedule_config(tmp_path, {"maxPrefillBatchSize": 3, "maxBatchSize": 20})
+    assert cfg.max_prefill_batch_size == 3
+    log, _ = run_engine(cfg, distinct_prompts(12, 5), max_new=4)
+    assert max(s.prefills for s in log) == 3 and log[0].prefills == 3
+    log, _ = run_engine(schedule_config(tmp_path, {"maxPrefillBatchSize": 12, "maxBatchSize": 20}),
+                        distinct_prompts(12, 5), max_new=4)
+    assert log[0].prefills == 12
+
+
+def test_max_batch_size_caps_running_requests(tmp_path: Path) -> None:
+    cfg = schedule_config(tmp_path, {"maxBatchSize": 4, "maxPrefillBatchSize": 4})
+    assert cfg.max_batch_size == 4
+    log, _ = run_engine(cfg, distinct_prompts(10, 5), max_new=6)
+    assert max(s.running for s in log) == 4 and max(s.seqs for s in log) == 4
+    log, _ = run_engine(schedule_config(tmp_path, {"maxBatchSize": 10, "maxPrefillBatchSize": 10}),
+                        distinct_prompts(10, 5), max_new=6)
+    assert max(s.running for s in log) == 10
+
+
+def test_cache_block_size_is_the_engines_block_size(tmp_path: Path) -> None:
+    from workers.engine.engine import Engine
+    from workers.engine.model_runner import NullRunner
+
+    cfg = schedule_config(tmp_path, {"cacheBlockSize": 48})
+    assert cfg.block_size == 48
+    engine = Engine(NullRunner(), cfg, 64)
+    seq = engine.add(Submit("r", "fe", list(range(3, 103)), SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    engine.step()
+    assert engine.blocks.block_size == 48 and len(seq.block_table) == math.ceil(100 / 48)
+    assert engine.blocks.num_free == 64 - 3
+    engine.close()
+
+
+def test_enable_prefix_cache(tmp_path: Path) -> None:
+    """With the prefix cache a repeated prompt computes only its last partial block; without it,
+    the whole prompt again."""
+    from workers.engine.engine import Engine
+    from workers.engine.model_runner import NullRunner
+
+    prompt = list(range(3, 103))  # 100 tokens: three full 32-token blocks and 4 more
+    first_step = {}
+    for on in (True, False):
+        cfg = schedule_config(tmp_path, {"enablePrefixCache": on, "cacheBlockSize": 32})
+        assert cfg.enable_prefix_cache is on
+        engine = Engine(NullRunner(), cfg, 64)
+        for rid in ("a", "b"):
+            engine.add(Submit(rid, "fe", prompt, SamplingParams(max_new_tokens=2, ignore_eos=True)))
+            flight = engine.launch()
+            first_step[(on, rid)] = flight.batch.num_tokens[0]
+            engine.collect(flight)
+            while engine.has_work():
+                engine.step()
+        assert (engine.blocks.prefix_hits > 0) is on
+        engine.close()
+    assert first_step == {(True, "a"): 100, (True, "b"): 4, (False, "a"): 100, (False, "b"): 100}
+
+
+def test_overlap_steps_moves_compute_to_a_thread(tmp_path: Path) -> None:
+    from workers.engine.model_runner import NullRunner
+    from workers.prepare import settle
+
+    class Where(NullRunner):
+        threads: set[str]
+
+        def execute(self, batch):
+            self.threads.add(threading.current_thread().name)
+            return super().execute(batch)
+
+    seen = {}
+    for value in (True, False, None):
+        spec = deployment(tmp_path, {"BackendConfig": {"ScheduleConfig": {"overlapSteps": value}}}).workers[0]
+        spec = settle(spec, "cpu", "/m")  # null = the device's default: off on cpu
+        runner = Where()
+        runner.threads = set()
+        run_engine(spec.engine, distinct_prompts(3, 5), max_new=3, runner=runner)
+        seen[value] = runner.threads
+    main = threading.current_thread().name
+    assert seen[False] == seen[None] == {main}
+    assert len(seen[True]) == 1 and seen[True] != {main} and next(iter(seen[True])).startswith("engine-compute")
+
+
+# -------------------------------------------------------------------------------------------------
+# The model runner: dtype and watermark (the demo model, loaded as a worker loads it).
+# -------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory, demo_model):
+    """load_runner (what a CPU worker calls) on the spec of a config with dtype bfloat16 and a
+    watermark of gamma 0.25, delta 7."""
+    from workers.backends.cpu import CpuBackend
+    from workers.engine.model_runner import load_runner
+
+    tmp = tmp_path_factory.mktemp("runner")
+    spec = deployment(tmp, {"ServerConfig": {"watermarkGamma": 0.25, "watermarkDelta": 7.0},
+                            "BackendConfig": {"deviceType": "cpu", "cpuThreadsPerWorker": 1, "ModelDeployConfig": {
+                                "ModelConfig": [{"modelWeightPath": demo_model, "dtype": "bfloat16"}]}}}).workers[0]
+    assert (spec.dtype, spec.watermark_gamma, spec.watermark_delta) == ("bfloat16", 0.25, 7.0)
+    return load_runner(spec, CpuBackend(1))
+
+
+def test_dtype_is_the_models_dtype(runner, demo_model) -> None:
+    import torch
+
+    assert json.loads((Path(demo_model) / "config.json").read_text())["torch_dtype"] == "float32"
+    assert runner.kv_dtype == torch.bfloat16
+    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+
+
+class _Row(NamedTuple):
+    params: SamplingParams
+    token_ids: np.ndarray
+    num_output: int = 0
+
+
+def test_watermark_gamma_and_delta_reach_the_sampler(runner) -> None:
+    """Greedy rows with the watermark on, flat logits but for one red token 5.0 above the rest:
+    delta 7 beats it, so each row takes the first token of its gamma-0.25 green list. With the
+    defaults (0.5, 2.0) the red token would win; with gamma 0.5 the first 0.5-green token."""
+    import torch
+    from workers.engine.watermark import WatermarkConfig, WatermarkLogitsProcessor
+
+    vocab, rows = runner.vocab_size, 24
+    prev = torch.arange(100, 100 + rows)
+    green = {g: WatermarkLogitsProcessor(WatermarkConfig(gamma=g)).green_mask(prev, vocab) for g in (0.25, 0.5)}
+    red = (~green[0.25]).int().argmax(-1)  # first token outside the 0.25 list
+    logits = torch.zeros(rows, vocab)
+    logits[torch.arange(rows), red] = 5.0
+    expected = green[0.25].int().argmax(-1)  # first green token: +7 over every red one
+    with_half = green[0.5].int().argmax(-1)
+    assert (expected != with_half).any() and (expected != red).all()  # the three outcomes differ
+    got = runner.sample(logits.clone(), [_Row(SamplingParams(watermark=True), np.array([p], dtype=np.int64))
+                                 for p in prev.tolist()])
+    assert got.tolist() == expected.tolist()
+    plain = runner.sample(logits.clone(), [_Row(SamplingParams(), np.array([p], dtype=np.int64))
+                                           for p in prev.tolist()])
+    assert plain.tolist() == red.tolist()  # watermark off: the red token
+
+
+# -------------------------------------------------------------------------------------------------
+# The real server, started once for the keys only a running server shows.
+# -------------------------------------------------------------------------------------------------
+
+FRAME_RE = re.compile(rb"data: (\{.*?\})\n\n", re.S)
+HOST = "127.0.0.3"  # not the harness's 127.0.0.1: ipAddress must be what the server binds
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, demo_model):
+    tmp = tmp_path_factory.mktemp("keys-server")
+    port = free_port()
+    run_dir = short_run_dir()
+    cfg = write_config(
+        tmp / "config.json", port=port, run_dir=run_dir, model_path=demo_model, workers=1,
+        server={"ipAddress": HOST, "fullTextEnabled": True, "tokenTimeout": 2},
+        deploy={"maxSeqLen": 120, "maxInputTokenLen": 100, "truncation": 1},
+        schedule={"cacheBlockSize": 32, "maxIterTimes": 50, "overlapSteps": True},
+        model={"modelName": "cfg-model", "cpuMemSize": 0.25})
+    srv = Server(cfg, port, health_url=f"http://{HOST}:{port}/health")
+    srv.url = f"http://{HOST}:{port}"
+    srv.run_dir = run_dir
+    srv.demo_model = demo_model
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def stream(srv: Server, ids: list[int], **params) -> tuple[list[dict], bytes]:
+    body = {"input_id": ids, "stream": True, "parameters": {"details": True, "ignore_eos": True, **params}}
+    with httpx.stream("POST", srv.url + "/infer_token", content=json.dumps(body), timeout=60) as r:
+        raw = r.read()
+    assert r.status_code == 200, raw[:300]
+    return [json.loads(f) for f in FRAME_RE.findall(raw)], raw
+
+
+def generated(frames: list[dict]) -> tuple[list[int], dict]:
+    assert "generated_text" in frames[-1], frames[-1]
+    return [t for f in frames for t in f["token"]["id"]], frames[-1]
+
+
+def test_e2e_listens_on_ip_address_port_and_run_dir(server) -> None:
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10)
+    names = set(os.listdir(server.run_dir))
+    assert {"deployment.json", "w0-jobs.ipc", "w0-frames.ipc"} <= names, names
+
+
+def test_e2e_model_name_and_weight_path(server) -> None:
+    models = httpx.get(server.url + "/v1/models", timeout=10).json()
+    assert [(m["id"], m["root"]) for m in models["data"]] == [("cfg-model", server.demo_model)]
+    assert httpx.get(server.url + "/v1/models/cfg-model", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/v1/models/demo", timeout=10).status_code == 404
+
+
+def test_e2e_full_text_stream(server) -> None:
+    """fullTextEnabled: each frame's token.text is the text so far, exactly what the incremental
+    detokenizer has produced up to that token; the final frame's generated_text is the whole text."""
+    from mindie.detokenizer import IncrementalDetokenizer, load_tokenizer
+
+    frames, _ = stream(server, [5618, 19678, 701, 9072, 13], max_new_tokens=30)
+    ids, final = generated(frames)
+    assert len(ids) == 30 and final["token"]["text"] is None
+    texts = [f["token"]["text"] for f in frames[:-1]]
+    detok = IncrementalDetokenizer(load_tokenizer(server.demo_model))
+    so_far, expected = "", []
+    for f in frames[:-1]:
+        so_far += detok.push(f["token"]["id"])
+        expected.append(so_far)
+    assert texts == expected
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert len(set(texts)) > 5  # the text grew along the stream (not one piece repeated)
+    detok.push(final["token"]["id"])
+    assert final["generated_text"] == detok.full_text() and final["generated_text"].startswith(texts[-1])
+
+
+def test_e2e_output_budget(server) -> None:
+    """min(max_new_tokens, maxIterTimes 50, maxSeqLen 120 - input)."""
+    for n_in, want in ((3, 50), (90, 30)):
+        frames, _ = stream(server, list(range(10, 10 + n_in)), max_new_tokens=500)
+        ids, final = generated(frames)
+        assert (len(ids), final["details"]["generated_tokens"], final["details"]["finish_reason"]) == (
+            want, want, "length")
+
+
+def test_e2e_truncation(server) -> None:
+    """truncation 1 keeps the last maxInputTokenLen (100) tokens of a 150-token prompt: the same
+    output as those 100 tokens sent alone, and the output budget of a 100-token input
+    (maxSeqLen 120 - 100 = 20). Without truncation the prompt would be refused (424)."""
+    prompt = [(i * 7919) % 31000 + 3 for i in range(150)]
+    long_ids, final = generated(stream(server, prompt, max_new_tokens=500)[0])
+    assert final["details"]["generated_tokens"] == 20
+    assert generated(stream(server, prompt[-100:], max_new_tokens=500)[0])[0] == long_ids
+    assert generated(stream(server, prompt[:100], max_new_tokens=500)[0])[0] != long_ids  # not the first 100
+
+
+def test_e2e_worker_applies_its_keys(server) -> None:
+    """The worker's own log: KV cache of cpuMemSize 0.25 GiB in 32-token blocks (cacheBlockSize), on
+    one torch thread (cpuThreadsPerWorker 1), step overlap on (overlapSteps; off by default on cpu)."""
+    log = server.tail(1000)
+    m = re.search(r"KV cache: (\d+) blocks x (\d+) tokens \(([\d.]+) GiB, (\d+) token slots\) on cpu \((\d+) threads",
+                  log)
+    assert m, log[-3000:]
+    blocks, size, gib, slots, threads = int(m[1]), int(m[2]), float(m[3]), int(m[4]), int(m[5])
+    assert (size, threads, slots) == (32, 1, blocks * 32)
+    assert 0.24 <= gib <= 0.25
+    assert "step overlap on" in log
+
+
+def test_e2e_token_timeout(server) -> None:
+    """tokenTimeout 2 s: a stream that gets no token for 2 s (its worker stopped) ends with MindIE's
+    raw text. The worker is stopped for less than the front end's dead-worker limit (3 s)."""
+    (worker,) = server.workers()
+    body = {"input_id": [5, 6, 7], "stream": True, "parameters": {"max_new_tokens": 5}}
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with httpx.stream("POST", server.url + "/infer_token", content=json.dumps(body), timeout=30) as r:
+            raw = r.read()
+        took = time.monotonic() - t0
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert raw == b"Engine callback timeout: server tokenTimeout", raw[:300]
+    assert 1.8 <= took < 2.9, took
+    # The worker is fine afterwards: the next stream completes.
+    ids, final = generated(stream(server, [5, 6, 7], max_new_tokens=5)[0])
+    assert final["details"]["finish_reason"] == "length" and len(ids) == 5
