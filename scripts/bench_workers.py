@@ -65,7 +65,7 @@ def run(workers: int, args, work: Path) -> dict[tuple[int, int], float]:
     cfg = write_config(work / f"config-{workers}.json", port=port, run_dir=short_run_dir(), workers=workers,
                        model={"dtype": "float32"})
     raw = json.loads(cfg.read_text())
-    raw["BackendConfig"]["cpuThreadsPerWorker"] = 0  # the default: cores shared automatically
+    raw["BackendConfig"]["cpuThreadsPerWorker"] = args.threads  # 0, the default: cores shared automatically
     raw["BackendConfig"]["ScheduleConfig"]["cacheBlockSize"] = 128
     cfg.write_text(json.dumps(raw))
     srv = Server(cfg, port, env={"MINDIE_LOG_LEVEL": "WARNING"})
@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default="5,120", help="prompt lengths, comma-separated")
     ap.add_argument("--concurrency", default="1,16,64", help="concurrency levels, comma-separated")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="BackendConfig.cpuThreadsPerWorker of both servers (default 0: the cores shared automatically)")
     ap.add_argument("--tolerance", type=float, default=1.25,
                     help="fail when N workers take longer than one worker times this at the highest concurrency")
     args = ap.parse_args()
