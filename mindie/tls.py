@@ -29,6 +29,8 @@ from typing import Optional
 
 import msgspec
 
+from mindie.contract.curve import permission_checks_on  # one override for TLS and CURVE files
+
 log = logging.getLogger("mindie.tls")
 
 # TLS 1.2 suites: forward secrecy and AEAD only (TLS 1.3 suites are all of that kind).
@@ -80,10 +82,6 @@ def plane_tls(server, plane: str) -> PlaneTls:
 
 
 # -- file checks ---------------------------------------------------------------------------------
-def permission_checks_on(env=os.environ) -> bool:
-    return env.get("MINDIE_TLS_CHECK_PERMISSIONS", "1").strip() != "0"
-
-
 def _read(path: str, key: str, *, secret: bool) -> bytes:
     """The bytes of ``path``; refuses a missing, unreadable or (when checks are on) too open file.
 
