@@ -32,6 +32,17 @@ control_socket_disable = True  # two instances on one host must not share gunico
 accesslog = os.environ.get("MINDIE_ACCESS_LOG") or None
 loglevel = (os.environ.get("MINDIE_LOG_LEVEL") or "info").lower()
 proc_name = "mindie-frontend"
+if (os.environ.get("MINDIE_LOG_FORMAT") or "text").lower() == "json":
+    # gunicorn's and uvicorn's own lines as JSON lines too (LogConfig.logFormat).
+    _json = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
+    logconfig_dict = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"json": {"()": "mindie.contract.log_setup.JsonLineFormatter", "process": "gunicorn"}},
+        "handlers": {"json": _json, "console": _json, "error_console": _json},
+        "root": {"level": loglevel.upper(), "handlers": ["json"]},
+        "loggers": {name: {"handlers": ["json"], "level": loglevel.upper(), "propagate": False}
+                    for name in ("gunicorn.error", "gunicorn.access", "uvicorn.error", "uvicorn.access")},
+    }
 
 
 def on_starting(server):

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import falcon
 import falcon.asgi
 
-from mindie.api.health import HealthResource, LiveResource, MetricsResource, ModelsResource
+from mindie.api.control import StopInferResource, StopServiceResource
+from mindie.api.health import Health, HealthResource, LiveResource, ModelsResource, TimedHealthResource
 from mindie.api.infer import InferResource
+from mindie.api.metrics import MetricsJsonResource, MetricsResource
+from mindie.api.openai import openai_routes
+from mindie.api.status import StatusRoutes
+from mindie.api.tgi import GenerateResource
+from mindie.api.tokenizer import TokenizerResource
+from mindie.api.triton import TritonResource
 from mindie.contract.errors import error_type
 from mindie.errors import ApiError
 from mindie.frontend import FrontEnd
+from mindie.contract.log_setup import setup_logging
 from mindie.listeners import read_listeners
 
 log = logging.getLogger("mindie.app")
@@ -47,22 +54,56 @@ async def _unexpected(req, resp, ex: Exception, params) -> None:
 def create_app():
     """The ASGI app of a front end: one Falcon app per listener with the routes of its planes
     (mindie/listeners.py), chosen by the local port of each connection."""
-    logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [frontend pid %(process)d] %(name)s: %(message)s")
+    setup_logging(f"frontend pid {os.getpid()}")
     fe = FrontEnd.from_env()
-    infer = InferResource(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, full_text=fe.full_text)
-    models = ModelsResource(fe.model_name, fe.model_dir, fe.started)
-    live = LiveResource(fe.client)
-    routes = {
-        "business": [("/infer", infer, None), ("/infer_token", infer, None), ("/v1/models", models, None),
-                     ("/v1/models/{model}", models, "model")],
-        "management": [("/health", HealthResource(fe.client), None), ("/v2/health/live", live, None),
-                       ("/v2/health/ready", live, None)],
-        "metrics": [("/metrics", MetricsResource(fe.metrics, fe.client), None)],
-    }
+    routes = plane_routes(fe)
     listeners = read_listeners(os.environ["MINDIE_LISTENERS"])
     by_port = {li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]) for li in listeners}
     return plane_router(by_port, by_port[listeners[0].port])
+
+
+def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]]:
+    """{plane: [(path, resource, responder suffix)]}: MindIE's route sets (mindie.md §2)."""
+    infer = InferResource(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, full_text=fe.full_text,
+                          state=fe.state)
+    models = ModelsResource(fe.model_name, fe.model_dir, fe.started)
+    generate, triton = GenerateResource(fe), TritonResource(fe)
+    completions, chat = openai_routes(fe)
+    status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir)
+    health = Health(fe.client, fe.state, fe.admission)
+    healthz = HealthResource(health, fe.model_name)
+    timed = TimedHealthResource(health, probe_token=min(1, max(0, fe.vocab_size - 1)))
+    server = fe.config.server
+    drain_s = float(max(server.e2e_timeout, server.token_timeout)) + 5.0
+    return {
+        "business": [
+            ("/infer", infer, None), ("/infer_token", infer, None),
+            ("/v1/models", models, None), ("/v1/models/{model}", models, "model"),
+            ("/v1/tokenizer", TokenizerResource(fe.tokenizer, fe.limits), None),
+            ("/v2", status, "v2"), ("/v2/models/{model}", status, "v2_model"),
+            ("/v2/models/{model}/config", status, "v2_model_config"),
+            ("/v2/models/{model}/stopInfer",
+             StopInferResource(fe.client, fe.model_name, server.max_request_length), None),
+            # TGI / vLLM / Triton (mindie/api/tgi.py, vllm_generate.py, triton.py); TGI clients read /info here too.
+            ("/generate", generate, None), ("/generate_stream", generate, "stream"), ("/", generate, "compat"),
+            ("/info", status, "info"),
+            ("/v2/models/{model}/infer", triton, "infer"), ("/v2/models/{model}/generate", triton, "generate"),
+            ("/v2/models/{model}/generate_stream", triton, "generate_stream"),
+            ("/v1/completions", completions, None), ("/v1/chat/completions", chat, None),  # mindie/api/openai.py
+        ],
+        "management": [
+            ("/health", healthz, None), ("/v2/models/{model}/ready", healthz, "model"),
+            ("/v2/health/live", LiveResource(health, ready=False), None),
+            ("/v2/health/ready", LiveResource(health, ready=True), None),
+            ("/health/timed", timed, None), ("/health/timed-{n}", timed, "n"),
+            ("/info", status, "info"), ("/v1/config", status, "v1_config"), ("/v1/status", status, "v1_status"),
+            ("/v2/status", status, "v2_status"), ("/v2/models/{model}/getSlotCount", status, "slots"),
+            ("/stopService", StopServiceResource(fe.client, fe.state, fe.admission, fe.run_dir, drain_s), None),
+            ("/metrics-json", MetricsJsonResource(fe.client, f"{server.management_ip_address}:{server.management_port}"),
+             None),
+        ],
+        "metrics": [("/metrics", MetricsResource(fe.metrics, fe.client), None)],
+    }
 
 
 def _plane_app(fe: FrontEnd, routes) -> falcon.asgi.App:

@@ -104,6 +104,8 @@ class DeviceClient:
         self.sub: zmq.asyncio.Socket | None = None
         self.tasks: list[asyncio.Task] = []
         self.ready_event = asyncio.Event()
+        self.ever_ready = False  # a worker was ready once: "starting" is over
+        self._stops: dict[str, tuple[asyncio.Future, set[str], list[int]]] = {}
         self.gaps = 0  # sequence gaps seen (frames lost); tests assert it stays 0
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -179,6 +181,10 @@ class DeviceClient:
     def ready_links(self) -> list[WorkerLink]:
         return [link for link in self.links.values() if link.welcomed]
 
+    def heartbeats(self) -> list[P.Heartbeat]:
+        """The last heartbeat of every ready worker."""
+        return [link.heartbeat for link in self.ready_links() if link.heartbeat is not None]
+
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, KV usage 0..1) over the ready workers, from their heartbeats."""
         running = waiting = free = total = 0
@@ -193,7 +199,7 @@ class DeviceClient:
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, token_ids: list[int], params: P.SamplingParams, priority: int = 5,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, user_id: str = "") -> RequestStream:
         links = self.ready_links()
         if not links:
             raise NoWorkerError("no device worker is ready")
@@ -201,7 +207,7 @@ class DeviceClient:
         rid = request_id or secrets.token_hex(8)
         stream = RequestStream(rid, link)
         try:
-            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time())), zmq.NOBLOCK)
+            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time(), user_id)), zmq.NOBLOCK)
         except zmq.Again:
             raise NoWorkerError(f"device worker {link.ep.worker_id} is not connected")
         link.inflight[rid] = stream
@@ -214,6 +220,41 @@ class DeviceClient:
             return
         stream.finished = True
         self._send_cancel(link, [stream.request_id])
+
+    async def stop_user(self, user_id: str, timeout: float) -> tuple[int, bool]:
+        """stopInfer: ask every ready worker to end the requests named ``user_id`` (whichever
+        front end submitted them). Returns (requests ended, whether every worker answered in
+        ``timeout`` seconds)."""
+        links = self.ready_links()
+        token = secrets.token_hex(8)
+        fut = asyncio.get_running_loop().create_future()
+        waiting = {link.ep.worker_id for link in links}
+        found = [0]
+        self._stops[token] = (fut, waiting, found)
+        try:
+            for link in links:
+                try:
+                    link.push.send(P.encode(P.Stop(self.frontend_id, user_id, token)), zmq.NOBLOCK)
+                except zmq.Again:
+                    waiting.discard(link.ep.worker_id)  # gone: it holds nothing
+            if waiting:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            return found[0], not waiting
+        finally:
+            self._stops.pop(token, None)
+
+    def _on_stopped(self, msg: P.Stopped) -> None:
+        entry = self._stops.get(msg.token)
+        if entry is None:
+            return
+        fut, waiting, found = entry
+        found[0] += msg.found
+        waiting.discard(msg.worker_id)
+        if not waiting and not fut.done():
+            fut.set_result(None)
 
     def _send_cancel(self, link: WorkerLink, rids: list[str]) -> None:
         try:
@@ -269,6 +310,9 @@ class DeviceClient:
                     link.welcomed = False  # restarted: handshake again
                     self._fail_link(link, f"Device worker {link.ep.worker_id} restarted")
                 link.heartbeat = msg
+            elif isinstance(msg, P.Stopped):
+                if msg.frontend_id == self.frontend_id:
+                    self._on_stopped(msg)
             elif isinstance(msg, P.Welcome):
                 if msg.frontend_id != self.frontend_id:
                     continue
@@ -286,6 +330,7 @@ class DeviceClient:
                     link.expected_seq = msg.seq + 1
                     link.welcomed = True
                     log.info("device worker %s ready", link.ep.worker_id)
+                    self.ever_ready = True
                     self.ready_event.set()
 
     def _on_frames(self, link: WorkerLink, batch: P.FrameBatch) -> None:

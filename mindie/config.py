@@ -127,6 +127,9 @@ class ModelConfig(_Section):
     cpu_mem_size: Union[Annotated[int, Meta(ge=0, le=65536)], Annotated[float, Meta(ge=0, le=65536)]] = 1
     npu_mem_size: Annotated[int, Meta(ge=-1, le=65536)] = -1  # KV-cache GB per NPU/GPU; -1 = auto fraction
     dtype: DType = "auto"  # project extension; "auto" = the checkpoint's torch_dtype
+    # MindIE's name (its weights' config.json); here quantised at load from the checkpoint.
+    # null/"" = none; "w8a16" = weight-only int8 linears (workers/backends/int8.py).
+    quantize: Optional[Literal["", "w8a16"]] = None
 
 
 class ModelDeployConfig(_Section):
@@ -173,6 +176,11 @@ class BackendConfig(_Section):
 class LogConfig(_Section):
     # MindIE changes this level at run time for a while; the project applies it at start.
     dynamic_log_level: str = ""
+    log_level: str = ""  # older MindIE files; dynamicLogLevel wins when both are set
+    log_path: str = ""  # "" = stderr only; else also one rotated file per process in this directory
+    log_file_size: Annotated[int, Meta(ge=1, le=500)] = 20  # MB per file before it rotates
+    log_file_num: Annotated[int, Meta(ge=1, le=64)] = 10  # rotated files kept per process
+    log_format: Literal["text", "json"] = "text"  # project extension: "json" = JSON lines
 
 
 class Config(_Section):
@@ -200,7 +208,6 @@ class Loaded(NamedTuple):
 VALIDATED_NOT_APPLIED = {
     "Version": "reported nowhere",
     "ServerConfig.HealthCheckConfig.npuUsageThreshold": "the health probes have no device-usage (BUSY) test yet",
-    "BackendConfig.ScheduleConfig.maxN": "no endpoint takes n / best_of yet",
 }
 
 
@@ -532,9 +539,9 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
                                            os.path.expanduser(key_dir)))
             except CurveKeyError as e:
                 fail(e.key, e.message)
-    level = config.log.dynamic_log_level
-    if level.strip() and level.strip().lower() not in LOG_LEVELS:
-        fail("LogConfig.dynamicLogLevel", f"must be empty or one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    for key, level in (("dynamicLogLevel", config.log.dynamic_log_level), ("logLevel", config.log.log_level)):
+        if level.strip() and level.strip().lower() not in LOG_LEVELS:
+            fail(f"LogConfig.{key}", f"must be empty or one of {', '.join(LOG_LEVELS)}, got {level!r}")
 
 
 def _adjust(config: Config) -> list[str]:

@@ -13,6 +13,7 @@ from mindie.config import Config, load_config
 from mindie.contract.spec import Deployment, deployment_path, read_deployment
 from mindie.detokenizer import load_tokenizer
 from mindie.metrics import Metrics
+from mindie.service_state import ServiceState
 from mindie.validation import Limits
 
 log = logging.getLogger("mindie.frontend")
@@ -23,6 +24,9 @@ class FrontEnd:
     def __init__(self, config: Config, deployment: Deployment):
         server = config.server
         deploy = config.backend.model_deploy
+        self.config = config
+        self.deployment = deployment
+        self.run_dir = deployment.run_dir
         self.model_name = deployment.workers[0].model_name
         self.model_dir = deployment.model_dir
         self.started = int(time.time())
@@ -40,6 +44,8 @@ class FrontEnd:
         self.client = DeviceClient(deployment.workers)
         # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).
         self.admission = Admission(deployment.run_dir, server.max_link_num)
+        self.state = ServiceState(deployment.run_dir)
+        self.vocab_size = int(model_cfg.get("vocab_size", 0))
 
     @classmethod
     def from_env(cls) -> "FrontEnd":

@@ -22,7 +22,7 @@ from mindie.contract.lifecycle import RunDirBusy, claim, launcher_pid
 from mindie.contract.spec import write_deployment
 from mindie.listeners import plan_listeners, write_listeners
 from mindie.tls import TlsError, check_plane, permission_checks_on
-from mindie.topology import build_deployment
+from mindie.topology import build_deployment, usable_cores
 
 log = logging.getLogger("mindie.prepare")
 
@@ -53,16 +53,20 @@ def main() -> None:
             log.info("removed what a server that stopped uncleanly left in %s: %s", config.server.run_dir,
                      ", ".join(stale))
         refuse_tensor_parallel(loaded)
+        role = check_role(loaded)
         listeners = plan_listeners(config.server)
-        check_listeners(listeners)
+        if role != "workers":  # a workers-only host serves no HTTP: its TLS files are not needed
+            check_listeners(listeners)
         b = config.backend
         if b.worker_host:
             log.info("device-worker links: tcp on %s from port %d, %s", b.worker_host, b.worker_port,
                      f"CURVE keys in {b.worker_curve_key_dir}" if b.worker_curve_key_dir else
                      "PLAIN TCP (BackendConfig.workerInsecureTcp: true): not encrypted, not authenticated")
-        level = os.environ.get("MINDIE_LOG_LEVEL") or python_log_level(config.log.dynamic_log_level)
+        level = os.environ.get("MINDIE_LOG_LEVEL") or python_log_level(config.log.dynamic_log_level
+                                                                        or config.log.log_level)
         dep = build_deployment(config, null_model=os.environ.get("MINDIE_NULL_MODEL") == "1",
                                null_step_ms=float(os.environ.get("MINDIE_NULL_STEP_MS") or 0), log_level=level)
+        check_cpu_threads(dep)
         out = {
             "MINDIE_RUN_DIR": config.server.run_dir,
             "MINDIE_DEPLOYMENT": write_deployment(dep),
@@ -73,9 +77,10 @@ def main() -> None:
             # 503) is only a memory safety net, far above the 10x overload the server must absorb.
             "MINDIE_MAX_CONNECTIONS": str(max(1024, 16 * config.server.max_link_num)),
             "MINDIE_LOG_LEVEL": level,
+            **log_outputs(config.log, loaded.source),
             # frontendCount (launch.sh --frontends / MINDIE_FRONTENDS override it); 0 = one front
             # end per 4 cores, 1 to 4.
-            "MINDIE_FRONTENDS": str(config.server.frontend_count or min(4, max(1, (os.cpu_count() or 1) // 4))),
+            "MINDIE_FRONTENDS": str(config.server.frontend_count or min(4, max(1, usable_cores() // 4))),
         }
     except (ConfigError, TlsError) as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -83,6 +88,58 @@ def main() -> None:
         sys.exit(2)
     for k, v in out.items():
         print(f"{k}={shlex.quote(v)}")
+
+
+def log_outputs(lc, source: str | None) -> dict[str, str]:
+    """LogConfig as the environment every process's logging reads (mindie/contract/log_setup.py);
+    variables already set win. A relative logPath is taken from the config file's directory."""
+    path = lc.log_path
+    if path and not os.path.isabs(os.path.expanduser(path)):
+        path = os.path.join(os.path.dirname(source) if source else os.getcwd(), path)
+    values = {"MINDIE_LOG_FORMAT": lc.log_format, "MINDIE_LOG_PATH": os.path.expanduser(path) if path else "",
+              "MINDIE_LOG_FILE_SIZE": str(lc.log_file_size), "MINDIE_LOG_FILE_NUM": str(lc.log_file_num)}
+    out = {k: os.environ.get(k) or v for k, v in values.items()}
+    if out["MINDIE_LOG_FORMAT"] not in ("text", "json"):
+        raise ConfigError(f"must be text or json, got {out['MINDIE_LOG_FORMAT']!r}", "LogConfig.logFormat",
+                          env="MINDIE_LOG_FORMAT")
+    if out["MINDIE_LOG_PATH"]:
+        log.info("logs also go to %s (one file per process, rotated at %s MB, %s kept)", out["MINDIE_LOG_PATH"],
+                 out["MINDIE_LOG_FILE_SIZE"], out["MINDIE_LOG_FILE_NUM"])
+    return out
+
+
+ROLES = ("all", "workers", "frontends")
+
+
+def check_role(loaded) -> str:
+    """``MINDIE_ROLE`` (launch.sh --workers-only / --frontends-only): the two halves of a server
+    on different hosts talk over tcp, so workerHost must be set."""
+    role = os.environ.get("MINDIE_ROLE") or "all"
+    if role not in ROLES:
+        raise ConfigError(f"must be one of {', '.join(ROLES)}, got {role!r}", env="MINDIE_ROLE")
+    if role != "all":
+        b = loaded.config.backend
+        if not b.worker_host:
+            raise ConfigError("--workers-only and --frontends-only need the device workers on tcp: set workerHost "
+                              "(the workers' host address) and workerPort, and workerCurveKeyDir (the same keys on "
+                              "both hosts)", "BackendConfig.workerHost", source=loaded.source)
+        log.info("role %s: %s", role, "device workers only, for the front ends of another host" if role == "workers"
+                 else f"front ends only, connected to the device workers at {b.worker_host}:{b.worker_port}")
+    return role
+
+
+def check_cpu_threads(dep) -> None:
+    """Warn (stderr, like every log line here) when the CPU workers' threads exceed the usable
+    cores: OpenMP pools then oversubscribe the cores and the workers slow each other down."""
+    # deviceType auto is settled later (workers/prepare.py): on a host without accelerators it is cpu.
+    cpu = [w for w in dep.workers if w.device_type in ("cpu", "auto") and not w.null_model]
+    total = sum(w.threads for w in cpu)
+    cores = usable_cores()
+    if cpu and total > cores:
+        log.warning("%d CPU workers x %d threads = %d threads on %d usable cores (CPU affinity, cgroup quota): "
+                    "the workers will slow each other down; set BackendConfig.cpuThreadsPerWorker to %d or less "
+                    "(0: the cores shared automatically) or run fewer workers", len(cpu), cpu[0].threads, total,
+                    cores, max(1, cores // len(cpu)))
 
 
 def refuse_tensor_parallel(loaded) -> None:

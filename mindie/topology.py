@@ -10,6 +10,53 @@ import os
 from mindie.config import Config
 from mindie.contract.spec import Deployment, EngineConfig, WorkerSpec, worker_endpoints
 
+CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def usable_cores(read=_read, affinity: set[int] | None = None) -> int:
+    """Cores this process may really use: the CPUs it may run on (``sched_getaffinity``, not
+    ``os.cpu_count()``, which counts the host's) and the cgroup's CPU quota (v2 ``cpu.max``
+    "quota period", "max" = none; v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, -1 = none),
+    whichever is smaller; a fractional quota rounds down; at least 1."""
+    if affinity is None:
+        try:
+            affinity = os.sched_getaffinity(0)
+        except (AttributeError, OSError):
+            affinity = set(range(os.cpu_count() or 1))
+    cores = len(affinity) or (os.cpu_count() or 1)
+    quota = period = None
+    text = read(CGROUP_V2_CPU_MAX)
+    if text is not None:
+        parts = text.split()
+        if len(parts) >= 1 and parts[0] != "max":
+            try:
+                quota, period = int(parts[0]), int(parts[1]) if len(parts) > 1 else 100000
+            except ValueError:
+                pass
+    else:
+        for qpath in CGROUP_V1_QUOTA:
+            q = read(qpath)
+            p = read(qpath.replace("cfs_quota_us", "cfs_period_us"))
+            if q is None or p is None:
+                continue
+            try:
+                quota, period = int(q.strip()), int(p.strip())
+            except ValueError:
+                continue
+            break
+    if quota is not None and period and quota > 0 and period > 0:
+        cores = min(cores, quota // period)
+    return max(1, cores)
+
 
 def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: float = 0.0,
                      log_level: str = "INFO") -> Deployment:
@@ -28,7 +75,7 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
         overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None))
     # On CPU each worker gets its share of the cores; idle workers lend theirs only when the
     # split is automatic.
-    threads = backend.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // n)
+    threads = backend.cpu_threads_per_worker or max(1, usable_cores() // n)
     share = not backend.cpu_threads_per_worker and n > 1
     run_dir = config.server.run_dir
     workers = []
@@ -43,5 +90,5 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
             core_share_file=os.path.join(run_dir, "cores.busy") if share else "", worker_index=index,
             num_workers=n, null_model=null_model, null_step_ms=null_step_ms,
             watermark_gamma=config.server.watermark_gamma, watermark_delta=config.server.watermark_delta,
-            log_level=log_level, engine=engine))
+            log_level=log_level, engine=engine, quantize=model.quantize or ""))
     return Deployment(run_dir=run_dir, workers=workers)

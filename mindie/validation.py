@@ -22,7 +22,7 @@ number. An optional key that is absent **or null** is "not set". ``inputs``/``in
 exception: MindIE tests them with ``contains()``, so ``null`` there counts as present.
 
 Numbers in messages: MindIE prints the JSON value itself (``jsonObj[key]`` -> nlohmann
-``dump``), so ``0`` prints ``0``, ``0.0`` prints ``0.0``, ``1e-7`` prints ``1e-07`` (``_dump``),
+``dump``), so ``0`` prints ``0``, ``0.0`` prints ``0.0``, ``1e-7`` prints ``1e-07`` (``dump_number``),
 and the FLT_MAX bound prints as ``3.40282e+38`` (C++ stream default precision).
 
 Deviations (documented choices):
@@ -44,7 +44,7 @@ import secrets
 from dataclasses import dataclass
 from itertools import accumulate, count
 from operator import sub
-from typing import Annotated, Any, Callable, Optional, Union
+from typing import Annotated, Any, Callable, NamedTuple, Optional, Union
 
 import msgspec
 
@@ -60,6 +60,14 @@ __all__ = [
     "cap_max_new_tokens",
     "implicit_do_sample",
     "random_seed",
+    "get_param",
+    "float_param",
+    "dump_number",
+    "too_deep",
+    "check_json_text",
+    "check_common_params",
+    "CommonParams",
+    "clamp_top_k",
 ]
 
 MAX_TOKEN_ID = 1024 * 1024  # endpoint range for an input id: [0, 1048576]
@@ -69,13 +77,13 @@ INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
 _UINT64_MAX = 2**64 - 1
 FLT_MAX = 3.4028234663852886e38  # MindIE bounds temperature/repetition_penalty by float max
-_FLT_MAX_TEXT = "3.40282e+38"  # how MindIE's std::stringstream prints FLT_MAX
+FLT_MAX_TEXT = "3.40282e+38"  # how MindIE's std::stringstream prints FLT_MAX
 MAX_PRIORITY = 5
 MAX_TIMEOUT_S = 65535
 DEFAULT_MAX_NEW_TOKENS = 20
 DEFAULT_PRIORITY = 5
 
-_PARSE_ERROR = "Failed to parse request context to json"
+PARSE_ERROR = "Failed to parse request context to json"
 _ENQUEUE = "Failed to enqueue inferRequest. "
 
 
@@ -300,7 +308,7 @@ def _dump_float(x: float) -> str:
     return f"{sign}{mant}e+{len(whole) - 1:02d}"
 
 
-def _dump(v: Any) -> str:
+def dump_number(v: Any) -> str:
     """How MindIE prints a JSON number in a message (``jsonObj[key]`` / ``.dump()``)."""
     if type(v) is int and _INT64_MIN <= v <= _UINT64_MAX:
         return str(v)
@@ -311,10 +319,10 @@ def _as_float(v: Any) -> float:
     try:
         return float(v)
     except OverflowError:  # an integer literal too big for a double: nlohmann rejects the body
-        raise validation_error(_PARSE_ERROR) from None
+        raise validation_error(PARSE_ERROR) from None
 
 
-def _get(p: dict[str, Any], key: str, want: str) -> Any:
+def get_param(p: dict[str, Any], key: str, want: str) -> Any:
     """The value of optional ``key`` (None when absent or null), type-checked like
     MindIE's ``CheckOptionalItemType``."""
     v = p.get(key)
@@ -325,16 +333,132 @@ def _get(p: dict[str, Any], key: str, want: str) -> Any:
     return v
 
 
-def _float_param(p: dict[str, Any], key: str, in_range: Callable[[float], bool], message: str) -> float | None:
+def float_param(p: dict[str, Any], key: str, in_range: Callable[[float], bool], message: str) -> float | None:
     """An optional "float" parameter checked against its range; ``message`` gets the value as
     MindIE prints it."""
-    v = _get(p, key, "float")
+    v = get_param(p, key, "float")
     if v is None:
         return None
     x = _as_float(v)
     if not in_range(x):
-        raise validation_error(message.format(_dump(v)))
+        raise validation_error(message.format(dump_number(v)))
     return x
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter checks shared by every route (MindIE's SetupInferParams messages)
+# --------------------------------------------------------------------------------------------
+
+
+def temperature_param(p: dict[str, Any], zero_ok: bool = False) -> float | None:
+    """``temperature`` in (0, FLT_MAX]; ``zero_ok``: [0, FLT_MAX] (vLLM: 0 = greedy), same message."""
+    in_range = (lambda x: 0.0 <= x <= FLT_MAX) if zero_ok else (lambda x: 0.0 < x <= FLT_MAX)
+    return float_param(p, "temperature", in_range, f"Parameter temperature must be in (0.0,{FLT_MAX_TEXT}], got {{}}.")
+
+
+def top_k_param(p: dict[str, Any], zero_ok: bool = False, off_ok: bool = False) -> int | None:
+    """``top_k`` in (0, INT32_MAX]; ``zero_ok``: 0 too (Triton), ``off_ok``: -1 too (vLLM). MindIE's
+    text (no final period; -1 is named even where it is rejected)."""
+    v = get_param(p, "top_k", "integer")
+    if v is not None and not (off_ok and v == -1) and not (0 if zero_ok else 1) <= v <= MAX_INT32:
+        raise validation_error(f"Parameter top_k must be in -1 || (0,{MAX_INT32}], got {dump_number(v)}")
+    return v
+
+
+def top_p_param(p: dict[str, Any], one_ok: bool = False) -> float | None:
+    """``top_p`` in (0, 1); ``one_ok``: (0, 1]. 1.0 itself is rejected on /infer and TGI
+    (allowUpperBound=false), whatever the message says."""
+    in_range = (lambda x: 0.0 < x <= 1.0) if one_ok else (lambda x: 0.0 < x < 1.0)
+    return float_param(p, "top_p", in_range, "Parameter top_p must be in (0.0,1.0], got {}.")
+
+
+def typical_p_param(p: dict[str, Any]) -> float | None:
+    return float_param(p, "typical_p", lambda x: 0.0 < x <= 1.0, "Parameter typical_p must be in (0.0,1.0], got {}.")
+
+
+def seed_param(p: dict[str, Any]) -> int | None:
+    v = get_param(p, "seed", "unsigned")
+    if v is not None and v > INT64_MAX:
+        raise validation_error(f"Parameter seed must be in [0, {INT64_MAX}], got {dump_number(v)}.")
+    return v
+
+
+def repetition_penalty_param(p: dict[str, Any]) -> float | None:
+    return float_param(p, "repetition_penalty", lambda x: 0.0 < x <= FLT_MAX,
+                       f"Parameter 'repetition_penalty' must be in (0.0, {FLT_MAX_TEXT}], got {{}}.")
+
+
+def priority_param(p: dict[str, Any]) -> int | None:
+    v = get_param(p, "priority", "unsigned")
+    if v is not None and not 1 <= v <= MAX_PRIORITY:
+        raise validation_error(f"Parameter priority must be in [1,{MAX_PRIORITY}], got {v}.")
+    return v
+
+
+def max_new_tokens_param(p: dict[str, Any]) -> int | None:
+    v = get_param(p, "max_new_tokens", "integer")
+    if v is not None and not 0 < v <= MAX_INT32:
+        raise validation_error(f"Parameter max_new_tokens must be in (0,{MAX_INT32}], got {dump_number(v)}.")
+    return v
+
+
+def timeout_param(p: dict[str, Any]) -> int | None:
+    v = get_param(p, "timeout", "unsigned")
+    if v is not None and not 0 < v <= MAX_TIMEOUT_S:
+        raise validation_error("Parameter timeout must be strictly positive and small than 65535 seconds, "
+                               f"got {dump_number(v)}.")
+    return v
+
+
+def clamp_top_k(top_k: int | None, limits: Limits) -> int:
+    """``top_k`` as it runs: 0 = off; MindIE VerifyTopK clamps it to the vocabulary."""
+    k = top_k or 0
+    if k and limits.vocab_size > 0:
+        k = min(k, limits.vocab_size)
+    return k
+
+
+class CommonParams(NamedTuple):
+    """The parameters every route checks first, in MindIE's order (None = not set)."""
+
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    typical_p: float | None
+    do_sample: bool | None
+    seed: int | None
+    repetition_penalty: float | None
+
+    def sampling(self, limits: Limits, max_new_tokens: int, n_ids: int, **extra: Any) -> SamplingParams:
+        """The effective sampling parameters: ``do_sample`` decided when not given, a random seed
+        when none, ``max_new_tokens`` capped; ``extra``: the route's other fields."""
+        return SamplingParams(
+            do_sample=self.do_sample if self.do_sample is not None
+            else implicit_do_sample(self.temperature, self.top_k, self.top_p, self.typical_p),
+            temperature=self.temperature if self.temperature is not None else 1.0,
+            top_k=clamp_top_k(self.top_k, limits),
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            typical_p=self.typical_p if self.typical_p is not None else 1.0,
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            seed=self.seed if self.seed is not None else random_seed(),
+            max_new_tokens=cap_max_new_tokens(max_new_tokens, n_ids, limits),
+            **extra,
+        )
+
+
+def check_common_params(p: dict[str, Any], *, top_k_zero_ok: bool = False, top_p_one_ok: bool = False,
+                        typical_p: bool = True) -> CommonParams:
+    """temperature, top_k, top_p, typical_p (unless ``typical_p`` is False), do_sample, seed and
+    repetition_penalty, in MindIE's order (/infer, TGI and Triton share it)."""
+    return CommonParams(
+        temperature_param(p),
+        top_k_param(p, zero_ok=top_k_zero_ok),
+        top_p_param(p, one_ok=top_p_one_ok),
+        typical_p_param(p) if typical_p else None,
+        get_param(p, "do_sample", "boolean"),
+        seed_param(p),
+        repetition_penalty_param(p),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,7 +475,7 @@ _NOT_BRACKET = bytes(i for i in range(256) if i not in b"[]{}")
 _BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # depth change + 1
 
 
-def _too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+def too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether ``body`` nests arrays/objects deeper than ``limit`` (brackets inside strings
     do not count). Decoding recurses once per level (RecursionError near Python's limit), so
     this runs before it.
@@ -372,6 +496,9 @@ def _too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
         return True
     # depth after the i-th bracket = (sum of its steps) - i
     return max(map(sub, accumulate(steps), count(1))) > limit
+
+
+_too_deep = too_deep  # tests/test_fuzz.py
 
 
 @functools.lru_cache(maxsize=16)
@@ -411,6 +538,20 @@ class _Parsed:
         self.ids_checked = ids_checked
 
 
+def check_json_text(body: bytes, message: str = PARSE_ERROR) -> None:
+    """422 ``message`` for a body refused before decoding: any invalid UTF-8 (msgspec does not
+    look inside skipped keys, but MindIE converts the whole body with wstring_convert before
+    parsing; isascii() is a fast C scan, only non-ASCII bodies pay for a full decode), or JSON
+    nested deeper than MAX_JSON_DEPTH."""
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise validation_error(message) from None
+    if too_deep(body):
+        raise validation_error(message)
+
+
 def _id_bound(limits: Limits) -> int:
     return min(MAX_TOKEN_ID, limits.vocab_size - 1) if limits.vocab_size > 0 else MAX_TOKEN_ID
 
@@ -419,27 +560,18 @@ def _decode_body(body: bytes, limits: Limits) -> _Parsed | None:
     """Parse the body; None when it is valid JSON but not an object."""
     if not isinstance(body, (bytes, bytearray)):
         body = bytes(body)
-    # msgspec does not look inside skipped keys, but MindIE rejects any invalid UTF-8 in the
-    # body (wstring_convert before parsing). isascii() is a fast C scan; only non-ASCII bodies
-    # pay for a full decode.
-    if not body.isascii():
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise validation_error(_PARSE_ERROR) from None
-    if _too_deep(body):
-        raise validation_error(_PARSE_ERROR)
-    # RecursionError: second line of defence behind _too_deep (a decode started deep in the stack).
+    check_json_text(body)
+    # RecursionError: second line of defence behind too_deep (a decode started deep in the stack).
     try:
         return _Parsed(_body_decoder(_id_bound(limits)).decode(body), True)
     except msgspec.ValidationError:
         pass  # slow path below: not an object, a bad/out-of-vocab input_id, or a number overflow
     except (msgspec.DecodeError, RecursionError):
-        raise validation_error(_PARSE_ERROR) from None
+        raise validation_error(PARSE_ERROR) from None
     try:
         value = _any_decoder.decode(body)
     except (msgspec.DecodeError, RecursionError):  # DecodeError includes numbers that overflow a double
-        raise validation_error(_PARSE_ERROR) from None
+        raise validation_error(PARSE_ERROR) from None
     return _Parsed(value, False) if type(value) is dict else None
 
 
@@ -556,39 +688,12 @@ def parse_infer_request(
     else:
         raise validation_error("parameters must be object type.")
 
-    temperature = _float_param(p, "temperature", lambda x: 0.0 < x <= FLT_MAX,
-                               f"Parameter temperature must be in (0.0,{_FLT_MAX_TEXT}], got {{}}.")
-    top_k = _get(p, "top_k", "integer")
-    if top_k is not None and not 0 < top_k <= MAX_INT32:
-        # MindIE's text (no final period; -1 is named but rejected on this endpoint).
-        raise validation_error(f"Parameter top_k must be in -1 || (0,{MAX_INT32}], got {_dump(top_k)}")
-    # 1.0 itself is rejected on /infer (allowUpperBound=false), whatever the message says.
-    top_p = _float_param(p, "top_p", lambda x: 0.0 < x < 1.0, "Parameter top_p must be in (0.0,1.0], got {}.")
-    typical_p = _float_param(p, "typical_p", lambda x: 0.0 < x <= 1.0,
-                             "Parameter typical_p must be in (0.0,1.0], got {}.")
-    do_sample = _get(p, "do_sample", "boolean")
-    seed = _get(p, "seed", "unsigned")
-    if seed is not None and seed > INT64_MAX:
-        raise validation_error(f"Parameter seed must be in [0, {INT64_MAX}], got {_dump(seed)}.")
-    repetition_penalty = _float_param(
-        p, "repetition_penalty", lambda x: 0.0 < x <= FLT_MAX,
-        f"Parameter 'repetition_penalty' must be in (0.0, {_FLT_MAX_TEXT}], got {{}}.")
-    watermark = _get(p, "watermark", "boolean")
-    priority = _get(p, "priority", "unsigned")
-    if priority is not None and not 1 <= priority <= MAX_PRIORITY:
-        raise validation_error(f"Parameter priority must be in [1,{MAX_PRIORITY}], got {priority}.")
-    max_new_tokens = _get(p, "max_new_tokens", "integer")
-    if max_new_tokens is not None and not 0 < max_new_tokens <= MAX_INT32:
-        raise validation_error(
-            f"Parameter max_new_tokens must be in (0,{MAX_INT32}], got {_dump(max_new_tokens)}."
-        )
-    timeout = _get(p, "timeout", "unsigned")
-    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
-        raise validation_error(
-            "Parameter timeout must be strictly positive and small than 65535 seconds, "
-            f"got {_dump(timeout)}."
-        )
-    details = _get(p, "details", "boolean")
+    c = check_common_params(p)
+    watermark = get_param(p, "watermark", "boolean")
+    priority = priority_param(p)
+    max_new_tokens = max_new_tokens_param(p)
+    timeout = timeout_param(p)
+    details = get_param(p, "details", "boolean")
     stream = b.stream
     if stream is _UNSET or stream is None:
         stream = False
@@ -596,27 +701,11 @@ def parse_infer_request(
         raise validation_error("stream must be boolean type.")
 
     # ---- build ----
-    effective_do_sample = (
-        do_sample if do_sample is not None
-        else implicit_do_sample(temperature, top_k, top_p, typical_p)
-    )
-    eff_top_k = top_k or 0
-    if eff_top_k and limits.vocab_size > 0:
-        eff_top_k = min(eff_top_k, limits.vocab_size)  # MindIE VerifyTopK clamps to the vocab
     # Engine checks (424) come after every 422, as in MindIE.
     ids = check_token_ids(ids, limits, vocab_checked=has_ids and b.ids_checked)
-    mnt = cap_max_new_tokens(max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
-                             len(ids), limits)
-    sampling = SamplingParams(
-        do_sample=effective_do_sample,
-        temperature=temperature if temperature is not None else 1.0,
-        top_k=eff_top_k,
-        top_p=top_p if top_p is not None else 1.0,
-        typical_p=typical_p if typical_p is not None else 1.0,
-        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
-        seed=seed if seed is not None else random_seed(),
+    sampling = c.sampling(
+        limits, max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS, len(ids),
         watermark=bool(watermark),
-        max_new_tokens=mnt,
         # Project extension: MindIE ignores `ignore_eos` on this route (AISBench sends it);
         # honoured here when it is a boolean so benchmarks get exact lengths, ignored otherwise.
         ignore_eos=p.get("ignore_eos") is True,

@@ -8,9 +8,13 @@ Usage: scripts/launch.sh [options]
 
 Starts the server: one device worker per BackendConfig.npuDeviceIds entry (under a supervisor
 that restarts crashed workers) and N gunicorn front ends (falcon.asgi on uvicorn) serving MindIE's
-three planes: business (ServerConfig.ipAddress:port: POST /infer, /infer_token, GET /v1/models),
-management (managementIpAddress:managementPort: GET /health, /v2/health/live|ready) and metrics
+three planes: business (ServerConfig.ipAddress:port: POST /infer, /infer_token, /v1/tokenizer,
+/v2/models/{m}/stopInfer, GET /v1/models, /v2, /v2/models/{m}[/config]), management
+(managementIpAddress:managementPort: GET /health, /health/timed-N, /v2/health/live|ready, /info,
+/v1/config, /v1/status, /v2/status, /metrics-json, /stopService, ...) and metrics
 (managementIpAddress:metricsPort: GET /metrics); planes with equal ports share one listener.
+GET /stopService drains the server and then stops it (scripts/prestop.sh); probes for Kubernetes:
+scripts/health_check.sh.
 With ServerConfig.httpsEnabled every plane is HTTPS (mutual TLS when a CA is configured).
 
 Options (each also settable by the environment variable shown):
@@ -28,10 +32,17 @@ Options (each also settable by the environment variable shown):
       --null-model      serve the null model (no compute; serving-stack benchmark)
                                                                         [MINDIE_NULL_MODEL=1]
       --null-step-ms MS fixed cost of one null-model step               [MINDIE_NULL_STEP_MS]
+      --workers-only    this host runs the device workers only (no HTTP):   [MINDIE_ROLE=workers]
+                        they bind tcp on BackendConfig.workerHost:workerPort (CURVE keys in
+                        workerCurveKeyDir) for the front ends of another host
+      --frontends-only  this host runs the front ends only, connected to  [MINDIE_ROLE=frontends]
+                        the workers at workerHost:workerPort (started there with --workers-only
+                        and the same BackendConfig)
   -h, --help            show this help
 
 Other environment: MINDIE_DEVICE_TYPE (auto|npu|cuda|cpu), MINDIE_NPU_DEVICE_IDS ("0,1,..." = one worker per device),
-MINDIE_LOG_LEVEL (default LogConfig.dynamicLogLevel, else INFO), MINDIE_GRACEFUL_TIMEOUT (15 s).
+MINDIE_LOG_LEVEL (default LogConfig.dynamicLogLevel, else INFO), MINDIE_LOG_FORMAT (text|json: JSON lines;
+LogConfig.logFormat), MINDIE_LOG_PATH (also log to files there; LogConfig.logPath), MINDIE_GRACEFUL_TIMEOUT (15 s).
 
 Signals: SIGTERM/SIGINT stop everything (front ends drain up to the graceful timeout, then
 device workers stop; a second SIGTERM/SIGINT kills what is left at once) and leave the run
@@ -49,6 +60,8 @@ USAGE
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 PY="${PYTHON:-python3}"
+# The checkout's own packages first, wherever this script is started from (installed or not).
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -61,6 +74,8 @@ while [ $# -gt 0 ]; do
     --run-dir) export MINDIE_RUN_DIR="$2"; shift 2 ;;
     --null-model) export MINDIE_NULL_MODEL=1; shift ;;
     --null-step-ms) export MINDIE_NULL_STEP_MS="$2"; shift 2 ;;
+    --workers-only) export MINDIE_ROLE=workers; shift ;;
+    --frontends-only) export MINDIE_ROLE=frontends; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "launch.sh: unknown option: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -88,7 +103,7 @@ release_run_dir() {
 trap release_run_dir EXIT
 eval "$("$PY" -m workers.prepare "$MINDIE_DEPLOYMENT" || echo "exit 2")"
 export MINDIE_PORT MINDIE_LISTENERS MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS MINDIE_LOG_LEVEL \
-  MINDIE_FRONTENDS
+  MINDIE_FRONTENDS MINDIE_LOG_FORMAT MINDIE_LOG_PATH MINDIE_LOG_FILE_SIZE MINDIE_LOG_FILE_NUM
 
 # Prometheus multiprocess mode: a fresh directory, set before anything imports the client.
 export PROMETHEUS_MULTIPROC_DIR="$MINDIE_RUN_DIR/prometheus"
@@ -98,13 +113,19 @@ grace="${MINDIE_GRACEFUL_TIMEOUT:-15}"
 cd "$root"
 # Each child in a process group of its own (job control): a terminal's Ctrl-C reaches only this
 # script, which stops the children in order, and what a child leaves behind can be found.
+role="${MINDIE_ROLE:-all}"
+sup="" gun="" kids=()
 set -m
-"$PY" -m workers.supervisor --deployment "$MINDIE_DEPLOYMENT" </dev/null &
-sup=$!
-"$PY" -m gunicorn -c "$root/deploy/gunicorn.conf.py" </dev/null &
-gun=$!
+if [ "$role" != frontends ]; then
+  "$PY" -m workers.supervisor --deployment "$MINDIE_DEPLOYMENT" </dev/null &
+  sup=$!; kids+=("$sup")
+fi
+if [ "$role" != workers ]; then
+  "$PY" -m gunicorn -c "$root/deploy/gunicorn.conf.py" </dev/null &
+  gun=$!; kids+=("$gun")
+fi
 set +m
-echo "launch.sh: supervisor pid $sup, gunicorn pid $gun" >&2
+echo "launch.sh: ${sup:+supervisor pid $sup}${sup:+${gun:+, }}${gun:+gunicorn pid $gun} (role $role)" >&2
 
 # Live (not zombie) members of process group $1.
 group_members() {
@@ -148,7 +169,7 @@ on_stop_signal() {
   signalled=1
   if [ "$stopping" = 1 ]; then  # asked again while stopping: no more waiting
     hurry=1
-    kill -KILL -- "-$gun" "-$sup" 2>/dev/null || true
+    for k in "${kids[@]}"; do kill -KILL -- "-$k" 2>/dev/null || true; done
   fi
   stopping=1
 }
@@ -156,7 +177,9 @@ trap on_stop_signal TERM INT
 # SIGHUP: new front ends (renewed TLS files, gunicorn settings); the models stay loaded. TLS
 # files that do not load are refused here, so the running front ends keep theirs.
 on_reload() {
-  if "$PY" -m mindie.tls check "$MINDIE_LISTENERS"; then
+  if [ -z "$gun" ]; then
+    echo "launch.sh: SIGHUP: no front ends on this host (role $role): nothing to reload" >&2
+  elif "$PY" -m mindie.tls check "$MINDIE_LISTENERS"; then
     echo "launch.sh: SIGHUP: reloading the front ends" >&2
     kill -HUP "$gun" 2>/dev/null || true
   else
@@ -169,13 +192,13 @@ status=0 reason=""
 while [ "$stopping" = 0 ]; do
   dead=""
   if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501 )); then
-    wait -n -p dead "$sup" "$gun" && status=0 || status=$?
+    wait -n -p dead "${kids[@]}" && status=0 || status=$?
   else
-    wait -n "$sup" "$gun" && status=0 || status=$?
+    wait -n "${kids[@]}" && status=0 || status=$?
   fi
   # wait returns >128 when a trapped signal interrupted it: loop unless a child really ended.
   if [ -z "${dead:-}" ]; then
-    if ! kill -0 "$sup" 2>/dev/null; then dead=$sup; elif ! kill -0 "$gun" 2>/dev/null; then dead=$gun; fi
+    for k in "${kids[@]}"; do if ! kill -0 "$k" 2>/dev/null; then dead=$k; break; fi; done
   fi
   if [ -n "${dead:-}" ] && [ "$stopping" = 0 ]; then
     if [ "$dead" = "$sup" ]; then what="device-worker supervisor"; else what="gunicorn master"; fi
@@ -187,10 +210,14 @@ done
 
 # Front ends first (they drain, or end their requests with errors once no worker answers; those
 # of a master that died stop on their own, watched here), then the device workers.
-stop_child "$gun" "gunicorn master"
-sweep "$gun" $((grace + 5)) "front ends"
-stop_child "$sup" "device-worker supervisor"
-sweep "$sup" 5 "device workers"
+if [ -n "$gun" ]; then
+  stop_child "$gun" "gunicorn master"
+  sweep "$gun" $((grace + 5)) "front ends"
+fi
+if [ -n "$sup" ]; then
+  stop_child "$sup" "device-worker supervisor"
+  sweep "$sup" 5 "device workers"
+fi
 
 if [ "$signalled" = 1 ] && [ -z "$reason" ]; then
   status=0

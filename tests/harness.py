@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -22,6 +23,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held open together while chosen: separate free_port() calls
+    may return the same port twice, which would merge planes meant to be split)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model_path: str = "",
@@ -158,6 +172,21 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def demo_server(tmp: Path, model_path: str, env: dict | None = None, **config) -> Iterator[Server]:
+    """A one-worker server on the demo model, ready, stopped on exit; ``config``: write_config's
+    ``schedule``/``server``/... overrides."""
+    port = free_port()
+    cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=model_path,
+                       **config)
+    s = Server(cfg, port, env=env)
+    try:
+        s.wait_ready(120)
+        yield s
+    finally:
+        s.stop()
 
 
 # -- process trees (tests/test_processes.py, scripts/chaos.py) -----------------------------------

@@ -72,7 +72,6 @@ MINDIE_DEFAULT: dict[str, Any] = {
 }
 
 MINDIE_IGNORED = {
-    "LogConfig.logLevel", "LogConfig.logFileSize", "LogConfig.logFileNum", "LogConfig.logPath",
     "LogConfig.dynamicLogLevelValidHours", "LogConfig.dynamicLogLevelValidTime",
     "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby", "ServerConfig.inferMode",
     "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort", "ServerConfig.interCommTlsCaPath",
@@ -147,11 +146,11 @@ JSON_KEYS = {
                       "workerHost", "workerPort", "workerCurveKeyDir", "workerInsecureTcp"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
-        "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype"},
+        "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
         "enablePrefixCache", "overlapSteps"},
-    "LogConfig": {"dynamicLogLevel"},
+    "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 
 

@@ -120,7 +120,9 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.cpuThreadsPerWorker": _here("test_cpu_threads_per_worker", "test_e2e_worker_applies_its_keys"),
     "BackendConfig.workerHost": [f"{_CURVE}::test_tcp_without_keys_is_refused_unless_insecure",
                                  f"{_CURVE}::test_worker_host_and_port_checked", f"{_CURVE}::test_ipv6_endpoints",
-                                 f"{_CURVE}::test_plain_tcp_with_the_insecure_flag"],
+                                 f"{_CURVE}::test_plain_tcp_with_the_insecure_flag",
+                                 "tests/test_remote_workers.py::test_front_ends_and_workers_on_two_hosts",
+                                 "tests/test_remote_workers.py::test_split_roles_need_tcp"],
     "BackendConfig.workerPort": [f"{_CURVE}::test_tcp_without_keys_is_refused_unless_insecure",
                                  f"{_CURVE}::test_worker_host_and_port_checked",
                                  f"{_CURVE}::test_worker_reports_a_port_in_use"],
@@ -154,6 +156,11 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ModelDeployConfig.ModelConfig[].cpuMemSize": _here("test_npu_and_cpu_mem_size_size_the_kv_cache",
                                                                        "test_e2e_worker_applies_its_keys"),
     "BackendConfig.ModelDeployConfig.ModelConfig[].dtype": _here("test_dtype_is_the_models_dtype"),
+    "BackendConfig.ModelDeployConfig.ModelConfig[].quantize": [
+        f"tests/test_int8.py::{n}" for n in ("test_quantize_reaches_the_worker_spec", "test_int8_path_is_used_when_configured",
+                                             "test_backend_without_int8_refuses_the_key",
+                                             "test_whole_model_logits_match_the_dequantised_reference",
+                                             "test_nothing_changes_when_not_configured")],
     # -- BackendConfig.ScheduleConfig
     "BackendConfig.ScheduleConfig.cacheBlockSize": _here("test_cache_block_size_is_the_engines_block_size",
                                                          "test_e2e_worker_applies_its_keys"),
@@ -162,13 +169,21 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ScheduleConfig.maxBatchSize": _here("test_max_batch_size_caps_running_requests"),
     "BackendConfig.ScheduleConfig.maxIterTimes": _here("test_e2e_output_budget") + [
         "tests/test_validation.py::test_max_new_tokens_budget"],
-    "BackendConfig.ScheduleConfig.maxN": [UNAPPLIED],
+    "BackendConfig.ScheduleConfig.maxN": ["tests/test_openai.py::test_max_n_caps_the_choices"],
     "BackendConfig.ScheduleConfig.enablePrefixCache": _here("test_enable_prefix_cache"),
     "BackendConfig.ScheduleConfig.overlapSteps": _here("test_overlap_steps_moves_compute_to_a_thread",
                                                        "test_e2e_worker_applies_its_keys") + [
         f"{_CFG}::test_overlap_steps_reaches_the_worker_spec"],
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
+    "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
+    "LogConfig.logFormat": ["tests/test_request_log.py::test_request_lines_as_json_in_log_files",
+                            f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
+    "LogConfig.logPath": ["tests/test_request_log.py::test_request_lines_as_json_in_log_files"],
+    "LogConfig.logFileSize": ["tests/test_request_log.py::test_text_request_line_and_rotation",
+                              f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
+    "LogConfig.logFileNum": ["tests/test_request_log.py::test_text_request_line_and_rotation",
+                             f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
 }
 
 
@@ -248,8 +263,7 @@ def test_registry_no_effect_keys_map_to_the_launcher_log() -> None:
     """Rows the docs mark "no effect" are shown by the launcher's log line, and only those map there
     (besides ModelConfig, whose extra entries are logged as unused)."""
     no_effect = {d.key for d in documented_keys(DOC.read_text()) if "no effect" in d.row}
-    assert no_effect == {"Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold",
-                         "BackendConfig.ScheduleConfig.maxN"}
+    assert no_effect == {"Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold"}
     assert all(UNAPPLIED in KEY_TESTS[k] for k in no_effect)
     from mindie.config import VALIDATED_NOT_APPLIED
     assert set(VALIDATED_NOT_APPLIED) == no_effect
@@ -349,16 +363,42 @@ def _prepare(tmp_path: Path, config: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+def test_log_config_keys_reach_the_launch_environment(tmp_path: Path) -> None:
+    """LogConfig's keys become the environment every process's logging reads
+    (mindie/contract/log_setup.py): level (logLevel when dynamicLogLevel is empty), format, a
+    logPath relative to the config file, file size and count; a bad value names its key."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"LogConfig": {"logLevel": "debug", "logFormat": "json", "logPath": "logs",
+                                                "logFileSize": 3, "logFileNum": 4}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
+    env.update(MIES_CONFIG_JSON_PATH=str(config), MINDIE_RUN_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert out["MINDIE_LOG_LEVEL"] == "DEBUG"
+    assert (out["MINDIE_LOG_FORMAT"], out["MINDIE_LOG_FILE_SIZE"], out["MINDIE_LOG_FILE_NUM"]) == ("json", "3", "4")
+    assert out["MINDIE_LOG_PATH"].strip("'") == str(tmp_path / "logs")
+    config.write_text(json.dumps({"LogConfig": {"logFormat": "xml"}}))
+    bad = subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert "LogConfig.logFormat" in bad.stderr and bad.stdout.strip().endswith("exit 2"), bad.stderr
+    config.write_text(json.dumps({"LogConfig": {"logFileSize": 0}}))
+    bad = subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert "LogConfig.logFileSize" in bad.stderr, bad.stderr
+
+
 def test_unapplied_keys_are_logged(tmp_path: Path) -> None:
-    """Version, HealthCheckConfig.npuUsageThreshold and maxN are validated but do nothing: load_config
+    """Version and HealthCheckConfig.npuUsageThreshold are validated but do nothing: load_config
     reports each one the file sets (Loaded.unapplied) and the launcher logs it; a second ModelConfig
     entry is validated and logged as unused."""
     data = {"Version": "2.0.0", "ServerConfig": {"HealthCheckConfig": {"npuUsageThreshold": 50}},
-            "BackendConfig": {"ScheduleConfig": {"maxN": 4}, "ModelDeployConfig": {"ModelConfig": [
+            "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [
                 {"modelName": "first"}, {"modelName": "second"}]}}}
     loaded = load(tmp_path, data)
     assert [u.split(":")[0] for u in loaded.unapplied] == [
-        "Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold", "BackendConfig.ScheduleConfig.maxN"]
+        "Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold"]
     assert load(tmp_path, {}, name="empty.json").unapplied == []  # only the keys the file sets
     # Still validated: a wrong value is refused.
     with pytest.raises(ConfigError, match=r"^BackendConfig\.ScheduleConfig\.maxN: must be >= 1"):
@@ -368,9 +408,9 @@ def test_unapplied_keys_are_logged(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^MINDIE_DEPLOYMENT=", proc.stdout, re.M), proc.stdout  # shell assignments on stdout
     said = "config key validated but without effect in this server: "
-    for key in ("Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold", "BackendConfig.ScheduleConfig.maxN"):
+    for key in ("Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold"):
         assert re.search(rf"{said}{re.escape(key)}: \S", proc.stderr), (key, proc.stderr)
-    assert proc.stderr.count(said) == 3
+    assert proc.stderr.count(said) == 2
     assert "ModelConfig has 2 entries: only the first is served" in proc.stderr
     # A file without them: not a word.
     (tmp_path / "plain.json").write_text("{}")
@@ -549,7 +589,7 @@ def test_dynamic_adjust_timeout_reaches_the_front_end_deadlines(tmp_path: Path, 
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The front end's limits (mindie/frontend.py) and a request's deadlines follow tokenTimeout and
     e2eTimeout, both at their maximum with EnableDynamicAdjustTimeoutConfig."""
-    from mindie.api.infer import Deadlines
+    from mindie.generation import Deadline as Deadlines
     from mindie.frontend import FrontEnd
     from workers.prepare import settle_deployment
 

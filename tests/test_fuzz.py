@@ -56,7 +56,21 @@ LOG_ALARMS = re.compile(r"Traceback|Exception in ASGI application|unhandled erro
                         r"Worker \(pid:\d+\) (was sent|exited)|Device step failed|Request refused")
 
 ROUTES = ["/infer", "/infer_token", "/health", "/v2/health/live", "/v2/health/ready", "/v1/models",
-          "/v1/models/{model}", "/metrics"]
+          "/v1/models/{model}", "/metrics", "/v1/tokenizer", "/v2", "/v2/models/{model}", "/v2/models/{model}/config",
+          "/v2/models/{model}/stopInfer", "/v2/models/{model}/ready", "/health/timed", "/health/timed-{n}", "/info",
+          "/v1/config", "/v1/status", "/v2/status", "/v2/models/{model}/getSlotCount", "/metrics-json",
+          "/generate", "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
+          "/v2/models/{model}/generate_stream", "/v1/completions", "/v1/chat/completions"]
+POST_ROUTES = {"/infer", "/infer_token", "/v1/tokenizer", "/v2/models/{model}/stopInfer", "/generate",
+               "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
+               "/v2/models/{model}/generate_stream",
+               "/v1/completions", "/v1/chat/completions"}
+# Registered but not fuzzed: it stops the server (tests/test_management.py drives it).
+NOT_FUZZED = {"/stopService"}
+
+
+def _path(route: str) -> bytes:
+    return route.replace("{model}", "demo").replace("{n}", "3").encode()
 PARAM_KEYS = ["temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty",
               "watermark", "priority", "max_new_tokens", "timeout", "details"]
 
@@ -249,7 +263,7 @@ def test_routes_match_the_app():
     # create_app's route table: ("/path", resource, suffix) tuples per plane.
     found = {n.elts[0].value for n in ast.walk(tree) if isinstance(n, ast.Tuple) and n.elts
              and isinstance(n.elts[0], ast.Constant) and str(n.elts[0].value).startswith("/")}
-    assert found == set(ROUTES)
+    assert found == set(ROUTES) | NOT_FUZZED
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,7 +424,12 @@ def exchange(fz: Fuzzed, data: bytes, *, expect: int | None = None, half_close: 
     return rs
 
 
-def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False) -> None:
+OPENAI_PATHS = (b"/v1/completions", b"/v1/chat/completions")
+
+
+def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False, path: bytes = b"") -> None:
+    """A documented status; JSON or SSE bodies that parse; errors in MindIE's shape (OpenAI's
+    {"error": {"message", "type", "param", "code"}} on the OpenAI routes)."""
     assert r.status in allowed, r  # 503 is not: the worker is alive throughout
     ctype = r.headers.get(b"content-type", b"")
     if 200 <= r.status < 300:
@@ -418,6 +437,8 @@ def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False) -> None:
             json.loads(r.body)
         elif ctype.startswith(b"text/event-stream"):  # SSE frames, or MindIE's raw timeout text last
             for frame in r.body.split(b"\n\n")[:-1]:
+                if frame == b"data: [DONE]" and path.split(b"?")[0] in OPENAI_PATHS:
+                    continue
                 assert frame.startswith(b"data: {") or frame.startswith(b"Engine callback timeout: "), r
                 json.loads(frame[6:]) if frame.startswith(b"data: ") else None
         return
@@ -427,11 +448,18 @@ def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False) -> None:
         err = json.loads(r.body)
     except ValueError:
         raise AssertionError(f"error body is not JSON: {r}") from None
-    assert isinstance(err, dict) and list(err) == ["error", "error_type"], r
-    assert isinstance(err["error"], str) and isinstance(err["error_type"], str), r
     assert ctype.startswith(b"application/json"), r
+    if path.split(b"?")[0] in OPENAI_PATHS and isinstance(err, dict) and isinstance(err.get("error"), dict):
+        e = err["error"]
+        assert list(err) == ["error"] and list(e) == ["message", "type", "param", "code"], r
+        assert isinstance(e["message"], str) and isinstance(e["type"], str) and e["code"] == r.status, r
+        message = e["message"]
+    else:
+        assert isinstance(err, dict) and list(err) == ["error", "error_type"], r
+        assert isinstance(err["error"], str) and isinstance(err["error_type"], str), r
+        message = err["error"]
     if r.status == 500:
-        assert DOCUMENTED_500.match(err["error"]), f"undocumented 500: {r}"
+        assert DOCUMENTED_500.match(message), f"undocumented 500: {r}"
 
 
 def http(method: bytes, path: bytes, body: bytes = b"", headers: list[bytes] | None = None,
@@ -520,12 +548,12 @@ def test_framing_cases(fz, name):
 
 
 def test_unknown_methods_on_known_routes_are_json_405(fz):
-    for path in ROUTES:
-        path = path.replace("{model}", "demo").encode()
-        for method in (b"PUT", b"PATCH", b"DELETE", b"GET" if path.startswith(b"/infer") else b"POST"):
+    for route in ROUTES:
+        path = _path(route)
+        for method in (b"PUT", b"PATCH", b"DELETE", b"GET" if route in POST_ROUTES else b"POST"):
             [r] = exchange(fz, http(method, path, b"{}" if method != b"GET" else b""), expect=1)
             assert r.status == 405, (method, path, r)
-            check(r)
+            check(r, path=path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,6 +585,25 @@ def hostile_bodies(draw) -> bytes:
 def test_hostile_json_bodies(fz, path, body):
     [r] = exchange(fz, http(b"POST", path, body), expect=1)
     check(r, BODY_STATUSES)
+
+
+other_posts = st.sampled_from([_path(r) for r in sorted(POST_ROUTES - {"/infer", "/infer_token"})])
+api_keys = st.sampled_from(["inputs", "prompt", "messages", "text_input", "parameters", "max_tokens", "stream",
+                            "model", "stop", "n", "logprobs", "id", "x"])
+
+
+@st.composite
+def hostile_api_bodies(draw) -> bytes:
+    """Bodies with the keys of the other API families (OpenAI, TGI, vLLM, Triton) and hostile values."""
+    v = draw(st.dictionaries(api_keys, values, max_size=5))
+    return draw(corrupt(dump(v)))
+
+
+@given(path=other_posts, body=weighted((2, hostile_api_bodies()), (1, hostile_bodies())))
+@fuzz_settings(400)
+def test_hostile_bodies_on_the_other_apis(fz, path, body):
+    [r] = exchange(fz, http(b"POST", path, body), expect=1)
+    check(r, BODY_STATUSES | {400, 404}, path=path)
 
 
 valid_params = {
@@ -607,7 +654,7 @@ methods = weighted(
     (1, st.sampled_from([b"TRACE", b"CONNECT", b"PURGE", b"LINK", b"PROPFIND", b"get", b"SEARCH"])),
     (1, st.from_regex(rb"\A[A-Za-z!#$%&'*+.^_`|~-]{1,12}\Z")), (1, st.binary(min_size=1, max_size=8)))
 paths = weighted(
-    (6, st.sampled_from([r.replace("{model}", "demo").encode() for r in ROUTES])),
+    (6, st.sampled_from([_path(r) for r in ROUTES])),
     (2, st.sampled_from([b"/v1/models/", b"/v1/models/demo/x", b"/infer/", b"//infer", b"/infer?stream=1",
                          b"/%2e%2e/", b"/v1/models/%ff%00", b"/v1/models/" + b"a" * 5000, b"/health?" + b"&" * 1000,
                          b"*", b"/\\"])),
@@ -642,7 +689,7 @@ def test_random_requests(fz, method, path, headers, body):
     rs = exchange(fz, http(method, path, body, headers), expect=None if framing else 1, half_close=framing,
                   head=head)
     for r in rs:
-        check(r, head=head)
+        check(r, head=head, path=path)
 
 
 @st.composite

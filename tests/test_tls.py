@@ -27,7 +27,7 @@ from mindie.config import load_config
 from mindie.listeners import plan_listeners
 from mindie.tls import TlsError, check_plane, plane_tls
 from tests.certs import NOW, DAY, Pki, pem_cert, pem_key, write
-from tests.harness import Server, free_port, short_run_dir, write_config
+from tests.harness import Server, free_port, free_ports, short_run_dir, write_config
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def refused(port: int, ctx: ssl.SSLContext, host: str = "127.0.0.1") -> bool:
 
 # -- the server ----------------------------------------------------------------------------------
 def test_https_and_mutual_tls_on_three_planes(tmp_path: Path, pki: Pki, demo_model: str) -> None:
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cfg = write_config(pki.root / "config.json", port=ports[0], run_dir=short_run_dir(), model_path=demo_model,
                        workers=1, server={"managementIpAddress": "127.0.0.2", "managementPort": ports[1],
                                           "metricsPort": ports[2], **pki.server_config()})

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from mindie.contract.lifecycle import die_with_parent, expected_parent
+from mindie.contract.log_setup import setup_logging
 from mindie.contract.spec import WorkerSpec, encode_spec, read_deployment
 
 log = logging.getLogger("workers.supervisor")
@@ -143,8 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the launch plan, <runDir>/deployment.json, written by python -m mindie.prepare and "
                          "settled by python -m workers.prepare (default: $MINDIE_DEPLOYMENT)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [supervisor pid %(process)d] %(message)s")
+    setup_logging(f"supervisor pid {os.getpid()}")
     if not args.deployment:
         ap.error("no launch plan: pass --deployment or set MINDIE_DEPLOYMENT")
     try:

@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,8 +25,9 @@ import zmq
 
 from mindie.contract import wire as P
 from mindie.contract.curve import CurveKeyError, insecure_warning, link_mode, worker_keys
-from mindie.contract.errors import FINISH_ERROR
+from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
 from mindie.contract.lifecycle import lock_file
+from mindie.contract.log_setup import setup_logging
 from mindie.contract.spec import WorkerSpec, decode_spec
 
 from workers.engine.engine import CapacityError, Engine, InFlight
@@ -165,6 +165,7 @@ class Worker:
         self.heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.pending: dict[str, list[P.TokenFrame]] = {}
         self.idle_wait_ms = int(P.HEARTBEAT_INTERVAL_S * 1000 / 2)
+        self._last_load: tuple[int, int, int] = (0, 0, 0)
         self.cores = None
         if spec.core_share_file and spec.device_type == "cpu" and not spec.null_model:
             from workers.backends.core_share import CoreShare
@@ -180,6 +181,8 @@ class Worker:
 
     def _welcome(self, fid: str, st: FrontendState) -> None:
         self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq))
+        # Our load right behind it: the front end's status routes count this worker at once.
+        self._send_heartbeat()
 
     def _emit(self, fid: str, frame: P.TokenFrame) -> None:
         self.pending.setdefault(fid, []).append(frame)
@@ -207,6 +210,8 @@ class Worker:
             for rid in msg.request_ids:
                 if self.engine.abort(rid) is not None and st is not None:
                     st.requests.discard(rid)
+        elif isinstance(msg, P.Stop):
+            self._stop_user(msg)
         elif isinstance(msg, P.Hello):
             known = msg.frontend_id in self.frontends
             st = self._frontend(msg.frontend_id)
@@ -215,6 +220,21 @@ class Worker:
             # new sequence start tells it that its requests here are gone.
             if msg.want_welcome or not known:
                 self._welcome(msg.frontend_id, st)
+
+    def _stop_user(self, msg: P.Stop) -> None:
+        """stopInfer: end the named requests now (their blocks are freed by ``abort``), give
+        each owner a final frame, and answer the asker whether any was found."""
+        found = self.engine.with_user_id(msg.user_id)
+        for seq in found:
+            self.engine.abort(seq.request_id)
+            st = self.frontends.get(seq.frontend_id)
+            if st is not None:
+                st.requests.discard(seq.request_id)
+            self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, finish_reason=FINISH_ABORT))
+        if found:
+            log.info("stopInfer %r: ended %d request(s)", msg.user_id, len(found))
+            self.publish()  # at once, not after the step that may be computing
+        self._send(msg.frontend_id.encode(), P.Stopped(self.spec.worker_id, msg.frontend_id, msg.token, len(found)))
 
     def drain(self, timeout_ms: int) -> None:
         if not self.pull.poll(timeout_ms):
@@ -258,18 +278,41 @@ class Worker:
         with self.pub_lock:
             self.pub.send_multipart([topic, data])
 
+    def heartbeat(self) -> P.Heartbeat:
+        """This worker's load and counters, as front ends see them (/v1/status, /metrics)."""
+        eng, bm = self.engine, self.engine.blocks
+        ttft, tbt = list(eng.ttft_ms), list(eng.tbt_ms)  # copies: the loop thread appends
+        return P.Heartbeat(
+            self.spec.worker_id, self.instance, self.device, os.getpid(), self.spec.model_name,
+            eng.num_running, eng.num_waiting, bm.num_free, bm.num_blocks, eng.scheduler.num_preemptions,
+            bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
+            eng.generated_tokens, sum(ttft) / len(ttft) if ttft else 0.0, sum(tbt) / len(tbt) if tbt else 0.0,
+            eng.num_swapped)
+
+    def _send_heartbeat(self) -> None:
+        self._last_load = self._load()
+        self._send(P.HEARTBEAT_TOPIC, self.heartbeat())
+
+    def _load(self) -> tuple[int, int, int]:
+        return self.engine.num_running, self.engine.num_waiting, self.engine.blocks.num_free
+
+    def _heartbeat_if_changed(self) -> None:
+        """A heartbeat right after a step that changed the load, so /metrics, /v1/status and the
+        front ends' dispatch are never more than one step behind (the timed ones alone would
+        leave a finished request "running" for up to a heartbeat interval)."""
+        if self._load() != self._last_load:
+            self._send_heartbeat()
+
     def _heartbeat_loop(self) -> None:
         """Heartbeats from their own thread, so a long engine step (a big prefill on CPU) never
         looks like a dead worker. Torch releases the GIL while it computes."""
         while not self.stop:
-            bm = self.engine.blocks
             try:
-                self._send(P.HEARTBEAT_TOPIC, P.Heartbeat(
-                    self.spec.worker_id, self.instance, self.device, os.getpid(), self.spec.model_name,
-                    self.engine.num_running, self.engine.num_waiting, bm.num_free, bm.num_blocks,
-                    self.engine.scheduler.num_preemptions, bm.hit_rate, bm.block_size, self.engine.steps))
+                self._send_heartbeat()
             except zmq.ZMQError:
                 return  # socket closed: shutting down
+            except RuntimeError:  # a deque changed size while copied: next beat
+                pass
             time.sleep(P.HEARTBEAT_INTERVAL_S)
 
     # -- main loop --------------------------------------------------------------------------
@@ -291,12 +334,15 @@ class Worker:
     def _iterate(self) -> None:
         """Jobs in, one step computed, its frames out."""
         busy = self.engine.has_work()
+        if not busy:
+            self._set_busy(False)  # before the idle wait: siblings may borrow our cores meanwhile
         self.drain(0 if busy else self.idle_wait_ms)
         self.reap()
         flight = self._launch() if self._set_busy(self.engine.has_work()) else None
         if flight is not None:
             self._collect(flight)
         self.publish()
+        self._heartbeat_if_changed()
 
     def _iterate_overlapped(self) -> None:
         """Step launched first; while it computes on the compute thread, jobs come in and the
@@ -316,6 +362,7 @@ class Worker:
             # (and an idle worker's only frames) must not wait for another step.
             if not self.engine.has_work():
                 self.publish()
+            self._heartbeat_if_changed()
 
     def _set_busy(self, busy: bool) -> bool:
         if self.cores is not None:
@@ -335,10 +382,15 @@ class Worker:
         except Exception as e:
             self._fail_all(e)
             return
+        finally:
+            if self.cores is not None:
+                self.cores.release()  # borrowed cores back to their idle owners after every step
         for out in outputs:
             seq = out.seq
             self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
-                                                     out.prefill_ms, out.decode_ms))
+                                                     out.prefill_ms, out.decode_ms, logprobs=out.logprobs,
+                                                     top_logprobs=out.top_logprobs,
+                                                     prompt_logprobs=out.prompt_logprobs))
 
     def _fail_all(self, e: Exception) -> None:
         """One bad batch must not take the worker down: end this worker's requests with errors."""
@@ -376,8 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", required=True, help="WorkerSpec as JSON (mindie/contract/spec.py)")
     args = ap.parse_args(argv)
     spec = decode_spec(args.spec)
-    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [worker {spec.worker_id} pid %(process)d] %(name)s: %(message)s")
+    setup_logging(f"worker {spec.worker_id} pid {os.getpid()}", spec.log_level)
     log.debug("spec: %s", args.spec)
     worker = Worker(spec)
 

@@ -17,6 +17,9 @@ makes (``ENTRIES``; nothing else in it is ever touched):
     cores.busy                  CPU core-sharing flags (workers/backends/core_share.py)
     admission.slots             server-wide admission (mindie/admission.py; fcntl locks)
     prometheus/                 PROMETHEUS_MULTIPROC_DIR (made by scripts/launch.sh)
+    listeners.json[.<pid>.tmp]  the HTTP listeners (mindie/listeners.py)
+    service.stopped             made by /stopService: every front end refuses new inference
+                                (mindie/service_state.py)
 
 A module that adds a file to the run directory adds its name to ``ENTRIES``.
 
@@ -46,7 +49,8 @@ __all__ = ["ENTRIES", "SERVER_LOCK", "RunDirBusy", "die_with_parent", "expected_
 
 SERVER_LOCK = "server.lock"
 ENTRIES = (SERVER_LOCK, "deployment.json", "deployment.json.*.tmp", "w*-jobs.ipc", "w*-frames.ipc", "w*.ipc.lock",
-           "cores.busy", "admission.slots", "prometheus")
+           "cores.busy", "admission.slots", "prometheus", "listeners.json", "listeners.json.*.tmp",
+           "service.stopped")
 LAUNCHER_ENV = "MINDIE_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 

@@ -59,6 +59,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     watermark_delta: float = 2.0
     log_level: str = "INFO"
     engine: EngineConfig = EngineConfig()
+    # ModelConfig[].quantize: "" = the model dtype; "w8a16" = weight-only int8 linears.
+    quantize: str = ""
 
 
 class Deployment(msgspec.Struct, kw_only=True):

@@ -36,6 +36,11 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     watermark: bool = False
     max_new_tokens: int = 20
     ignore_eos: bool = False
+    stop_token_ids: list[int] = []  # a sampled id in this list ends the request (FINISH_STOP_TOKEN)
+    logprobs: int = -1  # -1: none; 0: each sampled token's log-probability; k (<= 20): also the top k
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every id already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated ids
+    prompt_logprobs: bool = False  # the first frame carries the log-probability of each prompt token
 
 
 class Submit(Message, tag=1):
@@ -47,6 +52,7 @@ class Submit(Message, tag=1):
     params: SamplingParams
     priority: int = 5
     arrival: float = 0.0  # wall-clock epoch seconds when the front end accepted it
+    user_id: str = ""  # the client's id (req-id header): what stopInfer names; need not be unique
 
 
 class Cancel(Message, tag=2):
@@ -66,6 +72,15 @@ class Hello(Message, tag=3):
     frontend_id: str
     pid: int
     want_welcome: bool = True
+
+
+class Stop(Message, tag=7):
+    """stopInfer: end every request whose ``user_id`` is ``user_id`` at once (its owner gets a
+    final frame). The worker answers ``Stopped`` with ``token`` on the asker's topic."""
+
+    frontend_id: str  # the asker
+    user_id: str
+    token: str
 
 
 class Welcome(Message, tag=4):
@@ -100,6 +115,13 @@ class TokenFrame(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     prefill_ms: float = 0.0  # set on the first frame of a request
     decode_ms: float = 0.0  # ms since this request's previous token
     error: Union[RequestError, None] = None
+    # With SamplingParams.logprobs >= 0: one entry per id of token_ids, from the distribution the
+    # sampler drew from; with logprobs = k > 0 also the k most likely (id, logprob), best first.
+    logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
+    # With SamplingParams.prompt_logprobs, on the first frame: log P(prompt[i] | prompt[:i]) for
+    # i = 1 .. len(prompt) - 1 (the first prompt token has none).
+    prompt_logprobs: list[float] = []
 
 
 class FrameBatch(Message, tag=5):
@@ -128,10 +150,25 @@ class Heartbeat(Message, tag=6):
     block_size: int = 0
     steps: int = 0
     ready: bool = True
+    max_batch_size: int = 0  # slots (ScheduleConfig.maxBatchSize)
+    prompt_tokens: int = 0  # prompt tokens computed since the worker started (recomputes included)
+    generated_tokens: int = 0  # tokens sampled since the worker started
+    ttft_ms: float = 0.0  # mean time to first token (arrival to first token) of the last 1000 requests
+    tbt_ms: float = 0.0  # mean time between tokens of the last 1000 decode tokens
+    swapped: int = 0  # preempted requests waiting to be recomputed
 
 
-JobMessage = Union[Submit, Cancel, Hello]
-PubMessage = Union[Welcome, FrameBatch, Heartbeat]
+class Stopped(Message, tag=8):
+    """A worker's answer to ``Stop``: how many requests it ended."""
+
+    worker_id: str
+    frontend_id: str
+    token: str
+    found: int
+
+
+JobMessage = Union[Submit, Cancel, Hello, Stop]
+PubMessage = Union[Welcome, FrameBatch, Heartbeat, Stopped]
 
 HELLO_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 0.25

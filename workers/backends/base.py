@@ -42,6 +42,12 @@ class Backend:
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific rewrites after loading (weight layouts, fused kernels)."""
 
+    def int8_kernel(self):
+        """The weight-only int8 matmul (``ModelConfig[].quantize: "w8a16"``), a
+        workers.backends.int8.Int8Kernel, or None when this device has none (the worker then
+        refuses the key at start)."""
+        return None
+
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
 

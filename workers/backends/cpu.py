@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 
@@ -9,6 +10,8 @@ import torch
 
 from mindie.contract.spec import WorkerSpec
 from workers.backends.base import Backend
+
+log = logging.getLogger("workers.backends")
 
 TRIM_INTERVAL_S = 5.0
 
@@ -20,6 +23,19 @@ def _malloc_trim():
         return None
     fn.argtypes = [ctypes.c_size_t]
     return fn
+
+
+def native_bf16(cpu_flags: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16). ``MINDIE_CPU_BF16``
+    (1 / 0) overrides the detection; ``cpu_flags``: a /proc/cpuinfo "flags" line (tests)."""
+    forced = os.environ.get("MINDIE_CPU_BF16", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if cpu_flags is None:
+        from workers.backends.cpu_kernels import _cpu_flags
+        cpu_flags = _cpu_flags()
+    flags = set(cpu_flags.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 class CpuBackend(Backend):
@@ -76,6 +92,25 @@ class CpuBackend(Backend):
         pack_linears(model)
         fuse_model(model)
 
+    def warm_up(self, model: torch.nn.Module, spec: WorkerSpec) -> None:
+        """Create the oneDNN primitives of every (linear shape, row bucket, thread count) this
+        worker can meet: its own share of the cores, and with core lending its share times 2 ..
+        workers (workers/backends/core_share.py). Its heap then starts at its plateau
+        (docs/reliability.md, "Flat memory")."""
+        from workers.backends.cpu_linear import prewarm
+        base = self.threads if self.threads > 0 else torch.get_num_threads()
+        lending = bool(spec.core_share_file) and spec.num_workers > 1
+        counts = [base * k for k in range(1, spec.num_workers + 1)] if lending else [base]
+        cfg = spec.engine
+        prewarm(model, counts, max_rows=cfg.max_prefill_tokens, max_head_rows=cfg.max_batch_size)
+        if self._trim is not None:
+            self._trim(0)  # the warm-up's activations (up to 8192 rows) are freed: hand their pages back
+
+    def int8_kernel(self):
+        # torch._weight_int8pack_mm for decode-sized row counts, dequantise-then-matmul above.
+        from workers.backends.int8 import CpuInt8Kernel
+        return CpuInt8Kernel()
+
     def attention_class(self) -> type:
         from workers.backends import cpu_kernels
         if cpu_kernels.load() is None:
@@ -87,9 +122,21 @@ class CpuBackend(Backend):
         return torch.float32
 
     def resolve_dtype(self, name: str, checkpoint_dtype: str | None) -> torch.dtype:
+        """"auto" = what this CPU computes fastest without losing the checkpoint's precision:
+        never float16 (CPUs compute it slowly; bfloat16 has its range), and float32 instead of
+        bfloat16 on a CPU without native bf16 (AVX2-only: torch's bf16 matmuls run several times
+        slower there than fp32; a bf16 value is exact in fp32). An explicit dtype is kept."""
         dtype = super().resolve_dtype(name, checkpoint_dtype)
-        # "auto" never picks float16 here: CPUs compute it slowly; bfloat16 has its range.
-        return torch.bfloat16 if name == "auto" and dtype is torch.float16 else dtype
+        if name != "auto":
+            return dtype
+        if dtype is torch.float16:
+            dtype = torch.bfloat16
+        if dtype is torch.bfloat16 and not native_bf16():
+            log.info("dtype auto: the checkpoint is %s; computing in float32, as this CPU has no native bf16 "
+                     "(no avx512_bf16 / amx_bf16); set ModelConfig dtype to bfloat16 to keep it", checkpoint_dtype)
+            return torch.float32
+        log.info("dtype auto: %s (checkpoint %s)", str(dtype).replace("torch.", ""), checkpoint_dtype or "unknown")
+        return dtype
 
     def describe(self) -> str:
         return f"cpu ({torch.get_num_threads()} threads, pid {os.getpid()})"

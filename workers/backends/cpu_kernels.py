@@ -30,6 +30,20 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          # Let the dot products and row updates vectorise (fp32 reassociation only).
          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 BUILD_TIMEOUT_S = 180
+# MINDIE_CPU_ISA=avx2 builds without the AVX-512 instructions -march=native would use (the path
+# AVX2-only CPUs run; tests build both on a machine that has AVX-512).
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+
+
+def isa() -> str:
+    name = (os.environ.get("MINDIE_CPU_ISA") or "native").strip().lower()
+    if name not in ISA_FLAGS:
+        raise ValueError(f"MINDIE_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {name!r}")
+    return name
+
+
+def build_flags() -> list[str]:
+    return FLAGS + ISA_FLAGS[isa()]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -72,7 +86,8 @@ def _private_dir(d: Path) -> bool:
 def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
-    key = hashlib.sha256(src + version + _cpu_flags().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = build_flags()
+    key = hashlib.sha256(src + version + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     name = f"cpu_kernels-{key}.so"
     # A read-only home (containers) falls back to a private directory under the temp dir.
     dirs = (cache_dir(), Path(tempfile.gettempdir()) / f"mindie-py-kernels-{os.getuid()}")
@@ -89,7 +104,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+            res = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                                  timeout=BUILD_TIMEOUT_S)
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
@@ -97,7 +112,7 @@ def _build(cc: str) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    log.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - t0, out)
+    log.info("built the CPU kernels (%s) in %.1f s: %s", isa(), time.perf_counter() - t0, out)
     return out
 
 
@@ -130,7 +145,7 @@ def load() -> ctypes.CDLL | None:
             lib.kernels_have_f16.restype = ctypes.c_int
             lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
             _lib = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
             _reason = f"build failed: {e}"
     if _lib is None:
         log.warning("CPU kernels unavailable (%s): using the portable torch attention, norms and rope", _reason)

@@ -17,11 +17,18 @@ and then went on growing as evictions fragmented glibc's heap (docs/reliability.
 memory"). So every call's rows are padded to one of 68 sizes (``bucket_rows``) and the output is
 sliced: a model has a bounded set of shapes that fits both caches, and no entry is ever evicted.
 ``MINDIE_CPU_LINEAR_BUCKETS=0`` turns the padding off (for measurements: the creep comes back).
+
+Both caches are also keyed by the thread count, and core lending (workers/backends/core_share.py)
+runs a worker at its own share and at its share times 2, 3 .. ``workers``. ``prewarm`` creates
+every (shape, bucket, thread count) a worker can meet when it starts, so its heap reaches its
+plateau before it serves, instead of over its first minutes of mixed load (docs/reliability.md,
+"Flat memory").
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 from torch import nn
@@ -69,6 +76,80 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:m]
 
 
+# Off by default: it costs start time and about 0.57 MiB per primitive (docs/reliability.md,
+# "Flat memory"); operators who want the heap at its plateau from the first request turn it on.
+PREWARM_GFLOP = float(os.environ.get("MINDIE_CPU_PREWARM_GFLOP", "0"))
+
+
+def prewarm(model: nn.Module, thread_counts: list[int], max_rows: int, max_head_rows: int,
+            budget_gflop: float = PREWARM_GFLOP) -> dict:
+    """Run every packed linear shape of ``model`` once at each row bucket up to ``max_rows``
+    (the LM head: up to ``max_head_rows``, the rows a step samples) at each of ``thread_counts``,
+    so that oneDNN's and ideep's caches hold all their entries before the first request.
+
+    Only one layer per distinct weight shape runs (the caches are keyed by shape, not by layer).
+    Buckets go smallest first; a bucket whose matmuls would exceed ``budget_gflop`` in all (a
+    large model: start would take minutes) and every larger one are left to be created when a
+    step first needs them. A large model's step is then long enough and its weights large
+    enough that those few MiB are neither a cost in time nor a visible growth. Restores the
+    thread count. Returns what it did."""
+    t0 = time.perf_counter()
+    shapes: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, int, int, bool]] = {}
+    head = getattr(model, "logits_linear", None)
+    head_packed = getattr(head, "packed", None)
+    for name, mod in model.named_modules():
+        if isinstance(mod, PackedLinear):
+            is_head = name.split(".")[-1] == "lm_head"
+            key = (mod.in_features, mod.out_features, mod.packed.dtype, mod.bias is not None, is_head)
+            shapes.setdefault(key, (mod.packed, mod.bias, mod.in_features, mod.out_features, is_head))
+    if head_packed is not None:
+        key = (head.in_features, head.out_features, head_packed.dtype, False, True)
+        shapes.setdefault(key, (head_packed, None, head.in_features, head.out_features, True))
+    buckets = sorted({bucket_rows(m) for m in range(1, max(1, max_rows) + 1)})
+    head_buckets = [b for b in buckets if b <= bucket_rows(max(1, max_head_rows))]
+    before = torch.get_num_threads()
+    spent = 0.0
+    done = 0
+    largest = 0
+    stopped = None
+    try:
+        with torch.inference_mode():
+            for rows in buckets:
+                todo = [s for s in shapes.values() if not s[4] or rows in head_buckets]
+                cost = len(thread_counts) * sum(2.0 * rows * k * n for _, _, k, n, _ in todo) / 1e9
+                if spent + cost > budget_gflop:
+                    stopped = rows
+                    break
+                for threads in thread_counts:
+                    torch.set_num_threads(threads)
+                    for packed, bias, k, n, _ in todo:
+                        x = torch.zeros((rows, k), dtype=packed.dtype)
+                        torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                        done += 1
+                spent += cost
+                largest = rows
+    finally:
+        torch.set_num_threads(before)
+    info = {"shapes": len(shapes), "buckets": len(buckets), "largest": largest, "primitives": done,
+            "threads": list(thread_counts), "gflop": round(spent, 1), "seconds": round(time.perf_counter() - t0, 2),
+            "stopped_at": stopped}
+    log.info("oneDNN linears pre-warmed: %d shapes x %d thread counts %s, row buckets up to %d (%d primitives, "
+             "%.0f GFLOP) in %.2f s%s", info["shapes"], len(thread_counts), info["threads"], largest, done, spent,
+             info["seconds"], f"; buckets from {stopped} rows are created on first use (over the "
+             f"{budget_gflop:.0f} GFLOP budget)" if stopped else "")
+    return info
+
+
+class _PackedHead:
+    """The tied LM head: logits from the packed embedding matrix."""
+
+    def __init__(self, packed: torch.Tensor, in_features: int, out_features: int):
+        self.packed, self.in_features, self.out_features = packed, in_features, out_features
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return _packed_linear(h, self.packed, None, self.out_features)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, packed: torch.Tensor):
         super().__init__()
@@ -93,11 +174,12 @@ def pack_linears(model: nn.Module) -> int:
                     setattr(parent, name, PackedLinear(child, packed))
                     count += 1
     head = getattr(model, "lm_head", None)
-    if head is None and hasattr(model, "embed_tokens"):
+    # A tied head that already has its own kernel (an int8 copy: workers/backends/int8.py) keeps it.
+    if head is None and hasattr(model, "embed_tokens") and getattr(model, "logits_linear", None) is None:
         packed = _pack(model.embed_tokens.weight)
         if packed is not None:
-            vocab = model.embed_tokens.weight.shape[0]
-            model.logits_linear = lambda h: _packed_linear(h, packed, None, vocab)
+            vocab, hidden = model.embed_tokens.weight.shape
+            model.logits_linear = _PackedHead(packed, hidden, vocab)
             count += 1
     log.info("packed %d linear layers for oneDNN", count)
     return count

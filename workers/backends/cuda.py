@@ -22,6 +22,11 @@ class CudaBackend(Backend):
     def device(self) -> torch.device:
         return torch.device("cuda", 0)
 
+    def int8_kernel(self):
+        # Portable: dequantise then matmul (not measured on a GPU in this project).
+        from workers.backends.int8 import Int8Kernel
+        return Int8Kernel()
+
     def free_memory(self) -> int:
         free, _total = torch.cuda.mem_get_info()
         return free

@@ -36,6 +36,17 @@ class NpuBackend(Backend):
         from workers.backends.npu_attention import NpuPagedAttention
         return NpuPagedAttention
 
+    def int8_kernel(self):
+        """torch_npu.npu_weight_quant_batchmatmul when this torch_npu has it, else None (refused)."""
+        try:
+            import torch_npu
+        except ImportError:
+            return None
+        if not hasattr(torch_npu, "npu_weight_quant_batchmatmul"):
+            return None
+        from workers.backends.int8 import NpuInt8Kernel
+        return NpuInt8Kernel()
+
     def free_memory(self) -> int:
         free, _total = torch.npu.mem_get_info()
         return free

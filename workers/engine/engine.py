@@ -6,13 +6,14 @@ tokens. It never touches sockets; the worker loop (workers/worker.py) feeds it.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
 
-from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH
+from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINISH_STOP_TOKEN
 from mindie.contract.spec import EngineConfig
 from mindie.contract.wire import Submit
 from workers.engine.block_manager import BlockManager
@@ -42,11 +43,29 @@ class StepOutput:
     finish_reason: str = ""
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    # What the request asked for (SamplingParams.logprobs / prompt_logprobs; wire.TokenFrame):
+    logprobs: list[float] = field(default_factory=list)  # one per id of token_ids
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # k best per id
+    prompt_logprobs: list[float] = field(default_factory=list)  # on the first output only
+
+
+class RunnerOutput(list):
+    """What ``Runner.execute`` returns: the next token of each sequence of the batch (None for a
+    prefill chunk that does not reach its end), plus, by batch index, the log-probabilities that
+    requests asked for: ``logprobs[i] = (the token's, [(id, logprob)] k best)`` and
+    ``prompt_logprobs[i] = (p0, values)``, the values of positions p0, p0 + 1, ... (position p:
+    log P(prompt[p + 1] | prompt[:p + 1])). A plain list is accepted from a runner too."""
+
+    def __init__(self, tokens: Iterable[int | None] = ()) -> None:
+        super().__init__(tokens)
+        self.logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        self.prompt_logprobs: dict[int, tuple[int, list[float]]] = {}
 
 
 class Runner(Protocol):
     """Computes one scheduled batch and returns the next token of every sequence whose
-    computed tokens reach its end (``None`` for a prefill chunk that does not)."""
+    computed tokens reach its end (``None`` for a prefill chunk that does not), as a
+    ``RunnerOutput`` (or a plain list when it computes no log-probabilities)."""
 
     vocab_size: int
     eos_token_ids: frozenset[int]
@@ -78,6 +97,11 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.blocks)
         self.requests: dict[str, Sequence] = {}
         self.steps = 0
+        self.prompt_tokens = 0  # prompt tokens computed (prefill chunks, recomputes included)
+        self.generated_tokens = 0
+        # The last 1000 first-token and between-token times (ms), for /metrics-json's averages.
+        self.ttft_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        self.tbt_ms: collections.deque[float] = collections.deque(maxlen=1000)
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, sub: Submit) -> Sequence:
@@ -97,10 +121,14 @@ class Engine:
                 f"of {self.cfg.block_size} tokens")
         seq = Sequence(request_id=sub.request_id, frontend_id=sub.frontend_id, prompt_len=n,
                        tokens=list(sub.token_ids), params=sub.params, max_new_tokens=max_new,
-                       priority=sub.priority, arrival=sub.arrival or time.time())
+                       priority=sub.priority, arrival=sub.arrival or time.time(), user_id=sub.user_id)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def with_user_id(self, user_id: str) -> list[Sequence]:
+        """The requests that the client named ``user_id`` (stopInfer)."""
+        return [seq for seq in self.requests.values() if seq.user_id == user_id]
 
     def abort(self, request_id: str) -> Sequence | None:
         """Cancel a request and free its blocks now; unknown ids are ignored."""
@@ -124,6 +152,12 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    @property
+    def num_swapped(self) -> int:
+        """Preempted requests waiting to be recomputed (MindIE's "swapped": there is no swap space
+        here, a preempted request's KV is dropped and recomputed)."""
+        return sum(1 for _, seq in self.scheduler.waiting if seq.preemptions)
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -168,23 +202,44 @@ class Engine:
         batch = f.batch
         now = time.perf_counter()
         outputs: list[StepOutput] = []
-        for seq, n, tok in zip(batch.seqs, batch.num_tokens, sampled):
+        token_lps = getattr(sampled, "logprobs", None)
+        prompt_lps = getattr(sampled, "prompt_logprobs", None)
+        for i, (seq, n, tok) in enumerate(zip(batch.seqs, batch.num_tokens, sampled)):
             if seq.finish_reason == FINISH_ABORT:
                 continue  # cancelled while it computed
+            if prompt_lps and i in prompt_lps:
+                p0, vals = prompt_lps[i]
+                have = len(seq.prompt_logprobs)
+                if p0 <= have < p0 + len(vals):  # contiguous; positions already known are kept
+                    seq.prompt_logprobs.extend(vals[have - p0:])
+            if seq.num_output == 0 or n > 1 or seq.num_computed + n < len(seq.tokens):
+                self.prompt_tokens += n  # a prefill chunk, or a recompute after preemption
             seq.num_computed += n
             self.blocks.register_computed(seq)
             if tok is None:
                 continue
             first = seq.num_output == 0
             seq.tokens.append(tok)
+            self.generated_tokens += 1
             out = StepOutput(seq, [tok])
             if first:
                 out.prefill_ms = (now - seq.enqueue_t) * 1000.0
+                self.ttft_ms.append(out.prefill_ms)
             else:
                 out.decode_ms = (now - seq.last_token_t) * 1000.0
+                self.tbt_ms.append(out.decode_ms)
             seq.last_token_t = now
+            if token_lps and i in token_lps:
+                lp, top = token_lps[i]
+                out.logprobs = [lp]
+                if seq.params.logprobs > 0:
+                    out.top_logprobs = [top]
+            if first and seq.params.prompt_logprobs:
+                out.prompt_logprobs = list(seq.prompt_logprobs)
             if tok in self.runner.eos_token_ids and not seq.params.ignore_eos:
                 out.finish_reason = FINISH_EOS
+            elif seq.params.stop_token_ids and tok in seq.params.stop_token_ids:
+                out.finish_reason = FINISH_STOP_TOKEN  # the stop id stays in the output (OpenAI/vLLM)
             elif seq.num_output >= seq.max_new_tokens:  # within maxSeqLen (checked at add)
                 out.finish_reason = FINISH_LENGTH
             if out.finish_reason:
@@ -205,4 +260,4 @@ class Engine:
             self._pool.shutdown(wait=True)
 
 
-__all__ = ["CapacityError", "Engine", "InFlight", "StepOutput", "Runner", "Status"]
+__all__ = ["CapacityError", "Engine", "InFlight", "StepOutput", "Runner", "RunnerOutput", "Status"]

@@ -2,11 +2,16 @@
 
 ``ModelRunner`` runs a torch decoder over the flat batch with paged attention and samples;
 ``NullRunner`` produces tokens with no model compute, to measure the serving stack alone.
+
+Both return a ``RunnerOutput`` (a list of the next token per sequence, or None) that also
+carries the log-probabilities requests asked for (``SamplingParams.logprobs`` and
+``prompt_logprobs``); the engine attaches them to its outputs.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -14,6 +19,8 @@ import torch
 
 from mindie.contract.spec import WorkerSpec
 from workers.engine.attention import PagedAttention
+from workers.engine.engine import RunnerOutput
+from workers.engine.sampler import MAX_TOP_LOGPROBS
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 
@@ -49,39 +56,82 @@ class ModelRunner:
         self.attn = self.attention_cls(layers, num_blocks, block_size, kv_heads, head_dim, self.kv_dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         ids: list[int] = []
         pos: list[int] = []
         last_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        # (batch index, first flat row, first position, count): prompt positions whose next-token
+        # log-probability a request asked for (SamplingParams.prompt_logprobs) and does not have yet.
+        prompt_spans: list[tuple[int, int, int, int]] = []
+        want_lp = False
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed
+            if seq.params.prompt_logprobs:
+                # position p predicts prompt token p + 1: positions done .. prompt_len - 2
+                lo, hi = max(start, len(seq.prompt_logprobs)), min(start + n, seq.prompt_len - 1)
+                if lo < hi:
+                    prompt_spans.append((i, len(ids) + lo - start, lo, hi - lo))
             ids.extend(seq.tokens[start:start + n])
             pos.extend(range(start, start + n))
             if start + n == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sampled_seqs.append(seq)
+                want_lp = want_lp or seq.params.logprobs >= 0
         self.attn.prepare([s.block_table for s in batch.seqs], [s.num_computed for s in batch.seqs],
                           batch.num_tokens)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, self.attn)
-        result: list[int | None] = [None] * len(batch.seqs)
+        result = RunnerOutput([None] * len(batch.seqs))
+        for i, row0, p0, cnt in prompt_spans:
+            targets = batch.seqs[i].tokens[p0 + 1:p0 + 1 + cnt]  # inside the prompt (p0 + cnt < prompt_len)
+            result.prompt_logprobs[i] = (p0, self._prompt_logprobs(hidden, row0, targets))
         if sampled_seqs:
             rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows])
-            it = iter(self.sample(logits, sampled_seqs).tolist())
+            with_lp = getattr(self.sample, "sample_with_logprobs", None) if want_lp else None
+            if with_lp is not None:
+                toks, lps = with_lp(logits, sampled_seqs)
+            else:
+                toks, lps = self.sample(logits, sampled_seqs), None
+            it = iter(enumerate(toks.tolist()))
             for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
                 if seq.num_computed + n == seq.num_tokens:
-                    result[i] = int(next(it))
+                    j, tok = next(it)
+                    result[i] = int(tok)
+                    if lps is not None and lps[j] is not None:
+                        result.logprobs[i] = lps[j]
         if self.after_step is not None:
             self.after_step()
         return result
 
+    # Logits elements per LM-head call for prompt log-probabilities: [rows, vocab] fp32 logits
+    # stay at 128 MiB whatever the prefill chunk (a 150k vocabulary: ~220 rows a call).
+    PROMPT_LOGITS_ELEMS = 1 << 25
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, row0: int, targets: list[int]) -> list[float]:
+        """log_softmax of the raw logits at flat rows row0, row0 + 1, ..., each taken at the next
+        prompt token ``targets[k]`` (no penalty, no temperature)."""
+        step = max(1, self.PROMPT_LOGITS_ELEMS // max(1, self.vocab_size))
+        tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
+        out: list[float] = []
+        for a in range(0, len(targets), step):
+            b = min(a + step, len(targets))
+            lsm = torch.log_softmax(self.model.compute_logits(hidden[row0 + a:row0 + b]), dim=-1)
+            out.extend(lsm.gather(1, tgt[a:b, None])[:, 0].tolist())
+        return out
+
 
 class NullRunner:
     """No model: every step costs ``step_ms`` plus ``token_us`` per computed token and emits
-    token ids cycling through the vocabulary (never EOS), so requests run their full length."""
+    token ids cycling through the vocabulary (never EOS), so requests run their full length
+    (unless one is in the request's ``stop_token_ids``: the engine stops it as for a model).
+
+    Log-probabilities are those of a model that predicts the uniform distribution: every token,
+    sampled or prompt, gets ``-log(vocab_size)``, and the k alternatives are the sampled id and
+    the ids after it (mod the vocabulary), all at that value. Deterministic, cheap, and shaped
+    as a real model's (one value per id, k pairs best first), for serving-stack tests."""
 
     def __init__(self, vocab_size: int = 32000, step_ms: float = 0.0, token_us: float = 0.0):
         self.vocab_size = vocab_size
@@ -90,12 +140,27 @@ class NullRunner:
         self.token_us = token_us
         self._ids = itertools.cycle(range(3, vocab_size))
 
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         cost = self.step_ms / 1000.0 + self.token_us * sum(batch.num_tokens) / 1e6
         if cost > 0:
             time.sleep(cost)
-        return [next(self._ids) if seq.num_computed + n == seq.num_tokens else None
-                for seq, n in zip(batch.seqs, batch.num_tokens)]
+        out = RunnerOutput([next(self._ids) if seq.num_computed + n == seq.num_tokens else None
+                            for seq, n in zip(batch.seqs, batch.num_tokens)])
+        lp = -math.log(self.vocab_size)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            p = seq.params
+            if not p.prompt_logprobs and p.logprobs < 0:
+                continue
+            if p.prompt_logprobs:
+                lo = max(seq.num_computed, len(seq.prompt_logprobs))
+                hi = min(seq.num_computed + n, seq.prompt_len - 1)
+                if lo < hi:
+                    out.prompt_logprobs[i] = (lo, [lp] * (hi - lo))
+            tok = out[i]
+            if p.logprobs >= 0 and tok is not None:
+                k = min(p.logprobs, MAX_TOP_LOGPROBS, self.vocab_size)
+                out.logprobs[i] = (lp, [((tok + j) % self.vocab_size, lp) for j in range(k)])
+        return out
 
 
 def load_runner(spec: WorkerSpec, backend: Backend) -> ModelRunner:
@@ -111,11 +176,27 @@ def load_runner(spec: WorkerSpec, backend: Backend) -> ModelRunner:
     t0 = time.perf_counter()
     args = ModelArgs.from_dir(spec.model_path)
     dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype)
+    kernel = None
+    if spec.quantize:
+        from workers.backends.int8 import QUANTIZE_KEY, SCHEMES
+        if spec.quantize not in SCHEMES:
+            raise ValueError(f"{QUANTIZE_KEY}: unknown scheme {spec.quantize!r} (supported: {', '.join(SCHEMES)})")
+        kernel = backend.int8_kernel()
+        if kernel is None:  # refused before the weights are read
+            raise RuntimeError(f"{QUANTIZE_KEY} {spec.quantize!r}: the {backend.name} backend has no weight-only "
+                               f"int8 kernel; remove the key (or set it to \"\") to serve the model unquantised")
     device = backend.device()
     model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args)
+    if kernel is not None:
+        from workers.backends.int8 import quantize_model
+        quantize_model(model, kernel)
     backend.prepare_model(model)
-    log.info("loaded %s (%s, %d layers, vocab %d) as %s on %s in %.2f s", spec.model_path, args.arch,
-             args.num_hidden_layers, args.vocab_size, dtype, device, time.perf_counter() - t0)
+    warm_up = getattr(backend, "warm_up", None)  # the CPU backend: its oneDNN primitives, once
+    if warm_up is not None:
+        warm_up(model, spec)
+    log.info("loaded %s (%s, %d layers, vocab %d) as %s%s on %s in %.2f s", spec.model_path, args.arch,
+             args.num_hidden_layers, args.vocab_size, dtype, f" with {spec.quantize} weights" if kernel else "",
+             device, time.perf_counter() - t0)
     return ModelRunner(model, (args.num_hidden_layers, args.num_key_value_heads, args.head_dim), dtype,
                        Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
                        frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class(),

@@ -1,7 +1,11 @@
 """Batched, seeded next-token sampler with TGI's semantics (reference/tgi.md §3).
 
-Per step and row: watermark bias -> repetition penalty -> (sampling rows only) temperature ->
-top_k -> top_p -> typical_p -> draw. Greedy rows take the argmax after watermark and penalty.
+Per step and row: watermark bias -> repetition penalty -> presence / frequency penalties ->
+(sampling rows only) temperature -> top_k -> top_p -> typical_p -> draw. Greedy rows take the
+argmax after watermark and penalties. Rows whose request asks for log-probabilities
+(``SamplingParams.logprobs >= 0``, through ``Sampler.sample_with_logprobs``) also get the
+log-softmax of their logits after the penalties and the temperature (1 for greedy rows), before
+top_k / top_p / typical_p: the chosen token's value and the k best (docs/sampling.md).
 Everything is vectorised over the batch; Python only loops over requests to read parameters.
 
 Randomness is counter-based: the draw of a request at generation step ``s`` uses uniforms that
@@ -31,7 +35,7 @@ broken by the lower token id (TGI: arbitrary sort order); the watermark green li
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +48,10 @@ _NEG_INF = float("-inf")
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _U24 = 1.0 / (1 << 24)
+MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs above this is clamped
+
+# A row's log-probabilities: (the chosen token's, [(id, logprob)] of the k best, best first).
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 def _splitmix64(x: int) -> int:
@@ -72,10 +80,10 @@ class Row(Protocol):
     def params(self) -> SamplingParams: ...
 
     @property
-    def token_ids(self) -> np.ndarray: ...  # int64 [prompt + generated]: penalty and watermark
+    def token_ids(self) -> np.ndarray: ...  # int64 [prompt + generated]: penalties and watermark
 
     @property
-    def num_output(self) -> int: ...  # tokens generated so far
+    def num_output(self) -> int: ...  # tokens generated so far (the tail of token_ids: presence/frequency)
 
 
 class _Params(NamedTuple):
@@ -90,16 +98,27 @@ class _Params(NamedTuple):
     typical_p: float
     penalty: float
     watermark: bool
+    presence: float  # OpenAI presence_penalty (0 = off; a non-finite value is ignored)
+    frequency: float  # OpenAI frequency_penalty
+    logprobs: int  # -1: none, else how many alternatives (0 .. MAX_TOP_LOGPROBS)
+
+
+def _finite(x: float) -> float:
+    x = float(x)
+    return x if math.isfinite(x) else 0.0
 
 
 def _effective(p: SamplingParams) -> _Params:
     t = float(p.temperature)
     sample = bool(p.do_sample) and t > 0.0
     rp = float(p.repetition_penalty)
+    lp = int(p.logprobs)
     return _Params(int(p.seed) & _M64, sample, t if sample else 1.0, max(0, int(p.top_k)) if sample else 0,
                    float(p.top_p) if sample and p.top_p < 1.0 else 1.0,
                    float(p.typical_p) if sample and p.typical_p < 1.0 else 1.0,
-                   rp if rp > 0.0 and math.isfinite(rp) else 1.0, bool(p.watermark))
+                   rp if rp > 0.0 and math.isfinite(rp) else 1.0, bool(p.watermark),
+                   _finite(p.presence_penalty), _finite(p.frequency_penalty),
+                   min(lp, MAX_TOP_LOGPROBS) if lp >= 0 else -1)
 
 
 class Sampler:
@@ -120,24 +139,63 @@ class Sampler:
         self.chunk = chunk
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+        return self._sample(logits, rows, False)[0]
+
+    def sample_with_logprobs(self, logits: torch.Tensor, rows: Sequence[Row]
+                             ) -> tuple[torch.Tensor, list[Optional[TokenLogprobs]]]:
+        """As ``__call__``, plus, for each row whose request asks (``params.logprobs >= 0``; None
+        for the others), the chosen token's log-probability and the ``logprobs`` best
+        alternatives, from the distribution the row was drawn from: the logits after watermark and
+        penalties, divided by the temperature (sampling rows), log-softmaxed over the whole
+        vocabulary (top_k / top_p / typical_p do not truncate it). Costs nothing for the rows
+        that do not ask: the extra work is one log-softmax (and a topk) over the asking rows."""
+        return self._sample(logits, rows, True)
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[Row], want_logprobs: bool
+                ) -> tuple[torch.Tensor, list[Optional[TokenLogprobs]]]:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
-        B, V = logits.shape
-        dev = logits.device
         if logits.dtype != torch.float32:  # bf16/fp16 model output: filter and draw in fp32
             logits = logits.float()
         ps = [_effective(r.params) for r in rows]
-        if not any(p.sample or p.penalty != 1.0 or p.watermark for p in ps):
-            return logits.argmax(-1)  # fast path: all greedy, nothing to adjust
+        lp_rows = [i for i, p in enumerate(ps) if p.logprobs >= 0] if want_logprobs else []
+        if not any(p.sample or p.penalty != 1.0 or p.watermark or p.presence or p.frequency for p in ps):
+            # fast path: all greedy, nothing to adjust
+            lsm = torch.log_softmax(_take(logits, lp_rows)[1], dim=-1) if lp_rows else None
+            tokens = logits.argmax(-1)
+        else:
+            wm = [i for i, p in enumerate(ps) if p.watermark]
+            if wm:
+                self._apply_watermark(logits, wm, [rows[i].token_ids for i in wm])
+            rp = [i for i, p in enumerate(ps) if p.penalty != 1.0]
+            if rp:
+                self._apply_repetition_penalty(logits, rp, [rows[i].token_ids for i in rp],
+                                               [ps[i].penalty for i in rp])
+            pf = [i for i, p in enumerate(ps) if p.presence or p.frequency]
+            if pf:
+                self._apply_presence_frequency(logits, pf, [_generated(rows[i]) for i in pf],
+                                               [(ps[i].presence, ps[i].frequency) for i in pf])
+            # The drawing routes may divide ``logits`` in place: take the log-softmax first.
+            lsm = self._processed_logprobs(logits, lp_rows, ps) if lp_rows else None
+            tokens = self._draw(logits, rows, ps)
+        if lsm is None:
+            return tokens, [None] * len(rows)
+        return tokens, _gather_logprobs(lsm, tokens, lp_rows, ps, len(rows))
 
-        wm = [i for i, p in enumerate(ps) if p.watermark]
-        if wm:
-            self._apply_watermark(logits, wm, [rows[i].token_ids for i in wm])
-        rp = [i for i, p in enumerate(ps) if p.penalty != 1.0]
-        if rp:
-            self._apply_repetition_penalty(logits, rp, [rows[i].token_ids for i in rp],
-                                           [ps[i].penalty for i in rp])
+    @staticmethod
+    def _processed_logprobs(logits: torch.Tensor, lp_rows: list[int], ps: list[_Params]) -> torch.Tensor:
+        """[len(lp_rows), V] log-softmax of the (penalised) logits of ``lp_rows`` at each row's
+        temperature (1.0 for greedy rows): a new tensor, never a view of ``logits``."""
+        _, x = _take(logits, lp_rows)
+        temps = [ps[i].temperature for i in lp_rows]
+        if any(t != 1.0 for t in temps):
+            x = x / torch.tensor(temps, dtype=torch.float32).to(x.device)[:, None]
+        return torch.log_softmax(x, dim=-1)
 
+    def _draw(self, logits: torch.Tensor, rows: Sequence[Row], ps: list[_Params]) -> torch.Tensor:
+        """Greedy rows' argmax and sampling rows' draws on the adjusted logits."""
+        B, V = logits.shape
+        dev = logits.device
         tokens = torch.empty(B, dtype=torch.long, device=dev)
         greedy = [i for i, p in enumerate(ps) if not p.sample]
         if greedy:
@@ -184,6 +242,26 @@ class Sampler:
         prev = torch.tensor([int(t[-1]) if len(t) else 0 for t in ids], dtype=torch.long).to(logits.device)
         idx, x = _take(logits, rows)
         self.watermark(x, prev)
+        if idx is not None:
+            logits.index_copy_(0, idx, x)
+
+    @staticmethod
+    def _apply_presence_frequency(logits: torch.Tensor, rows: list[int], ids: list[np.ndarray],
+                                  pens: list[tuple[float, float]]) -> None:
+        """OpenAI's penalties over the generated ids (vLLM's semantics): ``logits[id] -= presence
+        * (count > 0) + frequency * count``, as one scatter_add of counts over a padded [R, L]
+        id tensor (pads and ids outside the logits land in an extra column that is dropped)."""
+        dev, V = logits.device, logits.shape[1]
+        t = pad_sequence([torch.from_numpy(a) for a in ids], batch_first=True, padding_value=V).to(dev)
+        if t.shape[1] == 0:
+            return
+        t = torch.where((t >= 0) & (t < V), t, V)
+        counts = torch.zeros(len(rows), V + 1, dtype=torch.float32, device=dev)
+        counts.scatter_add_(1, t, torch.ones(t.shape, dtype=torch.float32, device=dev))
+        counts = counts[:, :V]
+        pf = torch.tensor(pens, dtype=torch.float32).to(dev)
+        idx, x = _take(logits, rows)
+        x -= pf[:, 0:1] * (counts > 0) + pf[:, 1:2] * counts
         if idx is not None:
             logits.index_copy_(0, idx, x)
 
@@ -334,6 +412,31 @@ def _typical_(x: torch.Tensor, mass: torch.Tensor) -> None:
     cum = x.gather(1, si).softmax(dim=-1).cumsum(dim=-1)
     last = (cum < mass).sum(dim=1, keepdim=True).clamp_(max=x.shape[1] - 1)
     x.masked_fill_(shifted > ss.gather(1, last), _NEG_INF)
+
+
+def _generated(row: Row) -> np.ndarray:
+    """The ids ``row`` generated so far (the tail of its history)."""
+    ids = row.token_ids
+    n = row.num_output
+    return ids[len(ids) - n:] if n > 0 else ids[:0]
+
+
+def _gather_logprobs(lsm: torch.Tensor, tokens: torch.Tensor, lp_rows: list[int], ps: list[_Params],
+                     batch: int) -> list[Optional[TokenLogprobs]]:
+    """Per row of the batch: None, or (the chosen token's log-probability, the k best), with one
+    host transfer for all asking rows."""
+    dev = lsm.device
+    chosen = lsm.gather(1, tokens.index_select(0, torch.tensor(lp_rows, dtype=torch.long, device=dev))[:, None])
+    kmax = max(ps[i].logprobs for i in lp_rows)
+    chosen_l = chosen[:, 0].tolist()
+    if kmax > 0:
+        tv, ti = torch.topk(lsm, min(kmax, lsm.shape[1]), dim=-1)
+        tv_l, ti_l = tv.tolist(), ti.tolist()
+    out: list[Optional[TokenLogprobs]] = [None] * batch
+    for j, i in enumerate(lp_rows):
+        k = ps[i].logprobs
+        out[i] = (chosen_l[j], list(zip(ti_l[j][:k], tv_l[j][:k])) if k > 0 else [])
+    return out
 
 
 def _last_nonzero(w: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ Each step:
    (blocks freed, recomputed later from its prompt + generated tokens).
 2. Waiting sequences are admitted in (priority, arrival) order while the batch cap, the
    prefill-batch cap, the token budget and free blocks allow; a prefix-cache hit skips the
-   cached part of the prompt.
+   cached part of the prompt (for a request with ``prompt_logprobs``, only the part whose
+   log-probabilities it already has: the rest is recomputed to get its logits).
 """
 from __future__ import annotations
 
@@ -104,6 +105,10 @@ class Scheduler:
                and prefills < self.cfg.max_prefill_batch_size):
             seq = self.waiting[0][1]
             hits = self.blocks.match_prefix(seq)
+            if hits and seq.params.prompt_logprobs:
+                # The positions whose prompt log-probabilities are still missing must run through
+                # the model: reuse only cached blocks wholly before them.
+                hits = hits[:len(seq.prompt_logprobs) // self.blocks.block_size]
             n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
             fresh = self.blocks.blocks_needed(len(hits) * self.blocks.block_size + n) - len(hits)
             # Cached blocks sitting in the free list are taken too, so count them.

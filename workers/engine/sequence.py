@@ -97,6 +97,10 @@ class Sequence:
     enqueue_t: float = field(default_factory=time.perf_counter)
     last_token_t: float = 0.0
     finish_reason: str = ""
+    user_id: str = ""  # the client's id (req-id header), what stopInfer names
+    # With params.prompt_logprobs: log P(tokens[p + 1] | tokens[:p + 1]) for prompt positions
+    # p = 0, 1, ... as prefill chunks compute them (complete at prompt_len - 1 values).
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):

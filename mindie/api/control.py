@@ -1,0 +1,136 @@
+"""Control routes: POST /v2/models/{model}/stopInfer (business plane, mindie.md §5) and
+GET /stopService (management plane, §2.3).
+
+stopInfer names a request by the id its client gave in the ``req-id`` header (or the one the
+server generated and returned in the ``req-id`` response header). Any front end may take it:
+it asks every ready device worker, each ends the requests with that id at once (KV blocks freed,
+a final frame with ``finish_reason`` "stop_sequence" to the front end that streams it) and says
+how many it ended.
+
+stopService drains the whole server: the flag (mindie/service_state.py) makes every front end
+refuse new inference with 503 "The service has been stopped."; the call returns 200 once no
+inference request is in progress anywhere (admission count and the workers' queues both zero),
+then the launcher is asked to stop every process (SIGTERM, as on a terminal's Ctrl-C). With
+``mode=Force`` it returns at once and the launcher is told to stop now and to kill what is left
+5 s later. A second call gets 500 without a body.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import falcon
+import falcon.asgi
+import msgspec
+
+from mindie.admission import Admission
+from mindie.api.body import read_body
+from mindie.client import DeviceClient
+from mindie.contract.lifecycle import request_stop
+from mindie.errors import ApiError, not_found, validation_error
+from mindie.service_state import ServiceState
+
+log = logging.getLogger("mindie.control")
+
+ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
+ID_MESSAGE = ("The id can contain only digits, letters, underscores(_), hyphens(-) and no more than 256 words "
+              "in length.")
+STOP_ANSWER_TIMEOUT_S = 2.0
+FORCE_KILL_AFTER_S = 5
+DRAIN_POLL_S = 0.05
+
+
+class StopInferResource:
+    def __init__(self, client: DeviceClient, model_name: str, max_body_mb: int):
+        self.client = client
+        self.model_name = model_name
+        self.max_body_mb = max_body_mb
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model: str) -> None:
+        if model != self.model_name:
+            raise not_found(f"Model {model} not found.")
+        raw = await read_body(req, self.max_body_mb)
+        try:
+            body = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            raise validation_error("Failed to parse request context to json")
+        if not isinstance(body, dict) or body.get("id") is None:
+            raise validation_error("Not found id.")
+        rid = body["id"]
+        if not isinstance(rid, str) or not ID_RE.match(rid):
+            raise validation_error(ID_MESSAGE)
+        found, complete = await self.client.stop_user(rid, STOP_ANSWER_TIMEOUT_S)
+        if found:
+            log.info("stopInfer %s: ended %d request(s)", rid, found)
+            resp.content_type = falcon.MEDIA_JSON
+            resp.data = raw  # MindIE echoes the request body
+            return
+        if not complete:
+            raise ApiError(500, "Stop request failed, internal failed.")
+        raise not_found(f"RequestId is {rid} not found.")
+
+
+class StopServiceResource:
+    def __init__(self, client: DeviceClient, state: ServiceState, admission: Admission | None, run_dir: str,
+                 drain_timeout_s: float):
+        self.client = client
+        self.state = state
+        self.admission = admission
+        self.run_dir = run_dir
+        self.drain_timeout_s = drain_timeout_s
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        force = req.get_param("mode") == "Force"
+        if not self.state.stop("Force" if force else "graceful"):
+            resp.status = 500  # MindIE: a second stopService
+            resp.data = b""
+            return
+        log.warning("/stopService%s: new inference is refused from now on%s", " (Force)" if force else "",
+                    "" if force else "; waiting for the requests in progress")
+        if not force:
+            left = await self._drain()
+            if left:
+                log.error("/stopService: %d requests still in progress after %.0f s: stopping anyway", left,
+                          self.drain_timeout_s)
+        resp.status = 200
+        resp.data = b""
+        resp.schedule_sync(lambda: self._stop_server(force))
+
+    def in_progress(self) -> int:
+        """Inference requests in progress server-wide: admitted by a front end (until their
+        reply is sent) or queued or running on a worker."""
+        held = self.admission.in_use() if self.admission is not None else 0
+        return max(held, sum(hb.running + hb.waiting for hb in self.client.heartbeats()))
+
+    async def _drain(self) -> int:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while (left := self.in_progress()) and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return left
+
+    def _stop_server(self, force: bool) -> None:
+        try:
+            pid = request_stop(self.run_dir)
+            log.warning("/stopService: asked the launcher (pid %d) to stop the server", pid)
+        except ProcessLookupError:
+            pid = os.getppid()  # no launcher: stop at least this gunicorn master and its front ends
+            log.warning("/stopService: no launcher owns %s: SIGTERM to the gunicorn master (pid %d)",
+                        self.run_dir, pid)
+            os.kill(pid, signal.SIGTERM)
+            return
+        if force:
+            # A second SIGTERM makes the launcher kill what is left; from a process of its own,
+            # since this front end may be gone by then; only to the same launcher, still serving.
+            subprocess.Popen(
+                [sys.executable, "-c", "import os, signal, sys, time; from mindie.contract.lifecycle import owner_of; "
+                 f"time.sleep({FORCE_KILL_AFTER_S}); "
+                 "owner_of(sys.argv[1]) == int(sys.argv[2]) and os.kill(int(sys.argv[2]), signal.SIGTERM)",
+                 self.run_dir, str(pid)],
+                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, close_fds=True)

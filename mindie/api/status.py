@@ -1,0 +1,141 @@
+"""Status and config routes, filled from the config and the workers' live heartbeats
+(mindie.md §2.2, §2.3): /info, /v1/config, /v1/status, /v2/status, /v2/models/{m}/getSlotCount on
+the management plane; /v2, /v2/models/{m}, /v2/models/{m}/config on the business plane.
+
+"npu" in MindIE's names means the device of the workers (NPU, GPU or CPU memory): its KV blocks.
+There is no swap space, so the "cpu" block figures are 0 and "swapped" requests are the
+preempted ones waiting to be recomputed. Every worker counts: slots and blocks are summed over
+the ready workers (a worker that is not ready offers none).
+"""
+from __future__ import annotations
+
+import os
+
+import falcon
+import falcon.asgi
+import msgspec
+
+from mindie.client import DeviceClient
+from mindie.config import Config
+from mindie.errors import not_found
+
+MINDIE_VERSION = "1.0.0"
+
+
+def _json(resp: falcon.asgi.Response, body: dict) -> None:
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = msgspec.json.encode(body)
+
+
+class Live:
+    """Sums over the last heartbeat of every ready worker."""
+
+    def __init__(self, client: DeviceClient):
+        beats = client.heartbeats()
+        self.beats = beats
+        self.slots = sum(hb.max_batch_size for hb in beats)
+        self.running = sum(hb.running for hb in beats)
+        self.waiting = sum(hb.waiting for hb in beats)
+        self.swapped = sum(hb.swapped for hb in beats)
+        self.free_blocks = sum(hb.free_blocks for hb in beats)
+        self.total_blocks = sum(hb.total_blocks for hb in beats)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.slots - self.running)
+
+
+class StatusRoutes:
+    """Every status route of one front end; one Falcon responder per route (suffixes)."""
+
+    def __init__(self, config: Config, client: DeviceClient, model_name: str, model_dir: str, device: str = "cpu"):
+        self.config = config
+        self.model_dir = model_dir
+        self.client = client
+        self.model_name = model_name
+        self.device = device
+        deploy = config.backend.model_deploy
+        self.model = next((m for m in deploy.models if m.model_name == model_name), deploy.models[0])
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise not_found(f"Model {model} not found.")
+
+    # -- management plane ---------------------------------------------------------------------
+    async def on_get_info(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """GET /info (TGI's info, MindIE's fields and order)."""
+        deploy, sch = self.config.backend.model_deploy, self.config.backend.schedule
+        beats = self.client.heartbeats()
+        device = beats[0].device.split(":")[0].split(" ")[0] if beats else self.device
+        _json(resp, {
+            "docker_label": None, "max_batch_total_tokens": sch.max_prefill_tokens, "max_best_of": 1,
+            "max_concurrent_requests": sch.max_batch_size, "max_stop_sequences": None, "max_waiting_tokens": None,
+            "sha": None, "validation_workers": None, "version": MINDIE_VERSION, "waiting_served_ratio": None,
+            "models": [{"model_device_type": device, "model_dtype": self.model.dtype, "model_id": self.model_name,
+                        "model_pipeline_tag": "text-generation", "model_sha": None,
+                        "max_total_tokens": deploy.max_seq_len}],
+            "max_input_length": deploy.max_input_token_len})
+
+    async def on_get_v1_config(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """GET /v1/config."""
+        deploy, sch = self.config.backend.model_deploy, self.config.backend.schedule
+        _json(resp, {"modelName": self.model_name, "maxSeqLen": deploy.max_seq_len,
+                     "npuMemSize": self.model.npu_mem_size, "cpuMemSize": self.model.cpu_mem_size,
+                     "worldSize": self.model.world_size, "maxOutputLen": sch.max_iter_times,
+                     "cacheBlockSize": sch.cache_block_size})
+
+    def _v1_status(self, live: Live) -> dict:
+        return {
+            "service": {"roleStatus": "RoleReady" if live.beats else "RoleUnknown", "currentRole": "none"},
+            "resource": {"availSlotsNum": live.free_slots, "availBlockNum": live.free_blocks,
+                         "waitingRequestNum": live.waiting, "runningRequestNum": live.running,
+                         "swappedRequestNum": live.swapped, "freeNpuBlockNums": live.free_blocks,
+                         "freeCpuBlockNums": 0, "totalNpuBlockNums": live.total_blocks, "totalCpuBlockNums": 0},
+            "linkStatus": {"peers": []},
+        }
+
+    async def on_get_v1_status(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """GET /v1/status."""
+        _json(resp, self._v1_status(Live(self.client)))
+
+    async def on_get_v2_status(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """GET /v2/status: /v1/status plus the per-worker ("dp rank") block figures."""
+        live = Live(self.client)
+        body = self._v1_status(live)
+        per = {str(i): hb.free_blocks for i, hb in enumerate(sorted(live.beats, key=lambda b: b.worker_id))}
+        body["resource"].update({"totalAvailNpuSlotsNum": live.free_slots, "totalAvailNpuBlockNum": live.free_blocks,
+                                 "dpInstMap": per, "maxAvailNpuBlockNum": max(per.values(), default=0)})
+        _json(resp, body)
+
+    async def on_get_slots(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model: str) -> None:
+        """GET /v2/models/{model}/getSlotCount."""
+        self._check_model(model)
+        live = Live(self.client)
+        _json(resp, {"total_slots": live.slots, "free_slots": live.free_slots,
+                     "available_tokens_length": sum(hb.free_blocks * hb.block_size for hb in live.beats)})
+
+    # -- business plane -----------------------------------------------------------------------
+    async def on_get_v2(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """GET /v2 (Triton server metadata)."""
+        sch = self.config.backend.schedule
+        _json(resp, {"name": "MindIE Server", "version": MINDIE_VERSION, "extensions": {
+            "max_iter_times": sch.max_iter_times, "prefill_policy_type": 0, "decode_policy_type": 0,
+            "max_prefill_batch_size": sch.max_prefill_batch_size, "max_prefill_tokens": sch.max_prefill_tokens}})
+
+    async def on_get_v2_model(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model: str) -> None:
+        """GET /v2/models/{model} (Triton model metadata)."""
+        self._check_model(model)
+        _json(resp, {"name": self.model_name, "platform": "MindIE Server",
+                     "inputs": [{"name": "input0", "shape": [-1], "datatype": "UINT32"}],
+                     "outputs": [{"name": "output0", "shape": [-1], "datatype": "UINT32"}]})
+
+    async def on_get_v2_model_config(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                                     model: str) -> None:
+        """GET /v2/models/{model}/config."""
+        self._check_model(model)
+        deploy = self.config.backend.model_deploy
+        weights = os.path.basename(os.path.normpath(self.model.model_weight_path or self.model_dir))
+        _json(resp, {"model_name": self.model_name, "input_datatype": "UINT32", "output_datatype": "UINT32",
+                     "max_seq_len": deploy.max_seq_len, "npu_mem_size": self.model.npu_mem_size,
+                     "cpu_mem_size": self.model.cpu_mem_size, "world_size": self.model.world_size,
+                     "model_weight_path": weights, "model_instance_type": "Standard"})

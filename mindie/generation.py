@@ -1,0 +1,205 @@
+"""The generation loop every API family shares (OpenAI, TGI, vLLM, Triton): submit a request to
+a device worker and turn its frames into ``Piece``s of ids, text and log-probabilities, with stop
+strings applied and MindIE's deadlines kept.
+
+Stop strings are matched on the decoded text. ``StopMatcher`` holds back the end of the text that
+could still be the start of a stop string, so no stop text ever reaches a client (unless asked
+with ``include_stop``), even one split across tokens; the moment one matches the request is
+cancelled on its worker. Stop token ids are the worker's job (``SamplingParams.stop_token_ids``,
+finish reason ``stop_token``), and so are log-probabilities (``SamplingParams.logprobs``).
+
+The native ``/infer`` route keeps its own loop (mindie/api/infer.py): its SSE frames are MindIE's
+byte for byte, with per-token timings this loop does not need.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from mindie.client import DeviceClient, NoWorkerError
+from mindie.contract import wire as P
+from mindie.contract.errors import FINISH_STOP, error_type
+from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
+
+IDLE_TICK_S = 1.0
+
+
+class GenerationError(Exception):
+    """A request that ended with an error: HTTP status, MindIE error type, message. Each API
+    family writes it in its own error shape."""
+
+    def __init__(self, status: int, message: str, etype: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = etype or error_type(status)
+
+
+class StopMatcher:
+    """Stop strings on streamed text (``push`` the new text of each step)."""
+
+    def __init__(self, stops: Sequence[str], include_stop: bool = False):
+        self.stops = [s for s in stops if s]
+        self.include = include_stop
+        self.held = ""
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        """(text that may be sent now, the stop string that matched or None). After a match
+        nothing more may be pushed."""
+        if not self.stops:
+            return text, None
+        buf = self.held + text
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.held = ""
+            return buf[: i + len(s)] if self.include else buf[:i], s
+        keep = 0
+        for k in range(min(len(buf), self.longest - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                keep = k
+                break
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep], None
+
+    def flush(self) -> str:
+        """The held text, once the request ended without a match."""
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass
+class Piece:
+    """What one step added to a request."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str = ""  # "" while running; eos_token, length, stop_sequence, stop_token, stop
+    stop: str | None = None  # the stop string that ended it
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    prompt_logprobs: list[float] = field(default_factory=list)  # first piece, when asked
+
+
+class Deadline:
+    """min(client timeout, tokenTimeout) since the last token (streams) or the start, and
+    e2eTimeout since the start, as the native route keeps them (mindie.md §4.2)."""
+
+    def __init__(self, timeout: float | None, token_timeout: float, e2e_timeout: float, stream: bool):
+        self.start = time.monotonic()
+        self.mark = self.start
+        self.timeout = timeout
+        self.token_timeout = token_timeout
+        self.e2e_end = self.start + e2e_timeout
+        self.stream = stream
+
+    def token(self) -> None:
+        if self.stream:
+            self.mark = time.monotonic()
+
+    def next(self) -> tuple[float, str]:
+        cands = [(self.mark + self.token_timeout, "server tokenTimeout"), (self.e2e_end, "server e2eTimeout")]
+        if self.timeout is not None:
+            cands.append((self.mark + self.timeout, "client timeout"))
+        return min(cands)
+
+
+class Generation:
+    """One request on a device worker; iterate ``pieces()``."""
+
+    def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, input_ids: list[int],
+                 params: P.SamplingParams, deadline: Deadline, *, priority: int = 5, user_id: str = "",
+                 stops: Sequence[str] = (), include_stop: bool = False):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.input_ids = input_ids
+        self.params = params
+        self.deadline = deadline
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopMatcher(stops, include_stop)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason = ""
+        self.t0 = time.monotonic()
+        self.ttft_s: float | None = None
+        try:
+            self.stream = client.submit(input_ids, params, priority, user_id=user_id)
+        except NoWorkerError as e:
+            raise GenerationError(503, f"No device worker is ready: {e}") from None
+        self.request_id = self.stream.request_id
+
+    async def pieces(self, tick: bool = False) -> AsyncIterator[Piece | None]:
+        """Pieces as steps finish; the last has ``finish_reason``. With ``tick``, None every
+        IDLE_TICK_S while nothing comes (an SSE writer then notices a vanished client). Raises
+        GenerationError (the request is cancelled on its worker first)."""
+        try:
+            while not self.finish_reason:
+                deadline, desc = self.deadline.next()
+                wait = deadline - time.monotonic()
+                if tick:
+                    wait = min(wait, IDLE_TICK_S)
+                frames = await self.stream.get(max(0.0, wait))
+                if not frames:
+                    if time.monotonic() >= deadline:
+                        raise GenerationError(500, f"Engine callback timeout: {desc}")
+                    if tick:
+                        yield None
+                    continue
+                self.deadline.token()
+                for f in frames:
+                    piece = self._piece(f)
+                    if piece is not None:
+                        yield piece
+                    if self.finish_reason:
+                        break
+        finally:
+            if not self.stream.finished:
+                self.client.cancel(self.stream)
+
+    def _piece(self, f: P.TokenFrame) -> Piece | None:
+        if f.error is not None:
+            raise GenerationError(f.error.status, f.error.message, f.error.error_type)
+        if f.token_ids and self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.t0
+        self.token_ids.extend(f.token_ids)
+        text, stop = self.matcher.push(self.detok.push(f.token_ids))
+        if stop is None and f.finish_reason:
+            more, stop = self.matcher.push(self.detok.flush())
+            text += more if stop is not None else more + self.matcher.flush()
+        finish = f.finish_reason
+        if stop is not None:
+            finish = FINISH_STOP
+            if not f.finish_reason:
+                self.client.cancel(self.stream)  # ends it on its worker now
+        self.text += text
+        self.finish_reason = finish
+        if not (f.token_ids or text or finish):
+            return None
+        return Piece(list(f.token_ids), text, list(f.logprobs), [list(t) for t in f.top_logprobs], finish, stop,
+                     f.prefill_ms, f.decode_ms, list(f.prompt_logprobs))
+
+    async def run(self) -> Piece:
+        """Everything at once: one Piece holding every id, the whole text and the finish."""
+        ids: list[int] = []
+        lps: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        last = Piece([], "")
+        prefill_ms = 0.0
+        prompt: list[float] = []
+        async for p in self.pieces():
+            ids += p.token_ids
+            lps += p.logprobs
+            tops += p.top_logprobs
+            prefill_ms = prefill_ms or p.prefill_ms
+            prompt = prompt or p.prompt_logprobs
+            last = p
+        return Piece(ids, self.text, lps, tops, last.finish_reason, last.stop, prefill_ms, 0.0, prompt)

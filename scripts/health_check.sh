@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Probe the management plane of the server (Kubernetes exec probes, Docker HEALTHCHECK).
+#
+#   scripts/health_check.sh [--config FILE] [--timeout S] startup|liveness|readiness|timed [N]
+#
+# Reads the addresses, ports and TLS files from the server's config.json (--config, else
+# $MIES_CONFIG_JSON_PATH, else the built-in defaults) with the server's own loader, so the
+# environment overrides apply as for scripts/launch.sh. Exit 0 when healthy; otherwise one line
+# saying why and an exit status per reason (--help lists them). Python: $PYTHON, else python3.
+# See mindie/probe.py and docs/operations.md.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+# No cd: a relative --config or $MIES_CONFIG_JSON_PATH is taken from the caller's directory, as
+# scripts/launch.sh does; the repository goes on the import path (also works uninstalled).
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export MINDIE_PROBE_PROG="${MINDIE_PROBE_PROG:-health_check.sh}"
+exec "${PYTHON:-python3}" -m mindie.probe "$@"

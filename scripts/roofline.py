@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Decode roofline: how close the engine's decode steps come to this machine's memory bandwidth.
+
+A decode step of a small batch is bound by memory reads: every weight matrix (q/k/v, o,
+gate/up, down per layer, the norms, the full LM head) is read once per step whatever the batch,
+plus each sequence's KV cache (context x layers x 2 x kv_heads x head_dim). So the best a step
+can do is ``bytes per step / read bandwidth`` seconds, and the roofline is
+
+    tokens/s = batch x bandwidth / bytes per step
+
+This script measures the read bandwidth (a streaming torch sum over a buffer far larger than the
+caches, with torch threads = the cores this process may use, several repeats), computes the bytes
+of a step from the model's config, runs the real engine (as scripts/bench_engine.py does) with
+``batch`` sequences at ``--context`` tokens and times steady decode steps only (the prefill and a
+few warm-up steps are not timed), and prints measured / roofline. ``--repeat`` rounds each take
+a few bandwidth samples and then run every batch once; measured tokens/s = batch / the median
+timed step of all rounds (a step another process preempted is an outlier on a shared machine).
+Progress goes to stderr, the table to stdout, everything with ``--json``.
+
+    python scripts/roofline.py --preset bench30m --dtype bfloat16 --concurrency 1,8,32
+
+Embedding reads (one row per sequence) are counted but negligible. Activations, logits and the
+KV write of the new token are not counted: the roofline is an upper bound.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bandwidth
+
+
+class Bandwidth:
+    """Read bandwidth in GB/s (1e9 bytes/s): ``torch.sum`` over a float32 buffer of ``nbytes``
+    (filled at construction, so its pages are resident), with ``threads`` torch threads. ``sample``
+    adds timed sums; the rounds of the engine measurement take theirs in between, so a burst of
+    load from other processes does not land on one side only."""
+
+    def __init__(self, nbytes: int, threads: int) -> None:
+        self.threads = threads
+        self.buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        self.samples: list[float] = []
+        self.sample(1, keep=False)  # warm the code path
+
+    def sample(self, repeats: int, keep: bool = True) -> None:
+        old = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            n = self.buf.numel()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                s = float(self.buf.sum())
+                dt = time.perf_counter() - t0
+                if abs(s - n) > n * 1e-3:  # the sum must have read every element
+                    raise RuntimeError(f"bandwidth buffer sum {s} != {n}")
+                if keep:
+                    self.samples.append(n * 4 / dt / 1e9)
+        finally:
+            torch.set_num_threads(old)
+
+    def close(self) -> None:
+        self.buf = torch.empty(0)
+
+    def summary(self) -> dict[str, Any]:
+        return {"bytes": self.buf.numel() * 4, "threads": self.threads, "repeats": len(self.samples),
+                "best_gb_s": round(max(self.samples), 2), "median_gb_s": round(statistics.median(self.samples), 2),
+                "samples_gb_s": [round(x, 2) for x in self.samples]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes a decode step reads
+
+
+def weight_bytes(args, elem: int) -> dict[str, int]:
+    """Bytes of the weights one decode step reads, by part, for a Llama-family ModelArgs
+    (workers/models/config.py) stored with ``elem`` bytes per element. The embedding matrix is
+    read one row per sequence (see ``step_bytes``); a tied LM head is that same matrix, read in
+    full."""
+    h, inter, v = args.hidden_size, args.intermediate_size, args.vocab_size
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    qkv = h * (q + 2 * kv) + (q + 2 * kv if args.attention_bias else 0)
+    o = q * h + (h if args.o_proj_bias else 0)
+    gate_up = h * 2 * inter + (2 * inter if args.mlp_bias else 0)
+    down = inter * h + (h if args.mlp_bias else 0)
+    norms = 2 * h + (2 * args.head_dim if args.qk_norm else 0)
+    layers = args.num_hidden_layers
+    parts = {
+        "qkv": layers * qkv, "o": layers * o, "gate_up": layers * gate_up, "down": layers * down,
+        "norms": layers * norms + h,  # + the final norm
+        "lm_head": v * h,
+    }
+    return {k: n * elem for k, n in parts.items()}
+
+
+def kv_bytes(args, elem: int, contexts: list[int]) -> int:
+    """K and V read by one decode step: per sequence, ``context`` cached positions (including the
+    new token's) x layers x 2 x kv_heads x head_dim x elem; a sliding-window layer reads at most
+    its window."""
+    per_pos = 2 * args.num_key_value_heads * args.head_dim * elem
+    total = 0
+    for window in args.layer_windows:
+        for c in contexts:
+            total += (min(c, window) if window else c) * per_pos
+    return total
+
+
+def step_bytes(args, elem: int, contexts: list[int]) -> dict[str, int]:
+    """All bytes one decode step of ``len(contexts)`` sequences reads."""
+    w = weight_bytes(args, elem)
+    weights = sum(w.values())
+    emb = len(contexts) * args.hidden_size * elem
+    kv = kv_bytes(args, elem, contexts)
+    return {**{f"w_{k}": n for k, n in w.items()}, "weights": weights, "embedding_rows": emb, "kv": kv,
+            "total": weights + emb + kv}
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's decode steps
+
+
+def load(model: str, dtype: str, threads: int, block_size: int):
+    """The engine's runner, set up as scripts/bench_engine.py does."""
+    from mindie.contract.spec import EngineConfig, WorkerSpec
+    from workers.backends.cpu import CpuBackend
+    from workers.engine.model_runner import load_runner
+
+    engine_cfg = EngineConfig(block_size=block_size, max_seq_len=4096, max_batch_size=256,
+                              max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False)
+    spec = WorkerSpec(worker_id="roofline", job_endpoint="", pub_endpoint="", model_path=model, dtype=dtype,
+                      engine=engine_cfg)
+    backend = CpuBackend(threads)
+    backend.setup()
+    return load_runner(spec, backend), engine_cfg
+
+
+def blocks_needed(batch: int, context: int, steps: int, warm: int, block_size: int) -> int:
+    prompt_len = max(1, context - (warm + steps) // 2)
+    return batch * math.ceil((prompt_len + warm + steps + 2) / block_size) + 2
+
+
+def measure_decode(runner, engine_cfg, num_blocks: int, batch: int, context: int, steps: int, warm: int,
+                   rng: random.Random) -> dict[str, Any]:
+    """``batch`` sequences prefilled to about ``context - (warm + steps) // 2`` tokens, ``warm``
+    decode steps untimed, then ``steps`` timed: every timed step must decode exactly one token
+    per sequence. Returns tokens/s over the timed steps and the context of each sequence at each
+    step (cached positions read, the new token's included)."""
+    from mindie.contract.wire import SamplingParams, Submit
+    from workers.engine.engine import Engine
+
+    prompt_len = max(1, context - (warm + steps) // 2)
+    engine = Engine(runner, engine_cfg, num_blocks)
+    params = SamplingParams(max_new_tokens=warm + steps + 2, ignore_eos=True)
+    seqs = []
+    for i in range(batch):
+        ids = [rng.randrange(3, runner.vocab_size) for _ in range(prompt_len)]
+        seqs.append(engine.add(Submit(f"r{i}", "roofline", ids, params)))
+    # Prefill (untimed) until every sequence has its first token.
+    first: set[int] = set()
+    while len(first) < batch:
+        for out in engine.step():
+            if out.token_ids:
+                first.add(id(out.seq))
+    for _ in range(warm):
+        engine.step()
+    contexts: list[list[int]] = []
+    times: list[float] = []
+    for _ in range(steps):
+        ctx = [s.num_tokens for s in seqs]  # the step computes position num_tokens - 1: reads num_tokens
+        t0 = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t0)
+        produced = sum(len(o.token_ids) for o in outs)
+        if produced != batch:
+            raise RuntimeError(f"a timed step produced {produced} tokens, expected {batch} (not a pure decode step)")
+        contexts.append(ctx)
+    while engine.has_work():  # finish and free the blocks
+        engine.step()
+    total = sum(times)
+    return {"prompt_len": prompt_len, "steps": steps, "tok_s": batch * steps / total,
+            "step_ms_median": statistics.median(times) * 1e3, "step_s": times, "contexts": contexts}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="Hugging Face model dir (default: a demo model, see --preset)")
+    ap.add_argument("--preset", default="bench30m", help="built-in demo model when --model is not given "
+                    "(workers/models/demo.py PRESETS: demo, bench30m)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--context", type=int, default=192,
+                    help="mean context of the timed decode steps (default 192: the middle of 128 + 128 tokens)")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per repeat")
+    ap.add_argument("--warm", type=int, default=4, help="untimed decode steps before them")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds (bandwidth samples, then every batch once); "
+                    "the median round is reported")
+    ap.add_argument("--bw-mib", type=int, default=1024, help="bandwidth buffer size in MiB")
+    ap.add_argument("--bw-repeat", type=int, default=3, help="bandwidth sums per round")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: usable cores)")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+
+    from mindie.topology import usable_cores
+    from workers.models.config import ModelArgs
+
+    threads = args.threads or usable_cores()
+    torch.set_num_threads(threads)
+    model = args.model
+    if not model:
+        from workers.models.demo import PRESETS, ensure_demo_model
+        if args.preset not in PRESETS:
+            ap.error(f"--preset: one of {', '.join(PRESETS)}")
+        model = str(ensure_demo_model(**dataclasses.asdict(PRESETS[args.preset])))
+    margs = ModelArgs.from_dir(model)
+    batches = [int(c) for c in args.concurrency.split(",") if c.strip()]
+
+    load_before = os.getloadavg()
+    log(f"loading {model} ({args.dtype}, {threads} threads) ...")
+    runner, engine_cfg = load(model, args.dtype, threads, args.block_size)
+    num_blocks = blocks_needed(max(batches), args.context, args.steps, args.warm, args.block_size)
+    runner.allocate_kv(num_blocks, args.block_size)
+    elem = torch.empty((), dtype=runner.kv_dtype).element_size()
+    bw_per_round = max(1, args.bw_repeat)
+    log(f"bandwidth buffer: {args.bw_mib} MiB, {threads} threads, {bw_per_round} sums per round")
+    bw = Bandwidth(args.bw_mib << 20, threads)
+    rng = random.Random(0)
+    runs: dict[int, list[dict[str, Any]]] = {b: [] for b in batches}
+    # Rounds: bandwidth samples, then each batch once, so load from other processes is spread.
+    for r in range(args.repeat):
+        bw.sample(bw_per_round)
+        log(f"round {r + 1}/{args.repeat}: bandwidth {' '.join(f'{x:.1f}' for x in bw.samples[-bw_per_round:])} GB/s")
+        for b in batches:
+            res = measure_decode(runner, engine_cfg, num_blocks, b, args.context, args.steps, args.warm, rng)
+            runs[b].append(res)
+            log(f"  batch {b}: {args.steps} decode steps at ~{args.context} tokens: {res['tok_s']:.1f} tok/s, "
+                f"step {res['step_ms_median']:.2f} ms")
+    bwsum = bw.summary()
+    load_after = os.getloadavg()
+    bw.close()
+    rows = []
+    for b in batches:
+        # Bytes per step: the mean over the timed steps (the context grows by one each step).
+        per_step = [step_bytes(margs, elem, ctx) for ctx in runs[b][0]["contexts"]]
+        sb = {k: round(statistics.mean(p[k] for p in per_step)) for k in per_step[0]}
+        mean_ctx = statistics.mean(c for ctx in runs[b][0]["contexts"] for c in ctx)
+        # Measured: batch / the median of all timed steps of all rounds (a step that another
+        # process preempted is an outlier, not the engine's pace); "window": tokens / time over
+        # each round's timed steps, median of the rounds (preemption stalls included).
+        step_med = statistics.median(t for x in runs[b] for t in x["step_s"])
+        measured = b / step_med
+        window = statistics.median(x["tok_s"] for x in runs[b])
+        roof_best = b * bwsum["best_gb_s"] * 1e9 / sb["total"]
+        roof_median = b * bwsum["median_gb_s"] * 1e9 / sb["total"]
+        rows.append({
+            "batch": b, "mean_context": round(mean_ctx, 1), "bytes_per_step": sb,
+            "roofline_tok_s": round(roof_best, 1), "roofline_tok_s_median_bw": round(roof_median, 1),
+            "measured_tok_s": round(measured, 1), "step_ms_median": round(step_med * 1e3, 3),
+            "fraction": round(measured / roof_best, 4),
+            "window_tok_s": round(window, 1), "window_tok_s_rounds": [round(x["tok_s"], 1) for x in runs[b]],
+            "implied_gb_s": round(sb["total"] / step_med / 1e9, 2),
+        })
+
+    dtype_name = str(runner.kv_dtype).replace("torch.", "")
+    print(f"model {model}: {margs.num_hidden_layers} layers, hidden {margs.hidden_size}, "
+          f"{margs.num_attention_heads}/{margs.num_key_value_heads} heads x {margs.head_dim}, "
+          f"intermediate {margs.intermediate_size}, vocab {margs.vocab_size}; {dtype_name}, {threads} threads")
+    print(f"read bandwidth: best {bwsum['best_gb_s']} GB/s, median {bwsum['median_gb_s']} GB/s "
+          f"({bwsum['repeats']} x torch.sum over {bwsum['bytes'] >> 20} MiB)")
+    hdr = (f"{'batch':>5} {'context':>7} {'weights MB':>10} {'KV MB':>8} {'step MB':>8} {'roofline tok/s':>14} "
+           f"{'measured tok/s':>14} {'fraction':>8} {'step ms':>8} {'implied GB/s':>12} {'window tok/s':>12}")
+    print(hdr)
+    for row in rows:
+        sb = row["bytes_per_step"]
+        print(f"{row['batch']:>5} {row['mean_context']:>7.1f} {sb['weights'] / 1e6:>10.2f} {sb['kv'] / 1e6:>8.2f} "
+              f"{sb['total'] / 1e6:>8.2f} {row['roofline_tok_s']:>14.1f} {row['measured_tok_s']:>14.1f} "
+              f"{row['fraction']:>8.3f} {row['step_ms_median']:>8.2f} {row['implied_gb_s']:>12.2f} "
+              f"{row['window_tok_s']:>12.1f}")
+    print(f"load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} CPUs")
+    print("roofline = batch x best bandwidth / bytes per step; measured = batch / median decode step (all "
+          "rounds); fraction = measured / roofline; implied GB/s = bytes per step / median step; window = "
+          "tokens / time of each round's timed steps, median of the rounds")
+    result = {"model": model, "dtype": dtype_name, "threads": threads, "bandwidth": bwsum, "results": rows,
+              "loadavg_before": load_before, "loadavg_after": load_after,
+              "args": vars(args)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

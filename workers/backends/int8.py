@@ -1,0 +1,195 @@
+"""Weight-only int8 linears (W8A16): ``ModelConfig[].quantize: "w8a16"``.
+
+At load, every linear of the decoder layers (the fused q/k/v and gate/up projections, o and
+down) and the LM head are quantised from the loaded weights (upcast to fp32): per output channel,
+symmetric, ``scale[n] = max|W[n, :]| / 127`` (1 for an all-zero row), ``q = round(W / scale)``
+clamped to [-127, 127]. Activations stay in the model dtype; the matmul computes
+``x @ (q * scale).T`` with an fp32 accumulation. The embedding, the norms and the biases stay in
+the model dtype.
+
+The LM head is included because it is the largest single matrix of a small-vocabulary-heavy
+model (the benchmark model: 33 of its 62 MB of bf16 weights) and is read at every decode step.
+A tied head (``tie_word_embeddings``) keeps the embedding in the model dtype for the lookup and
+computes the logits from an int8 copy of the same matrix (``model.logits_linear``); on the CPU
+that copy replaces the oneDNN-packed bf16 copy the CPU backend keeps for the tied head anyway, so
+it saves memory there; on an accelerator (no copy otherwise) it adds half of the embedding.
+
+The matmul itself is the backend's (``Backend.int8_kernel``): CPU ``torch._weight_int8pack_mm``
+for small row counts (decode) and dequantise-then-matmul above them; CUDA dequantise-then-matmul;
+NPU ``torch_npu.npu_weight_quant_batchmatmul``. A backend without one refuses the key at start.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("workers.backends")
+
+QUANTIZE_KEY = "ModelConfig[].quantize"
+SCHEMES = ("w8a16",)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], fp32 scales [N]): symmetric per-output-channel quantisation of ``w`` [N, K]."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix an int8 weight stands for (the reference the tests compare against)."""
+    return q.float() * scale.float()[:, None]
+
+
+class Int8Kernel:
+    """One device's weight-only int8 matmul. ``pack`` turns (int8 [N, K], fp32 scales [N]) into
+    what ``mm`` reads (the layout and dtypes that device wants); ``mm(x [M, K], packed)`` returns
+    ``x @ (q * scale).T`` [M, N] in x's dtype."""
+
+    name = "dequantise"
+    transposed = False  # pack stores q as [K, N] instead of [N, K]
+
+    def pack(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device: torch.device) -> dict:
+        return {"q": q.to(device), "scale": scale.to(device=device, dtype=dtype)}
+
+    def mm(self, x: torch.Tensor, packed: dict) -> torch.Tensor:
+        # Scale after the matmul: one [M, N] multiply instead of a [N, K] one.
+        return F.linear(x, packed["q"].to(x.dtype)) * packed["scale"]
+
+
+# CPU: _weight_int8pack_mm is a GEMV-style kernel, its time grows with the rows; it beats
+# dequantise-then-matmul up to ~24 rows here (docs/performance.md, "Weight-only int8").
+CPU_INT8PACK_MAX_ROWS = int(os.environ.get("MINDIE_CPU_INT8_ROWS", "24"))
+
+
+class CpuInt8Kernel(Int8Kernel):
+    name = "cpu"
+
+    def __init__(self, max_rows: int = CPU_INT8PACK_MAX_ROWS):
+        self.max_rows = max_rows if hasattr(torch, "_weight_int8pack_mm") else 0
+
+    def mm(self, x: torch.Tensor, packed: dict) -> torch.Tensor:
+        m = x.shape[0]
+        if m <= self.max_rows:
+            return torch._weight_int8pack_mm(x.contiguous(), packed["q"], packed["scale"])
+        # Bucket the rows as the packed bf16 path does, so oneDNN's shape-keyed caches stay bounded
+        # (workers/backends/cpu_linear.py).
+        from workers.backends.cpu_linear import bucket_rows
+        rows = bucket_rows(m)
+        if rows != m:
+            padded = x.new_zeros((rows, x.shape[1]))
+            padded[:m].copy_(x)
+            return super().mm(padded, packed)[:m]
+        return super().mm(x, packed)
+
+
+class NpuInt8Kernel(Int8Kernel):
+    """``torch_npu.npu_weight_quant_batchmatmul(x, weight, antiquant_scale)``: x [M, K] fp16/bf16,
+    weight int8 [K, N], antiquant_scale [N] in x's dtype; y = x @ (weight * antiquant_scale)."""
+
+    name = "npu"
+    transposed = True
+
+    def pack(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device: torch.device) -> dict:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{QUANTIZE_KEY} \"w8a16\" on the NPU needs a float16 or bfloat16 model "
+                             f"(ModelConfig[].dtype), not {str(dtype).replace('torch.', '')}")
+        return {"q": q.t().contiguous().to(device), "scale": scale.to(device=device, dtype=dtype)}
+
+    def mm(self, x: torch.Tensor, packed: dict) -> torch.Tensor:
+        import torch_npu
+        return torch_npu.npu_weight_quant_batchmatmul(x, packed["q"], packed["scale"])
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with an int8 weight and per-output-channel scales (buffers, so they count
+    in ``model.buffers()`` and follow ``.to``), bias in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Int8Kernel):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel = kernel
+        q, scale = quantize_weight(weight)
+        packed = kernel.pack(q, scale, weight.dtype, weight.device)
+        self._names = tuple(packed)
+        for k, v in packed.items():
+            self.register_buffer(k, v, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def packed_state(self) -> dict:
+        return {k: getattr(self, k) for k in self._names}
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 [N, K] weight this layer computes with."""
+        q = self.q.t() if self.kernel.transposed else self.q
+        return dequantize(q, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = self.kernel.mm(x2, self.packed_state)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self.kernel.name})"
+
+
+def quantize_model(model: nn.Module, kernel: Int8Kernel,
+                   include: Callable[[str], bool] | None = None) -> int:
+    """Replace every nn.Linear under ``model.layers`` and the LM head by an Int8Linear; a tied
+    head gets ``model.logits_linear`` from an int8 copy of the embedding. Returns the count."""
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        if not (parent_name == "layers" or parent_name.startswith("layers.") or parent_name == ""):
+            continue
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if not isinstance(child, nn.Linear):
+                continue
+            if parent_name == "" and name != "lm_head":
+                continue
+            if include is not None and not include(full):
+                continue
+            setattr(parent, name, Int8Linear(child.weight, child.bias, kernel))
+            count += 1
+    if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens") and (
+            include is None or include("lm_head")):
+        model.logits_linear = Int8Linear(model.embed_tokens.weight, None, kernel)
+        count += 1
+    log.info("quantised %d linear layers to int8 (w8a16, per-channel scales, %s kernel)", count, kernel.name)
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct tensor the model computes with: parameters, buffers, and tensors
+    held as plain attributes (the CPU backend's oneDNN-packed weights, its tied-head copy)."""
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            try:
+                key = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+            except (RuntimeError, NotImplementedError):  # opaque (oneDNN-packed) tensors
+                key = id(t)
+            seen[key] = t.numel() * t.element_size()
+
+    for m in model.modules():
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            add(t)
+        for v in vars(m).values():
+            add(v)
+    head = getattr(model, "logits_linear", None)
+    if head is not None and not isinstance(head, nn.Module):
+        for v in vars(head).values():
+            add(v)
+    return sum(seen.values())
