@@ -13,7 +13,7 @@ from mindie.config import Config, load_config
 from mindie.contract.spec import Deployment, deployment_path, read_deployment
 from mindie.detokenizer import load_tokenizer
 from mindie.metrics import Metrics
-from mindie.service_state import ServiceState
+from mindie.service_state import STOPPING, ServiceState
 from mindie.validation import Limits
 
 log = logging.getLogger("mindie.frontend")
@@ -64,8 +64,14 @@ class FrontEnd:
         # (re)started beside running ones would otherwise answer /health with 503 while the
         # others say 200 (connections queue in the shared socket meanwhile). Bounded well under
         # gunicorn's 30 s heartbeat timeout; past it /health says 503 until a worker is ready.
-        if not await self.client.wait_ready(STARTUP_WAIT_S):
-            log.info("no device worker ready after %.0f s: serving (/health is 503 until one is)", STARTUP_WAIT_S)
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        while not await self.client.wait_ready(0.1):
+            if STOPPING.is_set():
+                return
+            if time.monotonic() >= deadline:
+                log.info("no device worker ready after %.0f s: serving (/health is 503 until one is)",
+                         STARTUP_WAIT_S)
+                return
 
     async def process_shutdown(self, scope, event) -> None:
         await self.client.close()

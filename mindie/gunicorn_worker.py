@@ -21,6 +21,7 @@ from uvicorn_worker import UvicornWorker
 
 from mindie.contract.lifecycle import die_with_parent
 from mindie.errors import ApiError
+from mindie.service_state import STOPPING
 from mindie.listeners import read_listeners
 from mindie.tls import server_context
 
@@ -126,6 +127,10 @@ class PlaneServer(Server):
     def __init__(self, config, tls_by_port: dict[int, ssl.SSLContext]):
         super().__init__(config)
         self.tls_by_port = tls_by_port
+
+    def handle_exit(self, sig, frame) -> None:
+        STOPPING.set()  # a startup still waiting for a worker gives up (mindie/frontend.py)
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None) -> None:
         if sockets is None:

@@ -8,7 +8,12 @@ Front ends check it once per request (one ``stat``) until they see it; then it s
 from __future__ import annotations
 
 import os
+import threading
 import time
+
+# Set when this process is asked to stop (SIGTERM/SIGINT, mindie/gunicorn_worker.py): a front end
+# still waiting for its first worker stops waiting at once instead of holding the shutdown.
+STOPPING = threading.Event()
 
 STOPPED_FILE = "service.stopped"
 STOPPED_MESSAGE = "The service has been stopped."
