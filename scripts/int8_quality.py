@@ -11,7 +11,7 @@ int8 and bf16 alternating (--rounds rounds, medians and best; scripts/bench_engi
 the per-matmul timings that chose the CPU kernel (--kernels).
 
     python scripts/int8_quality.py --kernels             # everything (about 10 minutes here)
-    python scripts/int8_quality.py --models tiny,demo --no-throughput
+    python scripts/int8_quality.py --models tiny-tied,demo --no-throughput
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def quality(name: str, prompts_n: int, tokens: int, threads: int) -> dict:
-    from workers.backends.int8 import Int8Linear
+    from workers.backends.int8 import copy_dequantized_into
     from workers.models.loader import load_model
     path = model_dir(name)
     rng = random.Random(0)
@@ -99,15 +99,7 @@ def quality(name: str, prompts_n: int, tokens: int, threads: int) -> dict:
     # The kernel against the dequantised fp32 reference: fp32 int8 model vs the fp32 model whose
     # matrices are the dequantised ones (the same check as tests/test_int8.py).
     q32 = runner_for(path, "float32", "w8a16", threads).model
-    ref, _ = load_model(path, torch.float32, torch.device("cpu"))
-    qlin = {n: m for n, m in q32.named_modules() if isinstance(m, Int8Linear)}
-    with torch.no_grad():
-        for n, m in ref.named_modules():
-            if n in qlin:
-                m.weight.copy_(qlin[n].dequantized())
-        if "logits_linear" in qlin:
-            ref.lm_head = torch.nn.Linear(ref.args.hidden_size, ref.args.vocab_size, bias=False)
-            ref.lm_head.weight = torch.nn.Parameter(qlin["logits_linear"].dequantized())
+    ref = copy_dequantized_into(load_model(path, torch.float32, torch.device("cpu"))[0], q32)
     kerr = 0.0
     for p, b in list(zip(prompts, base))[:4]:
         kerr = max(kerr, float((logits(q32, p + b) - logits(ref, p + b)).abs().max()))

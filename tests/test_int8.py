@@ -21,8 +21,8 @@ from mindie.topology import build_deployment
 from tests.reference_attention import DenseCausalAttention
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_linear import PackedLinear
-from workers.backends.int8 import (CpuInt8Kernel, Int8Kernel, Int8Linear, NpuInt8Kernel, dequantize, quantize_model,
-                                   quantize_weight, weight_bytes)
+from workers.backends.int8 import (CpuInt8Kernel, Int8Kernel, Int8Linear, NpuInt8Kernel, copy_dequantized_into, dequantize,
+                                   quantize_model, quantize_weight, weight_bytes)
 from workers.engine.model_runner import load_runner
 from workers.models.demo import ensure_demo_model
 from workers.models.loader import load_model
@@ -183,16 +183,7 @@ def _forward_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
 
 def _dequantised_reference(model_dir: str, quantised: nn.Module) -> nn.Module:
     """The unquantised fp32 model with every quantised matrix replaced by its dequantised value."""
-    ref, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
-    qlin = {n: m for n, m in quantised.named_modules() if isinstance(m, Int8Linear)}
-    with torch.no_grad():
-        for n, m in ref.named_modules():
-            if n in qlin:
-                m.weight.copy_(qlin[n].dequantized())
-        if "logits_linear" in qlin:  # tied: the reference computes the logits from its own copy
-            ref.lm_head = nn.Linear(ref.args.hidden_size, ref.args.vocab_size, bias=False)
-            ref.lm_head.weight = nn.Parameter(qlin["logits_linear"].dequantized())
-    return ref
+    return copy_dequantized_into(load_model(model_dir, torch.float32, torch.device("cpu"))[0], quantised)
 
 
 @pytest.mark.parametrize("name", list(TINY))

@@ -281,13 +281,11 @@ class Worker:
     def heartbeat(self) -> P.Heartbeat:
         """This worker's load and counters, as front ends see them (/v1/status, /metrics)."""
         eng, bm = self.engine, self.engine.blocks
-        ttft, tbt = list(eng.ttft_ms), list(eng.tbt_ms)  # copies: the loop thread appends
         return P.Heartbeat(
             self.spec.worker_id, self.instance, self.device, os.getpid(), self.spec.model_name,
             eng.num_running, eng.num_waiting, bm.num_free, bm.num_blocks, eng.scheduler.num_preemptions,
             bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
-            eng.generated_tokens, sum(ttft) / len(ttft) if ttft else 0.0, sum(tbt) / len(tbt) if tbt else 0.0,
-            eng.num_swapped)
+            eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped)
 
     def _send_heartbeat(self) -> None:
         self._last_load = self._load()
@@ -311,8 +309,6 @@ class Worker:
                 self._send_heartbeat()
             except zmq.ZMQError:
                 return  # socket closed: shutting down
-            except RuntimeError:  # a deque changed size while copied: next beat
-                pass
             time.sleep(P.HEARTBEAT_INTERVAL_S)
 
     # -- main loop --------------------------------------------------------------------------

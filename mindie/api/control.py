@@ -31,6 +31,7 @@ import msgspec
 
 from mindie.admission import Admission
 from mindie.api.body import read_body
+from mindie.api.status import Live
 from mindie.client import DeviceClient
 from mindie.contract.lifecycle import request_stop
 from mindie.errors import ApiError, not_found, validation_error
@@ -106,7 +107,8 @@ class StopServiceResource:
         """Inference requests in progress server-wide: admitted by a front end (until their
         reply is sent) or queued or running on a worker."""
         held = self.admission.in_use() if self.admission is not None else 0
-        return max(held, sum(hb.running + hb.waiting for hb in self.client.heartbeats()))
+        live = Live(self.client)
+        return max(held, live.running + live.waiting)
 
     async def _drain(self) -> int:
         deadline = time.monotonic() + self.drain_timeout_s

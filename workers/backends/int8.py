@@ -170,6 +170,21 @@ def quantize_model(model: nn.Module, kernel: Int8Kernel,
     return count
 
 
+def copy_dequantized_into(ref: nn.Module, quantised: nn.Module) -> nn.Module:
+    """Make ``ref`` (the same model loaded unquantised) the exact reference of ``quantised``: each
+    matrix that ``quantised`` holds in int8 is replaced by its dequantised value, and a quantised
+    tied LM head gets an untied copy of its own. Returns ``ref`` (tests, scripts/int8_quality.py)."""
+    qlin = {n: m for n, m in quantised.named_modules() if isinstance(m, Int8Linear)}
+    with torch.no_grad():
+        for n, m in ref.named_modules():
+            if n in qlin:
+                m.weight.copy_(qlin[n].dequantized())
+        if "logits_linear" in qlin:  # tied: the reference computes the logits from its own copy
+            ref.lm_head = nn.Linear(ref.args.hidden_size, ref.args.vocab_size, bias=False)
+            ref.lm_head.weight = nn.Parameter(qlin["logits_linear"].dequantized())
+    return ref
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every distinct tensor the model computes with: parameters, buffers, and tensors
     held as plain attributes (the CPU backend's oneDNN-packed weights, its tied-head copy)."""

@@ -73,6 +73,31 @@ class Runner(Protocol):
     def execute(self, batch: ScheduledBatch) -> list[int | None]: ...
 
 
+class RecentMean:
+    """The mean of the last ``size`` values, O(1) per value and per read: a heartbeat after every
+    step reads it, from the loop thread or the heartbeat thread, without copying the window."""
+
+    def __init__(self, size: int):
+        self.values: collections.deque[float] = collections.deque(maxlen=size)
+        self.total = 0.0
+        self._adds = 0
+
+    def add(self, value: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            self.total -= self.values[0]
+        self.values.append(value)
+        self._adds += 1
+        if self._adds % self.values.maxlen == 0:
+            self.total = sum(self.values)  # no drift from the running subtractions
+        else:
+            self.total += value
+
+    @property
+    def mean(self) -> float:
+        n = len(self.values)
+        return self.total / n if n else 0.0
+
+
 class Engine:
     """With ``cfg.overlap`` the model runs on a compute thread, so that the caller can take in
     jobs, encode and send the previous step's frames while the device (or, on CPU, torch's
@@ -99,9 +124,9 @@ class Engine:
         self.steps = 0
         self.prompt_tokens = 0  # prompt tokens computed (prefill chunks, recomputes included)
         self.generated_tokens = 0
-        # The last 1000 first-token and between-token times (ms), for /metrics-json's averages.
-        self.ttft_ms: collections.deque[float] = collections.deque(maxlen=1000)
-        self.tbt_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        # Means of the last 1000 first-token and between-token times (ms), for /metrics-json.
+        self.ttft_ms = RecentMean(1000)
+        self.tbt_ms = RecentMean(1000)
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, sub: Submit) -> Sequence:
@@ -224,10 +249,10 @@ class Engine:
             out = StepOutput(seq, [tok])
             if first:
                 out.prefill_ms = (now - seq.enqueue_t) * 1000.0
-                self.ttft_ms.append(out.prefill_ms)
+                self.ttft_ms.add(out.prefill_ms)
             else:
                 out.decode_ms = (now - seq.last_token_t) * 1000.0
-                self.tbt_ms.append(out.decode_ms)
+                self.tbt_ms.add(out.decode_ms)
             seq.last_token_t = now
             if token_lps and i in token_lps:
                 lp, top = token_lps[i]
