@@ -166,6 +166,9 @@ class BackendConfig(_Section):
     # address = workers bind tcp://workerHost:workerPort+2i (jobs) and +2i+1 (frames), with CURVE keys
     # from workerCurveKeyDir (made absolute by load_config), or plain tcp only if workerInsecureTcp.
     worker_host: str = ""
+    # The worker hosts the front ends connect to (each runs launch.sh --workers-only with its own
+    # workerHost); [] = [workerHost]. Every host serves the npuDeviceIds entries on the same ports.
+    worker_hosts: list[str] = field(default_factory=list)
     worker_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # required in [1024, 65535] with workerHost
     worker_curve_key_dir: str = ""
     worker_insecure_tcp: bool = False
@@ -511,26 +514,35 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
         if m.npu_mem_size == 0:
             fail(f"{key}.npuMemSize", "must be -1 (auto) or >= 1 (GB), got 0")
     # Worker links (project extensions; mindie/contract/curve.py).
-    if b.worker_host:
+    for key, host in [("BackendConfig.workerHost", b.worker_host)] + [
+            (f"BackendConfig.workerHosts[{i}]", h) for i, h in enumerate(b.worker_hosts)]:
+        if not host and key == "BackendConfig.workerHost":
+            continue
+        try:
+            unspecified = ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            empty_ok = "empty (ipc sockets in runDir) or " if key == "BackendConfig.workerHost" else ""
+            fail(key, f"must be {empty_ok}an IPv4 or IPv6 address, got {host!r}")
+        if unspecified:
+            fail(key, f"{host} is not an address front ends can connect to; give the address of the workers' host")
+    if len(set(b.worker_hosts)) != len(b.worker_hosts):
+        fail("BackendConfig.workerHosts", f"a host appears twice, got {b.worker_hosts}")
+    if b.worker_hosts and b.worker_host and b.worker_host not in b.worker_hosts:
+        fail("BackendConfig.workerHosts", f"must list workerHost ({b.worker_host}), the host this config's device "
+             f"workers bind, got {b.worker_hosts}")
+    if b.worker_host or b.worker_hosts:
         from mindie.contract.curve import CurveKeyError, check_key_dir
 
-        try:
-            unspecified = ipaddress.ip_address(b.worker_host).is_unspecified
-        except ValueError:
-            fail("BackendConfig.workerHost", f"must be empty (ipc sockets in runDir) or an IPv4 or IPv6 address, "
-                 f"got {b.worker_host!r}")
-        if unspecified:
-            fail("BackendConfig.workerHost", f"{b.worker_host} is not an address front ends can connect to; "
-                 "give the address of the workers' host")
         n = len(b.npu_device_ids)
         if not 1024 <= b.worker_port <= 65535:
-            fail("BackendConfig.workerPort", f"must be in [1024, 65535] when workerHost is set, got {b.worker_port}")
+            fail("BackendConfig.workerPort", f"must be in [1024, 65535] when workerHost or workerHosts is set, "
+                 f"got {b.worker_port}")
         if b.worker_port + 2 * n - 1 > 65535:
             fail("BackendConfig.workerPort", f"{n} workers use ports {b.worker_port}..{b.worker_port + 2 * n - 1} "
                  f"(two each): must be <= {65535 - 2 * n + 1}, got {b.worker_port}")
         key_dir = b.worker_curve_key_dir.strip()
         if not key_dir and not b.worker_insecure_tcp:
-            fail("BackendConfig.workerCurveKeyDir", "tcp worker links (workerHost is set) need CURVE keys: set it to "
+            fail("BackendConfig.workerCurveKeyDir", "tcp worker links (workerHost or workerHosts is set) need CURVE keys: set it to "
                  "a key directory (python -m mindie.curve_keys DIR makes one), or set workerInsecureTcp: true "
                  "to allow plain tcp")
         if key_dir:  # the files, checked where _resolve_paths will take them from

@@ -52,14 +52,14 @@ def main() -> None:
         if stale:
             log.info("removed what a server that stopped uncleanly left in %s: %s", config.server.run_dir,
                      ", ".join(stale))
-        refuse_tensor_parallel(loaded)
         role = check_role(loaded)
         listeners = plan_listeners(config.server)
         if role != "workers":  # a workers-only host serves no HTTP: its TLS files are not needed
             check_listeners(listeners)
         b = config.backend
-        if b.worker_host:
-            log.info("device-worker links: tcp on %s from port %d, %s", b.worker_host, b.worker_port,
+        if b.worker_host or b.worker_hosts:
+            log.info("device-worker links: tcp on %s from port %d, %s", ", ".join(b.worker_hosts or [b.worker_host]),
+                     b.worker_port,
                      f"CURVE keys in {b.worker_curve_key_dir}" if b.worker_curve_key_dir else
                      "PLAIN TCP (BackendConfig.workerInsecureTcp: true): not encrypted, not authenticated")
         level = os.environ.get("MINDIE_LOG_LEVEL") or python_log_level(config.log.dynamic_log_level
@@ -119,12 +119,13 @@ def check_role(loaded) -> str:
         raise ConfigError(f"must be one of {', '.join(ROLES)}, got {role!r}", env="MINDIE_ROLE")
     if role != "all":
         b = loaded.config.backend
-        if not b.worker_host:
+        if not b.worker_host and not (role == "frontends" and b.worker_hosts):
             raise ConfigError("--workers-only and --frontends-only need the device workers on tcp: set workerHost "
                               "(the workers' host address) and workerPort, and workerCurveKeyDir (the same keys on "
                               "both hosts)", "BackendConfig.workerHost", source=loaded.source)
+        hosts = ", ".join(b.worker_hosts or [b.worker_host])
         log.info("role %s: %s", role, "device workers only, for the front ends of another host" if role == "workers"
-                 else f"front ends only, connected to the device workers at {b.worker_host}:{b.worker_port}")
+                 else f"front ends only, connected to the device workers at {hosts} from port {b.worker_port}")
     return role
 
 
@@ -132,26 +133,16 @@ def check_cpu_threads(dep) -> None:
     """Warn (stderr, like every log line here) when the CPU workers' threads exceed the usable
     cores: OpenMP pools then oversubscribe the cores and the workers slow each other down."""
     # deviceType auto is settled later (workers/prepare.py): on a host without accelerators it is cpu.
-    cpu = [w for w in dep.workers if w.device_type in ("cpu", "auto") and not w.null_model]
-    total = sum(w.threads for w in cpu)
+    cpu = [w for w in dep.workers if w.device_type in ("cpu", "auto") and not w.null_model and not w.remote]
+    ranks = [max(1, len(w.device_ids)) for w in cpu]  # a tensor-parallel instance: one process per device
+    procs = sum(ranks)
+    total = sum(w.threads * n for w, n in zip(cpu, ranks))
     cores = usable_cores()
     if cpu and total > cores:
-        log.warning("%d CPU workers x %d threads = %d threads on %d usable cores (CPU affinity, cgroup quota): "
-                    "the workers will slow each other down; set BackendConfig.cpuThreadsPerWorker to %d or less "
-                    "(0: the cores shared automatically) or run fewer workers", len(cpu), cpu[0].threads, total,
-                    cores, max(1, cores // len(cpu)))
-
-
-def refuse_tensor_parallel(loaded) -> None:
-    """An npuDeviceIds entry of several devices (MindIE: one model instance over them, tensor
-    parallel) is refused by name: this server runs one worker per entry on one device."""
-    ids = loaded.config.backend.npu_device_ids
-    if len(ids[0]) > 1:
-        key = "BackendConfig.npuDeviceIds"
-        flat = [[i] for group in ids for i in group]
-        raise ConfigError(f"entries of {len(ids[0])} devices ask for tensor parallelism, which this server does "
-                          f"not do yet: list one device per entry (one worker each), e.g. {flat}", key,
-                          env=loaded.env_overrides.get(key), source=loaded.source)
+        log.warning("%d CPU worker processes x %d threads = %d threads on %d usable cores (CPU affinity, cgroup "
+                    "quota): the workers will slow each other down; set BackendConfig.cpuThreadsPerWorker to %d or "
+                    "less (0: the cores shared automatically) or run fewer workers", procs, cpu[0].threads, total,
+                    cores, max(1, cores // procs))
 
 
 def check_listeners(listeners) -> None:

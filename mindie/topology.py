@@ -73,22 +73,28 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
         enable_prefix_cache=sched.enable_prefix_cache,
         # The null model sleeps through its steps like an accelerator: overlap unless told not to.
         overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None))
-    # On CPU each worker gets its share of the cores; idle workers lend theirs only when the
-    # split is automatic.
-    threads = backend.cpu_threads_per_worker or max(1, usable_cores() // n)
-    share = not backend.cpu_threads_per_worker and n > 1
+    # On CPU each worker process (each rank of a tensor-parallel instance) gets its share of the
+    # cores; idle workers lend theirs only when the split is automatic and each is one process
+    # (the ranks of an instance step together: nothing to lend between them).
+    world = len(groups[0])
+    threads = backend.cpu_threads_per_worker or max(1, usable_cores() // (n * world))
+    share = not backend.cpu_threads_per_worker and n > 1 and world == 1
     run_dir = config.server.run_dir
     workers = []
-    for index, ids in enumerate(groups):
-        job, pub = worker_endpoints(run_dir, index, backend.worker_host, backend.worker_port)
-        workers.append(WorkerSpec(
-            worker_id=f"w{index}", job_endpoint=job, pub_endpoint=pub,
-            curve_key_dir=backend.worker_curve_key_dir if backend.worker_host else "",
-            insecure_tcp=backend.worker_insecure_tcp, device_type=backend.device_type,
-            device_ids=list(ids), model_path=model.model_weight_path, model_name=model.model_name, dtype=model.dtype,
-            cpu_mem_gb=float(model.cpu_mem_size), npu_mem_gb=float(model.npu_mem_size), threads=threads,
-            core_share_file=os.path.join(run_dir, "cores.busy") if share else "", worker_index=index,
-            num_workers=n, null_model=null_model, null_step_ms=null_step_ms,
-            watermark_gamma=config.server.watermark_gamma, watermark_delta=config.server.watermark_delta,
-            log_level=log_level, engine=engine, quantize=model.quantize or ""))
+    # Every worker host serves every npuDeviceIds entry; this host's supervisor starts those of
+    # workerHost only. A tcp worker's id names its host, the same on every host's plan.
+    hosts = backend.worker_hosts or [backend.worker_host]
+    for host in hosts:
+        for index, ids in enumerate(groups):
+            job, pub = worker_endpoints(run_dir, index, host, backend.worker_port)
+            workers.append(WorkerSpec(
+                worker_id=f"w{index}@{host}" if host else f"w{index}", job_endpoint=job, pub_endpoint=pub,
+                curve_key_dir=backend.worker_curve_key_dir if host else "",
+                insecure_tcp=backend.worker_insecure_tcp, device_type=backend.device_type,
+                device_ids=list(ids), model_path=model.model_weight_path, model_name=model.model_name,
+                dtype=model.dtype, cpu_mem_gb=float(model.cpu_mem_size), npu_mem_gb=float(model.npu_mem_size),
+                threads=threads, core_share_file=os.path.join(run_dir, "cores.busy") if share else "",
+                worker_index=index, num_workers=n, null_model=null_model, null_step_ms=null_step_ms,
+                watermark_gamma=config.server.watermark_gamma, watermark_delta=config.server.watermark_delta,
+                log_level=log_level, engine=engine, quantize=model.quantize or "", remote=host != backend.worker_host))
     return Deployment(run_dir=run_dir, workers=workers)

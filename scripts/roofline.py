@@ -57,9 +57,10 @@ class Bandwidth:
     adds timed sums; the rounds of the engine measurement take theirs in between, so a burst of
     load from other processes does not land on one side only."""
 
-    def __init__(self, nbytes: int, threads: int) -> None:
+    def __init__(self, nbytes: int, threads: int, device: str = "cpu") -> None:
         self.threads = threads
-        self.buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        self.device = device
+        self.buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         self.samples: list[float] = []
         self.sample(1, keep=False)  # warm the code path
 
@@ -69,8 +70,10 @@ class Bandwidth:
         try:
             n = self.buf.numel()
             for _ in range(repeats):
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                s = float(self.buf.sum())
+                s = float(self.buf.sum())  # float() waits for the device
                 dt = time.perf_counter() - t0
                 if abs(s - n) > n * 1e-3:  # the sum must have read every element
                     raise RuntimeError(f"bandwidth buffer sum {s} != {n}")
@@ -139,17 +142,17 @@ def step_bytes(args, elem: int, contexts: list[int]) -> dict[str, int]:
 # The engine's decode steps
 
 
-def load(model: str, dtype: str, threads: int, block_size: int):
-    """The engine's runner, set up as scripts/bench_engine.py does."""
+def load(model: str, dtype: str, threads: int, block_size: int, device: str = "cpu"):
+    """The engine's runner, set up as scripts/bench_engine.py does (``device``: cpu or cuda)."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
-    from workers.backends.cpu import CpuBackend
+    from workers.backends import get_backend
     from workers.engine.model_runner import load_runner
 
     engine_cfg = EngineConfig(block_size=block_size, max_seq_len=4096, max_batch_size=256,
                               max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False)
     spec = WorkerSpec(worker_id="roofline", job_endpoint="", pub_endpoint="", model_path=model, dtype=dtype,
-                      engine=engine_cfg)
-    backend = CpuBackend(threads)
+                      engine=engine_cfg, device_type=device)
+    backend = get_backend(device, threads)
     backend.setup()
     return load_runner(spec, backend), engine_cfg
 
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="Hugging Face model dir (default: a demo model, see --preset)")
     ap.add_argument("--preset", default="bench30m", help="built-in demo model when --model is not given "
-                    "(workers/models/demo.py PRESETS: demo, bench30m)")
+                    "(workers/models/demo.py PRESETS: demo, bench30m, gpu1b)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=192,
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--bw-mib", type=int, default=1024, help="bandwidth buffer size in MiB")
     ap.add_argument("--bw-repeat", type=int, default=3, help="bandwidth sums per round")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: usable cores)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the engine on GPU 0 and the bandwidth of its memory (scripts/gpu_check.sh)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -240,13 +245,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     load_before = os.getloadavg()
     log(f"loading {model} ({args.dtype}, {threads} threads) ...")
-    runner, engine_cfg = load(model, args.dtype, threads, args.block_size)
+    runner, engine_cfg = load(model, args.dtype, threads, args.block_size, args.device)
     num_blocks = blocks_needed(max(batches), args.context, args.steps, args.warm, args.block_size)
     runner.allocate_kv(num_blocks, args.block_size)
     elem = torch.empty((), dtype=runner.kv_dtype).element_size()
     bw_per_round = max(1, args.bw_repeat)
     log(f"bandwidth buffer: {args.bw_mib} MiB, {threads} threads, {bw_per_round} sums per round")
-    bw = Bandwidth(args.bw_mib << 20, threads)
+    bw = Bandwidth(args.bw_mib << 20, threads, args.device)
     rng = random.Random(0)
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in batches}
     # Rounds: bandwidth samples, then each batch once, so load from other processes is spread.
@@ -285,9 +290,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         })
 
     dtype_name = str(runner.kv_dtype).replace("torch.", "")
+    where = f"{threads} threads" if args.device == "cpu" else torch.cuda.get_device_name(0)
     print(f"model {model}: {margs.num_hidden_layers} layers, hidden {margs.hidden_size}, "
           f"{margs.num_attention_heads}/{margs.num_key_value_heads} heads x {margs.head_dim}, "
-          f"intermediate {margs.intermediate_size}, vocab {margs.vocab_size}; {dtype_name}, {threads} threads")
+          f"intermediate {margs.intermediate_size}, vocab {margs.vocab_size}; {dtype_name}, {where}")
     print(f"read bandwidth: best {bwsum['best_gb_s']} GB/s, median {bwsum['median_gb_s']} GB/s "
           f"({bwsum['repeats']} x torch.sum over {bwsum['bytes'] >> 20} MiB)")
     hdr = (f"{'batch':>5} {'context':>7} {'weights MB':>10} {'KV MB':>8} {'step MB':>8} {'roofline tok/s':>14} "

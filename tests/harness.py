@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -227,3 +228,46 @@ def rss_mib(pids) -> float:
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1])
     return total / 1024
+
+
+# -- concurrent /infer streams (tests/test_tensor_parallel.py, tests/test_remote_workers.py) -------
+class InferStreams:
+    """``n`` concurrent MindIE ``/infer`` SSE streams of ``tokens`` tokens each (ignore_eos),
+    prompt ``prompt(i)``. Each records its decoded events and the time it ended."""
+
+    def __init__(self, url: str, n: int, tokens: int, prompt=lambda i: [9 + i, 6]):
+        self.url, self.tokens = url, tokens
+        self.events: list[list[dict]] = [[] for _ in range(n)]
+        self.ended: list[float | None] = [None] * n
+        self.threads = [threading.Thread(target=self._run, args=(i, prompt(i)), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int, prompt: list[int]) -> None:
+        body = {"input_id": prompt, "stream": True, "parameters": {"max_new_tokens": self.tokens, "ignore_eos": True}}
+        try:
+            with httpx.stream("POST", self.url + "/infer", json=body, timeout=120) as r:
+                buf = b""
+                for chunk in r.iter_bytes():
+                    buf += chunk
+                    *done, buf = buf.split(b"\n\n")
+                    self.events[i].extend(json.loads(e.split(b"data:", 1)[1]) for e in done if b"data:" in e)
+        finally:
+            self.ended[i] = time.monotonic()
+
+    def wait_started(self, min_events: int = 3, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(len(e) for e in self.events) < min_events and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def join(self, timeout: float = 120.0) -> None:
+        for t in self.threads:
+            t.join(timeout)
+
+    def outcome(self) -> tuple[list[float], int]:
+        """(end times of the streams that ended with an error event, how many completed in full).
+        Asserts that every stream did one or the other: none was cut short silently."""
+        failed = [end for ev, end in zip(self.events, self.ended) if ev and "error" in ev[-1]]
+        full = sum(len(ev) == self.tokens and "error" not in ev[-1] for ev in self.events)
+        assert len(failed) + full == len(self.events), [len(ev) for ev in self.events]
+        return failed, full

@@ -115,7 +115,8 @@ KEY_TESTS: dict[str, list[str]] = {
                                    f"{_CFG}::test_frontend_count_from_file_and_environment"],
     # -- BackendConfig
     "BackendConfig.npuDeviceIds": _here("test_npu_device_ids_make_one_worker_per_entry",
-                                        "test_device_groups_are_refused_at_launch"),
+                                        "test_device_groups_launch_as_tensor_parallel_instances") + [
+        "tests/test_tensor_parallel.py::test_server_of_two_tp_instances_survives_a_rank_kill"],
     "BackendConfig.deviceType": _here("test_device_type_picks_the_backend"),
     "BackendConfig.cpuThreadsPerWorker": _here("test_cpu_threads_per_worker", "test_e2e_worker_applies_its_keys"),
     "BackendConfig.workerHost": [f"{_CURVE}::test_tcp_without_keys_is_refused_unless_insecure",
@@ -123,6 +124,8 @@ KEY_TESTS: dict[str, list[str]] = {
                                  f"{_CURVE}::test_plain_tcp_with_the_insecure_flag",
                                  "tests/test_remote_workers.py::test_front_ends_and_workers_on_two_hosts",
                                  "tests/test_remote_workers.py::test_split_roles_need_tcp"],
+    "BackendConfig.workerHosts": [f"{_CURVE}::test_worker_host_and_port_checked", f"{_CURVE}::test_worker_hosts_plan",
+                                  "tests/test_remote_workers.py::test_front_ends_over_two_worker_hosts_survive_a_partition"],
     "BackendConfig.workerPort": [f"{_CURVE}::test_tcp_without_keys_is_refused_unless_insecure",
                                  f"{_CURVE}::test_worker_host_and_port_checked",
                                  f"{_CURVE}::test_worker_reports_a_port_in_use"],
@@ -148,9 +151,9 @@ KEY_TESTS: dict[str, list[str]] = {
         f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_model_name_follows_the_checkpoint_unless_given"],
     "BackendConfig.ModelDeployConfig.ModelConfig[].modelWeightPath": _here(
         "test_e2e_model_name_and_weight_path", "test_model_weight_path_must_be_a_checkpoint"),
-    # worldSize has no effect beyond its check (groups of several devices are refused at launch).
-    "BackendConfig.ModelDeployConfig.ModelConfig[].worldSize": _here("test_world_size_must_match_the_device_group",
-                                                                     "test_device_groups_are_refused_at_launch") + [
+    # worldSize is checked against the groups and against the model's shapes (the groups set the TP size).
+    "BackendConfig.ModelDeployConfig.ModelConfig[].worldSize": _here(
+        "test_world_size_must_match_the_device_group", "test_a_model_that_does_not_split_is_refused_naming_world_size") + [
         f"{_CFG}::test_cross_field_checks"],
     "BackendConfig.ModelDeployConfig.ModelConfig[].npuMemSize": _here("test_npu_and_cpu_mem_size_size_the_kv_cache"),
     "BackendConfig.ModelDeployConfig.ModelConfig[].cpuMemSize": _here("test_npu_and_cpu_mem_size_size_the_kv_cache",
@@ -299,6 +302,12 @@ def load(tmp_path: Path, data: dict, env: dict | None = None, name: str = "confi
     path = tmp_path / name
     path.write_text(json.dumps(data))
     return load_config(str(path), env=env or {})
+
+
+def _write(tmp_path: Path, data: dict, name: str = "tp.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
 
 
 def deployment(tmp_path: Path, data: dict, **kw):
@@ -468,14 +477,36 @@ def test_world_size_must_match_the_device_group(tmp_path: Path) -> None:
         load(tmp_path, data)
 
 
-def test_device_groups_are_refused_at_launch(tmp_path: Path) -> None:
-    """Entries of several devices (tensor parallelism) load (a MindIE file is valid) but the
-    launcher refuses them, naming the key, since one worker uses one device."""
-    (tmp_path / "tp.json").write_text(json.dumps({"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]]}}))
-    proc = _prepare(tmp_path, tmp_path / "tp.json")
-    assert proc.returncode == 2, proc.stderr
-    assert "BackendConfig.npuDeviceIds: entries of 4 devices ask for tensor parallelism" in proc.stderr
-    assert "[[0], [1], [2], [3]]" in proc.stderr and "exit 2" in proc.stdout
+def test_device_groups_launch_as_tensor_parallel_instances(tmp_path: Path) -> None:
+    """Entries of several devices are tensor-parallel instances: the launch plan keeps the groups,
+    and on CPU each rank gets its share of the cores (no core lending between instances)."""
+    from mindie.topology import usable_cores
+
+    dep = deployment(tmp_path, {"BackendConfig": {"npuDeviceIds": [[0, 1], [2, 3]], "deviceType": "cpu"}})
+    assert [w.device_ids for w in dep.workers] == [[0, 1], [2, 3]]
+    assert all(w.threads == max(1, usable_cores() // 4) and not w.core_share_file for w in dep.workers)
+    proc = _prepare(tmp_path, _write(tmp_path, {"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]]}}))
+    assert proc.returncode == 0 and "MINDIE_DEPLOYMENT=" in proc.stdout, proc.stderr
+
+
+def test_a_model_that_does_not_split_is_refused_naming_world_size(tmp_path: Path) -> None:
+    """workers.prepare (run by launch.sh before any process starts) refuses a world size that
+    does not divide the model's heads, naming the key; exit status 2."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 48,
+        "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 6}))
+    data = {"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]], "deviceType": "cpu",
+                              "ModelDeployConfig": {"ModelConfig": [{"modelWeightPath": str(model)}]}}}
+    proc = _prepare(tmp_path, _write(tmp_path, data))
+    assert proc.returncode == 0, proc.stderr
+    plan = [line.split("=", 1)[1] for line in proc.stdout.splitlines() if line.startswith("MINDIE_DEPLOYMENT=")][0]
+    settle = subprocess.run([sys.executable, "-m", "workers.prepare", plan.strip("'")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert settle.returncode == 2, settle.stderr
+    assert ("ModelConfig[0].worldSize: 4 ranks cannot split this model: num_attention_heads 6 is not a multiple "
+            "of 4") in settle.stderr
 
 
 def test_npu_device_ids_make_one_worker_per_entry(tmp_path: Path) -> None:

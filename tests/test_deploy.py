@@ -22,7 +22,6 @@ yaml = pytest.importorskip("yaml")  # PyYAML: setup.cfg [test] extras
 from mindie import probe  # noqa: E402
 from mindie.config import load_config  # noqa: E402
 from mindie.listeners import plan_listeners  # noqa: E402
-from mindie.prepare import refuse_tensor_parallel  # noqa: E402
 from tests.harness import ROOT, alive, free_port, free_ports, process_roles, short_run_dir, wait_gone, write_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -134,7 +133,6 @@ def test_every_manifest_loads() -> None:
 def test_configmap_config_loads_with_the_server_loader(tmp_path) -> None:
     path, loaded = configmap_config(tmp_path)
     cfg = loaded.config
-    refuse_tensor_parallel(loaded)  # as the launcher: one device per npuDeviceIds entry
     assert cfg.backend.device_type == "npu"
     assert cfg.backend.npu_device_ids == [[i] for i in range(8)]
     s = cfg.server

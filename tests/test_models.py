@@ -18,6 +18,7 @@ from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.demo import VOCAB_SIZE, ensure_demo_model, main as demo_main
 from workers.models.loader import ModelLoadError, load_model
 from tests.reference_attention import DenseCausalAttention
+from tests.tiny_hf import save_random_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,22 +52,8 @@ PROMPT_LEN = 24
 def _make_hf(case: str, tmp_path: Path) -> tuple[Any, Path]:
     """A tiny random transformers model for `case`, saved as safetensors; returns (model, dir)."""
     cls_name, extra = CASES[case]
-    cfg = getattr(transformers, cls_name)(**BASE, **extra)
-    cfg._attn_implementation = "eager"  # the textbook math as reference
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        # Default init leaves norms at 1 and biases at 0, which would hide mapping mistakes.
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.08)
     path = tmp_path / case
-    model.save_pretrained(path, safe_serialization=True)
-    return model, path
+    return save_random_model(cls_name, {**BASE, **extra}, path), path
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ Requests are served through both workers; killing the workers' launcher fails th
 flight within seconds and the front ends say no worker is ready."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.harness import ROOT, Server, alive, descendants, free_port, short_run_dir, write_config
+from tests.harness import ROOT, InferStreams, Server, alive, descendants, free_port, short_run_dir, write_config
 from tests.test_worker_curve import make_keys, port_pair
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,3 +124,94 @@ def test_split_roles_need_tcp(tmp_path, demo_model):
                               env={**os.environ, "PYTHON": sys.executable})
         assert proc.returncode == 2, (flag, proc.stderr[-2000:])
         assert "BackendConfig.workerHost" in proc.stderr, proc.stderr[-2000:]
+
+
+def _start_workers_host(tmp_path, name, demo_model, keys, wport, host, hosts):
+    """A workers-only launch bound to ``host`` (its own process group, so that it can be stopped whole)."""
+    d = tmp_path / name
+    d.mkdir()
+    write_config(d / "config.json", port=free_port(), run_dir=short_run_dir(), workers=1, model_path=demo_model)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["BackendConfig"].update(workerHost=host, workerHosts=hosts, workerPort=wport, workerCurveKeyDir=str(keys))
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    log = open(d / "workers.log", "wb")
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(d / "config.json"),
+                             "--workers-only"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "PYTHON": sys.executable, "MINDIE_LOG_LEVEL": "INFO"})
+    return proc, log
+
+
+def _slots(url):
+    try:
+        return httpx.get(url + "/v1/status", timeout=10).json()["resource"]["availSlotsNum"]
+    except httpx.HTTPError:
+        return None
+
+
+def test_front_ends_over_two_worker_hosts_survive_a_partition(tmp_path, demo_model):
+    """workerHosts lists two worker hosts (127.0.0.1 and 127.0.0.2, same ports): the front ends
+    use both. Stopping one host's whole process group (SIGSTOP: a partition, as the front ends see
+    it) fails the streams it served within seconds while the other host's finish and new requests
+    are served; when the host comes back (SIGCONT) the front ends use it again."""
+    keys = make_keys(tmp_path / "curve")
+    wport = port_pair(1)
+    hosts = ["127.0.0.1", "127.0.0.2"]
+    a, alog = _start_workers_host(tmp_path, "a", demo_model, keys, wport, hosts[0], hosts)
+    b, blog = _start_workers_host(tmp_path, "b", demo_model, keys, wport, hosts[1], hosts)
+    (tmp_path / "f").mkdir()
+    fe_port = free_port()
+    write_config(tmp_path / "f" / "config.json", port=fe_port, run_dir=short_run_dir(), workers=1,
+                 model_path=demo_model)
+    cfg = json.loads((tmp_path / "f" / "config.json").read_text())
+    cfg["BackendConfig"].update(workerHosts=hosts, workerPort=wport, workerCurveKeyDir=str(keys))
+    (tmp_path / "f" / "config.json").write_text(json.dumps(cfg, indent=2))
+    fe = Server(tmp_path / "f" / "config.json", fe_port, args=["--frontends-only"])
+    try:
+        fe.wait_ready(120)
+        deadline = time.monotonic() + 60
+        while _slots(fe.url) != 2 * 64 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _slots(fe.url) == 2 * 64, fe.tail()
+        idle = httpx.get(fe.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+        assert len(idle) == 2, idle
+
+        streams = InferStreams(fe.url, 6, 400, lambda i: [5, 6 + i])
+        streams.wait_started(timeout=30)
+        busy = httpx.get(fe.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+        assert all(busy[k] < idle[k] for k in idle), (idle, busy)  # streams on both hosts
+        # Every process of host b stops (its launcher, supervisor and worker: the whole host).
+        bprocs = [b.pid, *descendants(b.pid)]
+        t0 = time.monotonic()
+        for p in bprocs:
+            os.kill(p, signal.SIGSTOP)
+        streams.join(90)
+        failed, finished = streams.outcome()
+        assert failed and finished, [len(ev) for ev in streams.events]
+        assert max(failed) - t0 < 10, "the stopped host's streams did not fail within seconds"
+        for i in range(4):  # host a serves on
+            r = httpx.post(fe.url + "/infer", json={"input_id": [7, i], "parameters": {
+                "max_new_tokens": 4, "ignore_eos": True, "details": True}}, timeout=60)
+            assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 4, r.text
+        assert _slots(fe.url) == 64
+        for p in bprocs:
+            os.kill(p, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while _slots(fe.url) != 2 * 64 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _slots(fe.url) == 2 * 64, "host b did not come back after SIGCONT"
+    finally:
+        for p in [b.pid, *descendants(b.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+        for p in (a, b):
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        for p in (a, b):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        alog.close()
+        blog.close()
+        assert fe.stop() == 0, fe.tail()

@@ -121,12 +121,34 @@ def test_tcp_without_keys_is_refused_unless_insecure(tmp_path) -> None:
     ({"workerHost": "0.0.0.0", "workerPort": 20000, "workerInsecureTcp": True}, "BackendConfig.workerHost", "connect"),
     ({"workerHost": "127.0.0.1", "workerInsecureTcp": True}, "BackendConfig.workerPort", "[1024, 65535]"),
     ({"workerHost": "127.0.0.1", "workerPort": 65535, "workerInsecureTcp": True}, "BackendConfig.workerPort", "<= 65534"),
+    ({"workerHosts": ["127.0.0.1", "hostb"], "workerPort": 20000, "workerInsecureTcp": True},
+     "BackendConfig.workerHosts[1]", "IPv4 or IPv6 address, got 'hostb'"),
+    ({"workerHosts": ["127.0.0.1", "127.0.0.1"], "workerPort": 20000, "workerInsecureTcp": True},
+     "BackendConfig.workerHosts", "appears twice"),
+    ({"workerHost": "127.0.0.3", "workerHosts": ["127.0.0.1", "127.0.0.2"], "workerPort": 20000,
+      "workerInsecureTcp": True}, "BackendConfig.workerHosts", "must list workerHost (127.0.0.3)"),
+    ({"workerHosts": ["127.0.0.1"], "workerInsecureTcp": True}, "BackendConfig.workerPort", "[1024, 65535]"),
 ])
 def test_worker_host_and_port_checked(tmp_path, backend, key, words) -> None:
     path = tcp_config(tmp_path / "config.json", **backend)
     with pytest.raises(ConfigError) as e:
         load_config(str(path), env={})
     assert str(e.value).startswith(key + ":") and words in str(e.value), str(e.value)
+
+
+def test_worker_hosts_plan(tmp_path) -> None:
+    """workerHosts: every host serves every npuDeviceIds entry on the same ports; a worker's id
+    names its host (the same on every host's plan), and only workerHost's are started here."""
+    path = tcp_config(tmp_path / "config.json", workers=2, workerHost="10.0.0.3", workerPort=20000,
+                      workerHosts=["10.0.0.2", "10.0.0.3"], workerInsecureTcp=True)
+    dep = build_deployment(load_config(str(path), env={}).config)
+    assert [(w.worker_id, w.job_endpoint, w.remote) for w in dep.workers] == [
+        ("w0@10.0.0.2", "tcp://10.0.0.2:20000", True), ("w1@10.0.0.2", "tcp://10.0.0.2:20002", True),
+        ("w0@10.0.0.3", "tcp://10.0.0.3:20000", False), ("w1@10.0.0.3", "tcp://10.0.0.3:20002", False)]
+    host_b = tcp_config(tmp_path / "b.json", workers=2, workerHost="10.0.0.2", workerPort=20000,
+                        workerInsecureTcp=True)
+    assert [w.worker_id for w in build_deployment(load_config(str(host_b), env={}).config).workers] == [
+        "w0@10.0.0.2", "w1@10.0.0.2"]
 
 
 def test_ipv6_endpoints(tmp_path) -> None:

@@ -54,7 +54,23 @@ def settle_deployment(dep: Deployment) -> Deployment:
     elif not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} has no "
                          "config.json (a Hugging Face model directory is expected)")
+    check_tensor_parallel(first, model_dir)
     return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers])
+
+
+def check_tensor_parallel(spec: WorkerSpec, model_dir: str) -> None:
+    """npuDeviceIds entries of several devices: the model must split that many ways (exits
+    naming worldSize otherwise, before any process starts)."""
+    world = len(spec.device_ids)
+    if world <= 1 or spec.null_model:
+        return
+    from workers.models.config import ModelArgs, ModelConfigError
+    from workers.models.sharding import plan_shard
+    try:
+        plan_shard(ModelArgs.from_dir(model_dir), 0, world)
+    except ModelConfigError as e:
+        raise SystemExit(str(e)) from None
+    log.info("tensor parallel: each npuDeviceIds entry is one instance of %d ranks (one process per device)", world)
 
 
 def main(argv: list[str] | None = None) -> None:

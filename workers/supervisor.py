@@ -4,8 +4,10 @@ Runs beside the gunicorn master (a sibling under scripts/launch.sh, never its ch
 master reaps any child with waitpid(-1) and would swallow exit statuses). It reads the launch
 plan (``<runDir>/deployment.json``, mindie/contract/spec.py) and
 - starts one ``workers.worker`` process per ``npuDeviceIds`` entry, with device visibility
-  set in its environment and, on CPU, its share of the cores;
-- restarts a worker that exits, with exponential backoff, logging the exit code or signal;
+  set in its environment and, on CPU, its share of the cores; an entry of N devices is a
+  tensor-parallel instance of N processes, one per device (workers/engine/tp_group.py);
+- restarts a worker that exits, with exponential backoff, logging the exit code or signal; when
+  any rank of an instance exits, the other ranks are killed and the group restarts together;
 - on SIGTERM/SIGINT stops every worker (SIGTERM, then SIGKILL after a grace period) and
   exits; a worker stopped this way removes its sockets and locks from the run directory.
 
@@ -17,6 +19,7 @@ SIGTERM when the launcher dies, and also stops when it sees its parent change.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
@@ -24,7 +27,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 
 from mindie.contract.lifecycle import die_with_parent, expected_parent
 from mindie.contract.log_setup import setup_logging
@@ -59,52 +63,96 @@ def visibility_env(device_type: str, device_ids: list[int]) -> dict[str, str]:
 
 @dataclass
 class Child:
+    """One npuDeviceIds entry: one worker process, or one per device of a tensor-parallel instance."""
+
     spec: WorkerSpec
-    proc: subprocess.Popen | None = None
+    procs: list[subprocess.Popen | None] = field(default_factory=list)  # by rank
     started: float = 0.0
     restarts: int = 0
     backoff: float = BACKOFF_START_S
     restart_at: float = 0.0
+    store: str = ""  # the rendezvous file of the group's current start
+
+    @property
+    def world(self) -> int:
+        return 1 if self.spec.null_model else max(1, len(self.spec.device_ids))
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """Rank 0: the worker the front ends talk to."""
+        return self.procs[0] if self.procs else None
+
+    def running(self) -> list[subprocess.Popen]:
+        return [p for p in self.procs if p is not None]
 
 
 class Supervisor:
-    def __init__(self, specs: list[WorkerSpec], parent: int | None = None):
+    def __init__(self, specs: list[WorkerSpec], parent: int | None = None, run_dir: str = ""):
         self.children = [Child(spec) for spec in specs]
         self.stopping = False
         self.parent = parent or os.getppid()
+        self.run_dir = run_dir  # where tensor-parallel rendezvous files go
 
     def _spawn(self, child: Child) -> None:
-        env = dict(os.environ)
-        env.update(visibility_env(child.spec.device_type, child.spec.device_ids))
-        cmd = [sys.executable, "-m", "workers.worker", "--spec", encode_spec(child.spec)]
-        # In the child between fork and exec: SIGKILL when this (single-threaded) process dies.
-        # SIGKILL rather than SIGTERM: a worker stuck in a device call must not outlive us; the
-        # launcher (or the next start) removes what it leaves in the run directory.
-        die = functools.partial(die_with_parent, signal.SIGKILL, os.getpid())
-        child.proc = subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=die)
+        world = child.world
+        if world > 1:
+            # A fresh rendezvous file for each start of the group: a dead start's file is not reused.
+            if child.store:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(child.store)
+            child.store = os.path.join(self.run_dir or tempfile.gettempdir(),
+                                       f"{child.spec.worker_id}-tp{child.restarts}.store")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(child.store)
+        child.procs = []
+        for rank in range(world):
+            env = dict(os.environ)
+            # A rank sees its own device only; a single worker sees its entry's devices.
+            ids = [child.spec.device_ids[rank]] if world > 1 else child.spec.device_ids
+            env.update(visibility_env(child.spec.device_type, ids))
+            cmd = [sys.executable, "-m", "workers.worker", "--spec", encode_spec(child.spec)]
+            if world > 1:
+                cmd += ["--rank", str(rank), "--tp-store", child.store]
+            # In the child between fork and exec: SIGKILL when this (single-threaded) process dies.
+            # SIGKILL rather than SIGTERM: a worker stuck in a device call must not outlive us; the
+            # launcher (or the next start) removes what it leaves in the run directory.
+            die = functools.partial(die_with_parent, signal.SIGKILL, os.getpid())
+            child.procs.append(subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=die))
         child.started = time.monotonic()
-        log.info("started worker %s (pid %d, device %s %s)", child.spec.worker_id, child.proc.pid,
-                 child.spec.device_type, child.spec.device_ids)
+        pids = ", ".join(str(p.pid) for p in child.running())
+        log.info("started worker %s (pid%s %s, device %s %s%s)", child.spec.worker_id, "s" * (world > 1), pids,
+                 child.spec.device_type, child.spec.device_ids, f", tensor parallel x{world}" if world > 1 else "")
 
     def start(self) -> None:
         for child in self.children:
             self._spawn(child)
 
     def poll_once(self) -> None:
-        """Notice dead workers and restart them when their backoff has passed."""
+        """Notice dead workers and restart them when their backoff has passed. Any rank of a
+        tensor-parallel instance that dies takes the whole group down: the others are killed
+        and the group restarts together."""
         now = time.monotonic()
         for child in self.children:
-            if child.proc is not None:
-                code = child.proc.poll()
-                if code is None:
+            if child.procs:
+                dead = [(rank, p.poll()) for rank, p in enumerate(child.procs) if p.poll() is not None]
+                if not dead:
                     if now - child.started > STABLE_AFTER_S:
                         child.backoff = BACKOFF_START_S
                     continue
-                child.proc = None
+                rank, code = dead[0]
+                others = [p for p in child.running() if p.poll() is None]
+                for p in others:
+                    p.kill()  # a rank left alone waits in a collective: nothing to save there
+                for p in others:
+                    p.wait()
+                child.procs = []
                 child.restarts += 1
                 child.restart_at = now + child.backoff
-                log.error("worker %s %s after %.1f s; restarting in %.1f s (restart #%d)", child.spec.worker_id,
-                          describe_exit(code), now - child.started, child.backoff, child.restarts)
+                who = f"rank {rank} of worker {child.spec.worker_id}" if child.world > 1 else \
+                    f"worker {child.spec.worker_id}"
+                log.error("%s %s after %.1f s; %srestarting in %.1f s (restart #%d)", who, describe_exit(code),
+                          now - child.started, f"stopped its {len(others)} other rank(s); " if child.world > 1 else "",
+                          child.backoff, child.restarts)
                 child.backoff = min(child.backoff * 2, BACKOFF_MAX_S)
             elif not self.stopping and now >= child.restart_at:
                 self._spawn(child)
@@ -121,7 +169,7 @@ class Supervisor:
 
     def stop(self) -> None:
         self.stopping = True
-        procs = [c.proc for c in self.children if c.proc is not None]
+        procs = [p for c in self.children for p in c.running()]
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -133,6 +181,10 @@ class Supervisor:
                 log.warning("worker pid %d did not stop in %.0f s: SIGKILL", p.pid, STOP_GRACE_S)
                 p.kill()
                 p.wait()
+        for c in self.children:
+            if c.store:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(c.store)
         log.info("all device workers stopped")
 
 
@@ -157,7 +209,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     parent = expected_parent()
     die_with_parent(signal.SIGTERM, parent)  # the launcher dies: stop the workers and exit
-    sup = Supervisor(dep.workers, parent)
+    local = [s for s in dep.workers if not s.remote]  # workerHosts: the others run on their own hosts
+    if not local:
+        log.error("%s lists no device worker for this host (BackendConfig.workerHost is not one of workerHosts)",
+                  args.deployment)
+        raise SystemExit(2)
+    sup = Supervisor(local, parent, dep.run_dir)
 
     def _stop(signum, _frame):
         log.info("signal %s: stopping device workers", signal.Signals(signum).name)

@@ -96,8 +96,10 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: tuple[bytes, bytes, str] | None
         raise SystemExit(f"cannot bind {endpoint}: {why}") from None
 
 
-def build_engine(spec: WorkerSpec):
-    """Load the model (or the null model) and size the KV cache; returns (engine, vocab size, device)."""
+def build_engine(spec: WorkerSpec, tp_store: str = ""):
+    """Load the model (or the null model) and size the KV cache; returns (engine, device).
+    ``tp_store``: rank 0 of a tensor-parallel instance (``spec.device_ids`` lists its devices):
+    the rendezvous file the supervisor made for this start of the group."""
     from workers.engine.model_runner import NullRunner, load_runner
 
     cfg = spec.engine
@@ -112,26 +114,36 @@ def build_engine(spec: WorkerSpec):
 
     backend = get_backend(spec.device_type, spec.threads)
     backend.setup()
-    runner = load_runner(spec, backend)
+    group = None
+    if tp_store:
+        from workers.engine.tp_group import join
+        group = join(spec.worker_id, 0, len(spec.device_ids), tp_store, spec.device_type)
+    runner = load_runner(spec, backend, group)
     bytes_per_block = runner.bytes_per_block(cfg.block_size)
     num_blocks = max(1, backend.kv_cache_bytes(spec) // bytes_per_block)
+    if group is not None:  # every rank allocates the same blocks; rank 0's tables address them all
+        group.wait_all("loaded the model")
+        group.broadcast_int(num_blocks)
     runner.allocate_kv(num_blocks, cfg.block_size)
     log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s, attention %s", num_blocks,
              cfg.block_size, num_blocks * bytes_per_block / (1 << 30), num_blocks * cfg.block_size,
              backend.describe(), type(runner.attn).__name__)
     log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
-    return Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), backend.describe()
+    device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
+    return Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), device
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, tp_store: str = ""):
         self.spec = spec
+        self.exit_code = 0
         self.instance = secrets.token_hex(6)
         self.stop = False
         self.frontends: dict[str, FrontendState] = {}
         mode, keys = link_security(spec)  # before the model loads: a refused link fails fast
         t0 = time.perf_counter()
-        self.engine, self.device = build_engine(spec)
+        self.engine, self.device = build_engine(spec, tp_store)
+        self.group = getattr(self.engine.runner, "group", None)  # rank 0 of a tensor-parallel instance
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
                  spec.model_name, self.engine.runner.vocab_size)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
@@ -337,6 +349,8 @@ class Worker:
         flight = self._launch() if self._set_busy(self.engine.has_work()) else None
         if flight is not None:
             self._collect(flight)
+        elif self.group is not None:
+            self._keepalive()
         self.publish()
         self._heartbeat_if_changed()
 
@@ -349,6 +363,8 @@ class Worker:
         flight = self._launch() if self._set_busy(self.engine.has_work()) else None
         if flight is None and self.pending:
             self.publish()  # error frames of a failed launch go out before an idle wait
+        if flight is None and self.group is not None:
+            self._keepalive()
         self.drain(0 if flight is not None else self.idle_wait_ms)
         self.reap()
         self.publish()
@@ -388,20 +404,37 @@ class Worker:
                                                      top_logprobs=out.top_logprobs,
                                                      prompt_logprobs=out.prompt_logprobs))
 
+    def _keepalive(self) -> None:
+        try:
+            self.group.keepalive()
+        except Exception as e:
+            self._fail_all(e)
+
     def _fail_all(self, e: Exception) -> None:
-        """One bad batch must not take the worker down: end this worker's requests with errors."""
+        """One bad batch must not take the worker down: end this worker's requests with errors.
+        In a tensor-parallel instance the ranks may now be out of step (one raised before a
+        collective the others wait in): the frames go out and the worker exits, so that the
+        supervisor restarts the whole group."""
         log.error("engine step failed: aborting the %d requests of this worker", len(self.engine.requests),
                   exc_info=e)
         err = P.request_error(500, f"Device step failed: {type(e).__name__}: {e}")
         for rid, seq in list(self.engine.requests.items()):
             self.engine.abort(rid)
             self._fail(seq.frontend_id, rid, err)
+        if self.group is not None:
+            self.publish()
+            log.error("tensor-parallel instance %s cannot go on: exiting so that its group restarts",
+                      self.spec.worker_id)
+            self.stop = True
+            self.exit_code = 3
 
     def close(self) -> None:
         """Stop cleanly: the compute thread, the sockets, then this worker's files in the run
         directory (its two ipc sockets and their locks; the shared cores.busy and the rest are
         the launcher's to remove once every process stopped)."""
         self.engine.close()
+        if self.group is not None and not self.exit_code:
+            self.group.stop()
         if self.cores is not None:
             self.cores.close()
         self._close_sockets()
@@ -422,11 +455,17 @@ class Worker:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="MindIE-py device worker (started by the supervisor).")
     ap.add_argument("--spec", required=True, help="WorkerSpec as JSON (mindie/contract/spec.py)")
+    ap.add_argument("--rank", type=int, default=0, help="rank in a tensor-parallel instance (0 = the worker)")
+    ap.add_argument("--tp-store", default="", help="rendezvous file of a tensor-parallel instance")
     args = ap.parse_args(argv)
     spec = decode_spec(args.spec)
+    if args.rank > 0:
+        from workers.tp_rank import follow
+        setup_logging(f"worker {spec.worker_id} rank {args.rank} pid {os.getpid()}", spec.log_level)
+        raise SystemExit(follow(spec, args.rank, args.tp_store))
     setup_logging(f"worker {spec.worker_id} pid {os.getpid()}", spec.log_level)
     log.debug("spec: %s", args.spec)
-    worker = Worker(spec)
+    worker = Worker(spec, args.tp_store)
 
     def _stop(signum, _frame):
         log.info("signal %s: stopping", signal.Signals(signum).name)
@@ -435,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     worker.run()
+    if worker.exit_code:
+        raise SystemExit(worker.exit_code)
 
 
 if __name__ == "__main__":

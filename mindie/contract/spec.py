@@ -61,6 +61,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     engine: EngineConfig = EngineConfig()
     # ModelConfig[].quantize: "" = the model dtype; "w8a16" = weight-only int8 linears.
     quantize: str = ""
+    # A worker on another host (BackendConfig.workerHosts): front ends connect to it, this host's
+    # supervisor does not start it.
+    remote: bool = False
 
 
 class Deployment(msgspec.Struct, kw_only=True):

@@ -23,6 +23,7 @@ from workers.engine.engine import RunnerOutput
 from workers.engine.sampler import MAX_TOP_LOGPROBS
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
+from workers.engine.tp_group import Group, StepInputs
 
 if TYPE_CHECKING:
     from workers.backends.base import Backend
@@ -36,8 +37,11 @@ SampleFn = Callable[[torch.Tensor, list[Sequence]], torch.Tensor]
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int], kv_dtype: torch.dtype,
                  sample: SampleFn, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device,
-                 attention_cls: type = PagedAttention, after_step: Callable[[], None] | None = None):
+                 attention_cls: type = PagedAttention, after_step: Callable[[], None] | None = None,
+                 group: Group | None = None):
+        """``group``: this is rank 0 of a tensor-parallel instance (workers/engine/tp_group.py)."""
         self.model = model
+        self.group = group
         self.after_step = after_step  # the backend's housekeeping (Backend.after_step)
         self.attention_cls = attention_cls  # PagedAttention, or the NPU's (workers/backends/npu_attention.py)
         self.kv_shape = kv_shape  # (num_layers, n_kv_heads, head_dim)
@@ -78,18 +82,29 @@ class ModelRunner:
                 last_rows.append(len(ids) - 1)
                 sampled_seqs.append(seq)
                 want_lp = want_lp or seq.params.logprobs >= 0
-        self.attn.prepare([s.block_table for s in batch.seqs], [s.num_computed for s in batch.seqs],
-                          batch.num_tokens)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, self.attn)
-        result = RunnerOutput([None] * len(batch.seqs))
-        for i, row0, p0, cnt in prompt_spans:
-            targets = batch.seqs[i].tokens[p0 + 1:p0 + 1 + cnt]  # inside the prompt (p0 + cnt < prompt_len)
-            result.prompt_logprobs[i] = (p0, self._prompt_logprobs(hidden, row0, targets))
+        # The LM-head calls of this step, in order: prompt log-probability chunks, then sampling.
+        chunk = self.prompt_chunk_rows()
+        logit_rows = [list(range(row0 + a, row0 + min(a + chunk, cnt)))
+                      for _, row0, _, cnt in prompt_spans for a in range(0, cnt, chunk)]
         if sampled_seqs:
-            rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
+            logit_rows.append(last_rows)
+        inputs = StepInputs(ids, pos, [s.block_table for s in batch.seqs], [s.num_computed for s in batch.seqs],
+                            list(batch.num_tokens), logit_rows)
+        if self.group is not None:
+            self.group.send_step(inputs)  # the other ranks of a tensor-parallel instance run it too
+        hidden = self.forward(inputs)
+        calls = iter(logit_rows)
+        result = RunnerOutput([None] * len(batch.seqs))
+        for i, _, p0, cnt in prompt_spans:
+            targets = batch.seqs[i].tokens[p0 + 1:p0 + 1 + cnt]  # inside the prompt (p0 + cnt < prompt_len)
+            tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
+            values: list[float] = []
+            for a in range(0, cnt, chunk):
+                lsm = torch.log_softmax(self.logits(hidden, next(calls)), dim=-1)
+                values.extend(lsm.gather(1, tgt[a:a + chunk, None])[:, 0].tolist())
+            result.prompt_logprobs[i] = (p0, values)
+        if sampled_seqs:
+            logits = self.logits(hidden, next(calls))
             with_lp = getattr(self.sample, "sample_with_logprobs", None) if want_lp else None
             if with_lp is not None:
                 toks, lps = with_lp(logits, sampled_seqs)
@@ -106,21 +121,35 @@ class ModelRunner:
             self.after_step()
         return result
 
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over one step's flat batch; the hidden states [T, hidden]."""
+        self.attn.prepare(inputs.block_tables, inputs.num_computed, inputs.num_tokens)
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
+        return self.model(input_ids, positions, self.attn)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits [len(rows), vocab] of the given flat rows (an all-gather in a TP instance)."""
+        if rows[-1] - rows[0] == len(rows) - 1:  # increasing rows, contiguous: a view, no copy
+            return self.model.compute_logits(hidden[rows[0]:rows[-1] + 1])
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+
+    @torch.inference_mode()
+    def follow(self, inputs: StepInputs) -> None:
+        """A rank > 0 of a tensor-parallel instance: the step rank 0 broadcast, every collective
+        in the same order, results dropped (rank 0 samples)."""
+        hidden = self.forward(inputs)
+        for rows in inputs.logit_rows:
+            self.logits(hidden, rows)
+        if self.after_step is not None:
+            self.after_step()
+
     # Logits elements per LM-head call for prompt log-probabilities: [rows, vocab] fp32 logits
     # stay at 128 MiB whatever the prefill chunk (a 150k vocabulary: ~220 rows a call).
     PROMPT_LOGITS_ELEMS = 1 << 25
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, row0: int, targets: list[int]) -> list[float]:
-        """log_softmax of the raw logits at flat rows row0, row0 + 1, ..., each taken at the next
-        prompt token ``targets[k]`` (no penalty, no temperature)."""
-        step = max(1, self.PROMPT_LOGITS_ELEMS // max(1, self.vocab_size))
-        tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
-        out: list[float] = []
-        for a in range(0, len(targets), step):
-            b = min(a + step, len(targets))
-            lsm = torch.log_softmax(self.model.compute_logits(hidden[row0 + a:row0 + b]), dim=-1)
-            out.extend(lsm.gather(1, tgt[a:b, None])[:, 0].tolist())
-        return out
+    def prompt_chunk_rows(self) -> int:
+        return max(1, self.PROMPT_LOGITS_ELEMS // max(1, self.vocab_size))
 
 
 class NullRunner:
@@ -163,9 +192,10 @@ class NullRunner:
         return out
 
 
-def load_runner(spec: WorkerSpec, backend: Backend) -> ModelRunner:
+def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) -> ModelRunner:
     """The worker's model in one pass: config.json read once, dtype picked by the backend,
-    weights loaded and rewritten for the device, sampler wired."""
+    weights loaded and rewritten for the device, sampler wired. With ``group``: this rank's shard
+    of a tensor-parallel instance (rank 0's runner broadcasts each step to the others)."""
     from workers.engine.sampler import Sampler
     from workers.engine.watermark import WatermarkConfig
     from workers.models.config import ModelArgs
@@ -186,7 +216,11 @@ def load_runner(spec: WorkerSpec, backend: Backend) -> ModelRunner:
             raise RuntimeError(f"{QUANTIZE_KEY} {spec.quantize!r}: the {backend.name} backend has no weight-only "
                                f"int8 kernel; remove the key (or set it to \"\") to serve the model unquantised")
     device = backend.device()
-    model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args)
+    tp = None
+    if group is not None:
+        from workers.models.sharding import TensorParallel, plan_shard
+        tp = TensorParallel(plan_shard(args, group.rank, group.world), group.compute)
+    model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp)
     if kernel is not None:
         from workers.backends.int8 import quantize_model
         quantize_model(model, kernel)
@@ -197,7 +231,8 @@ def load_runner(spec: WorkerSpec, backend: Backend) -> ModelRunner:
     log.info("loaded %s (%s, %d layers, vocab %d) as %s%s on %s in %.2f s", spec.model_path, args.arch,
              args.num_hidden_layers, args.vocab_size, dtype, f" with {spec.quantize} weights" if kernel else "",
              device, time.perf_counter() - t0)
-    return ModelRunner(model, (args.num_hidden_layers, args.num_key_value_heads, args.head_dim), dtype,
+    local = model.local_args  # a TP rank keeps its own KV heads only
+    return ModelRunner(model, (args.num_hidden_layers, local.num_key_value_heads, args.head_dim), dtype,
                        Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
                        frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class(),
-                       after_step=backend.after_step)
+                       after_step=backend.after_step, group=group if group is not None and group.rank == 0 else None)

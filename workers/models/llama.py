@@ -13,13 +13,16 @@ activation dtype before being applied.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs, RopeScaling
+
+if TYPE_CHECKING:
+    from .sharding import TensorParallel
 
 __all__ = ["Attention", "DecoderLM", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
 
@@ -143,9 +146,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class DecoderAttention(nn.Module):
     """q/k/v projection (fused into one matmul), optional q/k norm, rope, attention, o projection."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``reduce``: the all-reduce of a tensor-parallel rank's o-projection (row-parallel)."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.reduce = reduce
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
@@ -170,33 +176,37 @@ class DecoderAttention(nn.Module):
             # q and k are adjacent columns of one matmul output: rotate both in one pass.
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
             q, k = rope.rotate(positions, qk).split([self.n_heads, self.n_kv_heads], dim=1)
-        out = attn(self.layer_idx, q, k, v, self.window)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(attn(self.layer_idx, q, k, v, self.window).reshape(t, self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul (rows [gate; up])."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype | None) -> None:
+    def __init__(self, args: ModelArgs, dtype: torch.dtype | None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
+        self.reduce = reduce  # tensor parallel: the down projection is row-parallel
         self.intermediate_size = args.intermediate_size
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias, dtype=dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None) -> None:
+    def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = DecoderAttention(args, layer_idx, dtype)
+        self.self_attn = DecoderAttention(args, layer_idx, dtype, reduce)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = MLP(args, dtype)
+        self.mlp = MLP(args, dtype, reduce)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
@@ -212,18 +222,28 @@ class DecoderLM(nn.Module):
     `compute_logits(hidden [N, hidden_size]) -> fp32 logits [N, vocab_size]`. Callers select the
     rows they need (e.g. the last token of each sequence) before `compute_logits`, which is where
     most of the FLOPs of a small model go.
+
+    With `tp` (workers/models/sharding.py) this is one rank of a tensor-parallel instance: its
+    modules have the shard's shapes (`local_args`), and forward/compute_logits are collectives
+    that every rank of the group calls with the same inputs.
     """
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None, max_positions: int | None = None) -> None:
+    def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None, max_positions: int | None = None,
+                 tp: TensorParallel | None = None) -> None:
         """`max_positions` caps the rope table (defaults to max_position_embeddings); pass the
         server's max sequence length to save memory on 128k-context models."""
         super().__init__()
         self.args = args
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype) for i in range(args.num_hidden_layers))
+        self.tp = tp
+        local = tp.shard.local_args(args) if tp is not None else args
+        self.local_args = local
+        reduce = tp.all_reduce if tp is not None else None
+        self.embed_tokens = Embedding(local.vocab_size, args.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, reduce) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         # Tied checkpoints reuse the embedding matrix: no separate module, so nothing can untie it.
-        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, local.vocab_size, bias=False,
+                                                                     dtype=dtype)
         self.logits_linear = None
         self.rope = RotaryEmbedding(
             args.head_dim, max_positions or args.max_position_embeddings, args.rope_theta, args.rope_scaling
@@ -236,7 +256,7 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         """input_ids, positions: LongTensor [T] (flat batch). Returns normed hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.tp is None else self.tp.embed(self.embed_tokens.weight, input_ids)
         for layer in self.layers:
             x = layer(x, positions, self.rope, attn)
         return self.norm(x)
@@ -244,7 +264,9 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> fp32 logits [N, vocab_size]."""
         if self.logits_linear is not None:  # a device backend's faster kernel (workers/backends)
-            return self.logits_linear(hidden).float()
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.logits_linear(hidden).float()
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
 from .config import ModelArgs, ModelConfigError
 from .llama import DecoderLM
+from .sharding import Shard, TensorParallel
 
-__all__ = ["load_model", "ModelConfigError", "ModelLoadError", "safetensors_files"]
+__all__ = ["load_model", "ModelConfigError", "ModelLoadError", "parameter_bytes", "safetensors_files"]
 
 log = logging.getLogger("workers.models")
 
@@ -46,46 +49,94 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def _param_slots(model: DecoderLM) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """HF tensor name -> (destination parameter, first row, row count).
+class Slot(NamedTuple):
+    """Where one checkpoint tensor goes: rows ``start .. start + rows`` of ``param`` receive the
+    checkpoint's slice ``src_start .. src_start + rows`` along ``dim`` (None: the whole tensor).
+    ``full``: the checkpoint shape config.json implies. ``zero``: not read, the rows are zeroed
+    (a row-parallel bias off rank 0: the all-reduce must add it once)."""
+
+    param: torch.Tensor
+    start: int
+    rows: int
+    full: tuple[int, ...]
+    dim: int | None = None
+    src_start: int = 0
+    zero: bool = False
+
+
+def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot]:
+    """HF tensor name -> its Slot.
 
     Fused projections take several HF tensors: q/k/v go into row ranges of qkv_proj, gate/up into
-    gate_up_proj. Every row of every model parameter is covered by exactly one entry.
+    gate_up_proj. Every row of every model parameter is covered by exactly one entry. With a
+    tensor-parallel ``shard`` each entry takes only this rank's slice (workers/models/sharding.py).
     """
     a = model.args
-    slots: dict[str, tuple[torch.Tensor, int, int]] = {}
+    d, hid = a.head_dim, a.hidden_size
+    slots: dict[str, Slot] = {}
 
     def whole(name: str, p: torch.Tensor) -> None:
-        slots[name] = (p, 0, p.shape[0])
+        slots[name] = Slot(p, 0, p.shape[0], tuple(p.shape))
 
-    def linear(name: str, lin: torch.nn.Module, parts: list[tuple[str, int, int]] | None = None) -> None:
-        """A linear layer's weight and bias; ``parts`` (HF name, first row, rows) when several HF
-        projections are fused into it."""
-        for proj, start, n in parts or [(name, 0, lin.weight.shape[0])]:
-            slots[f"{proj}.weight"] = (lin.weight, start, n)
+    def column(lin: torch.nn.Module, parts: list[tuple[str, int, int, int]]) -> None:
+        """Output rows: (HF name, first row here, rows, first row in the checkpoint, full rows)."""
+        for proj, start, n, src, full in parts:
+            slots[f"{proj}.weight"] = Slot(lin.weight, start, n, (full, hid), 0 if shard else None, src)
             if lin.bias is not None:
-                slots[f"{proj}.bias"] = (lin.bias, start, n)
+                slots[f"{proj}.bias"] = Slot(lin.bias, start, n, (full,), 0 if shard else None, src)
 
-    whole("model.embed_tokens.weight", model.embed_tokens.weight)
+    def row(name: str, lin: torch.nn.Module, full_in: int) -> None:
+        """Input columns split across ranks (o, down); the bias is rank 0's."""
+        n_in = lin.weight.shape[1]
+        slots[f"{name}.weight"] = Slot(lin.weight, 0, hid, (hid, full_in), 1 if shard else None,
+                                       shard.rank * n_in if shard else 0)
+        if lin.bias is not None:
+            slots[f"{name}.bias"] = Slot(lin.bias, 0, hid, (hid,), zero=bool(shard and shard.rank))
+
+    def vocab(name: str, p: torch.Tensor) -> None:
+        if shard is None:
+            whole(name, p)
+        else:  # the padding rows past the vocabulary stay zero (zeroed before loading)
+            slots[name] = Slot(p, 0, shard.vocab_rows, (a.vocab_size, hid), 0, shard.vocab0)
+
+    vocab("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
     if model.lm_head is not None:
-        whole("lm_head.weight", model.lm_head.weight)
+        vocab("lm_head.weight", model.lm_head.weight)
+    heads = shard.heads if shard else a.num_attention_heads
+    kvh = shard.kv_heads if shard else a.num_key_value_heads
+    q0 = shard.head0 * d if shard else 0
+    kv0 = shard.kv_head0 * d if shard else 0
+    inter = shard.inter if shard else a.intermediate_size
+    i0 = shard.rank * inter if shard else 0
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."
         att = layer.self_attn
-        linear("", att.qkv_proj, [(f"{pre}self_attn.q_proj", 0, a.q_size),
-                                  (f"{pre}self_attn.k_proj", a.q_size, a.kv_size),
-                                  (f"{pre}self_attn.v_proj", a.q_size + a.kv_size, a.kv_size)])
-        linear(f"{pre}self_attn.o_proj", att.o_proj)
+        q, kv = heads * d, kvh * d
+        column(att.qkv_proj, [(f"{pre}self_attn.q_proj", 0, q, q0, a.q_size),
+                              (f"{pre}self_attn.k_proj", q, kv, kv0, a.kv_size),
+                              (f"{pre}self_attn.v_proj", q + kv, kv, kv0, a.kv_size)])
+        row(f"{pre}self_attn.o_proj", att.o_proj, a.q_size)
         if att.q_norm is not None and att.k_norm is not None:
             whole(f"{pre}self_attn.q_norm.weight", att.q_norm.weight)
             whole(f"{pre}self_attn.k_norm.weight", att.k_norm.weight)
-        inter = a.intermediate_size
-        linear("", layer.mlp.gate_up_proj, [(f"{pre}mlp.gate_proj", 0, inter), (f"{pre}mlp.up_proj", inter, inter)])
-        linear(f"{pre}mlp.down_proj", layer.mlp.down_proj)
+        column(layer.mlp.gate_up_proj, [(f"{pre}mlp.gate_proj", 0, inter, i0, a.intermediate_size),
+                                        (f"{pre}mlp.up_proj", inter, inter, i0, a.intermediate_size)])
+        row(f"{pre}mlp.down_proj", layer.mlp.down_proj, a.intermediate_size)
         whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
         whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return slots
+
+
+def _read(f, name: str, slot: Slot) -> torch.Tensor:
+    """The part of checkpoint tensor ``name`` that ``slot`` takes (only that part is read)."""
+    sl = f.get_slice(name)
+    if slot.dim is None:
+        return sl[:]
+    a = slot.src_start
+    if slot.dim == 0:
+        return sl[a:a + slot.rows]
+    return sl[:, a:a + slot.param.shape[1]]  # a row-parallel weight: this rank's input columns
 
 
 def _names(names: list[str], limit: int = 12) -> str:
@@ -100,12 +151,14 @@ def load_model(
     *,
     max_positions: int | None = None,
     args: ModelArgs | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[DecoderLM, ModelArgs]:
     """Build a DecoderLM from a Hugging Face model directory and load its safetensors weights.
 
     dtype None uses the checkpoint's `torch_dtype` (float32 when it does not say). `args`: the
     directory's ModelArgs when the caller has read them already. `max_positions` caps the rope
-    table (see DecoderLM). Raises ModelConfigError for a bad config.json and ModelLoadError for
+    table (see DecoderLM). `tp`: one rank of a tensor-parallel instance, which reads only its
+    shard of each tensor (workers/models/sharding.py). Raises ModelConfigError for a bad config.json and ModelLoadError for
     missing, unexpected or mis-shaped tensors. Returns the model in eval mode and its ModelArgs.
     """
     path = Path(path)
@@ -125,11 +178,17 @@ def load_model(
     # uninitialised storage that the checkpoint overwrites below (no meta device: its empty_like
     # drags in sympy and costs ~0.5 s on first use).
     with torch.device(device):
-        model = DecoderLM(args, dtype=dtype, max_positions=max_positions)
+        model = DecoderLM(args, dtype=dtype, max_positions=max_positions, tp=tp)
     model.eval().requires_grad_(False)
     model.rope.to_device(device)
+    shard = tp.shard if tp is not None else None
+    if shard is not None:
+        with torch.no_grad():  # the vocabulary padding rows of the last rank
+            model.embed_tokens.weight.zero_()
+            if model.lm_head is not None:
+                model.lm_head.weight.zero_()
 
-    slots = _param_slots(model)
+    slots = _param_slots(model, shard)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for n, file in enumerate(files, 1):
@@ -147,17 +206,21 @@ def load_model(
                     continue
                 if key in loaded:
                     raise ModelLoadError(f"{file.name}: tensor {name} appears in more than one shard")
-                tensor = f.get_tensor(name)
-                param, start, rows = slots[key]
-                expected = (rows, *param.shape[1:])
-                if tuple(tensor.shape) != expected:
+                slot = slots[key]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != slot.full:
                     raise ModelLoadError(
-                        f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {expected}"
+                        f"{file.name}: tensor {name} has shape {shape}, config.json implies {slot.full}"
                     )
                 with torch.no_grad():
-                    param[start:start + rows].copy_(tensor)  # casts to the model dtype and device
+                    if slot.zero:
+                        slot.param[slot.start:slot.start + slot.rows].zero_()
+                    elif slot.rows:
+                        tensor = _read(f, name, slot)
+                        # casts to the model dtype and device
+                        slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
+                        nbytes += tensor.numel() * tensor.element_size()
                 loaded.add(key)
-                nbytes += tensor.numel() * tensor.element_size()
         log.info(
             "loaded shard %d/%d %s (%.1f MiB) in %.2fs", n, len(files), file.name, nbytes / 2**20,
             time.monotonic() - t_shard,
@@ -176,5 +239,15 @@ def load_model(
         "model ready: %.1fM parameters in %.2fs",
         sum(p.numel() for p in model.parameters()) / 1e6, time.monotonic() - t0,
     )
+    if shard is not None:
+        mine = parameter_bytes(model)
+        full = sum(math.prod(s.full) for s in slots.values()) * torch.empty((), dtype=dtype).element_size()
+        log.info("tensor-parallel rank %d/%d: %.1f MiB of parameters here, %.3f of the whole model's %.1f MiB",
+                 shard.rank, shard.world, mine / 2**20, mine / full, full / 2**20)
     return model, args
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (what this process holds of the weights)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 

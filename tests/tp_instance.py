@@ -1,0 +1,79 @@
+"""Run one tensor-parallel instance (or a single worker) on a batch of requests, for the tests.
+
+    python tests/tp_instance.py MODEL_DIR WORLD OUT.json [--requests JSON]
+
+Starts WORLD processes as the supervisor would: rank 0 builds the real engine (workers.worker's
+build_engine: rendezvous, sharded load, KV blocks broadcast) and the others run
+workers.tp_rank.follow. Rank 0 submits the requests, steps the engine until all finish and writes
+{request_id: [token ids]} plus the per-rank parameter bytes to OUT.json. WORLD 1 runs the same
+engine without tensor parallelism, as the reference.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mindie.contract import wire as P  # noqa: E402
+from mindie.contract.spec import EngineConfig, WorkerSpec, decode_spec, encode_spec  # noqa: E402
+
+
+def make_spec(model: str, world: int) -> WorkerSpec:
+    return WorkerSpec(worker_id="w0", job_endpoint="", pub_endpoint="", device_type="cpu",
+                      device_ids=list(range(world)), model_path=model, dtype="float32", cpu_mem_gb=0.02, threads=1,
+                      engine=EngineConfig(block_size=16, max_seq_len=512, max_batch_size=16,
+                                          max_prefill_batch_size=16, max_prefill_tokens=64, overlap=False))
+
+
+def run_rank0(spec: WorkerSpec, store: str, requests: list[dict], out: str) -> None:
+    from workers.models.loader import parameter_bytes
+    from workers.worker import build_engine
+
+    engine, _ = build_engine(spec, store)
+    for r in requests:
+        engine.add(P.Submit(r["id"], "fe", r["prompt"], P.SamplingParams(**r["params"])))
+    result: dict[str, list[int]] = {r["id"]: [] for r in requests}
+    while engine.has_work():
+        for o in engine.step():
+            result[o.seq.request_id].extend(o.token_ids)
+    group = engine.runner.group
+    if group is not None:
+        group.stop()
+    Path(out).write_text(json.dumps({"tokens": result, "param_bytes": parameter_bytes(engine.runner.model),
+                                     "kv_blocks": engine.blocks.num_blocks}))
+
+
+def main() -> None:
+    model, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    requests = json.loads(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--requests" else []
+    rank = int(os.environ.get("TP_TEST_RANK", "-1"))
+    if rank < 0:  # the launcher: one process per rank, like the supervisor
+        import logging
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+        spec = make_spec(model, world)
+        store = os.path.join(tempfile.mkdtemp(prefix="tp"), "store") if world > 1 else ""
+        procs = []
+        for r in range(world):
+            env = dict(os.environ, TP_TEST_RANK=str(r), TP_TEST_SPEC=encode_spec(spec), TP_TEST_STORE=store)
+            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env))
+        codes = [p.wait(300) for p in procs]
+        raise SystemExit(max(codes))
+    spec = decode_spec(os.environ["TP_TEST_SPEC"])
+    store = os.environ["TP_TEST_STORE"]
+    from mindie.contract.log_setup import setup_logging
+    setup_logging(f"rank {rank}", "INFO")
+    if rank == 0:
+        run_rank0(spec, store, requests, out)
+    else:
+        from workers.tp_rank import follow
+        raise SystemExit(follow(spec, rank, store))
+
+
+if __name__ == "__main__":
+    main()

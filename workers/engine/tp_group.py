@@ -1,0 +1,164 @@
+"""The process group of a tensor-parallel instance: rendezvous, timeouts and the step broadcast.
+
+An ``npuDeviceIds`` entry of N devices is one instance of N processes (ranks), one per device,
+started together by the supervisor. Rank 0 is the worker the front ends talk to: it owns the
+ZeroMQ sockets, the scheduler, the KV block tables and the sampler. Before each step it
+broadcasts the step's inputs (``StepInputs``: token ids, positions, block tables, the rows whose
+logits are needed); every rank then runs the same forward, whose all-reduces and all-gather
+(workers/models/sharding.py) go over the *compute* group (gloo on CPU, nccl on CUDA, hccl on
+NPU). The inputs go over a separate *control* group (always gloo, on the host), so that ranks
+waiting for the next step never trip the compute group's timeout.
+
+Rendezvous is a ``FileStore`` in the run directory, one fresh file per start of the group (never
+a fixed port that two servers on a host would fight over). Startup waits for every rank with a
+timeout and names the ranks that did not come up. A collective that waits longer than
+``MINDIE_TP_COLLECTIVE_TIMEOUT_S`` (a rank stopped or hung) raises ``GroupError``: rank 0 then
+fails its requests and exits, and the supervisor restarts the whole group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+import msgspec
+import torch
+
+log = logging.getLogger("workers.tp")
+
+# How long ranks wait for each other at start (processes, model loading) and in one collective.
+START_TIMEOUT_S = float(os.environ.get("MINDIE_TP_START_TIMEOUT_S") or 600)
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINDIE_TP_COLLECTIVE_TIMEOUT_S") or 30)
+# The control group's timeout: an idle rank 0 sends a no-op step well within it.
+CONTROL_TIMEOUT_S = 3600.0
+KEEPALIVE_S = 60.0
+
+DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class GroupError(RuntimeError):
+    """A rank of the instance is gone or stuck: the group cannot compute any more."""
+
+
+class StepInputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step, as rank 0 scheduled it (workers/engine/model_runner.py builds it)."""
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    block_tables: list[list[int]] = []
+    num_computed: list[int] = []
+    num_tokens: list[int] = []
+    # Flat rows whose logits are computed, one LM-head call (an all-gather) per list, in order.
+    logit_rows: list[list[int]] = []
+    kind: int = 0  # STEP, NOOP or STOP
+
+
+STEP, NOOP, STOP = 0, 1, 2
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(StepInputs).decode
+
+
+class Group:
+    """One rank's view of its instance."""
+
+    def __init__(self, worker_id: str, rank: int, world: int, control, compute=None):
+        self.worker_id, self.rank, self.world = worker_id, rank, world
+        self.control = control
+        self.compute = compute  # None: the default group
+        self.last_send = time.monotonic()
+
+    # -- the step broadcast (rank 0 -> every rank) --------------------------------------------
+    def send_step(self, inputs: StepInputs) -> None:
+        import torch.distributed as dist
+        data = _encode(inputs)
+        try:
+            dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0, group=self.control)
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.control)
+        except RuntimeError as e:
+            raise GroupError(f"tensor-parallel instance {self.worker_id}: a rank is gone ({e})") from e
+        self.last_send = time.monotonic()
+
+    def recv_step(self) -> StepInputs:
+        import torch.distributed as dist
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(n, 0, group=self.control)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.control)
+        return _decode(buf.numpy().tobytes())
+
+    def keepalive(self) -> None:
+        """Rank 0, idle: a no-op step now and then so the other ranks' wait never times out."""
+        if time.monotonic() - self.last_send > KEEPALIVE_S:
+            self.send_step(StepInputs(kind=NOOP))
+
+    def broadcast_int(self, value: int) -> int:
+        import torch.distributed as dist
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, 0, group=self.control)
+        return int(t.item())
+
+    def wait_all(self, what: str) -> None:
+        """Every rank reached this point (rank 0 names those that did not within the start timeout)."""
+        import torch.distributed as dist
+        t0 = time.monotonic()
+        try:
+            dist.monitored_barrier(group=self.control, timeout=timedelta(seconds=START_TIMEOUT_S),
+                                   wait_all_ranks=True)
+        except RuntimeError as e:
+            raise GroupError(f"tensor-parallel instance {self.worker_id}: not every rank {what} within "
+                             f"{START_TIMEOUT_S:.0f} s (MINDIE_TP_START_TIMEOUT_S): {e}") from e
+        log.info("instance %s: all %d ranks %s (waited %.2f s)", self.worker_id, self.world, what,
+                 time.monotonic() - t0)
+
+    def stop(self) -> None:
+        """Rank 0 stops: tell the others (they may be gone already)."""
+        try:
+            self.send_step(StepInputs(kind=STOP))
+        except GroupError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        """Leave the groups (gloo's threads must be gone before the interpreter exits)."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a peer gone already: nothing left to tidy
+                log.debug("destroy_process_group: %s", e)
+
+
+def store_key(rank: int) -> str:
+    return f"rank{rank}/pid"
+
+
+def join(worker_id: str, rank: int, world: int, store_path: str, device_type: str) -> Group:
+    """Rendezvous through ``store_path`` and create the compute and control groups."""
+    import torch.distributed as dist
+
+    backend = DIST_BACKENDS.get(device_type)
+    if backend is None:
+        raise ValueError(f"no tensor-parallel backend for device type {device_type!r}")
+    # Every rank runs on this host: gloo on the loopback interface unless told otherwise.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.FileStore(store_path, world)
+    store.set(store_key(rank), str(os.getpid()))
+    if rank == 0:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        missing = list(range(1, world))
+        while missing:
+            missing = [r for r in missing if not store.check([store_key(r)])]
+            if missing and time.monotonic() > deadline:
+                raise GroupError(f"tensor-parallel instance {worker_id}: rank(s) {missing} did not come up within "
+                                 f"{START_TIMEOUT_S:.0f} s (MINDIE_TP_START_TIMEOUT_S)")
+            if missing:
+                time.sleep(0.05)
+    if backend == "hccl":
+        import torch_npu  # noqa: F401  (registers the hccl backend)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    log.info("instance %s: rank %d/%d joined (%s compute, collective timeout %.0f s)", worker_id, rank, world,
+             backend, COLLECTIVE_TIMEOUT_S)
+    return Group(worker_id, rank, world, control)

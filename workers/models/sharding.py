@@ -1,0 +1,125 @@
+"""Tensor-parallel sharding of the Llama family (Megatron style), and the collectives it needs.
+
+One instance of ``world`` ranks splits every layer so that each rank holds about 1/world of
+the weights and does 1/world of the matmul work:
+
+- q/k/v and gate/up are column-parallel: rank r computes its own attention heads and its slice
+  of the intermediate size, with no communication;
+- o and down are row-parallel: each rank multiplies its slice of the input columns and one
+  all-reduce sums the partial outputs (their biases live on rank 0 only, so the sum holds them
+  once);
+- the embedding and the LM head are vocab-parallel: rank r holds ``ceil(vocab / world)`` rows
+  (the last rank zero-padded); a lookup is a masked local lookup plus an all-reduce, logits are
+  one all-gather;
+- KV heads are split when there are at least as many as ranks, otherwise replicated: each rank
+  keeps the one KV head its query heads use;
+- norms (and Qwen3's q/k norms) are replicated.
+
+``Shard`` is the plan for one rank (pure arithmetic, used by the loader); ``TensorParallel`` does
+the collectives (used by the model's forward).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelArgs, ModelConfigError
+
+__all__ = ["Shard", "TensorParallel", "WORLD_SIZE_KEY", "plan_shard"]
+
+WORLD_SIZE_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What rank ``rank`` of ``world`` holds of a model."""
+
+    rank: int
+    world: int
+    heads: int  # query heads on this rank
+    kv_heads: int  # KV heads on this rank
+    kv_head0: int  # the first (global) KV head this rank holds
+    inter: int  # intermediate (MLP) columns on this rank
+    vocab: int  # embedding / LM-head rows per rank (the last rank's tail is padding)
+    full_vocab: int
+
+    @property
+    def head0(self) -> int:
+        return self.rank * self.heads
+
+    @property
+    def vocab0(self) -> int:
+        return self.rank * self.vocab
+
+    @property
+    def vocab_rows(self) -> int:
+        """Checkpoint rows this rank loads (the rest of its ``vocab`` rows are zero padding)."""
+        return max(0, min(self.full_vocab - self.vocab0, self.vocab))
+
+    def local_args(self, args: ModelArgs) -> ModelArgs:
+        """The shapes this rank builds its modules with (norm sizes and everything else unchanged)."""
+        return dataclasses.replace(args, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                                   intermediate_size=self.inter, vocab_size=self.vocab,
+                                   layer_windows=args.layer_windows)
+
+
+def plan_shard(args: ModelArgs, rank: int, world: int) -> Shard:
+    """The shard of rank ``rank``; ModelConfigError naming worldSize when the model cannot be split
+    that way (its query heads, its KV heads or its intermediate size do not divide)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of a world of {world}")
+    h, kv, inter = args.num_attention_heads, args.num_key_value_heads, args.intermediate_size
+
+    def refuse(what: str) -> ModelConfigError:
+        return ModelConfigError(f"{WORLD_SIZE_KEY}: {world} ranks cannot split this model: {what}; use a world "
+                                f"size that divides num_attention_heads ({h}), num_key_value_heads ({kv}) or is a "
+                                f"multiple of it, and intermediate_size ({inter})")
+
+    if h % world:
+        raise refuse(f"num_attention_heads {h} is not a multiple of {world}")
+    if inter % world:
+        raise refuse(f"intermediate_size {inter} is not a multiple of {world}")
+    if kv % world == 0:
+        kv_local, kv0 = kv // world, rank * (kv // world)
+    elif world % kv == 0:
+        # Fewer KV heads than ranks: each rank keeps a copy of the one its query heads read.
+        kv_local, kv0 = 1, rank * kv // world
+    else:
+        raise refuse(f"num_key_value_heads {kv} neither divides nor is divided by {world}")
+    vocab = -(-args.vocab_size // world)
+    return Shard(rank=rank, world=world, heads=h // world, kv_heads=kv_local, kv_head0=kv0, inter=inter // world,
+                 vocab=vocab, full_vocab=args.vocab_size)
+
+
+class TensorParallel:
+    """The collectives of one rank's forward, over ``group`` (torch.distributed)."""
+
+    def __init__(self, shard: Shard, group=None):
+        self.shard = shard
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the ranks' partial outputs of a row-parallel layer, in place."""
+        import torch.distributed as dist
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank fills the rows of the ids it holds, zeros elsewhere, and
+        the all-reduce assembles them."""
+        local = ids - self.shard.vocab0
+        outside = (local < 0) | (local >= self.shard.vocab)
+        out = F.embedding(local.masked_fill(outside, 0), weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.all_reduce(out)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """[N, vocab/world] per rank -> [N, vocab] (the padding columns cut off)."""
+        import torch.distributed as dist
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.shard.world)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=-1)[:, :self.shard.full_vocab]
