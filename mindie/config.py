@@ -153,6 +153,11 @@ class ScheduleConfig(_Section):
     # Project extension: compute each step on a thread while the worker loop takes in jobs and
     # sends the previous step's frames. null = the device's default (decided by the worker side).
     overlap_steps: Optional[bool] = None
+    # Project extension: prompt tokens per step while other requests are running or waiting
+    # (chunked prefill, so first tokens come out progressively and decodes keep flowing);
+    # 0 = maxPrefillTokens; null = the device's default (workers/prepare.py). A prompt alone
+    # takes up to maxPrefillTokens.
+    prefill_chunk_tokens: Optional[Annotated[int, Meta(ge=0, le=MAX_TOKEN_LEN)]] = None
 
 
 class BackendConfig(_Section):
@@ -525,6 +530,10 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
             fail(key, f"must be {empty_ok}an IPv4 or IPv6 address, got {host!r}")
         if unspecified:
             fail(key, f"{host} is not an address front ends can connect to; give the address of the workers' host")
+    # One spelling per address (ids and the "is this host" test compare strings).
+    b.worker_hosts = [ipaddress.ip_address(h).compressed for h in b.worker_hosts]
+    if b.worker_host:
+        b.worker_host = ipaddress.ip_address(b.worker_host).compressed
     if len(set(b.worker_hosts)) != len(b.worker_hosts):
         fail("BackendConfig.workerHosts", f"a host appears twice, got {b.worker_hosts}")
     if b.worker_hosts and b.worker_host and b.worker_host not in b.worker_hosts:

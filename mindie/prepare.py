@@ -117,8 +117,12 @@ def check_role(loaded) -> str:
     role = os.environ.get("MINDIE_ROLE") or "all"
     if role not in ROLES:
         raise ConfigError(f"must be one of {', '.join(ROLES)}, got {role!r}", env="MINDIE_ROLE")
+    b = loaded.config.backend
+    if role == "all" and b.worker_hosts and not b.worker_host:
+        raise ConfigError("workerHosts is set but this host's own workerHost is not: set workerHost to the address "
+                          "this host's device workers bind (one of workerHosts), or start with --frontends-only",
+                          "BackendConfig.workerHost", source=loaded.source)
     if role != "all":
-        b = loaded.config.backend
         if not b.worker_host and not (role == "frontends" and b.worker_hosts):
             raise ConfigError("--workers-only and --frontends-only need the device workers on tcp: set workerHost "
                               "(the workers' host address) and workerPort, and workerCurveKeyDir (the same keys on "

@@ -70,7 +70,7 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
     engine = EngineConfig(
         block_size=sched.cache_block_size, max_seq_len=deploy.max_seq_len, max_batch_size=sched.max_batch_size,
         max_prefill_batch_size=sched.max_prefill_batch_size, max_prefill_tokens=sched.max_prefill_tokens,
-        enable_prefix_cache=sched.enable_prefix_cache,
+        enable_prefix_cache=sched.enable_prefix_cache, prefill_chunk_tokens=sched.prefill_chunk_tokens,
         # The null model sleeps through its steps like an accelerator: overlap unless told not to.
         overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None))
     # On CPU each worker process (each rank of a tensor-parallel instance) gets its share of the
@@ -82,13 +82,15 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
     run_dir = config.server.run_dir
     workers = []
     # Every worker host serves every npuDeviceIds entry; this host's supervisor starts those of
-    # workerHost only. A tcp worker's id names its host, the same on every host's plan.
+    # workerHost only. With workerHosts a worker's id names its host (every host's config lists
+    # the same workerHosts, so every plan agrees); without it the ids are w0, w1, ... as always.
     hosts = backend.worker_hosts or [backend.worker_host]
     for host in hosts:
         for index, ids in enumerate(groups):
             job, pub = worker_endpoints(run_dir, index, host, backend.worker_port)
             workers.append(WorkerSpec(
-                worker_id=f"w{index}@{host}" if host else f"w{index}", job_endpoint=job, pub_endpoint=pub,
+                worker_id=f"w{index}@{host}" if backend.worker_hosts else f"w{index}", job_endpoint=job,
+                pub_endpoint=pub,
                 curve_key_dir=backend.worker_curve_key_dir if host else "",
                 insecure_tcp=backend.worker_insecure_tcp, device_type=backend.device_type,
                 device_ids=list(ids), model_path=model.model_weight_path, model_name=model.model_name,

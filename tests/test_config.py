@@ -143,13 +143,13 @@ JSON_KEYS = {
         "watermarkGamma", "watermarkDelta", "runDir", "frontendCount"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
     "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
-                      "workerHost", "workerPort", "workerCurveKeyDir", "workerInsecureTcp"},
+                      "workerHost", "workerHosts", "workerPort", "workerCurveKeyDir", "workerInsecureTcp"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
-        "enablePrefixCache", "overlapSteps"},
+        "enablePrefixCache", "overlapSteps", "prefillChunkTokens"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 

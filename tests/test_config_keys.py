@@ -177,6 +177,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ScheduleConfig.overlapSteps": _here("test_overlap_steps_moves_compute_to_a_thread",
                                                        "test_e2e_worker_applies_its_keys") + [
         f"{_CFG}::test_overlap_steps_reaches_the_worker_spec"],
+    "BackendConfig.ScheduleConfig.prefillChunkTokens": _here("test_prefill_chunk_tokens_bounds_prompt_tokens_per_step"),
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
@@ -860,6 +861,44 @@ def test_enable_prefix_cache(tmp_path: Path) -> None:
         assert (engine.blocks.prefix_hits > 0) is on
         engine.close()
     assert first_step == {(True, "a"): 100, (True, "b"): 4, (False, "a"): 100, (False, "b"): 100}
+
+
+def test_prefill_chunk_tokens_bounds_prompt_tokens_per_step(tmp_path: Path) -> None:
+    """prefillChunkTokens reaches the engine (null = the device's default: 256 on cpu, 2048 on
+    accelerators; 0 = maxPrefillTokens). While several requests have work a step computes at most
+    that many prompt tokens, decodes on top; a prompt alone takes up to maxPrefillTokens."""
+    from mindie.contract import wire as P
+    from workers.engine.engine import Engine
+    from workers.engine.model_runner import NullRunner
+    from workers.prepare import settle
+
+    def engine_cfg(value, device="cpu"):
+        data = {"BackendConfig": {"ScheduleConfig": {"cacheBlockSize": 16, "maxPrefillTokens": 4096,
+                                                     **({} if value == "absent" else {"prefillChunkTokens": value})}}}
+        return settle(deployment(tmp_path, data).workers[0], device, "/m").engine
+
+    assert [engine_cfg(v).prefill_chunk_tokens for v in ("absent", None, 0, 96)] == [256, 256, 0, 96]
+    assert engine_cfg(None, "npu").prefill_chunk_tokens == 2048
+    with pytest.raises(ConfigError, match=r"ScheduleConfig\.prefillChunkTokens"):
+        load(tmp_path, {"BackendConfig": {"ScheduleConfig": {"prefillChunkTokens": -1}}})
+
+    def steps(cfg, prompts: list[int]) -> list[list[int]]:
+        eng = Engine(NullRunner(vocab_size=1000), cfg, 4096)
+        for i, n in enumerate(prompts):
+            eng.add(P.Submit(f"r{i}", "fe", [5 + i] * n, P.SamplingParams(max_new_tokens=3, ignore_eos=True)))
+        out = []
+        while eng.has_work():
+            f = eng.launch()
+            out.append(list(f.batch.num_tokens))
+            eng.collect(f)
+        return out
+
+    chunked = steps(engine_cfg(96), [100] * 4)
+    prompt_tokens = [sum(n for n in s if n > 1) for s in chunked]
+    assert max(prompt_tokens) == 96 and sum(prompt_tokens) == 400, chunked
+    assert chunked[1].count(1) == 0 and any(s.count(1) and max(s) > 1 for s in chunked), chunked  # decodes interleave
+    assert steps(engine_cfg(96), [300])[0] == [300]  # alone: the whole prompt in one step
+    assert steps(engine_cfg(0), [100] * 4)[0] == [100] * 4  # 0: maxPrefillTokens
 
 
 def test_overlap_steps_moves_compute_to_a_thread(tmp_path: Path) -> None:

@@ -145,10 +145,19 @@ def test_worker_hosts_plan(tmp_path) -> None:
     assert [(w.worker_id, w.job_endpoint, w.remote) for w in dep.workers] == [
         ("w0@10.0.0.2", "tcp://10.0.0.2:20000", True), ("w1@10.0.0.2", "tcp://10.0.0.2:20002", True),
         ("w0@10.0.0.3", "tcp://10.0.0.3:20000", False), ("w1@10.0.0.3", "tcp://10.0.0.3:20002", False)]
+    # The other host's plan from the same list: the same ids, its own workers local.
     host_b = tcp_config(tmp_path / "b.json", workers=2, workerHost="10.0.0.2", workerPort=20000,
+                        workerHosts=["10.0.0.2", "10.0.0.3"], workerInsecureTcp=True)
+    assert [(w.worker_id, w.remote) for w in build_deployment(load_config(str(host_b), env={}).config).workers] == [
+        ("w0@10.0.0.2", False), ("w1@10.0.0.2", False), ("w0@10.0.0.3", True), ("w1@10.0.0.3", True)]
+    # Without workerHosts the ids stay w0, w1 (a single worker host, as before the key existed).
+    single = tcp_config(tmp_path / "s.json", workers=2, workerHost="10.0.0.2", workerPort=20000,
                         workerInsecureTcp=True)
-    assert [w.worker_id for w in build_deployment(load_config(str(host_b), env={}).config).workers] == [
-        "w0@10.0.0.2", "w1@10.0.0.2"]
+    assert [w.worker_id for w in build_deployment(load_config(str(single), env={}).config).workers] == ["w0", "w1"]
+    ipv6 = tcp_config(tmp_path / "v6.json", workers=1, workerHost="::1", workerPort=20000,
+                      workerHosts=["0:0::1", "fd00::2"], workerInsecureTcp=True)
+    assert [(w.worker_id, w.remote) for w in build_deployment(load_config(str(ipv6), env={}).config).workers] == [
+        ("w0@::1", False), ("w0@fd00::2", True)]
 
 
 def test_ipv6_endpoints(tmp_path) -> None:

@@ -144,7 +144,11 @@ class Supervisor:
                 for p in others:
                     p.kill()  # a rank left alone waits in a collective: nothing to save there
                 for p in others:
-                    p.wait()
+                    try:  # bounded: a rank stuck in a device call must not stop this loop
+                        p.wait(5)
+                    except subprocess.TimeoutExpired:
+                        log.error("pid %d (worker %s) did not die within 5 s of SIGKILL (stuck in the kernel?)",
+                                  p.pid, child.spec.worker_id)
                 child.procs = []
                 child.restarts += 1
                 child.restart_at = now + child.backoff
@@ -168,19 +172,24 @@ class Supervisor:
         self.stop()
 
     def stop(self) -> None:
+        """SIGTERM the workers (rank 0 of each instance first: it finishes its step and tells its
+        other ranks to stop), SIGKILL what is left after the grace period."""
         self.stopping = True
-        procs = [p for c in self.children for p in c.running()]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
         deadline = time.monotonic() + STOP_GRACE_S
-        for p in procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("worker pid %d did not stop in %.0f s: SIGKILL", p.pid, STOP_GRACE_S)
-                p.kill()
-                p.wait()
+        first = [c.procs[0] for c in self.children if c.procs and c.procs[0] is not None]
+        rest = [p for c in self.children for p in c.running()[1:]]
+        for batch in (first, rest):
+            for p in batch:
+                if p.poll() is None:
+                    p.terminate()
+            for p in batch:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("worker pid %d did not stop in %.0f s: SIGKILL", p.pid, STOP_GRACE_S)
+                    p.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(5)
         for c in self.children:
             if c.store:
                 with contextlib.suppress(FileNotFoundError):

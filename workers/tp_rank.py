@@ -32,7 +32,8 @@ def follow(spec: WorkerSpec, rank: int, store: str) -> int:
     group = join(spec.worker_id, rank, len(spec.device_ids), store, spec.device_type)
     runner = load_runner(spec, backend, group)
     group.wait_all("loaded the model")
-    num_blocks = group.broadcast_int(0)
+    own = max(1, backend.kv_cache_bytes(spec) // runner.bytes_per_block(spec.engine.block_size))
+    num_blocks = group.min_int(own)
     runner.allocate_kv(num_blocks, spec.engine.block_size)
     log.info("rank %d of instance %s ready in %.2f s (%d KV blocks)", rank, spec.worker_id,
              time.perf_counter() - t0, num_blocks)

@@ -121,9 +121,9 @@ def build_engine(spec: WorkerSpec, tp_store: str = ""):
     runner = load_runner(spec, backend, group)
     bytes_per_block = runner.bytes_per_block(cfg.block_size)
     num_blocks = max(1, backend.kv_cache_bytes(spec) // bytes_per_block)
-    if group is not None:  # every rank allocates the same blocks; rank 0's tables address them all
+    if group is not None:  # every rank allocates the same blocks (what the smallest memory holds)
         group.wait_all("loaded the model")
-        group.broadcast_int(num_blocks)
+        num_blocks = group.min_int(num_blocks)
     runner.allocate_kv(num_blocks, cfg.block_size)
     log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s, attention %s", num_blocks,
              cfg.block_size, num_blocks * bytes_per_block / (1 << 30), num_blocks * cfg.block_size,
@@ -462,7 +462,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.rank > 0:
         from workers.tp_rank import follow
         setup_logging(f"worker {spec.worker_id} rank {args.rank} pid {os.getpid()}", spec.log_level)
-        raise SystemExit(follow(spec, args.rank, args.tp_store))
+        code = 3
+        try:
+            code = follow(spec, args.rank, args.tp_store)
+        except BaseException:
+            log.exception("rank %d of instance %s failed", args.rank, spec.worker_id)
+        logging.shutdown()
+        os._exit(code)  # no interpreter teardown: a broken process group may hang in it
     setup_logging(f"worker {spec.worker_id} pid {os.getpid()}", spec.log_level)
     log.debug("spec: %s", args.spec)
     worker = Worker(spec, args.tp_store)
@@ -475,7 +481,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, _stop)
     worker.run()
     if worker.exit_code:
-        raise SystemExit(worker.exit_code)
+        # A broken tensor-parallel group: its sockets are closed and its frames sent; exit now
+        # rather than risk the process group's teardown hanging at interpreter exit.
+        logging.shutdown()
+        os._exit(worker.exit_code)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_size: int = 200  # running sequences
     max_prefill_batch_size: int = 50  # sequences admitted in one step
     max_prefill_tokens: int = 8192  # token budget of one step (MindIE's raised value)
+    # Prompt tokens per step while other requests run or wait (prefillChunkTokens); 0 =
+    # max_prefill_tokens; None = the device's default, settled by workers.prepare.
+    prefill_chunk_tokens: int | None = None
     enable_prefix_cache: bool = True
     # Compute each step on a thread while the worker loop does its I/O; None = the device's
     # default, settled by workers.prepare.

@@ -2,7 +2,9 @@
 
 Each step:
 1. Running sequences go first, in (priority, arrival) order: a decode needs one token,
-   a sequence part-way through its prompt gets the next chunk the token budget allows.
+   a sequence part-way through its prompt gets the next chunk the token budget allows. The
+   prompt tokens of a step are capped at ``max_prefill_tokens``, or at ``prefill_chunk_tokens``
+   less the step's decodes when more than one request has work (``prompt_budget``).
    When KV blocks run out, the lowest-priority, newest running sequence is preempted
    (blocks freed, recomputed later from its prompt + generated tokens).
 2. Waiting sequences are admitted in (priority, arrival) order while the batch cap, the
@@ -77,16 +79,34 @@ class Scheduler:
         heapq.heappush(self.waiting, (seq.sort_key, seq))
 
     # -- one step -------------------------------------------------------------------------
+    def prompt_budget(self, decodes: int) -> int:
+        """Prompt tokens (prefill chunks, recomputes) this step may compute. While more than one
+        request has work: the prefill chunk less the step's ``decodes``, so that a wave of
+        prompts yields first tokens step by step instead of all after one long step, running
+        requests keep decoding, and a step keeps the chunk's row count (the CPU's linears pad
+        rows to buckets: 256 prompt rows + 2 decodes would run as 320). At least an eighth of the
+        chunk, so prompts are never starved by many decodes. A prompt alone takes the whole
+        ``max_prefill_tokens``."""
+        budget = self.cfg.max_prefill_tokens
+        chunk = self.cfg.prefill_chunk_tokens or 0
+        if 0 < chunk < budget and len(self.running) + len(self.waiting) > 1:
+            return max(chunk - decodes, chunk // 8, 1)
+        return budget
+
     def schedule(self) -> ScheduledBatch:
         budget = self.cfg.max_prefill_tokens
-        out = ScheduledBatch([], [], [])
         self.running.sort(key=lambda s: s.sort_key)
+        prompt_budget = self.prompt_budget(sum(1 for s in self.running if s.num_tokens - s.num_computed == 1))
+        out = ScheduledBatch([], [], [])
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted by an earlier sequence this step
             if budget <= 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = seq.num_tokens - seq.num_computed
+            if need > 1 and prompt_budget <= 0:
+                continue  # its next prompt chunk waits for a later step
+            n = min(need, budget) if need == 1 else min(need, budget, prompt_budget)
             while not self.blocks.can_grow(seq, n):
                 victim = self.running[-1]  # sorted: lowest priority, newest
                 self._preempt(victim)
@@ -99,9 +119,11 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_tokens.append(n)
             budget -= n
+            if need > 1:
+                prompt_budget -= n
 
         prefills = sum(1 for s, n in zip(out.seqs, out.num_tokens) if s.num_computed + n < s.num_tokens or n > 1)
-        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch_size
+        while (self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.cfg.max_batch_size
                and prefills < self.cfg.max_prefill_batch_size):
             seq = self.waiting[0][1]
             hits = self.blocks.match_prefix(seq)
@@ -109,7 +131,7 @@ class Scheduler:
                 # The positions whose prompt log-probabilities are still missing must run through
                 # the model: reuse only cached blocks wholly before them.
                 hits = hits[:len(seq.prompt_logprobs) // self.blocks.block_size]
-            n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget)
+            n = min(seq.num_tokens - len(hits) * self.blocks.block_size, budget, prompt_budget)
             fresh = self.blocks.blocks_needed(len(hits) * self.blocks.block_size + n) - len(hits)
             # Cached blocks sitting in the free list are taken too, so count them.
             reclaimed = sum(1 for b in hits if self.blocks.blocks[b].ref_count == 0)
@@ -123,5 +145,6 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_tokens.append(n)
             budget -= n
+            prompt_budget -= n
             prefills += 1
         return out

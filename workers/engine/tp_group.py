@@ -30,7 +30,9 @@ log = logging.getLogger("workers.tp")
 # How long ranks wait for each other at start (processes, model loading) and in one collective.
 START_TIMEOUT_S = float(os.environ.get("MINDIE_TP_START_TIMEOUT_S") or 600)
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINDIE_TP_COLLECTIVE_TIMEOUT_S") or 30)
-# The control group's timeout: an idle rank 0 sends a no-op step well within it.
+# The control group's timeout on ranks > 0, which wait there between steps: an idle rank 0 sends a
+# no-op step well within it. Rank 0 uses the collective timeout there too: a gloo send waits for
+# the peer's receive, so a stuck rank must not hold rank 0's broadcast for an hour.
 CONTROL_TIMEOUT_S = 3600.0
 KEEPALIVE_S = 60.0
 
@@ -92,10 +94,11 @@ class Group:
         if time.monotonic() - self.last_send > KEEPALIVE_S:
             self.send_step(StepInputs(kind=NOOP))
 
-    def broadcast_int(self, value: int) -> int:
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (the KV blocks every rank's memory can hold)."""
         import torch.distributed as dist
         t = torch.tensor([value], dtype=torch.int64)
-        dist.broadcast(t, 0, group=self.control)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
     def wait_all(self, what: str) -> None:
@@ -142,23 +145,28 @@ def join(worker_id: str, rank: int, world: int, store_path: str, device_type: st
         raise ValueError(f"no tensor-parallel backend for device type {device_type!r}")
     # Every rank runs on this host: gloo on the loopback interface unless told otherwise.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.FileStore(store_path, world)
-    store.set(store_key(rank), str(os.getpid()))
-    if rank == 0:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        missing = list(range(1, world))
-        while missing:
-            missing = [r for r in missing if not store.check([store_key(r)])]
-            if missing and time.monotonic() > deadline:
-                raise GroupError(f"tensor-parallel instance {worker_id}: rank(s) {missing} did not come up within "
-                                 f"{START_TIMEOUT_S:.0f} s (MINDIE_TP_START_TIMEOUT_S)")
-            if missing:
-                time.sleep(0.05)
     if backend == "hccl":
         import torch_npu  # noqa: F401  (registers the hccl backend)
+    # A hung nccl/hccl collective must raise rather than wait forever.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("HCCL_ASYNC_ERROR_HANDLING", "1")
+    store = dist.FileStore(store_path, world)
+    store.set(store_key(rank), str(os.getpid()))
+    # Every rank waits for all the others before the process group connects (its own connect
+    # timeout is the short collective one), and names the ranks that did not come up.
+    deadline = time.monotonic() + START_TIMEOUT_S
+    missing = [r for r in range(world) if r != rank]
+    while missing:
+        missing = [r for r in missing if not store.check([store_key(r)])]
+        if missing and time.monotonic() > deadline:
+            raise GroupError(f"tensor-parallel instance {worker_id}: rank(s) {missing} did not come up within "
+                             f"{START_TIMEOUT_S:.0f} s (MINDIE_TP_START_TIMEOUT_S)")
+        if missing:
+            time.sleep(0.05)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    control = dist.new_group(backend="gloo", timeout=timedelta(
+        seconds=COLLECTIVE_TIMEOUT_S if rank == 0 else CONTROL_TIMEOUT_S))
     log.info("instance %s: rank %d/%d joined (%s compute, collective timeout %.0f s)", worker_id, rank, world,
              backend, COLLECTIVE_TIMEOUT_S)
     return Group(worker_id, rank, world, control)
