@@ -66,7 +66,7 @@ class Child:
     """One npuDeviceIds entry: one worker process, or one per device of a tensor-parallel instance."""
 
     spec: WorkerSpec
-    procs: list[subprocess.Popen | None] = field(default_factory=list)  # by rank
+    procs: list[subprocess.Popen] = field(default_factory=list)  # by rank; [] while down
     started: float = 0.0
     restarts: int = 0
     backoff: float = BACKOFF_START_S
@@ -77,13 +77,6 @@ class Child:
     def world(self) -> int:
         return 1 if self.spec.null_model else max(1, len(self.spec.device_ids))
 
-    @property
-    def proc(self) -> subprocess.Popen | None:
-        """Rank 0: the worker the front ends talk to."""
-        return self.procs[0] if self.procs else None
-
-    def running(self) -> list[subprocess.Popen]:
-        return [p for p in self.procs if p is not None]
 
 
 class Supervisor:
@@ -119,7 +112,7 @@ class Supervisor:
             die = functools.partial(die_with_parent, signal.SIGKILL, os.getpid())
             child.procs.append(subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=die))
         child.started = time.monotonic()
-        pids = ", ".join(str(p.pid) for p in child.running())
+        pids = ", ".join(str(p.pid) for p in child.procs)
         log.info("started worker %s (pid%s %s, device %s %s%s)", child.spec.worker_id, "s" * (world > 1), pids,
                  child.spec.device_type, child.spec.device_ids, f", tensor parallel x{world}" if world > 1 else "")
 
@@ -134,13 +127,12 @@ class Supervisor:
         now = time.monotonic()
         for child in self.children:
             if child.procs:
-                dead = [(rank, p.poll()) for rank, p in enumerate(child.procs) if p.poll() is not None]
+                dead = [(rank, code) for rank, p in enumerate(child.procs) if (code := p.poll()) is not None]
                 if not dead:
                     if now - child.started > STABLE_AFTER_S:
                         child.backoff = BACKOFF_START_S
                     continue
-                rank, code = dead[0]
-                others = [p for p in child.running() if p.poll() is None]
+                others = [p for p in child.procs if p.poll() is None]
                 for p in others:
                     p.kill()  # a rank left alone waits in a collective: nothing to save there
                 for p in others:
@@ -152,10 +144,13 @@ class Supervisor:
                 child.procs = []
                 child.restarts += 1
                 child.restart_at = now + child.backoff
-                who = f"rank {rank} of worker {child.spec.worker_id}" if child.world > 1 else \
-                    f"worker {child.spec.worker_id}"
-                log.error("%s %s after %.1f s; %srestarting in %.1f s (restart #%d)", who, describe_exit(code),
-                          now - child.started, f"stopped its {len(others)} other rank(s); " if child.world > 1 else "",
+                # Every rank found dead, not the first: a peer's death often ends rank 0 too (its
+                # collective fails) before this loop looks, and the cause must stay in the log.
+                who = ", ".join(f"rank {rank} of worker {child.spec.worker_id} {describe_exit(code)}"
+                                if child.world > 1 else f"worker {child.spec.worker_id} {describe_exit(code)}"
+                                for rank, code in dead)
+                log.error("%s after %.1f s; %srestarting in %.1f s (restart #%d)", who, now - child.started,
+                          f"stopped its {len(others)} other rank(s); " if child.world > 1 else "",
                           child.backoff, child.restarts)
                 child.backoff = min(child.backoff * 2, BACKOFF_MAX_S)
             elif not self.stopping and now >= child.restart_at:
@@ -176,8 +171,8 @@ class Supervisor:
         other ranks to stop), SIGKILL what is left after the grace period."""
         self.stopping = True
         deadline = time.monotonic() + STOP_GRACE_S
-        first = [c.procs[0] for c in self.children if c.procs and c.procs[0] is not None]
-        rest = [p for c in self.children for p in c.running()[1:]]
+        first = [c.procs[0] for c in self.children if c.procs]
+        rest = [p for c in self.children for p in c.procs[1:]]
         for batch in (first, rest):
             for p in batch:
                 if p.poll() is None:

@@ -219,7 +219,7 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     tp = None
     if group is not None:
         from workers.models.sharding import TensorParallel, plan_shard
-        tp = TensorParallel(plan_shard(args, group.rank, group.world), group.compute)
+        tp = TensorParallel(plan_shard(args, group.rank, group.world))  # the default (compute) group
     model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp)
     if kernel is not None:
         from workers.backends.int8 import quantize_model

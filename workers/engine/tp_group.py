@@ -64,10 +64,11 @@ _decode = msgspec.msgpack.Decoder(StepInputs).decode
 class Group:
     """One rank's view of its instance."""
 
-    def __init__(self, worker_id: str, rank: int, world: int, control, compute=None):
+    def __init__(self, worker_id: str, rank: int, world: int, control):
+        """``control``: the gloo group of the step broadcast; the model's collectives use the
+        default (compute) group."""
         self.worker_id, self.rank, self.world = worker_id, rank, world
         self.control = control
-        self.compute = compute  # None: the default group
         self.last_send = time.monotonic()
 
     # -- the step broadcast (rank 0 -> every rank) --------------------------------------------
