@@ -87,8 +87,10 @@ class CpuBackend(Backend):
         return int((spec.cpu_mem_gb if spec.cpu_mem_gb > 0 else 1.0) * (1 << 30))
 
     def prepare_model(self, model: torch.nn.Module) -> None:
+        from workers.backends.cpu_decode import attach
         from workers.backends.cpu_fused import fuse_model
         from workers.backends.cpu_linear import pack_linears
+        attach(model)  # before packing: the fused decode step reads the plain weights
         pack_linears(model)
         fuse_model(model)
 

@@ -160,6 +160,15 @@ int paged_decode(int dtype, const void *q, const void *kc, const void *vc, const
     return 0;
 }
 
+/* One decode_item for the fused decode step, compiled here (contraction allowed) so that its
+ * products round exactly as paged_decode's do. */
+static __attribute__((noinline)) void attend_item(int dtype, const void *q, const void *kc, const void *vc,
+                                                  const int64_t *table, int64_t p, int64_t H, int64_t Hkv, int64_t bs,
+                                                  int64_t D, int64_t window, float scale, int64_t kvh, void *out) {
+    if (dtype == 0) decode_item(0, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+    else decode_item(1, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+}
+
 /* Write T new rows into cache[blocks[t], :, offsets[t], :]: token t's [Hkv, D] rows start at
  * k + t * t_stride elements (same element type as the cache). */
 void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *blocks, const int64_t *offsets,
@@ -169,6 +178,139 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
         for (int64_t h = 0; h < Hkv; h++)
             memcpy((char *)cache + ((blocks[t] * Hkv + h) * bs + offsets[t]) * row,
                    (const char *)k + t * t_stride * elem_size + h * row, row);
+}
+
+/* ---- Small-batch matrix-vector products for the fused decode step (decode_layers) ------------
+ * Weights are repacked once (cpu_decode.py) so that 16 output channels lie in one vector's lanes:
+ *   fp32 [N/16][K][16],  bf16 [N/16][K/2][16][2] (pairs of K, as AVX512-BF16's dot product reads),
+ * N padded to 16 and K to even with zeros. Each lane then sums its output's products in K order,
+ * in chunks of 512 K whose sums are added at the end: the order oneDNN's packed inner product
+ * uses on these CPUs for one row, so the small models' products come out bit-identical to the eager path's
+ * (tests/test_cpu_decode.py; larger shapes can differ in the last bit where oneDNN blocks K
+ * differently). A call computes up to GROUP blocks of 16 outputs for all M rows, four rows at a
+ * time (the weight group is read from memory once; the next four rows find it in cache). */
+#define DEC_MAX_ROWS 16
+#define GROUP 4
+#define K_CHUNK 512
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
+
+/* res[m][b * 16 + l] = sum over k of x[m, k] * w[(g0 + b) * 16 + l, k], for b < nb <= GROUP */
+static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *pw, int64_t g0, int64_t nb,
+                       float *res /* [M][GROUP * 16] */) {
+    const int64_t KP = (K + 1) / 2;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mm = M - m0 < 4 ? M - m0 : 4;
+#if HAVE_DPBF16
+        if (dt == 1) {
+            const uint16_t *xb = (const uint16_t *)x, *wb = (const uint16_t *)pw;
+            __m512 tot[4][GROUP], acc[4][GROUP];
+            for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+                const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+                for (int m = 0; m < 4; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
+                for (int64_t kp = p0; kp < p1; kp++) {
+                    __m512i xv[4];
+                    for (int m = 0; m < mm; m++) {
+                        const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
+                        const uint32_t pair = (uint32_t)r[0] | (2 * kp + 1 < K ? (uint32_t)r[1] << 16 : 0u);
+                        xv[m] = _mm512_set1_epi32((int)pair);
+                    }
+                    for (int b = 0; b < nb; b++) {
+                        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wb + ((g0 + b) * KP + kp) * 32));
+                        for (int m = 0; m < mm; m++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)xv[m], wv);
+                    }
+                }
+                for (int m = 0; m < mm; m++)
+                    for (int b = 0; b < nb; b++) tot[m][b] = p0 ? _mm512_add_ps(tot[m][b], acc[m][b]) : acc[m][b];
+            }
+            for (int m = 0; m < mm; m++)
+                for (int b = 0; b < nb; b++) _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16, tot[m][b]);
+            continue;
+        }
+#endif
+#if HAVE_AVX512
+        if (dt == 0) {
+            const float *xf = (const float *)x, *wf = (const float *)pw;
+            __m512 tot[4][GROUP], acc[4][GROUP];
+            for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+                const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
+                for (int m = 0; m < 4; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
+                for (int64_t k = k0; k < k1; k++) {
+                    __m512 xv[4];
+                    for (int m = 0; m < mm; m++) xv[m] = _mm512_set1_ps(xf[(m0 + m) * K + k]);
+                    for (int b = 0; b < nb; b++) {
+                        const __m512 wv = _mm512_loadu_ps(wf + ((g0 + b) * K + k) * 16);
+                        for (int m = 0; m < mm; m++) acc[m][b] = _mm512_fmadd_ps(xv[m], wv, acc[m][b]);
+                    }
+                }
+                for (int m = 0; m < mm; m++)
+                    for (int b = 0; b < nb; b++) tot[m][b] = k0 ? _mm512_add_ps(tot[m][b], acc[m][b]) : acc[m][b];
+            }
+            for (int m = 0; m < mm; m++)
+                for (int b = 0; b < nb; b++) _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16, tot[m][b]);
+            continue;
+        }
+#endif
+        /* Portable path (AVX2 builds): the same layout and order, 16 lanes the compiler vectorises. */
+        for (int m = 0; m < mm; m++)
+            for (int b = 0; b < nb; b++) {
+                float tot[16], acc[16];
+                if (dt == 0) {
+                    const float *xf = (const float *)x + (m0 + m) * K, *wf = (const float *)pw + (g0 + b) * K * 16;
+                    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+                        const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
+                        for (int l = 0; l < 16; l++) acc[l] = 0.0f;
+                        for (int64_t k = k0; k < k1; k++)
+                            for (int l = 0; l < 16; l++) acc[l] += xf[k] * wf[k * 16 + l];
+                        for (int l = 0; l < 16; l++) tot[l] = k0 ? tot[l] + acc[l] : acc[l];
+                    }
+                } else {
+                    const uint16_t *xb = (const uint16_t *)x + (m0 + m) * K;
+                    const uint16_t *wb = (const uint16_t *)pw + (g0 + b) * KP * 32;
+                    for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+                        const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+                        for (int l = 0; l < 16; l++) acc[l] = 0.0f;
+                        for (int64_t kp = p0; kp < p1; kp++) {
+                            const float x0 = bf16_to_f32(xb[2 * kp]);
+                            const float x1 = 2 * kp + 1 < K ? bf16_to_f32(xb[2 * kp + 1]) : 0.0f;
+                            for (int l = 0; l < 16; l++)
+                                acc[l] += x1 * bf16_to_f32(wb[(kp * 16 + l) * 2 + 1]) + x0 * bf16_to_f32(wb[(kp * 16 + l) * 2]);
+                        }
+                        for (int l = 0; l < 16; l++) tot[l] = p0 ? tot[l] + acc[l] : acc[l];
+                    }
+                }
+                for (int l = 0; l < 16; l++) res[(m0 + m) * GROUP * 16 + b * 16 + l] = tot[l];
+            }
+    }
+}
+
+/* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above: the decode
+ * step's products on their own (tests compare them with torch's linear). */
+int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, int64_t N, const void *bias, void *out) {
+    if (dt < 0 || dt > 1 || M < 1 || M > DEC_MAX_ROWS) return -1;
+    const int64_t NB = (N + 15) / 16;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
+        float res[DEC_MAX_ROWS * GROUP * 16];
+        const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
+        gemv_group(dt, x, M, K, pw, g0, nb, res);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++)
+                store_one(dt, out, m * N + n, res[m * GROUP * 16 + n - g0 * 16] + (bias ? load_one(dt, bias, n) : 0.0f));
+    }
+    return 0;
 }
 
 /* ---- Fused elementwise kernels of the decoder layer (cpu_fused.py) ----------------------------
@@ -243,6 +385,134 @@ int rope_inplace(int dtype, void *x, int64_t T, int64_t t_stride, int64_t H, int
         case 1: rope_token(1, x, t * t_stride, H, D, cr, sr); break;
         default: rope_token(2, x, t * t_stride, H, D, cr, sr); break;
         }
+    }
+    return 0;
+}
+
+/* ---- The whole decoder stack for a decode step of up to DEC_MAX_ROWS sequences ----------------
+ * One call runs embedding, every layer (RMSNorm, fused q/k/v projection, rope, cache write,
+ * paged attention, o projection + residual, RMSNorm, gate/up projection + SwiGLU, down projection +
+ * residual) and the final norm inside one OpenMP parallel region, with a barrier between phases.
+ * In eager torch the same step is ~12 op dispatches per layer, each several microseconds, which
+ * at batch 1 costs as much as streaming the weights (docs/performance.md). Every intermediate is
+ * rounded to the activation type where torch's eager ops round, so results follow the unfused path
+ * (the products' sums can differ in order from oneDNN's, i.e. in the last bits of fp32). */
+typedef struct {
+    /* weights packed for gemv_group; gate and up as two matrices of I rows */
+    const void *in_norm, *qkv_w, *qkv_b, *o_w, *o_b, *post_norm, *gate_w, *gate_b, *up_w, *up_b, *down_w, *down_b;
+    void *k_cache, *v_cache;
+    int64_t window;  /* <= 0: none */
+} dec_layer_t;
+
+typedef struct {
+    int64_t n_layers, C, H, Hkv, D, I, bs, max_blocks, max_pos, M;
+    float eps, scale;
+    const dec_layer_t *layers;
+    const void *embed;         /* [V, C] */
+    const int64_t *ids, *pos;  /* [M] */
+    const int64_t *blocks, *offsets;  /* [M]: the cache slot of each new token */
+    const int64_t *tables;     /* [M, max_blocks] */
+    const float *cos_t, *sin_t;
+    const void *final_norm;
+    const uint16_t *silu_bf16; /* [65536]: silu of every bf16 value as torch computes it, or NULL */
+    void *x;       /* [M, C] residual stream (scratch) */
+    void *xn;      /* [M, C] normed (scratch) */
+    void *qkv;     /* [M, (H + 2 Hkv) D] */
+    void *att;     /* [M, H D] */
+    void *act;     /* [M, I] */
+    void *out;     /* [M, C]: the final norm's output */
+} dec_step_t;
+
+INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst) {
+    float buf[s->C];
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < s->M; m++) rms_row(dt, s->x, m * s->C, w, dst, m * s->C, s->C, s->eps, buf);
+}
+
+/* x[M, K] @ w^T (+ b): out[m, n] = round(sum), or with residual x[m, n] = round(x + round(sum)) */
+INLINE void dec_linear(int dt, const dec_step_t *s, const void *in, int64_t K, const void *w, const void *b,
+                       int64_t N, void *dst, int residual) {
+    float res[DEC_MAX_ROWS * GROUP * 16];
+    const int64_t NB = (N + 15) / 16;
+    _Pragma("omp for schedule(static)")
+    for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
+        const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
+        gemv_group(dt, in, s->M, K, w, g0, nb, res);
+        for (int64_t m = 0; m < s->M; m++)
+            for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++) {
+                const float v = round_to(dt, res[m * GROUP * 16 + n - g0 * 16] + (b ? load_one(dt, b, n) : 0.0f));
+                const int64_t i = m * N + n;
+                store_one(dt, dst, i, residual ? load_one(dt, dst, i) + v : v);
+            }
+    }
+}
+
+/* gate and up for the same outputs together: act = round(round(silu(g)) * u) */
+INLINE void dec_swiglu(int dt, const dec_step_t *s, const dec_layer_t *L) {
+    float rg[DEC_MAX_ROWS * GROUP * 16], ru[DEC_MAX_ROWS * GROUP * 16];
+    const int64_t I = s->I, NB = (I + 15) / 16;
+    _Pragma("omp for schedule(static)")
+    for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
+        const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
+        gemv_group(dt, s->xn, s->M, s->C, L->gate_w, g0, nb, rg);
+        gemv_group(dt, s->xn, s->M, s->C, L->up_w, g0, nb, ru);
+        for (int64_t m = 0; m < s->M; m++)
+            for (int64_t n = g0 * 16; n < I && n < (g0 + nb) * 16; n++) {
+                const int64_t r = m * GROUP * 16 + n - g0 * 16;
+                const float g = round_to(dt, rg[r] + (L->gate_b ? load_one(dt, L->gate_b, n) : 0.0f));
+                const float u = round_to(dt, ru[r] + (L->up_b ? load_one(dt, L->up_b, n) : 0.0f));
+                /* bf16: torch's own results (its vectorised exp differs from expf in the last bit at times) */
+                const float sg = dt == 1 && s->silu_bf16 ? bf16_to_f32(s->silu_bf16[f32_to_bf16(g)])
+                                                         : round_to(dt, g / (1.0f + expf(-g)));
+                store_one(dt, s->act, m * I + n, sg * u);
+            }
+    }
+}
+
+INLINE void dec_step(int dt, const dec_step_t *s) {
+    const int64_t M = s->M, C = s->C, H = s->H, Hkv = s->Hkv, D = s->D, half = D / 2;
+    const int64_t NQ = (H + 2 * Hkv) * D, es = dt == 0 ? 4 : 2;
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; m++)
+        memcpy((char *)s->x + m * C * es, (const char *)s->embed + s->ids[m] * C * es, C * es);
+    for (int64_t l = 0; l < s->n_layers; l++) {
+        const dec_layer_t *L = &s->layers[l];
+        dec_norm_rows(dt, s, L->in_norm, s->xn);
+        dec_linear(dt, s, s->xn, C, L->qkv_w, L->qkv_b, NQ, s->qkv, 0);
+        _Pragma("omp for schedule(static)")
+        for (int64_t m = 0; m < M; m++) {
+            rope_token(dt, s->qkv, m * NQ, H + Hkv, D, s->cos_t + s->pos[m] * half, s->sin_t + s->pos[m] * half);
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t slot = ((s->blocks[m] * Hkv + h) * s->bs + s->offsets[m]) * D * es;
+                memcpy((char *)L->k_cache + slot, (const char *)s->qkv + (m * NQ + (H + h) * D) * es, D * es);
+                memcpy((char *)L->v_cache + slot, (const char *)s->qkv + (m * NQ + (H + Hkv + h) * D) * es, D * es);
+            }
+        }
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t i = 0; i < M * Hkv; i++) {
+            const int64_t m = i / Hkv;
+            attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
+                        s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, i % Hkv, (char *)s->att + m * H * D * es);
+        }
+        dec_linear(dt, s, s->att, H * D, L->o_w, L->o_b, C, s->x, 1);
+        dec_norm_rows(dt, s, L->post_norm, s->xn);
+        dec_swiglu(dt, s, L);
+        dec_linear(dt, s, s->act, s->I, L->down_w, L->down_b, C, s->x, 1);
+    }
+    dec_norm_rows(dt, s, s->final_norm, s->out);
+}
+
+/* Returns 0, or -1 (before touching anything) for shapes beyond the static buffers or a position
+ * outside the rope table. */
+int decode_layers(int dtype, const dec_step_t *s) {
+    if (dtype < 0 || dtype > 1 || s->M < 1 || s->M > DEC_MAX_ROWS || s->D > MAX_D || s->D % 2 || s->Hkv <= 0
+        || s->H % s->Hkv || s->H / s->Hkv > MAX_G || s->C > 65536)
+        return -1;
+    for (int64_t m = 0; m < s->M; m++)
+        if (s->pos[m] < 0 || s->pos[m] >= s->max_pos || s->offsets[m] < 0 || s->offsets[m] >= s->bs) return -1;
+    _Pragma("omp parallel")
+    {
+        if (dtype == 0) dec_step(0, s); else dec_step(1, s);
     }
     return 0;
 }

@@ -1,4 +1,5 @@
-"""Build and load the CPU backend's C kernels (cpu_kernels.c: paged attention, RMSNorm, rope).
+"""Build and load the CPU backend's C kernels (cpu_kernels.c: paged attention, RMSNorm, rope, the
+fused decode step).
 
 The source is compiled once per host with the system C compiler (``-O3 -march=native -fopenmp``)
 into a cache directory keyed by the source, the compiler and the CPU's feature flags, and loaded
@@ -142,6 +143,13 @@ def load() -> ctypes.CDLL | None:
             lib.rope_inplace.restype = ctypes.c_int
             lib.rope_inplace.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 \
                 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+            lib.linear_rows.restype = ctypes.c_int
+            lib.linear_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+            lib.decode_layers.restype = ctypes.c_int
+            lib.decode_layers.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            lib.kernels_have_dpbf16.restype = ctypes.c_int
+            lib.has_dpbf16 = bool(lib.kernels_have_dpbf16())
             lib.kernels_have_f16.restype = ctypes.c_int
             lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
             _lib = lib

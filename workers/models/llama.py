@@ -245,6 +245,9 @@ class DecoderLM(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, local.vocab_size, bias=False,
                                                                      dtype=dtype)
         self.logits_linear = None
+        # A device backend's whole-stack kernel for small decode steps (workers/backends/cpu_decode.py):
+        # returns the hidden states, or None for a step it does not cover.
+        self.fast_decode: Callable | None = None
         self.rope = RotaryEmbedding(
             args.head_dim, max_positions or args.max_position_embeddings, args.rope_theta, args.rope_scaling
         )
@@ -256,6 +259,8 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         """input_ids, positions: LongTensor [T] (flat batch). Returns normed hidden states [T, hidden]."""
+        if self.fast_decode is not None and (hidden := self.fast_decode(input_ids, positions, attn)) is not None:
+            return hidden
         x = self.embed_tokens(input_ids) if self.tp is None else self.tp.embed(self.embed_tokens.weight, input_ids)
         for layer in self.layers:
             x = layer(x, positions, self.rope, attn)

@@ -1,0 +1,209 @@
+"""The fused decode step (workers/backends/cpu_decode.py, cpu_kernels.c ``decode_layers``): the
+whole decoder stack of a small decode step in one C call must compute what the eager path does,
+take only the steps it covers, and stay out of the way for models it does not cover.
+
+On a CPU with AVX512-BF16 dot products and no AMX (where oneDNN's bf16 inner product uses the
+same instruction and order), bf16 results are bit-identical to the eager path; elsewhere (the
+AVX2 build: tests/test_cpu_isa.py runs this file against it) and in fp32 (torch's vectorised
+exp inside SiLU differs from the C library's in the last bit) they agree within rounding."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.harness import demo_server
+from tests.tiny_hf import save_random_model
+from workers.backends import cpu_kernels
+from workers.backends.cpu import CpuBackend
+from workers.backends.cpu_decode import attach, pack
+from workers.models.loader import load_model
+
+pytest.importorskip("transformers")
+
+LIB = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
+FLAGS = cpu_kernels._cpu_flags().split()
+# Where the eager path's bf16 products are oneDNN's AVX512-BF16 kernels, the fused step is exact.
+BF16_EXACT = LIB is not None and LIB.has_dpbf16 and "amx_bf16" not in FLAGS
+
+BASE = dict(vocab_size=203, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # Biases everywhere, an intermediate size that is neither a multiple of 16 nor even (padding of
+    # the packed N and of the K pairs of the down projection).
+    "llama_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, intermediate_size=101)),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),  # q/k/v bias, tied head
+    "kv1": ("LlamaConfig", dict(num_key_value_heads=1)),  # 4 query heads share one KV head
+    "mistral_window": ("MistralConfig", dict(sliding_window=8)),  # contexts beyond the window
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fused")
+    for case, (cls, extra) in CASES.items():
+        save_random_model(cls, {**BASE, **extra}, root / case)
+    return {case: root / case for case in CASES}
+
+
+def _prepared(path: Path, dtype: torch.dtype):
+    model, _ = load_model(path, dtype)
+    CpuBackend().prepare_model(model)
+    return model
+
+
+def _attention(model, dtype: torch.dtype, blocks: int = 8 * 16, block_size: int = 4):
+    a = model.args
+    return CpuBackend().attention_class()(a.num_hidden_layers, blocks, block_size, a.num_key_value_heads, a.head_dim,
+                                          dtype, torch.device("cpu"))
+
+
+def _decode_run(model, dtype: torch.dtype, fused: bool, prompts: list[list[int]], steps: int):
+    """Prefill ``prompts`` (eager: the fused step takes decodes only), then ``steps`` greedy decode
+    steps of all of them together; the hidden states of every decode step and the final caches."""
+    fd = model.fast_decode
+    attn = _attention(model, dtype)
+    per = 16  # blocks per sequence (4 tokens each)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
+    hidden, calls0 = [], fd.calls
+    with torch.inference_mode():
+        model.fast_decode = None
+        attn.prepare(tables, [0] * len(prompts), [len(p) for p in prompts])
+        h = model(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(len(p)) for p in prompts]),
+                  attn)
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        nxt = model.compute_logits(h[ends]).argmax(-1)
+        pos = [len(p) for p in prompts]
+        model.fast_decode = fd if fused else None
+        for _ in range(steps):
+            attn.prepare(tables, pos, [1] * len(prompts))
+            h = model(nxt, torch.tensor(pos), attn)
+            hidden.append(h.float().clone())
+            nxt = model.compute_logits(h).argmax(-1)
+            pos = [p + 1 for p in pos]
+    model.fast_decode = fd
+    return hidden, [c.clone() for c in attn.k_cache + attn.v_cache], fd.calls - calls0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_step_computes_what_eager_does(models, case, dtype):
+    model = _prepared(models[case], dtype)
+    assert model.fast_decode is not None
+    prompts = [[5, 6, 7], list(range(10, 31)), [9] * 6, list(range(40, 52)), [3, 4], [7] * 9, [11] * 14,
+               list(range(60, 65))]
+    for batch in (1, 3, 8):
+        eager_h, eager_kv, eager_calls = _decode_run(model, dtype, False, prompts[:batch], 12)
+        fused_h, fused_kv, fused_calls = _decode_run(model, dtype, True, prompts[:batch], 12)
+        assert (eager_calls, fused_calls) == (0, 12)  # every decode step took the kernel, and only then
+        if dtype == torch.bfloat16 and BF16_EXACT:
+            assert all(torch.equal(a, b) for a, b in zip(eager_h, fused_h)), case
+            assert all(torch.equal(a, b) for a, b in zip(eager_kv, fused_kv)), case
+        else:
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            for a, b in zip(eager_h, fused_h):
+                torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+            for a, b in zip(eager_kv, fused_kv):
+                torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n, k", [(64, 64), (101, 112), (203, 64), (48, 101), (1024, 512), (512, 1376)])
+def test_packed_products_against_a_float64_reference(dtype, n, k):
+    """The kernel's products (``linear_rows``, the same code as the step's) over the packed layout,
+    with and without bias, 1-16 rows: within the output type's rounding of the exact sum."""
+    torch.manual_seed(n * 7 + k)
+    w = (torch.randn(n, k) * 0.1).to(dtype)
+    b = (torch.randn(n) * 0.1).to(dtype)
+    pw = pack(w)
+    for m in (1, 2, 5, 8, 16):
+        x = torch.randn(m, k).to(dtype)
+        for bias in (None, b):
+            out = torch.empty(m, n, dtype=dtype)
+            assert LIB.linear_rows(1 if dtype == torch.bfloat16 else 0, x.data_ptr(), m, k, pw.data_ptr(), n,
+                                   None if bias is None else bias.data_ptr(), out.data_ptr()) == 0
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            eps = torch.finfo(dtype).eps
+            # one rounding of the output plus fp32 accumulation error
+            bound = exact.abs() * eps + (x.double().abs() @ w.double().abs().T) * k * 2 ** -23 + 1e-30
+            assert ((out.double() - exact).abs() <= bound).all(), (m, bias is None)
+            if dtype == torch.bfloat16 and BF16_EXACT and m == 1:
+                assert torch.equal(out, F.linear(x, w, bias)), (n, k)  # oneDNN's order at one row
+
+
+def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):
+    monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_ROWS", "2")
+    model = _prepared(models["llama_bias"], torch.bfloat16)
+    assert model.fast_decode.max_rows == 2
+    _, _, calls = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8], [9, 10]], 3)
+    assert calls == 0  # 3 sequences > 2 rows: eager
+    _, _, calls = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8]], 3)
+    assert calls == 3
+    # A step mixing a prefill chunk with decodes is not the kernel's.
+    attn = _attention(model, torch.bfloat16)
+    with torch.inference_mode():
+        attn.prepare([[0, 1], [2, 3]], [0, 0], [3, 1])
+        model(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 1, 2, 0]), attn)
+    assert model.fast_decode.calls == 3
+
+
+def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, caplog):
+    def attached(path: Path, dtype=torch.bfloat16) -> bool:
+        model, _ = load_model(path, dtype)
+        return attach(model) is not None
+
+    save_random_model("Qwen3Config", {**BASE, "head_dim": 16}, tmp_path / "qwen3")
+    with caplog.at_level(logging.INFO, logger="workers.backends"):
+        assert not attached(tmp_path / "qwen3")  # q/k norms
+        assert not attached(models["kv1"], torch.float16)
+        monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_MB", "0.01")
+        assert not attached(models["kv1"])
+        monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_MB", "256")
+        assert attached(models["kv1"])
+        monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE", "0")
+        assert not attached(models["kv1"])
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "fused decode kernel not used: q/k norms" in said
+    assert "torch.float16 (fp32 and bf16 only)" in said
+    assert "exceed MINDIE_CPU_FUSED_DECODE_MB" in said
+    assert "fused decode kernel on for decode steps of up to 8 sequences" in said
+
+
+def _greedy(url: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    import concurrent.futures as cf
+
+    def one(p: list[int]) -> list[int]:
+        r = httpx.post(url + "/infer_token", json={"input_id": p, "stream": False,
+                                                    "parameters": {"max_new_tokens": n, "ignore_eos": True,
+                                                                   "details": True}}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["details"]["generated_token_ids"]
+
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(one, prompts))
+
+
+def test_server_generates_the_same_tokens_with_and_without_it(tmp_path, demo_model):
+    """The real server (launch script, worker) on the demo model in bf16: greedy continuations of
+    concurrent requests with the fused step equal those with MINDIE_CPU_FUSED_DECODE=0, and the
+    worker says it is on."""
+    prompts = [[5, 6, 7], list(range(20, 60)), [9] * 12, [300, 301]]
+    runs = {}
+    for label, env in (("fused", {}), ("eager", {"MINDIE_CPU_FUSED_DECODE": "0"})):
+        (tmp_path / label).mkdir()
+        with demo_server(tmp_path / label, demo_model, env=env, model={"dtype": "bfloat16"}) as srv:
+            runs[label] = _greedy(srv.url, prompts, 40)
+            log = srv.tail(400)
+        assert ("fused decode kernel on" in log) == (label == "fused"), log[-3000:]
+    assert all(len(t) == 40 for t in runs["fused"])
+    if BF16_EXACT:
+        assert runs["fused"] == runs["eager"]
+    else:  # the same up to a last-bit difference somewhere in a long continuation
+        same = sum(a == b for f, e in zip(runs["fused"], runs["eager"]) for a, b in zip(f, e))
+        assert same >= 0.9 * 40 * len(prompts)

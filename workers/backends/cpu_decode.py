@@ -1,0 +1,209 @@
+"""The whole decoder stack of a small decode step in one C call (cpu_kernels.c ``decode_layers``).
+
+At batch 1 a decode step of a small model reads its weights in about as much time as eager torch
+spends dispatching the ~12 ops of each layer (docs/performance.md, "Decode at concurrency 1").
+For a step made only of decodes, with at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (8), the
+kernel runs embedding, every layer and the final norm inside one OpenMP region: matrix-vector
+products over plain row-major weights (AVX512-BF16 dot products where the CPU has them, a
+vectorised fp32 loop otherwise), the same C norms, rope and paged attention as the eager path, and
+every intermediate rounded where torch rounds. Larger steps and prefills keep the eager path and
+its oneDNN-packed weights.
+
+The packed layers cannot be read by the kernel, so it keeps the plain layer weights too: the
+linear layers' bytes twice. Only models whose plain copy fits ``MINDIE_CPU_FUSED_DECODE_MB``
+(256 MiB) get the kernel; above that a step streams enough bytes that dispatch no longer matters.
+``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Models it does not cover (q/k norms, tensor-parallel
+ranks, int8 weights, fp16, a KV cache of another type) keep the eager path.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+from torch import nn
+
+from workers.backends import cpu_kernels
+
+log = logging.getLogger("workers.backends")
+
+_c_void_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _c_void_p) for n in ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_w", "gate_b",
+                                         "up_w", "up_b", "down_w", "down_b", "k_cache", "v_cache")] \
+        + [("window", _i64)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(n, _i64) for n in ("n_layers", "C", "H", "Hkv", "D", "I", "bs", "max_blocks", "max_pos", "M")] \
+        + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))] \
+        + [(n, _c_void_p) for n in ("embed", "ids", "pos", "blocks", "offsets", "tables", "cos_t", "sin_t",
+                                    "final_norm", "silu_bf16", "x", "xn", "qkv", "att", "act", "out")]
+
+
+def _flag(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip().lower()
+
+
+MAX_ROWS = 16  # DEC_MAX_ROWS in cpu_kernels.c
+
+
+def rows_limit() -> int:
+    """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 1-16; 8)."""
+    return max(0, min(MAX_ROWS, int(_flag("MINDIE_CPU_FUSED_DECODE_ROWS", "8"))))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    """``model.fast_decode``: called by DecoderLM.forward; returns the normed hidden states of a
+    step it covers, or None (the eager path runs)."""
+
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL, code: int, weights: list[dict[str, torch.Tensor | None]]):
+        args = model.args
+        self.lib, self.code, self.dtype = lib, code, model.embed_tokens.weight.dtype
+        self.rope = model.rope
+        self.keep = (weights, model.embed_tokens.weight, model.norm.weight)  # the kernel reads these in place
+        self.weights = weights
+        self.C, self.H, self.Hkv, self.D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, \
+            args.head_dim
+        self.I = args.intermediate_size
+        self.eps = args.rms_norm_eps
+        self.windows = [w or 0 for w in args.layer_windows]
+        # silu of every bf16 value, computed by torch: the kernel looks it up, so SwiGLU rounds as eager does
+        self.silu = None
+        if self.dtype == torch.bfloat16:
+            every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            self.silu = torch.nn.functional.silu(every).view(torch.int16).roll(-32768).contiguous()
+        self.max_rows = rows_limit()
+        self.calls = 0  # steps the kernel ran (tests check the path is taken)
+        self._layers = None
+        self._attn = None
+        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _bind(self, attn) -> None:
+        """Per-layer pointers, including this attention object's caches (bound once per KV allocation)."""
+        arr = (_Layer * len(self.weights))()
+        for i, w in enumerate(self.weights):
+            lay = arr[i]
+            for name in ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_w", "gate_b", "up_w", "up_b",
+                         "down_w", "down_b"):
+                setattr(lay, name, _ptr(w[name]))
+            lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
+            lay.window = self.windows[i]
+        self._layers, self._attn = arr, attn
+
+    def _buffers(self, m: int) -> tuple[torch.Tensor, ...]:
+        bufs = self._scratch.get(m)
+        if bufs is None:
+            e = self.dtype
+            nq = (self.H + 2 * self.Hkv) * self.D
+            bufs = self._scratch[m] = (torch.empty(m, self.C, dtype=e), torch.empty(m, self.C, dtype=e),
+                                       torch.empty(m, nq, dtype=e), torch.empty(m, self.H * self.D, dtype=e),
+                                       torch.empty(m, self.I, dtype=e))
+        return bufs
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
+        meta = getattr(attn, "meta", None)
+        m = input_ids.shape[0]
+        if (meta is None or meta.prefill is not None or meta.decode is None or m > self.max_rows
+                or getattr(attn, "lib", None) is None or attn.k_cache[0].dtype != self.dtype
+                or getattr(self.rope, "cos", None) is None or self.rope.cos.dtype != torch.float32
+                or meta.decode.pos.numel() != m or meta.blocks.numel() != m):
+            return None
+        if attn is not self._attn:
+            self._bind(attn)
+        ids = input_ids.contiguous()
+        pos = meta.decode.pos.contiguous()
+        tables = meta.decode.tables.contiguous()
+        x, xn, qkv, att, act = self._buffers(m)
+        out = torch.empty(m, self.C, dtype=self.dtype)
+        s = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
+                  bs=attn.block_size, max_blocks=tables.shape[1], max_pos=self.rope.max_positions, M=m,
+                  eps=self.eps, scale=self.D ** -0.5, layers=self._layers, embed=self.keep[1].data_ptr(),
+                  ids=ids.data_ptr(), pos=pos.data_ptr(), blocks=meta.blocks.data_ptr(),
+                  offsets=meta.offsets.data_ptr(), tables=tables.data_ptr(), cos_t=self.rope.cos.data_ptr(),
+                  sin_t=self.rope.sin.data_ptr(), final_norm=self.keep[2].data_ptr(),
+                  silu_bf16=_ptr(self.silu), x=x.data_ptr(),
+                  xn=xn.data_ptr(), qkv=qkv.data_ptr(), att=att.data_ptr(), act=act.data_ptr(), out=out.data_ptr())
+        if self.lib.decode_layers(self.code, ctypes.byref(s)) != 0:
+            return None  # refused before touching anything (a position outside the rope table: eager raises)
+        self.calls += 1
+        return out
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight in the kernel's layout: 16 output channels per vector, fp32 [N/16, K, 16],
+    bf16 [N/16, K/2, 16, 2] (pairs of K), zero-padded (cpu_kernels.c ``gemv_group``)."""
+    w = weight.detach()
+    n, k = w.shape
+    nb = -(-n // 16)
+    if w.dtype == torch.bfloat16:
+        kp = -(-k // 2)
+        padded = w.new_zeros((nb * 16, kp * 2))
+        padded[:n, :k] = w
+        return padded.view(nb, 16, kp, 2).permute(0, 2, 1, 3).contiguous()
+    padded = w.new_zeros((nb * 16, k))
+    padded[:n] = w
+    return padded.view(nb, 16, k).permute(0, 2, 1).contiguous()
+
+
+def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().contiguous()
+
+
+def attach(model: nn.Module) -> FusedDecode | None:
+    """Give ``model`` a ``fast_decode`` before its linears are packed (it keeps their plain
+    weights); None, with the reason logged, when the model or the settings rule it out."""
+    if _flag("MINDIE_CPU_FUSED_DECODE", "1") in ("0", "false", "no", "off") or rows_limit() < 1:
+        return None
+    lib = cpu_kernels.load()
+    why = None
+    args = getattr(model, "args", None)
+    dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else None
+    code = cpu_kernels.dtype_code(lib, dtype) if lib is not None else None
+    if lib is None:
+        why = "no C kernels"
+    elif args is None or getattr(model, "tp", None) is not None:
+        why = "a tensor-parallel rank"
+    elif code not in (0, 1):
+        why = f"{dtype} (fp32 and bf16 only)"
+    elif args.qk_norm:
+        why = "q/k norms"
+    elif args.head_dim > 256 or args.head_dim % 2 or args.num_attention_heads // args.num_key_value_heads > 16:
+        why = "head shapes beyond the kernel's buffers"
+    weights: list[dict] = []
+    if why is None:
+        for layer in model.layers:
+            a, f = layer.self_attn, layer.mlp
+            mods = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
+            if not all(isinstance(mod, nn.Linear) for mod in mods):
+                why = "linear layers already replaced (int8 weights)"
+                break
+            i = f.intermediate_size
+            gu, gub = f.gate_up_proj.weight, f.gate_up_proj.bias
+            weights.append({
+                "in_norm": _vec(layer.input_layernorm.weight), "qkv_w": pack(a.qkv_proj.weight),
+                "qkv_b": _vec(a.qkv_proj.bias), "o_w": pack(a.o_proj.weight), "o_b": _vec(a.o_proj.bias),
+                "post_norm": _vec(layer.post_attention_layernorm.weight), "gate_w": pack(gu[:i]), "up_w": pack(gu[i:]),
+                "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:]),
+                "down_w": pack(f.down_proj.weight), "down_b": _vec(f.down_proj.bias)})
+    if why is None:
+        size = sum(w.numel() * w.element_size() for d in weights for k, w in d.items() if w is not None and k.endswith("_w"))
+        budget = float(_flag("MINDIE_CPU_FUSED_DECODE_MB", "256")) * (1 << 20)
+        if size > budget:
+            why = f"its linear weights ({size / (1 << 20):.0f} MiB) exceed MINDIE_CPU_FUSED_DECODE_MB ({budget / (1 << 20):.0f})"
+    if why is not None:
+        log.info("fused decode kernel not used: %s", why)
+        return None
+    fused = FusedDecode(model, lib, code, weights)
+    model.fast_decode = fused
+    log.info("fused decode kernel on for decode steps of up to %d sequences (%s dot products; keeps %.1f MiB of plain "
+             "layer weights)", fused.max_rows, "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "vectorised fp32",
+             size / (1 << 20))
+    return fused
