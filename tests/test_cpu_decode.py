@@ -21,7 +21,8 @@ from tests.harness import demo_server
 from tests.tiny_hf import save_random_model
 from workers.backends import cpu_kernels
 from workers.backends.cpu import CpuBackend
-from workers.backends.cpu_decode import attach, pack
+from workers.backends.cpu_decode import _scales, attach, pack
+from workers.backends.int8 import CpuInt8Kernel, dequantize, quantize_model, quantize_weight
 from workers.models.loader import load_model
 
 pytest.importorskip("transformers")
@@ -126,7 +127,7 @@ def test_packed_products_against_a_float64_reference(dtype, n, k):
         x = torch.randn(m, k).to(dtype)
         for bias in (None, b):
             out = torch.empty(m, n, dtype=dtype)
-            assert LIB.linear_rows(1 if dtype == torch.bfloat16 else 0, x.data_ptr(), m, k, pw.data_ptr(), n,
+            assert LIB.linear_rows(1 if dtype == torch.bfloat16 else 0, x.data_ptr(), m, k, pw.data_ptr(), None, n,
                                    None if bias is None else bias.data_ptr(), out.data_ptr()) == 0
             exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
             eps = torch.finfo(dtype).eps
@@ -135,6 +136,41 @@ def test_packed_products_against_a_float64_reference(dtype, n, k):
             assert ((out.double() - exact).abs() <= bound).all(), (m, bias is None)
             if dtype == torch.bfloat16 and BF16_EXACT and m == 1:
                 assert torch.equal(out, F.linear(x, w, bias)), (n, k)  # oneDNN's order at one row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n, k", [(101, 112), (203, 64), (1024, 512)])
+def test_int8_products_against_the_dequantised_weights(dtype, n, k):
+    """w8a16: the products over an int8 copy with per-channel scales equal x @ dequantised(W)^T
+    up to the output's rounding (the same reference as tests/test_int8.py)."""
+    torch.manual_seed(n + k)
+    q, scale = quantize_weight(torch.randn(n, k) * 0.1)
+    ref_w = dequantize(q, scale.to(dtype)).double()
+    pq, ps = pack(q), _scales(scale.to(dtype))
+    for m in (1, 3, 8, 16):
+        x = torch.randn(m, k).to(dtype)
+        out = torch.empty(m, n, dtype=dtype)
+        assert LIB.linear_rows(1 if dtype == torch.bfloat16 else 0, x.data_ptr(), m, k, pq.data_ptr(), ps.data_ptr(), n,
+                               None, out.data_ptr()) == 0
+        exact = x.double() @ ref_w.T
+        bound = exact.abs() * torch.finfo(dtype).eps + (x.double().abs() @ ref_w.abs().T) * k * 2 ** -23 + 1e-30
+        assert ((out.double() - exact).abs() <= bound).all(), m
+
+
+@pytest.mark.parametrize("case", ["llama_bias", "qwen2_tied"])
+def test_int8_model_takes_the_fused_step_and_agrees_with_eager(models, case):
+    """A w8a16 model: the fused step reads the int8 copy (scales applied to fp32 sums, one rounding
+    where the eager path rounds after the scale and again after the bias): within bf16 rounding."""
+    model, _ = load_model(models[case], torch.bfloat16)
+    quantize_model(model, CpuInt8Kernel())
+    CpuBackend().prepare_model(model)
+    assert model.fast_decode is not None and model.fast_decode.weights[0]["qkv_s"] is not None
+    prompts = [[5, 6, 7], list(range(10, 31)), [9] * 6]
+    eager_h, _, _ = _decode_run(model, torch.bfloat16, False, prompts, 6)
+    fused_h, _, calls = _decode_run(model, torch.bfloat16, True, prompts, 6)
+    assert calls == 6
+    for a, b in zip(eager_h, fused_h):
+        torch.testing.assert_close(b, a, rtol=3e-2, atol=3e-2)
 
 
 def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):

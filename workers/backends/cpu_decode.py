@@ -12,8 +12,9 @@ its oneDNN-packed weights.
 The packed layers cannot be read by the kernel, so it keeps the plain layer weights too: the
 linear layers' bytes twice. Only models whose plain copy fits ``MINDIE_CPU_FUSED_DECODE_MB``
 (256 MiB) get the kernel; above that a step streams enough bytes that dispatch no longer matters.
-``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Models it does not cover (q/k norms, tensor-parallel
-ranks, int8 weights, fp16, a KV cache of another type) keep the eager path.
+``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Int8 weights (``quantize: w8a16``) get an int8 copy in the
+same layout, with their scales applied to the fp32 sums. Models it does not cover (q/k norms,
+tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ _c_void_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Layer(ctypes.Structure):
     _fields_ = [(n, _c_void_p) for n in ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_w", "gate_b",
-                                         "up_w", "up_b", "down_w", "down_b", "k_cache", "v_cache")] \
-        + [("window", _i64)]
+                                         "up_w", "up_b", "down_w", "down_b", "qkv_s", "o_s", "gate_s", "up_s",
+                                         "down_s", "k_cache", "v_cache")] + [("window", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -91,9 +92,9 @@ class FusedDecode:
         arr = (_Layer * len(self.weights))()
         for i, w in enumerate(self.weights):
             lay = arr[i]
-            for name in ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_w", "gate_b", "up_w", "up_b",
-                         "down_w", "down_b"):
-                setattr(lay, name, _ptr(w[name]))
+            for name in _Layer._fields_:
+                if name[0] in w:
+                    setattr(lay, name[0], _ptr(w[name[0]]))
             lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
             lay.window = self.windows[i]
         self._layers, self._attn = arr, attn
@@ -138,8 +139,8 @@ class FusedDecode:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A [N, K] weight in the kernel's layout: 16 output channels per vector, fp32 [N/16, K, 16],
-    bf16 [N/16, K/2, 16, 2] (pairs of K), zero-padded (cpu_kernels.c ``gemv_group``)."""
+    """A [N, K] weight in the kernel's layout: 16 output channels per vector, fp32 and int8
+    [N/16, K, 16], bf16 [N/16, K/2, 16, 2] (pairs of K), zero-padded (cpu_kernels.c ``gemv_group``)."""
     w = weight.detach()
     n, k = w.shape
     nb = -(-n // 16)
@@ -155,6 +156,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().contiguous()
+
+
+def _scales(scale: torch.Tensor) -> torch.Tensor:
+    """An int8 layer's per-channel scales as the kernel reads them: fp32, padded to 16 with zeros."""
+    n = scale.numel()
+    out = torch.zeros(-(-n // 16) * 16, dtype=torch.float32)
+    out[:n] = scale.detach().float()
+    return out
+
+
+def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(packed weight, scales or None) of a plain or int8 (CPU kernel, [N, K] layout) linear; None
+    for anything else."""
+    from workers.backends.int8 import Int8Linear
+    sel = rows if rows is not None else slice(None)
+    if isinstance(mod, nn.Linear):
+        return pack(mod.weight[sel]), None
+    if isinstance(mod, Int8Linear) and not mod.kernel.transposed and mod.q.dtype == torch.int8:
+        return pack(mod.q[sel]), _scales(mod.scale[sel])
+    return None
 
 
 def attach(model: nn.Module) -> FusedDecode | None:
@@ -181,20 +202,22 @@ def attach(model: nn.Module) -> FusedDecode | None:
     if why is None:
         for layer in model.layers:
             a, f = layer.self_attn, layer.mlp
-            mods = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
-            if not all(isinstance(mod, nn.Linear) for mod in mods):
-                why = "linear layers already replaced (int8 weights)"
-                break
             i = f.intermediate_size
-            gu, gub = f.gate_up_proj.weight, f.gate_up_proj.bias
-            weights.append({
-                "in_norm": _vec(layer.input_layernorm.weight), "qkv_w": pack(a.qkv_proj.weight),
-                "qkv_b": _vec(a.qkv_proj.bias), "o_w": pack(a.o_proj.weight), "o_b": _vec(a.o_proj.bias),
-                "post_norm": _vec(layer.post_attention_layernorm.weight), "gate_w": pack(gu[:i]), "up_w": pack(gu[i:]),
-                "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:]),
-                "down_w": pack(f.down_proj.weight), "down_b": _vec(f.down_proj.bias)})
+            mats = {"qkv": _matrix(a.qkv_proj), "o": _matrix(a.o_proj), "gate": _matrix(f.gate_up_proj, slice(0, i)),
+                    "up": _matrix(f.gate_up_proj, slice(i, 2 * i)), "down": _matrix(f.down_proj)}
+            if any(m is None for m in mats.values()):
+                why = "linear layers of a kind it does not read"
+                break
+            gub = f.gate_up_proj.bias
+            w = {"in_norm": _vec(layer.input_layernorm.weight), "post_norm": _vec(layer.post_attention_layernorm.weight),
+                 "qkv_b": _vec(a.qkv_proj.bias), "o_b": _vec(a.o_proj.bias), "down_b": _vec(f.down_proj.bias),
+                 "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:])}
+            for name, (packed, scale) in mats.items():
+                w[f"{name}_w"], w[f"{name}_s"] = packed, scale
+            weights.append(w)
     if why is None:
-        size = sum(w.numel() * w.element_size() for d in weights for k, w in d.items() if w is not None and k.endswith("_w"))
+        size = sum(t.numel() * t.element_size() for d in weights for k, t in d.items()
+                   if t is not None and k[-2:] in ("_w", "_s"))
         budget = float(_flag("MINDIE_CPU_FUSED_DECODE_MB", "256")) * (1 << 20)
         if size > budget:
             why = f"its linear weights ({size / (1 << 20):.0f} MiB) exceed MINDIE_CPU_FUSED_DECODE_MB ({budget / (1 << 20):.0f})"
@@ -203,7 +226,8 @@ def attach(model: nn.Module) -> FusedDecode | None:
         return None
     fused = FusedDecode(model, lib, code, weights)
     model.fast_decode = fused
-    log.info("fused decode kernel on for decode steps of up to %d sequences (%s dot products; keeps %.1f MiB of plain "
-             "layer weights)", fused.max_rows, "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "vectorised fp32",
-             size / (1 << 20))
+    int8 = weights[0]["qkv_s"] is not None
+    log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; keeps a %.1f MiB copy of "
+             "the layer weights)", fused.max_rows, "int8 weight" if int8 else
+             "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "fp32-accumulated", size / (1 << 20))
     return fused

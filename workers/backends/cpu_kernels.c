@@ -207,9 +207,52 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
 
-/* res[m][b * 16 + l] = sum over k of x[m, k] * w[(g0 + b) * 16 + l, k], for b < nb <= GROUP */
-static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *pw, int64_t g0, int64_t nb,
-                       float *res /* [M][GROUP * 16] */) {
+/* Weight-only int8 (w8a16): q int8 [N/16][K][16], fp32 scales [N/16 * 16] (padding rows 0);
+ * res = scale * sum over k of x * q, summed in fp32. */
+static void gemv_group_int8(int dt, const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale,
+                            int64_t g0, int64_t nb, float *res) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mm = M - m0 < 4 ? M - m0 : 4;
+#if HAVE_AVX512
+        __m512 acc[4][GROUP];
+        for (int m = 0; m < 4; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k++) {
+            __m512 xv[4];
+            for (int m = 0; m < mm; m++) xv[m] = _mm512_set1_ps(load_one(dt, x, (m0 + m) * K + k));
+            for (int b = 0; b < nb; b++) {
+                const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(q + ((g0 + b) * K + k) * 16))));
+                for (int m = 0; m < mm; m++) acc[m][b] = _mm512_fmadd_ps(xv[m], wv, acc[m][b]);
+            }
+        }
+        for (int m = 0; m < mm; m++)
+            for (int b = 0; b < nb; b++)
+                _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16,
+                                 _mm512_mul_ps(acc[m][b], _mm512_loadu_ps(scale + (g0 + b) * 16)));
+#else
+        for (int m = 0; m < mm; m++)
+            for (int b = 0; b < nb; b++) {
+                float acc[16];
+                const int8_t *wq = q + (g0 + b) * K * 16;
+                for (int l = 0; l < 16; l++) acc[l] = 0.0f;
+                for (int64_t k = 0; k < K; k++) {
+                    const float xk = load_one(dt, x, (m0 + m) * K + k);
+                    for (int l = 0; l < 16; l++) acc[l] += xk * (float)wq[k * 16 + l];
+                }
+                for (int l = 0; l < 16; l++) res[(m0 + m) * GROUP * 16 + b * 16 + l] = acc[l] * scale[(g0 + b) * 16 + l];
+            }
+#endif
+    }
+}
+
+/* res[m][b * 16 + l] = sum over k of x[m, k] * w[(g0 + b) * 16 + l, k], for b < nb <= GROUP
+ * (scale != NULL: w is int8, see gemv_group_int8) */
+static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *pw, const float *scale, int64_t g0,
+                       int64_t nb, float *res /* [M][GROUP * 16] */) {
+    if (scale) {
+        gemv_group_int8(dt, x, M, K, (const int8_t *)pw, scale, g0, nb, res);
+        return;
+    }
     const int64_t KP = (K + 1) / 2;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mm = M - m0 < 4 ? M - m0 : 4;
@@ -266,7 +309,7 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
         /* Portable path (AVX2 builds): the same layout and order, 16 lanes the compiler vectorises. */
         for (int m = 0; m < mm; m++)
             for (int b = 0; b < nb; b++) {
-                float tot[16], acc[16];
+                float tot[16] = {0}, acc[16];
                 if (dt == 0) {
                     const float *xf = (const float *)x + (m0 + m) * K, *wf = (const float *)pw + (g0 + b) * K * 16;
                     for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
@@ -296,16 +339,17 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
     }
 }
 
-/* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above: the decode
- * step's products on their own (tests compare them with torch's linear). */
-int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, int64_t N, const void *bias, void *out) {
+/* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above (int8 with
+ * scales when scale != NULL): the decode step's products on their own (tests compare them with torch's linear). */
+int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, const float *scale, int64_t N,
+                const void *bias, void *out) {
     if (dt < 0 || dt > 1 || M < 1 || M > DEC_MAX_ROWS) return -1;
     const int64_t NB = (N + 15) / 16;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
         float res[DEC_MAX_ROWS * GROUP * 16];
         const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
-        gemv_group(dt, x, M, K, pw, g0, nb, res);
+        gemv_group(dt, x, M, K, pw, scale, g0, nb, res);
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++)
                 store_one(dt, out, m * N + n, res[m * GROUP * 16 + n - g0 * 16] + (bias ? load_one(dt, bias, n) : 0.0f));
@@ -400,6 +444,7 @@ int rope_inplace(int dtype, void *x, int64_t T, int64_t t_stride, int64_t H, int
 typedef struct {
     /* weights packed for gemv_group; gate and up as two matrices of I rows */
     const void *in_norm, *qkv_w, *qkv_b, *o_w, *o_b, *post_norm, *gate_w, *gate_b, *up_w, *up_b, *down_w, *down_b;
+    const float *qkv_s, *o_s, *gate_s, *up_s, *down_s;  /* int8 weights: their scales; else NULL */
     void *k_cache, *v_cache;
     int64_t window;  /* <= 0: none */
 } dec_layer_t;
@@ -430,14 +475,14 @@ INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst)
 }
 
 /* x[M, K] @ w^T (+ b): out[m, n] = round(sum), or with residual x[m, n] = round(x + round(sum)) */
-INLINE void dec_linear(int dt, const dec_step_t *s, const void *in, int64_t K, const void *w, const void *b,
-                       int64_t N, void *dst, int residual) {
+INLINE void dec_linear(int dt, const dec_step_t *s, const void *in, int64_t K, const void *w, const float *sc,
+                       const void *b, int64_t N, void *dst, int residual) {
     float res[DEC_MAX_ROWS * GROUP * 16];
     const int64_t NB = (N + 15) / 16;
     _Pragma("omp for schedule(static)")
     for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
         const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
-        gemv_group(dt, in, s->M, K, w, g0, nb, res);
+        gemv_group(dt, in, s->M, K, w, sc, g0, nb, res);
         for (int64_t m = 0; m < s->M; m++)
             for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++) {
                 const float v = round_to(dt, res[m * GROUP * 16 + n - g0 * 16] + (b ? load_one(dt, b, n) : 0.0f));
@@ -454,8 +499,8 @@ INLINE void dec_swiglu(int dt, const dec_step_t *s, const dec_layer_t *L) {
     _Pragma("omp for schedule(static)")
     for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
         const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
-        gemv_group(dt, s->xn, s->M, s->C, L->gate_w, g0, nb, rg);
-        gemv_group(dt, s->xn, s->M, s->C, L->up_w, g0, nb, ru);
+        gemv_group(dt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
+        gemv_group(dt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
         for (int64_t m = 0; m < s->M; m++)
             for (int64_t n = g0 * 16; n < I && n < (g0 + nb) * 16; n++) {
                 const int64_t r = m * GROUP * 16 + n - g0 * 16;
@@ -478,7 +523,7 @@ INLINE void dec_step(int dt, const dec_step_t *s) {
     for (int64_t l = 0; l < s->n_layers; l++) {
         const dec_layer_t *L = &s->layers[l];
         dec_norm_rows(dt, s, L->in_norm, s->xn);
-        dec_linear(dt, s, s->xn, C, L->qkv_w, L->qkv_b, NQ, s->qkv, 0);
+        dec_linear(dt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_b, NQ, s->qkv, 0);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             rope_token(dt, s->qkv, m * NQ, H + Hkv, D, s->cos_t + s->pos[m] * half, s->sin_t + s->pos[m] * half);
@@ -494,10 +539,10 @@ INLINE void dec_step(int dt, const dec_step_t *s) {
             attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
                         s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, i % Hkv, (char *)s->att + m * H * D * es);
         }
-        dec_linear(dt, s, s->att, H * D, L->o_w, L->o_b, C, s->x, 1);
+        dec_linear(dt, s, s->att, H * D, L->o_w, L->o_s, L->o_b, C, s->x, 1);
         dec_norm_rows(dt, s, L->post_norm, s->xn);
         dec_swiglu(dt, s, L);
-        dec_linear(dt, s, s->act, s->I, L->down_w, L->down_b, C, s->x, 1);
+        dec_linear(dt, s, s->act, s->I, L->down_w, L->down_s, L->down_b, C, s->x, 1);
     }
     dec_norm_rows(dt, s, s->final_norm, s->out);
 }

@@ -145,7 +145,7 @@ def load() -> ctypes.CDLL | None:
                 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
             lib.linear_rows.restype = ctypes.c_int
             lib.linear_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
             lib.decode_layers.restype = ctypes.c_int
             lib.decode_layers.argtypes = [ctypes.c_int, ctypes.c_void_p]
             lib.kernels_have_dpbf16.restype = ctypes.c_int

@@ -77,7 +77,9 @@ class CpuInt8Kernel(Int8Kernel):
 
     def mm(self, x: torch.Tensor, packed: dict) -> torch.Tensor:
         m = x.shape[0]
-        if m <= self.max_rows:
+        # _weight_int8pack_mm reads K in blocks of 16: other widths give garbage or a segfault
+        # (torch 2.13; e.g. an odd intermediate size), so those take the dequantising path.
+        if m <= self.max_rows and x.shape[1] % 16 == 0:
             return torch._weight_int8pack_mm(x.contiguous(), packed["q"], packed["scale"])
         # Bucket the rows as the packed bf16 path does, so oneDNN's shape-keyed caches stay bounded
         # (workers/backends/cpu_linear.py).
@@ -206,5 +208,9 @@ def weight_bytes(model: nn.Module) -> int:
     head = getattr(model, "logits_linear", None)
     if head is not None and not isinstance(head, nn.Module):
         for v in vars(head).values():
+            add(v)
+    fused = getattr(model, "fast_decode", None)  # the CPU's fused decode step keeps its own copy
+    for layer in getattr(fused, "weights", None) or []:
+        for v in layer.values():
             add(v)
     return sum(seen.values())
