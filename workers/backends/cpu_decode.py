@@ -2,18 +2,18 @@
 
 At batch 1 a decode step of a small model reads its weights in about as much time as eager torch
 spends dispatching the ~12 ops of each layer (docs/performance.md, "Decode at concurrency 1").
-For a step made only of decodes, with at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (8), the
-kernel runs embedding, every layer and the final norm inside one OpenMP region: matrix-vector
-products over plain row-major weights (AVX512-BF16 dot products where the CPU has them, a
-vectorised fp32 loop otherwise), the same C norms, rope and paged attention as the eager path, and
-every intermediate rounded where torch rounds. Larger steps and prefills keep the eager path and
-its oneDNN-packed weights.
+For a step made only of decodes, of at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (8; 4 on
+an AVX2 build), the kernel runs embedding, every layer and the final norm inside one OpenMP
+region: matrix-vector products over weights repacked for it (``pack``: AVX512-BF16 dot products
+where the CPU has them, fp32 FMAs otherwise, a loop the compiler vectorises on AVX2), the same C
+norms, rope and paged attention as the eager path, and every intermediate rounded where torch
+rounds. Larger steps and prefills keep the eager path and its oneDNN-packed weights.
 
-The packed layers cannot be read by the kernel, so it keeps the plain layer weights too: the
-linear layers' bytes twice. Only models whose plain copy fits ``MINDIE_CPU_FUSED_DECODE_MB``
+The packed layers cannot be read by the kernel, so it keeps its own copy of the layer weights:
+the linear layers' bytes twice. Only models whose copy fits ``MINDIE_CPU_FUSED_DECODE_MB``
 (256 MiB) get the kernel; above that a step streams enough bytes that dispatch no longer matters.
-``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Int8 weights (``quantize: w8a16``) get an int8 copy in the
-same layout, with their scales applied to the fp32 sums. Models it does not cover (q/k norms,
+``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Int8 weights (``quantize: w8a16``) get an int8 copy in
+the same layout, with their scales applied to the fp32 sums. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
@@ -52,9 +52,12 @@ def _flag(name: str, default: str) -> str:
 MAX_ROWS = 16  # DEC_MAX_ROWS in cpu_kernels.c
 
 
-def rows_limit() -> int:
-    """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 1-16; 8)."""
-    return max(0, min(MAX_ROWS, int(_flag("MINDIE_CPU_FUSED_DECODE_ROWS", "8"))))
+def rows_limit(lib: ctypes.CDLL | None = None) -> int:
+    """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 0-16): by
+    default 8 with AVX-512, 4 with the portable loops of an AVX2 build (slower than oneDNN from
+    about 8 rows; docs/performance.md)."""
+    default = "8" if lib is None or getattr(lib, "has_avx512", True) else "4"
+    return max(0, min(MAX_ROWS, int(_flag("MINDIE_CPU_FUSED_DECODE_ROWS", default))))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -81,7 +84,7 @@ class FusedDecode:
         if self.dtype == torch.bfloat16:
             every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
             self.silu = torch.nn.functional.silu(every).view(torch.int16).roll(-32768).contiguous()
-        self.max_rows = rows_limit()
+        self.max_rows = rows_limit(lib)
         self.calls = 0  # steps the kernel ran (tests check the path is taken)
         self._layers = None
         self._attn = None
@@ -181,9 +184,11 @@ def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, to
 def attach(model: nn.Module) -> FusedDecode | None:
     """Give ``model`` a ``fast_decode`` before its linears are packed (it keeps their plain
     weights); None, with the reason logged, when the model or the settings rule it out."""
-    if _flag("MINDIE_CPU_FUSED_DECODE", "1") in ("0", "false", "no", "off") or rows_limit() < 1:
+    if _flag("MINDIE_CPU_FUSED_DECODE", "1") in ("0", "false", "no", "off"):
         return None
     lib = cpu_kernels.load()
+    if lib is not None and rows_limit(lib) < 1:
+        return None
     why = None
     args = getattr(model, "args", None)
     dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else None

@@ -206,6 +206,7 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 #endif
 
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
+int kernels_have_avx512(void) { return HAVE_AVX512; }
 
 /* Weight-only int8 (w8a16): q int8 [N/16][K][16], fp32 scales [N/16 * 16] (padding rows 0);
  * res = scale * sum over k of x * q, summed in fp32. */
@@ -230,17 +231,22 @@ static void gemv_group_int8(int dt, const void *x, int64_t M, int64_t K, const i
                 _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16,
                                  _mm512_mul_ps(acc[m][b], _mm512_loadu_ps(scale + (g0 + b) * 16)));
 #else
-        for (int m = 0; m < mm; m++)
-            for (int b = 0; b < nb; b++) {
-                float acc[16];
-                const int8_t *wq = q + (g0 + b) * K * 16;
-                for (int l = 0; l < 16; l++) acc[l] = 0.0f;
-                for (int64_t k = 0; k < K; k++) {
-                    const float xk = load_one(dt, x, (m0 + m) * K + k);
-                    for (int l = 0; l < 16; l++) acc[l] += xk * (float)wq[k * 16 + l];
+        int64_t r[4];
+        for (int m = 0; m < 4; m++) r[m] = (m0 + m < M ? m0 + m : M - 1) * K;
+        for (int b = 0; b < nb; b++) {
+            float acc[4][16] = {{0}}, wv[16];
+            const int8_t *wq = q + (g0 + b) * K * 16;
+            for (int64_t k = 0; k < K; k++) {
+                for (int l = 0; l < 16; l++) wv[l] = (float)wq[k * 16 + l];
+                for (int m = 0; m < 4; m++) {
+                    const float xk = load_one(dt, x, r[m] + k);
+                    for (int l = 0; l < 16; l++) acc[m][l] += xk * wv[l];
                 }
-                for (int l = 0; l < 16; l++) res[(m0 + m) * GROUP * 16 + b * 16 + l] = acc[l] * scale[(g0 + b) * 16 + l];
             }
+            for (int m = 0; m < mm; m++)
+                for (int l = 0; l < 16; l++)
+                    res[(m0 + m) * GROUP * 16 + b * 16 + l] = acc[m][l] * scale[(g0 + b) * 16 + l];
+        }
 #endif
     }
 }
@@ -306,36 +312,48 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
             continue;
         }
 #endif
-        /* Portable path (AVX2 builds): the same layout and order, 16 lanes the compiler vectorises. */
-        for (int m = 0; m < mm; m++)
-            for (int b = 0; b < nb; b++) {
-                float tot[16] = {0}, acc[16];
-                if (dt == 0) {
-                    const float *xf = (const float *)x + (m0 + m) * K, *wf = (const float *)pw + (g0 + b) * K * 16;
-                    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
-                        const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
-                        for (int l = 0; l < 16; l++) acc[l] = 0.0f;
-                        for (int64_t k = k0; k < k1; k++)
-                            for (int l = 0; l < 16; l++) acc[l] += xf[k] * wf[k * 16 + l];
-                        for (int l = 0; l < 16; l++) tot[l] = k0 ? tot[l] + acc[l] : acc[l];
-                    }
-                } else {
-                    const uint16_t *xb = (const uint16_t *)x + (m0 + m) * K;
-                    const uint16_t *wb = (const uint16_t *)pw + (g0 + b) * KP * 32;
-                    for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
-                        const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
-                        for (int l = 0; l < 16; l++) acc[l] = 0.0f;
-                        for (int64_t kp = p0; kp < p1; kp++) {
-                            const float x0 = bf16_to_f32(xb[2 * kp]);
-                            const float x1 = 2 * kp + 1 < K ? bf16_to_f32(xb[2 * kp + 1]) : 0.0f;
-                            for (int l = 0; l < 16; l++)
-                                acc[l] += x1 * bf16_to_f32(wb[(kp * 16 + l) * 2 + 1]) + x0 * bf16_to_f32(wb[(kp * 16 + l) * 2]);
+        /* Portable path (AVX2 builds): the same layout and order, 16 lanes the compiler vectorises,
+         * four rows per pass over the weight block (rows past M repeat the last one, discarded). */
+        int64_t r[4];
+        for (int m = 0; m < 4; m++) r[m] = (m0 + m < M ? m0 + m : M - 1) * K;
+        for (int b = 0; b < nb; b++) {
+            float tot[4][16] = {{0}}, acc[4][16], w0[16], w1[16];
+            if (dt == 0) {
+                const float *xf = (const float *)x, *wf = (const float *)pw + (g0 + b) * K * 16;
+                for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+                    const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
+                    memset(acc, 0, sizeof acc);
+                    for (int64_t k = k0; k < k1; k++)
+                        for (int m = 0; m < 4; m++) {
+                            const float xk = xf[r[m] + k];
+                            for (int l = 0; l < 16; l++) acc[m][l] += xk * wf[k * 16 + l];
                         }
-                        for (int l = 0; l < 16; l++) tot[l] = p0 ? tot[l] + acc[l] : acc[l];
-                    }
+                    for (int m = 0; m < 4; m++)
+                        for (int l = 0; l < 16; l++) tot[m][l] = k0 ? tot[m][l] + acc[m][l] : acc[m][l];
                 }
-                for (int l = 0; l < 16; l++) res[(m0 + m) * GROUP * 16 + b * 16 + l] = tot[l];
+            } else {
+                const uint16_t *xb = (const uint16_t *)x, *wb = (const uint16_t *)pw + (g0 + b) * KP * 32;
+                for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+                    const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+                    memset(acc, 0, sizeof acc);
+                    for (int64_t kp = p0; kp < p1; kp++) {
+                        for (int l = 0; l < 16; l++) {
+                            w0[l] = bf16_to_f32(wb[(kp * 16 + l) * 2]);
+                            w1[l] = bf16_to_f32(wb[(kp * 16 + l) * 2 + 1]);
+                        }
+                        for (int m = 0; m < 4; m++) {
+                            const float x0 = bf16_to_f32(xb[r[m] + 2 * kp]);
+                            const float x1 = 2 * kp + 1 < K ? bf16_to_f32(xb[r[m] + 2 * kp + 1]) : 0.0f;
+                            for (int l = 0; l < 16; l++) acc[m][l] += x1 * w1[l] + x0 * w0[l];
+                        }
+                    }
+                    for (int m = 0; m < 4; m++)
+                        for (int l = 0; l < 16; l++) tot[m][l] = p0 ? tot[m][l] + acc[m][l] : acc[m][l];
+                }
             }
+            for (int m = 0; m < mm; m++)
+                for (int l = 0; l < 16; l++) res[(m0 + m) * GROUP * 16 + b * 16 + l] = tot[m][l];
+        }
     }
 }
 

@@ -150,6 +150,8 @@ def load() -> ctypes.CDLL | None:
             lib.decode_layers.argtypes = [ctypes.c_int, ctypes.c_void_p]
             lib.kernels_have_dpbf16.restype = ctypes.c_int
             lib.has_dpbf16 = bool(lib.kernels_have_dpbf16())
+            lib.kernels_have_avx512.restype = ctypes.c_int
+            lib.has_avx512 = bool(lib.kernels_have_avx512())
             lib.kernels_have_f16.restype = ctypes.c_int
             lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
             _lib = lib
