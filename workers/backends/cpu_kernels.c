@@ -31,9 +31,24 @@ typedef uint16_t f16_t; /* placeholder, never read as a number */
 
 int kernels_have_f16(void) { return HAVE_F16; }
 
+/* Instruction sets this build may use (MINDIE_CPU_ISA=avx2 takes AVX-512 out). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
 #define MAX_D 256
 #define MAX_G 16
 #define CHUNK 128
+#define PF_ROWS 32 /* how far ahead the decode items prefetch cached rows (they come from memory) */
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
@@ -76,12 +91,149 @@ INLINE float round_to(int dtype, float x) {
     return x;
 }
 
+#if HAVE_AVX512
+/* 16 elements of type dt (fp32 or bf16) at p + i, as fp32 */
+INLINE __m512 load16(int dt, const void *p, int64_t i) {
+    if (dt == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* lane j = the sum of the 16 lanes of v[j]: 16 horizontal sums in 45 instructions, not 16 x 8 */
+INLINE __m512 sum16(const __m512 *v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+/* e^x for x <= 0 (softmax terms): Cephes' expf polynomial (within 2 ulp of expf), scaled by 2^n
+ * with scalef, so very negative x give 0 as expf does. */
+INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* decode_item for fp32/bf16 caches and D a multiple of 16 with AVX-512: each group of 16 cached
+ * rows is converted to fp32 once for all G query heads, its 16 scores per head are summed
+ * together (sum16), and the softmax terms take a vector exp. Values accumulate in the same order
+ * as decode_item. */
+INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
+                          int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                          void *out) {
+    const int64_t G = H / Hkv, DV = D / 16;
+    float qf[MAX_G][MAX_D] __attribute__((aligned(64))), acc[MAX_G][MAX_D] __attribute__((aligned(64)));
+    float rows[16][MAX_D] __attribute__((aligned(64))), m[MAX_G], l[MAX_G], sc[MAX_G][CHUNK];
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t d = 0; d < D; d++) {
+            qf[g][d] = load_one(dt, q, (kvh * G + g) * D + d) * scale;
+            acc[g][d] = 0.0f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+    for (int64_t t0 = lo; t0 <= p;) {
+        const int64_t in_blk = t0 % bs;
+        int64_t n = bs - in_blk;
+        if (n > p + 1 - t0) n = p + 1 - t0;
+        if (n > CHUNK) n = CHUNK;
+        const int64_t base = ((table[t0 / bs] * Hkv + kvh) * bs + in_blk) * D;
+        /* The rows come from memory (a step reads every layer's cache once): ask for them ahead,
+         * K PF_ROWS rows ahead of the row being converted, and the chunk's first V rows now. */
+        const int64_t rb = D * (dt == 0 ? 4 : 2);
+        for (int64_t j = 0; j < PF_ROWS && j < n; j++)
+            for (int64_t o = 0; o < rb; o += 64) {
+                __builtin_prefetch((const char *)kc + (base + j * D) * (rb / D) + o);
+                __builtin_prefetch((const char *)vc + (base + j * D) * (rb / D) + o);
+            }
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t jn = n - j0 < 16 ? n - j0 : 16;
+            for (int64_t j = j0 + PF_ROWS; j < j0 + PF_ROWS + 16 && j < n; j++)
+                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)kc + (base + j * D) * (rb / D) + o);
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm512_store_ps(rows[j] + v * 16, load16(dt, kc, base + (j0 + j) * D + v * 16));
+            for (int64_t g = 0; g < G; g++) {
+                __m512 s[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    __m512 a = _mm512_setzero_ps();
+                    if (j < jn)
+                        for (int64_t v = 0; v < DV; v++)
+                            a = _mm512_fmadd_ps(_mm512_load_ps(qf[g] + v * 16), _mm512_load_ps(rows[j] + v * 16), a);
+                    s[j] = a;
+                }
+                _mm512_storeu_ps(sc[g] + j0, sum16(s)); /* CHUNK is a multiple of 16: in bounds */
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float mb = m[g];
+            for (int64_t j = 0; j < n; j++) mb = sc[g][j] > mb ? sc[g][j] : mb;
+            if (mb > m[g]) {
+                const float corr = expf(m[g] - mb);  /* 0 on the first chunk: m = -inf */
+                l[g] *= corr;
+                for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
+                m[g] = mb;
+            }
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc[g] + j), _mm512_set1_ps(mb)));
+                _mm512_mask_storeu_ps(sc[g] + j, k, e);
+                sum = _mm512_mask_add_ps(sum, k, sum, e);
+            }
+            l[g] += _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t jn = n - j0 < 16 ? n - j0 : 16;
+            for (int64_t j = j0 + PF_ROWS; j < j0 + PF_ROWS + 16 && j < n; j++)
+                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)vc + (base + j * D) * (rb / D) + o);
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm512_store_ps(rows[j] + v * 16, load16(dt, vc, base + (j0 + j) * D + v * 16));
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t v = 0; v < DV; v++) {
+                    __m512 a = _mm512_load_ps(acc[g] + v * 16);
+                    for (int64_t j = 0; j < jn; j++)
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][j0 + j]), _mm512_load_ps(rows[j] + v * 16), a);
+                    _mm512_store_ps(acc[g] + v * 16, a);
+                }
+        }
+        t0 += n;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++) store_one(dt, out, (kvh * G + g) * D + d, acc[g][d] * inv);
+    }
+}
+#endif
+
 /* One (sequence, kv head) work item, over chunks of up to CHUNK cached positions of one block:
  * scores of the chunk for the G query heads, one rescale of the running sums per chunk, then the
  * value rows. Cached rows are read in place and converted to fp32 inside the loops. */
 INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
                         int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
                         void *out) {
+#if HAVE_AVX512
+    if ((dt == 0 || dt == 1) && D % 16 == 0) {
+        decode_item16(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+        return;
+    }
+#endif
     const int64_t G = H / Hkv;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G], sc[MAX_G][CHUNK];
     for (int64_t g = 0; g < G; g++) {
@@ -99,8 +251,16 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
         if (n > p + 1 - t0) n = p + 1 - t0;
         if (n > CHUNK) n = CHUNK;
         const int64_t base = ((table[t0 / bs] * Hkv + kvh) * bs + in_blk) * D;
+        const int64_t rb = D * (dt == 0 ? 4 : 2);  /* bytes per cached row; prefetched as decode_item16 */
+        for (int64_t j = 0; j < PF_ROWS && j < n; j++)
+            for (int64_t o = 0; o < rb; o += 64) {
+                __builtin_prefetch((const char *)kc + (base + j * D) * (rb / D) + o);
+                __builtin_prefetch((const char *)vc + (base + j * D) * (rb / D) + o);
+            }
         for (int64_t j = 0; j < n; j++) {
             const int64_t r = base + j * D;
+            if (j + PF_ROWS < n)
+                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)kc + (r + PF_ROWS * D) * (rb / D) + o);
             for (int64_t g = 0; g < G; g++) {
                 float dot = 0.0f;
                 for (int64_t d = 0; d < D; d++) dot += qf[g][d] * load_one(dt, kc, r + d);
@@ -123,6 +283,8 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
         }
         for (int64_t j = 0; j < n; j++) {
             const int64_t r = base + j * D;
+            if (j + PF_ROWS < n)
+                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)vc + (r + PF_ROWS * D) * (rb / D) + o);
             for (int64_t g = 0; g < G; g++) {
                 const float e = sc[g][j];
                 for (int64_t d = 0; d < D; d++) acc[g][d] += e * load_one(dt, vc, r + d);
@@ -192,18 +354,6 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 #define DEC_MAX_ROWS 16
 #define GROUP 4
 #define K_CHUNK 512
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_DPBF16 1
-#else
-#define HAVE_DPBF16 0
-#endif
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
 
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
 int kernels_have_avx512(void) { return HAVE_AVX512; }
