@@ -864,9 +864,9 @@ def test_enable_prefix_cache(tmp_path: Path) -> None:
 
 
 def test_prefill_chunk_tokens_bounds_prompt_tokens_per_step(tmp_path: Path) -> None:
-    """prefillChunkTokens reaches the engine (null = the device's default: 256 on cpu, 2048 on
+    """prefillChunkTokens reaches the engine (null = the device's default: 128 on cpu, 2048 on
     accelerators; 0 = maxPrefillTokens). While several requests have work a step computes at most
-    that many prompt tokens, decodes on top; a prompt alone takes up to maxPrefillTokens."""
+    that many tokens, its decodes included; a prompt alone takes up to maxPrefillTokens."""
     from mindie.contract import wire as P
     from workers.engine.engine import Engine
     from workers.engine.model_runner import NullRunner
@@ -877,7 +877,7 @@ def test_prefill_chunk_tokens_bounds_prompt_tokens_per_step(tmp_path: Path) -> N
                                                      **({} if value == "absent" else {"prefillChunkTokens": value})}}}
         return settle(deployment(tmp_path, data).workers[0], device, "/m").engine
 
-    assert [engine_cfg(v).prefill_chunk_tokens for v in ("absent", None, 0, 96)] == [256, 256, 0, 96]
+    assert [engine_cfg(v).prefill_chunk_tokens for v in ("absent", None, 0, 96)] == [128, 128, 0, 96]
     assert engine_cfg(None, "npu").prefill_chunk_tokens == 2048
     with pytest.raises(ConfigError, match=r"ScheduleConfig\.prefillChunkTokens"):
         load(tmp_path, {"BackendConfig": {"ScheduleConfig": {"prefillChunkTokens": -1}}})
