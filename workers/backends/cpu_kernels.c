@@ -91,6 +91,69 @@ INLINE float round_to(int dtype, float x) {
     return x;
 }
 
+/* ---- Parts shared by the two decode items (decode_item16, decode_item) ---- */
+
+/* The query heads of KV head kvh in fp32, pre-scaled; running sums and maxima reset. */
+INLINE void item_start(int dt, const void *q, int64_t G, int64_t D, float scale, int64_t kvh, float (*qf)[MAX_D],
+                       float (*acc)[MAX_D], float *m, float *l) {
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t d = 0; d < D; d++) {
+            qf[g][d] = load_one(dt, q, (kvh * G + g) * D + d) * scale;
+            acc[g][d] = 0.0f;
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+}
+
+/* Ask for the cached rows [from, to) of a chunk (they come from memory: a step reads every layer's
+ * cache once), es bytes per element. */
+INLINE void prefetch_rows(const void *c, int64_t base, int64_t from, int64_t to, int64_t D, int64_t es) {
+    for (int64_t j = from; j < to; j++)
+        for (int64_t o = 0; o < D * es; o += 64) __builtin_prefetch((const char *)c + (base + j * D) * es + o);
+}
+
+/* The chunk of cached positions from t0 to at most p: within one block, at most CHUNK long. Returns
+ * its length; *base is the element offset of its first row in the cache. Its first PF_ROWS K and
+ * V rows are prefetched (the items prefetch the rest as they go). */
+INLINE int64_t item_chunk(int64_t t0, int64_t p, const int64_t *table, int64_t Hkv, int64_t kvh, int64_t bs,
+                          int64_t D, int64_t es, const void *kc, const void *vc, int64_t *base) {
+    const int64_t in_blk = t0 % bs;
+    int64_t n = bs - in_blk;
+    if (n > p + 1 - t0) n = p + 1 - t0;
+    if (n > CHUNK) n = CHUNK;
+    *base = ((table[t0 / bs] * Hkv + kvh) * bs + in_blk) * D;
+    prefetch_rows(kc, *base, 0, n < PF_ROWS ? n : PF_ROWS, D, es);
+    prefetch_rows(vc, *base, 0, n < PF_ROWS ? n : PF_ROWS, D, es);
+    return n;
+}
+
+/* The first position a query at p sees: max(0, p - window + 1), window <= 0 meaning none. */
+INLINE int64_t item_first(int64_t p, int64_t window) {
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
+/* Online softmax for one head: the running max after this chunk's scores, rescaling the running
+ * sum and accumulator when it grows. */
+INLINE float item_rescale(const float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    float mb = *m;
+    for (int64_t j = 0; j < n; j++) mb = sc[j] > mb ? sc[j] : mb;
+    if (mb > *m) {
+        const float corr = expf(*m - mb);  /* 0 on the first chunk: m = -inf */
+        *l *= corr;
+        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
+        *m = mb;
+    }
+    return mb;
+}
+
+INLINE void item_finish(int dt, void *out, int64_t G, int64_t D, int64_t kvh, float (*acc)[MAX_D], const float *l) {
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++) store_one(dt, out, (kvh * G + g) * D + d, acc[g][d] * inv);
+    }
+}
+
 #if HAVE_AVX512
 /* 16 elements of type dt (fp32 or bf16) at p + i, as fp32 */
 INLINE __m512 load16(int dt, const void *p, int64_t i) {
@@ -137,36 +200,15 @@ INLINE __m512 exp16(__m512 x) {
 INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
                           int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
                           void *out) {
-    const int64_t G = H / Hkv, DV = D / 16;
+    const int64_t G = H / Hkv, DV = D / 16, es = dt == 0 ? 4 : 2;
     float qf[MAX_G][MAX_D] __attribute__((aligned(64))), acc[MAX_G][MAX_D] __attribute__((aligned(64)));
     float rows[16][MAX_D] __attribute__((aligned(64))), m[MAX_G], l[MAX_G], sc[MAX_G][CHUNK];
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t d = 0; d < D; d++) {
-            qf[g][d] = load_one(dt, q, (kvh * G + g) * D + d) * scale;
-            acc[g][d] = 0.0f;
-        }
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-    for (int64_t t0 = lo; t0 <= p;) {
-        const int64_t in_blk = t0 % bs;
-        int64_t n = bs - in_blk;
-        if (n > p + 1 - t0) n = p + 1 - t0;
-        if (n > CHUNK) n = CHUNK;
-        const int64_t base = ((table[t0 / bs] * Hkv + kvh) * bs + in_blk) * D;
-        /* The rows come from memory (a step reads every layer's cache once): ask for them ahead,
-         * K PF_ROWS rows ahead of the row being converted, and the chunk's first V rows now. */
-        const int64_t rb = D * (dt == 0 ? 4 : 2);
-        for (int64_t j = 0; j < PF_ROWS && j < n; j++)
-            for (int64_t o = 0; o < rb; o += 64) {
-                __builtin_prefetch((const char *)kc + (base + j * D) * (rb / D) + o);
-                __builtin_prefetch((const char *)vc + (base + j * D) * (rb / D) + o);
-            }
+    item_start(dt, q, G, D, scale, kvh, qf, acc, m, l);
+    for (int64_t t0 = item_first(p, window), base, n; t0 <= p; t0 += n) {
+        n = item_chunk(t0, p, table, Hkv, kvh, bs, D, es, kc, vc, &base);
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t jn = n - j0 < 16 ? n - j0 : 16;
-            for (int64_t j = j0 + PF_ROWS; j < j0 + PF_ROWS + 16 && j < n; j++)
-                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)kc + (base + j * D) * (rb / D) + o);
+            prefetch_rows(kc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
             for (int64_t j = 0; j < jn; j++)
                 for (int64_t v = 0; v < DV; v++) _mm512_store_ps(rows[j] + v * 16, load16(dt, kc, base + (j0 + j) * D + v * 16));
             for (int64_t g = 0; g < G; g++) {
@@ -182,14 +224,7 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            float mb = m[g];
-            for (int64_t j = 0; j < n; j++) mb = sc[g][j] > mb ? sc[g][j] : mb;
-            if (mb > m[g]) {
-                const float corr = expf(m[g] - mb);  /* 0 on the first chunk: m = -inf */
-                l[g] *= corr;
-                for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
-                m[g] = mb;
-            }
+            const float mb = item_rescale(sc[g], n, &m[g], &l[g], acc[g], D);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < n; j += 16) {
                 const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
@@ -201,8 +236,7 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
         }
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t jn = n - j0 < 16 ? n - j0 : 16;
-            for (int64_t j = j0 + PF_ROWS; j < j0 + PF_ROWS + 16 && j < n; j++)
-                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)vc + (base + j * D) * (rb / D) + o);
+            prefetch_rows(vc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
             for (int64_t j = 0; j < jn; j++)
                 for (int64_t v = 0; v < DV; v++) _mm512_store_ps(rows[j] + v * 16, load16(dt, vc, base + (j0 + j) * D + v * 16));
             for (int64_t g = 0; g < G; g++)
@@ -213,12 +247,8 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
                     _mm512_store_ps(acc[g] + v * 16, a);
                 }
         }
-        t0 += n;
     }
-    for (int64_t g = 0; g < G; g++) {
-        const float inv = 1.0f / l[g];
-        for (int64_t d = 0; d < D; d++) store_one(dt, out, (kvh * G + g) * D + d, acc[g][d] * inv);
-    }
+    item_finish(dt, out, G, D, kvh, acc, l);
 }
 #endif
 
@@ -234,33 +264,14 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
         return;
     }
 #endif
-    const int64_t G = H / Hkv;
+    const int64_t G = H / Hkv, es = dt == 0 ? 4 : 2;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G], sc[MAX_G][CHUNK];
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t d = 0; d < D; d++) {
-            qf[g][d] = load_one(dt, q, (kvh * G + g) * D + d) * scale;
-            acc[g][d] = 0.0f;
-        }
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-    for (int64_t t0 = lo; t0 <= p;) {
-        const int64_t in_blk = t0 % bs;
-        int64_t n = bs - in_blk;
-        if (n > p + 1 - t0) n = p + 1 - t0;
-        if (n > CHUNK) n = CHUNK;
-        const int64_t base = ((table[t0 / bs] * Hkv + kvh) * bs + in_blk) * D;
-        const int64_t rb = D * (dt == 0 ? 4 : 2);  /* bytes per cached row; prefetched as decode_item16 */
-        for (int64_t j = 0; j < PF_ROWS && j < n; j++)
-            for (int64_t o = 0; o < rb; o += 64) {
-                __builtin_prefetch((const char *)kc + (base + j * D) * (rb / D) + o);
-                __builtin_prefetch((const char *)vc + (base + j * D) * (rb / D) + o);
-            }
+    item_start(dt, q, G, D, scale, kvh, qf, acc, m, l);
+    for (int64_t t0 = item_first(p, window), base, n; t0 <= p; t0 += n) {
+        n = item_chunk(t0, p, table, Hkv, kvh, bs, D, es, kc, vc, &base);
         for (int64_t j = 0; j < n; j++) {
             const int64_t r = base + j * D;
-            if (j + PF_ROWS < n)
-                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)kc + (r + PF_ROWS * D) * (rb / D) + o);
+            if (j + PF_ROWS < n) prefetch_rows(kc, base, j + PF_ROWS, j + PF_ROWS + 1, D, es);
             for (int64_t g = 0; g < G; g++) {
                 float dot = 0.0f;
                 for (int64_t d = 0; d < D; d++) dot += qf[g][d] * load_one(dt, kc, r + d);
@@ -268,14 +279,7 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
             }
         }
         for (int64_t g = 0; g < G; g++) {
-            float mb = m[g];
-            for (int64_t j = 0; j < n; j++) mb = sc[g][j] > mb ? sc[g][j] : mb;
-            if (mb > m[g]) {
-                const float corr = expf(m[g] - mb);  /* 0 on the first chunk: m = -inf */
-                l[g] *= corr;
-                for (int64_t d = 0; d < D; d++) acc[g][d] *= corr;
-                m[g] = mb;
-            }
+            const float mb = item_rescale(sc[g], n, &m[g], &l[g], acc[g], D);
             float sum = 0.0f;
             _Pragma("omp simd reduction(+:sum)")
             for (int64_t j = 0; j < n; j++) { sc[g][j] = expf(sc[g][j] - mb); sum += sc[g][j]; }
@@ -283,19 +287,14 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
         }
         for (int64_t j = 0; j < n; j++) {
             const int64_t r = base + j * D;
-            if (j + PF_ROWS < n)
-                for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch((const char *)vc + (r + PF_ROWS * D) * (rb / D) + o);
+            if (j + PF_ROWS < n) prefetch_rows(vc, base, j + PF_ROWS, j + PF_ROWS + 1, D, es);
             for (int64_t g = 0; g < G; g++) {
                 const float e = sc[g][j];
                 for (int64_t d = 0; d < D; d++) acc[g][d] += e * load_one(dt, vc, r + d);
             }
         }
-        t0 += n;
     }
-    for (int64_t g = 0; g < G; g++) {
-        const float inv = 1.0f / l[g];
-        for (int64_t d = 0; d < D; d++) store_one(dt, out, (kvh * G + g) * D + d, acc[g][d] * inv);
-    }
+    item_finish(dt, out, G, D, kvh, acc, l);
 }
 
 /* dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or -1 when a dimension exceeds the static buffers. */
@@ -357,6 +356,19 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
 int kernels_have_avx512(void) { return HAVE_AVX512; }
+
+#if HAVE_AVX512
+/* A K chunk's sums into the totals (the chunks are added in K order, as oneDNN does). */
+INLINE void add_chunk(__m512 (*tot)[GROUP], __m512 (*acc)[GROUP], int64_t mm, int64_t nb, int first) {
+    for (int m = 0; m < mm; m++)
+        for (int b = 0; b < nb; b++) tot[m][b] = first ? acc[m][b] : _mm512_add_ps(tot[m][b], acc[m][b]);
+}
+
+INLINE void store_group(float *res, __m512 (*tot)[GROUP], int64_t m0, int64_t mm, int64_t nb) {
+    for (int m = 0; m < mm; m++)
+        for (int b = 0; b < nb; b++) _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16, tot[m][b]);
+}
+#endif
 
 /* Weight-only int8 (w8a16): q int8 [N/16][K][16], fp32 scales [N/16 * 16] (padding rows 0);
  * res = scale * sum over k of x * q, summed in fp32. */
@@ -431,11 +443,9 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
                         for (int m = 0; m < mm; m++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)xv[m], wv);
                     }
                 }
-                for (int m = 0; m < mm; m++)
-                    for (int b = 0; b < nb; b++) tot[m][b] = p0 ? _mm512_add_ps(tot[m][b], acc[m][b]) : acc[m][b];
+                add_chunk(tot, acc, mm, nb, p0 == 0);
             }
-            for (int m = 0; m < mm; m++)
-                for (int b = 0; b < nb; b++) _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16, tot[m][b]);
+            store_group(res, tot, m0, mm, nb);
             continue;
         }
 #endif
@@ -454,11 +464,9 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
                         for (int m = 0; m < mm; m++) acc[m][b] = _mm512_fmadd_ps(xv[m], wv, acc[m][b]);
                     }
                 }
-                for (int m = 0; m < mm; m++)
-                    for (int b = 0; b < nb; b++) tot[m][b] = k0 ? _mm512_add_ps(tot[m][b], acc[m][b]) : acc[m][b];
+                add_chunk(tot, acc, mm, nb, k0 == 0);
             }
-            for (int m = 0; m < mm; m++)
-                for (int b = 0; b < nb; b++) _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16, tot[m][b]);
+            store_group(res, tot, m0, mm, nb);
             continue;
         }
 #endif
