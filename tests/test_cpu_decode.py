@@ -202,12 +202,19 @@ def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, ca
         assert not attached(models["kv1"])
         monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_MB", "256")
         assert attached(models["kv1"])
+        for name, bad in (("MINDIE_CPU_FUSED_DECODE_ROWS", "abc"), ("MINDIE_CPU_FUSED_DECODE_ROWS", "17"),
+                          ("MINDIE_CPU_FUSED_DECODE_MB", "nan"), ("MINDIE_CPU_FUSED_DECODE_MB", "-1")):
+            with monkeypatch.context() as m:
+                m.setenv(name, bad)
+                assert not attached(models["kv1"])  # a bad value: logged, the eager path serves
         monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE", "0")
         assert not attached(models["kv1"])
     said = " | ".join(r.getMessage() for r in caplog.records)
     assert "fused decode kernel not used: q/k norms" in said
     assert "torch.float16 (fp32 and bf16 only)" in said
     assert "exceed MINDIE_CPU_FUSED_DECODE_MB" in said
+    assert "MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to 16, got 'abc'" in said
+    assert "MINDIE_CPU_FUSED_DECODE_MB must be a number of MiB >= 0, got 'nan'" in said
     assert f"fused decode kernel on for decode steps of up to {8 if LIB.has_avx512 else 4} sequences" in said
 
 

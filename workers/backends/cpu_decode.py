@@ -55,9 +55,24 @@ MAX_ROWS = 16  # DEC_MAX_ROWS in cpu_kernels.c
 def rows_limit(lib: ctypes.CDLL | None = None) -> int:
     """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 0-16): by
     default 8 with AVX-512, 4 with the portable loops of an AVX2 build (slower than oneDNN from
-    about 8 rows; docs/performance.md)."""
+    about 8 rows; docs/performance.md). ValueError, naming the variable, for anything else."""
     default = "8" if lib is None or getattr(lib, "has_avx512", True) else "4"
-    return max(0, min(MAX_ROWS, int(_flag("MINDIE_CPU_FUSED_DECODE_ROWS", default))))
+    value = _flag("MINDIE_CPU_FUSED_DECODE_ROWS", default)
+    if not value.isdigit() or int(value) > MAX_ROWS:
+        raise ValueError(f"MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to {MAX_ROWS}, got {value!r}")
+    return int(value)
+
+
+def budget_limit_mb() -> float:
+    """``MINDIE_CPU_FUSED_DECODE_MB`` (256): the largest weight copy the kernel may keep."""
+    value = _flag("MINDIE_CPU_FUSED_DECODE_MB", "256")
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb < float("inf"):
+        raise ValueError(f"MINDIE_CPU_FUSED_DECODE_MB must be a number of MiB >= 0, got {value!r}")
+    return mb
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -68,7 +83,8 @@ class FusedDecode:
     """``model.fast_decode``: called by DecoderLM.forward; returns the normed hidden states of a
     step it covers, or None (the eager path runs)."""
 
-    def __init__(self, model: nn.Module, lib: ctypes.CDLL, code: int, weights: list[dict[str, torch.Tensor | None]]):
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL, code: int, weights: list[dict[str, torch.Tensor | None]],
+                 max_rows: int):
         args = model.args
         self.lib, self.code, self.dtype = lib, code, model.embed_tokens.weight.dtype
         self.rope = model.rope
@@ -84,7 +100,7 @@ class FusedDecode:
         if self.dtype == torch.bfloat16:
             every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
             self.silu = torch.nn.functional.silu(every).view(torch.int16).roll(-32768).contiguous()
-        self.max_rows = rows_limit(lib)
+        self.max_rows = max_rows
         self.calls = 0  # steps the kernel ran (tests check the path is taken)
         self._layers = None
         self._attn = None
@@ -187,7 +203,12 @@ def attach(model: nn.Module) -> FusedDecode | None:
     if _flag("MINDIE_CPU_FUSED_DECODE", "1") in ("0", "false", "no", "off"):
         return None
     lib = cpu_kernels.load()
-    if lib is not None and rows_limit(lib) < 1:
+    try:
+        max_rows, budget_mb = rows_limit(lib), budget_limit_mb()
+    except ValueError as e:  # logged, the eager path stays on (as a bad MINDIE_CPU_ISA does)
+        log.warning("fused decode kernel not used: %s", e)
+        return None
+    if max_rows < 1:
         return None
     why = None
     args = getattr(model, "args", None)
@@ -223,13 +244,13 @@ def attach(model: nn.Module) -> FusedDecode | None:
     if why is None:
         size = sum(t.numel() * t.element_size() for d in weights for k, t in d.items()
                    if t is not None and k[-2:] in ("_w", "_s"))
-        budget = float(_flag("MINDIE_CPU_FUSED_DECODE_MB", "256")) * (1 << 20)
+        budget = budget_mb * (1 << 20)
         if size > budget:
             why = f"its linear weights ({size / (1 << 20):.0f} MiB) exceed MINDIE_CPU_FUSED_DECODE_MB ({budget / (1 << 20):.0f})"
     if why is not None:
         log.info("fused decode kernel not used: %s", why)
         return None
-    fused = FusedDecode(model, lib, code, weights)
+    fused = FusedDecode(model, lib, code, weights, max_rows)
     model.fast_decode = fused
     int8 = weights[0]["qkv_s"] is not None
     log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; keeps a %.1f MiB copy of "
