@@ -20,6 +20,7 @@ from mindie.api.tgi import GenerateResource
 from mindie.api.tokenizer import TokenizerResource
 from mindie.api.triton import TritonResource
 from mindie.contract.errors import error_type
+from mindie.contract.gc_freeze import freeze_heap
 from mindie.errors import ApiError
 from mindie.frontend import FrontEnd
 from mindie.contract.log_setup import setup_logging
@@ -59,7 +60,9 @@ def create_app():
     routes = plane_routes(fe)
     listeners = read_listeners(os.environ["MINDIE_LISTENERS"])
     by_port = {li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]) for li in listeners}
-    return plane_router(by_port, by_port[listeners[0].port])
+    router = plane_router(by_port, by_port[listeners[0].port])
+    freeze_heap(log, f"front end pid {os.getpid()}")
+    return router
 
 
 def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]]:

@@ -35,6 +35,8 @@ def follow(spec: WorkerSpec, rank: int, store: str) -> int:
     own = max(1, backend.kv_cache_bytes(spec) // runner.bytes_per_block(spec.engine.block_size))
     num_blocks = group.min_int(own)
     runner.allocate_kv(num_blocks, spec.engine.block_size)
+    from mindie.contract.gc_freeze import freeze_heap
+    freeze_heap(log, f"rank {rank} of instance {spec.worker_id}")
     log.info("rank %d of instance %s ready in %.2f s (%d KV blocks)", rank, spec.worker_id,
              time.perf_counter() - t0, num_blocks)
     steps = 0

@@ -26,6 +26,7 @@ import zmq
 from mindie.contract import wire as P
 from mindie.contract.curve import CurveKeyError, insecure_warning, link_mode, worker_keys
 from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
+from mindie.contract.gc_freeze import freeze_heap
 from mindie.contract.lifecycle import lock_file
 from mindie.contract.log_setup import setup_logging
 from mindie.contract.spec import WorkerSpec, decode_spec
@@ -144,6 +145,7 @@ class Worker:
         t0 = time.perf_counter()
         self.engine, self.device = build_engine(spec, tp_store)
         self.group = getattr(self.engine.runner, "group", None)  # rank 0 of a tensor-parallel instance
+        freeze_heap(log, f"worker {spec.worker_id}")
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
                  spec.model_name, self.engine.runner.vocab_size)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
