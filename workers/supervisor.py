@@ -78,7 +78,6 @@ class Child:
         return 1 if self.spec.null_model else max(1, len(self.spec.device_ids))
 
 
-
 class Supervisor:
     def __init__(self, specs: list[WorkerSpec], parent: int | None = None, run_dir: str = ""):
         self.children = [Child(spec) for spec in specs]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
+
+from mindie.contract.env import switched_off
 
 
 def freeze_heap(log: logging.Logger, who: str) -> int:
     """Collect once, then freeze what is left; returns how many objects were frozen (0: off)."""
-    if os.environ.get("MINDIE_GC_FREEZE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off("MINDIE_GC_FREEZE"):
         return 0
     t0 = time.perf_counter()
     gc.collect()

@@ -25,6 +25,7 @@ import os
 import torch
 from torch import nn
 
+from mindie.contract.env import switched_off
 from workers.backends import cpu_kernels
 
 log = logging.getLogger("workers.backends")
@@ -88,8 +89,8 @@ class FusedDecode:
         args = model.args
         self.lib, self.code, self.dtype = lib, code, model.embed_tokens.weight.dtype
         self.rope = model.rope
-        self.keep = (weights, model.embed_tokens.weight, model.norm.weight)  # the kernel reads these in place
-        self.weights = weights
+        # The kernel reads these in place: they live as long as this object.
+        self.weights, self.embed, self.final_norm = weights, model.embed_tokens.weight, model.norm.weight
         self.C, self.H, self.Hkv, self.D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, \
             args.head_dim
         self.I = args.intermediate_size
@@ -145,10 +146,10 @@ class FusedDecode:
         out = torch.empty(m, self.C, dtype=self.dtype)
         s = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
                   bs=attn.block_size, max_blocks=tables.shape[1], max_pos=self.rope.max_positions, M=m,
-                  eps=self.eps, scale=self.D ** -0.5, layers=self._layers, embed=self.keep[1].data_ptr(),
+                  eps=self.eps, scale=self.D ** -0.5, layers=self._layers, embed=self.embed.data_ptr(),
                   ids=ids.data_ptr(), pos=pos.data_ptr(), blocks=meta.blocks.data_ptr(),
                   offsets=meta.offsets.data_ptr(), tables=tables.data_ptr(), cos_t=self.rope.cos.data_ptr(),
-                  sin_t=self.rope.sin.data_ptr(), final_norm=self.keep[2].data_ptr(),
+                  sin_t=self.rope.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
                   silu_bf16=_ptr(self.silu), x=x.data_ptr(),
                   xn=xn.data_ptr(), qkv=qkv.data_ptr(), att=att.data_ptr(), act=act.data_ptr(), out=out.data_ptr())
         if self.lib.decode_layers(self.code, ctypes.byref(s)) != 0:
@@ -200,7 +201,7 @@ def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, to
 def attach(model: nn.Module) -> FusedDecode | None:
     """Give ``model`` a ``fast_decode`` before its linears are packed (it keeps their plain
     weights); None, with the reason logged, when the model or the settings rule it out."""
-    if _flag("MINDIE_CPU_FUSED_DECODE", "1") in ("0", "false", "no", "off"):
+    if switched_off("MINDIE_CPU_FUSED_DECODE"):
         return None
     lib = cpu_kernels.load()
     try:

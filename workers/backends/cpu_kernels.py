@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mindie.contract.env import switched_off
+
 log = logging.getLogger("workers.backends")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -123,7 +125,7 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("MINDIE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off("MINDIE_CPU_KERNELS"):
         _reason = "disabled by MINDIE_CPU_KERNELS"
     elif (cc := _compiler()) is None:
         _reason = "no C compiler (set CC)"

@@ -33,6 +33,8 @@ import time
 import torch
 from torch import nn
 
+from mindie.contract.env import switched_off
+
 log = logging.getLogger("workers.backends")
 
 
@@ -45,7 +47,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 EXACT_ROWS = 16  # row counts up to this run unpadded (decode batches: every one common)
 FINE_ROWS = 256  # up to here 8 sizes per octave, above it 4 (large prefills are rarer)
-BUCKETS = os.environ.get("MINDIE_CPU_LINEAR_BUCKETS", "1").strip().lower() not in ("0", "false", "no", "off")
+BUCKETS = not switched_off("MINDIE_CPU_LINEAR_BUCKETS")
 
 
 def bucket_rows(m: int) -> int:
