@@ -703,11 +703,9 @@ INLINE void dec_step(int dt, const dec_step_t *s) {
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             rope_token(dt, s->qkv, m * NQ, H + Hkv, D, s->cos_t + s->pos[m] * half, s->sin_t + s->pos[m] * half);
-            for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t slot = ((s->blocks[m] * Hkv + h) * s->bs + s->offsets[m]) * D * es;
-                memcpy((char *)L->k_cache + slot, (const char *)s->qkv + (m * NQ + (H + h) * D) * es, D * es);
-                memcpy((char *)L->v_cache + slot, (const char *)s->qkv + (m * NQ + (H + Hkv + h) * D) * es, D * es);
-            }
+            const char *row = (const char *)s->qkv + m * NQ * es;
+            paged_write(es, row + H * D * es, L->k_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
+            paged_write(es, row + (H + Hkv) * D * es, L->v_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
         }
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t i = 0; i < M * Hkv; i++) {
