@@ -59,7 +59,7 @@ def _prepared(path: Path, dtype: torch.dtype):
     return model
 
 
-def _attention(model, dtype: torch.dtype, blocks: int = 8 * 16, block_size: int = 4):
+def _attention(model, dtype: torch.dtype, blocks: int = 16 * 16, block_size: int = 4):
     a = model.args
     return CpuBackend().attention_class()(a.num_hidden_layers, blocks, block_size, a.num_key_value_heads, a.head_dim,
                                           dtype, torch.device("cpu"))
@@ -98,8 +98,10 @@ def test_fused_step_computes_what_eager_does(models, case, dtype):
     model = _prepared(models[case], dtype)
     assert model.fast_decode is not None
     prompts = [[5, 6, 7], list(range(10, 31)), [9] * 6, list(range(40, 52)), [3, 4], [7] * 9, [11] * 14,
-               list(range(60, 65))]
-    for batch in (1, 3, model.fast_decode.max_rows):  # 8 on AVX-512 builds, 4 on AVX2 ones
+               list(range(60, 65)), [13] * 3, list(range(70, 77)), [2, 8, 3], [17] * 11, list(range(90, 94)),
+               [21] * 2, list(range(100, 115)), [6, 1]]
+    top = model.fast_decode.max_rows  # 16 on AVX-512 builds, 4 on AVX2 ones
+    for batch in sorted({1, 3, min(8, top), top}):
         eager_h, eager_kv, eager_calls = _decode_run(model, dtype, False, prompts[:batch], 12)
         fused_h, fused_kv, fused_calls = _decode_run(model, dtype, True, prompts[:batch], 12)
         assert (eager_calls, fused_calls) == (0, 12)  # every decode step took the kernel, and only then
@@ -215,7 +217,7 @@ def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, ca
     assert "exceed MINDIE_CPU_FUSED_DECODE_MB" in said
     assert "MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to 16, got 'abc'" in said
     assert "MINDIE_CPU_FUSED_DECODE_MB must be a number of MiB >= 0, got 'nan'" in said
-    assert f"fused decode kernel on for decode steps of up to {8 if LIB.has_avx512 else 4} sequences" in said
+    assert f"fused decode kernel on for decode steps of up to {16 if LIB.has_avx512 else 4} sequences" in said
 
 
 def _greedy(url: str, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 At batch 1 a decode step of a small model reads its weights in about as much time as eager torch
 spends dispatching the ~12 ops of each layer (docs/performance.md, "Decode at concurrency 1").
-For a step made only of decodes, of at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (8; 4 on
+For a step made only of decodes, of at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (16; 4 on
 an AVX2 build), the kernel runs embedding, every layer and the final norm inside one OpenMP
 region: matrix-vector products over weights repacked for it (``pack``: AVX512-BF16 dot products
 where the CPU has them, fp32 FMAs otherwise, a loop the compiler vectorises on AVX2), the same C
@@ -55,9 +55,9 @@ MAX_ROWS = 16  # DEC_MAX_ROWS in cpu_kernels.c
 
 def rows_limit(lib: ctypes.CDLL | None = None) -> int:
     """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 0-16): by
-    default 8 with AVX-512, 4 with the portable loops of an AVX2 build (slower than oneDNN from
+    default 16 with AVX-512, 4 with the portable loops of an AVX2 build (slower than oneDNN from
     about 8 rows; docs/performance.md). ValueError, naming the variable, for anything else."""
-    default = "8" if lib is None or getattr(lib, "has_avx512", True) else "4"
+    default = "16" if lib is None or getattr(lib, "has_avx512", True) else "4"
     value = _flag("MINDIE_CPU_FUSED_DECODE_ROWS", default)
     if not value.isdigit() or int(value) > MAX_ROWS:
         raise ValueError(f"MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to {MAX_ROWS}, got {value!r}")
@@ -100,7 +100,9 @@ class FusedDecode:
         self.silu = None
         if self.dtype == torch.bfloat16:
             every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-            self.silu = torch.nn.functional.silu(every).view(torch.int16).roll(-32768).contiguous()
+            table = torch.nn.functional.silu(every).view(torch.int16).roll(-32768)
+            # two spare entries: the kernel's vector gather reads 4 bytes at the last one
+            self.silu = torch.cat([table, table.new_zeros(2)])
         self.max_rows = max_rows
         self.calls = 0  # steps the kernel ran (tests check the path is taken)
         self._layers = None

@@ -44,6 +44,12 @@ int kernels_have_f16(void) { return HAVE_F16; }
 #else
 #define HAVE_AVX512 0
 #endif
+/* masked 16-bit loads and stores (every AVX-512 CPU but Xeon Phi) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512BW 1
+#else
+#define HAVE_AVX512BW 0
+#endif
 
 #define MAX_D 256
 #define MAX_G 16
@@ -357,16 +363,100 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
 int kernels_have_avx512(void) { return HAVE_AVX512; }
 
+/* f(args..., MM) with the row count MM (1-4) a compile-time constant in each call */
+#define BY_ROWS(mm, f, ...) do { switch (mm) {                      \
+    case 4: f(__VA_ARGS__, 4); break;                                 \
+    case 3: f(__VA_ARGS__, 3); break;                                 \
+    case 2: f(__VA_ARGS__, 2); break;                                 \
+    default: f(__VA_ARGS__, 1); break; } } while (0)
+
 #if HAVE_AVX512
-/* A K chunk's sums into the totals (the chunks are added in K order, as oneDNN does). */
-INLINE void add_chunk(__m512 (*tot)[GROUP], __m512 (*acc)[GROUP], int64_t mm, int64_t nb, int first) {
-    for (int m = 0; m < mm; m++)
-        for (int b = 0; b < nb; b++) tot[m][b] = first ? acc[m][b] : _mm512_add_ps(tot[m][b], acc[m][b]);
+/* Rows m0 .. m0 + MM of a group's products into res, MM a constant after inlining (the
+ * accumulators stay in registers, the loop has no branches); blocks past nb repeat the last one
+ * (their results are not read). Each K chunk's sums are added to the earlier chunks' in K order,
+ * as oneDNN does. */
+INLINE void chunk_out(float *res, __m512 (*acc)[GROUP], int64_t m0, const int MM, int first) {
+    for (int m = 0; m < MM; m++)
+        for (int b = 0; b < GROUP; b++) {
+            float *o = res + (m0 + m) * GROUP * 16 + b * 16;
+            _mm512_storeu_ps(o, first ? acc[m][b] : _mm512_add_ps(_mm512_loadu_ps(o), acc[m][b]));
+        }
 }
 
-INLINE void store_group(float *res, __m512 (*tot)[GROUP], int64_t m0, int64_t mm, int64_t nb) {
-    for (int m = 0; m < mm; m++)
-        for (int b = 0; b < nb; b++) _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16, tot[m][b]);
+/* fp32: broadcast of x[m, k] times 16 output channels, FMA */
+INLINE void fma_rows(const float *xf, int64_t K, const float *wf, int64_t g0, int64_t nb, int64_t m0, float *res,
+                     const int MM) {
+    const float *w[GROUP];
+    for (int b = 0; b < GROUP; b++) w[b] = wf + (g0 + (b < nb ? b : nb - 1)) * K * 16;
+    for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+        const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
+        __m512 acc[4][GROUP];
+        for (int m = 0; m < MM; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            __m512 xv[4];
+            for (int m = 0; m < MM; m++) xv[m] = _mm512_set1_ps(xf[(m0 + m) * K + k]);
+            for (int b = 0; b < GROUP; b++) {
+                const __m512 wv = _mm512_loadu_ps(w[b] + k * 16);
+                for (int m = 0; m < MM; m++) acc[m][b] = _mm512_fmadd_ps(xv[m], wv, acc[m][b]);
+            }
+        }
+        chunk_out(res, acc, m0, MM, k0 == 0);
+    }
+}
+#endif
+
+#if HAVE_DPBF16
+/* bf16: per pair of K, one broadcast load of each row's pair (a shuffle from a general register
+ * would take a vector slot the products need) and one vdpbf16ps per (row, block); an odd K's last
+ * pair is padded with zero. */
+INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb, int64_t m0,
+                    float *res, const int MM) {
+    const int64_t KP = (K + 1) / 2, full = K / 2;
+    const uint16_t *w[GROUP];
+    for (int b = 0; b < GROUP; b++) w[b] = wb + (g0 + (b < nb ? b : nb - 1)) * KP * 32;
+    for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+        const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+        __m512 acc[4][GROUP];
+        for (int m = 0; m < MM; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
+        for (int64_t kp = p0; kp < p1; kp++) {
+            __m512i xv[4];
+            for (int m = 0; m < MM; m++) {
+                const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
+                int32_t pair = r[0];
+                if (kp < full) memcpy(&pair, r, sizeof pair);
+                xv[m] = _mm512_set1_epi32(pair);
+            }
+            for (int b = 0; b < GROUP; b++) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w[b] + kp * 32));
+                for (int m = 0; m < MM; m++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)xv[m], wv);
+            }
+        }
+        chunk_out(res, acc, m0, MM, p0 == 0);
+    }
+}
+#endif
+
+#if HAVE_AVX512
+/* int8 weights: each block's 16 channels widened to fp32 once per k for the MM rows, the sum
+ * over all of K in one accumulator, then the channels' scales */
+INLINE void q8_rows(int dt, const void *x, int64_t K, const int8_t *q, const float *scale, int64_t g0, int64_t nb,
+                    int64_t m0, float *res, const int MM) {
+    const int8_t *w[GROUP];
+    for (int b = 0; b < GROUP; b++) w[b] = q + (g0 + (b < nb ? b : nb - 1)) * K * 16;
+    __m512 acc[4][GROUP];
+    for (int m = 0; m < MM; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 xv[4];
+        for (int m = 0; m < MM; m++) xv[m] = _mm512_set1_ps(load_one(dt, x, (m0 + m) * K + k));
+        for (int b = 0; b < GROUP; b++) {
+            const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w[b] + k * 16))));
+            for (int m = 0; m < MM; m++) acc[m][b] = _mm512_fmadd_ps(xv[m], wv, acc[m][b]);
+        }
+    }
+    for (int m = 0; m < MM; m++)
+        for (int b = 0; b < GROUP; b++)
+            _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16,
+                             _mm512_mul_ps(acc[m][b], _mm512_loadu_ps(scale + (g0 + (b < nb ? b : nb - 1)) * 16)));
 }
 #endif
 
@@ -377,21 +467,8 @@ static void gemv_group_int8(int dt, const void *x, int64_t M, int64_t K, const i
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mm = M - m0 < 4 ? M - m0 : 4;
 #if HAVE_AVX512
-        __m512 acc[4][GROUP];
-        for (int m = 0; m < 4; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k++) {
-            __m512 xv[4];
-            for (int m = 0; m < mm; m++) xv[m] = _mm512_set1_ps(load_one(dt, x, (m0 + m) * K + k));
-            for (int b = 0; b < nb; b++) {
-                const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(q + ((g0 + b) * K + k) * 16))));
-                for (int m = 0; m < mm; m++) acc[m][b] = _mm512_fmadd_ps(xv[m], wv, acc[m][b]);
-            }
-        }
-        for (int m = 0; m < mm; m++)
-            for (int b = 0; b < nb; b++)
-                _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16,
-                                 _mm512_mul_ps(acc[m][b], _mm512_loadu_ps(scale + (g0 + b) * 16)));
+        if (dt == 1) BY_ROWS(mm, q8_rows, 1, x, K, q, scale, g0, nb, m0, res);
+        else BY_ROWS(mm, q8_rows, 0, x, K, q, scale, g0, nb, m0, res);
 #else
         int64_t r[4];
         for (int m = 0; m < 4; m++) r[m] = (m0 + m < M ? m0 + m : M - 1) * K;
@@ -426,47 +503,13 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
         const int64_t mm = M - m0 < 4 ? M - m0 : 4;
 #if HAVE_DPBF16
         if (dt == 1) {
-            const uint16_t *xb = (const uint16_t *)x, *wb = (const uint16_t *)pw;
-            __m512 tot[4][GROUP], acc[4][GROUP];
-            for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
-                const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
-                for (int m = 0; m < 4; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
-                for (int64_t kp = p0; kp < p1; kp++) {
-                    __m512i xv[4];
-                    for (int m = 0; m < mm; m++) {
-                        const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
-                        const uint32_t pair = (uint32_t)r[0] | (2 * kp + 1 < K ? (uint32_t)r[1] << 16 : 0u);
-                        xv[m] = _mm512_set1_epi32((int)pair);
-                    }
-                    for (int b = 0; b < nb; b++) {
-                        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wb + ((g0 + b) * KP + kp) * 32));
-                        for (int m = 0; m < mm; m++) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)xv[m], wv);
-                    }
-                }
-                add_chunk(tot, acc, mm, nb, p0 == 0);
-            }
-            store_group(res, tot, m0, mm, nb);
+            BY_ROWS(mm, dp_rows, (const uint16_t *)x, K, (const uint16_t *)pw, g0, nb, m0, res);
             continue;
         }
 #endif
 #if HAVE_AVX512
         if (dt == 0) {
-            const float *xf = (const float *)x, *wf = (const float *)pw;
-            __m512 tot[4][GROUP], acc[4][GROUP];
-            for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
-                const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
-                for (int m = 0; m < 4; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
-                for (int64_t k = k0; k < k1; k++) {
-                    __m512 xv[4];
-                    for (int m = 0; m < mm; m++) xv[m] = _mm512_set1_ps(xf[(m0 + m) * K + k]);
-                    for (int b = 0; b < nb; b++) {
-                        const __m512 wv = _mm512_loadu_ps(wf + ((g0 + b) * K + k) * 16);
-                        for (int m = 0; m < mm; m++) acc[m][b] = _mm512_fmadd_ps(xv[m], wv, acc[m][b]);
-                    }
-                }
-                add_chunk(tot, acc, mm, nb, k0 == 0);
-            }
-            store_group(res, tot, m0, mm, nb);
+            BY_ROWS(mm, fma_rows, (const float *)x, K, (const float *)pw, g0, nb, m0, res);
             continue;
         }
 #endif
@@ -635,7 +678,7 @@ typedef struct {
     const int64_t *tables;     /* [M, max_blocks] */
     const float *cos_t, *sin_t;
     const void *final_norm;
-    const uint16_t *silu_bf16; /* [65536]: silu of every bf16 value as torch computes it, or NULL */
+    const uint16_t *silu_bf16; /* [65536 + 2]: silu of every bf16 value as torch computes it, or NULL */
     void *x;       /* [M, C] residual stream (scratch) */
     void *xn;      /* [M, C] normed (scratch) */
     void *qkv;     /* [M, (H + 2 Hkv) D] */
@@ -643,6 +686,37 @@ typedef struct {
     void *act;     /* [M, I] */
     void *out;     /* [M, C]: the final norm's output */
 } dec_step_t;
+
+#if HAVE_AVX512BW
+/* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
+INLINE __mmask16 lanes16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+/* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
+INLINE __m512i bf16_bits16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+}
+
+INLINE __m512 round16(int dt, __m512 f) {
+    return dt == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
+}
+
+INLINE __m512 load16m(int dt, const void *p, int64_t i, __mmask16 k) {
+    if (dt == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
+    if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+    else _mm512_mask_storeu_ps((float *)p + i, k, v);
+}
+#endif
 
 INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst) {
     float buf[s->C];
@@ -652,16 +726,28 @@ INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst)
 
 /* x[M, K] @ w^T (+ b): out[m, n] = round(sum), or with residual x[m, n] = round(x + round(sum)) */
 INLINE void dec_linear(int dt, const dec_step_t *s, const void *in, int64_t K, const void *w, const float *sc,
-                       const void *b, int64_t N, void *dst, int residual) {
+                       const void *bias, int64_t N, void *dst, int residual) {
     float res[DEC_MAX_ROWS * GROUP * 16];
     const int64_t NB = (N + 15) / 16;
     _Pragma("omp for schedule(static)")
     for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
         const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
         gemv_group(dt, in, s->M, K, w, sc, g0, nb, res);
+#if HAVE_AVX512BW
+        for (int64_t m = 0; m < s->M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t n0 = (g0 + b) * 16, i = m * N + n0;
+                const __mmask16 k = lanes16(N - n0);
+                __m512 v = _mm512_loadu_ps(res + m * GROUP * 16 + b * 16);
+                if (bias) v = _mm512_add_ps(v, load16m(dt, bias, n0, k));
+                v = round16(dt, v);
+                store16m(dt, dst, i, residual ? _mm512_add_ps(load16m(dt, dst, i, k), v) : v, k);
+            }
+        continue;
+#endif
         for (int64_t m = 0; m < s->M; m++)
             for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++) {
-                const float v = round_to(dt, res[m * GROUP * 16 + n - g0 * 16] + (b ? load_one(dt, b, n) : 0.0f));
+                const float v = round_to(dt, res[m * GROUP * 16 + n - g0 * 16] + (bias ? load_one(dt, bias, n) : 0.0f));
                 const int64_t i = m * N + n;
                 store_one(dt, dst, i, residual ? load_one(dt, dst, i) + v : v);
             }
@@ -677,6 +763,23 @@ INLINE void dec_swiglu(int dt, const dec_step_t *s, const dec_layer_t *L) {
         const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
         gemv_group(dt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
         gemv_group(dt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
+#if HAVE_AVX512BW
+        if (dt == 1 && s->silu_bf16) {
+            for (int64_t m = 0; m < s->M; m++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const int64_t n0 = (g0 + b) * 16, r = m * GROUP * 16 + b * 16;
+                    const __mmask16 k = lanes16(I - n0);
+                    __m512 g = _mm512_loadu_ps(rg + r), u = _mm512_loadu_ps(ru + r);
+                    if (L->gate_b) g = _mm512_add_ps(g, load16m(1, L->gate_b, n0, k));
+                    if (L->up_b) u = _mm512_add_ps(u, load16m(1, L->up_b, n0, k));
+                    /* the table holds 2 more entries, so the 4-byte gather of the last one stays inside */
+                    const __m512i t = _mm512_i32gather_epi32(bf16_bits16(g), (const void *)s->silu_bf16, 2);
+                    const __m512 sg = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+                    store16m(1, s->act, m * I + n0, _mm512_mul_ps(sg, round16(1, u)), k);
+                }
+            continue;
+        }
+#endif
         for (int64_t m = 0; m < s->M; m++)
             for (int64_t n = g0 * 16; n < I && n < (g0 + nb) * 16; n++) {
                 const int64_t r = m * GROUP * 16 + n - g0 * 16;
