@@ -255,8 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rng = random.Random(0)
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in batches}
     # Rounds: bandwidth samples, then each batch once, so load from other processes is spread.
+    round_bw: list[float] = []
     for r in range(args.repeat):
         bw.sample(bw_per_round)
+        round_bw.append(max(bw.samples[-bw_per_round:]))
         log(f"round {r + 1}/{args.repeat}: bandwidth {' '.join(f'{x:.1f}' for x in bw.samples[-bw_per_round:])} GB/s")
         for b in batches:
             res = measure_decode(runner, engine_cfg, num_blocks, b, args.context, args.steps, args.warm, rng)
@@ -280,11 +282,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         window = statistics.median(x["tok_s"] for x in runs[b])
         roof_best = b * bwsum["best_gb_s"] * 1e9 / sb["total"]
         roof_median = b * bwsum["median_gb_s"] * 1e9 / sb["total"]
+        # Paired: each round's median step against the best bandwidth sample of the same round.
+        # The VM's share of the memory bandwidth moves between plateaus from minute to minute;
+        # this compares the engine with what the memory delivered while it ran.
+        paired = [sb["total"] / (x["step_ms_median"] / 1e3) / (bw_r * 1e9)
+                  for x, bw_r in zip(runs[b], round_bw)]
         rows.append({
             "batch": b, "mean_context": round(mean_ctx, 1), "bytes_per_step": sb,
             "roofline_tok_s": round(roof_best, 1), "roofline_tok_s_median_bw": round(roof_median, 1),
             "measured_tok_s": round(measured, 1), "step_ms_median": round(step_med * 1e3, 3),
             "fraction": round(measured / roof_best, 4),
+            "fraction_paired": round(statistics.median(paired), 4),
+            "fraction_paired_rounds": [round(x, 4) for x in paired],
+            "round_best_gb_s": [round(x, 2) for x in round_bw],
+            "step_ms_rounds": [round(x["step_ms_median"], 4) for x in runs[b]],
             "window_tok_s": round(window, 1), "window_tok_s_rounds": [round(x["tok_s"], 1) for x in runs[b]],
             "implied_gb_s": round(sb["total"] / step_med / 1e9, 2),
         })
@@ -297,18 +308,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"read bandwidth: best {bwsum['best_gb_s']} GB/s, median {bwsum['median_gb_s']} GB/s "
           f"({bwsum['repeats']} x torch.sum over {bwsum['bytes'] >> 20} MiB)")
     hdr = (f"{'batch':>5} {'context':>7} {'weights MB':>10} {'KV MB':>8} {'step MB':>8} {'roofline tok/s':>14} "
-           f"{'measured tok/s':>14} {'fraction':>8} {'step ms':>8} {'implied GB/s':>12} {'window tok/s':>12}")
+           f"{'measured tok/s':>14} {'fraction':>8} {'paired':>6} {'step ms':>8} {'implied GB/s':>12} "
+           f"{'window tok/s':>12}")
     print(hdr)
     for row in rows:
         sb = row["bytes_per_step"]
         print(f"{row['batch']:>5} {row['mean_context']:>7.1f} {sb['weights'] / 1e6:>10.2f} {sb['kv'] / 1e6:>8.2f} "
               f"{sb['total'] / 1e6:>8.2f} {row['roofline_tok_s']:>14.1f} {row['measured_tok_s']:>14.1f} "
-              f"{row['fraction']:>8.3f} {row['step_ms_median']:>8.2f} {row['implied_gb_s']:>12.2f} "
+              f"{row['fraction']:>8.3f} {row['fraction_paired']:>6.3f} {row['step_ms_median']:>8.2f} "
+              f"{row['implied_gb_s']:>12.2f} "
               f"{row['window_tok_s']:>12.1f}")
     print(f"load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} CPUs")
     print("roofline = batch x best bandwidth / bytes per step; measured = batch / median decode step (all "
-          "rounds); fraction = measured / roofline; implied GB/s = bytes per step / median step; window = "
-          "tokens / time of each round's timed steps, median of the rounds")
+          "rounds); fraction = measured / roofline; paired = bytes per step / (a round's median step x the "
+          "best bandwidth of the same round), median of the rounds; implied GB/s = bytes per step / median "
+          "step; window = tokens / time of each round's timed steps, median of the rounds")
     result = {"model": model, "dtype": dtype_name, "threads": threads, "bandwidth": bwsum, "results": rows,
               "loadavg_before": load_before, "loadavg_after": load_after,
               "args": vars(args)}

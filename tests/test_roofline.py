@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,7 @@ def test_script_runs_and_prints_the_fraction(demo_model, tmp_path):
     out = tmp_path / "roofline.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", demo_model, "--dtype", "float32", "--concurrency", "1,2",
-         "--context", "20", "--steps", "3", "--warm", "1", "--repeat", "1", "--bw-mib", "16", "--bw-repeat", "2",
+         "--context", "20", "--steps", "3", "--warm", "1", "--repeat", "2", "--bw-mib", "16", "--bw-repeat", "2",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -103,6 +104,13 @@ def test_script_runs_and_prints_the_fraction(demo_model, tmp_path):
         # timed steps read 20, 21, 22 positions per sequence (the new token's included).
         assert row["mean_context"] == 21
         assert sb["kv"] == b * 21 * model.args.num_hidden_layers * 2 * model.args.num_key_value_heads * model.args.head_dim * 4
-        # the fraction is printed on the batch's line
+        # paired: each round's median step against that round's best bandwidth sample
+        samples = res["bandwidth"]["samples_gb_s"]
+        assert row["round_best_gb_s"] == [max(samples[0:2]), max(samples[2:4])]
+        assert len(row["fraction_paired_rounds"]) == 2
+        assert row["fraction_paired"] == pytest.approx(statistics.median(row["fraction_paired_rounds"]), abs=1e-3)
+        for f, step_ms, bw_r in zip(row["fraction_paired_rounds"], row["step_ms_rounds"], row["round_best_gb_s"]):
+            assert f == pytest.approx(sb["total"] / (step_ms / 1e3) / (bw_r * 1e9), rel=0.01)
+        # the fractions are printed on the batch's line
         line = next(ln for ln in proc.stdout.splitlines() if ln.split()[:1] == [str(b)])
-        assert f"{row['fraction']:.3f}" in line
+        assert f"{row['fraction']:.3f}" in line and f"{row['fraction_paired']:.3f}" in line
