@@ -175,6 +175,48 @@ def test_int8_model_takes_the_fused_step_and_agrees_with_eager(models, case):
         torch.testing.assert_close(b, a, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n, k", [(101, 112), (203, 64), (512, 101)])
+def test_cpu_int8_linears_run_on_the_kernel_layout(dtype, n, k):
+    """CpuInt8Kernel keeps the int8 weight in the kernels' layout: up to 32 rows through
+    linear_rows, above that dequantised into a matrix for oneDNN; both equal x @ dequantised(W)^T
+    up to the output's rounding, and the [N, K] view gives back the quantised matrix."""
+    torch.manual_seed(n * 3 + k)
+    w = torch.randn(n, k) * 0.1
+    q, scale = quantize_weight(w)
+    kern = CpuInt8Kernel()
+    packed = kern.pack(q, scale, dtype, torch.device("cpu"))
+    assert packed["q"].shape == (-(-n // 16), k, 16) and packed["scale16"].dtype == torch.float32
+    assert torch.equal(kern.plain(packed), q)
+    ref_w = dequantize(q, scale.to(dtype)).double()
+    for m in (1, 5, 16, 17, 32, 33, 70):
+        x = torch.randn(m, k).to(dtype)
+        out = kern.mm(x, packed)
+        assert out.shape == (m, n) and out.dtype == dtype
+        exact = x.double() @ ref_w.T
+        # the kernel rounds once; the dequantised path rounds the product, then the scaled value
+        bound = 2 * exact.abs() * torch.finfo(dtype).eps + (x.double().abs() @ ref_w.abs().T) * k * 2 ** -23 + 1e-30
+        assert ((out.double() - exact).abs() <= bound).all(), m
+
+
+def test_int8_model_shares_its_layers_with_the_fused_step(models):
+    """The fused step reads the int8 layers' own tensors (no second copy), so the worker's weight
+    bytes count them once."""
+    from workers.backends.int8 import Int8Linear, weight_bytes
+    model, _ = load_model(models["kv1"], torch.bfloat16)  # intermediate 112: gate/up split on a block edge
+    quantize_model(model, CpuInt8Kernel())
+    before = weight_bytes(model)
+    CpuBackend().prepare_model(model)
+    fused = model.fast_decode
+    assert fused is not None
+    owned = {t.untyped_storage().data_ptr() for t in model.buffers()}
+    for layer in fused.weights:
+        for name in ("qkv", "o", "gate", "up", "down"):
+            assert layer[f"{name}_w"].untyped_storage().data_ptr() in owned, name
+    int8_bytes = sum(m.q.numel() + m.scale16.numel() * 4 for m in model.modules() if isinstance(m, Int8Linear))
+    assert weight_bytes(model) - before < int8_bytes / 4  # no copy of the layers was added
+
+
 def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):
     monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_ROWS", "2")
     model = _prepared(models["llama_bias"], torch.bfloat16)

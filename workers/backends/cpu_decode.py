@@ -189,15 +189,23 @@ def _scales(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(packed weight, scales or None) of a plain or int8 (CPU kernel, [N, K] layout) linear; None
-    for anything else."""
+    """(packed weight, scales or None) of a plain or an int8 (CPU kernel) linear, or of the output
+    rows ``rows`` of it; None for anything else. An int8 layer the CPU kernel keeps in this layout
+    already is shared, not copied, where the rows fall on its 16-channel blocks."""
     from workers.backends.int8 import Int8Linear
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, nn.Linear):
         return pack(mod.weight[sel]), None
-    if isinstance(mod, Int8Linear) and not mod.kernel.transposed and mod.q.dtype == torch.int8:
-        return pack(mod.q[sel]), _scales(mod.scale[sel])
-    return None
+    if not isinstance(mod, Int8Linear) or mod.kernel.transposed:
+        return None
+    state = mod.packed_state
+    n = mod.out_features
+    start, stop = sel.start or 0, n if sel.stop is None else sel.stop
+    if "scale16" in state and start % 16 == 0 and (stop % 16 == 0 or stop == n):
+        b0, b1 = start // 16, -(-stop // 16)
+        return state["q"][b0:b1], state["scale16"][b0 * 16:b1 * 16]
+    q = mod.kernel.plain(state)
+    return (pack(q[sel]), _scales(mod.scale[sel])) if q.dtype == torch.int8 else None
 
 
 def attach(model: nn.Module) -> FusedDecode | None:
@@ -245,8 +253,10 @@ def attach(model: nn.Module) -> FusedDecode | None:
                 w[f"{name}_w"], w[f"{name}_s"] = packed, scale
             weights.append(w)
     if why is None:
+        # Bytes of its own: int8 layers whose kernel keeps them in this layout are shared, not copied.
+        shared = {t.untyped_storage().data_ptr() for t in model.buffers()}
         size = sum(t.numel() * t.element_size() for d in weights for k, t in d.items()
-                   if t is not None and k[-2:] in ("_w", "_s"))
+                   if t is not None and k[-2:] in ("_w", "_s") and t.untyped_storage().data_ptr() not in shared)
         budget = budget_mb * (1 << 20)
         if size > budget:
             why = f"its linear weights ({size / (1 << 20):.0f} MiB) exceed MINDIE_CPU_FUSED_DECODE_MB ({budget / (1 << 20):.0f})"
@@ -256,7 +266,8 @@ def attach(model: nn.Module) -> FusedDecode | None:
     fused = FusedDecode(model, lib, code, weights, max_rows)
     model.fast_decode = fused
     int8 = weights[0]["qkv_s"] is not None
-    log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; keeps a %.1f MiB copy of "
-             "the layer weights)", fused.max_rows, "int8 weight" if int8 else
-             "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "fp32-accumulated", size / (1 << 20))
+    log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; %s)", fused.max_rows,
+             "int8 weight" if int8 else "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "fp32-accumulated",
+             f"keeps a {size / (1 << 20):.1f} MiB copy of the layer weights" if size
+             else "reads the int8 layers' own weights, no copy")
     return fused

@@ -559,20 +559,56 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
 }
 
 /* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above (int8 with
- * scales when scale != NULL): the decode step's products on their own (tests compare them with torch's linear). */
+ * scales when scale != NULL): the decode step's products on their own, and the CPU's int8 linears
+ * at small row counts (workers/backends/int8.py). Rows go DEC_MAX_ROWS at a time through each group,
+ * whose weights stay in cache meanwhile. */
 int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, const float *scale, int64_t N,
                 const void *bias, void *out) {
-    if (dt < 0 || dt > 1 || M < 1 || M > DEC_MAX_ROWS) return -1;
-    const int64_t NB = (N + 15) / 16;
+    if (dt < 0 || dt > 1 || M < 1) return -1;
+    const int64_t NB = (N + 15) / 16, es = dt == 0 ? 4 : 2;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
         float res[DEC_MAX_ROWS * GROUP * 16];
         const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
-        gemv_group(dt, x, M, K, pw, scale, g0, nb, res);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++)
-                store_one(dt, out, m * N + n, res[m * GROUP * 16 + n - g0 * 16] + (bias ? load_one(dt, bias, n) : 0.0f));
+        for (int64_t m0 = 0; m0 < M; m0 += DEC_MAX_ROWS) {
+            const int64_t mm = M - m0 < DEC_MAX_ROWS ? M - m0 : DEC_MAX_ROWS;
+            gemv_group(dt, (const char *)x + m0 * K * es, mm, K, pw, scale, g0, nb, res);
+            for (int64_t m = 0; m < mm; m++)
+                for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++)
+                    store_one(dt, out, (m0 + m) * N + n,
+                              res[m * GROUP * 16 + n - g0 * 16] + (bias ? load_one(dt, bias, n) : 0.0f));
+        }
     }
+    return 0;
+}
+
+/* out[K][NB * 16] (element type dt) = the transpose of an int8 weight packed as [NB][K][16]: row k
+ * holds every output channel's weight at k, 16 contiguous bytes per block, so the int8 linears
+ * dequantise for oneDNN (x @ out) reading their own layout (workers/backends/int8.py). */
+int int8_unpack_t(int dt, const int8_t *q, int64_t NB, int64_t K, void *out) {
+    if (dt < 0 || dt > 1 || NB < 1 || K < 1) return -1;
+    /* 4 rows k at a time: the 64 bytes of a block they read are one cache line */
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t k0 = 0; k0 < K; k0 += 4)
+        for (int64_t nb = 0; nb < NB; nb++)
+        for (int64_t k = k0; k < k0 + 4 && k < K; k++) {
+            const int8_t *src = q + (nb * K + k) * 16;
+            const int64_t o = (k * NB + nb) * 16;
+#if HAVE_AVX512
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+            if (dt == 1)  /* integers of at most 8 bits: the top half of their fp32 bits is the exact bf16 */
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + o),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+            else
+                _mm512_storeu_ps((float *)out + o, v);
+#else
+            for (int l = 0; l < 16; l++) {
+                const union { float f; uint32_t u; } v = {(float)src[l]};
+                if (dt == 1) ((uint16_t *)out)[o + l] = (uint16_t)(v.u >> 16);
+                else ((float *)out)[o + l] = v.f;
+            }
+#endif
+        }
     return 0;
 }
 

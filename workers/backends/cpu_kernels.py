@@ -148,6 +148,8 @@ def load() -> ctypes.CDLL | None:
             lib.linear_rows.restype = ctypes.c_int
             lib.linear_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+            lib.int8_unpack_t.restype = ctypes.c_int
+            lib.int8_unpack_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
             lib.decode_layers.restype = ctypes.c_int
             lib.decode_layers.argtypes = [ctypes.c_int, ctypes.c_void_p]
             lib.kernels_have_dpbf16.restype = ctypes.c_int

@@ -63,33 +63,86 @@ class Int8Kernel:
         # Scale after the matmul: one [M, N] multiply instead of a [N, K] one.
         return F.linear(x, packed["q"].to(x.dtype)) * packed["scale"]
 
+    def plain(self, packed: dict) -> torch.Tensor:
+        """The int8 weight as [N, K] (a view where the layout allows)."""
+        return packed["q"].t() if self.transposed else packed["q"]
 
-# CPU: _weight_int8pack_mm is a GEMV-style kernel, its time grows with the rows; it beats
-# dequantise-then-matmul up to ~24 rows here (docs/performance.md, "Weight-only int8").
+
+# CPU without the C kernels: _weight_int8pack_mm is a GEMV-style kernel, its time grows with the
+# rows; it beats dequantise-then-matmul up to ~24 rows here (docs/performance.md, "Weight-only int8").
 CPU_INT8PACK_MAX_ROWS = int(os.environ.get("MINDIE_CPU_INT8_ROWS", "24"))
+# CPU with the C kernels: their int8 products (cpu_kernels.c ``linear_rows``, ~200 GFLOP/s per core
+# at any row count) beat dequantise-then-matmul up to ~32 rows; oneDNN's bf16 GEMM wins above.
+CPU_INT8_KERNEL_MAX_ROWS = 32
 
 
 class CpuInt8Kernel(Int8Kernel):
+    """With the C kernels (the default): the weight is kept in their layout, 16 output channels per
+    vector ([N/16, K, 16], the fused decode step reads the same tensor), and row counts up to
+    ``CPU_INT8_KERNEL_MAX_ROWS`` go through ``linear_rows``; larger ones dequantise into a
+    [N, K] matrix of the activation type for oneDNN. Without them: ``_weight_int8pack_mm`` for
+    small row counts, dequantise-then-matmul above."""
+
     name = "cpu"
 
     def __init__(self, max_rows: int = CPU_INT8PACK_MAX_ROWS):
+        from workers.backends import cpu_kernels
         self.max_rows = max_rows if hasattr(torch, "_weight_int8pack_mm") else 0
+        self.lib = cpu_kernels.load()
+        if self.lib is not None:
+            self.name = "cpu, C kernels"
+
+    def pack(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device: torch.device) -> dict:
+        from workers.backends import cpu_kernels
+        if self.lib is None or cpu_kernels.dtype_code(self.lib, dtype) not in (0, 1):
+            return super().pack(q, scale, dtype, device)
+        from workers.backends.cpu_decode import _scales, pack
+        s = scale.to(dtype)
+        # "scale16": fp32, zero-padded to the 16-channel blocks, as linear_rows reads it
+        return {"q": pack(q), "scale": s, "scale16": _scales(s)}
+
+    def plain(self, packed: dict) -> torch.Tensor:
+        q = packed["q"]
+        if q.dim() == 2:
+            return q
+        return q.permute(0, 2, 1).reshape(-1, q.shape[1])[:packed["scale"].numel()]
 
     def mm(self, x: torch.Tensor, packed: dict) -> torch.Tensor:
         m = x.shape[0]
+        if "scale16" in packed:
+            q = packed["q"]
+            n, k = packed["scale"].numel(), q.shape[1]
+            if m <= CPU_INT8_KERNEL_MAX_ROWS:
+                x = x.contiguous()
+                out = torch.empty(m, n, dtype=x.dtype)
+                if self.lib.linear_rows(1 if x.dtype == torch.bfloat16 else 0, x.data_ptr(), m, k, q.data_ptr(),
+                                        packed["scale16"].data_ptr(), n, None, out.data_ptr()) != 0:
+                    raise RuntimeError(f"linear_rows refused an int8 product of {m} x {k} x {n}")
+                return out
+            # dequantised, transposed: [K, N rounded up to 16] (padding columns are zero weights)
+            wt = torch.empty(k, q.shape[0] * 16, dtype=x.dtype)
+            if self.lib.int8_unpack_t(1 if x.dtype == torch.bfloat16 else 0, q.data_ptr(), q.shape[0], k,
+                                      wt.data_ptr()) != 0:
+                raise RuntimeError(f"int8_unpack_t refused a {q.shape[0] * 16} x {k} weight")
+            return self._bucketed(x, wt, packed["scale"], n)
         # _weight_int8pack_mm reads K in blocks of 16: other widths give garbage or a segfault
         # (torch 2.13; e.g. an odd intermediate size), so those take the dequantising path.
         if m <= self.max_rows and x.shape[1] % 16 == 0:
             return torch._weight_int8pack_mm(x.contiguous(), packed["q"], packed["scale"])
-        # Bucket the rows as the packed bf16 path does, so oneDNN's shape-keyed caches stay bounded
-        # (workers/backends/cpu_linear.py).
+        return self._bucketed(x, packed["q"].to(x.dtype).t(), packed["scale"], packed["scale"].numel())
+
+    @staticmethod
+    def _bucketed(x: torch.Tensor, wt: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+        """(x @ wt)[:, :n] * scale, the rows padded to the bf16 path's buckets so that oneDNN's
+        shape-keyed caches stay bounded (workers/backends/cpu_linear.py)."""
         from workers.backends.cpu_linear import bucket_rows
+        m = x.shape[0]
         rows = bucket_rows(m)
         if rows != m:
             padded = x.new_zeros((rows, x.shape[1]))
             padded[:m].copy_(x)
-            return super().mm(padded, packed)[:m]
-        return super().mm(x, packed)
+            x = padded
+        return ((x @ wt)[:m, :n] * scale)
 
 
 class NpuInt8Kernel(Int8Kernel):
@@ -131,8 +184,7 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 [N, K] weight this layer computes with."""
-        q = self.q.t() if self.kernel.transposed else self.q
-        return dequantize(q, self.scale)
+        return dequantize(self.kernel.plain(self.packed_state), self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -189,16 +241,20 @@ def copy_dequantized_into(ref: nn.Module, quantised: nn.Module) -> nn.Module:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every distinct tensor the model computes with: parameters, buffers, and tensors
-    held as plain attributes (the CPU backend's oneDNN-packed weights, its tied-head copy)."""
-    seen: dict[int, int] = {}
+    held as plain attributes (the CPU backend's oneDNN-packed weights, its tied-head copy).
+    Memory two tensors share (a view, the fused decode step's int8 layers) counts once."""
+    spans: dict[int, int] = {}  # start address -> end, of contiguous tensors
+    opaque: dict[int, int] = {}
 
     def add(t) -> None:
         if isinstance(t, torch.Tensor) and not t.is_meta:
+            n = t.numel() * t.element_size()
             try:
-                key = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+                start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
             except (RuntimeError, NotImplementedError):  # opaque (oneDNN-packed) tensors
-                key = id(t)
-            seen[key] = t.numel() * t.element_size()
+                opaque[id(t)] = n
+                return
+            spans[start] = max(spans.get(start, start), start + n)
 
     for m in model.modules():
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
@@ -213,4 +269,10 @@ def weight_bytes(model: nn.Module) -> int:
     for layer in getattr(fused, "weights", None) or []:
         for v in layer.values():
             add(v)
-    return sum(seen.values())
+    total, reach = 0, 0
+    for start in sorted(spans):  # the union of the spans
+        end = spans[start]
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total + sum(opaque.values())
