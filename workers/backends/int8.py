@@ -79,9 +79,9 @@ CPU_INT8_KERNEL_MAX_ROWS = 32
 class CpuInt8Kernel(Int8Kernel):
     """With the C kernels (the default): the weight is kept in their layout, 16 output channels per
     vector ([N/16, K, 16], the fused decode step reads the same tensor), and row counts up to
-    ``CPU_INT8_KERNEL_MAX_ROWS`` go through ``linear_rows``; larger ones dequantise into a
-    [N, K] matrix of the activation type for oneDNN. Without them: ``_weight_int8pack_mm`` for
-    small row counts, dequantise-then-matmul above."""
+    ``CPU_INT8_KERNEL_MAX_ROWS`` go through ``linear_rows``; larger ones dequantise into the
+    transposed [K, N] matrix of the activation type (``int8_unpack_t``) for oneDNN. Without them:
+    ``_weight_int8pack_mm`` for small row counts, dequantise-then-matmul above."""
 
     name = "cpu"
 
@@ -90,7 +90,7 @@ class CpuInt8Kernel(Int8Kernel):
         self.max_rows = max_rows if hasattr(torch, "_weight_int8pack_mm") else 0
         self.lib = cpu_kernels.load()
         if self.lib is not None:
-            self.name = "cpu, C kernels"
+            self.name = "cpu (C)"
 
     def pack(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device: torch.device) -> dict:
         from workers.backends import cpu_kernels
