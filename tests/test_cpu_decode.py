@@ -59,7 +59,7 @@ def _prepared(path: Path, dtype: torch.dtype):
     return model
 
 
-def _attention(model, dtype: torch.dtype, blocks: int = 16 * 16, block_size: int = 4):
+def _attention(model, dtype: torch.dtype, blocks: int = 64 * 16, block_size: int = 4):
     a = model.args
     return CpuBackend().attention_class()(a.num_hidden_layers, blocks, block_size, a.num_key_value_heads, a.head_dim,
                                           dtype, torch.device("cpu"))
@@ -97,11 +97,10 @@ def _decode_run(model, dtype: torch.dtype, fused: bool, prompts: list[list[int]]
 def test_fused_step_computes_what_eager_does(models, case, dtype):
     model = _prepared(models[case], dtype)
     assert model.fast_decode is not None
-    prompts = [[5, 6, 7], list(range(10, 31)), [9] * 6, list(range(40, 52)), [3, 4], [7] * 9, [11] * 14,
-               list(range(60, 65)), [13] * 3, list(range(70, 77)), [2, 8, 3], [17] * 11, list(range(90, 94)),
-               [21] * 2, list(range(100, 115)), [6, 1]]
-    top = model.fast_decode.max_rows  # 16 on AVX-512 builds, 4 on AVX2 ones
-    for batch in sorted({1, 3, min(8, top), top}):
+    top = model.fast_decode.max_rows  # 64 on AVX-512 builds, 4 on AVX2 ones
+    # prompts of 2-20 tokens, so the sequences' contexts differ
+    prompts = [[(7 * i + j) % 150 + 3 for j in range(2 + (5 * i) % 19)] for i in range(top)]
+    for batch in sorted({1, 3, min(8, top), min(16, top), top}):
         eager_h, eager_kv, eager_calls = _decode_run(model, dtype, False, prompts[:batch], 12)
         fused_h, fused_kv, fused_calls = _decode_run(model, dtype, True, prompts[:batch], 12)
         assert (eager_calls, fused_calls) == (0, 12)  # every decode step took the kernel, and only then
@@ -246,7 +245,7 @@ def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, ca
         assert not attached(models["kv1"])
         monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_MB", "256")
         assert attached(models["kv1"])
-        for name, bad in (("MINDIE_CPU_FUSED_DECODE_ROWS", "abc"), ("MINDIE_CPU_FUSED_DECODE_ROWS", "17"),
+        for name, bad in (("MINDIE_CPU_FUSED_DECODE_ROWS", "abc"), ("MINDIE_CPU_FUSED_DECODE_ROWS", "65"),
                           ("MINDIE_CPU_FUSED_DECODE_MB", "nan"), ("MINDIE_CPU_FUSED_DECODE_MB", "-1")):
             with monkeypatch.context() as m:
                 m.setenv(name, bad)
@@ -257,9 +256,9 @@ def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, ca
     assert "fused decode kernel not used: q/k norms" in said
     assert "torch.float16 (fp32 and bf16 only)" in said
     assert "exceed MINDIE_CPU_FUSED_DECODE_MB" in said
-    assert "MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to 16, got 'abc'" in said
+    assert "MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to 64, got 'abc'" in said
     assert "MINDIE_CPU_FUSED_DECODE_MB must be a number of MiB >= 0, got 'nan'" in said
-    assert f"fused decode kernel on for decode steps of up to {16 if LIB.has_avx512 else 4} sequences" in said
+    assert f"fused decode kernel on for decode steps of up to {64 if LIB.has_avx512 else 4} sequences" in said
 
 
 def _greedy(url: str, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 At batch 1 a decode step of a small model reads its weights in about as much time as eager torch
 spends dispatching the ~12 ops of each layer (docs/performance.md, "Decode at concurrency 1").
-For a step made only of decodes, of at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (16; 4 on
+For a step made only of decodes, of at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (64; 4 on
 an AVX2 build), the kernel runs embedding, every layer and the final norm inside one OpenMP
 region: matrix-vector products over weights repacked for it (``pack``: AVX512-BF16 dot products
 where the CPU has them, fp32 FMAs otherwise, a loop the compiler vectorises on AVX2), the same C
@@ -50,14 +50,14 @@ def _flag(name: str, default: str) -> str:
     return os.environ.get(name, default).strip().lower()
 
 
-MAX_ROWS = 16  # DEC_MAX_ROWS in cpu_kernels.c
+MAX_ROWS = 64  # DEC_MAX_ROWS in cpu_kernels.c
 
 
 def rows_limit(lib: ctypes.CDLL | None = None) -> int:
-    """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 0-16): by
-    default 16 with AVX-512, 4 with the portable loops of an AVX2 build (slower than oneDNN from
+    """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 0-64): by
+    default 64 with AVX-512, 4 with the portable loops of an AVX2 build (slower than oneDNN from
     about 8 rows; docs/performance.md). ValueError, naming the variable, for anything else."""
-    default = "16" if lib is None or getattr(lib, "has_avx512", True) else "4"
+    default = "64" if lib is None or getattr(lib, "has_avx512", True) else "4"
     value = _flag("MINDIE_CPU_FUSED_DECODE_ROWS", default)
     if not value.isdigit() or int(value) > MAX_ROWS:
         raise ValueError(f"MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to {MAX_ROWS}, got {value!r}")
@@ -107,7 +107,7 @@ class FusedDecode:
         self.calls = 0  # steps the kernel ran (tests check the path is taken)
         self._layers = None
         self._attn = None
-        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._scratch: tuple[torch.Tensor, ...] | None = None
 
     def _bind(self, attn) -> None:
         """Per-layer pointers, including this attention object's caches (bound once per KV allocation)."""
@@ -122,14 +122,14 @@ class FusedDecode:
         self._layers, self._attn = arr, attn
 
     def _buffers(self, m: int) -> tuple[torch.Tensor, ...]:
-        bufs = self._scratch.get(m)
-        if bufs is None:
-            e = self.dtype
+        """The step's scratch rows: views of one set of buffers sized for ``max_rows``."""
+        if self._scratch is None:
+            e, n = self.dtype, self.max_rows
             nq = (self.H + 2 * self.Hkv) * self.D
-            bufs = self._scratch[m] = (torch.empty(m, self.C, dtype=e), torch.empty(m, self.C, dtype=e),
-                                       torch.empty(m, nq, dtype=e), torch.empty(m, self.H * self.D, dtype=e),
-                                       torch.empty(m, self.I, dtype=e))
-        return bufs
+            self._scratch = (torch.empty(n, self.C, dtype=e), torch.empty(n, self.C, dtype=e),
+                             torch.empty(n, nq, dtype=e), torch.empty(n, self.H * self.D, dtype=e),
+                             torch.empty(n, self.I, dtype=e))
+        return tuple(t[:m] for t in self._scratch)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         meta = getattr(attn, "meta", None)

@@ -356,7 +356,7 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
  * (tests/test_cpu_decode.py; larger shapes can differ in the last bit where oneDNN blocks K
  * differently). A call computes up to GROUP blocks of 16 outputs for all M rows, four rows at a
  * time (the weight group is read from memory once; the next four rows find it in cache). */
-#define DEC_MAX_ROWS 16
+#define DEC_MAX_ROWS 64
 #define GROUP 4
 #define K_CHUNK 512
 
