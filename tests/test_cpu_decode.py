@@ -21,7 +21,7 @@ from tests.harness import demo_server
 from tests.tiny_hf import save_random_model
 from workers.backends import cpu_kernels
 from workers.backends.cpu import CpuBackend
-from workers.backends.cpu_decode import _scales, attach, pack
+from workers.backends.cpu_decode import attach, pack, pack_scales
 from workers.backends.int8 import CpuInt8Kernel, dequantize, quantize_model, quantize_weight
 from workers.models.loader import load_model
 
@@ -147,7 +147,7 @@ def test_int8_products_against_the_dequantised_weights(dtype, n, k):
     torch.manual_seed(n + k)
     q, scale = quantize_weight(torch.randn(n, k) * 0.1)
     ref_w = dequantize(q, scale.to(dtype)).double()
-    pq, ps = pack(q), _scales(scale.to(dtype))
+    pq, ps = pack(q), pack_scales(scale.to(dtype))
     for m in (1, 3, 8, 16):
         x = torch.randn(m, k).to(dtype)
         out = torch.empty(m, n, dtype=dtype)

@@ -34,8 +34,9 @@ def prefill_chunk_default(device_type: str) -> int:
     """Prompt tokens per step while several requests have work. On CPU a step's time grows with
     its tokens from a few dozen up: 256-token chunks gave a wave of 32 prompts a p50 TTFT of
     88-96 ms against 278-295 ms in one step, p99 and output tokens/s unchanged; once decode steps
-    got faster (the fused decode step, faster attention) 128 beat 256 and 64 on output tokens/s,
-    TTFT p50 and the p99 gap between tokens (docs/performance.md, "TTFT under load").
+    got faster (the fused decode step, faster attention) 128 beat 256 on output tokens/s, TTFT
+    p50 and the p99 gap between tokens, and 64 on TTFT p99 (64 has the smaller gap between
+    tokens; docs/performance.md, "TTFT under load").
     Accelerators need bigger steps to be efficient: 2048 (vLLM's default token budget)."""
     return 128 if device_type == "cpu" else 2048
 

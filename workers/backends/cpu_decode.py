@@ -9,11 +9,12 @@ where the CPU has them, fp32 FMAs otherwise, a loop the compiler vectorises on A
 norms, rope and paged attention as the eager path, and every intermediate rounded where torch
 rounds. Larger steps and prefills keep the eager path and its oneDNN-packed weights.
 
-The packed layers cannot be read by the kernel, so it keeps its own copy of the layer weights:
-the linear layers' bytes twice. Only models whose copy fits ``MINDIE_CPU_FUSED_DECODE_MB``
+The oneDNN-packed layers cannot be read by the kernel, so it keeps its own copy of the layer
+weights: the linear layers' bytes twice. Only models whose copy fits ``MINDIE_CPU_FUSED_DECODE_MB``
 (256 MiB) get the kernel; above that a step streams enough bytes that dispatch no longer matters.
-``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Int8 weights (``quantize: w8a16``) get an int8 copy in
-the same layout, with their scales applied to the fp32 sums. Models it does not cover (q/k norms,
+``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Int8 weights (``quantize: w8a16``) are kept in this
+layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel reads those same
+tensors, no copy, with their scales applied to the fp32 sums. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
@@ -180,7 +181,7 @@ def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().contiguous()
 
 
-def _scales(scale: torch.Tensor) -> torch.Tensor:
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
     """An int8 layer's per-channel scales as the kernel reads them: fp32, padded to 16 with zeros."""
     n = scale.numel()
     out = torch.zeros(-(-n // 16) * 16, dtype=torch.float32)
@@ -205,7 +206,7 @@ def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, to
         b0, b1 = start // 16, -(-stop // 16)
         return state["q"][b0:b1], state["scale16"][b0 * 16:b1 * 16]
     q = mod.kernel.plain(state)
-    return (pack(q[sel]), _scales(mod.scale[sel])) if q.dtype == torch.int8 else None
+    return (pack(q[sel]), pack_scales(mod.scale[sel])) if q.dtype == torch.int8 else None
 
 
 def attach(model: nn.Module) -> FusedDecode | None:

@@ -161,6 +161,9 @@ INLINE void item_finish(int dt, void *out, int64_t G, int64_t D, int64_t kvh, fl
 }
 
 #if HAVE_AVX512
+/* The first min(left, 16) lanes */
+INLINE __mmask16 lanes16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
 /* 16 elements of type dt (fp32 or bf16) at p + i, as fp32 */
 INLINE __m512 load16(int dt, const void *p, int64_t i) {
     if (dt == 1)
@@ -233,7 +236,7 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
             const float mb = item_rescale(sc[g], n, &m[g], &l[g], acc[g], D);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < n; j += 16) {
-                const __mmask16 k = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+                const __mmask16 k = lanes16(n - j);
                 const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc[g] + j), _mm512_set1_ps(mb)));
                 _mm512_mask_storeu_ps(sc[g] + j, k, e);
                 sum = _mm512_mask_add_ps(sum, k, sum, e);
@@ -370,11 +373,13 @@ int kernels_have_avx512(void) { return HAVE_AVX512; }
     case 2: f(__VA_ARGS__, 2); break;                                 \
     default: f(__VA_ARGS__, 1); break; } } while (0)
 
+/* The *_rows products below compute rows m0 .. m0 + MM of a group into res, MM a constant after
+ * inlining (the accumulators stay in registers, the loop has no branches). A group's blocks past
+ * nb repeat its last one (block_of), and their results are not read. */
+INLINE int64_t block_of(int64_t g0, int b, int64_t nb) { return g0 + (b < nb ? b : nb - 1); }
+
 #if HAVE_AVX512
-/* Rows m0 .. m0 + MM of a group's products into res, MM a constant after inlining (the
- * accumulators stay in registers, the loop has no branches); blocks past nb repeat the last one
- * (their results are not read). Each K chunk's sums are added to the earlier chunks' in K order,
- * as oneDNN does. */
+/* A K chunk's sums into res: added to the earlier chunks' in K order, as oneDNN does. */
 INLINE void chunk_out(float *res, __m512 (*acc)[GROUP], int64_t m0, const int MM, int first) {
     for (int m = 0; m < MM; m++)
         for (int b = 0; b < GROUP; b++) {
@@ -387,7 +392,7 @@ INLINE void chunk_out(float *res, __m512 (*acc)[GROUP], int64_t m0, const int MM
 INLINE void fma_rows(const float *xf, int64_t K, const float *wf, int64_t g0, int64_t nb, int64_t m0, float *res,
                      const int MM) {
     const float *w[GROUP];
-    for (int b = 0; b < GROUP; b++) w[b] = wf + (g0 + (b < nb ? b : nb - 1)) * K * 16;
+    for (int b = 0; b < GROUP; b++) w[b] = wf + block_of(g0, b, nb) * K * 16;
     for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
         const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
         __m512 acc[4][GROUP];
@@ -413,7 +418,7 @@ INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g
                     float *res, const int MM) {
     const int64_t KP = (K + 1) / 2, full = K / 2;
     const uint16_t *w[GROUP];
-    for (int b = 0; b < GROUP; b++) w[b] = wb + (g0 + (b < nb ? b : nb - 1)) * KP * 32;
+    for (int b = 0; b < GROUP; b++) w[b] = wb + block_of(g0, b, nb) * KP * 32;
     for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
         const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
         __m512 acc[4][GROUP];
@@ -442,7 +447,7 @@ INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g
 INLINE void q8_rows(int dt, const void *x, int64_t K, const int8_t *q, const float *scale, int64_t g0, int64_t nb,
                     int64_t m0, float *res, const int MM) {
     const int8_t *w[GROUP];
-    for (int b = 0; b < GROUP; b++) w[b] = q + (g0 + (b < nb ? b : nb - 1)) * K * 16;
+    for (int b = 0; b < GROUP; b++) w[b] = q + block_of(g0, b, nb) * K * 16;
     __m512 acc[4][GROUP];
     for (int m = 0; m < MM; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -456,7 +461,7 @@ INLINE void q8_rows(int dt, const void *x, int64_t K, const int8_t *q, const flo
     for (int m = 0; m < MM; m++)
         for (int b = 0; b < GROUP; b++)
             _mm512_storeu_ps(res + (m0 + m) * GROUP * 16 + b * 16,
-                             _mm512_mul_ps(acc[m][b], _mm512_loadu_ps(scale + (g0 + (b < nb ? b : nb - 1)) * 16)));
+                             _mm512_mul_ps(acc[m][b], _mm512_loadu_ps(scale + block_of(g0, b, nb) * 16)));
 }
 #endif
 
@@ -725,7 +730,6 @@ typedef struct {
 
 #if HAVE_AVX512BW
 /* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
-INLINE __mmask16 lanes16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
 /* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
 INLINE __m512i bf16_bits16(__m512 f) {

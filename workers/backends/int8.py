@@ -96,10 +96,10 @@ class CpuInt8Kernel(Int8Kernel):
         from workers.backends import cpu_kernels
         if self.lib is None or cpu_kernels.dtype_code(self.lib, dtype) not in (0, 1):
             return super().pack(q, scale, dtype, device)
-        from workers.backends.cpu_decode import _scales, pack
+        from workers.backends.cpu_decode import pack, pack_scales
         s = scale.to(dtype)
         # "scale16": fp32, zero-padded to the 16-channel blocks, as linear_rows reads it
-        return {"q": pack(q), "scale": s, "scale16": _scales(s)}
+        return {"q": pack(q), "scale": s, "scale16": pack_scales(s)}
 
     def plain(self, packed: dict) -> torch.Tensor:
         q = packed["q"]
