@@ -19,6 +19,7 @@ from mindie.contract.spec import EngineConfig, WorkerSpec, decode_spec, encode_s
 from mindie.contract.wire import SamplingParams, Submit
 from mindie.topology import build_deployment
 from tests.reference_attention import DenseCausalAttention
+from workers.backends import cpu_kernels
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_linear import PackedLinear
 from workers.backends.int8 import (CpuInt8Kernel, Int8Kernel, Int8Linear, NpuInt8Kernel, copy_dequantized_into, dequantize,
@@ -91,15 +92,25 @@ def test_quantisation_is_symmetric_per_output_channel() -> None:
     assert bool((err <= s[:, None] / 2 + 1e-7).all())  # at most half a step per element
 
 
+# The CPU kernel's two paths: its own int8 products and dequantisation over the C kernels' layout
+# (the default), and torch's _weight_int8pack_mm / dequantise-then-matmul (no C kernels).
+CPU_PATHS = pytest.mark.parametrize("c_kernels", [True, False], ids=["c-kernels", "torch"])
+
+
+@CPU_PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 3, 24, 25, 100])  # both sides of CpuInt8Kernel.max_rows (24)
+# both sides of CpuInt8Kernel.max_rows (24) and of CPU_INT8_KERNEL_MAX_ROWS (32)
+@pytest.mark.parametrize("rows", [1, 3, 24, 25, 32, 33, 100])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_cpu_layer_matches_the_dequantised_reference(dtype, rows, bias) -> None:
+def test_cpu_layer_matches_the_dequantised_reference(dtype, rows, bias, c_kernels) -> None:
     """One Int8Linear against x @ dequantised(W).T in fp32. Tolerance: fp32 1e-5 of the output's
     range; bf16 1/128 of it (one bf16 rounding of the output, plus the bf16 input's rounding)."""
+    if c_kernels and cpu_kernels.load() is None:
+        pytest.skip(f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
     torch.manual_seed(rows)
     lin = nn.Linear(96, 80, bias=bias).to(dtype)
-    layer = Int8Linear(lin.weight, lin.bias, CpuInt8Kernel())
+    layer = Int8Linear(lin.weight, lin.bias, CpuInt8Kernel(c_kernels=c_kernels))
+    assert ("scale16" in layer.packed_state) == c_kernels  # the path under test is the one taken
     x = torch.randn(rows, 96, dtype=dtype)
     ref = x.float() @ layer.dequantized().T + (lin.bias.detach().float() if bias else 0)
     out = layer(x)
@@ -110,22 +121,29 @@ def test_cpu_layer_matches_the_dequantised_reference(dtype, rows, bias) -> None:
     assert torch.equal(layer(x[None]).squeeze(0), out)
 
 
+@CPU_PATHS
 @pytest.mark.parametrize("k", [72, 101, 120])
-def test_widths_the_int8pack_kernel_cannot_read(k) -> None:
+def test_widths_the_int8pack_kernel_cannot_read(k, c_kernels) -> None:
     """torch's _weight_int8pack_mm reads K in blocks of 16 (other widths gave garbage, 101 a
-    segfault): such layers take the dequantising path and still match the reference."""
+    segfault): such layers take the dequantising path and still match the reference (and the C
+    kernels take any width)."""
+    if c_kernels and cpu_kernels.load() is None:
+        pytest.skip(f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
     torch.manual_seed(k)
-    layer = Int8Linear(torch.randn(40, k), None, CpuInt8Kernel())
+    layer = Int8Linear(torch.randn(40, k), None, CpuInt8Kernel(c_kernels=c_kernels))
     x = torch.randn(2, k, dtype=torch.bfloat16)
     ref = x.float() @ layer.dequantized().T
     assert float((layer(x).float() - ref).abs().max()) <= float(ref.abs().max()) / 128
 
 
-def test_portable_kernel_matches_the_cpu_kernel() -> None:
-    """The dequantise-then-matmul kernel (CUDA's) computes the same as the CPU's int8pack path."""
+@CPU_PATHS
+def test_portable_kernel_matches_the_cpu_kernel(c_kernels) -> None:
+    """The dequantise-then-matmul kernel (CUDA's) computes the same as the CPU's paths."""
+    if c_kernels and cpu_kernels.load() is None:
+        pytest.skip(f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
     torch.manual_seed(1)
     w = torch.randn(64, 32)
-    cpu, portable = Int8Linear(w, None, CpuInt8Kernel()), Int8Linear(w, None, Int8Kernel())
+    cpu, portable = Int8Linear(w, None, CpuInt8Kernel(c_kernels=c_kernels)), Int8Linear(w, None, Int8Kernel())
     x = torch.randn(5, 32)
     torch.testing.assert_close(cpu(x), portable(x), rtol=1e-5, atol=1e-5)
 

@@ -85,10 +85,11 @@ class CpuInt8Kernel(Int8Kernel):
 
     name = "cpu"
 
-    def __init__(self, max_rows: int = CPU_INT8PACK_MAX_ROWS):
+    def __init__(self, max_rows: int = CPU_INT8PACK_MAX_ROWS, c_kernels: bool = True):
+        """``c_kernels=False``: the torch path even where the C kernels load (tests cover both)."""
         from workers.backends import cpu_kernels
         self.max_rows = max_rows if hasattr(torch, "_weight_int8pack_mm") else 0
-        self.lib = cpu_kernels.load()
+        self.lib = cpu_kernels.load() if c_kernels else None
         if self.lib is not None:
             self.name = "cpu (C)"
 
