@@ -158,6 +158,11 @@ class ScheduleConfig(_Section):
     # 0 = maxPrefillTokens; null = the device's default (workers/prepare.py). A prompt alone
     # takes up to maxPrefillTokens.
     prefill_chunk_tokens: Optional[Annotated[int, Meta(ge=0, le=MAX_TOKEN_LEN)]] = None
+    # Project extension: a step that completes a prompt's prefill holds the running requests'
+    # decodes back (prefill first, so a burst of prompts gets its first tokens sooner), as long
+    # as no held request has waited this many ms since its last token. 0 = never hold; null =
+    # the device's default (workers/prepare.py).
+    decode_hold_ms: Optional[Annotated[int, Meta(ge=0, le=60000)]] = None
 
 
 class BackendConfig(_Section):

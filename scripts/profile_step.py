@@ -27,6 +27,9 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=190, help="tokens already cached per sequence")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="profile prompt chunks of this many tokens instead (one sequence per batch entry, "
+                         "from position --context)")
     args = ap.parse_args()
     path = args.model
     if not path:
@@ -38,7 +41,7 @@ def main() -> None:
     backend.prepare_model(model)
     a = model.args
     bs = 128
-    per_seq = -(-(args.context + 1) // bs)
+    per_seq = -(-(args.context + max(1, args.prefill)) // bs)
     max_b = max(int(b) for b in args.batch.split(","))
     attn = backend.attention_class()(a.num_hidden_layers, max_b * per_seq + 1, bs, a.num_key_value_heads,
                                      a.head_dim, getattr(torch, args.dtype), torch.device("cpu"))
@@ -71,16 +74,18 @@ def main() -> None:
     with torch.inference_mode():
         for b in (int(x) for x in args.batch.split(",")):
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-            ids = torch.randint(0, a.vocab_size, (b,))
-            pos = torch.full((b,), args.context)
+            q = max(1, args.prefill)
+            ids = torch.randint(0, a.vocab_size, (b * q,))
+            pos = torch.arange(args.context, args.context + q).repeat(b)
+            last = torch.arange(q - 1, b * q, q)
             totals = []
             for i in range(args.steps):
                 if i == args.steps // 4:
                     spent.clear()
                     totals.clear()
                 t = time.perf_counter()
-                attn.prepare(tables, [args.context] * b, [1] * b)
-                model.compute_logits(model(ids, pos, attn)).argmax(-1).tolist()
+                attn.prepare(tables, [args.context] * b, [q] * b)
+                model.compute_logits(model(ids, pos, attn)[last]).argmax(-1).tolist()
                 totals.append(time.perf_counter() - t)
             n = len(totals)
             step = statistics.fmean(totals) * 1000

@@ -149,7 +149,7 @@ JSON_KEYS = {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
-        "enablePrefixCache", "overlapSteps", "prefillChunkTokens"},
+        "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 

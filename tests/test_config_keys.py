@@ -178,6 +178,9 @@ KEY_TESTS: dict[str, list[str]] = {
                                                        "test_e2e_worker_applies_its_keys") + [
         f"{_CFG}::test_overlap_steps_reaches_the_worker_spec"],
     "BackendConfig.ScheduleConfig.prefillChunkTokens": _here("test_prefill_chunk_tokens_bounds_prompt_tokens_per_step"),
+    "BackendConfig.ScheduleConfig.decodeHoldMs": _here("test_decode_hold_ms_puts_prompt_completing_steps_first",
+                                                       "test_decode_hold_ms_bounds_the_wait_of_running_requests",
+                                                       "test_e2e_worker_applies_its_keys"),
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
@@ -872,9 +875,10 @@ def test_prefill_chunk_tokens_bounds_prompt_tokens_per_step(tmp_path: Path) -> N
     from workers.engine.model_runner import NullRunner
     from workers.prepare import settle
 
-    def engine_cfg(value, device="cpu"):
+    def engine_cfg(value, device="cpu", hold=None):
         data = {"BackendConfig": {"ScheduleConfig": {"cacheBlockSize": 16, "maxPrefillTokens": 4096,
-                                                     **({} if value == "absent" else {"prefillChunkTokens": value})}}}
+                                                     **({} if value == "absent" else {"prefillChunkTokens": value}),
+                                                     **({} if hold is None else {"decodeHoldMs": hold})}}}
         return settle(deployment(tmp_path, data).workers[0], device, "/m").engine
 
     assert [engine_cfg(v).prefill_chunk_tokens for v in ("absent", None, 0, 96)] == [128, 128, 0, 96]
@@ -893,12 +897,104 @@ def test_prefill_chunk_tokens_bounds_prompt_tokens_per_step(tmp_path: Path) -> N
             eng.collect(f)
         return out
 
-    chunked = steps(engine_cfg(96), [100] * 4)
+    chunked = steps(engine_cfg(96, hold=0), [100] * 4)
     prompt_tokens = [sum(n for n in s if n > 1) for s in chunked]
     assert max(prompt_tokens) == 96 and sum(prompt_tokens) == 400, chunked
     assert chunked[1].count(1) == 0 and any(s.count(1) and max(s) > 1 for s in chunked), chunked  # decodes interleave
     assert steps(engine_cfg(96), [300])[0] == [300]  # alone: the whole prompt in one step
     assert steps(engine_cfg(0), [100] * 4)[0] == [100] * 4  # 0: maxPrefillTokens
+
+
+def _hold_engine(tmp_path: Path, hold, step_ms: float = 0.0, device: str = "cpu", **schedule):
+    """An engine on the null model from a config with ``decodeHoldMs`` (None: absent) and 96-token
+    prompt chunks; the settled EngineConfig is returned with it."""
+    from workers.engine.engine import Engine
+    from workers.engine.model_runner import NullRunner
+    from workers.prepare import settle
+
+    data = {"BackendConfig": {"ScheduleConfig": {
+        "cacheBlockSize": 16, "maxPrefillTokens": 4096, "prefillChunkTokens": 96, **schedule,
+        **({} if hold is None else {"decodeHoldMs": hold})}}}
+    cfg = settle(deployment(tmp_path, data).workers[0], device, "/m").engine
+    return Engine(NullRunner(vocab_size=1000, step_ms=step_ms), cfg, 4096), cfg
+
+
+def _hold_steps(eng, plan: dict[int, list[int]], max_new: int = 4,
+                priority: dict[int, int] | None = None) -> list[dict[str, int]]:
+    """Run ``eng`` to the end; ``plan`` maps a step index to the prompt lengths submitted just
+    before it (request i gets ``priority[i]``, default 5). Each step is returned as
+    {request id: tokens computed}."""
+    from mindie.contract import wire as P
+
+    out: list[dict[str, int]] = []
+    i = 0
+    while eng.has_work() or any(k >= len(out) for k in plan):
+        for n in plan.get(len(out), []):
+            eng.add(P.Submit(f"r{i}", "fe", [5 + i] * n, P.SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+                             priority=(priority or {}).get(i, 5)))
+            i += 1
+        f = eng.launch()
+        out.append({s.request_id: n for s, n in zip(f.batch.seqs, f.batch.num_tokens)})
+        eng.collect(f)
+    return out
+
+
+def test_decode_hold_ms_puts_prompt_completing_steps_first(tmp_path: Path) -> None:
+    """decodeHoldMs reaches the engine (null = the device's default: 400 on cpu, 0 on
+    accelerators; 0 = never hold). A step that completes a prompt computes prompt tokens only
+    while the running requests have waited less than it: a burst of short prompts is prefilled
+    back to back, then everyone decodes. A long prompt alone leaves decodes flowing between its
+    chunks; only its last chunk goes first."""
+    for hold, want in ((None, 400), (0, 0), (75, 75)):
+        assert _hold_engine(tmp_path, hold)[1].decode_hold_ms == want
+    assert [_hold_engine(tmp_path, None, device=d)[1].decode_hold_ms for d in ("npu", "cuda")] == [0, 0]
+    assert _hold_engine(tmp_path, 75, device="npu")[1].decode_hold_ms == 75
+    for bad in (-1, 60001):
+        with pytest.raises(ConfigError, match=r"ScheduleConfig\.decodeHoldMs"):
+            load(tmp_path, {"BackendConfig": {"ScheduleConfig": {"decodeHoldMs": bad}}})
+
+    def steps_with_decodes_and_prompts(steps):
+        return [s for s in steps if 1 in s.values() and max(s.values()) > 1]
+
+    # One request decodes (r0), then four 90-token prompts arrive (r1..r4).
+    held = _hold_steps(_hold_engine(tmp_path, 10_000)[0], {0: [20], 2: [90] * 4}, max_new=12)
+    mixed = _hold_steps(_hold_engine(tmp_path, 0)[0], {0: [20], 2: [90] * 4}, max_new=12)
+    assert held[2:6] == [{"r1": 90, "r2": 6}, {"r2": 84, "r3": 12}, {"r3": 78, "r4": 18}, {"r4": 72}], held
+    assert held[6] == {f"r{i}": 1 for i in range(5)}, held
+    assert not steps_with_decodes_and_prompts(held), held
+    assert mixed[2] == {"r0": 1, "r1": 90, "r2": 5} and len(steps_with_decodes_and_prompts(mixed)) >= 4, mixed
+    assert sum(sum(s.values()) for s in held) == sum(sum(s.values()) for s in mixed)  # same work
+    # A burst never holds a request of higher priority (1 before 5) than its own.
+    first = _hold_steps(_hold_engine(tmp_path, 10_000)[0], {0: [20], 2: [90] * 4}, max_new=12, priority={0: 1})
+    assert first[2:6] == mixed[2:6], first
+
+    # A 300-token prompt arrives while r0 decodes: r0 decodes beside every chunk but the last.
+    long = _hold_steps(_hold_engine(tmp_path, 10_000)[0], {0: [20], 2: [300]}, max_new=12)
+    assert long[2:6] == [{"r0": 1, "r1": 95}, {"r0": 1, "r1": 95}, {"r0": 1, "r1": 95}, {"r1": 15}], long
+
+
+def test_decode_hold_ms_bounds_the_wait_of_running_requests(tmp_path: Path) -> None:
+    """No running request waits decodeHoldMs or more while prompts go first: with 40 ms steps and
+    a 100 ms hold, r0 is held for at most three steps in a row during a burst of twelve prompts,
+    yet held at least once. And a hold never stalls the engine: with the batch full (maxBatchSize
+    2) the waiting prompts cannot start, so the running ones decode to the end."""
+    eng, _ = _hold_engine(tmp_path, 100, step_ms=40)
+    steps = _hold_steps(eng, {0: [20], 2: [90] * 12}, max_new=30)
+    gaps, run = [], 0
+    for s in steps[2:]:
+        if "r0" in s:
+            gaps.append(run)
+            run = 0
+        else:
+            run += 1
+    assert max(gaps) <= 3 and max(gaps) >= 1, (gaps, steps)
+    assert eng.check_no_leaks()
+
+    eng, _ = _hold_engine(tmp_path, 10_000, maxBatchSize=2, maxPrefillBatchSize=2)
+    steps = _hold_steps(eng, {0: [20, 200], 3: [50] * 3}, max_new=6)
+    assert sum(n for s in steps for r, n in s.items() if r == "r0") == 20 + 5
+    assert all(sum(1 for s in steps if f"r{i}" in s) > 0 for i in range(5)), steps
+    assert eng.check_no_leaks()
 
 
 def test_overlap_steps_moves_compute_to_a_thread(tmp_path: Path) -> None:
@@ -999,7 +1095,7 @@ def server(tmp_path_factory, demo_model):
         tmp / "config.json", port=port, run_dir=run_dir, model_path=demo_model, workers=1,
         server={"ipAddress": HOST, "fullTextEnabled": True, "tokenTimeout": 2},
         deploy={"maxSeqLen": 120, "maxInputTokenLen": 100, "truncation": 1},
-        schedule={"cacheBlockSize": 32, "maxIterTimes": 50, "overlapSteps": True},
+        schedule={"cacheBlockSize": 32, "maxIterTimes": 50, "overlapSteps": True, "decodeHoldMs": 250},
         model={"modelName": "cfg-model", "cpuMemSize": 0.25})
     srv = Server(cfg, port, health_url=f"http://{HOST}:{port}/health")
     srv.url = f"http://{HOST}:{port}"
@@ -1083,7 +1179,8 @@ def test_e2e_truncation(server) -> None:
 
 def test_e2e_worker_applies_its_keys(server) -> None:
     """The worker's own log: KV cache of cpuMemSize 0.25 GiB in 32-token blocks (cacheBlockSize), on
-    one torch thread (cpuThreadsPerWorker 1), step overlap on (overlapSteps; off by default on cpu)."""
+    one torch thread (cpuThreadsPerWorker 1), step overlap on (overlapSteps; off by default on cpu), decodes
+    held up to 250 ms (decodeHoldMs)."""
     log = server.tail(1000)
     m = re.search(r"KV cache: (\d+) blocks x (\d+) tokens \(([\d.]+) GiB, (\d+) token slots\) on cpu \((\d+) threads",
                   log)
@@ -1092,6 +1189,8 @@ def test_e2e_worker_applies_its_keys(server) -> None:
     assert (size, threads, slots) == (32, 1, blocks * 32)
     assert 0.24 <= gib <= 0.25
     assert "step overlap on" in log
+    assert "prefill: chunks of 128 prompt tokens while others have work; steps that complete a prompt hold " \
+           "decodes up to 250 ms" in log
 
 
 def test_e2e_token_timeout(server) -> None:

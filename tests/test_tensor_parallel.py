@@ -184,9 +184,10 @@ def test_server_of_two_tp_instances_survives_a_rank_kill(tmp_path: Path, demo_mo
         before = _ranks(srv)
         assert sorted(before) == [("w0", 0), ("w0", 1), ("w1", 0), ("w1", 1)], before
 
-        # 16 concurrent streams, while /v2/status shows KV blocks taken on both instances.
-        streams = InferStreams(srv.url, 16, 48, lambda i: [5 + i, 6, 7])
+        # 16 concurrent streams, while /v2/status shows KV blocks taken on both instances. The
+        # idle figures are read first: once streams run, a heartbeat may already count blocks.
         idle = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+        streams = InferStreams(srv.url, 16, 48, lambda i: [5 + i, 6, 7])
         used: set[str] = set()
         deadline = time.monotonic() + 60
         while len(used) < 2 and time.monotonic() < deadline and any(t.is_alive() for t in streams.threads):
@@ -201,7 +202,12 @@ def test_server_of_two_tp_instances_survives_a_rank_kill(tmp_path: Path, demo_mo
         # Long streams on both instances, then rank 1 of w0 is killed.
         streams = InferStreams(srv.url, 8, 500)
         streams.wait_started()
-        busy = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+        deadline = time.monotonic() + 10  # the next heartbeats carry the blocks taken
+        while True:
+            busy = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+            if all(v < max(idle.values()) for v in busy.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert all(v < max(idle.values()) for v in busy.values()), (idle, busy)
         t0 = time.monotonic()
         os.kill(before[("w0", 1)], signal.SIGKILL)

@@ -130,6 +130,10 @@ def build_engine(spec: WorkerSpec, tp_store: str = ""):
              cfg.block_size, num_blocks * bytes_per_block / (1 << 30), num_blocks * cfg.block_size,
              backend.describe(), type(runner.attn).__name__)
     log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
+    log.info("prefill: chunks of %s prompt tokens while others have work; %s",
+             cfg.prefill_chunk_tokens or cfg.max_prefill_tokens,
+             f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms" if cfg.decode_hold_ms
+             else "every step decodes every running request")
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
     return Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), device
 

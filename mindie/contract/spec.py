@@ -27,6 +27,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Prompt tokens per step while other requests run or wait (prefillChunkTokens); 0 =
     # max_prefill_tokens; None = the device's default, settled by workers.prepare.
     prefill_chunk_tokens: int | None = None
+    # Longest wait (ms) of a running request's next token while steps that complete prompts go
+    # first (decodeHoldMs); 0 = every step decodes every running request; None = the device's
+    # default, settled by workers.prepare (an engine built with None holds nothing).
+    decode_hold_ms: float | None = None
     enable_prefix_cache: bool = True
     # Compute each step on a thread while the worker loop does its I/O; None = the device's
     # default, settled by workers.prepare.

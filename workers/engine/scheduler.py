@@ -7,6 +7,8 @@ Each step:
    less the step's decodes when more than one request has work (``prompt_budget``).
    When KV blocks run out, the lowest-priority, newest running sequence is preempted
    (blocks freed, recomputed later from its prompt + generated tokens).
+   A step that can complete a prompt's prefill holds the decodes back (prefill first,
+   ``hold_decodes``) while no running request has waited ``decode_hold_ms`` for its next token.
 2. Waiting sequences are admitted in (priority, arrival) order while the batch cap, the
    prefill-batch cap, the token budget and free blocks allow; a prefix-cache hit skips the
    cached part of the prompt (for a request with ``prompt_logprobs``, only the part whose
@@ -15,6 +17,7 @@ Each step:
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass
 
 from mindie.contract.spec import EngineConfig
@@ -93,16 +96,72 @@ class Scheduler:
             return max(chunk - decodes, chunk // 8, 1)
         return budget
 
+    @staticmethod
+    def _decoding(seq: Sequence) -> bool:
+        """Past its prompt: the one token to compute is its last generated one."""
+        return seq.num_tokens - seq.num_computed == 1 and seq.num_output > 0
+
+    def hold_decodes(self) -> bool:
+        """Whether this step computes prompt tokens only, holding the running requests' decodes.
+
+        It does when the step can complete a prompt's prefill (the next prompt in scheduling order
+        fits in the step's prompt budget) and no request holding a token has waited
+        ``decode_hold_ms`` since it. A burst of prompts then gets its first tokens one chunk step
+        after another, each step not slowed by the decodes of the prompts before it; the running
+        requests wait at most ``decode_hold_ms``. A long prompt alone holds nothing until its last
+        chunk, so decodes keep flowing between its chunks. A prompt never holds a request of
+        higher priority than its own."""
+        hold_ms = self.cfg.decode_hold_ms or 0
+        if hold_ms <= 0:
+            return False
+        decoding = [s for s in self.running if self._decoding(s)]
+        if not decoding:
+            return False
+        if (time.perf_counter() - min(s.last_token_t for s in decoding)) * 1000.0 >= hold_ms:
+            return False
+        top = min(s.priority for s in decoding)
+        budget = min(self.cfg.max_prefill_tokens, self.prompt_budget(0))
+        prefills = 0
+        for seq in self.running:
+            need = seq.num_tokens - seq.num_computed
+            if self._decoding(seq) or need <= 0:
+                continue
+            if need <= budget:
+                return seq.priority <= top
+            budget -= need
+            prefills += 1
+            if budget <= 0:
+                return False
+        if (not self.waiting or len(self.running) >= self.cfg.max_batch_size
+                or prefills >= self.cfg.max_prefill_batch_size):
+            return False
+        seq = self.waiting[0][1]
+        need = seq.num_tokens  # a prefix-cache hit would only shorten it
+        return seq.priority <= top and need <= budget and self.blocks.blocks_needed(need) <= self.blocks.num_free
+
     def schedule(self) -> ScheduledBatch:
-        budget = self.cfg.max_prefill_tokens
         self.running.sort(key=lambda s: s.sort_key)
-        prompt_budget = self.prompt_budget(sum(1 for s in self.running if s.num_tokens - s.num_computed == 1))
+        if not self.hold_decodes():
+            return self._schedule(hold=False)
+        out = self._schedule(hold=True)
+        if not out.seqs:  # the predicted prompt could not be admitted after all: decode
+            again = self._schedule(hold=False)
+            again.preempted[:0] = out.preempted
+            return again
+        return out
+
+    def _schedule(self, hold: bool) -> ScheduledBatch:
+        budget = self.cfg.max_prefill_tokens
+        decodes = 0 if hold else sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
+        prompt_budget = self.prompt_budget(decodes)
         out = ScheduledBatch([], [], [])
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted by an earlier sequence this step
             if budget <= 0:
                 break
+            if hold and self._decoding(seq):
+                continue
             need = seq.num_tokens - seq.num_computed
             if need > 1 and prompt_budget <= 0:
                 continue  # its next prompt chunk waits for a later step
