@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Decode attention of one layer: the portable torch path against the CPU C kernels, side by side.
+"""Attention of one layer: the portable torch path against the CPU C kernels, side by side.
 
 For each (batch, context) it fills a random paged KV cache, times one decode call (cache write +
 attention) of `PagedAttention` and of `CpuPagedAttention` alternately, checks that they agree,
 and prints microseconds per call and the speed-up. Shapes default to the bench30m model's
-(8 heads, 4 KV heads, head size 64, blocks of 128).
+(8 heads, 4 KV heads, head size 64, blocks of 128). With --prefill N each sequence computes a
+prompt chunk of N tokens after `context` cached ones instead (context 0: fresh prompts; the
+torch side is SDPA, the kernel side paged_prefill).
 
     python scripts/bench_attention.py
     python scripts/bench_attention.py --dtype float32 --batch 1,16 --context 512,2048
+    python scripts/bench_attention.py --prefill 128 --batch 1 --context 0,384,1920 --threads 1
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--prefill", type=int, default=0, help="prompt-chunk tokens per sequence (0: decode)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     args = ap.parse_args()
     if cpu_kernels.load() is None:
@@ -53,7 +57,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for ctx in (int(c) for c in args.context.split(",")):
         for B in (int(b) for b in args.batch.split(",")):
-            per_seq = -(-ctx // bs)
+            new = max(1, args.prefill)
+            per_seq = -(-(ctx + (new if args.prefill else 0)) // bs)
             nb = B * per_seq + 1
             ref = PagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
             ker = CpuPagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
@@ -62,11 +67,14 @@ def main() -> None:
                 b.copy_(a)
             perm = torch.randperm(nb, generator=g).tolist()
             tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(B)]
-            q = torch.randn(B, h, d, generator=g).to(dt)
-            kv = torch.randn(B, hkv, d, generator=g).to(dt)
+            q = torch.randn(B * new, h, d, generator=g).to(dt)
+            kv = torch.randn(B * new, hkv, d, generator=g).to(dt)
             with torch.inference_mode():
                 for a in (ref, ker):
-                    a.prepare(tables, [ctx - 1] * B, [1] * B)
+                    if args.prefill:
+                        a.prepare(tables, [ctx] * B, [new] * B)
+                    else:
+                        a.prepare(tables, [ctx - 1] * B, [1] * B)
                 diff = (ref(0, q, kv, kv).float() - ker(0, q, kv, kv).float()).abs().max().item()
                 t_ref = per_call_us(lambda: ref(0, q, kv, kv), args.reps)
                 t_ker = per_call_us(lambda: ker(0, q, kv, kv), args.reps)

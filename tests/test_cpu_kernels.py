@@ -118,6 +118,70 @@ def test_batch_parallel_path_matches_single_thread():
             assert torch.equal(alone[0], together[i]), f"sequence {i}"
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,hkv,d", [(8, 4, 64), (4, 4, 32), (16, 2, 128), (32, 1, 64),  # kernel: D % 16 == 0
+                                     (6, 1, 80), (64, 1, 64)])  # D 80, 64 heads per KV head: SDPA
+@pytest.mark.parametrize("bs,window", [(16, None), (128, None), (16, 7), (32, 100)])
+@pytest.mark.parametrize("fresh", [True, False])
+def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh):
+    """Prompt chunks through the prefill kernel (bf16 caches, and fp32 ones for fresh prompts of up
+    to 1024 tokens; D a multiple of 16, up to 32 query heads per KV head, AVX-512 builds) equal the
+    portable SDPA path within the dtype's tolerance: fresh prompts of 2 to 77 tokens, chunks after
+    a cached prefix that start and end inside blocks and cross them, beside a decode, with and
+    without a sliding window. Other layouts keep SDPA."""
+    start = [0, 0, 0, 0, 0, 5, 0] if fresh else [0, 0, 0, 40, 2 * bs - 3, 5, 0]
+    new = [77, 2, 16, 30, 9, 1, 33]  # the 1-token entry is a decode
+    nb = sum(-(-(s + n) // bs) for s, n in zip(start, new)) + 2
+    ref, ker, g = _pair(1, nb, bs, hkv, d, dt, seed=h * 7 + d + bs)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for s, n in zip(start, new):
+        k = -(-(s + n) // bs)
+        tables.append(perm[i:i + k])
+        i += k
+    T = sum(new)
+    q = torch.randn(T, h, d, generator=g).to(dt)
+    k = torch.randn(T, hkv, d, generator=g).to(dt)
+    v = torch.randn(T, hkv, d, generator=g).to(dt)
+    with torch.inference_mode():
+        outs = []
+        for a in (ref, ker):
+            a.prepare(tables, start, new)
+            outs.append(a(0, q, k, v, window))
+    assert torch.equal(ref.k_cache[0], ker.k_cache[0]) and torch.equal(ref.v_cache[0], ker.v_cache[0])
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOL[dt], rtol=TOL[dt])
+    covered = (ker.lib is not None and ker.lib.has_avx512 and d % 16 == 0 and h // hkv <= 32
+               and (dt == torch.bfloat16 or dt == torch.float32 and fresh))
+    assert ker.prefill_calls == (1 if covered else 0), (ker.prefill_calls, covered)
+
+
+def test_prefill_kernel_tiles_in_parallel_as_alone():
+    """Many prompts take the OpenMP path over (tile, KV head): each prompt's rows equal those of the
+    prompt computed alone (bit for bit through the kernel; within bf16's tolerance on builds
+    without it, where SDPA pads the batch)."""
+    bs, h, hkv, d = 32, 8, 2, 64
+    _ref, ker, g = _pair(1, 64, bs, hkv, d, torch.bfloat16, seed=11)
+    lens = [37, 64, 5, 100, 19]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(lens))]
+    T = sum(lens)
+    q = torch.randn(T, h, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(T, hkv, d, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        ker.prepare(tables, [0] * len(lens), lens)
+        together = ker(0, q, k, k, None)
+        row = 0
+        for i, n in enumerate(lens):
+            ker.prepare([tables[i]], [0], [n])
+            alone = ker(0, q[row:row + n], k[row:row + n], k[row:row + n], None)
+            if ker.lib is not None and ker.lib.has_avx512:
+                assert torch.equal(alone, together[row:row + n]), f"prompt {i}"
+            else:
+                torch.testing.assert_close(alone.float(), together[row:row + n].float(), atol=TOL[torch.bfloat16],
+                                           rtol=TOL[torch.bfloat16])
+            row += n
+    assert ker.prefill_calls == (1 + len(lens) if ker.lib is not None and ker.lib.has_avx512 else 0)
+
+
 def _run_fresh(code: str, **env) -> str:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **env})

@@ -1,13 +1,17 @@
-"""CPU paged attention: the portable torch attention with its cache write and its decode part
-done by C kernels (cpu_kernels.c) that read the KV blocks in place.
+"""CPU paged attention: the portable torch attention with its cache write, its decode part and
+its prompt chunks done by C kernels (cpu_kernels.c) that read the KV blocks in place.
 
 The torch decode path gathers every decoding sequence's blocks into a scratch tensor (K and V,
 every layer) and pays about fifteen op dispatches per layer; the kernel does one pass over the
 cached rows with an online softmax in fp32, parallel over (sequence, KV head) on torch's OpenMP
-pool. Prefill chunks keep torch's SDPA (large matmuls, where torch is already good).
-Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
+pool. Prompt chunks take ``paged_prefill`` on AVX-512 builds (fp32 and bf16, head size a
+multiple of 16): tiles of query positions over the cached rows, skipping the keys a query cannot
+see, where torch's SDPA ran a 128-token causal prompt at a fifth of the cores' speed; other
+layouts keep SDPA. Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -29,6 +33,47 @@ class CpuPagedAttention(PagedAttention):
         self.elem = torch.empty((), dtype=dtype).element_size()
         self.k_ptr = [t.data_ptr() for t in self.k_cache]
         self.v_ptr = [t.data_ptr() for t in self.v_cache]
+        # The prompt chunks of this step for paged_prefill: first flat row, first position, count.
+        self._chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.prefill_calls = 0  # steps whose prompt chunks the kernel computed (tests read it)
+
+    def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
+        super().prepare(block_tables, start_pos, num_new)
+        self._chunks = None
+        g = self.meta.prefill
+        if self.lib is not None and g is not None:
+            pre = [i for i, n in enumerate(num_new) if n != 1]  # as build_metadata splits them
+            # fp32 scores take plain FMAs (bf16 takes vdpbf16ps): SDPA is faster from ~1k keys,
+            # and after a cached prefix (scripts/bench_attention.py --prefill).
+            if self.code == 0 and not (g.fresh and max(start_pos[i] + num_new[i] for i in pre) <= 1024):
+                return
+            row0 = list(itertools.accumulate(num_new, initial=0))
+            self._chunks = (torch.tensor([row0[i] for i in pre]), torch.tensor([start_pos[i] for i in pre]),
+                            torch.tensor([num_new[i] for i in pre]))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
+        meta, chunks = self.meta, self._chunks
+        if chunks is None or q.dim() != 3 or q.shape[0] != meta.num_tokens:
+            return super().__call__(layer, q, k, v, window)
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        self._write(layer, k, v)
+        qc = q.to(kc.dtype).contiguous()
+        out = torch.empty_like(qc)
+        g = meta.prefill
+        row0, start, count = chunks
+        if self.lib.paged_prefill(self.code, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), g.tables.data_ptr(),
+                                  g.tables.shape[1], row0.data_ptr(), start.data_ptr(), count.data_ptr(),
+                                  count.numel(), qc.shape[1], kc.shape[1], kc.shape[2], qc.shape[2], window or 0,
+                                  qc.shape[2] ** -0.5, out.data_ptr()) != 0:
+            self._chunks = None  # a layout the kernel does not cover: SDPA (the write is repeated, same rows)
+            return super().__call__(layer, q, k, v, window)
+        if layer == 0:
+            self.prefill_calls += 1
+        if meta.decode is not None:
+            rows = meta.decode.rows
+            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, window).to(qc.dtype)
+        return out.to(q.dtype)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         meta = self.meta

@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* fp16 needs the compiler's _Float16 (GCC >= 12 / clang on x86-64, aarch64); without it the
@@ -328,6 +329,177 @@ int paged_decode(int dtype, const void *q, const void *kc, const void *vc, const
         }
     }
     return 0;
+}
+
+/* ---- Prefill attention: several queries per sequence, read from the cache in place ---- */
+
+#if HAVE_AVX512
+#define PRE_ROWS 32 /* (query position, head) rows of one tile: its fp32 queries and sums stay on the stack */
+
+/* The visible keys of a 16-key group starting at cached position t for a query that sees [lo, hi]. */
+INLINE __mmask16 visible16(int64_t t, int64_t jn, int64_t lo, int64_t hi) {
+    __mmask16 k = lanes16(jn);
+    if (hi < t + jn - 1) k &= lanes16(hi - t + 1 < 0 ? 0 : hi - t + 1);
+    if (lo > t) k &= (__mmask16)~lanes16(lo - t > 16 ? 16 : lo - t);
+    return k;
+}
+
+/* One tile: the nq query positions p0 .. p0 + nq - 1 of one sequence, the G heads of KV head kvh.
+ * Row r is (position p0 + r / G, head kvh * G + r % G). Each 16-key group is converted to fp32
+ * once for all rows; a row skips the groups it cannot see (the causal half, the window); online
+ * softmax per row, in fp32, as decode_item16 does for one position. q and out rows are
+ * q_stride elements apart. */
+INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *kc, const void *vc,
+                           const int64_t *table, int64_t p0, int64_t nq, int64_t H, int64_t Hkv, int64_t bs,
+                           int64_t D, int64_t window, float scale, int64_t kvh, void *out) {
+    const int64_t G = H / Hkv, DV = D / 16, es = dt == 0 ? 4 : 2, R = nq * G;
+    float qf[PRE_ROWS][MAX_D] __attribute__((aligned(64))), acc[PRE_ROWS][MAX_D] __attribute__((aligned(64)));
+    float rows[16][MAX_D] __attribute__((aligned(64))), sc[PRE_ROWS][CHUNK] __attribute__((aligned(64)));
+    float m[PRE_ROWS], l[PRE_ROWS];
+    int64_t lo[PRE_ROWS], hi[PRE_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / G, h = kvh * G + r % G;
+        hi[r] = p0 + i;
+        lo[r] = item_first(hi[r], window);
+        for (int64_t d = 0; d < D; d++) {
+            qf[r][d] = load_one(dt, q, i * q_stride + h * D + d) * scale;
+            acc[r][d] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+#if HAVE_DPBF16
+    /* bf16: the scores as bf16 pair products (vdpbf16ps) of the unscaled queries against the
+     * group's keys transposed to [D / 2][16 keys] pairs; scaled after the sum. */
+    uint32_t qw[PRE_ROWS][MAX_D / 2] __attribute__((aligned(64))), kt[MAX_D / 2][16] __attribute__((aligned(64)));
+    if (dt == 1)
+        for (int64_t r = 0; r < R; r++)
+            memcpy(qw[r], (const uint16_t *)q + (r / G) * q_stride + (kvh * G + r % G) * D, (size_t)D * 2);
+#endif
+    const int64_t last = hi[R - 1];
+    for (int64_t t0 = lo[0], base, n; t0 <= last; t0 += n) {
+        n = item_chunk(t0, last, table, Hkv, kvh, bs, D, es, kc, vc, &base);
+        int64_t r0 = 0, r1 = R; /* the rows that see some key of this chunk (positions rise with r) */
+        while (r0 < R && hi[r0] < t0) r0++;
+        while (r1 > r0 && lo[r1 - 1] > t0 + n - 1) r1--;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t jn = n - j0 < 16 ? n - j0 : 16, t = t0 + j0;
+#if HAVE_DPBF16
+            if (dt == 1) {
+                const uint32_t *kr = (const uint32_t *)((const uint16_t *)kc + base + j0 * D);
+                for (int64_t j = 0; j < 16; j++)
+                    for (int64_t w = 0; w < D / 2; w++) kt[w][j] = j < jn ? kr[j * (D / 2) + w] : 0;
+                for (int64_t r = r0; r < r1; r++) {
+                    const __mmask16 k = visible16(t, jn, lo[r], hi[r]);
+                    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+                    if (k)
+                        for (int64_t w = 0; w < D / 2; w += 2) {
+                            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32((int)qw[r][w]),
+                                                  (__m512bh)_mm512_load_si512(kt[w]));
+                            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32((int)qw[r][w + 1]),
+                                                  (__m512bh)_mm512_load_si512(kt[w + 1]));
+                        }
+                    _mm512_storeu_ps(sc[r] + j0, _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY),
+                                                                      _mm512_mul_ps(_mm512_add_ps(a0, a1),
+                                                                                    _mm512_set1_ps(scale))));
+                }
+                continue;
+            }
+#endif
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm512_store_ps(rows[j] + v * 16, load16(dt, kc, base + (j0 + j) * D + v * 16));
+            for (int64_t r = r0; r < r1; r++) {
+                const __mmask16 k = visible16(t, jn, lo[r], hi[r]);
+                if (!k) {
+                    _mm512_storeu_ps(sc[r] + j0, _mm512_set1_ps(-INFINITY));
+                    continue;
+                }
+                __m512 s[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    __m512 a = _mm512_setzero_ps();
+                    if ((k >> j) & 1)
+                        for (int64_t v = 0; v < DV; v++)
+                            a = _mm512_fmadd_ps(_mm512_load_ps(qf[r] + v * 16), _mm512_load_ps(rows[j] + v * 16), a);
+                    s[j] = a;
+                }
+                _mm512_storeu_ps(sc[r] + j0, _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), sum16(s)));
+            }
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const float mb = item_rescale(sc[r], n, &m[r], &l[r], acc[r], D);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 k = visible16(t0 + j, n - j < 16 ? n - j : 16, lo[r], hi[r]);
+                const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc[r] + j), _mm512_set1_ps(mb))));
+                _mm512_storeu_ps(sc[r] + j, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            l[r] += _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t jn = n - j0 < 16 ? n - j0 : 16, t = t0 + j0;
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm512_store_ps(rows[j] + v * 16, load16(dt, vc, base + (j0 + j) * D + v * 16));
+            for (int64_t r = r0; r < r1; r++) {
+                int64_t ja = lo[r] - t, jb = hi[r] - t + 1; /* the visible keys of this group */
+                if (ja < 0) ja = 0;
+                if (jb > jn) jb = jn;
+                if (ja >= jb) continue;
+                for (int64_t v = 0; v < DV; v++) {
+                    __m512 a = _mm512_load_ps(acc[r] + v * 16);
+                    for (int64_t j = ja; j < jb; j++)
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(sc[r][j0 + j]), _mm512_load_ps(rows[j] + v * 16), a);
+                    _mm512_store_ps(acc[r] + v * 16, a);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / G, h = kvh * G + r % G;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) store_one(dt, out, i * q_stride + h * D + d, acc[r][d] * inv);
+    }
+}
+#endif
+
+/* Attention of prompt chunks: sequence b's nq[b] queries are rows row0[b] .. row0[b] + nq[b] - 1 of
+ * q and out ([T, H, D], type dtype), at positions start[b] .. start[b] + nq[b] - 1, and see the
+ * cached keys of their sequence up to their own position (this step's keys written first). fp32
+ * and bf16 caches with D a multiple of 16, AVX-512 builds only: returns -1 otherwise (the caller
+ * keeps torch's SDPA), before touching anything. */
+int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
+                  int64_t max_blocks, const int64_t *row0, const int64_t *start, const int64_t *nq, int64_t B,
+                  int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, void *out) {
+#if HAVE_AVX512
+    if (D > MAX_D || D % 16 != 0 || Hkv <= 0 || H % Hkv != 0 || H / Hkv > PRE_ROWS || (dtype != 0 && dtype != 1))
+        return -1;
+    const int64_t G = H / Hkv, QT = PRE_ROWS / G, es = dtype == 0 ? 4 : 2;
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < B; b++) tiles += (nq[b] + QT - 1) / QT;
+    /* tile i of the flat list: its sequence and first query */
+    int64_t (*tile)[2] = (int64_t (*)[2])malloc((size_t)(tiles > 0 ? tiles : 1) * sizeof *tile);
+    if (tile == NULL) return -1;
+    for (int64_t b = 0, i = 0; b < B; b++)
+        for (int64_t a = 0; a < nq[b]; a += QT, i++) { tile[i][0] = b; tile[i][1] = a; }
+    _Pragma("omp parallel for schedule(dynamic, 1) if (tiles * Hkv > 1)")
+    for (int64_t w = 0; w < tiles * Hkv; w++) {
+        const int64_t b = tile[w / Hkv][0], a = tile[w / Hkv][1], kvh = w % Hkv;
+        const int64_t n = nq[b] - a < QT ? nq[b] - a : QT;
+        const int64_t off = (row0[b] + a) * H * D * es;
+        if (dtype == 0)
+            prefill_tile16(0, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
+                           bs, D, window, scale, kvh, (char *)out + off);
+        else
+            prefill_tile16(1, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
+                           bs, D, window, scale, kvh, (char *)out + off);
+    }
+    free(tile);
+    return 0;
+#else
+    (void)dtype; (void)q; (void)kc; (void)vc; (void)tables; (void)max_blocks; (void)row0; (void)start; (void)nq;
+    (void)B; (void)H; (void)Hkv; (void)bs; (void)D; (void)window; (void)scale; (void)out;
+    return -1;
+#endif
 }
 
 /* One decode_item for the fused decode step, compiled here (contraction allowed) so that its

@@ -136,6 +136,9 @@ def load() -> ctypes.CDLL | None:
             lib.paged_decode.restype = ctypes.c_int
             lib.paged_decode.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] \
                 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+            lib.paged_prefill.restype = ctypes.c_int
+            lib.paged_prefill.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
+                + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
             lib.paged_write.restype = None
             lib.paged_write.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p] + [ctypes.c_int64] * 5
