@@ -77,10 +77,22 @@ def test_mismatched_shapes_never_reach_the_c_code():
         rope.rotate(torch.tensor([1, 2]), torch.randn(2, 4, 32))  # head size 32 against a table for 64
 
 
+def _one_step_agrees(ref, ker, tables, start, new, q, k, v, window, dt) -> None:
+    """Layer 0 of one step on both: equal caches after the write, outputs within dt's tolerance."""
+    with torch.inference_mode():
+        outs = []
+        for a in (ref, ker):
+            a.prepare(tables, start, new)
+            outs.append(a(0, q, k, v, window))
+    assert torch.equal(ref.k_cache[0], ker.k_cache[0]) and torch.equal(ref.v_cache[0], ker.v_cache[0])
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOL[dt], rtol=TOL[dt])
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_mixed_prefill_and_decode_batch(dt):
-    """Decodes go through the kernel, the prefill chunk (after a cached prefix) through SDPA, in one
-    call; non-contiguous k/v (slices of a fused projection, as the model passes them) are written."""
+    """Decodes and prompt chunks (one after a cached prefix, one fresh) in one call: decodes through
+    the decode kernel, chunks through the prefill kernel (bf16) or SDPA (fp32 after a prefix);
+    non-contiguous k/v (slices of a fused projection, as the model passes them) are written."""
     bs, h, hkv, d = 16, 8, 2, 64
     ref, ker, g = _pair(1, 24, bs, hkv, d, dt, seed=3)
     tables = [[0, 1, 2], [3], [4, 5, 6, 7], [8, 9]]
@@ -92,13 +104,7 @@ def test_mixed_prefill_and_decode_batch(dt):
     k = qkv[:, h * d:(h + hkv) * d].view(T, hkv, d)
     v = qkv[:, (h + hkv) * d:].view(T, hkv, d)
     assert not k.is_contiguous()
-    with torch.inference_mode():
-        outs = []
-        for a in (ref, ker):
-            a.prepare(tables, start, new)
-            outs.append(a(0, q, k, v, None))
-    assert torch.equal(ref.k_cache[0], ker.k_cache[0]) and torch.equal(ref.v_cache[0], ker.v_cache[0])
-    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOL[dt], rtol=TOL[dt])
+    _one_step_agrees(ref, ker, tables, start, new, q, k, v, None, dt)
 
 
 def test_batch_parallel_path_matches_single_thread():
@@ -143,13 +149,7 @@ def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh):
     q = torch.randn(T, h, d, generator=g).to(dt)
     k = torch.randn(T, hkv, d, generator=g).to(dt)
     v = torch.randn(T, hkv, d, generator=g).to(dt)
-    with torch.inference_mode():
-        outs = []
-        for a in (ref, ker):
-            a.prepare(tables, start, new)
-            outs.append(a(0, q, k, v, window))
-    assert torch.equal(ref.k_cache[0], ker.k_cache[0]) and torch.equal(ref.v_cache[0], ker.v_cache[0])
-    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOL[dt], rtol=TOL[dt])
+    _one_step_agrees(ref, ker, tables, start, new, q, k, v, window, dt)
     covered = (ker.lib is not None and ker.lib.has_avx512 and d % 16 == 0 and h // hkv <= 32
                and (dt == torch.bfloat16 or dt == torch.float32 and fresh))
     assert ker.prefill_calls == (1 if covered else 0), (ker.prefill_calls, covered)
