@@ -507,6 +507,10 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
     if sch.max_prefill_batch_size > sch.max_batch_size:
         fail("BackendConfig.ScheduleConfig.maxPrefillBatchSize",
              f"must be <= maxBatchSize ({sch.max_batch_size}), got {sch.max_prefill_batch_size}")
+    if sch.decode_hold_ms is not None and sch.decode_hold_ms >= s.token_timeout * 1000:
+        fail("BackendConfig.ScheduleConfig.decodeHoldMs",
+             f"must be < ServerConfig.tokenTimeout ({s.token_timeout} s): a stream held that long would end "
+             f"with a token timeout, got {sch.decode_hold_ms} ms")
     if sch.max_iter_times > d.max_seq_len:
         fail("BackendConfig.ScheduleConfig.maxIterTimes",
              f"must be <= ModelDeployConfig.maxSeqLen ({d.max_seq_len}), got {sch.max_iter_times}")

@@ -285,6 +285,10 @@ def worker_families(model_name: str, heartbeats: Sequence[P.Heartbeat], rates: t
     c = CounterMetricFamily("num_preemptions", "Preemptions since the device workers started", labels=lab)
     c.add_metric([model_name], sum(hb.preempted for hb in heartbeats))
     out.append(c)
+    c = CounterMetricFamily("num_decode_holds", "Engine steps that held the running requests' decodes for "
+                            "prompts (ScheduleConfig.decodeHoldMs) since the device workers started", labels=lab)
+    c.add_metric([model_name], sum(hb.decode_holds for hb in heartbeats))
+    out.append(c)
     gauge("avg_prompt_throughput_toks_per_s", f"Prompt tokens computed per second, last {RATE_WINDOW_S:g} s",
           rates[0])
     gauge("avg_generation_throughput_toks_per_s", f"Tokens generated per second, last {RATE_WINDOW_S:g} s",

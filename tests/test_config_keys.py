@@ -180,7 +180,8 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ScheduleConfig.prefillChunkTokens": _here("test_prefill_chunk_tokens_bounds_prompt_tokens_per_step"),
     "BackendConfig.ScheduleConfig.decodeHoldMs": _here("test_decode_hold_ms_puts_prompt_completing_steps_first",
                                                        "test_decode_hold_ms_bounds_the_wait_of_running_requests",
-                                                       "test_e2e_worker_applies_its_keys"),
+                                                       "test_e2e_worker_applies_its_keys",
+                                                       "test_e2e_prompts_go_first_and_are_counted"),
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
@@ -952,13 +953,18 @@ def test_decode_hold_ms_puts_prompt_completing_steps_first(tmp_path: Path) -> No
     for bad in (-1, 60001):
         with pytest.raises(ConfigError, match=r"ScheduleConfig\.decodeHoldMs"):
             load(tmp_path, {"BackendConfig": {"ScheduleConfig": {"decodeHoldMs": bad}}})
+    with pytest.raises(ConfigError, match=r"ScheduleConfig\.decodeHoldMs: must be < ServerConfig\.tokenTimeout \(2 s\)"):
+        load(tmp_path, {"ServerConfig": {"tokenTimeout": 2}, "BackendConfig": {"ScheduleConfig": {"decodeHoldMs": 2000}}})
+    load(tmp_path, {"ServerConfig": {"tokenTimeout": 2}, "BackendConfig": {"ScheduleConfig": {"decodeHoldMs": 1999}}})
 
     def steps_with_decodes_and_prompts(steps):
         return [s for s in steps if 1 in s.values() and max(s.values()) > 1]
 
     # One request decodes (r0), then four 90-token prompts arrive (r1..r4).
-    held = _hold_steps(_hold_engine(tmp_path, 10_000)[0], {0: [20], 2: [90] * 4}, max_new=12)
-    mixed = _hold_steps(_hold_engine(tmp_path, 0)[0], {0: [20], 2: [90] * 4}, max_new=12)
+    eng_held, eng_mixed = _hold_engine(tmp_path, 10_000)[0], _hold_engine(tmp_path, 0)[0]
+    held = _hold_steps(eng_held, {0: [20], 2: [90] * 4}, max_new=12)
+    mixed = _hold_steps(eng_mixed, {0: [20], 2: [90] * 4}, max_new=12)
+    assert (eng_held.scheduler.num_decode_holds, eng_mixed.scheduler.num_decode_holds) == (4, 0)
     assert held[2:6] == [{"r1": 90, "r2": 6}, {"r2": 84, "r3": 12}, {"r3": 78, "r4": 18}, {"r4": 72}], held
     assert held[6] == {f"r{i}": 1 for i in range(5)}, held
     assert not steps_with_decodes_and_prompts(held), held
@@ -1191,6 +1197,41 @@ def test_e2e_worker_applies_its_keys(server) -> None:
     assert "step overlap on" in log
     assert "prefill: chunks of 128 prompt tokens while others have work; steps that complete a prompt hold " \
            "decodes up to 250 ms" in log
+
+
+def test_e2e_prompts_go_first_and_are_counted(server) -> None:
+    """decodeHoldMs 250 on the real server: prompts that arrive while a stream decodes are
+    prefilled first, which num_decode_holds_total on /metrics counts, and every request still gets
+    its whole output."""
+    def holds() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        m = re.search(r'^num_decode_holds_total\{model_name="cfg-model"\} (\S+)$', text, re.M)
+        assert m, text[-2000:]
+        return float(m[1])
+
+    before = holds()
+    body = {"input_id": [5, 6, 7], "stream": True, "parameters": {"max_new_tokens": 50, "ignore_eos": True}}
+    for _attempt in range(3):  # the burst must reach the worker while the stream still decodes
+        burst: dict[int, list[dict]] = {}
+        with httpx.stream("POST", server.url + "/infer_token", content=json.dumps(body), timeout=60) as r:
+            chunks = r.iter_raw()
+            head = next(chunks)  # the stream's first token: it decodes from now on
+            threads = [threading.Thread(target=lambda i=i: burst.__setitem__(i, stream(server, [9 + i] * 20,
+                                                                                       max_new_tokens=5)[0]))
+                       for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            raw = head + b"".join(chunks)
+        assert len(generated([json.loads(f) for f in FRAME_RE.findall(raw)])[0]) == 50
+        assert sorted(burst) == [0, 1, 2] and all(len(generated(burst[i])[0]) == 5 for i in range(3))
+        deadline = time.monotonic() + 5  # the counter travels with the worker's heartbeats
+        while holds() == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if holds() > before:
+            break
+    assert holds() > before
 
 
 def test_e2e_token_timeout(server) -> None:

@@ -26,6 +26,7 @@ MODEL = "demo"
 TYPES = {
     "request_received": "counter", "request_success": "counter", "request_failed": "counter",
     "prompt_tokens": "counter", "generation_tokens": "counter", "num_preemptions": "counter",
+    "num_decode_holds": "counter",
     "num_requests_running": "gauge", "num_requests_waiting": "gauge", "num_requests_swapped": "gauge",
     "avg_prompt_throughput_toks_per_s": "gauge", "avg_generation_throughput_toks_per_s": "gauge",
     "failed_request_perc": "gauge", "npu_cache_usage_perc": "gauge", "cpu_cache_usage_perc": "gauge",
@@ -48,9 +49,9 @@ MINDIE_BUCKETS = {
 
 
 def hb(worker="w0", instance="a", *, running=0, waiting=0, free=100, total=100, preempted=0, hit=0.0,
-       prompt=0, generated=0, ttft=0.0, tbt=0.0, swapped=0) -> P.Heartbeat:
+       prompt=0, generated=0, ttft=0.0, tbt=0.0, swapped=0, holds=0) -> P.Heartbeat:
     return P.Heartbeat(worker, instance, "cpu:0", 1, MODEL, running, waiting, free, total, preempted, hit, 16, 0,
-                       True, 64, prompt, generated, ttft, tbt, swapped)
+                       True, 64, prompt, generated, ttft, tbt, swapped, holds)
 
 
 def parse(text: str) -> dict:
@@ -110,8 +111,8 @@ def test_rates_cover_the_last_window_only():
 
 
 def test_worker_families_aggregate_the_latest_heartbeats():
-    hbs = [hb("w0", running=3, waiting=4, swapped=1, free=60, total=100, preempted=2, hit=0.5, prompt=100),
-           hb("w1", running=1, waiting=0, free=20, total=100, preempted=5, hit=0.0, prompt=300)]
+    hbs = [hb("w0", running=3, waiting=4, swapped=1, free=60, total=100, preempted=2, hit=0.5, prompt=100, holds=9),
+           hb("w1", running=1, waiting=0, free=20, total=100, preempted=5, hit=0.0, prompt=300, holds=4)]
     fams = {f.name: f for f in worker_families(MODEL, hbs, (12.5, 40.0), received=8, failed=2)}
     one = {name: f.samples[0].value for name, f in fams.items()}
     assert all(s.labels == {"model_name": MODEL} for f in fams.values() for s in f.samples)
@@ -119,6 +120,7 @@ def test_worker_families_aggregate_the_latest_heartbeats():
     assert one["num_requests_waiting"] == 3  # preempted ones are "swapped", not "waiting"
     assert one["num_requests_swapped"] == 1
     assert one["num_preemptions"] == 7 and fams["num_preemptions"].type == "counter"
+    assert one["num_decode_holds"] == 13 and fams["num_decode_holds"].type == "counter"
     assert one["npu_cache_usage_perc"] == pytest.approx(1 - 80 / 200)
     assert one["cpu_cache_usage_perc"] == 0.0
     assert one["failed_request_perc"] == 0.25

@@ -45,9 +45,9 @@ def decode_hold_default(device_type: str) -> int:
     """How long (ms) steps that complete prompts may hold the running requests' decodes. On CPU a
     decode row costs a step about what a prompt row does, so the decodes of a wave's first
     requests slow every later prompt of the wave: holding them up to 400 ms brought the p99 TTFT
-    of 32 concurrent requests from 382-413 to 340-364 ms and their p99 gap between tokens from
-    30-31 to 18-20 ms (128 output tokens; with 32 it rises to 203-222 ms, docs/performance.md,
-    "Prefill first"). On accelerators decode rows are nearly free beside a prompt chunk: 0."""
+    of 32 concurrent requests of 128 output tokens from 396-413 to 340-346 ms and their p99 gap
+    between tokens from 30-31 to 18-20 ms (with 32 output tokens that gap's p99 rises to 203-222
+    ms: docs/performance.md, "Prefill first"). On accelerators decode rows are nearly free beside a prompt chunk: 0."""
     return 400 if device_type == "cpu" else 0
 
 

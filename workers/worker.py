@@ -303,7 +303,7 @@ class Worker:
             self.spec.worker_id, self.instance, self.device, os.getpid(), self.spec.model_name,
             eng.num_running, eng.num_waiting, bm.num_free, bm.num_blocks, eng.scheduler.num_preemptions,
             bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
-            eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped)
+            eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds)
 
     def _send_heartbeat(self) -> None:
         self._last_load = self._load()

@@ -156,6 +156,7 @@ class Heartbeat(Message, tag=6):
     ttft_ms: float = 0.0  # mean time to first token (arrival to first token) of the last 1000 requests
     tbt_ms: float = 0.0  # mean time between tokens of the last 1000 decode tokens
     swapped: int = 0  # preempted requests waiting to be recomputed
+    decode_holds: int = 0  # steps that held the running requests' decodes for prompts (decodeHoldMs)
 
 
 class Stopped(Message, tag=8):

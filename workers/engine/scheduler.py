@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap on sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_decode_holds = 0  # steps that held the running requests' decodes (hold_decodes)
         self._order = 0
 
     # -- queue management -----------------------------------------------------------------
@@ -148,6 +149,7 @@ class Scheduler:
             again = self._schedule(hold=False)
             again.preempted[:0] = out.preempted
             return again
+        self.num_decode_holds += 1
         return out
 
     def _schedule(self, hold: bool) -> ScheduledBatch:
