@@ -74,17 +74,17 @@ def main() -> None:
     with torch.inference_mode():
         for b in (int(x) for x in args.batch.split(",")):
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-            q = max(1, args.prefill)
-            ids = torch.randint(0, a.vocab_size, (b * q,))
-            pos = torch.arange(args.context, args.context + q).repeat(b)
-            last = torch.arange(q - 1, b * q, q)
+            new = max(1, args.prefill)  # tokens per sequence this step
+            ids = torch.randint(0, a.vocab_size, (b * new,))
+            pos = torch.arange(args.context, args.context + new).repeat(b)
+            last = torch.arange(new - 1, b * new, new)
             totals = []
             for i in range(args.steps):
                 if i == args.steps // 4:
                     spent.clear()
                     totals.clear()
                 t = time.perf_counter()
-                attn.prepare(tables, [args.context] * b, [q] * b)
+                attn.prepare(tables, [args.context] * b, [new] * b)
                 model.compute_logits(model(ids, pos, attn)[last]).argmax(-1).tolist()
                 totals.append(time.perf_counter() - t)
             n = len(totals)

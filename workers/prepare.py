@@ -47,7 +47,8 @@ def decode_hold_default(device_type: str) -> int:
     requests slow every later prompt of the wave: holding them up to 400 ms brought the p99 TTFT
     of 32 concurrent requests of 128 output tokens from 396-413 to 340-346 ms and their p99 gap
     between tokens from 30-31 to 18-20 ms (with 32 output tokens that gap's p99 rises to 203-222
-    ms: docs/performance.md, "Prefill first"). On accelerators decode rows are nearly free beside a prompt chunk: 0."""
+    ms: docs/performance.md, "Prefill first"). On accelerators decode rows are nearly free beside
+    a prompt chunk: 0."""
     return 400 if device_type == "cpu" else 0
 
 

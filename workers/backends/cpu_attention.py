@@ -36,12 +36,16 @@ class CpuPagedAttention(PagedAttention):
         # The prompt chunks of this step for paged_prefill: first flat row, first position, count.
         self._chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.prefill_calls = 0  # steps whose prompt chunks the kernel computed (tests read it)
+        # What paged_prefill covers, known from the cache alone (the query heads per KV head are
+        # checked by the kernel, which then refuses); other builds never build the chunk lists.
+        self._prefill_ok = (self.lib is not None and self.lib.has_avx512 and self.code in (0, 1)
+                            and head_dim % 16 == 0)
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
         super().prepare(block_tables, start_pos, num_new)
         self._chunks = None
         g = self.meta.prefill
-        if self.lib is not None and g is not None:
+        if self._prefill_ok and g is not None:
             pre = [i for i, n in enumerate(num_new) if n != 1]  # as build_metadata splits them
             # fp32 scores take plain FMAs (bf16 takes vdpbf16ps): SDPA is faster from ~1k keys,
             # and after a cached prefix (scripts/bench_attention.py --prefill).

@@ -357,12 +357,13 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
     float rows[16][MAX_D] __attribute__((aligned(64))), sc[PRE_ROWS][CHUNK] __attribute__((aligned(64)));
     float m[PRE_ROWS], l[PRE_ROWS];
     int64_t lo[PRE_ROWS], hi[PRE_ROWS];
+    const int scores_dp = HAVE_DPBF16 && dt == 1; /* bf16 scores from the raw queries (qw below), not qf */
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = r / G, h = kvh * G + r % G;
         hi[r] = p0 + i;
         lo[r] = item_first(hi[r], window);
         for (int64_t d = 0; d < D; d++) {
-            qf[r][d] = load_one(dt, q, i * q_stride + h * D + d) * scale;
+            if (!scores_dp) qf[r][d] = load_one(dt, q, i * q_stride + h * D + d) * scale;
             acc[r][d] = 0.0f;
         }
         m[r] = -INFINITY;
@@ -372,7 +373,7 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
     /* bf16: the scores as bf16 pair products (vdpbf16ps) of the unscaled queries against the
      * group's keys transposed to [D / 2][16 keys] pairs; scaled after the sum. */
     uint32_t qw[PRE_ROWS][MAX_D / 2] __attribute__((aligned(64))), kt[MAX_D / 2][16] __attribute__((aligned(64)));
-    if (dt == 1)
+    if (scores_dp)
         for (int64_t r = 0; r < R; r++)
             memcpy(qw[r], (const uint16_t *)q + (r / G) * q_stride + (kvh * G + r % G) * D, (size_t)D * 2);
 #endif
@@ -385,7 +386,7 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t jn = n - j0 < 16 ? n - j0 : 16, t = t0 + j0;
 #if HAVE_DPBF16
-            if (dt == 1) {
+            if (scores_dp) {
                 const uint32_t *kr = (const uint32_t *)((const uint16_t *)kc + base + j0 * D);
                 for (int64_t j = 0; j < 16; j++)
                     for (int64_t w = 0; w < D / 2; w++) kt[w][j] = j < jn ? kr[j * (D / 2) + w] : 0;
