@@ -292,3 +292,24 @@ def test_greedy_continuation_matches_transformers(case, attention, tmp_path):
     for i in range(len(ps)):
         assert res[f"p{i}"][0] == expected[i], f"{case}: prompt {i} diverged"
     assert eng.check_no_leaks()
+
+
+def test_decode_metadata_equals_the_general_builder() -> None:
+    """build_metadata's path for steps of decodes only gives the tensors the general one does
+    (padded tables included), dense, as the C kernels read them."""
+    from workers.engine import attention as A
+    rng = random.Random(5)
+    cpu = torch.device("cpu")
+    for _ in range(300):
+        b, bs = rng.randint(1, 40), rng.choice([1, 4, 16, 128])
+        starts = [rng.randint(0, 700) for _ in range(b)]
+        tables = [[rng.randint(0, 999) for _ in range(s // bs + 1 + rng.randint(0, 3))] for s in starts]
+        fast = A.build_metadata(tables, starts, [1] * b, bs, cpu)
+        ref = A._mixed_metadata(tables, starts, [1] * b, bs, cpu)
+        assert fast.prefill is None and ref.prefill is None and fast.num_tokens == ref.num_tokens == b
+        for a, r in ((fast.blocks, ref.blocks), (fast.offsets, ref.offsets), (fast.decode.rows, ref.decode.rows),
+                     (fast.decode.tables, ref.decode.tables), (fast.decode.pos, ref.decode.pos)):
+            assert a.dtype == r.dtype == torch.long and a.is_contiguous() and torch.equal(a, r)
+    # one prompt chunk in the batch: the general builder
+    mixed = A.build_metadata([[3, 4], [5]], [130, 7], [1, 5], 128, cpu)
+    assert mixed.prefill is not None and mixed.decode.rows.tolist() == [0]

@@ -571,3 +571,26 @@ def test_sequence_history() -> None:
     assert Sampler()(logits.clone(), [r]).item() == 7
     r.tokens.append(7)
     assert Sampler()(logits.clone(), [r]).item() == 8
+
+
+def test_argmax_rows_matches_torch_on_ties_nan_inf_and_views() -> None:
+    """The sampler's CPU argmax (numpy's) returns what torch's does: the first maximum, a NaN
+    counting as the maximum, on rows of any stride; other devices and dtypes keep torch's."""
+    from workers.engine.sampler import argmax_rows
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 4096, generator=g)
+    x[0, 7] = float("nan")
+    x[0, 9] = float("nan")
+    x[1] = float("-inf")
+    x[2, 3] = x[2].max() + 1
+    x[2, 500] = x[2, 3]  # a tie: the first wins
+    x[3, 100] = float("inf")
+    x[3, 200] = float("inf")
+    x[4] = float("nan")
+    x[5] = 0.0
+    for t in (x, x[:, ::3], x[1:6], x.t().contiguous().t()):
+        got = argmax_rows(t)
+        assert got.dtype == torch.long and torch.equal(got, t.argmax(-1)), (got, t.argmax(-1))
+    assert argmax_rows(x)[:6].tolist() == [7, 0, 3, 100, 0, 0]
+    h = x.to(torch.bfloat16)  # not fp32: torch's own
+    assert torch.equal(argmax_rows(h), h.argmax(-1))

@@ -108,10 +108,14 @@ class FusedDecode:
         self.calls = 0  # steps the kernel ran (tests check the path is taken)
         self._layers = None
         self._attn = None
+        self._ok = False
+        self._cos = None
+        self._step: _Step | None = None
         self._scratch: tuple[torch.Tensor, ...] | None = None
 
     def _bind(self, attn) -> None:
-        """Per-layer pointers, including this attention object's caches (bound once per KV allocation)."""
+        """Per-layer pointers, including this attention object's caches (bound once per KV
+        allocation), and the step's constant fields, set once: a step only fills in its own."""
         arr = (_Layer * len(self.weights))()
         for i, w in enumerate(self.weights):
             lay = arr[i]
@@ -120,41 +124,44 @@ class FusedDecode:
                     setattr(lay, name[0], _ptr(w[name[0]]))
             lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
             lay.window = self.windows[i]
-        self._layers, self._attn = arr, attn
-
-    def _buffers(self, m: int) -> tuple[torch.Tensor, ...]:
-        """The step's scratch rows: views of one set of buffers sized for ``max_rows``."""
+        self._layers, self._attn, self._cos = arr, attn, getattr(self.rope, "cos", None)
+        self._ok = (getattr(attn, "lib", None) is not None and attn.k_cache[0].dtype == self.dtype
+                    and getattr(self.rope, "cos", None) is not None and self.rope.cos.dtype == torch.float32)
+        if not self._ok:
+            return
         if self._scratch is None:
             e, n = self.dtype, self.max_rows
             nq = (self.H + 2 * self.Hkv) * self.D
             self._scratch = (torch.empty(n, self.C, dtype=e), torch.empty(n, self.C, dtype=e),
                              torch.empty(n, nq, dtype=e), torch.empty(n, self.H * self.D, dtype=e),
                              torch.empty(n, self.I, dtype=e))
-        return tuple(t[:m] for t in self._scratch)
+        x, xn, qkv, att, act = (t.data_ptr() for t in self._scratch)  # the kernel uses the first M rows
+        self._step = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
+                           bs=attn.block_size, max_pos=self.rope.max_positions, eps=self.eps,
+                           scale=self.D ** -0.5, layers=self._layers, embed=self.embed.data_ptr(),
+                           cos_t=self.rope.cos.data_ptr(), sin_t=self.rope.sin.data_ptr(),
+                           final_norm=self.final_norm.data_ptr(), silu_bf16=_ptr(self.silu),
+                           x=x, xn=xn, qkv=qkv, att=att, act=act)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         meta = getattr(attn, "meta", None)
         m = input_ids.shape[0]
-        if (meta is None or meta.prefill is not None or meta.decode is None or m > self.max_rows
-                or getattr(attn, "lib", None) is None or attn.k_cache[0].dtype != self.dtype
-                or getattr(self.rope, "cos", None) is None or self.rope.cos.dtype != torch.float32
-                or meta.decode.pos.numel() != m or meta.blocks.numel() != m):
+        if meta is None or meta.prefill is not None or meta.decode is None or m > self.max_rows:
             return None
-        if attn is not self._attn:
+        if attn is not self._attn or getattr(self.rope, "cos", None) is not self._cos:
             self._bind(attn)
-        ids = input_ids.contiguous()
-        pos = meta.decode.pos.contiguous()
-        tables = meta.decode.tables.contiguous()
-        x, xn, qkv, att, act = self._buffers(m)
+        dec = meta.decode
+        if not self._ok or dec.pos.shape[0] != m or meta.blocks.shape[0] != m:
+            return None
+        # The kernel reads these as dense arrays (build_metadata's are; anything else is copied).
+        ids = input_ids if input_ids.is_contiguous() else input_ids.contiguous()
+        pos = dec.pos if dec.pos.is_contiguous() else dec.pos.contiguous()
+        tables = dec.tables if dec.tables.is_contiguous() else dec.tables.contiguous()
         out = torch.empty(m, self.C, dtype=self.dtype)
-        s = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
-                  bs=attn.block_size, max_blocks=tables.shape[1], max_pos=self.rope.max_positions, M=m,
-                  eps=self.eps, scale=self.D ** -0.5, layers=self._layers, embed=self.embed.data_ptr(),
-                  ids=ids.data_ptr(), pos=pos.data_ptr(), blocks=meta.blocks.data_ptr(),
-                  offsets=meta.offsets.data_ptr(), tables=tables.data_ptr(), cos_t=self.rope.cos.data_ptr(),
-                  sin_t=self.rope.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
-                  silu_bf16=_ptr(self.silu), x=x.data_ptr(),
-                  xn=xn.data_ptr(), qkv=qkv.data_ptr(), att=att.data_ptr(), act=act.data_ptr(), out=out.data_ptr())
+        s = self._step
+        s.M, s.max_blocks = m, tables.shape[1]
+        s.ids, s.pos, s.tables, s.out = ids.data_ptr(), pos.data_ptr(), tables.data_ptr(), out.data_ptr()
+        s.blocks, s.offsets = meta.blocks.data_ptr(), meta.offsets.data_ptr()
         if self.lib.decode_layers(self.code, ctypes.byref(s)) != 0:
             return None  # refused before touching anything (a position outside the rope table: eager raises)
         self.calls += 1

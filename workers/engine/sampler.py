@@ -54,6 +54,15 @@ MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs above this is clamped
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a 2-D fp32 tensor: the first maximum, a NaN counting as the maximum.
+    On the CPU through numpy, whose vectorised argmax takes 2.5 µs for a 32000-entry row where
+    torch's takes 18 (a decode step of a small model is about a millisecond); same results."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(-1)
+
+
 def _splitmix64(x: int) -> int:
     z = (x + _GOLDEN) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -162,7 +171,7 @@ class Sampler:
         if not any(p.sample or p.penalty != 1.0 or p.watermark or p.presence or p.frequency for p in ps):
             # fast path: all greedy, nothing to adjust
             lsm = torch.log_softmax(_take(logits, lp_rows)[1], dim=-1) if lp_rows else None
-            tokens = logits.argmax(-1)
+            tokens = argmax_rows(logits)
         else:
             wm = [i for i, p in enumerate(ps) if p.watermark]
             if wm:
@@ -200,7 +209,7 @@ class Sampler:
         greedy = [i for i, p in enumerate(ps) if not p.sample]
         if greedy:
             idx, x = _take(logits, greedy)
-            _put(tokens, idx, x.argmax(-1))
+            _put(tokens, idx, argmax_rows(x))
 
         sampled = [i for i, p in enumerate(ps) if p.sample]
         if not sampled:
