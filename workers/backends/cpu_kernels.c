@@ -261,6 +261,151 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
     }
     item_finish(dt, out, G, D, kvh, acc, l);
 }
+#if HAVE_AVX512BW
+/* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
+
+/* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
+INLINE __m512i bf16_bits16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+}
+
+INLINE __m512 round16(int dt, __m512 f) {
+    return dt == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
+}
+
+INLINE __m512 load16m(int dt, const void *p, int64_t i, __mmask16 k) {
+    if (dt == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
+    if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+    else _mm512_mask_storeu_ps((float *)p + i, k, v);
+}
+#endif
+
+/* item_rescale with the maximum taken 16 scores at a time (the same value: a maximum has no
+ * rounding, and a NaN score is skipped as the scalar compare skips it) */
+INLINE float item_rescale16(const float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    __m512 mx = _mm512_set1_ps(*m);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = lanes16(n - j);
+        /* max_ps returns its second operand when either is NaN: a NaN score leaves mx as it was */
+        mx = _mm512_mask_max_ps(mx, k, _mm512_maskz_loadu_ps(k, sc + j), mx);
+    }
+    const float mb = _mm512_reduce_max_ps(mx);
+    if (mb > *m) {
+        const float corr = expf(*m - mb);  /* 0 on the first chunk: m = -inf */
+        *l *= corr;
+        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
+        *m = mb;
+    }
+    return mb;
+}
+
+/* decode_item16 with G query heads and DV vectors per head known at compile time (the common
+ * shapes, called through decode_item16_by): the queries stay in registers, each cached row is
+ * converted once into registers and used there (decode_item16 stores it to the stack and loads it
+ * back per head), and the value accumulators stay in registers over a chunk. Every sum is formed
+ * in the same order as in decode_item16, so the results are the same bits. */
+INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
+                           int64_t Hkv, int64_t bs, int64_t window, float scale, int64_t kvh, void *out,
+                           const int G, const int DV) {
+    const int64_t D = DV * 16, es = dt == 0 ? 4 : 2;
+    float acc[MAX_G][MAX_D] __attribute__((aligned(64)));
+    float m[MAX_G], l[MAX_G], sc[MAX_G][CHUNK];
+    __m512 qv[G][DV];  /* item_start's pre-scaled queries */
+    for (int g = 0; g < G; g++) {
+        for (int v = 0; v < DV; v++) {
+            qv[g][v] = _mm512_mul_ps(load16(dt, q, (kvh * G + g) * D + v * 16), _mm512_set1_ps(scale));
+            _mm512_store_ps(acc[g] + v * 16, _mm512_setzero_ps());
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t t0 = item_first(p, window), base, n; t0 <= p; t0 += n) {
+        n = item_chunk(t0, p, table, Hkv, kvh, bs, D, es, kc, vc, &base);
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t jn = n - j0 < 16 ? n - j0 : 16;
+            prefetch_rows(kc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
+            __m512 s[G][16];
+            for (int j = 0; j < 16; j++) {
+                if (j < jn) {
+                    __m512 kr[DV];
+                    for (int v = 0; v < DV; v++) kr[v] = load16(dt, kc, base + (j0 + j) * D + v * 16);
+                    for (int g = 0; g < G; g++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int v = 0; v < DV; v++) a = _mm512_fmadd_ps(qv[g][v], kr[v], a);
+                        s[g][j] = a;
+                    }
+                } else {
+                    for (int g = 0; g < G; g++) s[g][j] = _mm512_setzero_ps();
+                }
+            }
+            for (int g = 0; g < G; g++) _mm512_storeu_ps(sc[g] + j0, sum16(s[g]));
+        }
+        for (int g = 0; g < G; g++) {
+            const float mb = item_rescale16(sc[g], n, &m[g], &l[g], acc[g], D);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 k = lanes16(n - j);
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc[g] + j), _mm512_set1_ps(mb)));
+                _mm512_mask_storeu_ps(sc[g] + j, k, e);
+                sum = _mm512_mask_add_ps(sum, k, sum, e);
+            }
+            l[g] += _mm512_reduce_add_ps(sum);
+        }
+        __m512 av[G][DV];
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < DV; v++) av[g][v] = _mm512_load_ps(acc[g] + v * 16);
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t jn = n - j0 < 16 ? n - j0 : 16;
+            prefetch_rows(vc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
+            for (int64_t j = 0; j < jn; j++) {
+                __m512 pg[G];
+                for (int g = 0; g < G; g++) pg[g] = _mm512_set1_ps(sc[g][j0 + j]);
+                for (int v = 0; v < DV; v++) {
+                    const __m512 vr = load16(dt, vc, base + (j0 + j) * D + v * 16);
+                    for (int g = 0; g < G; g++) av[g][v] = _mm512_fmadd_ps(pg[g], vr, av[g][v]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < DV; v++) _mm512_store_ps(acc[g] + v * 16, av[g][v]);
+    }
+#if HAVE_AVX512BW
+    for (int g = 0; g < G; g++) {  /* item_finish */
+        const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+        for (int v = 0; v < DV; v++)
+            store16m(dt, out, (kvh * G + g) * D + v * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + v * 16), inv),
+                     (__mmask16)0xFFFF);
+    }
+#else
+    item_finish(dt, out, G, D, kvh, acc, l);
+#endif
+}
+
+/* decode_item16c for the shapes it is compiled for; 0 when (G, D) is not one of them */
+INLINE int decode_item16_by(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
+                            int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                            void *out) {
+    const int64_t G = H / Hkv;
+#define DEC16C(g_, dv_) \
+    if (G == g_ && D == dv_ * 16) { \
+        decode_item16c(dt, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out, g_, dv_); \
+        return 1; \
+    }
+    DEC16C(1, 4) DEC16C(2, 4) DEC16C(4, 4) DEC16C(8, 4) DEC16C(1, 8) DEC16C(2, 8) DEC16C(4, 8)
+#undef DEC16C
+    return 0;
+}
 #endif
 
 /* One (sequence, kv head) work item, over chunks of up to CHUNK cached positions of one block:
@@ -271,7 +416,9 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
                         void *out) {
 #if HAVE_AVX512
     if ((dt == 0 || dt == 1) && D % 16 == 0) {
-        decode_item16(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+        if (dt == 0 ? !decode_item16_by(0, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out)
+                    : !decode_item16_by(1, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out))
+            decode_item16(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
         return;
     }
 #endif
@@ -902,35 +1049,6 @@ typedef struct {
     void *out;     /* [M, C]: the final norm's output */
 } dec_step_t;
 
-#if HAVE_AVX512BW
-/* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
-
-/* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
-INLINE __m512i bf16_bits16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
-    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-}
-
-INLINE __m512 round16(int dt, __m512 f) {
-    return dt == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
-}
-
-INLINE __m512 load16m(int dt, const void *p, int64_t i, __mmask16 k) {
-    if (dt == 1)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
-    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
-}
-
-INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
-    if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
-    else _mm512_mask_storeu_ps((float *)p + i, k, v);
-}
-#endif
 
 /* This thread's blocks of NB 16-channel blocks, split evenly over the team (whole groups of GROUP
  * went 6 / 5 to two threads for 43 blocks, one thread idle at the phase's end) */
