@@ -278,3 +278,37 @@ def test_rope_in_place_is_exactly_transformers(dt, d):
     assert torch.equal(qkv[:, (h + hkv) * d:], before[:, (h + hkv) * d:])  # v untouched
     with pytest.raises(IndexError, match="outside the table"):
         fused.rotate(torch.tensor([4096]), torch.randn(1, 1, d).to(dt))
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_specialised_decode_items_give_the_generic_items_bits(dt):
+    """AVX-512 builds decode the common shapes (1-8 query heads per KV head, head size 64 or 128)
+    with items specialised by shape; they must form every sum as the generic item does: the same
+    bits, over GQA ratios, head sizes, block sizes, windows and contexts up to 1000."""
+    lib = cpu_kernels.load()
+    assert lib is not None, cpu_kernels.unavailable_reason()
+    if not lib.has_avx512:
+        pytest.skip("an AVX2 build has only the portable item")  # the AVX2 run of test_cpu_isa covers it
+    cases = 0
+    for h, hkv, d in ((8, 4, 64), (4, 4, 64), (16, 4, 64), (32, 4, 64), (8, 8, 128), (8, 4, 128), (16, 4, 128)):
+        for bs, window in ((16, None), (128, None), (16, 7), (128, 100)):
+            lens = [1, 2, 17, bs, bs + 1, 3 * bs + 5, 1000]
+            nb = sum(-(-n // bs) for n in lens) + 3
+            _ref, ker, g = _pair(1, nb, bs, hkv, d, dt, seed=h * 100 + d + bs)
+            perm = torch.randperm(nb, generator=g).tolist()
+            tables, i = [], 0
+            for n in lens:
+                tables.append(perm[i:i + -(-n // bs)])
+                i += -(-n // bs)
+            ker.prepare(tables, [n - 1 for n in lens], [1] * len(lens))
+            q = (torch.randn(len(lens), h, d, generator=g) * 3).to(dt)
+            outs = []
+            try:
+                for on in (1, 0):
+                    lib.kernels_decode_specialised(on)
+                    outs.append(ker._decode(ker.meta.decode, q, ker.k_cache[0], ker.v_cache[0], window))
+            finally:
+                lib.kernels_decode_specialised(1)
+            assert torch.equal(outs[0], outs[1]), (h, hkv, d, bs, window)
+            cases += 1
+    assert cases == 28 and lib.kernels_decode_specialised(-1) == 1

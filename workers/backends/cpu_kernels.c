@@ -33,6 +33,15 @@ typedef uint16_t f16_t; /* placeholder, never read as a number */
 
 int kernels_have_f16(void) { return HAVE_F16; }
 
+/* Whether the decode attention uses its items specialised by shape where they apply (AVX-512
+ * builds; tests turn it off to compare them with the generic item). on < 0: only asks. */
+static int decode16c_on = 1;
+int kernels_decode_specialised(int on) {
+    const int was = decode16c_on;
+    if (on >= 0) decode16c_on = on;
+    return was;
+}
+
 /* Instruction sets this build may use (MINDIE_CPU_ISA=avx2 takes AVX-512 out). */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -204,6 +213,39 @@ INLINE __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+/* item_rescale with the maximum taken 16 scores at a time (the same value: a maximum has no
+ * rounding, and a NaN score is skipped as the scalar compare skips it) */
+INLINE float item_rescale16(const float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    __m512 mx = _mm512_set1_ps(*m);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = lanes16(n - j);
+        /* max_ps returns its second operand when either is NaN: a NaN score leaves mx as it was */
+        mx = _mm512_mask_max_ps(mx, k, _mm512_maskz_loadu_ps(k, sc + j), mx);
+    }
+    const float mb = _mm512_reduce_max_ps(mx);
+    if (mb > *m) {
+        const float corr = expf(*m - mb);  /* 0 on the first chunk: m = -inf */
+        *l *= corr;
+        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
+        *m = mb;
+    }
+    return mb;
+}
+
+/* One chunk's online-softmax step for one head: the running maximum and sums updated
+ * (item_rescale16), the scores replaced by their exponentials, whose sum joins the running one */
+INLINE void chunk_softmax16(float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    const float mb = item_rescale16(sc, n, m, l, acc, D);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = lanes16(n - j);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), _mm512_set1_ps(mb)));
+        _mm512_mask_storeu_ps(sc + j, k, e);
+        sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    *l += _mm512_reduce_add_ps(sum);
+}
+
 /* decode_item for fp32/bf16 caches and D a multiple of 16 with AVX-512: each group of 16 cached
  * rows is converted to fp32 once for all G query heads, its 16 scores per head are summed
  * together (sum16), and the softmax terms take a vector exp. Values accumulate in the same order
@@ -234,17 +276,7 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
                 _mm512_storeu_ps(sc[g] + j0, sum16(s)); /* CHUNK is a multiple of 16: in bounds */
             }
         }
-        for (int64_t g = 0; g < G; g++) {
-            const float mb = item_rescale(sc[g], n, &m[g], &l[g], acc[g], D);
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j += 16) {
-                const __mmask16 k = lanes16(n - j);
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc[g] + j), _mm512_set1_ps(mb)));
-                _mm512_mask_storeu_ps(sc[g] + j, k, e);
-                sum = _mm512_mask_add_ps(sum, k, sum, e);
-            }
-            l[g] += _mm512_reduce_add_ps(sum);
-        }
+        for (int64_t g = 0; g < G; g++) chunk_softmax16(sc[g], n, &m[g], &l[g], acc[g], D);
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t jn = n - j0 < 16 ? n - j0 : 16;
             prefetch_rows(vc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
@@ -291,24 +323,6 @@ INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
 }
 #endif
 
-/* item_rescale with the maximum taken 16 scores at a time (the same value: a maximum has no
- * rounding, and a NaN score is skipped as the scalar compare skips it) */
-INLINE float item_rescale16(const float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
-    __m512 mx = _mm512_set1_ps(*m);
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = lanes16(n - j);
-        /* max_ps returns its second operand when either is NaN: a NaN score leaves mx as it was */
-        mx = _mm512_mask_max_ps(mx, k, _mm512_maskz_loadu_ps(k, sc + j), mx);
-    }
-    const float mb = _mm512_reduce_max_ps(mx);
-    if (mb > *m) {
-        const float corr = expf(*m - mb);  /* 0 on the first chunk: m = -inf */
-        *l *= corr;
-        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
-        *m = mb;
-    }
-    return mb;
-}
 
 /* decode_item16 with G query heads and DV vectors per head known at compile time (the common
  * shapes, called through decode_item16_by): the queries stay in registers, each cached row is
@@ -351,17 +365,7 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
             }
             for (int g = 0; g < G; g++) _mm512_storeu_ps(sc[g] + j0, sum16(s[g]));
         }
-        for (int g = 0; g < G; g++) {
-            const float mb = item_rescale16(sc[g], n, &m[g], &l[g], acc[g], D);
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j += 16) {
-                const __mmask16 k = lanes16(n - j);
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc[g] + j), _mm512_set1_ps(mb)));
-                _mm512_mask_storeu_ps(sc[g] + j, k, e);
-                sum = _mm512_mask_add_ps(sum, k, sum, e);
-            }
-            l[g] += _mm512_reduce_add_ps(sum);
-        }
+        for (int g = 0; g < G; g++) chunk_softmax16(sc[g], n, &m[g], &l[g], acc[g], D);
         __m512 av[G][DV];
         for (int g = 0; g < G; g++)
             for (int v = 0; v < DV; v++) av[g][v] = _mm512_load_ps(acc[g] + v * 16);
@@ -397,6 +401,7 @@ INLINE int decode_item16_by(int dt, const void *q, const void *kc, const void *v
                             int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
                             void *out) {
     const int64_t G = H / Hkv;
+    if (!decode16c_on) return 0;
 #define DEC16C(g_, dv_) \
     if (G == g_ && D == dv_ * 16) { \
         decode_item16c(dt, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out, g_, dv_); \
