@@ -282,15 +282,17 @@ def test_rope_in_place_is_exactly_transformers(dt, d):
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 def test_specialised_decode_items_give_the_generic_items_bits(dt):
-    """AVX-512 builds decode the common shapes (1-8 query heads per KV head, head size 64 or 128)
-    with items specialised by shape; they must form every sum as the generic item does: the same
-    bits, over GQA ratios, head sizes, block sizes, windows and contexts up to 1000."""
+    """AVX-512 builds decode the common shapes (1, 2 or 4 query heads per KV head with head size 64
+    or 128, 8 with 64) with items specialised by shape and a vector chunk maximum; switched off,
+    the kernel computes as before them. They must form every sum as before: the same bits, over
+    GQA ratios, head sizes, block sizes, windows, contexts up to 1000, and scores with inf and NaN."""
     lib = cpu_kernels.load()
     assert lib is not None, cpu_kernels.unavailable_reason()
     if not lib.has_avx512:
         pytest.skip("an AVX2 build has only the portable item")  # the AVX2 run of test_cpu_isa covers it
     cases = 0
     for h, hkv, d in ((8, 4, 64), (4, 4, 64), (16, 4, 64), (32, 4, 64), (8, 8, 128), (8, 4, 128), (16, 4, 128)):
+        assert lib.kernels_decode_specialised_for(1 if dt == torch.bfloat16 else 0, h, hkv, d) == 1
         for bs, window in ((16, None), (128, None), (16, 7), (128, 100)):
             lens = [1, 2, 17, bs, bs + 1, 3 * bs + 5, 1000]
             nb = sum(-(-n // bs) for n in lens) + 3
@@ -300,15 +302,23 @@ def test_specialised_decode_items_give_the_generic_items_bits(dt):
             for n in lens:
                 tables.append(perm[i:i + -(-n // bs)])
                 i += -(-n // bs)
+            if window is None:  # the longest sequence's last block: an inf key row and a NaN one
+                last = tables[-1][-1]
+                ker.k_cache[0][last, 0, 1] = float("inf")
+                ker.k_cache[0][last, 0, 3, 5] = float("nan")
             ker.prepare(tables, [n - 1 for n in lens], [1] * len(lens))
             q = (torch.randn(len(lens), h, d, generator=g) * 3).to(dt)
             outs = []
+            was = lib.kernels_decode_specialised(1)
             try:
                 for on in (1, 0):
                     lib.kernels_decode_specialised(on)
+                    assert lib.kernels_decode_specialised_for(1 if dt == torch.bfloat16 else 0, h, hkv, d) == on
                     outs.append(ker._decode(ker.meta.decode, q, ker.k_cache[0], ker.v_cache[0], window))
             finally:
-                lib.kernels_decode_specialised(1)
-            assert torch.equal(outs[0], outs[1]), (h, hkv, d, bs, window)
+                lib.kernels_decode_specialised(was)
+            bits = torch.int16 if dt == torch.bfloat16 else torch.int32  # NaN outputs compare by their bits
+            assert torch.equal(outs[0].view(bits), outs[1].view(bits)), (h, hkv, d, bs, window)
             cases += 1
     assert cases == 28 and lib.kernels_decode_specialised(-1) == 1
+    assert lib.kernels_decode_specialised_for(1, 12, 4, 64) == 0 and lib.kernels_decode_specialised_for(2, 8, 4, 64) == 0

@@ -310,6 +310,7 @@ def test_decode_metadata_equals_the_general_builder() -> None:
         for a, r in ((fast.blocks, ref.blocks), (fast.offsets, ref.offsets), (fast.decode.rows, ref.decode.rows),
                      (fast.decode.tables, ref.decode.tables), (fast.decode.pos, ref.decode.pos)):
             assert a.dtype == r.dtype == torch.long and a.is_contiguous() and torch.equal(a, r)
+    assert A.build_metadata([], [], [], 16, cpu).num_tokens == 0  # an empty step: the general builder
     # one prompt chunk in the batch: the general builder
     mixed = A.build_metadata([[3, 4], [5]], [130, 7], [1, 5], 128, cpu)
     assert mixed.prefill is not None and mixed.decode.rows.tolist() == [0]

@@ -594,3 +594,5 @@ def test_argmax_rows_matches_torch_on_ties_nan_inf_and_views() -> None:
     assert argmax_rows(x)[:6].tolist() == [7, 0, 3, 100, 0, 0]
     h = x.to(torch.bfloat16)  # not fp32: torch's own
     assert torch.equal(argmax_rows(h), h.argmax(-1))
+    assert torch.equal(argmax_rows(x[0]), x[0].argmax(-1))  # 1-D: torch's own
+    assert argmax_rows(x[:0]).shape == (0,)

@@ -33,14 +33,17 @@ typedef uint16_t f16_t; /* placeholder, never read as a number */
 
 int kernels_have_f16(void) { return HAVE_F16; }
 
-/* Whether the decode attention uses its items specialised by shape where they apply (AVX-512
- * builds; tests turn it off to compare them with the generic item). on < 0: only asks. */
+/* Whether the decode attention uses its items specialised by shape, and the vector chunk maximum,
+ * where they apply (AVX-512 builds). Off, it computes as before them (the generic item, a scalar
+ * maximum), so tests can compare the two bit for bit. Returns the previous setting; on < 0 only
+ * asks. Atomic: a step may be running on other threads. */
 static int decode16c_on = 1;
 int kernels_decode_specialised(int on) {
-    const int was = decode16c_on;
-    if (on >= 0) decode16c_on = on;
-    return was;
+    return on >= 0 ? __atomic_exchange_n(&decode16c_on, on ? 1 : 0, __ATOMIC_RELAXED)
+                   : __atomic_load_n(&decode16c_on, __ATOMIC_RELAXED);
 }
+
+static inline int decode16c_enabled(void) { return __atomic_load_n(&decode16c_on, __ATOMIC_RELAXED); }
 
 /* Instruction sets this build may use (MINDIE_CPU_ISA=avx2 takes AVX-512 out). */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -235,7 +238,7 @@ INLINE float item_rescale16(const float *sc, int64_t n, float *m, float *l, floa
 /* One chunk's online-softmax step for one head: the running maximum and sums updated
  * (item_rescale16), the scores replaced by their exponentials, whose sum joins the running one */
 INLINE void chunk_softmax16(float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
-    const float mb = item_rescale16(sc, n, m, l, acc, D);
+    const float mb = decode16c_enabled() ? item_rescale16(sc, n, m, l, acc, D) : item_rescale(sc, n, m, l, acc, D);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 k = lanes16(n - j);
@@ -324,18 +327,21 @@ INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
 #endif
 
 
-/* decode_item16 with G query heads and DV vectors per head known at compile time (the common
- * shapes, called through decode_item16_by): the queries stay in registers, each cached row is
- * converted once into registers and used there (decode_item16 stores it to the stack and loads it
- * back per head), and the value accumulators stay in registers over a chunk. Every sum is formed
- * in the same order as in decode_item16, so the results are the same bits. */
+/* decode_item16 with G query heads per KV head and DV vectors per head known at compile time
+ * (the common shapes, through decode_item16_by): the pre-scaled queries and the value sums are
+ * held in local vectors (registers for the small shapes, G x DV <= 16), each cached row is
+ * converted once and used from there (decode_item16 stores it to the stack and loads it back per
+ * head). Every sum is formed in the same order as in decode_item16, so the results are the same
+ * bits. Arrays are sized for the largest shape compiled (C16_G heads, C16_D head size). */
+#define C16_G 8
+#define C16_D 128
 INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
                            int64_t Hkv, int64_t bs, int64_t window, float scale, int64_t kvh, void *out,
                            const int G, const int DV) {
     const int64_t D = DV * 16, es = dt == 0 ? 4 : 2;
-    float acc[MAX_G][MAX_D] __attribute__((aligned(64)));
-    float m[MAX_G], l[MAX_G], sc[MAX_G][CHUNK];
-    __m512 qv[G][DV];  /* item_start's pre-scaled queries */
+    float acc[C16_G][C16_D] __attribute__((aligned(64)));
+    float m[C16_G], l[C16_G], sc[C16_G][CHUNK];
+    __m512 qv[C16_G][C16_D / 16];  /* item_start's pre-scaled queries */
     for (int g = 0; g < G; g++) {
         for (int v = 0; v < DV; v++) {
             qv[g][v] = _mm512_mul_ps(load16(dt, q, (kvh * G + g) * D + v * 16), _mm512_set1_ps(scale));
@@ -349,10 +355,10 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t jn = n - j0 < 16 ? n - j0 : 16;
             prefetch_rows(kc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
-            __m512 s[G][16];
+            __m512 s[C16_G][16];
             for (int j = 0; j < 16; j++) {
                 if (j < jn) {
-                    __m512 kr[DV];
+                    __m512 kr[C16_D / 16];
                     for (int v = 0; v < DV; v++) kr[v] = load16(dt, kc, base + (j0 + j) * D + v * 16);
                     for (int g = 0; g < G; g++) {
                         __m512 a = _mm512_setzero_ps();
@@ -366,14 +372,14 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
             for (int g = 0; g < G; g++) _mm512_storeu_ps(sc[g] + j0, sum16(s[g]));
         }
         for (int g = 0; g < G; g++) chunk_softmax16(sc[g], n, &m[g], &l[g], acc[g], D);
-        __m512 av[G][DV];
+        __m512 av[C16_G][C16_D / 16];
         for (int g = 0; g < G; g++)
             for (int v = 0; v < DV; v++) av[g][v] = _mm512_load_ps(acc[g] + v * 16);
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t jn = n - j0 < 16 ? n - j0 : 16;
             prefetch_rows(vc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
             for (int64_t j = 0; j < jn; j++) {
-                __m512 pg[G];
+                __m512 pg[C16_G];
                 for (int g = 0; g < G; g++) pg[g] = _mm512_set1_ps(sc[g][j0 + j]);
                 for (int v = 0; v < DV; v++) {
                     const __m512 vr = load16(dt, vc, base + (j0 + j) * D + v * 16);
@@ -396,19 +402,33 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
 #endif
 }
 
-/* decode_item16c for the shapes it is compiled for; 0 when (G, D) is not one of them */
+/* The shapes decode_item16c is compiled for: (query heads per KV head, head size) */
+#define DEC16C_SHAPES(X) X(1, 4) X(2, 4) X(4, 4) X(8, 4) X(1, 8) X(2, 8) X(4, 8)
+
+/* One function per shape, not inlined: each has its own stack frame, and only one is live */
+#define DEC16C_FN(g_, dv_) \
+    static __attribute__((noinline)) void decode16c_##g_##_##dv_(int dt, const void *q, const void *kc, \
+            const void *vc, const int64_t *table, int64_t p, int64_t Hkv, int64_t bs, int64_t window, float scale, \
+            int64_t kvh, void *out) { \
+        if (dt == 0) decode_item16c(0, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out, g_, dv_); \
+        else decode_item16c(1, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out, g_, dv_); \
+    }
+DEC16C_SHAPES(DEC16C_FN)
+#undef DEC16C_FN
+
+/* decode_item16c for the shapes it is compiled for (when switched on); 0 for any other */
 INLINE int decode_item16_by(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
                             int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
                             void *out) {
     const int64_t G = H / Hkv;
-    if (!decode16c_on) return 0;
-#define DEC16C(g_, dv_) \
+    if (!decode16c_enabled()) return 0;
+#define DEC16C_CALL(g_, dv_) \
     if (G == g_ && D == dv_ * 16) { \
-        decode_item16c(dt, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out, g_, dv_); \
+        decode16c_##g_##_##dv_(dt, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out); \
         return 1; \
     }
-    DEC16C(1, 4) DEC16C(2, 4) DEC16C(4, 4) DEC16C(8, 4) DEC16C(1, 8) DEC16C(2, 8) DEC16C(4, 8)
-#undef DEC16C
+    DEC16C_SHAPES(DEC16C_CALL)
+#undef DEC16C_CALL
     return 0;
 }
 #endif
@@ -458,6 +478,18 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
         }
     }
     item_finish(dt, out, G, D, kvh, acc, l);
+}
+
+/* 1 when decode items of this dtype and shape take decode_item16c (AVX-512 builds, switched on) */
+int kernels_decode_specialised_for(int dtype, int64_t H, int64_t Hkv, int64_t D) {
+#if HAVE_AVX512
+    if (dtype < 0 || dtype > 1 || Hkv <= 0 || H % Hkv || !decode16c_enabled()) return 0;
+    const int64_t G = H / Hkv;
+#define DEC16C_HAS(g_, dv_) if (G == g_ && D == dv_ * 16) return 1;
+    DEC16C_SHAPES(DEC16C_HAS)
+#undef DEC16C_HAS
+#endif
+    return 0;
 }
 
 /* dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or -1 when a dimension exceeds the static buffers. */

@@ -162,6 +162,8 @@ def load() -> ctypes.CDLL | None:
             lib.kernels_have_f16.restype = ctypes.c_int
             lib.kernels_decode_specialised.restype = ctypes.c_int
             lib.kernels_decode_specialised.argtypes = [ctypes.c_int]
+            lib.kernels_decode_specialised_for.restype = ctypes.c_int
+            lib.kernels_decode_specialised_for.argtypes = [ctypes.c_int] + [ctypes.c_int64] * 3
             lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
             _lib = lib
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:

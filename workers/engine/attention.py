@@ -88,7 +88,7 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens (``num_new[i]`` from position ``start_pos[i]``)
     are laid out one sequence after another in the flat batch."""
-    if all(n == 1 for n in num_new):
+    if num_new and all(n == 1 for n in num_new):
         return _decode_metadata(block_tables, start_pos, block_size, device)
     return _mixed_metadata(block_tables, start_pos, num_new, block_size, device)
 
