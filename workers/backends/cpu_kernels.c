@@ -296,35 +296,6 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
     }
     item_finish(dt, out, G, D, kvh, acc, l);
 }
-#if HAVE_AVX512BW
-/* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
-
-/* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
-INLINE __m512i bf16_bits16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
-    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-}
-
-INLINE __m512 round16(int dt, __m512 f) {
-    return dt == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
-}
-
-INLINE __m512 load16m(int dt, const void *p, int64_t i, __mmask16 k) {
-    if (dt == 1)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
-    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
-}
-
-INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
-    if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
-    else _mm512_mask_storeu_ps((float *)p + i, k, v);
-}
-#endif
 
 
 /* decode_item16 with G query heads per KV head and DV vectors per head known at compile time
@@ -332,14 +303,14 @@ INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
  * held in local vectors (registers for the small shapes, G x DV <= 16), each cached row is
  * converted once and used from there (decode_item16 stores it to the stack and loads it back per
  * head). Every sum is formed in the same order as in decode_item16, so the results are the same
- * bits. Arrays are sized for the largest shape compiled (C16_G heads, C16_D head size). */
+ * bits. The vectors are sized for the largest shape compiled (C16_G heads, C16_D head size). */
 #define C16_G 8
 #define C16_D 128
 INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
                            int64_t Hkv, int64_t bs, int64_t window, float scale, int64_t kvh, void *out,
                            const int G, const int DV) {
     const int64_t D = DV * 16, es = dt == 0 ? 4 : 2;
-    float acc[C16_G][C16_D] __attribute__((aligned(64)));
+    float acc[C16_G][MAX_D] __attribute__((aligned(64)));  /* rows as item_finish takes them */
     float m[C16_G], l[C16_G], sc[C16_G][CHUNK];
     __m512 qv[C16_G][C16_D / 16];  /* item_start's pre-scaled queries */
     for (int g = 0; g < G; g++) {
@@ -390,16 +361,7 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
         for (int g = 0; g < G; g++)
             for (int v = 0; v < DV; v++) _mm512_store_ps(acc[g] + v * 16, av[g][v]);
     }
-#if HAVE_AVX512BW
-    for (int g = 0; g < G; g++) {  /* item_finish */
-        const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
-        for (int v = 0; v < DV; v++)
-            store16m(dt, out, (kvh * G + g) * D + v * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + v * 16), inv),
-                     (__mmask16)0xFFFF);
-    }
-#else
     item_finish(dt, out, G, D, kvh, acc, l);
-#endif
 }
 
 /* The shapes decode_item16c is compiled for: (query heads per KV head, head size) */
@@ -441,8 +403,7 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
                         void *out) {
 #if HAVE_AVX512
     if ((dt == 0 || dt == 1) && D % 16 == 0) {
-        if (dt == 0 ? !decode_item16_by(0, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out)
-                    : !decode_item16_by(1, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out))
+        if (!decode_item16_by(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out))
             decode_item16(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
         return;
     }
@@ -1086,9 +1047,38 @@ typedef struct {
     void *out;     /* [M, C]: the final norm's output */
 } dec_step_t;
 
+#if HAVE_AVX512BW
+/* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
 
-/* This thread's blocks of NB 16-channel blocks, split evenly over the team (whole groups of GROUP
- * went 6 / 5 to two threads for 43 blocks, one thread idle at the phase's end) */
+/* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
+INLINE __m512i bf16_bits16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+}
+
+INLINE __m512 round16(int dt, __m512 f) {
+    return dt == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
+}
+
+INLINE __m512 load16m(int dt, const void *p, int64_t i, __mmask16 k) {
+    if (dt == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
+    if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+    else _mm512_mask_storeu_ps((float *)p + i, k, v);
+}
+#endif
+
+/* This thread's share of NB 16-channel blocks, split evenly over the team (dealing whole groups
+ * of GROUP would give two threads 24 and 19 of 43 blocks, one idle at the phase's end) */
 INLINE void my_blocks(int64_t NB, int64_t *b0, int64_t *b1) {
     const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
     *b0 = NB * t / T;
