@@ -12,11 +12,12 @@ import falcon.asgi
 
 from mindie.api.control import StopInferResource, StopServiceResource
 from mindie.api.health import Health, HealthResource, LiveResource, ModelsResource, TimedHealthResource
+from mindie.api.generate import GenerateResource
 from mindie.api.infer import InferResource
 from mindie.api.metrics import MetricsJsonResource, MetricsResource
 from mindie.api.openai import openai_routes
 from mindie.api.status import StatusRoutes
-from mindie.api.tgi import GenerateResource
+from mindie.api.tgi import TgiResource
 from mindie.api.tokenizer import TokenizerResource
 from mindie.api.triton import TritonResource
 from mindie.contract.errors import error_type
@@ -25,6 +26,7 @@ from mindie.errors import ApiError
 from mindie.frontend import FrontEnd
 from mindie.contract.log_setup import setup_logging
 from mindie.listeners import read_listeners
+from mindie.pipeline import Pipeline
 
 log = logging.getLogger("mindie.app")
 
@@ -40,9 +42,13 @@ def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
 
 
 async def _api_error(req, resp, ex: ApiError, params) -> None:
-    resp.status = ex.status
+    """A request error, written by the codec of the request's API family (mindie/pipeline.py
+    sets it on ``req.context``), else in MindIE's shape."""
+    codec = getattr(req.context, "codec", None)
+    status, body = codec.error(ex) if codec is not None else (ex.status, ex.body())
+    resp.status = status
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = ex.body()
+    resp.data = body
 
 
 async def _unexpected(req, resp, ex: Exception, params) -> None:
@@ -67,11 +73,12 @@ def create_app():
 
 def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]]:
     """{plane: [(path, resource, responder suffix)]}: MindIE's route sets (mindie.md §2)."""
-    infer = InferResource(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, full_text=fe.full_text,
-                          state=fe.state)
+    pipeline = Pipeline(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, fe.state)
+    infer = InferResource(pipeline, full_text=fe.full_text)
     models = ModelsResource(fe.model_name, fe.model_dir, fe.started)
-    generate, triton = GenerateResource(fe), TritonResource(fe)
-    completions, chat = openai_routes(fe)
+    generate, tgi = GenerateResource(pipeline, fe.model_name), TgiResource(pipeline, fe.model_name)
+    triton = TritonResource(pipeline, fe.model_name, full_text=fe.full_text)
+    completions, chat = openai_routes(fe, pipeline)
     status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir)
     health = Health(fe.client, fe.state, fe.admission)
     healthz = HealthResource(health, fe.model_name)
@@ -87,8 +94,9 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/v2/models/{model}/config", status, "v2_model_config"),
             ("/v2/models/{model}/stopInfer",
              StopInferResource(fe.client, fe.model_name, server.max_request_length), None),
-            # TGI / vLLM / Triton (mindie/api/tgi.py, vllm_generate.py, triton.py); TGI clients read /info here too.
-            ("/generate", generate, None), ("/generate_stream", generate, "stream"), ("/", generate, "compat"),
+            # TGI / vLLM (mindie/api/generate.py tells their /generate bodies apart), Triton; TGI clients
+            # read /info here too.
+            ("/generate", generate, None), ("/generate_stream", tgi, "stream"), ("/", tgi, "compat"),
             ("/info", status, "info"),
             ("/v2/models/{model}/infer", triton, "infer"), ("/v2/models/{model}/generate", triton, "generate"),
             ("/v2/models/{model}/generate_stream", triton, "generate_stream"),

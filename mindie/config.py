@@ -561,7 +561,7 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
         key_dir = b.worker_curve_key_dir.strip()
         if not key_dir and not b.worker_insecure_tcp:
             fail("BackendConfig.workerCurveKeyDir", "tcp worker links (workerHost or workerHosts is set) need CURVE keys: set it to "
-                 "a key directory (python -m mindie.curve_keys DIR makes one), or set workerInsecureTcp: true "
+                 "a key directory (python -m mindie.ops.curve_keys DIR makes one), or set workerInsecureTcp: true "
                  "to allow plain tcp")
         if key_dir:  # the files, checked where _resolve_paths will take them from
             try:

@@ -3,7 +3,12 @@
 Every error body is ``{"error": "<message>", "error_type": "<type>"}`` (key order as MindIE,
 compact JSON, non-ASCII kept as UTF-8 like nlohmann's ``dump``). ``error_type`` is the MindIE
 name of the status (``mindie.contract.errors.ERROR_TYPES``, shared with the device workers).
-Routes raise ``ApiError``; the app's one error handler (mindie/app.py) writes it.
+``ApiError`` is the one exception type of a failed request, on every route and in every API
+family: routes, parsers, the generation loop (a worker's error frame, a deadline) raise it, and
+the request pipeline (mindie/pipeline.py) logs and counts it once. The app's error handler
+(mindie/app.py) asks the request's codec to write it: MindIE's shape by default, OpenAI's
+``{"error": {...}}`` on the OpenAI routes; inside an open stream the codec writes it as its
+family's error event.
 
 Decision (413): MindIE itself answers an over-long body with ``{"message": "Request body too
 large. Maximum allowed size is 40MB."}`` (cpp-httplib's error handler, mindie.md §1). We keep
@@ -25,13 +30,18 @@ _encode = msgspec.json.encode
 class ApiError(Exception):
     """An error answer: HTTP ``status``, MindIE ``error_type`` and the ``message`` text."""
 
-    __slots__ = ("status", "error_type", "message")
+    __slots__ = ("status", "error_type", "message", "param", "timeout")
 
-    def __init__(self, status: int, message: str, error_type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, error_type: str | None = None, *, param: str | None = None,
+                 timeout: bool = False) -> None:
+        """``param``: the request field at fault (OpenAI's ``error.param``). ``timeout``: a
+        deadline expired (MindIE's native stream writes that one as raw text)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type if error_type is not None else _error_type(status)
+        self.param = param
+        self.timeout = timeout
 
     def body(self) -> bytes:
         """``{"error": message, "error_type": type}`` as compact UTF-8 JSON."""

@@ -8,8 +8,9 @@ with ``include_stop``), even one split across tokens; the moment one matches the
 cancelled on its worker. Stop token ids are the worker's job (``SamplingParams.stop_token_ids``,
 finish reason ``stop_token``), and so are log-probabilities (``SamplingParams.logprobs``).
 
-The native ``/infer`` route keeps its own loop (mindie/api/infer.py): its SSE frames are MindIE's
-byte for byte, with per-token timings this loop does not need.
+Every family uses it, the native ``/infer`` route included (its codec renders each piece's
+tokens as MindIE's per-token frames, with the piece's timings; it asks for no text here, since
+it decodes token by token itself). Errors are ``ApiError`` (mindie/errors.py).
 """
 from __future__ import annotations
 
@@ -19,21 +20,10 @@ from dataclasses import dataclass, field
 
 from mindie.client import DeviceClient, NoWorkerError
 from mindie.contract import wire as P
-from mindie.contract.errors import FINISH_STOP, error_type
+from mindie.contract.errors import FINISH_STOP
 from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
-
-IDLE_TICK_S = 1.0
-
-
-class GenerationError(Exception):
-    """A request that ended with an error: HTTP status, MindIE error type, message. Each API
-    family writes it in its own error shape."""
-
-    def __init__(self, status: int, message: str, etype: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = etype or error_type(status)
+from mindie.errors import ApiError
+from mindie.sse import IDLE_TICK_S
 
 
 class StopMatcher:
@@ -118,13 +108,14 @@ class Generation:
 
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, input_ids: list[int],
                  params: P.SamplingParams, deadline: Deadline, *, priority: int = 5, user_id: str = "",
-                 stops: Sequence[str] = (), include_stop: bool = False):
+                 stops: Sequence[str] = (), include_stop: bool = False, detokenize: bool = True):
+        """``detokenize`` False: pieces carry ids only (no text, no stop strings)."""
         self.client = client
         self.tokenizer = tokenizer
         self.input_ids = input_ids
         self.params = params
         self.deadline = deadline
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer) if detokenize else None
         self.matcher = StopMatcher(stops, include_stop)
         self.token_ids: list[int] = []
         self.text = ""
@@ -134,13 +125,13 @@ class Generation:
         try:
             self.stream = client.submit(input_ids, params, priority, user_id=user_id)
         except NoWorkerError as e:
-            raise GenerationError(503, f"No device worker is ready: {e}") from None
+            raise ApiError(503, f"No device worker is ready: {e}") from None
         self.request_id = self.stream.request_id
 
     async def pieces(self, tick: bool = False) -> AsyncIterator[Piece | None]:
         """Pieces as steps finish; the last has ``finish_reason``. With ``tick``, None every
         IDLE_TICK_S while nothing comes (an SSE writer then notices a vanished client). Raises
-        GenerationError (the request is cancelled on its worker first)."""
+        ApiError (the request is cancelled on its worker first)."""
         try:
             while not self.finish_reason:
                 deadline, desc = self.deadline.next()
@@ -150,7 +141,7 @@ class Generation:
                 frames = await self.stream.get(max(0.0, wait))
                 if not frames:
                     if time.monotonic() >= deadline:
-                        raise GenerationError(500, f"Engine callback timeout: {desc}")
+                        raise ApiError(500, f"Engine callback timeout: {desc}", timeout=True)
                     if tick:
                         yield None
                     continue
@@ -167,10 +158,16 @@ class Generation:
 
     def _piece(self, f: P.TokenFrame) -> Piece | None:
         if f.error is not None:
-            raise GenerationError(f.error.status, f.error.message, f.error.error_type)
+            raise ApiError(f.error.status, f.error.message, f.error.error_type)
         if f.token_ids and self.ttft_s is None:
             self.ttft_s = time.monotonic() - self.t0
         self.token_ids.extend(f.token_ids)
+        if self.detok is None:
+            self.finish_reason = f.finish_reason
+            if not (f.token_ids or f.finish_reason):
+                return None
+            return Piece(list(f.token_ids), "", list(f.logprobs), [list(t) for t in f.top_logprobs], f.finish_reason,
+                         None, f.prefill_ms, f.decode_ms, list(f.prompt_logprobs))
         text, stop = self.matcher.push(self.detok.push(f.token_ids))
         if stop is None and f.finish_reason:
             more, stop = self.matcher.push(self.detok.flush())
@@ -186,20 +183,3 @@ class Generation:
             return None
         return Piece(list(f.token_ids), text, list(f.logprobs), [list(t) for t in f.top_logprobs], finish, stop,
                      f.prefill_ms, f.decode_ms, list(f.prompt_logprobs))
-
-    async def run(self) -> Piece:
-        """Everything at once: one Piece holding every id, the whole text and the finish."""
-        ids: list[int] = []
-        lps: list[float] = []
-        tops: list[list[tuple[int, float]]] = []
-        last = Piece([], "")
-        prefill_ms = 0.0
-        prompt: list[float] = []
-        async for p in self.pieces():
-            ids += p.token_ids
-            lps += p.logprobs
-            tops += p.top_logprobs
-            prefill_ms = prefill_ms or p.prefill_ms
-            prompt = prompt or p.prompt_logprobs
-            last = p
-        return Piece(ids, self.text, lps, tops, last.finish_reason, last.stop, prefill_ms, 0.0, prompt)

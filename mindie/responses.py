@@ -9,6 +9,8 @@ from typing import Union
 
 import msgspec
 
+from mindie.sse import json_event
+
 
 class TokenInfo(msgspec.Struct):
     id: list[int]
@@ -55,17 +57,13 @@ def ms(value: float) -> float:
     return round(value, 2)
 
 
-def sse(obj: msgspec.Struct) -> bytes:
-    return b"data: " + _enc.encode(obj) + b"\n\n"
-
-
 def stream_frame(ids: list[int], text: str, prefill_ms: float | None, decode_ms: float | None) -> bytes:
-    return sse(StreamFrame(prefill_ms, decode_ms, TokenInfo(ids, text)))
+    return json_event(StreamFrame(prefill_ms, decode_ms, TokenInfo(ids, text)))
 
 
 def final_stream_frame(ids: list[int], prefill_ms: float | None, decode_ms: float | None, generated_text: str,
                        details: StreamDetails | None) -> bytes:
-    return sse(FinalStreamFrame(prefill_ms, decode_ms, generated_text, details, TokenInfo(ids, None)))
+    return json_event(FinalStreamFrame(prefill_ms, decode_ms, generated_text, details, TokenInfo(ids, None)))
 
 
 def reply(generated_text: str, details: Details | None) -> bytes:

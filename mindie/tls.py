@@ -11,7 +11,7 @@ not yet valid, key not matching the certificate, key too small, wrong password.
 
 Built by the launcher (``mindie.prepare``: a bad file stops the start), again by every front
 end as it boots (so ``SIGHUP``, which restarts the front ends, loads renewed files), and by
-``python -m mindie.tls check LISTENERS`` in the launcher before it forwards a ``SIGHUP``
+``python -m mindie.ops.tls_check check LISTENERS`` in the launcher before it forwards a ``SIGHUP``
 (a broken renewal is refused and the running front ends keep their certificates).
 
 ``MINDIE_TLS_CHECK_PERMISSIONS=0`` turns the permission checks off (a warning is logged), e.g.
@@ -24,7 +24,6 @@ import logging
 import os
 import ssl
 import stat
-import sys
 from typing import Optional
 
 import msgspec
@@ -240,26 +239,3 @@ def server_context(t: PlaneTls) -> ssl.SSLContext:
     for w in warnings:
         log.warning("%s", w)
     return ctx
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mindie.tls check LISTENERS_JSON``: exit 0 when every TLS file of the plan
-    loads, else 1 with the reason (the launcher runs it before forwarding SIGHUP)."""
-    from mindie.listeners import read_listeners
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "check":
-        print("usage: python -m mindie.tls check LISTENERS_JSON", file=sys.stderr)
-        return 2
-    try:
-        for listener in read_listeners(args[1]):
-            if listener.tls is not None:
-                check_plane(listener.tls)
-    except TlsError as e:
-        print(f"TLS files not usable: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

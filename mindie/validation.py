@@ -1,60 +1,43 @@
-"""Parse and validate ``/infer`` and ``/infer_token`` request bodies exactly as MindIE does.
+"""MindIE's request-parameter semantics, once, for every API family: the JSON type model, each
+parameter's range and message, the request limits, the prompt checks and the engine-side
+checks (424). Each family's body parser sits beside its route (mindie/api/*_schema.py, and the
+parse functions of vllm_generate.py and triton.py) and calls these; the defaults are the
+contract's (``mindie.contract.wire.DEFAULT_*``).
 
-Source of truth: mindie.md §3/§4 and MindIE-LLM's C++ (``single_req_self_develop_infer_interface.cpp``
-``ValidateAndPrepareReqToken``/``SetupInferParams``, ``infer_param.cpp``, ``parse_protocol.cpp``,
-``llm_manager_impl.cpp ProcessReqInputIds``). The order of checks is MindIE's, and the first
-failure is reported:
-
-1. JSON parse (invalid JSON or invalid UTF-8)         -> 422 ``Failed to parse request context to json``
-2. ``stopped`` flag (after /stopService)              -> 503 ``The service has been stopped``
-3. inputs: conflict / missing / input_id / inputs text -> 422 (messages in ``_check_ids``/``_check_text``)
-   (text is tokenised here when ``encode`` is given), then the token count (0, 1048576]
-4. ``parameters`` in MindIE's order: temperature, top_k, top_p, typical_p, do_sample, seed,
-   repetition_penalty, watermark, priority, max_new_tokens, timeout, details; then top-level
-   ``stream``                                          -> 422
-5. engine checks (``check_token_ids``): ids >= vocab, input too long -> 424
-   ``Failed to enqueue inferRequest. ...``; or truncation.
+Source of truth: mindie.md §3/§4 and MindIE-LLM's C++ (``infer_param.cpp``, ``parse_protocol.cpp``,
+``llm_manager_impl.cpp ProcessReqInputIds``).
 
 JSON type semantics (nlohmann): a non-negative integer literal is "unsigned", a negative one
 "integer", anything with a fraction/exponent (or an integer beyond 64 bits) "float"; "float"
 checks accept any number, "integer" checks accept unsigned and integer, and ``true`` is never a
-number. An optional key that is absent **or null** is "not set". ``inputs``/``input_id`` are the
-exception: MindIE tests them with ``contains()``, so ``null`` there counts as present.
+number. An optional key that is absent **or null** is "not set".
 
 Numbers in messages: MindIE prints the JSON value itself (``jsonObj[key]`` -> nlohmann
 ``dump``), so ``0`` prints ``0``, ``0.0`` prints ``0.0``, ``1e-7`` prints ``1e-07`` (``dump_number``),
 and the FLT_MAX bound prints as ``3.40282e+38`` (C++ stream default precision).
 
-Deviations (documented choices):
-- A list ``inputs`` (MindIE's multimodal form) passes MindIE's own checks and is then rejected
-  with 422 ``Multimodal inputs are not supported by this model.``: this server is text-only.
-- ``-0`` is "integer" for nlohmann but decodes to ``0`` here, so ``"priority": -0`` is accepted.
-- A body that is valid JSON but not an object gives ``Not found inputs.`` (nlohmann's
-  ``contains`` is false on non-objects), as MindIE.
-- JSON nested deeper than ``MAX_JSON_DEPTH`` (100) arrays/objects is refused before decoding
-  with 422 ``Failed to parse request context to json`` (nlohmann has no depth limit; a
-  recursive decoder must have one). See docs/reliability.md.
+JSON nested deeper than ``MAX_JSON_DEPTH`` (100) arrays/objects is refused before decoding with
+422 (nlohmann has no depth limit; a recursive decoder must have one). See docs/reliability.md.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
 import secrets
 from dataclasses import dataclass
 from itertools import accumulate, count
 from operator import sub
-from typing import Annotated, Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
-from mindie.errors import generation_error, service_unavailable, validation_error
-from mindie.contract.wire import SamplingParams
+from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, SamplingParams
+from mindie.errors import ApiError, generation_error, validation_error
 
 __all__ = [
     "Limits",
-    "InferRequest",
-    "parse_infer_request",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "DEFAULT_PRIORITY",
     "check_token_count",
     "check_token_ids",
     "cap_max_new_tokens",
@@ -80,8 +63,6 @@ FLT_MAX = 3.4028234663852886e38  # MindIE bounds temperature/repetition_penalty 
 FLT_MAX_TEXT = "3.40282e+38"  # how MindIE's std::stringstream prints FLT_MAX
 MAX_PRIORITY = 5
 MAX_TIMEOUT_S = 65535
-DEFAULT_MAX_NEW_TOKENS = 20
-DEFAULT_PRIORITY = 5
 
 PARSE_ERROR = "Failed to parse request context to json"
 _ENQUEUE = "Failed to enqueue inferRequest. "
@@ -157,19 +138,6 @@ class Limits:
         """How many tokens truncation keeps."""
         mpe = self.max_position_embeddings
         return min(self.max_input_len, mpe) if mpe > 0 else self.max_input_len
-
-
-class InferRequest(msgspec.Struct, kw_only=True):
-    """A validated /infer or /infer_token request: the ids to run (truncated if configured)
-    and the effective sampling parameters (``do_sample`` decided, seed always filled,
-    ``max_new_tokens`` = min(max_new_tokens or 20, maxIterTimes, maxSeqLen - len(input_ids)))."""
-
-    input_ids: list[int]
-    stream: bool = False
-    details: bool = False
-    priority: int = DEFAULT_PRIORITY
-    timeout: Optional[int] = None  # seconds; None = not set (server timeouts apply)
-    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,11 +430,10 @@ def check_common_params(p: dict[str, Any], *, top_k_zero_ok: bool = False, top_p
 
 
 # --------------------------------------------------------------------------------------------
-# Body decoding
+# JSON bodies (every family decodes its body through these checks)
 # --------------------------------------------------------------------------------------------
 
 
-_UNSET = msgspec.UNSET
 _any_decoder = msgspec.json.Decoder()
 
 MAX_JSON_DEPTH = 100  # arrays/objects nested deeper than this: 422 before decoding
@@ -501,43 +468,6 @@ def too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
 _too_deep = too_deep  # tests/test_fuzz.py
 
 
-@functools.lru_cache(maxsize=16)
-def _body_decoder(id_bound: int) -> msgspec.json.Decoder:
-    """Decoder for the keys MindIE reads; msgspec skips every other key without building objects.
-
-    ``input_id`` is typed as a list of ints in [0, id_bound] (id_bound folds the vocabulary into
-    the endpoint range), so the common request is parsed and its ids checked in one C pass. Any
-    deviation raises ``ValidationError`` and ``_decode_body`` falls back to a generic decode that
-    finds MindIE's message.
-    """
-    ids_type = Union[Optional[list[Annotated[int, msgspec.Meta(ge=0, le=id_bound)]]], msgspec.UnsetType]
-    body_type = msgspec.defstruct(
-        "_Body",
-        [
-            ("inputs", Any, _UNSET),
-            ("input_id", ids_type, _UNSET),
-            ("stream", Any, _UNSET),
-            ("parameters", Any, _UNSET),
-        ],
-    )
-    return msgspec.json.Decoder(body_type)
-
-
-class _Parsed:
-    """The four top-level values MindIE reads (UNSET = key absent)."""
-
-    __slots__ = ("inputs", "input_id", "stream", "parameters", "ids_checked")
-
-    def __init__(self, src: Any, ids_checked: bool) -> None:
-        get = src.get if type(src) is dict else (lambda k, d: getattr(src, k))
-        self.inputs = get("inputs", _UNSET)
-        self.input_id = get("input_id", _UNSET)
-        self.stream = get("stream", _UNSET)
-        self.parameters = get("parameters", _UNSET)
-        # True: input_id (if a list) already passed the endpoint range and vocab checks.
-        self.ids_checked = ids_checked
-
-
 def check_json_text(body: bytes, message: str = PARSE_ERROR) -> None:
     """422 ``message`` for a body refused before decoding: any invalid UTF-8 (msgspec does not
     look inside skipped keys, but MindIE converts the whole body with wstring_convert before
@@ -552,169 +482,105 @@ def check_json_text(body: bytes, message: str = PARSE_ERROR) -> None:
         raise validation_error(message)
 
 
-def _id_bound(limits: Limits) -> int:
-    return min(MAX_TOKEN_ID, limits.vocab_size - 1) if limits.vocab_size > 0 else MAX_TOKEN_ID
-
-
-def _decode_body(body: bytes, limits: Limits) -> _Parsed | None:
-    """Parse the body; None when it is valid JSON but not an object."""
-    if not isinstance(body, (bytes, bytearray)):
-        body = bytes(body)
-    check_json_text(body)
-    # RecursionError: second line of defence behind too_deep (a decode started deep in the stack).
+def decode_json(body: bytes, message: str = PARSE_ERROR) -> Any:
+    """The body as JSON (MindIE rejects invalid UTF-8 and, here, nesting past 100 levels)."""
+    check_json_text(body, message)
     try:
-        return _Parsed(_body_decoder(_id_bound(limits)).decode(body), True)
-    except msgspec.ValidationError:
-        pass  # slow path below: not an object, a bad/out-of-vocab input_id, or a number overflow
+        return _any_decoder.decode(body)
     except (msgspec.DecodeError, RecursionError):
-        raise validation_error(PARSE_ERROR) from None
-    try:
-        value = _any_decoder.decode(body)
-    except (msgspec.DecodeError, RecursionError):  # DecodeError includes numbers that overflow a double
-        raise validation_error(PARSE_ERROR) from None
-    return _Parsed(value, False) if type(value) is dict else None
+        raise validation_error(message) from None
 
 
-def _check_ids(value: Any) -> list[int]:
-    """``input_id`` checks on a generic value (MindIE ``CheckTokenInput``); the first bad
-    element decides the message, as in MindIE's loop."""
-    if value is None:
-        raise validation_error("Input_id should not be empty")
-    if type(value) is not list:
-        raise validation_error("Parameter input_id must be an array")
-    for x in value:
-        if _json_kind(x) not in ("unsigned", "integer"):
-            raise validation_error("Parameter input_id must be integer")
-        if x < 0 or x > MAX_TOKEN_ID:
-            raise validation_error("Data element in param input_id is invalid")
-    return value
+# --------------------------------------------------------------------------------------------
+# Checks of the text routes (TGI, vLLM, Triton; MindIE's infer_param.cpp messages)
+# --------------------------------------------------------------------------------------------
 
 
-def _utf16_len(text: str) -> int:
+def u16len(text: str) -> int:
+    """Length in UTF-16 code units, as MindIE measures strings."""
     if text.isascii():
         return len(text)
     return len(text.encode("utf-16-le", "surrogatepass")) >> 1
 
 
-def _check_multimodal(items: list[Any]) -> bool:
-    """MindIE ``CheckMultimodalUrlFromJson``; returns whether any media url is present."""
-    media = 0
-    for item in items:
-        if type(item) is not dict:
-            continue  # nlohmann contains() is false on non-objects
-        if "text" in item and type(item["text"]) is not str:
-            raise validation_error("Request param text must be string")
-        if not ("image_url" in item or "video_url" in item or "audio_url" in item):
-            continue
-        for key in ("image_url", "audio_url", "video_url"):  # MindIE's order
-            if key in item and item[key] is None:
-                raise validation_error(f"Request param {key} null")
-        media += 1
-        if media > 20:
-            raise validation_error("The number of multimodal url should be no more than 20")
-    return media > 0
+MAX_STOP_STRING_LEN = 1024
+MAX_STOP_STRING_NUM = 1024
+MAX_TOTAL_STOP = 32 * 1024
 
 
-def _check_text(value: Any, limits: Limits) -> str:
-    """``inputs`` checks (MindIE ``CheckTextInput``), before tokenisation."""
-    if value is None:
-        raise validation_error("Inputs must not be null")
-    if type(value) is str:
-        text = value
-    elif type(value) is list:
-        if not value:
-            raise validation_error("Inputs arr is empty")
-        _check_multimodal(value)
-        text = msgspec.json.encode(value).decode()  # MindIE measures the dumped list
-    else:
-        raise validation_error("The type of inputs is abnormal")
-    n = _utf16_len(text)
-    limit = limits.max_text_len
-    if n == 0 or n > limit:
-        raise validation_error(
-            f"Inputs must be necessary and data type must be string and length in (0, {limit}]"
-            f", but the length of inputs is {n}"
-        )
-    if type(value) is list:
+def check_stop(p: dict, limit_count: bool, single_max: int) -> list[str]:
+    """``stop`` as MindIE's AssignStopStrings: a string or a list of strings."""
+    v = p.get("stop")
+    if v is None:
+        return []
+    if type(v) is str:
+        n = u16len(v)
+        if n < 1 or n > single_max:
+            raise validation_error(f"Input validation error: length of `stop` must be in [1, {single_max}], "
+                                   f"but got {n}")
+        return [v]
+    if type(v) is not list:
+        raise validation_error("Input validation error: param stop must be string or list[string]")
+    total = 0
+    ok = True
+    for s in v:
+        if type(s) is not str or not 1 <= u16len(s) <= MAX_STOP_STRING_LEN:
+            ok = False
+            break
+        total += u16len(s)
+    if not ok or total > MAX_TOTAL_STOP or (limit_count and len(v) > MAX_STOP_STRING_NUM):
+        raise validation_error(f"Input validation error: `stop` must be list[string] if list, and item length in "
+                               f"[1, {MAX_STOP_STRING_LEN}] with total <= {MAX_TOTAL_STOP}")
+    return list(v)
+
+
+def check_text_input(v: Any, limits: Limits, missing: str, empty: str, abnormal: str, length: str) -> str:
+    """A family's prompt text (TGI ``inputs``, vLLM ``prompt``, Triton ``text_input``) as MindIE
+    checks it, with the family's messages: missing (absent or null), an empty list, any other
+    list (multimodal), not a string, a length outside (0, max_text_len] UTF-16 units (``length``
+    is formatted with ``limit`` and ``n``)."""
+    if v is None:
+        raise validation_error(missing)
+    if type(v) is list:
+        if not v:
+            raise validation_error(empty)
         raise validation_error("Multimodal inputs are not supported by this model.")
-    return text
+    if type(v) is not str:
+        raise validation_error(abnormal)
+    n = u16len(v)
+    if n == 0 or n > limits.max_text_len:
+        raise validation_error(length.format(limit=limits.max_text_len, n=n))
+    return v
 
 
-# --------------------------------------------------------------------------------------------
-# Entry point
-# --------------------------------------------------------------------------------------------
+def encode_text_input(text: str, encode: Callable[[str], list[int]], message: str) -> list[int]:
+    """The prompt's token ids; 422 unless their count is in (0, MAX_TOKENS_NUM] (``message`` is
+    formatted with ``limit`` and ``n``)."""
+    ids = encode(text)
+    if not 0 < len(ids) <= MAX_TOKENS_NUM:
+        raise validation_error(message.format(limit=MAX_TOKENS_NUM, n=len(ids)))
+    return ids
 
 
-def parse_infer_request(
-    body: bytes,
-    limits: Limits,
-    *,
-    encode: Callable[[str], list[int]],
-    stopped: bool = False,
-) -> InferRequest:
-    """Validate an /infer or /infer_token body; raise ``ApiError`` with MindIE's first error.
+def check_params_object(container: dict, key: str = "parameters") -> dict:
+    v = container.get(key)
+    if v is None:
+        return {}
+    if type(v) is not dict:
+        raise validation_error(f"{key} must be object type.")
+    return v
 
-    ``encode`` tokenises text ``inputs`` at MindIE's point in the order (before parameter
-    checks). ``stopped`` = the service was stopped (503 after a successful parse, as MindIE).
-    """
-    b = _decode_body(body, limits)
-    if stopped:
-        raise service_unavailable("The service has been stopped")
-    if b is None:
-        raise validation_error("Not found inputs.")
 
-    # ---- inputs (ValidateAndPrepareReqToken) ----
-    has_text = b.inputs is not _UNSET
-    has_ids = b.input_id is not _UNSET
-    if has_text and has_ids:
-        raise validation_error("Input conflict.")
-    if has_text:
-        ids = encode(_check_text(b.inputs, limits))
-        check_token_count(len(ids))
-    elif has_ids:
-        v = b.input_id
-        # Fast path: the typed decode already checked every element (type, range, vocab).
-        ids = v if (b.ids_checked and v is not None) else _check_ids(v)
-        check_token_count(len(ids))
-    else:
-        raise validation_error("Not found inputs.")
+def check_string(p: dict, key: str) -> str | None:
+    v = p.get(key)
+    if v is None:
+        return None
+    if type(v) is not str:
+        raise validation_error(f"{key} must be string type.")
+    return v
 
-    # ---- parameters (SetupInferParams), in MindIE's order ----
-    params = b.parameters
-    if params is _UNSET or params is None:
-        p: dict[str, Any] = {}
-    elif type(params) is dict:
-        p = params
-    else:
-        raise validation_error("parameters must be object type.")
 
-    c = check_common_params(p)
-    watermark = get_param(p, "watermark", "boolean")
-    priority = priority_param(p)
-    max_new_tokens = max_new_tokens_param(p)
-    timeout = timeout_param(p)
-    details = get_param(p, "details", "boolean")
-    stream = b.stream
-    if stream is _UNSET or stream is None:
-        stream = False
-    elif type(stream) is not bool:
-        raise validation_error("stream must be boolean type.")
-
-    # ---- build ----
-    # Engine checks (424) come after every 422, as in MindIE.
-    ids = check_token_ids(ids, limits, vocab_checked=has_ids and b.ids_checked)
-    sampling = c.sampling(
-        limits, max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS, len(ids),
-        watermark=bool(watermark),
-        # Project extension: MindIE ignores `ignore_eos` on this route (AISBench sends it);
-        # honoured here when it is a boolean so benchmarks get exact lengths, ignored otherwise.
-        ignore_eos=p.get("ignore_eos") is True,
-    )
-    return InferRequest(
-        input_ids=ids,
-        stream=stream,
-        details=bool(details),
-        priority=priority if priority is not None else DEFAULT_PRIORITY,
-        timeout=timeout,
-        sampling=sampling,
-    )
+def check_model_name(name: str | None, served: str) -> None:
+    """A LoRA name (TGI ``adapter_id``, vLLM ``model``): this server has only its base model."""
+    if name is not None and name not in (served, "None"):
+        raise ApiError(404, f"Model {name} not found.")

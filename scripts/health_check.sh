@@ -7,7 +7,7 @@
 # $MIES_CONFIG_JSON_PATH, else the built-in defaults) with the server's own loader, so the
 # environment overrides apply as for scripts/launch.sh. Exit 0 when healthy; otherwise one line
 # saying why and an exit status per reason (--help lists them). Python: $PYTHON, else python3.
-# See mindie/probe.py and docs/operations.md.
+# See mindie/ops/probe.py and docs/operations.md.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -15,4 +15,4 @@ root="$(cd "$here/.." && pwd)"
 # scripts/launch.sh does; the repository goes on the import path (also works uninstalled).
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export MINDIE_PROBE_PROG="${MINDIE_PROBE_PROG:-health_check.sh}"
-exec "${PYTHON:-python3}" -m mindie.probe "$@"
+exec "${PYTHON:-python3}" -m mindie.ops.probe "$@"

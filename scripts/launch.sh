@@ -96,9 +96,9 @@ eval "$("$PY" -m mindie.prepare)"
 # descriptor, so the directory counts as in use while any of them lives, even after this script
 # dies; once all have stopped, the EXIT trap removes the server's files (sockets, locks, state).
 exec {lockfd}<>"$MINDIE_RUN_DIR/server.lock"
-"$PY" -m mindie.contract.lifecycle hold "$MINDIE_RUN_DIR" "$lockfd" || exit 2
+"$PY" -m mindie.ops.run_dir hold "$MINDIE_RUN_DIR" "$lockfd" || exit 2
 release_run_dir() {
-  "$PY" -m mindie.contract.lifecycle release "$MINDIE_RUN_DIR" "$lockfd" || true
+  "$PY" -m mindie.ops.run_dir release "$MINDIE_RUN_DIR" "$lockfd" || true
 }
 trap release_run_dir EXIT
 eval "$("$PY" -m workers.prepare "$MINDIE_DEPLOYMENT" || echo "exit 2")"
@@ -179,7 +179,7 @@ trap on_stop_signal TERM INT
 on_reload() {
   if [ -z "$gun" ]; then
     echo "launch.sh: SIGHUP: no front ends on this host (role $role): nothing to reload" >&2
-  elif "$PY" -m mindie.tls check "$MINDIE_LISTENERS"; then
+  elif "$PY" -m mindie.ops.tls_check check "$MINDIE_LISTENERS"; then
     echo "launch.sh: SIGHUP: reloading the front ends" >&2
     kill -HUP "$gun" 2>/dev/null || true
   else

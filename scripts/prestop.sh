@@ -22,4 +22,4 @@ case "${1:-}" in
     exit 0 ;;
 esac
 export MINDIE_PROBE_PROG="${MINDIE_PROBE_PROG:-prestop.sh}"
-exec "${PYTHON:-python3}" -m mindie.probe stop "$@"
+exec "${PYTHON:-python3}" -m mindie.ops.probe stop "$@"

@@ -19,7 +19,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")  # PyYAML: setup.cfg [test] extras
 
-from mindie import probe  # noqa: E402
+from mindie.ops import probe  # noqa: E402
 from mindie.config import load_config  # noqa: E402
 from mindie.listeners import plan_listeners  # noqa: E402
 from tests.harness import ROOT, alive, free_port, free_ports, process_roles, short_run_dir, wait_gone, write_config  # noqa: E402

@@ -35,9 +35,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mindie.api.body import read_body
+from mindie.pipeline import read_body
 from mindie.errors import ApiError
-from mindie.validation import MAX_JSON_DEPTH, Limits, _too_deep, parse_infer_request
+from mindie.api.infer_schema import parse_infer_request
+from mindie.validation import MAX_JSON_DEPTH, Limits, _too_deep
 from tests.harness import ROOT, Server, alive, descendants, free_port, short_run_dir, write_config
 
 pytestmark = pytest.mark.timeout(900)

@@ -1,8 +1,8 @@
-"""scripts/health_check.sh and scripts/prestop.sh (mindie/probe.py) against the real launcher
+"""scripts/health_check.sh and scripts/prestop.sh (mindie/ops/probe.py) against the real launcher
 (tests/harness.py) and against stand-ins for the states a real server is hard to hold in
 (a socket that never answers, one that trickles, canned 503 bodies).
 
-Exit statuses (mindie/probe.py): 0 healthy, 1 unhealthy, 2 usage/config, 3 not running,
+Exit statuses (mindie/ops/probe.py): 0 healthy, 1 unhealthy, 2 usage/config, 3 not running,
 4 timeout, 5 TLS error, 6 starting, 7 stopped, 8 busy.
 
 Needs the management routes /health/timed-N and /stopService (MindIE semantics, mindie.md
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mindie import probe
+from mindie.ops import probe
 from tests.certs import Pki
 from tests.harness import ROOT, Server, free_port, free_ports, process_roles, short_run_dir, wait_gone, write_config
 

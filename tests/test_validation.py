@@ -8,15 +8,14 @@ import pytest
 
 from mindie.contract import wire as protocol
 from mindie.errors import ApiError, request_too_large
+from mindie.api.infer_schema import InferRequest, parse_infer_request
 from mindie.validation import (
     INT64_MAX,
-    InferRequest,
     Limits,
     _dump_float,
     cap_max_new_tokens,
     check_token_ids,
     implicit_do_sample,
-    parse_infer_request,
 )
 
 LIMITS = Limits.from_config(max_seq_len=2560, max_input_token_len=2048, max_iter_times=512, vocab_size=32000)

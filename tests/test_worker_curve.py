@@ -32,8 +32,8 @@ KEY = "BackendConfig.workerCurveKeyDir"
 
 
 def make_keys(path: Path) -> Path:
-    """A key directory made the documented way: python -m mindie.curve_keys DIR."""
-    proc = subprocess.run([sys.executable, "-m", "mindie.curve_keys", str(path)], cwd=ROOT, capture_output=True,
+    """A key directory made the documented way: python -m mindie.ops.curve_keys DIR."""
+    proc = subprocess.run([sys.executable, "-m", "mindie.ops.curve_keys", str(path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return path

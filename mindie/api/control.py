@@ -30,7 +30,7 @@ import falcon.asgi
 import msgspec
 
 from mindie.admission import Admission
-from mindie.api.body import read_body
+from mindie.pipeline import read_body
 from mindie.api.status import Live
 from mindie.client import DeviceClient
 from mindie.contract.lifecycle import request_stop

@@ -15,10 +15,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
+from mindie.errors import ApiError
 from mindie.validation import MAX_JSON_DEPTH, too_deep
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ResponseFormat", "MAX_N",
-           "MAX_LOGPROBS", "decode_completion", "decode_chat", "SchemaError"]
+           "MAX_LOGPROBS", "decode_completion", "decode_chat"]
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -38,13 +39,9 @@ StopStr = Annotated[str, Meta(max_length=1024)]
 Stop = Union[StopStr, Annotated[list[StopStr], Meta(max_length=1024)], None]
 
 
-class SchemaError(ValueError):
-    """A body that does not fit: message, and the parameter it names (or None)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    """A body that does not fit: 400 with the message and the parameter it names (or None)."""
+    return ApiError(400, message, param=param)
 
 
 class _Base(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
@@ -111,9 +108,9 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes):
     if not body.strip():
-        raise SchemaError("The request body is empty: a JSON object is expected.")
+        raise bad_request("The request body is empty: a JSON object is expected.")
     if too_deep(body):  # before any recursive decode (docs/reliability.md "Hostile input")
-        raise SchemaError(f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.")
+        raise bad_request(f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels.")
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -124,42 +121,42 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
             param = param.split("[", 1)[0].split(".", 1)[0] or None
         elif msg.startswith("Object missing required field `"):
             param = msg.split("`")[1]
-        raise SchemaError(msg, param) from None
+        raise bad_request(msg, param) from None
     except (msgspec.DecodeError, RecursionError) as e:
-        raise SchemaError(f"The request body is not valid JSON: {e}") from None
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
     req = _decode(_completion_decoder, body)
     if req.best_of is not None and req.best_of != (req.n or 1):
-        raise SchemaError("best_of is not supported (it must be absent or equal to n).", "best_of")
+        raise bad_request("best_of is not supported (it must be absent or equal to n).", "best_of")
     if req.suffix:
-        raise SchemaError("suffix is not supported.", "suffix")
+        raise bad_request("suffix is not supported.", "suffix")
     return req
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
     req = _decode(_chat_decoder, body)
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
-        raise SchemaError("top_logprobs requires logprobs to be true.", "top_logprobs")
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     if req.response_format is not None and req.response_format.type == "json_schema":
-        raise SchemaError("response_format json_schema is not supported: this server cannot constrain its output "
+        raise bad_request("response_format json_schema is not supported: this server cannot constrain its output "
                           "to a schema (json_object and text are accepted).", "response_format")
     if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise SchemaError("tool_choice 'required' or a named function is not supported: this server does not "
+        raise bad_request("tool_choice 'required' or a named function is not supported: this server does not "
                           "parse tool calls (tools are passed to the chat template only).", "tool_choice")
     for i, m in enumerate(req.messages):
         if not isinstance(m.get("role"), str):
-            raise SchemaError(f"messages[{i}].role must be a string.", "messages")
+            raise bad_request(f"messages[{i}].role must be a string.", "messages")
         content = m.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise SchemaError(f"messages[{i}].content must be a string or a list of content parts.", "messages")
+            raise bad_request(f"messages[{i}].content must be a string or a list of content parts.", "messages")
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise SchemaError(f"messages[{i}].content: only text content parts are supported by this model.",
+                raise bad_request(f"messages[{i}].content: only text content parts are supported by this model.",
                                   "messages")
             texts.append(part["text"])
         m["content"] = "\n".join(texts)  # as vLLM gives a "string"-format template a list of text parts
@@ -177,12 +174,12 @@ def prompts(prompt: Union[str, list[Any]]) -> list[Union[str, list[int]]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise SchemaError("prompt must not be empty.", "prompt")
+        raise bad_request("prompt must not be empty.", "prompt")
     if all(type(x) is int for x in prompt):
         return [prompt]
     if all(isinstance(x, str) for x in prompt):
         return list(prompt)
     if all(isinstance(x, list) and x and all(type(t) is int for t in x) for x in prompt):
         return list(prompt)
-    raise SchemaError("prompt must be a string, a list of token ids, a list of strings or a list of token-id "
+    raise bad_request("prompt must be a string, a list of token ids, a list of strings or a list of token-id "
                       "lists.", "prompt")

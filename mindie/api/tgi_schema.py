@@ -16,12 +16,11 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from mindie.api.generate_base import (check_model_name, check_params_object, check_stop, check_string,
-                                      check_text_input, encode_text_input)
-from mindie.contract.wire import SamplingParams
+from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from mindie.errors import validation_error
-from mindie.validation import (DEFAULT_MAX_NEW_TOKENS, MAX_INT32, Limits, check_common_params, check_token_ids,
-                               dump_number, get_param, max_new_tokens_param)
+from mindie.validation import (MAX_INT32, Limits, check_common_params, check_model_name, check_params_object,
+                               check_stop, check_string, check_text_input, check_token_ids, dump_number,
+                               encode_text_input, get_param, max_new_tokens_param)
 
 MAX_STOP_LEN_TGI = 1024  # MindIE's TGI path: one stop string up to MAX_STOP_STRING_LEN
 MAX_TOP_N_TOKENS = 5  # TGI's default max_top_n_tokens

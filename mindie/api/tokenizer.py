@@ -13,7 +13,7 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie.api.body import read_body
+from mindie.pipeline import read_body
 from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import validation_error
 from mindie.validation import Limits

@@ -21,21 +21,22 @@ Parameters as on ``/infer`` with Triton's differences: ``top_p`` 1.0 and ``top_k
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Optional
 
 import falcon.asgi
 import msgspec
 
-from mindie.api.generate_base import (GenerateBase, Job, Result, check_params_object, check_text_input, decode_json,
-                                      encode_text_input, finish_name, json_bytes, render_pieces)
-from mindie.contract.wire import SamplingParams
+from mindie import sse
+from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, SamplingParams
+from mindie.detokenizer import TextTokenizer
 from mindie.errors import generation_error, not_found, validation_error
-from mindie.generation import Generation, Piece
-from mindie.request_log import RequestRecord
-from mindie.validation import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, MAX_INT32, MAX_TOKEN_ID, MAX_TOKENS_NUM,
-                               CommonParams, check_common_params, check_token_count, check_token_ids, dump_number,
-                               get_param, max_new_tokens_param, priority_param, random_seed, timeout_param)
+from mindie.generation import Piece
+from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
+from mindie.validation import (MAX_INT32, MAX_TOKEN_ID, MAX_TOKENS_NUM, CommonParams, Limits, check_common_params,
+                               check_params_object, check_text_input, check_token_count, check_token_ids, decode_json,
+                               dump_number, encode_text_input, get_param, max_new_tokens_param, priority_param,
+                               random_seed, timeout_param)
 
 ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
 ID_MESSAGE = ("The id can contain only digits, letters, underscores(_), hyphens(-) and no more than 256 words "
@@ -187,75 +188,89 @@ def parse_text_request(body, limits, encode, request_id: str) -> TritonRequest:
     return TritonRequest(id=rid, input_ids=ids, parameters=params, text=text)
 
 
-class TritonResource(GenerateBase):
+_json = msgspec.json.encode
+
+
+class TritonCodec(Codec):
+    """Triton's shapes; ``mode``: "infer" (tokens), "generate" or "stream" (text)."""
+
+    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, mode: str, full_text: bool):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model_name = model_name
+        self.mode = mode
+        self.full_text = full_text
+
+    def precheck(self, ctx: Context) -> None:
+        if ctx.kw["model"] != self.model_name:
+            raise not_found(f"Model {ctx.kw['model']} not found.")
+
+    def parse(self, body: bytes, ctx: Context) -> Job:
+        value = decode_json(body)
+        if self.mode == "infer":
+            r = parse_token_request(value, self.limits)
+        else:
+            r = parse_text_request(value, self.limits, self.tokenizer.encode, ctx.request_id)
+        t = r.parameters
+        sub = Sub(r.input_ids, sampling_of(t, len(r.input_ids), self.limits), priority=t.priority, timeout=t.timeout,
+                  user_id=r.id)
+        return Job([sub], self.mode == "stream", r)
+
+    def finish_label(self, finish: str) -> str:
+        return finish_name(finish)
+
+    def _head(self, r: TritonRequest, ctx: Context) -> dict:
+        return {"id": r.id or ctx.request_id, "model_name": ctx.kw["model"], "model_version": None}
+
+    def reply(self, job: Job, outs: list[Output], ctx: Context) -> bytes:
+        r: TritonRequest = job.request
+        out = outs[0]
+        if self.mode == "infer":
+            return _json({"id": r.id or ctx.request_id,
+                          "outputs": [{"name": r.output_name, "shape": [1, len(out.ids)], "datatype": "UINT32",
+                                       "data": out.ids}]})
+        res = self._head(r, ctx)
+        res["text_output"] = out.text
+        if r.parameters.details:
+            res["details"] = {"finish_reason": finish_name(out.finish), "generated_tokens": len(out.ids),
+                              "first_token_cost": None, "decode_cost": None, "batch_size": None,
+                              "queue_wait_time": None}
+        return _json(res)
+
+    def render(self, job: Job, out: Output, p: Piece, ctx: Context) -> Iterator[bytes]:
+        r: TritonRequest = job.request
+        res = self._head(r, ctx)
+        res["text_output"] = out.text if self.full_text else p.text
+        if r.parameters.details:
+            d: dict = {}
+            if p.finish_reason:
+                d["finish_reason"] = finish_name(p.finish_reason)
+            d.update({"generated_tokens": len(out.ids), "first_token_cost": None, "decode_cost": None,
+                      "batch_size": None, "queue_wait_time": None})
+            res["details"] = d
+            if not out.state.get("started"):
+                res["prefill_time"], res["decode_time"] = round(p.prefill_ms, 2), None
+            else:
+                res["prefill_time"], res["decode_time"] = None, round(p.decode_ms, 2)
+        out.state["started"] = True
+        yield sse.event(_json(res), space=False)
+
+
+class TritonResource:
     """The three Triton inference routes (responder suffixes "infer", "generate", "generate_stream")."""
 
+    def __init__(self, pipeline: Pipeline, model_name: str, full_text: bool = False):
+        self.pipeline = pipeline
+        tok, lim = pipeline.tokenizer, pipeline.limits
+        self.codecs = {mode: TritonCodec(tok, lim, model_name, mode, full_text)
+                       for mode in ("infer", "generate", "stream")}
+
     async def on_post_infer(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model: str) -> None:
-        await self.serve(req, resp, mode="infer", model=model)
+        await self.pipeline.serve(req, resp, self.codecs["infer"], model=model)
 
     async def on_post_generate(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model: str) -> None:
-        await self.serve(req, resp, mode="generate", model=model)
+        await self.pipeline.serve(req, resp, self.codecs["generate"], model=model)
 
     async def on_post_generate_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
                                       model: str) -> None:
-        await self.serve(req, resp, mode="stream", model=model)
-
-    def precheck(self, req, kw: dict) -> None:
-        if kw["model"] != self.model_name:
-            raise not_found(f"Model {kw['model']} not found.")
-
-    def parse(self, req, body: bytes, kw: dict, rec: RequestRecord) -> Job:
-        value = decode_json(body)
-        mode = kw["mode"]
-        if mode == "infer":
-            r = parse_token_request(value, self.limits)
-        else:
-            r = parse_text_request(value, self.limits, self.tokenizer.encode, rec.request_id)
-        t = r.parameters
-        return Job(r.input_ids, sampling_of(t, len(r.input_ids), self.limits), stream=mode == "stream",
-                   priority=t.priority, timeout=t.timeout, user_id=r.id, extra=(mode, r, kw["model"]),
-                   prompt=r.text)
-
-    def _head(self, job: Job, rec: RequestRecord) -> dict:
-        _, r, model = job.extra
-        return {"id": r.id or rec.request_id, "model_name": model, "model_version": None}
-
-    def reply(self, job: Job, res: Result, rec: RequestRecord) -> bytes:
-        mode, r, _ = job.extra
-        if mode == "infer":
-            return json_bytes({"id": r.id or rec.request_id,
-                               "outputs": [{"name": r.output_name, "shape": [1, len(res.ids)], "datatype": "UINT32",
-                                            "data": res.ids}]})
-        out = self._head(job, rec)
-        out["text_output"] = res.text
-        if r.parameters.details:
-            out["details"] = {"finish_reason": finish_name(res.finish_reason), "generated_tokens": len(res.ids),
-                              "first_token_cost": None, "decode_cost": None, "batch_size": None,
-                              "queue_wait_time": None}
-        return json_bytes(out)
-
-    def events(self, job: Job, gen: Generation, rec: RequestRecord) -> AsyncIterator[bytes | None]:
-        _, r, _ = job.extra
-        first = True
-
-        def render(p: Piece) -> Iterator[bytes]:
-            nonlocal first
-            out = self._head(job, rec)
-            out["text_output"] = gen.text if self.full_text else p.text
-            if r.parameters.details:
-                d: dict = {}
-                if p.finish_reason:
-                    d["finish_reason"] = finish_name(p.finish_reason)
-                d.update({"generated_tokens": len(gen.token_ids), "first_token_cost": None, "decode_cost": None,
-                          "batch_size": None, "queue_wait_time": None})
-                out["details"] = d
-                if first:
-                    out["prefill_time"], out["decode_time"] = round(p.prefill_ms, 2), None
-                else:
-                    out["prefill_time"], out["decode_time"] = None, round(p.decode_ms, 2)
-            first = False
-            if p.finish_reason:
-                self.succeeded(rec, p.finish_reason)
-            yield b"data:" + json_bytes(out) + b"\n\n"
-
-        return render_pieces(gen, rec, render)
+        await self.pipeline.serve(req, resp, self.codecs["stream"], model=model)

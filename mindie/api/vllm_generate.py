@@ -1,5 +1,6 @@
 """vLLM's ``POST /generate`` (a body with ``prompt``; mindie.md §7; MindIE
-single_req_vllm_infer_interface.cpp), served through mindie/api/tgi.py's ``/generate`` route.
+single_req_vllm_infer_interface.cpp), on the ``/generate`` route that it shares with TGI
+(mindie/api/generate.py tells the two bodies apart).
 
 Checks in MindIE's order with its messages (422): prompt (present, string, length, tokens) ->
 ignore_eos, stop (a string up to 32768 UTF-16 units or a list of at most 1024-unit strings, total
@@ -14,20 +15,19 @@ Answers: ``{"text": ["<prompt> <output>"]}`` (MindIE joins them with one space);
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
-from mindie.api.generate_base import (GenerateBase, Job, Result, check_model_name, check_stop, check_text_input,
-                                      encode_text_input, json_bytes, render_pieces, u16len)
 from mindie.contract.wire import SamplingParams
-from mindie.errors import validation_error
-from mindie.generation import Generation, Piece
-from mindie.request_log import RequestRecord
-from mindie.validation import (MAX_INT32, cap_max_new_tokens, check_token_ids, clamp_top_k, dump_number, float_param,
+from mindie.detokenizer import TextTokenizer
+from mindie.errors import ApiError, validation_error
+from mindie.generation import Piece
+from mindie.pipeline import Codec, Context, Job, Output, Sub, finish_name
+from mindie.validation import (MAX_INT32, Limits, cap_max_new_tokens, check_model_name, check_stop, check_text_input,
+                               check_token_ids, clamp_top_k, decode_json, dump_number, encode_text_input, float_param,
                                get_param, implicit_do_sample, random_seed, repetition_penalty_param, seed_param,
-                               temperature_param, top_k_param, top_p_param)
+                               temperature_param, top_k_param, top_p_param, u16len)
 
 MAX_TOTAL_STOP = 32 * 1024
 MAX_BEST_OF = 128
@@ -168,30 +168,36 @@ def sampling_of(r: VllmRequest, limits) -> SamplingParams:
     )
 
 
-class VllmFamily:
+class VllmCodec(Codec):
+    """vLLM's ``/generate`` shapes: the answer ``{"text": [...]}``, a stream of NUL-terminated
+    ``{"text": [new text]}`` chunks (not SSE), errors as MindIE's JSON (NUL-terminated in a stream)."""
+
     content_type = "text/plain; charset=utf-8"
 
-    def __init__(self, base: GenerateBase):
-        self.base = base
+    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model_name = model_name
 
-    def parse_value(self, body: dict) -> Job:
-        b = self.base
-        r = parse_vllm(body, b.limits, b.tokenizer.encode, b.model_name)
-        return Job(r.input_ids, sampling_of(r, b.limits), stream=r.stream, stops=r.stop,
-                   include_stop=r.include_stop_str_in_output, extra=r, prompt=r.prompt)
+    def parse(self, body: bytes, ctx: Context) -> Job:
+        value = decode_json(body)
+        return self.parse_value(value if type(value) is dict else {})
 
-    def result(self, job: Job, res: Result) -> bytes:
-        r: VllmRequest = job.extra
-        return json_bytes({"text": [r.prompt + " " + res.text]})
+    def parse_value(self, body: dict[str, Any]) -> Job:
+        """A decoded body (an object with ``prompt``) into its job."""
+        r = parse_vllm(body, self.limits, self.tokenizer.encode, self.model_name)
+        sub = Sub(r.input_ids, sampling_of(r, self.limits), stops=r.stop, include_stop=r.include_stop_str_in_output)
+        return Job([sub], r.stream, r, self)
 
-    def stream_error(self, message: str, etype: str) -> bytes:
-        return json_bytes({"error": message, "error_type": etype}) + b"\0"
+    def finish_label(self, finish: str) -> str:
+        return finish_name(finish)
 
-    def events(self, job: Job, gen: Generation, rec: RequestRecord,
-               base: GenerateBase) -> AsyncIterator[bytes | None]:
-        def render(p: Piece) -> list[bytes]:
-            if p.finish_reason:
-                base.succeeded(rec, p.finish_reason)
-            return [json_bytes({"text": [p.text]}) + b"\0"]
+    def reply(self, job: Job, outs: list[Output], ctx: Context) -> bytes:
+        r: VllmRequest = job.request
+        return msgspec.json.encode({"text": [r.prompt + " " + outs[0].text]})
 
-        return render_pieces(gen, rec, render)
+    def render(self, job: Job, out: Output, p: Piece, ctx: Context) -> list[bytes]:
+        return [msgspec.json.encode({"text": [p.text]}) + b"\0"]
+
+    def stream_error(self, job: Job, err: ApiError) -> bytes:
+        return err.body() + b"\0"

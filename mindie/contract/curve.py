@@ -8,7 +8,7 @@ plain tcp is allowed only with ``BackendConfig.workerInsecureTcp: true``. Both s
 so a hand-edited launch plan cannot open plain tcp either.
 
 The key directory holds certificate files as ``zmq.auth.create_certificates`` writes them
-(``python -m mindie.curve_keys DIR`` makes a complete one):
+(``python -m mindie.ops.curve_keys DIR`` makes a complete one):
 
     worker.key_secret     the workers' keypair (secret: mode 0600 or stricter)
     worker.key            the workers' public key (front ends check the server with it)
@@ -68,7 +68,7 @@ def link_mode(endpoint: str, key_dir: str, insecure: bool) -> str:
     if insecure:
         return "plain"
     raise CurveKeyError(f"worker link {endpoint} is tcp: it needs CURVE keys ({KEY_DIR_KEY}, made by "
-                        f"python -m mindie.curve_keys DIR) or {INSECURE_KEY}: true to allow plain tcp")
+                        f"python -m mindie.ops.curve_keys DIR) or {INSECURE_KEY}: true to allow plain tcp")
 
 
 def insecure_warning(endpoint: str) -> str:
@@ -82,7 +82,7 @@ def read_certificate(path: str, *, secret: bool, env=os.environ) -> tuple[bytes,
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise CurveKeyError(f"{path} does not exist (python -m mindie.curve_keys DIR makes the key files)") from None
+        raise CurveKeyError(f"{path} does not exist (python -m mindie.ops.curve_keys DIR makes the key files)") from None
     except OSError as e:
         raise CurveKeyError(f"cannot access {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
@@ -136,6 +136,6 @@ def frontend_keys(key_dir: str, env=os.environ) -> tuple[bytes, bytes, bytes]:
 def check_key_dir(key_dir: str, env=os.environ) -> None:
     """Every file both sides need is there, well-formed and (secrets) private."""
     if not os.path.isdir(key_dir):
-        raise CurveKeyError(f"{key_dir} is not a directory (python -m mindie.curve_keys DIR makes one)")
+        raise CurveKeyError(f"{key_dir} is not a directory (python -m mindie.ops.curve_keys DIR makes one)")
     worker_keys(key_dir, env)
     frontend_keys(key_dir, env)

@@ -29,8 +29,8 @@ A server is live while any of these files is locked by a process. ``claim`` (at 
 life; ``release`` (the launcher, after every process stopped) removes it all; ``request_stop``
 asks the launcher to stop (what a ``/stopService`` handler calls).
 
-    python -m mindie.contract.lifecycle hold|release RUN_DIR FD     (scripts/launch.sh)
-    python -m mindie.contract.lifecycle stop RUN_DIR                (stop the server using RUN_DIR)
+    python -m mindie.ops.run_dir hold|release RUN_DIR FD     (scripts/launch.sh)
+    python -m mindie.ops.run_dir stop RUN_DIR                (stop the server using RUN_DIR)
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ import shutil
 import signal
 import stat
 import struct
-import sys
 
 __all__ = ["ENTRIES", "SERVER_LOCK", "RunDirBusy", "die_with_parent", "expected_parent", "launcher_pid", "lock_file", "claim",
            "hold", "release", "request_stop", "owner_of", "leftovers"]
@@ -309,34 +308,3 @@ def request_stop(run_dir: str, sig: int = signal.SIGTERM) -> int:
         raise ProcessLookupError(f"no running server owns {run_dir}")
     os.kill(pid, sig)
     return pid
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m mindie.contract.lifecycle hold|release RUN_DIR FD | stop RUN_DIR"
-    if len(args) < 2 or args[0] not in ("hold", "release", "stop"):
-        print(usage, file=sys.stderr)
-        return 2
-    cmd, run_dir = args[0], args[1]
-    try:
-        if cmd == "hold":
-            hold(run_dir, int(args[2]))
-        elif cmd == "release":
-            removed, left = release(run_dir, int(args[2]) if len(args) > 2 else None)
-            if left:
-                print(f"run dir {run_dir}: left in place (locked by a live process): {', '.join(left)}",
-                      file=sys.stderr)
-                return 1
-        else:
-            print(f"sent SIGTERM to the launcher (pid {request_stop(run_dir)})", file=sys.stderr)
-    except (RunDirBusy, ProcessLookupError) as e:
-        print(f"run dir: {e}", file=sys.stderr)
-        return 1
-    except (IndexError, ValueError):
-        print(usage, file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

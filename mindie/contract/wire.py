@@ -23,6 +23,11 @@ class Message(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Base of every wire message."""
 
 
+# Request defaults, defined once: every API family and the worker read these.
+DEFAULT_MAX_NEW_TOKENS = 20  # MindIE's max_new_tokens when a request gives none
+DEFAULT_PRIORITY = 5  # MindIE's priority when a request gives none (1 = first, 5 = last)
+
+
 class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Per-request sampling parameters; the defaults mean greedy decoding."""
 
@@ -34,7 +39,7 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     repetition_penalty: float = 1.0
     seed: int = 0
     watermark: bool = False
-    max_new_tokens: int = 20
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     ignore_eos: bool = False
     stop_token_ids: list[int] = []  # a sampled id in this list ends the request (FINISH_STOP_TOKEN)
     logprobs: int = -1  # -1: none; 0: each sampled token's log-probability; k (<= 20): also the top k
@@ -50,7 +55,7 @@ class Submit(Message, tag=1):
     frontend_id: str
     token_ids: list[int]
     params: SamplingParams
-    priority: int = 5
+    priority: int = DEFAULT_PRIORITY
     arrival: float = 0.0  # wall-clock epoch seconds when the front end accepted it
     user_id: str = ""  # the client's id (req-id header): what stopInfer names; need not be unique
 

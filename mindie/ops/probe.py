@@ -2,7 +2,7 @@
 ``scripts/health_check.sh`` (Kubernetes exec probes, Docker HEALTHCHECK) and ``scripts/prestop.sh``.
 
     health_check.sh [--config FILE] [--timeout S] startup|liveness|readiness|timed [N]
-    prestop.sh [--config FILE] [--wait S]        (= python3 -m mindie.probe stop --wait S)
+    prestop.sh [--config FILE] [--wait S]        (= python3 -m mindie.ops.probe stop --wait S)
 
 Where it connects: the listener that serves the management plane, planned from the same
 config.json as the server (``--config FILE``, else ``$MIES_CONFIG_JSON_PATH``, else the built-in

@@ -1,6 +1,6 @@
 """Make the ZeroMQ CURVE key directory of tcp worker links (``BackendConfig.workerCurveKeyDir``).
 
-    python -m mindie.curve_keys DIR [--force]
+    python -m mindie.ops.curve_keys DIR [--force]
 
 Writes, with pyzmq's ``zmq.auth.create_certificates`` (the layout is mindie/contract/curve.py):
 ``worker.key_secret`` / ``worker.key`` (the workers' keypair), ``frontend.key_secret`` /
@@ -47,7 +47,7 @@ def create_key_dir(key_dir: str, force: bool = False) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mindie.curve_keys",
+    ap = argparse.ArgumentParser(prog="python -m mindie.ops.curve_keys",
                                  description="Make the CURVE key directory of tcp worker links "
                                              "(BackendConfig.workerCurveKeyDir).")
     ap.add_argument("dir", help="directory to write the key files to (created mode 0700)")

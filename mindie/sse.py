@@ -1,0 +1,67 @@
+"""The one SSE writer of the front end: event framing, the items handed to Falcon's
+``resp.sse``, and the headers of a stream.
+
+Frames are bytes built here and passed through untouched (``Raw``), so every family's events are
+byte-exact: MindIE's native routes and OpenAI write ``data: {json}\\n\\n``; MindIE's TGI and
+Triton routes ``data:{json}\\n\\n`` (no space, as MindIE); vLLM's ``/generate`` stream is not
+SSE at all (NUL-terminated JSON, its codec says so with its content type).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import falcon.asgi
+import msgspec
+
+IDLE_TICK_S = 1.0  # how often an idle stream checks for a client disconnect
+SSE = "text/event-stream"
+
+_enc = msgspec.json.Encoder()
+
+
+def event(data: bytes, space: bool = True) -> bytes:
+    """One SSE event: ``data: <data>\\n\\n`` (``data:<data>`` without ``space``)."""
+    return (b"data: " if space else b"data:") + data + b"\n\n"
+
+
+def json_event(obj: Any, space: bool = True) -> bytes:
+    """One SSE event of ``obj`` as compact JSON (msgspec keeps Struct field and dict key order)."""
+    return event(_enc.encode(obj), space)
+
+
+class Raw:
+    """Bytes sent as they are into an open stream (Falcon's ``resp.sse`` item)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __bool__(self) -> bool:
+        return True
+
+    def serialize(self, handler=None) -> bytes:
+        return self.data
+
+
+class Tick:
+    """Sent while a stream waits: zero bytes on the wire, but Falcon checks for a client
+    disconnect after every item, so a vanished client is noticed within IDLE_TICK_S."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def serialize(self, handler=None) -> bytes:
+        return b""
+
+
+TICK = Tick()
+
+
+def start_stream(resp: falcon.asgi.Response, items: AsyncIterator[object], content_type: str = SSE) -> None:
+    """Hand ``items`` (``Raw`` and ``TICK``) to Falcon as the response body."""
+    resp.content_type = content_type
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
+    resp.sse = items
