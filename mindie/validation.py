@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import msgspec
 
+from mindie.config import ModelDeployConfig, ScheduleConfig, ServerConfig
 from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, SamplingParams
 from mindie.errors import ApiError, generation_error, validation_error
 
@@ -73,6 +74,10 @@ _ENQUEUE = "Failed to enqueue inferRequest. "
 # --------------------------------------------------------------------------------------------
 
 
+# The config's defaults (MindIE's), defined once in mindie/config.py.
+_SERVER, _DEPLOY, _SCHEDULE = ServerConfig(), ModelDeployConfig(), ScheduleConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Request limits taken from the server config (build with ``Limits.from_config``).
@@ -84,14 +89,14 @@ class Limits:
     """
 
     vocab_size: int = 0
-    max_input_len: int = 2048  # min(maxInputTokenLen, maxSeqLen - 1)
+    max_input_len: int = min(_DEPLOY.max_input_token_len, _DEPLOY.max_seq_len - 1)
     truncation: int = 0
-    max_request_length_mb: int = 40
-    max_seq_len: int = 2560
-    max_iter_times: int = 512
+    max_request_length_mb: int = _SERVER.max_request_length
+    max_seq_len: int = _DEPLOY.max_seq_len
+    max_iter_times: int = _SCHEDULE.max_iter_times
     max_position_embeddings: int = 0
-    token_timeout: float = 600.0  # s, longest wait for the next token (tokenTimeout)
-    e2e_timeout: float = 600.0  # s, longest request (e2eTimeout)
+    token_timeout: float = float(_SERVER.token_timeout)  # s, longest wait for the next token (tokenTimeout)
+    e2e_timeout: float = float(_SERVER.e2e_timeout)  # s, longest request (e2eTimeout)
 
     def __post_init__(self) -> None:
         t = self.truncation
@@ -110,10 +115,10 @@ class Limits:
         max_iter_times: int,
         truncation: int | bool = 0,
         vocab_size: int = 0,
-        max_request_length_mb: int = 40,
+        max_request_length_mb: int = _SERVER.max_request_length,
         max_position_embeddings: int = 0,
-        token_timeout: float = 600.0,
-        e2e_timeout: float = 600.0,
+        token_timeout: float = float(_SERVER.token_timeout),
+        e2e_timeout: float = float(_SERVER.e2e_timeout),
     ) -> "Limits":
         """Limits from MindIE config keys; ``max_input_len = min(maxInputTokenLen, maxSeqLen-1)``."""
         return cls(

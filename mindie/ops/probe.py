@@ -138,6 +138,8 @@ def connect_host(listen: str) -> str:
 
 def management_target(config_path: Optional[str], env=os.environ) -> Target:
     """The management plane's listener as the launcher plans it (same loader, same overrides)."""
+    # Imported here, not at the top: a probe given --url reads no config, and a kubelet runs
+    # this program every few seconds, so it loads only what its target needs.
     from mindie.config import ConfigError, load_config
     from mindie.listeners import plan_listeners
 
