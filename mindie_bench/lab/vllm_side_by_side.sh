@@ -3,7 +3,7 @@
 # Not part of the tests or CI: it installs vLLM (several GB) into its own venv.
 set -euo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 MODEL=""
 OURS_URL="http://127.0.0.1:1025"
