@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mindie_bench.adapters import APIS, Adapter, HttpClient, make_adapter, resolve_model
 from mindie_bench import lab
+from mindie_bench.adapters import APIS, Adapter, HttpClient, make_adapter, resolve_model
 from mindie_bench.compare import Endpoint, compare_table, run_compare
 from mindie_bench.runner import (LoadConfig, plot_cdfs, plot_sweep, result_path, run_async, run_document,
                                  run_sweep, server_info, sweep_table, write_json)
@@ -155,7 +155,7 @@ def _endpoint_args(p: argparse.ArgumentParser, suffix: str, who: str, url: str, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mindie-bench", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,compare," + ",".join(lab.COMMANDS) + "}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="benchmark one endpoint (optionally a concurrency sweep)",
                        description="Benchmark one endpoint; one segment per --concurrency level.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

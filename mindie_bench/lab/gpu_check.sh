@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with one CUDA device: the CUDA tests, then decode figures.
 #
-#   mindie_bench/lab/gpu_check.sh [OUT_DIR]
+#   mindie_bench/lab/gpu_check.sh [OUT_DIR]      (or: mindie-bench gpu-check [OUT_DIR])
 #
 # 1. The tests that need CUDA (pytest -k cuda: the model on CUDA against transformers, the
 #    engine's greedy tokens on CUDA against the CPU's) - they are skipped on machines without one.
