@@ -652,3 +652,15 @@ def test_scripts_keeps_only_what_an_operator_runs() -> None:
     root = Path(__file__).resolve().parents[1]
     assert sorted(p.name for p in (root / "scripts").iterdir()) == [
         "health_check.sh", "launch.sh", "prestop.sh", "watermark_detect.py"]
+
+
+def test_the_client_does_not_import_the_server() -> None:
+    """``mindie-bench run``/``compare`` talk HTTP only: importing the CLI (which lists the lab's
+    commands) loads neither the engine (workers), the front end (mindie) nor torch."""
+    import subprocess
+    import sys
+    code = ("import sys, mindie_bench.cli; "
+            "print(sorted(m for m in ('workers', 'mindie', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == "[]"
