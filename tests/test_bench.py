@@ -664,3 +664,25 @@ def test_the_client_does_not_import_the_server() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout
     assert out.strip() == "[]"
+
+
+def test_docs_name_existing_scripts_and_lab_commands() -> None:
+    """Every ``scripts/...`` or ``mindie_bench/lab/...`` path and every ``mindie-bench <command>``
+    that the README, docs/ (not the journal in docs/history/) and deploy/ name exists."""
+    import re
+
+    from mindie_bench import lab
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")),
+             *sorted(p for p in (root / "deploy").rglob("*") if p.is_file())]
+    commands = {"run", "compare", *lab.COMMANDS}
+    missing = []
+    for f in files:
+        text = f.read_text(errors="replace")
+        for path in re.findall(r"(?<![\w/.-])((?:scripts|mindie_bench/lab)/[\w.-]+\.(?:sh|py))", text):
+            if not (root / path).is_file():
+                missing.append(f"{f.relative_to(root)}: {path}")
+        for cmd in re.findall(r"mindie-bench ([a-z][\w-]*)", text):
+            if cmd not in commands:
+                missing.append(f"{f.relative_to(root)}: mindie-bench {cmd}")
+    assert not missing, missing
