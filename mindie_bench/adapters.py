@@ -10,7 +10,7 @@ loop's scheduling of coroutines does not add to TTFT or ITL.
 
 The response parser is ``httptools`` (llhttp; installed with ``uvicorn[standard]``), not a
 hand-written one: it passes the same tests, is 3-13x faster per SSE event and its _Conn is
-65 lines shorter (scripts/bench_http_parser.py).
+65 lines shorter (mindie_bench/lab/http_parser.py).
 
 Token counting per API:
 

@@ -1,4 +1,5 @@
-"""``mindie-bench``: benchmark a serving deployment (``run``) or two side by side (``compare``)."""
+"""``mindie-bench``: benchmark a serving deployment (``run``) or two side by side (``compare``); the
+lab's benchmarks, profilers and drills (``mindie-bench engine``, ``roofline``, ... : mindie_bench/lab/)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from mindie_bench import lab
 from mindie_bench.adapters import APIS, Adapter, HttpClient, make_adapter, resolve_model
 from mindie_bench.compare import Endpoint, compare_table, run_compare
 from mindie_bench.runner import (LoadConfig, plot_cdfs, plot_sweep, result_path, run_async, run_document,
@@ -153,7 +155,7 @@ def _endpoint_args(p: argparse.ArgumentParser, suffix: str, who: str, url: str, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mindie-bench", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,compare}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="benchmark one endpoint (optionally a concurrency sweep)",
                        description="Benchmark one endpoint; one segment per --concurrency level.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ratio", choices=("a/b", "b/a"), default="a/b",
                    help="direction of every ratio: a/b = A's value divided by B's (default)")
     _common(c)
+    for name, (target, text) in lab.COMMANDS.items():  # listed here; main() hands them their arguments
+        sub.add_parser(name, help=f"lab: {text}", add_help=False)
     return p
 
 
@@ -300,6 +304,8 @@ def _median_p99(level: dict[str, Any], side: str) -> float:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in lab.COMMANDS:
+        return lab.run(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     full = ["mindie-bench", *argv]
     try:

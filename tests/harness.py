@@ -190,7 +190,7 @@ def demo_server(tmp: Path, model_path: str, env: dict | None = None, **config) -
         s.stop()
 
 
-# -- process trees (tests/test_processes.py, scripts/chaos.py) -----------------------------------
+# -- process trees (tests/test_processes.py, mindie_bench/lab/chaos.py) -----------------------------------
 def process_roles(launcher: int) -> dict[int, str]:
     """Every live process of the server started by launcher pid ``launcher``, with its role:
     "supervisor", "worker", "master" (gunicorn) or "frontend"."""

@@ -620,3 +620,69 @@ def test_cli_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     for flag in ("--url", "--api", "--model", "--prompt-len", "--output-len", "--num-prompts", "--concurrency",
                  "--request-rate", "--warmup", "--seed", "--out", "--plot", "--jsonl", "--timeout"):
         assert flag in text
+
+
+def test_lab_commands_resolve_and_take_their_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every ``mindie-bench <lab command>`` names a module with ``main(argv)`` or a shell script of
+    mindie_bench/lab/, ``mindie-bench --help`` lists them, and the arguments reach the module."""
+    import importlib
+    import inspect
+
+    from mindie_bench import lab
+    for name, (target, _) in lab.COMMANDS.items():
+        if target.endswith(".sh"):
+            assert (lab.HERE / target).is_file(), name
+        else:
+            main = importlib.import_module(f"mindie_bench.lab.{target}").main
+            assert list(inspect.signature(main).parameters) == ["argv"], name
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in lab.COMMANDS)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["engine", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mindie-bench engine") and "--concurrency" in out
+
+
+def test_scripts_keeps_only_what_an_operator_runs() -> None:
+    """scripts/ holds the launcher, the probes, the drain and the watermark detector; the
+    benchmarks, profilers and drills live in mindie_bench/lab/ (issue 26)."""
+    root = Path(__file__).resolve().parents[1]
+    assert sorted(p.name for p in (root / "scripts").iterdir()) == [
+        "health_check.sh", "launch.sh", "prestop.sh", "watermark_detect.py"]
+
+
+def test_the_client_does_not_import_the_server() -> None:
+    """``mindie-bench run``/``compare`` talk HTTP only: importing the CLI (which lists the lab's
+    commands) loads neither the engine (workers), the front end (mindie) nor torch."""
+    import subprocess
+    import sys
+    code = ("import sys, mindie_bench.cli; "
+            "print(sorted(m for m in ('workers', 'mindie', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == "[]"
+
+
+def test_docs_name_existing_scripts_and_lab_commands() -> None:
+    """Every ``scripts/...`` or ``mindie_bench/lab/...`` path and every ``mindie-bench <command>``
+    that the README, docs/ (not the journal in docs/history/) and deploy/ name exists."""
+    import re
+
+    from mindie_bench import lab
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")),
+             *sorted(p for p in (root / "deploy").rglob("*") if p.is_file())]
+    commands = {"run", "compare", *lab.COMMANDS}
+    missing = []
+    for f in files:
+        text = f.read_text(errors="replace")
+        for path in re.findall(r"(?<![\w/.-])((?:scripts|mindie_bench/lab)/[\w.-]+\.(?:sh|py))", text):
+            if not (root / path).is_file():
+                missing.append(f"{f.relative_to(root)}: {path}")
+        for cmd in re.findall(r"mindie-bench ([a-z][\w-]*)", text):
+            if cmd not in commands:
+                missing.append(f"{f.relative_to(root)}: mindie-bench {cmd}")
+    assert not missing, missing

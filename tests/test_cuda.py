@@ -1,4 +1,4 @@
-"""The CUDA path (run by scripts/gpu_check.sh on a machine with a GPU; skipped elsewhere): the
+"""The CUDA path (run by mindie_bench/lab/gpu_check.sh on a machine with a GPU; skipped elsewhere): the
 engine's greedy continuations on CUDA equal the CPU's on the same fp32 weights."""
 from __future__ import annotations
 

@@ -247,7 +247,7 @@ def test_greedy_agreement_with_the_unquantised_model(tiny_models) -> None:
     """bf16 int8 against bf16, 16 prompts x 16 greedy tokens on the demo-shaped tiny model:
     positions equal until the first divergence, and teacher-forced top-1 agreement (the int8
     model's argmax on the bf16 model's own continuation). Random weights give near-flat logits,
-    the hardest case for agreement; scripts/int8_quality.py measures more."""
+    the hardest case for agreement; mindie_bench/lab/int8_quality.py measures more."""
     import random
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(12)] for _ in range(16)]

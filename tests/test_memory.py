@@ -1,5 +1,5 @@
 """Flat memory (issue 13, item 4): the real server (scripts/launch.sh, two CPU device workers, one
-front end) under a minute of steady mixed load, every process sampled by scripts/soak.py.
+front end) under a minute of steady mixed load, every process sampled by mindie_bench/lab/soak.py.
 
 The bound (7 %) is looser than the soak's 3 % over 10 minutes because the baseline here is taken
 after 25 s instead of 90 s. The row-count buckets of the packed linears (about 3 MiB each for the
@@ -29,7 +29,7 @@ CPU_MEM_GIB = 0.25
 def test_rss_flat_under_mixed_load(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--seconds", "60", "--warmup", "25",
+        [sys.executable, "-m", "mindie_bench.lab.soak", "--seconds", "60", "--warmup", "25",
          "--interval", "2.5", "--max-growth", str(MAX_GROWTH_PCT), "--cpu-mem-gib", str(CPU_MEM_GIB),
          "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=420,
         env={**os.environ, "MINDIE_CPU_PREWARM_GFLOP": "150"})

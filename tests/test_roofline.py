@@ -1,9 +1,8 @@
-"""scripts/roofline.py: the bytes a decode step reads, checked against the model's own tensors,
+"""mindie_bench/lab/roofline.py: the bytes a decode step reads, checked against the model's own tensors,
 and a short run of the script on the small demo model (seconds)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -14,14 +13,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "roofline.py"
 
 
 def _roofline():
-    spec = importlib.util.spec_from_file_location("roofline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from mindie_bench.lab import roofline
+    return roofline
 
 
 def _weights_read_per_step(model: torch.nn.Module) -> int:
@@ -80,7 +76,7 @@ def test_kv_bytes_agree_with_the_cache_and_sliding_windows(demo_model):
 def test_script_runs_and_prints_the_fraction(demo_model, tmp_path):
     out = tmp_path / "roofline.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", demo_model, "--dtype", "float32", "--concurrency", "1,2",
+        [sys.executable, "-m", "mindie_bench.lab.roofline", "--model", demo_model, "--dtype", "float32", "--concurrency", "1,2",
          "--context", "20", "--steps", "3", "--warm", "1", "--repeat", "2", "--bw-mib", "16", "--bw-repeat", "2",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)

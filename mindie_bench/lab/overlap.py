@@ -7,9 +7,14 @@ jobs and sends the previous step's frames), B = overlap off (jobs, step, frames 
 ratio column is A/B output tokens/s.
 
     # the bench30m model on the CPU workers
-    python scripts/bench_overlap.py --concurrency 1,8,32,64
+    python -m mindie_bench.lab.overlap --concurrency 1,8,32,64
     # the null model with a fixed device time per step, as an accelerator would behave
-    python scripts/bench_overlap.py --null-model --null-step-ms 8 --concurrency 64,256 --output-len 256
+    python -m mindie_bench.lab.overlap --null-model --null-step-ms 8 --concurrency 64,256 --output-len 256
+
+Also ``mindie-bench overlap ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Public entry points only: two servers through ``scripts/launch.sh`` (via ``serving``), measured by
+``mindie-bench compare``.
 """
 from __future__ import annotations
 
@@ -17,13 +22,11 @@ import argparse
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import bench_model, start_server  # noqa: E402
+from mindie_bench.lab.serving import bench_model, start_server
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -37,7 +40,7 @@ def main() -> None:
     ap.add_argument("--null-step-ms", type=float, default=0.0)
     ap.add_argument("--port", type=int, default=18710, help="A's port; B uses the next one")
     ap.add_argument("--out", default="bench-results/overlap")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     model = "" if args.null_model else (args.model or bench_model())
     servers = []

@@ -5,7 +5,16 @@ Keeps ``--concurrency`` requests in flight (a finished one is replaced at once) 
 ``--num-prompts`` have finished, and prints output tokens/s. Prompts are random token ids;
 requests ignore EOS so every one generates exactly ``--output-len`` tokens.
 
-    python scripts/bench_engine.py --preset bench30m --dtype bfloat16 --concurrency 1,8,32,64
+    python -m mindie_bench.lab.engine --preset bench30m --dtype bfloat16 --concurrency 1,8,32,64
+
+Also ``mindie-bench engine ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Engine internals, because the engine is what it measures, without the worker's sockets: the
+runner comes from ``workers.engine.model_runner.load_runner`` (the builder the device worker's
+``workers.worker.build_engine`` calls) and requests go straight to ``workers.engine.engine.Engine``.
+``build_engine`` itself is not used: it sizes the KV cache from the server's memory settings and
+binds the worker's compute thread, and these figures keep their own KV size and no overlap so that
+they stay comparable with the journal's. ``roofline`` and ``int8-quality`` take the same path.
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 
 def load(model: str, dtype: str, *, threads: int = 0, block_size: int = 128, kv_gb: float = 1.0,
@@ -84,7 +93,7 @@ def throughput(runner, engine_cfg, num_blocks: int, conc: int, n_total: int, pro
             "output_tok_s": round(tokens / dt, 1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="Hugging Face model dir (default: a demo model, see --preset)")
     ap.add_argument("--preset", default="demo", choices=["demo", "bench30m"],
@@ -99,7 +108,7 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=1.0)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--json", help="also write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)

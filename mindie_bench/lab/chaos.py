@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fault drills against the real launcher (scripts/launch.sh), under load, one table line each.
 
-    python scripts/chaos.py                              # every drill: 2 device workers, 2 front ends
-    python scripts/chaos.py --drills worker,master --clients 16 --tokens 400
+    python -m mindie_bench.lab.chaos                              # every drill: 2 device workers, 2 front ends
+    python -m mindie_bench.lab.chaos --drills worker,master --clients 16 --tokens 400
 
 Each drill runs against a server under load (--clients clients, each sending one streamed
 /infer_token request after another, --tokens tokens each), injects its fault and watches:
@@ -25,6 +25,12 @@ Each drill runs against a server under load (--clients clients, each sending one
 
 Kills that the server survives (a device worker, a front end) must recover on their own; the
 others must take the whole server down within seconds, leaving no process.
+
+Also ``mindie-bench chaos ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Public entry points for the server (``scripts/launch.sh``, HTTP, signals); it reads process trees
+with tests/harness.py and checks the run directory with ``mindie.contract.lifecycle.leftovers``
+(the launcher's own list of what a stop must leave), so it needs a source checkout.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from mindie.contract.lifecycle import leftovers  # noqa: E402
 from tests.harness import alive, free_port, process_roles as roles, rss_mib  # noqa: E402
@@ -341,7 +347,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--drills", default=",".join(DRILLS), help=f"comma-separated, in order (default: {','.join(DRILLS)})")
@@ -351,7 +357,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200, help="max_new_tokens per request")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each fault")
     ap.add_argument("--after", type=float, default=1.0, help="seconds of load after recovery")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     drills = [d for d in args.drills.split(",") if d]
     unknown = set(drills) - set(DRILLS)
     if unknown:

@@ -7,11 +7,17 @@ equal, tokens until the first divergence, identical sequences; teacher-forced: t
 top-1 on the bf16 model's own continuation), the largest logit difference from the bf16 model on
 those sequences, and the int8 kernel's error against the dequantised fp32 reference (fp32 model).
 Then weight bytes and RSS of a worker process, and engine-alone tokens/s at --concurrency,
-int8 and bf16 alternating (--rounds rounds, medians and best; scripts/bench_engine.py's functions), and
+int8 and bf16 alternating (--rounds rounds, medians and best; mindie_bench/lab/engine.py's functions), and
 the per-matmul timings that chose the CPU kernel (--kernels).
 
-    python scripts/int8_quality.py --kernels             # everything (about 10 minutes here)
-    python scripts/int8_quality.py --models tiny-tied,demo --no-throughput
+    python -m mindie_bench.lab.int8_quality --kernels             # everything (about 10 minutes here)
+    python -m mindie_bench.lab.int8_quality --models tiny-tied,demo --no-throughput
+
+Also ``mindie-bench int8-quality ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Engine internals, on purpose: it compares the int8 kernel with a dequantised reference
+(``workers.backends.int8``, ``load_model``, tests/reference_attention.py), counts weight bytes the
+way the backend stores them, and takes engine-alone tokens/s from ``mindie_bench/lab/engine.py``.
 """
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 TINY = {"tiny-tied": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96, max_position_embeddings=512),
         "tiny-untied": dict(hidden=96, layers=3, heads=6, kv_heads=2, intermediate=160, max_position_embeddings=512,
@@ -177,7 +183,7 @@ def kernels(threads: int) -> list[dict]:
 
 
 def throughput(name: str, levels: list[int], rounds: int, threads: int, prompt_len: int, output_len: int) -> list[dict]:
-    import bench_engine
+    from mindie_bench.lab import engine as bench_engine
     loaded = {q: bench_engine.load("", "bfloat16", threads=threads, kv_gb=1.0, quantize=q, preset=name)
               for q in ("", "w8a16")}
     res = {(q, c): [] for q in loaded for c in levels}
@@ -202,7 +208,7 @@ def throughput(name: str, levels: list[int], rounds: int, threads: int, prompt_l
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--rss-child":
         rss_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
         return
@@ -218,7 +224,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="also time the three matmul paths per shape")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import logging
     logging.basicConfig(level=logging.WARNING)

@@ -15,13 +15,17 @@ more than ``--max-growth`` percent, if it was replaced (a restart resets memory)
 KV cache is mapped or resident beyond cpuMemSize, or if requests failed. Exit status 0 = pass,
 1 = a check failed, 2 = the run itself did not work.
 
-    python scripts/soak.py                                  # 10 minutes, 3 % bound
-    python scripts/soak.py --seconds 60 --warmup 25 --max-growth 7 --cpu-mem-gib 0.25   # the test's run
+    python -m mindie_bench.lab.soak                                  # 10 minutes, 3 % bound
+    python -m mindie_bench.lab.soak --seconds 60 --warmup 25 --max-growth 7 --cpu-mem-gib 0.25   # the test's run
+
+Also ``mindie-bench soak ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Public entry points only: ``scripts/launch.sh``, HTTP, ``mindie-bench run``, /proc; the model comes
+from ``mindie_bench.lab.demo_model``.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -34,7 +38,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KV_MAPPING = "/dev/zero (deleted)"  # a shared anonymous mmap: how Python's mmap.mmap(-1, n) shows
 
 
@@ -207,7 +211,7 @@ def print_table(rows: list[dict], max_growth: float) -> None:
           "worker's KV cache resident / mapped)")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=600, help="load duration (default 600)")
     ap.add_argument("--warmup", type=float, default=0,
@@ -229,14 +233,13 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
     ap.add_argument("--json", help="also write every sample and the result here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     warmup = args.warmup or min(90.0, args.seconds / 6)
 
     model = args.model
     if not model:
-        sys.path.insert(0, str(ROOT))
-        from workers.models.demo import PRESETS, ensure_demo_model
-        model = str(ensure_demo_model(**dataclasses.asdict(PRESETS[args.preset])))
+        from mindie_bench.lab import demo_model
+        model = demo_model(args.preset)
     port = args.port
     if not port:
         import socket

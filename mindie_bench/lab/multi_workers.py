@@ -8,8 +8,8 @@ concurrency (1 = one after another), --repeat times. Prints the median wall time
 and the ratio N workers / one worker. (One wave of 16 requests on the demo model takes a
 quarter of a second: too short to compare on a shared machine; hence the waves and repeats.)
 
-    python scripts/bench_workers.py                      # 1 vs 2 workers, concurrency 1,16,64, prompts 5,120
-    python scripts/bench_workers.py --workers 2 --concurrency 16 --prompts 120
+    python -m mindie_bench.lab.multi_workers                      # 1 vs 2 workers, concurrency 1,16,64, prompts 5,120
+    python -m mindie_bench.lab.multi_workers --workers 2 --concurrency 16 --prompts 120
 
 Exits 1, loudly, when N workers under load (every concurrency of at least --load-from, default
 16; the highest one if none is) take longer than one worker by more than --tolerance (default
@@ -19,6 +19,12 @@ should deliver as much or more).
 Reproducing the slowdown of Intel hosts here (docs/performance.md, "Several CPU workers"):
 ``GOMP_SPINCOUNT=3000000`` makes OpenMP's idle threads spin about as long as Intel's long PAUSE
 does; ``--threads 2`` oversubscribes a 2-core machine on purpose (2 workers x 2 threads).
+
+Also ``mindie-bench multi-workers ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Public entry points for the server (``scripts/launch.sh`` through tests/harness.py's ``Server``,
+HTTP); ``mindie.topology.usable_cores`` to size the threads as the launcher does. Needs a source
+checkout (tests/).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from mindie.topology import usable_cores  # noqa: E402
 from tests.harness import Server, free_port, short_run_dir, write_config  # noqa: E402
@@ -100,7 +106,7 @@ def run(workers: int, args, work: Path) -> dict[tuple[int, int], float]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2, help="workers of the multi-worker server (default 2)")
     ap.add_argument("--requests", type=int, default=16,
@@ -115,7 +121,7 @@ def main() -> int:
                     help="fail when N workers take longer than one worker times this under load")
     ap.add_argument("--load-from", type=int, default=16,
                     help="concurrencies from this one up are 'under load' for --tolerance (default 16)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.prompts = [int(x) for x in args.prompts.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     print(f"machine: {cpu_flags()}; demo model fp32; max({args.requests}, 4 x concurrency) requests "

@@ -4,7 +4,12 @@
 around the modules: linear layers, LM head, attention (cache write included), RMSNorm, rope,
 and the rest (embedding, residual adds, SwiGLU, metadata, argmax).
 
-    python scripts/profile_step.py --batch 1,8,32,64
+    python -m mindie_bench.lab.profile_step --batch 1,8,32,64
+
+Also ``mindie-bench profile-step ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Engine internals, on purpose: it wraps the model's modules (``load_model`` on a ``CpuBackend``)
+with timers; a breakdown per module kind needs the modules themselves.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from workers.backends.cpu import CpuBackend
 from workers.models.loader import load_model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -30,7 +35,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0,
                     help="profile prompt chunks of this many tokens instead (one sequence per batch entry, "
                          "from position --context)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     path = args.model
     if not path:
         from workers.models.demo import PRESETS, ensure_demo_model

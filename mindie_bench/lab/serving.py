@@ -5,18 +5,23 @@ For the ~30M-parameter benchmark Llama (built by `mindie-demo-model --preset ben
   1. start scripts/launch.sh (two CPU device workers, bf16) and time launch -> /health 200;
   2. drive /infer_token with mindie-bench at each concurrency (prompt 128, output 128), while
      sampling the resident memory of the whole server process tree (peak reported);
-  3. stop the server and run the engine alone (scripts/bench_engine.py) on the same load;
+  3. stop the server and run the engine alone (mindie_bench/lab/engine.py) on the same load;
   4. print a table with the HTTP / engine-alone ratio per concurrency.
 With --null-model it measures the serving stack alone (no model compute) instead: streamed
 tokens/s at high concurrency and whether every token of every stream arrived.
 
-    python scripts/bench_serving.py --concurrency 1,8,32,64
-    python scripts/bench_serving.py --null-model --concurrency 256 --output-len 256
+    python -m mindie_bench.lab.serving --concurrency 1,8,32,64
+    python -m mindie_bench.lab.serving --null-model --concurrency 256 --output-len 256
+
+Also ``mindie-bench serving ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Public entry points only: the server through ``scripts/launch.sh`` and HTTP, the load from
+``mindie-bench run``; the engine-alone side runs ``python -m mindie_bench.lab.engine``. The model
+comes from ``mindie_bench.lab.demo_model`` (what ``mindie-demo-model`` prints).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -28,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tree_rss(pid: int) -> int:
@@ -70,8 +75,8 @@ class RssSampler(threading.Thread):
 
 def bench_model() -> str:
     """The bench30m preset's directory (built on first use)."""
-    from workers.models.demo import PRESETS, ensure_demo_model
-    return str(ensure_demo_model(**dataclasses.asdict(PRESETS["bench30m"])))
+    from mindie_bench.lab import demo_model
+    return demo_model("bench30m")
 
 
 def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1, dtype: str = "bfloat16",
@@ -114,7 +119,7 @@ def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1,
     sys.exit(f"server not ready in 120 s; log: {tmp / 'server.log'}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -132,7 +137,7 @@ def main() -> None:
                     help="ScheduleConfig.overlapSteps (auto = the device's default)")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-alone runs")
     ap.add_argument("--out", default="bench-results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -167,10 +172,10 @@ def main() -> None:
     if not args.no_engine and not args.null_model:
         for c in levels:
             n = args.num_prompts or max(32, 2 * c)
-            r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_engine.py"), "--model", model,
+            r = subprocess.run([sys.executable, "-m", "mindie_bench.lab.engine", "--model", model,
                                 "--dtype", args.dtype, "--concurrency", str(c), "--num-prompts", str(n),
                                 "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-                                "--kv-gb", str(args.kv_gib)], capture_output=True, text=True, check=True)
+                                "--kv-gb", str(args.kv_gib)], capture_output=True, text=True, check=True, cwd=ROOT)
             engine[c] = json.loads(r.stdout.strip().splitlines()[-1])["output_tok_s"]
             print(f"  engine c={c}: {engine[c]:.1f} tok/s", file=sys.stderr)
 

@@ -16,9 +16,14 @@ The load generator is a minimal asyncio HTTP/1.1 client (no httpx), so that on a
 it takes as little CPU from the server as it can. First it times Admission.try_acquire +
 release in this process (the per-request cost every inference request pays).
 
-    python scripts/bench_overload.py                       # maxLinkNum 32, 320 streams, burst
-    python scripts/bench_overload.py --ramp-s 2 --rounds 1  # the same arrivals spread over 2 s
-    python scripts/bench_overload.py --model bench30m       # a real (CPU) model instead
+    python -m mindie_bench.lab.overload                       # maxLinkNum 32, 320 streams, burst
+    python -m mindie_bench.lab.overload --ramp-s 2 --rounds 1  # the same arrivals spread over 2 s
+    python -m mindie_bench.lab.overload --model bench30m       # a real (CPU) model instead
+
+Also ``mindie-bench overload ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Public entry points for the load (``scripts/launch.sh``, HTTP); one internal on purpose:
+``mindie.admission.Admission``, whose per-request cost in this process is the first line.
 """
 from __future__ import annotations
 
@@ -35,11 +40,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_serving import RssSampler, bench_model, tree_rss  # noqa: E402
+from mindie_bench.lab.serving import RssSampler, bench_model, tree_rss  # noqa: E402
 
 
 def admission_cost(n: int = 100_000) -> tuple[float, float]:
@@ -227,7 +231,7 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-link-num", type=int, default=32)
     ap.add_argument("--overload", type=float, default=10.0, help="streams sent = overload x maxLinkNum")
@@ -240,13 +244,13 @@ def main() -> None:
     ap.add_argument("--ramp-s", type=float, default=0.0, help="spread the arrivals over this many seconds")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18731)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     pair, refuse = admission_cost()
     print(f"admission: acquire+release {pair:.2f} us per pair; refused acquire at the limit {refuse:.2f} us")
     if args.model == "null":
-        from workers.models.demo import ensure_demo_model
-        model = str(ensure_demo_model())  # tokenizer and vocabulary only
+        from mindie_bench.lab import demo_model
+        model = demo_model()  # tokenizer and vocabulary only
     elif args.model == "bench30m":
         model = bench_model()
     else:

@@ -10,17 +10,23 @@ can do is ``bytes per step / read bandwidth`` seconds, and the roofline is
 
 This script measures the read bandwidth (a streaming torch sum over a buffer far larger than the
 caches, with torch threads = the cores this process may use, several repeats), computes the bytes
-of a step from the model's config, runs the real engine (as scripts/bench_engine.py does) with
+of a step from the model's config, runs the real engine (as mindie_bench/lab/engine.py does) with
 ``batch`` sequences at ``--context`` tokens and times steady decode steps only (the prefill and a
 few warm-up steps are not timed), and prints measured / roofline. ``--repeat`` rounds each take
 a few bandwidth samples and then run every batch once; measured tokens/s = batch / the median
 timed step of all rounds (a step another process preempted is an outlier on a shared machine).
 Progress goes to stderr, the table to stdout, everything with ``--json``.
 
-    python scripts/roofline.py --preset bench30m --dtype bfloat16 --concurrency 1,8,32
+    python -m mindie_bench.lab.roofline --preset bench30m --dtype bfloat16 --concurrency 1,8,32
 
 Embedding reads (one row per sequence) are counted but negligible. Activations, logits and the
 KV write of the new token are not counted: the roofline is an upper bound.
+
+Also ``mindie-bench roofline ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Engine internals, as ``mindie_bench/lab/engine.py`` (the engine is what it measures: runner from
+``load_runner``, steps of ``Engine`` timed one by one), plus ``workers.models.config.ModelArgs`` for
+the bytes a step reads and ``workers.backends.get_backend`` for ``--device cuda``.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -143,7 +149,7 @@ def step_bytes(args, elem: int, contexts: list[int]) -> dict[str, int]:
 
 
 def load(model: str, dtype: str, threads: int, block_size: int, device: str = "cpu"):
-    """The engine's runner, set up as scripts/bench_engine.py does (``device``: cpu or cuda)."""
+    """The engine's runner, set up as mindie_bench/lab/engine.py does (``device``: cpu or cuda)."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends import get_backend
     from workers.engine.model_runner import load_runner
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--bw-repeat", type=int, default=3, help="bandwidth sums per round")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: usable cores)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="cuda: the engine on GPU 0 and the bandwidth of its memory (scripts/gpu_check.sh)")
+                    help="cuda: the engine on GPU 0 and the bandwidth of its memory (mindie_bench/lab/gpu_check.sh)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)

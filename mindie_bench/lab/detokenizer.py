@@ -6,7 +6,12 @@ stream is exact (chunks + flush == decode(all ids, skip_special_tokens=True), an
 chunk unless the final text has one). Tokenizers: the demo model's byte-level BPE (real text and
 random ids) and the test suite's Llama-2-style / Metaspace byte-fallback tokenizers.
 
-    python3 scripts/bench_detokenizer.py [--tokens 2000] [--repeat 5]
+    python3 -m mindie_bench.lab.detokenizer [--tokens 2000] [--repeat 5]
+
+Also ``mindie-bench detokenizer ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Front-end internals, on purpose: it measures ``mindie.detokenizer`` itself (and uses the test
+suite's tokenizers in tests/).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tokenizers.decoders import DecodeStream  # noqa: E402
@@ -106,11 +111,11 @@ def cases(n: int) -> list[tuple[str, TextTokenizer, list[int]]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=5, help="best of this many runs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(f"{'case':34} " + " ".join(f"{k + ' µs/tok':>18} {'':18}" for k in IMPLS))
     for label, tok, ids in cases(args.tokens):
         cells = []

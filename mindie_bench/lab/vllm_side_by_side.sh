@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Side-by-side benchmark of this server against vLLM's CPU build (issue 6, item 5).
 # Not part of the tests or CI: it installs vLLM (several GB) into its own venv.
+# Run as mindie_bench/lab/vllm_side_by_side.sh ... or mindie-bench side-by-side ... (same arguments).
 set -euo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 MODEL=""
 OURS_URL="http://127.0.0.1:1025"

@@ -8,8 +8,14 @@ within this one process so that a noisy machine shifts both sides alike. Prints 
 of each side and the ratio. The row limit is ``MINDIE_CPU_FUSED_DECODE_ROWS`` (batches above it
 run eager on both sides).
 
-    python scripts/bench_decode_step.py --batch 1,8,16 --threads 1
-    MINDIE_CPU_FUSED_DECODE_ROWS=8 python scripts/bench_decode_step.py --dtype float32
+    python -m mindie_bench.lab.decode_step --batch 1,8,16 --threads 1
+    MINDIE_CPU_FUSED_DECODE_ROWS=8 python -m mindie_bench.lab.decode_step --dtype float32
+
+Also ``mindie-bench decode-step ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Engine internals, on purpose: it loads the model with ``workers.models.loader.load_model`` on a
+``CpuBackend`` and toggles the fused decode step between calls of the same process, which only the
+backend's own objects allow (the worker picks one path for its lifetime).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -30,7 +36,7 @@ from workers.backends.cpu import CpuBackend  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -39,7 +45,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=25, help="steps per side per round (the first 5 not timed)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model

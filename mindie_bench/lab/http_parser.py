@@ -8,7 +8,12 @@ patterns: one chunk per read (what a streaming server's writes usually give), 64
 16 KiB reads. Prints µs per event (best of --repeat) and checks that both deliver the same body
 bytes and keep the connection reusable.
 
-    python3 scripts/bench_http_parser.py [--events 10000] [--repeat 5] [--baseline-rev 63b6701]
+    python3 -m mindie_bench.lab.http_parser [--events 10000] [--repeat 5] [--baseline-rev 63b6701]
+
+Also ``mindie-bench http-parser ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+This package's internals, on purpose: it measures ``mindie_bench.adapters._Conn``, the benchmark
+client's own connection class, against its predecessor read from git history.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mindie_bench.adapters import _Conn, _Exchange  # noqa: E402
@@ -97,14 +102,14 @@ async def parse(cls: type, pieces: list[bytes]) -> tuple[float, int, bool]:
     return dt, got, await fut
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=5, help="best of this many runs")
     ap.add_argument("--baseline-rev", default=BASELINE_REV, metavar="REV",
                     help=f"git revision whose mindie_bench/adapters.py has the hand-written parser "
                          f"(default {BASELINE_REV})")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = args.events
     impls = {"hand-written": baseline_conn(args.baseline_rev), "httptools": _Conn}
     print(f"{n} SSE events of {len(FRAME)} bytes, chunked; µs per event (best of {args.repeat})")

@@ -8,9 +8,15 @@ and prints microseconds per call and the speed-up. Shapes default to the bench30
 prompt chunk of N tokens after `context` cached ones instead (context 0: fresh prompts; the
 torch side is SDPA, the kernel side paged_prefill).
 
-    python scripts/bench_attention.py
-    python scripts/bench_attention.py --dtype float32 --batch 1,16 --context 512,2048
-    python scripts/bench_attention.py --prefill 128 --batch 1 --context 0,384,1920 --threads 1
+    python -m mindie_bench.lab.attention
+    python -m mindie_bench.lab.attention --dtype float32 --batch 1,16 --context 512,2048
+    python -m mindie_bench.lab.attention --prefill 128 --batch 1 --context 0,384,1920 --threads 1
+
+Also ``mindie-bench attention ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Engine internals, on purpose: a kernel micro-benchmark of ``workers.backends.cpu_kernels``,
+``CpuPagedAttention`` and the portable ``PagedAttention``: what it measures is those classes, which
+no public entry point exposes one call at a time.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ def per_call_us(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     ap.add_argument("--batch", default="1,8,32,64")
@@ -45,7 +51,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--prefill", type=int, default=0, help="prompt-chunk tokens per sequence (0: decode)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if cpu_kernels.load() is None:
         raise SystemExit(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
     if args.threads:

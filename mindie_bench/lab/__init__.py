@@ -1,0 +1,65 @@
+"""The lab: benchmarks, profilers and drills of this repository (they were ``scripts/bench_*.py`` etc.).
+
+Each module has a ``main(argv=None)`` and runs as ``python -m mindie_bench.lab.<module>`` or as
+``mindie-bench <command>`` (the table below). Unlike ``mindie-bench run``/``compare``, which only
+talk HTTP to a deployment, most of these need a source checkout: the serving ones start
+``scripts/launch.sh`` and some use ``tests/harness.py``. What each imports of the engine, and why,
+is in its docstring. The figures they give are in docs/performance.md.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+#: command -> (module or shell script in this package, one line of help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "engine": ("engine", "engine-alone output tokens/s, in this process (no sockets, no HTTP)"),
+    "serving": ("serving", "the real server (scripts/launch.sh) against its engine alone; --null-model: the stack"),
+    "roofline": ("roofline", "decode tokens/s against this machine's memory-bandwidth roofline"),
+    "side-by-side": ("vllm_side_by_side.sh", "this server against vLLM's CPU build (installs vLLM in a venv)"),
+    "overlap": ("overlap", "step overlap on against off: two servers, mindie-bench compare"),
+    "overload": ("overload", "admission at 10x maxLinkNum: rejection latency, /health, RSS"),
+    "multi-workers": ("multi_workers", "one CPU device worker against N on one host"),
+    "attention": ("attention", "kernel micro-benchmark: paged attention, torch path against the C kernels"),
+    "decode-step": ("decode_step", "one decode step: the fused C step against the eager path"),
+    "profile-step": ("profile_step", "where one decode step's time goes, per module kind"),
+    "int8-quality": ("int8_quality", "w8a16 against bf16: agreement, logit error, weight bytes, tokens/s"),
+    "detokenizer": ("detokenizer", "streaming detokenisation: mindie.detokenizer against DecodeStream"),
+    "http-parser": ("http_parser", "the benchmark client's HTTP parser: httptools against the hand-written one"),
+    "soak": ("soak", "memory soak: the real server under steady load, every process's RSS flat"),
+    "chaos": ("chaos", "fault drills against the real launcher under load"),
+    "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
+}
+
+HERE = Path(__file__).resolve().parent
+
+
+def demo_model(preset: str = "demo") -> str:
+    """The directory of a built-in demo model preset (what ``mindie-demo-model --preset P`` prints),
+    generated on first use. The one place the serving-side lab modules touch the ``workers`` package."""
+    import dataclasses
+
+    from workers.models.demo import PRESETS, ensure_demo_model
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown demo preset {preset!r}: one of {', '.join(PRESETS)}")
+    return str(ensure_demo_model(**dataclasses.asdict(PRESETS[preset])))
+
+
+def run(command: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Run one lab command with ``argv``; returns its exit status."""
+    target = COMMANDS[command][0]
+    args = list(sys.argv[1:] if argv is None else argv)
+    if target.endswith(".sh"):
+        return subprocess.call(["bash", str(HERE / target), *args], env=os.environ.copy())
+    mod = importlib.import_module(f"{__name__}.{target}")
+    saved = sys.argv
+    sys.argv = [f"mindie-bench {command}", *args]  # argparse's prog in usage lines
+    try:
+        rc = mod.main(args)
+    finally:
+        sys.argv = saved
+    return rc if isinstance(rc, int) else 0
