@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
 from mindie.client import DeviceClient, NoWorkerError
 from mindie.contract import wire as P
@@ -65,19 +64,24 @@ class StopMatcher:
         return out
 
 
-@dataclass
 class Piece:
-    """What one step added to a request."""
+    """What one step added to a request (a plain slotted class: one is made per token frame)."""
 
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str = ""  # "" while running; eos_token, length, stop_sequence, stop_token, stop
-    stop: str | None = None  # the stop string that ended it
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    prompt_logprobs: list[float] = field(default_factory=list)  # first piece, when asked
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "stop", "prefill_ms",
+                 "decode_ms", "prompt_logprobs")
+
+    def __init__(self, token_ids: list[int], text: str, logprobs: list[float] = (),
+                 top_logprobs: list[list[tuple[int, float]]] = (), finish_reason: str = "", stop: str | None = None,
+                 prefill_ms: float = 0.0, decode_ms: float = 0.0, prompt_logprobs: list[float] = ()):
+        self.token_ids = token_ids
+        self.text = text
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self.finish_reason = finish_reason  # "" while running; eos_token, length, stop_sequence, stop_token, stop
+        self.stop = stop  # the stop string that ended it
+        self.prefill_ms = prefill_ms
+        self.decode_ms = decode_ms
+        self.prompt_logprobs = prompt_logprobs  # first piece, when asked
 
 
 class Deadline:
@@ -166,8 +170,9 @@ class Generation:
             self.finish_reason = f.finish_reason
             if not (f.token_ids or f.finish_reason):
                 return None
-            return Piece(list(f.token_ids), "", list(f.logprobs), [list(t) for t in f.top_logprobs], f.finish_reason,
-                         None, f.prefill_ms, f.decode_ms, list(f.prompt_logprobs))
+            # The frame's lists are this request's alone (decoded for it): no copies.
+            return Piece(f.token_ids, "", f.logprobs, f.top_logprobs, f.finish_reason, None, f.prefill_ms,
+                         f.decode_ms, f.prompt_logprobs)
         text, stop = self.matcher.push(self.detok.push(f.token_ids))
         if stop is None and f.finish_reason:
             more, stop = self.matcher.push(self.detok.flush())
@@ -181,5 +186,5 @@ class Generation:
         self.finish_reason = finish
         if not (f.token_ids or text or finish):
             return None
-        return Piece(list(f.token_ids), text, list(f.logprobs), [list(t) for t in f.top_logprobs], finish, stop,
-                     f.prefill_ms, f.decode_ms, list(f.prompt_logprobs))
+        return Piece(f.token_ids, text, f.logprobs, f.top_logprobs, finish, stop, f.prefill_ms, f.decode_ms,
+                     f.prompt_logprobs)

@@ -105,18 +105,23 @@ class Output:
     state: dict = field(default_factory=dict)  # the codec's per-output scratch
 
     def add(self, p: Piece) -> None:
-        self.text += p.text
-        n = len(p.token_ids)
-        if n:
-            rest = n
+        # Once per token frame of every stream: keep the common case (one id, no log-probs) short.
+        if p.text:
+            self.text += p.text
+        ids = p.token_ids
+        if ids:
+            n = len(ids)
             if self.prefill_ms is None:
                 self.prefill_ms = round(p.prefill_ms, 2)
-                rest = n - 1
-            if rest:
-                self.decode_ms += [round(p.decode_ms / n, 2)] * rest
-        self.ids += p.token_ids
-        self.logprobs += p.logprobs
-        self.tops += p.top_logprobs
+                if n > 1:
+                    self.decode_ms += [round(p.decode_ms / n, 2)] * (n - 1)
+            else:
+                self.decode_ms += [round(p.decode_ms / n, 2)] * n
+            self.ids += ids
+        if p.logprobs:
+            self.logprobs += p.logprobs
+        if p.top_logprobs:
+            self.tops += p.top_logprobs
         if p.prompt_logprobs and not self.prompt_logprobs:
             self.prompt_logprobs = list(p.prompt_logprobs)
         if p.finish_reason:
@@ -410,6 +415,13 @@ class Pipeline:
                 t.cancel()
 
     async def _drain(self, outs: list[Output], rec: RequestRecord) -> None:
+        if len(outs) == 1:  # the common case, without the merging layer
+            out = outs[0]
+            async with contextlib.aclosing(out.gen.pieces()) as pieces:
+                async for p in pieces:
+                    rec.token(len(p.token_ids))
+                    out.add(p)
+            return
         async with contextlib.aclosing(self._pieces(outs, tick=False)) as pieces:
             async for item in pieces:
                 out, p = item
@@ -453,7 +465,9 @@ class Pipeline:
     async def _stream(self, codec: Codec, job: Job, outs: list[Output], ctx: Context,
                       slot: Slot | None) -> AsyncIterator[object]:
         rec = ctx.rec
-        pieces = self._pieces(outs, tick=True)
+        single = outs[0] if len(outs) == 1 else None  # the common case, without the merging layer
+        pieces = single.gen.pieces(tick=True) if single is not None else self._pieces(outs, tick=True)
+        render = codec.render
         try:
             for data in codec.open(job, outs, ctx):
                 yield sse.Raw(data)
@@ -461,10 +475,13 @@ class Pipeline:
                 if item is None:
                     yield sse.TICK
                     continue
-                out, p = item
+                if single is not None:
+                    out, p = single, item
+                else:
+                    out, p = item
                 rec.token(len(p.token_ids))
                 out.add(p)
-                data = b"".join(codec.render(job, out, p, ctx))
+                data = b"".join(render(job, out, p, ctx))
                 if data:
                     yield sse.Raw(data)
             tail = b"".join(codec.close(job, outs, ctx))

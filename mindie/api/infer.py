@@ -9,8 +9,6 @@ open stream is MindIE's raw text (``Engine callback timeout: ...``), written int
 before it closes; any other error there is ``data: {"error", "error_type"}``."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import falcon.asgi
 
 from mindie import responses as R
@@ -45,28 +43,32 @@ class InferCodec(Codec):
         details = R.Details(out.finish, len(out.ids), out.ids, r.sampling.seed) if r.details else None
         return R.reply(self.tokenizer.decode(out.ids), details)
 
-    def render(self, job: Job, out: Output, p: Piece, ctx: Context) -> Iterator[bytes]:
+    def render(self, job: Job, out: Output, p: Piece, ctx: Context) -> list[bytes]:
         st = out.state
         detok = st.get("detok")
         if detok is None:
             detok = st["detok"] = IncrementalDetokenizer(self.tokenizer)
             st["so_far"] = ""
-        n = len(p.token_ids)
+        frames = []
+        ids = p.token_ids
+        n = len(ids)
         first = len(out.ids) == n  # no token before this piece
         prefill = decode = None
-        for i, tok in enumerate(p.token_ids):
+        last = n - 1 if p.finish_reason else -1  # the last token goes out in the final frame, "text": null
+        for i, tok in enumerate(ids):
             prefill = R.ms(p.prefill_ms) if (first and i == 0) else None
             decode = None if prefill is not None else R.ms(p.decode_ms / n)
             text = detok.push([tok])
             if self.full_text:
                 st["so_far"] = text = st["so_far"] + text
-            if p.finish_reason and i == n - 1:
-                break  # the last token goes out in the final frame, "text": null
-            yield R.stream_frame([tok], text, prefill, decode)
+            if i == last:
+                break
+            frames.append(R.stream_frame([tok], text, prefill, decode))
         if p.finish_reason:
             r: InferRequest = job.request
             details = R.StreamDetails(p.finish_reason, len(out.ids), r.sampling.seed) if r.details else None
-            yield R.final_stream_frame(p.token_ids[-1:], prefill, decode, detok.full_text(), details)
+            frames.append(R.final_stream_frame(ids[-1:], prefill, decode, detok.full_text(), details))
+        return frames
 
     def stream_error(self, job: Job, err: ApiError) -> bytes:
         if err.timeout:  # MindIE writes the raw text into the open stream, then closes it
