@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from workers.backends import cpu_kernels
-from workers.backends.cpu_attention import CpuPagedAttention
-from workers.engine.attention import PagedAttention
+from workers.kernels import cpu_kernels
+from workers.attention.cpu import CpuPagedAttention
+from workers.attention.paged import PagedAttention
 
 
 def per_call_us(fn, reps: int) -> float:

@@ -28,7 +28,7 @@ def load(model: str, dtype: str, *, threads: int = 0, block_size: int = 128, kv_
     ``model`` "" = the built-in demo model of ``preset``."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends.cpu import CpuBackend
-    from workers.engine.model_runner import load_runner
+    from workers.engine.assembly import load_runner
 
     if not model:
         from workers.models.demo import PRESETS, ensure_demo_model
