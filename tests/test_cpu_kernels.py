@@ -1,4 +1,4 @@
-"""The CPU backend's C kernels (workers/backends/cpu_kernels.c). Paged attention against the
+"""The CPU backend's C kernels (workers/kernels/cpu_kernels.c). Paged attention against the
 portable torch attention: same cache contents after the write, same outputs for decodes in pure
 and mixed batches, every dtype, GQA ratio, head size, block size and sliding window. RMSNorm and
 rope against transformers' formulas, rounding included. The fallback to the torch code when the
