@@ -82,6 +82,8 @@ BLOCK_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['torch_npu']
     (["mindie.app", "mindie.frontend", "mindie.client", "mindie.prepare", "mindie.topology"], ["torch", "workers"]),
     # The supervisor: torch-free, and without the front end's asyncio client.
     (["workers.supervisor"], ["torch", "zmq.asyncio", "mindie.client", "mindie.config"]),
+    # The device-side launch step: torch only for device detection or a shard plan (lazy there).
+    (["workers.prepare"], ["torch"]),
 ])
 def test_imports_without_torch(modules: list[str], absent: list[str]) -> None:
     code = BLOCK_TORCH + "".join(f"import {m}\n" for m in modules) + (

@@ -575,21 +575,20 @@ def test_cpu_threads_per_worker(tmp_path: Path) -> None:
 
 
 def test_npu_and_cpu_mem_size_size_the_kv_cache(tmp_path: Path) -> None:
-    from workers.backends.cpu import CpuBackend
-    from workers.backends.cuda import CudaBackend
+    from workers.attention.kv_cache import budget_bytes
 
-    class Accelerator(CudaBackend):  # kv_cache_bytes as on cuda/npu, with a known free memory
-        def free_memory(self) -> int:
-            return 10 << 30
+    def free_memory() -> int:  # an accelerator with a known free memory
+        return 10 << 30
 
     def spec(model: dict) -> WorkerSpec:
         return deployment(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [model]}}}).workers[0]
 
-    assert Accelerator().kv_cache_bytes(spec({"npuMemSize": 3})) == 3 << 30
-    assert Accelerator().kv_cache_bytes(spec({"npuMemSize": -1})) == int((10 << 30) * 0.8)  # auto: a fraction
-    assert CpuBackend().kv_cache_bytes(spec({"cpuMemSize": 0.5})) == 1 << 29
-    assert CpuBackend().kv_cache_bytes(spec({"cpuMemSize": 3})) == 3 << 30
-    assert CpuBackend().kv_cache_bytes(spec({"cpuMemSize": 0})) == 1 << 30  # 0 is loaded as 1
+    for accelerator in ("cuda", "npu"):
+        assert budget_bytes(spec({"npuMemSize": 3}), accelerator, free_memory) == 3 << 30
+        assert budget_bytes(spec({"npuMemSize": -1}), accelerator, free_memory) == int((10 << 30) * 0.8)  # a fraction
+    assert budget_bytes(spec({"cpuMemSize": 0.5}), "cpu", free_memory) == 1 << 29
+    assert budget_bytes(spec({"cpuMemSize": 3}), "cpu", free_memory) == 3 << 30
+    assert budget_bytes(spec({"cpuMemSize": 0}), "cpu", free_memory) == 1 << 30  # 0 is loaded as 1
 
 
 def test_run_dir_holds_the_worker_sockets(tmp_path: Path) -> None:
@@ -1036,7 +1035,7 @@ def runner(tmp_path_factory, demo_model):
     """load_runner (what a CPU worker calls) on the spec of a config with dtype bfloat16 and a
     watermark of gamma 0.25, delta 7."""
     from workers.backends.cpu import CpuBackend
-    from workers.engine.model_runner import load_runner
+    from workers.engine.assembly import load_runner
 
     tmp = tmp_path_factory.mktemp("runner")
     spec = deployment(tmp, {"ServerConfig": {"watermarkGamma": 0.25, "watermarkDelta": 7.0},

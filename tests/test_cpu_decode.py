@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from tests.harness import demo_server
 from tests.tiny_hf import save_random_model
-from workers.backends import cpu_kernels
+from workers.kernels import cpu_kernels
 from workers.backends.cpu import CpuBackend
-from workers.backends.cpu_decode import attach, pack, pack_scales
+from workers.backends.cpu_decode import attach
+from workers.kernels.cpu_layout import pack, pack_scales
 from workers.backends.int8 import CpuInt8Kernel, dequantize, quantize_model, quantize_weight
 from workers.models.loader import load_model
 

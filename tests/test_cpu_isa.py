@@ -71,7 +71,7 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
     assert _zmm_instructions(built[0]) == 0
     if AVX512_HOST:
         native = {**os.environ, "MINDIE_CPU_ISA": "native", "MINDIE_KERNEL_CACHE": str(tmp_path / "native")}
-        subprocess.run([sys.executable, "-c", "from workers.backends import cpu_kernels; "
+        subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; "
                         "assert cpu_kernels.load() is not None, cpu_kernels.unavailable_reason()"],
                        cwd=ROOT, env=native, check=True, timeout=300)
         [lib] = list((tmp_path / "native").glob("cpu_kernels-*.so"))
@@ -80,7 +80,7 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
 
 def test_bad_isa_name_falls_back_with_a_reason(tmp_path):
     env = {**os.environ, "MINDIE_CPU_ISA": "sse9", "MINDIE_KERNEL_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", "from workers.backends import cpu_kernels; "
+    out = subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; "
                           "print(cpu_kernels.load(), cpu_kernels.unavailable_reason())"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("None") and "MINDIE_CPU_ISA must be one of native, avx2" in out.stdout, out

@@ -1,4 +1,4 @@
-"""The CPU backend's C kernels (workers/backends/cpu_kernels.c). Paged attention against the
+"""The CPU backend's C kernels (workers/kernels/cpu_kernels.c). Paged attention against the
 portable torch attention: same cache contents after the write, same outputs for decodes in pure
 and mixed batches, every dtype, GQA ratio, head size, block size and sliding window. RMSNorm and
 rope against transformers' formulas, rounding included. The fallback to the torch code when the
@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from workers.backends import cpu_kernels
-from workers.backends.cpu_attention import CpuPagedAttention
+from workers.kernels import cpu_kernels
+from workers.attention.cpu import CpuPagedAttention
 from workers.backends.cpu_fused import CpuRMSNorm, CpuRotaryEmbedding
-from workers.engine.attention import PagedAttention
+from workers.attention.paged import PagedAttention
 from workers.models.config import RopeScaling
 from workers.models.llama import RMSNorm, RotaryEmbedding
 
@@ -189,7 +189,7 @@ def _run_fresh(code: str, **env) -> str:
     return res.stdout.strip()
 
 
-PROBE = ("from workers.backends.cpu import CpuBackend; from workers.backends import cpu_kernels; "
+PROBE = ("from workers.backends.cpu import CpuBackend; from workers.kernels import cpu_kernels; "
          "print(CpuBackend().attention_class().__name__, '|', cpu_kernels.unavailable_reason())")
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _greedy(model: str, device: str) -> dict[str, list[int]]:
     from workers.backends import get_backend
     from workers.engine.engine import Engine
-    from workers.engine.model_runner import load_runner
+    from workers.engine.assembly import load_runner
 
     cfg = EngineConfig(block_size=16, max_seq_len=512, max_batch_size=8, max_prefill_tokens=64, overlap=False)
     spec = WorkerSpec(worker_id="cuda", job_endpoint="", pub_endpoint="", device_type=device, model_path=model,

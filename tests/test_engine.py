@@ -17,9 +17,9 @@ from mindie.contract.spec import EngineConfig, WorkerSpec
 from mindie.contract.wire import SamplingParams, Submit
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_linear import pack_linears
-from workers.engine.attention import PagedAttention
+from workers.attention.paged import PagedAttention
 from workers.engine.engine import CapacityError, Engine
-from workers.engine.model_runner import load_runner
+from workers.engine.assembly import load_runner
 
 transformers = pytest.importorskip("transformers")
 
@@ -297,7 +297,7 @@ def test_greedy_continuation_matches_transformers(case, attention, tmp_path):
 def test_decode_metadata_equals_the_general_builder() -> None:
     """build_metadata's path for steps of decodes only gives the tensors the general one does
     (padded tables included), dense, as the C kernels read them."""
-    from workers.engine import attention as A
+    from workers.attention import paged as A
     rng = random.Random(5)
     cpu = torch.device("cpu")
     for _ in range(300):

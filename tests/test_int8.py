@@ -19,12 +19,12 @@ from mindie.contract.spec import EngineConfig, WorkerSpec, decode_spec, encode_s
 from mindie.contract.wire import SamplingParams, Submit
 from mindie.topology import build_deployment
 from tests.reference_attention import DenseCausalAttention
-from workers.backends import cpu_kernels
+from workers.kernels import cpu_kernels
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_linear import PackedLinear
 from workers.backends.int8 import (CpuInt8Kernel, Int8Kernel, Int8Linear, NpuInt8Kernel, copy_dequantized_into, dequantize,
                                    quantize_model, quantize_weight, weight_bytes)
-from workers.engine.model_runner import load_runner
+from workers.engine.assembly import load_runner
 from workers.models.demo import ensure_demo_model
 from workers.models.loader import load_model
 

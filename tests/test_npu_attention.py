@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from workers.backends.npu_attention import NpuPagedAttention
-from workers.engine.attention import PagedAttention
+from workers.attention.npu import NpuPagedAttention
+from workers.attention.paged import PagedAttention
 
 
 def _attend(q, k, v, q_pos, scale):

@@ -62,7 +62,7 @@ def test_weight_bytes_match_the_models_parameters(demo_model, dtype, changes):
 
 
 def test_kv_bytes_agree_with_the_cache_and_sliding_windows(demo_model):
-    from workers.engine.attention import PagedAttention
+    from workers.attention.paged import PagedAttention
     rl = _roofline()
     args = _args(demo_model)
     slot = PagedAttention.bytes_per_slot(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,

@@ -2,8 +2,8 @@
 
     python tests/tp_instance.py MODEL_DIR WORLD OUT.json [--requests JSON]
 
-Starts WORLD processes as the supervisor would: rank 0 builds the real engine (workers.worker's
-build_engine: rendezvous, sharded load, KV blocks broadcast) and the others run
+Starts WORLD processes as the supervisor would: rank 0 builds the real engine (workers.engine.assembly's
+build: rendezvous, sharded load, KV blocks broadcast) and the others run
 workers.tp_rank.follow. Rank 0 submits the requests, steps the engine until all finish and writes
 {request_id: [token ids]} plus the per-rank parameter bytes to OUT.json. WORLD 1 runs the same
 engine without tensor parallelism, as the reference.
@@ -33,9 +33,9 @@ def make_spec(model: str, world: int) -> WorkerSpec:
 
 def run_rank0(spec: WorkerSpec, store: str, requests: list[dict], out: str) -> None:
     from workers.models.loader import parameter_bytes
-    from workers.worker import build_engine
+    from workers.engine.assembly import build
 
-    engine, _ = build_engine(spec, store)
+    engine = build(spec, tp_store=store).engine
     for r in requests:
         engine.add(P.Submit(r["id"], "fe", r["prompt"], P.SamplingParams(**r["params"])))
     result: dict[str, list[int]] = {r["id"]: [] for r in requests}

@@ -7,6 +7,10 @@ resolves ``deviceType: auto`` (npu, else cuda, else cpu), makes the built-in dem
 weights are configured (random weights, real tokenizer; about 4 s, once), and fills the
 device's step-overlap and prefill-chunk defaults. Rewrites the file in place; prints ``MINDIE_MODEL_DIR=...``
 for the launcher. Exit status 2 with a message when the model directory is unusable.
+
+Imports torch only where it needs it (device detection for ``auto``, the shard plan of a
+tensor-parallel instance): a plan with its device and model settled runs torch-free, as the
+supervisor does. Those two imports are lazy for that reason.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import sys
 import msgspec
 
 from mindie.contract.spec import Deployment, WorkerSpec, read_deployment, write_deployment
+from workers.models.config import ModelArgs, ModelConfigError
+from workers.models.demo import ensure_demo_model
 
 log = logging.getLogger("workers.prepare")
 
@@ -69,12 +75,11 @@ def settle_deployment(dep: Deployment) -> Deployment:
     first = dep.workers[0]
     device_type = first.device_type
     if device_type == "auto":
-        from workers.backends import detect
+        from workers.backends import detect  # lazy: imports torch (see the module docstring)
         device_type = detect()
         log.info("deviceType auto -> %s", device_type)
     model_dir = first.model_path
     if not model_dir:
-        from workers.models.demo import ensure_demo_model
         model_dir = str(ensure_demo_model())
         log.info("no modelWeightPath configured: serving the built-in demo model at %s "
                  "(random weights, its output is gibberish)", model_dir)
@@ -91,8 +96,7 @@ def check_tensor_parallel(spec: WorkerSpec, model_dir: str) -> None:
     world = len(spec.device_ids)
     if world <= 1 or spec.null_model:
         return
-    from workers.models.config import ModelArgs, ModelConfigError
-    from workers.models.sharding import plan_shard
+    from workers.models.sharding import plan_shard  # lazy: imports torch (see the module docstring)
     try:
         plan_shard(ModelArgs.from_dir(model_dir), 0, world)
     except ModelConfigError as e:

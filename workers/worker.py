@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from mindie.contract import wire as P
 from mindie.contract.curve import CurveKeyError, insecure_warning, link_mode, worker_keys
@@ -31,7 +32,10 @@ from mindie.contract.lifecycle import lock_file
 from mindie.contract.log_setup import setup_logging
 from mindie.contract.spec import WorkerSpec, decode_spec
 
+from workers.backends.core_share import CoreShare
+from workers.engine.assembly import build
 from workers.engine.engine import CapacityError, Engine, InFlight
+from workers.tp_rank import follow
 
 log = logging.getLogger("workers.worker")
 
@@ -97,47 +101,6 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: tuple[bytes, bytes, str] | None
         raise SystemExit(f"cannot bind {endpoint}: {why}") from None
 
 
-def build_engine(spec: WorkerSpec, tp_store: str = ""):
-    """Load the model (or the null model) and size the KV cache; returns (engine, device).
-    ``tp_store``: rank 0 of a tensor-parallel instance (``spec.device_ids`` lists its devices):
-    the rendezvous file the supervisor made for this start of the group."""
-    from workers.engine.model_runner import NullRunner, load_runner
-
-    cfg = spec.engine
-    if spec.null_model:
-        runner = NullRunner(spec.null_vocab_size, spec.null_step_ms)
-        # Blocks are bookkeeping only here: enough for every slot at full length.
-        num_blocks = max(64, (cfg.max_batch_size * cfg.max_seq_len) // cfg.block_size + 1)
-        log.info("null model: no compute, %.2f ms per step, %d blocks", spec.null_step_ms, num_blocks)
-        return Engine(runner, cfg, num_blocks), "null"
-
-    from workers.backends import get_backend
-
-    backend = get_backend(spec.device_type, spec.threads)
-    backend.setup()
-    group = None
-    if tp_store:
-        from workers.engine.tp_group import join
-        group = join(spec.worker_id, 0, len(spec.device_ids), tp_store, spec.device_type)
-    runner = load_runner(spec, backend, group)
-    bytes_per_block = runner.bytes_per_block(cfg.block_size)
-    num_blocks = max(1, backend.kv_cache_bytes(spec) // bytes_per_block)
-    if group is not None:  # every rank allocates the same blocks (what the smallest memory holds)
-        group.wait_all("loaded the model")
-        num_blocks = group.min_int(num_blocks)
-    runner.allocate_kv(num_blocks, cfg.block_size)
-    log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s, attention %s", num_blocks,
-             cfg.block_size, num_blocks * bytes_per_block / (1 << 30), num_blocks * cfg.block_size,
-             backend.describe(), type(runner.attn).__name__)
-    log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
-    log.info("prefill: chunks of %s prompt tokens while others have work; %s",
-             cfg.prefill_chunk_tokens or cfg.max_prefill_tokens,
-             f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms" if cfg.decode_hold_ms
-             else "every step decodes every running request")
-    device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
-    return Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), device
-
-
 class Worker:
     def __init__(self, spec: WorkerSpec, tp_store: str = ""):
         self.spec = spec
@@ -147,8 +110,10 @@ class Worker:
         self.frontends: dict[str, FrontendState] = {}
         mode, keys = link_security(spec)  # before the model loads: a refused link fails fast
         t0 = time.perf_counter()
-        self.engine, self.device = build_engine(spec, tp_store)
-        self.group = getattr(self.engine.runner, "group", None)  # rank 0 of a tensor-parallel instance
+        built = build(spec, tp_store=tp_store)  # workers/engine/assembly.py
+        self.engine: Engine = built.engine
+        self.device = built.device
+        self.group = built.group  # this process is rank 0 of a tensor-parallel instance
         freeze_heap(log, f"worker {spec.worker_id}")
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
                  spec.model_name, self.engine.runner.vocab_size)
@@ -165,7 +130,6 @@ class Worker:
         try:
             if keys is not None:
                 # ZAP: only front ends whose public key is in clients/ complete the handshake.
-                from zmq.auth.thread import ThreadAuthenticator
                 self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("workers.worker.zap"))
                 self.auth.start()
                 self.auth.configure_curve(domain="*", location=keys[2])
@@ -186,7 +150,6 @@ class Worker:
         self._last_load: tuple[int, int, int] = (0, 0, 0)
         self.cores = None
         if spec.core_share_file and spec.device_type == "cpu" and not spec.null_model:
-            from workers.backends.core_share import CoreShare
             self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
 
     # -- messages ---------------------------------------------------------------------------
@@ -466,7 +429,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     spec = decode_spec(args.spec)
     if args.rank > 0:
-        from workers.tp_rank import follow
         setup_logging(f"worker {spec.worker_id} rank {args.rank} pid {os.getpid()}", spec.log_level)
         code = 3
         try:

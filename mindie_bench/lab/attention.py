@@ -14,7 +14,7 @@ torch side is SDPA, the kernel side paged_prefill).
 
 Also ``mindie-bench attention ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
-Engine internals, on purpose: a kernel micro-benchmark of ``workers.backends.cpu_kernels``,
+Engine internals, on purpose: a kernel micro-benchmark of ``workers.kernels.cpu_kernels``,
 ``CpuPagedAttention`` and the portable ``PagedAttention``: what it measures is those classes, which
 no public entry point exposes one call at a time.
 """
@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from workers.backends import cpu_kernels
-from workers.backends.cpu_attention import CpuPagedAttention
-from workers.engine.attention import PagedAttention
+from workers.kernels import cpu_kernels
+from workers.attention.cpu import CpuPagedAttention
+from workers.attention.paged import PagedAttention
 
 
 def per_call_us(fn, reps: int) -> float:

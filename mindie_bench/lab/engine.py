@@ -10,9 +10,9 @@ requests ignore EOS so every one generates exactly ``--output-len`` tokens.
 Also ``mindie-bench engine ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
 Engine internals, because the engine is what it measures, without the worker's sockets: the
-runner comes from ``workers.engine.model_runner.load_runner`` (the builder the device worker's
-``workers.worker.build_engine`` calls) and requests go straight to ``workers.engine.engine.Engine``.
-``build_engine`` itself is not used: it sizes the KV cache from the server's memory settings and
+runner comes from ``workers.engine.assembly.load_runner`` (what the device worker's builder
+``workers.engine.assembly.build`` calls) and requests go straight to ``workers.engine.engine.Engine``.
+``build`` itself is not used: it sizes the KV cache from the server's memory settings and
 binds the worker's compute thread, and these figures keep their own KV size and no overlap so that
 they stay comparable with the journal's. ``roofline`` and ``int8-quality`` take the same path.
 """
@@ -37,7 +37,7 @@ def load(model: str, dtype: str, *, threads: int = 0, block_size: int = 128, kv_
     ``model`` "" = the built-in demo model of ``preset``."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends.cpu import CpuBackend
-    from workers.engine.model_runner import load_runner
+    from workers.engine.assembly import load_runner
 
     if not model:
         from workers.models.demo import PRESETS, ensure_demo_model

@@ -51,7 +51,7 @@ def model_dir(name: str) -> str:
 def runner_for(path: str, dtype: str, quantize: str, threads: int, kv_blocks: int = 512):
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends.cpu import CpuBackend
-    from workers.engine.model_runner import load_runner
+    from workers.engine.assembly import load_runner
     spec = WorkerSpec(worker_id="q", job_endpoint="", pub_endpoint="", model_path=path, dtype=dtype, quantize=quantize,
                       engine=EngineConfig(block_size=16, max_seq_len=1024, max_prefill_tokens=4096))
     r = load_runner(spec, CpuBackend(threads))

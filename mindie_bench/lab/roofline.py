@@ -152,7 +152,7 @@ def load(model: str, dtype: str, threads: int, block_size: int, device: str = "c
     """The engine's runner, set up as mindie_bench/lab/engine.py does (``device``: cpu or cuda)."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends import get_backend
-    from workers.engine.model_runner import load_runner
+    from workers.engine.assembly import load_runner
 
     engine_cfg = EngineConfig(block_size=block_size, max_seq_len=4096, max_batch_size=256,
                               max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False)

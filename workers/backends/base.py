@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from mindie.contract.spec import WorkerSpec
+from workers import attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -17,13 +18,9 @@ class Backend:
     def setup(self) -> None:
         """Per-process initialisation (threads, device selection)."""
 
-    def kv_cache_bytes(self, spec: WorkerSpec, fraction: float = 0.8) -> int:
-        """Bytes to give the KV cache: npuMemSize GB, or (-1) a fraction of free memory."""
-        if spec.npu_mem_gb > 0:
-            return int(spec.npu_mem_gb * (1 << 30))
-        return int(self.free_memory() * fraction)
-
     def free_memory(self) -> int:
+        """Free device memory in bytes (the KV cache's budget when npuMemSize is -1:
+        workers/attention/kv_cache.py, ``budget_bytes``)."""
         raise NotImplementedError
 
     def bind_thread(self) -> None:
@@ -35,12 +32,15 @@ class Backend:
         such as returning freed host memory; must be cheap)."""
 
     def attention_class(self) -> type:
-        """The paged-attention implementation for this device (portable torch by default)."""
-        from workers.engine.attention import PagedAttention
-        return PagedAttention
+        """The paged-attention implementation for this device (workers.attention.for_device)."""
+        return attention.for_device(self.name)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific rewrites after loading (weight layouts, fused kernels)."""
+
+    def warm_up(self, model: torch.nn.Module, spec: WorkerSpec) -> None:
+        """Called once on the final model, before the KV cache is sized (the CPU creates its
+        oneDNN primitives here)."""
 
     def int8_kernel(self):
         """The weight-only int8 matmul (``ModelConfig[].quantize: "w8a16"``), a

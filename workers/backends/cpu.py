@@ -10,6 +10,9 @@ import torch
 
 from mindie.contract.spec import WorkerSpec
 from workers.backends.base import Backend
+from workers.backends.cpu_specialise import specialise_cpu_model, warm_up_cpu_model
+from workers.backends.int8 import CpuInt8Kernel
+from workers.kernels.cpu_kernels import _cpu_flags
 
 log = logging.getLogger("workers.backends")
 
@@ -32,7 +35,6 @@ def native_bf16(cpu_flags: str | None = None) -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     if cpu_flags is None:
-        from workers.backends.cpu_kernels import _cpu_flags
         cpu_flags = _cpu_flags()
     flags = set(cpu_flags.split())
     return bool(flags & {"avx512_bf16", "amx_bf16"})
@@ -82,43 +84,25 @@ class CpuBackend(Backend):
             pass
         return 4 << 30
 
-    def kv_cache_bytes(self, spec: WorkerSpec, fraction: float = 0.8) -> int:
-        # cpuMemSize GiB (1 unless configured): never most of the host's RAM by default.
-        return int((spec.cpu_mem_gb if spec.cpu_mem_gb > 0 else 1.0) * (1 << 30))
-
     def prepare_model(self, model: torch.nn.Module) -> None:
-        from workers.backends.cpu_decode import attach
-        from workers.backends.cpu_fused import fuse_model
-        from workers.backends.cpu_linear import pack_linears
-        attach(model)  # before packing: the fused decode step reads the plain weights
-        pack_linears(model)
-        fuse_model(model)
+        specialise_cpu_model(model)  # the steps and their order: workers/backends/cpu_specialise.py
 
     def warm_up(self, model: torch.nn.Module, spec: WorkerSpec) -> None:
         """Create the oneDNN primitives of every (linear shape, row bucket, thread count) this
         worker can meet: its own share of the cores, and with core lending its share times 2 ..
         workers (workers/backends/core_share.py). Its heap then starts at its plateau
         (docs/reliability.md, "Flat memory")."""
-        from workers.backends.cpu_linear import prewarm
         base = self.threads if self.threads > 0 else torch.get_num_threads()
         lending = bool(spec.core_share_file) and spec.num_workers > 1
         counts = [base * k for k in range(1, spec.num_workers + 1)] if lending else [base]
         cfg = spec.engine
-        prewarm(model, counts, max_rows=cfg.max_prefill_tokens, max_head_rows=cfg.max_batch_size)
+        warm_up_cpu_model(model, counts, max_rows=cfg.max_prefill_tokens, max_head_rows=cfg.max_batch_size)
         if self._trim is not None:
             self._trim(0)  # the warm-up's activations (up to 8192 rows) are freed: hand their pages back
 
     def int8_kernel(self):
         # torch._weight_int8pack_mm for decode-sized row counts, dequantise-then-matmul above.
-        from workers.backends.int8 import CpuInt8Kernel
         return CpuInt8Kernel()
-
-    def attention_class(self) -> type:
-        from workers.backends import cpu_kernels
-        if cpu_kernels.load() is None:
-            return super().attention_class()
-        from workers.backends.cpu_attention import CpuPagedAttention
-        return CpuPagedAttention
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32

@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from mindie.contract.env import switched_off
-from workers.backends import cpu_kernels
+from workers.backends.int8 import Int8Linear
+from workers.kernels import cpu_kernels
+from workers.kernels.cpu_layout import pack, pack_scales
 
 log = logging.getLogger("workers.backends")
 
@@ -168,39 +170,14 @@ class FusedDecode:
         return out
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A [N, K] weight in the kernel's layout: 16 output channels per vector, fp32 and int8
-    [N/16, K, 16], bf16 [N/16, K/2, 16, 2] (pairs of K), zero-padded (cpu_kernels.c ``gemv_group``)."""
-    w = weight.detach()
-    n, k = w.shape
-    nb = -(-n // 16)
-    if w.dtype == torch.bfloat16:
-        kp = -(-k // 2)
-        padded = w.new_zeros((nb * 16, kp * 2))
-        padded[:n, :k] = w
-        return padded.view(nb, 16, kp, 2).permute(0, 2, 1, 3).contiguous()
-    padded = w.new_zeros((nb * 16, k))
-    padded[:n] = w
-    return padded.view(nb, 16, k).permute(0, 2, 1).contiguous()
-
-
 def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().contiguous()
-
-
-def pack_scales(scale: torch.Tensor) -> torch.Tensor:
-    """An int8 layer's per-channel scales as the kernel reads them: fp32, padded to 16 with zeros."""
-    n = scale.numel()
-    out = torch.zeros(-(-n // 16) * 16, dtype=torch.float32)
-    out[:n] = scale.detach().float()
-    return out
 
 
 def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(packed weight, scales or None) of a plain or an int8 (CPU kernel) linear, or of the output
     rows ``rows`` of it; None for anything else. An int8 layer the CPU kernel keeps in this layout
     already is shared, not copied, where the rows fall on its 16-channel blocks."""
-    from workers.backends.int8 import Int8Linear
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, nn.Linear):
         return pack(mod.weight[sel]), None

@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from workers.backends import cpu_kernels
+from workers.kernels import cpu_kernels
 from workers.models.llama import RMSNorm, RotaryEmbedding
 
 log = logging.getLogger("workers.backends")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from workers.backends.base import Backend
+from workers.backends.int8 import Int8Kernel
 
 
 class CudaBackend(Backend):
@@ -24,7 +25,6 @@ class CudaBackend(Backend):
 
     def int8_kernel(self):
         # Portable: dequantise then matmul (not measured on a GPU in this project).
-        from workers.backends.int8 import Int8Kernel
         return Int8Kernel()
 
     def free_memory(self) -> int:

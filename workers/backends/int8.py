@@ -28,6 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.backends.cpu_linear import bucket_rows
+from workers.kernels import cpu_kernels
+from workers.kernels.cpu_layout import pack, pack_scales
+
 log = logging.getLogger("workers.backends")
 
 QUANTIZE_KEY = "ModelConfig[].quantize"
@@ -87,17 +91,14 @@ class CpuInt8Kernel(Int8Kernel):
 
     def __init__(self, max_rows: int = CPU_INT8PACK_MAX_ROWS, c_kernels: bool = True):
         """``c_kernels=False``: the torch path even where the C kernels load (tests cover both)."""
-        from workers.backends import cpu_kernels
         self.max_rows = max_rows if hasattr(torch, "_weight_int8pack_mm") else 0
         self.lib = cpu_kernels.load() if c_kernels else None
         if self.lib is not None:
             self.name = "cpu (C)"
 
     def pack(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device: torch.device) -> dict:
-        from workers.backends import cpu_kernels
         if self.lib is None or cpu_kernels.dtype_code(self.lib, dtype) not in (0, 1):
             return super().pack(q, scale, dtype, device)
-        from workers.backends.cpu_decode import pack, pack_scales
         s = scale.to(dtype)
         # "scale16": fp32, zero-padded to the 16-channel blocks, as linear_rows reads it
         return {"q": pack(q), "scale": s, "scale16": pack_scales(s)}
@@ -136,7 +137,6 @@ class CpuInt8Kernel(Int8Kernel):
     def _bucketed(x: torch.Tensor, wt: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
         """(x @ wt)[:, :n] * scale, the rows padded to the bf16 path's buckets so that oneDNN's
         shape-keyed caches stay bounded (workers/backends/cpu_linear.py)."""
-        from workers.backends.cpu_linear import bucket_rows
         m = x.shape[0]
         rows = bucket_rows(m)
         if rows != m:
@@ -160,7 +160,7 @@ class NpuInt8Kernel(Int8Kernel):
         return {"q": q.t().contiguous().to(device), "scale": scale.to(device=device, dtype=dtype)}
 
     def mm(self, x: torch.Tensor, packed: dict) -> torch.Tensor:
-        import torch_npu
+        import torch_npu  # optional (the npu extra): only an NPU worker gets this kernel
         return torch_npu.npu_weight_quant_batchmatmul(x, packed["q"], packed["scale"])
 
 

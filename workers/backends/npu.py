@@ -4,7 +4,7 @@ Exercised: nothing here has run on an NPU in this project's CI (no Ascend hardwa
 available); the CPU and CUDA backends run the same engine and model code. What this module
 relies on, from torch_npu's documented API (shared/reference/torch-npu.md): ``import torch_npu``
 registers the ``npu`` device, ``torch.npu.set_device`` and ``torch.npu.mem_get_info``. The model uses portable torch ops, which torch_npu implements;
-attention uses torch_npu's fused paged-attention ops (workers/backends/npu_attention.py, checked
+attention uses torch_npu's fused paged-attention ops (workers/attention/npu.py, checked
 on CPU against a fake torch_npu that implements their documented contracts).
 """
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from workers.backends.base import Backend
+from workers.backends.int8 import NpuInt8Kernel
 
 
 class NpuBackend(Backend):
     name = "npu"
 
     def setup(self) -> None:
-        try:
+        try:  # torch_npu is optional (the npu extra): imported only by an NPU worker
             import torch_npu  # noqa: F401  (registers the npu device)
         except ImportError as e:
             raise RuntimeError("deviceType is npu but torch_npu is not installed: pip install '.[npu]'") from e
@@ -32,10 +33,6 @@ class NpuBackend(Backend):
     def device(self) -> torch.device:
         return torch.device("npu", 0)
 
-    def attention_class(self) -> type:
-        from workers.backends.npu_attention import NpuPagedAttention
-        return NpuPagedAttention
-
     def int8_kernel(self):
         """torch_npu.npu_weight_quant_batchmatmul when this torch_npu has it, else None (refused)."""
         try:
@@ -44,7 +41,6 @@ class NpuBackend(Backend):
             return None
         if not hasattr(torch_npu, "npu_weight_quant_batchmatmul"):
             return None
-        from workers.backends.int8 import NpuInt8Kernel
         return NpuInt8Kernel()
 
     def free_memory(self) -> int:

@@ -8,6 +8,9 @@ by a prefix hit until a fresh allocation evicts them (oldest first).
 
 Blocks are registered only once computed (after the step that filled them), never at
 allocation time, so a request can never read a block another request is still filling.
+
+The block ids and tables it hands out follow the KV cache's contract (workers/attention/kv_cache.py):
+ids in [0, num_blocks), a sequence's blocks in position order.
 """
 from __future__ import annotations
 

@@ -5,30 +5,24 @@
 
 Both return a ``RunnerOutput`` (a list of the next token per sequence, or None) that also
 carries the log-probabilities requests asked for (``SamplingParams.logprobs`` and
-``prompt_logprobs``); the engine attaches them to its outputs.
+``prompt_logprobs``); the engine attaches them to its outputs. A worker's runner is built by
+workers/engine/assembly.py (``load_runner``); its KV cache is workers/attention/kv_cache.py's.
 """
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from mindie.contract.spec import WorkerSpec
-from workers.engine.attention import PagedAttention
+from workers.attention import PagedAttention, kv_cache
 from workers.engine.engine import RunnerOutput
 from workers.engine.sampler import MAX_TOP_LOGPROBS
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 from workers.engine.tp_group import Group, StepInputs
-
-if TYPE_CHECKING:
-    from workers.backends.base import Backend
-
-log = logging.getLogger("workers.engine")
 
 # (logits [B, V], the B sequences to sample) -> LongTensor [B]: a workers.engine.sampler.Sampler.
 SampleFn = Callable[[torch.Tensor, list[Sequence]], torch.Tensor]
@@ -43,7 +37,7 @@ class ModelRunner:
         self.model = model
         self.group = group
         self.after_step = after_step  # the backend's housekeeping (Backend.after_step)
-        self.attention_cls = attention_cls  # PagedAttention, or the NPU's (workers/backends/npu_attention.py)
+        self.attention_cls = attention_cls  # workers.attention.for_device: portable, the CPU's or the NPU's
         self.kv_shape = kv_shape  # (num_layers, n_kv_heads, head_dim)
         self.kv_dtype = kv_dtype
         self.attn = None
@@ -53,11 +47,12 @@ class ModelRunner:
         self.device = device
 
     def bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.attention_cls.bytes_per_slot(*self.kv_shape, self.kv_dtype)
+        return kv_cache.bytes_per_block(self.attention_cls, self.kv_shape, self.kv_dtype, block_size)
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
-        layers, kv_heads, head_dim = self.kv_shape
-        self.attn = self.attention_cls(layers, num_blocks, block_size, kv_heads, head_dim, self.kv_dtype, self.device)
+        """The KV cache (workers/attention/kv_cache.py): owned by the attention object."""
+        self.attn = kv_cache.allocate(self.attention_cls, self.kv_shape, self.kv_dtype, num_blocks, block_size,
+                                      self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -190,49 +185,3 @@ class NullRunner:
                 k = min(p.logprobs, MAX_TOP_LOGPROBS, self.vocab_size)
                 out.logprobs[i] = (lp, [((tok + j) % self.vocab_size, lp) for j in range(k)])
         return out
-
-
-def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) -> ModelRunner:
-    """The worker's model in one pass: config.json read once, dtype picked by the backend,
-    weights loaded and rewritten for the device, sampler wired. With ``group``: this rank's shard
-    of a tensor-parallel instance (rank 0's runner broadcasts each step to the others)."""
-    from workers.engine.sampler import Sampler
-    from workers.engine.watermark import WatermarkConfig
-    from workers.models.config import ModelArgs
-    from workers.models.loader import load_model
-
-    if not spec.model_path:
-        raise ValueError("WorkerSpec.model_path is empty: run python -m workers.prepare on the launch plan")
-    t0 = time.perf_counter()
-    args = ModelArgs.from_dir(spec.model_path)
-    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype)
-    kernel = None
-    if spec.quantize:
-        from workers.backends.int8 import QUANTIZE_KEY, SCHEMES
-        if spec.quantize not in SCHEMES:
-            raise ValueError(f"{QUANTIZE_KEY}: unknown scheme {spec.quantize!r} (supported: {', '.join(SCHEMES)})")
-        kernel = backend.int8_kernel()
-        if kernel is None:  # refused before the weights are read
-            raise RuntimeError(f"{QUANTIZE_KEY} {spec.quantize!r}: the {backend.name} backend has no weight-only "
-                               f"int8 kernel; remove the key (or set it to \"\") to serve the model unquantised")
-    device = backend.device()
-    tp = None
-    if group is not None:
-        from workers.models.sharding import TensorParallel, plan_shard
-        tp = TensorParallel(plan_shard(args, group.rank, group.world))  # the default (compute) group
-    model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp)
-    if kernel is not None:
-        from workers.backends.int8 import quantize_model
-        quantize_model(model, kernel)
-    backend.prepare_model(model)
-    warm_up = getattr(backend, "warm_up", None)  # the CPU backend: its oneDNN primitives, once
-    if warm_up is not None:
-        warm_up(model, spec)
-    log.info("loaded %s (%s, %d layers, vocab %d) as %s%s on %s in %.2f s", spec.model_path, args.arch,
-             args.num_hidden_layers, args.vocab_size, dtype, f" with {spec.quantize} weights" if kernel else "",
-             device, time.perf_counter() - t0)
-    local = model.local_args  # a TP rank keeps its own KV heads only
-    return ModelRunner(model, (args.num_hidden_layers, local.num_key_value_heads, args.head_dim), dtype,
-                       Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
-                       frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class(),
-                       after_step=backend.after_step, group=group if group is not None and group.rank == 0 else None)

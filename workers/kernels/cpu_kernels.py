@@ -1,5 +1,5 @@
-"""Build and load the CPU backend's C kernels (cpu_kernels.c: paged attention, RMSNorm, rope, the
-fused decode step).
+"""Build and load the CPU backend's C kernels (cpu_kernels.c: paged attention, RMSNorm, rope,
+int8 linear products, the fused decode step).
 
 The source is compiled once per host with the system C compiler (``-O3 -march=native -fopenmp``)
 into a cache directory keyed by the source, the compiler and the CPU's feature flags, and loaded

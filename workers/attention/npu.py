@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from workers.attention import kv_cache
+
 _MASK_SIZE = 2048
 
 
 class NpuPagedAttention:
-    """Same interface as workers.engine.attention.PagedAttention."""
+    """Same interface as workers.attention.paged.PagedAttention."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -35,15 +37,12 @@ class NpuPagedAttention:
         self.block_size = block_size
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_cache, self.v_cache = kv_cache.tensors(num_layers, shape, dtype, device, host_mmap=False)
         # 1 strictly above the diagonal: FIA's compressed causal mask for sparse_mode 3.
         self.mask = torch.triu(torch.ones(_MASK_SIZE, _MASK_SIZE, dtype=torch.int8), diagonal=1).to(device)
         self.device = device
 
-    @staticmethod
-    def bytes_per_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    bytes_per_slot = staticmethod(kv_cache.bytes_per_slot)
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
         bs = self.block_size
@@ -65,7 +64,7 @@ class NpuPagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None = None) -> torch.Tensor:
-        import torch_npu
+        import torch_npu  # optional (the npu extra): imported only where an NPU step runs
 
         if window is not None:
             raise NotImplementedError("sliding-window attention is not implemented on the NPU backend yet")

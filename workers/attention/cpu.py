@@ -15,8 +15,8 @@ import itertools
 
 import torch
 
-from workers.backends import cpu_kernels
-from workers.engine.attention import PagedAttention, _Decode
+from workers.attention.paged import PagedAttention, _Decode
+from workers.kernels import cpu_kernels
 
 
 class CpuPagedAttention(PagedAttention):

@@ -1,11 +1,18 @@
-/* C kernels for the CPU backend (built at first use by cpu_kernels.py): paged attention, RMSNorm, rope.
+/* C kernels for the CPU backend (built at first use by cpu_kernels.py). Five families:
+ *   1. paged attention: paged_write (the cache write), paged_decode (decodes), paged_prefill
+ *      (prompt chunks, AVX-512 builds): workers/attention/cpu.py;
+ *   2. RMSNorm (rms_norm) and 3. rotary embedding (rope_inplace, in place): workers/backends/cpu_fused.py;
+ *   4. linear products over weights in the 16-channel layout (linear_rows; int8_unpack_t, the
+ *      int8 weight dequantised for oneDNN): workers/backends/int8.py, layout in workers/kernels/cpu_layout.py;
+ *   5. the fused decode step (decode_layers: embedding, every layer, the final norm in one
+ *      OpenMP region, built from the four above): workers/backends/cpu_decode.py.
  *
  * The portable torch path must copy every decoding sequence's KV blocks into a scratch tensor
  * (twice per layer) before its batched matmuls can run, and pays ~15 op dispatches per layer;
  * at small batches that is most of the attention time. These kernels read the cache in place
  * through the block tables, one pass with an online softmax (flash-decoding style), in fp32.
  *
- * Layouts (as workers/engine/attention.py):
+ * Layouts (as workers/attention/paged.py):
  *   cache  [num_blocks, n_kv_heads, block_size, head_dim]   element type T (fp32, bf16 or fp16)
  *   q      [B, n_heads, head_dim] T;  out [B, n_heads, head_dim] T
  *   tables [B, max_blocks] int64;     pos [B] int64 (position of the query = context length - 1)

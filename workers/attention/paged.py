@@ -13,8 +13,9 @@ sequence's block table lists its blocks in position order. Per step the engine b
        keys directly (right padding keeps it exact); chunks after a cached prefix gather their
        blocks and use SDPA with an explicit mask.
 Backends may swap this class: the NPU's uses torch_npu's paged-attention ops
-(workers/backends/npu_attention.py); the CPU's replaces the cache write and the decode part with C
-kernels that read the blocks in place (workers/backends/cpu_attention.py).
+(workers/attention/npu.py); the CPU's replaces the cache write and the decode part with C
+kernels that read the blocks in place (workers/attention/cpu.py). The cache tensors, their
+sizing and the block-table contract are workers/attention/kv_cache.py's.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from workers.attention import kv_cache
 
 
 def _pad_tables(tables: list[list[int]], nb: int) -> torch.Tensor:
@@ -156,19 +159,6 @@ def _decode_metadata(block_tables: list[list[int]], start_pos: list[int], block_
                                                               host[3 * b:4 * b]), None, b)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled cache tensor. On CPU it is backed by an anonymous mmap, so pages become
-    resident only once written: a configured cache costs memory as it fills, not at start.
-    (Zeros matter: masked positions are multiplied by 0, and uninitialised memory may hold NaN.)"""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import math
-    import mmap
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(1, nbytes))
-    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
-
-
 class PagedAttention:
     """The ``attn`` object the model calls per layer; owns the KV cache tensors."""
 
@@ -176,8 +166,7 @@ class PagedAttention:
                  dtype: torch.dtype, device: torch.device):
         shape = (num_blocks, n_kv_heads, block_size, head_dim)
         self.block_size = block_size
-        self.k_cache = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v_cache = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.k_cache, self.v_cache = kv_cache.tensors(num_layers, shape, dtype, device)
         self.meta: AttentionMetadata | None = None
         # Gather buffers reused by every layer: a fresh multi-MB tensor per call costs an
         # mmap/munmap and page faults on CPU, more than the copy itself.
@@ -191,9 +180,7 @@ class PagedAttention:
                                                      *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
         return torch.index_select(cache, 0, flat, out=buf[:n])
 
-    @staticmethod
-    def bytes_per_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    bytes_per_slot = staticmethod(kv_cache.bytes_per_slot)
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
         """Per-step metadata, built once and used by every layer."""

@@ -1,0 +1,55 @@
+"""Paged attention: the object a model calls once per layer, and the KV cache it owns.
+
+- ``paged.py``: the portable torch implementation (CUDA, and the CPU without its C kernels);
+- ``cpu.py``: the same with the cache write, decodes and prompt chunks in the C kernels;
+- ``npu.py``: torch_npu's fused paged-attention ops (their own cache layout);
+- ``kv_cache.py``: the cache itself: tensors, sizing (bytes per block, blocks in a budget),
+  allocation, and the block-table contract the engine's block manager fills in.
+
+Layering (tests/test_import_graph.py): this package imports ``workers.kernels`` and itself,
+never ``workers.backends`` or ``workers.engine`` (which import it). ``for_device`` is the one
+place that maps a device type to its implementation; backends call it.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from workers.attention.cpu import CpuPagedAttention
+from workers.attention.npu import NpuPagedAttention
+from workers.attention.paged import PagedAttention
+from workers.kernels import cpu_kernels
+
+
+class Attention(Protocol):
+    """What the model runner and the model use. Constructed as
+    ``cls(num_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype, device)``
+    (kv_cache.allocate); ``bytes_per_slot`` sizes the cache before it exists."""
+
+    block_size: int
+    k_cache: list[torch.Tensor]
+    v_cache: list[torch.Tensor]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int: ...
+
+    def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
+        """Once per step, before the layers: the step's block tables and positions."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
+        """Write the new k/v rows of ``layer`` into the cache, then attend; [T, H, D]."""
+
+
+def for_device(device_type: str) -> type:
+    """The attention implementation for a backend: the NPU's fused ops, the CPU's C kernels
+    when they build (else the portable path, the reason logged by cpu_kernels), else portable."""
+    if device_type == "npu":
+        return NpuPagedAttention
+    if device_type == "cpu" and cpu_kernels.load() is not None:
+        return CpuPagedAttention
+    return PagedAttention
+
+
+__all__ = ["Attention", "CpuPagedAttention", "NpuPagedAttention", "PagedAttention", "for_device"]

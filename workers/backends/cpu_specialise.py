@@ -1,0 +1,50 @@
+"""The CPU specialisation of a loaded model: every rewrite the CPU backend makes, in order.
+
+``CpuBackend.prepare_model`` calls ``specialise_cpu_model`` once the weights are loaded (and,
+with ``quantize: w8a16``, quantised by the engine assembly: workers/engine/assembly.py);
+``CpuBackend.warm_up`` calls ``warm_up_cpu_model`` on the final model. The order matters, and
+the steps below are the only place that states it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from workers.backends import cpu_decode, cpu_fused, cpu_linear
+from workers.backends.cpu_decode import FusedDecode
+
+log = logging.getLogger("workers.backends")
+
+
+@dataclass
+class Specialised:
+    """What ``specialise_cpu_model`` did (the steps log their own details)."""
+
+    fused_decode: FusedDecode | None  # model.fast_decode, or None (not covered / switched off)
+    packed_linears: int  # nn.Linear layers (and a tied head) moved to oneDNN-packed weights
+    c_modules: int  # RMSNorm / rope modules replaced by their C kernels
+
+
+def specialise_cpu_model(model: nn.Module) -> Specialised:
+    """Rewrite a loaded model for the CPU backend, in this order:
+
+    0. (before this function) int8 quantisation, on every backend: its Int8Linear layers keep
+       the C kernels' 16-channel layout, and a tied head gets ``model.logits_linear``;
+    1. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights,
+       or the int8 layers' own tensors, so it must come before step 2 replaces them;
+    2. oneDNN packing of every remaining nn.Linear and of a tied head that has no int8 copy
+       (cpu_linear.py); Int8Linear layers are not nn.Linear and stay as they are;
+    3. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path.
+    """
+    fused = cpu_decode.attach(model)
+    packed = cpu_linear.pack_linears(model)
+    c_modules = cpu_fused.fuse_model(model)
+    return Specialised(fused, packed, c_modules)
+
+
+def warm_up_cpu_model(model: nn.Module, thread_counts: list[int], max_rows: int, max_head_rows: int) -> dict:
+    """4. After the rewrites: create the oneDNN primitives of every (packed linear shape, row
+    bucket, thread count) the worker can meet (cpu_linear.prewarm; off by default)."""
+    return cpu_linear.prewarm(model, thread_counts, max_rows=max_rows, max_head_rows=max_head_rows)

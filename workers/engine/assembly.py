@@ -1,0 +1,122 @@
+"""Engine assembly: the one place a WorkerSpec becomes a runner and an engine, for any rank.
+
+``build(spec, rank, tp_store)`` is called by the worker process (rank 0 of any instance,
+workers/worker.py) and by the other ranks of a tensor-parallel instance (workers/tp_rank.py):
+
+1. the backend of ``spec.device_type`` and its per-process setup (threads, device);
+2. with ``tp_store``: join the instance's process group as ``rank``;
+3. ``load_runner``: config.json read once, the dtype the backend picks, the weights (this
+   rank's shard), int8 quantisation, the backend's rewrites (``Backend.prepare_model``; the
+   CPU's steps: workers/backends/cpu_specialise.py) and warm-up, the sampler;
+4. the KV cache's size (workers/attention/kv_cache.py): whole blocks in the budget; the ranks
+   of a group wait for each other's load, then all take the smallest count;
+5. the KV cache itself;
+6. rank 0: the ``Engine`` (scheduler, block manager) over the runner. Ranks > 0 get no engine:
+   they run the steps rank 0 broadcasts.
+
+The null model (``spec.null_model``, rank 0 only) skips 1-5: a ``NullRunner`` and as many
+blocks as every slot needs at full length, for bookkeeping only.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from mindie.contract.spec import WorkerSpec
+from workers.attention import kv_cache
+from workers.backends import get_backend
+from workers.backends.base import Backend
+from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, quantize_model
+from workers.engine.engine import Engine
+from workers.engine.model_runner import ModelRunner, NullRunner
+from workers.engine.sampler import Sampler
+from workers.engine.tp_group import Group, join
+from workers.engine.watermark import WatermarkConfig
+from workers.models.config import ModelArgs
+from workers.models.loader import load_model
+from workers.models.sharding import TensorParallel, plan_shard
+
+log = logging.getLogger("workers.engine")
+
+
+@dataclass
+class Assembly:
+    runner: ModelRunner | NullRunner
+    engine: Engine | None  # None on ranks > 0 of a tensor-parallel instance
+    group: Group | None  # the instance's process group (tensor parallel), else None
+    num_blocks: int
+    device: str  # the device as the worker's status describes it ("null" for the null model)
+
+
+def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
+    """The runner, its KV cache and (rank 0) the engine of ``spec``. ``tp_store``: the
+    rendezvous file the supervisor made for this start of a tensor-parallel instance
+    (``spec.device_ids`` lists its devices); ``rank``: this process's place in it."""
+    cfg = spec.engine
+    if spec.null_model:
+        runner = NullRunner(spec.null_vocab_size, spec.null_step_ms)
+        num_blocks = kv_cache.bookkeeping_blocks(cfg.max_batch_size, cfg.max_seq_len, cfg.block_size)
+        log.info("null model: no compute, %.2f ms per step, %d blocks", spec.null_step_ms, num_blocks)
+        return Assembly(runner, Engine(runner, cfg, num_blocks), None, num_blocks, "null")
+
+    backend = get_backend(spec.device_type, spec.threads)
+    backend.setup()
+    group = join(spec.worker_id, rank, len(spec.device_ids), tp_store, spec.device_type) if tp_store else None
+    runner = load_runner(spec, backend, group)
+    block_bytes = runner.bytes_per_block(cfg.block_size)
+    num_blocks = kv_cache.blocks_in(kv_cache.budget_bytes(spec, backend.name, backend.free_memory), block_bytes)
+    if group is not None:  # every rank allocates the same blocks (what the smallest memory holds)
+        group.wait_all("loaded the model")
+        num_blocks = group.min_int(num_blocks)
+    runner.allocate_kv(num_blocks, cfg.block_size)
+    if rank > 0:
+        return Assembly(runner, None, group, num_blocks, backend.describe())
+    log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %d token slots) on %s, attention %s", num_blocks,
+             cfg.block_size, num_blocks * block_bytes / (1 << 30), num_blocks * cfg.block_size,
+             backend.describe(), type(runner.attn).__name__)
+    log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
+    log.info("prefill: chunks of %s prompt tokens while others have work; %s",
+             cfg.prefill_chunk_tokens or cfg.max_prefill_tokens,
+             f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms" if cfg.decode_hold_ms
+             else "every step decodes every running request")
+    device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
+    return Assembly(runner, Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), group, num_blocks,
+                    device)
+
+
+def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) -> ModelRunner:
+    """The worker's model in one pass: config.json read once, dtype picked by the backend,
+    weights loaded and rewritten for the device, sampler wired; no KV cache yet. With ``group``:
+    this rank's shard of a tensor-parallel instance (rank 0's runner broadcasts each step to
+    the others)."""
+    if not spec.model_path:
+        raise ValueError("WorkerSpec.model_path is empty: run python -m workers.prepare on the launch plan")
+    t0 = time.perf_counter()
+    args = ModelArgs.from_dir(spec.model_path)
+    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype)
+    kernel = None
+    if spec.quantize:
+        if spec.quantize not in SCHEMES:
+            raise ValueError(f"{QUANTIZE_KEY}: unknown scheme {spec.quantize!r} (supported: {', '.join(SCHEMES)})")
+        kernel = backend.int8_kernel()
+        if kernel is None:  # refused before the weights are read
+            raise RuntimeError(f"{QUANTIZE_KEY} {spec.quantize!r}: the {backend.name} backend has no weight-only "
+                               f"int8 kernel; remove the key (or set it to \"\") to serve the model unquantised")
+    device = backend.device()
+    tp = None
+    if group is not None:
+        tp = TensorParallel(plan_shard(args, group.rank, group.world))  # the default (compute) group
+    model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp)
+    if kernel is not None:  # before the backend's rewrites: they keep the int8 layers as they are
+        quantize_model(model, kernel)
+    backend.prepare_model(model)
+    backend.warm_up(model, spec)
+    log.info("loaded %s (%s, %d layers, vocab %d) as %s%s on %s in %.2f s", spec.model_path, args.arch,
+             args.num_hidden_layers, args.vocab_size, dtype, f" with {spec.quantize} weights" if kernel else "",
+             device, time.perf_counter() - t0)
+    local = model.local_args  # a TP rank keeps its own KV heads only
+    return ModelRunner(model, (args.num_hidden_layers, local.num_key_value_heads, args.head_dim), dtype,
+                       Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
+                       frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class(),
+                       after_step=backend.after_step, group=group if group is not None and group.rank == 0 else None)
