@@ -36,7 +36,7 @@ def follow(spec: WorkerSpec, rank: int, store: str) -> int:
     num_blocks = group.min_int(own)
     runner.allocate_kv(num_blocks, spec.engine.block_size)
     from mindie.contract.gc_freeze import freeze_heap
-    freeze_heap(log, f"rank {rank} of instance {spec.worker_id}")
+    freeze_heap(log, f"rank {rank} of instance {spec.worker_id}", spec.engine.gc_freeze)
     log.info("rank %d of instance %s ready in %.2f s (%d KV blocks)", rank, spec.worker_id,
              time.perf_counter() - t0, num_blocks)
     steps = 0

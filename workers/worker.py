@@ -131,11 +131,24 @@ def build_engine(spec: WorkerSpec, tp_store: str = ""):
              backend.describe(), type(runner.attn).__name__)
     log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
     log.info("prefill: chunks of %s prompt tokens while others have work; %s",
-             cfg.prefill_chunk_tokens or cfg.max_prefill_tokens,
+             cfg.prefill_chunk_tokens if cfg.prefill_chunk_tokens > 0 else cfg.max_prefill_tokens,  # 0 = the budget
              f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms" if cfg.decode_hold_ms
              else "every step decodes every running request")
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
     return Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), device
+
+
+def _max_positions(spec: WorkerSpec, runner) -> int:
+    """The model's max_position_embeddings as ModelArgs parsed it (the null model: its checkpoint's,
+    when it has one); 0 = unknown (the front end then does not check it)."""
+    args = getattr(getattr(runner, "model", None), "args", None)
+    if args is None and spec.model_path:
+        from workers.models.config import ModelArgs
+        try:
+            args = ModelArgs.from_dir(spec.model_path)
+        except Exception:  # noqa: BLE001  (the null model may serve a directory of any kind)
+            args = None
+    return int(getattr(args, "max_position_embeddings", 0) or 0)
 
 
 class Worker:
@@ -149,7 +162,8 @@ class Worker:
         t0 = time.perf_counter()
         self.engine, self.device = build_engine(spec, tp_store)
         self.group = getattr(self.engine.runner, "group", None)  # rank 0 of a tensor-parallel instance
-        freeze_heap(log, f"worker {spec.worker_id}")
+        self.max_positions = _max_positions(spec, self.engine.runner)
+        freeze_heap(log, f"worker {spec.worker_id}", spec.engine.gc_freeze)
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
                  spec.model_name, self.engine.runner.vocab_size)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
@@ -198,7 +212,9 @@ class Worker:
         return st
 
     def _welcome(self, fid: str, st: FrontendState) -> None:
-        self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq))
+        # What the front end checks requests against: the model as this worker parsed it.
+        self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq,
+                                           self.engine.runner.vocab_size, self.max_positions))
         # Our load right behind it: the front end's status routes count this worker at once.
         self._send_heartbeat()
 
@@ -465,6 +481,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-store", default="", help="rendezvous file of a tensor-parallel instance")
     args = ap.parse_args(argv)
     spec = decode_spec(args.spec)
+    from workers import settings
+    settings.apply(spec.engine)  # the plan's engine and CPU tuning, for the modules that read them
     if args.rank > 0:
         from workers.tp_rank import follow
         setup_logging(f"worker {spec.worker_id} rank {args.rank} pid {os.getpid()}", spec.log_level)

@@ -1,4 +1,10 @@
-"""On/off switches read from the environment, spelled the same way by every process."""
+"""On/off switches read from the environment, spelled the same way by every process.
+
+Every ``MINDIE_*`` variable a process reads is listed in the one table of docs/config.md
+("Environment variables"), with the config key it overrides; the engine and kernel settings are
+read only as overrides of their keys, by ``mindie.config`` (``ENV_OVERRIDES``), and reach the
+workers through the launch plan. tests/test_env_table.py fails on a variable the table lacks.
+"""
 from __future__ import annotations
 
 import os

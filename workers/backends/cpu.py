@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from mindie.contract.spec import WorkerSpec
+from mindie.contract.spec import WorkerSpec, native_bf16_default
 from workers.backends.base import Backend
 
 log = logging.getLogger("workers.backends")
@@ -26,16 +26,13 @@ def _malloc_trim():
 
 
 def native_bf16(cpu_flags: str | None = None) -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16). ``MINDIE_CPU_BF16``
-    (1 / 0) overrides the detection; ``cpu_flags``: a /proc/cpuinfo "flags" line (tests)."""
-    forced = os.environ.get("MINDIE_CPU_BF16", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    if cpu_flags is None:
-        from workers.backends.cpu_kernels import _cpu_flags
-        cpu_flags = _cpu_flags()
-    flags = set(cpu_flags.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16): ``cpuTuning.nativeBf16``
+    as the plan settled it (detected unless set; ``MINDIE_CPU_BF16`` overrides the key). With
+    ``cpu_flags`` (a /proc/cpuinfo "flags" line, tests): the detection from that line."""
+    if cpu_flags is not None:
+        return native_bf16_default(cpu_flags)
+    from workers import settings
+    return bool(settings.cpu().native_bf16)
 
 
 class CpuBackend(Backend):

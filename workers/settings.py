@@ -1,0 +1,71 @@
+"""This process's engine settings (``WorkerSpec.engine``), for the modules that read them where no
+spec is passed: the CPU kernels, linears, fused decode step and int8 kernel (``cpu()``, the
+``CpuTuning``) and the tensor-parallel group's timeouts.
+
+``python -m workers.worker`` applies its spec's engine first thing (``apply``): the launch plan,
+settled by workers.prepare, is then the only source. A process that builds models without a plan
+(tests, benchmark and profiling scripts) gets, the first time a setting is read, the config's
+defaults with the environment overrides of docs/config.md applied (by ``mindie.config``, the one
+place they are read; no config file), settled for this host's CPU as workers.prepare would.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import msgspec
+
+from mindie.contract.spec import CpuTuning, EngineConfig, settle_engine
+
+_engine: EngineConfig | None = None
+
+# Module globals that hold a setting (a hot path, or a name tests patch): {module: {name: getter}},
+# set again by apply() when the module was imported before it.
+_GLOBALS = {
+    "workers.backends.cpu_linear": {"BUCKETS": lambda e: e.cpu.linear_buckets},
+    "workers.engine.tp_group": {"START_TIMEOUT_S": lambda e: e.tp_start_timeout_s,
+                                "COLLECTIVE_TIMEOUT_S": lambda e: e.tp_collective_timeout_s},
+}
+
+
+def apply(engine: EngineConfig) -> None:
+    """Use ``engine`` (a settled plan's) from now on; ValueError for an unsettled one."""
+    global _engine
+    if missing := engine.unsettled():
+        raise ValueError(f"engine settings not settled (run python -m workers.prepare on the plan): "
+                         f"{', '.join(missing)}")
+    _engine = engine
+    for name, values in _GLOBALS.items():
+        if (mod := sys.modules.get(name)) is not None:
+            for attr, get in values.items():
+                setattr(mod, attr, get(engine))
+
+
+def engine() -> EngineConfig:
+    global _engine
+    if _engine is None:
+        _engine = standalone()
+    return _engine
+
+
+def cpu() -> CpuTuning:
+    return engine().cpu
+
+
+def with_cpu(**changes) -> EngineConfig:
+    """The current settings with these CpuTuning fields changed (tests: ``apply(with_cpu(...))``)."""
+    e = engine()
+    return msgspec.structs.replace(e, cpu=msgspec.structs.replace(e.cpu, **changes))
+
+
+def standalone(env=None) -> EngineConfig:
+    """The settings of a process without a launch plan: defaults and the environment overrides
+    (``mindie.config.ENV_OVERRIDES``; a bad value raises its ConfigError), settled for a CPU worker
+    on this host."""
+    from mindie.config import load_config
+    from mindie.topology import engine_config
+    from workers.backends.cpu_kernels import _cpu_flags
+
+    env = dict(os.environ if env is None else env)
+    env.pop("MIES_CONFIG_JSON_PATH", None)  # no config file: a tool's settings are its own
+    return settle_engine(engine_config(load_config(env=env).config), "cpu", _cpu_flags())
