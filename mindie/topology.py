@@ -86,7 +86,6 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
     """The launch plan of ``config`` (values as load_config applied them)."""
     backend = config.backend
     deploy = backend.model_deploy
-    sched = backend.schedule
     model = deploy.models[0]
     groups = backend.npu_device_ids
     n = len(groups)

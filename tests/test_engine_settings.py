@@ -215,3 +215,14 @@ def test_the_front_end_takes_the_model_limits_from_the_welcome() -> None:
         check_token_ids([5, 1000], limits)
     fe.learn_model(P.Welcome("w1", "j", "fe", 0, 1000, 16))
     assert seen == [1000]  # nothing new
+
+
+def test_the_front_end_does_not_read_the_models_config_json() -> None:
+    import ast
+    import inspect
+
+    import mindie.frontend
+
+    calls = [n.func.id for n in ast.walk(ast.parse(inspect.getsource(mindie.frontend)))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert "open" not in calls
