@@ -133,11 +133,21 @@ def test_the_engine_and_the_worker_refuse_an_unsettled_plan() -> None:
     from workers.engine.engine import Engine
     from workers.engine.model_runner import NullRunner
 
+    from workers.backends.cpu import native_bf16
+    from workers.backends.cpu_decode import rows_limit
+
     unsettled = EngineConfig(block_size=16, prefill_chunk_tokens=None)
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         Engine(NullRunner(vocab_size=100), unsettled, 16)
-    with pytest.raises(ValueError, match="cpu.native_bf16, cpu.fused_decode_rows"):
-        settings.apply(EngineConfig())
+    before = settings.engine()
+    try:
+        settings.apply(EngineConfig())  # a hand-written spec: the CPU's two are None
+        with pytest.raises(ValueError, match="cpuTuning.nativeBf16 is not settled"):
+            native_bf16()
+        with pytest.raises(ValueError, match="cpuTuning.fusedDecodeRows must be an integer from 0 to 64, got None"):
+            rows_limit()
+    finally:
+        settings.apply(before)
 
 
 def test_the_worker_modules_run_with_the_plans_values(monkeypatch: pytest.MonkeyPatch) -> None:

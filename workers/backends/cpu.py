@@ -32,7 +32,10 @@ def native_bf16(cpu_flags: str | None = None) -> bool:
     if cpu_flags is not None:
         return native_bf16_default(cpu_flags)
     from workers import settings
-    return bool(settings.cpu().native_bf16)
+    value = settings.cpu().native_bf16
+    if value is None:
+        raise ValueError("cpuTuning.nativeBf16 is not settled (python -m workers.prepare settles the launch plan)")
+    return value
 
 
 class CpuBackend(Backend):
