@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional, Union
 import msgspec
 from msgspec import Meta, field
 
-from mindie.contract.env import OFF  # a switch variable's off values (any case); anything else is on
+from mindie.contract.env import ENGINE_ENV, engine_overrides
 
 __all__ = [
     "Config", "ConfigError", "ServerConfig", "HealthCheckConfig", "BackendConfig", "ModelDeployConfig",
@@ -267,46 +267,8 @@ ENV_OVERRIDES: dict[str, str] = {
     "MINDIE_MODEL_NAME": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName",
     "MINDIE_DEVICE_TYPE": "BackendConfig.deviceType",
     "MINDIE_NPU_DEVICE_IDS": "BackendConfig.npuDeviceIds",
-    # Engine and kernel settings (typed by _ENGINE_ENV below).
-    "MINDIE_TP_START_TIMEOUT_S": "BackendConfig.tpStartTimeoutS",
-    "MINDIE_TP_COLLECTIVE_TIMEOUT_S": "BackendConfig.tpCollectiveTimeoutS",
-    "MINDIE_GC_FREEZE": "BackendConfig.gcFreeze",
-    "MINDIE_CPU_KERNELS": "BackendConfig.cpuTuning.kernels",
-    "MINDIE_CPU_ISA": "BackendConfig.cpuTuning.isa",
-    "MINDIE_KERNEL_CACHE": "BackendConfig.cpuTuning.kernelCache",
-    "MINDIE_CPU_BF16": "BackendConfig.cpuTuning.nativeBf16",
-    "MINDIE_CPU_LINEAR_BUCKETS": "BackendConfig.cpuTuning.linearBuckets",
-    "MINDIE_CPU_PREWARM_GFLOP": "BackendConfig.cpuTuning.prewarmGflop",
-    "MINDIE_CPU_FUSED_DECODE": "BackendConfig.cpuTuning.fusedDecode",
-    "MINDIE_CPU_FUSED_DECODE_ROWS": "BackendConfig.cpuTuning.fusedDecodeRows",
-    "MINDIE_CPU_FUSED_DECODE_MB": "BackendConfig.cpuTuning.fusedDecodeMb",
-    "MINDIE_CPU_INT8_ROWS": "BackendConfig.cpuTuning.int8Rows",
-}
-def _switch(v: str) -> bool:
-    return v.lower() not in OFF
-
-
-def _number(v: str) -> Any:
-    """An int or float; anything else stays a string, reported by validation naming the variable."""
-    if re.fullmatch(r"[+-]?\d+", v):
-        return int(v)
-    try:
-        return float(v)
-    except ValueError:
-        return v
-
-
-def _bf16(v: str) -> Any:
-    return {"1": True, "0": False}.get(v, v)
-
-
-# The engine and kernel overrides: variable -> how its text becomes the key's JSON value.
-_ENGINE_ENV: dict[str, Any] = {
-    "MINDIE_TP_START_TIMEOUT_S": _number, "MINDIE_TP_COLLECTIVE_TIMEOUT_S": _number, "MINDIE_GC_FREEZE": _switch,
-    "MINDIE_CPU_KERNELS": _switch, "MINDIE_CPU_ISA": str.lower,
-    "MINDIE_KERNEL_CACHE": lambda v: os.path.abspath(os.path.expanduser(v)), "MINDIE_CPU_BF16": _bf16,
-    "MINDIE_CPU_LINEAR_BUCKETS": _switch, "MINDIE_CPU_PREWARM_GFLOP": _number, "MINDIE_CPU_FUSED_DECODE": _switch,
-    "MINDIE_CPU_FUSED_DECODE_ROWS": _number, "MINDIE_CPU_FUSED_DECODE_MB": _number, "MINDIE_CPU_INT8_ROWS": _number,
+    # The engine and kernel settings: mindie.contract.env's table (parsed by engine_overrides).
+    **{name: key for name, (key, _, _) in ENGINE_ENV.items()},
 }
 _DEVICE_IDS_KEY = ENV_OVERRIDES["MINDIE_NPU_DEVICE_IDS"]
 
@@ -381,10 +343,9 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
             for m in entries:
                 if isinstance(m, dict) and "worldSize" in m:
                     m["worldSize"] = len(ids[0])
-    for name, parse in _ENGINE_ENV.items():
-        if (v := get.get(name)):
-            *sections, key = ENV_OVERRIDES[name].split(".")
-            put(name, _section(raw, *sections), key, parse(v))
+    for name, value in engine_overrides(env).items():
+        *sections, key = ENGINE_ENV[name][0].split(".")
+        put(name, _section(raw, *sections), key, value)
     first_model: Optional[dict] = None
     for name, key in (("MINDIE_MODEL_PATH", "modelWeightPath"), ("MINDIE_MODEL_NAME", "modelName")):
         if (v := get.get(name)):

@@ -174,14 +174,17 @@ def test_the_worker_modules_run_with_the_plans_values(monkeypatch: pytest.Monkey
     assert cpu_linear.BUCKETS is before.cpu.linear_buckets and tp_group.START_TIMEOUT_S == before.tp_start_timeout_s
 
 
-def test_a_process_without_a_plan_reads_the_overrides_through_the_config() -> None:
+def test_a_process_without_a_plan_reads_the_same_table() -> None:
+    """A test or benchmark process without a plan: the same overrides (mindie.contract.env), on
+    the defaults, settled for this host; a value of the wrong type is refused naming the variable."""
     from workers import settings
 
     e = settings.standalone({"MINDIE_CPU_FUSED_DECODE_ROWS": "3", "MINDIE_CPU_KERNELS": "0",
-                             "MIES_CONFIG_JSON_PATH": "/no/such/file.json"})
-    assert (e.cpu.fused_decode_rows, e.cpu.kernels) == (3, False) and e.unsettled() == []
-    with pytest.raises(ConfigError, match="MINDIE_CPU_ISA"):
-        settings.standalone({"MINDIE_CPU_ISA": "sse9"})
+                             "MINDIE_TP_COLLECTIVE_TIMEOUT_S": "4", "MIES_CONFIG_JSON_PATH": "/no/such/file.json"})
+    assert (e.cpu.fused_decode_rows, e.cpu.kernels, e.tp_collective_timeout_s) == (3, False, 4.0)
+    assert e.unsettled() == []
+    with pytest.raises(ValueError, match="MINDIE_CPU_FUSED_DECODE_ROWS='abc'"):
+        settings.standalone({"MINDIE_CPU_FUSED_DECODE_ROWS": "abc"})
 
 
 # -- Welcome -------------------------------------------------------------------------------------

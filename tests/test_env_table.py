@@ -132,12 +132,15 @@ def _key_exists(path: str) -> bool:
 
 @pytest.mark.parametrize("name", sorted(set(ENV_OVERRIDES) - {"MIES_CONTAINER_IP", "MIES_CONTAINER_MANAGEMENT_IP"}))
 def test_each_override_is_read_by_the_config_only(name: str) -> None:
-    """An override of a config key is read by mindie/config.py; outside it only launcher plumbing
-    (the resolved value the launcher exports) may name it."""
+    """An override of a config key is read by mindie/config.py (the engine and kernel ones by its
+    table in mindie/contract/env.py, which the workers' plan-less processes share); outside them
+    only launcher plumbing (the resolved value the launcher exports) may name it."""
+    from mindie.contract.env import ENGINE_ENV
+
     read = names_read_by_the_code()
-    assert "mindie/config.py" in read.get(name, []), name
+    home = "mindie/contract/env.py" if name in ENGINE_ENV else "mindie/config.py"
+    assert home in read.get(name, []), name
     plumbing = {"MINDIE_RUN_DIR", "MINDIE_FRONTENDS", "MINDIE_PORT", "MINDIE_MODEL_PATH", "MINDIE_HOST",
                 "MINDIE_MODEL_NAME", "MINDIE_DEVICE_TYPE", "MINDIE_NPU_DEVICE_IDS"}
     if name not in plumbing:  # the engine and kernel settings: the workers get them from the plan
-        assert [f for f in read[name] if f.startswith(("workers/", "mindie/")) and f != "mindie/config.py"] == [], \
-            read[name]
+        assert [f for f in read[name] if f.startswith(("workers/", "mindie/")) and f != home] == [], read[name]

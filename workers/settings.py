@@ -4,9 +4,10 @@ spec is passed: the CPU kernels, linears, fused decode step and int8 kernel (``c
 
 ``python -m workers.worker`` applies its spec's engine first thing (``apply``): the launch plan,
 settled by workers.prepare, is then the only source. A process that builds models without a plan
-(tests, benchmark and profiling scripts) gets, the first time a setting is read, the config's
-defaults with the environment overrides of docs/config.md applied (by ``mindie.config``, the one
-place they are read; no config file), settled for this host's CPU as workers.prepare would.
+(tests, benchmark and profiling scripts) gets, the first time a setting is read, the defaults
+with the environment overrides of docs/config.md applied (the same table, read by the same
+function as ``mindie.config`` uses for the plan: ``mindie.contract.env``), settled for this
+host's CPU as workers.prepare would.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 
 import msgspec
 
+from mindie.contract.env import ENGINE_ENV, engine_overrides
 from mindie.contract.spec import CpuTuning, EngineConfig, settle_engine
 
 _engine: EngineConfig | None = None
@@ -58,13 +60,25 @@ def with_cpu(**changes) -> EngineConfig:
 
 
 def standalone(env=None) -> EngineConfig:
-    """The settings of a process without a launch plan: defaults and the environment overrides
-    (``mindie.config.ENV_OVERRIDES``; a bad value raises its ConfigError), settled for a CPU worker
-    on this host."""
-    from mindie.config import load_config
-    from mindie.topology import engine_config
+    """The settings of a process without a launch plan: the defaults with the environment
+    overrides of the engine keys applied (``mindie.contract.env.ENGINE_ENV``, the table
+    ``mindie.config`` applies to config.json; a value of the wrong type raises ValueError naming
+    the variables, a value out of range is refused where it is read, as a plan never has one),
+    settled for a CPU worker on this host."""
     from workers.backends.cpu_kernels import _cpu_flags
 
-    env = dict(os.environ if env is None else env)
-    env.pop("MIES_CONFIG_JSON_PATH", None)  # no config file: a tool's settings are its own
-    return settle_engine(engine_config(load_config(env=env).config), "cpu", _cpu_flags())
+    over = engine_overrides(os.environ if env is None else env)
+    top: dict = {}
+    cpu: dict = {}
+    for name, value in over.items():
+        field = ENGINE_ENV[name][2]
+        if field.startswith("cpu."):
+            cpu[field[4:]] = value
+        else:
+            top[field] = value
+    base = msgspec.to_builtins(EngineConfig())
+    try:
+        engine = msgspec.convert({**base, **top, "cpu": {**base["cpu"], **cpu}}, EngineConfig, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{e} (environment: {', '.join(f'{n}={v!r}' for n, v in over.items())})") from None
+    return settle_engine(engine, "cpu", _cpu_flags())
