@@ -67,7 +67,7 @@ def create_app():
     listeners = read_listeners(os.environ["MINDIE_LISTENERS"])
     by_port = {li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]) for li in listeners}
     router = plane_router(by_port, by_port[listeners[0].port])
-    freeze_heap(log, f"front end pid {os.getpid()}")
+    freeze_heap(log, f"front end pid {os.getpid()}", fe.deployment.workers[0].engine.gc_freeze)
     return router
 
 
@@ -79,10 +79,11 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     generate, tgi = GenerateResource(pipeline, fe.model_name), TgiResource(pipeline, fe.model_name)
     triton = TritonResource(pipeline, fe.model_name, full_text=fe.full_text)
     completions, chat = openai_routes(fe, pipeline)
-    status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir)
+    status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine)
     health = Health(fe.client, fe.state, fe.admission)
     healthz = HealthResource(health, fe.model_name)
     timed = TimedHealthResource(health, probe_token=min(1, max(0, fe.vocab_size - 1)))
+    fe.model_listeners.append(lambda vocab: setattr(timed, "probe_token", min(1, max(0, vocab - 1))))
     server = fe.config.server
     drain_s = float(max(server.e2e_timeout, server.token_timeout)) + 5.0
     return {

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -104,6 +105,9 @@ class DeviceClient:
         self.sub: zmq.asyncio.Socket | None = None
         self.tasks: list[asyncio.Task] = []
         self.ready_event = asyncio.Event()
+        # Called with each Welcome before its worker counts as ready: the model's vocabulary size
+        # and maximum positions as the worker parsed them (FrontEnd.learn_model).
+        self.on_welcome: Callable[[P.Welcome], None] | None = None
         self.ever_ready = False  # a worker was ready once: "starting" is over
         self._stops: dict[str, tuple[asyncio.Future, set[str], list[int]]] = {}
         self.gaps = 0  # sequence gaps seen (frames lost); tests assert it stays 0
@@ -324,6 +328,8 @@ class DeviceClient:
                                           f"(no Hello for {P.FRONTEND_TIMEOUT_S:.0f} s)")
                     link.welcomed = False
                 if not link.welcomed or msg.instance != link.instance:
+                    if self.on_welcome is not None:
+                        self.on_welcome(msg)
                     if msg.instance != link.instance:
                         link.heartbeat = None  # the old instance's load figures mean nothing now
                     link.instance = msg.instance

@@ -25,9 +25,11 @@ from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional, Union
 import msgspec
 from msgspec import Meta, field
 
+from mindie.contract.env import ENGINE_ENV, engine_overrides
+
 __all__ = [
     "Config", "ConfigError", "ServerConfig", "HealthCheckConfig", "BackendConfig", "ModelDeployConfig",
-    "ModelConfig", "ScheduleConfig", "LogConfig", "Loaded", "load_config", "default_run_dir", "ensure_run_dir",
+    "ModelConfig", "ScheduleConfig", "CpuTuningConfig", "LogConfig", "Loaded", "load_config", "default_run_dir", "ensure_run_dir",
     "python_log_level", "ENV_OVERRIDES",
 ]
 
@@ -165,6 +167,22 @@ class ScheduleConfig(_Section):
     decode_hold_ms: Optional[Annotated[int, Meta(ge=0, le=60000)]] = None
 
 
+class CpuTuningConfig(_Section):
+    """Project extension ``BackendConfig.cpuTuning``: the CPU backend's kernel settings
+    (mindie.contract.spec.CpuTuning; docs/config.md). null = the host's default."""
+
+    kernels: bool = True
+    isa: Literal["native", "avx2"] = "native"
+    kernel_cache: str = ""  # "" = $XDG_CACHE_HOME/mindie-py/kernels; made absolute by load_config
+    native_bf16: Optional[bool] = None
+    linear_buckets: bool = True
+    prewarm_gflop: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
+    fused_decode: bool = True
+    fused_decode_rows: Optional[Annotated[int, Meta(ge=0, le=64)]] = None  # 64 = DEC_MAX_ROWS in cpu_kernels.c
+    fused_decode_mb: Annotated[float, Meta(ge=0, le=1048576)] = 256.0
+    int8_rows: Annotated[int, Meta(ge=0, le=1048576)] = 24
+
+
 class BackendConfig(_Section):
     # One inner list per model instance (= one device worker); inner length = tensor-parallel size.
     npu_device_ids: Annotated[
@@ -184,6 +202,11 @@ class BackendConfig(_Section):
     worker_insecure_tcp: bool = False
     model_deploy: ModelDeployConfig = field(default_factory=ModelDeployConfig, name="ModelDeployConfig")
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig, name="ScheduleConfig")
+    # Project extensions: the worker process's own settings.
+    tp_start_timeout_s: Annotated[float, Meta(gt=0, le=86400)] = 600.0  # ranks waiting for each other at start
+    tp_collective_timeout_s: Annotated[float, Meta(gt=0, le=86400)] = 30.0  # one collective of a TP instance
+    gc_freeze: bool = True  # gc.freeze() the start-up heap (workers and front ends)
+    cpu_tuning: CpuTuningConfig = field(default_factory=CpuTuningConfig)
 
 
 class LogConfig(_Section):
@@ -244,6 +267,8 @@ ENV_OVERRIDES: dict[str, str] = {
     "MINDIE_MODEL_NAME": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName",
     "MINDIE_DEVICE_TYPE": "BackendConfig.deviceType",
     "MINDIE_NPU_DEVICE_IDS": "BackendConfig.npuDeviceIds",
+    # The engine and kernel settings: mindie.contract.env's table (parsed by engine_overrides).
+    **{name: key for name, (key, _, _) in ENGINE_ENV.items()},
 }
 _DEVICE_IDS_KEY = ENV_OVERRIDES["MINDIE_NPU_DEVICE_IDS"]
 
@@ -318,6 +343,9 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
             for m in entries:
                 if isinstance(m, dict) and "worldSize" in m:
                     m["worldSize"] = len(ids[0])
+    for name, value in engine_overrides(env).items():
+        *sections, key = ENGINE_ENV[name][0].split(".")
+        put(name, _section(raw, *sections), key, value)
     first_model: Optional[dict] = None
     for name, key in (("MINDIE_MODEL_PATH", "modelWeightPath"), ("MINDIE_MODEL_NAME", "modelName")):
         if (v := get.get(name)):
@@ -411,7 +439,8 @@ def _literals(tp: Any) -> list[Any]:
 # msgspec type names -> words for "must be <want>, got <got> <value>".
 _GOT_WORDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string",
               "array": "a list", "object": "an object", "null": "null"}
-_WANT_WORDS = {**_GOT_WORDS, "bool": "true or false", "bool | int": "true/false or -1/0/1"}
+_WANT_WORDS = {**_GOT_WORDS, "bool": "true or false", "bool | int": "true/false or -1/0/1",
+               "int | null": "an integer or null", "bool | null": "true, false or null"}
 
 
 def _translate(err: msgspec.ValidationError, raw: Any) -> tuple[str, str]:
@@ -612,6 +641,7 @@ def _resolve_paths(config: Config, base_dir: str, env: Mapping[str, str]) -> Non
     for m in config.backend.model_deploy.models:
         m.model_weight_path = absolute(m.model_weight_path)
     config.backend.worker_curve_key_dir = absolute(config.backend.worker_curve_key_dir)
+    config.backend.cpu_tuning.kernel_cache = absolute(config.backend.cpu_tuning.kernel_cache)
     s = config.server
     for name in ("tls_ca_path", "tls_cert", "tls_pk", "tls_pk_pwd", "tls_crl_path", "management_tls_cert",
                  "management_tls_pk", "management_tls_pk_pwd", "management_tls_crl_path", "metrics_tls_cert",

@@ -1,8 +1,13 @@
 """Per-process state of a front end (config, limits, tokenizer, device client, metrics) and
-its lifespan: the device client starts and stops inside the worker's event loop."""
+its lifespan: the device client starts and stops inside the worker's event loop.
+
+The model's vocabulary size and maximum positions come from the workers' ``Welcome`` (the model as
+the worker parsed it, ``ModelArgs``), not from reading its config.json here: until the first
+Welcome both are 0 in ``limits``, "unknown, not checked" (no request reaches a worker before one
+is welcomed anyway)."""
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import time
@@ -31,21 +36,37 @@ class FrontEnd:
         self.model_dir = deployment.model_dir
         self.started = int(time.time())
         self.full_text = server.full_text_enabled
-        with open(os.path.join(self.model_dir, "config.json")) as f:
-            model_cfg = json.load(f)
         self.limits = Limits.from_config(
             max_seq_len=deploy.max_seq_len, max_input_token_len=deploy.max_input_token_len,
             max_iter_times=config.backend.schedule.max_iter_times, truncation=deploy.truncation,
-            vocab_size=int(model_cfg.get("vocab_size", 0)), max_request_length_mb=server.max_request_length,
-            max_position_embeddings=int(model_cfg.get("max_position_embeddings", 0)),
+            max_request_length_mb=server.max_request_length,
             token_timeout=server.token_timeout, e2e_timeout=server.e2e_timeout)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.metrics = Metrics(self.model_name)
         self.client = DeviceClient(deployment.workers)
+        self.client.on_welcome = self.learn_model
+        # Told (vocab_size) whenever the model's figures change (app.py: the health probe's token).
+        self.model_listeners: list = []
         # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).
         self.admission = Admission(deployment.run_dir, server.max_link_num)
         self.state = ServiceState(deployment.run_dir)
-        self.vocab_size = int(model_cfg.get("vocab_size", 0))
+        self.vocab_size = 0
+
+    def learn_model(self, welcome) -> None:
+        """A worker's Welcome: take its model's vocabulary size and maximum positions into
+        ``limits`` (in place: the routes hold this object) unless they are already those."""
+        vocab, mpe = welcome.vocab_size, welcome.max_position_embeddings
+        if vocab <= 0 or (vocab, mpe) == (self.limits.vocab_size, self.limits.max_position_embeddings):
+            return  # an older worker (0: unknown) or nothing new
+        if self.limits.vocab_size and vocab != self.limits.vocab_size:
+            log.warning("device worker %s reports vocabulary size %d, others %d", welcome.worker_id, vocab,
+                        self.limits.vocab_size)
+        new = dataclasses.replace(self.limits, vocab_size=vocab, max_position_embeddings=mpe)
+        for f in ("vocab_size", "max_position_embeddings"):  # a frozen dataclass: set as its __post_init__ does
+            object.__setattr__(self.limits, f, getattr(new, f))
+        self.vocab_size = vocab
+        for listener in self.model_listeners:
+            listener(vocab)
 
     @classmethod
     def from_env(cls) -> "FrontEnd":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from mindie.config import Config
-from mindie.contract.spec import Deployment, EngineConfig, WorkerSpec, worker_endpoints
+from mindie.contract.spec import CpuTuning, Deployment, EngineConfig, WorkerSpec, worker_endpoints
 
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
@@ -58,22 +58,38 @@ def usable_cores(read=_read, affinity: set[int] | None = None) -> int:
     return max(1, cores)
 
 
-def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: float = 0.0,
-                     log_level: str = "INFO") -> Deployment:
-    """The launch plan of ``config`` (values as load_config applied them)."""
+def cpu_tuning(config: Config) -> CpuTuning:
+    """BackendConfig.cpuTuning as the engine's CpuTuning (the same fields, snake_case)."""
+    t = config.backend.cpu_tuning
+    return CpuTuning(**{f: getattr(t, f) for f in CpuTuning.__struct_fields__})
+
+
+def engine_config(config: Config, *, null_model: bool = False) -> EngineConfig:
+    """The engine settings of ``config``; the device-dependent ones still None (workers.prepare)."""
     backend = config.backend
     deploy = backend.model_deploy
     sched = backend.schedule
-    model = deploy.models[0]
-    groups = backend.npu_device_ids
-    n = len(groups)
-    engine = EngineConfig(
+    return EngineConfig(
         block_size=sched.cache_block_size, max_seq_len=deploy.max_seq_len, max_batch_size=sched.max_batch_size,
         max_prefill_batch_size=sched.max_prefill_batch_size, max_prefill_tokens=sched.max_prefill_tokens,
         enable_prefix_cache=sched.enable_prefix_cache, prefill_chunk_tokens=sched.prefill_chunk_tokens,
         decode_hold_ms=sched.decode_hold_ms,
         # The null model sleeps through its steps like an accelerator: overlap unless told not to.
-        overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None))
+        # None (here and in cpu below) = the device's default, settled by workers.prepare.
+        overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None),
+        tp_start_timeout_s=backend.tp_start_timeout_s, tp_collective_timeout_s=backend.tp_collective_timeout_s,
+        gc_freeze=backend.gc_freeze, cpu=cpu_tuning(config))
+
+
+def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: float = 0.0,
+                     log_level: str = "INFO") -> Deployment:
+    """The launch plan of ``config`` (values as load_config applied them)."""
+    backend = config.backend
+    deploy = backend.model_deploy
+    model = deploy.models[0]
+    groups = backend.npu_device_ids
+    n = len(groups)
+    engine = engine_config(config, null_model=null_model)
     # On CPU each worker process (each rank of a tensor-parallel instance) gets its share of the
     # cores; idle workers lend theirs only when the split is automatic and each is one process
     # (the ranks of an instance step together: nothing to lend between them).

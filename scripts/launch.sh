@@ -43,6 +43,7 @@ Options (each also settable by the environment variable shown):
 Other environment: MINDIE_DEVICE_TYPE (auto|npu|cuda|cpu), MINDIE_NPU_DEVICE_IDS ("0,1,..." = one worker per device),
 MINDIE_LOG_LEVEL (default LogConfig.dynamicLogLevel, else INFO), MINDIE_LOG_FORMAT (text|json: JSON lines;
 LogConfig.logFormat), MINDIE_LOG_PATH (also log to files there; LogConfig.logPath), MINDIE_GRACEFUL_TIMEOUT (15 s).
+Every variable, with the config key it overrides: docs/config.md, "Environment variables".
 
 Signals: SIGTERM/SIGINT stop everything (front ends drain up to the graceful timeout, then
 device workers stop; a second SIGTERM/SIGINT kills what is left at once) and leave the run

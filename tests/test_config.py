@@ -143,7 +143,11 @@ JSON_KEYS = {
         "watermarkGamma", "watermarkDelta", "runDir", "frontendCount"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
     "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
-                      "workerHost", "workerHosts", "workerPort", "workerCurveKeyDir", "workerInsecureTcp"},
+                      "workerHost", "workerHosts", "workerPort", "workerCurveKeyDir", "workerInsecureTcp",
+                      "tpStartTimeoutS", "tpCollectiveTimeoutS", "gcFreeze", "cpuTuning"},
+    "BackendConfig.cpuTuning": {
+        "kernels", "isa", "kernelCache", "nativeBf16", "linearBuckets", "prewarmGflop", "fusedDecode",
+        "fusedDecodeRows", "fusedDecodeMb", "int8Rows"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize"},

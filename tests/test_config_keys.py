@@ -63,6 +63,8 @@ _E2E = "tests/test_server_e2e.py"
 _TLS = "tests/test_tls.py"
 _CURVE = "tests/test_worker_curve.py"
 _CFG = "tests/test_config.py"
+_ES = [f"tests/test_engine_settings.py::{n}" for n in ("test_each_key_reaches_the_plan_from_the_file_and_from_its_variable",
+                                                         "test_the_worker_modules_run_with_the_plans_values")]
 
 # The same tests cover a plane's six TLS keys: the files each plane is built from, a handshake per
 # plane in-process, and the real server on three planes.
@@ -182,6 +184,27 @@ KEY_TESTS: dict[str, list[str]] = {
                                                        "test_decode_hold_ms_bounds_the_wait_of_running_requests",
                                                        "test_e2e_worker_applies_its_keys",
                                                        "test_e2e_prompts_go_first_and_are_counted"),
+    # -- engine and kernel settings (tests/test_engine_settings.py: file and override reach the plan and the worker)
+    "BackendConfig.tpStartTimeoutS": _ES + ["tests/test_tensor_parallel.py::test_startup_names_the_rank_that_did_not_come_up"],
+    "BackendConfig.tpCollectiveTimeoutS": _ES + [
+        "tests/test_tensor_parallel.py::test_a_hung_rank_is_detected_by_the_collective_timeout"],
+    "BackendConfig.gcFreeze": _ES[:1] + ["tests/test_gc_freeze.py::test_freeze_takes_the_start_up_heap_out_of_full_collections",
+                                         "tests/test_gc_freeze.py::test_server_freezes_worker_and_front_end"],
+    "BackendConfig.cpuTuning.kernels": _ES[:1] + ["tests/test_cpu_kernels.py::test_falls_back_to_portable_attention"],
+    "BackendConfig.cpuTuning.isa": _ES + ["tests/test_cpu_isa.py::test_kernels_without_avx512_build_and_pass",
+                                          "tests/test_cpu_isa.py::test_bad_isa_name_falls_back_with_a_reason"],
+    "BackendConfig.cpuTuning.kernelCache": _ES + ["tests/test_cpu_kernels.py::test_cpu_backend_uses_kernels_when_built"],
+    "BackendConfig.cpuTuning.nativeBf16": _ES + ["tests/test_cpu_isa.py::test_auto_dtype_follows_the_cpu",
+                                                 "tests/test_cpu_isa.py::test_native_bf16_detection"],
+    "BackendConfig.cpuTuning.linearBuckets": _ES + ["tests/test_memory.py::test_row_buckets_bounded_and_exact"],
+    "BackendConfig.cpuTuning.prewarmGflop": _ES[:1] + ["tests/test_memory.py::test_rss_flat_under_mixed_load"],
+    "BackendConfig.cpuTuning.fusedDecode": _ES[:1] + [
+        "tests/test_cpu_decode.py::test_models_and_settings_it_does_not_cover",
+        "tests/test_cpu_decode.py::test_server_generates_the_same_tokens_with_and_without_it"],
+    "BackendConfig.cpuTuning.fusedDecodeRows": _ES + [
+        "tests/test_cpu_decode.py::test_large_steps_and_prefills_keep_the_eager_path"],
+    "BackendConfig.cpuTuning.fusedDecodeMb": _ES + ["tests/test_cpu_decode.py::test_models_and_settings_it_does_not_cover"],
+    "BackendConfig.cpuTuning.int8Rows": _ES,
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
@@ -326,7 +349,12 @@ def schedule_config(tmp_path: Path, schedule: dict, deploy: dict | None = None) 
     dep = deployment(tmp_path, {"BackendConfig": {"ModelDeployConfig": deploy or {}, "ScheduleConfig": schedule}})
     engines = {w.engine for w in dep.workers}
     assert len(engines) == 1
-    return engines.pop()
+    e = engines.pop()
+    # The device-dependent keys the test does not set (None until workers.prepare settles them):
+    # off, so only the keys under test shape the steps.
+    return msgspec.structs.replace(e, prefill_chunk_tokens=0 if e.prefill_chunk_tokens is None else e.prefill_chunk_tokens,
+                                   decode_hold_ms=0 if e.decode_hold_ms is None else e.decode_hold_ms,
+                                   overlap=False if e.overlap is None else e.overlap)
 
 
 class StepLog(NamedTuple):

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from tests.harness import demo_server
 from tests.tiny_hf import save_random_model
+from mindie.contract.spec import cpu_flags
+from workers import settings
 from workers.kernels import cpu_kernels
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_decode import attach
@@ -30,7 +32,7 @@ pytest.importorskip("transformers")
 
 LIB = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
-FLAGS = cpu_kernels._cpu_flags().split()
+FLAGS = cpu_flags().split()
 # Where the eager path's bf16 products are oneDNN's AVX512-BF16 kernels, the fused step is exact.
 BF16_EXACT = LIB is not None and LIB.has_dpbf16 and "amx_bf16" not in FLAGS
 
@@ -218,7 +220,7 @@ def test_int8_model_shares_its_layers_with_the_fused_step(models):
 
 
 def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):
-    monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_ROWS", "2")
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_rows=2))  # cpuTuning.fusedDecodeRows
     model = _prepared(models["llama_bias"], torch.bfloat16)
     assert model.fast_decode.max_rows == 2
     _, _, calls = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8], [9, 10]], 3)
@@ -242,23 +244,24 @@ def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, ca
     with caplog.at_level(logging.INFO, logger="workers.backends"):
         assert not attached(tmp_path / "qwen3")  # q/k norms
         assert not attached(models["kv1"], torch.float16)
-        monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_MB", "0.01")
+        # cpuTuning (the plan's values; their overrides and range checks: tests/test_engine_settings.py)
+        monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
         assert not attached(models["kv1"])
-        monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE_MB", "256")
+        monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=256.0))
         assert attached(models["kv1"])
-        for name, bad in (("MINDIE_CPU_FUSED_DECODE_ROWS", "abc"), ("MINDIE_CPU_FUSED_DECODE_ROWS", "65"),
-                          ("MINDIE_CPU_FUSED_DECODE_MB", "nan"), ("MINDIE_CPU_FUSED_DECODE_MB", "-1")):
+        for name, bad in (("fused_decode_rows", "abc"), ("fused_decode_rows", 65),
+                          ("fused_decode_mb", float("nan")), ("fused_decode_mb", -1.0)):
             with monkeypatch.context() as m:
-                m.setenv(name, bad)
+                m.setattr(settings, "_engine", settings.with_cpu(**{name: bad}))
                 assert not attached(models["kv1"])  # a bad value: logged, the eager path serves
-        monkeypatch.setenv("MINDIE_CPU_FUSED_DECODE", "0")
+        monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode=False))
         assert not attached(models["kv1"])
     said = " | ".join(r.getMessage() for r in caplog.records)
     assert "fused decode kernel not used: q/k norms" in said
     assert "torch.float16 (fp32 and bf16 only)" in said
-    assert "exceed MINDIE_CPU_FUSED_DECODE_MB" in said
-    assert "MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to 64, got 'abc'" in said
-    assert "MINDIE_CPU_FUSED_DECODE_MB must be a number of MiB >= 0, got 'nan'" in said
+    assert "exceed cpuTuning.fusedDecodeMb" in said
+    assert "cpuTuning.fusedDecodeRows must be an integer from 0 to 64, got 'abc'" in said
+    assert "cpuTuning.fusedDecodeMb must be a number of MiB >= 0, got nan" in said
     assert f"fused decode kernel on for decode steps of up to {64 if LIB.has_avx512 else 4} sequences" in said
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers import settings
 from workers.backends.cpu import CpuBackend, native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,15 +20,20 @@ AVX512_HOST = "avx512f" in Path("/proc/cpuinfo").read_text()
 
 
 def test_native_bf16_detection(monkeypatch):
-    monkeypatch.delenv("MINDIE_CPU_BF16", raising=False)
     assert native_bf16("flags : fpu sse avx2 avx512f avx512_bf16") is True
     assert native_bf16("flags : fpu sse avx2 amx_bf16 amx_tile") is True
     assert native_bf16("flags : fpu sse avx2 fma") is False
     assert native_bf16("flags : avx512f avx512bw") is False  # AVX-512 alone has no bf16 dot products
-    monkeypatch.setenv("MINDIE_CPU_BF16", "1")
-    assert native_bf16("flags : avx2") is True
-    monkeypatch.setenv("MINDIE_CPU_BF16", "0")
-    assert native_bf16("flags : avx512_bf16") is False
+    # cpuTuning.nativeBf16 (MINDIE_CPU_BF16=1/0) overrides the detection when the plan is settled.
+    from mindie.config import load_config
+    from mindie.contract.spec import settle_engine
+    from mindie.topology import engine_config
+    for text, flags, want in (("1", "flags : avx2", True), ("0", "flags : avx512_bf16", False),
+                              ("", "flags : avx512_bf16", True)):
+        engine = settle_engine(engine_config(load_config(env={"MINDIE_CPU_BF16": text}).config), "cpu", flags)
+        assert engine.cpu.native_bf16 is want
+        monkeypatch.setattr(settings, "_engine", engine)
+        assert native_bf16() is want
 
 
 @pytest.mark.parametrize("native, name, checkpoint, want", [
@@ -40,7 +46,7 @@ def test_native_bf16_detection(monkeypatch):
     (False, "auto", None, torch.float32),
 ])
 def test_auto_dtype_follows_the_cpu(monkeypatch, caplog, native, name, checkpoint, want):
-    monkeypatch.setenv("MINDIE_CPU_BF16", "1" if native else "0")
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(native_bf16=native))
     with caplog.at_level("INFO", logger="workers.backends"):
         got = CpuBackend(1).resolve_dtype(name, checkpoint)
     assert got is want
@@ -79,8 +85,14 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
 
 
 def test_bad_isa_name_falls_back_with_a_reason(tmp_path):
+    """In a process without a plan a bad MINDIE_CPU_ISA leaves the kernels unavailable with the
+    reason; the server's launch refuses it naming the key and the variable (the config)."""
     env = {**os.environ, "MINDIE_CPU_ISA": "sse9", "MINDIE_KERNEL_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; "
                           "print(cpu_kernels.load(), cpu_kernels.unavailable_reason())"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.startswith("None") and "MINDIE_CPU_ISA must be one of native, avx2" in out.stdout, out
+    assert out.stdout.startswith("None") and "cpuTuning.isa (MINDIE_CPU_ISA) must be one of native, avx2" in out.stdout, out
+    from mindie.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r'^BackendConfig\.cpuTuning\.isa: must be one of "native", "avx2", got "sse9" '
+                                          r"\(from environment variable MINDIE_CPU_ISA\)"):
+        load_config(env={"MINDIE_CPU_ISA": "sse9"})

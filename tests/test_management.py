@@ -127,8 +127,13 @@ def test_status_routes_idle(split):
                      "available_tokens_length": res["totalNpuBlockNums"] * BLOCK}
     assert httpx.get(split.mgmt + "/v2/models/x/getSlotCount", timeout=10).status_code == 404
     cfg = httpx.get(split.mgmt + "/v1/config", timeout=10).json()
+    engine = cfg.pop("engine")  # project extension: the plan's engine settings, as settled
     assert cfg == {"modelName": "demo", "maxSeqLen": 2560, "npuMemSize": -1, "cpuMemSize": 1, "worldSize": 0,
                    "maxOutputLen": 2000, "cacheBlockSize": BLOCK}
+    assert engine["block_size"] == BLOCK and engine["max_batch_size"] == MAX_BATCH
+    assert None not in (engine["overlap"], engine["prefill_chunk_tokens"], engine["decode_hold_ms"],
+                        engine["cpu"]["native_bf16"], engine["cpu"]["fused_decode_rows"])
+    assert engine["cpu"]["kernels"] is True and engine["gc_freeze"] is True and engine["tp_collective_timeout_s"] == 30
     info = httpx.get(split.mgmt + "/info", timeout=10).json()
     assert info["max_concurrent_requests"] == MAX_BATCH and info["max_input_length"] == 2048
     assert info["models"][0]["model_id"] == "demo" and info["models"][0]["max_total_tokens"] == 2560

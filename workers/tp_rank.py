@@ -29,7 +29,7 @@ def follow(spec: WorkerSpec, rank: int, store: str) -> int:
     t0 = time.perf_counter()
     built = build(spec, rank, store)  # the same assembly as rank 0's (workers/engine/assembly.py)
     runner, group, num_blocks = built.runner, built.group, built.num_blocks
-    freeze_heap(log, f"rank {rank} of instance {spec.worker_id}")
+    freeze_heap(log, f"rank {rank} of instance {spec.worker_id}", spec.engine.gc_freeze)
     log.info("rank %d of instance %s ready in %.2f s (%d KV blocks)", rank, spec.worker_id,
              time.perf_counter() - t0, num_blocks)
     steps = 0

@@ -33,6 +33,7 @@ from mindie.contract.log_setup import setup_logging
 from mindie.contract.spec import WorkerSpec, decode_spec
 
 from workers.backends.core_share import CoreShare
+from workers.models.config import ModelArgs
 from workers.engine.assembly import build
 from workers.engine.engine import CapacityError, Engine, InFlight
 from workers.tp_rank import follow
@@ -101,6 +102,18 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: tuple[bytes, bytes, str] | None
         raise SystemExit(f"cannot bind {endpoint}: {why}") from None
 
 
+def _max_positions(spec: WorkerSpec, runner) -> int:
+    """The model's max_position_embeddings as ModelArgs parsed it (the null model: its checkpoint's,
+    when it has one); 0 = unknown (the front end then does not check it)."""
+    args = getattr(getattr(runner, "model", None), "args", None)
+    if args is None and spec.model_path:
+        try:
+            args = ModelArgs.from_dir(spec.model_path)
+        except Exception:  # noqa: BLE001  (the null model may serve a directory of any kind)
+            args = None
+    return int(getattr(args, "max_position_embeddings", 0) or 0)
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, tp_store: str = ""):
         self.spec = spec
@@ -114,7 +127,8 @@ class Worker:
         self.engine: Engine = built.engine
         self.device = built.device
         self.group = built.group  # this process is rank 0 of a tensor-parallel instance
-        freeze_heap(log, f"worker {spec.worker_id}")
+        self.max_positions = _max_positions(spec, self.engine.runner)
+        freeze_heap(log, f"worker {spec.worker_id}", spec.engine.gc_freeze)
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
                  spec.model_name, self.engine.runner.vocab_size)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
@@ -161,7 +175,9 @@ class Worker:
         return st
 
     def _welcome(self, fid: str, st: FrontendState) -> None:
-        self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq))
+        # What the front end checks requests against: the model as this worker parsed it.
+        self._send(fid.encode(), P.Welcome(self.spec.worker_id, self.instance, fid, st.seq,
+                                           self.engine.runner.vocab_size, self.max_positions))
         # Our load right behind it: the front end's status routes count this worker at once.
         self._send_heartbeat()
 
@@ -428,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-store", default="", help="rendezvous file of a tensor-parallel instance")
     args = ap.parse_args(argv)
     spec = decode_spec(args.spec)
+    from workers import settings
+    settings.apply(spec.engine)  # the plan's engine and CPU tuning, for the modules that read them
     if args.rank > 0:
         setup_logging(f"worker {spec.worker_id} rank {args.rank} pid {os.getpid()}", spec.log_level)
         code = 3

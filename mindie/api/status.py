@@ -17,6 +17,7 @@ import msgspec
 
 from mindie.client import DeviceClient
 from mindie.config import Config
+from mindie.contract.spec import EngineConfig
 from mindie.errors import not_found
 
 MINDIE_VERSION = "1.0.0"
@@ -48,8 +49,11 @@ class Live:
 class StatusRoutes:
     """Every status route of one front end; one Falcon responder per route (suffixes)."""
 
-    def __init__(self, config: Config, client: DeviceClient, model_name: str, model_dir: str, device: str = "cpu"):
+    def __init__(self, config: Config, client: DeviceClient, model_name: str, model_dir: str, device: str = "cpu",
+                 engine: EngineConfig | None = None):
+        """``engine``: the launch plan's engine settings, as settled (shown by /v1/config)."""
         self.config = config
+        self.engine = engine
         self.model_dir = model_dir
         self.client = client
         self.model_name = model_name
@@ -77,12 +81,16 @@ class StatusRoutes:
             "max_input_length": deploy.max_input_token_len})
 
     async def on_get_v1_config(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        """GET /v1/config."""
+        """GET /v1/config: MindIE's keys, and (project extension) ``engine``, every engine and
+        kernel setting as the launch plan resolved it (deployment.json's ``engine``)."""
         deploy, sch = self.config.backend.model_deploy, self.config.backend.schedule
-        _json(resp, {"modelName": self.model_name, "maxSeqLen": deploy.max_seq_len,
-                     "npuMemSize": self.model.npu_mem_size, "cpuMemSize": self.model.cpu_mem_size,
-                     "worldSize": self.model.world_size, "maxOutputLen": sch.max_iter_times,
-                     "cacheBlockSize": sch.cache_block_size})
+        body = {"modelName": self.model_name, "maxSeqLen": deploy.max_seq_len,
+                "npuMemSize": self.model.npu_mem_size, "cpuMemSize": self.model.cpu_mem_size,
+                "worldSize": self.model.world_size, "maxOutputLen": sch.max_iter_times,
+                "cacheBlockSize": sch.cache_block_size}
+        if self.engine is not None:
+            body["engine"] = msgspec.to_builtins(self.engine)
+        _json(resp, body)
 
     def _v1_status(self, live: Live) -> dict:
         return {

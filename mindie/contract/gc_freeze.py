@@ -6,7 +6,7 @@ one whenever enough objects have survived the younger collections: at random poi
 serving, where it stalls a step or a stream (TTFT and ITL p99, docs/performance.md).
 ``gc.freeze()`` once start-up is done moves every object alive then into a permanent generation
 that collections skip (vLLM does the same); objects created while serving are collected as
-before. ``MINDIE_GC_FREEZE=0`` leaves the collector alone.
+before. ``BackendConfig.gcFreeze: false`` (``MINDIE_GC_FREEZE=0``) leaves the collector alone.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import gc
 import logging
 import time
 
-from mindie.contract.env import switched_off
 
 
-def freeze_heap(log: logging.Logger, who: str) -> int:
-    """Collect once, then freeze what is left; returns how many objects were frozen (0: off)."""
-    if switched_off("MINDIE_GC_FREEZE"):
+def freeze_heap(log: logging.Logger, who: str, enabled: bool = True) -> int:
+    """Collect once, then freeze what is left; returns how many objects were frozen (0: off, as
+    ``enabled`` false: the plan's ``EngineConfig.gc_freeze``)."""
+    if not enabled:
         return 0
     t0 = time.perf_counter()
     gc.collect()

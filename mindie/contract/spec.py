@@ -1,11 +1,13 @@
 """What a device worker is told, and where it listens.
 
 ``mindie/topology.py`` builds one ``WorkerSpec`` per ``npuDeviceIds`` entry from config.json
-(the only place config keys become engine settings) and writes them, as a ``Deployment``, to
+(the only place config keys become engine settings; the environment overrides of those keys are
+applied before, by ``mindie.config``, from its one table) and writes them, as a ``Deployment``, to
 ``<runDir>/deployment.json``. ``python -m workers.prepare`` settles what only the device side
-can know ("auto" device, the demo model's path, the device's overlap default) in the same
-file; the supervisor hands each spec to its worker, which passes ``spec.engine`` to the engine
-and the scheduler as is.
+can know ("auto" device, the demo model's path, every device-dependent default: overlap, prefill
+chunk, decode hold, the CPU's bf16 and fused-decode rows) in the same file, once, before any
+process starts; the supervisor hands each spec to its worker, which applies ``spec.engine`` as
+is (nothing downstream re-defaults a setting).
 """
 from __future__ import annotations
 
@@ -16,8 +18,29 @@ import msgspec
 DEPLOYMENT_FILE = "deployment.json"
 
 
+class CpuTuning(msgspec.Struct, kw_only=True, frozen=True):
+    """The CPU backend's kernel settings (``BackendConfig.cpuTuning``, docs/config.md). ``None``
+    = the host's default, settled in the plan by workers.prepare (``settle_cpu``)."""
+
+    kernels: bool = True  # the C kernels (cpu_kernels.c); false = the portable torch attention, norms, rope
+    isa: str = "native"  # native (-march=native) | avx2 (also -mno-avx512f)
+    kernel_cache: str = ""  # where the kernels are built; "" = $XDG_CACHE_HOME (~/.cache)/mindie-py/kernels
+    native_bf16: bool | None = None  # whether the CPU computes bf16 natively; None = detected
+    linear_buckets: bool = True  # pad linear row counts to buckets (cpu_linear.py)
+    prewarm_gflop: float = 0.0  # oneDNN primitive prewarm budget at start; 0 = off
+    fused_decode: bool = True  # the whole decoder stack of a small decode step in one C call
+    fused_decode_rows: int | None = None  # its largest batch (0-64); None = 64 on AVX-512 builds, 4 on AVX2
+    fused_decode_mb: float = 256.0  # the largest weight copy it may keep (MiB)
+    int8_rows: int = 24  # w8a16 without the C kernels: _weight_int8pack_mm up to this many rows
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """The engine's and the scheduler's settings (ScheduleConfig and maxSeqLen, as applied)."""
+    """The engine's and the scheduler's settings (ScheduleConfig and maxSeqLen, as applied), and
+    the worker process's own (tensor-parallel timeouts, gc freeze, CPU tuning).
+
+    The three device-dependent ones are ``None`` in the plan mindie.prepare writes (the device may
+    still be "auto") and settled once by workers.prepare (``settle_engine``); an engine refuses
+    ``None``. Their defaults here are what an engine built directly (tests, benchmarks) runs with."""
 
     block_size: int = 128  # cacheBlockSize
     max_seq_len: int = 2560  # input + output tokens
@@ -25,16 +48,95 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_prefill_batch_size: int = 50  # sequences admitted in one step
     max_prefill_tokens: int = 8192  # token budget of one step (MindIE's raised value)
     # Prompt tokens per step while other requests run or wait (prefillChunkTokens); 0 =
-    # max_prefill_tokens; None = the device's default, settled by workers.prepare.
-    prefill_chunk_tokens: int | None = None
+    # max_prefill_tokens; None (in the plan) = the device's default, settled by workers.prepare.
+    prefill_chunk_tokens: int | None = 0
     # Longest wait (ms) of a running request's next token while steps that complete prompts go
-    # first (decodeHoldMs); 0 = every step decodes every running request; None = the device's
-    # default, settled by workers.prepare (an engine built with None holds nothing).
-    decode_hold_ms: float | None = None
+    # first (decodeHoldMs); 0 = every step decodes every running request; None (in the plan) = the
+    # device's default, settled by workers.prepare.
+    decode_hold_ms: float | None = 0.0
     enable_prefix_cache: bool = True
-    # Compute each step on a thread while the worker loop does its I/O; None = the device's
-    # default, settled by workers.prepare.
-    overlap: bool | None = None
+    # Compute each step on a thread while the worker loop does its I/O (overlapSteps); None (in
+    # the plan) = the device's default, settled by workers.prepare.
+    overlap: bool | None = False
+    tp_start_timeout_s: float = 600.0  # tpStartTimeoutS: ranks waiting for each other at start
+    tp_collective_timeout_s: float = 30.0  # tpCollectiveTimeoutS: one collective
+    gc_freeze: bool = True  # gcFreeze: gc.freeze() the start-up heap
+    cpu: CpuTuning = CpuTuning()  # cpuTuning
+
+    def unsettled(self) -> list[str]:
+        """The device-dependent settings still ``None`` (a plan workers.prepare has not settled)."""
+        names = [n for n in ("prefill_chunk_tokens", "decode_hold_ms", "overlap") if getattr(self, n) is None]
+        return names + [f"cpu.{n}" for n in ("native_bf16", "fused_decode_rows") if getattr(self.cpu, n) is None]
+
+
+def overlap_default(device_type: str) -> bool:
+    """An accelerator computes while the host thread is free, so overlapping the worker loop's
+    I/O with the step hides it; on CPU both share the cores and overlap measured neutral
+    (docs/performance.md): off."""
+    return device_type in ("cuda", "npu")
+
+
+def prefill_chunk_default(device_type: str) -> int:
+    """Prompt tokens per step while several requests have work. On CPU a step's time grows with
+    its tokens from a few dozen up: 256-token chunks gave a wave of 32 prompts a p50 TTFT of
+    88-96 ms against 278-295 ms in one step, p99 and output tokens/s unchanged; once decode steps
+    got faster (the fused decode step, faster attention) 128 beat 256 on output tokens/s, TTFT
+    p50 and the p99 gap between tokens, and 64 on TTFT p99 (64 has the smaller gap between
+    tokens; docs/performance.md, "TTFT under load").
+    Accelerators need bigger steps to be efficient: 2048 (vLLM's default token budget)."""
+    return 128 if device_type == "cpu" else 2048
+
+
+def decode_hold_default(device_type: str) -> int:
+    """How long (ms) steps that complete prompts may hold the running requests' decodes. On CPU a
+    decode row costs a step about what a prompt row does, so the decodes of a wave's first
+    requests slow every later prompt of the wave: holding them up to 400 ms brought the p99 TTFT
+    of 32 concurrent requests of 128 output tokens from 396-413 to 340-346 ms and their p99 gap
+    between tokens from 30-31 to 18-20 ms (with 32 output tokens that gap's p99 rises to 203-222
+    ms: docs/performance.md, "Prefill first"). On accelerators decode rows are nearly free beside
+    a prompt chunk: 0."""
+    return 400 if device_type == "cpu" else 0
+
+
+def cpu_flags() -> str:
+    """This host's CPU flags (the "flags" line of /proc/cpuinfo; "" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def native_bf16_default(cpu_flags: str) -> bool:
+    """Whether a CPU with this /proc/cpuinfo "flags" line computes bf16 natively (AVX512-BF16 or
+    AMX-BF16; AVX-512 alone has no bf16 dot products)."""
+    return bool(set(cpu_flags.split()) & {"avx512_bf16", "amx_bf16"})
+
+
+def fused_decode_rows_default(isa: str, cpu_flags: str) -> int:
+    """The fused decode step's largest batch: 64 where the kernels are built with AVX-512
+    (``-march=native`` on a CPU with avx512f), 4 with the portable loops of an AVX2 build (slower
+    than oneDNN from about 8 rows; docs/performance.md)."""
+    return 64 if isa == "native" and "avx512f" in cpu_flags.split() else 4
+
+
+def settle_engine(engine: EngineConfig, device_type: str, cpu_flags: str) -> EngineConfig:
+    """``engine`` with every ``None`` replaced by its default for ``device_type`` and this host's
+    CPU (``cpu_flags``: its /proc/cpuinfo "flags" line); values already set are kept."""
+    cpu = engine.cpu
+    if cpu.native_bf16 is None:
+        cpu = msgspec.structs.replace(cpu, native_bf16=native_bf16_default(cpu_flags))
+    if cpu.fused_decode_rows is None:
+        cpu = msgspec.structs.replace(cpu, fused_decode_rows=fused_decode_rows_default(cpu.isa, cpu_flags))
+    return msgspec.structs.replace(
+        engine, cpu=cpu,
+        overlap=overlap_default(device_type) if engine.overlap is None else engine.overlap,
+        prefill_chunk_tokens=prefill_chunk_default(device_type) if engine.prefill_chunk_tokens is None
+        else engine.prefill_chunk_tokens,
+        decode_hold_ms=decode_hold_default(device_type) if engine.decode_hold_ms is None else engine.decode_hold_ms)
 
 
 class WorkerSpec(msgspec.Struct, kw_only=True):

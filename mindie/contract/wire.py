@@ -96,6 +96,10 @@ class Welcome(Message, tag=4):
     instance: str  # random per worker process start: a change means a restarted worker
     frontend_id: str
     seq: int
+    # The model as the worker parsed it (ModelArgs), for the front end's request checks; new
+    # fields go last with defaults so peers of either version decode each other. 0 = unknown.
+    vocab_size: int = 0
+    max_position_embeddings: int = 0
 
 
 class RequestError(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

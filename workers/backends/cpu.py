@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from mindie.contract.spec import WorkerSpec
+from mindie.contract.spec import WorkerSpec, native_bf16_default
+from workers import settings
 from workers.backends.base import Backend
 from workers.backends.cpu_specialise import specialise_cpu_model, warm_up_cpu_model
 from workers.backends.int8 import CpuInt8Kernel
-from workers.kernels.cpu_kernels import _cpu_flags
 
 log = logging.getLogger("workers.backends")
 
@@ -29,15 +29,15 @@ def _malloc_trim():
 
 
 def native_bf16(cpu_flags: str | None = None) -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16). ``MINDIE_CPU_BF16``
-    (1 / 0) overrides the detection; ``cpu_flags``: a /proc/cpuinfo "flags" line (tests)."""
-    forced = os.environ.get("MINDIE_CPU_BF16", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    if cpu_flags is None:
-        cpu_flags = _cpu_flags()
-    flags = set(cpu_flags.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16): ``cpuTuning.nativeBf16``
+    as the plan settled it (detected unless set; ``MINDIE_CPU_BF16`` overrides the key). With
+    ``cpu_flags`` (a /proc/cpuinfo "flags" line, tests): the detection from that line."""
+    if cpu_flags is not None:
+        return native_bf16_default(cpu_flags)
+    value = settings.cpu().native_bf16
+    if value is None:
+        raise ValueError("cpuTuning.nativeBf16 is not settled (python -m workers.prepare settles the launch plan)")
+    return value
 
 
 class CpuBackend(Backend):

@@ -2,7 +2,7 @@
 
 At batch 1 a decode step of a small model reads its weights in about as much time as eager torch
 spends dispatching the ~12 ops of each layer (docs/performance.md, "Decode at concurrency 1").
-For a step made only of decodes, of at most ``MINDIE_CPU_FUSED_DECODE_ROWS`` sequences (64; 4 on
+For a step made only of decodes, of at most ``cpuTuning.fusedDecodeRows`` sequences (64; 4 on
 an AVX2 build), the kernel runs embedding, every layer and the final norm inside one OpenMP
 region: matrix-vector products over weights repacked for it (``pack``: AVX512-BF16 dot products
 where the CPU has them, fp32 FMAs otherwise, a loop the compiler vectorises on AVX2), the same C
@@ -10,9 +10,10 @@ norms, rope and paged attention as the eager path, and every intermediate rounde
 rounds. Larger steps and prefills keep the eager path and its oneDNN-packed weights.
 
 The oneDNN-packed layers cannot be read by the kernel, so it keeps its own copy of the layer
-weights: the linear layers' bytes twice. Only models whose copy fits ``MINDIE_CPU_FUSED_DECODE_MB``
+weights: the linear layers' bytes twice. Only models whose copy fits ``cpuTuning.fusedDecodeMb``
 (256 MiB) get the kernel; above that a step streams enough bytes that dispatch no longer matters.
-``MINDIE_CPU_FUSED_DECODE=0`` turns it off. Int8 weights (``quantize: w8a16``) are kept in this
+``cpuTuning.fusedDecode: false`` turns it off (each key's
+environment override: docs/config.md). Int8 weights (``quantize: w8a16``) are kept in this
 layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel reads those same
 tensors, no copy, with their scales applied to the fp32 sums. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
@@ -21,12 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 from torch import nn
 
-from mindie.contract.env import switched_off
+from workers import settings
 from workers.backends.int8 import Int8Linear
 from workers.kernels import cpu_kernels
 from workers.kernels.cpu_layout import pack, pack_scales
@@ -49,33 +49,24 @@ class _Step(ctypes.Structure):
                                     "final_norm", "silu_bf16", "x", "xn", "qkv", "att", "act", "out")]
 
 
-def _flag(name: str, default: str) -> str:
-    return os.environ.get(name, default).strip().lower()
-
-
 MAX_ROWS = 64  # DEC_MAX_ROWS in cpu_kernels.c
 
 
-def rows_limit(lib: ctypes.CDLL | None = None) -> int:
-    """The largest decode batch the kernel takes (``MINDIE_CPU_FUSED_DECODE_ROWS``, 0-64): by
-    default 64 with AVX-512, 4 with the portable loops of an AVX2 build (slower than oneDNN from
-    about 8 rows; docs/performance.md). ValueError, naming the variable, for anything else."""
-    default = "64" if lib is None or getattr(lib, "has_avx512", True) else "4"
-    value = _flag("MINDIE_CPU_FUSED_DECODE_ROWS", default)
-    if not value.isdigit() or int(value) > MAX_ROWS:
-        raise ValueError(f"MINDIE_CPU_FUSED_DECODE_ROWS must be an integer from 0 to {MAX_ROWS}, got {value!r}")
-    return int(value)
+def rows_limit() -> int:
+    """The largest decode batch the kernel takes (``cpuTuning.fusedDecodeRows``, 0-64, settled in
+    the plan: 64 with AVX-512, 4 with the portable loops of an AVX2 build, slower than oneDNN from
+    about 8 rows; docs/performance.md). ValueError for anything else."""
+    value = settings.cpu().fused_decode_rows
+    if not isinstance(value, int) or not 0 <= value <= MAX_ROWS:
+        raise ValueError(f"cpuTuning.fusedDecodeRows must be an integer from 0 to {MAX_ROWS}, got {value!r}")
+    return value
 
 
 def budget_limit_mb() -> float:
-    """``MINDIE_CPU_FUSED_DECODE_MB`` (256): the largest weight copy the kernel may keep."""
-    value = _flag("MINDIE_CPU_FUSED_DECODE_MB", "256")
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
+    """``cpuTuning.fusedDecodeMb`` (256): the largest weight copy the kernel may keep."""
+    mb = settings.cpu().fused_decode_mb
     if not 0 <= mb < float("inf"):
-        raise ValueError(f"MINDIE_CPU_FUSED_DECODE_MB must be a number of MiB >= 0, got {value!r}")
+        raise ValueError(f"cpuTuning.fusedDecodeMb must be a number of MiB >= 0, got {mb!r}")
     return mb
 
 
@@ -196,12 +187,12 @@ def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, to
 def attach(model: nn.Module) -> FusedDecode | None:
     """Give ``model`` a ``fast_decode`` before its linears are packed (it keeps their plain
     weights); None, with the reason logged, when the model or the settings rule it out."""
-    if switched_off("MINDIE_CPU_FUSED_DECODE"):
+    if not settings.cpu().fused_decode:
         return None
     lib = cpu_kernels.load()
     try:
-        max_rows, budget_mb = rows_limit(lib), budget_limit_mb()
-    except ValueError as e:  # logged, the eager path stays on (as a bad MINDIE_CPU_ISA does)
+        max_rows, budget_mb = rows_limit(), budget_limit_mb()
+    except ValueError as e:  # logged, the eager path stays on (as a bad isa does)
         log.warning("fused decode kernel not used: %s", e)
         return None
     if max_rows < 1:
@@ -244,7 +235,7 @@ def attach(model: nn.Module) -> FusedDecode | None:
                    if t is not None and k[-2:] in ("_w", "_s") and t.untyped_storage().data_ptr() not in shared)
         budget = budget_mb * (1 << 20)
         if size > budget:
-            why = f"its linear weights ({size / (1 << 20):.0f} MiB) exceed MINDIE_CPU_FUSED_DECODE_MB ({budget / (1 << 20):.0f})"
+            why = f"its linear weights ({size / (1 << 20):.0f} MiB) exceed cpuTuning.fusedDecodeMb ({budget / (1 << 20):.0f})"
     if why is not None:
         log.info("fused decode kernel not used: %s", why)
         return None

@@ -16,7 +16,7 @@ under mixed prompt lengths, so a worker's heap grew until both caches were full 
 and then went on growing as evictions fragmented glibc's heap (docs/reliability.md, "Flat
 memory"). So every call's rows are padded to one of 68 sizes (``bucket_rows``) and the output is
 sliced: a model has a bounded set of shapes that fits both caches, and no entry is ever evicted.
-``MINDIE_CPU_LINEAR_BUCKETS=0`` turns the padding off (for measurements: the creep comes back).
+``cpuTuning.linearBuckets: false`` (``MINDIE_CPU_LINEAR_BUCKETS=0``) turns the padding off (for measurements: the creep comes back).
 
 Both caches are also keyed by the thread count, and core lending (workers/backends/core_share.py)
 runs a worker at its own share and at its share times 2, 3 .. ``workers``. ``prewarm`` creates
@@ -27,13 +27,12 @@ plateau before it serves, instead of over its first minutes of mixed load (docs/
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 from torch import nn
 
-from mindie.contract.env import switched_off
+from workers import settings
 
 log = logging.getLogger("workers.backends")
 
@@ -47,7 +46,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 EXACT_ROWS = 16  # row counts up to this run unpadded (decode batches: every one common)
 FINE_ROWS = 256  # up to here 8 sizes per octave, above it 4 (large prefills are rarer)
-BUCKETS = not switched_off("MINDIE_CPU_LINEAR_BUCKETS")
+BUCKETS = settings.cpu().linear_buckets  # set again by settings.apply
 
 
 def bucket_rows(m: int) -> int:
@@ -79,12 +78,10 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 # Off by default: it costs start time and about 0.57 MiB per primitive (docs/reliability.md,
-# "Flat memory"); operators who want the heap at its plateau from the first request turn it on.
-PREWARM_GFLOP = float(os.environ.get("MINDIE_CPU_PREWARM_GFLOP", "0"))
-
-
+# "Flat memory"); operators who want the heap at its plateau from the first request turn it on
+# (cpuTuning.prewarmGflop, MINDIE_CPU_PREWARM_GFLOP; ``budget_gflop`` None = that setting).
 def prewarm(model: nn.Module, thread_counts: list[int], max_rows: int, max_head_rows: int,
-            budget_gflop: float = PREWARM_GFLOP) -> dict:
+            budget_gflop: float | None = None) -> dict:
     """Run every packed linear shape of ``model`` once at each row bucket up to ``max_rows``
     (the LM head: up to ``max_head_rows``, the rows a step samples) at each of ``thread_counts``,
     so that oneDNN's and ideep's caches hold all their entries before the first request.
@@ -95,6 +92,8 @@ def prewarm(model: nn.Module, thread_counts: list[int], max_rows: int, max_head_
     step first needs them. A large model's step is then long enough and its weights large
     enough that those few MiB are neither a cost in time nor a visible growth. Restores the
     thread count. Returns what it did."""
+    if budget_gflop is None:
+        budget_gflop = settings.cpu().prewarm_gflop
     t0 = time.perf_counter()
     shapes: dict[tuple, tuple[torch.Tensor, torch.Tensor | None, int, int, bool]] = {}
     head = getattr(model, "logits_linear", None)

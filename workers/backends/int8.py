@@ -21,13 +21,13 @@ NPU ``torch_npu.npu_weight_quant_batchmatmul``. A backend without one refuses th
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import settings
 from workers.backends.cpu_linear import bucket_rows
 from workers.kernels import cpu_kernels
 from workers.kernels.cpu_layout import pack, pack_scales
@@ -74,7 +74,7 @@ class Int8Kernel:
 
 # CPU without the C kernels: _weight_int8pack_mm is a GEMV-style kernel, its time grows with the
 # rows; it beats dequantise-then-matmul up to ~24 rows here (docs/performance.md, "Weight-only int8").
-CPU_INT8PACK_MAX_ROWS = int(os.environ.get("MINDIE_CPU_INT8_ROWS", "24"))
+# (cpuTuning.int8Rows, MINDIE_CPU_INT8_ROWS: 24)
 # CPU with the C kernels: their int8 products (cpu_kernels.c ``linear_rows``, ~200 GFLOP/s per core
 # at any row count) beat dequantise-then-matmul up to ~32 rows; oneDNN's bf16 GEMM wins above.
 CPU_INT8_KERNEL_MAX_ROWS = 32
@@ -89,8 +89,11 @@ class CpuInt8Kernel(Int8Kernel):
 
     name = "cpu"
 
-    def __init__(self, max_rows: int = CPU_INT8PACK_MAX_ROWS, c_kernels: bool = True):
-        """``c_kernels=False``: the torch path even where the C kernels load (tests cover both)."""
+    def __init__(self, max_rows: int | None = None, c_kernels: bool = True):
+        """``max_rows`` None = cpuTuning.int8Rows; ``c_kernels=False``: the torch path even where the
+        C kernels load (tests cover both)."""
+        if max_rows is None:
+            max_rows = settings.cpu().int8_rows
         self.max_rows = max_rows if hasattr(torch, "_weight_int8pack_mm") else 0
         self.lib = cpu_kernels.load() if c_kernels else None
         if self.lib is not None:

@@ -77,7 +77,7 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
              backend.describe(), type(runner.attn).__name__)
     log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
     log.info("prefill: chunks of %s prompt tokens while others have work; %s",
-             cfg.prefill_chunk_tokens or cfg.max_prefill_tokens,
+             cfg.prefill_chunk_tokens if cfg.prefill_chunk_tokens > 0 else cfg.max_prefill_tokens,  # 0 = the budget
              f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms" if cfg.decode_hold_ms
              else "every step decodes every running request")
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"

@@ -111,9 +111,11 @@ class Engine:
                  thread_init: Callable[[], object] | None = None):
         """``thread_init`` runs once on the compute thread (device binding and torch's thread
         count are per thread: ``Backend.bind_thread``)."""
+        if missing := [n for n in cfg.unsettled() if not n.startswith("cpu.")]:  # a plan not settled
+            raise ValueError(f"EngineConfig not settled (workers.prepare): {', '.join(missing)} is None")
         self.runner = runner
         self.cfg = cfg
-        self.overlap = bool(cfg.overlap)
+        self.overlap = cfg.overlap
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-compute",
                                         initializer=thread_init) if self.overlap else None
         self._inflight: InFlight | None = None

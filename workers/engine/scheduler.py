@@ -92,7 +92,7 @@ class Scheduler:
         chunk, so prompts are never starved by many decodes. A prompt alone takes the whole
         ``max_prefill_tokens``."""
         budget = self.cfg.max_prefill_tokens
-        chunk = self.cfg.prefill_chunk_tokens or 0
+        chunk = self.cfg.prefill_chunk_tokens
         if 0 < chunk < budget and len(self.running) + len(self.waiting) > 1:
             return max(chunk - decodes, chunk // 8, 1)
         return budget
@@ -112,7 +112,7 @@ class Scheduler:
         requests wait at most ``decode_hold_ms``. A long prompt alone holds nothing until its last
         chunk, so decodes keep flowing between its chunks. A prompt never holds a request of
         higher priority than its own."""
-        hold_ms = self.cfg.decode_hold_ms or 0
+        hold_ms = self.cfg.decode_hold_ms
         if hold_ms <= 0:
             return False
         decoding = [s for s in self.running if self._decoding(s)]

@@ -12,7 +12,7 @@ waiting for the next step never trip the compute group's timeout.
 Rendezvous is a ``FileStore`` in the run directory, one fresh file per start of the group (never
 a fixed port that two servers on a host would fight over). Startup waits for every rank with a
 timeout and names the ranks that did not come up. A collective that waits longer than
-``MINDIE_TP_COLLECTIVE_TIMEOUT_S`` (a rank stopped or hung) raises ``GroupError``: rank 0 then
+``BackendConfig.tpCollectiveTimeoutS`` (a rank stopped or hung) raises ``GroupError``: rank 0 then
 fails its requests and exits, and the supervisor restarts the whole group.
 """
 from __future__ import annotations
@@ -25,11 +25,14 @@ from datetime import timedelta
 import msgspec
 import torch
 
+from workers import settings
+
 log = logging.getLogger("workers.tp")
 
 # How long ranks wait for each other at start (processes, model loading) and in one collective.
-START_TIMEOUT_S = float(os.environ.get("MINDIE_TP_START_TIMEOUT_S") or 600)
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINDIE_TP_COLLECTIVE_TIMEOUT_S") or 30)
+# (BackendConfig.tpStartTimeoutS, tpCollectiveTimeoutS: the spec's, set again by settings.apply)
+START_TIMEOUT_S = settings.engine().tp_start_timeout_s
+COLLECTIVE_TIMEOUT_S = settings.engine().tp_collective_timeout_s
 # The control group's timeout on ranks > 0, which wait there between steps: an idle rank 0 sends a
 # no-op step well within it. Rank 0 uses the collective timeout there too: a gloo send waits for
 # the peer's receive, so a stuck rank must not hold rank 0's broadcast for an hour.
@@ -111,7 +114,7 @@ class Group:
                                    wait_all_ranks=True)
         except RuntimeError as e:
             raise GroupError(f"tensor-parallel instance {self.worker_id}: not every rank {what} within "
-                             f"{START_TIMEOUT_S:.0f} s (MINDIE_TP_START_TIMEOUT_S): {e}") from e
+                             f"{START_TIMEOUT_S:.0f} s (BackendConfig.tpStartTimeoutS): {e}") from e
         log.info("instance %s: all %d ranks %s (waited %.2f s)", self.worker_id, self.world, what,
                  time.monotonic() - t0)
 
@@ -161,7 +164,7 @@ def join(worker_id: str, rank: int, world: int, store_path: str, device_type: st
         missing = [r for r in missing if not store.check([store_key(r)])]
         if missing and time.monotonic() > deadline:
             raise GroupError(f"tensor-parallel instance {worker_id}: rank(s) {missing} did not come up within "
-                             f"{START_TIMEOUT_S:.0f} s (MINDIE_TP_START_TIMEOUT_S)")
+                             f"{START_TIMEOUT_S:.0f} s (BackendConfig.tpStartTimeoutS)")
         if missing:
             time.sleep(0.05)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,

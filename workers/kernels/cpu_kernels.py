@@ -8,7 +8,7 @@ together: a file lock lets one build while the others wait, and the library is w
 temporary file and renamed into place. Only a directory that belongs to this user and that
 nobody else can write to is used.
 
-Without a compiler, or with ``MINDIE_CPU_KERNELS=0``, ``load()`` returns None and the CPU backend
+Without a compiler, or with ``cpuTuning.kernels: false`` (``MINDIE_CPU_KERNELS=0``), ``load()`` returns None and the CPU backend
 keeps the portable torch attention, norms and rope (the reason is logged once).
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mindie.contract.env import switched_off
+from mindie.contract.spec import cpu_flags
+from workers import settings
 
 log = logging.getLogger("workers.backends")
 
@@ -33,15 +34,15 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          # Let the dot products and row updates vectorise (fp32 reassociation only).
          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 BUILD_TIMEOUT_S = 180
-# MINDIE_CPU_ISA=avx2 builds without the AVX-512 instructions -march=native would use (the path
+# cpuTuning.isa avx2 (MINDIE_CPU_ISA=avx2) builds without the AVX-512 instructions -march=native would use (the path
 # AVX2-only CPUs run; tests build both on a machine that has AVX-512).
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
 
 
 def isa() -> str:
-    name = (os.environ.get("MINDIE_CPU_ISA") or "native").strip().lower()
+    name = settings.cpu().isa
     if name not in ISA_FLAGS:
-        raise ValueError(f"MINDIE_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {name!r}")
+        raise ValueError(f"cpuTuning.isa (MINDIE_CPU_ISA) must be one of {', '.join(ISA_FLAGS)}, got {name!r}")
     return name
 
 
@@ -54,20 +55,9 @@ _reason = ""
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MINDIE_KERNEL_CACHE") or os.path.join(
+    root = settings.cpu().kernel_cache or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mindie-py", "kernels")
     return Path(root)
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""
 
 
 def _compiler() -> str | None:
@@ -90,7 +80,7 @@ def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     flags = build_flags()
-    key = hashlib.sha256(src + version + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + version + cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     name = f"cpu_kernels-{key}.so"
     # A read-only home (containers) falls back to a private directory under the temp dir.
     dirs = (cache_dir(), Path(tempfile.gettempdir()) / f"mindie-py-kernels-{os.getuid()}")
@@ -125,8 +115,8 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if switched_off("MINDIE_CPU_KERNELS"):
-        _reason = "disabled by MINDIE_CPU_KERNELS"
+    if not settings.cpu().kernels:
+        _reason = "disabled by cpuTuning.kernels (MINDIE_CPU_KERNELS)"
     elif (cc := _compiler()) is None:
         _reason = "no C compiler (set CC)"
     else:
