@@ -14,11 +14,11 @@ import signal
 import socket
 import sys
 
-from mindie.contract.lifecycle import die_with_parent, expected_parent
+from mindie.runtime.lifecycle import die_with_parent, expected_parent
 from mindie.listeners import read_listeners
 
 # MindIE's planes (business, management, metrics; merged where ports are equal), as planned by
-# mindie.prepare. TLS is not gunicorn's: each front end wraps each socket with its plane's
+# mindie.ops.prepare. TLS is not gunicorn's: each front end wraps each socket with its plane's
 # context (mindie/gunicorn_worker.py), so the planes can have their own certificates.
 bind = [li.bind for li in read_listeners(os.environ["MINDIE_LISTENERS"])]
 workers = int(os.environ.get("MINDIE_FRONTENDS", "1"))
@@ -37,7 +37,7 @@ if (os.environ.get("MINDIE_LOG_FORMAT") or "text").lower() == "json":
     _json = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
     logconfig_dict = {
         "version": 1, "disable_existing_loggers": False,
-        "formatters": {"json": {"()": "mindie.contract.log_setup.JsonLineFormatter", "process": "gunicorn"}},
+        "formatters": {"json": {"()": "mindie.runtime.log_setup.JsonLineFormatter", "process": "gunicorn"}},
         "handlers": {"json": _json, "console": _json, "error_console": _json},
         "root": {"level": loglevel.upper(), "handlers": ["json"]},
         "loggers": {name: {"handlers": ["json"], "level": loglevel.upper(), "propagate": False}

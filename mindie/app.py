@@ -21,10 +21,10 @@ from mindie.api.tgi import TgiResource
 from mindie.api.tokenizer import TokenizerResource
 from mindie.api.triton import TritonResource
 from mindie.contract.errors import error_type
-from mindie.contract.gc_freeze import freeze_heap
+from mindie.runtime.gc_freeze import freeze_heap
 from mindie.errors import ApiError
 from mindie.frontend import FrontEnd
-from mindie.contract.log_setup import setup_logging
+from mindie.runtime.log_setup import setup_logging
 from mindie.listeners import read_listeners
 from mindie.pipeline import Pipeline
 

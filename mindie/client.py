@@ -8,7 +8,7 @@ of emitting corrupted output. A worker silent for ``WORKER_TIMEOUT_S``, or one t
 back as a new instance, fails its in-flight requests with an error.
 
 A ``tcp://`` worker link is a CURVE client of the worker (keys from the spec's
-``curve_key_dir``, mindie/contract/curve.py); without keys it is refused unless the spec says
+``curve_key_dir``, mindie/runtime/curve.py); without keys it is refused unless the spec says
 ``insecure_tcp``. ``ipc://`` links need nothing: the run directory is private.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from mindie.contract import wire as P
-from mindie.contract.curve import frontend_keys, insecure_warning, link_mode
+from mindie.runtime.curve import frontend_keys, insecure_warning, link_mode
 from mindie.contract.errors import FINISH_ERROR
 from mindie.contract.spec import WorkerSpec
 

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional, Union
 import msgspec
 from msgspec import Meta, field
 
-from mindie.contract.env import ENGINE_ENV, engine_overrides
+from mindie.runtime.env import ENGINE_ENV, engine_overrides
 
 __all__ = [
     "Config", "ConfigError", "ServerConfig", "HealthCheckConfig", "BackendConfig", "ModelDeployConfig",
@@ -190,7 +190,7 @@ class BackendConfig(_Section):
     ] = field(default_factory=lambda: [[0]])
     device_type: DeviceType = "auto"  # project extension; "auto" = npu, else cuda, else cpu
     cpu_threads_per_worker: Annotated[int, Meta(ge=0, le=4096)] = 0  # project extension; 0 = share evenly
-    # Project extensions: worker links (mindie/contract/curve.py). "" = ipc sockets in runDir; an IP
+    # Project extensions: worker links (mindie/runtime/curve.py). "" = ipc sockets in runDir; an IP
     # address = workers bind tcp://workerHost:workerPort+2i (jobs) and +2i+1 (frames), with CURVE keys
     # from workerCurveKeyDir (made absolute by load_config), or plain tcp only if workerInsecureTcp.
     worker_host: str = ""
@@ -267,7 +267,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "MINDIE_MODEL_NAME": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName",
     "MINDIE_DEVICE_TYPE": "BackendConfig.deviceType",
     "MINDIE_NPU_DEVICE_IDS": "BackendConfig.npuDeviceIds",
-    # The engine and kernel settings: mindie.contract.env's table (parsed by engine_overrides).
+    # The engine and kernel settings: mindie.runtime.env's table (parsed by engine_overrides).
     **{name: key for name, (key, _, _) in ENGINE_ENV.items()},
 }
 _DEVICE_IDS_KEY = ENV_OVERRIDES["MINDIE_NPU_DEVICE_IDS"]
@@ -556,7 +556,7 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
                  f"({len(ids[0])}), got {m.world_size}")
         if m.npu_mem_size == 0:
             fail(f"{key}.npuMemSize", "must be -1 (auto) or >= 1 (GB), got 0")
-    # Worker links (project extensions; mindie/contract/curve.py).
+    # Worker links (project extensions; mindie/runtime/curve.py).
     for key, host in [("BackendConfig.workerHost", b.worker_host)] + [
             (f"BackendConfig.workerHosts[{i}]", h) for i, h in enumerate(b.worker_hosts)]:
         if not host and key == "BackendConfig.workerHost":
@@ -578,7 +578,7 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
         fail("BackendConfig.workerHosts", f"must list workerHost ({b.worker_host}), the host this config's device "
              f"workers bind, got {b.worker_hosts}")
     if b.worker_host or b.worker_hosts:
-        from mindie.contract.curve import CurveKeyError, check_key_dir
+        from mindie.runtime.curve import CurveKeyError, check_key_dir
 
         n = len(b.npu_device_ids)
         if not 1024 <= b.worker_port <= 65535:

@@ -19,7 +19,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import STARTUP_FAILURE, Server
 from uvicorn_worker import UvicornWorker
 
-from mindie.contract.lifecycle import die_with_parent
+from mindie.runtime.lifecycle import die_with_parent
 from mindie.errors import ApiError
 from mindie.service_state import STOPPING
 from mindie.listeners import read_listeners
@@ -163,7 +163,7 @@ class FrontEndWorker(UvicornWorker):
         "ws": "none",
         "lifespan": "on",
         "timeout_graceful_shutdown": int(os.environ.get("MINDIE_GRACEFUL_TIMEOUT", "15")) - 3,
-        # A memory safety net far above maxLinkNum (mindie/prepare.py); requests past maxLinkNum
+        # A memory safety net far above maxLinkNum (mindie/ops/prepare.py); requests past maxLinkNum
         # are refused server-wide with MindIE's JSON 503 by mindie/admission.py, not here.
         "limit_concurrency": int(os.environ.get("MINDIE_MAX_CONNECTIONS", "16384")),
     }

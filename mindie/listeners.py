@@ -9,7 +9,7 @@ ALL_SAME, BUSINESS_MANAGEMENT_SAME, MANAGEMENT_METRICS_SAME and ALL_DIFFERENT ca
 port equal to the metrics port alone merges those two the same way). A merged listener binds the
 address of its first plane (business, then management) and uses that plane's TLS files.
 
-``mindie.prepare`` writes the plan to ``<runDir>/listeners.json``; gunicorn binds what it lists
+``mindie.ops.prepare`` writes the plan to ``<runDir>/listeners.json``; gunicorn binds what it lists
 (deploy/gunicorn.conf.py) and every front end serves each socket with its planes' routes and its
 TLS context (mindie/gunicorn_worker.py, mindie/app.py).
 """

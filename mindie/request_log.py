@@ -3,7 +3,7 @@
 Fields: request id (the ``req-id`` header or the generated one), endpoint, input and output
 tokens, time to first token, duration, and how it ended (finish reason, or the HTTP status and
 error text). The same fields ride on the record as ``record.request`` (a dict), which the JSON
-log format writes as keys of their own (mindie/contract/log_setup.py).
+log format writes as keys of their own (mindie/runtime/log_setup.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ every file and fails with a ``TlsError`` naming the config key: missing, unreada
 (private key or password readable by others, any file writable by others), not PEM, expired or
 not yet valid, key not matching the certificate, key too small, wrong password.
 
-Built by the launcher (``mindie.prepare``: a bad file stops the start), again by every front
+Built by the launcher (``mindie.ops.prepare``: a bad file stops the start), again by every front
 end as it boots (so ``SIGHUP``, which restarts the front ends, loads renewed files), and by
 ``python -m mindie.ops.tls_check check LISTENERS`` in the launcher before it forwards a ``SIGHUP``
 (a broken renewal is refused and the running front ends keep their certificates).
@@ -28,7 +28,7 @@ from typing import Optional
 
 import msgspec
 
-from mindie.contract.curve import permission_checks_on  # one override for TLS and CURVE files
+from mindie.runtime.curve import permission_checks_on  # one override for TLS and CURVE files
 
 log = logging.getLogger("mindie.tls")
 

@@ -67,7 +67,7 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
 
 def write_plan(config: Path, *, null_model: bool = False, null_step_ms: float = 0.0):
     """The launch plan of a config file, written and settled as scripts/launch.sh does
-    (mindie.prepare, then workers.prepare); returns (path, Deployment)."""
+    (mindie.ops.prepare, then workers.prepare); returns (path, Deployment)."""
     from mindie.config import ensure_run_dir, load_config
     from mindie.contract.spec import write_deployment
     from mindie.topology import build_deployment

@@ -1,7 +1,8 @@
 """The boundary between the front end and the device side (docs/design.md, "Module map"):
-``mindie/`` imports nothing of ``workers/``; ``workers/`` imports only ``mindie.contract``;
-the contract imports only the standard library, msgspec and itself; front ends and the
-supervisor never load torch."""
+``mindie/`` imports nothing of ``workers/``; ``workers/`` imports only ``mindie.contract`` (what
+crosses the process boundary) and ``mindie.runtime`` (runtime code both sides share); those two
+import only the standard library, msgspec and each other; front ends and the supervisor never
+load torch."""
 from __future__ import annotations
 
 import ast
@@ -51,16 +52,21 @@ def test_front_end_imports_nothing_of_workers() -> None:
     assert violations("mindie", lambda p, m: top(m) != "workers") == []
 
 
-def test_workers_import_only_the_contract_of_mindie() -> None:
-    assert violations("workers", lambda p, m: top(m) != "mindie" or m == "mindie.contract"
-                      or m.startswith("mindie.contract.")) == []
+SHARED = ("mindie.contract", "mindie.runtime")
 
 
-def test_contract_imports_only_stdlib_msgspec_and_itself() -> None:
+def _shared(m: str) -> bool:
+    return any(m == s or m.startswith(s + ".") for s in SHARED)
+
+
+def test_workers_import_only_the_contract_and_runtime_of_mindie() -> None:
+    assert violations("workers", lambda p, m: top(m) != "mindie" or _shared(m)) == []
+
+
+def test_contract_and_runtime_import_only_stdlib_msgspec_and_themselves() -> None:
     allowed = STDLIB | {"msgspec", "__future__"}
-    bad = violations("mindie/contract", lambda p, m: top(m) in allowed or m == "mindie.contract"
-                     or m.startswith("mindie.contract."))
-    assert bad == []
+    for pkg in ("mindie/contract", "mindie/runtime"):
+        assert violations(pkg, lambda p, m: top(m) in allowed or _shared(m)) == []
 
 
 def test_the_scan_sees_a_violation(tmp_path: Path) -> None:
@@ -79,7 +85,7 @@ BLOCK_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['torch_npu']
 
 @pytest.mark.parametrize("modules,absent", [
     # A front end: the app and everything it builds on.
-    (["mindie.app", "mindie.frontend", "mindie.client", "mindie.prepare", "mindie.topology"], ["torch", "workers"]),
+    (["mindie.app", "mindie.frontend", "mindie.client", "mindie.ops.prepare", "mindie.topology"], ["torch", "workers"]),
     # The supervisor: torch-free, and without the front end's asyncio client.
     (["workers.supervisor"], ["torch", "zmq.asyncio", "mindie.client", "mindie.config"]),
     # The device-side launch step: torch only for device detection or a shard plan (lazy there).

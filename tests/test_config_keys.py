@@ -401,20 +401,20 @@ def _prepare(tmp_path: Path, config: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
     run_dir = tmp_path / "run"
     env.update(MIES_CONFIG_JSON_PATH=str(config), MINDIE_RUN_DIR=str(run_dir), MINDIE_LOG_LEVEL="INFO")
-    return subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
 def test_log_config_keys_reach_the_launch_environment(tmp_path: Path) -> None:
     """LogConfig's keys become the environment every process's logging reads
-    (mindie/contract/log_setup.py): level (logLevel when dynamicLogLevel is empty), format, a
+    (mindie/runtime/log_setup.py): level (logLevel when dynamicLogLevel is empty), format, a
     logPath relative to the config file, file size and count; a bad value names its key."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"LogConfig": {"logLevel": "debug", "logFormat": "json", "logPath": "logs",
                                                 "logFileSize": 3, "logFileNum": 4}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
     env.update(MIES_CONFIG_JSON_PATH=str(config), MINDIE_RUN_DIR=str(tmp_path / "run"))
-    proc = subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
@@ -422,11 +422,11 @@ def test_log_config_keys_reach_the_launch_environment(tmp_path: Path) -> None:
     assert (out["MINDIE_LOG_FORMAT"], out["MINDIE_LOG_FILE_SIZE"], out["MINDIE_LOG_FILE_NUM"]) == ("json", "3", "4")
     assert out["MINDIE_LOG_PATH"].strip("'") == str(tmp_path / "logs")
     config.write_text(json.dumps({"LogConfig": {"logFormat": "xml"}}))
-    bad = subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert "LogConfig.logFormat" in bad.stderr and bad.stdout.strip().endswith("exit 2"), bad.stderr
     config.write_text(json.dumps({"LogConfig": {"logFileSize": 0}}))
-    bad = subprocess.run([sys.executable, "-m", "mindie.prepare"], cwd=ROOT, env=env, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert "LogConfig.logFileSize" in bad.stderr, bad.stderr
 

@@ -194,7 +194,7 @@ def test_usable_cores_affinity_and_cgroup_quota():
 
 
 def test_prepare_warns_when_threads_exceed_cores(monkeypatch, caplog):
-    from mindie import prepare
+    from mindie.ops import prepare
     from mindie.contract.spec import WorkerSpec
 
     def spec(threads):
@@ -204,10 +204,10 @@ def test_prepare_warns_when_threads_exceed_cores(monkeypatch, caplog):
         workers = [spec(4), spec(4)]
 
     monkeypatch.setattr(prepare, "usable_cores", lambda: 8)
-    with caplog.at_level("WARNING", logger="mindie.prepare"):
+    with caplog.at_level("WARNING", logger="mindie.ops.prepare"):
         prepare.check_cpu_threads(Dep)
     assert not caplog.records
     monkeypatch.setattr(prepare, "usable_cores", lambda: 6)
-    with caplog.at_level("WARNING", logger="mindie.prepare"):
+    with caplog.at_level("WARNING", logger="mindie.ops.prepare"):
         prepare.check_cpu_threads(Dep)
     assert len(caplog.records) == 1 and "8 threads on 6 usable cores" in caplog.text

@@ -105,7 +105,7 @@ def test_bad_file_values_are_refused_naming_the_key(tmp_path: Path) -> None:
 
 
 def test_device_dependent_defaults_are_settled_once_in_the_plan(tmp_path: Path) -> None:
-    """mindie.prepare's plan leaves them None (the device may be "auto"); workers.prepare settles
+    """mindie.ops.prepare's plan leaves them None (the device may be "auto"); workers.prepare settles
     each from the device and the host's CPU; a value the config sets is kept; nothing is None."""
     from workers.prepare import settle
 
@@ -154,7 +154,8 @@ def test_the_worker_modules_run_with_the_plans_values(monkeypatch: pytest.Monkey
     """settings.apply (python -m workers.worker does it first thing) puts the spec's values where
     the kernels, linears, fused decode step, int8 kernel and TP group read them."""
     from workers import settings
-    from workers.backends import cpu, cpu_decode, cpu_kernels, cpu_linear, int8
+    from workers.backends import cpu, cpu_decode, cpu_linear, int8
+    from workers.kernels import cpu_kernels
     from workers.engine import tp_group
 
     before = settings.engine()
@@ -175,7 +176,7 @@ def test_the_worker_modules_run_with_the_plans_values(monkeypatch: pytest.Monkey
 
 
 def test_a_process_without_a_plan_reads_the_same_table() -> None:
-    """A test or benchmark process without a plan: the same overrides (mindie.contract.env), on
+    """A test or benchmark process without a plan: the same overrides (mindie.runtime.env), on
     the defaults, settled for this host; a value of the wrong type is refused naming the variable."""
     from workers import settings
 

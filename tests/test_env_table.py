@@ -1,7 +1,7 @@
 """One configuration channel: every ``MINDIE_*`` variable the code reads is in the one table of
 docs/config.md ("Environment variables"), with the config key it overrides or why it has none;
 the rows with a key are exactly ``mindie.config.ENV_OVERRIDES`` (plus the LogConfig ones, which
-mindie/prepare.py applies), and every key named exists."""
+mindie/ops/prepare.py applies), and every key named exists."""
 from __future__ import annotations
 
 import re
@@ -98,7 +98,7 @@ def test_the_table_names_the_keys_the_code_overrides() -> None:
     table = env_table(DOC.read_text())
     keys = {name: table_key(cell) for name, cell in table.items()}
     # Every override in code has its row naming the same key, and every row with a key is an
-    # override in code (or a LogConfig one, applied by mindie/prepare.py).
+    # override in code (or a LogConfig one, applied by mindie/ops/prepare.py).
     assert {n: keys.get(n) for n in ENV_OVERRIDES} == ENV_OVERRIDES
     assert {n: k for n, k in keys.items() if k is not None} == {**ENV_OVERRIDES, **LOG_KEYS}
     for name, key in keys.items():
@@ -133,12 +133,12 @@ def _key_exists(path: str) -> bool:
 @pytest.mark.parametrize("name", sorted(set(ENV_OVERRIDES) - {"MIES_CONTAINER_IP", "MIES_CONTAINER_MANAGEMENT_IP"}))
 def test_each_override_is_read_by_the_config_only(name: str) -> None:
     """An override of a config key is read by mindie/config.py (the engine and kernel ones by its
-    table in mindie/contract/env.py, which the workers' plan-less processes share); outside them
+    table in mindie/runtime/env.py, which the workers' plan-less processes share); outside them
     only launcher plumbing (the resolved value the launcher exports) may name it."""
-    from mindie.contract.env import ENGINE_ENV
+    from mindie.runtime.env import ENGINE_ENV
 
     read = names_read_by_the_code()
-    home = "mindie/contract/env.py" if name in ENGINE_ENV else "mindie/config.py"
+    home = "mindie/runtime/env.py" if name in ENGINE_ENV else "mindie/config.py"
     assert home in read.get(name, []), name
     plumbing = {"MINDIE_RUN_DIR", "MINDIE_FRONTENDS", "MINDIE_PORT", "MINDIE_MODEL_PATH", "MINDIE_HOST",
                 "MINDIE_MODEL_NAME", "MINDIE_DEVICE_TYPE", "MINDIE_NPU_DEVICE_IDS"}

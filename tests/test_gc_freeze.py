@@ -1,4 +1,4 @@
-"""Start-up objects are frozen out of the garbage collector's full passes (mindie/contract/gc_freeze.py):
+"""Start-up objects are frozen out of the garbage collector's full passes (mindie/runtime/gc_freeze.py):
 in the real server's device worker and front end, and not with BackendConfig.gcFreeze false
 (MINDIE_GC_FREEZE=0, the key's override)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.harness import ROOT, demo_server
 PROBE = """
 import gc, logging, time
 from mindie.config import load_config
-from mindie.contract.gc_freeze import freeze_heap
+from mindie.runtime.gc_freeze import freeze_heap
 import torch  # a heap like a worker's
 n = freeze_heap(logging.getLogger("t"), "probe", load_config().config.backend.gc_freeze)
 assert n == gc.get_freeze_count(), (n, gc.get_freeze_count())

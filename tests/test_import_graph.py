@@ -25,6 +25,7 @@ PACKAGES = ("mindie", "workers")
 # nothing of the processes that run it.
 LAYERS = {
     "mindie.contract": 0,
+    "mindie.runtime": 0,
     "workers.settings": 0,  # this process's engine settings, read by every layer
     "workers.kernels": 1,
     "workers.models": 1,

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mindie.contract import lifecycle
+from mindie.runtime import lifecycle
 from tests.harness import (ROOT, Server, alive, free_port, process_roles, short_run_dir, wait_gone,
                            write_config)
 
@@ -56,7 +56,7 @@ def test_die_with_parent_fires_and_closes_the_fork_race(tmp_path):
     assert child.wait(5) == -signal.SIGKILL
     # A real parent killed by SIGKILL: its child gets the signal.
     code = ("import signal, subprocess, sys, time\n"
-            "from mindie.contract.lifecycle import die_with_parent\n"
+            "from mindie.runtime.lifecycle import die_with_parent\n"
             "import functools, os\n"
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
             " preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))\n"

@@ -86,7 +86,7 @@ def test_text_request_line_and_rotation(tmp_path):
     """The text form of a request line; files rotate at logFileSize MB keeping logFileNum."""
     code = f"""
 import logging, os
-from mindie.contract.log_setup import setup_logging
+from mindie.runtime.log_setup import setup_logging
 from mindie.request_log import RequestRecord
 setup_logging("frontend pid 1", env={{"MINDIE_LOG_PATH": {str(tmp_path)!r}, "MINDIE_LOG_FILE_SIZE": "1",
                                      "MINDIE_LOG_FILE_NUM": "2"}})

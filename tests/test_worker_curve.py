@@ -21,7 +21,7 @@ import pytest
 from mindie.client import DeviceClient, NoWorkerError
 from mindie.config import ConfigError, load_config
 from mindie.contract import wire as P
-from mindie.contract.curve import CurveKeyError, insecure_warning
+from mindie.runtime.curve import CurveKeyError, insecure_warning
 from mindie.contract.spec import WorkerSpec, encode_spec
 from mindie.topology import build_deployment
 from tests.harness import ROOT, free_port, short_run_dir, write_config, write_plan

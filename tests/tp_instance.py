@@ -66,7 +66,7 @@ def main() -> None:
         raise SystemExit(max(codes))
     spec = decode_spec(os.environ["TP_TEST_SPEC"])
     store = os.environ["TP_TEST_STORE"]
-    from mindie.contract.log_setup import setup_logging
+    from mindie.runtime.log_setup import setup_logging
     setup_logging(f"rank {rank}", "INFO")
     if rank == 0:
         run_rank0(spec, store, requests, out)

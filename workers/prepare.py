@@ -2,7 +2,7 @@
 
     python -m workers.prepare <runDir>/deployment.json
 
-Run by scripts/launch.sh after ``mindie.prepare`` wrote the plan and before anything starts:
+Run by scripts/launch.sh after ``mindie.ops.prepare`` wrote the plan and before anything starts:
 resolves ``deviceType: auto`` (npu, else cuda, else cpu), makes the built-in demo model when no
 weights are configured (random weights, real tokenizer; about 4 s, once), and fills the
 device-dependent defaults of the engine settings (step overlap, prefill chunk, decode hold, the
@@ -78,7 +78,7 @@ def check_tensor_parallel(spec: WorkerSpec, model_dir: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Settle the device side of a launch plan (deployment.json): "
                                              "'auto' device, demo model, device defaults. Run by scripts/launch.sh.")
-    ap.add_argument("deployment", help="path of deployment.json (written by python -m mindie.prepare)")
+    ap.add_argument("deployment", help="path of deployment.json (written by python -m mindie.ops.prepare)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")

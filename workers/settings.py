@@ -6,7 +6,7 @@ spec is passed: the CPU kernels, linears, fused decode step and int8 kernel (``c
 settled by workers.prepare, is then the only source. A process that builds models without a plan
 (tests, benchmark and profiling scripts) gets, the first time a setting is read, the defaults
 with the environment overrides of docs/config.md applied (the same table, read by the same
-function as ``mindie.config`` uses for the plan: ``mindie.contract.env``), settled for this
+function as ``mindie.config`` uses for the plan: ``mindie.runtime.env``), settled for this
 host's CPU as workers.prepare would.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 import msgspec
 
-from mindie.contract.env import ENGINE_ENV, engine_overrides
+from mindie.runtime.env import ENGINE_ENV, engine_overrides
 from mindie.contract.spec import CpuTuning, EngineConfig, cpu_flags, settle_engine
 
 _engine: EngineConfig | None = None
@@ -61,7 +61,7 @@ def with_cpu(**changes) -> EngineConfig:
 
 def standalone(env=None) -> EngineConfig:
     """The settings of a process without a launch plan: the defaults with the environment
-    overrides of the engine keys applied (``mindie.contract.env.ENGINE_ENV``, the table
+    overrides of the engine keys applied (``mindie.runtime.env.ENGINE_ENV``, the table
     ``mindie.config`` applies to config.json; a value of the wrong type raises ValueError naming
     the variables, a value out of range is refused where it is read, as a plan never has one),
     settled for a CPU worker on this host."""

@@ -30,8 +30,8 @@ import time
 import tempfile
 from dataclasses import dataclass, field
 
-from mindie.contract.lifecycle import die_with_parent, expected_parent
-from mindie.contract.log_setup import setup_logging
+from mindie.runtime.lifecycle import die_with_parent, expected_parent
+from mindie.runtime.log_setup import setup_logging
 from mindie.contract.spec import WorkerSpec, encode_spec, read_deployment
 
 log = logging.getLogger("workers.supervisor")
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Start and watch one device worker per npuDeviceIds entry of the launch plan. "
                     "Normally started by scripts/launch.sh next to gunicorn.")
     ap.add_argument("--deployment", default=os.environ.get("MINDIE_DEPLOYMENT"),
-                    help="the launch plan, <runDir>/deployment.json, written by python -m mindie.prepare and "
+                    help="the launch plan, <runDir>/deployment.json, written by python -m mindie.ops.prepare and "
                          "settled by python -m workers.prepare (default: $MINDIE_DEPLOYMENT)")
     args = ap.parse_args(argv)
     setup_logging(f"supervisor pid {os.getpid()}")

@@ -13,7 +13,7 @@ import logging
 import signal
 import time
 
-from mindie.contract.gc_freeze import freeze_heap
+from mindie.runtime.gc_freeze import freeze_heap
 from mindie.contract.spec import WorkerSpec
 from workers.engine.assembly import build
 from workers.engine.tp_group import NOOP, STOP

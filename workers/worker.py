@@ -25,11 +25,11 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from mindie.contract import wire as P
-from mindie.contract.curve import CurveKeyError, insecure_warning, link_mode, worker_keys
+from mindie.runtime.curve import CurveKeyError, insecure_warning, link_mode, worker_keys
 from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
-from mindie.contract.gc_freeze import freeze_heap
-from mindie.contract.lifecycle import lock_file
-from mindie.contract.log_setup import setup_logging
+from mindie.runtime.gc_freeze import freeze_heap
+from mindie.runtime.lifecycle import lock_file
+from mindie.runtime.log_setup import setup_logging
 from mindie.contract.spec import WorkerSpec, decode_spec
 
 from workers.backends.core_share import CoreShare
@@ -75,7 +75,7 @@ def _unlink_endpoint(endpoint: str, lock: int | None) -> None:
 def link_security(spec: WorkerSpec) -> tuple[str, tuple[bytes, bytes, str] | None]:
     """("ipc" | "curve" | "plain", the CURVE keys (public, secret, allowed clients' dir) or None).
     Exits with the reason for a tcp endpoint without keys and without the insecure flag, or for
-    unusable key files (mindie/contract/curve.py)."""
+    unusable key files (mindie/runtime/curve.py)."""
     try:
         modes = {link_mode(ep, spec.curve_key_dir, spec.insecure_tcp) for ep in (spec.job_endpoint, spec.pub_endpoint)}
         mode = "curve" if "curve" in modes else "plain" if "plain" in modes else "ipc"

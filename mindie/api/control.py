@@ -33,7 +33,7 @@ from mindie.admission import Admission
 from mindie.pipeline import read_body
 from mindie.api.status import Live
 from mindie.client import DeviceClient
-from mindie.contract.lifecycle import request_stop
+from mindie.runtime.lifecycle import request_stop
 from mindie.errors import ApiError, not_found, validation_error
 from mindie.service_state import ServiceState
 
@@ -130,7 +130,7 @@ class StopServiceResource:
             # A second SIGTERM makes the launcher kill what is left; from a process of its own,
             # since this front end may be gone by then; only to the same launcher, still serving.
             subprocess.Popen(
-                [sys.executable, "-c", "import os, signal, sys, time; from mindie.contract.lifecycle import owner_of; "
+                [sys.executable, "-c", "import os, signal, sys, time; from mindie.runtime.lifecycle import owner_of; "
                  f"time.sleep({FORCE_KILL_AFTER_S}); "
                  "owner_of(sys.argv[1]) == int(sys.argv[2]) and os.kill(int(sys.argv[2]), signal.SIGTERM)",
                  self.run_dir, str(pid)],

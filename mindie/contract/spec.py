@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """The engine's and the scheduler's settings (ScheduleConfig and maxSeqLen, as applied), and
     the worker process's own (tensor-parallel timeouts, gc freeze, CPU tuning).
 
-    The three device-dependent ones are ``None`` in the plan mindie.prepare writes (the device may
+    The three device-dependent ones are ``None`` in the plan mindie.ops.prepare writes (the device may
     still be "auto") and settled once by workers.prepare (``settle_engine``); an engine refuses
     ``None``. Their defaults here are what an engine built directly (tests, benchmarks) runs with."""
 
@@ -145,7 +145,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     worker_id: str
     job_endpoint: str  # ipc://<runDir>/... or tcp://HOST:PORT (worker_endpoints)
     pub_endpoint: str
-    # tcp links (mindie/contract/curve.py): CURVE key directory (absolute); "" = none, then plain
+    # tcp links (mindie/runtime/curve.py): CURVE key directory (absolute); "" = none, then plain
     # tcp only with insecure_tcp (BackendConfig.workerInsecureTcp). Unused for ipc.
     curve_key_dir: str = ""
     insecure_tcp: bool = False

@@ -2,7 +2,7 @@
 
     python -m mindie.ops.curve_keys DIR [--force]
 
-Writes, with pyzmq's ``zmq.auth.create_certificates`` (the layout is mindie/contract/curve.py):
+Writes, with pyzmq's ``zmq.auth.create_certificates`` (the layout is mindie/runtime/curve.py):
 ``worker.key_secret`` / ``worker.key`` (the workers' keypair), ``frontend.key_secret`` /
 ``frontend.key`` (the front ends' keypair) and ``clients/frontend.key`` (the front ends allowed
 to connect). DIR is created mode 0700 and secret files are written mode 0600. Existing key files
@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 
-from mindie.contract.curve import (CLIENTS_DIR, FRONTEND_SECRET, WORKER_PUBLIC, WORKER_SECRET, CurveKeyError,
+from mindie.runtime.curve import (CLIENTS_DIR, FRONTEND_SECRET, WORKER_PUBLIC, WORKER_SECRET, CurveKeyError,
                                    check_key_dir)
 
 

@@ -1,11 +1,11 @@
 """``python -m mindie.ops.run_dir hold|release RUN_DIR FD | stop RUN_DIR``: the launch script's
-hold and release of the run directory (mindie/contract/lifecycle.py), and a stop request to the
+hold and release of the run directory (mindie/runtime/lifecycle.py), and a stop request to the
 server that owns a run directory."""
 from __future__ import annotations
 
 import sys
 
-from mindie.contract.lifecycle import RunDirBusy, hold, release, request_stop
+from mindie.runtime.lifecycle import RunDirBusy, hold, release, request_stop
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ others must take the whole server down within seconds, leaving no process.
 Also ``mindie-bench chaos ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
 Public entry points for the server (``scripts/launch.sh``, HTTP, signals); it reads process trees
-with tests/harness.py and checks the run directory with ``mindie.contract.lifecycle.leftovers``
+with tests/harness.py and checks the run directory with ``mindie.runtime.lifecycle.leftovers``
 (the launcher's own list of what a stop must leave), so it needs a source checkout.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from mindie.contract.lifecycle import leftovers  # noqa: E402
+from mindie.runtime.lifecycle import leftovers  # noqa: E402
 from tests.harness import alive, free_port, process_roles as roles, rss_mib  # noqa: E402
 
 DRILLS = ["worker", "frontend", "supervisor", "master", "supervisor+master", "launcher", "launcher+master",

@@ -4,7 +4,7 @@ write the launch plan (``<runDir>/deployment.json``, see mindie/contract/spec.py
 settles the device side of the plan.
 
 Before writing anything it claims the run directory for the launcher
-(mindie/contract/lifecycle.py): a run directory in use by a live server is refused, and what a
+(mindie/runtime/lifecycle.py): a run directory in use by a live server is refused, and what a
 server that died left there (sockets, locks, state files) is removed.
 
 Fails with exit status 2 and a message naming the config key when the config is wrong, or
@@ -18,13 +18,13 @@ import shlex
 import sys
 
 from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level
-from mindie.contract.lifecycle import RunDirBusy, claim, launcher_pid
+from mindie.runtime.lifecycle import RunDirBusy, claim, launcher_pid
 from mindie.contract.spec import write_deployment
 from mindie.listeners import plan_listeners, write_listeners
 from mindie.tls import TlsError, check_plane, permission_checks_on
 from mindie.topology import build_deployment, usable_cores
 
-log = logging.getLogger("mindie.prepare")
+log = logging.getLogger("mindie.ops.prepare")
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
 
 
 def log_outputs(lc, source: str | None) -> dict[str, str]:
-    """LogConfig as the environment every process's logging reads (mindie/contract/log_setup.py);
+    """LogConfig as the environment every process's logging reads (mindie/runtime/log_setup.py);
     variables already set win. A relative logPath is taken from the config file's directory."""
     path = lc.log_path
     if path and not os.path.isabs(os.path.expanduser(path)):

@@ -24,7 +24,7 @@ makes (``ENTRIES``; nothing else in it is ever touched):
 A module that adds a file to the run directory adds its name to ``ENTRIES``.
 
 A server is live while any of these files is locked by a process. ``claim`` (at start, by
-``python -m mindie.prepare``) refuses a live run directory and removes what a dead server left;
+``python -m mindie.ops.prepare``) refuses a live run directory and removes what a dead server left;
 ``hold`` (the launcher, on the descriptor it keeps open) makes the claim last for the server's
 life; ``release`` (the launcher, after every process stopped) removes it all; ``request_stop``
 asks the launcher to stop (what a ``/stopService`` handler calls).
