@@ -14,6 +14,7 @@ Front ends import this module, so it must never import torch (or anything heavy)
                                  # "BackendConfig.ScheduleConfig.maxBatchSize: must be >= 1, got 0"
     loaded.config.backend.schedule.max_batch_size, loaded.notes, loaded.ignored
 """
+import difflib
 import ipaddress
 import json
 import os
@@ -114,6 +115,8 @@ class ServerConfig(_Section):
     watermark_delta: Annotated[float, Meta(gt=0.0, le=100.0)] = 2.0  # logit bias of green tokens
     run_dir: str = ""  # "" = default_run_dir(port); made absolute by load_config
     frontend_count: Annotated[int, Meta(ge=0, le=64)] = 0  # gunicorn workers; 0 = auto
+    # Project extension: an unknown key (neither this server's nor MindIE's) stops the start.
+    strict_config: bool = False
 
 
 class ModelConfig(_Section):
@@ -237,6 +240,7 @@ class Loaded(NamedTuple):
     notes: list[str]  # MindIE-style adjustments applied (log them)
     env_overrides: dict[str, str]  # {dotted key: env var}
     unapplied: list[str] = []  # keys of the file validated but without effect yet: "<key>: <why>"
+    unknown: list[tuple[str, Optional[str]]] = []  # (dotted key, the closest known key or None): likely typos
 
 
 # Keys validated (so a MindIE file with a wrong value is still refused) that have no effect in
@@ -263,6 +267,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "MINDIE_PORT": "ServerConfig.port",
     "MINDIE_RUN_DIR": "ServerConfig.runDir",
     "MINDIE_FRONTENDS": "ServerConfig.frontendCount",
+    "MINDIE_STRICT_CONFIG": "ServerConfig.strictConfig",  # launch.sh --strict-config
     "MINDIE_MODEL_PATH": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath",
     "MINDIE_MODEL_NAME": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName",
     "MINDIE_DEVICE_TYPE": "BackendConfig.deviceType",
@@ -329,6 +334,9 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
         put("MINDIE_PORT", server, "port", int(v) if re.fullmatch(r"[+-]?\d+", v) else v)
     if (v := get.get("MINDIE_FRONTENDS")):
         put("MINDIE_FRONTENDS", server, "frontendCount", int(v) if re.fullmatch(r"[+-]?\d+", v) else v)
+    if (v := get.get("MINDIE_STRICT_CONFIG")):
+        put("MINDIE_STRICT_CONFIG", server, "strictConfig", {"1": True, "true": True, "0": False, "false": False}
+            .get(v.lower(), v))
     if (v := get.get("MINDIE_RUN_DIR")):
         put("MINDIE_RUN_DIR", server, "runDir", os.path.abspath(os.path.expanduser(v)))
     if (v := get.get("MINDIE_DEVICE_TYPE")):
@@ -408,6 +416,75 @@ def _collect_ignored(raw: Any, tp: Any, path: str, out: list[str]) -> None:
         (elem,) = typing.get_args(tp)
         for i, item in enumerate(raw):
             _collect_ignored(item, elem, f"{path}[{i}]", out)
+
+
+# MindIE Server's own keys that this server accepts and does not use (its shipped config.json
+# 1.0 / 2.0 series, mindie-config-shape.md): reported at INFO. Any other key that is not this
+# server's is taken for a typo: a WARNING with the closest known key, or a refusal in strict mode.
+# List indices are written "[]".
+MINDIE_UNUSED_KEYS = frozenset({
+    "Version", "LogConfig.dynamicLogLevelValidHours", "LogConfig.dynamicLogLevelValidTime",
+    "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby", "ServerConfig.inferMode",
+    "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort", "ServerConfig.interCommTlsCaPath",
+    "ServerConfig.interCommTlsCaFiles", "ServerConfig.interCommTlsCert", "ServerConfig.interCommPk",
+    "ServerConfig.interCommPkPwd", "ServerConfig.interCommTlsCrlPath", "ServerConfig.interCommTlsCrlFiles",
+    "ServerConfig.openAiSupport", "ServerConfig.distDPServerEnabled", "ServerConfig.tlsPkPwd",
+    "ServerConfig.managementTlsPkPwd", "ServerConfig.metricsTlsPkPwd", "ServerConfig.maxLinkNumPerIp",
+    "BackendConfig.backendName", "BackendConfig.modelInstanceNumber", "BackendConfig.tokenizerProcessNumber",
+    "BackendConfig.multiNodesInferEnabled", "BackendConfig.multiNodesInferPort", "BackendConfig.interNodeTLSEnabled",
+    "BackendConfig.interNodeTlsCaPath", "BackendConfig.interNodeTlsCaFiles", "BackendConfig.interNodeTlsCert",
+    "BackendConfig.interNodeTlsPk", "BackendConfig.interNodeTlsPkPwd", "BackendConfig.interNodeTlsCrlPath",
+    "BackendConfig.interNodeTlsCrlFiles", "BackendConfig.interNodeKmcKsfMaster", "BackendConfig.interNodeKmcKsfStandby",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].modelInstanceType",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].backendType",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].trustRemoteCode",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].plugin_params",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].async_scheduler_wait_time",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].kv_trans_timeout",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].kv_link_timeout",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].tp", "BackendConfig.ModelDeployConfig.ModelConfig[].dp",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].moe_tp", "BackendConfig.ModelDeployConfig.ModelConfig[].moe_ep",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].sp", "BackendConfig.ModelDeployConfig.ModelConfig[].cp",
+    "BackendConfig.ModelDeployConfig.ModelConfig[].models",
+    "BackendConfig.ScheduleConfig.templateType", "BackendConfig.ScheduleConfig.templateName",
+    "BackendConfig.ScheduleConfig.policyType", "BackendConfig.ScheduleConfig.bufferResponseEnabled",
+    "BackendConfig.ScheduleConfig.enableSplit", "BackendConfig.ScheduleConfig.splitType",
+    "BackendConfig.ScheduleConfig.splitStartType", "BackendConfig.ScheduleConfig.splitChunkTokens",
+    "BackendConfig.ScheduleConfig.splitStartBatchSize", "BackendConfig.ScheduleConfig.prefillPolicyType",
+    "BackendConfig.ScheduleConfig.decodePolicyType", "BackendConfig.ScheduleConfig.maxFirstTokenWaitTime",
+    "BackendConfig.ScheduleConfig.maxQueueDelayMicroseconds", "BackendConfig.ScheduleConfig.maxPreemptCount",
+    "BackendConfig.ScheduleConfig.supportSelectBatch", "BackendConfig.ScheduleConfig.prefillExpectedTime",
+    "BackendConfig.ScheduleConfig.decodeExpectedTime", "BackendConfig.ScheduleConfig.prefillTimeMsPerReq",
+    "BackendConfig.ScheduleConfig.decodeTimeMsPerReq",
+})
+
+
+def _known_names(path: str) -> list[str]:
+    """The keys this server and MindIE know beside the key at dotted ``path``."""
+    parent, _, _ = path.rpartition(".")
+    tp: Any = Config
+    if parent:
+        found, _, tp = _lookup({}, parent)  # the declared type of the parent (values need not exist)
+    names = list(_struct_fields(_unwrap(tp)))
+    prefix = re.sub(r"\[\d+\]", "[]", parent + "." if parent else "")
+    names += [k[len(prefix):] for k in MINDIE_UNUSED_KEYS if k.startswith(prefix) and "." not in k[len(prefix):]]
+    return names
+
+
+def unknown_keys(ignored: list[str]) -> list[tuple[str, Optional[str]]]:
+    """The ignored keys that are neither this server's nor MindIE's, each with the closest
+    known key beside it (``difflib``, case-insensitive) or None."""
+    out = []
+    for key in ignored:
+        if re.sub(r"\[\d+\]", "[]", key) in MINDIE_UNUSED_KEYS:
+            continue
+        name = key.rpartition(".")[2]
+        names = _known_names(key)
+        lower = {n.lower(): n for n in names}
+        close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.75)
+        parent = key.rpartition(".")[0]
+        out.append((key, (f"{parent}.{lower[close[0]]}" if parent else lower[close[0]]) if close else None))
+    return out
 
 
 def _lookup(raw: Any, path: str) -> tuple[bool, Any, Any]:
@@ -503,6 +580,7 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
         raise ConfigError(f"the top level must be a JSON object, got {type(raw).__name__}", source=source)
     ignored: list[str] = []
     _collect_ignored(raw, Config, "", ignored)
+    unknown = unknown_keys(ignored)
     from_env = _apply_env(raw, env)
     name_note = _default_model_name(raw)
     try:
@@ -511,10 +589,15 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
         key, message = _translate(e, raw)
         raise ConfigError(message, key or "(top level)", env=_env_for(key, from_env), source=source) from None
     _check(config, from_env, source)
+    if unknown and config.server.strict_config:
+        key, close = unknown[0]
+        raise ConfigError("unknown key (ServerConfig.strictConfig refuses it)"
+                          + (f": did you mean {close}?" if close else ""), key,
+                          env=from_env.get("ServerConfig.strictConfig"), source=source)
     notes = _adjust(config) + ([name_note] if name_note else [])
     _resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
     unapplied = [f"{k}: {why}" for k, why in VALIDATED_NOT_APPLIED.items() if _lookup(raw, k)[0]]
-    return Loaded(config, source, ignored, notes, from_env, unapplied)
+    return Loaded(config, source, ignored, notes, from_env, unapplied, unknown)
 
 
 def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -> None:

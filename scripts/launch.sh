@@ -29,6 +29,8 @@ Options (each also settable by the environment variable shown):
   -w, --frontends N     front-end processes (ServerConfig.frontendCount; [MINDIE_FRONTENDS]
                         default: one per 4 cores, 1 to 4)
       --run-dir DIR     private directory for ipc sockets (mode 0700)   [MINDIE_RUN_DIR]
+      --strict-config   refuse to start on an unknown config key (a typo;  [MINDIE_STRICT_CONFIG=1]
+                        ServerConfig.strictConfig); default: a WARNING naming it
       --null-model      serve the null model (no compute; serving-stack benchmark)
                                                                         [MINDIE_NULL_MODEL=1]
       --null-step-ms MS fixed cost of one null-model step               [MINDIE_NULL_STEP_MS]
@@ -73,6 +75,7 @@ while [ $# -gt 0 ]; do
     -n|--model-name) export MINDIE_MODEL_NAME="$2"; shift 2 ;;
     -w|--frontends) export MINDIE_FRONTENDS="$2"; shift 2 ;;
     --run-dir) export MINDIE_RUN_DIR="$2"; shift 2 ;;
+    --strict-config) export MINDIE_STRICT_CONFIG=1; shift ;;
     --null-model) export MINDIE_NULL_MODEL=1; shift ;;
     --null-step-ms) export MINDIE_NULL_STEP_MS="$2"; shift 2 ;;
     --workers-only) export MINDIE_ROLE=workers; shift ;;

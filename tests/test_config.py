@@ -140,7 +140,7 @@ JSON_KEYS = {
         "managementTlsCrlPath", "managementTlsCrlFiles", "metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk",
         "metricsTlsPkPwd", "metricsTlsCrlPath",
         "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
-        "watermarkGamma", "watermarkDelta", "runDir", "frontendCount"},
+        "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
     "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
                       "workerHost", "workerHosts", "workerPort", "workerCurveKeyDir", "workerInsecureTcp",
@@ -631,3 +631,71 @@ def test_frontend_count_from_file_and_environment(tmp_path: Path) -> None:
     assert load_config(str(f), env={"MINDIE_FRONTENDS": "2"}).config.server.frontend_count == 2
     with pytest.raises(ConfigError, match="ServerConfig.frontendCount.*MINDIE_FRONTENDS"):
         load_config(None, env={"MINDIE_FRONTENDS": "65"})
+
+
+# -- typos: unknown keys are named, with the closest known key; strict mode refuses them -------------
+
+TYPO_FILE = {"ServerConfig": {"managmentPort": 1999, "inferMode": "standard"},
+             "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelWeightPth": "/m"}]},
+                               "ScheduleConfig": {"maxBatchSzie": 8}}}
+
+
+def test_unknown_keys_are_told_from_mindie_keys_with_the_closest_known_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(TYPO_FILE))
+    loaded = load_config(str(path), env={})
+    assert dict(loaded.unknown) == {
+        "ServerConfig.managmentPort": "ServerConfig.managementPort",
+        "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPth":
+            "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath",
+        "BackendConfig.ScheduleConfig.maxBatchSzie": "BackendConfig.ScheduleConfig.maxBatchSize"}
+    assert "ServerConfig.inferMode" in loaded.ignored  # MindIE's own key: not a typo
+    assert loaded.config.server.management_port == 1026  # the typo set nothing
+
+
+def test_an_unknown_key_without_a_close_one_has_no_suggestion(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"ServerConfig": {"zzzqqq": 1}, "Nonsense": {}}))
+    assert load_config(str(path), env={}).unknown == [("ServerConfig.zzzqqq", None), ("Nonsense", None)]
+
+
+def test_mindie_default_file_has_no_unknown_key(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MINDIE_DEFAULT))
+    assert load_config(str(path), env={}).unknown == []
+
+
+def test_strict_config_refuses_an_unknown_key_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"ServerConfig": {"managmentPort": 1999, "strictConfig": True}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path), env={})
+    assert str(e.value).startswith("ServerConfig.managmentPort: unknown key") \
+        and "did you mean ServerConfig.managementPort?" in str(e.value)
+    path.write_text(json.dumps({"ServerConfig": {"managmentPort": 1999}}))
+    with pytest.raises(ConfigError, match="from environment variable MINDIE_STRICT_CONFIG"):
+        load_config(str(path), env={"MINDIE_STRICT_CONFIG": "1"})
+    assert load_config(str(path), env={"MINDIE_STRICT_CONFIG": "0"}).unknown  # off: loads, keys reported
+    path.write_text(json.dumps({"ServerConfig": {"strictConfig": True, "inferMode": "standard"}}))
+    assert load_config(str(path), env={}).config.server.strict_config is True  # MindIE's keys still load
+
+
+def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"ServerConfig": {"managmentPort": 1999, "runDir": str(tmp_path / "run")}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
+    # The launch step (what scripts/launch.sh runs first) says which key and what was meant.
+    r = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "MIES_CONFIG_JSON_PATH": str(cfg)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ("WARNING [launch] config key ServerConfig.managmentPort is unknown (neither this server's nor MindIE's): "
+            "ignored; did you mean ServerConfig.managementPort?") in r.stderr
+    assert "config: 1 unknown key ignored (ServerConfig.managmentPort)" in r.stderr
+    subprocess.run([sys.executable, "-m", "mindie.ops.run_dir", "release", str(tmp_path / "run")], cwd=ROOT,
+                   capture_output=True, timeout=60)
+    # The launcher with --strict-config stops before anything starts, exit 2, naming the key.
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(cfg), "--strict-config"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "config error: ServerConfig.managmentPort: unknown key" in r.stderr + r.stdout
+    assert "did you mean ServerConfig.managementPort?" in r.stderr + r.stdout

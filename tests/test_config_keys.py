@@ -115,6 +115,8 @@ KEY_TESTS: dict[str, list[str]] = {
                                  "test_e2e_listens_on_ip_address_port_and_run_dir"),
     "ServerConfig.frontendCount": [f"{_E2E}::test_config_keys_take_effect",
                                    f"{_CFG}::test_frontend_count_from_file_and_environment"],
+    "ServerConfig.strictConfig": [f"{_CFG}::test_strict_config_refuses_an_unknown_key_naming_it",
+                                  f"{_CFG}::test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config"],
     # -- BackendConfig
     "BackendConfig.npuDeviceIds": _here("test_npu_device_ids_make_one_worker_per_entry",
                                         "test_device_groups_launch_as_tensor_parallel_instances") + [

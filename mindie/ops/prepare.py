@@ -34,8 +34,18 @@ def main() -> None:
         loaded = load_config()
         config = loaded.config
         log.info("config: %s", loaded.source or "built-in defaults (no config file)")
+        unknown = dict(loaded.unknown)
         for key in loaded.ignored:
-            log.info("config key accepted but not used by this server: %s", key)
+            if key in unknown:
+                close = unknown[key]
+                log.warning("config key %s is unknown (neither this server's nor MindIE's): ignored%s", key,
+                            f"; did you mean {close}?" if close else "")
+            else:
+                log.info("config key accepted but not used by this server (a MindIE key): %s", key)
+        if unknown:
+            log.warning("config: %d unknown key%s ignored (%s); ServerConfig.strictConfig: true "
+                        "(launch.sh --strict-config) refuses them", len(unknown), "" if len(unknown) == 1 else "s",
+                        ", ".join(unknown))
         for text in loaded.unapplied:
             log.info("config key validated but without effect in this server: %s", text)
         for note in loaded.notes:
