@@ -247,7 +247,7 @@ class Loaded(NamedTuple):
 # this server yet; the launcher logs each one the file sets.
 VALIDATED_NOT_APPLIED = {
     "Version": "reported nowhere",
-    "ServerConfig.HealthCheckConfig.npuUsageThreshold": "the health probes have no device-usage (BUSY) test yet",
+    "ServerConfig.HealthCheckConfig.npuUsageThreshold": "BUSY comes from the workers' queues and KV usage and from maxLinkNum, not from device usage",
 }
 
 

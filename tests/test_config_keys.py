@@ -494,6 +494,13 @@ def test_model_weight_path_must_be_a_checkpoint(tmp_path: Path, demo_model: str)
     data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = "m"  # relative: config's dir
     with pytest.raises(SystemExit, match=r"ModelConfig\[0\]\.modelWeightPath: .*/m has no config\.json"):
         settle_deployment(deployment(tmp_path, data))
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = "nowhere"
+    with pytest.raises(SystemExit, match=r"ModelConfig\[0\]\.modelWeightPath: .*/nowhere does not exist"):
+        settle_deployment(deployment(tmp_path, data))
+    (tmp_path / "f").write_text("not a model")
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = "f"
+    with pytest.raises(SystemExit, match=r"ModelConfig\[0\]\.modelWeightPath: .*/f is not a directory"):
+        settle_deployment(deployment(tmp_path, data))
 
 
 def test_world_size_must_match_the_device_group(tmp_path: Path) -> None:

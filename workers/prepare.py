@@ -54,6 +54,12 @@ def settle_deployment(dep: Deployment) -> Deployment:
         model_dir = str(ensure_demo_model())
         log.info("no modelWeightPath configured: serving the built-in demo model at %s "
                  "(random weights, its output is gibberish)", model_dir)
+    elif not os.path.exists(model_dir):
+        raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} does not "
+                         "exist (a Hugging Face model directory is expected)")
+    elif not os.path.isdir(model_dir):
+        raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} is not a "
+                         "directory (a Hugging Face model directory is expected)")
     elif not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} has no "
                          "config.json (a Hugging Face model directory is expected)")
