@@ -79,8 +79,10 @@ class RequestStream:
 
     async def get(self, timeout: float | None) -> list[P.TokenFrame]:
         """Every frame received since the last call; waits up to ``timeout`` seconds for one.
-        Returns [] on timeout."""
+        Returns [] on timeout, and at once for a request cancelled here (nothing more comes)."""
         if not self.frames:
+            if self.finished:
+                return []
             self.event.clear()
             try:
                 await asyncio.wait_for(self.event.wait(), timeout)

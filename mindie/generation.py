@@ -144,6 +144,8 @@ class Generation:
                     wait = min(wait, IDLE_TICK_S)
                 frames = await self.stream.get(max(0.0, wait))
                 if not frames:
+                    if self.stream.finished:  # cancelled by this front end: nothing more comes
+                        return
                     if time.monotonic() >= deadline:
                         raise ApiError(500, f"Engine callback timeout: {desc}", timeout=True)
                     if tick:

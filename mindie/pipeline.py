@@ -411,6 +411,7 @@ class Pipeline:
                 else:
                     yield o, item
         finally:
+            self._cancel(outs)  # however this ends, the generations end with it (no frame comes after)
             for t in tasks:
                 t.cancel()
 
@@ -441,9 +442,15 @@ class Pipeline:
         finally:
             gone.cancel()
         if not work.done():  # the client hung up: its generations are cancelled on their workers
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
+            # The workers first: no frame arrives after this. Then the collecting task, again until
+            # it ends: Python 3.11's wait_for loses a cancel that lands as its wait completes (a
+            # frame arriving), and with no frame left to arrive the next cancel cannot be lost.
             self._cancel(outs)
+            while not work.done():
+                work.cancel()
+                await asyncio.wait({work}, timeout=0.1)
+            with contextlib.suppress(BaseException):
+                work.result()  # retrieved: a task that ended otherwise is not logged as unhandled
             self._failed(rec, ApiError(499, "client disconnected"))
             resp.status = 499  # nobody reads this
             resp.data = b""
