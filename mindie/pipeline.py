@@ -368,15 +368,10 @@ class Pipeline:
         return outs
 
     async def _pieces(self, outs: list[Output], tick: bool) -> AsyncIterator[tuple[Output, Piece] | None]:
-        """Pieces of every output as they come (None every IDLE_TICK_S while none does, with
-        ``tick``). Raises the first ApiError; every generation still running is cancelled when
+        """Pieces of several outputs, merged as they come (None every IDLE_TICK_S while none does,
+        with ``tick``); a single output is read from its generation directly (``_drain``,
+        ``_stream``). Raises the first ApiError; every generation still running is cancelled when
         this ends, however it ends."""
-        if len(outs) == 1:
-            out = outs[0]
-            async with contextlib.aclosing(out.gen.pieces(tick)) as pieces:
-                async for p in pieces:
-                    yield None if p is None else (out, p)
-            return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(o: Output) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from mindie.client import RequestStream
 from mindie.contract import wire as P
 from mindie.metrics import Metrics
 from mindie.pipeline import Codec, Context, Job, Pipeline, Sub
@@ -20,39 +21,19 @@ from mindie.request_log import RequestRecord
 from mindie.validation import Limits
 
 
-class _Stream:
-    def __init__(self) -> None:
-        self.request_id = "r1"
-        self.frames: list[P.TokenFrame] = []
-        self.event = asyncio.Event()
-        self.finished = False
-
-    async def get(self, timeout):
-        if not self.frames:
-            if self.finished:
-                return []
-            self.event.clear()
-            try:
-                await asyncio.wait_for(self.event.wait(), timeout)
-            except asyncio.TimeoutError:
-                return []
-        out, self.frames = self.frames, []
-        return out
-
-
 class _Client:
     """Every submission's frames keep coming, one per loop tick, until it is cancelled."""
 
     def __init__(self) -> None:
-        self.streams: list[_Stream] = []
+        self.streams: list[RequestStream] = []
         self.cancelled: list[str] = []
 
     def submit(self, ids, params, priority, user_id=""):
-        s = _Stream()
+        s = RequestStream("r1", link=None)  # the real stream: its get() is the wait_for in question
         self.streams.append(s)
         return s
 
-    def cancel(self, stream: _Stream) -> None:
+    def cancel(self, stream: RequestStream) -> None:
         if not stream.finished:
             stream.finished = True
             self.cancelled.append(stream.request_id)
@@ -86,8 +67,7 @@ async def _hang_up_while_frames_come() -> tuple[float, int, _Client, SimpleNames
     async def produce():
         nonlocal produced
         while not stream.finished:
-            stream.frames.append(P.TokenFrame("r1", [7]))
-            stream.event.set()  # the collector's wait completes in the same tick as any cancel
+            stream._push(P.TokenFrame("r1", [7]))  # the collector's wait completes in the tick of any cancel
             produced += 1
             if produced == 200:
                 gone.set()  # the client hangs up mid-generation
