@@ -68,14 +68,18 @@ def _attention(model, dtype: torch.dtype, blocks: int = 64 * 16, block_size: int
                                           dtype, torch.device("cpu"))
 
 
-def _decode_run(model, dtype: torch.dtype, fused: bool, prompts: list[list[int]], steps: int):
+def _decode_run(model, dtype: torch.dtype, fused: bool, prompts: list[list[int]], steps: int,
+                forced: list[torch.Tensor] | None = None):
     """Prefill ``prompts`` (eager: the fused step takes decodes only), then ``steps`` greedy decode
-    steps of all of them together; the hidden states of every decode step and the final caches."""
+    steps of all of them together; the hidden states of every decode step, the final caches, the
+    kernel calls and the tokens fed to each step. ``forced``: feed these tokens instead of the
+    run's own greedy choices (so two runs that round differently see the same inputs: a near tie
+    in the logits would otherwise send them down different sequences)."""
     fd = model.fast_decode
     attn = _attention(model, dtype)
     per = 16  # blocks per sequence (4 tokens each)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
-    hidden, calls0 = [], fd.calls
+    hidden, calls0, fed = [], fd.calls, []
     with torch.inference_mode():
         model.fast_decode = None
         attn.prepare(tables, [0] * len(prompts), [len(p) for p in prompts])
@@ -85,14 +89,17 @@ def _decode_run(model, dtype: torch.dtype, fused: bool, prompts: list[list[int]]
         nxt = model.compute_logits(h[ends]).argmax(-1)
         pos = [len(p) for p in prompts]
         model.fast_decode = fd if fused else None
-        for _ in range(steps):
+        for i in range(steps):
+            if forced is not None:
+                nxt = forced[i]
+            fed.append(nxt)
             attn.prepare(tables, pos, [1] * len(prompts))
             h = model(nxt, torch.tensor(pos), attn)
             hidden.append(h.float().clone())
             nxt = model.compute_logits(h).argmax(-1)
             pos = [p + 1 for p in pos]
     model.fast_decode = fd
-    return hidden, [c.clone() for c in attn.k_cache + attn.v_cache], fd.calls - calls0
+    return hidden, [c.clone() for c in attn.k_cache + attn.v_cache], fd.calls - calls0, fed
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -104,10 +111,14 @@ def test_fused_step_computes_what_eager_does(models, case, dtype):
     # prompts of 2-20 tokens, so the sequences' contexts differ
     prompts = [[(7 * i + j) % 150 + 3 for j in range(2 + (5 * i) % 19)] for i in range(top)]
     for batch in sorted({1, 3, min(8, top), min(16, top), top}):
-        eager_h, eager_kv, eager_calls = _decode_run(model, dtype, False, prompts[:batch], 12)
-        fused_h, fused_kv, fused_calls = _decode_run(model, dtype, True, prompts[:batch], 12)
+        exact = dtype == torch.bfloat16 and BF16_EXACT
+        eager_h, eager_kv, eager_calls, fed = _decode_run(model, dtype, False, prompts[:batch], 12)
+        # Bit-exact: both runs choose their own tokens (and must agree). Otherwise both see the eager
+        # run's tokens: rounding within tolerance may flip a near tie between two tokens.
+        fused_h, fused_kv, fused_calls, _ = _decode_run(model, dtype, True, prompts[:batch], 12,
+                                                        None if exact else fed)
         assert (eager_calls, fused_calls) == (0, 12)  # every decode step took the kernel, and only then
-        if dtype == torch.bfloat16 and BF16_EXACT:
+        if exact:
             assert all(torch.equal(a, b) for a, b in zip(eager_h, fused_h)), case
             assert all(torch.equal(a, b) for a, b in zip(eager_kv, fused_kv)), case
         else:
@@ -170,8 +181,8 @@ def test_int8_model_takes_the_fused_step_and_agrees_with_eager(models, case):
     CpuBackend().prepare_model(model)
     assert model.fast_decode is not None and model.fast_decode.weights[0]["qkv_s"] is not None
     prompts = [[5, 6, 7], list(range(10, 31)), [9] * 6]
-    eager_h, _, _ = _decode_run(model, torch.bfloat16, False, prompts, 6)
-    fused_h, _, calls = _decode_run(model, torch.bfloat16, True, prompts, 6)
+    eager_h, _, _, fed = _decode_run(model, torch.bfloat16, False, prompts, 6)
+    fused_h, _, calls, _ = _decode_run(model, torch.bfloat16, True, prompts, 6, fed)
     assert calls == 6
     for a, b in zip(eager_h, fused_h):
         torch.testing.assert_close(b, a, rtol=3e-2, atol=3e-2)
@@ -223,9 +234,9 @@ def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_rows=2))  # cpuTuning.fusedDecodeRows
     model = _prepared(models["llama_bias"], torch.bfloat16)
     assert model.fast_decode.max_rows == 2
-    _, _, calls = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8], [9, 10]], 3)
+    _, _, calls, _ = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8], [9, 10]], 3)
     assert calls == 0  # 3 sequences > 2 rows: eager
-    _, _, calls = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8]], 3)
+    _, _, calls, _ = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8]], 3)
     assert calls == 3
     # A step mixing a prefill chunk with decodes is not the kernel's.
     attn = _attention(model, torch.bfloat16)
