@@ -240,7 +240,9 @@ class CompletionsCodec(_OpenAICodec):
         params = self._sampling(r, r.max_tokens, -1 if k is None else k, bool(r.echo and k is not None))
         req = OpenAIRequest(prompts, texts, bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k, bool(r.echo))
-        return self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job.ignored = S.ignored(body, chat=False)
+        return job
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int, with_prompt: bool) -> dict | None:
         """OpenAI's completions logprobs object for ids[start:end] (and the prompt first)."""
@@ -335,7 +337,9 @@ class ChatCompletionsCodec(_OpenAICodec):
         params = self._sampling(r, max_tokens, -1 if k is None else k, False)
         req = OpenAIRequest([ids], [text], bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k)
-        return self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job.ignored = S.ignored(body, chat=True)
+        return job
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int) -> dict | None:
         if req.logprobs is None:

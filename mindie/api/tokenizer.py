@@ -3,7 +3,8 @@
 ``{"inputs": "<text>", "do_decode": true}`` -> ``{"token_number": N, "tokens": [...]}``: with
 ``do_decode`` (the default) ``tokens`` are the text pieces, a piece per token except that tokens
 completing one character together (bytes of a CJK character) give one piece, so ``len(tokens)``
-may be below ``token_number``; with ``do_decode: false`` they are the token ids.
+may be below ``token_number``; with ``do_decode: false`` they are the token ids. Other body keys
+are ignored and named (mindie/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie.pipeline import read_body
+from mindie import ignored_fields
 from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import validation_error
+from mindie.pipeline import read_body
 from mindie.validation import Limits
 
 LARGE_TEXT = 64 * 1024  # characters; longer texts are tokenised on a thread
+SCHEMA = {"inputs": None, "do_decode": None}
 
 
 def pieces(tok: TextTokenizer, ids: list[int]) -> list[str]:
@@ -58,5 +61,6 @@ class TokenizerResource:
         else:
             ids = self.tokenizer.encode(text)
         tokens = pieces(self.tokenizer, ids) if do_decode is not False else ids
+        ignored_fields.report(req, resp, ignored_fields.find(body, SCHEMA))
         resp.content_type = falcon.MEDIA_JSON
         resp.data = msgspec.json.encode({"token_number": len(ids), "tokens": tokens})
