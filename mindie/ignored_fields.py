@@ -81,29 +81,27 @@ def find_in_json(body: bytes, schema: Schema) -> list[Found]:
 
 _raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _raw_array = msgspec.json.Decoder(list[msgspec.Raw])
-_NULL = b"null"
+_NULL = msgspec.Raw(b"null")
 
 
 def _find_raw(obj: dict[str, msgspec.Raw], schema: Schema, prefix: str) -> list[Found]:
     out: list[Found] = []
     for k, raw in obj.items():
-        data = bytes(raw)
         if k not in schema:
-            if data != _NULL:
+            if raw != _NULL:
                 out.append((prefix + k, schema))
             continue
         sub = schema[k]
         if sub is None:
             continue
-        head = data[:1]
+        head = memoryview(raw)[:1]  # no copy of the value unless it is looked into
         try:
             if head == b"{":
-                out += _find_raw(_raw_object.decode(data), sub, f"{prefix}{k}.")
+                out += _find_raw(_raw_object.decode(raw), sub, f"{prefix}{k}.")
             elif head == b"[":
-                for i, item in enumerate(_raw_array.decode(data)):
-                    item_data = bytes(item)
-                    if item_data[:1] == b"{":
-                        out += _find_raw(_raw_object.decode(item_data), sub, f"{prefix}{k}[{i}].")
+                for i, item in enumerate(_raw_array.decode(raw)):
+                    if memoryview(item)[:1] == b"{":
+                        out += _find_raw(_raw_object.decode(item), sub, f"{prefix}{k}[{i}].")
         except (msgspec.DecodeError, RecursionError):
             continue
     return out
