@@ -20,7 +20,9 @@ Everything else happens here, once, the same way for every family:
 - every failure is one ``ApiError`` (mindie/errors.py), logged and counted once here; the app's
   error handler asks the codec to write it (mindie/app.py);
 - MindIE's metrics (received, failed, success with TTFT/TPOT/end to end, prompt tokens) and one
-  request-log line (mindie/request_log.py).
+  request-log line (mindie/request_log.py);
+- the body keys the codec found its family does not read (``Job.ignored``): named in the
+  ``X-Ignored-Fields`` header and a rate-limited WARNING (mindie/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from typing import Any, Union
 import falcon
 import falcon.asgi
 
-from mindie import sse
+from mindie import ignored_fields, sse
 from mindie.admission import Admission, Slot
 from mindie.client import DeviceClient
 from mindie.contract import wire as P
@@ -80,6 +82,7 @@ class Job:
     stream: bool = False
     request: Any = None
     codec: "Codec | None" = None  # who renders it, when not the route's codec (/generate)
+    ignored: list[ignored_fields.Found] = field(default_factory=list)  # body keys the family does not read
 
     def prompt_tokens(self) -> int:
         """Prompt tokens of the request, each prompt counted once."""
@@ -280,13 +283,15 @@ class Pipeline:
     flag (None = none)."""
 
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, limits: Limits, metrics: Metrics,
-                 admission: Admission | None = None, state: ServiceState | None = None):
+                 admission: Admission | None = None, state: ServiceState | None = None,
+                 ignored_log: ignored_fields.IgnoredFieldsLog | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
         self.admission = admission
         self.state = state
+        self.ignored_log = ignored_log or ignored_fields.REPORTER
 
     async def serve(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, codec: Codec, **kw: Any) -> None:
         """One request, from admission to its last byte, with ``codec``'s shapes."""
@@ -311,6 +316,8 @@ class Pipeline:
             job = await asyncio.to_thread(codec.parse, body, ctx) if len(body) > LARGE_BODY else codec.parse(body, ctx)
             if job.codec is not None:
                 codec = req.context.codec = job.codec
+            if job.ignored:  # accepted as before; named in a header and a rate-limited WARNING
+                ignored_fields.report(req, resp, job.ignored, self.ignored_log)
             rec.input_tokens = job.prompt_tokens()
             rec.stream = job.stream
             outs = self._submit(codec, job, rec)

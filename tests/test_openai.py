@@ -403,6 +403,13 @@ def test_unknown_model_is_404(srv):
     assert ei.value.body["type"] == "NotFoundError" and ei.value.body["param"] == "model"
     with pytest.raises(openai.NotFoundError):
         srv.oai.completions.create(model="nope", prompt="hi")
+    # the placeholders TGI's clients send mean "the served model" (docs/apis.md)
+    for name in ("tgi", "dummy"):
+        r = srv.oai.chat.completions.create(model=name, messages=MESSAGES, max_completion_tokens=2)
+        assert r.model == "demo" and r.usage.completion_tokens <= 2
+        assert srv.oai.completions.create(model=name, prompt="hi", max_tokens=2).model == "demo"
+    with pytest.raises(openai.NotFoundError):  # names are exact: a different case is another name
+        srv.oai.chat.completions.create(model="TGI", messages=MESSAGES)
 
 
 def test_req_id_header_echoed(srv):

@@ -35,7 +35,8 @@ class InferCodec(Codec):
 
     def parse(self, body: bytes, ctx: Context) -> Job:
         r = parse_infer_request(body, self.limits, encode=self.tokenizer.encode)
-        return Job([Sub(r.input_ids, r.sampling, priority=r.priority, timeout=r.timeout)], r.stream, r)
+        return Job([Sub(r.input_ids, r.sampling, priority=r.priority, timeout=r.timeout)], r.stream, r,
+                   ignored=r.ignored)
 
     def reply(self, job: Job, outs: list[Output], ctx: Context) -> bytes:
         r: InferRequest = job.request

@@ -17,6 +17,9 @@ The order of checks is MindIE's, and the first failure is reported:
 The parameter semantics (JSON kinds, ranges, messages) are mindie/validation.py's, shared with
 every other family.
 
+Keys MindIE does not read (top level or in ``parameters``) are ignored as MindIE ignores them,
+and named: the ``X-Ignored-Fields`` header and a rate-limited WARNING (mindie/ignored_fields.py).
+
 Deviations (documented choices):
 - A list ``inputs`` (MindIE's multimodal form) passes MindIE's own checks and is then rejected
   with 422 ``Multimodal inputs are not supported by this model.``: this server is text-only.
@@ -36,11 +39,18 @@ import msgspec
 
 from mindie.contract.wire import DEFAULT_PRIORITY, SamplingParams
 from mindie.errors import service_unavailable, validation_error
+from mindie.ignored_fields import Found, find
 from mindie.validation import (DEFAULT_MAX_NEW_TOKENS, MAX_TOKEN_ID, PARSE_ERROR, Limits, _any_decoder, _json_kind,
                                check_common_params, check_json_text, check_token_count, check_token_ids, get_param,
                                max_new_tokens_param, priority_param, timeout_param, u16len)
 
 _UNSET = msgspec.UNSET
+
+# What MindIE reads of the body (the rest is ignored, as MindIE does; mindie/ignored_fields.py
+# names it): ``ignore_eos`` is this server's extension (AISBench sends it).
+PARAMETERS = dict.fromkeys(("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty",
+                            "watermark", "priority", "max_new_tokens", "timeout", "details", "ignore_eos"))
+SCHEMA = {"inputs": None, "input_id": None, "stream": None, "parameters": PARAMETERS}
 
 
 class InferRequest(msgspec.Struct, kw_only=True):
@@ -54,12 +64,14 @@ class InferRequest(msgspec.Struct, kw_only=True):
     priority: int = DEFAULT_PRIORITY
     timeout: Optional[int] = None  # seconds; None = not set (server timeouts apply)
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-
+    ignored: list[Any] = []  # the body's keys MindIE does not read (ignored_fields.Found)
 
 
 @functools.lru_cache(maxsize=16)
 def _body_decoder(id_bound: int) -> msgspec.json.Decoder:
-    """Decoder for the keys MindIE reads; msgspec skips every other key without building objects.
+    """Decoder for the keys MindIE reads. Any other top-level key fails this decode (so the
+    common body costs nothing to check for ignored keys) and ``_decode_body`` takes the
+    generic path, which finds them.
 
     ``input_id`` is typed as a list of ints in [0, id_bound] (id_bound folds the vocabulary into
     the endpoint range), so the common request is parsed and its ids checked in one C pass. Any
@@ -75,6 +87,7 @@ def _body_decoder(id_bound: int) -> msgspec.json.Decoder:
             ("stream", Any, _UNSET),
             ("parameters", Any, _UNSET),
         ],
+        forbid_unknown_fields=True,
     )
     return msgspec.json.Decoder(body_type)
 
@@ -82,7 +95,7 @@ def _body_decoder(id_bound: int) -> msgspec.json.Decoder:
 class _Parsed:
     """The four top-level values MindIE reads (UNSET = key absent)."""
 
-    __slots__ = ("inputs", "input_id", "stream", "parameters", "ids_checked")
+    __slots__ = ("inputs", "input_id", "stream", "parameters", "ids_checked", "ignored")
 
     def __init__(self, src: Any, ids_checked: bool) -> None:
         get = src.get if type(src) is dict else (lambda k, d: getattr(src, k))
@@ -92,6 +105,9 @@ class _Parsed:
         self.parameters = get("parameters", _UNSET)
         # True: input_id (if a list) already passed the endpoint range and vocab checks.
         self.ids_checked = ids_checked
+        # The typed decode admits no unknown top-level key: only `parameters` may hold some.
+        self.ignored: list[Found] = (find(self.parameters, PARAMETERS, "parameters.") if ids_checked
+                                     else find(src, SCHEMA))
 
 
 def _id_bound(limits: Limits) -> int:
@@ -107,7 +123,7 @@ def _decode_body(body: bytes, limits: Limits) -> _Parsed | None:
     try:
         return _Parsed(_body_decoder(_id_bound(limits)).decode(body), True)
     except msgspec.ValidationError:
-        pass  # slow path below: not an object, a bad/out-of-vocab input_id, or a number overflow
+        pass  # slow path below: not an object, a bad/out-of-vocab input_id, a number overflow, an unknown key
     except (msgspec.DecodeError, RecursionError):
         raise validation_error(PARSE_ERROR) from None
     try:
@@ -253,4 +269,5 @@ def parse_infer_request(
         priority=priority if priority is not None else DEFAULT_PRIORITY,
         timeout=timeout,
         sampling=sampling,
+        ignored=b.ignored,
     )

@@ -5,7 +5,8 @@ Decisions (docs/apis.md has the user's view):
 - Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with vLLM's
   types and ``code`` = the HTTP status: 400 ``BadRequestError`` (bad JSON, bad parameter, prompt
   too long, ids outside the vocabulary, the chat template refusing the messages), 404
-  ``NotFoundError`` (``The model `x` does not exist.``), 413 (body over maxRequestLength), 503
+  ``NotFoundError`` (``The model `x` does not exist.``: any name but the served one and the
+  placeholders TGI's clients send, ``PLACEHOLDER_MODELS``), 413 (body over maxRequestLength), 503
   ``ServiceUnavailableError`` (after /stopService, maxLinkNum requests in progress, no device
   worker), 500 ``InternalServerError`` (timeouts ``Engine callback timeout: ...``, a worker lost
   mid-request). A stream that fails after its 200 ends with ``data: {"error": {...}}`` and
@@ -62,6 +63,10 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntit
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _enc = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+# Model names that mean "whatever this server serves", as TGI (which serves one model and takes
+# any name) is addressed: huggingface_hub.InferenceClient(base_url).chat_completion() sends
+# "dummy" when given no model, TGI's documentation tells OpenAI clients to send "tgi".
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
 
 
 def benchmark_enabled() -> bool:
@@ -128,7 +133,9 @@ class _OpenAICodec(Codec):
         return s
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """The served name, none, or a placeholder TGI's clients send (``PLACEHOLDER_MODELS``);
+        any other name is a 404, as OpenAI's and vLLM's servers answer it."""
+        if model is not None and model != self.model_name and model not in PLACEHOLDER_MODELS:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
 
     def _check_ids(self, ids: list[int]) -> list[int]:
@@ -240,7 +247,9 @@ class CompletionsCodec(_OpenAICodec):
         params = self._sampling(r, r.max_tokens, -1 if k is None else k, bool(r.echo and k is not None))
         req = OpenAIRequest(prompts, texts, bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k, bool(r.echo))
-        return self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job.ignored = S.ignored(body, chat=False)
+        return job
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int, with_prompt: bool) -> dict | None:
         """OpenAI's completions logprobs object for ids[start:end] (and the prompt first)."""
@@ -335,7 +344,9 @@ class ChatCompletionsCodec(_OpenAICodec):
         params = self._sampling(r, max_tokens, -1 if k is None else k, False)
         req = OpenAIRequest([ids], [text], bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k)
-        return self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        job.ignored = S.ignored(body, chat=True)
+        return job
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int) -> dict | None:
         if req.logprobs is None:

@@ -1,6 +1,8 @@
 """OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) as msgspec Structs.
 
-Unknown keys are ignored (OpenAI clients send fields this server has no use for). Every bound a
+Unknown keys are accepted and ignored (OpenAI clients send fields this server has no use for), and
+named: ``ignored`` finds them for the ``X-Ignored-Fields`` header and the rate-limited WARNING
+(mindie/ignored_fields.py). Every bound a
 ``msgspec.Meta`` can say is said here, so a bad value fails in the one C decode with msgspec's
 message (``Expected `float` <= 2.0 - at `$.temperature```), which the handler turns into a 400
 ``BadRequestError`` naming the parameter; ``check_*`` add the few rules that span fields.
@@ -16,10 +18,11 @@ import msgspec
 from msgspec import Meta
 
 from mindie.errors import ApiError
+from mindie.ignored_fields import Found, find_in_json, struct_schema
 from mindie.validation import MAX_JSON_DEPTH, too_deep
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ResponseFormat", "MAX_N",
-           "MAX_LOGPROBS", "decode_completion", "decode_chat"]
+           "MAX_LOGPROBS", "decode_completion", "decode_chat", "ignored", "COMPLETION_SCHEMA", "CHAT_SCHEMA"]
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -102,6 +105,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool = True
 
 
+COMPLETION_SCHEMA = struct_schema(CompletionRequest)
+CHAT_SCHEMA = struct_schema(ChatCompletionRequest)  # messages, tools: free-form, not looked into
+
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
@@ -161,6 +167,12 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
             texts.append(part["text"])
         m["content"] = "\n".join(texts)  # as vLLM gives a "string"-format template a list of text parts
     return req
+
+
+def ignored(body: bytes, chat: bool) -> list[Found]:
+    """The keys of a decoded-fine body that its request type does not have (top level,
+    ``stream_options``, ``response_format``), found on raw slices: the typed decode dropped them."""
+    return find_in_json(body, CHAT_SCHEMA if chat else COMPLETION_SCHEMA)
 
 
 def stops(stop: Stop) -> list[str]:

@@ -10,7 +10,8 @@ Answers are TGI's: ``{"generated_text", "details"}`` (details only with ``detail
 ["top_tokens",] "generated_text","details"}`` with the text and details on the last one. Errors are
 MindIE's ``{"error","error_type"}`` (422 ``Input Validation Error`` ...), before a stream starts as
 a plain JSON answer with that status, inside an open stream as a ``data:`` event.
-The body's checks are mindie/api/tgi_schema.py's.
+The body's checks are mindie/api/tgi_schema.py's. Keys it does not read are ignored (as TGI and
+MindIE do) and named: ``X-Ignored-Fields`` and a rate-limited WARNING (mindie/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import falcon.asgi
 import msgspec
 
 from mindie import sse
-from mindie.api.tgi_schema import TgiRequest, parse_tgi
+from mindie.api.tgi_schema import COMPAT_SCHEMA, SCHEMA, TgiRequest, parse_tgi
 from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import validation_error
 from mindie.generation import Piece
+from mindie.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
 from mindie.validation import Limits, decode_json
 
@@ -60,7 +62,8 @@ class TgiCodec(Codec):
         if type(body) is not dict:
             body = {}
         r = parse_tgi(body, self.limits, self.tokenizer.encode, stream, self.model_name)
-        return Job([Sub(r.input_ids, r.sampling, stops=r.parameters.stop)], stream, r, self)
+        return Job([Sub(r.input_ids, r.sampling, stops=r.parameters.stop)], stream, r, self,
+                   ignored=find(body, COMPAT_SCHEMA if self.mode == "compat" else SCHEMA))
 
     def finish_label(self, finish: str) -> str:
         return finish_name(finish)

@@ -22,6 +22,15 @@ from mindie.validation import (MAX_INT32, Limits, check_common_params, check_mod
                                check_stop, check_string, check_text_input, check_token_ids, dump_number,
                                encode_text_input, get_param, max_new_tokens_param)
 
+# What is read of the body (TGI keys this server does not implement, such as frequency_penalty
+# or grammar, are ignored, and named: mindie/ignored_fields.py). ``stream`` only on ``POST /``.
+PARAMETERS = dict.fromkeys(("stop", "temperature", "top_k", "top_p", "typical_p", "do_sample", "seed",
+                            "repetition_penalty", "watermark", "adapter_id", "max_new_tokens", "details",
+                            "decoder_input_details", "return_full_text", "truncate", "top_n_tokens", "best_of",
+                            "ignore_eos"))
+SCHEMA = {"inputs": None, "parameters": PARAMETERS}
+COMPAT_SCHEMA = {**SCHEMA, "stream": None}
+
 MAX_STOP_LEN_TGI = 1024  # MindIE's TGI path: one stop string up to MAX_STOP_STRING_LEN
 MAX_TOP_N_TOKENS = 5  # TGI's default max_top_n_tokens
 MAX_BEST_OF = 128  # MindIE's range for best_of

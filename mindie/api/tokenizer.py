@@ -1,9 +1,12 @@
 """POST /v1/tokenizer (mindie.md §6): count the tokens of a text.
 
-``{"inputs": "<text>", "do_decode": true}`` -> ``{"token_number": N, "tokens": [...]}``: with
-``do_decode`` (the default) ``tokens`` are the text pieces, a piece per token except that tokens
-completing one character together (bytes of a CJK character) give one piece, so ``len(tokens)``
-may be below ``token_number``; with ``do_decode: false`` they are the token ids.
+``{"inputs": "<text>", "do_decode": true}`` -> ``{"token_number": N, "tokens": [...]}``.
+``token_number`` counts the tokens the model is given for this text on ``/infer`` (a BOS the
+tokenizer adds included). With ``do_decode`` (the default) ``tokens`` are their text pieces, one
+per token, special tokens as their text (``<s>``), except that tokens completing one character
+together (bytes of a CJK character) give one piece: as MindIE documents it, ``len(tokens)`` is
+below ``token_number`` only where characters were merged. With ``do_decode: false`` they are
+the token ids. Other body keys are ignored and named (mindie/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -13,19 +16,26 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie.pipeline import read_body
+from mindie import ignored_fields
 from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import validation_error
+from mindie.pipeline import read_body
 from mindie.validation import Limits
 
 LARGE_TEXT = 64 * 1024  # characters; longer texts are tokenised on a thread
+SCHEMA = {"inputs": None, "do_decode": None}
 
 
 def pieces(tok: TextTokenizer, ids: list[int]) -> list[str]:
-    """The text of each token, tokens that only complete a character together merged."""
+    """The text of each token (a special token's own text), tokens that only complete a
+    character together merged."""
     detok = IncrementalDetokenizer(tok)
+    special = tok.special_ids
     out: list[str] = []
     for i in ids:
+        if i in special:  # the detokenizer skips these (as generated text does): listed by name
+            out.append(tok.tokenizer.decode([i], skip_special_tokens=False))
+            continue
         piece = detok.push([i])
         if piece:
             out.append(piece)
@@ -58,5 +68,6 @@ class TokenizerResource:
         else:
             ids = self.tokenizer.encode(text)
         tokens = pieces(self.tokenizer, ids) if do_decode is not False else ids
+        ignored_fields.report(req, resp, ignored_fields.find(body, SCHEMA))
         resp.content_type = falcon.MEDIA_JSON
         resp.data = msgspec.json.encode({"token_number": len(ids), "tokens": tokens})

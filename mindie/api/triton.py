@@ -17,6 +17,8 @@ single_req_triton_token_infer_interface.cpp and single_req_triton_text_infer_int
 given, is the request's name for stopInfer and the answer's ``id`` (else the ``req-id``).
 Parameters as on ``/infer`` with Triton's differences: ``top_p`` 1.0 and ``top_k`` 0 are accepted,
 ``batch_size`` is checked (and otherwise unused); ``typical_p`` only on the text routes.
+Other keys are ignored, as MindIE ignores them, and named (``X-Ignored-Fields`` and a
+rate-limited WARNING: mindie/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, Sampl
 from mindie.detokenizer import TextTokenizer
 from mindie.errors import generation_error, not_found, validation_error
 from mindie.generation import Piece
+from mindie.ignored_fields import Found, find
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
 from mindie.validation import (MAX_INT32, MAX_TOKEN_ID, MAX_TOKENS_NUM, CommonParams, Limits, check_common_params,
                                check_params_object, check_text_input, check_token_count, check_token_ids, decode_json,
@@ -42,6 +45,28 @@ ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
 ID_MESSAGE = ("The id can contain only digits, letters, underscores(_), hyphens(-) and no more than 256 words "
               "in length.")
 _ENQUEUE = "Failed to enqueue inferRequest. "
+
+# The keys read (the others are ignored and named: mindie/ignored_fields.py).
+TOKEN_PARAMETERS = dict.fromkeys(("temperature", "top_k", "top_p", "do_sample", "seed", "repetition_penalty",
+                                  "watermark", "priority", "max_new_tokens", "timeout", "details", "batch_size"))
+TEXT_PARAMETERS = {**TOKEN_PARAMETERS, "typical_p": None}
+TOKEN_SCHEMA = {"id": None, "parameters": TOKEN_PARAMETERS, "outputs": {"name": None},
+                "inputs": {"name": None, "shape": None, "datatype": None, "data": None,
+                           "parameters": TOKEN_PARAMETERS}}
+TEXT_SCHEMA = {"id": None, "text_input": None, "parameters": TEXT_PARAMETERS}
+
+
+def ignored_in(body: dict, text_route: bool) -> list[Found]:
+    """The keys of a checked body that the route does not read: a top-level ``parameters``
+    too when ``inputs[0]`` has its own (MindIE reads only those)."""
+    if text_route:
+        return find(body, TEXT_SCHEMA)
+    found = find(body, TOKEN_SCHEMA)
+    inputs = body.get("inputs")
+    if body.get("parameters") is not None and type(inputs) is list and inputs and type(inputs[0]) is dict \
+            and inputs[0].get("parameters") is not None:
+        found = [("parameters", TOKEN_SCHEMA)] + [f for f in found if not f[0].startswith("parameters.")]
+    return found
 
 
 class TritonParameters(msgspec.Struct, kw_only=True):
@@ -214,7 +239,7 @@ class TritonCodec(Codec):
         t = r.parameters
         sub = Sub(r.input_ids, sampling_of(t, len(r.input_ids), self.limits), priority=t.priority, timeout=t.timeout,
                   user_id=r.id)
-        return Job([sub], self.mode == "stream", r)
+        return Job([sub], self.mode == "stream", r, ignored=ignored_in(value, self.mode != "infer"))
 
     def finish_label(self, finish: str) -> str:
         return finish_name(finish)

@@ -11,7 +11,8 @@ best_of ([1, 128]), n ([1, 8192]), model, max_tokens (default maxIterTimes), str
 against n and the temperature -> best_of/n > 1 refused (one sequence per request here).
 
 Answers: ``{"text": ["<prompt> <output>"]}`` (MindIE joins them with one space); a stream is
-``{"text": ["<new text>"]}`` chunks, each followed by a NUL byte.
+``{"text": ["<new text>"]}`` chunks, each followed by a NUL byte. Keys not read are ignored and
+named (``X-Ignored-Fields``, a rate-limited WARNING: mindie/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -23,11 +24,18 @@ from mindie.contract.wire import SamplingParams
 from mindie.detokenizer import TextTokenizer
 from mindie.errors import ApiError, validation_error
 from mindie.generation import Piece
+from mindie.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Sub, finish_name
 from mindie.validation import (MAX_INT32, Limits, cap_max_new_tokens, check_model_name, check_stop, check_text_input,
                                check_token_ids, clamp_top_k, decode_json, dump_number, encode_text_input, float_param,
                                get_param, implicit_do_sample, random_seed, repetition_penalty_param, seed_param,
                                temperature_param, top_k_param, top_p_param, u16len)
+
+# The keys read (the others, ``inputs`` beside ``prompt`` among them, are ignored and named:
+# mindie/ignored_fields.py).
+SCHEMA = dict.fromkeys(("prompt", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output", "temperature",
+                        "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                        "skip_special_tokens", "best_of", "n", "model", "max_tokens", "stream"))
 
 MAX_TOTAL_STOP = 32 * 1024
 MAX_BEST_OF = 128
@@ -187,7 +195,7 @@ class VllmCodec(Codec):
         """A decoded body (an object with ``prompt``) into its job."""
         r = parse_vllm(body, self.limits, self.tokenizer.encode, self.model_name)
         sub = Sub(r.input_ids, sampling_of(r, self.limits), stops=r.stop, include_stop=r.include_stop_str_in_output)
-        return Job([sub], r.stream, r, self)
+        return Job([sub], r.stream, r, self, ignored=find(body, SCHEMA))
 
     def finish_label(self, finish: str) -> str:
         return finish_name(finish)
