@@ -184,6 +184,29 @@ def test_a_tokenizer_that_does_not_load_is_refused(tmp_path, demo_model):
     assert lifecycle.leftovers(run_dir) == [], log
 
 
+def test_a_device_that_is_not_there_is_refused(tmp_path, demo_model, monkeypatch):
+    """deviceType cuda, device 99: refused by the launch step through the CUDA backend's own
+    check (no CUDA device on a CPU host; on a GPU host, past its last device)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the count is checked only without it
+    port, run_dir = free_port(), short_run_dir()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=run_dir, workers=1, model_path=demo_model)
+    data = json.loads(cfg.read_text())
+    data["BackendConfig"].update(deviceType="cuda", npuDeviceIds=[[99]])
+    cfg.write_text(json.dumps(data, indent=2))
+    srv = Server(cfg, port)
+    try:
+        status = srv.proc.wait(60)
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text()
+    assert status == 2, log
+    assert ("config error: BackendConfig.deviceType: deviceType is cuda but torch sees no CUDA device" in log
+            or re.search(r"config error: BackendConfig\.npuDeviceIds: device 99 does not exist: this host has \d+ "
+                         r"cuda device\(s\)", log)), log
+    assert "launch.sh: supervisor pid" not in log and "started worker" not in log, log
+    assert lifecycle.leftovers(run_dir) == [], log
+
+
 @pytest.mark.parametrize("tp", [False, True], ids=["one-process", "tensor-parallel"])
 def test_a_worker_that_cannot_start_stops_the_server(tmp_path, demo_model, tp):
     """The worker's tcp port is held by another program: something only the worker finds out
