@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -531,11 +532,12 @@ def test_device_groups_launch_as_tensor_parallel_instances(tmp_path: Path) -> No
     assert proc.returncode == 0 and "MINDIE_DEPLOYMENT=" in proc.stdout, proc.stderr
 
 
-def test_a_model_that_does_not_split_is_refused_naming_world_size(tmp_path: Path) -> None:
+def test_a_model_that_does_not_split_is_refused_naming_world_size(tmp_path: Path, demo_model: str) -> None:
     """workers.prepare (run by launch.sh before any process starts) refuses a world size that
     does not divide the model's heads, naming the key; exit status 2."""
     model = tmp_path / "model"
     model.mkdir()
+    shutil.copy(Path(demo_model) / "tokenizer.json", model)  # the front ends' check (mindie.ops.prepare)
     (model / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 48,
         "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 6}))

@@ -266,6 +266,8 @@ def test_systemd_unit_refers_to_existing_scripts() -> None:
         assert Path(cmd[1]).name == "prestop.sh", cmd
     assert svc["KillSignal"] == ["SIGTERM"]
     assert svc["Restart"] == ["on-failure"]
+    # Exit status 2 is a refused start (config, model, a worker that cannot start): not retried.
+    assert svc["RestartPreventExitStatus"] == ["2"]
     wait = float(env.get("MINDIE_PRESTOP_WAIT", probe.DEFAULT_STOP_WAIT_S)) if stops else 0
     grace = float(env.get("MINDIE_GRACEFUL_TIMEOUT", 15))
     assert float(svc["TimeoutStopSec"][0]) >= wait + grace + LAUNCHER_STOP_MARGIN_S

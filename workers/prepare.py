@@ -8,11 +8,23 @@ weights are configured (random weights, real tokenizer; about 4 s, once), and fi
 device-dependent defaults of the engine settings (step overlap, prefill chunk, decode hold, the
 CPU's native bf16 and fused-decode rows: ``settle_engine``), once: nothing downstream re-defaults
 them. Rewrites the file in place; prints ``MINDIE_MODEL_DIR=...``
-for the launcher. Exit status 2 with a message when the model directory is unusable.
+for the launcher.
 
-Imports torch only where it needs it (device detection for ``auto``, the shard plan of a
-tensor-parallel instance): a plan with its device and model settled runs torch-free, as the
-supervisor does. Those two imports are lazy for that reason.
+Refuses, with exit status 2 and a message naming the file or key, what a device worker of this
+host would refuse at start, so that no worker is started to fail (``check_model``): a model
+directory that is not there, a config.json that does not parse to a supported model
+(workers/models/config.py: unsupported model_type or architectures named), weight files that are
+missing, unreadable, truncated, or lack a tensor the model needs in its shape and a dtype the
+loader takes (workers/models/checkpoint.py: the loader's own check, headers only), a
+tensor-parallel split the model does not allow, and on an accelerator a device that is not there
+or a ``quantize`` key the backend has no kernel for (``workers.engine.assembly.start_refusal``).
+The tokenizer is the front ends' and is checked on their side (mindie/ops/prepare.py). What only a
+running worker finds out (memory, a port another program holds) is the supervisor's to stop on
+(workers/supervisor.py, ``START_ATTEMPTS``).
+
+Imports torch only where it needs it (device detection for ``auto``, an accelerator's checks,
+the shard plan of a tensor-parallel instance): a CPU plan with its device and model settled runs
+torch-free, as the supervisor does. Those imports are lazy for that reason.
 """
 from __future__ import annotations
 
@@ -21,14 +33,17 @@ import logging
 import os
 import shlex
 import sys
+import time
 
 import msgspec
 
 from mindie.contract.spec import (  # noqa: F401  (the defaults' functions, as before)
     Deployment, WorkerSpec, cpu_flags, decode_hold_default, overlap_default, prefill_chunk_default, read_deployment,
     settle_engine, write_deployment)
+from workers.models.checkpoint import ModelLoadError, check_checkpoint
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.demo import ensure_demo_model
+from workers.supervisor import visibility_env
 
 log = logging.getLogger("workers.prepare")
 
@@ -63,11 +78,66 @@ def settle_deployment(dep: Deployment) -> Deployment:
     elif not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} has no "
                          "config.json (a Hugging Face model directory is expected)")
-    check_tensor_parallel(first, model_dir)
     return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers])
 
 
-def check_tensor_parallel(spec: WorkerSpec, model_dir: str) -> None:
+WEIGHT_PATH_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath"
+
+
+def check_deployment(dep: Deployment, role: str = "all") -> None:
+    """``check_model`` for the workers this host starts (settled ``dep``): none on a front-end
+    host (``role`` "frontends", launch.sh --frontends-only: the weights need not be there), and
+    the null model loads nothing."""
+    local = [s for s in dep.workers if not s.remote and not s.null_model]
+    if local and role != "frontends":
+        check_model(local, dep.model_dir)
+
+
+def check_model(specs: list[WorkerSpec], model_dir: str) -> None:
+    """Refuse (SystemExit with the message) what the workers of ``specs`` (settled, this host's)
+    would refuse at start, without loading a weight; one log line says what was checked."""
+    t0 = time.perf_counter()
+    try:
+        args = ModelArgs.from_dir(model_dir)
+    except ModelConfigError as e:
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} cannot be served: {e}") from None
+    for spec in specs:
+        check_tensor_parallel(spec, args)
+    try:
+        checkpoint = check_checkpoint(model_dir, args)
+    except ModelLoadError as e:
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} cannot be served: {e}") from None
+    device = check_device(specs)
+    log.info("model check: %s is %s (%d layers, vocab %d), %d weight file(s) with the %d tensors it needs, "
+             "%.1f MiB, headers only%s; in %.2f s", model_dir, args.arch, args.num_hidden_layers, args.vocab_size,
+             len(checkpoint.files), checkpoint.tensors, checkpoint.nbytes / 2**20, device,
+             time.perf_counter() - t0)
+
+
+def check_device(specs: list[WorkerSpec]) -> str:
+    """An accelerator's start refusals (``workers.engine.assembly.start_refusal``: no such device,
+    no int8 kernel for ``quantize``) and, when this process sees every device, npuDeviceIds past
+    the last one; SystemExit naming the key. Returns a note for the log line ("" on the CPU)."""
+    first = specs[0]
+    if first.device_type == "cpu":
+        return ""  # the CPU backend refuses nothing at start (it has an int8 kernel): no torch import here
+    from workers.engine.assembly import start_refusal  # lazy: imports torch (see the module docstring)
+    from workers.backends import get_backend
+    for spec in specs:
+        if why := start_refusal(spec):
+            raise SystemExit(why)
+    count = get_backend(first.device_type).device_count()
+    var = next(iter(visibility_env(first.device_type, [])), "")
+    if count is None or os.environ.get(var):
+        return f", {first.device_type} available"  # a restricted view: the physical ids cannot be checked
+    top = max(i for s in specs for i in s.device_ids)
+    if top >= count:
+        raise SystemExit(f"BackendConfig.npuDeviceIds: device {top} does not exist: this host has {count} "
+                         f"{first.device_type} device(s), 0 to {count - 1}")
+    return f", {count} {first.device_type} device(s)"
+
+
+def check_tensor_parallel(spec: WorkerSpec, args: ModelArgs) -> None:
     """npuDeviceIds entries of several devices: the model must split that many ways (exits
     naming worldSize otherwise, before any process starts)."""
     world = len(spec.device_ids)
@@ -75,7 +145,7 @@ def check_tensor_parallel(spec: WorkerSpec, model_dir: str) -> None:
         return
     from workers.models.sharding import plan_shard  # lazy: imports torch (see the module docstring)
     try:
-        plan_shard(ModelArgs.from_dir(model_dir), 0, world)
+        plan_shard(args, 0, world)
     except ModelConfigError as e:
         raise SystemExit(str(e)) from None
     log.info("tensor parallel: each npuDeviceIds entry is one instance of %d ranks (one process per device)", world)
@@ -83,13 +153,15 @@ def check_tensor_parallel(spec: WorkerSpec, model_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Settle the device side of a launch plan (deployment.json): "
-                                             "'auto' device, demo model, device defaults. Run by scripts/launch.sh.")
+                                             "'auto' device, demo model, device defaults; refuse a model this "
+                                             "host's workers cannot load. Run by scripts/launch.sh.")
     ap.add_argument("deployment", help="path of deployment.json (written by python -m mindie.ops.prepare)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")
     try:
         dep = settle_deployment(read_deployment(args.deployment))
+        check_deployment(dep, os.environ.get("MINDIE_ROLE") or "all")
     except SystemExit as e:
         print(f"config error: {e.code}", file=sys.stderr)
         raise SystemExit(2)

@@ -8,6 +8,11 @@ plan (``<runDir>/deployment.json``, mindie/contract/spec.py) and
   tensor-parallel instance of N processes, one per device (workers/engine/tp_group.py);
 - restarts a worker that exits, with exponential backoff, logging the exit code or signal; when
   any rank of an instance exits, the other ranks are killed and the group restarts together;
+- stops (exit status 2) when a worker fails to start ``START_ATTEMPTS`` times in a row: each
+  worker process reports ``ready`` or the reason it cannot start on a pipe
+  (mindie/runtime/start_report.py), a worker that exits before it was ready is a start failure,
+  and the last one's reason is the supervisor's last log line (scripts/launch.sh then stops the
+  server). A worker that was ready and then dies is restarted however often it dies;
 - on SIGTERM/SIGINT stops every worker (SIGTERM, then SIGKILL after a grace period) and
   exits; a worker stopped this way removes its sockets and locks from the run directory.
 
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 
 from mindie.runtime.lifecycle import die_with_parent, expected_parent
 from mindie.runtime.log_setup import setup_logging
+from mindie.runtime.start_report import StartWatch
 from mindie.contract.spec import WorkerSpec, encode_spec, read_deployment
 
 log = logging.getLogger("workers.supervisor")
@@ -40,6 +46,13 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a worker up this long resets its backoff
 STOP_GRACE_S = 10.0
+# Starts of one worker (a whole tensor-parallel group) that end before it is ready, in a row,
+# before the supervisor gives up and exits with status 2: a deterministic failure (a model the
+# device refuses, a port held by another program, a device that is not there) fails every time,
+# and restarting it forever would leave a server that never becomes ready and never exits. With
+# the backoff the three tries span about 1.5 s plus three model loads.
+START_ATTEMPTS = 3
+EXIT_START_FAILED = 2
 
 
 def describe_exit(code: int) -> str:
@@ -72,16 +85,35 @@ class Child:
     backoff: float = BACKOFF_START_S
     restart_at: float = 0.0
     store: str = ""  # the rendezvous file of the group's current start
+    watches: list[StartWatch] = field(default_factory=list)  # by rank: how each process's start ended
+    ready: bool = False  # this start reached ready (rank 0 is ready once every rank has loaded)
+    start_failures: int = 0  # starts in a row that ended before ready
 
     @property
     def world(self) -> int:
         return 1 if self.spec.null_model else max(1, len(self.spec.device_ids))
 
+    def poll_reports(self) -> None:
+        for w in self.watches:
+            w.poll()
+        if not self.ready and self.watches and self.watches[0].ready:
+            self.ready = True
+            self.start_failures = 0
+
+    def close_watches(self) -> None:
+        for w in self.watches:
+            w.close()
+        self.watches = []
+
 
 class Supervisor:
-    def __init__(self, specs: list[WorkerSpec], parent: int | None = None, run_dir: str = ""):
+    def __init__(self, specs: list[WorkerSpec], parent: int | None = None, run_dir: str = "",
+                 start_attempts: int = START_ATTEMPTS):
         self.children = [Child(spec) for spec in specs]
         self.stopping = False
+        self.start_attempts = start_attempts
+        self.exit_status = 0  # EXIT_START_FAILED once a worker failed to start start_attempts times
+        self.failure = ""  # why, then
         self.parent = parent or os.getppid()
         self.run_dir = run_dir  # where tensor-parallel rendezvous files go
 
@@ -97,19 +129,28 @@ class Supervisor:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(child.store)
         child.procs = []
+        child.close_watches()
+        child.ready = False
         for rank in range(world):
             env = dict(os.environ)
             # A rank sees its own device only; a single worker sees its entry's devices.
             ids = [child.spec.device_ids[rank]] if world > 1 else child.spec.device_ids
             env.update(visibility_env(child.spec.device_type, ids))
-            cmd = [sys.executable, "-m", "workers.worker", "--spec", encode_spec(child.spec)]
+            watch = StartWatch()
+            cmd = [sys.executable, "-m", "workers.worker", "--spec", encode_spec(child.spec),
+                   "--start-report-fd", str(watch.child_fd)]
             if world > 1:
                 cmd += ["--rank", str(rank), "--tp-store", child.store]
             # In the child between fork and exec: SIGKILL when this (single-threaded) process dies.
             # SIGKILL rather than SIGTERM: a worker stuck in a device call must not outlive us; the
             # launcher (or the next start) removes what it leaves in the run directory.
             die = functools.partial(die_with_parent, signal.SIGKILL, os.getpid())
-            child.procs.append(subprocess.Popen(cmd, env=env, close_fds=True, preexec_fn=die))
+            try:
+                child.procs.append(subprocess.Popen(cmd, env=env, close_fds=True, pass_fds=(watch.child_fd,),
+                                                    preexec_fn=die))
+            finally:
+                watch.started()
+            child.watches.append(watch)
         child.started = time.monotonic()
         pids = ", ".join(str(p.pid) for p in child.procs)
         log.info("started worker %s (pid%s %s, device %s %s%s)", child.spec.worker_id, "s" * (world > 1), pids,
@@ -122,10 +163,12 @@ class Supervisor:
     def poll_once(self) -> None:
         """Notice dead workers and restart them when their backoff has passed. Any rank of a
         tensor-parallel instance that dies takes the whole group down: the others are killed
-        and the group restarts together."""
+        and the group restarts together. A start that ends before the worker was ready counts
+        towards ``start_attempts``; the last one allowed stops the supervisor instead."""
         now = time.monotonic()
         for child in self.children:
             if child.procs:
+                child.poll_reports()  # before the deaths: a report written just before dying counts
                 dead = [(rank, code) for rank, p in enumerate(child.procs) if (code := p.poll()) is not None]
                 if not dead:
                     if now - child.started > STABLE_AFTER_S:
@@ -140,17 +183,42 @@ class Supervisor:
                     except subprocess.TimeoutExpired:
                         log.error("pid %d (worker %s) did not die within 5 s of SIGKILL (stuck in the kernel?)",
                                   p.pid, child.spec.worker_id)
+                child.poll_reports()  # the dead ranks' pipes are at their end now: read it all
+                reasons = [w.reason for w in child.watches]
+                child.close_watches()
                 child.procs = []
-                child.restarts += 1
-                child.restart_at = now + child.backoff
                 # Every rank found dead, not the first: a peer's death often ends rank 0 too (its
                 # collective fails) before this loop looks, and the cause must stay in the log.
                 who = ", ".join(f"rank {rank} of worker {child.spec.worker_id} {describe_exit(code)}"
                                 if child.world > 1 else f"worker {child.spec.worker_id} {describe_exit(code)}"
                                 for rank, code in dead)
-                log.error("%s after %.1f s; %srestarting in %.1f s (restart #%d)", who, now - child.started,
-                          f"stopped its {len(others)} other rank(s); " if child.world > 1 else "",
-                          child.backoff, child.restarts)
+                stopped = f"stopped its {len(others)} other rank(s); " if child.world > 1 else ""
+                if child.ready:
+                    child.restarts += 1
+                    child.restart_at = now + child.backoff
+                    log.error("%s after %.1f s; %srestarting in %.1f s (restart #%d)", who, now - child.started,
+                              stopped, child.backoff, child.restarts)
+                    child.backoff = min(child.backoff * 2, BACKOFF_MAX_S)
+                    continue
+                child.start_failures += 1
+                # The reasons the dead processes reported; a rank that died without one (a signal,
+                # or a peer's failure after its own start went well) only when none reported any.
+                told = [(rank, reasons[rank]) for rank, _ in dead if reasons[rank]] or \
+                    [(rank, describe_exit(code)) for rank, code in dead]
+                why = "; ".join((f"rank {rank}: " if child.world > 1 else "") + text for rank, text in told)
+                if child.start_failures >= self.start_attempts:
+                    log.error("%s after %.1f s, before it was ready: %s; %sno restart", who, now - child.started,
+                              why, stopped)
+                    self.failure = (f"worker {child.spec.worker_id} failed to start {child.start_failures} times in a "
+                                    f"row, the last time: {why}")
+                    self.exit_status = EXIT_START_FAILED
+                    self.stopping = True
+                    return
+                child.restarts += 1
+                child.restart_at = now + child.backoff
+                log.error("%s after %.1f s, before it was ready: %s; %srestarting in %.1f s (start failure %d of "
+                          "%d)", who, now - child.started, why, stopped, child.backoff, child.start_failures,
+                          self.start_attempts)
                 child.backoff = min(child.backoff * 2, BACKOFF_MAX_S)
             elif not self.stopping and now >= child.restart_at:
                 self._spawn(child)
@@ -164,6 +232,9 @@ class Supervisor:
                 break
             time.sleep(0.2)
         self.stop()
+        if self.failure:
+            # The supervisor's last line: what launch.sh's "supervisor ... exited with status 2" stands for.
+            log.error("%s: the server stops (supervisor exit status %d)", self.failure, self.exit_status)
 
     def stop(self) -> None:
         """SIGTERM the workers (rank 0 of each instance first: it finishes its step and tells its
@@ -185,6 +256,7 @@ class Supervisor:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         p.wait(5)
         for c in self.children:
+            c.close_watches()
             if c.store:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(c.store)
@@ -227,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # SIGHUP reloads front ends only
     sup.run()
+    if sup.exit_status:
+        raise SystemExit(sup.exit_status)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from typing import Callable
 
 from mindie.runtime.gc_freeze import freeze_heap
 from mindie.contract.spec import WorkerSpec
@@ -21,8 +22,9 @@ from workers.engine.tp_group import NOOP, STOP
 log = logging.getLogger("workers.tp")
 
 
-def follow(spec: WorkerSpec, rank: int, store: str) -> int:
-    """Serve as rank ``rank`` until rank 0 stops the instance; the exit status."""
+def follow(spec: WorkerSpec, rank: int, store: str, ready: Callable[[], None] | None = None) -> int:
+    """Serve as rank ``rank`` until rank 0 stops the instance; the exit status. ``ready``: called
+    once the rank serves (its start report, mindie/runtime/start_report.py)."""
     # Blocked in a collective, a Python handler would never run: let SIGTERM end the process
     # (it holds no sockets or files to clean up; rank 0 and the supervisor own those).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -32,6 +34,8 @@ def follow(spec: WorkerSpec, rank: int, store: str) -> int:
     freeze_heap(log, f"rank {rank} of instance {spec.worker_id}", spec.engine.gc_freeze)
     log.info("rank %d of instance %s ready in %.2f s (%d KV blocks)", rank, spec.worker_id,
              time.perf_counter() - t0, num_blocks)
+    if ready is not None:
+        ready()
     steps = 0
     while True:
         inputs = group.recv_step()

@@ -30,6 +30,7 @@ from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
 from mindie.runtime.gc_freeze import freeze_heap
 from mindie.runtime.lifecycle import lock_file
 from mindie.runtime.log_setup import setup_logging
+from mindie.runtime.start_report import StartReport
 from mindie.contract.spec import WorkerSpec, decode_spec
 
 from workers.backends.core_share import CoreShare
@@ -129,8 +130,6 @@ class Worker:
         self.group = built.group  # this process is rank 0 of a tensor-parallel instance
         self.max_positions = _max_positions(spec, self.engine.runner)
         freeze_heap(log, f"worker {spec.worker_id}", spec.engine.gc_freeze)
-        log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
-                 spec.model_name, self.engine.runner.vocab_size)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
         self.ctx = zmq.Context()
         self.auth = None
@@ -165,6 +164,9 @@ class Worker:
         self.cores = None
         if spec.core_share_file and spec.device_type == "cpu" and not spec.null_model:
             self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
+        # Last: "ready" only once the sockets are bound too (a port in use fails the start).
+        log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
+                 spec.model_name, self.engine.runner.vocab_size)
 
     # -- messages ---------------------------------------------------------------------------
     def _frontend(self, fid: str) -> FrontendState:
@@ -442,7 +444,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", required=True, help="WorkerSpec as JSON (mindie/contract/spec.py)")
     ap.add_argument("--rank", type=int, default=0, help="rank in a tensor-parallel instance (0 = the worker)")
     ap.add_argument("--tp-store", default="", help="rendezvous file of a tensor-parallel instance")
+    ap.add_argument("--start-report-fd", type=int, default=None,
+                    help="pipe on which to report 'ready' or why the start failed (mindie/runtime/start_report.py)")
     args = ap.parse_args(argv)
+    report = StartReport(args.start_report_fd)
     spec = decode_spec(args.spec)
     from workers import settings
     settings.apply(spec.engine)  # the plan's engine and CPU tuning, for the modules that read them
@@ -450,14 +455,21 @@ def main(argv: list[str] | None = None) -> None:
         setup_logging(f"worker {spec.worker_id} rank {args.rank} pid {os.getpid()}", spec.log_level)
         code = 3
         try:
-            code = follow(spec, args.rank, args.tp_store)
-        except BaseException:
+            code = follow(spec, args.rank, args.tp_store, ready=report.ready)
+        except BaseException as e:
+            report.failed(e)  # ignored once ready: then this is a failure while serving
             log.exception("rank %d of instance %s failed", args.rank, spec.worker_id)
         logging.shutdown()
         os._exit(code)  # no interpreter teardown: a broken process group may hang in it
     setup_logging(f"worker {spec.worker_id} pid {os.getpid()}", spec.log_level)
     log.debug("spec: %s", args.spec)
-    worker = Worker(spec, args.tp_store)
+    try:
+        worker = Worker(spec, args.tp_store)
+    except BaseException as e:
+        # The supervisor counts this as a start failure and logs the reason (workers/supervisor.py).
+        report.failed(e)
+        raise
+    report.ready()
 
     def _stop(signum, _frame):
         log.info("signal %s: stopping", signal.Signals(signum).name)

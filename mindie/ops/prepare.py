@@ -7,8 +7,9 @@ Before writing anything it claims the run directory for the launcher
 (mindie/runtime/lifecycle.py): a run directory in use by a live server is refused, and what a
 server that died left there (sockets, locks, state files) is removed.
 
-Fails with exit status 2 and a message naming the config key when the config is wrong, or
-naming the run directory when another server uses it.
+Fails with exit status 2 and a message naming the config key when the config is wrong (a
+configured model's tokenizer that does not load included: ``check_tokenizer``), or naming the run
+directory when another server uses it.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import logging
 import os
 import shlex
 import sys
+import time
 
 from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level
-from mindie.runtime.lifecycle import RunDirBusy, claim, launcher_pid
+from mindie.runtime.lifecycle import RunDirBusy, claim, launcher_pid, release
 from mindie.contract.spec import write_deployment
+from mindie.detokenizer import load_tokenizer
 from mindie.listeners import plan_listeners, write_listeners
 from mindie.tls import TlsError, check_plane, permission_checks_on
 from mindie.topology import build_deployment, usable_cores
@@ -30,6 +33,7 @@ log = logging.getLogger("mindie.ops.prepare")
 def main() -> None:
     logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")
+    claimed = ""  # the run directory once claimed: a refusal after that leaves nothing in it
     try:
         loaded = load_config()
         config = loaded.config
@@ -59,6 +63,7 @@ def main() -> None:
             print(f"cannot start: {e}", file=sys.stderr)
             print("exit 2")
             sys.exit(2)
+        claimed = config.server.run_dir
         if stale:
             log.info("removed what a server that stopped uncleanly left in %s: %s", config.server.run_dir,
                      ", ".join(stale))
@@ -77,6 +82,8 @@ def main() -> None:
         dep = build_deployment(config, null_model=os.environ.get("MINDIE_NULL_MODEL") == "1",
                                null_step_ms=float(os.environ.get("MINDIE_NULL_STEP_MS") or 0), log_level=level)
         check_cpu_threads(dep)
+        if role != "workers":  # a workers-only host serves no HTTP: the front ends' tokenizer is not needed
+            check_tokenizer(dep.model_dir)
         out = {
             "MINDIE_RUN_DIR": config.server.run_dir,
             "MINDIE_DEPLOYMENT": write_deployment(dep),
@@ -93,6 +100,8 @@ def main() -> None:
             "MINDIE_FRONTENDS": str(config.server.frontend_count or min(4, max(1, usable_cores() // 4))),
         }
     except (ConfigError, TlsError) as e:
+        if claimed:
+            release(claimed)
         print(f"config error: {e}", file=sys.stderr)
         print("exit 2")
         sys.exit(2)
@@ -141,6 +150,24 @@ def check_role(loaded) -> str:
         log.info("role %s: %s", role, "device workers only, for the front ends of another host" if role == "workers"
                  else f"front ends only, connected to the device workers at {hosts} from port {b.worker_port}")
     return role
+
+
+def check_tokenizer(model_dir: str) -> None:
+    """The front ends' tokenizer loads from ``model_dir`` (with their own loader,
+    mindie/detokenizer.py), else ConfigError naming modelWeightPath: a front end that cannot load
+    it never boots. "" (the demo model, made later by workers.prepare) and a path that is not a
+    directory (workers.prepare says so) are left to workers.prepare, which checks the rest of the
+    model."""
+    if not model_dir or not os.path.isdir(model_dir):
+        return
+    t0 = time.perf_counter()
+    try:
+        tok = load_tokenizer(model_dir)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises plain Exception for a missing or bad file)
+        raise ConfigError(f"{model_dir}: the tokenizer does not load from {os.path.join(model_dir, 'tokenizer.json')}: "
+                          f"{e}", "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath") from None
+    log.info("tokenizer check: %s loads (%d tokens); in %.2f s", os.path.join(model_dir, "tokenizer.json"),
+             tok.vocab_size, time.perf_counter() - t0)
 
 
 def check_cpu_threads(dep) -> None:

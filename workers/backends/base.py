@@ -16,7 +16,17 @@ class Backend:
         raise NotImplementedError
 
     def setup(self) -> None:
-        """Per-process initialisation (threads, device selection)."""
+        """Per-process initialisation (threads, device selection); raises what ``unavailable`` says."""
+
+    def unavailable(self) -> str | None:
+        """Why this process cannot use this kind of device at all (None: it can), found without
+        initialising one: the launch step asks before any worker starts (workers/prepare.py,
+        through ``workers.engine.assembly.start_refusal``), and ``setup`` raises it."""
+        return None
+
+    def device_count(self) -> int | None:
+        """How many devices of this kind this process sees (None: not counted, the CPU)."""
+        return None
 
     def free_memory(self) -> int:
         """Free device memory in bytes (the KV cache's budget when npuMemSize is -1:

@@ -10,10 +10,17 @@ from workers.backends.int8 import Int8Kernel
 class CudaBackend(Backend):
     name = "cuda"
 
+    def unavailable(self) -> str | None:
+        if not torch.cuda.is_available():  # no CUDA context is created here
+            return "deviceType is cuda but torch sees no CUDA device (check CUDA_VISIBLE_DEVICES and the torch build)"
+        return None
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
     def setup(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("deviceType is cuda but torch sees no CUDA device "
-                               "(check CUDA_VISIBLE_DEVICES and the torch build)")
+        if why := self.unavailable():
+            raise RuntimeError(why)
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = True
 

@@ -18,13 +18,21 @@ from workers.backends.int8 import NpuInt8Kernel
 class NpuBackend(Backend):
     name = "npu"
 
-    def setup(self) -> None:
+    def unavailable(self) -> str | None:
         try:  # torch_npu is optional (the npu extra): imported only by an NPU worker
             import torch_npu  # noqa: F401  (registers the npu device)
-        except ImportError as e:
-            raise RuntimeError("deviceType is npu but torch_npu is not installed: pip install '.[npu]'") from e
+        except ImportError:
+            return "deviceType is npu but torch_npu is not installed: pip install '.[npu]'"
         if not torch.npu.is_available():
-            raise RuntimeError("deviceType is npu but no NPU is visible (check ASCEND_RT_VISIBLE_DEVICES)")
+            return "deviceType is npu but no NPU is visible (check ASCEND_RT_VISIBLE_DEVICES)"
+        return None
+
+    def device_count(self) -> int:
+        return torch.npu.device_count()
+
+    def setup(self) -> None:
+        if why := self.unavailable():
+            raise RuntimeError(why)
         torch.npu.set_device(0)
 
     def bind_thread(self) -> None:

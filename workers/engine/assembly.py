@@ -85,6 +85,24 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
                     device)
 
 
+def start_refusal(spec: WorkerSpec) -> str | None:
+    """What a worker of ``spec`` would refuse at start before it reads a weight, found without
+    initialising a device (None: nothing), worded with its config key: no such device here
+    (``Backend.unavailable``), or a ``quantize`` key the backend has no kernel for. The launch
+    step's check (workers/prepare.py)."""
+    backend = get_backend(spec.device_type, spec.threads)
+    if why := backend.unavailable():
+        return f"BackendConfig.deviceType: {why}"
+    if spec.quantize and backend.int8_kernel() is None:
+        return _no_int8(spec, backend)
+    return None
+
+
+def _no_int8(spec: WorkerSpec, backend: Backend) -> str:
+    return (f"{QUANTIZE_KEY} {spec.quantize!r}: the {backend.name} backend has no weight-only int8 kernel; remove "
+            f"the key (or set it to \"\") to serve the model unquantised")
+
+
 def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) -> ModelRunner:
     """The worker's model in one pass: config.json read once, dtype picked by the backend,
     weights loaded and rewritten for the device, sampler wired; no KV cache yet. With ``group``:
@@ -101,8 +119,7 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
             raise ValueError(f"{QUANTIZE_KEY}: unknown scheme {spec.quantize!r} (supported: {', '.join(SCHEMES)})")
         kernel = backend.int8_kernel()
         if kernel is None:  # refused before the weights are read
-            raise RuntimeError(f"{QUANTIZE_KEY} {spec.quantize!r}: the {backend.name} backend has no weight-only "
-                               f"int8 kernel; remove the key (or set it to \"\") to serve the model unquantised")
+            raise RuntimeError(_no_int8(spec, backend))
     device = backend.device()
     tp = None
     if group is not None:

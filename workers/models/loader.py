@@ -1,8 +1,11 @@
-"""Load a Hugging Face Llama-family checkpoint (`config.json` + `*.safetensors`) into DecoderLM."""
+"""Load a Hugging Face Llama-family checkpoint (`config.json` + `*.safetensors`) into DecoderLM.
+
+Which tensors a checkpoint must hold, and their checks, are workers/models/checkpoint.py's (shared
+with the launch step, which refuses a checkpoint before any worker starts); this module maps each
+of them into the model and reads it."""
 
 from __future__ import annotations
 
-import json
 import math
 import logging
 import time
@@ -12,6 +15,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safetensors_files
 from .config import ModelArgs, ModelConfigError
 from .llama import DecoderLM
 from .sharding import Shard, TensorParallel
@@ -20,52 +24,24 @@ __all__ = ["load_model", "ModelConfigError", "ModelLoadError", "parameter_bytes"
 
 log = logging.getLogger("workers.models")
 
-# Tensors some checkpoints carry that the model recomputes itself.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-class ModelLoadError(RuntimeError):
-    """The weights cannot be loaded; the message names the file and tensors involved."""
-
-
-def safetensors_files(path: str | Path) -> list[Path]:
-    """The checkpoint's shard files: those named by `model.safetensors.index.json`, else every `*.safetensors`."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"{index}: cannot read weight_map: {exc}") from exc
-        files = [path / name for name in dict.fromkeys(weight_map.values())]  # unique, in order
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        extra = " (found pytorch_model*.bin: convert it to safetensors)" if any(path.glob("pytorch_model*.bin")) else ""
-        raise ModelLoadError(f"{path}: no *.safetensors weight files{extra}")
-    return files
-
 
 class Slot(NamedTuple):
     """Where one checkpoint tensor goes: rows ``start .. start + rows`` of ``param`` receive the
     checkpoint's slice ``src_start .. src_start + rows`` along ``dim`` (None: the whole tensor).
-    ``full``: the checkpoint shape config.json implies. ``zero``: not read, the rows are zeroed
-    (a row-parallel bias off rank 0: the all-reduce must add it once)."""
+    ``zero``: not read, the rows are zeroed (a row-parallel bias off rank 0: the all-reduce must
+    add it once)."""
 
     param: torch.Tensor
     start: int
     rows: int
-    full: tuple[int, ...]
     dim: int | None = None
     src_start: int = 0
     zero: bool = False
 
 
 def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot]:
-    """HF tensor name -> its Slot.
+    """HF tensor name -> its Slot, for every name of ``checkpoint.expected_tensors`` (checked by
+    ``load_model``).
 
     Fused projections take several HF tensors: q/k/v go into row ranges of qkv_proj, gate/up into
     gate_up_proj. Every row of every model parameter is covered by exactly one entry. With a
@@ -76,28 +52,27 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
     slots: dict[str, Slot] = {}
 
     def whole(name: str, p: torch.Tensor) -> None:
-        slots[name] = Slot(p, 0, p.shape[0], tuple(p.shape))
+        slots[name] = Slot(p, 0, p.shape[0])
 
     def column(lin: torch.nn.Module, parts: list[tuple[str, int, int, int]]) -> None:
-        """Output rows: (HF name, first row here, rows, first row in the checkpoint, full rows)."""
-        for proj, start, n, src, full in parts:
-            slots[f"{proj}.weight"] = Slot(lin.weight, start, n, (full, hid), 0 if shard else None, src)
+        """Output rows: (HF name, first row here, rows, first row in the checkpoint)."""
+        for proj, start, n, src in parts:
+            slots[f"{proj}.weight"] = Slot(lin.weight, start, n, 0 if shard else None, src)
             if lin.bias is not None:
-                slots[f"{proj}.bias"] = Slot(lin.bias, start, n, (full,), 0 if shard else None, src)
+                slots[f"{proj}.bias"] = Slot(lin.bias, start, n, 0 if shard else None, src)
 
-    def row(name: str, lin: torch.nn.Module, full_in: int) -> None:
+    def row(name: str, lin: torch.nn.Module) -> None:
         """Input columns split across ranks (o, down); the bias is rank 0's."""
         n_in = lin.weight.shape[1]
-        slots[f"{name}.weight"] = Slot(lin.weight, 0, hid, (hid, full_in), 1 if shard else None,
-                                       shard.rank * n_in if shard else 0)
+        slots[f"{name}.weight"] = Slot(lin.weight, 0, hid, 1 if shard else None, shard.rank * n_in if shard else 0)
         if lin.bias is not None:
-            slots[f"{name}.bias"] = Slot(lin.bias, 0, hid, (hid,), zero=bool(shard and shard.rank))
+            slots[f"{name}.bias"] = Slot(lin.bias, 0, hid, zero=bool(shard and shard.rank))
 
     def vocab(name: str, p: torch.Tensor) -> None:
         if shard is None:
             whole(name, p)
         else:  # the padding rows past the vocabulary stay zero (zeroed before loading)
-            slots[name] = Slot(p, 0, shard.vocab_rows, (a.vocab_size, hid), 0, shard.vocab0)
+            slots[name] = Slot(p, 0, shard.vocab_rows, 0, shard.vocab0)
 
     vocab("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
@@ -113,16 +88,16 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
         pre = f"model.layers.{i}."
         att = layer.self_attn
         q, kv = heads * d, kvh * d
-        column(att.qkv_proj, [(f"{pre}self_attn.q_proj", 0, q, q0, a.q_size),
-                              (f"{pre}self_attn.k_proj", q, kv, kv0, a.kv_size),
-                              (f"{pre}self_attn.v_proj", q + kv, kv, kv0, a.kv_size)])
-        row(f"{pre}self_attn.o_proj", att.o_proj, a.q_size)
+        column(att.qkv_proj, [(f"{pre}self_attn.q_proj", 0, q, q0),
+                              (f"{pre}self_attn.k_proj", q, kv, kv0),
+                              (f"{pre}self_attn.v_proj", q + kv, kv, kv0)])
+        row(f"{pre}self_attn.o_proj", att.o_proj)
         if att.q_norm is not None and att.k_norm is not None:
             whole(f"{pre}self_attn.q_norm.weight", att.q_norm.weight)
             whole(f"{pre}self_attn.k_norm.weight", att.k_norm.weight)
-        column(layer.mlp.gate_up_proj, [(f"{pre}mlp.gate_proj", 0, inter, i0, a.intermediate_size),
-                                        (f"{pre}mlp.up_proj", inter, inter, i0, a.intermediate_size)])
-        row(f"{pre}mlp.down_proj", layer.mlp.down_proj, a.intermediate_size)
+        column(layer.mlp.gate_up_proj, [(f"{pre}mlp.gate_proj", 0, inter, i0),
+                                        (f"{pre}mlp.up_proj", inter, inter, i0)])
+        row(f"{pre}mlp.down_proj", layer.mlp.down_proj)
         whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
         whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return slots
@@ -139,11 +114,6 @@ def _read(f, name: str, slot: Slot) -> torch.Tensor:
     return sl[:, a:a + slot.param.shape[1]]  # a row-parallel weight: this rank's input columns
 
 
-def _names(names: list[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
 def load_model(
     path: str | Path,
     dtype: torch.dtype | None = None,
@@ -158,8 +128,10 @@ def load_model(
     dtype None uses the checkpoint's `torch_dtype` (float32 when it does not say). `args`: the
     directory's ModelArgs when the caller has read them already. `max_positions` caps the rope
     table (see DecoderLM). `tp`: one rank of a tensor-parallel instance, which reads only its
-    shard of each tensor (workers/models/sharding.py). Raises ModelConfigError for a bad config.json and ModelLoadError for
-    missing, unexpected or mis-shaped tensors. Returns the model in eval mode and its ModelArgs.
+    shard of each tensor (workers/models/sharding.py). Raises ModelConfigError for a bad
+    config.json, and ModelLoadError for weight files that ``checkpoint.check_checkpoint`` refuses
+    (missing, unexpected or mis-shaped tensors, unreadable or truncated files) before anything
+    is allocated. Returns the model in eval mode and its ModelArgs.
     """
     path = Path(path)
     t0 = time.monotonic()
@@ -167,11 +139,13 @@ def load_model(
     if dtype is None:
         dtype = getattr(torch, args.torch_dtype or "float32")
     device = torch.device(device)
-    files = safetensors_files(path)
+    # Every header checked before anything is allocated or read (workers/models/checkpoint.py).
+    checkpoint = check_checkpoint(path, args)
+    expected = expected_tensors(args)
     log.info(
         "loading %s model from %s: %d layers, hidden %d, vocab %d, %s on %s, %d shard(s)",
         args.arch, path, args.num_hidden_layers, args.hidden_size, args.vocab_size,
-        str(dtype).removeprefix("torch."), device, len(files),
+        str(dtype).removeprefix("torch."), device, len(checkpoint.files),
     )
 
     # Allocate straight on the target device. DecoderLM skips random init, so this is just
@@ -189,29 +163,14 @@ def load_model(
                 model.lm_head.weight.zero_()
 
     slots = _param_slots(model, shard)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    for n, file in enumerate(files, 1):
+    if slots.keys() != expected.keys():  # the model and checkpoint.py disagree: a bug, not a checkpoint's fault
+        raise RuntimeError(f"loader and checkpoint.expected_tensors disagree on {sorted(slots.keys() ^ expected.keys())}")
+    for n, (file, entries) in enumerate(checkpoint.files.items(), 1):
         t_shard = time.monotonic()
         nbytes = 0
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                key = name if name in slots or name.startswith("model.") or name.startswith("lm_head.") else f"model.{name}"
-                if key not in slots:
-                    if name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    if key == "lm_head.weight" and args.tie_word_embeddings:
-                        continue  # some tied checkpoints store a copy of the embedding anyway
-                    unexpected.append(name)
-                    continue
-                if key in loaded:
-                    raise ModelLoadError(f"{file.name}: tensor {name} appears in more than one shard")
+            for name, key in entries:
                 slot = slots[key]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != slot.full:
-                    raise ModelLoadError(
-                        f"{file.name}: tensor {name} has shape {shape}, config.json implies {slot.full}"
-                    )
                 with torch.no_grad():
                     if slot.zero:
                         slot.param[slot.start:slot.start + slot.rows].zero_()
@@ -220,20 +179,10 @@ def load_model(
                         # casts to the model dtype and device
                         slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
                         nbytes += tensor.numel() * tensor.element_size()
-                loaded.add(key)
         log.info(
-            "loaded shard %d/%d %s (%.1f MiB) in %.2fs", n, len(files), file.name, nbytes / 2**20,
+            "loaded shard %d/%d %s (%.1f MiB) in %.2fs", n, len(checkpoint.files), file.name, nbytes / 2**20,
             time.monotonic() - t_shard,
         )
-
-    missing = [k for k in slots if k not in loaded]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors: {_names(missing)}")
-        if unexpected:
-            parts.append(f"unexpected tensors: {_names(unexpected)}")
-        raise ModelLoadError(f"{path}: checkpoint does not match its config.json ({args.arch}): " + "; ".join(parts))
 
     log.info(
         "model ready: %.1fM parameters in %.2fs",
@@ -241,7 +190,7 @@ def load_model(
     )
     if shard is not None:
         mine = parameter_bytes(model)
-        full = sum(math.prod(s.full) for s in slots.values()) * torch.empty((), dtype=dtype).element_size()
+        full = sum(math.prod(s) for s in expected.values()) * torch.empty((), dtype=dtype).element_size()
         log.info("tensor-parallel rank %d/%d: %.1f MiB of parameters here, %.3f of the whole model's %.1f MiB",
                  shard.rank, shard.world, mine / 2**20, mine / full, full / 2**20)
     return model, args

@@ -1,0 +1,184 @@
+"""What a checkpoint's weight files must hold, checked from their headers alone (torch-free).
+
+One description serves both sides of a start:
+
+- ``expected_tensors(args)``: every tensor the decoder needs, by its Hugging Face name, with the
+  full shape config.json implies (``workers.models.loader`` maps each name to where it goes);
+- ``check_checkpoint(path, args)``: reads the header of every shard file with safetensors' own
+  parser (the one the loader opens the files with; no tensor is read, the files are mapped, not
+  loaded) and refuses what the loader would, naming the file and the tensors: shard files absent
+  or unreadable, a file whose size differs from what its header describes (truncated, or still
+  being copied), tensors missing, unexpected, stored twice, of another shape, or not stored as
+  floating point (the loader casts floats to the serving dtype; a quantised checkpoint's int8 or
+  fp8 tensors would be cast into nonsense).
+
+The loader runs it before it reads a tensor and then reads what it returns; the launch step
+(workers/prepare.py) runs it before any process starts, so a checkpoint the server cannot load
+is refused with exit status 2 instead of failing in each worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from .config import ModelArgs
+
+__all__ = ["FLOAT_DTYPES", "Checkpoint", "ModelLoadError", "check_checkpoint", "expected_tensors",
+           "safetensors_files"]
+
+# Tensors some checkpoints carry that the model recomputes itself.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# safetensors dtype names the loader accepts (it casts them to the serving dtype).
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+class ModelLoadError(RuntimeError):
+    """The weights cannot be loaded; the message names the file and tensors involved."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checked checkpoint: per shard file, the (stored name, expected name) of each tensor to
+    read, in file order (ignored tensors left out)."""
+
+    files: dict[Path, list[tuple[str, str]]]
+    nbytes: int  # the shard files' sizes together
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(v) for v in self.files.values())
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The checkpoint's shard files: those named by `model.safetensors.index.json`, else every `*.safetensors`."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: cannot read weight_map: {exc}") from exc
+        files = [path / name for name in dict.fromkeys(weight_map.values())]  # unique, in order
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        extra = " (found pytorch_model*.bin: convert it to safetensors)" if any(path.glob("pytorch_model*.bin")) else ""
+        raise ModelLoadError(f"{path}: no *.safetensors weight files{extra}")
+    return files
+
+
+def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> full shape, for every tensor of the model ``args`` describe
+    (whole model, not a tensor-parallel shard: each rank reads its slice of these)."""
+    hid, vocab, inter = args.hidden_size, args.vocab_size, args.intermediate_size
+    q, kv = args.q_size, args.kv_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hid), "model.norm.weight": (hid,)}
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = (vocab, hid)
+    for i in range(args.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out[f"{pre}self_attn.{proj}.weight"] = (rows, hid)
+            if args.attention_bias:
+                out[f"{pre}self_attn.{proj}.bias"] = (rows,)
+        out[f"{pre}self_attn.o_proj.weight"] = (hid, q)
+        if args.o_proj_bias:
+            out[f"{pre}self_attn.o_proj.bias"] = (hid,)
+        if args.qk_norm:
+            out[f"{pre}self_attn.q_norm.weight"] = (args.head_dim,)
+            out[f"{pre}self_attn.k_norm.weight"] = (args.head_dim,)
+        for proj, shape in (("gate_proj", (inter, hid)), ("up_proj", (inter, hid)), ("down_proj", (hid, inter))):
+            out[f"{pre}mlp.{proj}.weight"] = shape
+            if args.mlp_bias:
+                out[f"{pre}mlp.{proj}.bias"] = shape[:1]
+        out[f"{pre}input_layernorm.weight"] = (hid,)
+        out[f"{pre}post_attention_layernorm.weight"] = (hid,)
+    return out
+
+
+def _names(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _size_hint(file: Path) -> str:
+    """For a header safetensors cannot parse: how the file's size compares with what its header
+    describes, when the header itself is whole (a truncated file's usual case)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= min(size - 8, 100 << 20):
+                return f" (the file has {size} bytes)"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return ""
+    want = 8 + n + end
+    if want == size:
+        return ""
+    return f" (the file has {size} bytes, its header describes {want}: {'truncated' if size < want else 'extra bytes'}?)"
+
+
+def _read_header(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every tensor in ``file``, in file order: its header only."""
+    try:
+        with safe_open(str(file), framework="numpy") as f:  # the loader's parser; no tensor is read
+            out = []
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out.append((name, tuple(sl.get_shape()), sl.get_dtype()))
+            return out
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{file}: not a readable safetensors file: {e}{_size_hint(file)}") from None
+
+
+def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
+    """Check the weight files of the checkpoint at ``path`` against ``args`` from their headers
+    (see the module docstring); ModelLoadError naming the file and tensors when the loader would
+    refuse them."""
+    path = Path(path)
+    expected = expected_tensors(args)
+    files: dict[Path, list[tuple[str, str]]] = {}
+    seen: dict[str, Path] = {}
+    unexpected: list[str] = []
+    nbytes = 0
+    for file in safetensors_files(path):
+        nbytes += os.path.getsize(file)
+        entries = files[file] = []
+        for name, shape, dtype in _read_header(file):
+            # Some checkpoints drop the "model." prefix of the decoder's tensors.
+            key = name if name in expected or name.startswith(("model.", "lm_head.")) else f"model.{name}"
+            if key not in expected:
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if key == "lm_head.weight" and args.tie_word_embeddings:
+                    continue  # some tied checkpoints store a copy of the embedding anyway
+                unexpected.append(name)
+                continue
+            if key in seen:
+                raise ModelLoadError(f"{file}: tensor {name} appears in more than one shard (also in {seen[key].name})")
+            seen[key] = file
+            if shape != expected[key]:
+                raise ModelLoadError(f"{file}: tensor {name} has shape {shape}, config.json implies {expected[key]}")
+            if dtype not in FLOAT_DTYPES:
+                raise ModelLoadError(f"{file}: tensor {name} is stored as {dtype}; only floating-point weights "
+                                     f"({', '.join(FLOAT_DTYPES)}) are loaded (a pre-quantised checkpoint is not "
+                                     "supported: serve the unquantised one, with ModelConfig quantize if wanted)")
+            entries.append((name, key))
+    missing = [k for k in expected if k not in seen]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_names(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_names(unexpected)}")
+        raise ModelLoadError(f"{path}: checkpoint does not match its config.json ({args.arch}): " + "; ".join(parts))
+    return Checkpoint(files, nbytes)
