@@ -50,7 +50,8 @@ def settle_deployment(dep: Deployment) -> Deployment:
         device_type = detect()
         log.info("deviceType auto -> %s", device_type)
     model_dir = first.model_path
-    if not model_dir:
+    demo = not model_dir
+    if demo:
         model_dir = str(ensure_demo_model())
         log.info("no modelWeightPath configured: serving the built-in demo model at %s "
                  "(random weights, its output is gibberish)", model_dir)
@@ -64,7 +65,8 @@ def settle_deployment(dep: Deployment) -> Deployment:
         raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} has no "
                          "config.json (a Hugging Face model directory is expected)")
     check_tensor_parallel(first, model_dir)
-    return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers])
+    return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers],
+                                   demo_model=demo)
 
 
 def check_tensor_parallel(spec: WorkerSpec, model_dir: str) -> None:
