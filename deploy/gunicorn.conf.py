@@ -25,7 +25,9 @@ workers = int(os.environ.get("MINDIE_FRONTENDS", "1"))
 worker_class = "mindie.gunicorn_worker.FrontEndWorker"
 wsgi_app = "mindie.app:create_app()"
 timeout = 30  # heartbeat of the event loop, not a request timeout
-graceful_timeout = int(os.environ.get("MINDIE_GRACEFUL_TIMEOUT", "15"))
+# ServerConfig.drainTimeoutS (mindie.ops.prepare resolves it): the front ends cut what still runs at
+# that bound themselves (mindie/drain.py); gunicorn's SIGKILL comes well after.
+graceful_timeout = int(float(os.environ.get("MINDIE_GRACEFUL_TIMEOUT") or 20)) + 10
 keepalive = 75
 reuse_port = True  # each front end gets its own SO_REUSEPORT socket: the kernel spreads connections
 control_socket_disable = True  # two instances on one host must not share gunicorn's control socket
@@ -45,7 +47,20 @@ if (os.environ.get("MINDIE_LOG_FORMAT") or "text").lower() == "json":
     }
 
 
+class _ListenLine:
+    """gunicorn logs "Listening at: <its listeners> (<pid>)"; with reuse_port every front end binds
+    its own sockets and the master holds none, so the address was empty: name the planes."""
+
+    def filter(self, record):
+        if isinstance(record.msg, str) and record.msg.startswith("Listening at:") and record.args \
+                and not record.args[0]:
+            urls = ", ".join(f"{'+'.join(li.planes)} {li.url}" for li in read_listeners(os.environ["MINDIE_LISTENERS"]))
+            record.args = (urls,) + tuple(record.args[1:])
+        return True
+
+
 def on_starting(server):
+    server.log.error_log.addFilter(_ListenLine())
     # If the launcher dies, even by SIGKILL, the master gets SIGTERM (a graceful stop of its
     # front ends) instead of living on as an orphan; at once if it died before this line.
     # Not for a master re-executed by USR2 (its parent is the old master).

@@ -41,7 +41,7 @@ import struct
 
 log = logging.getLogger("mindie.admission")
 
-__all__ = ["Admission", "Slot", "SLOTS_FILE", "MAX_OWNERS", "snapshot"]
+__all__ = ["Admission", "Slot", "SLOTS_FILE", "MAX_OWNERS", "snapshot", "in_progress"]
 
 SLOTS_FILE = "admission.slots"
 MAGIC = 0x4D49_4E44_4945_4101  # "MINDIEA" + format 1
@@ -53,6 +53,7 @@ _SIZE = _WORDS * 8
 GLOBAL_LOCK = 0
 OWNER_LOCK_BASE = 1 << 30  # lock bytes of the owners, far past the end of the data
 
+_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", None)
 _OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", None)
 _OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", None)
 _FLOCK = "hhqqi"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (native alignment)
@@ -94,6 +95,12 @@ class _Locks:
 
     def unlock(self, offset: int) -> None:
         self._fcntl(self._set, fcntl.F_UNLCK, offset)
+
+    def held_elsewhere(self, offset: int) -> bool:
+        """Whether another open file (another live front end) holds the lock; takes nothing."""
+        get = _OFD_GETLK if self.ofd else fcntl.F_GETLK
+        probe = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
+        return struct.unpack(_FLOCK, fcntl.fcntl(self.fd, get, probe))[0] != fcntl.F_UNLCK
 
 
 class Slot:
@@ -248,3 +255,25 @@ def snapshot(run_dir: str) -> dict[int, int]:
         if words[_HEADER + r]:
             out[words[_PIDS + r]] = out.get(words[_PIDS + r], 0) + words[_HEADER + r]
     return out
+
+
+def in_progress(run_dir: str) -> int:
+    """Requests admitted server-wide by live front ends (a dead one's count is not counted), read
+    without claiming an owner record or taking a lock: what a stop waits for (mindie/ops/drain.py).
+    0 when there is no admission file (no front end ever started)."""
+    try:
+        fd = os.open(os.path.join(run_dir, SLOTS_FILE), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    try:
+        data = os.pread(fd, _SIZE, 0)
+        if len(data) < _SIZE:
+            return 0
+        words = struct.unpack(f"{_WORDS}q", data)
+        if words[0] != MAGIC:
+            return 0
+        locks = _Locks(fd)
+        return sum(n for r in range(words[1]) if (n := words[_HEADER + r])
+                   and locks.held_elsewhere(OWNER_LOCK_BASE + r))
+    finally:
+        os.close(fd)

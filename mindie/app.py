@@ -85,7 +85,6 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     timed = TimedHealthResource(health, probe_token=min(1, max(0, fe.vocab_size - 1)))
     fe.model_listeners.append(lambda vocab: setattr(timed, "probe_token", min(1, max(0, vocab - 1))))
     server = fe.config.server
-    drain_s = float(max(server.e2e_timeout, server.token_timeout)) + 5.0
     return {
         "business": [
             ("/infer", infer, None), ("/infer_token", infer, None),
@@ -110,7 +109,8 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/health/timed", timed, None), ("/health/timed-{n}", timed, "n"),
             ("/info", status, "info"), ("/v1/config", status, "v1_config"), ("/v1/status", status, "v1_status"),
             ("/v2/status", status, "v2_status"), ("/v2/models/{model}/getSlotCount", status, "slots"),
-            ("/stopService", StopServiceResource(fe.client, fe.state, fe.admission, fe.run_dir, drain_s), None),
+            ("/stopService", StopServiceResource(fe.client, fe.state, fe.admission, fe.run_dir,
+                                                 server.drain_timeout_s), None),
             ("/metrics-json", MetricsJsonResource(fe.client, f"{server.management_ip_address}:{server.management_port}"),
              None),
         ],

@@ -268,6 +268,24 @@ class DeviceClient:
         except zmq.Again:
             pass  # worker gone: it has nothing to cancel
 
+    def in_flight(self) -> int:
+        """Requests of this front end on its workers, not yet finished."""
+        return sum(len(link.inflight) for link in self.links.values())
+
+    def cut_all(self, status: int, message: str) -> int:
+        """End every request in flight with an error (a stop's drain bound, mindie/frontend.py) and
+        cancel them on their workers; returns how many were cut."""
+        cut = 0
+        for link in self.links.values():
+            streams = list(link.inflight.values())
+            link.inflight.clear()
+            for s in streams:
+                s._fail(status, message)
+            if streams:
+                cut += len(streams)
+                self._send_cancel(link, [s.request_id for s in streams])
+        return cut
+
     def _fail_link(self, link: WorkerLink, message: str) -> None:
         """End every in-flight request on ``link`` with an error, and cancel them on the worker
         in case it is still alive (a gap, a worker that was only slow)."""

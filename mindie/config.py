@@ -39,6 +39,7 @@ PORT = Meta(ge=1024, le=65535)
 MAX_TOKEN_LEN = 4194304
 MAX_TOKEN_TIMEOUT_S = 3600
 MAX_E2E_TIMEOUT_S = 65535
+DEFAULT_DRAIN_TIMEOUT_S = 20.0
 CACHE_BLOCK_MAX = 1024  # project: MindIE allows [1,128]; any multiple of 16 up to 1024 here
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error", "critical", "fatal")
 _ZERO_IPS = ("0.0.0.0", "::")
@@ -117,6 +118,9 @@ class ServerConfig(_Section):
     frontend_count: Annotated[int, Meta(ge=0, le=64)] = 0  # gunicorn workers; 0 = auto
     # Project extension: an unknown key (neither this server's nor MindIE's) stops the start.
     strict_config: bool = False
+    # Project extension: how long a stop (SIGTERM, SIGINT, /stopService) lets the requests in
+    # progress run before the front ends cut them with a final error (docs/operations.md, "Stop").
+    drain_timeout_s: Annotated[float, Meta(ge=0, le=MAX_E2E_TIMEOUT_S)] = DEFAULT_DRAIN_TIMEOUT_S
 
 
 class ModelConfig(_Section):
@@ -264,7 +268,10 @@ ENV_OVERRIDES: dict[str, str] = {
     "MIES_CONTAINER_IP": "ServerConfig.ipAddress",
     "MIES_CONTAINER_MANAGEMENT_IP": "ServerConfig.managementIpAddress",
     "MINDIE_HOST": "ServerConfig.ipAddress",  # launch.sh --host; wins over MIES_CONTAINER_IP
-    "MINDIE_PORT": "ServerConfig.port",
+    "MINDIE_PORT": "ServerConfig.port",  # launch.sh --port: moves the other planes with it (PLANE_PORTS)
+    "MINDIE_MANAGEMENT_PORT": "ServerConfig.managementPort",  # launch.sh --management-port
+    "MINDIE_METRICS_PORT": "ServerConfig.metricsPort",  # launch.sh --metrics-port
+    "MINDIE_GRACEFUL_TIMEOUT": "ServerConfig.drainTimeoutS",  # the deploy files' name for it
     "MINDIE_RUN_DIR": "ServerConfig.runDir",
     "MINDIE_FRONTENDS": "ServerConfig.frontendCount",
     "MINDIE_STRICT_CONFIG": "ServerConfig.strictConfig",  # launch.sh --strict-config
@@ -329,9 +336,10 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
         put("MINDIE_HOST", server, "ipAddress", v)
     if (v := get.get("MIES_CONTAINER_MANAGEMENT_IP")):
         put("MIES_CONTAINER_MANAGEMENT_IP", server, "managementIpAddress", v)
-    if (v := get.get("MINDIE_PORT")):
-        # Non-numbers stay strings so validation reports them as a type error naming the variable.
-        put("MINDIE_PORT", server, "port", int(v) if re.fullmatch(r"[+-]?\d+", v) else v)
+    if server is not None:
+        _apply_ports(server, get, applied)
+    if (v := get.get("MINDIE_GRACEFUL_TIMEOUT")):
+        put("MINDIE_GRACEFUL_TIMEOUT", server, "drainTimeoutS", _number(v))
     if (v := get.get("MINDIE_FRONTENDS")):
         put("MINDIE_FRONTENDS", server, "frontendCount", int(v) if re.fullmatch(r"[+-]?\d+", v) else v)
     if (v := get.get("MINDIE_STRICT_CONFIG")):
@@ -366,6 +374,48 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
                     first_model = entries[0] if isinstance(entries[0], dict) else None
             put(name, first_model, key, os.path.abspath(os.path.expanduser(v)) if name == "MINDIE_MODEL_PATH" else v)
     return applied
+
+
+def _number(text: str) -> Any:
+    """An override's text as a number; anything else stays a string, so validation reports it as a
+    type error naming the variable."""
+    if re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+# The planes' port keys with their defaults: MINDIE_PORT (launch.sh --port) moves all three, each
+# keeping its offset from the business port (MindIE's defaults: +1 and +2); the per-plane
+# variables place one plane and win over that move.
+PLANE_PORTS = (("port", "MINDIE_PORT", 1025), ("managementPort", "MINDIE_MANAGEMENT_PORT", 1026),
+               ("metricsPort", "MINDIE_METRICS_PORT", 1027))
+
+
+def _apply_ports(server: dict, get: Mapping[str, str], applied: dict[str, str]) -> None:
+    """MINDIE_PORT sets the business port and moves the other two planes with it (each keeps its
+    offset from the business port, as the file or the defaults give it); MINDIE_MANAGEMENT_PORT and
+    MINDIE_METRICS_PORT place one plane and win over that move."""
+    if (base := get.get("MINDIE_PORT")) is not None:
+        new, old = _number(base), server.get("port", PLANE_PORTS[0][2])
+        server["port"] = new
+        applied["ServerConfig.port"] = "MINDIE_PORT"
+        if _is_int(new) and _is_int(old):
+            for key, name, default in PLANE_PORTS[1:]:
+                mine = server.get(key, default)
+                if not get.get(name) and _is_int(mine):
+                    server[key] = new + (mine - old)
+                    applied[f"ServerConfig.{key}"] = "MINDIE_PORT"
+    for key, name, _ in PLANE_PORTS[1:]:
+        if (v := get.get(name)):
+            server[key] = _number(v)
+            applied[f"ServerConfig.{key}"] = name
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _default_model_name(raw: dict) -> Optional[str]:

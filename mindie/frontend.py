@@ -7,6 +7,8 @@ Welcome both are 0 in ``limits``, "unknown, not checked" (no request reaches a w
 is welcomed anyway)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -17,7 +19,10 @@ from mindie.client import DeviceClient
 from mindie.config import Config, load_config
 from mindie.contract.spec import Deployment, deployment_path, read_deployment
 from mindie.detokenizer import load_tokenizer
+from mindie.drain import DrainWatch
+from mindie.listeners import read_listeners
 from mindie.metrics import Metrics
+from mindie.ready_line import announce_when_ready
 from mindie.service_state import STOPPING, ServiceState
 from mindie.validation import Limits
 
@@ -50,7 +55,10 @@ class FrontEnd:
         # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).
         self.admission = Admission(deployment.run_dir, server.max_link_num)
         self.state = ServiceState(deployment.run_dir)
+        # Cuts what still runs when a stop's drain ends (mindie/drain.py).
+        self.drain = DrainWatch(self.client, self.state, server.drain_timeout_s)
         self.vocab_size = 0
+        self._tasks: list[asyncio.Task] = []
 
     def learn_model(self, welcome) -> None:
         """A worker's Welcome: take its model's vocabulary size and maximum positions into
@@ -79,6 +87,11 @@ class FrontEnd:
     # -- lifespan (falcon middleware, inside the worker's event loop) -------------------------
     async def process_startup(self, scope, event) -> None:
         await self.client.start()
+        self._tasks.append(asyncio.create_task(self.drain.run(), name="drain-watch"))
+        if (path := os.environ.get("MINDIE_LISTENERS")):
+            frontends = int(os.environ.get("MINDIE_FRONTENDS") or 1)
+            self._tasks.append(asyncio.create_task(
+                announce_when_ready(self.client, read_listeners(path), self.deployment, frontends), name="ready-line"))
         log.info("front end %s (pid %d) connecting to %d device workers", self.client.frontend_id, os.getpid(),
                  len(self.client.links))
         # Accept connections only once a worker link is up, if one comes soon: a front end
@@ -95,4 +108,9 @@ class FrontEnd:
                 return
 
     async def process_shutdown(self, scope, event) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         await self.client.close()

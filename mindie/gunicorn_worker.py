@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -21,6 +22,7 @@ from uvicorn_worker import UvicornWorker
 
 from mindie.runtime.lifecycle import die_with_parent
 from mindie.errors import ApiError
+from mindie.config import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_DEFAULT
 from mindie.service_state import STOPPING
 from mindie.listeners import read_listeners
 from mindie.tls import server_context
@@ -148,8 +150,11 @@ class PlaneServer(Server):
         self.servers = []
         for sock in sockets:
             tls = self.tls_by_port.get(sock.getsockname()[1])
+            # The loop owns and closes what it is given; gunicorn closes its own socket objects
+            # too (an "[Errno 9] Bad file descriptor" line per plane at every stop): give it a copy.
+            own = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
             self.servers.append(await loop.create_server(
-                create_protocol, sock=sock, ssl=tls, backlog=config.backlog,
+                create_protocol, sock=own, ssl=tls, backlog=config.backlog,
                 ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls else None))
         self.started = True
 
@@ -162,7 +167,9 @@ class FrontEndWorker(UvicornWorker):
         # reaching a WebSocket handshake (a POST with "Upgrade: websocket" hung there).
         "ws": "none",
         "lifespan": "on",
-        "timeout_graceful_shutdown": int(os.environ.get("MINDIE_GRACEFUL_TIMEOUT", "15")) - 3,
+        # A front end told to stop cuts its requests at the drain bound itself (mindie/drain.py),
+        # so uvicorn's own bound, which would cancel them with a traceback, is never reached.
+        "timeout_graceful_shutdown": int(float(os.environ.get("MINDIE_GRACEFUL_TIMEOUT") or DRAIN_DEFAULT)) + 5,
         # A memory safety net far above maxLinkNum (mindie/ops/prepare.py); requests past maxLinkNum
         # are refused server-wide with MindIE's JSON 503 by mindie/admission.py, not here.
         "limit_concurrency": int(os.environ.get("MINDIE_MAX_CONNECTIONS", "16384")),

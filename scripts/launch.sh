@@ -2,12 +2,30 @@
 # Start the MindIE-compatible server: device-worker supervisor + gunicorn front ends, side by side.
 set -euo pipefail
 
+# SIGHUP reloads the front ends (below). bash cannot trap a signal that was ignored when it started,
+# and nohup starts us with SIGHUP ignored: start again with SIGHUP at its default (the trap is set
+# a few lines later; until then a hang-up would stop the start, as it would any program's).
+hup_ignored() {
+  local line mask
+  while read -r line; do
+    case "$line" in SigIgn:*) mask=${line#SigIgn:}; mask=${mask//[[:space:]]/}; (( 16#$mask & 1 )) && return 0 || return 1 ;; esac
+  done < /proc/$$/status 2>/dev/null
+  return 1
+}
+if [ -z "${MINDIE_HUP_RESET:-}" ] && hup_ignored; then
+  export MINDIE_HUP_RESET=1
+  exec "${PYTHON:-python3}" -c 'import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+    "$BASH" "${BASH_SOURCE[0]}" "$@"
+fi
+hup_early=0
+trap 'hup_early=1' HUP  # until the reload trap takes over: a SIGHUP while starting changes nothing
+
 usage() {
   cat <<'USAGE'
 Usage: scripts/launch.sh [options]
 
 Starts the server: one device worker per BackendConfig.npuDeviceIds entry (under a supervisor
-that restarts crashed workers) and N gunicorn front ends (falcon.asgi on uvicorn) serving MindIE's
+that restarts crashed workers; one that fails to start 3 times in a row stops the server, exit 2) and N gunicorn front ends (falcon.asgi on uvicorn) serving MindIE's
 three planes: business (ServerConfig.ipAddress:port: POST /infer, /infer_token, /v1/tokenizer,
 /v2/models/{m}/stopInfer, GET /v1/models, /v2, /v2/models/{m}[/config]), management
 (managementIpAddress:managementPort: GET /health, /health/timed-N, /v2/health/live|ready, /info,
@@ -21,7 +39,13 @@ Options (each also settable by the environment variable shown):
   -c, --config FILE     MindIE-shaped config.json            [MIES_CONFIG_JSON_PATH]
                         (default: built-in defaults: demo model, CPU workers)
   -H, --host ADDR       business-plane address (ServerConfig.ipAddress)  [MINDIE_HOST]
-  -p, --port PORT       bind port (default ServerConfig.port = 1025)    [MINDIE_PORT]
+  -p, --port PORT       business-plane port (ServerConfig.port, default  [MINDIE_PORT]
+                        1025); moves the management and metrics planes with it, each keeping its
+                        offset from it (default +1 and +2: -p 18025 serves 18025, 18026, 18027;
+                        planes merged on one port stay merged), so two servers started with
+                        only -p run side by side
+      --management-port PORT  management plane (ServerConfig.managementPort) [MINDIE_MANAGEMENT_PORT]
+      --metrics-port PORT     metrics plane (ServerConfig.metricsPort)       [MINDIE_METRICS_PORT]
   -m, --model DIR       serve this Hugging Face checkpoint               [MINDIE_MODEL_PATH]
                         (ModelConfig[0].modelWeightPath; default: the built-in demo model)
   -n, --model-name NAME the name clients use (ModelConfig[0].modelName;  [MINDIE_MODEL_NAME]
@@ -29,6 +53,8 @@ Options (each also settable by the environment variable shown):
   -w, --frontends N     front-end processes (ServerConfig.frontendCount; [MINDIE_FRONTENDS]
                         default: one per 4 cores, 1 to 4)
       --run-dir DIR     private directory for ipc sockets (mode 0700)   [MINDIE_RUN_DIR]
+      --drain-timeout S seconds a stop lets the requests in progress      [MINDIE_GRACEFUL_TIMEOUT]
+                        finish before they are cut (ServerConfig.drainTimeoutS, default 20)
       --strict-config   refuse to start on an unknown config key (a typo;  [MINDIE_STRICT_CONFIG=1]
                         ServerConfig.strictConfig); default: a WARNING naming it
       --null-model      serve the null model (no compute; serving-stack benchmark)
@@ -44,14 +70,19 @@ Options (each also settable by the environment variable shown):
 
 Other environment: MINDIE_DEVICE_TYPE (auto|npu|cuda|cpu), MINDIE_NPU_DEVICE_IDS ("0,1,..." = one worker per device),
 MINDIE_LOG_LEVEL (default LogConfig.dynamicLogLevel, else INFO), MINDIE_LOG_FORMAT (text|json: JSON lines;
-LogConfig.logFormat), MINDIE_LOG_PATH (also log to files there; LogConfig.logPath), MINDIE_GRACEFUL_TIMEOUT (15 s).
+LogConfig.logFormat), MINDIE_LOG_PATH (also log to files there; LogConfig.logPath).
 Every variable, with the config key it overrides: docs/config.md, "Environment variables".
 
-Signals: SIGTERM/SIGINT stop everything (front ends drain up to the graceful timeout, then
-device workers stop; a second SIGTERM/SIGINT kills what is left at once) and leave the run
-directory clean; SIGHUP reloads the front ends (and with them the TLS certificates, keys, CA
-and CRL files, checked first: a renewal that does not load is refused and logged) without
-reloading the models.
+Signals: SIGTERM/SIGINT stop the server as GET /stopService does: new requests get MindIE's 503
+while the listeners stay open, the requests in progress get up to the drain timeout to finish,
+those still running then end with a final error in their API's shape (the request log says the
+stop cut them), then every process stops and the run directory is left clean. A second
+SIGTERM/SIGINT cuts the requests at once (as /stopService?mode=Force: every process gets SIGTERM,
+SIGKILL after 5 s); a third kills what is left at once. SIGHUP reloads the front ends (and with
+them the TLS certificates, keys, CA and CRL files, checked first: a renewal that does not load is
+refused and logged) without reloading the models, however the server was started (nohup, setsid,
+systemd, a container's PID 1). Once every device worker is ready, one line says so: each plane's
+URL, the model, the workers and the front ends ("mindie-py ready: ...").
 
 If the supervisor or the gunicorn master dies, the rest is stopped and the exit status is the
 dead component's (128+signal when killed). If this script is killed, every process it started
@@ -71,6 +102,9 @@ while [ $# -gt 0 ]; do
     -c|--config) export MIES_CONFIG_JSON_PATH="$2"; shift 2 ;;
     -H|--host) export MINDIE_HOST="$2"; shift 2 ;;
     -p|--port) export MINDIE_PORT="$2"; shift 2 ;;
+    --management-port) export MINDIE_MANAGEMENT_PORT="$2"; shift 2 ;;
+    --metrics-port) export MINDIE_METRICS_PORT="$2"; shift 2 ;;
+    --drain-timeout) export MINDIE_GRACEFUL_TIMEOUT="$2"; shift 2 ;;
     -m|--model) export MINDIE_MODEL_PATH="$2"; shift 2 ;;
     -n|--model-name) export MINDIE_MODEL_NAME="$2"; shift 2 ;;
     -w|--frontends) export MINDIE_FRONTENDS="$2"; shift 2 ;;
@@ -107,13 +141,13 @@ release_run_dir() {
 trap release_run_dir EXIT
 eval "$("$PY" -m workers.prepare "$MINDIE_DEPLOYMENT" || echo "exit 2")"
 export MINDIE_PORT MINDIE_LISTENERS MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODEL_DIR MINDIE_MAX_CONNECTIONS MINDIE_LOG_LEVEL \
-  MINDIE_FRONTENDS MINDIE_LOG_FORMAT MINDIE_LOG_PATH MINDIE_LOG_FILE_SIZE MINDIE_LOG_FILE_NUM
+  MINDIE_FRONTENDS MINDIE_LOG_FORMAT MINDIE_LOG_PATH MINDIE_LOG_FILE_SIZE MINDIE_LOG_FILE_NUM MINDIE_GRACEFUL_TIMEOUT
 
 # Prometheus multiprocess mode: a fresh directory, set before anything imports the client.
 export PROMETHEUS_MULTIPROC_DIR="$MINDIE_RUN_DIR/prometheus"
 rm -rf "$PROMETHEUS_MULTIPROC_DIR"; mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 
-grace="${MINDIE_GRACEFUL_TIMEOUT:-15}"
+grace="$MINDIE_GRACEFUL_TIMEOUT"  # ServerConfig.drainTimeoutS, as mindie.ops.prepare resolved it
 cd "$root"
 # Each child in a process group of its own (job control): a terminal's Ctrl-C reaches only this
 # script, which stops the children in order, and what a child leaves behind can be found.
@@ -151,31 +185,48 @@ stop_child() {
     echo "launch.sh: the $2 (pid $1) $(describe "$st") too" >&2
   fi
 }
-# Wait up to $2 s for what is left of process group $1 (named $3), then SIGKILL it.
+# Wait up to $2 s for what is left of process group $1 (named $3), then SIGKILL it and wait (up
+# to 5 s more) until it is gone: the run directory is released only once nothing holds its locks.
 sweep() {
-  local deadline=$((SECONDS + $2)) left
+  local deadline=$((SECONDS + $2)) left killed=0
   while left=$(group_members "$1"); [ -n "$left" ]; do
-    if [ "$SECONDS" -ge "$deadline" ] || [ "$hurry" = 1 ]; then
+    if [ "$killed" = 0 ] && { [ "$SECONDS" -ge "$deadline" ] || [ "$hurry" = 1 ]; }; then
       echo "launch.sh: $3 still running after $2 s: SIGKILL to pid $left" >&2
       kill -KILL -- "-$1" 2>/dev/null || true
+      killed=1 deadline=$((SECONDS + 5))
+    elif [ "$killed" = 1 ] && [ "$SECONDS" -ge "$deadline" ]; then
+      echo "launch.sh: $3 pid $left still there 5 s after SIGKILL (stuck in the kernel?)" >&2
       return
     fi
     sleep 0.1
   done
+}
+# Wait for background job $1 across trapped signals; its exit status.
+wait_job() {
+  local st=0
+  wait "$1" 2>/dev/null && st=0 || st=$?
+  while [ "$st" -gt 128 ] && kill -0 "$1" 2>/dev/null; do wait "$1" 2>/dev/null && st=0 || st=$?; done
+  return "$st"
 }
 describe() {  # how a child ended, from its wait status
   if [ "$1" -gt 128 ]; then echo "was killed by SIG$(kill -l $(($1 - 128)) 2>/dev/null || echo "$(($1 - 128))")"
   else echo "exited with status $1"; fi
 }
 
-stopping=0 signalled=0 hurry=0
+# A stop signal: the first drains (below), the second cuts the requests in progress at once (a
+# Force stop: every process gets SIGTERM, SIGKILL after FORCE_KILL_AFTER_S), the third kills.
+FORCE_KILL_AFTER_S=5
+stopping=0 signalled=0 signals=0 hurry=0
 on_stop_signal() {
-  signalled=1
-  if [ "$stopping" = 1 ]; then  # asked again while stopping: no more waiting
+  signalled=1 stopping=1 signals=$((signals + 1))
+  if [ "$signals" = 2 ] && [ -n "$gun" ]; then
+    echo "launch.sh: asked again: cutting the requests in progress now" >&2
+    "$PY" -m mindie.ops.drain "$MINDIE_RUN_DIR" --drain "$grace" --force --no-wait </dev/null || true
+  elif [ "$signals" -ge 3 ] || { [ "$signals" = 2 ] && [ -z "$gun" ]; }; then
+    echo "launch.sh: asked again: killing every process now" >&2
     hurry=1
     for k in "${kids[@]}"; do kill -KILL -- "-$k" 2>/dev/null || true; done
   fi
-  stopping=1
 }
 trap on_stop_signal TERM INT
 # SIGHUP: new front ends (renewed TLS files, gunicorn settings); the models stay loaded. TLS
@@ -191,6 +242,11 @@ on_reload() {
   fi
 }
 trap on_reload HUP
+if [ "$hup_early" = 1 ]; then on_reload; fi
+if hup_ignored; then
+  echo "launch.sh: SIGHUP is ignored in this process and could not be re-enabled: reload is unavailable" \
+    "(stop and start the server to reload)" >&2
+fi
 
 status=0 reason=""
 while [ "$stopping" = 0 ]; do
@@ -207,20 +263,44 @@ while [ "$stopping" = 0 ]; do
   if [ -n "${dead:-}" ] && [ "$stopping" = 0 ]; then
     if [ "$dead" = "$sup" ]; then what="device-worker supervisor"; else what="gunicorn master"; fi
     reason="the $what (pid $dead) $(describe "$status")"
+    if [ "$dead" = "$sup" ] && [ "$status" = 2 ]; then
+      reason="$reason: a device worker cannot start (its reason is the supervisor's last line above)"
+    fi
     echo "launch.sh: $reason: stopping the server" >&2
     stopping=1
   fi
 done
 
-# Front ends first (they drain, or end their requests with errors once no worker answers; those
-# of a master that died stop on their own, watched here), then the device workers.
-if [ -n "$gun" ]; then
-  stop_child "$gun" "gunicorn master"
-  sweep "$gun" $((grace + 5)) "front ends"
+# A stop asked for (a signal, /stopService) drains first, the listeners still open: new requests
+# get MindIE's 503, the requests in progress run until the drain bound, when the front ends cut
+# what still runs (mindie/drain.py). A component that died stops the rest at once.
+force=0
+if [ "$signalled" = 1 ] && [ -z "$reason" ] && [ -n "$gun" ] && [ "$hurry" = 0 ]; then
+  dflag=(); [ "$signals" -ge 2 ] && dflag=(--force)
+  "$PY" -m mindie.ops.drain "$MINDIE_RUN_DIR" --drain "$grace" "${dflag[@]}" </dev/null &
+  dst=0; wait_job $! || dst=$?
+  [ "$dst" = 3 ] && force=1
 fi
-if [ -n "$sup" ]; then
-  stop_child "$sup" "device-worker supervisor"
-  sweep "$sup" 5 "device workers"
+[ "$signals" -ge 2 ] && force=1
+grace_s=$(( ${grace%%.*} + 1 ))
+if [ "$force" = 1 ] || [ "$hurry" = 1 ]; then
+  # Forced: SIGTERM to every process at once (the front ends cut what still ran), SIGKILL after a bound.
+  for k in "${kids[@]}"; do kill -TERM "$k" 2>/dev/null || true; done
+  for k in "${kids[@]}"; do sweep "$k" "$FORCE_KILL_AFTER_S" "$([ "$k" = "$sup" ] && echo "device workers" || echo "front ends")"; done
+  for k in "${kids[@]}"; do
+    wait "$k" 2>/dev/null || true
+  done
+else
+  # Front ends first (drained, or ending their requests with errors once no worker answers; those of
+  # a master that died stop on their own, watched here), then the device workers.
+  if [ -n "$gun" ]; then
+    stop_child "$gun" "gunicorn master"
+    sweep "$gun" $((grace_s + 10)) "front ends"
+  fi
+  if [ -n "$sup" ]; then
+    stop_child "$sup" "device-worker supervisor"
+    sweep "$sup" 15 "device workers"
+  fi
 fi
 
 if [ "$signalled" = 1 ] && [ -z "$reason" ]; then

@@ -116,24 +116,28 @@ def alive(pid: int) -> bool:
 class Server:
     """scripts/launch.sh running in the background, with its log in a file."""
 
-    def __init__(self, config: Path, port: int, env: dict | None = None, frontends: int | None = 1,
-                 args: list[str] | None = None, tls=None, health_url: str | None = None):
-        """``frontends`` None: as the config says (ServerConfig.frontendCount). ``tls``: the
-        client's ssl.SSLContext for an HTTPS server; ``health_url``: where the management plane
-        answers /health (default: the business port, as write_config merges the planes)."""
+    def __init__(self, config: Path | None, port: int, env: dict | None = None, frontends: int | None = 1,
+                 args: list[str] | None = None, tls=None, health_url: str | None = None,
+                 wrap: list[str] | None = None):
+        """``config`` None: no --config (the built-in defaults). ``frontends`` None: as the config
+        says (ServerConfig.frontendCount). ``tls``: the client's ssl.SSLContext for an HTTPS
+        server; ``health_url``: where the management plane answers /health (default: the business
+        port, as write_config merges the planes); ``wrap``: a command that starts the launcher
+        (``nohup``, ``setsid``, ``unshare ...``)."""
         self.port = port
         self.tls = tls
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         self.health_url = health_url or self.url + "/health"
-        self.log_path = config.parent / f"server-{port}.log"
+        self.log_path = (config.parent if config else Path(tempfile.mkdtemp(prefix="srvlog"))) / f"server-{port}.log"
         self.log = open(self.log_path, "wb")
         e = dict(os.environ)
         e.update(env or {})
         e.setdefault("MINDIE_LOG_LEVEL", "INFO")
         e["PYTHON"] = sys.executable
         self.proc = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(config),
-             *(["--frontends", str(frontends)] if frontends is not None else []), *(args or [])], stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=ROOT)
+            [*(wrap or []), "bash", str(ROOT / "scripts" / "launch.sh"), *(["--config", str(config)] if config else []),
+             *(["--frontends", str(frontends)] if frontends is not None else []), *(args or [])],
+            stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=ROOT)
 
     def wait_ready(self, timeout: float = 90.0) -> float:
         t0 = time.monotonic()
@@ -150,6 +154,15 @@ class Server:
         if not self.log.closed:
             self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def launcher_pid(self) -> int:
+        """The pid of launch.sh itself (under ``unshare --fork`` it is a child of the wrapper)."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if argv[0].endswith(b"bash") and any(a.endswith(b"launch.sh") for a in argv):
+                    return pid
+        raise RuntimeError("no launch.sh process")
 
     def workers(self) -> list[int]:
         """pids of the device-worker processes."""

@@ -431,3 +431,23 @@ def test_sigkilled_frontend_gives_its_slots_back(server):
     for r in final:
         assert_complete(r, 150, True) if r.status == 200 else assert_rejected(r)
     wait_free(server, 2, "slots still held at the end")
+
+
+def test_in_progress_counts_live_front_ends_only(tmp_path):
+    """What a stop waits for (mindie/ops/drain.py): the slots of live owners, read without
+    claiming a record; a dead owner's leftover count is not counted."""
+    from mindie.admission import in_progress
+    assert in_progress(str(tmp_path)) == 0  # no file yet
+    a, b = Admission(str(tmp_path), 10), Admission(str(tmp_path), 10)
+    held = [a.try_acquire(), a.try_acquire(), b.try_acquire()]
+    assert in_progress(str(tmp_path)) == 3
+    held[0].release()
+    assert in_progress(str(tmp_path)) == 2
+    # b "dies" holding its slot: its record still says 1, but its lock is gone.
+    b._w[2 + b.record] = 1
+    b._w.release()
+    b._map.close()  # the map holds its own reference to the open file (and so to the lock)
+    os.close(b._fd)
+    b._fd = -1
+    assert in_progress(str(tmp_path)) == 1
+    assert Admission(str(tmp_path), 10).record >= 0  # reading took no record: a new owner claims one

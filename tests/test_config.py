@@ -140,7 +140,7 @@ JSON_KEYS = {
         "managementTlsCrlPath", "managementTlsCrlFiles", "metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk",
         "metricsTlsPkPwd", "metricsTlsCrlPath",
         "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
-        "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig"},
+        "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig", "drainTimeoutS"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
     "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
                       "workerHost", "workerHosts", "workerPort", "workerCurveKeyDir", "workerInsecureTcp",
@@ -419,8 +419,11 @@ def test_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert c.backend.device_type == "cpu"
     assert c.backend.npu_device_ids == [[0], [1]] and m.world_size == 1  # worldSize follows the ids
     assert loaded.env_overrides["ServerConfig.port"] == "MINDIE_PORT"
-    assert loaded.env_overrides == {key: var for var, key in ENV_OVERRIDES.items() if var in env}
-    assert len(loaded.env_overrides) == 6
+    # MINDIE_PORT moves the other two planes with it (each keeps its offset): they name it too.
+    assert (c.server.management_port, c.server.metrics_port) == (18081, 18082)
+    assert loaded.env_overrides == {**{key: var for var, key in ENV_OVERRIDES.items() if var in env},
+                                    "ServerConfig.managementPort": "MINDIE_PORT", "ServerConfig.metricsPort": "MINDIE_PORT"}
+    assert len(loaded.env_overrides) == 8
 
 
 def test_env_run_dir_relative_to_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

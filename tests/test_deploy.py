@@ -30,7 +30,15 @@ K8S = ROOT / "deploy" / "k8s"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 UNIT = ROOT / "deploy" / "mindie.service"
 PLANE_PORT = {"business": "port", "management": "management_port", "metrics": "metrics_port"}
-LAUNCHER_STOP_MARGIN_S = 10  # launch.sh after SIGTERM: graceful timeout + 5 s + 5 s sweeps
+LAUNCHER_STOP_MARGIN_S = 10  # launch.sh after its drain: the front ends and the workers stop
+CUT_GRACE_S = 3  # after the drain bound: the front ends cut what still runs (mindie/ops/drain.py)
+
+
+def stop_deadline(wait: float, drain: float) -> float:
+    """The stop deadline an orchestrator needs: the drain runs once, whichever comes first
+    (preStop's /stopService or SIGTERM), and ends drainTimeoutS + the cut after it began; preStop
+    returns by ``wait``; then the launcher stops what is left."""
+    return max(wait, drain + CUT_GRACE_S) + LAUNCHER_STOP_MARGIN_S
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -204,8 +212,10 @@ def test_deployment_agrees_with_the_config_and_the_scripts(tmp_path) -> None:
     for i, a in enumerate(cmd):
         if a == "--wait":
             wait = float(cmd[i + 1])
-    grace = float(env.get("MINDIE_GRACEFUL_TIMEOUT", 15))
-    assert pod["terminationGracePeriodSeconds"] >= wait + grace + LAUNCHER_STOP_MARGIN_S, (wait, grace)
+    drain = load_config(str(configmap_config(tmp_path)[0]), env=env).config.server.drain_timeout_s
+    assert drain >= 60, "let long generations finish"
+    assert wait >= drain + CUT_GRACE_S, "preStop waits for the drain to end"
+    assert pod["terminationGracePeriodSeconds"] >= stop_deadline(wait, drain), (wait, drain)
 
 
 def test_services_match_the_planes(tmp_path) -> None:
@@ -269,8 +279,10 @@ def test_systemd_unit_refers_to_existing_scripts() -> None:
     # Exit status 2 is a refused start (config, model, a worker that cannot start): not retried.
     assert svc["RestartPreventExitStatus"] == ["2"]
     wait = float(env.get("MINDIE_PRESTOP_WAIT", probe.DEFAULT_STOP_WAIT_S)) if stops else 0
-    grace = float(env.get("MINDIE_GRACEFUL_TIMEOUT", 15))
-    assert float(svc["TimeoutStopSec"][0]) >= wait + grace + LAUNCHER_STOP_MARGIN_S
+    drain = load_config(None, env={k: v for k, v in env.items() if k != "MIES_CONFIG_JSON_PATH"}
+                        ).config.server.drain_timeout_s  # the unit's MINDIE_GRACEFUL_TIMEOUT
+    assert drain >= 60 and (not stops or wait >= drain + CUT_GRACE_S)
+    assert float(svc["TimeoutStopSec"][0]) >= stop_deadline(wait, drain)
 
 
 # -- Docker ------------------------------------------------------------------------------------------

@@ -141,6 +141,6 @@ def test_each_override_is_read_by_the_config_only(name: str) -> None:
     home = "mindie/runtime/env.py" if name in ENGINE_ENV else "mindie/config.py"
     assert home in read.get(name, []), name
     plumbing = {"MINDIE_RUN_DIR", "MINDIE_FRONTENDS", "MINDIE_PORT", "MINDIE_MODEL_PATH", "MINDIE_HOST",
-                "MINDIE_MODEL_NAME", "MINDIE_DEVICE_TYPE", "MINDIE_NPU_DEVICE_IDS"}
+                "MINDIE_MODEL_NAME", "MINDIE_DEVICE_TYPE", "MINDIE_NPU_DEVICE_IDS", "MINDIE_GRACEFUL_TIMEOUT"}
     if name not in plumbing:  # the engine and kernel settings: the workers get them from the plan
         assert [f for f in read[name] if f.startswith(("workers/", "mindie/")) and f != home] == [], read[name]

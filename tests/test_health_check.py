@@ -302,6 +302,8 @@ def test_the_address_the_launcher_would_bind(tmp_path) -> None:
     t = probe.management_target(str(p), env={})
     assert (t.host, t.port, t.listen_host) == ("127.0.0.1", 2000, "0.0.0.0")  # merged: business address
     t = probe.management_target(str(p), env={"MINDIE_PORT": "2002"})
+    assert (t.host, t.port, t.listen_host) == ("127.0.0.1", 2002, "0.0.0.0")  # -p moves the planes together
+    t = probe.management_target(str(p), env={"MINDIE_PORT": "2002", "MINDIE_MANAGEMENT_PORT": "2000"})
     assert (t.host, t.port) == ("127.0.0.2", 2000)  # business moved away: management on its own
     t = probe.management_target(None, env={})
     assert (t.host, t.port, t.tls) == ("127.0.0.2", 1026, None)  # MindIE's defaults

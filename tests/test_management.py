@@ -312,7 +312,8 @@ def test_timed_health_fails_when_workers_stall(split):
 def test_busy_then_stop_service_drains_16_streams(tmp_path, demo_model):
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       workers=1, schedule={"maxBatchSize": 4, "maxPrefillBatchSize": 4})
+                       workers=1, schedule={"maxBatchSize": 4, "maxPrefillBatchSize": 4},
+                       server={"drainTimeoutS": 300})  # every stream must finish, however slow the machine
     srv = Server(cfg, port, frontends=2)
     try:
         srv.wait_ready(120)

@@ -233,6 +233,9 @@ def test_a_second_server_on_the_same_run_dir_or_port_is_refused(tmp_path, demo_m
     srv, run_dir = _start(tmp_path / "a", demo_model, frontends=1)
     try:
         srv.wait_ready()
+        deadline = time.monotonic() + 30  # the ready line's file comes just after /health says 200
+        while not os.path.exists(os.path.join(run_dir, "ready.announced")) and time.monotonic() < deadline:
+            time.sleep(0.05)
         state = {n: os.stat(os.path.join(run_dir, n)).st_ino for n in os.listdir(run_dir)}
         plan = Path(run_dir, "deployment.json").read_bytes()
         # Same run dir (the default run dir is per port, so also "same port, default run dir").

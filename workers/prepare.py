@@ -65,7 +65,8 @@ def settle_deployment(dep: Deployment) -> Deployment:
         device_type = detect()
         log.info("deviceType auto -> %s", device_type)
     model_dir = first.model_path
-    if not model_dir:
+    demo = not model_dir
+    if demo:
         model_dir = str(ensure_demo_model())
         log.info("no modelWeightPath configured: serving the built-in demo model at %s "
                  "(random weights, its output is gibberish)", model_dir)
@@ -78,7 +79,8 @@ def settle_deployment(dep: Deployment) -> Deployment:
     elif not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} has no "
                          "config.json (a Hugging Face model directory is expected)")
-    return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers])
+    return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers],
+                                   demo_model=demo)
 
 
 WEIGHT_PATH_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath"

@@ -7,12 +7,14 @@ it asks every ready device worker, each ends the requests with that id at once (
 a final frame with ``finish_reason`` "stop_sequence" to the front end that streams it) and says
 how many it ended.
 
-stopService drains the whole server: the flag (mindie/service_state.py) makes every front end
-refuse new inference with 503 "The service has been stopped."; the call returns 200 once no
-inference request is in progress anywhere (admission count and the workers' queues both zero),
-then the launcher is asked to stop every process (SIGTERM, as on a terminal's Ctrl-C). With
-``mode=Force`` it returns at once and the launcher is told to stop now and to kill what is left
-5 s later. A second call gets 500 without a body.
+stopService drains the whole server: the stop order (mindie/service_state.py) makes every front
+end refuse new inference with 503 "The service has been stopped." and cut what still runs
+``ServerConfig.drainTimeoutS`` later (mindie/drain.py); the call returns 200 once no inference
+request is in progress anywhere (admission count and the workers' queues both zero), then the
+launcher is asked to stop every process (SIGTERM, as on a terminal's Ctrl-C; it finds the drain
+done). With ``mode=Force`` the requests in progress are cut at once, the call returns at once, and
+the launcher stops every process (SIGTERM first, SIGKILL for what is left after a bound). A second
+call gets 500 without a body.
 """
 from __future__ import annotations
 
@@ -21,8 +23,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import falcon
@@ -35,7 +35,7 @@ from mindie.api.status import Live
 from mindie.client import DeviceClient
 from mindie.runtime.lifecycle import request_stop
 from mindie.errors import ApiError, not_found, validation_error
-from mindie.service_state import ServiceState
+from mindie.service_state import FORCE, GRACEFUL, ServiceState
 
 log = logging.getLogger("mindie.control")
 
@@ -43,8 +43,8 @@ ID_RE = re.compile(r"^[a-zA-Z0-9_-]{1,256}$")
 ID_MESSAGE = ("The id can contain only digits, letters, underscores(_), hyphens(-) and no more than 256 words "
               "in length.")
 STOP_ANSWER_TIMEOUT_S = 2.0
-FORCE_KILL_AFTER_S = 5
 DRAIN_POLL_S = 0.05
+CUT_GRACE_S = 3.0  # after the drain bound: time for every front end to cut and send the final frames
 
 
 class StopInferResource:
@@ -87,8 +87,8 @@ class StopServiceResource:
         self.drain_timeout_s = drain_timeout_s
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        force = req.get_param("mode") == "Force"
-        if not self.state.stop("Force" if force else "graceful"):
+        force = req.get_param("mode") == FORCE
+        if not self.state.stop(FORCE if force else GRACEFUL, self.drain_timeout_s):
             resp.status = 500  # MindIE: a second stopService
             resp.data = b""
             return
@@ -97,8 +97,8 @@ class StopServiceResource:
         if not force:
             left = await self._drain()
             if left:
-                log.error("/stopService: %d requests still in progress after %.0f s: stopping anyway", left,
-                          self.drain_timeout_s)
+                log.error("/stopService: %d requests still in progress %.0f s after the drain bound (%g s): "
+                          "stopping anyway", left, CUT_GRACE_S, self.drain_timeout_s)
         resp.status = 200
         resp.data = b""
         resp.schedule_sync(lambda: self._stop_server(force))
@@ -111,7 +111,8 @@ class StopServiceResource:
         return max(held, live.running + live.waiting)
 
     async def _drain(self) -> int:
-        deadline = time.monotonic() + self.drain_timeout_s
+        """Wait until nothing is in progress; the front ends cut what still runs at the bound."""
+        deadline = time.monotonic() + self.drain_timeout_s + CUT_GRACE_S
         while (left := self.in_progress()) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         return left
@@ -119,20 +120,10 @@ class StopServiceResource:
     def _stop_server(self, force: bool) -> None:
         try:
             pid = request_stop(self.run_dir)
-            log.warning("/stopService: asked the launcher (pid %d) to stop the server", pid)
+            log.warning("/stopService%s: asked the launcher (pid %d) to stop the server", " (Force)" if force else "",
+                        pid)
         except ProcessLookupError:
             pid = os.getppid()  # no launcher: stop at least this gunicorn master and its front ends
             log.warning("/stopService: no launcher owns %s: SIGTERM to the gunicorn master (pid %d)",
                         self.run_dir, pid)
             os.kill(pid, signal.SIGTERM)
-            return
-        if force:
-            # A second SIGTERM makes the launcher kill what is left; from a process of its own,
-            # since this front end may be gone by then; only to the same launcher, still serving.
-            subprocess.Popen(
-                [sys.executable, "-c", "import os, signal, sys, time; from mindie.runtime.lifecycle import owner_of; "
-                 f"time.sleep({FORCE_KILL_AFTER_S}); "
-                 "owner_of(sys.argv[1]) == int(sys.argv[2]) and os.kill(int(sys.argv[2]), signal.SIGTERM)",
-                 self.run_dir, str(pid)],
-                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, close_fds=True)

@@ -180,6 +180,7 @@ class Deployment(msgspec.Struct, kw_only=True):
 
     run_dir: str
     workers: list[WorkerSpec]
+    demo_model: bool = False  # the built-in demo model (random weights), made by workers.prepare
 
     @property
     def model_dir(self) -> str:

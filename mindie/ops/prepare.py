@@ -89,6 +89,8 @@ def main() -> None:
             "MINDIE_DEPLOYMENT": write_deployment(dep),
             "MINDIE_LISTENERS": write_listeners(listeners, config.server.run_dir),
             "MINDIE_PORT": str(config.server.port),
+            # ServerConfig.drainTimeoutS, for the launcher's drain and gunicorn's stop bounds.
+            "MINDIE_GRACEFUL_TIMEOUT": f"{config.server.drain_timeout_s:g}",
             # maxLinkNum is enforced per request, server-wide, by mindie/admission.py (a JSON 503).
             # uvicorn's limit_concurrency (per front end, connections or requests, a plain-text
             # 503) is only a memory safety net, far above the 10x overload the server must absorb.

@@ -18,8 +18,10 @@ makes (``ENTRIES``; nothing else in it is ever touched):
     admission.slots             server-wide admission (mindie/admission.py; fcntl locks)
     prometheus/                 PROMETHEUS_MULTIPROC_DIR (made by scripts/launch.sh)
     listeners.json[.<pid>.tmp]  the HTTP listeners (mindie/listeners.py)
-    service.stopped             made by /stopService: every front end refuses new inference
-                                (mindie/service_state.py)
+    service.stopped[.<pid>.tmp] the stop order (/stopService, or a stop signal to the launcher): every
+                                front end refuses new inference and cuts what still runs at its
+                                deadline (mindie/service_state.py, mindie/drain.py)
+    ready.announced             made by the front end that logged the ready line (mindie/ready_line.py)
 
 A module that adds a file to the run directory adds its name to ``ENTRIES``.
 
@@ -49,7 +51,7 @@ __all__ = ["ENTRIES", "SERVER_LOCK", "RunDirBusy", "die_with_parent", "expected_
 SERVER_LOCK = "server.lock"
 ENTRIES = (SERVER_LOCK, "deployment.json", "deployment.json.*.tmp", "w*-jobs.ipc", "w*-frames.ipc", "w*.ipc.lock",
            "cores.busy", "admission.slots", "prometheus", "listeners.json", "listeners.json.*.tmp",
-           "service.stopped")
+           "service.stopped", "service.stopped.*.tmp", "ready.announced")
 LAUNCHER_ENV = "MINDIE_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 

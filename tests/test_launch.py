@@ -1,0 +1,175 @@
+"""What an operator sees of scripts/launch.sh (issue 27): ports that move together, reload however
+the server was started, one ready line, a quiet stop. Each test starts the real launch script."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mindie.config import load_config
+from mindie.runtime.lifecycle import leftovers
+from tests.harness import ROOT, Server, alive, descendants, free_port, process_roles, short_run_dir, write_config
+
+LAUNCH = ROOT / "scripts" / "launch.sh"
+
+
+def free_triple() -> int:
+    """A base port P with P, P+1 and P+2 free on 127.0.0.1 and 127.0.0.2."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        try:
+            with contextlib.ExitStack() as st:
+                for host in ("127.0.0.1", "127.0.0.2"):
+                    for p in range(base, base + 3):
+                        s = st.enter_context(socket.socket())
+                        s.bind((host, p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no three free ports in a row")
+
+
+# -- ports ------------------------------------------------------------------------------------------
+def test_help_lists_the_port_flags_and_their_variables():
+    out = subprocess.run(["bash", str(LAUNCH), "--help"], capture_output=True, text=True, check=True).stdout
+    for flag, var in (("-p, --port", "MINDIE_PORT"), ("--management-port", "MINDIE_MANAGEMENT_PORT"),
+                      ("--metrics-port", "MINDIE_METRICS_PORT"), ("--drain-timeout", "MINDIE_GRACEFUL_TIMEOUT")):
+        line = next((ln for ln in out.splitlines() if flag in ln), "")
+        assert var in line, (flag, line)
+    assert "offset" in out  # -p says how it moves the other planes
+
+
+@pytest.mark.parametrize("file,env,want", [
+    ({}, {"MINDIE_PORT": "18025"}, (18025, 18026, 18027)),  # MindIE's defaults, moved together
+    ({"managementPort": 2000, "metricsPort": 2000, "port": 2000}, {"MINDIE_PORT": "3000"}, (3000, 3000, 3000)),
+    ({"port": 2000, "managementPort": 2010, "metricsPort": 1990}, {"MINDIE_PORT": "5000"}, (5000, 5010, 4990)),
+    ({}, {"MINDIE_PORT": "18025", "MINDIE_METRICS_PORT": "9100"}, (18025, 18026, 9100)),
+    ({}, {"MINDIE_MANAGEMENT_PORT": "7001"}, (1025, 7001, 1027)),
+])
+def test_the_port_moves_every_plane_keeping_offsets(tmp_path, file, env, want):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"ServerConfig": file}))
+    s = load_config(str(p), env=env).config.server
+    assert (s.port, s.management_port, s.metrics_port) == want
+
+
+def test_a_moved_plane_out_of_range_names_the_key_and_the_variable():
+    from mindie.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        load_config(None, env={"MINDIE_PORT": "65534"})  # metrics would be 65536
+    assert str(e.value) == "ServerConfig.metricsPort: must be <= 65535, got 65536 (from environment variable MINDIE_PORT)"
+
+
+def test_two_servers_started_with_only_p_run_side_by_side(tmp_path):
+    """The README's case: no config file, two servers, only -p differs."""
+    a, b = free_triple(), None
+    while b is None or abs(b - a) < 3:
+        b = free_triple()
+    servers = [Server(None, base, frontends=1, args=["-p", str(base)], env={"MINDIE_RUN_DIR": ""},
+                      health_url=f"http://127.0.0.2:{base + 1}/health") for base in (a, b)]
+    try:
+        for s in servers:
+            s.wait_ready(180)
+        for s, base in zip(servers, (a, b)):
+            r = httpx.post(f"http://127.0.0.1:{base}/infer_token",
+                           json={"input_id": [1, 2], "parameters": {"max_new_tokens": 2}}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert httpx.get(f"http://127.0.0.2:{base + 2}/metrics", timeout=10).status_code == 200
+            assert f"management http://127.0.0.2:{base + 1}" in s.tail(400)
+    finally:
+        codes = [s.stop() for s in servers]
+    assert codes == [0, 0], [s.tail() for s in servers]
+
+
+# -- reload -----------------------------------------------------------------------------------------
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize("how", ["nohup", "setsid", "pid1"])
+def test_sighup_reloads_the_front_ends_however_the_server_was_started(tmp_path, demo_model, how):
+    """nohup starts the launcher with SIGHUP ignored (bash cannot trap it then), setsid in a session
+    of its own (as systemd does), unshare --pid as PID 1 of a PID namespace (a container)."""
+    if how == "pid1" and not _unshare_works():
+        pytest.skip("unshare --pid is refused here (needs CAP_SYS_ADMIN): no PID namespace to start in")
+    wrap = {"nohup": ["nohup"], "setsid": ["setsid"], "pid1": ["unshare", "--pid", "--fork", "--mount-proc"]}[how]
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), workers=1,
+                       model_path=demo_model)
+    srv = Server(cfg, port, frontends=1, wrap=wrap)
+    try:
+        srv.wait_ready(120)
+        launcher = srv.launcher_pid()
+        before = {p for p, r in process_roles(launcher).items() if r == "frontend"}
+        workers = {p for p, r in process_roles(launcher).items() if r == "worker"}
+        assert before and workers
+        os.kill(launcher, signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = {p for p, r in process_roles(launcher).items() if r == "frontend"}
+            if now and not now & before:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the front ends were not replaced:\n{srv.tail()}")
+        assert {p for p, r in process_roles(launcher).items() if r == "worker"} == workers  # models stay
+        srv.wait_ready(30)
+        r = httpx.post(srv.url + "/infer_token", json={"input_id": [1], "parameters": {"max_new_tokens": 2}},
+                       timeout=30)
+        assert r.status_code == 200
+        log = srv.tail(2000)
+        assert "SIGHUP: reloading the front ends" in log and "reload is unavailable" not in log
+        os.kill(launcher, signal.SIGTERM)
+        srv.proc.wait(60)
+        assert srv.proc.returncode == 0, srv.tail()
+    finally:
+        srv.stop()
+
+
+# -- output -----------------------------------------------------------------------------------------
+def test_one_ready_line_and_a_quiet_stop(tmp_path, demo_model):
+    """Two workers, two front ends: the ready line comes once, after both workers are ready, with
+    every plane's URL; gunicorn's listen line names the planes; a clean stop logs no error."""
+    base = free_triple()
+    run_dir = short_run_dir()
+    cfg = write_config(tmp_path / "config.json", port=base, run_dir=run_dir, workers=2,
+                       model_path=demo_model,
+                       server={"managementPort": base + 1, "metricsPort": base + 2, "managementIpAddress": "127.0.0.1"})
+    srv = Server(cfg, base, frontends=2, health_url=f"http://127.0.0.1:{base + 1}/health")
+    try:
+        srv.wait_ready(120)
+        deadline = time.monotonic() + 30
+        while "mindie-py ready:" not in srv.tail(400) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = descendants(srv.proc.pid)
+    finally:
+        code = srv.stop()
+    log = srv.log_path.read_text()
+    ready = [ln for ln in log.splitlines() if "mindie-py ready:" in ln]
+    assert len(ready) == 1, ready
+    line = ready[0]
+    for want in (f"business http://127.0.0.1:{base}", f"management http://127.0.0.1:{base + 1}",
+                 f"metrics http://127.0.0.1:{base + 2}", "model demo", "2 of 2 device workers ready", "2 front ends"):
+        assert want in line, (want, line)
+    # after both workers said ready
+    assert log.index(line) > max(log.index("worker w0 ready"), log.index("worker w1 ready"))
+    listen = [ln for ln in log.splitlines() if "Listening at:" in ln]
+    assert listen and all(f"http://127.0.0.1:{base}" in ln for ln in listen), listen
+    assert code == 0
+    for noise in ("Error while closing socket", "Traceback", "[ERROR]", " ERROR "):
+        assert noise not in log, noise
+    assert not [p for p in pids if alive(p)]
+    assert leftovers(run_dir) == []
