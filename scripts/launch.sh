@@ -25,8 +25,8 @@ usage() {
 Usage: scripts/launch.sh [options]
 
 Starts the server: one device worker per BackendConfig.npuDeviceIds entry (under a supervisor
-that restarts crashed workers; one that fails to start 3 times in a row stops the server, exit 2) and N gunicorn front ends (falcon.asgi on uvicorn) serving MindIE's
-three planes: business (ServerConfig.ipAddress:port: POST /infer, /infer_token, /v1/tokenizer,
+that restarts crashed workers; one that fails to start 3 times in a row stops the server, exit 2)
+and N gunicorn front ends (falcon.asgi on uvicorn) serving MindIE's three planes: business (ServerConfig.ipAddress:port: POST /infer, /infer_token, /v1/tokenizer,
 /v2/models/{m}/stopInfer, GET /v1/models, /v2, /v2/models/{m}[/config]), management
 (managementIpAddress:managementPort: GET /health, /health/timed-N, /v2/health/live|ready, /info,
 /v1/config, /v1/status, /v2/status, /metrics-json, /stopService, ...) and metrics
