@@ -249,7 +249,8 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path, demo_model, tp):
     last = f"worker w0 failed to start {START_ATTEMPTS} times in a row, the last time: "
     last += f"rank 0: {reason}" if tp else reason
     assert sup_lines[-1].endswith(f"{last}: the server stops (supervisor exit status 2)"), sup_lines[-5:]
-    assert re.search(r"launch\.sh: the device-worker supervisor \(pid \d+\) exited with status 2: stopping the server",
+    assert re.search(r"launch\.sh: the device-worker supervisor \(pid \d+\) exited with status 2: a device worker "
+                     r"cannot start \(its reason is the supervisor.s last line above\): stopping the server",
                      log), log
     assert "(exit status 2)" in log.splitlines()[-1], log
     assert lifecycle.leftovers(run_dir) == [], log
