@@ -118,6 +118,8 @@ KEY_TESTS: dict[str, list[str]] = {
                                    f"{_CFG}::test_frontend_count_from_file_and_environment"],
     "ServerConfig.strictConfig": [f"{_CFG}::test_strict_config_refuses_an_unknown_key_naming_it",
                                   f"{_CFG}::test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config"],
+    "ServerConfig.drainTimeoutS": ["tests/test_stop.py::test_a_stop_drains_then_cuts_every_family_with_a_final_error",
+                                   "tests/test_deploy.py::test_deployment_agrees_with_the_config_and_the_scripts"],
     # -- BackendConfig
     "BackendConfig.npuDeviceIds": _here("test_npu_device_ids_make_one_worker_per_entry",
                                         "test_device_groups_launch_as_tensor_parallel_instances") + [
