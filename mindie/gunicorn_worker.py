@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 import ssl
 import sys
@@ -57,9 +58,31 @@ def http_version_guard(app):
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; httptools itself has no limit
 CONFIRM_S = 0.001  # a receive timeout is acted on after one more poll of the sockets
+TIMEOUT_SPREAD = 0.1  # a receive timeout acts between its value and 10 % later, at random
 
 
 _DEFAULTS = ServerConfig()
+
+
+class _EveryFew:
+    """A log line at most every ``period`` seconds, telling how many were left out: 500 slow
+    connections cut at once (an attack) log one line, not 500 (each costs the loop time)."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.last = float("-inf")
+        self.skipped = 0
+
+    def due(self, now: float) -> int | None:
+        """None: stay quiet; else log now, saying how many were left out since the last line."""
+        if now - self.last < self.period:
+            self.skipped += 1
+            return None
+        self.last, skipped, self.skipped = now, self.skipped, 0
+        return skipped
+
+
+_CUT_LOG = _EveryFew(10.0)  # receive timeouts
 
 
 @dataclass(frozen=True)
@@ -106,7 +129,8 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     def _arm(self, seconds: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self.loop.call_later(seconds, self._receive_timeout)
+        # Spread: connections opened together (an attack) are not all cut in the same instant.
+        self._timer = self.loop.call_later(seconds * (1.0 + TIMEOUT_SPREAD * random.random()), self._receive_timeout)
         self._due = False
 
     def _disarm(self) -> None:
@@ -152,7 +176,11 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         msg = f"The request {what} was not received within {seconds:g} s."
         if cycle is not None:  # its app is reading the body: it learns why the body ended
             cycle.scope.setdefault("extensions", {})[RECEIVE_TIMEOUT_KEY] = msg
-        self.logger.info("%s: %s Answered 408.", "%s:%d" % self.client if self.client else "client", msg)
+        who = "%s:%d" % self.client if self.client else "a client"
+        if (more := _CUT_LOG.due(self.loop.time())) is not None:
+            self.logger.info("%s: %s Answered 408%s.", who, msg,
+                             f" ({more} other connections cut for the same kind of reason since the last such "
+                             f"line)" if more else "")
         self._send_error(408, b"Request Timeout", msg)
 
     # -- parser callbacks ----------------------------------------------------------------------
