@@ -101,6 +101,26 @@ def start_server(args, model: str) -> tuple[subprocess.Popen, Path, float]:
     sys.exit(f"server not ready in 120 s; log: {tmp / 'server.log'}")
 
 
+def frontend_cpu_s(launcher: int) -> float:
+    """CPU seconds (user + system) used so far by the server's front ends: the gunicorn
+    processes below the launcher whose parent is the gunicorn master."""
+    procs: dict[int, tuple[int, bytes, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        procs[int(entry)] = (int(fields[1]), cmd, (int(fields[11]) + int(fields[12])) / tick)
+    masters = {p for p, (ppid, cmd, _) in procs.items() if ppid == launcher and b"gunicorn" in cmd}
+    return sum(cpu for p, (ppid, cmd, cpu) in procs.items() if ppid in masters and b"gunicorn" in cmd)
+
+
 # -- normal clients ------------------------------------------------------------------------------
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
     """(status, body, connection: close) of one response with a Content-Length."""
@@ -270,9 +290,13 @@ async def measure(args, label: str, st: Slow | None) -> tuple[list[float], list[
     return lat, errors
 
 
-def segment(args, attack: bool, label: str) -> tuple[list[float], list[str], Slow | None]:
+def segment(args, attack: bool, label: str) -> tuple[list[float], list[str], Slow | None, float]:
+    """The normal clients' latencies and errors, the attack's counters, and the front ends' CPU
+    use (cores) while the normal clients ran."""
     if not attack:
-        return (*asyncio.run(measure(args, label, None)), None)
+        cpu0 = frontend_cpu_s(args.launcher)
+        lat, errors = asyncio.run(measure(args, label, None))
+        return lat, errors, None, (frontend_cpu_s(args.launcher) - cpu0) / args.segment_s
     ctx = multiprocessing.get_context("fork")
     st, stop = Slow(ctx), ctx.Event()
     proc = ctx.Process(target=attacker, args=(args.port, args.kind, args.gap_s, args.connections, st, stop),
@@ -284,18 +308,21 @@ def segment(args, attack: bool, label: str) -> tuple[list[float], list[str], Slo
             time.sleep(0.05)
         print(f"  [{label}] {st.open_now.value} slow connections open after {time.monotonic() - t0:.1f} s",
               file=sys.stderr, flush=True)
+        cpu0 = frontend_cpu_s(args.launcher)
         lat, errors = asyncio.run(measure(args, label, st))
+        cpu = (frontend_cpu_s(args.launcher) - cpu0) / args.segment_s
     finally:
         stop.set()
         proc.join(15)
         if proc.is_alive():
             proc.kill()
-    return lat, errors, st
+    return lat, errors, st, cpu
 
 
-def report(label: str, lat: list[float], errors: list[str], st: Slow | None, segment_s: float) -> None:
+def report(label: str, lat: list[float], errors: list[str], st: Slow | None, segment_s: float, cpu: float) -> None:
     print(f"  {label:8s} {len(lat):6d} requests ({len(lat) / segment_s:6.1f}/s), errors {len(errors)}; "
-          f"latency p50 {pct(lat, 50):6.1f} ms, p99 {pct(lat, 99):6.1f} ms, max {max(lat, default=float('nan')):6.1f} ms")
+          f"latency p50 {pct(lat, 50):6.1f} ms, p99 {pct(lat, 99):6.1f} ms, max {max(lat, default=float('nan')):6.1f} ms; "
+          f"front-end CPU {cpu * 100:5.1f} % of a core")
     if errors:
         print(f"           first error: {errors[0]}")
     if st is not None:
@@ -333,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     from mindie_bench.lab import demo_model
     model = demo_model()  # tokenizer and vocabulary only: the null model computes nothing
     server, run_dir, ready_s = start_server(args, model)
+    args.launcher = server.pid
     print(f"CPU: {cpu_model()} ({os.cpu_count()} CPUs); server: {args.frontends} front end(s), null model "
           f"{args.null_step_ms} ms/step, headTimeoutS {args.head_timeout_s:g}, bodyTimeoutS {args.body_timeout_s:g}; "
           f"ready in {ready_s:.1f} s")
@@ -342,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.segment_s:g} s")
     base_all: list[float] = []
     attack_all: list[float] = []
+    cpu_base: list[float] = []
+    cpu_attack: list[float] = []
     failed: list[str] = []
     timeout = args.head_timeout_s if args.kind in ("head", "idle") else args.body_timeout_s
     try:
@@ -350,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             for attack in (False, True):
                 label = "attack" if attack else "baseline"
                 print(f"  [{label}] round {rnd} starts", file=sys.stderr, flush=True)
-                lat, errors, st = segment(args, attack, label)
-                report(label, lat, errors, st, args.segment_s)
+                lat, errors, st, cpu = segment(args, attack, label)
+                report(label, lat, errors, st, args.segment_s, cpu)
+                (cpu_attack if attack else cpu_base).append(cpu)
                 (attack_all if attack else base_all).extend(lat)
                 if errors:
                     failed.append(f"round {rnd} {label}: {len(errors)} normal requests failed")
@@ -376,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nnormal clients, all rounds: baseline p50 {pct(base_all, 50):.1f} ms, p99 {b99:.1f} ms "
           f"({len(base_all)} requests); under attack p50 {pct(attack_all, 50):.1f} ms, p99 {a99:.1f} ms "
           f"({len(attack_all)} requests)")
+    if cpu_base and cpu_attack:
+        print(f"front-end CPU: {sum(cpu_base) / len(cpu_base) * 100:.1f} % of a core in the baselines, "
+              f"{sum(cpu_attack) / len(cpu_attack) * 100:.1f} % under attack")
     verdict = "PASS" if ratio <= args.max_ratio and not failed else "FAIL"
     print(f"p99 under attack / baseline: {ratio:.3f} (limit {args.max_ratio:g}): {verdict}")
     for f in failed:
