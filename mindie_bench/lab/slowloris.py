@@ -200,6 +200,12 @@ def slow_start(kind: str) -> tuple[bytes, bytes]:
 
 async def slow_connection(port: int, kind: str, gap: float, st: Slow) -> None:
     first, drip = slow_start(kind)
+
+    async def dripping(writer: asyncio.StreamWriter) -> None:
+        while True:  # a timer per gap: the load generator itself stays light
+            await asyncio.sleep(gap)
+            writer.write(drip)
+
     while True:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -211,18 +217,11 @@ async def slow_connection(port: int, kind: str, gap: float, st: Slow) -> None:
         st.add(st.open_now)
         t0 = time.monotonic()
         got = b""
+        dripper = asyncio.create_task(dripping(writer)) if drip else None
         try:
             if first:
                 writer.write(first)
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(reader.read(65536), gap)
-                except asyncio.TimeoutError:
-                    if drip:
-                        writer.write(drip)
-                    continue
-                if not chunk:  # the server closed it
-                    break
+            while chunk := await reader.read(65536):  # until the server closes it
                 got += chunk
             if got.startswith(b"HTTP/1.1 408 "):
                 st.add(st.cut_408)
@@ -236,6 +235,9 @@ async def slow_connection(port: int, kind: str, gap: float, st: Slow) -> None:
             st.add(st.open_now, -1)
             writer.close()
             raise
+        finally:
+            if dripper is not None:
+                dripper.cancel()
         held = time.monotonic() - t0
         with st.max_held.get_lock():
             st.max_held.value = max(st.max_held.value, held)
@@ -253,7 +255,16 @@ def attacker(port: int, kind: str, gap: float, n: int, st: Slow, stop) -> None:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    asyncio.run(run())
+    run_loop(run())
+
+
+def run_loop(coro):
+    """asyncio.run with uvloop where installed (as the server's front ends use)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 # -- segments ------------------------------------------------------------------------------------
@@ -295,7 +306,7 @@ def segment(args, attack: bool, label: str) -> tuple[list[float], list[str], Slo
     use (cores) while the normal clients ran."""
     if not attack:
         cpu0 = frontend_cpu_s(args.launcher)
-        lat, errors = asyncio.run(measure(args, label, None))
+        lat, errors = run_loop(measure(args, label, None))
         return lat, errors, None, (frontend_cpu_s(args.launcher) - cpu0) / args.segment_s
     ctx = multiprocessing.get_context("fork")
     st, stop = Slow(ctx), ctx.Event()
@@ -309,7 +320,7 @@ def segment(args, attack: bool, label: str) -> tuple[list[float], list[str], Slo
         print(f"  [{label}] {st.open_now.value} slow connections open after {time.monotonic() - t0:.1f} s",
               file=sys.stderr, flush=True)
         cpu0 = frontend_cpu_s(args.launcher)
-        lat, errors = asyncio.run(measure(args, label, st))
+        lat, errors = run_loop(measure(args, label, st))
         cpu = (frontend_cpu_s(args.launcher) - cpu0) / args.segment_s
     finally:
         stop.set()
