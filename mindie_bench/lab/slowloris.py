@@ -332,8 +332,8 @@ def segment(args, attack: bool, label: str) -> tuple[list[float], list[str], Slo
 
 def report(label: str, lat: list[float], errors: list[str], st: Slow | None, segment_s: float, cpu: float) -> None:
     print(f"  {label:8s} {len(lat):6d} requests ({len(lat) / segment_s:6.1f}/s), errors {len(errors)}; "
-          f"latency p50 {pct(lat, 50):6.1f} ms, p99 {pct(lat, 99):6.1f} ms, max {max(lat, default=float('nan')):6.1f} ms; "
-          f"front-end CPU {cpu * 100:5.1f} % of a core")
+          f"latency p50 {pct(lat, 50):6.1f} ms, p99 {pct(lat, 99):6.1f} ms, "
+          f"max {max(lat, default=float('nan')):6.1f} ms; front-end CPU {cpu * 100:5.1f} % of a core")
     if errors:
         print(f"           first error: {errors[0]}")
     if st is not None:
