@@ -40,6 +40,8 @@ MAX_TOKEN_LEN = 4194304
 MAX_TOKEN_TIMEOUT_S = 3600
 MAX_E2E_TIMEOUT_S = 65535
 DEFAULT_DRAIN_TIMEOUT_S = 20.0
+MIN_RECEIVE_TIMEOUT_S = 0.5  # headTimeoutS / bodyTimeoutS
+MAX_RECEIVE_TIMEOUT_S = 3600.0
 CACHE_BLOCK_MAX = 1024  # project: MindIE allows [1,128]; any multiple of 16 up to 1024 here
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error", "critical", "fatal")
 _ZERO_IPS = ("0.0.0.0", "::")
@@ -110,6 +112,12 @@ class ServerConfig(_Section):
     token_timeout: Annotated[int, Meta(ge=1, le=MAX_TOKEN_TIMEOUT_S)] = 600
     e2e_timeout: Annotated[int, Meta(ge=1, le=MAX_E2E_TIMEOUT_S)] = 600
     max_request_length: Annotated[int, Meta(ge=1, le=100)] = 40  # MB
+    # Project extensions (MindIE has no key: its HTTP server reads with a 60 s socket timeout):
+    # the whole request head must arrive within head_timeout_s of the connection opening (or of
+    # the next request's first byte on a kept-alive connection), its body within body_timeout_s
+    # of the head; past either the front end answers 408 and closes (mindie/gunicorn_worker.py).
+    head_timeout_s: Annotated[float, Meta(ge=MIN_RECEIVE_TIMEOUT_S, le=MAX_RECEIVE_TIMEOUT_S)] = 10.0
+    body_timeout_s: Annotated[float, Meta(ge=MIN_RECEIVE_TIMEOUT_S, le=MAX_RECEIVE_TIMEOUT_S)] = 60.0
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig, name="HealthCheckConfig")
     # Project extensions.
     watermark_gamma: Annotated[float, Meta(gt=0.0, lt=1.0)] = 0.5  # green-list fraction (TGI default)
@@ -275,6 +283,8 @@ ENV_OVERRIDES: dict[str, str] = {
     "MINDIE_RUN_DIR": "ServerConfig.runDir",
     "MINDIE_FRONTENDS": "ServerConfig.frontendCount",
     "MINDIE_STRICT_CONFIG": "ServerConfig.strictConfig",  # launch.sh --strict-config
+    "MINDIE_HEAD_TIMEOUT_S": "ServerConfig.headTimeoutS",
+    "MINDIE_BODY_TIMEOUT_S": "ServerConfig.bodyTimeoutS",
     "MINDIE_MODEL_PATH": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath",
     "MINDIE_MODEL_NAME": "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName",
     "MINDIE_DEVICE_TYPE": "BackendConfig.deviceType",
@@ -318,6 +328,15 @@ def _parse_device_ids(text: str) -> list[list[int]]:
                           _DEVICE_IDS_KEY, env="MINDIE_NPU_DEVICE_IDS") from None
 
 
+def _seconds(text: str) -> Any:
+    """A number of seconds from an environment variable; anything else stays a string, so that
+    validation reports it naming the variable."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
     """Apply the overrides that are set (empty = unset); returns {dotted key: env var}."""
     applied: dict[str, str] = {}
@@ -345,6 +364,9 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
     if (v := get.get("MINDIE_STRICT_CONFIG")):
         put("MINDIE_STRICT_CONFIG", server, "strictConfig", {"1": True, "true": True, "0": False, "false": False}
             .get(v.lower(), v))
+    for name, key in (("MINDIE_HEAD_TIMEOUT_S", "headTimeoutS"), ("MINDIE_BODY_TIMEOUT_S", "bodyTimeoutS")):
+        if (v := get.get(name)):
+            put(name, server, key, _seconds(v))
     if (v := get.get("MINDIE_RUN_DIR")):
         put("MINDIE_RUN_DIR", server, "runDir", os.path.abspath(os.path.expanduser(v)))
     if (v := get.get("MINDIE_DEVICE_TYPE")):

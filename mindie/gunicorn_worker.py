@@ -2,18 +2,22 @@
 graceful-shutdown bound so SIGTERM cannot hang on open SSE streams (UvicornWorker does not
 forward gunicorn's graceful_timeout). A front end stops when its master dies, even by SIGKILL
 (uvicorn workers never notice it on their own). Each listening socket (one per plane, see
-mindie/listeners.py) gets its plane's TLS context, built from the files at boot."""
+mindie/listeners.py) gets its plane's TLS context, built from the files at boot; an HTTPS
+socket answers plain HTTP with a 400 (mindie/http_conn.py). Requests must arrive within
+ServerConfig.headTimeoutS / bodyTimeoutS (408), read from the config at boot as the app does."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import ssl
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from gunicorn.arbiter import Arbiter
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -21,8 +25,9 @@ from uvicorn.server import STARTUP_FAILURE, Server
 from uvicorn_worker import UvicornWorker
 
 from mindie.runtime.lifecycle import die_with_parent
+from mindie.config import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_DEFAULT, ServerConfig, load_config
 from mindie.errors import ApiError
-from mindie.config import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_DEFAULT
+from mindie.http_conn import RECEIVE_TIMEOUT_KEY, TlsSniffingServer, error_answer, linger_close
 from mindie.service_state import STOPPING
 from mindie.listeners import read_listeners
 from mindie.tls import server_context
@@ -53,23 +58,140 @@ def http_version_guard(app):
 
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; httptools itself has no limit
+CONFIRM_S = 0.001  # a receive timeout is acted on after one more poll of the sockets
+TIMEOUT_SPREAD = 0.1  # a receive timeout acts between its value and 10 % later, at random
+
+
+_DEFAULTS = ServerConfig()
+
+
+class _EveryFew:
+    """A log line at most every ``period`` seconds, telling how many were left out: 500 slow
+    connections cut at once (an attack) log one line, not 500 (each costs the loop time)."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.last = float("-inf")
+        self.skipped = 0
+
+    def due(self, now: float) -> int | None:
+        """None: stay quiet; else log now, saying how many were left out since the last line."""
+        if now - self.last < self.period:
+            self.skipped += 1
+            return None
+        self.last, skipped, self.skipped = now, self.skipped, 0
+        return skipped
+
+
+_CUT_LOG = _EveryFew(10.0)  # receive timeouts
+
+
+@dataclass(frozen=True)
+class ReceiveTimeouts:
+    """How long a connection may take to send a request (``ServerConfig.headTimeoutS`` and
+    ``bodyTimeoutS``): the whole head from the connection's opening, or from the first byte of
+    the next request on a kept-alive connection; the whole body from the end of the head."""
+
+    head_s: float = _DEFAULTS.head_timeout_s
+    body_s: float = _DEFAULTS.body_timeout_s
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> "ReceiveTimeouts":
+        return cls(server.head_timeout_s, server.body_timeout_s)
 
 
 class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with its 400 for an unparsable request (bad framing, bad
     Content-Length or chunk, NUL/CR/LF in the wrong place, invalid method or target) as JSON,
-    a bound on the request head (httptools buffers a header line of any length): 431, and a
-    lost connection seen by every request on it, not only the last one parsed."""
+    a bound on the request head (httptools buffers a header line of any length): 431, receive
+    timeouts for the head and the body (408), error answers that reach a client still sending
+    (lingering close, mindie/http_conn.py), and a lost connection seen by every request on it,
+    not only the last one parsed."""
 
     _head = -1  # bytes of the unfinished head of the current request (-1: not in a head)
     _heads = 0  # requests begun on this connection
     _head_too_large = False
     _cycles: tuple = ()  # requests of this connection whose answer is not complete
+    _phase = ""  # what the client is sending: "head", "body", or "" (no request begun)
+    _timer: asyncio.TimerHandle | None = None  # the receive timeout of the head or body
+    _answered = False  # the connection wrote its own last answer (an error) and is lingering
+    _discard = False  # a request came too slowly while an answer was being sent: ignore the rest
+    _due = False  # the receive timeout fired: confirmed on the next turn of the loop
 
+    def __init__(self, *args, timeouts: ReceiveTimeouts = ReceiveTimeouts(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timeouts = timeouts
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm(self.timeouts.head_s)  # the first head, from the opening (nothing sent: closed)
+
+    # -- receive timeouts ----------------------------------------------------------------------
+    def _arm(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        # Spread: connections opened together (an attack) are not all cut in the same instant.
+        self._timer = self.loop.call_later(seconds * (1.0 + TIMEOUT_SPREAD * random.random()), self._receive_timeout)
+        self._due = False
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _receive_timeout(self) -> None:
+        self._timer = None
+        if self._answered or self.transport.is_closing():
+            return
+        if not self._due:
+            # Due; decided one turn of the loop later, after it has read what already waits in the
+            # socket (libuv runs timers before it polls): a front end that was itself held up past
+            # the timeout does not blame a client whose bytes are there. What completes the head
+            # or body meanwhile re-arms or disarms, which cancels this.
+            self._timer = self.loop.call_later(CONFIRM_S, self._receive_timeout)
+            self._due = True
+            return
+        phase, cycle = self._phase, self.cycle
+        if self.flow.read_paused:
+            # The server stopped reading (the app has not taken the body buffered so far, or a
+            # pipelined request waits for the one before): not the client's delay.
+            self._arm(self.timeouts.body_s if phase == "body" else self.timeouts.head_s)
+            return
+        if phase == "body" and cycle is not None and not cycle.response_started:
+            self._timed_out("body", self.timeouts.body_s, cycle)
+        elif cycle is not None and not cycle.response_complete:
+            # An answer is on its way (to this request, or to the one before a head that is late):
+            # it is sent in full, then the connection closes; what else comes is not read.
+            cycle.keep_alive = False
+            self._discard = True
+        elif phase == "head":
+            self._timed_out("head", self.timeouts.head_s, None)
+        elif phase == "body":  # answered without its body, which still does not come
+            self._end()
+        else:  # no request begun (nothing sent, or only blank lines): closed without an answer,
+            # as uvicorn's keep-alive timeout does; a 408 would be read as the answer to the
+            # request such a client (a connection pool) sends next.
+            self.transport.close()
+
+    def _timed_out(self, what: str, seconds: float, cycle) -> None:
+        msg = f"The request {what} was not received within {seconds:g} s."
+        if cycle is not None:  # its app is reading the body: it learns why the body ended
+            cycle.scope.setdefault("extensions", {})[RECEIVE_TIMEOUT_KEY] = msg
+        who = "%s:%d" % self.client if self.client else "a client"
+        if (more := _CUT_LOG.due(self.loop.time())) is not None:
+            self.logger.info("%s: %s Answered 408%s.", who, msg,
+                             f" ({more} other connections cut for the same kind of reason since the last such "
+                             f"line)" if more else "")
+        self._send_error(408, b"Request Timeout", msg)
+
+    # -- parser callbacks ----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head = 0
         self._heads += 1
+        self._phase = "head"
+        if self._timer is None:
+            self._arm(self.timeouts.head_s)
 
     def on_headers_complete(self) -> None:
         self._head = -1
@@ -79,8 +201,16 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None and self.cycle not in self._cycles:
             self._cycles = (*(c for c in self._cycles if not c.response_complete), self.cycle)
+        self._phase = "body"
+        self._arm(self.timeouts.body_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._phase = ""
+        self._disarm()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
         # uvicorn marks only self.cycle (the last request parsed): with pipelined requests the one
         # running went on generating for nobody, then wrote to the closed transport (a traceback).
         for cycle in self._cycles:
@@ -90,12 +220,17 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._discard or self._answered:
+            return
+        if self._phase == "" and self._timer is None:
+            self._arm(self.timeouts.head_s)  # the next request's first byte: its head's clock
         in_head, heads = self._head >= 0, self._heads
         super().data_received(data)
         # A head still unfinished: only chunks wholly inside it count (the first may hold the
         # previous request's tail), so it may overshoot the limit by one read before the 431,
         # never grow without bound. A finished head is measured exactly (on_headers_complete).
-        if in_head and self._head >= 0 and self._heads == heads and not self.transport.is_closing():
+        if (in_head and self._head >= 0 and self._heads == heads and not self._answered
+                and not self.transport.is_closing()):
             self._head += len(data)
             if self._head > MAX_HEAD_BYTES:
                 self._head_too_large = True
@@ -110,13 +245,29 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
             self._send_error(400, b"Bad Request", msg)
 
     def _send_error(self, status: int, reason: bytes, msg: str) -> None:
-        body = ApiError(status, msg, reason.decode()).body()
-        head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
-        head += [b"%s: %s\r\n" % kv for kv in self.server_state.default_headers]
-        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-                    % len(body))
-        self.transport.write(b"".join(head) + body)
-        self.transport.close()
+        """The connection's last answer, then a lingering close (a client still sending reads it)."""
+        self._end(error_answer(status, reason.decode(), msg, self.server_state.default_headers))
+
+    def _end(self, answer: bytes = b"") -> None:
+        """End the connection with ``answer`` (if any) and a lingering close."""
+        if self._answered or self.transport.is_closing():
+            return
+        self._answered = True
+        self._disarm()
+        # The requests still due on this connection end here: their apps are told the client is
+        # gone and write nothing more, not even a "100 Continue" (the transport is not closing
+        # while it lingers, so uvicorn would write); an answer half sent is not followed by this one.
+        writing = False
+        for cycle in self._cycles:
+            if not cycle.response_complete:
+                writing = writing or cycle.response_started
+                cycle.disconnected = True
+                cycle.waiting_for_100_continue = False
+                cycle.message_event.set()
+        self.pipeline.clear()
+        if answer and not writing:
+            self.transport.write(answer)
+        linger_close(self.transport, self.connection_lost)
 
     def _unsupported_upgrade_warning(self) -> None:
         pass  # Upgrade headers are ignored on purpose (ws "none"); uvicorn would log two warnings
@@ -124,11 +275,14 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
 class PlaneServer(Server):
     """uvicorn's Server with one TLS context per listening socket (uvicorn hands the same
-    ``config.ssl`` to every socket; the planes have their own certificates)."""
+    ``config.ssl`` to every socket; the planes have their own certificates), HTTPS sockets
+    served by ``TlsSniffingServer`` (plain HTTP on them gets a 400), and the receive timeouts
+    given to every connection's protocol."""
 
-    def __init__(self, config, tls_by_port: dict[int, ssl.SSLContext]):
+    def __init__(self, config, tls_by_port: dict[int, ssl.SSLContext], timeouts: ReceiveTimeouts = ReceiveTimeouts()):
         super().__init__(config)
         self.tls_by_port = tls_by_port
+        self.timeouts = timeouts
 
     def handle_exit(self, sig, frame) -> None:
         STOPPING.set()  # a startup still waiting for a worker gives up (mindie/frontend.py)
@@ -141,21 +295,23 @@ class PlaneServer(Server):
         if self.lifespan.should_exit:
             sys.exit(STARTUP_FAILURE)
         config = self.config
+        timeouts = self.timeouts
 
         def create_protocol(_loop=None):
             return config.http_protocol_class(config=config, server_state=self.server_state,
-                                              app_state=self.lifespan.state, _loop=_loop)
+                                              app_state=self.lifespan.state, _loop=_loop, timeouts=timeouts)
 
         loop = asyncio.get_running_loop()
         self.servers = []
         for sock in sockets:
             tls = self.tls_by_port.get(sock.getsockname()[1])
-            # The loop owns and closes what it is given; gunicorn closes its own socket objects
-            # too (an "[Errno 9] Bad file descriptor" line per plane at every stop): give it a copy.
-            own = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
-            self.servers.append(await loop.create_server(
-                create_protocol, sock=own, ssl=tls, backlog=config.backlog,
-                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S if tls else None))
+            if tls is None:
+                # The loop owns and closes what it is given; gunicorn closes its own socket objects
+                # too (an "[Errno 9] Bad file descriptor" line per plane at every stop): a copy.
+                own = socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
+                self.servers.append(await loop.create_server(create_protocol, sock=own, backlog=config.backlog))
+            else:
+                self.servers.append(TlsSniffingServer(sock, create_protocol, tls, TLS_HANDSHAKE_TIMEOUT_S))
         self.started = True
 
 
@@ -183,8 +339,11 @@ class FrontEndWorker(UvicornWorker):
         # Certificates are read here, at every boot: a SIGHUP (new front ends) loads renewed files.
         tls_by_port = {li.port: server_context(li.tls) for li in read_listeners(os.environ["MINDIE_LISTENERS"])
                        if li.tls is not None}
+        # The receive timeouts, from the config as the app read it (mindie/frontend.py): a SIGHUP
+        # (new front ends) applies a changed value.
+        timeouts = ReceiveTimeouts.of(load_config().config.server)
         self.config.app = self.wsgi
-        server = PlaneServer(self.config, tls_by_port)
+        server = PlaneServer(self.config, tls_by_port, timeouts)
         self._install_sigquit_handler()
         await server.serve(sockets=self.sockets)
         if not server.started:

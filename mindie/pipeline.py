@@ -46,6 +46,7 @@ from mindie.contract.errors import FINISH_EOS, FINISH_STOP, FINISH_STOP_TOKEN
 from mindie.detokenizer import TextTokenizer
 from mindie.errors import ApiError, request_too_large
 from mindie.generation import Deadline, Generation, Piece
+from mindie.http_conn import RECEIVE_TIMEOUT_KEY
 from mindie.metrics import Metrics
 from mindie.request_log import RequestRecord
 from mindie.service_state import STOPPED_MESSAGE, ServiceState
@@ -233,7 +234,9 @@ async def read_body(req: falcon.asgi.Request, max_mb: int) -> bytes:
 
     A body shorter than its Content-Length (the client hung up, and Falcon's stream just ends;
     or httptools stopped at an Upgrade header) is refused with 400 rather than parsed: its
-    prefix may be valid JSON.
+    prefix may be valid JSON. A body that stopped at ``ServerConfig.bodyTimeoutS`` (the
+    connection answered 408 and closed: mindie/gunicorn_worker.py) is refused with that 408,
+    so that it is logged and counted as what it was, and its admission slot given back.
     """
     limit = max_mb * 1024 * 1024
     expected = req.content_length
@@ -246,6 +249,9 @@ async def read_body(req: falcon.asgi.Request, max_mb: int) -> bytes:
         if size > limit:
             raise request_too_large(max_mb)
         chunks.append(chunk)
+    timed_out = ((getattr(req, "scope", None) or {}).get("extensions") or {}).get(RECEIVE_TIMEOUT_KEY)
+    if timed_out:
+        raise ApiError(408, timed_out, "Request Timeout")
     if expected is not None and size < expected:
         raise ApiError(400, f"The request body ended after {size} of its {expected} bytes.")
     return b"".join(chunks)

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from tests.harness import Server, alive, children_of, free_port, short_run_dir, 
 pytestmark = pytest.mark.timeout(300)
 
 LIMIT = 8
+BODY_TIMEOUT_S = 2.0  # ServerConfig.bodyTimeoutS of the server below
 FRAME_RE = re.compile(rb"data: (\{.*?\})\n\n", re.S)
 
 
@@ -142,7 +144,7 @@ def server(tmp_path_factory, demo_model):
     port = free_port()
     run_dir = short_run_dir()
     cfg = write_config(tmp / "config.json", port=port, run_dir=run_dir, model_path=demo_model, workers=1,
-                       server={"maxLinkNum": LIMIT})
+                       server={"maxLinkNum": LIMIT, "bodyTimeoutS": BODY_TIMEOUT_S})
     srv = Server(cfg, port, frontends=2, args=["--null-model", "--null-step-ms", "10"])
     srv.run_dir = run_dir
     try:
@@ -376,6 +378,49 @@ def test_errors_disconnects_and_early_closes_give_slots_back(server):
     t_streams, t_plain, burst = asyncio.run(main())
     print(f"slots back {t_streams:.2f} s after stream closes, {t_plain:.2f} s after non-stream hang-ups")
     assert sum(r.status == 200 for r in burst) == LIMIT
+
+
+def test_slow_bodies_give_their_slots_back_at_the_body_timeout(server):
+    """LIMIT clients that send a head and the first bytes of a body, then nothing, hold every slot
+    (a request is admitted before its body is read) and lock everyone else out; at bodyTimeoutS
+    each is answered 408 and closed, its slot given back, and the next requests are admitted."""
+    head = b"POST /infer_token HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    slow = []
+    try:
+        t0 = time.monotonic()
+        for _ in range(LIMIT):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=BODY_TIMEOUT_S + 10)
+            s.sendall(head + b'{"input_id": [5, 6')  # the first bytes: the request reaches admission
+            slow.append(s)
+        while in_use(server) < LIMIT:
+            assert time.monotonic() - t0 < BODY_TIMEOUT_S - 0.5, snapshot(server.run_dir)
+            time.sleep(0.02)
+        with httpx.Client(base_url=server.url, timeout=10) as c:  # locked out meanwhile
+            r = c.post("/infer_token", content=json.dumps(body(5, stream=False)))
+            assert_rejected(Result(0, r.status_code, 0, r.content, r.headers.get("content-type", "")))
+        for s in slow:
+            got = b""
+            while chunk := s.recv(65536):  # a timeout here: the slot and the connection are held still
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), got
+            assert got.endswith(b'\r\n\r\n{"error":"The request body was not received within 2 s.",'
+                                b'"error_type":"Request Timeout"}'), got
+        took = time.monotonic() - t0
+        assert BODY_TIMEOUT_S - 0.5 < took < BODY_TIMEOUT_S + 3, took
+    finally:
+        for s in slow:
+            s.close()
+    wait_free(server, 2, "slow bodies kept their slots past the body timeout")
+
+    async def burst():
+        async with client(server, 2 * LIMIT) as c:
+            return await asyncio.gather(*(send(c, i, body(100)) for i in range(2 * LIMIT)))
+
+    results = asyncio.run(burst())
+    assert sum(r.status == 200 for r in results) == LIMIT, [r.status for r in results]
+    for r in results:
+        assert_complete(r, 100, True) if r.status == 200 else assert_rejected(r)
+    wait_free(server, 2, "slots still held after the burst")
 
 
 def frontend_pids(srv: Server) -> list[int]:

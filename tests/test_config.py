@@ -140,7 +140,8 @@ JSON_KEYS = {
         "managementTlsCrlPath", "managementTlsCrlFiles", "metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk",
         "metricsTlsPkPwd", "metricsTlsCrlPath",
         "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
-        "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig", "drainTimeoutS"},
+        "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig", "drainTimeoutS",
+        "headTimeoutS", "bodyTimeoutS"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
     "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
                       "workerHost", "workerHosts", "workerPort", "workerCurveKeyDir", "workerInsecureTcp",
@@ -634,6 +635,27 @@ def test_frontend_count_from_file_and_environment(tmp_path: Path) -> None:
     assert load_config(str(f), env={"MINDIE_FRONTENDS": "2"}).config.server.frontend_count == 2
     with pytest.raises(ConfigError, match="ServerConfig.frontendCount.*MINDIE_FRONTENDS"):
         load_config(None, env={"MINDIE_FRONTENDS": "65"})
+
+
+def test_receive_timeouts_from_file_and_environment(tmp_path: Path) -> None:
+    """headTimeoutS / bodyTimeoutS (the front end's receive timeouts; their effect:
+    tests/test_fuzz.py, tests/test_admission.py): defaults, the file, the variables, the range."""
+    s = load_config(None, env={}).config.server
+    assert (s.head_timeout_s, s.body_timeout_s) == (10.0, 60.0)
+    f = write(tmp_path, {"ServerConfig": {"headTimeoutS": 3, "bodyTimeoutS": 7.5}})
+    s = load_config(str(f), env={}).config.server
+    assert (s.head_timeout_s, s.body_timeout_s) == (3.0, 7.5)
+    loaded = load_config(str(f), env={"MINDIE_HEAD_TIMEOUT_S": "2.5", "MINDIE_BODY_TIMEOUT_S": "30"})
+    assert (loaded.config.server.head_timeout_s, loaded.config.server.body_timeout_s) == (2.5, 30.0)
+    assert loaded.env_overrides == {"ServerConfig.headTimeoutS": "MINDIE_HEAD_TIMEOUT_S",
+                                    "ServerConfig.bodyTimeoutS": "MINDIE_BODY_TIMEOUT_S"}
+    with pytest.raises(ConfigError, match=r"ServerConfig\.headTimeoutS: must be >= 0\.5, got 0\.1 \(from environment "
+                                          r"variable MINDIE_HEAD_TIMEOUT_S\)"):
+        load_config(None, env={"MINDIE_HEAD_TIMEOUT_S": "0.1"})
+    with pytest.raises(ConfigError, match=r"ServerConfig\.bodyTimeoutS: must be a number, got a string \"soon\""):
+        load_config(None, env={"MINDIE_BODY_TIMEOUT_S": "soon"})
+    with pytest.raises(ConfigError, match=r"ServerConfig\.bodyTimeoutS: must be <= 3600"):
+        load_config(str(write(tmp_path, {"ServerConfig": {"bodyTimeoutS": 7200}})), env={})
 
 
 # -- typos: unknown keys are named, with the closest known key; strict mode refuses them -------------

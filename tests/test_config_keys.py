@@ -109,6 +109,13 @@ KEY_TESTS: dict[str, list[str]] = {
     "ServerConfig.e2eTimeout": [f"{_E2E}::test_timeouts_sighup_and_sigterm"] + _here(
         "test_dynamic_adjust_timeout_reaches_the_front_end_deadlines"),
     "ServerConfig.maxRequestLength": [f"{_E2E}::test_body_too_large"],
+    "ServerConfig.headTimeoutS": [f"{_CFG}::test_receive_timeouts_from_file_and_environment",
+                                  "tests/test_fuzz.py::test_stalled_clients_are_cut_at_the_receive_timeouts",
+                                  "tests/test_fuzz.py::test_requests_cut_at_random_points_time_out",
+                                  f"{_TLS}::test_https_and_mutual_tls_on_three_planes"],
+    "ServerConfig.bodyTimeoutS": [f"{_CFG}::test_receive_timeouts_from_file_and_environment",
+                                  "tests/test_fuzz.py::test_stalled_clients_are_cut_at_the_receive_timeouts",
+                                  "tests/test_admission.py::test_slow_bodies_give_their_slots_back_at_the_body_timeout"],
     "ServerConfig.HealthCheckConfig.npuUsageThreshold": [UNAPPLIED],
     "ServerConfig.watermarkGamma": _here("test_watermark_gamma_and_delta_reach_the_sampler"),
     "ServerConfig.watermarkDelta": _here("test_watermark_gamma_and_delta_reach_the_sampler"),

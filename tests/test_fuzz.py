@@ -9,7 +9,9 @@ sockets so that nothing is normalised on the way: random JSON trees (deep, wide,
 NaN-like literals, unicode, invalid UTF-8), valid MindIE bodies with parameters swapped for
 wrong types and out-of-range values, random methods, paths, headers and bodies against every
 route the app registers, and broken framing (HTTP versions, Content-Length lies, broken chunks,
-stray CR/LF/NUL, random bytes). Every answer must have a documented status (DOCUMENTED) and,
+stray CR/LF/NUL, random bytes), and clients that stall (idle connections, blank lines, heads and
+bodies sent slowly or cut off at random points without closing: the receive timeouts, 408), a
+1 MiB header flood (its 431 read by a client still sending). Every answer must have a documented status (DOCUMENTED) and,
 unless it is a 2xx, MindIE's {"error", "error_type"} JSON body; every exchange ends within
 REQUEST_BOUND_S; after each test every server process is alive (same pids: nothing died and was
 respawned), the log holds no traceback, and at the end /health is 200 and a normal request works.
@@ -26,8 +28,10 @@ import collections
 import contextlib
 import json
 import os
+import random
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -44,12 +48,15 @@ from tests.harness import ROOT, Server, alive, descendants, free_port, short_run
 pytestmark = pytest.mark.timeout(900)
 
 REQUEST_BOUND_S = 20.0  # e2eTimeout (5 s) + generous slack on a busy 2-core box
+HEAD_TIMEOUT_S = 2.0  # the server's ServerConfig.headTimeoutS
+BODY_TIMEOUT_S = 3.0  # and bodyTimeoutS
+TIMEOUT_SLACK_S = 2.5  # a timeout acts within this of its due time on a busy 2-core box
 MAX_NEW = 4  # ScheduleConfig.maxIterTimes: every generation is short
 
 # The statuses a client may see (docs/reliability.md). 500 only as a timeout
 # ("Engine callback timeout: ...") or a worker lost mid-request; 503 only without a ready
 # worker (never during this test: the worker must stay alive).
-DOCUMENTED = {200, 400, 404, 405, 413, 422, 424, 431, 500, 505}
+DOCUMENTED = {200, 400, 404, 405, 408, 413, 422, 424, 431, 500, 505}
 BODY_STATUSES = {200, 413, 422, 424, 500}  # what a well-framed POST /infer[_token] may get
 DOCUMENTED_500 = re.compile(r"Engine callback timeout: |Device worker \d+ (stopped responding|restarted|dropped)")
 # What must never appear in the server log while hostile input arrives.
@@ -307,7 +314,8 @@ def fz(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("fuzz")
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=demo_model,
-                       server={"maxRequestLength": 1, "tokenTimeout": 5, "e2eTimeout": 5},
+                       server={"maxRequestLength": 1, "tokenTimeout": 5, "e2eTimeout": 5,
+                               "headTimeoutS": HEAD_TIMEOUT_S, "bodyTimeoutS": BODY_TIMEOUT_S},
                        schedule={"maxIterTimes": MAX_NEW})
     srv = Server(cfg, port, frontends=1)
     try:
@@ -740,6 +748,174 @@ def broken_framing(draw) -> bytes:
 @fuzz_settings(700)
 def test_broken_framing(fz, data):
     for r in exchange(fz, data, half_close=True):
+        check(r)
+
+
+# --------------------------------------------------------------------------------------------
+# Clients that stall: the receive timeouts (ServerConfig.headTimeoutS, bodyTimeoutS)
+# --------------------------------------------------------------------------------------------
+
+
+def stall(fz: Fuzzed, first: bytes, trickle: bytes = b"", gap: float = 0.4, then: bytes = b"") -> tuple[bytes, float]:
+    """A client that sends ``first`` (and after one answer, when ``then`` is given, ``then``),
+    then ``trickle`` every ``gap`` seconds, never finishing and never closing: returns what it
+    received and when the server closed (seconds since the last of ``first``/``then`` was sent)."""
+    fz.sent += 1
+    bound = max(HEAD_TIMEOUT_S, BODY_TIMEOUT_S) + TIMEOUT_SLACK_S + 5
+    buf = b""
+    with socket.create_connection(("127.0.0.1", fz.port), timeout=bound) as s:
+        if first:
+            s.sendall(first)
+        if then:
+            while not buf.endswith(b"\r\n\r\n"):  # a bodyless answer (GET /health)
+                buf += s.recv(65536)
+            buf = b""
+            time.sleep(1.0)  # idle on the kept-alive connection: not counted
+            s.sendall(then)
+        t0 = next_at = time.monotonic()
+        s.setblocking(False)
+        while time.monotonic() - t0 < bound:
+            if trickle and time.monotonic() >= next_at:
+                with contextlib.suppress(OSError):
+                    s.send(trickle)
+                next_at += gap
+            try:
+                chunk = s.recv(65536)
+            except BlockingIOError:
+                time.sleep(0.02)
+                continue
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                return buf, time.monotonic() - t0
+            buf += chunk
+        raise AssertionError(f"still open after {bound:.0f} s: {first[:200]!r} -> {buf[:200]!r}")
+
+
+def timeout_answer(what: str, seconds: float) -> bytes:
+    return b'{"error":"The request %s was not received within %g s.","error_type":"Request Timeout"}' % (
+        what.encode(), seconds)
+
+
+POST_CL = b"POST /infer_token HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n"
+STALLS = {  # name: (first, trickle, then, expected: "" = closed without an answer, or "head"/"body")
+    "idle connection": (b"", b"", b"", ""),
+    "blank lines only": (b"", b"\r\n", b"", ""),
+    "request line only": (b"GET /health HTTP/1.1\r\n", b"", b"", "head"),
+    "slow head (a header line every 0.4 s)": (b"GET /health HTTP/1.1\r\nHost: x\r\n", b"X-A: b\r\n", b"", "head"),
+    "slow head, a byte every 0.4 s": (b"GET /health?", b"a", b"", "head"),
+    "slow head after a kept-alive request": (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"X-A: b\r\n",
+                                             b"GET /health HTTP/1.1\r\n", "head"),
+    "body never sent": (POST_CL, b"", b"", "body"),
+    "slow body (a byte every 0.4 s)": (POST_CL + b'{"input_id":[1,', b"1", b"", "body"),
+    "chunked body cut": (b"POST /infer_token HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\n{\"inp\r\n", b"", b"", "body"),
+    "slow body on /v1/chat/completions": (POST_CL.replace(b"/infer_token", b"/v1/chat/completions"), b" ", b"",
+                                          "body"),
+    "slow body on /v1/tokenizer": (POST_CL.replace(b"/infer_token", b"/v1/tokenizer"), b" ", b"", "body"),
+}
+
+
+def check_stall(got: bytes, took: float, expected: str, name: str) -> None:
+    due = {"": HEAD_TIMEOUT_S, "head": HEAD_TIMEOUT_S, "body": BODY_TIMEOUT_S}[expected]
+    assert due - 0.3 < took < due + TIMEOUT_SLACK_S, (name, took, got[:300])
+    if not expected:
+        assert got == b"", (name, got)
+        return
+    [r] = parse_responses(got, head=False)
+    assert r.status == 408 and r.headers[b"connection"] == b"close", (name, r)
+    assert r.body == timeout_answer(expected, due), (name, r)
+    check(r)
+
+
+def run_stalls(fz: Fuzzed, cases: dict) -> dict:
+    """Every case at once, one thread each (they take seconds each, mostly waiting)."""
+    out: dict = {}
+
+    def one(name):
+        try:
+            first, trickle, then, _ = cases[name]
+            out[name] = stall(fz, first, trickle, then=then)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out[name] = e
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_stalled_clients_are_cut_at_the_receive_timeouts(fz):
+    fz.srv.log.flush()
+    start = fz.srv.log_path.stat().st_size
+    results = run_stalls(fz, STALLS)
+    for name, (_, _, _, expected) in STALLS.items():
+        got = results.get(name)
+        if isinstance(got, BaseException) or got is None:
+            raise AssertionError(f"{name}: {got!r}")
+        check_stall(*got, expected, name)
+    # The 3 bodies that stalled after their first bytes on inference routes were logged as 408 (the
+    # app learns why its body ended and gives its admission slot back: tests/test_admission.py),
+    # just after the answer. A body never begun never reached the app (Falcon waits for its first
+    # bytes before routing): nothing to log.
+    pattern = r"/(?:infer_token|v1/chat/completions) status=408 .*The request body was not received"
+    deadline = time.monotonic() + 10
+    while True:
+        fz.srv.log.flush()
+        log = fz.srv.log_path.read_bytes()[start:].decode(errors="replace")
+        logged = re.findall(pattern, log)
+        if len(logged) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)  # and no more come
+    fz.srv.log.flush()
+    log = fz.srv.log_path.read_bytes()[start:].decode(errors="replace")
+    assert len(re.findall(pattern, log)) == 3, log[-3000:]
+
+
+CUT_TEMPLATES = [
+    http(b"GET", b"/health").replace(b"Connection: close\r\n", b""),
+    http(b"POST", b"/infer_token", VALID).replace(b"Connection: close\r\n", b""),
+    b"POST /infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"8\r\n{\"inputs\r\n9\r\n\":\"hello\"\r\n1\r\n}\r\n0\r\n\r\n",
+    http(b"POST", b"/v1/completions", b'{"model":"demo","prompt":"hi","max_tokens":2}').replace(
+        b"Connection: close\r\n", b""),
+]
+
+
+def test_requests_cut_at_random_points_time_out(fz):
+    """Requests cut anywhere (seeded), the connection left open: closed without an answer when
+    nothing was sent, 408 for the head or the body otherwise, each at its timeout."""
+    rng = random.Random(27)
+    cases = {}
+    for i in range(24):
+        req = CUT_TEMPLATES[i % len(CUT_TEMPLATES)]
+        cut = 0 if i == 0 else rng.randrange(1, len(req))
+        head_end = req.index(b"\r\n\r\n") + 4
+        cases[f"{req[:20]!r} cut at {cut}"] = (req[:cut], b"", b"", "" if cut == 0 else "head" if cut < head_end else "body")
+    results = run_stalls(fz, cases)
+    for name, (_, _, _, expected) in cases.items():
+        got = results.get(name)
+        if isinstance(got, BaseException) or got is None:
+            raise AssertionError(f"{name}: {got!r}")
+        check_stall(*got, expected, name)
+
+
+def test_header_flood_reads_its_431(fz):
+    """1 MiB of headers sent in full (the server reads and drops what follows its 431 until the
+    client is done: no reset while the client sends), then the answer read."""
+    for flood in (b"X-A: " + b"a" * (1 << 20) + b"\r\n",
+                  b"".join(b"X-%d: %s\r\n" % (i, b"b" * 40) for i in range((1 << 20) // 48))):
+        fz.sent += 1
+        with socket.create_connection(("127.0.0.1", fz.port), timeout=REQUEST_BOUND_S) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + flood + b"\r\n")  # a reset fails here
+            buf = b""
+            while chunk := s.recv(65536):
+                buf += chunk
+        [r] = parse_responses(buf, head=False)
+        assert r.status == 431, r
         check(r)
 
 

@@ -5,8 +5,11 @@ The server test starts the real launcher with split ports (business, management,
 their own listeners, each with its own certificate) and checks: every plane answers over HTTPS
 with a client certificate; plain HTTP, no client certificate, a certificate of an unknown CA, a
 revoked certificate and TLS 1.1 are refused at the handshake; routes stay on their plane;
-SIGHUP loads a renewed certificate and refuses a broken one. The unit tests cover every file
-problem that must stop the start, each naming its key.
+SIGHUP loads a renewed certificate and refuses a broken one. Plain HTTP sent to an HTTPS port
+gets a plain-HTTP 400 in MindIE's JSON shape (nginx's words), even a client still sending a
+large body; a connection that never finishes its handshake is closed at the handshake timeout;
+the receive timeouts work inside TLS (408). The unit tests cover every file problem that must
+stop the start, each naming its key.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import os
 import signal
 import socket
 import ssl
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -24,6 +28,7 @@ import pytest
 from cryptography import x509
 
 from mindie.config import load_config
+from mindie.gunicorn_worker import TLS_HANDSHAKE_TIMEOUT_S
 from mindie.listeners import plan_listeners
 from mindie.tls import TlsError, check_plane, plane_tls
 from tests.certs import NOW, DAY, Pki, pem_cert, pem_key, write
@@ -57,6 +62,44 @@ def handshake(port: int, ctx: ssl.SSLContext, host: str = "127.0.0.1") -> x509.C
     return x509.load_der_x509_certificate(der)
 
 
+def read_to_end(s: socket.socket, bound: float) -> tuple[bytes, float]:
+    """What ``s`` receives until the server closes it (a reset ends it too), and when that was
+    (seconds from now); fails after ``bound`` seconds."""
+    t0 = time.monotonic()
+    out = b""
+    while True:
+        left = bound - (time.monotonic() - t0)
+        assert left > 0, f"still open after {bound} s: {out[:200]!r}"
+        s.settimeout(left)
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return out, time.monotonic() - t0
+        out += chunk
+
+
+def plain_http(port: int, data: bytes, host: str = "127.0.0.1") -> bytes:
+    """``data`` sent in plain text (all of it: the server must read while the client sends), then
+    everything the server answers until it closes."""
+    with socket.create_connection((host, port), timeout=15) as s:
+        s.sendall(data)
+        return read_to_end(s, 15)[0]
+
+
+PLAIN_400 = (b'{"error":"The plain HTTP request was sent to HTTPS port.","error_type":"Bad Request"}')
+
+
+def never_finish(port: int, first: bytes, out: list) -> None:
+    """A client that opens a connection to the TLS port, sends ``first`` (maybe nothing, maybe
+    part of a ClientHello) and waits: appends (bytes received, seconds until closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        if first:
+            s.sendall(first)
+        out.append(read_to_end(s, TLS_HANDSHAKE_TIMEOUT_S + 10))
+
+
 def refused(port: int, ctx: ssl.SSLContext, host: str = "127.0.0.1") -> bool:
     try:
         handshake(port, ctx, host)
@@ -70,10 +113,17 @@ def test_https_and_mutual_tls_on_three_planes(tmp_path: Path, pki: Pki, demo_mod
     ports = free_ports(3)
     cfg = write_config(pki.root / "config.json", port=ports[0], run_dir=short_run_dir(), model_path=demo_model,
                        workers=1, server={"managementIpAddress": "127.0.0.2", "managementPort": ports[1],
-                                          "metricsPort": ports[2], **pki.server_config()})
+                                          "metricsPort": ports[2], "headTimeoutS": 2, **pki.server_config()})
     srv = Server(cfg, ports[0], tls=client_ctx(pki), health_url=f"https://127.0.0.2:{ports[1]}/health")
     try:
         srv.wait_ready()
+        # Connections that never finish a handshake (nothing sent; half a ClientHello): closed at
+        # the handshake timeout, while everything below goes on.
+        stalled: list = []
+        stallers = [threading.Thread(target=never_finish, args=(ports[0], first, stalled))
+                    for first in (b"", b"\x16\x03\x01\x02")]
+        for t in stallers:
+            t.start()
         ok = client_ctx(pki)
         biz, mgmt, met = f"https://127.0.0.1:{ports[0]}", f"https://127.0.0.2:{ports[1]}", f"https://127.0.0.2:{ports[2]}"
         with httpx.Client(verify=ok, timeout=30) as c:
@@ -111,9 +161,30 @@ def test_https_and_mutual_tls_on_three_planes(tmp_path: Path, pki: Pki, demo_mod
             with socket.create_connection(("127.0.0.1", ports[0]), timeout=10) as raw:
                 ctx = client_ctx(pki, "revoked", max_version=ssl.TLSVersion.TLSv1_2)
                 ctx.wrap_socket(raw, server_hostname="127.0.0.1").close()
-        # Plain HTTP on a TLS port gets no HTTP answer.
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{ports[0]}/v1/models", timeout=10)
+        # Plain HTTP on a TLS port: a plain-HTTP 400 saying so, on every plane, in MindIE's shape.
+        for port, host in ((ports[0], "127.0.0.1"), (ports[1], "127.0.0.2"), (ports[2], "127.0.0.2")):
+            r = httpx.get(f"http://{host}:{port}/v1/models", timeout=10)
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", r
+            assert r.content == PLAIN_400
+        # ...also for a client that is still sending (an 8 MiB body, more than the socket buffers
+        # hold: the server reads it away, instead of a reset that would lose the answer).
+        size = 8 << 20
+        answer = plain_http(ports[0], b"POST /infer_token HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+                            + b" " * size)
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") and answer.endswith(b"\r\n\r\n" + PLAIN_400), answer
+        # Inside TLS, a request head that does not come in headTimeoutS (2 s) is answered 408.
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=10) as raw:
+            with ok.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+                got, took = read_to_end(s, 10)
+        assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), got
+        assert got.endswith(b'{"error":"The request head was not received within 2 s.","error_type":"Request Timeout"}')
+        assert 1.5 < took < 5, took
+        for t in stallers:
+            t.join(TLS_HANDSHAKE_TIMEOUT_S + 15)
+        assert len(stalled) == 2, stalled
+        for got, took in stalled:
+            assert got == b"" and TLS_HANDSHAKE_TIMEOUT_S - 1 < took < TLS_HANDSHAKE_TIMEOUT_S + 5, stalled
 
         # SIGHUP: a renewed certificate is served by the new front ends...
         cert_path = pki.root / "security/certs/business/server.pem"

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "side-by-side": ("vllm_side_by_side.sh", "this server against vLLM's CPU build (installs vLLM in a venv)"),
     "overlap": ("overlap", "step overlap on against off: two servers, mindie-bench compare"),
     "overload": ("overload", "admission at 10x maxLinkNum: rejection latency, /health, RSS"),
+    "slowloris": ("slowloris", "500 slow connections against 8 normal clients: their p99 with and without them"),
     "multi-workers": ("multi_workers", "one CPU device worker against N on one host"),
     "attention": ("attention", "kernel micro-benchmark: paged attention, torch path against the C kernels"),
     "decode-step": ("decode_step", "one decode step: the fused C step against the eager path"),
