@@ -13,7 +13,6 @@ files. The server runs the null model at 30 ms a step, so a 500-token stream out
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import threading

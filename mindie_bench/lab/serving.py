@@ -81,21 +81,24 @@ def bench_model() -> str:
 
 def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1, dtype: str = "bfloat16",
                  kv_gib: float = 1.0, overlap: bool | None = None, null_model: bool = False,
-                 null_step_ms: float = 0.0) -> tuple[subprocess.Popen, str, float]:
+                 null_step_ms: float = 0.0, server: dict | None = None, schedule: dict | None = None,
+                 prefix: str = "mb") -> tuple[subprocess.Popen, str, float]:
     """Start scripts/launch.sh on a fresh config (and run dir, with its server.log) under /tmp;
-    returns (process, url, launch->ready s)."""
-    tmp = Path(tempfile.mkdtemp(prefix="mb", dir="/tmp"))
+    returns (process, url, launch->ready s); the process's ``run_dir`` is that directory.
+    ``server`` / ``schedule``: ServerConfig / ScheduleConfig keys over the defaults here."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(tmp, 0o700)
     cfg = {
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port, "httpsEnabled": False, "runDir": str(tmp),
-                         "maxLinkNum": 1000},
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port,
+                         "httpsEnabled": False, "runDir": str(tmp), "maxLinkNum": 1000, **(server or {})},
         "BackendConfig": {
             "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu",
             "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 2048, "ModelConfig": [{
                 "modelName": "bench", "modelWeightPath": model, "dtype": dtype,
                 "cpuMemSize": kv_gib / workers}]},
             "ScheduleConfig": {"cacheBlockSize": 128, "maxBatchSize": 512, "maxPrefillBatchSize": 64,
-                               "maxPrefillTokens": 8192, "maxIterTimes": 4096, "overlapSteps": overlap},
+                               "maxPrefillTokens": 8192, "maxIterTimes": 4096, "overlapSteps": overlap,
+                               **(schedule or {})},
         },
     }
     cfg_path = tmp / "config.json"
@@ -106,16 +109,19 @@ def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1,
         launch += ["--null-model", "--null-step-ms", str(null_step_ms)]
     t0 = time.monotonic()
     # Same session as this script (no setsid): the kernel groups CPU scheduling by session.
-    server = subprocess.Popen(["bash", *launch], env=env, stdout=open(tmp / "server.log", "wb"),
-                              stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(["bash", *launch], env=env, stdout=open(tmp / "server.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    proc.run_dir = tmp
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - t0 < 120:
+        if proc.poll() is not None:
+            sys.exit(f"server exited with {proc.returncode}; log: {tmp / 'server.log'}")
         try:
             if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                return server, url, time.monotonic() - t0
+                return proc, url, time.monotonic() - t0
         except OSError:
             time.sleep(0.05)
-    server.terminate()
+    proc.terminate()
     sys.exit(f"server not ready in 120 s; log: {tmp / 'server.log'}")
 
 

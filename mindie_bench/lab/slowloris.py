@@ -41,12 +41,12 @@ import resource
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+from mindie_bench.lab import serving  # noqa: E402
 
 
 def cpu_model() -> str:
@@ -68,37 +68,13 @@ def cpu_model() -> str:
 
 
 def start_server(args, model: str) -> tuple[subprocess.Popen, Path, float]:
-    tmp = Path(tempfile.mkdtemp(prefix="ms", dir="/tmp"))
-    os.chmod(tmp, 0o700)
-    cfg = {
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": args.port, "managementPort": args.port,
-                         "metricsPort": args.port, "httpsEnabled": False, "runDir": str(tmp),
-                         "maxLinkNum": args.max_link_num, "headTimeoutS": args.head_timeout_s,
-                         "bodyTimeoutS": args.body_timeout_s},
-        "BackendConfig": {
-            "npuDeviceIds": [[0]], "deviceType": "cpu",
-            "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 2048, "ModelConfig": [{
-                "modelName": "bench", "modelWeightPath": model, "dtype": "bfloat16", "cpuMemSize": 1.0}]},
-            "ScheduleConfig": {"cacheBlockSize": 128, "maxBatchSize": 256, "maxPrefillBatchSize": 64,
-                               "maxPrefillTokens": 8192, "maxIterTimes": 1024},
-        },
-    }
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    launch = ["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(tmp / "config.json"),
-              "--frontends", str(args.frontends), "--null-model", "--null-step-ms", str(args.null_step_ms)]
-    env = dict(os.environ, MINDIE_LOG_LEVEL="WARNING", PYTHON=sys.executable)
-    t0 = time.monotonic()
-    server = subprocess.Popen(launch, env=env, stdout=open(tmp / "server.log", "wb"), stderr=subprocess.STDOUT)
-    while time.monotonic() - t0 < 120:
-        if server.poll() is not None:
-            sys.exit(f"server exited with {server.returncode}; log: {tmp / 'server.log'}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=2).status == 200:
-                return server, tmp, time.monotonic() - t0
-        except OSError:
-            time.sleep(0.05)
-    server.terminate()
-    sys.exit(f"server not ready in 120 s; log: {tmp / 'server.log'}")
+    """The server this benchmark loads (mindie_bench/lab/serving.py's start_server); returns
+    (process, run dir with its server.log, launch->ready s)."""
+    proc, _, ready_s = serving.start_server(
+        model, args.port, workers=1, frontends=args.frontends, kv_gib=1.0,
+        null_model=True, null_step_ms=args.null_step_ms,
+        server={"maxLinkNum": args.max_link_num, "headTimeoutS": args.head_timeout_s, "bodyTimeoutS": args.body_timeout_s}, schedule={"maxBatchSize": 256, "maxIterTimes": 1024}, prefix="ms")
+    return proc, proc.run_dir, ready_s
 
 
 def frontend_cpu_s(launcher: int) -> float:
