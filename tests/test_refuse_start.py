@@ -100,17 +100,22 @@ def bad_models(tmp_path_factory, demo_model) -> dict[str, tuple[Path, str]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "missing_shard", "truncated", "wrong_shape"])
-def test_a_model_that_cannot_load_is_refused_before_anything_starts(tmp_path, bad_models, name):
-    model, message = bad_models[name]
+def launch_refused(tmp_path, model, **config) -> tuple[int, str, str]:
+    """launch.sh on ``model``, expected to stop by itself: (exit status, its log, the run dir)."""
     port, run_dir = free_port(), short_run_dir()
     srv = Server(write_config(tmp_path / "config.json", port=port, run_dir=run_dir, workers=1,
-                              model_path=str(model)), port)
+                              model_path=str(model), **config), port)
     try:
         status = srv.proc.wait(60)
     finally:
         srv.stop()
-    log = srv.log_path.read_text()
+    return status, srv.log_path.read_text(), run_dir
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "missing_shard", "truncated", "wrong_shape"])
+def test_a_model_that_cannot_load_is_refused_before_anything_starts(tmp_path, bad_models, name):
+    model, message = bad_models[name]
+    status, log, run_dir = launch_refused(tmp_path, model)
     assert status == 2, log
     assert f"config error: {KEY}: {model} cannot be served: " in log, log
     assert message in log, log
@@ -170,14 +175,7 @@ def test_the_launch_step_reads_headers_only(tmp_path, caplog):
 def test_a_tokenizer_that_does_not_load_is_refused(tmp_path, demo_model):
     model = _copy_model(demo_model, tmp_path / "no-tokenizer")
     (model / "tokenizer.json").write_text("{not json")
-    port, run_dir = free_port(), short_run_dir()
-    srv = Server(write_config(tmp_path / "config.json", port=port, run_dir=run_dir, workers=1,
-                              model_path=str(model)), port)
-    try:
-        status = srv.proc.wait(60)
-    finally:
-        srv.stop()
-    log = srv.log_path.read_text()
+    status, log, run_dir = launch_refused(tmp_path, model)
     assert status == 2, log
     assert f"config error: {KEY}: {model}: the tokenizer does not load from {model}/tokenizer.json: " in log, log
     assert "launch.sh: supervisor pid" not in log and "started worker" not in log, log
