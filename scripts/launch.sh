@@ -2,20 +2,27 @@
 # Start the MindIE-compatible server: device-worker supervisor + gunicorn front ends, side by side.
 set -euo pipefail
 
-# SIGHUP reloads the front ends (below). bash cannot trap a signal that was ignored when it started,
-# and nohup starts us with SIGHUP ignored: start again with SIGHUP at its default (the trap is set
-# a few lines later; until then a hang-up would stop the start, as it would any program's).
-hup_ignored() {
-  local line mask
+# SIGHUP reloads the front ends, SIGTERM and SIGINT drain and stop (below). bash cannot trap a
+# signal that was ignored when it started: nohup starts us with SIGHUP ignored, and a non-interactive
+# shell starts its background jobs ("launch.sh &" in a script) with SIGINT ignored. Start again with
+# those at their defaults (the traps are set a few lines later; until then such a signal would stop
+# the start, as it would any program's).
+ignored_signals() {  # prints the names of those of SIGHUP, SIGINT, SIGTERM ignored in this process
+  local line mask names=""
   while read -r line; do
-    case "$line" in SigIgn:*) mask=${line#SigIgn:}; mask=${mask//[[:space:]]/}; (( 16#$mask & 1 )) && return 0 || return 1 ;; esac
+    case "$line" in SigIgn:*)
+      mask=${line#SigIgn:}; mask=$(( 16#${mask//[[:space:]]/} ))
+      (( mask & 1 )) && names+=" HUP"; (( mask & 2 )) && names+=" INT"; (( mask & 16384 )) && names+=" TERM"
+      ;;
+    esac
   done < /proc/$$/status 2>/dev/null
-  return 1
+  echo "${names# }"
 }
-if [ -z "${MINDIE_HUP_RESET:-}" ] && hup_ignored; then
+if [ -z "${MINDIE_HUP_RESET:-}" ] && [ -n "$(ignored_signals)" ]; then
   export MINDIE_HUP_RESET=1
-  exec "${PYTHON:-python3}" -c 'import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
-    "$BASH" "${BASH_SOURCE[0]}" "$@"
+  exec "${PYTHON:-python3}" -c 'import os, signal, sys
+for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_DFL)
+os.execv(sys.argv[1], sys.argv[1:])' "$BASH" "${BASH_SOURCE[0]}" "$@"
 fi
 hup_early=0
 trap 'hup_early=1' HUP  # until the reload trap takes over: a SIGHUP while starting changes nothing
@@ -243,10 +250,14 @@ on_reload() {
 }
 trap on_reload HUP
 if [ "$hup_early" = 1 ]; then on_reload; fi
-if hup_ignored; then
-  echo "launch.sh: SIGHUP is ignored in this process and could not be re-enabled: reload is unavailable" \
-    "(stop and start the server to reload)" >&2
-fi
+case " $(ignored_signals) " in
+  *" HUP "*) echo "launch.sh: SIGHUP is ignored in this process and could not be re-enabled: reload is unavailable" \
+    "(stop and start the server to reload)" >&2 ;;
+esac
+case " $(ignored_signals) " in
+  *" INT "*|*" TERM "*) echo "launch.sh: SIGINT or SIGTERM is ignored in this process and could not be re-enabled:" \
+    "stop the server with GET /stopService (scripts/prestop.sh)" >&2 ;;
+esac
 
 status=0 reason=""
 while [ "$stopping" = 0 ]; do
