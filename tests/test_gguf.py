@@ -158,6 +158,46 @@ def test_tensors_and_logits_equal_transformers(case, tiny, cache, tiny_servers) 
     assert torch.equal(_logits(ours, ids), expected)
 
 
+def test_llama3_rope_factors_as_llama_cpp_applies_them(tmp_path, cache) -> None:
+    """Llama 3.1's rope scaling, which llama.cpp stores as the rope_freqs tensor (one divisor per
+    rotary frequency), applied as llama.cpp applies it: the model computes what transformers
+    computes on the original checkpoint (to float rounding: llama.cpp's divisors are fp32), and
+    greedy continuations agree. (transformers' own GGUF loader ignores rope_freqs: its logits
+    differ, so the original model is the reference here.)"""
+    v = gpt2_vocab(byte_level_tokenizer())
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}  # every band occurs with head_dim 16
+    original = tiny_model("LlamaConfig", len(v["tokens"]), rope_theta=500000.0, rope_scaling=rope)
+    path = write_gguf(tmp_path / "llama31.gguf", original, "llama", v)
+    assert "rope_freqs.weight" in open_gguf(path).tensors
+    ours, args = load_model(ensure_view(path, cache), torch.float32)
+    assert args.rope_scaling.rope_type == "freq_factors"
+    ids = PROMPTS[0] + list(range(40, 90))
+    with torch.no_grad():
+        want = original(torch.tensor([ids])).logits[0]
+        ignored = reference(path)(torch.tensor([ids])).logits[0]
+    got = _logits(ours, ids)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    assert (ignored - want).abs().max() > 1e-3  # the factors matter on these positions
+    seq = list(ids)
+    for _ in range(12):  # greedy, the whole sequence recomputed each step
+        seq.append(int(_logits(ours, seq)[-1].argmax()))
+    assert seq[len(ids):] == greedy(original, ids, 12)
+
+
+def test_freq_factors_config_checked() -> None:
+    """The view's form of rope_freqs is checked like any config key."""
+    from workers.models.config import ModelArgs, ModelConfigError
+    base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    ok = ModelArgs.from_dict({**base, "rope_scaling": {"rope_type": "freq_factors", "factors": [1, 2, 4, 8]}})
+    assert ok.rope_scaling.factors == (1.0, 2.0, 4.0, 8.0)
+    with pytest.raises(ModelConfigError, match=r"rope_scaling.factors: 3 factors, head_dim 8 needs 4"):
+        ModelArgs.from_dict({**base, "rope_scaling": {"rope_type": "freq_factors", "factors": [1, 2, 4]}})
+    with pytest.raises(ModelConfigError, match=r"rope_scaling.factors: must be a list of positive numbers"):
+        ModelArgs.from_dict({**base, "rope_scaling": {"rope_type": "freq_factors", "factors": [1, 0, 4, 8]}})
+
+
 def test_every_supported_type_is_covered(tiny) -> None:
     """The tiny files hold every type the loader takes (the K-quants as random blocks)."""
     from workers.models.gguf_file import LOADABLE_TYPES

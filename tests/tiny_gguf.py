@@ -91,6 +91,26 @@ def _random_k_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator)
     return raw.reshape(shape[0], -1)
 
 
+def _llama3_factors(dim: int, theta: float, rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a Llama 3.1 rope scaling (convert_hf_to_gguf.py,
+    ``LlamaModel.generate_extra_tensors``): one divisor per rotary frequency."""
+    import math
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
 def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, Any], *, name: str = "tiny",
                types: dict[str, Q] | None = None, default: Q = Q.F32, seed: int = 0) -> Path:
     """``model`` (a transformers causal LM) as a GGUF file of architecture ``arch`` (llama, qwen2,
@@ -108,7 +128,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    theta = float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch == "llama":
@@ -134,6 +155,10 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
         w.add_pad_token_id(vocab["pad"])
     w.add_add_bos_token(vocab["add_bos"])
     w.add_chat_template(vocab["template"])
+
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, theta, rope))
 
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)

@@ -53,6 +53,8 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 GGUF_MAGIC = b"GGUF"
+# Llama 3.1+'s rope scaling, stored as a tensor; read into the config, not loaded as a weight.
+ROPE_FREQS = "rope_freqs.weight"
 
 
 class GgufError(ValueError):
@@ -286,12 +288,20 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
     if model_type == "mistral":  # llama.cpp computes a "llama" file without a window unless it has the key
         cfg["sliding_window"] = g.arch_key("attention.sliding_window")
     rope = str(g.arch_key("rope.scaling.type", "none") or "none")
-    if rope == "linear":
+    freqs = g.tensors.get(ROPE_FREQS)
+    if rope == "linear" and freqs is None:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": _positive(g, "rope.scaling.factor", float)}
-    elif rope != "none":
-        raise GgufError(f"metadata {arch}.rope.scaling.type {rope!r} is not supported (supported: none, linear)")
-    if "rope_freqs.weight" in g.tensors:  # Llama 3.1's frequency factors, as a tensor
-        raise GgufError("tensor rope_freqs.weight (per-frequency rope factors, Llama 3.1+) is not supported")
+    elif rope not in ("none", "linear"):
+        raise GgufError(f"metadata {arch}.rope.scaling.type {rope!r} is not supported (supported: none, linear, and "
+                        "the rope_freqs tensor)")
+    if freqs is not None:  # Llama 3.1+'s scaling: one divisor per rotary frequency, as llama.cpp applies them
+        if rope == "linear":
+            raise GgufError(f"both {arch}.rope.scaling.type linear and a {ROPE_FREQS} tensor: not supported")
+        if freqs.type not in (T.F32, T.F16) or freqs.shape != (head_dim // 2,):
+            raise GgufError(f"tensor {ROPE_FREQS} is {freqs.type.name} {list(freqs.shape)}, expected F32 "
+                            f"[{head_dim // 2}]")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors",
+                               "factors": [float(x) for x in np.asarray(freqs.data, dtype=np.float32)]}
     types = {t.type for t in g.tensors.values() if len(t.shape) > 1}
     if types <= {T.F32, T.F16, T.BF16}:  # a float file: its half type is the checkpoint's dtype ("auto")
         cfg["torch_dtype"] = "bfloat16" if T.BF16 in types else "float16" if T.F16 in types else "float32"
@@ -340,7 +350,8 @@ def plan_tensors(g: GgufFile, expected: dict[str, tuple[int, ...]], num_layers: 
     for t in g.tensors.values():
         hf = wanted.get(t.name)
         if hf is None:
-            unexpected.append(t.name)
+            if t.name != ROPE_FREQS:  # read by hf_config
+                unexpected.append(t.name)
             continue
         if t.shape != tuple(expected[hf]):
             raise GgufError(f"tensor {t.name} has shape {list(t.shape)}, the metadata implies {list(expected[hf])}")
