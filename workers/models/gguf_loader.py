@@ -173,7 +173,9 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                     if target["left"] == 0 and "lin" in target:  # complete: packed now, the buffer freed
                         _swap_one(target, int8, dtype, device)
                     target = int8_of.get(id(slot.param))
-            nbytes += t.nbytes if c0 is None else t.nbytes * (c1 - c0) // max(t.shape[1], 1)
+            # what this rank read: its rows (and columns) of the tensor
+            part = t.nbytes * (r1 - r0) // max(n_rows, 1)
+            nbytes += part if c0 is None else part * (c1 - c0) // max(t.shape[1], 1)
             _release(g, t.offset, t.nbytes)
             if trim is not None:
                 trim(0)
