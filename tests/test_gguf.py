@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import re
 import shutil
 from pathlib import Path

@@ -85,18 +85,22 @@ def _malloc_trim():
 class _Reader:
     """The dequantised values of one GGUF tensor, in row chunks, for a range of rows/columns."""
 
-    def __init__(self, t: Any, heads_of: int = 0, head_dim: int = 0):
+    def __init__(self, t: Any, unpermute: bool = False, head_dim: int = 0):
+        """``unpermute``: q or k of a llama-architecture file (rows in llama.cpp's rope order)."""
         self.t = t
         self.bs, self.ts = t.block
-        self.unpermute = heads_of > 0
+        self.unpermute = unpermute
         self.head_dim = head_dim
 
     def chunks(self, r0: int, r1: int, c0: int | None = None, c1: int | None = None):
         """(first row offset from r0, fp32 ndarray) pieces covering rows r0..r1 (columns c0..c1)."""
         t = self.t
         data = t.data
-        if len(t.shape) == 1:
-            yield 0, self._values(data[r0:r1] if t.type in _FLOAT_TYPES else data, r0, r1)
+        if len(t.shape) == 1:  # norms, biases: F32 in practice; a block type is dequantised whole, then cut
+            if t.type in _FLOAT_TYPES:
+                yield 0, self._values(data[r0:r1])
+            else:
+                yield 0, self._values(data)[r0:r1]
             return
         cols = t.shape[1] if c0 is None else c1 - c0
         unit = self.head_dim if self.unpermute else 1
@@ -113,11 +117,9 @@ class _Reader:
             else:  # the split falls inside blocks: the whole rows, then the columns
                 yield a - r0, self._values(raw)[:, c0:c1]
 
-    def _values(self, raw: np.ndarray, r0: int | None = None, r1: int | None = None) -> np.ndarray:
+    def _values(self, raw: np.ndarray) -> np.ndarray:
         v = dequantize(raw, self.t.type)
-        if r0 is not None and len(self.t.shape) == 1 and self.t.type not in _FLOAT_TYPES:
-            v = v[r0:r1]  # a 1-D block-type tensor (never seen in practice): dequantised whole
-        if self.unpermute:  # llama.cpp's rope order -> Hugging Face's, head by head
+        if self.unpermute:  # llama.cpp's rope order -> Hugging Face's, head by head (whole heads only)
             d = self.head_dim
             v = v.reshape(-1, d // 2, 2, *v.shape[1:]).swapaxes(1, 2).reshape(v.shape)
         return v
@@ -147,7 +149,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             if not slot.rows:
                 continue
             qk = permute and (".attn_q." in gname or ".attn_k." in gname)
-            reader = _Reader(t, heads_of=1 if qk else 0, head_dim=args.head_dim)
+            reader = _Reader(t, unpermute=qk, head_dim=args.head_dim)
             n_rows = t.shape[0]
             if slot.dim is None:
                 r0, r1, c0, c1 = 0, n_rows, None, None
