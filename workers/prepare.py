@@ -110,6 +110,9 @@ def _gguf_view(gguf: Path) -> str:
         view = ensure_view(gguf)
     except GgufError as e:
         raise SystemExit(f"{WEIGHT_PATH_KEY}: {gguf}: {e}") from None
+    except OSError as e:  # the cache folder
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {gguf}: cannot make its model view: {e} (MINDIE_CACHE_DIR must be a "
+                         "writable folder)") from None
     log.info("modelWeightPath %s is a GGUF file: served through its model view %s", gguf, view)
     return str(view)
 

@@ -107,8 +107,8 @@ def ensure_view(gguf_path: str | os.PathLike[str], cache_dir: str | Path | None 
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
         try:
-            if final.exists():
-                shutil.rmtree(final)  # an incomplete view (a killed build cannot leave one: rename is atomic)
+            if final.exists() and not _complete(final, gguf_path):
+                shutil.rmtree(final)  # not a view of this file (a rename is atomic: never a half-made one)
             os.rename(tmp, final)
         except OSError:
             if not _complete(final, gguf_path):  # another launch finished first: use its view
