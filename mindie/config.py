@@ -441,8 +441,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _default_model_name(raw: dict) -> Optional[str]:
-    """A checkpoint configured without ``modelName`` is served under its directory's name
-    (never as "demo"); returns a note when it applies."""
+    """A checkpoint configured without ``modelName`` is served under its directory's name, a
+    GGUF file under its name without ``.gguf`` (never as "demo"); returns a note when it applies."""
     entries = (((raw.get("BackendConfig") or {}).get("ModelDeployConfig") or {}).get("ModelConfig")
                if isinstance(raw.get("BackendConfig"), dict) else None)
     if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
@@ -451,7 +451,9 @@ def _default_model_name(raw: dict) -> Optional[str]:
     path = m.get("modelWeightPath")
     if "modelName" in m or not isinstance(path, str) or not path.strip():
         return None
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(path.strip()))).strip("-.")[:256]
+    base = os.path.basename(os.path.normpath(path.strip()))
+    base = base[:-5] if base.lower().endswith(".gguf") else base
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-.")[:256]
     m["modelName"] = name or "model"
     return (f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelName not set: serving {path.strip()} "
             f"as {m['modelName']!r}")

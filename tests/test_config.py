@@ -618,6 +618,8 @@ def test_model_name_follows_the_checkpoint_unless_given(tmp_path: Path) -> None:
     assert any("modelName not set" in n for n in loaded.notes)
     odd = load_config(None, env={"MINDIE_MODEL_PATH": "/models/my model (v2)/"}).config
     assert odd.backend.model_deploy.models[0].model_name == "my-model-v2"
+    gguf = load_config(None, env={"MINDIE_MODEL_PATH": "/models/SmolLM2-135M-Instruct.Q4_1.gguf"}).config
+    assert gguf.backend.model_deploy.models[0].model_name == "SmolLM2-135M-Instruct.Q4_1"
     named = load_config(None, env={"MINDIE_MODEL_PATH": "/models/x", "MINDIE_MODEL_NAME": "qwen"})
     assert named.config.backend.model_deploy.models[0].model_name == "qwen" and not named.notes
     assert named.env_overrides["BackendConfig.ModelDeployConfig.ModelConfig[0].modelName"] == "MINDIE_MODEL_NAME"

@@ -4,11 +4,13 @@
 
 Run by scripts/launch.sh after ``mindie.ops.prepare`` wrote the plan and before anything starts:
 resolves ``deviceType: auto`` (npu, else cuda, else cpu), makes the built-in demo model when no
-weights are configured (random weights, real tokenizer; about 4 s, once), and fills the
+weights are configured (random weights, real tokenizer; about 4 s, once), serves a GGUF file
+through its model view (workers/models/gguf_view.py: config and tokenizer from its metadata,
+made once per file with transformers' converter, which is imported only then), and fills the
 device-dependent defaults of the engine settings (step overlap, prefill chunk, decode hold, the
 CPU's native bf16 and fused-decode rows: ``settle_engine``), once: nothing downstream re-defaults
 them. Rewrites the file in place; prints ``MINDIE_MODEL_DIR=...``
-for the launcher.
+for the launcher (a GGUF file's model view).
 
 Refuses, with exit status 2 and a message naming the file or key, what a device worker of this
 host would refuse at start, so that no worker is started to fail (``check_model``): a model
@@ -34,6 +36,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -43,6 +46,8 @@ from mindie.contract.spec import (  # noqa: F401  (the defaults' functions, as b
 from workers.models.checkpoint import ModelLoadError, check_checkpoint
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.demo import ensure_demo_model
+from workers.models.gguf_file import GgufError, find_gguf
+from workers.models.gguf_view import ensure_view
 from workers.supervisor import visibility_env
 
 log = logging.getLogger("workers.prepare")
@@ -71,19 +76,45 @@ def settle_deployment(dep: Deployment) -> Deployment:
         log.info("no modelWeightPath configured: serving the built-in demo model at %s "
                  "(random weights, its output is gibberish)", model_dir)
     elif not os.path.exists(model_dir):
-        raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} does not "
-                         "exist (a Hugging Face model directory is expected)")
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} does not exist (a Hugging Face model directory or a "
+                         ".gguf file is expected)")
+    elif gguf := _gguf_file(model_dir):
+        model_dir = _gguf_view(gguf)
     elif not os.path.isdir(model_dir):
-        raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} is not a "
-                         "directory (a Hugging Face model directory is expected)")
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} is not a directory nor a GGUF file (a Hugging Face model "
+                         "directory or a .gguf file is expected)")
     elif not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise SystemExit(f"BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: {model_dir} has no "
-                         "config.json (a Hugging Face model directory is expected)")
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} has no config.json and no .gguf file (a Hugging Face model "
+                         "directory or a .gguf file is expected)")
     return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers],
                                    demo_model=demo)
 
 
 WEIGHT_PATH_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath"
+
+
+def _gguf_file(path: str) -> Path | None:
+    """The GGUF file ``modelWeightPath`` names (the file, or the one in a folder without
+    config.json), None for anything else; SystemExit for a folder of several."""
+    try:
+        return find_gguf(path)
+    except GgufError as e:
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {path} {e}") from None
+
+
+def _gguf_view(gguf: Path) -> str:
+    """The model view of ``gguf`` (workers/models/gguf_view.py: made once, then reused), the
+    directory every process reads as the model's; SystemExit saying why the file cannot be served
+    (unreadable, truncated, an unsupported architecture, a tokenizer transformers cannot convert)."""
+    try:
+        view = ensure_view(gguf)
+    except GgufError as e:
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {gguf}: {e}") from None
+    except OSError as e:  # the cache folder
+        raise SystemExit(f"{WEIGHT_PATH_KEY}: {gguf}: cannot make its model view: {e} (MINDIE_CACHE_DIR must be a "
+                         "writable folder)") from None
+    log.info("modelWeightPath %s is a GGUF file: served through its model view %s", gguf, view)
+    return str(view)
 
 
 def check_deployment(dep: Deployment, role: str = "all") -> None:

@@ -157,10 +157,14 @@ def check_role(loaded) -> str:
 def check_tokenizer(model_dir: str) -> None:
     """The front ends' tokenizer loads from ``model_dir`` (with their own loader,
     mindie/detokenizer.py), else ConfigError naming modelWeightPath: a front end that cannot load
-    it never boots. "" (the demo model, made later by workers.prepare) and a path that is not a
-    directory (workers.prepare says so) are left to workers.prepare, which checks the rest of the
-    model."""
+    it never boots. "" (the demo model, made later by workers.prepare), a path that is not a
+    directory (a GGUF file, or workers.prepare says what is wrong) and a folder holding a GGUF file
+    (its tokenizer is converted by workers.prepare, into the model view the front ends then read)
+    are left to workers.prepare, which checks the rest of the model."""
     if not model_dir or not os.path.isdir(model_dir):
+        return
+    if not os.path.isfile(os.path.join(model_dir, "config.json")) and any(
+            name.lower().endswith(".gguf") for name in os.listdir(model_dir)):
         return
     t0 = time.perf_counter()
     try:

@@ -47,6 +47,18 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_weight_(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_weight`` of an fp32 ``w`` it may overwrite: the same operations, in place, so
+    the same values, without three [N, K] fp32 temporaries (a loader quantising chunk by chunk,
+    where fresh temporaries cost page faults as much as the arithmetic)."""
+    if w.dtype != torch.float32:
+        return quantize_weight(w)
+    amax = w.abs().amax(dim=1)  # one temporary (vector_norm's inf norm: none, but 4x slower)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The fp32 matrix an int8 weight stands for (the reference the tests compare against)."""
     return q.float() * scale.float()[:, None]
@@ -171,12 +183,20 @@ class Int8Linear(nn.Module):
     """A linear layer with an int8 weight and per-output-channel scales (buffers, so they count
     in ``model.buffers()`` and follow ``.to``), bias in the model dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Int8Kernel):
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: Int8Kernel, *,
+                 quantized: tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.device] | None = None):
+        """From ``weight`` [N, K] (quantised here), or from ``quantized``: (int8 [N, K], fp32 scales
+        [N], the model dtype, its device) made by ``quantize_weight`` already (a GGUF loaded
+        straight into int8)."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        if quantized is None:
+            q, scale = quantize_weight(weight)
+            dtype, device = weight.dtype, weight.device
+        else:
+            q, scale, dtype, device = quantized
+        self.out_features, self.in_features = q.shape
         self.kernel = kernel
-        q, scale = quantize_weight(weight)
-        packed = kernel.pack(q, scale, weight.dtype, weight.device)
+        packed = kernel.pack(q, scale, dtype, device)
         self._names = tuple(packed)
         for k, v in packed.items():
             self.register_buffer(k, v, persistent=False)
@@ -200,6 +220,29 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 ({self.kernel.name})"
+
+
+class Int8Target:
+    """What a loader that quantises while it reads (workers/models/gguf_loader.py, which sits below
+    the backends and cannot import them) is handed: this module's quantisation and linear layer,
+    for ``kernel``."""
+
+    def __init__(self, kernel: Int8Kernel):
+        self.kernel = kernel
+
+    @staticmethod
+    def quantize_(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize_weight`` (in place: ``w`` is overwritten): per output channel, so the rows of a
+        matrix may come in pieces."""
+        return quantize_weight_(w)
+
+    def linear(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+               device: torch.device) -> nn.Module:
+        return Int8Linear(None, bias, self.kernel, quantized=(q, scale, dtype, device))
+
+    def loaded(self, count: int) -> None:
+        log.info("quantised %d linear layers to int8 while loading (w8a16, per-channel scales, %s kernel)", count,
+                 self.kernel.name)
 
 
 def quantize_model(model: nn.Module, kernel: Int8Kernel,

@@ -27,7 +27,7 @@ from mindie.contract.spec import WorkerSpec
 from workers.attention import kv_cache
 from workers.backends import get_backend
 from workers.backends.base import Backend
-from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, quantize_model
+from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, Int8Target, quantize_model
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner, NullRunner
 from workers.engine.sampler import Sampler
@@ -124,8 +124,11 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     tp = None
     if group is not None:
         tp = TensorParallel(plan_shard(args, group.rank, group.world))  # the default (compute) group
-    model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp)
-    if kernel is not None:  # before the backend's rewrites: they keep the int8 layers as they are
+    model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp,
+                          int8=Int8Target(kernel) if kernel is not None else None)
+    # before the backend's rewrites: they keep the int8 layers as they are (a GGUF model's were
+    # made while its tensors were read)
+    if kernel is not None and not getattr(model, "int8_at_load", False):
         quantize_model(model, kernel)
     backend.prepare_model(model)
     backend.warm_up(model, spec)

@@ -12,6 +12,10 @@ One description serves both sides of a start:
   floating point (the loader casts floats to the serving dtype; a quantised checkpoint's int8 or
   fp8 tensors would be cast into nonsense).
 
+A GGUF model view (workers/models/gguf_view.py: a folder whose ``mindie_gguf.json`` names the
+``.gguf`` file) is checked the same way from the GGUF file's header (workers/models/gguf_file.py
+``plan_tensors``: llama.cpp's names, and a tensor type the loader dequantises).
+
 The loader runs it before it reads a tensor and then reads what it returns; the launch step
 (workers/prepare.py) runs it before any process starts, so a checkpoint the server cannot load
 is refused with exit status 2 instead of failing in each worker.
@@ -26,6 +30,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
+from .gguf_file import GgufError, open_gguf, plan_tensors, view_source
 
 __all__ = ["FLOAT_DTYPES", "Checkpoint", "ModelLoadError", "check_checkpoint", "expected_tensors",
            "safetensors_files"]
@@ -43,10 +48,12 @@ class ModelLoadError(RuntimeError):
 @dataclass(frozen=True)
 class Checkpoint:
     """A checked checkpoint: per shard file, the (stored name, expected name) of each tensor to
-    read, in file order (ignored tensors left out)."""
+    read, in file order (ignored tensors left out). ``gguf``: one GGUF file (stored names are
+    llama.cpp's), not safetensors shards."""
 
     files: dict[Path, list[tuple[str, str]]]
     nbytes: int  # the shard files' sizes together
+    gguf: bool = False
 
     @property
     def tensors(self) -> int:
@@ -146,6 +153,14 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
     refuse them."""
     path = Path(path)
     expected = expected_tensors(args)
+    source = None
+    try:
+        source = view_source(path)
+        if source is not None:
+            return Checkpoint({source: plan_tensors(open_gguf(source), expected, args.num_hidden_layers)},
+                              os.path.getsize(source), gguf=True)
+    except GgufError as e:
+        raise ModelLoadError(f"{source or path}: {e}") from None
     files: dict[Path, list[tuple[str, str]]] = {}
     seen: dict[str, Path] = {}
     unexpected: list[str] = []

@@ -38,7 +38,9 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `rope_type` is "llama3" (Llama 3.1+) or "linear"."""
+    """RoPE frequency scaling. `rope_type` is "llama3" (Llama 3.1+), "linear", or "freq_factors":
+    llama.cpp's per-frequency divisors (a GGUF file's ``rope_freqs`` tensor, as its model view
+    writes them: ``{"rope_type": "freq_factors", "factors": [...]}``, one per rotary pair)."""
 
     rope_type: str
     factor: float
@@ -46,6 +48,8 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # freq_factors only: frequency i is divided by factors[i]
+    factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,9 @@ class ModelArgs:
         max_pos = get_int("max_position_embeddings", 4096 if arch == "llama" else None)
 
         rope_theta, rope_scaling = _parse_rope(cfg, err, max_pos)
+        if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != head_dim // 2:
+            raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, head_dim {head_dim} needs "
+                      f"{head_dim // 2}")
 
         # Bias layout differs per family: Llama/Qwen3 `attention_bias` covers q,k,v,o; Qwen2 always
         # has q,k,v bias and never o bias (its config has no attention_bias key at all).
@@ -270,8 +277,15 @@ def _parse_rope(cfg: Mapping[str, Any], err: Any, max_pos: int) -> tuple[float, 
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "freq_factors":
+        factors = params.get("factors")
+        if (not isinstance(factors, list) or not factors
+                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
+            raise err(f"{key}.factors", f"must be a list of positive numbers, got {factors!r}")
+        return float(theta), RopeScaling("freq_factors", 1.0, factors=tuple(float(f) for f in factors))
     if rope_type not in ("llama3", "linear"):
-        raise err(f"{key}.rope_type", f"unsupported RoPE scaling type {rope_type!r} (supported: default, llama3, linear)")
+        raise err(f"{key}.rope_type", f"unsupported RoPE scaling type {rope_type!r} (supported: default, llama3, "
+                  "linear, freq_factors)")
 
     def num(name: str, default: float | None = None) -> float:
         v = params.get(name, default)

@@ -73,10 +73,13 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in fp32, with Llama 3.1 / linear scaling exactly as
-    transformers' `_compute_llama3_parameters` / `_compute_linear_scaling_rope_parameters`."""
+    transformers' `_compute_llama3_parameters` / `_compute_linear_scaling_rope_parameters`, and
+    llama.cpp's per-frequency factors (a GGUF's `rope_freqs`) as llama.cpp applies them."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "freq_factors":  # llama.cpp's rope_freqs: theta_i / factors[i]
+        return inv_freq / torch.tensor(scaling.factors, dtype=torch.float32)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type != "llama3":

@@ -2,7 +2,8 @@
 
 Which tensors a checkpoint must hold, and their checks, are workers/models/checkpoint.py's (shared
 with the launch step, which refuses a checkpoint before any worker starts); this module maps each
-of them into the model and reads it."""
+of them into the model and reads it. A GGUF model view (workers/models/gguf_view.py) is read the
+same way, its tensors from the GGUF file (workers/models/gguf_loader.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from safetensors import safe_open
 
 from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safetensors_files
 from .config import ModelArgs, ModelConfigError
+from .gguf_file import GgufError, open_gguf
+from .gguf_loader import Int8Target, load_gguf
 from .llama import DecoderLM
 from .sharding import Shard, TensorParallel
 
@@ -122,6 +125,7 @@ def load_model(
     max_positions: int | None = None,
     args: ModelArgs | None = None,
     tp: TensorParallel | None = None,
+    int8: Int8Target | None = None,
 ) -> tuple[DecoderLM, ModelArgs]:
     """Build a DecoderLM from a Hugging Face model directory and load its safetensors weights.
 
@@ -131,7 +135,10 @@ def load_model(
     shard of each tensor (workers/models/sharding.py). Raises ModelConfigError for a bad
     config.json, and ModelLoadError for weight files that ``checkpoint.check_checkpoint`` refuses
     (missing, unexpected or mis-shaped tensors, unreadable or truncated files) before anything
-    is allocated. Returns the model in eval mode and its ModelArgs.
+    is allocated. ``int8`` (``quantize: w8a16``; workers/backends/int8.py ``Int8Target``): a GGUF
+    model's linears are quantised while they are read (``model.int8_at_load`` set); a safetensors
+    checkpoint ignores it (the caller quantises after the load). Returns the model in eval mode and
+    its ModelArgs.
     """
     path = Path(path)
     t0 = time.monotonic()
@@ -143,9 +150,10 @@ def load_model(
     checkpoint = check_checkpoint(path, args)
     expected = expected_tensors(args)
     log.info(
-        "loading %s model from %s: %d layers, hidden %d, vocab %d, %s on %s, %d shard(s)",
-        args.arch, path, args.num_hidden_layers, args.hidden_size, args.vocab_size,
-        str(dtype).removeprefix("torch."), device, len(checkpoint.files),
+        "loading %s model from %s: %d layers, hidden %d, vocab %d, %s on %s, %s",
+        args.arch, next(iter(checkpoint.files)) if checkpoint.gguf else path, args.num_hidden_layers,
+        args.hidden_size, args.vocab_size, str(dtype).removeprefix("torch."), device,
+        "GGUF" if checkpoint.gguf else f"{len(checkpoint.files)} shard(s)",
     )
 
     # Allocate straight on the target device. DecoderLM skips random init, so this is just
@@ -165,7 +173,13 @@ def load_model(
     slots = _param_slots(model, shard)
     if slots.keys() != expected.keys():  # the model and checkpoint.py disagree: a bug, not a checkpoint's fault
         raise RuntimeError(f"loader and checkpoint.expected_tensors disagree on {sorted(slots.keys() ^ expected.keys())}")
-    for n, (file, entries) in enumerate(checkpoint.files.items(), 1):
+    if checkpoint.gguf:
+        (file, entries), = checkpoint.files.items()
+        try:
+            load_gguf(model, slots, open_gguf(file), entries, shard=shard, int8=int8)
+        except GgufError as e:
+            raise ModelLoadError(f"{file}: {e}") from None
+    for n, (file, entries) in enumerate(() if checkpoint.gguf else checkpoint.files.items(), 1):
         t_shard = time.monotonic()
         nbytes = 0
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -1,0 +1,207 @@
+"""Tiny GGUF files for the tests, written with the ``gguf`` package the way llama.cpp's converter
+(convert_hf_to_gguf.py) writes a Hugging Face model: its metadata keys, its tensor names (the
+gguf package's own table), q/k permuted for the llama architecture, 1-D tensors in F32, the
+tokenizer as metadata (a byte-level BPE as ``gpt2``, or a SentencePiece-style vocabulary as
+``llama``).
+
+Tensor types: those ``gguf.quants`` can write (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are
+quantised from the model's weights. The K-quants (Q4_K, Q5_K, Q6_K) have no Python quantiser:
+their tensors are random blocks (random bytes, with the fp16 super-block scales set so that the
+values stay small), which the reference (transformers loading the same file) and the server
+dequantise alike.
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+CORPUS = ("The quick brown fox jumps over the lazy dog. Hello, world! What is deep learning? "
+          "def main():\n    return 42\n  indented   spaces\tand tabs. Numbers 12345 and 67.89; "
+          "über café naïve — 你好世界 こんにちは 🙂🚀 ") * 20
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Where each K-quant keeps its fp16 super-block scale(s) in a block, and a value that keeps the
+# dequantised weights under ~0.1 (ggml's block_q4_K / block_q5_K: d, dmin first; block_q6_K: d last).
+_K_SCALES = {Q.Q4_K: ((0, 1e-4), (2, 1e-4)), Q.Q5_K: ((0, 5e-5), (2, 5e-5)), Q.Q6_K: ((208, 2e-5),)}
+
+
+def byte_level_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE (GPT-2 style) trained on ``CORPUS``; ids 0-2 are <|endoftext|>,
+    <|im_start|>, <|im_end|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    return tok
+
+
+def gpt2_vocab(tok) -> dict[str, Any]:
+    """The metadata llama.cpp writes for a byte-level BPE tokenizer."""
+    import json
+    model = json.loads(tok.to_str())["model"]
+    vocab = tok.get_vocab()
+    tokens = [""] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [gguf.TokenType.CONTROL if t.startswith("<|") and t.endswith("|>") else gguf.TokenType.NORMAL
+             for t in tokens]
+    return {"model": "gpt2", "pre": "gpt-2", "tokens": tokens, "types": types, "merges": merges, "bos": 1, "eos": 2,
+            "pad": 0, "unk": None, "add_bos": False, "template": CHATML}
+
+
+def spm_vocab() -> dict[str, Any]:
+    """A SentencePiece-style vocabulary (``llama`` tokenizer: <unk> <s> </s>, 256 byte tokens,
+    pieces with scores, no merges: transformers derives them), as Llama 2 and Mistral files have."""
+    pieces = ["\u2581"] + list(string.ascii_lowercase + string.ascii_uppercase + string.digits + ".,!?'():;-")
+    merged = ["\u2581t", "he", "\u2581th", "\u2581the", "in", "er", "an", "\u2581a", "\u2581w", "or", "en", "on", "re",
+              "at", "\u2581s", "\u2581o", "ou", "it", "is", "\u2581i", "\u2581is", "ing", "\u2581in", "ll", "\u2581h",
+              "\u2581he", "\u2581hel", "lo", "\u2581hello", "\u2581d", "ee", "\u2581de", "\u2581dee", "\u2581deep"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces + merged
+    scores = [0.0] * 259 + [-1000.0 - i for i in range(len(pieces))] + [-float(i) for i in range(len(merged))]
+    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+             + [gguf.TokenType.NORMAL] * (len(pieces) + len(merged)))
+    return {"model": "llama", "pre": "default", "tokens": tokens, "types": types, "scores": scores, "bos": 1, "eos": 2,
+            "pad": None, "unk": 0, "add_bos": True, "template": PLAIN_TEMPLATE}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: Hugging Face's rope row order -> llama.cpp's."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _random_k_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
+    for offset, value in _K_SCALES[qtype]:
+        raw[..., offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
+def _llama3_factors(dim: int, theta: float, rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a Llama 3.1 rope scaling (convert_hf_to_gguf.py,
+    ``LlamaModel.generate_extra_tensors``): one divisor per rotary frequency."""
+    import math
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, Any], *, name: str = "tiny",
+               types: dict[str, Q] | None = None, default: Q = Q.F32, seed: int = 0) -> Path:
+    """``model`` (a transformers causal LM) as a GGUF file of architecture ``arch`` (llama, qwen2,
+    qwen3; Mistral: "llama" with a name saying mistral, as llama.cpp writes it). ``types``: the
+    type of each 2-D tensor by its llama.cpp kind ("token_embd", "output", "attn_q", ...), else
+    ``default``."""
+    cfg = model.config
+    types = types or {}
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    theta = float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch == "llama":
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    if "merges" in vocab:
+        w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    if vocab.get("unk") is not None:
+        w.add_unk_token_id(vocab["unk"])
+    if vocab.get("pad") is not None:
+        w.add_pad_token_id(vocab["pad"])
+    w.add_add_bos_token(vocab["add_bos"])
+    w.add_chat_template(vocab["template"])
+
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, theta, rope))
+
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
+    for hf, t in model.state_dict().items():
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = hf.rpartition(".")
+        gname = f"{names.get_name(base)}.{suffix}"
+        data = t.detach().float().numpy()
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+            data = _permute(data, cfg.num_attention_heads if ".attn_q." in gname else cfg.num_key_value_heads)
+        kind = gname.split(".")[-2] if gname.startswith("blk.") else gname.split(".")[0]
+        qtype = types.get(kind, default) if data.ndim == 2 else Q.F32
+        if qtype == Q.F32:
+            w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(gname, data.astype(np.float16))
+        elif qtype in K_QUANTS:
+            w.add_tensor(gname, _random_k_blocks(qtype, data.shape, rng), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_model(cls_name: str, vocab_size: int, **config: Any) -> torch.nn.Module:
+    """A seeded random transformers model (norms and biases randomised too: mapping mistakes show)."""
+    import transformers
+    base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                eos_token_id=2)
+    cfg = getattr(transformers, cls_name)(**{**base, **config})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    return model

@@ -1,0 +1,404 @@
+"""GGUF checkpoints (llama.cpp's one-file format), read with the ``gguf`` package; torch-free.
+
+A GGUF file holds the model's hyper-parameters and tokenizer as metadata and its tensors, under
+llama.cpp's names, in one of ggml's types. This module is everything about such a file that needs
+no torch:
+
+- ``find_gguf(path)``: the file ``modelWeightPath`` names, itself or the one ``*.gguf`` of a folder
+  that has no config.json (several: refused, naming them; a split file: refused);
+- ``open_gguf(path)``: its header, read with the ``gguf`` package's own reader, with the parsing
+  of the large metadata arrays (the tokenizer's 50-150k strings, which only the launch step's
+  tokenizer conversion reads, through transformers) skipped: 0.05 s instead of 4 s for SmolLM2;
+  a truncated or corrupt file raises ``GgufError`` saying so;
+- ``hf_config(g)``: the Hugging Face ``config.json`` / ``generation_config.json`` the metadata
+  describes (architectures llama, mistral, qwen2, qwen3; anything else refused, named);
+- ``plan_tensors(g, expected)``: every tensor the model needs (by Hugging Face name, from
+  ``workers.models.checkpoint.expected_tensors``) found under its llama.cpp name (the ``gguf``
+  package's own name table), with the shape the config implies and a type the loader
+  dequantises (``LOADABLE_TYPES``); missing, unexpected, mis-shaped or unsupported tensors named;
+- ``view_source(dir)``: the GGUF file behind a model view (the folder ``gguf_view`` makes, whose
+  ``mindie_gguf.json`` names the file), refused when the file changed since the view was made.
+
+The loader (workers/models/gguf_loader.py) reads the tensors, dequantised with
+``gguf.quants.dequantize``; the launch step (workers/prepare.py) makes the view.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
+from gguf import get_tensor_name_map
+
+__all__ = ["GgufError", "GgufFile", "LOADABLE_TYPES", "MARKER", "SUPPORTED_ARCHS", "TensorRef", "find_gguf",
+           "hf_config", "is_gguf_path", "open_gguf", "plan_tensors", "view_source"]
+
+# The model view's record of the file it stands for (workers/models/gguf_view.py writes it).
+MARKER = "mindie_gguf.json"
+
+T = GGMLQuantizationType
+# The tensor types the loader dequantises (gguf.quants.dequantize has every one of them).
+LOADABLE_TYPES: tuple[GGMLQuantizationType, ...] = (
+    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+
+# general.architecture -> the Hugging Face model_type and class. llama.cpp writes Mistral models
+# (MistralForCausalLM) as "llama" (``mistral_of`` tells them apart).
+SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+GGUF_MAGIC = b"GGUF"
+# Llama 3.1+'s rope scaling, stored as a tensor; read into the config, not loaded as a weight.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+class GgufError(ValueError):
+    """The GGUF file cannot be served; the message says why (the caller names the file/key)."""
+
+
+def is_gguf_path(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a file that starts with the GGUF magic (cheap: 4 bytes)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def find_gguf(path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file ``path`` (``modelWeightPath``) stands for, or None when it is not one (a
+    Hugging Face folder, or nothing there). A file is taken when its name ends in ``.gguf`` or it
+    starts with the GGUF magic; a folder without config.json holding ``*.gguf`` files must hold
+    exactly one (several: GgufError naming them, so that the operator names the one to serve)."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" or is_gguf_path(p) else None
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    found = sorted(f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
+    if len(found) > 1:
+        raise GgufError(f"holds {len(found)} GGUF files ({', '.join(f.name for f in found)}): set modelWeightPath to "
+                        "the one to serve")
+    return found[0] if found else None
+
+
+class _HeaderReader(GGUFReader):
+    """``gguf.GGUFReader`` with two shortcuts for a fast header read; the tensors, the scalar
+    metadata and the file layout are its own:
+
+    - it parses through a plain ndarray view of its memory map, not the ``np.memmap`` subclass
+      (whose per-slice bookkeeping was 60 % of the time);
+    - metadata arrays are skipped, not parsed element by element (one numpy view per element: 3 s
+      for SmolLM2's 49152 tokens and 48900 merges); their fields keep their type and length
+      (``array_length``) but no contents.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        if type(self.data) is np.memmap:  # the first read, in __init__: from now on a plain view of the map
+            self._map = self.data
+            self.data = self.data.view(np.ndarray)
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+        if itype == GGUFValueType.STRING:
+            buf = self.data
+            for _ in range(n):  # each string: a u64 length, then its bytes
+                offs += 8 + int(buf[offs:offs + 8].view(np.uint64)[0])
+        elif (np_type := self.gguf_scalar_to_np.get(GGUFValueType(itype))) is not None:
+            offs += n * np.dtype(np_type).itemsize
+        else:  # nested arrays: none in the files this serves; the reader's own (slow) parse
+            return super()._get_field_parts(orig_offs, raw_type)
+        if offs > len(self.data):
+            raise ValueError(f"metadata array of {n} items runs past the end of the file")
+        return offs - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, GGUFValueType(itype)]
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        # A tensor the header places past the end of the file: say so (the reader's own error is
+        # numpy's "cannot reshape array of size ...").
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            try:
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            except (ValueError, KeyError):
+                raise GgufError(f"tensor {bytes(name).decode(errors='replace')} has an unknown type number "
+                                f"{int(raw_type[0])}") from None
+            end = start_offs + int(offset[0]) + int(np.prod(dims, dtype=np.uint64)) * size // block
+            if end > len(self.data):
+                raise GgufError(f"truncated: tensor {bytes(name).decode(errors='replace')} ends at byte {end}, "
+                                f"the file has {len(self.data)}")
+        super()._build_tensors(start_offs, fields)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of the file: its type, its shape in torch order ([out, in] for a matrix), and
+    ``data``: its bytes as the reader maps them (rows x bytes-per-row for the block types, a float
+    array for F32/F16), not read until used."""
+
+    name: str
+    type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+    offset: int
+    nbytes: int
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(values per block, bytes per block) of its type (1, item size for the float types)."""
+        return GGML_QUANT_SIZES[self.type]
+
+
+class GgufFile:
+    """A GGUF file's header: metadata (scalars and strings; arrays by length only) and tensors."""
+
+    def __init__(self, path: Path, reader: GGUFReader):
+        self.path = path
+        self.size = path.stat().st_size
+        self._reader = reader
+        self.tensors: dict[str, TensorRef] = {}
+        for t in reader.tensors:
+            self.tensors[t.name] = TensorRef(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())),
+                                             t.data, int(t.data_offset), int(t.n_bytes))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A scalar or string metadata value (``default`` when absent; arrays: see ``array_length``)."""
+        field = self._reader.fields.get(key)
+        if field is None or not field.types:
+            return default
+        if field.types[0] == GGUFValueType.ARRAY:
+            if field.data:  # parsed (a nested array the fast reader left to gguf)
+                return field.contents()
+            return default
+        return field.contents()
+
+    def array_length(self, key: str) -> int | None:
+        field = self._reader.fields.get(key)
+        if field is None or not field.types or field.types[0] != GGUFValueType.ARRAY:
+            return None
+        return int(field.parts[4][0]) if not field.data else len(field.data)
+
+    @property
+    def arch(self) -> str:
+        return str(self.get("general.architecture", ""))
+
+    def arch_key(self, suffix: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{suffix}", default)
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GgufFile:
+    """The header of the GGUF file at ``path`` (the tensors memory-mapped, none read); GgufError
+    when it is not a readable GGUF file (truncated, corrupt, another format)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except OSError as e:
+        raise GgufError(f"cannot read it: {e}") from None
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GgufError(f"cannot read it: {e}") from None
+    if magic != GGUF_MAGIC:
+        raise GgufError(f"not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    try:
+        try:
+            reader: GGUFReader = _HeaderReader(p)
+        except GgufError:
+            raise
+        except Exception:  # noqa: BLE001  (a gguf release whose internals the shortcuts no longer fit)
+            reader = GGUFReader(p)  # the reader's own parse: slower, and its own error if the file is bad
+    except GgufError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
+        # numpy's reshape/index errors: a header or tensor that runs past the end of the file
+        raise GgufError(f"not a readable GGUF file, truncated or corrupt (the file has {size} bytes): "
+                        f"{type(e).__name__}: {e}") from None
+    except OSError as e:
+        raise GgufError(f"cannot read it: {e}") from None
+    g = GgufFile(p, reader)
+    splits = g.get("split.count")
+    if splits is not None and int(splits) > 1:
+        raise GgufError(f"is part {int(g.get('split.no', 0)) + 1} of a GGUF split in {int(splits)} files: merge them "
+                        "into one (llama.cpp's llama-gguf-split --merge) and serve that")
+    return g
+
+
+def mistral_of(g: GgufFile) -> bool:
+    """A llama-architecture file converted from a Mistral model: llama.cpp writes those as
+    "llama"; the name says Mistral, or the file has a sliding window (llama has none)."""
+    return g.arch == "llama" and ("mistral" in str(g.get("general.name", "")).lower()
+                                  or g.arch_key("attention.sliding_window") is not None)
+
+
+def _positive(g: GgufFile, suffix: str, cast: type = int, default: Any = None) -> Any:
+    v = g.arch_key(suffix, default)
+    if v is None:
+        raise GgufError(f"metadata {g.arch}.{suffix} is missing")
+    try:
+        v = cast(v)
+    except (TypeError, ValueError):
+        raise GgufError(f"metadata {g.arch}.{suffix} is {v!r}, not a number") from None
+    if v <= 0:
+        raise GgufError(f"metadata {g.arch}.{suffix} must be positive, got {v!r}")
+    return v
+
+
+def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json, generation_config.json) of the model the metadata describes; GgufError for an
+    architecture the decoder does not have, or metadata it cannot serve."""
+    arch = g.arch
+    if arch not in SUPPORTED_ARCHS:
+        raise GgufError(f"general.architecture {arch!r} is not supported (supported: "
+                        f"{', '.join(sorted(SUPPORTED_ARCHS))}, and mistral as llama.cpp writes it: llama)")
+    model_type, cls = ("mistral", "MistralForCausalLM") if mistral_of(g) else SUPPORTED_ARCHS[arch]
+    hidden = _positive(g, "embedding_length")
+    heads = _positive(g, "attention.head_count")
+    kv = _positive(g, "attention.head_count_kv", default=heads)
+    head_dim = _positive(g, "attention.key_length", default=hidden // heads)
+    vocab = g.arch_key("vocab_size") or g.array_length("tokenizer.ggml.tokens")
+    if not vocab and "token_embd.weight" in g.tensors:
+        vocab = g.tensors["token_embd.weight"].shape[0]
+    if not vocab:
+        raise GgufError(f"metadata {arch}.vocab_size is missing and the file has no token list")
+    cfg: dict[str, Any] = {
+        "architectures": [cls], "model_type": model_type, "hidden_act": "silu",
+        "vocab_size": int(vocab), "hidden_size": hidden,
+        "intermediate_size": _positive(g, "feed_forward_length"),
+        "num_hidden_layers": _positive(g, "block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "rms_norm_eps": _positive(g, "attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": _positive(g, "rope.freq_base", float, 10000.0),
+        "max_position_embeddings": _positive(g, "context_length", default=4096),
+        # llama.cpp writes the output projection only when it is not the embedding
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+    }
+    if model_type == "llama":  # biases (Llama's attention_bias covers q, k, v and o; mlp_bias the MLP)
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+        cfg["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+    if model_type == "mistral":  # llama.cpp computes a "llama" file without a window unless it has the key
+        cfg["sliding_window"] = g.arch_key("attention.sliding_window")
+    rope = str(g.arch_key("rope.scaling.type", "none") or "none")
+    freqs = g.tensors.get(ROPE_FREQS)
+    if rope == "linear" and freqs is None:
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _positive(g, "rope.scaling.factor", float)}
+    elif rope not in ("none", "linear"):
+        raise GgufError(f"metadata {arch}.rope.scaling.type {rope!r} is not supported (supported: none, linear, and "
+                        "the rope_freqs tensor)")
+    if freqs is not None:  # Llama 3.1+'s scaling: one divisor per rotary frequency, as llama.cpp applies them
+        if rope == "linear":
+            raise GgufError(f"both {arch}.rope.scaling.type linear and a {ROPE_FREQS} tensor: not supported")
+        if freqs.type not in (T.F32, T.F16) or freqs.shape != (head_dim // 2,):
+            raise GgufError(f"tensor {ROPE_FREQS} is {freqs.type.name} {list(freqs.shape)}, expected F32 "
+                            f"[{head_dim // 2}]")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors",
+                               "factors": [float(x) for x in np.asarray(freqs.data, dtype=np.float32)]}
+    types = {t.type for t in g.tensors.values() if len(t.shape) > 1}
+    if types <= {T.F32, T.F16, T.BF16}:  # a float file: its half type is the checkpoint's dtype ("auto")
+        cfg["torch_dtype"] = "bfloat16" if T.BF16 in types else "float16" if T.F16 in types else "float32"
+    gen: dict[str, Any] = {}
+    for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                    ("padding_token_id", "pad_token_id")):
+        v = g.get(f"tokenizer.ggml.{key}")
+        if v is not None:
+            cfg[hf] = int(v)
+            gen[hf] = int(v)
+    # llama.cpp ends generation at any end-of-generation token: eos, and eot/eom where the file has them
+    eog = [int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if (v := g.get(f"tokenizer.ggml.{k}")) is not None]
+    if eog:
+        gen["eos_token_id"] = list(dict.fromkeys(eog)) if len(set(eog)) > 1 else eog[0]
+    return cfg, gen
+
+
+def _llama_cpp_arch(g: GgufFile) -> Any:
+    for key, name in MODEL_ARCH_NAMES.items():
+        if name == g.arch:
+            return key
+    raise GgufError(f"general.architecture {g.arch!r} is not one the gguf package knows")
+
+
+def gguf_name(name_map: Any, hf_name: str) -> str | None:
+    """llama.cpp's name of the Hugging Face tensor ``hf_name`` (the gguf package's own table)."""
+    base, _, suffix = hf_name.rpartition(".")
+    mapped = name_map.get_name(base)
+    return f"{mapped}.{suffix}" if mapped else None
+
+
+def plan_tensors(g: GgufFile, expected: dict[str, tuple[int, ...]], num_layers: int) -> list[tuple[str, str]]:
+    """(GGUF name, Hugging Face name) of every tensor of ``expected`` (HF name -> shape), in file
+    order; GgufError naming tensors that are missing, unexpected, of another shape or of a type the
+    loader does not dequantise."""
+    name_map = get_tensor_name_map(_llama_cpp_arch(g), num_layers)
+    wanted: dict[str, str] = {}
+    for hf in expected:
+        gn = gguf_name(name_map, hf)
+        if gn is None:  # the decoder and gguf's table disagree: a bug, not the file's fault
+            raise RuntimeError(f"no llama.cpp name for {hf}")
+        wanted[gn] = hf
+    out: list[tuple[str, str]] = []
+    unexpected, bad_type = [], []
+    for t in g.tensors.values():
+        hf = wanted.get(t.name)
+        if hf is None:
+            if t.name != ROPE_FREQS:  # read by hf_config
+                unexpected.append(t.name)
+            continue
+        if t.shape != tuple(expected[hf]):
+            raise GgufError(f"tensor {t.name} has shape {list(t.shape)}, the metadata implies {list(expected[hf])}")
+        if t.type not in LOADABLE_TYPES:
+            bad_type.append(f"{t.name} ({t.type.name})")
+            continue
+        out.append((t.name, hf))
+    if bad_type:
+        raise GgufError(f"tensor type(s) not supported: {_names(bad_type)} (supported: "
+                        f"{', '.join(x.name for x in LOADABLE_TYPES)})")
+    missing = [n for n in wanted if n not in g.tensors]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_names(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_names(unexpected)}")
+        raise GgufError(f"tensors do not match its metadata ({g.arch}): " + "; ".join(parts))
+    return out
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def file_key(path: Path) -> dict[str, Any]:
+    """What identifies the file a view was made from: its path, size and modification time."""
+    st = path.stat()
+    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def view_source(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file behind the model view ``model_dir`` (None: not a view, an ordinary Hugging
+    Face folder); GgufError when the file is gone or changed since the view was made."""
+    marker = Path(model_dir) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        rec = json.loads(marker.read_text(encoding="utf-8"))
+        path = Path(rec["gguf"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GgufError(f"{marker}: unreadable ({e})") from None
+    try:
+        now = file_key(path)
+    except OSError as e:
+        raise GgufError(f"{path} (the GGUF file of {model_dir}): {e}") from None
+    if (now["size"], now["mtime_ns"]) != (rec.get("size"), rec.get("mtime_ns")):
+        raise GgufError(f"{path} changed since its model view {model_dir} was made (size or modification time): "
+                        "restart the server to read it again")
+    return path

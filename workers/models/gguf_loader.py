@@ -1,0 +1,240 @@
+"""Read a GGUF file's tensors into a DecoderLM: dequantised at load, one piece at a time.
+
+``workers.models.loader.load_model`` builds the model and maps every Hugging Face tensor name to
+where it goes (``Slot``: a parameter's rows, a tensor-parallel rank's slice); for a GGUF model
+view it calls ``load_gguf`` instead of reading safetensors. For each tensor of the file:
+
+- only the rows (and, for a row-parallel weight, the columns) this rank holds are read from the
+  memory-mapped file; a column range on ggml block boundaries is cut from the raw bytes, any
+  other (a split that does not fall on blocks) is dequantised a row chunk at a time and cut;
+- the bytes are dequantised by ``gguf.quants.dequantize`` (llama.cpp's own Python decoders; no
+  block format is decoded here) to fp32, at most ``CHUNK_VALUES`` values at a time, and copied
+  into the parameter, cast to the model dtype; the file's pages are then dropped from this
+  process (``madvise``), so the load's peak is the final weights plus one chunk;
+- llama-architecture files (Llama, Mistral) hold q and k with llama.cpp's rope row order
+  (``convert_hf_to_gguf.py`` ``LlamaModel.permute``): each head's rows are put back in Hugging
+  Face order, as transformers' GGUF loader does (``_reverse_permute_weights``);
+- with an ``int8`` target (``quantize: w8a16``) the linear layers go straight to int8: each
+  chunk's fp32 rows are quantised per output channel as ``workers/backends/int8.py`` does after a
+  load (so the result equals dequantise-then-quantise exactly: the scales are per row), and the
+  model-dtype matrix is never filled. A Q8_0 tensor's own int8 values cannot be kept as they
+  are: Q8_0 has one scale per 32 inputs, the int8 layout one per output channel; they are kept
+  exactly in a row whose blocks share one scale, and requantised to the row's largest otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import time
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from .gguf_file import GgufFile
+
+__all__ = ["CHUNK_VALUES", "Int8Target", "load_gguf"]
+
+log = logging.getLogger("workers.models")
+
+# Values dequantised at once (fp32): 8 MiB, the transient on top of the final weights.
+CHUNK_VALUES = 1 << 21
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+_PAGE = mmap.PAGESIZE
+
+
+class Int8Target(Protocol):
+    """workers/backends/int8.py ``Int8Target`` (this layer cannot import the backends)."""
+
+    def quantize_(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def linear(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+               device: torch.device) -> torch.nn.Module: ...
+
+    def loaded(self, count: int) -> None: ...
+
+
+def _release(g: GgufFile, offset: int, nbytes: int) -> None:
+    """Drop the file's pages of one tensor from this process's memory (they were read; the page
+    cache keeps them). Best effort: a failure only costs resident memory."""
+    m = getattr(getattr(g._reader, "_map", None), "_mmap", None)
+    if m is None or nbytes <= 0:
+        return
+    start = offset - offset % _PAGE
+    try:
+        m.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, len(m)) - start)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, None elsewhere. The chunks' temporaries raise glibc's dynamic mmap
+    threshold, after which freed blocks stay in the heap, resident: trimming after each tensor keeps
+    a w8a16 load at 1.4x its weights instead of 2.2x (SmolLM2; docs/performance.md, "GGUF load")."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    return fn
+
+
+class _Reader:
+    """The dequantised values of one GGUF tensor, in row chunks, for a range of rows/columns."""
+
+    def __init__(self, t: Any, unpermute: bool = False, head_dim: int = 0):
+        """``unpermute``: q or k of a llama-architecture file (rows in llama.cpp's rope order)."""
+        self.t = t
+        self.bs, self.ts = t.block
+        self.unpermute = unpermute
+        self.head_dim = head_dim
+
+    def chunks(self, r0: int, r1: int, c0: int | None = None, c1: int | None = None):
+        """(first row offset from r0, fp32 ndarray) pieces covering rows r0..r1 (columns c0..c1)."""
+        t = self.t
+        data = t.data
+        if len(t.shape) == 1:  # norms, biases: F32 in practice; a block type is dequantised whole, then cut
+            if t.type in _FLOAT_TYPES:
+                yield 0, self._values(data[r0:r1])
+            else:
+                yield 0, self._values(data)[r0:r1]
+            return
+        cols = t.shape[1] if c0 is None else c1 - c0
+        unit = self.head_dim if self.unpermute else 1
+        step = max(unit, (CHUNK_VALUES // max(cols, 1)) // unit * unit)
+        for a in range(r0, r1, step):
+            b = min(a + step, r1)
+            raw = data[a:b]
+            if c0 is None:
+                yield a - r0, self._values(raw)
+            elif t.type in _FLOAT_TYPES:  # mapped as a float array
+                yield a - r0, self._values(raw[:, c0:c1])
+            elif c0 % self.bs == 0 and c1 % self.bs == 0:  # whole blocks (BF16: 1 value): cut the bytes
+                yield a - r0, self._values(raw[:, c0 // self.bs * self.ts:c1 // self.bs * self.ts])
+            else:  # the split falls inside blocks: the whole rows, then the columns
+                yield a - r0, self._values(raw)[:, c0:c1]
+
+    def _values(self, raw: np.ndarray) -> np.ndarray:
+        v = dequantize(raw, self.t.type)
+        if self.unpermute:  # llama.cpp's rope order -> Hugging Face's, head by head (whole heads only)
+            d = self.head_dim
+            v = v.reshape(-1, d // 2, 2, *v.shape[1:]).swapaxes(1, 2).reshape(v.shape)
+        return v
+
+
+def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tuple[str, str]], *,
+              shard: Any = None, int8: Int8Target | None = None) -> int:
+    """Fill ``model`` (built, its parameters allocated) from ``g``: ``entries`` are (GGUF name, HF
+    name) as ``gguf_file.plan_tensors`` checked them, ``slots`` the loader's HF name -> Slot. With
+    ``int8``: the linear layers are replaced by int8 ones, quantised chunk by chunk. Returns the
+    bytes of the file read."""
+    t0 = time.monotonic()
+    args = model.args
+    permute = g.arch == "llama"  # llama.cpp permutes q/k of the llama architecture only (Llama, Mistral)
+    dtype = model.embed_tokens.weight.dtype
+    device = model.embed_tokens.weight.device
+    int8_of = _int8_buffers(model, shard) if int8 is not None else {}
+    trim = _malloc_trim()
+    nbytes = 0
+    with torch.no_grad():
+        for gname, hf in entries:
+            slot = slots[hf]
+            t = g.tensors[gname]
+            if slot.zero:
+                slot.param[slot.start:slot.start + slot.rows].zero_()
+                continue
+            if not slot.rows:
+                continue
+            qk = permute and (".attn_q." in gname or ".attn_k." in gname)
+            reader = _Reader(t, unpermute=qk, head_dim=args.head_dim)
+            n_rows = t.shape[0]
+            if slot.dim is None:
+                r0, r1, c0, c1 = 0, n_rows, None, None
+            elif slot.dim == 0:
+                r0, r1, c0, c1 = slot.src_start, slot.src_start + slot.rows, None, None
+            else:  # row-parallel: this rank's input columns, every row
+                r0, r1, c0, c1 = 0, n_rows, slot.src_start, slot.src_start + slot.param.shape[1]
+            target = int8_of.get(id(slot.param))
+            for off, values in reader.chunks(r0, r1, c0, c1):
+                if not values.flags.writeable or not values.flags.c_contiguous:  # F32: a view of the read-only map
+                    values = np.array(values, dtype=np.float32, order="C")
+                src = torch.from_numpy(values)  # fp32, this chunk's own (quantize_ overwrites it)
+                a = slot.start + off
+                if target is None:
+                    slot.param[a:a + src.shape[0]].copy_(src)
+                    if hf == "model.embed_tokens.weight" and "head" in int8_of:  # the tied head's int8 copy
+                        target = int8_of["head"]
+                if target is not None:  # straight to int8, per output channel (rows are independent)
+                    q, scale = int8.quantize_(src)
+                    target["q"][a:a + len(q)].copy_(q)
+                    target["scale"][a:a + len(q)].copy_(scale)
+                    target["left"] -= len(q)
+                    if target["left"] == 0 and "lin" in target:  # complete: packed now, the buffer freed
+                        _swap_one(target, int8, dtype, device)
+                    target = int8_of.get(id(slot.param))
+            # what this rank read: its rows (and columns) of the tensor
+            part = t.nbytes * (r1 - r0) // max(n_rows, 1)
+            nbytes += part if c0 is None else part * (c1 - c0) // max(t.shape[1], 1)
+            _release(g, t.offset, t.nbytes)
+            if trim is not None:
+                trim(0)
+        if int8 is not None:
+            int8.loaded(_swap_int8(model, int8_of, int8, dtype, device))
+    log.info("read %s: %.1f MiB of %s tensors, dequantised to %s%s in %.2f s", g.path.name, nbytes / 2**20,
+             "/".join(sorted({g.tensors[n].type.name for n, _ in entries})), str(dtype).removeprefix("torch."),
+             " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
+    return nbytes
+
+
+def _int8_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """Every linear ``quantize_model`` (workers/backends/int8.py) quantises: the decoder layers'
+    and the LM head; name -> (parent, attribute, module)."""
+    out = {}
+    for parent_name, parent in model.named_modules():
+        if not (parent_name == "layers" or parent_name.startswith("layers.") or parent_name == ""):
+            continue
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear) and (parent_name or name == "lm_head"):
+                out[f"{parent_name}.{name}" if parent_name else name] = (parent, name, child)
+    return out
+
+
+def _int8_buffers(model: torch.nn.Module, shard: Any) -> dict:
+    """id(weight) -> {"q": int8 [N, K], "scale": fp32 [N], "left": rows still to come, "lin": the
+    linear, "at": (parent, attribute)} for every linear to quantise, and "head" for a tied LM head
+    (the embedding's int8 copy; a tensor-parallel rank's vocabulary padding rows stay zero)."""
+    out: dict = {}
+    for _, (parent, name, lin) in _int8_linears(model).items():
+        n, k = lin.weight.shape  # every row is written: no zero fill
+        out[id(lin.weight)] = {"q": torch.empty(n, k, dtype=torch.int8), "scale": torch.empty(n), "left": n,
+                               "lin": lin, "at": (parent, name)}
+    if model.lm_head is None:
+        n, k = model.embed_tokens.weight.shape
+        rows = shard.vocab_rows if shard is not None else n
+        out["head"] = {"q": torch.zeros(n, k, dtype=torch.int8), "scale": torch.ones(n), "left": rows}
+    return out
+
+
+def _swap_one(b: dict, int8: Int8Target, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace a completed linear by its int8 layer, and let go of its buffer and model-dtype weight."""
+    parent, name = b.pop("at")
+    lin = b.pop("lin")
+    # The int8 layer's bias is a detached view of lin.bias (the same storage): a bias the file
+    # holds after the weight still lands in it.
+    setattr(parent, name, int8.linear(b.pop("q"), b.pop("scale"), lin.bias, dtype, device))
+
+
+def _swap_int8(model: torch.nn.Module, bufs: dict, int8: Int8Target, dtype: torch.dtype, device: torch.device) -> int:
+    """The tied head's int8 layer; every linear must have been swapped as it completed."""
+    count = 0
+    for key, b in bufs.items():
+        if key == "head":
+            model.logits_linear = int8.linear(b["q"], b["scale"], None, dtype, device)
+        elif "lin" in b:  # a linear whose rows did not all come: the loader and checkpoint.py disagree
+            raise RuntimeError(f"int8 load: {b['left']} rows of a linear layer were not read")
+        count += 1
+    model.int8_at_load = True  # workers/engine/assembly.py: nothing left for quantize_model
+    return count
