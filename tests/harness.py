@@ -39,9 +39,14 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model_path: str = "",
+def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model_path: str | None = None,
                  schedule: dict | None = None, deploy: dict | None = None, server: dict | None = None,
                  model: dict | None = None) -> Path:
+    """``model_path`` None: the random demo model (its directory, as a test names it); "": no
+    modelWeightPath, the default model."""
+    if model_path is None:
+        from workers.models.demo import ensure_demo_model
+        model_path = str(ensure_demo_model())
     cfg = {
         # One listener for MindIE's three planes (ALL_SAME): tests talk to one port unless they
         # split the planes on purpose.

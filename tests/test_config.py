@@ -181,7 +181,7 @@ def test_json_key_set_is_unchanged() -> None:
 def test_python_names_are_snake_case() -> None:
     c = Config()
     assert c.server.health_check.npu_usage_threshold == 10
-    assert c.backend.model_deploy.models[0].model_name == "demo"
+    assert c.backend.model_deploy.models[0].model_name == "SmolLM2-135M-Instruct"
     assert c.backend.schedule.max_n == 128 and c.log.dynamic_log_level == ""
     assert c.version == "1.0.0" and c.enable_dynamic_adjust_timeout is False
     assert msgspec.to_builtins(Config())["BackendConfig"]["ScheduleConfig"]["maxN"] == 128
@@ -206,7 +206,7 @@ def test_defaults_without_a_file() -> None:
     d = b.model_deploy
     assert (d.max_seq_len, d.max_input_token_len, d.truncation) == (2560, 2048, False)
     m = d.models[0]
-    assert m.model_name == "demo" and m.model_weight_path == "" and m.world_size == 0
+    assert m.model_name == "SmolLM2-135M-Instruct" and m.model_weight_path == "" and m.world_size == 0
     assert (m.npu_mem_size, m.cpu_mem_size, m.dtype) == (-1, 1, "auto")
     sch = b.schedule
     assert (sch.cache_block_size, sch.max_prefill_batch_size, sch.max_prefill_tokens) == (128, 50, 8192)
@@ -626,7 +626,13 @@ def test_model_name_follows_the_checkpoint_unless_given(tmp_path: Path) -> None:
     f = write(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [
         {"modelName": "llama_65b", "modelWeightPath": "w"}]}}})
     assert load_config(str(f), env={}).config.backend.model_deploy.models[0].model_name == "llama_65b"
-    assert load_config(None, env={}).config.backend.model_deploy.models[0].model_name == "demo"
+    # No checkpoint: the default model's name; the demo model (launch.sh --demo-model) as "demo".
+    assert load_config(None, env={}).config.backend.model_deploy.models[0].model_name == "SmolLM2-135M-Instruct"
+    demo = {"MINDIE_DEMO_MODEL": "1"}
+    assert load_config(None, env=demo).config.backend.model_deploy.models[0].model_name == "demo"
+    f = write(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"dtype": "float32"}]}}})
+    assert load_config(str(f), env=demo).config.backend.model_deploy.models[0].model_name == "demo"
+    assert load_config(str(f), env={}).config.backend.model_deploy.models[0].model_name == "SmolLM2-135M-Instruct"
     with pytest.raises(ConfigError, match=r"ModelConfig\[0\].modelName.*MINDIE_MODEL_NAME"):
         load_config(None, env={"MINDIE_MODEL_NAME": "bad name!"})
 

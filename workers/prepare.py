@@ -45,6 +45,7 @@ from mindie.contract.spec import (  # noqa: F401  (the defaults' functions, as b
     settle_engine, write_deployment)
 from workers.models.checkpoint import ModelLoadError, check_checkpoint
 from workers.models.config import ModelArgs, ModelConfigError
+from workers.models.default_model import DefaultModelMissing, default_model_file
 from workers.models.demo import ensure_demo_model
 from workers.models.gguf_file import GgufError, find_gguf
 from workers.models.gguf_view import ensure_view
@@ -70,11 +71,19 @@ def settle_deployment(dep: Deployment) -> Deployment:
         device_type = detect()
         log.info("deviceType auto -> %s", device_type)
     model_dir = first.model_path
-    demo = not model_dir
+    demo = not model_dir and os.environ.get("MINDIE_DEMO_MODEL") == "1"
+    default = not model_dir and not demo
     if demo:
         model_dir = str(ensure_demo_model())
-        log.info("no modelWeightPath configured: serving the built-in demo model at %s "
-                 "(random weights, its output is gibberish)", model_dir)
+        log.info("--demo-model: serving the built-in demo model at %s (random weights, its output is gibberish)",
+                 model_dir)
+    elif default:
+        try:
+            gguf = default_model_file()
+        except DefaultModelMissing as e:
+            raise SystemExit(f"{WEIGHT_PATH_KEY}: {e}") from None
+        log.info("no modelWeightPath configured: serving the default model, %s (%s)", first.model_name, gguf)
+        model_dir = _gguf_view(gguf)
     elif not os.path.exists(model_dir):
         raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} does not exist (a Hugging Face model directory or a "
                          ".gguf file is expected)")
@@ -87,7 +96,7 @@ def settle_deployment(dep: Deployment) -> Deployment:
         raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} has no config.json and no .gguf file (a Hugging Face model "
                          "directory or a .gguf file is expected)")
     return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers],
-                                   demo_model=demo)
+                                   demo_model=demo, default_model=default)
 
 
 WEIGHT_PATH_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath"

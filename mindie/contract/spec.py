@@ -139,6 +139,11 @@ def settle_engine(engine: EngineConfig, device_type: str, cpu_flags: str) -> Eng
         decode_hold_ms=decode_hold_default(device_type) if engine.decode_hold_ms is None else engine.decode_hold_ms)
 
 
+# The model served when none is configured (workers/models/default_model.py), and its name.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEMO_MODEL_NAME = "demo"  # the random-weight demo model's (launch.sh --demo-model)
+
+
 class WorkerSpec(msgspec.Struct, kw_only=True):
     """One device worker (one npuDeviceIds entry)."""
 
@@ -151,7 +156,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     insecure_tcp: bool = False
     device_type: str = "cpu"  # npu | cuda | cpu; "auto" until workers.prepare settles it
     device_ids: list[int] = []
-    model_path: str = ""  # "" until workers.prepare makes the built-in demo model
+    model_path: str = ""  # "" until workers.prepare settles it: the default model, or the demo model
     model_name: str = "demo"
     dtype: str = "auto"
     cpu_mem_gb: float = 1.0  # KV cache GiB on the CPU backend
@@ -181,6 +186,7 @@ class Deployment(msgspec.Struct, kw_only=True):
     run_dir: str
     workers: list[WorkerSpec]
     demo_model: bool = False  # the built-in demo model (random weights), made by workers.prepare
+    default_model: bool = False  # the default model (no model configured), found by workers.prepare
 
     @property
     def model_dir(self) -> str:

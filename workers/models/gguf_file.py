@@ -305,6 +305,11 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
     types = {t.type for t in g.tensors.values() if len(t.shape) > 1}
     if types <= {T.F32, T.F16, T.BF16}:  # a float file: its half type is the checkpoint's dtype ("auto")
         cfg["torch_dtype"] = "bfloat16" if T.BF16 in types else "float16" if T.F16 in types else "float32"
+    else:
+        # A quantised file's values are exact in no float type: "auto" computes it in bfloat16, which
+        # loses less than the quantisation did, where the device computes bf16 natively (float32 on
+        # CPUs without it; ModelConfig.dtype picks another).
+        cfg["torch_dtype"] = "bfloat16"
     gen: dict[str, Any] = {}
     for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                     ("padding_token_id", "pad_token_id")):

