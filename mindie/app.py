@@ -14,6 +14,7 @@ from mindie.api.control import StopInferResource, StopServiceResource
 from mindie.api.health import Health, HealthResource, LiveResource, ModelsResource, TimedHealthResource
 from mindie.api.generate import GenerateResource
 from mindie.api.infer import InferResource
+from mindie.api.lora import LoadLoraResource, UnloadLoraResource
 from mindie.api.metrics import MetricsJsonResource, MetricsResource
 from mindie.api.openai import openai_routes
 from mindie.api.status import StatusRoutes
@@ -74,8 +75,8 @@ def create_app():
 def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]]:
     """{plane: [(path, resource, responder suffix)]}: MindIE's route sets (mindie.md §2)."""
     pipeline = Pipeline(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, fe.state)
-    infer = InferResource(pipeline, full_text=fe.full_text)
-    models = ModelsResource(fe.model_name, fe.model_dir, fe.started)
+    infer = InferResource(pipeline, full_text=fe.full_text, model_name=fe.model_name)
+    models = ModelsResource(fe.model_name, fe.model_dir, fe.started, pipeline.adapters)
     generate, tgi = GenerateResource(pipeline, fe.model_name), TgiResource(pipeline, fe.model_name)
     triton = TritonResource(pipeline, fe.model_name, full_text=fe.full_text)
     completions, chat = openai_routes(fe, pipeline)
@@ -113,6 +114,9 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
                                                  server.drain_timeout_s), None),
             ("/metrics-json", MetricsJsonResource(fe.client, f"{server.management_ip_address}:{server.management_port}"),
              None),
+            # LoRA adapters at run time (mindie/api/lora.py): MindIE's routes, vLLM's bodies too.
+            ("/v1/load_lora_adapter", LoadLoraResource(fe.client, fe.model_name, server.max_request_length), None),
+            ("/v1/unload_lora_adapter", UnloadLoraResource(fe.client, server.max_request_length), None),
         ],
         "metrics": [("/metrics", MetricsResource(fe.metrics, fe.client), None)],
     }

@@ -37,6 +37,10 @@ class NoWorkerError(Exception):
     """No device worker is ready to take a request."""
 
 
+class UnknownAdapterError(LookupError):
+    """No ready device worker serves the LoRA adapter a request names."""
+
+
 @dataclass(eq=False)
 class WorkerLink:
     ep: WorkerSpec
@@ -112,6 +116,7 @@ class DeviceClient:
         self.on_welcome: Callable[[P.Welcome], None] | None = None
         self.ever_ready = False  # a worker was ready once: "starting" is over
         self._stops: dict[str, tuple[asyncio.Future, set[str], list[int]]] = {}
+        self._asks: dict[str, tuple[asyncio.Future, set[str], dict[str, P.AdapterAnswer]]] = {}
         self.gaps = 0  # sequence gaps seen (frames lost); tests assert it stays 0
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -205,15 +210,23 @@ class DeviceClient:
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, token_ids: list[int], params: P.SamplingParams, priority: int = 5,
-               request_id: str | None = None, user_id: str = "") -> RequestStream:
+               request_id: str | None = None, user_id: str = "", adapter: str = "") -> RequestStream:
+        """Send a request to the least loaded ready worker (with ``adapter``: of those that list that
+        LoRA adapter; ``NoWorkerError`` when none is ready, ``UnknownAdapterError`` when none lists it)."""
         links = self.ready_links()
         if not links:
             raise NoWorkerError("no device worker is ready")
+        if adapter:
+            links = [lk for lk in links if lk.heartbeat is not None and any(a.name == adapter
+                                                                             for a in lk.heartbeat.adapters)]
+            if not links:
+                raise UnknownAdapterError(adapter)
         link = min(links, key=lambda lk: lk.load())
         rid = request_id or secrets.token_hex(8)
         stream = RequestStream(rid, link)
         try:
-            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time(), user_id)), zmq.NOBLOCK)
+            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time(), user_id,
+                                             adapter)), zmq.NOBLOCK)
         except zmq.Again:
             raise NoWorkerError(f"device worker {link.ep.worker_id} is not connected")
         link.inflight[rid] = stream
@@ -251,6 +264,61 @@ class DeviceClient:
             return found[0], not waiting
         finally:
             self._stops.pop(token, None)
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters requests may name: {name: path} over the ready workers' heartbeats."""
+        out: dict[str, str] = {}
+        for link in self.ready_links():
+            if link.heartbeat is not None:
+                for a in link.heartbeat.adapters:
+                    out.setdefault(a.name, a.path)
+        return out
+
+    def has_adapter(self, name: str) -> bool:
+        return any(link.heartbeat is not None and any(a.name == name for a in link.heartbeat.adapters)
+                   for link in self.ready_links())
+
+    async def ask_workers(self, make: Callable[[str], P.Message], timeout: float,
+                          links: list[WorkerLink] | None = None) -> tuple[dict[str, P.AdapterAnswer], list[str]]:
+        """Send ``make(token)`` (a LoadAdapter or UnloadAdapter) to every ready worker (or to
+        ``links``) and wait up to ``timeout`` s for each one's ``AdapterAnswer``. Returns
+        ({worker id: answer}, the ids of the workers that did not answer)."""
+        links = self.ready_links() if links is None else links
+        token = secrets.token_hex(8)
+        fut = asyncio.get_running_loop().create_future()
+        waiting = {link.ep.worker_id for link in links}
+        answers: dict[str, P.AdapterAnswer] = {}
+        self._asks[token] = (fut, waiting, answers)
+        try:
+            data = P.encode(make(token))
+            for link in links:
+                try:
+                    link.push.send(data, zmq.NOBLOCK)
+                except zmq.Again:
+                    waiting.discard(link.ep.worker_id)
+                    answers[link.ep.worker_id] = P.AdapterAnswer(link.ep.worker_id, self.frontend_id, token, 503,
+                                                                 f"device worker {link.ep.worker_id} is not connected")
+            if waiting:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            return answers, sorted(waiting)
+        finally:
+            self._asks.pop(token, None)
+
+    def _on_adapter_answer(self, msg: P.AdapterAnswer) -> None:
+        entry = self._asks.get(msg.token)
+        if entry is None:
+            return
+        fut, waiting, answers = entry
+        answers[msg.worker_id] = msg
+        waiting.discard(msg.worker_id)
+        if not waiting and not fut.done():
+            fut.set_result(None)
+
+    def link(self, worker_id: str) -> WorkerLink | None:
+        return self.links.get(worker_id)
 
     def _on_stopped(self, msg: P.Stopped) -> None:
         entry = self._stops.get(msg.token)
@@ -337,6 +405,9 @@ class DeviceClient:
             elif isinstance(msg, P.Stopped):
                 if msg.frontend_id == self.frontend_id:
                     self._on_stopped(msg)
+            elif isinstance(msg, P.AdapterAnswer):
+                if msg.frontend_id == self.frontend_id:
+                    self._on_adapter_answer(msg)
             elif isinstance(msg, P.Welcome):
                 if msg.frontend_id != self.frontend_id:
                     continue

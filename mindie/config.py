@@ -31,7 +31,7 @@ from mindie.runtime.env import ENGINE_ENV, engine_overrides
 
 __all__ = [
     "Config", "ConfigError", "ServerConfig", "HealthCheckConfig", "BackendConfig", "ModelDeployConfig",
-    "ModelConfig", "ScheduleConfig", "CpuTuningConfig", "LogConfig", "Loaded", "load_config", "default_run_dir", "ensure_run_dir",
+    "ModelConfig", "LoraModuleConfig", "ScheduleConfig", "CpuTuningConfig", "LogConfig", "Loaded", "load_config", "default_run_dir", "ensure_run_dir",
     "python_log_level", "ENV_OVERRIDES",
 ]
 
@@ -44,6 +44,10 @@ DEFAULT_DRAIN_TIMEOUT_S = 20.0
 MIN_RECEIVE_TIMEOUT_S = 0.5  # headTimeoutS / bodyTimeoutS
 MAX_RECEIVE_TIMEOUT_S = 3600.0
 CACHE_BLOCK_MAX = 1024  # project: MindIE allows [1,128]; any multiple of 16 up to 1024 here
+MAX_LORAS = 4096  # project bound of maxLoras (MindIE: uint32, bounded by device memory)
+MAX_LORA_RANK = 64  # the largest LoRA rank served (workers/models/lora_adapter.py MAX_RANK)
+UINT32_MAX = 2**32 - 1
+LORA_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,256}$"  # MindIE's check of a LoRA name (/v1/load_lora_adapter's too)
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error", "critical", "fatal")
 _ZERO_IPS = ("0.0.0.0", "::")
 
@@ -152,6 +156,14 @@ class ModelConfig(_Section):
     quantize: Optional[Literal["", "w8a16"]] = None
 
 
+class LoraModuleConfig(_Section):
+    """``ModelDeployConfig.LoraModules[]``: a peft LoRA adapter loaded at start (MindIE's keys)."""
+
+    name: Annotated[str, Meta(pattern=LORA_NAME_PATTERN)]  # what requests name it by (their `model`)
+    path: Annotated[str, Meta(min_length=1)]  # the adapter folder; relative: from the config file's directory
+    base_model_name: str  # must be ModelConfig[0].modelName
+
+
 class ModelDeployConfig(_Section):
     max_seq_len: Annotated[int, Meta(ge=2, le=MAX_TOKEN_LEN)] = 2560
     max_input_token_len: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 2048  # loaded <= max_seq_len - 1
@@ -159,6 +171,12 @@ class ModelDeployConfig(_Section):
     # The first entry is served; further entries are validated but unused.
     models: Annotated[list[ModelConfig], Meta(min_length=1)] = field(
         default_factory=lambda: [ModelConfig()], name="ModelConfig")
+    # LoRA adapters (MindIE's keys and defaults; docs/config.md "LoRA adapters"): at most maxLoras
+    # resident (0 = as many as LoraModules lists, and none loaded at run time), ranks up to
+    # maxLoraRank (0 or above MAX_LORA_RANK = MAX_LORA_RANK), LoraModules loaded at start.
+    max_loras: Annotated[int, Meta(ge=0, le=MAX_LORAS)] = 0
+    max_lora_rank: Annotated[int, Meta(ge=0, le=UINT32_MAX)] = 0
+    lora_modules: list[LoraModuleConfig] = field(default_factory=list, name="LoraModules")
 
 
 class ScheduleConfig(_Section):
@@ -719,6 +737,21 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
     flat = [i for group in ids for i in group]
     if len(flat) != len(set(flat)):
         fail(_DEVICE_IDS_KEY, f"a device id appears twice, got {ids}")
+    names: set[str] = set()
+    for i, lm in enumerate(d.lora_modules):
+        key = f"BackendConfig.ModelDeployConfig.LoraModules[{i}]"
+        if lm.base_model_name != d.models[0].model_name:
+            fail(f"{key}.baseModelName", f"must be the served model's name, ModelConfig[0].modelName "
+                 f"({d.models[0].model_name!r}), got {lm.base_model_name!r}")
+        if lm.name == d.models[0].model_name:
+            fail(f"{key}.name", f"must differ from the base model's name, got {lm.name!r}")
+        if lm.name in names:
+            fail(f"{key}.name", f"appears twice: {lm.name!r}")
+        names.add(lm.name)
+    if d.lora_modules and len(ids[0]) > 1:
+        fail("BackendConfig.ModelDeployConfig.LoraModules", "LoRA adapters are not served by tensor-parallel "
+             f"instances (npuDeviceIds entries of {len(ids[0])} devices): remove LoraModules or serve the model on "
+             "one device per instance")
     for i, m in enumerate(d.models):
         key = f"BackendConfig.ModelDeployConfig.ModelConfig[{i}]"
         if m.world_size and m.world_size != len(ids[0]):
@@ -798,6 +831,12 @@ def _adjust(config: Config) -> list[str]:
                      "only the first is served")
     for m in d.models:
         m.cpu_mem_size = m.cpu_mem_size or 1  # project: 0 = 1 GiB of CPU KV cache
+    if d.max_lora_rank > MAX_LORA_RANK:
+        notes.append(f"BackendConfig.ModelDeployConfig.maxLoraRank {d.max_lora_rank}: LoRA adapters of rank up to "
+                     f"{MAX_LORA_RANK} are served (the most this server serves)")
+    if d.max_loras and len(config.backend.npu_device_ids[0]) > 1:
+        notes.append("BackendConfig.ModelDeployConfig.maxLoras: tensor-parallel instances serve no LoRA adapter "
+                     "(/v1/load_lora_adapter is refused)")
     return notes
 
 
@@ -810,6 +849,8 @@ def _resolve_paths(config: Config, base_dir: str, env: Mapping[str, str]) -> Non
 
     for m in config.backend.model_deploy.models:
         m.model_weight_path = absolute(m.model_weight_path)
+    for lm in config.backend.model_deploy.lora_modules:
+        lm.path = absolute(lm.path)
     config.backend.worker_curve_key_dir = absolute(config.backend.worker_curve_key_dir)
     config.backend.cpu_tuning.kernel_cache = absolute(config.backend.cpu_tuning.kernel_cache)
     s = config.server

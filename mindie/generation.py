@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from mindie.client import DeviceClient, NoWorkerError
+from mindie.client import DeviceClient, NoWorkerError, UnknownAdapterError
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_STOP
 from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
@@ -112,8 +112,10 @@ class Generation:
 
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, input_ids: list[int],
                  params: P.SamplingParams, deadline: Deadline, *, priority: int = 5, user_id: str = "",
-                 stops: Sequence[str] = (), include_stop: bool = False, detokenize: bool = True):
-        """``detokenize`` False: pieces carry ids only (no text, no stop strings)."""
+                 stops: Sequence[str] = (), include_stop: bool = False, detokenize: bool = True,
+                 adapter: str = ""):
+        """``detokenize`` False: pieces carry ids only (no text, no stop strings); ``adapter``: the
+        LoRA adapter it runs with ("" = the base model)."""
         self.client = client
         self.tokenizer = tokenizer
         self.input_ids = input_ids
@@ -127,9 +129,11 @@ class Generation:
         self.t0 = time.monotonic()
         self.ttft_s: float | None = None
         try:
-            self.stream = client.submit(input_ids, params, priority, user_id=user_id)
+            self.stream = client.submit(input_ids, params, priority, user_id=user_id, adapter=adapter)
         except NoWorkerError as e:
             raise ApiError(503, f"No device worker is ready: {e}") from None
+        except UnknownAdapterError:  # unloaded since the request was parsed
+            raise ApiError(404, f"Model {adapter} not found.") from None
         self.request_id = self.stream.request_id
 
     async def pieces(self, tick: bool = False) -> AsyncIterator[Piece | None]:

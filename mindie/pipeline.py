@@ -39,6 +39,7 @@ import falcon
 import falcon.asgi
 
 from mindie import ignored_fields, sse
+from mindie.adapters import Adapters
 from mindie.admission import Admission, Slot
 from mindie.client import DeviceClient
 from mindie.contract import wire as P
@@ -73,6 +74,7 @@ class Sub:
     timeout: float | None = None  # the client's timeout (s); None = the server's only
     user_id: str | None = None  # the name stopInfer uses when the body gives one (else req-id)
     prompt: int = 0  # which prompt of the request (OpenAI list prompts: several subs share one)
+    adapter: str = ""  # the LoRA adapter the request names ("" = the base model)
 
 
 @dataclass
@@ -298,6 +300,7 @@ class Pipeline:
         self.admission = admission
         self.state = state
         self.ignored_log = ignored_log or ignored_fields.REPORTER
+        self.adapters = Adapters(client)  # the LoRA adapters requests may name (mindie/adapters.py)
 
     async def serve(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, codec: Codec, **kw: Any) -> None:
         """One request, from admission to its last byte, with ``codec``'s shapes."""
@@ -372,7 +375,7 @@ class Pipeline:
                 gen = Generation(self.client, self.tokenizer, sub.input_ids, sub.params,
                                  Deadline(sub.timeout, lim.token_timeout, lim.e2e_timeout, job.stream),
                                  priority=sub.priority, user_id=sub.user_id or rec.request_id, stops=sub.stops,
-                                 include_stop=sub.include_stop, detokenize=codec.detokenize)
+                                 include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter)
                 outs.append(Output(i, sub, gen))
         except BaseException:
             for o in outs:

@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass
 from itertools import accumulate, count
 from operator import sub
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Container, NamedTuple
 
 import msgspec
 
@@ -585,7 +585,12 @@ def check_string(p: dict, key: str) -> str | None:
     return v
 
 
-def check_model_name(name: str | None, served: str) -> None:
-    """A LoRA name (TGI ``adapter_id``, vLLM ``model``): this server has only its base model."""
-    if name is not None and name not in (served, "None"):
-        raise ApiError(404, f"Model {name} not found.")
+def check_model_name(name: str | None, served: str, adapters: Container[str] = ()) -> str:
+    """The model a request names (TGI ``adapter_id``, vLLM ``model``, /infer's ``adapter_id``):
+    "" for the base model (no name, its name, or MindIE's "None"), the name of a LoRA adapter
+    in ``adapters`` (mindie/adapters.py); 404 ``Model X not found.`` for any other."""
+    if name is None or name in (served, "None"):
+        return ""
+    if name in adapters:
+        return name
+    raise ApiError(404, f"Model {name} not found.")

@@ -18,7 +18,8 @@ directory that is not there, a config.json that does not parse to a supported mo
 (workers/models/config.py: unsupported model_type or architectures named), weight files that are
 missing, unreadable, truncated, or lack a tensor the model needs in its shape and a dtype the
 loader takes (workers/models/checkpoint.py: the loader's own check, headers only), a
-tensor-parallel split the model does not allow, and on an accelerator a device that is not there
+tensor-parallel split the model does not allow, a ``LoraModules`` adapter the workers would refuse
+(workers/models/lora_adapter.py), and on an accelerator a device that is not there
 or a ``quantize`` key the backend has no kernel for (``workers.engine.assembly.start_refusal``).
 The tokenizer is the front ends' and is checked on their side (mindie/ops/prepare.py). What only a
 running worker finds out (memory, a port another program holds) is the supervisor's to stop on
@@ -46,6 +47,7 @@ from mindie.contract.spec import (  # noqa: F401  (the defaults' functions, as b
 from workers.models.checkpoint import ModelLoadError, check_checkpoint
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.default_model import DefaultModelMissing, default_model_file
+from workers.models.lora_adapter import AdapterError, check_adapter
 from workers.models.demo import ensure_demo_model
 from workers.models.gguf_file import GgufError, find_gguf
 from workers.models.gguf_view import ensure_view
@@ -150,10 +152,25 @@ def check_model(specs: list[WorkerSpec], model_dir: str) -> None:
     except ModelLoadError as e:
         raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} cannot be served: {e}") from None
     device = check_device(specs)
+    adapters = check_lora_modules(specs[0], args)
     log.info("model check: %s is %s (%d layers, vocab %d), %d weight file(s) with the %d tensors it needs, "
-             "%.1f MiB, headers only%s; in %.2f s", model_dir, args.arch, args.num_hidden_layers, args.vocab_size,
-             len(checkpoint.files), checkpoint.tensors, checkpoint.nbytes / 2**20, device,
+             "%.1f MiB, headers only%s%s; in %.2f s", model_dir, args.arch, args.num_hidden_layers, args.vocab_size,
+             len(checkpoint.files), checkpoint.tensors, checkpoint.nbytes / 2**20, device, adapters,
              time.perf_counter() - t0)
+
+
+def check_lora_modules(spec: WorkerSpec, args: ModelArgs) -> str:
+    """``LoraModules``: each adapter folder checked for this model (workers/models/lora_adapter.py,
+    adapter_config.json and the safetensors header); SystemExit naming the entry. Returns a note
+    for the log line."""
+    for i, m in enumerate(spec.lora_modules):
+        try:
+            plan = check_adapter(m.path, args, spec.max_lora_rank)
+        except AdapterError as e:
+            raise SystemExit(f"BackendConfig.ModelDeployConfig.LoraModules[{i}] ({m.name}): {m.path} cannot be "
+                             f"served: {e}") from None
+        log.info("LoRA adapter %s: %s (%s)", m.name, plan.path, plan.describe())
+    return f", {len(spec.lora_modules)} LoRA adapter(s)" if spec.lora_modules else ""
 
 
 def check_device(specs: list[WorkerSpec]) -> str:

@@ -36,7 +36,7 @@ from mindie.contract.spec import WorkerSpec, decode_spec
 from workers.backends.core_share import CoreShare
 from workers.models.config import ModelArgs
 from workers.engine.assembly import build
-from workers.engine.engine import CapacityError, Engine, InFlight
+from workers.engine.engine import AdapterNotFound, CapacityError, Engine, InFlight
 from workers.tp_rank import follow
 
 log = logging.getLogger("workers.worker")
@@ -161,6 +161,8 @@ class Worker:
         self.pending: dict[str, list[P.TokenFrame]] = {}
         self.idle_wait_ms = int(P.HEARTBEAT_INTERVAL_S * 1000 / 2)
         self._last_load: tuple[int, int, int] = (0, 0, 0)
+        self._listing: tuple = ()
+        self._infos: list[P.AdapterInfo] = []
         self.cores = None
         if spec.core_share_file and spec.device_type == "cpu" and not spec.null_model:
             self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
@@ -199,6 +201,8 @@ class Worker:
                 self.engine.add(msg)
             except CapacityError as e:
                 self._fail(msg.frontend_id, msg.request_id, P.request_error(424, str(e)))
+            except AdapterNotFound as e:  # unloaded since the front end saw it listed
+                self._fail(msg.frontend_id, msg.request_id, P.request_error(404, str(e)))
             except Exception as e:  # a request the front end should not have sent (AssertionError)
                 log.error("request %s refused: %s", msg.request_id, e)
                 self._fail(msg.frontend_id, msg.request_id, P.request_error(500, f"Request refused by the device worker: {e}"))
@@ -211,6 +215,12 @@ class Worker:
                     st.requests.discard(rid)
         elif isinstance(msg, P.Stop):
             self._stop_user(msg)
+        elif isinstance(msg, P.LoadAdapter):
+            answer = self.engine.lora.begin_load(msg.name, msg.path, (msg.frontend_id, msg.token))
+            if answer is not None:
+                self._answer([answer])
+        elif isinstance(msg, P.UnloadAdapter):
+            self._answer([self.engine.lora.unload(msg.name, (msg.frontend_id, msg.token))])
         elif isinstance(msg, P.Hello):
             known = msg.frontend_id in self.frontends
             st = self._frontend(msg.frontend_id)
@@ -234,6 +244,28 @@ class Worker:
             log.info("stopInfer %r: ended %d request(s)", msg.user_id, len(found))
             self.publish()  # at once, not after the step that may be computing
         self._send(msg.frontend_id.encode(), P.Stopped(self.spec.worker_id, msg.frontend_id, msg.token, len(found)))
+
+    def _answer(self, answers) -> None:
+        """Answers to LoRA loads and unloads, each to its asker; a heartbeat first, so every front
+        end lists the change before the asker's client hears of it."""
+        self._send_heartbeat()
+        for a in answers:
+            fid, token = a.reply
+            self._send(fid.encode(), P.AdapterAnswer(self.spec.worker_id, fid, token, a.status, a.message))
+
+    def poll_lora(self) -> None:
+        """Between steps: LoRA reads done (answers sent, waiting requests scheduled, requests whose
+        adapter could not be read failed)."""
+        answers, failed = self.engine.poll_lora()
+        if answers:
+            self._answer(answers)
+        for out in failed:
+            self._fail(out.seq.frontend_id, out.seq.request_id, P.request_error(424, out.error))
+
+    def _idle_wait_ms(self) -> int:
+        """How long an idle loop waits for jobs: shorter while a LoRA read is in progress (its
+        requests and its answer wait for the next poll)."""
+        return 5 if self.engine.lora_busy else self.idle_wait_ms
 
     def drain(self, timeout_ms: int) -> None:
         if not self.pull.poll(timeout_ms):
@@ -278,13 +310,25 @@ class Worker:
             self.pub.send_multipart([topic, data])
 
     def heartbeat(self) -> P.Heartbeat:
-        """This worker's load and counters, as front ends see them (/v1/status, /metrics)."""
+        """This worker's load and counters, as front ends see them (/v1/status, /metrics), and the
+        LoRA adapters requests may name."""
         eng, bm = self.engine, self.engine.blocks
         return P.Heartbeat(
             self.spec.worker_id, self.instance, self.device, os.getpid(), self.spec.model_name,
             eng.num_running, eng.num_waiting, bm.num_free, bm.num_blocks, eng.scheduler.num_preemptions,
             bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
-            eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds)
+            eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds,
+            self._adapter_infos())
+
+    def _adapter_infos(self) -> list[P.AdapterInfo]:
+        """``Heartbeat.adapters``, rebuilt only when the manager's listing changed (the heartbeat
+        thread reads the listing, a tuple the loop thread replaces whole)."""
+        lora = self.engine.lora
+        listing = lora.listing if lora is not None else ()
+        if listing is not self._listing:
+            self._infos = [P.AdapterInfo(name, path) for name, path in listing]
+            self._listing = listing
+        return self._infos
 
     def _send_heartbeat(self) -> None:
         self._last_load = self._load()
@@ -331,8 +375,9 @@ class Worker:
         busy = self.engine.has_work()
         if not busy:
             self._set_busy(False)  # before the idle wait: siblings may borrow our cores meanwhile
-        self.drain(0 if busy else self.idle_wait_ms)
+        self.drain(0 if busy else self._idle_wait_ms())
         self.reap()
+        self.poll_lora()
         flight = self._launch() if self._set_busy(self.engine.has_work()) else None
         if flight is not None:
             self._collect(flight)
@@ -347,12 +392,13 @@ class Worker:
         # Jobs that arrived during the last step join the next one (without this they would wait
         # a step more than in the sequential loop: the other drain runs after the launch).
         self.drain(0)
+        self.poll_lora()
         flight = self._launch() if self._set_busy(self.engine.has_work()) else None
         if flight is None and self.pending:
             self.publish()  # error frames of a failed launch go out before an idle wait
         if flight is None and self.group is not None:
             self._keepalive()
-        self.drain(0 if flight is not None else self.idle_wait_ms)
+        self.drain(0 if flight is not None else self._idle_wait_ms())
         self.reap()
         self.publish()
         if flight is not None:

@@ -8,6 +8,7 @@ import falcon
 import falcon.asgi
 import msgspec
 
+from mindie.adapters import Adapters
 from mindie.admission import Admission
 from mindie.client import DeviceClient, NoWorkerError
 from mindie.contract import wire as P
@@ -187,22 +188,31 @@ class TimedHealthResource:
 
 
 class ModelsResource:
-    """GET /v1/models and GET /v1/models/{model}."""
+    """GET /v1/models and GET /v1/models/{model}: the base model, then every LoRA adapter the
+    workers serve (``adapters``: mindie/adapters.py) with its folder as ``root`` and the base model
+    as ``parent``, as MindIE and vLLM list them."""
 
-    def __init__(self, model_name: str, model_dir: str, started: int):
+    def __init__(self, model_name: str, model_dir: str, started: int, adapters: Adapters | None = None):
         self.model_name = model_name
         self.model_dir = model_dir
         self.started = started
+        self.adapters = adapters or Adapters()
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         resp.content_type = falcon.MEDIA_JSON
-        resp.data = msgspec.json.encode({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "root": self.model_dir, "owned_by": "MindIE Server",
-            "parent": None}]})
+        data = [{"id": self.model_name, "object": "model", "root": self.model_dir, "owned_by": "MindIE Server",
+                 "parent": None}]
+        data += [{"id": name, "object": "model", "root": path, "owned_by": "MindIE Server", "parent": self.model_name}
+                 for name, path in sorted(self.adapters.listing().items())]
+        resp.data = msgspec.json.encode({"object": "list", "data": data})
 
     async def on_get_model(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model: str) -> None:
-        if model != self.model_name:
-            raise not_found(f"Model {model} not found.")
         resp.content_type = falcon.MEDIA_JSON
-        resp.data = msgspec.json.encode({"id": self.model_name, "object": "model", "created": self.started,
-                                         "owned_by": "MindIE Server"})
+        if model == self.model_name:
+            resp.data = msgspec.json.encode({"id": self.model_name, "object": "model", "created": self.started,
+                                             "owned_by": "MindIE Server"})
+        elif model in self.adapters:
+            resp.data = msgspec.json.encode({"id": model, "object": "model", "created": self.started,
+                                             "owned_by": "MindIE Server", "parent": self.model_name})
+        else:
+            raise not_found(f"Model {model} not found.")

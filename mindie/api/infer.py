@@ -9,6 +9,8 @@ open stream is MindIE's raw text (``Engine callback timeout: ...``), written int
 before it closes; any other error there is ``data: {"error", "error_type"}``."""
 from __future__ import annotations
 
+from typing import Container
+
 import falcon.asgi
 
 from mindie import responses as R
@@ -26,17 +28,22 @@ class InferCodec(Codec):
 
     detokenize = False
 
-    def __init__(self, tokenizer: TextTokenizer, limits: Limits, full_text: bool = False):
+    def __init__(self, tokenizer: TextTokenizer, limits: Limits, full_text: bool = False, model_name: str = "",
+                 adapters: Container[str] = ()):
         """``full_text``: ServerConfig.fullTextEnabled, each stream frame's ``token.text`` is the
-        text so far instead of the new piece."""
+        text so far instead of the new piece; ``adapters``: the LoRA adapters ``parameters.adapter_id``
+        may name besides ``model_name`` (mindie/adapters.py)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.full_text = full_text
+        self.model_name = model_name
+        self.adapters = adapters
 
     def parse(self, body: bytes, ctx: Context) -> Job:
-        r = parse_infer_request(body, self.limits, encode=self.tokenizer.encode)
-        return Job([Sub(r.input_ids, r.sampling, priority=r.priority, timeout=r.timeout)], r.stream, r,
-                   ignored=r.ignored)
+        r = parse_infer_request(body, self.limits, encode=self.tokenizer.encode, model_name=self.model_name,
+                                adapters=self.adapters)
+        return Job([Sub(r.input_ids, r.sampling, priority=r.priority, timeout=r.timeout, adapter=r.adapter)],
+                   r.stream, r, ignored=r.ignored)
 
     def reply(self, job: Job, outs: list[Output], ctx: Context) -> bytes:
         r: InferRequest = job.request
@@ -80,9 +87,9 @@ class InferCodec(Codec):
 class InferResource:
     """The route of ``/infer`` and ``/infer_token``."""
 
-    def __init__(self, pipeline: Pipeline, full_text: bool = False):
+    def __init__(self, pipeline: Pipeline, full_text: bool = False, model_name: str = ""):
         self.pipeline = pipeline
-        self.codec = InferCodec(pipeline.tokenizer, pipeline.limits, full_text)
+        self.codec = InferCodec(pipeline.tokenizer, pipeline.limits, full_text, model_name, pipeline.adapters)
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         await self.pipeline.serve(req, resp, self.codec)

@@ -33,7 +33,8 @@ Deviations (documented choices):
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Callable, Optional, Union
+import re
+from typing import Annotated, Any, Callable, Container, Optional, Union
 
 import msgspec
 
@@ -41,15 +42,20 @@ from mindie.contract.wire import DEFAULT_PRIORITY, SamplingParams
 from mindie.errors import service_unavailable, validation_error
 from mindie.ignored_fields import Found, find
 from mindie.validation import (DEFAULT_MAX_NEW_TOKENS, MAX_TOKEN_ID, PARSE_ERROR, Limits, _any_decoder, _json_kind,
-                               check_common_params, check_json_text, check_token_count, check_token_ids, get_param,
-                               max_new_tokens_param, priority_param, timeout_param, u16len)
+                               check_common_params, check_json_text, check_model_name, check_string,
+                               check_token_count, check_token_ids, get_param, max_new_tokens_param, priority_param,
+                               timeout_param, u16len)
 
 _UNSET = msgspec.UNSET
 
 # What MindIE reads of the body (the rest is ignored, as MindIE does; mindie/ignored_fields.py
 # names it): ``ignore_eos`` is this server's extension (AISBench sends it).
 PARAMETERS = dict.fromkeys(("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty",
-                            "watermark", "priority", "max_new_tokens", "timeout", "details", "ignore_eos"))
+                            "watermark", "priority", "max_new_tokens", "timeout", "details", "ignore_eos",
+                            "adapter_id"))
+# Project extension: MindIE's /infer does not read adapter_id (its LoRA adapters are named on the
+# vLLM, TGI and OpenAI routes); here it names one as on TGI's route, with TGI's check and message.
+_ADAPTER_RE = re.compile(r"^[a-zA-Z0-9_./-]{1,256}$")
 SCHEMA = {"inputs": None, "input_id": None, "stream": None, "parameters": PARAMETERS}
 
 
@@ -65,6 +71,7 @@ class InferRequest(msgspec.Struct, kw_only=True):
     timeout: Optional[int] = None  # seconds; None = not set (server timeouts apply)
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     ignored: list[Any] = []  # the body's keys MindIE does not read (ignored_fields.Found)
+    adapter: str = ""  # the LoRA adapter parameters.adapter_id names ("" = the base model)
 
 
 @functools.lru_cache(maxsize=16)
@@ -203,11 +210,14 @@ def parse_infer_request(
     *,
     encode: Callable[[str], list[int]],
     stopped: bool = False,
+    model_name: str = "",
+    adapters: Container[str] = (),
 ) -> InferRequest:
     """Validate an /infer or /infer_token body; raise ``ApiError`` with MindIE's first error.
 
     ``encode`` tokenises text ``inputs`` at MindIE's point in the order (before parameter
     checks). ``stopped`` = the service was stopped (503 after a successful parse, as MindIE).
+    ``parameters.adapter_id`` (an extension) names ``model_name`` or one of the LoRA ``adapters``.
     """
     b = _decode_body(body, limits)
     if stopped:
@@ -246,11 +256,16 @@ def parse_infer_request(
     max_new_tokens = max_new_tokens_param(p)
     timeout = timeout_param(p)
     details = get_param(p, "details", "boolean")
+    adapter_id = check_string(p, "adapter_id")
+    if adapter_id is not None and not _ADAPTER_RE.match(adapter_id):
+        raise validation_error("The format of adapter_id is invalid.")
     stream = b.stream
     if stream is _UNSET or stream is None:
         stream = False
     elif type(stream) is not bool:
         raise validation_error("stream must be boolean type.")
+
+    adapter = check_model_name(adapter_id, model_name, adapters)
 
     # ---- build ----
     # Engine checks (424) come after every 422, as in MindIE.
@@ -270,4 +285,5 @@ def parse_infer_request(
         timeout=timeout,
         sampling=sampling,
         ignored=b.ignored,
+        adapter=adapter,
     )

@@ -40,7 +40,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Container
 
 import falcon.asgi
 import msgspec
@@ -95,17 +95,21 @@ class OpenAIRequest:
     echo: bool = False
     rid: str = ""
     created: int = 0
+    adapter: str = ""  # the LoRA adapter ``model`` names ("" = the base model); the answers' ``model``
 
 
 class _OpenAICodec(Codec):
     kind = ""  # "cmpl" | "chatcmpl"
     chunk_object = ""
 
-    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, max_n: int = S.MAX_N):
-        """``max_n``: ScheduleConfig.maxN, the most choices one request may ask (n x prompts)."""
+    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, max_n: int = S.MAX_N,
+                 adapters: Container[str] = ()):
+        """``max_n``: ScheduleConfig.maxN, the most choices one request may ask (n x prompts);
+        ``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_name = model_name
+        self.adapters = adapters
         self.max_n = max_n
         self.benchmark = benchmark_enabled()
         self._tok_text: dict[int, str] = {}
@@ -132,11 +136,15 @@ class _OpenAICodec(Codec):
                 self._tok_text[tid] = s
         return s
 
-    def _check_model(self, model: str | None) -> None:
-        """The served name, none, or a placeholder TGI's clients send (``PLACEHOLDER_MODELS``);
-        any other name is a 404, as OpenAI's and vLLM's servers answer it."""
-        if model is not None and model != self.model_name and model not in PLACEHOLDER_MODELS:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+    def _check_model(self, model: str | None) -> str:
+        """The LoRA adapter ``model`` names, or "" for the base model: the served name, none, or a
+        placeholder TGI's clients send (``PLACEHOLDER_MODELS``); any other name is a 404, as
+        OpenAI's and vLLM's servers answer it."""
+        if model is None or model == self.model_name or model in PLACEHOLDER_MODELS:
+            return ""
+        if model in self.adapters:
+            return model
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         check_token_count(len(ids))
@@ -178,13 +186,13 @@ class _OpenAICodec(Codec):
             for j in range(n):
                 s = (seed + j) % _SEED_MOD if seed is not None else random_seed()
                 subs.append(Sub(ids, msgspec.structs.replace(params, seed=s, max_new_tokens=max(1, mnt)), stops=stops,
-                                include_stop=include_stop, prompt=p))
+                                include_stop=include_stop, prompt=p, adapter=req.adapter))
         req.rid = f"{self.kind}-{secrets.token_hex(16)}"
         req.created = int(time.time())
         return Job(subs, req.stream, req)
 
     def _head(self, req: OpenAIRequest, obj: str) -> dict:
-        return {"id": req.rid, "object": obj, "created": req.created, "model": self.model_name}
+        return {"id": req.rid, "object": obj, "created": req.created, "model": req.adapter or self.model_name}
 
     def _usage(self, job: Job, outs: list[Output]) -> dict:
         prompt = job.prompt_tokens()
@@ -233,7 +241,7 @@ class CompletionsCodec(_OpenAICodec):
     def parse(self, body: bytes, ctx: Context) -> Job:
         r = S.decode_completion(body)
         raw_prompts = S.prompts(r.prompt)
-        self._check_model(r.model)
+        adapter = self._check_model(r.model)
         prompts, texts = [], []
         for pr in raw_prompts:
             if isinstance(pr, str):
@@ -247,6 +255,7 @@ class CompletionsCodec(_OpenAICodec):
         params = self._sampling(r, r.max_tokens, -1 if k is None else k, bool(r.echo and k is not None))
         req = OpenAIRequest(prompts, texts, bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k, bool(r.echo))
+        req.adapter = adapter
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
         job.ignored = S.ignored(body, chat=False)
         return job
@@ -331,7 +340,7 @@ class ChatCompletionsCodec(_OpenAICodec):
 
     def parse(self, body: bytes, ctx: Context) -> Job:
         r = S.decode_chat(body)
-        self._check_model(r.model)
+        adapter = self._check_model(r.model)
         tools = r.tools if r.tools and r.tool_choice != "none" else None
         try:
             text = self.template.render(r.messages, tools=tools, add_generation_prompt=r.add_generation_prompt,
@@ -344,6 +353,7 @@ class ChatCompletionsCodec(_OpenAICodec):
         params = self._sampling(r, max_tokens, -1 if k is None else k, False)
         req = OpenAIRequest([ids], [text], bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k)
+        req.adapter = adapter
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
         job.ignored = S.ignored(body, chat=True)
         return job
@@ -403,5 +413,6 @@ def openai_routes(fe, pipeline: Pipeline) -> tuple[OpenAIResource, OpenAIResourc
     """The two resources of a front end (mindie/frontend.py FrontEnd)."""
     args = (fe.tokenizer, fe.limits, fe.model_name)
     max_n = fe.config.backend.schedule.max_n
-    return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n)),
-            OpenAIResource(pipeline, ChatCompletionsCodec(*args, model_dir=fe.model_dir, max_n=max_n)))
+    return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters)),
+            OpenAIResource(pipeline, ChatCompletionsCodec(*args, model_dir=fe.model_dir, max_n=max_n,
+                                                          adapters=pipeline.adapters)))

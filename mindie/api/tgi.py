@@ -16,7 +16,7 @@ MindIE do) and named: ``X-Ignored-Fields`` and a rate-limited WARNING (mindie/ig
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Container
 
 import falcon.asgi
 import msgspec
@@ -38,11 +38,14 @@ class TgiCodec(Codec):
     """TGI's shapes; ``mode``: "generate" (``/generate``), "stream" (``/generate_stream``) or
     "compat" (``POST /``)."""
 
-    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, mode: str):
+    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, mode: str,
+                 adapters: Container[str] = ()):
+        """``adapters``: the LoRA adapters ``adapter_id`` may name (mindie/adapters.py)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_name = model_name
         self.mode = mode
+        self.adapters = adapters
         self.special = tokenizer.special_ids
 
     # -- the body ------------------------------------------------------------------------------
@@ -61,8 +64,8 @@ class TgiCodec(Codec):
         """A decoded body (an object with ``inputs``) into its job."""
         if type(body) is not dict:
             body = {}
-        r = parse_tgi(body, self.limits, self.tokenizer.encode, stream, self.model_name)
-        return Job([Sub(r.input_ids, r.sampling, stops=r.parameters.stop)], stream, r, self,
+        r = parse_tgi(body, self.limits, self.tokenizer.encode, stream, self.model_name, self.adapters)
+        return Job([Sub(r.input_ids, r.sampling, stops=r.parameters.stop, adapter=r.adapter)], stream, r, self,
                    ignored=find(body, COMPAT_SCHEMA if self.mode == "compat" else SCHEMA))
 
     def finish_label(self, finish: str) -> str:
@@ -144,8 +147,8 @@ class TgiResource:
     def __init__(self, pipeline: Pipeline, model_name: str):
         tok, lim = pipeline.tokenizer, pipeline.limits
         self.pipeline = pipeline
-        self.stream = TgiCodec(tok, lim, model_name, "stream")
-        self.compat = TgiCodec(tok, lim, model_name, "compat")
+        self.stream = TgiCodec(tok, lim, model_name, "stream", pipeline.adapters)
+        self.compat = TgiCodec(tok, lim, model_name, "compat", pipeline.adapters)
 
     async def on_post_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         await self.pipeline.serve(req, resp, self.stream)

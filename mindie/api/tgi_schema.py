@@ -12,7 +12,7 @@ truncate -> decoder_input_details with a stream -> TGI-only keys MindIE does not
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Container, Optional
 
 import msgspec
 
@@ -67,6 +67,7 @@ class TgiRequest(msgspec.Struct, kw_only=True):
     stream: bool
     parameters: TgiParameters
     sampling: SamplingParams
+    adapter: str = ""  # the LoRA adapter ``adapter_id`` names ("" = the base model)
 
 
 def check_inputs(v: Any, limits: Limits) -> str:
@@ -80,8 +81,9 @@ def check_bool(p: dict, key: str) -> bool:
 
 
 def parse_tgi(body: dict, limits: Limits, encode: Callable[[str], list[int]], stream: bool,
-              model_name: str) -> TgiRequest:
-    """Check a decoded TGI body (an object with ``inputs``); raise ApiError with MindIE's message."""
+              model_name: str, adapters: Container[str] = ()) -> TgiRequest:
+    """Check a decoded TGI body (an object with ``inputs``); raise ApiError with MindIE's message.
+    ``adapter_id`` names the base model or one of the LoRA ``adapters`` (mindie/adapters.py)."""
     text = check_inputs(body.get("inputs"), limits)
     ids = encode_text_input(text, encode, "Inputs token length must be in (0, {limit}], but got {n}")
     p = check_params_object(body)
@@ -111,7 +113,7 @@ def parse_tgi(body: dict, limits: Limits, encode: Callable[[str], list[int]], st
                                    f"got {dump_number(best_of)}.")
         if best_of > 1:
             raise validation_error("best_of/n greater than 1 are not supported by this endpoint")
-    check_model_name(adapter_id, model_name)
+    adapter = check_model_name(adapter_id, model_name, adapters)
 
     # TruncateReqTokens: keep the last `truncate` tokens, then the engine's checks.
     if truncate is not None and len(ids) > truncate:
@@ -130,5 +132,5 @@ def parse_tgi(body: dict, limits: Limits, encode: Callable[[str], list[int]], st
         do_sample=c.do_sample, seed=sampling.seed, repetition_penalty=c.repetition_penalty, watermark=watermark,
         adapter_id=adapter_id, max_new_tokens=max_new_tokens, details=details, decoder_input_details=decoder_input_details,
         return_full_text=return_full_text, truncate=truncate, top_n_tokens=top_n_tokens, best_of=best_of)
-    return TgiRequest(inputs=text, input_ids=ids, stream=stream, parameters=params, sampling=sampling)
+    return TgiRequest(inputs=text, input_ids=ids, stream=stream, parameters=params, sampling=sampling, adapter=adapter)
 

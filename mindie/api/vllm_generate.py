@@ -16,7 +16,7 @@ named (``X-Ignored-Fields``, a rate-limited WARNING: mindie/ignored_fields.py).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Container, Optional
 
 import msgspec
 
@@ -65,6 +65,7 @@ class VllmRequest(msgspec.Struct, kw_only=True):
     n: Optional[int] = None
     best_of: Optional[int] = None
     model: Optional[str] = None
+    adapter: str = ""  # the LoRA adapter ``model`` names ("" = the base model)
 
 
 def _check_prompt(v, limits) -> str:
@@ -89,7 +90,7 @@ def _stop_token_ids(p: dict) -> list[int]:
     return sorted(out)
 
 
-def parse_vllm(p: dict, limits, encode, model_name: str) -> VllmRequest:
+def parse_vllm(p: dict, limits, encode, model_name: str, adapters: Container[str] = ()) -> VllmRequest:
     prompt = _check_prompt(p.get("prompt"), limits)
     ids = encode_text_input(prompt, encode, "Messages token length must be in (0, {limit}], but got {n}. "
                                             "This could be caused by invalid input format or empty content.")
@@ -145,14 +146,15 @@ def parse_vllm(p: dict, limits, encode, model_name: str) -> VllmRequest:
                                f"{best_of if best_of is not None else 'None'}, n is {n if n is not None else 'None'}.")
     if count > 1:
         raise validation_error("best_of/n greater than 1 are not supported by this endpoint")
-    check_model_name(model, model_name)
+    adapter = check_model_name(model, model_name, adapters)
     ids = check_token_ids(ids, limits)
     return VllmRequest(
         prompt=prompt, input_ids=ids, stream=bool(stream), max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids,
         include_stop_str_in_output=include_stop, skip_special_tokens=skip_special is not False,
         ignore_eos=ignore_eos, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed if seed is not None else random_seed(), repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n, best_of=best_of, model=model)
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n, best_of=best_of, model=model,
+        adapter=adapter)
 
 
 def sampling_of(r: VllmRequest, limits) -> SamplingParams:
@@ -182,10 +184,12 @@ class VllmCodec(Codec):
 
     content_type = "text/plain; charset=utf-8"
 
-    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str):
+    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, adapters: Container[str] = ()):
+        """``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_name = model_name
+        self.adapters = adapters
 
     def parse(self, body: bytes, ctx: Context) -> Job:
         value = decode_json(body)
@@ -193,8 +197,9 @@ class VllmCodec(Codec):
 
     def parse_value(self, body: dict[str, Any]) -> Job:
         """A decoded body (an object with ``prompt``) into its job."""
-        r = parse_vllm(body, self.limits, self.tokenizer.encode, self.model_name)
-        sub = Sub(r.input_ids, sampling_of(r, self.limits), stops=r.stop, include_stop=r.include_stop_str_in_output)
+        r = parse_vllm(body, self.limits, self.tokenizer.encode, self.model_name, self.adapters)
+        sub = Sub(r.input_ids, sampling_of(r, self.limits), stops=r.stop, include_stop=r.include_stop_str_in_output,
+                  adapter=r.adapter)
         return Job([sub], r.stream, r, self, ignored=find(body, SCHEMA))
 
     def finish_label(self, finish: str) -> str:

@@ -144,6 +144,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEMO_MODEL_NAME = "demo"  # the random-weight demo model's (launch.sh --demo-model)
 
 
+class LoraModule(msgspec.Struct, kw_only=True, frozen=True):
+    """A LoRA adapter loaded at start (``ModelDeployConfig.LoraModules[]``; ``path`` absolute)."""
+
+    name: str
+    path: str
+    base_model_name: str = ""
+
+
 class WorkerSpec(msgspec.Struct, kw_only=True):
     """One device worker (one npuDeviceIds entry)."""
 
@@ -178,6 +186,12 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     # A worker on another host (BackendConfig.workerHosts): front ends connect to it, this host's
     # supervisor does not start it.
     remote: bool = False
+    # LoRA adapters (ModelDeployConfig): those loaded at start, how many stay resident (maxLoras;
+    # 0 = as many as LoraModules lists, and none loaded at run time) and the largest rank
+    # (maxLoraRank; 0 = the most this server serves, 64).
+    lora_modules: list[LoraModule] = []
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 class Deployment(msgspec.Struct, kw_only=True):

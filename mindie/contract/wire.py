@@ -58,6 +58,7 @@ class Submit(Message, tag=1):
     priority: int = DEFAULT_PRIORITY
     arrival: float = 0.0  # wall-clock epoch seconds when the front end accepted it
     user_id: str = ""  # the client's id (req-id header): what stopInfer names; need not be unique
+    adapter: str = ""  # the LoRA adapter the request runs with ("" = the base model)
 
 
 class Cancel(Message, tag=2):
@@ -86,6 +87,42 @@ class Stop(Message, tag=7):
     frontend_id: str  # the asker
     user_id: str
     token: str
+
+
+class LoadAdapter(Message, tag=9):
+    """/v1/load_lora_adapter: register the peft LoRA adapter at ``path`` as ``name``. Every worker
+    answers ``AdapterAnswer`` with ``token`` on the asker's topic once it has read it (or refused)."""
+
+    frontend_id: str  # the asker
+    token: str
+    name: str
+    path: str
+
+
+class UnloadAdapter(Message, tag=10):
+    """/v1/unload_lora_adapter: the name goes at once, the requests in flight on it finish on it.
+    Answered at once with ``AdapterAnswer``."""
+
+    frontend_id: str
+    token: str
+    name: str
+
+
+class AdapterAnswer(Message, tag=11):
+    """A worker's answer to ``LoadAdapter`` or ``UnloadAdapter``: an HTTP status and MindIE's message."""
+
+    worker_id: str
+    frontend_id: str
+    token: str
+    status: int
+    message: str
+
+
+class AdapterInfo(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A LoRA adapter requests may name (``Heartbeat.adapters``)."""
+
+    name: str
+    path: str
 
 
 class Welcome(Message, tag=4):
@@ -166,6 +203,7 @@ class Heartbeat(Message, tag=6):
     tbt_ms: float = 0.0  # mean time between tokens of the last 1000 decode tokens
     swapped: int = 0  # preempted requests waiting to be recomputed
     decode_holds: int = 0  # steps that held the running requests' decodes for prompts (decodeHoldMs)
+    adapters: list[AdapterInfo] = []  # LoRA adapters registered and not being unloaded
 
 
 class Stopped(Message, tag=8):
@@ -177,8 +215,8 @@ class Stopped(Message, tag=8):
     found: int
 
 
-JobMessage = Union[Submit, Cancel, Hello, Stop]
-PubMessage = Union[Welcome, FrameBatch, Heartbeat, Stopped]
+JobMessage = Union[Submit, Cancel, Hello, Stop, LoadAdapter, UnloadAdapter]
+PubMessage = Union[Welcome, FrameBatch, Heartbeat, Stopped, AdapterAnswer]
 
 HELLO_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 0.25

@@ -29,6 +29,7 @@ from workers.backends import get_backend
 from workers.backends.base import Backend
 from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, Int8Target, quantize_model
 from workers.engine.engine import Engine
+from workers.engine.lora_manager import LoraManager
 from workers.engine.model_runner import ModelRunner, NullRunner
 from workers.engine.sampler import Sampler
 from workers.engine.tp_group import Group, join
@@ -58,7 +59,9 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
         runner = NullRunner(spec.null_vocab_size, spec.null_step_ms)
         num_blocks = kv_cache.bookkeeping_blocks(cfg.max_batch_size, cfg.max_seq_len, cfg.block_size)
         log.info("null model: no compute, %.2f ms per step, %d blocks", spec.null_step_ms, num_blocks)
-        return Assembly(runner, Engine(runner, cfg, num_blocks), None, num_blocks, "null")
+        engine = Engine(runner, cfg, num_blocks)
+        engine.lora = lora_manager(spec, None, "the null model (launch.sh --null-model) serves no LoRA adapter")
+        return Assembly(runner, engine, None, num_blocks, "null")
 
     backend = get_backend(spec.device_type, spec.threads)
     backend.setup()
@@ -81,8 +84,37 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
              f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms" if cfg.decode_hold_ms
              else "every step decodes every running request")
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
-    return Assembly(runner, Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread), group, num_blocks,
-                    device)
+    engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)
+    engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else "")
+    return Assembly(runner, engine, group, num_blocks, device)
+
+
+TP_REFUSAL = "LoRA adapters are not served by tensor-parallel instances (npuDeviceIds entries of several devices)"
+
+
+def lora_manager(spec: WorkerSpec, runner: ModelRunner | None, refusal: str) -> LoraManager:
+    """The worker's LoRA adapters (workers/engine/lora_manager.py), ``LoraModules`` read and
+    resident (up to ``maxLoras``) before the worker says it is ready. ``refusal``: why this worker
+    serves none (a load is answered with it; LoraModules fail the start, which the launch step
+    refuses first)."""
+    capacity = spec.max_loras or len(spec.lora_modules)
+    args = runner.model.args if runner is not None else None
+    manager = LoraManager(args, runner.kv_dtype if runner is not None else None,
+                          runner.device if runner is not None else "cpu", capacity=capacity,
+                          max_rank=spec.max_lora_rank, served_name=spec.model_name, dynamic=spec.max_loras > 0,
+                          refusal=refusal)
+    if spec.lora_modules and not refusal:
+        t0 = time.perf_counter()
+        manager.load_static(spec.lora_modules)
+        log.info("LoRA adapters: %d loaded from LoraModules in %.2f s (%d resident, maxLoras %d, maxLoraRank %d)",
+                 len(spec.lora_modules), time.perf_counter() - t0, len(manager.resident), spec.max_loras,
+                 manager.max_rank)
+    elif spec.lora_modules:
+        log.warning("LoraModules: not loaded: %s", refusal)
+    elif spec.max_loras:
+        log.info("LoRA adapters: loaded at run time (/v1/load_lora_adapter), %d resident at most, rank up to %d%s",
+                 capacity, manager.max_rank, f" ({refusal})" if refusal else "")
+    return manager
 
 
 def start_refusal(spec: WorkerSpec) -> str | None:

@@ -2,7 +2,8 @@
 
 Blocks hold ``block_size`` token positions. A full block that has been computed is
 registered under a hash chained over the whole prefix (hash of the previous block's hash
-and this block's token ids), so a later request with an identical prefix reuses it.
+and this block's token ids; the first block's chain starts from the request's LoRA adapter,
+``Sequence.cache_salt``), so a later request with an identical prefix on the same model reuses it.
 Freed blocks keep their content and hash and sit in an LRU free list: they are reused
 by a prefix hit until a fresh allocation evicts them (oldest first).
 
@@ -82,7 +83,7 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return []
         hits: list[int] = []
-        prev: int | None = None
+        prev: int | None = seq.cache_salt  # a LoRA request's blocks never match another model's
         bs = self.block_size
         full = (seq.num_tokens - 1) // bs
         for i in range(full):
@@ -144,7 +145,8 @@ class BlockManager:
         full = seq.num_computed // bs
         if full <= seq.num_hashed_blocks:
             return
-        prev = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        prev = (self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks
+                else seq.cache_salt)
         for i in range(seq.num_hashed_blocks, full):
             ids = tuple(seq.tokens[i * bs:(i + 1) * bs])
             h = chain_hash(prev, ids)

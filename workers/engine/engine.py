@@ -17,6 +17,7 @@ from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINI
 from mindie.contract.spec import EngineConfig
 from mindie.contract.wire import Submit
 from workers.engine.block_manager import BlockManager
+from workers.engine.lora_manager import Answer, LoraManager, UnknownAdapter
 from workers.engine.scheduler import ScheduledBatch, Scheduler
 from workers.engine.sequence import Sequence, Status
 
@@ -25,6 +26,13 @@ log = logging.getLogger("workers.engine")
 
 class CapacityError(ValueError):
     """A request that can never run on this worker (its KV blocks exceed the whole cache)."""
+
+
+class AdapterNotFound(LookupError):
+    """A request names a LoRA adapter this worker does not serve (404, in MindIE's words)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"Model {name} not found.")
 
 
 @dataclass
@@ -47,6 +55,7 @@ class StepOutput:
     logprobs: list[float] = field(default_factory=list)  # one per id of token_ids
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # k best per id
     prompt_logprobs: list[float] = field(default_factory=list)  # on the first output only
+    error: str = ""  # the request failed (a LoRA adapter that could not be read): the message
 
 
 class RunnerOutput(list):
@@ -123,6 +132,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.requests: dict[str, Sequence] = {}
+        # LoRA adapters (workers/engine/lora_manager.py), set by the assembly; None = none served.
+        self.lora: LoraManager | None = None
         self.steps = 0
         self.prompt_tokens = 0  # prompt tokens computed (prefill chunks, recomputes included)
         self.generated_tokens = 0
@@ -149,8 +160,18 @@ class Engine:
         seq = Sequence(request_id=sub.request_id, frontend_id=sub.frontend_id, prompt_len=n,
                        tokens=list(sub.token_ids), params=sub.params, max_new_tokens=max_new,
                        priority=sub.priority, arrival=sub.arrival or time.time(), user_id=sub.user_id)
+        if sub.adapter:
+            try:
+                if self.lora is None:
+                    raise UnknownAdapter(sub.adapter)
+                schedulable = self.lora.acquire(seq, sub.adapter)
+            except UnknownAdapter:
+                raise AdapterNotFound(sub.adapter) from None
+        else:
+            schedulable = True
         self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if schedulable:  # else it waits for its adapter's tensors: poll_lora schedules it
+            self.scheduler.add(seq)
         return seq
 
     def with_user_id(self, user_id: str) -> list[Sequence]:
@@ -166,7 +187,35 @@ class Engine:
                 self._deferred.append(seq)  # the compute thread may still read its block table
             else:
                 self.scheduler.remove(seq)
+            self._release_adapter(seq)
         return seq
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter is not None and self.lora is not None:
+            self.lora.release(seq)
+
+    @property
+    def lora_busy(self) -> bool:
+        """LoRA reads in progress (the worker loop polls for them more often)."""
+        return self.lora is not None and self.lora.busy
+
+    def poll_lora(self) -> tuple[list[Answer], list[StepOutput]]:
+        """Between steps: adapters whose tensors were read swapped in (their waiting requests
+        scheduled). Returns the answers to load requests, and an output with ``error`` set for
+        each request whose adapter could not be read."""
+        if self.lora is None:
+            return [], []
+        answers, ready, failed = self.lora.poll()
+        for seq in ready:
+            if seq.request_id in self.requests:
+                self.scheduler.add(seq)
+        outs = []
+        for seq, why in failed:
+            if self.requests.pop(seq.request_id, None) is not None:
+                self.lora.release(seq)
+                seq.finish_reason = FINISH_ABORT
+                outs.append(StepOutput(seq, [], error=why))
+        return answers, outs
 
     # -- state ----------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -178,7 +227,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        """Waiting to be scheduled, including requests waiting for their LoRA adapter's tensors."""
+        return self.scheduler.num_waiting + (self.lora.num_parked if self.lora is not None else 0)
 
     @property
     def num_swapped(self) -> int:
@@ -200,6 +250,11 @@ class Engine:
         if batch.empty:
             return None
         self.steps += 1
+        if self.lora is not None and any(s.adapter is not None for s in batch.seqs):
+            # A scheduled request's adapter is resident and stays so while it runs (it holds a reference).
+            batch.adapters = [None if s.adapter is None else s.adapter.weights for s in batch.seqs]
+            assert None not in (batch.adapters[i] for i, s in enumerate(batch.seqs) if s.adapter is not None), \
+                "a LoRA request was scheduled before its adapter was resident"
 
         def compute() -> list[int | None]:
             if before is not None:
@@ -224,7 +279,7 @@ class Engine:
         finally:
             self._inflight = None
             for seq in self._deferred:
-                self.scheduler.remove(seq)
+                self.scheduler.remove(seq)  # (their adapters were released at abort)
             self._deferred.clear()
         batch = f.batch
         now = time.perf_counter()
@@ -273,18 +328,22 @@ class Engine:
                 seq.finish_reason = out.finish_reason
                 self.requests.pop(seq.request_id, None)
                 self.scheduler.remove(seq)
+                self._release_adapter(seq)
             outputs.append(out)
         return outputs
 
     def check_no_leaks(self) -> bool:
         """True when no request is left and every block is free (used by tests)."""
         return (not self.requests and self._inflight is None and self.blocks.num_free == self.blocks.num_blocks
-                and all(b.ref_count == 0 for b in self.blocks.blocks))
+                and all(b.ref_count == 0 for b in self.blocks.blocks)
+                and (self.lora is None or all(a.refs == 0 and not a.parked for a in self.lora.adapters.values())))
 
     def close(self) -> None:
-        """Stop the compute thread (after the step it may be computing)."""
+        """Stop the compute thread (after the step it may be computing) and the LoRA reader."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self.lora is not None:
+            self.lora.close()
 
 
-__all__ = ["CapacityError", "Engine", "InFlight", "StepOutput", "Runner", "RunnerOutput", "Status"]
+__all__ = ["AdapterNotFound", "CapacityError", "Engine", "InFlight", "StepOutput", "Runner", "RunnerOutput", "Status"]

@@ -23,6 +23,7 @@ from workers.engine.sampler import MAX_TOP_LOGPROBS
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 from workers.engine.tp_group import Group, StepInputs
+from workers.models.lora import LoraStep
 
 # (logits [B, V], the B sequences to sample) -> LongTensor [B]: a workers.engine.sampler.Sampler.
 SampleFn = Callable[[torch.Tensor, list[Sequence]], torch.Tensor]
@@ -54,6 +55,16 @@ class ModelRunner:
         self.attn = kv_cache.allocate(self.attention_cls, self.kv_shape, self.kv_dtype, num_blocks, block_size,
                                       self.device)
 
+    @staticmethod
+    def flat_order(batch: ScheduledBatch) -> list[int] | range:
+        """The order of the batch's sequences in the flat batch: as scheduled, except that with LoRA
+        requests the rows of each adapter are put together (base model first), so each adapter's
+        rows are one range (workers/models/lora.py). Any order computes the same rows."""
+        ad = batch.adapters
+        if ad is None or all(w is None for w in ad):
+            return range(len(batch.seqs))
+        return sorted(range(len(ad)), key=lambda i: "" if ad[i] is None else "\0" + ad[i].name)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         ids: list[int] = []
@@ -64,7 +75,15 @@ class ModelRunner:
         # log-probability a request asked for (SamplingParams.prompt_logprobs) and does not have yet.
         prompt_spans: list[tuple[int, int, int, int]] = []
         want_lp = False
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        order = self.flat_order(batch)
+        segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter weights)
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_tokens[i]
+            if batch.adapters is not None and (w := batch.adapters[i]) is not None:
+                if segments and segments[-1][2] is w:
+                    segments[-1] = (segments[-1][0], len(ids) + n, w)
+                else:
+                    segments.append((len(ids), len(ids) + n, w))
             start = seq.num_computed
             if seq.params.prompt_logprobs:
                 # position p predicts prompt token p + 1: positions done .. prompt_len - 2
@@ -83,11 +102,17 @@ class ModelRunner:
                       for _, row0, _, cnt in prompt_spans for a in range(0, cnt, chunk)]
         if sampled_seqs:
             logit_rows.append(last_rows)
-        inputs = StepInputs(ids, pos, [s.block_table for s in batch.seqs], [s.num_computed for s in batch.seqs],
-                            list(batch.num_tokens), logit_rows)
+        seqs = [batch.seqs[i] for i in order]
+        inputs = StepInputs(ids, pos, [s.block_table for s in seqs], [s.num_computed for s in seqs],
+                            [batch.num_tokens[i] for i in order], logit_rows)
         if self.group is not None:
             self.group.send_step(inputs)  # the other ranks of a tensor-parallel instance run it too
-        hidden = self.forward(inputs)
+        if segments:
+            self.model.lora.step = LoraStep(segments)
+        try:
+            hidden = self.forward(inputs)
+        finally:
+            self.model.lora.step = None
         calls = iter(logit_rows)
         result = RunnerOutput([None] * len(batch.seqs))
         for i, _, p0, cnt in prompt_spans:
@@ -106,7 +131,8 @@ class ModelRunner:
             else:
                 toks, lps = self.sample(logits, sampled_seqs), None
             it = iter(enumerate(toks.tolist()))
-            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            for i in order:  # the order of sampled_seqs
+                seq, n = batch.seqs[i], batch.num_tokens[i]
                 if seq.num_computed + n == seq.num_tokens:
                     j, tok = next(it)
                     result[i] = int(tok)

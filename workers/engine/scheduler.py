@@ -30,6 +30,10 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens computed this step, per sequence
     preempted: list[Sequence]
+    # Per sequence, its LoRA adapter's tensors (workers.models.lora.AdapterWeights) or None, taken
+    # by the engine at launch (the compute thread reads these, never the sequences' adapters);
+    # None = no LoRA request in the step.
+    adapters: list | None = None
 
     @property
     def empty(self) -> bool:

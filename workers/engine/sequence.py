@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, overload
+from typing import Any, Iterator, overload
 
 import numpy as np
 
@@ -101,6 +101,9 @@ class Sequence:
     # With params.prompt_logprobs: log P(tokens[p + 1] | tokens[:p + 1]) for prompt positions
     # p = 0, 1, ... as prefill chunks compute them (complete at prompt_len - 1 values).
     prompt_logprobs: list[float] = field(default_factory=list)
+    # The LoRA adapter it runs with (workers.engine.lora_manager.Adapter), None = the base model;
+    # set while the request holds it (from Engine.add to its end).
+    adapter: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):
@@ -124,6 +127,12 @@ class Sequence:
     def num_output(self) -> int:
         """Generated tokens so far (also the sampler's draw index)."""
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def cache_salt(self) -> int | None:
+        """What the prefix cache's first block hash starts from: None for the base model, the
+        adapter's registration for a LoRA request (its KV differs from the base model's)."""
+        return None if self.adapter is None else self.adapter.salt
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs, RopeScaling
+from .lora import DOWN, GATE_UP, O, QKV, LoraHook
 
 if TYPE_CHECKING:
     from .sharding import TensorParallel
@@ -150,11 +151,13 @@ class DecoderAttention(nn.Module):
     """q/k/v projection (fused into one matmul), optional q/k norm, rope, attention, o projection."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """``reduce``: the all-reduce of a tensor-parallel rank's o-projection (row-parallel)."""
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, lora: LoraHook | None = None) -> None:
+        """``reduce``: the all-reduce of a tensor-parallel rank's o-projection (row-parallel);
+        ``lora``: the model's LoRA hook (workers/models/lora.py), read at every projection."""
         super().__init__()
         self.layer_idx = layer_idx
         self.reduce = reduce
+        self.lora = lora if lora is not None else LoraHook()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
@@ -169,6 +172,8 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if (lora := self.lora.step) is not None:  # adapters' deltas, before the split and rope (as peft)
+            lora.apply(self.layer_idx, QKV, x, qkv)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before rope
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -179,7 +184,10 @@ class DecoderAttention(nn.Module):
             # q and k are adjacent columns of one matmul output: rotate both in one pass.
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
             q, k = rope.rotate(positions, qk).split([self.n_heads, self.n_kv_heads], dim=1)
-        out = self.o_proj(attn(self.layer_idx, q, k, v, self.window).reshape(t, self.q_size))
+        h = attn(self.layer_idx, q, k, v, self.window).reshape(t, self.q_size)
+        out = self.o_proj(h)
+        if lora is not None:
+            lora.apply(self.layer_idx, O, h, out)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -187,16 +195,27 @@ class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul (rows [gate; up])."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, layer_idx: int = 0,
+                 lora: LoraHook | None = None) -> None:
         super().__init__()
         self.reduce = reduce  # tensor parallel: the down projection is row-parallel
+        self.layer_idx = layer_idx
+        self.lora = lora if lora is not None else LoraHook()
         self.intermediate_size = args.intermediate_size
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias, dtype=dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if (lora := self.lora.step) is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        else:
+            lora.apply(self.layer_idx, GATE_UP, x, gate_up)
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            h = F.silu(gate) * up
+            out = self.down_proj(h)
+            lora.apply(self.layer_idx, DOWN, h, out)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -204,12 +223,13 @@ class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, lora: LoraHook | None = None) -> None:
         super().__init__()
+        lora = lora if lora is not None else LoraHook()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.self_attn = DecoderAttention(args, layer_idx, dtype, reduce)
+        self.self_attn = DecoderAttention(args, layer_idx, dtype, reduce, lora)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = MLP(args, dtype, reduce)
+        self.mlp = MLP(args, dtype, reduce, layer_idx, lora)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
@@ -241,8 +261,12 @@ class DecoderLM(nn.Module):
         local = tp.shard.local_args(args) if tp is not None else args
         self.local_args = local
         reduce = tp.all_reduce if tp is not None else None
+        # LoRA adapters of the current step (workers/models/lora.py): set by the model runner
+        # around a forward that has adapter rows, read by every layer's projections.
+        self.lora = LoraHook()
         self.embed_tokens = Embedding(local.vocab_size, args.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, reduce) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, reduce, self.lora)
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         # Tied checkpoints reuse the embedding matrix: no separate module, so nothing can untie it.
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, local.vocab_size, bias=False,
@@ -262,7 +286,9 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         """input_ids, positions: LongTensor [T] (flat batch). Returns normed hidden states [T, hidden]."""
-        if self.fast_decode is not None and (hidden := self.fast_decode(input_ids, positions, attn)) is not None:
+        # The whole-stack kernel computes the base model only: a step with adapter rows takes the eager path.
+        if (self.fast_decode is not None and self.lora.step is None
+                and (hidden := self.fast_decode(input_ids, positions, attn)) is not None):
             return hidden
         x = self.embed_tokens(input_ids) if self.tp is None else self.tp.embed(self.embed_tokens.weight, input_ids)
         for layer in self.layers:
