@@ -115,8 +115,10 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/metrics-json", MetricsJsonResource(fe.client, f"{server.management_ip_address}:{server.management_port}"),
              None),
             # LoRA adapters at run time (mindie/api/lora.py): MindIE's routes, vLLM's bodies too.
-            ("/v1/load_lora_adapter", LoadLoraResource(fe.client, fe.model_name, server.max_request_length), None),
-            ("/v1/unload_lora_adapter", UnloadLoraResource(fe.client, server.max_request_length), None),
+            ("/v1/load_lora_adapter", LoadLoraResource(fe.client, fe.model_name, server.max_request_length,
+                                                        fe.loaded_adapters), None),
+            ("/v1/unload_lora_adapter", UnloadLoraResource(fe.client, server.max_request_length, fe.loaded_adapters),
+             None),
         ],
         "metrics": [("/metrics", MetricsResource(fe.metrics, fe.client), None)],
     }

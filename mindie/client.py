@@ -114,6 +114,9 @@ class DeviceClient:
         # Called with each Welcome before its worker counts as ready: the model's vocabulary size
         # and maximum positions as the worker parsed them (FrontEnd.learn_model).
         self.on_welcome: Callable[[P.Welcome], None] | None = None
+        # Called once a new worker instance (a start, a restart) is ready: mindie/adapters.py restores
+        # the LoRA adapters loaded at run time into it.
+        self.on_new_instance: Callable[[WorkerLink], None] | None = None
         self.ever_ready = False  # a worker was ready once: "starting" is over
         self._stops: dict[str, tuple[asyncio.Future, set[str], list[int]]] = {}
         self._asks: dict[str, tuple[asyncio.Future, set[str], dict[str, P.AdapterAnswer]]] = {}
@@ -423,12 +426,18 @@ class DeviceClient:
                         self.on_welcome(msg)
                     if msg.instance != link.instance:
                         link.heartbeat = None  # the old instance's load figures mean nothing now
+                    new = msg.instance != link.instance
                     link.instance = msg.instance
                     link.expected_seq = msg.seq + 1
                     link.welcomed = True
                     log.info("device worker %s ready", link.ep.worker_id)
                     self.ever_ready = True
                     self.ready_event.set()
+                    if new and self.on_new_instance is not None:
+                        try:
+                            self.on_new_instance(link)
+                        except Exception:  # noqa: BLE001  (never let a hook stop the reader)
+                            log.exception("on_new_instance hook failed for %s", link.ep.worker_id)
 
     def _on_frames(self, link: WorkerLink, batch: P.FrameBatch) -> None:
         if not link.welcomed or batch.instance != link.instance:

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 
+from mindie.adapters import LoadedAdapters, restore
 from mindie.admission import Admission
 from mindie.client import DeviceClient
 from mindie.config import Config, load_config
@@ -50,6 +51,9 @@ class FrontEnd:
         self.metrics = Metrics(self.model_name)
         self.client = DeviceClient(deployment.workers)
         self.client.on_welcome = self.learn_model
+        # LoRA adapters loaded at run time, loaded again into a worker that restarts (mindie/adapters.py).
+        self.loaded_adapters = LoadedAdapters(deployment.run_dir)
+        self.client.on_new_instance = lambda link: restore(self.client, self.loaded_adapters, link)
         # Told (vocab_size) whenever the model's figures change (app.py: the health probe's token).
         self.model_listeners: list = []
         # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).

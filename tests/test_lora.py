@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -206,10 +207,13 @@ def _run(eng, reqs: dict[str, tuple[str, list[int]]]) -> dict[str, list[int]]:
     for rid, (adapter, ids) in reqs.items():
         eng.add(Submit(rid, "fe", ids, SamplingParams(max_new_tokens=NEW, ignore_eos=True), adapter=adapter))
     out: dict[str, list[int]] = {rid: [] for rid in reqs}
-    for _ in range(10000):
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
         eng.poll_lora()
-        if not eng.has_work() and not eng.lora.busy:
-            break
+        if not eng.has_work():
+            if not eng.lora.busy:
+                break
+            time.sleep(0.002)  # an adapter being read on the reader thread
         for o in eng.step():
             out[o.seq.request_id] += o.token_ids
     return out
@@ -443,3 +447,54 @@ def test_fifth_adapter_evicts_the_least_recently_used(srv, lora):
     for name in ("a5", "a1", "a2", "a3", "a4", "a5"):
         assert _native(srv, PROMPTS[2], name).json()["details"]["generated_token_ids"] == lora["refs"][name][2], name
     assert "dropped from memory (least recently used" in srv.tail(400)
+
+
+def test_restarted_worker_gets_the_adapters_again(srv, lora):
+    """A device worker killed and restarted comes back with LoraModules only; the front end loads
+    the adapters loaded at run time into it again."""
+    import os
+    import signal
+
+    before = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+    assert len(before) >= 5  # the base model, a1 (LoraModules) and the ones loaded at run time
+    [pid] = srv.workers()
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    last = before[-1]
+    while time.monotonic() < deadline:  # until the new worker answers on an adapter loaded at run time
+        try:
+            r = _native(srv, PROMPTS[1], last)
+            if r.status_code == 200 and srv.workers() not in ([], [pid]):
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    assert srv.workers() not in ([], [pid])
+    assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == before
+    for name in before[1:]:
+        assert _native(srv, PROMPTS[1], name).json()["details"]["generated_token_ids"] == lora["refs"][name][1], name
+
+
+def test_half_precision_model_adapters_in_fp32(lora, demo_model):
+    """A bf16 model on the CPU keeps its adapters in fp32 (lora_dtype); the stacked path of a small
+    step and the per-adapter path give the same deltas, close to the fp32 model's."""
+    from workers.models.config import ModelArgs
+    from workers.models.lora import LoraStacks, LoraStep, lora_dtype, read_adapter
+
+    args = ModelArgs.from_dir(demo_model)
+    assert lora_dtype(torch.bfloat16, "cpu") == torch.float32 and lora_dtype(torch.float32, "cpu") == torch.float32
+    ws = [read_adapter(n, check_adapter(lora["paths"][n], args), args, torch.float32) for n in ("a1", "a3", "a4")]
+    x = torch.randn(12, args.hidden_size).bfloat16()
+    segs = [(2, 6, ws[0]), (6, 9, ws[1]), (9, 12, ws[2])]
+    base = torch.randn(12, args.q_size + 2 * args.kv_size).bfloat16()
+    loop, stacked = base.clone(), base.clone()
+    LoraStep(segs, 12).apply(0, 0, x, loop)
+    step = LoraStep(segs, 12, LoraStacks())
+    assert step.stacks is not None
+    step.apply(0, 0, x, stacked)
+    assert torch.equal(loop[:2], base[:2]) and torch.equal(stacked[:2], base[:2])  # the base model's rows
+    assert (loop.float() - stacked.float()).abs().max() <= 0.02 * loop.float().abs().max()
+    exact = base.float().clone()
+    LoraStep(segs, 12).apply(0, 0, x.float(), exact)
+    assert (loop.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+    assert (loop.float() - base.float()).abs().max() > 0.1

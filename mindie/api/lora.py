@@ -15,6 +15,9 @@ Unload: ``{"lora_name"}``: every worker drops the name at once (new requests nam
 and frees the adapter's tensors when its requests in flight have finished on it. 200 ``Success:
 LoRA adapter 'NAME' removed successfully.``, 404 ``The LoRA adapter 'NAME' cannot be found.``.
 
+Loaded adapters are recorded in the run directory (mindie/adapters.py ``LoadedAdapters``): a
+device worker that restarts gets them again from the front ends.
+
 MindIE itself answers these calls with 200 and the message whatever happened (503 for a bad name
 or path); here a refusal has a 4xx status, so that a client can tell (vLLM's statuses).
 """
@@ -30,6 +33,7 @@ import falcon.asgi
 import msgspec
 
 from mindie import ignored_fields
+from mindie.adapters import LoadedAdapters
 from mindie.client import DeviceClient
 from mindie.contract import wire as P
 from mindie.errors import ApiError
@@ -70,10 +74,12 @@ def _worst(answers: list[P.AdapterAnswer]) -> P.AdapterAnswer:
 class LoadLoraResource:
     """POST /v1/load_lora_adapter."""
 
-    def __init__(self, client: DeviceClient, model_name: str, max_body_mb: int):
+    def __init__(self, client: DeviceClient, model_name: str, max_body_mb: int, loaded: LoadedAdapters | None = None):
+        """``loaded``: where the adapters loaded at run time are recorded (for workers that restart)."""
         self.client = client
         self.model_name = model_name
         self.max_body_mb = max_body_mb
+        self.loaded = loaded
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = _body(await read_body(req, self.max_body_mb))
@@ -101,6 +107,8 @@ class LoadLoraResource:
         bad = [a for a in answers.values() if a.status != 200]
         if not bad and not missing:
             log.info("LoRA adapter %s loaded from %s on %d device worker(s)", name, path, len(answers))
+            if self.loaded is not None:
+                self.loaded.record(name, path)
             resp.content_type = falcon.MEDIA_TEXT
             resp.text = next(iter(answers.values())).message
             return
@@ -120,9 +128,10 @@ class LoadLoraResource:
 class UnloadLoraResource:
     """POST /v1/unload_lora_adapter."""
 
-    def __init__(self, client: DeviceClient, max_body_mb: int):
+    def __init__(self, client: DeviceClient, max_body_mb: int, loaded: LoadedAdapters | None = None):
         self.client = client
         self.max_body_mb = max_body_mb
+        self.loaded = loaded
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = _body(await read_body(req, self.max_body_mb))
@@ -132,6 +141,8 @@ class UnloadLoraResource:
         if not links:
             raise ApiError(503, "No device worker is ready")
         fid = self.client.frontend_id
+        if self.loaded is not None:
+            self.loaded.forget(name)  # first: a worker restarting meanwhile must not get it back
         answers, missing = await self.client.ask_workers(lambda t: P.UnloadAdapter(fid, t, name),
                                                          UNLOAD_ANSWER_TIMEOUT_S, links)
         done = [a for a in answers.values() if a.status == 200]

@@ -18,6 +18,8 @@ makes (``ENTRIES``; nothing else in it is ever touched):
     admission.slots             server-wide admission (mindie/admission.py; fcntl locks)
     prometheus/                 PROMETHEUS_MULTIPROC_DIR (made by scripts/launch.sh)
     listeners.json[.<pid>.tmp]  the HTTP listeners (mindie/listeners.py)
+    lora_adapters.json[.<pid>.tmp] the LoRA adapters loaded at run time (mindie/adapters.py), for
+                                device workers that restart
     service.stopped[.<pid>.tmp] the stop order (/stopService, or a stop signal to the launcher): every
                                 front end refuses new inference and cuts what still runs at its
                                 deadline (mindie/service_state.py, mindie/drain.py)
@@ -51,7 +53,8 @@ __all__ = ["ENTRIES", "SERVER_LOCK", "RunDirBusy", "die_with_parent", "expected_
 SERVER_LOCK = "server.lock"
 ENTRIES = (SERVER_LOCK, "deployment.json", "deployment.json.*.tmp", "w*-jobs.ipc", "w*-frames.ipc", "w*.ipc.lock",
            "cores.busy", "admission.slots", "prometheus", "listeners.json", "listeners.json.*.tmp",
-           "service.stopped", "service.stopped.*.tmp", "ready.announced")
+           "service.stopped", "service.stopped.*.tmp", "ready.announced", "lora_adapters.json",
+           "lora_adapters.json.*.tmp")
 LAUNCHER_ENV = "MINDIE_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 

@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "http-parser": ("http_parser", "the benchmark client's HTTP parser: httptools against the hand-written one"),
     "soak": ("soak", "memory soak: the real server under steady load, every process's RSS flat"),
     "chaos": ("chaos", "fault drills against the real launcher under load"),
+    "lora": ("lora", "LoRA adapters: tokens/s with four in the batch against the base alone, ITL while one loads"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 

@@ -32,7 +32,7 @@ import torch
 
 from workers.engine.sequence import Sequence
 from workers.models.config import ModelArgs
-from workers.models.lora import AdapterWeights, read_adapter
+from workers.models.lora import AdapterWeights, lora_dtype, read_adapter
 from workers.models.lora_adapter import MAX_RANK, AdapterError, AdapterPlan, check_adapter
 
 log = logging.getLogger("workers.lora")
@@ -90,7 +90,7 @@ class LoraManager:
     def __init__(self, args: ModelArgs | None, dtype: torch.dtype, device: torch.device | str, *, capacity: int,
                  max_rank: int, served_name: str, dynamic: bool, refusal: str = ""):
         self.args = args
-        self.dtype = dtype
+        self.dtype = lora_dtype(dtype, device) if dtype is not None else None  # the adapters' tensors'
         self.device = device
         self.capacity = capacity
         self.max_rank = min(max_rank or MAX_RANK, MAX_RANK)

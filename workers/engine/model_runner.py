@@ -23,7 +23,7 @@ from workers.engine.sampler import MAX_TOP_LOGPROBS
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 from workers.engine.tp_group import Group, StepInputs
-from workers.models.lora import LoraStep
+from workers.models.lora import LoraStacks, LoraStep
 
 # (logits [B, V], the B sequences to sample) -> LongTensor [B]: a workers.engine.sampler.Sampler.
 SampleFn = Callable[[torch.Tensor, list[Sequence]], torch.Tensor]
@@ -42,6 +42,7 @@ class ModelRunner:
         self.kv_shape = kv_shape  # (num_layers, n_kv_heads, head_dim)
         self.kv_dtype = kv_dtype
         self.attn = None
+        self._lora_stacks = LoraStacks()  # the last step's adapters, stacked (workers/models/lora.py)
         self.sample = sample
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -108,7 +109,7 @@ class ModelRunner:
         if self.group is not None:
             self.group.send_step(inputs)  # the other ranks of a tensor-parallel instance run it too
         if segments:
-            self.model.lora.step = LoraStep(segments)
+            self.model.lora.step = LoraStep(segments, len(ids), self._lora_stacks)
         try:
             hidden = self.forward(inputs)
         finally:

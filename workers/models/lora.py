@@ -23,7 +23,8 @@ from safetensors import safe_open
 from .config import ModelArgs
 from .lora_adapter import TARGETS, AdapterPlan
 
-__all__ = ["AdapterWeights", "DOWN", "GATE_UP", "LoraHook", "LoraStep", "O", "PROJECTIONS", "QKV", "read_adapter"]
+__all__ = ["AdapterWeights", "DOWN", "GATE_UP", "LoraHook", "LoraStacks", "LoraStep", "O", "PROJECTIONS", "QKV",
+           "STACK_ROWS", "lora_dtype", "read_adapter"]
 
 QKV, O, GATE_UP, DOWN = 0, 1, 2, 3
 PROJECTIONS = {"qkv": QKV, "o": O, "gate_up": GATE_UP, "down": DOWN}
@@ -47,6 +48,15 @@ def _fused_columns(args: ModelArgs) -> dict[str, tuple[int, int, int]]:
     q, kv, i = args.q_size, args.kv_size, args.intermediate_size
     return {"q_proj": (QKV, 0, q), "k_proj": (QKV, q, kv), "v_proj": (QKV, q + kv, kv), "o_proj": (O, 0, args.hidden_size),
             "gate_proj": (GATE_UP, 0, i), "up_proj": (GATE_UP, i, i), "down_proj": (DOWN, 0, args.hidden_size)}
+
+
+def lora_dtype(model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype an adapter's tensors are kept in: the model's, except fp32 for a half-precision
+    model on the CPU, where torch's bf16/fp16 matmuls of a LoRA's thin shapes are several times
+    slower than fp32 ones (and the fp32 delta is rounded once, where the activations are)."""
+    if torch.device(device).type == "cpu" and model_dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return model_dtype
 
 
 def read_adapter(name: str, plan: AdapterPlan, args: ModelArgs, dtype: torch.dtype,
@@ -79,21 +89,94 @@ def read_adapter(name: str, plan: AdapterPlan, args: ModelArgs, dtype: torch.dty
     return AdapterWeights(name, layers)
 
 
+class LoraStacks:
+    """The adapters of a step stacked per projection, for one matmul pair whatever their number:
+    ``A`` = every adapter's A side by side ([in, sum R]), ``B`` = their B one above the other
+    ([sum R, out]). Kept for the last combination of adapters seen (the batch's adapters change
+    rarely between decode steps), built per projection on first use."""
+
+    __slots__ = ("combo", "cache")
+
+    def __init__(self) -> None:
+        self.combo: tuple[AdapterWeights, ...] = ()
+        self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None] = {}
+
+    def use(self, combo: tuple[AdapterWeights, ...]) -> "LoraStacks":
+        if combo != self.combo:  # the tensors of the old combination are dropped with it
+            self.combo, self.cache = combo, {}
+        return self
+
+    def get(self, layer: int, proj: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+        key = (layer, proj)
+        if key not in self.cache:
+            parts = [w.layers[layer][proj] for w in self.combo]
+            have = [ab for ab in parts if ab is not None]
+            if not have:
+                self.cache[key] = None
+            else:
+                a0, b0 = have[0]
+                a = torch.cat([ab[0] if ab is not None else a0.new_zeros(a0.shape[0], 0) for ab in parts], dim=1)
+                b = torch.cat([ab[1] if ab is not None else b0.new_zeros(0, b0.shape[1]) for ab in parts], dim=0)
+                self.cache[key] = (a, b, tuple(0 if ab is None else ab[0].shape[1] for ab in parts))
+        return self.cache[key]
+
+
+# Steps of at most this many rows with several adapters use the stacked matmuls (a handful of ops
+# per projection whatever the number of adapters); larger ones (prompt chunks), where the rows of
+# other adapters would cost real work, go adapter by adapter.
+STACK_ROWS = 64
+
+
 class LoraStep:
     """The adapter rows of one step: ``segments`` of (first flat row, end row, weights), one per
-    adapter in the batch, each a contiguous range (the base model's rows are in none)."""
+    adapter in the batch, each a contiguous range (the base model's rows are in none).
 
-    __slots__ = ("segments",)
+    Small steps with several adapters (``stacks``) multiply every row by every adapter's A at once
+    (``x @ A``, [rows, sum R]), zero what belongs to other adapters (a 0/1 mask per row: the base
+    model's rows get an exact zero delta) and multiply by the stacked B: four ops per projection.
+    Otherwise each adapter's rows get their own two matmuls. Where the adapter's tensors have
+    another dtype than the activations (fp32 adapters of a bf16 model on the CPU, whose bf16
+    matmuls of these shapes are slow), the delta is computed in theirs and added once."""
 
-    def __init__(self, segments: list[tuple[int, int, AdapterWeights]]):
+    __slots__ = ("segments", "rows", "stacks", "masks")
+
+    def __init__(self, segments: list[tuple[int, int, AdapterWeights]], rows: int = 0,
+                 stacks: LoraStacks | None = None):
         self.segments = segments
+        self.rows = rows
+        self.stacks = stacks.use(tuple(w for _, _, w in segments)) \
+            if stacks is not None and len(segments) > 1 and 0 < rows <= STACK_ROWS else None
+        self.masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def _mask(self, ranks: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        m = self.masks.get(ranks)
+        if m is None:
+            m = like.new_zeros(self.rows, sum(ranks))
+            r0 = 0
+            for (a, b, _), r in zip(self.segments, ranks):
+                m[a:b, r0:r0 + r] = 1
+                r0 += r
+            self.masks[ranks] = m
+        return m
 
     def apply(self, layer: int, proj: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (the base projection of ``x``, [T, out]) += each adapter's delta on its rows."""
-        for a, b, w in self.segments:
+        if self.stacks is not None:
+            ent = self.stacks.get(layer, proj)
+            if ent is not None:
+                a, b, ranks = ent
+                xs = x if x.dtype == a.dtype else x.to(a.dtype)
+                out.add_(torch.mm(torch.mm(xs, a).mul_(self._mask(ranks, a)), b))
+            return
+        for r0, r1, w in self.segments:
             ab = w.layers[layer][proj]
-            if ab is not None:
-                out[a:b].addmm_(torch.mm(x[a:b], ab[0]), ab[1])
+            if ab is None:
+                continue
+            a, b = ab
+            if x.dtype == a.dtype:
+                out[r0:r1].addmm_(torch.mm(x[r0:r1], a), b)
+            else:
+                out[r0:r1].add_(torch.mm(torch.mm(x[r0:r1].to(a.dtype), a), b))
 
 
 class LoraHook:
