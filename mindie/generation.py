@@ -129,7 +129,8 @@ class Generation:
         self.t0 = time.monotonic()
         self.ttft_s: float | None = None
         try:
-            self.stream = client.submit(input_ids, params, priority, user_id=user_id, adapter=adapter)
+            extra = {"adapter": adapter} if adapter else {}  # (clients without LoRA take no such argument)
+            self.stream = client.submit(input_ids, params, priority, user_id=user_id, **extra)
         except NoWorkerError as e:
             raise ApiError(503, f"No device worker is ready: {e}") from None
         except UnknownAdapterError:  # unloaded since the request was parsed

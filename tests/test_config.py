@@ -149,7 +149,9 @@ JSON_KEYS = {
     "BackendConfig.cpuTuning": {
         "kernels", "isa", "kernelCache", "nativeBf16", "linearBuckets", "prewarmGflop", "fusedDecode",
         "fusedDecodeRows", "fusedDecodeMb", "int8Rows"},
-    "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig"},
+    "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
+                                        "maxLoraRank", "LoraModules"},
+    "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize"},
     "BackendConfig.ScheduleConfig": {
@@ -283,6 +285,10 @@ RANGE_CASES = [
     ("BackendConfig.ModelDeployConfig.maxInputTokenLen", 4194305, "must be <= 4194304, got 4194305"),
     ("BackendConfig.ModelDeployConfig.truncation", 2, "must be one of true, false, -1, 0, 1, got 2"),
     ("BackendConfig.ModelDeployConfig.ModelConfig", [], "must have length >= 1, got []"),
+    ("BackendConfig.ModelDeployConfig.maxLoras", -1, "must be >= 0, got -1"),
+    ("BackendConfig.ModelDeployConfig.maxLoras", 4097, "must be <= 4096, got 4097"),
+    ("BackendConfig.ModelDeployConfig.maxLoraRank", -1, "must be >= 0, got -1"),
+    ("BackendConfig.ModelDeployConfig.LoraModules[0].name", "a b", "must match the pattern"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].modelName", "bad name!", "must match the pattern"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].modelName", "x" * 257, "must have length <= 256"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize", -2, "must be >= -1, got -2"),
@@ -487,12 +493,39 @@ def test_env_errors_name_key_and_variable(env: dict, message: str) -> None:
     (with_value("BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize", 0),
      "BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize: must be -1 (auto) or >= 1 (GB), got 0"),
     ({"LogConfig": {"dynamicLogLevel": "verbose"}}, "LogConfig.dynamicLogLevel: must be empty or one of"),
+    ({"BackendConfig": {"ModelDeployConfig": {"LoraModules": [{"name": "a", "path": "x", "baseModelName": "llama"}]}}},
+     "BackendConfig.ModelDeployConfig.LoraModules[0].baseModelName: must be the served model's name, "
+     "ModelConfig[0].modelName ('demo'), got 'llama'"),
+    ({"BackendConfig": {"ModelDeployConfig": {"LoraModules": [{"name": "a", "path": "x", "baseModelName": "demo"},
+                                                               {"name": "a", "path": "y", "baseModelName": "demo"}]}}},
+     "BackendConfig.ModelDeployConfig.LoraModules[1].name: appears twice: 'a'"),
+    ({"BackendConfig": {"ModelDeployConfig": {"LoraModules": [{"name": "demo", "path": "x", "baseModelName": "demo"}]}}},
+     "BackendConfig.ModelDeployConfig.LoraModules[0].name: must differ from the base model's name"),
+    ({"BackendConfig": {"npuDeviceIds": [[0, 1]], "ModelDeployConfig": {
+        "LoraModules": [{"name": "a", "path": "x", "baseModelName": "demo"}]}}},
+     "BackendConfig.ModelDeployConfig.LoraModules: LoRA adapters are not served by tensor-parallel instances"),
 ])
 def test_cross_field_checks(tmp_path: Path, data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_dict(tmp_path, data)
     assert str(e.value).startswith(message)
     assert str(e.value).endswith(f"(in {tmp_path / 'config.json'})")
+
+
+def test_lora_keys_mindie_example(tmp_path: Path) -> None:
+    """MindIE's own example (maxLoras 4, maxLoraRank 296, one LoraModules entry) loads: the path is
+    taken from the config's directory, the rank is served up to 64 (a note says so)."""
+    loaded = load_dict(tmp_path, {"BackendConfig": {"ModelDeployConfig": {
+        "ModelConfig": [{"modelName": "llama3.1-70b"}], "maxLoras": 4, "maxLoraRank": 296,
+        "LoraModules": [{"name": "adapter1", "path": "loras/a1", "baseModelName": "llama3.1-70b"}]}}})
+    d = loaded.config.backend.model_deploy
+    assert (d.max_loras, d.max_lora_rank) == (4, 296)
+    assert [(m.name, m.path, m.base_model_name) for m in d.lora_modules] == [
+        ("adapter1", str(tmp_path / "loras/a1"), "llama3.1-70b")]
+    assert any("maxLoraRank 296: LoRA adapters of rank up to 64 are served" in n for n in loaded.notes)
+    assert loaded.ignored == []
+    c = Config()
+    assert (c.backend.model_deploy.max_loras, c.backend.model_deploy.max_lora_rank) == (0, 0)  # MindIE's defaults
 
 
 def test_all_zero_ip_allowed_when_enabled(tmp_path: Path) -> None:

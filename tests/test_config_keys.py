@@ -64,6 +64,7 @@ _E2E = "tests/test_server_e2e.py"
 _TLS = "tests/test_tls.py"
 _CURVE = "tests/test_worker_curve.py"
 _CFG = "tests/test_config.py"
+_LORA = "tests/test_lora.py"
 _ES = [f"tests/test_engine_settings.py::{n}" for n in ("test_each_key_reaches_the_plan_from_the_file_and_from_its_variable",
                                                          "test_the_worker_modules_run_with_the_plans_values")]
 
@@ -173,6 +174,19 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ModelDeployConfig.ModelConfig[].cpuMemSize": _here("test_npu_and_cpu_mem_size_size_the_kv_cache",
                                                                        "test_e2e_worker_applies_its_keys"),
     "BackendConfig.ModelDeployConfig.ModelConfig[].dtype": _here("test_dtype_is_the_models_dtype"),
+    "BackendConfig.ModelDeployConfig.maxLoras": [
+        f"{_LORA}::test_least_recently_used_adapter_leaves_memory_first",
+        f"{_LORA}::test_fifth_adapter_evicts_the_least_recently_used", f"{_CFG}::test_lora_keys_mindie_example"],
+    "BackendConfig.ModelDeployConfig.maxLoraRank": [
+        f"{_LORA}::test_refusals_name_the_problem", f"{_CFG}::test_lora_keys_mindie_example"],
+    "BackendConfig.ModelDeployConfig.LoraModules": [
+        f"{_LORA}::test_server_outputs_equal_peft_on_every_api", f"{_LORA}::test_lora_modules_refused_at_launch",
+        f"{_CFG}::test_cross_field_checks"],
+    "BackendConfig.ModelDeployConfig.LoraModules[].name": [
+        f"{_LORA}::test_models_lists_the_adapters", f"{_CFG}::test_cross_field_checks"],
+    "BackendConfig.ModelDeployConfig.LoraModules[].path": [
+        f"{_LORA}::test_lora_modules_refused_at_launch", f"{_CFG}::test_lora_keys_mindie_example"],
+    "BackendConfig.ModelDeployConfig.LoraModules[].baseModelName": [f"{_CFG}::test_cross_field_checks"],
     "BackendConfig.ModelDeployConfig.ModelConfig[].quantize": [
         f"tests/test_int8.py::{n}" for n in ("test_quantize_reaches_the_worker_spec", "test_int8_path_is_used_when_configured",
                                              "test_backend_without_int8_refuses_the_key",

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -184,6 +185,28 @@ def test_adapter_checks_refuse_what_cannot_be_served(lora, demo_model, tmp_path)
     big = make_adapter(demo_model, tmp_path / "big", 0, r=65, target_modules=["q_proj"])
     with pytest.raises(AdapterError, match="rank 65, the limit is 64"):
         check_adapter(big, args, max_rank=1000)
+
+
+def test_lora_modules_refused_at_launch(lora, demo_model, tmp_path):
+    """The launch step (python -m workers.prepare, as scripts/launch.sh runs it) refuses a
+    LoraModules entry the workers would refuse, before any process starts: exit 2 naming it."""
+    import subprocess
+    import sys
+
+    from tests.harness import write_plan
+
+    wide = make_adapter(demo_model, tmp_path / "wide", 0, r=32, target_modules=["q_proj"])
+    for entry, message in (({"path": str(tmp_path / "none")}, "LoraModules[1] (bad): .* No adapter found for"),
+                           ({"path": str(wide)}, "LoraModules[1] (bad): .* rank 32, the limit is 16")):
+        cfg = write_config(tmp_path / "config.json", port=free_port(), run_dir=short_run_dir(), workers=1,
+                           model_path=demo_model, deploy={"maxLoraRank": 16, "LoraModules": [
+                               {"name": "a1", "path": str(lora["paths"]["a1"]), "baseModelName": "demo"},
+                               {"name": "bad", "baseModelName": "demo", **entry}]})
+        path, dep = write_plan(cfg)
+        r = subprocess.run([sys.executable, "-m", "workers.prepare", path], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert re.search("config error: BackendConfig.ModelDeployConfig." + re.escape(message.split(" .*")[0]) +
+                         ".*" + message.split(".* ")[1], r.stderr), r.stderr
 
 
 # -- the engine: one step for the base model and four adapters ---------------------------------------
@@ -378,7 +401,6 @@ def test_refusals_name_the_problem(srv, lora, tmp_path, demo_model):
         ({"lora_name": "x6", "lora_path": str(wide), "master_model": "other"}, 400, "master_model 'other'"),
         ({"lora_name": "demo", "lora_path": str(wide)}, 400, "base model's name"),
     ]
-    import re
     for body, status, message in cases:
         r = load(body)
         assert r.status_code == status and set(r.json()) == {"error", "error_type"}, (body, r.text)
