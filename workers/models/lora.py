@@ -90,23 +90,24 @@ def read_adapter(name: str, plan: AdapterPlan, args: ModelArgs, dtype: torch.dty
 
 
 class LoraStacks:
-    """The adapters of a step stacked per projection, for one matmul pair whatever their number:
-    ``A`` = every adapter's A side by side ([in, sum R]), ``B`` = their B one above the other
-    ([sum R, out]). Kept for the last combination of adapters seen (the batch's adapters change
-    rarely between decode steps), built per projection on first use."""
+    """The adapters of a step stacked per projection for batched matmuls: ``A`` [G, in, R] and
+    ``B`` [G, R, out], each adapter's rank padded with zeros to the largest (zero columns of A and
+    rows of B add exact zeros), an adapter that leaves the projection alone all zeros. Kept for the
+    last combination of adapters seen (a batch's adapters change rarely between decode steps),
+    built per projection on first use."""
 
     __slots__ = ("combo", "cache")
 
     def __init__(self) -> None:
         self.combo: tuple[AdapterWeights, ...] = ()
-        self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None] = {}
+        self.cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def use(self, combo: tuple[AdapterWeights, ...]) -> "LoraStacks":
         if combo != self.combo:  # the tensors of the old combination are dropped with it
             self.combo, self.cache = combo, {}
         return self
 
-    def get(self, layer: int, proj: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+    def get(self, layer: int, proj: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         key = (layer, proj)
         if key not in self.cache:
             parts = [w.layers[layer][proj] for w in self.combo]
@@ -115,15 +116,20 @@ class LoraStacks:
                 self.cache[key] = None
             else:
                 a0, b0 = have[0]
-                a = torch.cat([ab[0] if ab is not None else a0.new_zeros(a0.shape[0], 0) for ab in parts], dim=1)
-                b = torch.cat([ab[1] if ab is not None else b0.new_zeros(0, b0.shape[1]) for ab in parts], dim=0)
-                self.cache[key] = (a, b, tuple(0 if ab is None else ab[0].shape[1] for ab in parts))
+                r = max(a.shape[1] for a, _ in have)
+                a = a0.new_zeros(len(parts), a0.shape[0], r)
+                b = b0.new_zeros(len(parts), r, b0.shape[1])
+                for g, ab in enumerate(parts):
+                    if ab is not None:
+                        a[g, :, :ab[0].shape[1]] = ab[0]
+                        b[g, :ab[1].shape[0]] = ab[1]
+                self.cache[key] = (a, b)
         return self.cache[key]
 
 
-# Steps of at most this many rows with several adapters use the stacked matmuls (a handful of ops
-# per projection whatever the number of adapters); larger ones (prompt chunks), where the rows of
-# other adapters would cost real work, go adapter by adapter.
+# Steps of at most this many rows with several adapters use the batched matmuls (a handful of ops
+# per projection whatever the number of adapters); larger ones (prompt chunks), where the ops are
+# few beside the work, go adapter by adapter.
 STACK_ROWS = 64
 
 
@@ -131,14 +137,15 @@ class LoraStep:
     """The adapter rows of one step: ``segments`` of (first flat row, end row, weights), one per
     adapter in the batch, each a contiguous range (the base model's rows are in none).
 
-    Small steps with several adapters (``stacks``) multiply every row by every adapter's A at once
-    (``x @ A``, [rows, sum R]), zero what belongs to other adapters (a 0/1 mask per row: the base
-    model's rows get an exact zero delta) and multiply by the stacked B: four ops per projection.
-    Otherwise each adapter's rows get their own two matmuls. Where the adapter's tensors have
-    another dtype than the activations (fp32 adapters of a bf16 model on the CPU, whose bf16
-    matmuls of these shapes are slow), the delta is computed in theirs and added once."""
+    Small steps with several adapters (``stacks``) gather each adapter's rows into a [G, M, in]
+    block (M: the most rows of one adapter; shorter ranges padded with a repeated row whose result
+    is dropped) and run two batched matmuls against the stacked adapters, then add the real rows'
+    deltas in place: seven ops per projection whatever the number of adapters, against four per
+    adapter. Otherwise each adapter's rows get their own two matmuls. Where the adapter's tensors
+    have another dtype than the activations (fp32 adapters of a bf16 model on the CPU, whose bf16
+    matmuls of these shapes are slow), the delta is computed in theirs and rounded once."""
 
-    __slots__ = ("segments", "rows", "stacks", "masks")
+    __slots__ = ("segments", "rows", "stacks", "gather", "valid", "dest")
 
     def __init__(self, segments: list[tuple[int, int, AdapterWeights]], rows: int = 0,
                  stacks: LoraStacks | None = None):
@@ -146,27 +153,33 @@ class LoraStep:
         self.rows = rows
         self.stacks = stacks.use(tuple(w for _, _, w in segments)) \
             if stacks is not None and len(segments) > 1 and 0 < rows <= STACK_ROWS else None
-        self.masks: dict[tuple[int, ...], torch.Tensor] = {}
-
-    def _mask(self, ranks: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        m = self.masks.get(ranks)
-        if m is None:
-            m = like.new_zeros(self.rows, sum(ranks))
-            r0 = 0
-            for (a, b, _), r in zip(self.segments, ranks):
-                m[a:b, r0:r0 + r] = 1
-                r0 += r
-            self.masks[ranks] = m
-        return m
+        self.gather = self.valid = self.dest = None
+        if self.stacks is not None:
+            m = max(b - a for a, b, _ in segments)
+            gather, valid, dest = [], [], []
+            for g, (a, b, _) in enumerate(segments):
+                gather += list(range(a, b)) + [a] * (m - (b - a))
+                valid += range(g * m, g * m + b - a)
+                dest += range(a, b)
+            self.gather = torch.tensor(gather)
+            # Without padding the gathered rows are the real ones, in order: no second selection.
+            self.valid = None if len(valid) == len(gather) else torch.tensor(valid)
+            self.dest = torch.tensor(dest)
 
     def apply(self, layer: int, proj: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (the base projection of ``x``, [T, out]) += each adapter's delta on its rows."""
         if self.stacks is not None:
-            ent = self.stacks.get(layer, proj)
-            if ent is not None:
-                a, b, ranks = ent
-                xs = x if x.dtype == a.dtype else x.to(a.dtype)
-                out.add_(torch.mm(torch.mm(xs, a).mul_(self._mask(ranks, a)), b))
+            ab = self.stacks.get(layer, proj)
+            if ab is not None:
+                a, b = ab
+                if self.gather.device != x.device:
+                    self.gather, self.dest = self.gather.to(x.device), self.dest.to(x.device)
+                    self.valid = None if self.valid is None else self.valid.to(x.device)
+                xs = x.index_select(0, self.gather).to(a.dtype).view(a.shape[0], -1, a.shape[1])
+                d = torch.bmm(torch.bmm(xs, a), b).view(-1, b.shape[2])
+                if self.valid is not None:
+                    d = d.index_select(0, self.valid)
+                out.index_add_(0, self.dest, d if d.dtype == out.dtype else d.to(out.dtype))
             return
         for r0, r1, w in self.segments:
             ab = w.layers[layer][proj]
