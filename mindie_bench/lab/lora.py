@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +34,7 @@ from typing import Any
 
 from mindie_bench.adapters import NativeAdapter
 from mindie_bench.lab.serving import bench_model, start_server
+from mindie_bench import stats as st
 from mindie_bench.runner import LoadConfig, run_async, run_segment
 from mindie_bench.workload import RequestSpec, make_workload
 
@@ -107,6 +109,19 @@ async def churn(url: str, path: str, stop: asyncio.Event, loads: list[float]) ->
         n += 1
 
 
+def steady_itl(results, skip: int = 8) -> dict:
+    """The gaps between tokens of the streams while all of them were past their first ``skip``
+    tokens and none had finished (the wave of prompts at the start of a segment, with its prefill
+    steps, is not what a load would stall)."""
+    ok = [r for r in results if r.ok and len(r.chunk_times) > skip + 1]
+    if not ok:
+        return st.summarize([])
+    lo = max(r.chunk_times[skip] for r in ok)
+    hi = min(r.chunk_times[-1] for r in ok)
+    gaps = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:]) if a >= lo and b <= hi]
+    return {**st.summarize(gaps, 1000.0), "window_s": max(0.0, hi - lo)}
+
+
 async def itl_segment(url: str, names: list[str], cfg: LoadConfig, workload, label: str,
                       churn_path: str | None) -> tuple[dict, list[float]]:
     """One segment of streams; with ``churn_path`` adapters are loaded and unloaded throughout."""
@@ -119,6 +134,7 @@ async def itl_segment(url: str, names: list[str], cfg: LoadConfig, workload, lab
         stop.set()
         if task is not None:
             await task
+    seg.stats["steady_itl_ms"] = steady_itl(seg.results)
     return seg.stats, loads
 
 
@@ -127,14 +143,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workers", type=int, default=1, help="CPU device workers (1: every request in one batch)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="cpuThreadsPerWorker (0: the cores shared out; 1 keeps a busy machine's spells from "
+                         "stalling a worker's OpenMP barriers)")
     ap.add_argument("--adapters", type=int, default=4, help="adapters in the mixed batch")
     ap.add_argument("--rank", type=int, default=16, help="their rank (every projection of every layer)")
     ap.add_argument("--load-rank", type=int, default=64, help="rank of the adapter loaded during the ITL run")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--prompt-len", default="128")
     ap.add_argument("--output-len", default="128")
-    ap.add_argument("--num-prompts", type=int, default=0, help="per segment (default 2 x concurrency)")
-    ap.add_argument("--rounds", type=int, default=2, help="base / adapters rounds, alternated")
+    ap.add_argument("--num-prompts", type=int, default=0, help="per segment (default: the concurrency, one wave)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the four segments, alternated")
     ap.add_argument("--port", type=int, default=18720)
     ap.add_argument("--out", default="bench-results/lora")
     args = ap.parse_args(argv)
@@ -148,10 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     churn_path = str(write_adapter(model, tmp / "churn", args.load_rank, 99))
     print(f"model {model}; {args.adapters} adapters of rank {args.rank} in {tmp}", file=sys.stderr)
     server, url, ready_s = start_server(model, args.port, workers=args.workers, dtype=args.dtype,
-                                        deploy={"maxLoras": args.adapters + 2, "maxLoraRank": 64})
+                                        deploy={"maxLoras": args.adapters + 2, "maxLoraRank": 64},
+                                        backend={"cpuThreadsPerWorker": args.threads})
     print(f"launch -> ready: {ready_s:.2f} s", file=sys.stderr)
-    n = args.num_prompts or 2 * args.concurrency
-    cfg = LoadConfig(concurrency=args.concurrency, num_prompts=n, warmup=args.concurrency)
+    n = args.num_prompts or args.concurrency
+    cfg = LoadConfig(concurrency=args.concurrency, num_prompts=n, warmup=min(8, args.concurrency))
     workload = make_workload(prompt_len=args.prompt_len, output_len=args.output_len)
     rows: dict[str, list[dict]] = {"base": [], "adapters": [], "idle": [], "loading": []}
     load_times: list[float] = []
@@ -162,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(f"loading {name} failed: {status} {text}")
 
         async def measure() -> None:
+            # Alternated, so that a busy spell of the machine hits both sides of each comparison.
             for r in range(args.rounds):
                 for label, cycle in (("base", [""]), ("adapters", names)):
                     seg = await run_segment(CyclingAdapter(url, cycle), workload, cfg,
@@ -170,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                 for label, path in (("idle", None), ("loading", churn_path)):
                     stats, loads = await itl_segment(url, names, cfg, workload,
                                                      f"ITL {label} c={args.concurrency} round {r + 1}", path)
+                    stats["loads"] = len(loads)
                     rows[label].append(stats)
                     load_times.extend(loads)
 
@@ -178,24 +200,39 @@ def main(argv: list[str] | None = None) -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
 
-    tok = {k: [s["output_throughput"] for s in rows[k]] for k in rows}
-    print(f"\n{args.adapters} adapters of rank {args.rank} (all 7 projections), concurrency {args.concurrency}, "
-          f"prompt {args.prompt_len}, output {args.output_len}, {args.rounds} round(s); model {model} ({args.dtype})")
-    print(f"{'':<26}{'tok/s (each round)':>28}{'ITL p50':>9}{'ITL p99':>9}{'ITL max':>9}{'failed':>7}")
-    for label, title in (("base", "base model alone"), ("adapters", f"{args.adapters} adapters mixed"),
-                         ("idle", "adapters, no load"), ("loading", f"adapters, rank-{args.load_rank} loads")):
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    print(f"\n{args.adapters} adapters of rank {args.rank} (all 7 projections) loaded at run time, concurrency "
+          f"{args.concurrency}, prompt {args.prompt_len}, output {args.output_len}, {args.rounds} alternated rounds; "
+          f"{model} ({args.dtype}, {args.workers} worker(s), cpuThreadsPerWorker {args.threads})")
+    print(f"{'':<30}{'tok/s per round':>26}{'median':>8}{'ITL p50':>9}{'ITL p99':>9}{'failed':>7}")
+    titles = {"base": "base model alone", "adapters": f"every request on one of {args.adapters}",
+              "idle": f"{args.adapters} adapters, nothing loading", "loading": f"same, rank-{args.load_rank} loads"}
+    for label, title in titles.items():
         s = rows[label]
-        print(f"{title:<26}{', '.join(f'{x:.1f}' for x in tok[label]):>28}"
-              f"{min(x['itl_ms']['p50'] for x in s):>9.1f}{min(x['itl_ms']['p99'] for x in s):>9.1f}"
-              f"{min(x['itl_ms']['max'] for x in s):>9.1f}{sum(x['failed'] for x in s):>7}")
-    ratio = max(tok["adapters"]) / max(tok["base"])
-    print(f"adapters / base tokens/s (best rounds): {ratio:.2f}")
+        tok = [x["output_throughput"] for x in s]
+        print(f"{title:<30}{', '.join(f'{x:.0f}' for x in tok):>26}{med(tok):>8.0f}"
+              f"{med([x['itl_ms']['p50'] for x in s]):>9.1f}{med([x['itl_ms']['p99'] for x in s]):>9.1f}"
+              f"{sum(x['failed'] for x in s):>7}")
+    ratios = [a["output_throughput"] / b["output_throughput"] for a, b in zip(rows["adapters"], rows["base"])]
+    print(f"adapters / base tokens/s per round: {', '.join(f'{x:.2f}' for x in ratios)} (median {med(ratios):.2f})")
+    print("ITL of the running streams once every stream is past its 8th token (the steady part of a segment), ms:")
+    for label in ("idle", "loading"):
+        s = [x["steady_itl_ms"] for x in rows[label]]
+        def each(key: str) -> str:
+            return ", ".join(f"{x[key]:.1f}" for x in s)
+
+        print(f"  {titles[label]:<28} p50 {each('p50')}; p99 {each('p99')}; max {each('max')} "
+              f"({sum(x['n'] for x in s)} gaps in {sum(x.get('window_s', 0) for x in s):.1f} s)")
+    itl = [a["steady_itl_ms"]["p99"] / b["steady_itl_ms"]["p99"] for a, b in zip(rows["loading"], rows["idle"])]
+    print(f"steady ITL p99 while loading / idle per round: {', '.join(f'{x:.2f}' for x in itl)} (median {med(itl):.2f})")
     if load_times:
-        print(f"{len(load_times)} loads during the ITL runs, {sum(load_times) / len(load_times) * 1000:.0f} ms each "
-              f"on average (request to answer)")
+        print(f"{len(load_times)} loads during the 'loading' segments ({', '.join(str(x['loads']) for x in rows['loading'])}"
+              f" per round), {med(load_times) * 1000:.0f} ms median each (request to answer, every worker read it)")
     (out / "lora-summary.json").write_text(json.dumps({
-        "args": vars(args), "model": model, "ready_s": ready_s, "rows": rows, "ratio": ratio,
-        "load_s": load_times}, indent=1))
+        "args": vars(args), "model": model, "ready_s": ready_s, "rows": rows, "ratios": ratios,
+        "itl_p99_ratios": itl, "load_s": load_times}, indent=1))
 
 
 if __name__ == "__main__":

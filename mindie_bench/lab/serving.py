@@ -82,18 +82,19 @@ def bench_model() -> str:
 def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1, dtype: str = "bfloat16",
                  kv_gib: float = 1.0, overlap: bool | None = None, null_model: bool = False,
                  null_step_ms: float = 0.0, server: dict | None = None, schedule: dict | None = None,
-                 prefix: str = "mb", deploy: dict | None = None) -> tuple[subprocess.Popen, str, float]:
+                 prefix: str = "mb", deploy: dict | None = None,
+                 backend: dict | None = None) -> tuple[subprocess.Popen, str, float]:
     """Start scripts/launch.sh on a fresh config (and run dir, with its server.log) under /tmp;
     returns (process, url, launch->ready s); the process's ``run_dir`` is that directory.
-    ``server`` / ``schedule`` / ``deploy``: ServerConfig / ScheduleConfig / ModelDeployConfig keys
-    over the defaults here (maxLoras, ...)."""
+    ``server`` / ``schedule`` / ``deploy`` / ``backend``: ServerConfig / ScheduleConfig /
+    ModelDeployConfig / BackendConfig keys over the defaults here (maxLoras, cpuThreadsPerWorker, ...)."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(tmp, 0o700)
     cfg = {
         "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port,
                          "httpsEnabled": False, "runDir": str(tmp), "maxLinkNum": 1000, **(server or {})},
         "BackendConfig": {
-            "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu",
+            "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu", **(backend or {}),
             "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 2048, "ModelConfig": [{
                 "modelName": "bench", "modelWeightPath": model, "dtype": dtype,
                 "cpuMemSize": kv_gib / workers}], **(deploy or {})},

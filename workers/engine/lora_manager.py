@@ -9,10 +9,10 @@ memory (it stays registered) and the adapter is read again from its folder. Requ
 that is not resident yet wait outside the scheduler ("parked") and join it when its tensors are in.
 When every resident adapter has requests in flight, the read waits for one of them to finish.
 
-Reading never stalls a step: the files are read and the tensors prepared on a thread of their own
-(one torch thread, so it does not compete with the step for the cores), and the result is swapped
-in by ``poll`` between two steps, on the loop thread, the only thread that touches this object
-(the heartbeat thread reads ``listing``, a tuple replaced whole).
+Reading never blocks a step: the files are read and the tensors prepared on a thread of their own
+(one OpenMP thread and the lowest CPU priority, so that it yields the cores to the steps), and the
+result is swapped in by ``poll`` between two steps, on the loop thread, the only thread that
+touches this object (the heartbeat thread reads ``listing``, a tuple replaced whole).
 
 Unloading takes the name away at once (new requests for it are refused) while the requests already
 accepted on it finish on it; its tensors are freed when the last one ends. Answers to load and
@@ -23,6 +23,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,13 +75,19 @@ class Answer:
     message: str
 
 
-def _single_thread() -> None:
-    """The reader thread's torch ops run on one OpenMP thread: the step keeps the cores. Torch sets a
-    new thread's count lazily on its first use, so take that first, then this thread's own."""
+def _reader_thread() -> None:
+    """The reader thread yields to the steps: its torch ops run on one OpenMP thread (torch sets a
+    new thread's count lazily on its first use, so take that first, then this thread's own), and
+    it runs at the lowest CPU priority (nice 19, this thread only), so that on a busy host a read
+    takes longer rather than the steps."""
     torch.get_num_threads()
     try:
         ctypes.CDLL(None).omp_set_num_threads(1)
     except (AttributeError, OSError):  # no OpenMP runtime loaded: torch runs its ops serially anyway
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux: the default priority
         pass
 
 
@@ -124,7 +132,7 @@ class LoraManager:
 
     def _submit(self, fn: Callable, *args) -> Future:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-read", initializer=_single_thread)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-read", initializer=_reader_thread)
         return self._pool.submit(fn, *args)
 
     def _read(self, name: str, path: str) -> tuple[AdapterPlan, AdapterWeights]:
