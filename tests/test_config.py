@@ -493,16 +493,18 @@ def test_env_errors_name_key_and_variable(env: dict, message: str) -> None:
     (with_value("BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize", 0),
      "BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize: must be -1 (auto) or >= 1 (GB), got 0"),
     ({"LogConfig": {"dynamicLogLevel": "verbose"}}, "LogConfig.dynamicLogLevel: must be empty or one of"),
-    ({"BackendConfig": {"ModelDeployConfig": {"LoraModules": [{"name": "a", "path": "x", "baseModelName": "llama"}]}}},
+    ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelName": "m"}],
+                                              "LoraModules": [{"name": "a", "path": "x", "baseModelName": "llama"}]}}},
      "BackendConfig.ModelDeployConfig.LoraModules[0].baseModelName: must be the served model's name, "
-     "ModelConfig[0].modelName ('demo'), got 'llama'"),
-    ({"BackendConfig": {"ModelDeployConfig": {"LoraModules": [{"name": "a", "path": "x", "baseModelName": "demo"},
-                                                               {"name": "a", "path": "y", "baseModelName": "demo"}]}}},
+     "ModelConfig[0].modelName ('m'), got 'llama'"),
+    ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelName": "m"}], "LoraModules": [
+        {"name": "a", "path": "x", "baseModelName": "m"}, {"name": "a", "path": "y", "baseModelName": "m"}]}}},
      "BackendConfig.ModelDeployConfig.LoraModules[1].name: appears twice: 'a'"),
-    ({"BackendConfig": {"ModelDeployConfig": {"LoraModules": [{"name": "demo", "path": "x", "baseModelName": "demo"}]}}},
+    ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelName": "m"}],
+                                              "LoraModules": [{"name": "m", "path": "x", "baseModelName": "m"}]}}},
      "BackendConfig.ModelDeployConfig.LoraModules[0].name: must differ from the base model's name"),
     ({"BackendConfig": {"npuDeviceIds": [[0, 1]], "ModelDeployConfig": {
-        "LoraModules": [{"name": "a", "path": "x", "baseModelName": "demo"}]}}},
+        "ModelConfig": [{"modelName": "m"}], "LoraModules": [{"name": "a", "path": "x", "baseModelName": "m"}]}}},
      "BackendConfig.ModelDeployConfig.LoraModules: LoRA adapters are not served by tensor-parallel instances"),
 ])
 def test_cross_field_checks(tmp_path: Path, data: dict, message: str) -> None:

