@@ -68,11 +68,12 @@ ROUTES = ["/infer", "/infer_token", "/health", "/v2/health/live", "/v2/health/re
           "/v2/models/{model}/stopInfer", "/v2/models/{model}/ready", "/health/timed", "/health/timed-{n}", "/info",
           "/v1/config", "/v1/status", "/v2/status", "/v2/models/{model}/getSlotCount", "/metrics-json",
           "/generate", "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
-          "/v2/models/{model}/generate_stream", "/v1/completions", "/v1/chat/completions"]
+          "/v2/models/{model}/generate_stream", "/v1/completions", "/v1/chat/completions",
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 POST_ROUTES = {"/infer", "/infer_token", "/v1/tokenizer", "/v2/models/{model}/stopInfer", "/generate",
                "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
                "/v2/models/{model}/generate_stream",
-               "/v1/completions", "/v1/chat/completions"}
+               "/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 # Registered but not fuzzed: it stops the server (tests/test_management.py drives it).
 NOT_FUZZED = {"/stopService"}
 
