@@ -13,10 +13,13 @@ them (``adapter_config.json`` and ``adapter_model.safetensors``), so this needs 
 
     python -m mindie_bench.lab.lora                       # the bench30m model, bf16, 4 adapters of rank 16
     python -m mindie_bench.lab.lora --model DIR --concurrency 32 --rank 16 --load-rank 64
+    python -m mindie_bench.lab.lora --model default       # the default model (SmolLM2-135M-Instruct's GGUF)
 
 Also ``mindie-bench lora ...`` (mindie_bench/lab/__init__.py lists the lab's commands). Public
 entry points only: the server through ``scripts/launch.sh`` (``serving.start_server``), the load
-from mindie-bench's runner (progress on stderr), the adapters through the HTTP routes.
+from mindie-bench's runner (progress on stderr), the adapters through the HTTP routes; of the
+engine only a GGUF file's metadata (``workers.models.gguf_file``, for the adapters' shapes) and the
+default model's file.
 """
 from __future__ import annotations
 
@@ -46,7 +49,11 @@ def write_adapter(model_dir: str, out: Path, rank: int, seed: int) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if str(model_dir).endswith(".gguf"):  # a GGUF file: its metadata as a Hugging Face config
+        from workers.models.gguf_file import hf_config, open_gguf
+        cfg = hf_config(open_gguf(model_dir))[0]
+    else:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
     hid, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim") or hid // heads
@@ -140,7 +147,8 @@ async def itl_segment(url: str, names: list[str], cfg: LoadConfig, workload, lab
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
+    ap.add_argument("--model", default="", help="model dir or GGUF file (default: the bench30m preset; "
+                                              "'default': the default model, SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workers", type=int, default=1, help="CPU device workers (1: every request in one batch)")
     ap.add_argument("--threads", type=int, default=0,
@@ -161,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     model = args.model or bench_model()
+    if model == "default":
+        from workers.models.default_model import default_model_file
+        model = str(default_model_file())
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench"))
     names = [f"lora{i}" for i in range(args.adapters)]
     paths = {n: write_adapter(model, tmp / n, args.rank, i) for i, n in enumerate(names)}
