@@ -22,6 +22,8 @@ import torch
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+from tests.tiny_hf import random_model
+
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
@@ -189,19 +191,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
 
 def tiny_model(cls_name: str, vocab_size: int, **config: Any) -> torch.nn.Module:
     """A seeded random transformers model (norms and biases randomised too: mapping mistakes show)."""
-    import transformers
     base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
                 eos_token_id=2)
-    cfg = getattr(transformers, cls_name)(**{**base, **config})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif n.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.08)
-    return model
+    return random_model(cls_name, {**base, **config})

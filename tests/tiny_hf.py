@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 
-def save_random_model(cls_name: str, config: dict[str, Any], path: Path) -> Any:
-    """A ``transformers.<cls_name>(**config)`` causal LM with seeded random weights, saved as
-    safetensors in ``path``; returns the model (eager attention: the textbook math as reference)."""
+def random_model(cls_name: str, config: dict[str, Any]) -> Any:
+    """A ``transformers.<cls_name>(**config)`` causal LM with seeded random weights (eager
+    attention: the textbook math as reference)."""
     import transformers
 
     cfg = getattr(transformers, cls_name)(**config)
@@ -25,5 +25,11 @@ def save_random_model(cls_name: str, config: dict[str, Any], path: Path) -> Any:
                 p.normal_(0.0, 0.1)
             else:
                 p.normal_(0.0, 0.08)
+    return model
+
+
+def save_random_model(cls_name: str, config: dict[str, Any], path: Path) -> Any:
+    """``random_model``, saved as safetensors in ``path``; returns the model."""
+    model = random_model(cls_name, config)
     model.save_pretrained(path, safe_serialization=True)
     return model
