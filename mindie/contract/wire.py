@@ -28,6 +28,27 @@ DEFAULT_MAX_NEW_TOKENS = 20  # MindIE's max_new_tokens when a request gives none
 DEFAULT_PRIORITY = 5  # MindIE's priority when a request gives none (1 = first, 5 = last)
 
 
+class Constraint(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, frozen=True):
+    """A structured-output constraint on a request's generated tokens (issue 29): the front end
+    builds it from whatever field its API uses (mindie/structured.py), the worker compiles it
+    (cached by content) and masks the constrained rows' logits in the sampler.
+
+    ``kind`` and ``spec``:
+      "json_schema"  spec = the JSON Schema, as JSON text
+      "json_object"  spec = "" (any JSON object)
+      "regex"        spec = the regular expression (the whole output must match it)
+      "choice"       spec = a JSON list of strings (the output is exactly one of them)
+      "lark"         spec = a grammar in llguidance's Lark syntax
+      "gbnf"         spec = a grammar in llama.cpp's GBNF
+    """
+
+    kind: str
+    spec: str = ""
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
+
+
 class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Per-request sampling parameters; the defaults mean greedy decoding."""
 
@@ -46,6 +67,7 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every id already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated ids
     prompt_logprobs: bool = False  # the first frame carries the log-probability of each prompt token
+    constraint: Constraint | None = None  # structured output: every generated token must keep it satisfiable
 
 
 class Submit(Message, tag=1):
