@@ -12,7 +12,9 @@ error) and re-decodes an open invalid-byte run every step (O(n) per token), for 
 Streaming contract (what callers may rely on):
 - ``"".join(push(...) for each step) + flush() == full_text()``, and
   ``full_text() == tokenizer.decode(all_ids, skip_special_tokens=True)`` (MindIE's
-  generated_text; special tokens are always skipped, mindie.md §4.2).
+  generated_text; special tokens are always skipped, mindie.md §4.2), except the special ids
+  a request asks to keep (``keep``: a tool-call format's delimiters such as ``[TOOL_CALLS]``,
+  which the OpenAI chat route parses and never shows): those are rendered where they stand.
 - A chunk never ends inside a character: bytes of an incomplete UTF-8 sequence (decoded as a
   trailing U+FFFD by byte-level BPE or byte-fallback tokenizers) are held back until the
   character completes. U+FFFD reaches a chunk only when the final text has it too (invalid
@@ -91,9 +93,9 @@ class TextTokenizer:
         """Text of ``ids`` with special tokens skipped (MindIE's generated_text)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def detokenizer(self) -> "IncrementalDetokenizer":
-        """A fresh streaming detokeniser for one request."""
-        return IncrementalDetokenizer(self)
+    def detokenizer(self, keep: frozenset[int] = frozenset()) -> "IncrementalDetokenizer":
+        """A fresh streaming detokeniser for one request (``keep``: special ids to keep)."""
+        return IncrementalDetokenizer(self, keep)
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> TextTokenizer:
@@ -110,9 +112,14 @@ class IncrementalDetokenizer:
     __slots__ = ("all_ids", "_decode", "_special", "_bytes", "_ids", "_start", "_read", "_done",
                  "_emitted", "_full", "_run", "_run_stop")
 
-    def __init__(self, tok: TextTokenizer) -> None:
+    def __init__(self, tok: TextTokenizer, keep: frozenset[int] = frozenset()) -> None:
+        """``keep``: special ids whose text stays in the output (a tool-call format's delimiters,
+        mindie/tool_calls.py); every other special id is dropped as always."""
         self._decode = tok.tokenizer.decode
-        self._special = tok.special_ids
+        self._special = tok.special_ids - keep if keep else tok.special_ids
+        if keep:  # the other special ids never enter the window, so only the kept ones are rendered
+            decode = tok.tokenizer.decode
+            self._decode = lambda ids, skip_special_tokens=True: decode(ids, skip_special_tokens=False)
         self._bytes = tok.byte_ids
         self.all_ids: list[int] = []  # every id pushed, special ones included
         self._ids: list[int] = []  # non-special ids: what decode(skip_special_tokens=True) sees

@@ -113,15 +113,16 @@ class Generation:
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, input_ids: list[int],
                  params: P.SamplingParams, deadline: Deadline, *, priority: int = 5, user_id: str = "",
                  stops: Sequence[str] = (), include_stop: bool = False, detokenize: bool = True,
-                 adapter: str = ""):
+                 adapter: str = "", keep_special: frozenset[int] = frozenset()):
         """``detokenize`` False: pieces carry ids only (no text, no stop strings); ``adapter``: the
-        LoRA adapter it runs with ("" = the base model)."""
+        LoRA adapter it runs with ("" = the base model); ``keep_special``: special ids whose text
+        the pieces keep (a tool-call format's delimiters)."""
         self.client = client
         self.tokenizer = tokenizer
         self.input_ids = input_ids
         self.params = params
         self.deadline = deadline
-        self.detok = IncrementalDetokenizer(tokenizer) if detokenize else None
+        self.detok = IncrementalDetokenizer(tokenizer, keep_special) if detokenize else None
         self.matcher = StopMatcher(stops, include_stop)
         self.token_ids: list[int] = []
         self.text = ""

@@ -75,6 +75,7 @@ class Sub:
     user_id: str | None = None  # the name stopInfer uses when the body gives one (else req-id)
     prompt: int = 0  # which prompt of the request (OpenAI list prompts: several subs share one)
     adapter: str = ""  # the LoRA adapter the request names ("" = the base model)
+    keep_special: frozenset[int] = frozenset()  # special ids the text keeps (tool-call delimiters)
 
 
 @dataclass
@@ -375,7 +376,8 @@ class Pipeline:
                 gen = Generation(self.client, self.tokenizer, sub.input_ids, sub.params,
                                  Deadline(sub.timeout, lim.token_timeout, lim.e2e_timeout, job.stream),
                                  priority=sub.priority, user_id=sub.user_id or rec.request_id, stops=sub.stops,
-                                 include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter)
+                                 include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter,
+                                 keep_special=sub.keep_special)
                 outs.append(Output(i, sub, gen))
         except BaseException:
             for o in outs:

@@ -209,6 +209,29 @@ def test_special_tokens_skipped_anywhere(name: str) -> None:
     assert d.all_ids == [specials[0]]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_kept_special_tokens_are_streamed_where_they_stand(name: str) -> None:
+    """``keep``: the special ids a request keeps (a tool-call format's delimiters, such as
+    ``[TOOL_CALLS]``) are rendered where they stand, every other special id is still dropped;
+    at any step size the chunks add up to that text."""
+    tok = TOKENIZERS[name]
+    specials = sorted(tok.special_ids)
+    kept, dropped = specials[-1], specials[0]
+    words = content_ids(tok, "Hello world 中文 😀")
+    ids = [dropped] + words[:2] + [kept] + words[2:] + [dropped, kept]
+    want = tok.tokenizer.decode([i for i in ids if i != dropped], skip_special_tokens=False)
+    assert tok.tokenizer.id_to_token(kept) in want and want.count(tok.tokenizer.id_to_token(kept)) == 2
+    for sizes in ([1], [2], [3, 1], [len(ids)]):
+        d = tok.detokenizer(frozenset({kept}))
+        chunks, i, k = [], 0, 0
+        while i < len(ids):
+            chunks.append(d.push(ids[i:i + sizes[k % len(sizes)]]))
+            i += sizes[k % len(sizes)]
+            k += 1
+        assert "".join(chunks) + d.flush() == want == d.full_text(), sizes
+    check_stream(tok, ids)  # without keep: all of them dropped, as before
+
+
 def test_non_special_added_token_is_streamed() -> None:
     tok = TOKENIZERS["byte_level"]
     ids = content_ids(tok, "call") + [tok.tokenizer.token_to_id("<tool>")] + content_ids(tok, " now")
