@@ -167,3 +167,165 @@ def test_demo_model_template_matches_transformers(demo_model):
     hf = transformers.AutoTokenizer.from_pretrained(demo_model)
     for msgs in MESSAGES[:2]:
         assert ours.render(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+# Meta-Llama-3.1-8B-Instruct's chat_template (tokenizer_config.json; JSON tool calling, tools in the
+# first user message, tool results as the ipython role).
+LLAMA31_TEMPLATE = r"""{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message + builtin tools #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\n\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+                {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {#- This means we're in ipython mode #}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+# A tool round trip as an OpenAI client sends it back (issue 29): arguments as a JSON string, the
+# call's content null, tool results with their call id; and as transformers documents it for
+# apply_chat_template (arguments as a dict), which is what the template must see.
+OPENAI_HISTORY = [
+    {"role": "system", "content": "You answer with tools."},
+    {"role": "user", "content": "Weather in Zürich, and 2+3?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Zürich\", \"days\": [1, 2]}"}}]},
+    {"role": "tool", "tool_call_id": "call_a", "content": "{\"sky\": \"sunny\", \"t\": 21}"},
+    {"role": "assistant", "content": "Sunny. Now the sum.", "tool_calls": [
+        {"id": "call_b", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+    {"role": "tool", "tool_call_id": "call_b", "content": "5"},
+]
+HF_HISTORY = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                   for c in m["tool_calls"]]} if "tool_calls" in m else m for m in OPENAI_HISTORY]
+HISTORY_TOOLS = TOOLS + [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("i", range(len(MESSAGES)))
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_llama31_template_matches_transformers(tmp_path, demo_model, i, tools):
+    d = _checkpoint(tmp_path, demo_model, LLAMA31_TEMPLATE, bos_token="<s>", eos_token="</s>")
+    want = _hf(d).apply_chat_template(MESSAGES[i], tools=tools, tokenize=False, add_generation_prompt=True)
+    assert load_chat_template(d).render(MESSAGES[i], tools=tools) == want
+
+
+@pytest.mark.parametrize("template", ["qwen25", "llama31"])
+def test_openai_tool_history_renders_as_transformers(tmp_path, demo_model, template):
+    """An OpenAI client's tool history (arguments as JSON strings) through the chat route's
+    preparation (mindie/tool_calls.py) renders byte for byte as transformers renders the same
+    conversation in its documented form (arguments as dicts)."""
+    from mindie.detokenizer import load_tokenizer
+    from mindie.tool_calls import ToolSupport
+
+    src = QWEN25_TEMPLATE if template == "qwen25" else LLAMA31_TEMPLATE
+    d = _checkpoint(tmp_path, demo_model, src, bos_token="<s>", eos_token="</s>")
+    ours = load_chat_template(d)
+    support = ToolSupport(ours, load_tokenizer(d))
+    assert support.renders_tools and support.renders_calls
+    assert support.parser_cls.name == ("hermes" if template == "qwen25" else "llama3_json")
+    history = OPENAI_HISTORY if template == "qwen25" else OPENAI_HISTORY[:4]  # Llama 3.1: no text beside a call
+    want = _hf(d).apply_chat_template(HF_HISTORY[:len(history)], tools=HISTORY_TOOLS, tokenize=False,
+                                      add_generation_prompt=True)
+    treq = support.request(HISTORY_TOOLS, None, None)
+    assert ours.render(support.messages(history, treq), tools=HISTORY_TOOLS) == want
+    assert ours.render(history, tools=HISTORY_TOOLS) != want  # the wire form as is would not
+    # arguments already given as a dict (what transformers takes) render the same
+    assert ours.render(support.messages(HF_HISTORY[:len(history)], treq), tools=HISTORY_TOOLS) == want
