@@ -1,9 +1,10 @@
 """Chat templates: a checkpoint's messages-to-prompt template, rendered as transformers'
 ``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` renders it.
 
-Where the template comes from (as transformers loads it): ``chat_template.jinja`` in the model
-directory when present, else ``chat_template`` in ``tokenizer_config.json``: a string, or a list
-of named templates ``[{"name": ..., "template": ...}]`` (``tool_use`` is picked when the request
+Where the template comes from: a file the config names (``ModelConfig[].models.<model_type>.
+chat_template``, MindIE's key), else as transformers loads it: ``chat_template.jinja`` in the
+model directory when present, else ``chat_template`` in ``tokenizer_config.json``: a string, or a
+list of named templates ``[{"name": ..., "template": ...}]`` (``tool_use`` is picked when the request
 has tools and the checkpoint has one, else ``default``). A checkpoint without any (the built-in
 demo model, base models) gets ``CHATML_FALLBACK`` and the front end logs that once.
 
@@ -207,8 +208,10 @@ class ChatTemplate:
             raise ChatTemplateError(f"The chat template failed on these messages: {type(e).__name__}: {e}") from None
 
 
-def load_chat_template(model_dir: str | os.PathLike[str]) -> ChatTemplate:
-    """The checkpoint's template, or ``CHATML_FALLBACK`` (``.fallback`` True) when it has none."""
+def load_chat_template(model_dir: str | os.PathLike[str], template_file: str | os.PathLike[str] = "") -> ChatTemplate:
+    """The checkpoint's template, or ``CHATML_FALLBACK`` (``.fallback`` True) when it has none.
+    ``template_file``: a ``.jinja`` file that replaces the checkpoint's template (MindIE's
+    ``ModelConfig[].models.<model_type>.chat_template``); the special tokens stay the checkpoint's."""
     cfg: dict[str, Any] = {}
     path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.isfile(path):
@@ -224,7 +227,10 @@ def load_chat_template(model_dir: str | os.PathLike[str]) -> ChatTemplate:
         special["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
     jinja_file = os.path.join(model_dir, "chat_template.jinja")
     templates: dict[str, str] | str | None = None
-    if os.path.isfile(jinja_file):
+    if template_file:
+        with open(template_file, encoding="utf-8") as f:
+            templates = f.read()
+    elif os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:
             templates = f.read()
     else:

@@ -28,10 +28,11 @@ from msgspec import Meta, field
 
 from mindie.contract.spec import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME
 from mindie.runtime.env import ENGINE_ENV, engine_overrides
+from mindie.tool_parsers import names as tool_parser_names
 
 __all__ = [
     "Config", "ConfigError", "ServerConfig", "HealthCheckConfig", "BackendConfig", "ModelDeployConfig",
-    "ModelConfig", "LoraModuleConfig", "ScheduleConfig", "CpuTuningConfig", "LogConfig", "Loaded", "load_config", "default_run_dir", "ensure_run_dir",
+    "ModelConfig", "ModelTypeOptions", "ToolCallOptions", "LoraModuleConfig", "ScheduleConfig", "CpuTuningConfig", "LogConfig", "Loaded", "load_config", "default_run_dir", "ensure_run_dir",
     "python_log_level", "ENV_OVERRIDES",
 ]
 
@@ -136,6 +137,21 @@ class ServerConfig(_Section):
     drain_timeout_s: Annotated[float, Meta(ge=0, le=MAX_E2E_TIMEOUT_S)] = DEFAULT_DRAIN_TIMEOUT_S
 
 
+class ToolCallOptions(msgspec.Struct, kw_only=True):
+    """``ModelConfig[].models.<model_type>.tool_call_options`` (MindIE's keys, snake_case as MindIE spells them)."""
+
+    # "" = as the chat template shows (mindie/tool_calls.py), else one of mindie/tool_parsers/names.py
+    tool_call_parser: str = ""
+
+
+class ModelTypeOptions(msgspec.Struct, kw_only=True):
+    """``ModelConfig[].models.<model_type>``: MindIE's per-model-type options. The entry whose key is
+    the served checkpoint's ``model_type`` applies; MindIE's other keys there are accepted and unused."""
+
+    tool_call_options: ToolCallOptions = field(default_factory=ToolCallOptions)
+    chat_template: str = ""  # a .jinja file replacing the checkpoint's chat template; relative: from the config's directory
+
+
 class ModelConfig(_Section):
     # MindIE's sample file says "llama_65b". Absent: the default model's name, a checkpoint's
     # directory or file name, "demo" for the demo model (_default_model_name).
@@ -154,6 +170,9 @@ class ModelConfig(_Section):
     # MindIE's name (its weights' config.json); here quantised at load from the checkpoint.
     # null/"" = none; "w8a16" = weight-only int8 linears (workers/backends/int8.py).
     quantize: Optional[Literal["", "w8a16"]] = None
+    # MindIE's per-model-type options ({"<model_type>": {"tool_call_options": {"tool_call_parser": ...},
+    # "chat_template": ...}}): tool calls on /v1/chat/completions (docs/apis.md, "Tool calls").
+    models: dict[str, ModelTypeOptions] = field(default_factory=dict)
 
 
 class LoraModuleConfig(_Section):
@@ -550,7 +569,6 @@ MINDIE_UNUSED_KEYS = frozenset({
     "BackendConfig.ModelDeployConfig.ModelConfig[].tp", "BackendConfig.ModelDeployConfig.ModelConfig[].dp",
     "BackendConfig.ModelDeployConfig.ModelConfig[].moe_tp", "BackendConfig.ModelDeployConfig.ModelConfig[].moe_ep",
     "BackendConfig.ModelDeployConfig.ModelConfig[].sp", "BackendConfig.ModelDeployConfig.ModelConfig[].cp",
-    "BackendConfig.ModelDeployConfig.ModelConfig[].models",
     "BackendConfig.ScheduleConfig.templateType", "BackendConfig.ScheduleConfig.templateName",
     "BackendConfig.ScheduleConfig.policyType", "BackendConfig.ScheduleConfig.bufferResponseEnabled",
     "BackendConfig.ScheduleConfig.enableSplit", "BackendConfig.ScheduleConfig.splitType",
@@ -701,6 +719,11 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
                           env=from_env.get("ServerConfig.strictConfig"), source=source)
     notes = _adjust(config) + ([name_note] if name_note else [])
     _resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
+    for i, m in enumerate(config.backend.model_deploy.models):
+        for model_type, opts in m.models.items():
+            if opts.chat_template and not os.path.isfile(opts.chat_template):
+                raise ConfigError(f"no such file: {opts.chat_template}", f"BackendConfig.ModelDeployConfig.ModelConfig[{i}]"
+                                  f".models.{model_type}.chat_template", source=source)
     unapplied = [f"{k}: {why}" for k, why in VALIDATED_NOT_APPLIED.items() if _lookup(raw, k)[0]]
     return Loaded(config, source, ignored, notes, from_env, unapplied, unknown)
 
@@ -759,6 +782,12 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
                  f"({len(ids[0])}), got {m.world_size}")
         if m.npu_mem_size == 0:
             fail(f"{key}.npuMemSize", "must be -1 (auto) or >= 1 (GB), got 0")
+        for model_type, opts in m.models.items():
+            parser = opts.tool_call_options.tool_call_parser.strip()
+            if parser and tool_parser_names.canonical(parser) is None:
+                # MindIE falls back to the model's default parser; a typo is refused here instead
+                fail(f"{key}.models.{model_type}.tool_call_options.tool_call_parser",
+                     f"must be empty or one of {', '.join(sorted(tool_parser_names.ALIASES))}, got {parser!r}")
     # Worker links (project extensions; mindie/runtime/curve.py).
     for key, host in [("BackendConfig.workerHost", b.worker_host)] + [
             (f"BackendConfig.workerHosts[{i}]", h) for i, h in enumerate(b.worker_hosts)]:
@@ -849,6 +878,8 @@ def _resolve_paths(config: Config, base_dir: str, env: Mapping[str, str]) -> Non
 
     for m in config.backend.model_deploy.models:
         m.model_weight_path = absolute(m.model_weight_path)
+        for opts in m.models.values():
+            opts.chat_template = absolute(opts.chat_template)
     for lm in config.backend.model_deploy.lora_modules:
         lm.path = absolute(lm.path)
     config.backend.worker_curve_key_dir = absolute(config.backend.worker_curve_key_dir)

@@ -388,7 +388,8 @@ def test_chat_bad_params(srv):
     for kw in ({"temperature": -1}, {"top_logprobs": 3}, {"logprobs": True, "top_logprobs": 21},
                {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, {"n": 0},
                {"messages": []}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-               {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}):
+               {"tool_choice": {"type": "function", "function": {"name": "g"}},
+                "tools": [{"type": "function", "function": {"name": "f"}}]}):
         with pytest.raises(openai.BadRequestError):
             srv.oai.chat.completions.create(**{"model": "demo", "messages": MESSAGES, **kw})
     for raw in (b"{", b"[]", b"", b'{"messages": "x"}', b'{"messages": ' + b"[" * 200 + b"]" * 200 + b"}"):

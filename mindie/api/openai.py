@@ -20,12 +20,16 @@ Decisions (docs/apis.md has the user's view):
   = prompt index * n + j. Same seed and parameters give the same tokens as /infer.
 - ``usage.prompt_tokens`` counts each prompt once (not once per choice), ``completion_tokens``
   every generated id of every choice (the ids up to the one that completed a stop string).
-- ``finish_reason``: "length", else "stop" (EOS, stop string, stop token id, stopInfer);
-  ``stop_reason`` is the matched stop string or stop token id (vLLM), else null.
+- ``finish_reason``: "length", else "tool_calls" when the answer holds tool calls, else "stop"
+  (EOS, stop string, stop token id, stopInfer); ``stop_reason`` is the matched stop string or
+  stop token id (vLLM), else null.
 - ``response_format`` json_object is accepted and NOT enforced (MindIE accepts it too);
-  json_schema is refused. ``tools`` are passed to the chat template, never parsed: the output
-  comes back as content, finish_reason is never "tool_calls"; ``tool_choice`` other than
-  "none"/"auto" is refused.
+  json_schema is refused.
+- Tool calls (mindie/tool_calls.py, mindie/tool_parsers/): ``tools`` with ``tool_choice`` auto,
+  required or a named function are parsed out of the text in the model's format into
+  ``message.tool_calls`` (streamed as OpenAI's ``delta.tool_calls``), the markup never shown as
+  content; required and a named function also carry the call's grammar
+  (``SamplingParams.constraint``); ``none`` gives the template the tools and parses nothing.
 - The request's life is the shared pipeline's (mindie/pipeline.py); this module is the
   family's codec: parse a body into submissions, render answers, chunks and errors.
 - ``MINDIE_LLM_BENCHMARK_ENABLE=1|2``: a non-stream body gets top-level ``prefill_time`` (ms)
@@ -54,6 +58,8 @@ from mindie.detokenizer import TextTokenizer
 from mindie.errors import ApiError
 from mindie.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
+from mindie.tool_calls import ToolRequest, ToolSupport, configured_options
+from mindie.tool_parsers.base import ToolCallStream, parse_text
 from mindie.validation import Limits, cap_max_new_tokens, check_token_count, check_token_ids, random_seed
 
 log = logging.getLogger("mindie.api.openai")
@@ -79,8 +85,10 @@ def error_payload(err: ApiError) -> dict:
     return {"error": {"message": err.message, "type": etype, "param": err.param, "code": err.status}}
 
 
-def _finish(reason: str) -> str:
-    return "length" if reason == FINISH_LENGTH else "stop"
+def _finish(reason: str, tool_calls: bool = False) -> str:
+    if reason == FINISH_LENGTH:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 @dataclass
@@ -96,6 +104,7 @@ class OpenAIRequest:
     rid: str = ""
     created: int = 0
     adapter: str = ""  # the LoRA adapter ``model`` names ("" = the base model); the answers' ``model``
+    tools: ToolRequest | None = None  # chat: the request's tools (None: no tool calls parsed)
 
 
 class _OpenAICodec(Codec):
@@ -181,12 +190,13 @@ class _OpenAICodec(Codec):
             raise ApiError(400, f"{total} choices asked (n = {n} x {len(req.prompts)} prompts), more than "
                                 f"ScheduleConfig.maxN = {self.max_n}.", param="n")
         subs = []
+        keep = req.tools.keep_special if req.tools is not None and req.tools.parser is not None else frozenset()
         for p, ids in enumerate(req.prompts):
             mnt = cap_max_new_tokens(params.max_new_tokens, len(ids), self.limits)
             for j in range(n):
                 s = (seed + j) % _SEED_MOD if seed is not None else random_seed()
                 subs.append(Sub(ids, msgspec.structs.replace(params, seed=s, max_new_tokens=max(1, mnt)), stops=stops,
-                                include_stop=include_stop, prompt=p, adapter=req.adapter))
+                                include_stop=include_stop, prompt=p, adapter=req.adapter, keep_special=keep))
         req.rid = f"{self.kind}-{secrets.token_hex(16)}"
         req.created = int(time.time())
         return Job(subs, req.stream, req)
@@ -323,12 +333,16 @@ class ChatCompletionsCodec(_OpenAICodec):
     kind = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, model_dir: str, **kwargs: Any):
+    def __init__(self, *args: Any, model_dir: str, tool_call_parser: str = "", chat_template: str = "",
+                 **kwargs: Any):
+        """``tool_call_parser``, ``chat_template``: the served model type's ``ModelConfig[].models``
+        options (MindIE's keys; "" = detect the parser, the checkpoint's template)."""
         super().__init__(*args, **kwargs)
-        self.template: ChatTemplate = load_chat_template(model_dir)
+        self.template: ChatTemplate = load_chat_template(model_dir, chat_template)
         if self.template.fallback:
             log.warning("the model in %s has no chat template (tokenizer_config.json chat_template, "
                         "chat_template.jinja): /v1/chat/completions uses a plain ChatML template", model_dir)
+        self.tools = ToolSupport(self.template, self.tokenizer, tool_call_parser)
 
     def _encode(self, text: str) -> list[int]:
         """Rendered chat text to ids without adding BOS/EOS (the template writes them, as
@@ -341,9 +355,11 @@ class ChatCompletionsCodec(_OpenAICodec):
     def parse(self, body: bytes, ctx: Context) -> Job:
         r = S.decode_chat(body)
         adapter = self._check_model(r.model)
-        tools = r.tools if r.tools and r.tool_choice != "none" else None
+        treq = self.tools.request(r.tools, r.tool_choice, r.parallel_tool_calls)
+        messages = self.tools.messages(r.messages, treq)
         try:
-            text = self.template.render(r.messages, tools=tools, add_generation_prompt=r.add_generation_prompt,
+            # with tool_choice "none" too: the model still sees its tools, as vLLM renders them
+            text = self.template.render(messages, tools=r.tools or None, add_generation_prompt=r.add_generation_prompt,
                                         **(r.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise ApiError(400, f"The chat template refused the messages: {e}", param="messages") from None
@@ -351,9 +367,12 @@ class ChatCompletionsCodec(_OpenAICodec):
         k = (r.top_logprobs or 0) if r.logprobs else None
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
         params = self._sampling(r, max_tokens, -1 if k is None else k, False)
+        if treq is not None and treq.constraint is not None:
+            params = msgspec.structs.replace(params, constraint=treq.constraint)
         req = OpenAIRequest([ids], [text], bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k)
         req.adapter = adapter
+        req.tools = treq if treq is not None and treq.parser is not None else None
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
         job.ignored = S.ignored(body, chat=True)
         return job
@@ -372,9 +391,16 @@ class ChatCompletionsCodec(_OpenAICodec):
 
     def response(self, job: Job, outs: list[Output]) -> dict:
         req: OpenAIRequest = job.request
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(req, c, 0, len(c.ids)), "finish_reason": _finish(c.finish),
-                    "stop_reason": c.stop_reason()} for c in outs]
+        choices = []
+        for c in outs:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            calls: list[dict] = []
+            if req.tools is not None:
+                message["content"], calls = parse_text(req.tools.parser, c.text, req.tools.parallel)
+                if calls:
+                    message["tool_calls"] = calls
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(req, c, 0, len(c.ids)),
+                            "finish_reason": _finish(c.finish, bool(calls)), "stop_reason": c.stop_reason()})
         return {**self._head(req, "chat.completion"), "choices": choices, "usage": self._usage(job, outs)}
 
     def open(self, job: Job, outs: list[Output], ctx: Context) -> Iterator[bytes]:
@@ -390,11 +416,22 @@ class ChatCompletionsCodec(_OpenAICodec):
     def chunk(self, job: Job, c: Output, p: Piece, before: int) -> dict | None:
         req: OpenAIRequest = job.request
         lp = self._logprobs(req, c, before, len(c.ids))
-        if not (p.text or p.finish_reason or (lp is not None and lp["content"])):
+        delta: dict[str, Any] = {"content": p.text} if p.text else {}
+        called = False
+        if req.tools is not None:  # the text goes through the parser: content and tool-call deltas
+            stream = c.state.get("tools")
+            if stream is None:
+                stream = c.state["tools"] = ToolCallStream(req.tools.parser, req.tools.parallel)
+            content, calls = stream.push(p.text, final=bool(p.finish_reason))
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
+            called = bool(stream.calls)
+        if not (delta or p.finish_reason or (lp is not None and lp["content"])):
             return None
         return {**self._head(req, self.chunk_object), "choices": [{
-            "index": c.index, "delta": {"content": p.text} if p.text else {}, "logprobs": lp,
-            "finish_reason": _finish(c.finish) if p.finish_reason else None,
+            "index": c.index, "delta": delta, "logprobs": lp,
+            "finish_reason": _finish(c.finish, called) if p.finish_reason else None,
             "stop_reason": c.stop_reason() if p.finish_reason else None}]}
 
 
@@ -413,6 +450,8 @@ def openai_routes(fe, pipeline: Pipeline) -> tuple[OpenAIResource, OpenAIResourc
     """The two resources of a front end (mindie/frontend.py FrontEnd)."""
     args = (fe.tokenizer, fe.limits, fe.model_name)
     max_n = fe.config.backend.schedule.max_n
+    parser, template = configured_options(fe.config.backend.model_deploy.models[0].models, fe.model_dir)
     return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters)),
             OpenAIResource(pipeline, ChatCompletionsCodec(*args, model_dir=fe.model_dir, max_n=max_n,
-                                                          adapters=pipeline.adapters)))
+                                                          adapters=pipeline.adapters, tool_call_parser=parser,
+                                                          chat_template=template)))

@@ -148,9 +148,6 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     if req.response_format is not None and req.response_format.type == "json_schema":
         raise bad_request("response_format json_schema is not supported: this server cannot constrain its output "
                           "to a schema (json_object and text are accepted).", "response_format")
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise bad_request("tool_choice 'required' or a named function is not supported: this server does not "
-                          "parse tool calls (tools are passed to the chat template only).", "tool_choice")
     for i, m in enumerate(req.messages):
         if not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}].role must be a string.", "messages")
