@@ -26,7 +26,8 @@ grammar cache (keyed by content) and seeded sampling give the same tokens whiche
 
 JSON schema options travel inside the schema as llguidance's top-level ``"x-guidance"`` object
 (``whitespace_flexible``, ``whitespace_pattern``): the worker compiles ``json_schema`` specs with
-``LLMatcher.grammar_from_json_schema(spec)`` and no overrides, so they take effect there.
+``LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)`` (compact JSON unless the
+schema says otherwise) and no overrides, so what the schema says wins.
 
 ``Checker`` compiles a constraint with llguidance against the served model's tokenizer
 (``LLMatcher.validate_grammar``; special tokens a Lark grammar names are checked too) and caches
@@ -52,6 +53,10 @@ __all__ = ["ConstraintError", "Checker", "from_response_format", "from_structure
            "one_of", "grammar_text", "as_validation_error", "STRUCTURED_OUTPUTS_KEYS", "GUIDED_KEYS", "JSON_OBJECT"]
 
 JSON_OBJECT = Constraint("json_object")
+# The worker's defaults for JSON (workers/engine/constraints.py): compact output (no whitespace
+# outside strings) unless the schema's "x-guidance" says otherwise; a free-whitespace default lets a
+# weak model pad forever.
+JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_NAME = 64  # OpenAI's and MindIE's bound on response_format.json_schema.name
 MAX_MESSAGE = 1000  # characters of a compiler message kept in an error
 CACHE_SIZE = 512  # verdicts remembered per front end
@@ -65,10 +70,11 @@ GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
 
 
 class ConstraintError(ApiError):
-    """A constraint that cannot be served: 400 naming ``param`` (the field)."""
+    """A constraint that cannot be served: 400 naming the request's top-level field (OpenAI's
+    ``param``; ``field`` may be a path in it, which the message spells out)."""
 
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(400, message, param=param)
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(400, message, param=field.split(".", 1)[0].split("[", 1)[0])
 
 
 def as_validation_error(e: ConstraintError) -> ApiError:
@@ -360,9 +366,9 @@ def grammar_text(c: Constraint) -> str:
     from llguidance.gbnf_to_lark import any_to_lark
 
     if c.kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(c.spec)
+        return LLMatcher.grammar_from_json_schema(c.spec, defaults=JSON_DEFAULTS)
     if c.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type":"object"}')
+        return LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_DEFAULTS)
     if c.kind == "regex":
         return LLMatcher.grammar_from_regex(c.spec)
     if c.kind == "choice":
