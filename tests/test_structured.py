@@ -422,10 +422,12 @@ def test_constrained_answer_cut_by_max_tokens_is_length_and_partial(srv):
     c = r.json()["choices"][0]
     assert c["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 3
     assert re.fullmatch("[a-z]{1,59}", c["text"]), c["text"]
-    r = _post(srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, "temperature": 0,
-                                            "response_format": {"type": "json_object"}})
+    long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 80}}, "required": ["text"]}
+    r = _post(srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 6, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "long", "schema": long_text}}})
     c = r.json()["choices"][0]
-    assert c["finish_reason"] == "length" and c["message"]["content"].startswith("{"), c
+    content = c["message"]["content"]
+    assert c["finish_reason"] == "length" and content.startswith('{"text":"') and not content.endswith("}"), c
 
 
 @pytest.mark.skipif(importlib.util.find_spec("huggingface_hub") is None, reason="huggingface_hub not installed")

@@ -368,7 +368,7 @@ class ChatCompletionsCodec(_OpenAICodec):
             log.info("reasoning parser %s: /v1/chat/completions answers the thinking as reasoning_content",
                      self.reasoning.name)
         end_id = self.tokenizer.tokenizer.token_to_id(self.reasoning.end) if self.reasoning else None
-        self._end_id = end_id  # </think> as one token, to count reasoning tokens by position
+        self._end_id = end_id  # </think> as one token of the vocabulary (else None)
     def _encode(self, text: str) -> list[int]:
         """Rendered chat text to ids without adding BOS/EOS (the template writes them, as
         transformers' apply_chat_template(tokenize=True) and vLLM do)."""
@@ -410,18 +410,24 @@ class ChatCompletionsCodec(_OpenAICodec):
         return split(req.reasoning, req.prompt_texts[c.sub.prompt], c.text)
 
     def _reasoning_tokens(self, req: OpenAIRequest, c: Output) -> int:
-        """Tokens of the thinking, the tags included: up to the one that is ``</think>`` where it is
-        one token, else the thinking's text re-encoded."""
-        if req.reasoning is None:
+        """Tokens of the thinking, the tags included: up to the token that completes the first
+        ``</think>`` (the closing one), all of them when the thinking never closed."""
+        if req.reasoning is None or self._split(req, c)[0] is None:
             return 0
-        reasoning, content = self._split(req, c)
-        if reasoning is None:
-            return 0
-        if self._end_id is not None:
-            if self._end_id in c.ids:
-                return c.ids.index(self._end_id) + 1
-            return len(c.ids) if not content else 0
-        return len(self.tokenizer.tokenizer.encode(reasoning, add_special_tokens=False).ids)
+        ids, end = c.ids, req.reasoning.end
+        if self._end_id is not None and self._end_id in ids:  # the tag is one token
+            return ids.index(self._end_id) + 1
+        decode = self.tokenizer.decode
+        if end not in decode(ids):
+            return len(ids)
+        lo, hi = 1, len(ids)  # the shortest prefix whose text holds the tag
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if end in decode(ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _usage(self, job: Job, outs: list[Output]) -> dict:
         usage = super()._usage(job, outs)
