@@ -150,6 +150,8 @@ class ModelTypeOptions(msgspec.Struct, kw_only=True):
 
     tool_call_options: ToolCallOptions = field(default_factory=ToolCallOptions)
     chat_template: str = ""  # a .jinja file replacing the checkpoint's chat template; relative: from the config's directory
+    # MindIE: split the thinking into reasoning_content (mindie/reasoning.py; docs/apis.md).
+    enable_reasoning: Optional[bool] = None
 
 
 class ModelConfig(_Section):
@@ -173,6 +175,10 @@ class ModelConfig(_Section):
     # MindIE's per-model-type options ({"<model_type>": {"tool_call_options": {"tool_call_parser": ...},
     # "chat_template": ...}}): tool calls on /v1/chat/completions (docs/apis.md, "Tool calls").
     models: dict[str, ModelTypeOptions] = field(default_factory=dict)
+    # Project extension: the chat route's reasoning parser (vLLM's --reasoning-parser names;
+    # mindie/reasoning.py). "auto": MindIE's models.<type>.enable_reasoning where set, else
+    # detected from the chat template; "none": off.
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
 
 
 class LoraModuleConfig(_Section):

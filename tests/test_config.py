@@ -153,7 +153,8 @@ JSON_KEYS = {
                                         "maxLoraRank", "LoraModules"},
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
-        "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize"},
+        "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize",
+        "models", "reasoningParser"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
         "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs"},

@@ -23,13 +23,22 @@ Decisions (docs/apis.md has the user's view):
 - ``finish_reason``: "length", else "tool_calls" when the answer holds tool calls, else "stop"
   (EOS, stop string, stop token id, stopInfer); ``stop_reason`` is the matched stop string or
   stop token id (vLLM), else null.
-- ``response_format`` json_object is accepted and NOT enforced (MindIE accepts it too);
-  json_schema is refused.
-- Tool calls (mindie/tool_calls.py, mindie/tool_parsers/): ``tools`` with ``tool_choice`` auto,
-  required or a named function are parsed out of the text in the model's format into
-  ``message.tool_calls`` (streamed as OpenAI's ``delta.tool_calls``), the markup never shown as
-  content; required and a named function also carry the call's grammar
-  (``SamplingParams.constraint``); ``none`` gives the template the tools and parses nothing.
+- Structured output (mindie/structured.py): ``response_format`` (``json_object``, ``json_schema``
+  with ``strict``; TGI's ``{"type", "value"}`` form), vLLM's ``structured_outputs`` and older
+  ``guided_*`` fields, on both routes; at most one of them. The constraint goes to the worker in
+  ``SamplingParams.constraint``; one the front end has not compiled before is compiled off the
+  event loop (``Job.checks``) and a bad one is a 400 naming the field.
+- Reasoning (chat, mindie/reasoning.py): with a reasoning parser (configured or detected from the
+  chat template) the thinking comes back as ``reasoning_content`` (stream: its own deltas) and
+  ``usage.completion_tokens_details.reasoning_tokens`` counts it. An answer constrained by a JSON
+  schema, JSON object or choice, or by a tool call's grammar, is all content (the constraint
+  leaves no room for a think block).
+- Tool calls (chat, mindie/tool_calls.py, mindie/tool_parsers/): ``tools`` with ``tool_choice``
+  auto, required or a named function are parsed out of the content (after the reasoning split) in
+  the model's format into ``message.tool_calls`` (streamed as OpenAI's ``delta.tool_calls``), the
+  markup never shown as content; required and a named function also carry the call's grammar
+  (``SamplingParams.constraint``, checked like a structured-output one; with another constraint:
+  a 400); ``none`` gives the template the tools and parses nothing.
 - The request's life is the shared pipeline's (mindie/pipeline.py); this module is the
   family's codec: parse a body into submissions, render answers, chunks and errors.
 - ``MINDIE_LLM_BENCHMARK_ENABLE=1|2``: a non-stream body gets top-level ``prefill_time`` (ms)
@@ -58,6 +67,8 @@ from mindie.detokenizer import TextTokenizer
 from mindie.errors import ApiError
 from mindie.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
+from mindie.reasoning import ReasoningParser, choose, split
+from mindie.structured import Checker, from_guided, from_response_format, from_structured_outputs, one_of
 from mindie.tool_calls import ToolRequest, ToolSupport, configured_options
 from mindie.tool_parsers.base import ToolCallStream, parse_text
 from mindie.validation import Limits, cap_max_new_tokens, check_token_count, check_token_ids, random_seed
@@ -104,6 +115,7 @@ class OpenAIRequest:
     rid: str = ""
     created: int = 0
     adapter: str = ""  # the LoRA adapter ``model`` names ("" = the base model); the answers' ``model``
+    reasoning: ReasoningParser | None = None  # chat: the parser splitting this request's answers (None: off)
     tools: ToolRequest | None = None  # chat: the request's tools (None: no tool calls parsed)
 
 
@@ -112,10 +124,12 @@ class _OpenAICodec(Codec):
     chunk_object = ""
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, max_n: int = S.MAX_N,
-                 adapters: Container[str] = ()):
+                 adapters: Container[str] = (), structured: Checker | None = None):
         """``max_n``: ScheduleConfig.maxN, the most choices one request may ask (n x prompts);
-        ``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py)."""
+        ``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py); ``structured``:
+        the front end's constraint checker (mindie/structured.py; None: one of its own)."""
         self.tokenizer = tokenizer
+        self.structured = structured if structured is not None else Checker(tokenizer)
         self.limits = limits
         self.model_name = model_name
         self.adapters = adapters
@@ -181,6 +195,22 @@ class _OpenAICodec(Codec):
             seed=0, max_new_tokens=max(1, mnt), ignore_eos=r.ignore_eos, stop_token_ids=list(r.stop_token_ids or []),
             logprobs=logprobs, presence_penalty=float(r.presence_penalty or 0.0),
             frequency_penalty=float(r.frequency_penalty or 0.0), prompt_logprobs=prompt_logprobs)
+
+    def _constraint(self, r: S._Sampling, params: P.SamplingParams,
+                    checks: list) -> tuple[P.SamplingParams, P.Constraint | None]:
+        """The request's structured-output constraint (at most one field gives one) put into
+        ``params``; a constraint not compiled before leaves its check in ``checks``."""
+        special = self.structured.is_special
+        rf = msgspec.to_builtins(r.response_format) if r.response_format is not None else None
+        so = msgspec.to_builtins(r.structured_outputs) if r.structured_outputs is not None else None
+        guided = {k: getattr(r, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                             "guided_whitespace_pattern", "guided_decoding_backend")}
+        c, field = one_of((from_response_format(rf, special=special), "response_format"),
+                          (from_structured_outputs(so, special=special), "structured_outputs"), from_guided(guided))
+        if c is None:
+            return params, None
+        checks += self.structured.pending(c, field)
+        return msgspec.structs.replace(params, constraint=c), c
 
     def _job(self, req: OpenAIRequest, params: P.SamplingParams, seed: int | None, n: int, stops: list[str],
              include_stop: bool) -> Job:
@@ -263,11 +293,14 @@ class CompletionsCodec(_OpenAICodec):
             prompts.append(ids)
         k = r.logprobs
         params = self._sampling(r, r.max_tokens, -1 if k is None else k, bool(r.echo and k is not None))
+        checks: list = []
+        params, _ = self._constraint(r, params, checks)
         req = OpenAIRequest(prompts, texts, bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k, bool(r.echo))
         req.adapter = adapter
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
         job.ignored = S.ignored(body, chat=False)
+        job.checks = checks
         return job
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int, with_prompt: bool) -> dict | None:
@@ -333,15 +366,24 @@ class ChatCompletionsCodec(_OpenAICodec):
     kind = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, model_dir: str, tool_call_parser: str = "", chat_template: str = "",
-                 **kwargs: Any):
-        """``tool_call_parser``, ``chat_template``: the served model type's ``ModelConfig[].models``
+    def __init__(self, *args: Any, model_dir: str, reasoning_parser: str = "auto",
+                 enable_reasoning: dict[str, bool] | None = None, tool_call_parser: str = "",
+                 chat_template: str = "", **kwargs: Any):
+        """``reasoning_parser``: ModelConfig.reasoningParser; ``enable_reasoning``: MindIE's
+        ModelConfig.models.<type>.enable_reasoning the config sets (mindie/reasoning.py ``choose``);
+        ``tool_call_parser``, ``chat_template``: the served model type's ``ModelConfig[].models``
         options (MindIE's keys; "" = detect the parser, the checkpoint's template)."""
         super().__init__(*args, **kwargs)
         self.template: ChatTemplate = load_chat_template(model_dir, chat_template)
         if self.template.fallback:
             log.warning("the model in %s has no chat template (tokenizer_config.json chat_template, "
                         "chat_template.jinja): /v1/chat/completions uses a plain ChatML template", model_dir)
+        self.reasoning = choose(reasoning_parser, enable_reasoning or {}, self.template)
+        if self.reasoning is not None:
+            log.info("reasoning parser %s: /v1/chat/completions answers the thinking as reasoning_content",
+                     self.reasoning.name)
+        end_id = self.tokenizer.tokenizer.token_to_id(self.reasoning.end) if self.reasoning else None
+        self._end_id = end_id  # </think> as one token of the vocabulary (else None)
         self.tools = ToolSupport(self.template, self.tokenizer, tool_call_parser)
 
     def _encode(self, text: str) -> list[int]:
@@ -367,15 +409,60 @@ class ChatCompletionsCodec(_OpenAICodec):
         k = (r.top_logprobs or 0) if r.logprobs else None
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
         params = self._sampling(r, max_tokens, -1 if k is None else k, False)
-        if treq is not None and treq.constraint is not None:
-            params = msgspec.structs.replace(params, constraint=treq.constraint)
+        checks: list = []
+        params, c = self._constraint(r, params, checks)
+        tool_grammar = treq is not None and treq.constraint is not None
+        if tool_grammar:
+            if c is not None:
+                raise ApiError(400, f"tool_choice {r.tool_choice!r} constrains the output to a tool call; it cannot be "
+                                    "combined with response_format, structured_outputs or guided_*.", param="tool_choice")
+            c = treq.constraint
+            checks += self.structured.pending(c, "tools")  # compiled against the tokenizer, off the event loop
+            params = msgspec.structs.replace(params, constraint=c)
         req = OpenAIRequest([ids], [text], bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k)
         req.adapter = adapter
         req.tools = treq if treq is not None and treq.parser is not None else None
+        # A JSON, choice or tool-call constraint leaves no room for a think block: its answer is all content.
+        if c is None or (c.kind in ("regex", "lark", "gbnf") and not tool_grammar):
+            req.reasoning = self.reasoning
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
         job.ignored = S.ignored(body, chat=True)
+        job.checks = checks
         return job
+
+    def _split(self, req: OpenAIRequest, c: Output) -> tuple[str | None, str]:
+        """(reasoning_content, content) of a whole answer."""
+        if req.reasoning is None:
+            return None, c.text
+        return split(req.reasoning, req.prompt_texts[c.sub.prompt], c.text)
+
+    def _reasoning_tokens(self, req: OpenAIRequest, c: Output) -> int:
+        """Tokens of the thinking, the tags included: up to the token that completes the first
+        ``</think>`` (the closing one), all of them when the thinking never closed."""
+        if req.reasoning is None or self._split(req, c)[0] is None:
+            return 0
+        ids, end = c.ids, req.reasoning.end
+        if self._end_id is not None and self._end_id in ids:  # the tag is one token
+            return ids.index(self._end_id) + 1
+        decode = self.tokenizer.decode
+        if end not in decode(ids):
+            return len(ids)
+        lo, hi = 1, len(ids)  # the shortest prefix whose text holds the tag
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if end in decode(ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _usage(self, job: Job, outs: list[Output]) -> dict:
+        usage = super()._usage(job, outs)
+        if self.reasoning is not None:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(self._reasoning_tokens(job.request, o) for o in outs)}
+        return usage
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int) -> dict | None:
         if req.logprobs is None:
@@ -393,15 +480,21 @@ class ChatCompletionsCodec(_OpenAICodec):
         req: OpenAIRequest = job.request
         choices = []
         for c in outs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            message = self._message(req, c)
             calls: list[dict] = []
             if req.tools is not None:
-                message["content"], calls = parse_text(req.tools.parser, c.text, req.tools.parallel)
+                message["content"], calls = parse_text(req.tools.parser, message["content"] or "", req.tools.parallel)
                 if calls:
                     message["tool_calls"] = calls
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(req, c, 0, len(c.ids)),
                             "finish_reason": _finish(c.finish, bool(calls)), "stop_reason": c.stop_reason()})
         return {**self._head(req, "chat.completion"), "choices": choices, "usage": self._usage(job, outs)}
+
+    def _message(self, req: OpenAIRequest, c: Output) -> dict:
+        if self.reasoning is None:
+            return {"role": "assistant", "content": c.text}
+        reasoning, content = self._split(req, c)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     def open(self, job: Job, outs: list[Output], ctx: Context) -> Iterator[bytes]:
         req: OpenAIRequest = job.request
@@ -416,14 +509,29 @@ class ChatCompletionsCodec(_OpenAICodec):
     def chunk(self, job: Job, c: Output, p: Piece, before: int) -> dict | None:
         req: OpenAIRequest = job.request
         lp = self._logprobs(req, c, before, len(c.ids))
-        delta: dict[str, Any] = {"content": p.text} if p.text else {}
+        if req.reasoning is None:
+            delta = {"content": p.text} if p.text else {}
+        else:
+            sp = c.state.get("reasoning")
+            if sp is None:
+                sp = c.state["reasoning"] = req.reasoning.splitter(req.prompt_texts[c.sub.prompt])
+            reasoning, content = sp.push(p.text)
+            if p.finish_reason:
+                more_r, more_c = sp.flush()
+                reasoning, content = reasoning + more_r, content + more_c
+            delta = {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
         called = False
-        if req.tools is not None:  # the text goes through the parser: content and tool-call deltas
+        if req.tools is not None:  # the content goes through the tool parser: content and tool-call deltas
             stream = c.state.get("tools")
             if stream is None:
                 stream = c.state["tools"] = ToolCallStream(req.tools.parser, req.tools.parallel)
-            content, calls = stream.push(p.text, final=bool(p.finish_reason))
-            delta = {"content": content} if content else {}
+            content, calls = stream.push(delta.pop("content", ""), final=bool(p.finish_reason))
+            if content:
+                delta["content"] = content
             if calls:
                 delta["tool_calls"] = calls
             called = bool(stream.calls)
@@ -450,8 +558,13 @@ def openai_routes(fe, pipeline: Pipeline) -> tuple[OpenAIResource, OpenAIResourc
     """The two resources of a front end (mindie/frontend.py FrontEnd)."""
     args = (fe.tokenizer, fe.limits, fe.model_name)
     max_n = fe.config.backend.schedule.max_n
-    parser, template = configured_options(fe.config.backend.model_deploy.models[0].models, fe.model_dir)
-    return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters)),
+    model = fe.config.backend.model_deploy.models[0]
+    enable = {t: o.enable_reasoning for t, o in model.models.items() if o.enable_reasoning is not None}
+    parser, template = configured_options(model.models, fe.model_dir)
+    return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters,
+                                                      structured=pipeline.structured)),
             OpenAIResource(pipeline, ChatCompletionsCodec(*args, model_dir=fe.model_dir, max_n=max_n,
-                                                          adapters=pipeline.adapters, tool_call_parser=parser,
+                                                          adapters=pipeline.adapters, structured=pipeline.structured,
+                                                          reasoning_parser=model.reasoning_parser,
+                                                          enable_reasoning=enable, tool_call_parser=parser,
                                                           chat_template=template)))
