@@ -83,9 +83,9 @@ def mistral_dir(tmp_path_factory, demo_model) -> Path:
     return d
 
 
-def _codec(model_dir) -> ChatCompletionsCodec:
+def _codec(model_dir, **kw) -> ChatCompletionsCodec:
     tok = load_tokenizer(model_dir)
-    return ChatCompletionsCodec(tok, Limits(vocab_size=tok.vocab_size), "m", model_dir=str(model_dir))
+    return ChatCompletionsCodec(tok, Limits(vocab_size=tok.vocab_size), "m", model_dir=str(model_dir), **kw)
 
 
 def _play(codec: ChatCompletionsCodec, body: dict, ids: list[int], groups: list[int], finish: str = FINISH_EOS):
@@ -107,13 +107,16 @@ def _play(codec: ChatCompletionsCodec, body: dict, ids: list[int], groups: list[
     return codec.response(job, [out]), chunks
 
 
-def _assemble(chunks: list[dict]) -> tuple[str, list[dict], str]:
-    """(content, tool calls, finish_reason) of a stream's chunks, checking OpenAI's delta shape."""
+def _assemble(chunks: list[dict], reasoning: list[str] | None = None) -> tuple[str, list[dict], str]:
+    """(content, tool calls, finish_reason) of a stream's chunks, checking OpenAI's delta shape;
+    the ``reasoning_content`` deltas are appended to ``reasoning`` when given."""
     content, calls, finish = "", {}, None
     for ch in chunks:
         [c] = ch["choices"]
         d = c["delta"]
-        assert set(d) <= {"content", "tool_calls"}, d
+        assert set(d) <= ({"content", "tool_calls"} | ({"reasoning_content"} if reasoning is not None else set())), d
+        if reasoning is not None:
+            reasoning.append(d.get("reasoning_content", ""))
         content += d.get("content", "")
         assert not any(m in d.get("content", "") for m in MARKUP), d
         for tc in d.get("tool_calls", []):
@@ -198,6 +201,31 @@ def test_finish_reasons(demo_model):
     assert answer["choices"][0]["message"]["content"] == "Just text, no call."
 
 
+def test_reasoning_then_calls(demo_model):
+    """A thinking model (Qwen3's kind) thinks, then calls: the thinking is reasoning_content, the
+    calls are parsed out of the answer after it, streamed or not, split anywhere; a tag inside
+    the thinking is not a call."""
+    codec = _codec(demo_model, reasoning_parser="qwen3")
+    text = "<think>\nI could write <tool_call> here; I will call it.\n</think>\n\n" + SCRIPTS["hermes"]
+    ids = codec.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    body = {"messages": ASK, "tools": TOOLS}
+    answer, _ = _play(codec, body, ids, [len(ids)])
+    [choice] = answer["choices"]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls" and msg["content"] == "Checking.\n", msg
+    assert msg["reasoning_content"].strip() == "I could write <tool_call> here; I will call it."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == WANT
+    for groups in _groupings(len(ids))[::7]:
+        reasoning: list[str] = []
+        _, chunks = _play(codec, {**body, "stream": True}, ids, groups)
+        content, calls, finish = _assemble(chunks, reasoning)
+        assert "".join(reasoning) == msg["reasoning_content"] and content == msg["content"], groups
+        assert [c["function"] for c in calls] == [c["function"] for c in msg["tool_calls"]] and finish == "tool_calls"
+    # a forced call leaves no room for thinking: the grammar's answer is all content, parsed
+    forced = codec.parse(j({**body, "tool_choice": "required"}).encode(), None)
+    assert forced.request.reasoning is None and forced.subs[0].params.constraint.kind == "lark"
+
+
 BAD = [  # (body changes, the param the 400 names)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
      "tools[0].function.parameters"),
@@ -217,6 +245,7 @@ BAD = [  # (body changes, the param the 400 names)
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tools": [], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": "get_weather"}, "tools"),
     ({"tools": ["get_weather"]}, "tools"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [
