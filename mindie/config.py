@@ -152,6 +152,9 @@ class ModelTypeOptions(msgspec.Struct, kw_only=True):
     chat_template: str = ""  # a .jinja file replacing the checkpoint's chat template; relative: from the config's directory
     # MindIE: split the thinking into reasoning_content (mindie/reasoning.py; docs/apis.md).
     enable_reasoning: Optional[bool] = None
+    # MindIE: the text written into the answer when the thinking reaches a request's
+    # chat_template_kwargs.thinking_budget (mindie/reasoning.py ThinkingBudget).
+    early_stopping_text: Optional[Annotated[str, Meta(min_length=1, max_length=1024)]] = None
 
 
 class ModelConfig(_Section):

@@ -78,6 +78,9 @@ class Sub:
     prompt: int = 0  # which prompt of the request (OpenAI list prompts: several subs share one)
     adapter: str = ""  # the LoRA adapter the request names ("" = the base model)
     keep_special: frozenset[int] = frozenset()  # special ids the text keeps (tool-call delimiters)
+    # A thinking budget (mindie/reasoning.py ThinkingBudget): its ``generation(start, ids, params)``
+    # runs the submission instead of one Generation.
+    budget: Any = None
 
 
 @dataclass
@@ -386,11 +389,16 @@ class Pipeline:
         outs: list[Output] = []
         try:
             for i, sub in enumerate(job.subs):
-                gen = Generation(self.client, self.tokenizer, sub.input_ids, sub.params,
-                                 Deadline(sub.timeout, lim.token_timeout, lim.e2e_timeout, job.stream),
-                                 priority=sub.priority, user_id=sub.user_id or rec.request_id, stops=sub.stops,
-                                 include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter,
-                                 keep_special=sub.keep_special)
+                deadline = Deadline(sub.timeout, lim.token_timeout, lim.e2e_timeout, job.stream)
+
+                def start(ids: list[int], params: P.SamplingParams, sub: Sub = sub,
+                          deadline: Deadline = deadline) -> Generation:
+                    return Generation(self.client, self.tokenizer, ids, params, deadline, priority=sub.priority,
+                                      user_id=sub.user_id or rec.request_id, stops=sub.stops,
+                                      include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter,
+                                      keep_special=sub.keep_special)
+                gen = start(sub.input_ids, sub.params) if sub.budget is None else \
+                    sub.budget.generation(start, sub.input_ids, sub.params)
                 outs.append(Output(i, sub, gen))
         except BaseException:
             for o in outs:

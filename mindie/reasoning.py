@@ -189,3 +189,89 @@ def choose(setting: str, enable_reasoning: dict[str, bool], template: Any) -> Re
         name = MODEL_TYPE_PARSERS.get(on[0])
         return PARSERS[name] if name else (detect(template) or PARSERS["qwen3"])
     return detect(template)
+
+
+# -- the thinking budget ------------------------------------------------------------------------
+
+# MindIE's example early_stopping_text for Qwen3 (its thinking-budget docs): what is written into
+# the answer when the thinking reaches its budget, closing the think block.
+DEFAULT_EARLY_STOPPING_TEXT = ("\n\nConsidering the limited time by the user, I have to give the solution based on "
+                               "the thinking directly now.\n</think>\n\n")
+MAX_THINKING_BUDGET = 2**32 - 1  # MindIE: [1, MAX_UINT32]
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """MindIE's thinking budget (``chat_template_kwargs.thinking_budget``): once the thinking has
+    taken ``tokens`` tokens without closing, the front end ends that generation, writes
+    ``early_text`` (``early_ids``) into the answer as if the model had, and continues the answer from
+    there (a new submission of prompt + answer so far; the prefix cache keeps its prefill cheap)."""
+
+    tokens: int
+    parser: ReasoningParser
+    prompt: str
+    early_ids: tuple[int, ...]
+    early_text: str
+
+    def generation(self, start: Any, input_ids: list[int], params: Any) -> "BudgetedGeneration":
+        """``start(ids, params)`` makes a ``mindie.generation.Generation``."""
+        return BudgetedGeneration(self, start, input_ids, params)
+
+
+class BudgetedGeneration:
+    """A generation whose thinking is cut at its budget: the pipeline reads it as a Generation
+    (``pieces``, ``stream``). The budget is checked after each step, so a step that brings several
+    tokens may pass it by the rest of its tokens."""
+
+    def __init__(self, budget: ThinkingBudget, start: Any, input_ids: list[int], params: Any):
+        self.budget = budget
+        self._start = start
+        self.input_ids = input_ids
+        self.params = params
+        self.gen = start(input_ids, params)
+
+    @property
+    def stream(self) -> Any:
+        return self.gen.stream
+
+    async def pieces(self, tick: bool = False):
+        import contextlib
+
+        import msgspec
+
+        from mindie.contract.errors import FINISH_LENGTH
+        from mindie.generation import Piece
+
+        b = self.budget
+        sp = b.parser.splitter(b.prompt)
+        counted = 0
+        async with contextlib.aclosing(self.gen.pieces(tick)) as pieces:
+            async for p in pieces:
+                if p is None:
+                    yield None
+                    continue
+                before = sp.thinking
+                sp.push(p.text)
+                if before or sp.thinking:
+                    counted += len(p.token_ids)
+                if not (sp.thinking and counted >= b.tokens and not p.finish_reason):
+                    yield p
+                    continue
+                yield p
+                generated = list(self.gen.token_ids)
+                break
+            else:
+                return
+        # Over budget, still thinking: end this generation (aclosing cancelled it on its worker),
+        # write the early-stopping text, and continue after it.
+        left = self.params.max_new_tokens - len(generated) - len(b.early_ids)
+        yield Piece(list(b.early_ids), b.early_text, finish_reason="" if left > 0 else FINISH_LENGTH)
+        if left <= 0:
+            return
+        self.gen = self._start(self.input_ids + generated + list(b.early_ids),
+                               msgspec.structs.replace(self.params, max_new_tokens=left))
+        if self.gen.detok is not None:  # the text goes on after the early text (no fresh-start space strip)
+            self.gen.detok.push(list(b.early_ids))
+        async with contextlib.aclosing(self.gen.pieces(tick)) as pieces:
+            async for p in pieces:
+                yield p

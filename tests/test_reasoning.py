@@ -141,6 +141,7 @@ def test_config_keys(tmp_path):
 # -- on the real server -----------------------------------------------------------------------------
 
 MSGS = [{"role": "user", "content": "What is 2+2?"}]
+EARLY = "\nTime is up.\n</think>\n\n"
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +154,11 @@ def qwen3_srv(tmp_path_factory, qwen3_dir):
 
 @pytest.fixture(scope="module")
 def r1_srv(tmp_path_factory, r1_dir):
-    # MindIE's key for DeepSeek-R1 (ModelConfig.models.deepseekv2.enable_reasoning) picks the parser.
+    # MindIE's keys for DeepSeek-R1 (ModelConfig.models.deepseekv2): enable_reasoning picks the
+    # parser, early_stopping_text is what the thinking budget writes.
     with demo_server(tmp_path_factory.mktemp("r1-srv"), str(r1_dir), model={
-            "modelName": "tiny-r1", "models": {"deepseekv2": {"enable_reasoning": True}}}) as s:
+            "modelName": "tiny-r1", "models": {"deepseekv2": {"enable_reasoning": True,
+                                                              "early_stopping_text": EARLY}}}) as s:
         s.tok = load_tokenizer(r1_dir)
         s.template = load_chat_template(r1_dir)
         yield s
@@ -252,7 +255,62 @@ def test_json_constrained_answer_is_content(r1_srv):
     assert msg["reasoning_content"] is None and body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
+def _native(srv, ids: list[int], n: int, seed: int) -> list[int]:
+    r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "parameters": {
+        "details": True, "do_sample": True, "temperature": 1.0, "seed": seed, "max_new_tokens": n,
+        "ignore_eos": True}}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["details"]["generated_token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_budget_cuts_the_thinking(r1_srv, stream):
+    """MindIE's thinking budget: after ``chat_template_kwargs.thinking_budget`` thinking tokens the
+    configured early_stopping_text is written into the answer and the model answers from there: the
+    tokens are those of the budget's first part, the text, then the model's continuation of prompt +
+    thinking + text (the native route, same seed)."""
+    budget, n, seed = 6, 30, 5
+    params = {"max_tokens": n, "seed": seed, "temperature": 1.0, "ignore_eos": True,
+              "chat_template_kwargs": {"thinking_budget": budget}}
+    prompt = r1_srv.template.render(MSGS)
+    prompt_ids = r1_srv.tok.tokenizer.encode(prompt, add_special_tokens=False).ids
+    early = r1_srv.tok.tokenizer.encode(EARLY, add_special_tokens=False).ids
+    first = _native(r1_srv, prompt_ids, budget, seed)
+    rest = _native(r1_srv, prompt_ids + first + early, n - budget - len(early), seed)
+    want = split(R1, prompt, r1_srv.tok.decode(first + early + rest))
+    assert want[0].endswith("Time is up.") and want[1]
+    if stream:
+        deltas, usage = _chat_stream(r1_srv, **params)
+        got = ("".join(d.get("reasoning_content", "") for d in deltas), "".join(d.get("content", "") for d in deltas))
+    else:
+        body = _chat(r1_srv, **params)
+        usage, msg = body["usage"], body["choices"][0]["message"]
+        got = (msg["reasoning_content"], msg["content"])
+        assert body["choices"][0]["finish_reason"] == "length"
+    assert got == want
+    assert usage["completion_tokens"] == n
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == budget + early.index(
+        r1_srv.tok.tokenizer.token_to_id("</think>")) + 1
+
+
+def test_thinking_budget_not_reached_changes_nothing(r1_srv):
+    params = {"max_tokens": 10, "seed": 6, "temperature": 1.0, "ignore_eos": True}
+    plain = _chat(r1_srv, **params)["choices"][0]["message"]
+    assert _chat(r1_srv, chat_template_kwargs={"thinking_budget": 50}, **params)["choices"][0]["message"] == plain
+    assert _chat(r1_srv, thinking_token_budget=-1, **params)["choices"][0]["message"] == plain  # vLLM: none
+    for bad in (0, -3, "5", 2**32, True):
+        r = httpx.post(r1_srv.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2,
+                                                                  "chat_template_kwargs": {"thinking_budget": bad}},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
 # -- enforced (needs the worker side: branch s35-constrain) ------------------------------------------
+
+# Until the worker masks constrained rows (branch s35-constrain) these fail; strict, so a pass
+# fails too and the marker goes when that branch is merged.
+ENFORCED = pytest.mark.xfail(strict=True, reason="needs the worker side (branch s35-constrain)")
+
 
 THINK_THEN_ANSWER = "<think>[a-z ]{0,20}</think>[a-z ]{0,20}"
 # The same shape with the tags as the model's own tokens (Qwen3's <think> and </think> are added
@@ -260,6 +318,7 @@ THINK_THEN_ANSWER = "<think>[a-z ]{0,20}</think>[a-z ]{0,20}"
 THINK_THEN_ANSWER_LARK = "start: <think> /[a-z ]{0,20}/ </think> /[a-z ]{0,20}/"
 
 
+@ENFORCED
 @pytest.mark.parametrize("kind,spec", [("regex", THINK_THEN_ANSWER), ("grammar", THINK_THEN_ANSWER_LARK)])
 def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv, kind, spec):
     params = {"max_tokens": 60, "seed": 3, "temperature": 1.0, "structured_outputs": {kind: spec}}
@@ -286,6 +345,7 @@ def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv, kind, spec):
     assert usage["completion_tokens_details"] == body["usage"]["completion_tokens_details"]
 
 
+@ENFORCED
 def test_r1_regex_closes_the_thinking(r1_srv):
     pattern = "[a-z ]{1,20}</think>[a-z ]{1,20}"
     params = {"max_tokens": 60, "seed": 2, "temperature": 1.0, "structured_outputs": {"regex": pattern}}

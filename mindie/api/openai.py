@@ -47,6 +47,7 @@ Decisions (docs/apis.md has the user's view):
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -67,7 +68,8 @@ from mindie.detokenizer import TextTokenizer
 from mindie.errors import ApiError
 from mindie.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
-from mindie.reasoning import ReasoningParser, choose, split
+from mindie.reasoning import (DEFAULT_EARLY_STOPPING_TEXT, MAX_THINKING_BUDGET, ReasoningParser, ThinkingBudget, choose,
+                              split)
 from mindie.structured import Checker, from_guided, from_response_format, from_structured_outputs, one_of
 from mindie.tool_calls import ToolRequest, ToolSupport, configured_options
 from mindie.tool_parsers.base import ToolCallStream, parse_text
@@ -367,13 +369,17 @@ class ChatCompletionsCodec(_OpenAICodec):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, *args: Any, model_dir: str, reasoning_parser: str = "auto",
-                 enable_reasoning: dict[str, bool] | None = None, tool_call_parser: str = "",
-                 chat_template: str = "", **kwargs: Any):
+                 enable_reasoning: dict[str, bool] | None = None, early_stopping_text: str | None = None,
+                 tool_call_parser: str = "", chat_template: str = "", **kwargs: Any):
         """``reasoning_parser``: ModelConfig.reasoningParser; ``enable_reasoning``: MindIE's
         ModelConfig.models.<type>.enable_reasoning the config sets (mindie/reasoning.py ``choose``);
-        ``tool_call_parser``, ``chat_template``: the served model type's ``ModelConfig[].models``
-        options (MindIE's keys; "" = detect the parser, the checkpoint's template)."""
+        ``early_stopping_text``: MindIE's ModelConfig.models.<type>.early_stopping_text (the thinking
+        budget's text; None: MindIE's example for Qwen3); ``tool_call_parser``, ``chat_template``: the
+        served model type's ``ModelConfig[].models`` options (MindIE's keys; "" = detect the parser,
+        the checkpoint's template)."""
         super().__init__(*args, **kwargs)
+        self.early_text = early_stopping_text or DEFAULT_EARLY_STOPPING_TEXT
+        self.early_ids = tuple(self.tokenizer.tokenizer.encode(self.early_text, add_special_tokens=False).ids)
         self.template: ChatTemplate = load_chat_template(model_dir, chat_template)
         if self.template.fallback:
             log.warning("the model in %s has no chat template (tokenizer_config.json chat_template, "
@@ -426,10 +432,31 @@ class ChatCompletionsCodec(_OpenAICodec):
         # A JSON, choice or tool-call constraint leaves no room for a think block: its answer is all content.
         if c is None or (c.kind in ("regex", "lark", "gbnf") and not tool_grammar):
             req.reasoning = self.reasoning
+        budget = self._thinking_budget(r, req, text, c)
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        for sub in job.subs:
+            sub.budget = budget
         job.ignored = S.ignored(body, chat=True)
         job.checks = checks
         return job
+
+    def _thinking_budget(self, r: S.ChatCompletionRequest, req: OpenAIRequest, prompt: str,
+                         c: P.Constraint | None) -> ThinkingBudget | None:
+        """MindIE's ``chat_template_kwargs.thinking_budget`` (vLLM's ``thinking_token_budget``):
+        applied where a reasoning parser splits the answer and no constraint shapes it (a
+        continuation could not resume a grammar); otherwise it only reaches the template."""
+        kwargs = r.chat_template_kwargs or {}
+        tokens, field = kwargs.get("thinking_budget"), "chat_template_kwargs"
+        if tokens is None and r.thinking_token_budget is not None and r.thinking_token_budget != -1:
+            tokens, field = r.thinking_token_budget, "thinking_token_budget"
+        if tokens is None:
+            return None
+        if type(tokens) is not int or not 1 <= tokens <= MAX_THINKING_BUDGET:
+            raise ApiError(400, f"thinking_budget must be an integer in [1, {MAX_THINKING_BUDGET}], got "
+                                f"{json.dumps(tokens)}.", param=field)
+        if req.reasoning is None or c is not None:
+            return None
+        return ThinkingBudget(tokens, req.reasoning, prompt, self.early_ids, self.early_text)
 
     def _split(self, req: OpenAIRequest, c: Output) -> tuple[str | None, str]:
         """(reasoning_content, content) of a whole answer."""
@@ -560,11 +587,12 @@ def openai_routes(fe, pipeline: Pipeline) -> tuple[OpenAIResource, OpenAIResourc
     max_n = fe.config.backend.schedule.max_n
     model = fe.config.backend.model_deploy.models[0]
     enable = {t: o.enable_reasoning for t, o in model.models.items() if o.enable_reasoning is not None}
+    early = next((o.early_stopping_text for o in model.models.values() if o.early_stopping_text), None)
     parser, template = configured_options(model.models, fe.model_dir)
     return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters,
                                                       structured=pipeline.structured)),
             OpenAIResource(pipeline, ChatCompletionsCodec(*args, model_dir=fe.model_dir, max_n=max_n,
                                                           adapters=pipeline.adapters, structured=pipeline.structured,
                                                           reasoning_parser=model.reasoning_parser,
-                                                          enable_reasoning=enable, tool_call_parser=parser,
-                                                          chat_template=template)))
+                                                          enable_reasoning=enable, early_stopping_text=early,
+                                                          tool_call_parser=parser, chat_template=template)))

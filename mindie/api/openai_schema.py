@@ -143,6 +143,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    thinking_token_budget: Optional[Annotated[int, Meta(ge=-1, le=2**32 - 1)]] = None  # vLLM's; -1 = none
     add_generation_prompt: bool = True
 
 
