@@ -136,6 +136,17 @@ class ServerConfig(_Section):
     drain_timeout_s: Annotated[float, Meta(ge=0, le=MAX_E2E_TIMEOUT_S)] = DEFAULT_DRAIN_TIMEOUT_S
 
 
+class ModelTypeOptions(msgspec.Struct, kw_only=True):
+    """``ModelConfig.models.<model type>``: MindIE's per-model-type options (snake_case keys, as
+    MindIE writes them; other keys there are accepted)."""
+
+    # MindIE: split the thinking into reasoning_content (mindie/reasoning.py; docs/apis.md).
+    enable_reasoning: Optional[bool] = None
+    # MindIE: the text written into the answer when the thinking reaches a request's
+    # chat_template_kwargs.thinking_budget (mindie/reasoning.py ThinkingBudget).
+    early_stopping_text: Optional[Annotated[str, Meta(min_length=1, max_length=1024)]] = None
+
+
 class ModelConfig(_Section):
     # MindIE's sample file says "llama_65b". Absent: the default model's name, a checkpoint's
     # directory or file name, "demo" for the demo model (_default_model_name).
@@ -154,6 +165,12 @@ class ModelConfig(_Section):
     # MindIE's name (its weights' config.json); here quantised at load from the checkpoint.
     # null/"" = none; "w8a16" = weight-only int8 linears (workers/backends/int8.py).
     quantize: Optional[Literal["", "w8a16"]] = None
+    # MindIE's per-model-type options, keyed by model type ("qwen3", "deepseekv2", ...).
+    models: dict[str, ModelTypeOptions] = field(default_factory=dict)
+    # Project extension: the chat route's reasoning parser (vLLM's --reasoning-parser names;
+    # mindie/reasoning.py). "auto": MindIE's models.<type>.enable_reasoning where set, else
+    # detected from the chat template; "none": off.
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
 
 
 class LoraModuleConfig(_Section):
@@ -553,7 +570,6 @@ MINDIE_UNUSED_KEYS = frozenset({
     "BackendConfig.ModelDeployConfig.ModelConfig[].tp", "BackendConfig.ModelDeployConfig.ModelConfig[].dp",
     "BackendConfig.ModelDeployConfig.ModelConfig[].moe_tp", "BackendConfig.ModelDeployConfig.ModelConfig[].moe_ep",
     "BackendConfig.ModelDeployConfig.ModelConfig[].sp", "BackendConfig.ModelDeployConfig.ModelConfig[].cp",
-    "BackendConfig.ModelDeployConfig.ModelConfig[].models",
     "BackendConfig.ScheduleConfig.templateType", "BackendConfig.ScheduleConfig.templateName",
     "BackendConfig.ScheduleConfig.policyType", "BackendConfig.ScheduleConfig.bufferResponseEnabled",
     "BackendConfig.ScheduleConfig.enableSplit", "BackendConfig.ScheduleConfig.splitType",

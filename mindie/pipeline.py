@@ -13,7 +13,8 @@ Everything else happens here, once, the same way for every family:
   admission slot (maxLinkNum, server-wide; taken before the body is read, so a refusal costs no
   work), released exactly once when the answer is fully sent;
 - the body, read under maxRequestLength (413), the /stopService flag (503), a large body parsed
-  off the event loop;
+  off the event loop, and so are the checks a codec leaves in ``Job.checks`` (a structured-output
+  constraint compiled for the first time);
 - one ``Generation`` per submission (mindie/generation.py: stop strings, deadlines);
 - a non-stream client that hangs up, or a stream whose client is gone, is cancelled on its
   worker, logged 499 and counted failed;
@@ -31,7 +32,7 @@ import contextlib
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -51,6 +52,7 @@ from mindie.http_conn import RECEIVE_TIMEOUT_KEY
 from mindie.metrics import Metrics
 from mindie.request_log import RequestRecord
 from mindie.service_state import STOPPED_MESSAGE, ServiceState
+from mindie.structured import Checker
 from mindie.validation import Limits
 
 log = logging.getLogger("mindie.api")
@@ -75,6 +77,9 @@ class Sub:
     user_id: str | None = None  # the name stopInfer uses when the body gives one (else req-id)
     prompt: int = 0  # which prompt of the request (OpenAI list prompts: several subs share one)
     adapter: str = ""  # the LoRA adapter the request names ("" = the base model)
+    # A thinking budget (mindie/reasoning.py ThinkingBudget): its ``generation(start, ids, params)``
+    # runs the submission instead of one Generation.
+    budget: Any = None
 
 
 @dataclass
@@ -86,6 +91,9 @@ class Job:
     request: Any = None
     codec: "Codec | None" = None  # who renders it, when not the route's codec (/generate)
     ignored: list[ignored_fields.Found] = field(default_factory=list)  # body keys the family does not read
+    # Checks too slow for the event loop (compiling a new structured-output constraint:
+    # mindie/structured.py), run on a thread before anything is submitted; each raises ApiError.
+    checks: list[Callable[[], None]] = field(default_factory=list)
 
     def prompt_tokens(self) -> int:
         """Prompt tokens of the request, each prompt counted once."""
@@ -273,6 +281,11 @@ async def disconnected(req: falcon.asgi.Request) -> None:
             return
 
 
+def _run_checks(checks: list[Callable[[], None]]) -> None:
+    for check in checks:
+        check()
+
+
 def finish_ok(metrics: Metrics, rec: RequestRecord, finish: str) -> None:
     """A request that succeeded: MindIE's metrics (TTFT, TPOT, end to end) and its log line."""
     metrics.succeeded(rec.output_tokens)
@@ -301,6 +314,7 @@ class Pipeline:
         self.state = state
         self.ignored_log = ignored_log or ignored_fields.REPORTER
         self.adapters = Adapters(client)  # the LoRA adapters requests may name (mindie/adapters.py)
+        self.structured = Checker(tokenizer)  # structured-output constraints (mindie/structured.py)
 
     async def serve(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, codec: Codec, **kw: Any) -> None:
         """One request, from admission to its last byte, with ``codec``'s shapes."""
@@ -325,6 +339,8 @@ class Pipeline:
             job = await asyncio.to_thread(codec.parse, body, ctx) if len(body) > LARGE_BODY else codec.parse(body, ctx)
             if job.codec is not None:
                 codec = req.context.codec = job.codec
+            if job.checks:
+                await asyncio.to_thread(_run_checks, job.checks)
             if job.ignored:  # accepted as before; named in a header and a rate-limited WARNING
                 ignored_fields.report(req, resp, job.ignored, self.ignored_log)
             rec.input_tokens = job.prompt_tokens()
@@ -372,10 +388,15 @@ class Pipeline:
         outs: list[Output] = []
         try:
             for i, sub in enumerate(job.subs):
-                gen = Generation(self.client, self.tokenizer, sub.input_ids, sub.params,
-                                 Deadline(sub.timeout, lim.token_timeout, lim.e2e_timeout, job.stream),
-                                 priority=sub.priority, user_id=sub.user_id or rec.request_id, stops=sub.stops,
-                                 include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter)
+                deadline = Deadline(sub.timeout, lim.token_timeout, lim.e2e_timeout, job.stream)
+
+                def start(ids: list[int], params: P.SamplingParams, sub: Sub = sub,
+                          deadline: Deadline = deadline) -> Generation:
+                    return Generation(self.client, self.tokenizer, ids, params, deadline, priority=sub.priority,
+                                      user_id=sub.user_id or rec.request_id, stops=sub.stops,
+                                      include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter)
+                gen = start(sub.input_ids, sub.params) if sub.budget is None else \
+                    sub.budget.generation(start, sub.input_ids, sub.params)
                 outs.append(Output(i, sub, gen))
         except BaseException:
             for o in outs:

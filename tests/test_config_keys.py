@@ -187,6 +187,13 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ModelDeployConfig.LoraModules[].path": [
         f"{_LORA}::test_lora_modules_refused_at_launch", f"{_CFG}::test_lora_keys_mindie_example"],
     "BackendConfig.ModelDeployConfig.LoraModules[].baseModelName": [f"{_CFG}::test_cross_field_checks"],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].models": [
+        f"tests/test_reasoning.py::{n}" for n in ("test_config_keys", "test_chosen_by_config",
+                                                  "test_r1_answer_starts_inside_the_thinking",
+                                                  "test_thinking_budget_cuts_the_thinking")],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].reasoningParser": [
+        f"tests/test_reasoning.py::{n}" for n in ("test_config_keys", "test_chosen_by_config",
+                                                  "test_qwen3_answer_is_split_as_the_parser_says")],
     "BackendConfig.ModelDeployConfig.ModelConfig[].quantize": [
         f"tests/test_int8.py::{n}" for n in ("test_quantize_reaches_the_worker_spec", "test_int8_path_is_used_when_configured",
                                              "test_backend_without_int8_refuses_the_key",

@@ -49,8 +49,8 @@ class GenerateResource:
     def __init__(self, pipeline: Pipeline, model_name: str):
         tok, lim = pipeline.tokenizer, pipeline.limits
         self.pipeline = pipeline
-        self.codec = GenerateCodec(TgiCodec(tok, lim, model_name, "generate", pipeline.adapters),
-                                   VllmCodec(tok, lim, model_name, pipeline.adapters))
+        self.codec = GenerateCodec(TgiCodec(tok, lim, model_name, "generate", pipeline.adapters, pipeline.structured),
+                                   VllmCodec(tok, lim, model_name, pipeline.adapters, pipeline.structured))
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         await self.pipeline.serve(req, resp, self.codec)

@@ -22,10 +22,17 @@ Decisions (docs/apis.md has the user's view):
   every generated id of every choice (the ids up to the one that completed a stop string).
 - ``finish_reason``: "length", else "stop" (EOS, stop string, stop token id, stopInfer);
   ``stop_reason`` is the matched stop string or stop token id (vLLM), else null.
-- ``response_format`` json_object is accepted and NOT enforced (MindIE accepts it too);
-  json_schema is refused. ``tools`` are passed to the chat template, never parsed: the output
-  comes back as content, finish_reason is never "tool_calls"; ``tool_choice`` other than
-  "none"/"auto" is refused.
+- Structured output (mindie/structured.py): ``response_format`` (``json_object``, ``json_schema``
+  with ``strict``; TGI's ``{"type", "value"}`` form), vLLM's ``structured_outputs`` and older
+  ``guided_*`` fields, on both routes; at most one of them. The constraint goes to the worker in
+  ``SamplingParams.constraint``; one the front end has not compiled before is compiled off the
+  event loop (``Job.checks``) and a bad one is a 400 naming the field.
+- Reasoning (chat, mindie/reasoning.py): with a reasoning parser (configured or detected from the
+  chat template) the thinking comes back as ``reasoning_content`` (stream: its own deltas) and
+  ``usage.completion_tokens_details.reasoning_tokens`` counts it. An answer constrained by a JSON
+  schema, JSON object or choice is all content (the constraint leaves no room for a think block).
+- ``tools`` are passed to the chat template, never parsed: the output comes back as content,
+  finish_reason is never "tool_calls"; ``tool_choice`` other than "none"/"auto" is refused.
 - The request's life is the shared pipeline's (mindie/pipeline.py); this module is the
   family's codec: parse a body into submissions, render answers, chunks and errors.
 - ``MINDIE_LLM_BENCHMARK_ENABLE=1|2``: a non-stream body gets top-level ``prefill_time`` (ms)
@@ -34,6 +41,7 @@ Decisions (docs/apis.md has the user's view):
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -54,6 +62,9 @@ from mindie.detokenizer import TextTokenizer
 from mindie.errors import ApiError
 from mindie.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
+from mindie.reasoning import (DEFAULT_EARLY_STOPPING_TEXT, MAX_THINKING_BUDGET, ReasoningParser, ThinkingBudget, choose,
+                              split)
+from mindie.structured import Checker, from_guided, from_response_format, from_structured_outputs, one_of
 from mindie.validation import Limits, cap_max_new_tokens, check_token_count, check_token_ids, random_seed
 
 log = logging.getLogger("mindie.api.openai")
@@ -96,6 +107,7 @@ class OpenAIRequest:
     rid: str = ""
     created: int = 0
     adapter: str = ""  # the LoRA adapter ``model`` names ("" = the base model); the answers' ``model``
+    reasoning: ReasoningParser | None = None  # chat: the parser splitting this request's answers (None: off)
 
 
 class _OpenAICodec(Codec):
@@ -103,10 +115,12 @@ class _OpenAICodec(Codec):
     chunk_object = ""
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, max_n: int = S.MAX_N,
-                 adapters: Container[str] = ()):
+                 adapters: Container[str] = (), structured: Checker | None = None):
         """``max_n``: ScheduleConfig.maxN, the most choices one request may ask (n x prompts);
-        ``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py)."""
+        ``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py); ``structured``:
+        the front end's constraint checker (mindie/structured.py; None: one of its own)."""
         self.tokenizer = tokenizer
+        self.structured = structured if structured is not None else Checker(tokenizer)
         self.limits = limits
         self.model_name = model_name
         self.adapters = adapters
@@ -172,6 +186,22 @@ class _OpenAICodec(Codec):
             seed=0, max_new_tokens=max(1, mnt), ignore_eos=r.ignore_eos, stop_token_ids=list(r.stop_token_ids or []),
             logprobs=logprobs, presence_penalty=float(r.presence_penalty or 0.0),
             frequency_penalty=float(r.frequency_penalty or 0.0), prompt_logprobs=prompt_logprobs)
+
+    def _constraint(self, r: S._Sampling, params: P.SamplingParams,
+                    checks: list) -> tuple[P.SamplingParams, P.Constraint | None]:
+        """The request's structured-output constraint (at most one field gives one) put into
+        ``params``; a constraint not compiled before leaves its check in ``checks``."""
+        special = self.structured.is_special
+        rf = msgspec.to_builtins(r.response_format) if r.response_format is not None else None
+        so = msgspec.to_builtins(r.structured_outputs) if r.structured_outputs is not None else None
+        guided = {k: getattr(r, k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                             "guided_whitespace_pattern", "guided_decoding_backend")}
+        c, field = one_of((from_response_format(rf, special=special), "response_format"),
+                          (from_structured_outputs(so, special=special), "structured_outputs"), from_guided(guided))
+        if c is None:
+            return params, None
+        checks += self.structured.pending(c, field)
+        return msgspec.structs.replace(params, constraint=c), c
 
     def _job(self, req: OpenAIRequest, params: P.SamplingParams, seed: int | None, n: int, stops: list[str],
              include_stop: bool) -> Job:
@@ -253,11 +283,14 @@ class CompletionsCodec(_OpenAICodec):
             prompts.append(ids)
         k = r.logprobs
         params = self._sampling(r, r.max_tokens, -1 if k is None else k, bool(r.echo and k is not None))
+        checks: list = []
+        params, _ = self._constraint(r, params, checks)
         req = OpenAIRequest(prompts, texts, bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k, bool(r.echo))
         req.adapter = adapter
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
         job.ignored = S.ignored(body, chat=False)
+        job.checks = checks
         return job
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int, with_prompt: bool) -> dict | None:
@@ -323,13 +356,26 @@ class ChatCompletionsCodec(_OpenAICodec):
     kind = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, model_dir: str, **kwargs: Any):
+    def __init__(self, *args: Any, model_dir: str, reasoning_parser: str = "auto",
+                 enable_reasoning: dict[str, bool] | None = None, early_stopping_text: str | None = None,
+                 **kwargs: Any):
+        """``reasoning_parser``: ModelConfig.reasoningParser; ``enable_reasoning``: MindIE's
+        ModelConfig.models.<type>.enable_reasoning the config sets (mindie/reasoning.py ``choose``);
+        ``early_stopping_text``: MindIE's ModelConfig.models.<type>.early_stopping_text (the thinking
+        budget's text; None: MindIE's example for Qwen3)."""
         super().__init__(*args, **kwargs)
+        self.early_text = early_stopping_text or DEFAULT_EARLY_STOPPING_TEXT
+        self.early_ids = tuple(self.tokenizer.tokenizer.encode(self.early_text, add_special_tokens=False).ids)
         self.template: ChatTemplate = load_chat_template(model_dir)
         if self.template.fallback:
             log.warning("the model in %s has no chat template (tokenizer_config.json chat_template, "
                         "chat_template.jinja): /v1/chat/completions uses a plain ChatML template", model_dir)
-
+        self.reasoning = choose(reasoning_parser, enable_reasoning or {}, self.template)
+        if self.reasoning is not None:
+            log.info("reasoning parser %s: /v1/chat/completions answers the thinking as reasoning_content",
+                     self.reasoning.name)
+        end_id = self.tokenizer.tokenizer.token_to_id(self.reasoning.end) if self.reasoning else None
+        self._end_id = end_id  # </think> as one token of the vocabulary (else None)
     def _encode(self, text: str) -> list[int]:
         """Rendered chat text to ids without adding BOS/EOS (the template writes them, as
         transformers' apply_chat_template(tokenize=True) and vLLM do)."""
@@ -351,12 +397,72 @@ class ChatCompletionsCodec(_OpenAICodec):
         k = (r.top_logprobs or 0) if r.logprobs else None
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
         params = self._sampling(r, max_tokens, -1 if k is None else k, False)
+        checks: list = []
+        params, c = self._constraint(r, params, checks)
         req = OpenAIRequest([ids], [text], bool(r.stream),
                             bool(r.stream and r.stream_options and r.stream_options.include_usage), k)
         req.adapter = adapter
+        # A JSON or choice constraint leaves no room for a think block: its answer is all content.
+        if c is None or c.kind in ("regex", "lark", "gbnf"):
+            req.reasoning = self.reasoning
+        budget = self._thinking_budget(r, req, text, c)
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
+        for sub in job.subs:
+            sub.budget = budget
         job.ignored = S.ignored(body, chat=True)
+        job.checks = checks
         return job
+
+    def _thinking_budget(self, r: S.ChatCompletionRequest, req: OpenAIRequest, prompt: str,
+                         c: P.Constraint | None) -> ThinkingBudget | None:
+        """MindIE's ``chat_template_kwargs.thinking_budget`` (vLLM's ``thinking_token_budget``):
+        applied where a reasoning parser splits the answer and no constraint shapes it (a
+        continuation could not resume a grammar); otherwise it only reaches the template."""
+        kwargs = r.chat_template_kwargs or {}
+        tokens, field = kwargs.get("thinking_budget"), "chat_template_kwargs"
+        if tokens is None and r.thinking_token_budget is not None and r.thinking_token_budget != -1:
+            tokens, field = r.thinking_token_budget, "thinking_token_budget"
+        if tokens is None:
+            return None
+        if type(tokens) is not int or not 1 <= tokens <= MAX_THINKING_BUDGET:
+            raise ApiError(400, f"thinking_budget must be an integer in [1, {MAX_THINKING_BUDGET}], got "
+                                f"{json.dumps(tokens)}.", param=field)
+        if req.reasoning is None or c is not None:
+            return None
+        return ThinkingBudget(tokens, req.reasoning, prompt, self.early_ids, self.early_text)
+
+    def _split(self, req: OpenAIRequest, c: Output) -> tuple[str | None, str]:
+        """(reasoning_content, content) of a whole answer."""
+        if req.reasoning is None:
+            return None, c.text
+        return split(req.reasoning, req.prompt_texts[c.sub.prompt], c.text)
+
+    def _reasoning_tokens(self, req: OpenAIRequest, c: Output) -> int:
+        """Tokens of the thinking, the tags included: up to the token that completes the first
+        ``</think>`` (the closing one), all of them when the thinking never closed."""
+        if req.reasoning is None or self._split(req, c)[0] is None:
+            return 0
+        ids, end = c.ids, req.reasoning.end
+        if self._end_id is not None and self._end_id in ids:  # the tag is one token
+            return ids.index(self._end_id) + 1
+        decode = self.tokenizer.decode
+        if end not in decode(ids):
+            return len(ids)
+        lo, hi = 1, len(ids)  # the shortest prefix whose text holds the tag
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if end in decode(ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _usage(self, job: Job, outs: list[Output]) -> dict:
+        usage = super()._usage(job, outs)
+        if self.reasoning is not None:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(self._reasoning_tokens(job.request, o) for o in outs)}
+        return usage
 
     def _logprobs(self, req: OpenAIRequest, c: Output, start: int, end: int) -> dict | None:
         if req.logprobs is None:
@@ -372,10 +478,16 @@ class ChatCompletionsCodec(_OpenAICodec):
 
     def response(self, job: Job, outs: list[Output]) -> dict:
         req: OpenAIRequest = job.request
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, "message": self._message(req, c),
                     "logprobs": self._logprobs(req, c, 0, len(c.ids)), "finish_reason": _finish(c.finish),
                     "stop_reason": c.stop_reason()} for c in outs]
         return {**self._head(req, "chat.completion"), "choices": choices, "usage": self._usage(job, outs)}
+
+    def _message(self, req: OpenAIRequest, c: Output) -> dict:
+        if self.reasoning is None:
+            return {"role": "assistant", "content": c.text}
+        reasoning, content = self._split(req, c)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
     def open(self, job: Job, outs: list[Output], ctx: Context) -> Iterator[bytes]:
         req: OpenAIRequest = job.request
@@ -390,10 +502,25 @@ class ChatCompletionsCodec(_OpenAICodec):
     def chunk(self, job: Job, c: Output, p: Piece, before: int) -> dict | None:
         req: OpenAIRequest = job.request
         lp = self._logprobs(req, c, before, len(c.ids))
-        if not (p.text or p.finish_reason or (lp is not None and lp["content"])):
+        if req.reasoning is None:
+            delta = {"content": p.text} if p.text else {}
+        else:
+            sp = c.state.get("reasoning")
+            if sp is None:
+                sp = c.state["reasoning"] = req.reasoning.splitter(req.prompt_texts[c.sub.prompt])
+            reasoning, content = sp.push(p.text)
+            if p.finish_reason:
+                more_r, more_c = sp.flush()
+                reasoning, content = reasoning + more_r, content + more_c
+            delta = {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
+        if not (delta or p.finish_reason or (lp is not None and lp["content"])):
             return None
         return {**self._head(req, self.chunk_object), "choices": [{
-            "index": c.index, "delta": {"content": p.text} if p.text else {}, "logprobs": lp,
+            "index": c.index, "delta": delta, "logprobs": lp,
             "finish_reason": _finish(c.finish) if p.finish_reason else None,
             "stop_reason": c.stop_reason() if p.finish_reason else None}]}
 
@@ -413,6 +540,12 @@ def openai_routes(fe, pipeline: Pipeline) -> tuple[OpenAIResource, OpenAIResourc
     """The two resources of a front end (mindie/frontend.py FrontEnd)."""
     args = (fe.tokenizer, fe.limits, fe.model_name)
     max_n = fe.config.backend.schedule.max_n
-    return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters)),
+    model = fe.config.backend.model_deploy.models[0]
+    enable = {t: o.enable_reasoning for t, o in model.models.items() if o.enable_reasoning is not None}
+    early = next((o.early_stopping_text for o in model.models.values() if o.early_stopping_text), None)
+    return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters,
+                                                      structured=pipeline.structured)),
             OpenAIResource(pipeline, ChatCompletionsCodec(*args, model_dir=fe.model_dir, max_n=max_n,
-                                                          adapters=pipeline.adapters)))
+                                                          adapters=pipeline.adapters, structured=pipeline.structured,
+                                                          reasoning_parser=model.reasoning_parser,
+                                                          enable_reasoning=enable, early_stopping_text=early)))

@@ -21,7 +21,8 @@ from mindie.errors import ApiError
 from mindie.ignored_fields import Found, find_in_json, struct_schema
 from mindie.validation import MAX_JSON_DEPTH, too_deep
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ResponseFormat", "MAX_N",
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ResponseFormat", "StructuredOutputs",
+           "JsonSchemaFormat", "MAX_N",
            "MAX_LOGPROBS", "decode_completion", "decode_chat", "ignored", "COMPLETION_SCHEMA", "CHAT_SCHEMA"]
 
 MAX_N = 128
@@ -55,6 +56,43 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Base):
+    """``response_format.json_schema``: the values are checked by mindie/structured.py (MindIE's
+    messages); typed here only so that unknown keys in it are named."""
+
+    name: Any = None
+    schema: Any = None
+    strict: Any = None
+    description: Any = None
+
+
+class ResponseFormat(_Base):
+    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), TGI's form of it
+    (``value``: the schema or pattern of ``json``/``regex``/``json_schema``) and vLLM's structural
+    tag (``structures``, ``triggers``); checked by mindie/structured.py."""
+
+    type: Any = None
+    json_schema: Optional[JsonSchemaFormat] = None
+    value: Any = None
+    structures: Any = None
+    triggers: Any = None
+
+
+class StructuredOutputs(_Base):
+    """vLLM's ``structured_outputs`` object (mindie/structured.py checks the values)."""
+
+    json: Any = None
+    regex: Any = None
+    choice: Any = None
+    grammar: Any = None
+    json_object: Any = None
+    structural_tag: Any = None
+    disable_fallback: Any = None
+    disable_any_whitespace: Any = None
+    disable_additional_properties: Any = None
+    whitespace_pattern: Any = None
+
+
 class _Sampling(_Base):
     """What both routes share."""
 
@@ -74,6 +112,15 @@ class _Sampling(_Base):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # Structured output (mindie/structured.py): at most one of these constrains the output.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Any = None  # vLLM's older fields
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None  # read, no effect (one backend: llguidance)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -86,22 +133,17 @@ class CompletionRequest(_Sampling, kw_only=True):
     suffix: Optional[str] = None
 
 
-class ResponseFormat(_Base):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = None
-
-
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     max_completion_tokens: Optional[MaxTokens] = None
     max_tokens: Optional[MaxTokens] = None  # deprecated by OpenAI, still sent by many clients
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]] = None
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    thinking_token_budget: Optional[Annotated[int, Meta(ge=-1, le=2**32 - 1)]] = None  # vLLM's; -1 = none
     add_generation_prompt: bool = True
 
 
@@ -145,9 +187,6 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
     req = _decode(_chat_decoder, body)
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    if req.response_format is not None and req.response_format.type == "json_schema":
-        raise bad_request("response_format json_schema is not supported: this server cannot constrain its output "
-                          "to a schema (json_object and text are accepted).", "response_format")
     if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
         raise bad_request("tool_choice 'required' or a named function is not supported: this server does not "
                           "parse tool calls (tools are passed to the chat template only).", "tool_choice")
@@ -171,7 +210,8 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
 
 def ignored(body: bytes, chat: bool) -> list[Found]:
     """The keys of a decoded-fine body that its request type does not have (top level,
-    ``stream_options``, ``response_format``), found on raw slices: the typed decode dropped them."""
+    ``stream_options``, ``response_format`` and its ``json_schema``, ``structured_outputs``), found
+    on raw slices: the typed decode dropped them."""
     return find_in_json(body, CHAT_SCHEMA if chat else COMPLETION_SCHEMA)
 
 

@@ -10,7 +10,8 @@ Answers are TGI's: ``{"generated_text", "details"}`` (details only with ``detail
 ["top_tokens",] "generated_text","details"}`` with the text and details on the last one. Errors are
 MindIE's ``{"error","error_type"}`` (422 ``Input Validation Error`` ...), before a stream starts as
 a plain JSON answer with that status, inside an open stream as a ``data:`` event.
-The body's checks are mindie/api/tgi_schema.py's. Keys it does not read are ignored (as TGI and
+The body's checks are mindie/api/tgi_schema.py's; ``parameters.grammar`` (``json``, ``regex``,
+``json_schema``) constrains the output (mindie/structured.py), a bad one is MindIE's 422. Keys it does not read are ignored (as TGI and
 MindIE do) and named: ``X-Ignored-Fields`` and a rate-limited WARNING (mindie/ignored_fields.py).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mindie.errors import validation_error
 from mindie.generation import Piece
 from mindie.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
+from mindie.structured import Checker, as_validation_error
 from mindie.validation import Limits, decode_json
 
 COMPAT_PARSE_ERROR = "Failed to parse context to json body"
@@ -39,9 +41,11 @@ class TgiCodec(Codec):
     "compat" (``POST /``)."""
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, mode: str,
-                 adapters: Container[str] = ()):
-        """``adapters``: the LoRA adapters ``adapter_id`` may name (mindie/adapters.py)."""
+                 adapters: Container[str] = (), structured: Checker | None = None):
+        """``adapters``: the LoRA adapters ``adapter_id`` may name (mindie/adapters.py);
+        ``structured``: the front end's constraint checker (None: one of its own)."""
         self.tokenizer = tokenizer
+        self.structured = structured if structured is not None else Checker(tokenizer)
         self.limits = limits
         self.model_name = model_name
         self.mode = mode
@@ -65,8 +69,10 @@ class TgiCodec(Codec):
         if type(body) is not dict:
             body = {}
         r = parse_tgi(body, self.limits, self.tokenizer.encode, stream, self.model_name, self.adapters)
+        c = r.sampling.constraint
+        checks = self.structured.pending(c, "grammar", as_validation_error) if c is not None else []
         return Job([Sub(r.input_ids, r.sampling, stops=r.parameters.stop, adapter=r.adapter)], stream, r, self,
-                   ignored=find(body, COMPAT_SCHEMA if self.mode == "compat" else SCHEMA))
+                   ignored=find(body, COMPAT_SCHEMA if self.mode == "compat" else SCHEMA), checks=checks)
 
     def finish_label(self, finish: str) -> str:
         return finish_name(finish)
@@ -147,8 +153,8 @@ class TgiResource:
     def __init__(self, pipeline: Pipeline, model_name: str):
         tok, lim = pipeline.tokenizer, pipeline.limits
         self.pipeline = pipeline
-        self.stream = TgiCodec(tok, lim, model_name, "stream", pipeline.adapters)
-        self.compat = TgiCodec(tok, lim, model_name, "compat", pipeline.adapters)
+        self.stream = TgiCodec(tok, lim, model_name, "stream", pipeline.adapters, pipeline.structured)
+        self.compat = TgiCodec(tok, lim, model_name, "compat", pipeline.adapters, pipeline.structured)
 
     async def on_post_stream(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         await self.pipeline.serve(req, resp, self.stream)

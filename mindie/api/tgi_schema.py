@@ -7,7 +7,8 @@ Order: inputs (present, string, length in UTF-16 units, tokens) -> ``parameters`
 temperature, top_k, top_p (< 1 as on /infer), typical_p, do_sample, seed, repetition_penalty,
 watermark, adapter_id, max_new_tokens, details, decoder_input_details, return_full_text,
 truncate -> decoder_input_details with a stream -> TGI-only keys MindIE does not read
-(top_n_tokens, best_of) -> engine checks (424) on the truncated prompt.
+(top_n_tokens, best_of, grammar: mindie/structured.py, its compile check left to the codec's
+``Job.checks``) -> engine checks (424) on the truncated prompt.
 """
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ import msgspec
 
 from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from mindie.errors import validation_error
+from mindie.structured import ConstraintError, as_validation_error, from_tgi_grammar
 from mindie.validation import (MAX_INT32, Limits, check_common_params, check_model_name, check_params_object,
                                check_stop, check_string, check_text_input, check_token_ids, dump_number,
                                encode_text_input, get_param, max_new_tokens_param)
 
-# What is read of the body (TGI keys this server does not implement, such as frequency_penalty
-# or grammar, are ignored, and named: mindie/ignored_fields.py). ``stream`` only on ``POST /``.
-PARAMETERS = dict.fromkeys(("stop", "temperature", "top_k", "top_p", "typical_p", "do_sample", "seed",
-                            "repetition_penalty", "watermark", "adapter_id", "max_new_tokens", "details",
-                            "decoder_input_details", "return_full_text", "truncate", "top_n_tokens", "best_of",
-                            "ignore_eos"))
+# What is read of the body (TGI keys this server does not implement, such as frequency_penalty,
+# are ignored, and named: mindie/ignored_fields.py). ``stream`` only on ``POST /``.
+PARAMETERS = {**dict.fromkeys(("stop", "temperature", "top_k", "top_p", "typical_p", "do_sample", "seed",
+                               "repetition_penalty", "watermark", "adapter_id", "max_new_tokens", "details",
+                               "decoder_input_details", "return_full_text", "truncate", "top_n_tokens", "best_of",
+                               "ignore_eos")),
+              "grammar": {"type": None, "value": None}}
 SCHEMA = {"inputs": None, "parameters": PARAMETERS}
 COMPAT_SCHEMA = {**SCHEMA, "stream": None}
 
@@ -113,6 +116,10 @@ def parse_tgi(body: dict, limits: Limits, encode: Callable[[str], list[int]], st
                                    f"got {dump_number(best_of)}.")
         if best_of > 1:
             raise validation_error("best_of/n greater than 1 are not supported by this endpoint")
+    try:
+        constraint = from_tgi_grammar(p.get("grammar"), "grammar")
+    except ConstraintError as e:
+        raise as_validation_error(e) from None
     adapter = check_model_name(adapter_id, model_name, adapters)
 
     # TruncateReqTokens: keep the last `truncate` tokens, then the engine's checks.
@@ -127,6 +134,7 @@ def parse_tgi(body: dict, limits: Limits, encode: Callable[[str], list[int]], st
         prompt_logprobs=decoder_input_details,
         ignore_eos=p.get("ignore_eos") is True,  # as on /infer: a benchmark extension
     )
+    sampling.constraint = constraint
     params = TgiParameters(
         stop=stop, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, typical_p=c.typical_p,
         do_sample=c.do_sample, seed=sampling.seed, repetition_penalty=c.repetition_penalty, watermark=watermark,

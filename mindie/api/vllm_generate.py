@@ -8,7 +8,9 @@ ignore_eos, stop (a string up to 32768 UTF-16 units or a list of at most 1024-un
 temperature ([0, FLT_MAX]: 0 = greedy), top_k (-1 = off, 0 refused), top_p ((0, 1]), seed,
 repetition_penalty, frequency_penalty and presence_penalty ([-2, 2]), skip_special_tokens,
 best_of ([1, 128]), n ([1, 8192]), model, max_tokens (default maxIterTimes), stream -> best_of
-against n and the temperature -> best_of/n > 1 refused (one sequence per request here).
+against n and the temperature -> best_of/n > 1 refused (one sequence per request here) -> the
+structured output (vLLM's ``structured_outputs`` object or its older ``guided_*`` keys: at most one;
+mindie/structured.py), a bad one 422 with the message naming the field.
 
 Answers: ``{"text": ["<prompt> <output>"]}`` (MindIE joins them with one space); a stream is
 ``{"text": ["<new text>"]}`` chunks, each followed by a NUL byte. Keys not read are ignored and
@@ -20,12 +22,14 @@ from typing import Any, Container, Optional
 
 import msgspec
 
-from mindie.contract.wire import SamplingParams
+from mindie.contract.wire import Constraint, SamplingParams
 from mindie.detokenizer import TextTokenizer
 from mindie.errors import ApiError, validation_error
 from mindie.generation import Piece
 from mindie.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Sub, finish_name
+from mindie.structured import (GUIDED_KEYS, STRUCTURED_OUTPUTS_KEYS, Checker, ConstraintError, as_validation_error,
+                               from_guided, from_structured_outputs, one_of)
 from mindie.validation import (MAX_INT32, Limits, cap_max_new_tokens, check_model_name, check_stop, check_text_input,
                                check_token_ids, clamp_top_k, decode_json, dump_number, encode_text_input, float_param,
                                get_param, implicit_do_sample, random_seed, repetition_penalty_param, seed_param,
@@ -33,9 +37,11 @@ from mindie.validation import (MAX_INT32, Limits, cap_max_new_tokens, check_mode
 
 # The keys read (the others, ``inputs`` beside ``prompt`` among them, are ignored and named:
 # mindie/ignored_fields.py).
-SCHEMA = dict.fromkeys(("prompt", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output", "temperature",
-                        "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                        "skip_special_tokens", "best_of", "n", "model", "max_tokens", "stream"))
+SCHEMA = {**dict.fromkeys(("prompt", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output",
+                           "temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty",
+                           "presence_penalty", "skip_special_tokens", "best_of", "n", "model", "max_tokens", "stream")
+                          + GUIDED_KEYS),
+          "structured_outputs": dict.fromkeys(STRUCTURED_OUTPUTS_KEYS)}
 
 MAX_TOTAL_STOP = 32 * 1024
 MAX_BEST_OF = 128
@@ -66,6 +72,8 @@ class VllmRequest(msgspec.Struct, kw_only=True):
     best_of: Optional[int] = None
     model: Optional[str] = None
     adapter: str = ""  # the LoRA adapter ``model`` names ("" = the base model)
+    constraint: Optional[Constraint] = None  # structured output (mindie/structured.py)
+    constraint_field: str = ""  # the field that gave it
 
 
 def _check_prompt(v, limits) -> str:
@@ -146,6 +154,11 @@ def parse_vllm(p: dict, limits, encode, model_name: str, adapters: Container[str
                                f"{best_of if best_of is not None else 'None'}, n is {n if n is not None else 'None'}.")
     if count > 1:
         raise validation_error("best_of/n greater than 1 are not supported by this endpoint")
+    try:
+        constraint, field = one_of((from_structured_outputs(p.get("structured_outputs")), "structured_outputs"),
+                                   from_guided(p))
+    except ConstraintError as e:
+        raise as_validation_error(e) from None
     adapter = check_model_name(model, model_name, adapters)
     ids = check_token_ids(ids, limits)
     return VllmRequest(
@@ -154,7 +167,7 @@ def parse_vllm(p: dict, limits, encode, model_name: str, adapters: Container[str
         ignore_eos=ignore_eos, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed if seed is not None else random_seed(), repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n, best_of=best_of, model=model,
-        adapter=adapter)
+        adapter=adapter, constraint=constraint, constraint_field=field)
 
 
 def sampling_of(r: VllmRequest, limits) -> SamplingParams:
@@ -175,6 +188,7 @@ def sampling_of(r: VllmRequest, limits) -> SamplingParams:
         stop_token_ids=list(r.stop_token_ids),
         presence_penalty=r.presence_penalty or 0.0,
         frequency_penalty=r.frequency_penalty or 0.0,
+        constraint=r.constraint,
     )
 
 
@@ -184,9 +198,12 @@ class VllmCodec(Codec):
 
     content_type = "text/plain; charset=utf-8"
 
-    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, adapters: Container[str] = ()):
-        """``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py)."""
+    def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, adapters: Container[str] = (),
+                 structured: Checker | None = None):
+        """``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py); ``structured``:
+        the front end's constraint checker (None: one of its own)."""
         self.tokenizer = tokenizer
+        self.structured = structured if structured is not None else Checker(tokenizer)
         self.limits = limits
         self.model_name = model_name
         self.adapters = adapters
@@ -200,7 +217,9 @@ class VllmCodec(Codec):
         r = parse_vllm(body, self.limits, self.tokenizer.encode, self.model_name, self.adapters)
         sub = Sub(r.input_ids, sampling_of(r, self.limits), stops=r.stop, include_stop=r.include_stop_str_in_output,
                   adapter=r.adapter)
-        return Job([sub], r.stream, r, self, ignored=find(body, SCHEMA))
+        checks = (self.structured.pending(r.constraint, r.constraint_field, as_validation_error)
+                  if r.constraint is not None else [])
+        return Job([sub], r.stream, r, self, ignored=find(body, SCHEMA), checks=checks)
 
     def finish_label(self, finish: str) -> str:
         return finish_name(finish)
