@@ -388,19 +388,22 @@ def test_openai_structured_output_streamed(srv):
 def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     """One prompt, one seed, one constraint asked for through OpenAI completions (response_format,
     structured_outputs, guided_*), vLLM /generate (structured_outputs, guided_*) and TGI /generate
-    (grammar): the same text, and it fits."""
+    (grammar): the same text, and it fits; on the chat route OpenAI's, vLLM's and TGI's
+    (``response_format`` type json/regex) fields agree as well."""
     prompt, seed, n, temp = "The weather today is", 11, 24, 0.8
     if kind == "regex":
         pattern = "[a-z ]{1,40}"
         openai_fields = [{"structured_outputs": {"regex": pattern}}, {"guided_regex": pattern}]
         vllm_fields = openai_fields
         tgi_grammar = {"type": "regex", "value": pattern}
+        chat_fields = openai_fields + [{"response_format": {"type": "regex", "value": pattern}}]  # TGI's chat
         fits = re.compile(pattern).fullmatch
     else:
         openai_fields = [{"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
                          {"structured_outputs": {"json": PERSON}}, {"guided_json": PERSON}]
         vllm_fields = openai_fields[1:]
         tgi_grammar = {"type": "json", "value": PERSON}
+        chat_fields = openai_fields + [{"response_format": {"type": "json", "value": PERSON}}]  # TGI's chat
 
         def fits(text):
             v = json.loads(text)
@@ -420,6 +423,14 @@ def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     texts.append(r.json()["generated_text"])
     assert len(set(texts)) == 1, texts
     assert fits(texts[0]), texts[0]
+    # the chat route (its own prompt, the template's): OpenAI's, vLLM's and TGI's fields agree too
+    chats = []
+    for f in chat_fields:
+        r = _post(srv, "/v1/chat/completions", {"messages": MSGS, "max_tokens": n, "seed": seed,
+                                                "temperature": temp, **f})
+        assert r.status_code == 200, r.text
+        chats.append(r.json()["choices"][0]["message"]["content"])
+    assert len(set(chats)) == 1 and fits(chats[0]), chats
 
 
 @ENFORCED
