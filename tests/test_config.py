@@ -157,7 +157,7 @@ JSON_KEYS = {
         "models", "reasoningParser"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
-        "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs"},
+        "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "jumpForward"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 
