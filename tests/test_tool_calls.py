@@ -190,13 +190,18 @@ def test_finish_reasons(demo_model):
     tok = codec.tokenizer.tokenizer
     ids = tok.encode(SCRIPTS["hermes"], add_special_tokens=False).ids
     body = {"messages": ASK, "tools": TOOLS}
-    cut = ids[:len(ids) - 4]  # max_tokens reached inside the second call: "length", the first call kept
-    answer, chunks = _play(codec, body, cut, [len(cut)], finish=FINISH_LENGTH)
+    cut = ids[:len(ids) - 4]  # max_tokens reached inside the second call: "length", no markup as content,
+    answer, chunks = _play(codec, body, cut, [len(cut)], finish=FINISH_LENGTH)  # the cut call with its arguments so far
     [choice] = answer["choices"]
-    assert choice["finish_reason"] == "length"
-    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
-    _, chunks = _play(codec, {**body, "stream": True}, cut, [1] * len(cut), finish=FINISH_LENGTH)
-    assert _assemble(chunks)[2] == "length"
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "Checking.\n"
+    first, second = choice["message"]["tool_calls"]
+    assert json.loads(first["function"]["arguments"]) == WANT[0][1] and second["function"]["name"] == "add"
+    assert j(WANT[1][1]).startswith(second["function"]["arguments"]) and second["function"]["arguments"] != j(WANT[1][1])
+    for groups in ([1] * len(cut), [len(cut) - 1, 1], [len(cut)]):
+        _, chunks = _play(codec, {**body, "stream": True}, cut, groups, finish=FINISH_LENGTH)
+        content, calls, finish = _assemble(chunks)
+        assert finish == "length" and content == "Checking.\n", groups
+        assert [c["function"] for c in calls] == [c["function"] for c in choice["message"]["tool_calls"]], groups
     plain = tok.encode("Just text, no call.", add_special_tokens=False).ids
     answer, _ = _play(codec, body, plain, [len(plain)])
     assert answer["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in answer["choices"][0]["message"]

@@ -73,8 +73,6 @@ CASES = [
 MALFORMED = [
     ("hermes", 'x <tool_call>\n{"name": "add", "arguments": {"a": }\n</tool_call>'),
     ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
-    ("llama3_json", '{"name": "add", "parameters": {"a": 1'),
-    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}'),
     ("deepseek_v3", f"{B}{CB}function{SEP}add\n```json\n{{\"a\": \n```{CE}{E}"),
 ]
 MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", B, E, CB, CE, SEP, "tool_call>")
@@ -157,6 +155,26 @@ def test_malformed_calls_are_content(fmt, text):
     assert calls == [] and content == text
     got, calls, _ = _stream(fmt, [text], markup=True)
     assert got == text and calls == []
+
+
+CUT = [  # a call cut off before its end (max_tokens, or the model stopped): (format, text, its arguments so far)
+    ("hermes", 'x <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "tw', '{"a": 1, "b": "tw'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1', "{"),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}', '{"a": 1'),  # the list still open
+    ("deepseek_v31", f"{B}{CB}add{SEP}{{\"a\": 10, ", '{"a": 10'),
+]
+
+
+@pytest.mark.parametrize("fmt,text,args", CUT)
+def test_cut_calls_stay_calls(fmt, text, args):
+    """A call whose name is complete stays a call when the text ends inside it, with the
+    arguments written so far (OpenAI answers a call cut by max_tokens so), streamed or not and
+    wherever the stream's pieces were cut: the non-stream answer says what the stream said."""
+    content, calls = parse_text(parser_class(fmt)(NAMES), text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("add", args)], calls
+    for chunks in _chunkings(text, seed=len(text)):
+        got, scalls, _ = _stream(fmt, chunks)
+        assert got == (content or "") and [c["function"] for c in scalls] == [c["function"] for c in calls], chunks
 
 
 def test_parallel_false_keeps_the_first_call():

@@ -21,9 +21,10 @@ format and for both answer shapes:
 - the non-stream answer is the same engine fed the whole text at once (``parse_text``), so a
   stream and a non-stream answer of the same text say the same thing.
 
-A call that turns out malformed (its JSON never parses, or it has no name) is content, markup
-and all, as vLLM and MindIE return it; in a stream that already announced it, it stays a call
-with the arguments sent so far.
+A call that turns out malformed (its JSON does not parse once its end is written, or it has no
+name) is content, markup and all, as vLLM and MindIE return it. A call cut off before its end
+(max_tokens, or the model stopped) whose name was complete stays a call with the arguments written
+so far, streamed or not (a stream has announced it by then; OpenAI answers a cut call so too).
 """
 from __future__ import annotations
 
@@ -294,7 +295,25 @@ class ToolCallStream:
 
     def push(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         """Add ``delta``; return (new content, new tool-call deltas). ``final``: the text is
-        complete (incomplete markup becomes content, an unfinished call is judged as it is)."""
+        complete (incomplete markup becomes content, an unfinished call is judged as it is).
+
+        The last piece is read as text first, then as the end: what it says does not depend on
+        where the pieces were cut (a call whose name the last piece completes is a call, as it
+        would be had that piece come one token earlier)."""
+        if not final:
+            return self._push(delta, False)
+        content, deltas = self._push(delta, False)
+        more, last = self._push("", True)
+        merged = {d["index"]: d for d in deltas}
+        for d in last:
+            if d["index"] in merged:  # a call announced by the first pass: its new fragment
+                f = merged[d["index"]]["function"]
+                f["arguments"] = f.get("arguments", "") + d["function"].get("arguments", "")
+            else:
+                merged[d["index"]] = d
+        return content + more, [merged[i] for i in sorted(merged)]
+
+    def _push(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         self.text += delta
         items = self.parser.extract(self.text, final)
         content: list[str] = []
@@ -354,7 +373,10 @@ class ToolCallStream:
 
 
 def parse_text(parser: ToolParser, text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
-    """A finished text as (content or None, OpenAI tool_call objects)."""
+    """A finished text as (content or None, OpenAI tool_call objects): a stream of one piece,
+    so that it says what any stream of the same text said (a call cut off before its end, by
+    max_tokens or the model stopping, is a call with the arguments written so far, as OpenAI
+    answers a call cut by finish_reason "length")."""
     stream = ToolCallStream(parser, parallel)
     content, _ = stream.push(text, final=True)
     return (content if stream.content_sent else None), stream.calls
