@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,15 +66,17 @@ def _schema_error(schema_json: str) -> str:
     return messages[0] if is_error and messages else ""
 
 
-@functools.lru_cache(maxsize=256)
-def _grammar_error(lark: str) -> str:
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        llguidance.LLMatcher.grammar_from_lark(lark))
-    return messages[0] if is_error and messages else ""
+def _check_parameters(schema_json: str, name: str, where: str) -> None:
+    err = _schema_error(schema_json)
+    if err:
+        raise _bad(f"Invalid schema for function {name!r} ({where}.function.parameters): {err}",
+                   f"{where}.function.parameters")
 
 
-def check_tools(tools: Any) -> list[Function]:
-    """The request's ``tools`` as Functions, or a 400 naming the field."""
+def check_tools(tools: Any, checks: list[Callable[[], None]] | None = None) -> list[Function]:
+    """The request's ``tools`` as Functions, or a 400 naming the field. ``checks``: where to leave
+    the compiles of parameter schemas not seen before (run off the event loop, pipeline
+    ``Job.checks``); None: compiled here."""
     if not isinstance(tools, list):
         raise _bad("tools must be a list of tools.", "tools")
     out: list[Function] = []
@@ -104,10 +106,11 @@ def check_tools(tools: Any) -> list[Function]:
         elif not isinstance(params, dict):
             raise _bad(f"{where}.function.parameters must be a JSON schema object.", f"{where}.function.parameters")
         else:
-            err = _schema_error(json.dumps(params, sort_keys=True))
-            if err:
-                raise _bad(f"Invalid schema for function {name!r} ({where}.function.parameters): {err}",
-                           f"{where}.function.parameters")
+            check = functools.partial(_check_parameters, json.dumps(params, sort_keys=True), name, where)
+            if checks is None:
+                check()
+            else:
+                checks.append(check)
         out.append(Function(name, params, desc or "", tool))
     return out
 
@@ -198,15 +201,18 @@ class ToolSupport:
         tid = self.special.get(marker)
         return f"<[{tid}]>" if tid is not None else lark_literal(marker)
 
-    def request(self, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolRequest | None:
-        """The request's tools (None: it has none and no tool_choice), or a 400."""
+    def request(self, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None,
+                checks: list[Callable[[], None]] | None = None) -> ToolRequest | None:
+        """The request's tools (None: it has none and no tool_choice), or a 400. ``checks``: see
+        ``check_tools``; the call grammar of required / a named function is compiled by the
+        caller (mindie/structured.py ``Checker``, against the model's tokenizer)."""
         if tools is not None and not isinstance(tools, list):
             raise _bad("tools must be a list of tools.", "tools")
         if not tools:
             if tool_choice is not None and tool_choice != "none":
                 raise _bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
             return None
-        functions = check_tools(tools)
+        functions = check_tools(tools, checks)
         parallel = True if parallel_tool_calls is None else bool(parallel_tool_calls)
         choice = "auto" if tool_choice is None else tool_choice
         if isinstance(choice, str):
@@ -234,11 +240,7 @@ class ToolSupport:
         treq = ToolRequest(mode, functions, parallel, parser, keep_special=frozenset(self.special.values()),
                            instructions="" if self.renders_tools else parser.instructions(functions))
         if mode in ("required", "function"):
-            grammar = parser.grammar(chosen, parallel, self.token)
-            err = _grammar_error(grammar)
-            if err:  # the tools compiled one by one; this is a limit of the whole
-                raise _bad(f"The tool-call grammar of these tools does not compile: {err}", "tools")
-            treq.constraint = Constraint("lark", grammar)
+            treq.constraint = Constraint("lark", parser.grammar(chosen, parallel, self.token))
         return treq
 
     def messages(self, messages: list[dict], treq: ToolRequest | None) -> list[dict]:

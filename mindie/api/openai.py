@@ -403,7 +403,8 @@ class ChatCompletionsCodec(_OpenAICodec):
     def parse(self, body: bytes, ctx: Context) -> Job:
         r = S.decode_chat(body)
         adapter = self._check_model(r.model)
-        treq = self.tools.request(r.tools, r.tool_choice, r.parallel_tool_calls)
+        checks: list = []  # compiles not seen before, run off the event loop (pipeline Job.checks)
+        treq = self.tools.request(r.tools, r.tool_choice, r.parallel_tool_calls, checks)
         messages = self.tools.messages(r.messages, treq)
         try:
             # with tool_choice "none" too: the model still sees its tools, as vLLM renders them
@@ -415,7 +416,6 @@ class ChatCompletionsCodec(_OpenAICodec):
         k = (r.top_logprobs or 0) if r.logprobs else None
         max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
         params = self._sampling(r, max_tokens, -1 if k is None else k, False)
-        checks: list = []
         params, c = self._constraint(r, params, checks)
         tool_grammar = treq is not None and treq.constraint is not None
         if tool_grammar:
