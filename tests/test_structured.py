@@ -480,13 +480,19 @@ def test_langchain_with_structured_output(srv, method):
 @ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("huggingface_hub") is None, reason="huggingface_hub not installed")
 def test_tgi_client_grammar(srv):
-    """``huggingface_hub.InferenceClient.text_generation(grammar=...)`` (TGI's grammar parameter)."""
+    """``huggingface_hub.InferenceClient``: ``text_generation(grammar=...)`` (TGI's grammar
+    parameter) and ``chat_completion(response_format=...)`` (TGI's chat spelling)."""
     from huggingface_hub import InferenceClient
 
     client = InferenceClient(base_url=srv.url)
-    out = client.text_generation("A person:", max_new_tokens=60, seed=2, grammar={"type": "json", "value": PERSON})
+    closed = PERSON | {"additionalProperties": False}
+    out = client.text_generation("A person:", max_new_tokens=60, seed=2, grammar={"type": "json", "value": closed})
     v = json.loads(out)
     assert set(v) == {"name", "age"} and 0 <= v["age"] <= 120, out
+    # TGI's chat route: response_format in TGI's spelling, as chat_completion sends it
+    r = client.chat_completion(MSGS, max_tokens=60, seed=2, response_format={"type": "json", "value": closed})
+    v = json.loads(r.choices[0].message.content)
+    assert set(v) == {"name", "age"} and r.choices[0].finish_reason == "stop", r
 
 
 @ENFORCED
