@@ -218,6 +218,9 @@ class ScheduleConfig(_Section):
     # as no held request has waited this many ms since its last token. 0 = never hold; null =
     # the device's default (workers/prepare.py).
     decode_hold_ms: Optional[Annotated[int, Meta(ge=0, le=60000)]] = None
+    # Project extension: structured output emits the tokens a request's grammar forces (each the
+    # only token its mask admits) without a model step of their own (jump-forward).
+    jump_forward: bool = True
 
 
 class CpuTuningConfig(_Section):

@@ -217,6 +217,8 @@ KEY_TESTS: dict[str, list[str]] = {
                                                        "test_decode_hold_ms_bounds_the_wait_of_running_requests",
                                                        "test_e2e_worker_applies_its_keys",
                                                        "test_e2e_prompts_go_first_and_are_counted"),
+    "BackendConfig.ScheduleConfig.jumpForward": ["tests/test_constrained.py::test_jump_forward_key_reaches_the_engine",
+                                                 "tests/test_constrained.py::test_mixed_batch_and_jump_forward"],
     # -- engine and kernel settings (tests/test_engine_settings.py: file and override reach the plan and the worker)
     "BackendConfig.tpStartTimeoutS": _ES + ["tests/test_tensor_parallel.py::test_startup_names_the_rank_that_did_not_come_up"],
     "BackendConfig.tpCollectiveTimeoutS": _ES + [

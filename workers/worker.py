@@ -36,7 +36,7 @@ from mindie.contract.spec import WorkerSpec, decode_spec
 from workers.backends.core_share import CoreShare
 from workers.models.config import ModelArgs
 from workers.engine.assembly import build
-from workers.engine.engine import AdapterNotFound, CapacityError, Engine, InFlight
+from workers.engine.engine import AdapterNotFound, CapacityError, ConstraintRefused, Engine, InFlight
 from workers.tp_rank import follow
 
 log = logging.getLogger("workers.worker")
@@ -203,6 +203,8 @@ class Worker:
                 self._fail(msg.frontend_id, msg.request_id, P.request_error(424, str(e)))
             except AdapterNotFound as e:  # unloaded since the front end saw it listed
                 self._fail(msg.frontend_id, msg.request_id, P.request_error(404, str(e)))
+            except ConstraintRefused as e:  # a constraint known bad (cached) or not enforceable here
+                self._fail(msg.frontend_id, msg.request_id, P.request_error(e.status, str(e)))
             except Exception as e:  # a request the front end should not have sent (AssertionError)
                 log.error("request %s refused: %s", msg.request_id, e)
                 self._fail(msg.frontend_id, msg.request_id, P.request_error(500, f"Request refused by the device worker: {e}"))
@@ -255,17 +257,18 @@ class Worker:
 
     def poll_lora(self) -> None:
         """Between steps: LoRA reads done (answers sent, waiting requests scheduled, requests whose
-        adapter could not be read failed)."""
+        adapter could not be read failed), and grammars compiled (their requests scheduled, or
+        failed with a 400 when the constraint did not compile)."""
         answers, failed = self.engine.poll_lora()
         if answers:
             self._answer(answers)
-        for out in failed:
-            self._fail(out.seq.frontend_id, out.seq.request_id, P.request_error(424, out.error))
+        for out in failed + self.engine.poll_constraints():
+            self._fail(out.seq.frontend_id, out.seq.request_id, P.request_error(out.error_status, out.error))
 
     def _idle_wait_ms(self) -> int:
-        """How long an idle loop waits for jobs: shorter while a LoRA read is in progress (its
-        requests and its answer wait for the next poll)."""
-        return 5 if self.engine.lora_busy else self.idle_wait_ms
+        """How long an idle loop waits for jobs: shorter while a LoRA read or a grammar's compile is
+        in progress (its requests and its answer wait for the next poll)."""
+        return 5 if self.engine.lora_busy or self.engine.grammar_busy else self.idle_wait_ms
 
     def drain(self, timeout_ms: int) -> None:
         if not self.pull.poll(timeout_ms):
@@ -432,6 +435,9 @@ class Worker:
                 self.cores.release()  # borrowed cores back to their idle owners after every step
         for out in outputs:
             seq = out.seq
+            if out.error:  # its constraint could not be followed (workers/engine/constraints.py)
+                self._fail(seq.frontend_id, seq.request_id, P.request_error(out.error_status, out.error))
+                continue
             self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
                                                      out.prefill_ms, out.decode_ms, logprobs=out.logprobs,
                                                      top_logprobs=out.top_logprobs,

@@ -55,6 +55,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # device's default, settled by workers.prepare.
     decode_hold_ms: float | None = 0.0
     enable_prefix_cache: bool = True
+    # Structured output: emit the tokens a request's grammar forces (each the only token its mask
+    # admits) without a model step of their own (jumpForward; workers/engine/constraints.py).
+    jump_forward: bool = True
     # Compute each step on a thread while the worker loop does its I/O (overlapSteps); None (in
     # the plan) = the device's default, settled by workers.prepare.
     overlap: bool | None = False

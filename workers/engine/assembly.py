@@ -20,6 +20,7 @@ blocks as every slot needs at full length, for bookkeeping only.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from workers.attention import kv_cache
 from workers.backends import get_backend
 from workers.backends.base import Backend
 from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, Int8Target, quantize_model
+from workers.engine import constraints
 from workers.engine.engine import Engine
 from workers.engine.lora_manager import LoraManager
 from workers.engine.model_runner import ModelRunner, NullRunner
@@ -61,6 +63,7 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
         log.info("null model: no compute, %.2f ms per step, %d blocks", spec.null_step_ms, num_blocks)
         engine = Engine(runner, cfg, num_blocks)
         engine.lora = lora_manager(spec, None, "the null model (launch.sh --null-model) serves no LoRA adapter")
+        engine.grammars = grammars(spec.model_path, runner)
         return Assembly(runner, engine, None, num_blocks, "null")
 
     backend = get_backend(spec.device_type, spec.threads)
@@ -86,7 +89,21 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
     engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)
     engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else "")
+    engine.grammars = grammars(spec.model_path, runner)  # rank 0 samples, so it alone masks
     return Assembly(runner, engine, group, num_blocks, device)
+
+
+def grammars(model_dir: str, runner: ModelRunner | NullRunner) -> constraints.Grammars | None:
+    """The worker's constraint compiler (structured output, workers/engine/constraints.py) over the
+    model's tokenizer.json and EOS ids; None (constrained requests refused with a 400) without
+    llguidance or a tokenizer.json."""
+    if constraints.llguidance is None:
+        log.warning("structured output off: llguidance is not installed (constrained requests get a 400)")
+        return None
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        log.warning("structured output off: no tokenizer.json in %r (constrained requests get a 400)", model_dir)
+        return None
+    return constraints.Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
 
 
 TP_REFUSAL = "LoRA adapters are not served by tensor-parallel instances (npuDeviceIds entries of several devices)"

@@ -17,6 +17,7 @@ from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINI
 from mindie.contract.spec import EngineConfig
 from mindie.contract.wire import Submit
 from workers.engine.block_manager import BlockManager
+from workers.engine.constraints import ERROR_STATUS, ConstraintError, ConstraintState, Grammars, MaskJob
 from workers.engine.lora_manager import Answer, LoraManager, UnknownAdapter
 from workers.engine.scheduler import ScheduledBatch, Scheduler
 from workers.engine.sequence import Sequence, Status
@@ -26,6 +27,12 @@ log = logging.getLogger("workers.engine")
 
 class CapacityError(ValueError):
     """A request that can never run on this worker (its KV blocks exceed the whole cache)."""
+
+
+class ConstraintRefused(ValueError):
+    """A request whose constraint this worker cannot enforce (``ConstraintError``'s message): a 400."""
+
+    status = ERROR_STATUS
 
 
 class AdapterNotFound(LookupError):
@@ -56,6 +63,7 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # k best per id
     prompt_logprobs: list[float] = field(default_factory=list)  # on the first output only
     error: str = ""  # the request failed (a LoRA adapter that could not be read): the message
+    error_status: int = 424  # and its HTTP status (400: its constraint, workers/engine/constraints.py)
 
 
 class RunnerOutput(list):
@@ -134,6 +142,11 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         # LoRA adapters (workers/engine/lora_manager.py), set by the assembly; None = none served.
         self.lora: LoraManager | None = None
+        # Structured output (workers/engine/constraints.py), set by the assembly; None = constraints
+        # refused. Requests whose grammar compiles wait here, outside the scheduler.
+        self.grammars: Grammars | None = None
+        self._compiling: list[Sequence] = []
+        self.forced_tokens = 0  # tokens emitted without a model step (jump-forward)
         self.steps = 0
         self.prompt_tokens = 0  # prompt tokens computed (prefill chunks, recomputes included)
         self.generated_tokens = 0
@@ -160,6 +173,10 @@ class Engine:
         seq = Sequence(request_id=sub.request_id, frontend_id=sub.frontend_id, prompt_len=n,
                        tokens=list(sub.token_ids), params=sub.params, max_new_tokens=max_new,
                        priority=sub.priority, arrival=sub.arrival or time.time(), user_id=sub.user_id)
+        if sub.params.constraint is not None:
+            seq.grammar = self._compile(sub)  # before the adapter: a refused constraint holds nothing
+            if not isinstance(seq.grammar, Future):
+                self._jump_first(seq)
         if sub.adapter:
             try:
                 if self.lora is None:
@@ -170,9 +187,71 @@ class Engine:
         else:
             schedulable = True
         self.requests[seq.request_id] = seq
-        if schedulable:  # else it waits for its adapter's tensors: poll_lora schedules it
+        if isinstance(seq.grammar, Future):
+            self._compiling.append(seq)  # poll_constraints schedules it once its grammar is compiled
+        elif schedulable:  # else it waits for its adapter's tensors: poll_lora schedules it
             self.scheduler.add(seq)
         return seq
+
+    def _compile(self, sub: Submit) -> ConstraintState | Future:
+        """A new request's constraint: its state when the grammar is cached, else the compile's
+        future. ``ConstraintRefused`` when it is known to fail (a cached error, no grammar support)."""
+        if self.grammars is None:
+            raise ConstraintRefused("this device worker does not enforce constraints (no grammar support: "
+                                    "llguidance or the model's tokenizer.json is missing)")
+        fut = self.grammars.compile(sub.params.constraint)
+        if not fut.done():
+            return fut
+        try:
+            return self.grammars.state(fut.result(), sub.params.stop_token_ids)
+        except ConstraintError as e:
+            raise ConstraintRefused(str(e)) from None
+
+    def _jump_first(self, seq: Sequence) -> None:
+        """Jump-forward before the first step: the tokens the grammar forces at the start follow the
+        prompt into its prefill (so the first step samples the first free token), and lead the first
+        output. At least one token is left to sample."""
+        if self.cfg.jump_forward and seq.num_output == 0:
+            forced = seq.grammar.jump(seq.max_new_tokens - 1, first=True)
+            for f in forced:
+                seq.tokens.append(f)
+            seq.unsent = forced
+            self.generated_tokens += len(forced)
+            self.forced_tokens += len(forced)
+
+    @property
+    def grammar_busy(self) -> bool:
+        """Grammars compiling for waiting requests (the worker loop polls for them more often)."""
+        return bool(self._compiling)
+
+    def poll_constraints(self) -> list[StepOutput]:
+        """Between steps: the requests whose grammar compiled are scheduled (unless they still wait
+        for their LoRA adapter); those whose constraint failed to compile are ended: an output with
+        ``error`` (status 400) for each."""
+        if not self._compiling:
+            return []
+        outs: list[StepOutput] = []
+        still: list[Sequence] = []
+        for seq in self._compiling:
+            if self.requests.get(seq.request_id) is not seq:
+                continue  # cancelled while it compiled
+            if not seq.grammar.done():
+                still.append(seq)
+                continue
+            try:
+                seq.grammar = self.grammars.state(seq.grammar.result(), seq.params.stop_token_ids)
+                self._jump_first(seq)
+            except Exception as e:  # noqa: BLE001  (ConstraintError; anything else is the library's)
+                self.requests.pop(seq.request_id, None)
+                self._release_adapter(seq)
+                seq.finish_reason = FINISH_ABORT
+                why = str(e) if isinstance(e, ConstraintError) else f"constraint could not be compiled: {e}"
+                outs.append(StepOutput(seq, [], FINISH_ABORT, error=why, error_status=ERROR_STATUS))
+                continue
+            if seq.adapter is None or seq not in seq.adapter.parked:
+                self.scheduler.add(seq)
+        self._compiling = still
+        return outs
 
     def with_user_id(self, user_id: str) -> list[Sequence]:
         """The requests that the client named ``user_id`` (stopInfer)."""
@@ -207,8 +286,8 @@ class Engine:
             return [], []
         answers, ready, failed = self.lora.poll()
         for seq in ready:
-            if seq.request_id in self.requests:
-                self.scheduler.add(seq)
+            if seq.request_id in self.requests and not isinstance(seq.grammar, Future):
+                self.scheduler.add(seq)  # (one still compiling its grammar: poll_constraints)
         outs = []
         for seq, why in failed:
             if self.requests.pop(seq.request_id, None) is not None:
@@ -227,8 +306,11 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Waiting to be scheduled, including requests waiting for their LoRA adapter's tensors."""
-        return self.scheduler.num_waiting + (self.lora.num_parked if self.lora is not None else 0)
+        """Waiting to be scheduled, including requests waiting for their LoRA adapter's tensors or
+        their grammar's compile."""
+        parked = self.lora.num_parked if self.lora is not None else 0
+        compiling = sum(1 for s in self._compiling if s.adapter is None or s not in s.adapter.parked)
+        return self.scheduler.num_waiting + parked + compiling
 
     @property
     def num_swapped(self) -> int:
@@ -238,8 +320,12 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step, in-process users' way (tests, benchmarks): grammars compiled since the last
+        step joined first (``poll_constraints``: its failures are outputs too), then launch and
+        collect. The worker loop calls those itself."""
+        outs = self.poll_constraints()
         f = self.launch()
-        return self.collect(f) if f is not None else []
+        return outs + self.collect(f) if f is not None else outs
 
     def launch(self, before: Callable[[], object] | None = None) -> InFlight | None:
         """Schedule the next step and start computing it (``before`` runs first, on the thread
@@ -250,6 +336,11 @@ class Engine:
         if batch.empty:
             return None
         self.steps += 1
+        # Constrained rows sampled this step: their masks computed on the mask thread beside the step.
+        constrained = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                       if s.grammar is not None and s.num_computed + n == s.num_tokens]
+        if constrained:
+            batch.masks = (constrained, self.grammars.masks([batch.seqs[i].grammar for i in constrained]))
         if self.lora is not None and any(s.adapter is not None for s in batch.seqs):
             # A scheduled request's adapter is resident and stays so while it runs (it holds a reference).
             batch.adapters = [None if s.adapter is None else s.adapter.weights for s in batch.seqs]
@@ -278,6 +369,11 @@ class Engine:
             sampled = f.future.result()
         finally:
             self._inflight = None
+            if f.batch.masks is not None:  # the matchers are the loop's again (a failed step may not have waited)
+                try:
+                    f.batch.masks[1].wait()
+                except Exception:  # noqa: BLE001  (reported by the step, or by the row below)
+                    pass
             for seq in self._deferred:
                 self.scheduler.remove(seq)  # (their adapters were released at abort)
             self._deferred.clear()
@@ -294,16 +390,17 @@ class Engine:
                 have = len(seq.prompt_logprobs)
                 if p0 <= have < p0 + len(vals):  # contiguous; positions already known are kept
                     seq.prompt_logprobs.extend(vals[have - p0:])
-            if seq.num_output == 0 or n > 1 or seq.num_computed + n < len(seq.tokens):
+            if not seq.decoding and (seq.num_output == 0 or n > 1 or seq.num_computed + n < len(seq.tokens)):
                 self.prompt_tokens += n  # a prefill chunk, or a recompute after preemption
             seq.num_computed += n
             self.blocks.register_computed(seq)
             if tok is None:
                 continue
-            first = seq.num_output == 0
+            first = seq.last_token_t == 0.0  # its first output
             seq.tokens.append(tok)
+            seq.forced_tail = 0
             self.generated_tokens += 1
-            out = StepOutput(seq, [tok])
+            out = StepOutput(seq, seq.unsent + [tok]) if seq.unsent else StepOutput(seq, [tok])
             if first:
                 out.prefill_ms = (now - seq.enqueue_t) * 1000.0
                 self.ttft_ms.add(out.prefill_ms)
@@ -313,17 +410,16 @@ class Engine:
             seq.last_token_t = now
             if token_lps and i in token_lps:
                 lp, top = token_lps[i]
-                out.logprobs = [lp]
+                # (tokens forced before it: the only token of their masks, log-probability 0)
+                out.logprobs = [0.0] * len(seq.unsent) + [lp]
                 if seq.params.logprobs > 0:
-                    out.top_logprobs = [top]
+                    out.top_logprobs = [[(f, 0.0)] for f in seq.unsent] + [top]
+            seq.unsent = []
             if first and seq.params.prompt_logprobs:
                 out.prompt_logprobs = list(seq.prompt_logprobs)
-            if tok in self.runner.eos_token_ids and not seq.params.ignore_eos:
-                out.finish_reason = FINISH_EOS
-            elif seq.params.stop_token_ids and tok in seq.params.stop_token_ids:
-                out.finish_reason = FINISH_STOP_TOKEN  # the stop id stays in the output (OpenAI/vLLM)
-            elif seq.num_output >= seq.max_new_tokens:  # within maxSeqLen (checked at add)
-                out.finish_reason = FINISH_LENGTH
+            out.finish_reason = self._finish_reason(seq, tok)
+            if seq.grammar is not None and not out.finish_reason:
+                self._advance_grammar(seq, tok, out)
             if out.finish_reason:
                 seq.finish_reason = out.finish_reason
                 self.requests.pop(seq.request_id, None)
@@ -332,11 +428,53 @@ class Engine:
             outputs.append(out)
         return outputs
 
+    def _finish_reason(self, seq: Sequence, tok: int) -> str:
+        """Why ``tok`` (just appended) ends ``seq``, or "". Checked in this order: an EOS id (unless
+        ignore_eos; for a constrained request, whose mask allows its grammar's end tokens only once
+        the grammar is complete, always), a stop id, the length."""
+        if tok in self.runner.eos_token_ids and not seq.params.ignore_eos:
+            return FINISH_EOS
+        if seq.grammar is not None and tok in seq.grammar.eos:
+            return FINISH_EOS
+        if seq.params.stop_token_ids and tok in seq.params.stop_token_ids:
+            return FINISH_STOP_TOKEN  # the stop id stays in the output (OpenAI/vLLM)
+        if seq.num_output >= seq.max_new_tokens:  # within maxSeqLen (checked at add)
+            return FINISH_LENGTH
+        return ""
+
+    def _advance_grammar(self, seq: Sequence, tok: int, out: StepOutput) -> None:
+        """A constrained request's matcher over its sampled token, then (jump-forward) the tokens its
+        grammar forces next appended to ``out`` with the log-probability 0 of a one-token mask. A
+        grammar that failed (its mask this step, or the token) ends the request with a 400 frame."""
+        st: ConstraintState = seq.grammar
+        if not st.error and st.consume(tok) and self.cfg.jump_forward:
+            forced = st.jump(seq.max_new_tokens - seq.num_output)
+            lp = seq.params.logprobs
+            for f in forced:
+                seq.tokens.append(f)
+                seq.forced_tail += 1
+                out.token_ids.append(f)
+                if out.logprobs:
+                    out.logprobs.append(0.0)
+                    if lp > 0:
+                        out.top_logprobs.append([(f, 0.0)])
+                out.finish_reason = self._finish_reason(seq, f)
+                if out.finish_reason:
+                    break
+            self.generated_tokens += len(forced)
+            self.forced_tokens += len(forced)
+        if st.error:
+            out.token_ids, out.logprobs, out.top_logprobs = [], [], []
+            out.finish_reason = FINISH_ABORT
+            out.error_status = ERROR_STATUS
+            out.error = f"{seq.params.constraint.kind} constraint could not be followed: {st.error}"
+
     def check_no_leaks(self) -> bool:
         """True when no request is left and every block is free (used by tests)."""
         return (not self.requests and self._inflight is None and self.blocks.num_free == self.blocks.num_blocks
                 and all(b.ref_count == 0 for b in self.blocks.blocks)
-                and (self.lora is None or all(a.refs == 0 and not a.parked for a in self.lora.adapters.values())))
+                and (self.lora is None or all(a.refs == 0 and not a.parked for a in self.lora.adapters.values()))
+                and not self._compiling)
 
     def close(self) -> None:
         """Stop the compute thread (after the step it may be computing) and the LoRA reader."""
@@ -344,6 +482,8 @@ class Engine:
             self._pool.shutdown(wait=True)
         if self.lora is not None:
             self.lora.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
 
-__all__ = ["AdapterNotFound", "CapacityError", "Engine", "InFlight", "StepOutput", "Runner", "RunnerOutput", "Status"]
+__all__ = ["AdapterNotFound", "CapacityError", "ConstraintRefused", "Engine", "InFlight", "StepOutput", "Runner", "RunnerOutput", "Status"]

@@ -19,14 +19,16 @@ import torch
 
 from workers.attention import PagedAttention, kv_cache
 from workers.engine.engine import RunnerOutput
+from workers.engine.constraints import first_allowed
 from workers.engine.sampler import MAX_TOP_LOGPROBS
 from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 from workers.engine.tp_group import Group, StepInputs
 from workers.models.lora import LoraStacks, LoraStep
 
-# (logits [B, V], the B sequences to sample) -> LongTensor [B]: a workers.engine.sampler.Sampler.
-SampleFn = Callable[[torch.Tensor, list[Sequence]], torch.Tensor]
+# (logits [B, V], the B sequences to sample[, their token masks]) -> LongTensor [B]: a
+# workers.engine.sampler.Sampler. The masks (structured output) are passed only when a row has one.
+SampleFn = Callable[..., torch.Tensor]
 
 
 class ModelRunner:
@@ -72,6 +74,7 @@ class ModelRunner:
         pos: list[int] = []
         last_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
+        sampled_idx: list[int] = []  # their batch indices
         # (batch index, first flat row, first position, count): prompt positions whose next-token
         # log-probability a request asked for (SamplingParams.prompt_logprobs) and does not have yet.
         prompt_spans: list[tuple[int, int, int, int]] = []
@@ -96,6 +99,7 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sampled_seqs.append(seq)
+                sampled_idx.append(i)
                 want_lp = want_lp or seq.params.logprobs >= 0
         # The LM-head calls of this step, in order: prompt log-probability chunks, then sampling.
         chunk = self.prompt_chunk_rows()
@@ -126,11 +130,13 @@ class ModelRunner:
             result.prompt_logprobs[i] = (p0, values)
         if sampled_seqs:
             logits = self.logits(hidden, next(calls))
+            # The constrained rows' masks, computed on the mask thread while the model ran.
+            extra = (sample_masks(batch, sampled_idx),) if batch.masks is not None else ()
             with_lp = getattr(self.sample, "sample_with_logprobs", None) if want_lp else None
             if with_lp is not None:
-                toks, lps = with_lp(logits, sampled_seqs)
+                toks, lps = with_lp(logits, sampled_seqs, *extra)
             else:
-                toks, lps = self.sample(logits, sampled_seqs), None
+                toks, lps = self.sample(logits, sampled_seqs, *extra), None
             it = iter(enumerate(toks.tolist()))
             for i in order:  # the order of sampled_seqs
                 seq, n = batch.seqs[i], batch.num_tokens[i]
@@ -174,6 +180,14 @@ class ModelRunner:
         return max(1, self.PROMPT_LOGITS_ELEMS // max(1, self.vocab_size))
 
 
+def sample_masks(batch: ScheduledBatch, sampled_idx: list[int]) -> tuple[list[int], "object"]:
+    """The sampler's ``masks`` argument: (row of each constrained sequence among the sampled ones,
+    their masks), waiting for the mask thread if it is still computing them."""
+    rows, job = batch.masks
+    pos = {b: j for j, b in enumerate(sampled_idx)}
+    return [pos[b] for b in rows], job.wait()
+
+
 class NullRunner:
     """No model: every step costs ``step_ms`` plus ``token_us`` per computed token and emits
     token ids cycling through the vocabulary (never EOS), so requests run their full length
@@ -182,7 +196,10 @@ class NullRunner:
     Log-probabilities are those of a model that predicts the uniform distribution: every token,
     sampled or prompt, gets ``-log(vocab_size)``, and the k alternatives are the sampled id and
     the ids after it (mod the vocabulary), all at that value. Deterministic, cheap, and shaped
-    as a real model's (one value per id, k pairs best first), for serving-stack tests."""
+    as a real model's (one value per id, k pairs best first), for serving-stack tests.
+
+    A constrained row (structured output) takes the first token its mask allows at or after the id
+    it would have emitted, so the constraint holds and its cost (the masks, jump-forward) is measured."""
 
     def __init__(self, vocab_size: int = 32000, step_ms: float = 0.0, token_us: float = 0.0):
         self.vocab_size = vocab_size
@@ -197,6 +214,10 @@ class NullRunner:
             time.sleep(cost)
         out = RunnerOutput([next(self._ids) if seq.num_computed + n == seq.num_tokens else None
                             for seq, n in zip(batch.seqs, batch.num_tokens)])
+        if batch.masks is not None:
+            rows, job = batch.masks
+            for i, row in zip(rows, job.wait()):
+                out[i] = first_allowed(row, out[i], self.vocab_size)
         lp = -math.log(self.vocab_size)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             p = seq.params

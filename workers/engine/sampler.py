@@ -1,11 +1,14 @@
 """Batched, seeded next-token sampler with TGI's semantics (reference/tgi.md §3).
 
-Per step and row: watermark bias -> repetition penalty -> presence / frequency penalties ->
+Per step and row: the constraint's token mask (structured output: disallowed tokens -> -inf) ->
+watermark bias -> repetition penalty -> presence / frequency penalties ->
 (sampling rows only) temperature -> top_k -> top_p -> typical_p -> draw. Greedy rows take the
 argmax after watermark and penalties. Rows whose request asks for log-probabilities
 (``SamplingParams.logprobs >= 0``, through ``Sampler.sample_with_logprobs``) also get the
 log-softmax of their logits after the penalties and the temperature (1 for greedy rows), before
-top_k / top_p / typical_p: the chosen token's value and the k best (docs/sampling.md).
+top_k / top_p / typical_p: the chosen token's value and the k best (docs/sampling.md). A
+constrained row's log-probabilities are those of its masked distribution (disallowed tokens have
+none: the k best list only allowed ones), as vLLM returns processed ones.
 Everything is vectorised over the batch; Python only loops over requests to read parameters.
 
 Randomness is counter-based: the draw of a request at generation step ``s`` uses uniforms that
@@ -52,6 +55,9 @@ MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs above this is clamped
 
 # A row's log-probabilities: (the chosen token's, [(id, logprob)] of the k best, best first).
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
+# Token masks of some rows (structured output): (the rows, int32 bitmask [len(rows), words]: bit t
+# of a row's words set when token t is allowed; llguidance's layout, workers/engine/constraints.py).
+RowMasks = tuple[Sequence[int], np.ndarray]
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -147,25 +153,31 @@ class Sampler:
         self.max_candidate_k = max_candidate_k
         self.chunk = chunk
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-        return self._sample(logits, rows, False)[0]
+    def __call__(self, logits: torch.Tensor, rows: Sequence[Row], masks: RowMasks | None = None) -> torch.Tensor:
+        """``masks``: the token masks of the constrained rows (structured output), applied first."""
+        return self._sample(logits, rows, False, masks)[0]
 
-    def sample_with_logprobs(self, logits: torch.Tensor, rows: Sequence[Row]
+    def sample_with_logprobs(self, logits: torch.Tensor, rows: Sequence[Row], masks: RowMasks | None = None
                              ) -> tuple[torch.Tensor, list[Optional[TokenLogprobs]]]:
         """As ``__call__``, plus, for each row whose request asks (``params.logprobs >= 0``; None
         for the others), the chosen token's log-probability and the ``logprobs`` best
         alternatives, from the distribution the row was drawn from: the logits after watermark and
         penalties, divided by the temperature (sampling rows), log-softmaxed over the whole
         vocabulary (top_k / top_p / typical_p do not truncate it). Costs nothing for the rows
-        that do not ask: the extra work is one log-softmax (and a topk) over the asking rows."""
-        return self._sample(logits, rows, True)
+        that do not ask: the extra work is one log-softmax (and a topk) over the asking rows.
+        A masked row's values are those of its masked distribution; its k best list only allowed ids."""
+        return self._sample(logits, rows, True, masks)
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[Row], want_logprobs: bool
+    def _sample(self, logits: torch.Tensor, rows: Sequence[Row], want_logprobs: bool, masks: RowMasks | None = None
                 ) -> tuple[torch.Tensor, list[Optional[TokenLogprobs]]]:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if logits.dtype != torch.float32:  # bf16/fp16 model output: filter and draw in fp32
             logits = logits.float()
+        if masks is not None and len(masks[0]):
+            # First: every later stage (penalties, watermark, temperature, the filters) keeps a
+            # disallowed token at -inf, and every route then draws among the allowed ones only.
+            apply_token_masks(logits, list(masks[0]), masks[1])
         ps = [_effective(r.params) for r in rows]
         lp_rows = [i for i, p in enumerate(ps) if p.logprobs >= 0] if want_logprobs else []
         if not any(p.sample or p.penalty != 1.0 or p.watermark or p.presence or p.frequency for p in ps):
@@ -444,8 +456,34 @@ def _gather_logprobs(lsm: torch.Tensor, tokens: torch.Tensor, lp_rows: list[int]
     out: list[Optional[TokenLogprobs]] = [None] * batch
     for j, i in enumerate(lp_rows):
         k = ps[i].logprobs
-        out[i] = (chosen_l[j], list(zip(ti_l[j][:k], tv_l[j][:k])) if k > 0 else [])
+        # A masked row's disallowed ids (-inf) are no alternatives: fewer than k may remain.
+        out[i] = (chosen_l[j], [(t, v) for t, v in zip(ti_l[j][:k], tv_l[j][:k]) if v != _NEG_INF] if k > 0 else [])
     return out
+
+
+def unpack_token_masks(bits: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """bool [R, vocab] on ``device``: True where a token mask's bit is set (ids past the mask's width,
+    a model head wider than its tokenizer, are never allowed)."""
+    R, words = bits.shape
+    if device.type == "cpu":
+        allowed = torch.from_numpy(np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=1,
+                                                 bitorder="little")).to(torch.bool)
+    else:  # move the words (4 bytes per 32 ids) and unpack there
+        b = torch.from_numpy(np.ascontiguousarray(bits)).to(device)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        allowed = ((b[:, :, None] >> shifts) & 1).reshape(R, words * 32).to(torch.bool)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    return torch.cat([allowed, allowed.new_zeros(R, vocab - allowed.shape[1])], dim=1)
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[int], bits: np.ndarray) -> None:
+    """Disallowed tokens of ``rows`` to -inf, in place on fp32 ``logits``."""
+    allowed = unpack_token_masks(bits, logits.shape[1], logits.device)
+    idx, x = _take(logits, rows)
+    x.masked_fill_(~allowed, _NEG_INF)
+    if idx is not None:
+        logits.index_copy_(0, idx, x)
 
 
 def _last_nonzero(w: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,9 @@ class ScheduledBatch:
     # by the engine at launch (the compute thread reads these, never the sequences' adapters);
     # None = no LoRA request in the step.
     adapters: list | None = None
+    # The constrained rows sampled this step and their token masks, set by the engine at launch:
+    # (batch indices, workers.engine.constraints.MaskJob, computing beside the step); None = none.
+    masks: tuple | None = None
 
     @property
     def empty(self) -> bool:
@@ -103,8 +106,9 @@ class Scheduler:
 
     @staticmethod
     def _decoding(seq: Sequence) -> bool:
-        """Past its prompt: the one token to compute is its last generated one."""
-        return seq.num_tokens - seq.num_computed == 1 and seq.num_output > 0
+        """Past its prompt: the tokens to compute are its last sampled one and those its grammar
+        forced after it (jump-forward, ``Sequence.forced_tail``)."""
+        return seq.decoding
 
     def hold_decodes(self) -> bool:
         """Whether this step computes prompt tokens only, holding the running requests' decodes.
@@ -158,7 +162,9 @@ class Scheduler:
 
     def _schedule(self, hold: bool) -> ScheduledBatch:
         budget = self.cfg.max_prefill_tokens
-        decodes = 0 if hold else sum(1 for s in self.running if s.num_tokens - s.num_computed == 1)
+        # Decode tokens: a decode's last sampled token and the tokens its grammar forced after it.
+        decodes = 0 if hold else sum(s.num_tokens - s.num_computed for s in self.running
+                                     if s.decoding or s.num_tokens - s.num_computed == 1)
         prompt_budget = self.prompt_budget(decodes)
         out = ScheduledBatch([], [], [])
         for seq in list(self.running):
@@ -169,9 +175,10 @@ class Scheduler:
             if hold and self._decoding(seq):
                 continue
             need = seq.num_tokens - seq.num_computed
-            if need > 1 and prompt_budget <= 0:
+            decode = need == 1 or seq.decoding
+            if not decode and prompt_budget <= 0:
                 continue  # its next prompt chunk waits for a later step
-            n = min(need, budget) if need == 1 else min(need, budget, prompt_budget)
+            n = min(need, budget) if decode else min(need, budget, prompt_budget)
             while not self.blocks.can_grow(seq, n):
                 victim = self.running[-1]  # sorted: lowest priority, newest
                 self._preempt(victim)
@@ -184,10 +191,11 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_tokens.append(n)
             budget -= n
-            if need > 1:
+            if not decode:
                 prompt_budget -= n
 
-        prefills = sum(1 for s, n in zip(out.seqs, out.num_tokens) if s.num_computed + n < s.num_tokens or n > 1)
+        prefills = sum(1 for s, n in zip(out.seqs, out.num_tokens)
+                       if not s.decoding and (s.num_computed + n < s.num_tokens or n > 1))
         while (self.waiting and min(budget, prompt_budget) > 0 and len(self.running) < self.cfg.max_batch_size
                and prefills < self.cfg.max_prefill_batch_size):
             seq = self.waiting[0][1]

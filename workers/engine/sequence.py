@@ -104,6 +104,15 @@ class Sequence:
     # The LoRA adapter it runs with (workers.engine.lora_manager.Adapter), None = the base model;
     # set while the request holds it (from Engine.add to its end).
     adapter: Any = None
+    # Structured output (params.constraint): a Future of the compiled grammar while it compiles,
+    # then the request's workers.engine.constraints.ConstraintState; None = unconstrained.
+    grammar: Any = None
+    # Tokens at the end of ``tokens`` that the grammar forced after the last sampled one
+    # (jump-forward): emitted already, computed with it in its next step (a short chunk).
+    forced_tail: int = 0
+    # Tokens the grammar forced before the first step (after the prompt), in no output yet: they
+    # lead the first one (computed in the prefill, with the prompt).
+    unsent: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):
@@ -127,6 +136,12 @@ class Sequence:
     def num_output(self) -> int:
         """Generated tokens so far (also the sampler's draw index)."""
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt with nothing but its last sampled token (and the tokens the grammar forced
+        after it) to compute: a decode, whatever its token count."""
+        return self.num_output > 0 and self.num_tokens - self.num_computed == 1 + self.forced_tail
 
     @property
     def cache_salt(self) -> int | None:
