@@ -189,6 +189,14 @@ def checker(demo_model):
     # the demo model's tokenizer has no such special token / id: only a check against it can tell
     (Constraint("lark", 'start: "a" <|im_end|>'), "unknown special token"),
     (Constraint("lark", 'start: "a" <[99999999]>'), "Token range end too large"),
+    # an added token's text written as text (llguidance would admit the token where the text is
+    # forced, then refuse it): a regex, escaped or not, a Lark string or regex, GBNF, a choice
+    (Constraint("regex", "a</s>"), "'</s>' is one token of the model (id 2)"),
+    (Constraint("regex", r"a<\/s>"), "'</s>' is one token"),
+    (Constraint("lark", 'start: "x</s>"'), "'</s>' is one token"),
+    (Constraint("lark", "start: /a<\\/s>/"), "'</s>' is one token"),
+    (Constraint("gbnf", 'root ::= "<s>" [a-z]'), "'<s>' is one token"),
+    (Constraint("choice", '["a","<s>b"]'), "'<s>' is one token"),
 ])
 def test_checker_refuses_what_does_not_compile(checker, c, fragment):
     with pytest.raises(ConstraintError) as e:
@@ -198,6 +206,13 @@ def test_checker_refuses_what_does_not_compile(checker, c, fragment):
     with pytest.raises(ConstraintError) as again:  # the verdict is cached, the field is the asker's
         checker.known(c, "other")
     assert again.value.param == "other" and fragment in again.value.message
+
+
+def test_added_tokens_named_as_tokens_are_fine(checker):
+    """The same tokens named as tokens (Lark), in a comment, or text that only resembles them."""
+    for c in (Constraint("lark", 'start: "a" </s>'), Constraint("lark", 'start: "a" <[2]> // "</s>" ends it'),
+              Constraint("regex", "<[a-z]>"), Constraint("choice", '["<", "s>"]')):
+        checker.check(c, "f")
 
 
 def test_checker_accepts_and_remembers(checker):
