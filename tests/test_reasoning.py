@@ -309,7 +309,6 @@ def test_thinking_budget_not_reached_changes_nothing(r1_srv):
 
 # Until the worker masks constrained rows (branch s35-constrain) these fail; strict, so a pass
 # fails too and the marker goes when that branch is merged.
-ENFORCED = pytest.mark.xfail(strict=True, reason="needs the worker side (branch s35-constrain)")
 
 
 THINK_THEN_ANSWER = "<think>[a-z ]{0,20}</think>[a-z ]{0,20}"
@@ -318,7 +317,6 @@ THINK_THEN_ANSWER = "<think>[a-z ]{0,20}</think>[a-z ]{0,20}"
 THINK_THEN_ANSWER_LARK = "start: <think> /[a-z ]{0,20}/ </think> /[a-z ]{0,20}/"
 
 
-@ENFORCED
 @pytest.mark.parametrize("kind,spec", [("regex", THINK_THEN_ANSWER), ("grammar", THINK_THEN_ANSWER_LARK)])
 def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv, kind, spec):
     params = {"max_tokens": 60, "seed": 3, "temperature": 1.0, "structured_outputs": {kind: spec}}
@@ -345,7 +343,6 @@ def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv, kind, spec):
     assert usage["completion_tokens_details"] == body["usage"]["completion_tokens_details"]
 
 
-@ENFORCED
 def test_r1_regex_closes_the_thinking(r1_srv):
     pattern = "[a-z ]{1,20}</think>[a-z ]{1,20}"
     params = {"max_tokens": 60, "seed": 2, "temperature": 1.0, "structured_outputs": {"regex": pattern}}

