@@ -7,15 +7,16 @@ in the content (the Mistral checkpoint's ``[TOOL_CALLS]`` is a special token: th
 keeps it for the parser); the request checks (a 400 naming the field); what each tool_choice
 puts in the prompt and the request.
 
-Then the real launch script, on the random demo model and on the default model
-(SmolLM2-135M-Instruct, whose ChatML template does not render tools: the server presents them in
-a Hermes-style system prompt), driven by the ``openai`` package and by LangChain
+Then the real launch script, on the random demo model (its parser set by MindIE's
+``tool_call_parser`` key to Llama 3 JSON) and on the default model (SmolLM2-135M-Instruct, whose
+ChatML template does not render tools: the server presents them in a Hermes-style system prompt,
+the parser's default), driven by the ``openai`` package and by LangChain
 (``langchain-openai``: ``bind_tools``, ``with_structured_output``) through full tool round trips.
 
-Tests marked ``NEEDS THE CONSTRAINT WORKER`` assert that ``tool_choice`` required / a named
-function returns valid calls even from the random model: the front end sends the grammar in
-``SamplingParams.constraint``; they pass once the device worker enforces it (the worker branch of
-issue 29, point 1), and fail before.
+Tests marked ``ENFORCED`` assert that ``tool_choice`` required / a named function returns valid
+calls even from the random model: the front end sends the call's grammar in
+``SamplingParams.constraint`` and the worker masks every token outside it
+(workers/engine/constraints.py); without the masks they fail (the random model writes noise).
 """
 from __future__ import annotations
 
@@ -439,7 +440,7 @@ def test_none_and_auto_on_the_server(srv):
 
 
 def test_required_and_named_calls_from_noise(srv):
-    """NEEDS THE CONSTRAINT WORKER. The random model, forced by the grammar: valid calls of the
+    """ENFORCED. The random model, forced by the grammar: valid calls of the
     tools (one with parallel_tool_calls false, or a named function), streamed in OpenAI's shape."""
     kw = dict(model="demo", messages=ASK, tools=TOOLS, max_tokens=200, temperature=1.0)
     for seed, extra in enumerate(({"tool_choice": "required"}, {"tool_choice": "required", "parallel_tool_calls": False},
@@ -460,7 +461,7 @@ def test_required_and_named_calls_from_noise(srv):
 
 
 def test_openai_round_trip_and_parse(srv):
-    """NEEDS THE CONSTRAINT WORKER. The openai package through a full tool round trip: the model
+    """ENFORCED. The openai package through a full tool round trip: the model
     calls a tool, the result goes back as a ``tool`` message, the model answers; and
     ``chat.completions.parse`` with a Pydantic function tool gives parsed arguments."""
     first = srv.oai.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice="required",
@@ -538,7 +539,7 @@ def _agent_round_trip(url: str, model: str) -> tuple:
 
 @needs_langchain
 def test_langchain_agent_round_trip_on_the_demo_model(srv):
-    """NEEDS THE CONSTRAINT WORKER (the random model calls only because the grammar makes it)."""
+    """ENFORCED (the random model calls only because the grammar makes it)."""
     call, _, _ = _agent_round_trip(srv.url, "demo")
     _valid(call["name"], call["args"])
 
@@ -560,7 +561,7 @@ def test_default_model_presents_tools_in_a_system_prompt(smol):
 
 
 def test_default_model_openai_round_trip(smol):
-    """NEEDS THE CONSTRAINT WORKER. A real small model, forced to call: a valid call, its result
+    """ENFORCED. A real small model, forced to call: a valid call, its result
     sent back, a final answer in text."""
     kw = dict(model="SmolLM2-135M-Instruct", max_tokens=120, temperature=0)
     first = smol.oai.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="required",
@@ -575,6 +576,6 @@ def test_default_model_openai_round_trip(smol):
 
 @needs_langchain
 def test_default_model_langchain_agent(smol):
-    """NEEDS THE CONSTRAINT WORKER. LangChain's tool loop on the real default model."""
+    """ENFORCED. LangChain's tool loop on the real default model."""
     call, answer, report = _agent_round_trip(smol.url, "SmolLM2-135M-Instruct")
     _valid(call["name"], call["args"])
