@@ -24,7 +24,6 @@ import importlib.util
 import json
 import random
 import re
-import shutil
 from pathlib import Path
 from typing import Annotated, Literal  # module level: LangChain's @tool resolves the string annotations here
 
@@ -34,12 +33,12 @@ from tokenizers import AddedToken, Tokenizer
 
 from mindie.api.openai import ChatCompletionsCodec
 from mindie.config import ConfigError, load_config
-from mindie.tool_calls import configured_options
 from mindie.contract.errors import FINISH_EOS, FINISH_LENGTH
-from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer, load_tokenizer
+from mindie.detokenizer import IncrementalDetokenizer, load_tokenizer
 from mindie.errors import ApiError
 from mindie.generation import Piece
 from mindie.pipeline import Output
+from mindie.tool_calls import configured_options
 from mindie.validation import Limits
 from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
 
@@ -577,5 +576,5 @@ def test_default_model_openai_round_trip(smol):
 @needs_langchain
 def test_default_model_langchain_agent(smol):
     """ENFORCED. LangChain's tool loop on the real default model."""
-    call, answer, report = _agent_round_trip(smol.url, "SmolLM2-135M-Instruct")
+    call, _, _ = _agent_round_trip(smol.url, "SmolLM2-135M-Instruct")
     _valid(call["name"], call["args"])

@@ -130,7 +130,7 @@ class CallView:
         return self.complete and self.name is not None and self.arguments is not None
 
     @classmethod
-    def from_object(cls, raw: str, body: str, complete: bool, args_keys: Sequence[str] = ("arguments",)) -> "CallView":
+    def from_object(cls, raw: str, body: str, complete: bool, args_keys: Sequence[str] = ("arguments",)) -> CallView:
         """A call written as one JSON object ``{"name": ..., <args key>: {...}}`` (Hermes, Llama 3,
         Mistral's list items)."""
         view = cls(raw, complete=complete)
@@ -152,7 +152,7 @@ class CallView:
         return view
 
     @classmethod
-    def from_parts(cls, raw: str, name: str | None, args_text: str, complete: bool) -> "CallView":
+    def from_parts(cls, raw: str, name: str | None, args_text: str, complete: bool) -> CallView:
         """A call whose name and arguments are written apart (DeepSeek, Mistral's newer form)."""
         view = cls(raw, name=name, complete=complete)
         if complete:
