@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"]}
+          "required": ["name", "age"], "additionalProperties": False}
 MSGS = [{"role": "user", "content": "Give me a person as JSON."}]
 
 

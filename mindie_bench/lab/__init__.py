@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "soak": ("soak", "memory soak: the real server under steady load, every process's RSS flat"),
     "chaos": ("chaos", "fault drills against the real launcher under load"),
     "lora": ("lora", "LoRA adapters: tokens/s with four in the batch against the base alone, ITL while one loads"),
+    "structured": ("structured", "structured output: tokens/s constrained against none, compile time, jump-forward"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 

@@ -41,7 +41,7 @@ log = logging.getLogger("workers.engine")
 
 try:  # a worker without llguidance still serves unconstrained requests
     import llguidance
-    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
     import llguidance.numpy as llg_np
 except ImportError:  # pragma: no cover - llguidance is in install_requires
     llguidance = None
@@ -113,9 +113,42 @@ def load_tokenizer(model_dir: str, vocab_size: int, eos_ids: Iterable[int]) -> "
                               f"{e.strerror}") from None
     eos = sorted(eos_ids) or None
     try:
-        return LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+        tok = LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
     except ValueError:  # the tokenizer has more ids than the LM head: its own size
-        return LLTokenizer(text, eos_token=eos)
+        tok = LLTokenizer(text, eos_token=eos)
+    added = json.loads(text).get("added_tokens") or []
+    if not any(not a.get("special", False) for a in added):
+        return tok
+    # Added tokens that are not special (Qwen3's <think>, </think>, <tool_call>): llguidance treats
+    # every added token as special (a Lark grammar names it <think>; its bytes never match text),
+    # yet tokenizes forced text with the tokenizer as it is, which matches them in text: a forced
+    # "</think>" then allowed the token that the matcher refuses. The same tokenizer again, with a
+    # text tokenizer that never yields an added token (they stay reachable by name only).
+    return LLTokenizer(TokenizerWrapper(_TextTokenizer(tok, text, eos)), n_vocab=tok.vocab_size,
+                       eos_token=list(tok.eos_tokens))
+
+
+class _TextTokenizer:
+    """What llguidance's ``TokenizerWrapper`` takes: the token bytes of ``tok`` (llguidance's own
+    decoding), every added token special, and text tokenized with them split as text."""
+
+    def __init__(self, tok: "LLTokenizer", text: str, eos: list[int] | None) -> None:
+        from tokenizers import Tokenizer
+
+        data = json.loads(text)
+        for a in data.get("added_tokens") or []:
+            a["special"] = True
+        self._hf = Tokenizer.from_str(json.dumps(data))
+        self._hf.encode_special_tokens = True  # added tokens in text are split as text
+        self.tokens = [tok.decode_bytes([i]) for i in range(tok.vocab_size)]
+        self.special_token_ids = [int(a["id"]) for a in data.get("added_tokens") or []]
+        self.eos_token_id = (eos or list(tok.eos_tokens))[0]
+        self.bos_token_id = None
+
+    def __call__(self, s: bytes | str) -> list[int]:
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", errors="replace")
+        return self._hf.encode(s, add_special_tokens=False).ids
 
 
 class Grammars:
