@@ -420,15 +420,18 @@ class Checker:
 
     def _token_written_as_text(self, c: Constraint) -> str | None:
         """Why ``c`` cannot be followed, or None: a regex, a grammar's string or regex literal, or
-        a choice that writes the text of one of the model's added tokens. llguidance matches an
-        added token only as that token, yet where such a text is forced its mask admits the added
-        token (the tokenizer's own tokenisation of the forced text) and its parser then refuses
-        it, so generation would fail midway (outlines#1771 is the same defect); refused up front
-        instead. A Lark grammar names the token itself (``<think>``), which works."""
+        a choice that writes the text of one of the model's special tokens. llguidance matches a
+        special token only as that token, yet where such a text is forced its mask admits the token
+        (the tokenizer's own tokenisation of the forced text) and its parser then refuses it, so
+        generation would fail midway (outlines#1771 is the same defect); refused up front instead.
+        A Lark grammar names the token itself (``<|im_end|>``), which works."""
         if c.kind not in ("regex", "lark", "gbnf", "choice") or not self._added():
             return None
-        ll = self.ll_tokenizer()
-        added = {t: i for t, i in self._added().items() if i < ll.vocab_size and ll.is_special_token(i)}
+        # Added tokens that are not special (Qwen3's <think>) are written as text: the worker's
+        # llguidance tokenizer never tokenizes text into one (workers/engine/constraints.py).
+        ll, decoder = self.ll_tokenizer(), self._source.get_added_tokens_decoder()
+        added = {t: i for t, i in self._added().items()
+                 if decoder[i].special and i < ll.vocab_size and ll.is_special_token(i)}
         if c.kind == "regex":
             texts = [_unescape(c.spec)]
         elif c.kind == "choice":

@@ -12,9 +12,9 @@ answer in ``content``, streamed as separate deltas (mindie/reasoning.py).
   the template), and a DeepSeek-R1-style model (its answer starts inside the thinking) configured
   with MindIE's ``enable_reasoning``. The chat answer is compared with the raw text the completions
   route gives for the same prompt and seed.
-- Enforced shapes (the worker masks the constrained rows): the output constrained by a Lark
-  grammar naming the tags (``start: <think> /[a-z ]{0,20}/ </think> /[a-z ]{0,20}/``), so even
-  noise thinks first and then answers; a regex writing the tags as text is refused up front.
+- Enforced shapes (the worker masks the constrained rows): the output constrained by a regex
+  (``<think>[a-z ]{0,20}</think>[a-z ]{0,20}``) or a Lark grammar naming the tags, so even noise
+  thinks first and then answers; a special token's text in a regex is refused up front.
 """
 from __future__ import annotations
 
@@ -309,35 +309,36 @@ def test_thinking_budget_not_reached_changes_nothing(r1_srv):
 
 THINK_THEN_ANSWER = "<think>[a-z ]{0,20}</think>[a-z ]{0,20}"
 # The same shape with the tags as the model's own tokens: Qwen3's <think> and </think> are added
-# tokens, which llguidance matches only as tokens; a Lark grammar names them, a regex cannot write
-# them (refused: test_tags_written_as_text_are_refused).
+# (not special) tokens, which a Lark grammar names; a regex writes their text in byte-level pieces
+# (the worker never tokenizes text into an added token).
 THINK_THEN_ANSWER_LARK = "start: <think> /[a-z ]{0,20}/ </think> /[a-z ]{0,20}/"
 
 
-def test_tags_written_as_text_are_refused(qwen3_srv, r1_srv):
-    """A regex (a grammar's string, a choice) that writes an added token's text cannot be followed:
-    llguidance matches the token only as itself, yet admits it where the text is forced, then
-    refuses it midway (outlines#1771). Refused up front naming the field: 400 on OpenAI's routes,
-    422 on vLLM's /generate; a Lark grammar naming the token is accepted."""
-    for srv, field, spec in [(qwen3_srv, "structured_outputs", {"regex": THINK_THEN_ANSWER}),
-                             (r1_srv, "guided_regex", "[a-z ]{1,20}</think>[a-z ]{1,20}"),
-                             (r1_srv, "guided_grammar", 'start: /[a-z]{1,3}/ "</think>"'),
-                             (qwen3_srv, "guided_choice", ["<think>a</think>b", "c"])]:
+def test_special_tokens_written_as_text_are_refused(qwen3_srv, r1_srv):
+    """A regex (a grammar's string, a choice) that writes the text of one of the model's special
+    tokens cannot be followed: llguidance matches the token only as itself, yet admits it where the
+    text is forced, then refuses it midway (outlines#1771). Refused up front naming the field: 400 on
+    OpenAI's routes, 422 on vLLM's /generate; the token named in a Lark grammar is accepted. (Added
+    tokens that are not special, Qwen3's <think>, are written as text: the worker's tokenizer.)"""
+    for srv, field, spec in [(qwen3_srv, "structured_outputs", {"regex": r"[a-z]{1,3}<\|im_end\|>"}),
+                             (r1_srv, "guided_grammar", 'start: /[a-z]{1,3}/ "<|im_end|>"'),
+                             (qwen3_srv, "guided_choice", ["a<|im_end|>", "c"])]:
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, field: spec},
                        timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == field and "think>' is one token of the model" in err["message"], err
+        assert err["param"] == field and "'<|im_end|>' is one token of the model" in err["message"], err
         r = httpx.post(srv.url + "/generate", json={"prompt": "x", "max_tokens": 4, field: spec}, timeout=60)
         assert r.status_code == 422 and "is one token of the model" in r.json()["error"], r.text
     r = httpx.post(qwen3_srv.url + "/v1/chat/completions", json={
-        "messages": MSGS, "max_tokens": 2, "structured_outputs": {"grammar": THINK_THEN_ANSWER_LARK}}, timeout=60)
+        "messages": MSGS, "max_tokens": 2, "structured_outputs": {"grammar": 'start: /[a-z]{1,3}/ <|im_end|>'}},
+        timeout=60)
     assert r.status_code == 200, r.text
 
 
-def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv):
-    params = {"max_tokens": 60, "seed": 3, "temperature": 1.0,
-              "structured_outputs": {"grammar": THINK_THEN_ANSWER_LARK}}
+@pytest.mark.parametrize("kind,spec", [("regex", THINK_THEN_ANSWER), ("grammar", THINK_THEN_ANSWER_LARK)])
+def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv, kind, spec):
+    params = {"max_tokens": 60, "seed": 3, "temperature": 1.0, "structured_outputs": {kind: spec}}
     body = _chat(qwen3_srv, **params)
     msg, choice = body["choices"][0]["message"], body["choices"][0]
     prompt = qwen3_srv.template.render(MSGS)
@@ -347,11 +348,12 @@ def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv):
     assert choice["finish_reason"] == "stop"
     assert re.fullmatch("[a-z ]{0,20}", msg["reasoning_content"]) and re.fullmatch("[a-z ]{0,20}", msg["content"])
     assert (msg["reasoning_content"], msg["content"]) == split(QWEN3, prompt, text)
-    # reasoning tokens: the generated tokens up to the one completing </think> (the added token)
+    # reasoning tokens: the generated tokens up to the one completing </think> (the added token for
+    # the grammar, byte-level pieces for the regex)
     pieces = raw["logprobs"]["tokens"]
     closing = next(i for i in range(len(pieces)) if "</think>" in "".join(pieces[:i + 1]))
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == closing + 1
-    assert pieces[closing] == "</think>"
+    assert (pieces[closing] == "</think>") == (kind == "grammar")
     deltas, usage = _chat_stream(qwen3_srv, **params)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == msg["content"]
@@ -360,12 +362,13 @@ def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv):
     assert usage["completion_tokens_details"] == body["usage"]["completion_tokens_details"]
 
 
-def test_r1_grammar_closes_the_thinking(r1_srv):
-    """R1's answer starts inside the thinking: a grammar that writes text, the </think> token, text
-    is split there, streamed or not."""
+@pytest.mark.parametrize("kind", ["regex", "grammar"])
+def test_r1_constraint_closes_the_thinking(r1_srv, kind):
+    """R1's answer starts inside the thinking: text, </think> (as text pieces for the regex, the
+    token for the grammar), text, split there, streamed or not."""
     pattern = "[a-z ]{1,20}</think>[a-z ]{1,20}"
-    params = {"max_tokens": 60, "seed": 2, "temperature": 1.0,
-              "structured_outputs": {"grammar": "start: /[a-z ]{1,20}/ </think> /[a-z ]{1,20}/"}}
+    spec = pattern if kind == "regex" else "start: /[a-z ]{1,20}/ </think> /[a-z ]{1,20}/"
+    params = {"max_tokens": 60, "seed": 2, "temperature": 1.0, "structured_outputs": {kind: spec}}
     raw = _raw(r1_srv, r1_srv.template.render(MSGS), **params)["text"]
     assert re.fullmatch(pattern, raw), raw
     msg = _chat(r1_srv, **params)["choices"][0]["message"]
