@@ -11,7 +11,7 @@
 3. **Tokens/s over HTTP** (the real server, ``scripts/launch.sh`` through ``serving.start_server``):
    streamed ``/v1/completions`` at each ``--concurrency`` level, every request constrained by a
    realistic schema (``response_format`` json_schema, greedy, ending where the schema completes)
-   against none (the same prompts, ``ignore_eos`` at the constrained requests' mean length),
+   against none (the same prompts, ``ignore_eos``, each as long as its constrained answer was),
    alternated for ``--rounds``; once with jump-forward on (the default) and once off (the masks'
    cost alone). Output tokens are the server's counts.
 
@@ -27,6 +27,7 @@ part 3 talks HTTP only. The figures are in docs/performance.md, "Structured outp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import signal
@@ -228,9 +229,15 @@ def http_tokens(model: str, dtype: str, port: int, levels: list[int], rounds: in
                     bad = [x for x in seg.results if x.error or not x.ok]
                     if bad:
                         raise SystemExit(f"constrained requests failed: {bad[0].error}")
+                    # each prompt's free twin generates as many tokens as its constrained answer had
+                    # (the batch thins out alike), ignoring EOS
+                    lengths = {x.index: max(1, x.output_tokens) for x in seg.results}
                     mean = max(1, round(seg.stats["total_output_tokens"] / max(1, seg.stats["completed"])))
-                    wl = make_workload(prompt_len=str(prompt_len), output_len=str(mean))
-                    seg = await run_segment(OpenAIAdapter(url, model="bench", ignore_eos=True), wl, cfg,
+
+                    def twins(n: int, seed: int, wl=wl, lengths=lengths, mean=mean):
+                        return [dataclasses.replace(sp, output_len=lengths.get(sp.index, mean)) for sp in wl(n, seed)]
+
+                    seg = await run_segment(OpenAIAdapter(url, model="bench", ignore_eos=True), twins, cfg,
                                             f"none c={c} round {r + 1}")
                     rows[c]["none"].append(seg.stats)
 
