@@ -25,8 +25,14 @@ concatenated deltas of a stream equal the non-streamed fields, however the text 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
+
+from mindie.contract.errors import FINISH_LENGTH
+from mindie.generation import Piece
 
 __all__ = ["PARSERS", "ReasoningParser", "Splitter", "detect", "choose", "split", "MODEL_TYPE_PARSERS"]
 
@@ -235,13 +241,7 @@ class BudgetedGeneration:
         return self.gen.stream
 
     async def pieces(self, tick: bool = False):
-        import contextlib
-
-        import msgspec
-
-        from mindie.contract.errors import FINISH_LENGTH
-        from mindie.generation import Piece
-
+        """The pieces of the generation, then (over budget) the early text and the continuation's."""
         b = self.budget
         sp = b.parser.splitter(b.prompt)
         counted = 0

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -392,6 +393,7 @@ class Checker:
         self._ll: Any = None
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[Constraint, str] = OrderedDict()  # "" = valid, else the message
+        self._added_map: dict[str, int] | None = None
 
     def ll_tokenizer(self) -> Any:
         """The model's llguidance tokenizer (built once; ~0.3-0.5 s for a 32k-49k vocabulary)."""
@@ -404,14 +406,54 @@ class Checker:
         return self._ll
 
     def is_special(self, text: str) -> bool:
-        """Whether ``text`` is one special token of the model (for structural tags' triggers)."""
-        if self._source is None:
-            return False
-        tid = self._source.token_to_id(text)
-        if tid is None:
-            return False
-        added = self._source.get_added_tokens_decoder().get(tid)
-        return added is not None and added.special
+        """Whether ``text`` is one added token of the model (for structural tags' triggers).
+        llguidance treats every added token as special, ``"special": false`` ones too (Qwen3's
+        ``<think>``, ``<tool_call>``): it matches them only as tokens, never as text."""
+        return self._added().get(text) is not None
+
+    def _added(self) -> dict[str, int]:
+        """The model's added tokens of two characters or more, text -> id (built once)."""
+        if self._added_map is None:
+            added = {} if self._source is None else self._source.get_added_tokens_decoder()
+            self._added_map = {t.content: i for i, t in added.items() if len(t.content) >= 2}
+        return self._added_map
+
+    def _token_written_as_text(self, c: Constraint) -> str | None:
+        """Why ``c`` cannot be followed, or None: a regex, a grammar's string or regex literal, or
+        a choice that writes the text of one of the model's special tokens. llguidance matches a
+        special token only as that token, yet where such a text is forced its mask admits the token
+        (the tokenizer's own tokenisation of the forced text) and its parser then refuses it, so
+        generation would fail midway (outlines#1771 is the same defect); refused up front instead.
+        A Lark grammar names the token itself (``<|im_end|>``), which works."""
+        if c.kind not in ("regex", "lark", "gbnf", "choice") or not self._added():
+            return None
+        # Added tokens that are not special (Qwen3's <think>) are written as text: the worker's
+        # llguidance tokenizer never tokenizes text into one (workers/engine/constraints.py).
+        ll, decoder = self.ll_tokenizer(), self._source.get_added_tokens_decoder()
+        added = {t: i for t, i in self._added().items()
+                 if decoder[i].special and i < ll.vocab_size and ll.is_special_token(i)}
+        if c.kind == "regex":
+            texts = [_unescape(c.spec)]
+        elif c.kind == "choice":
+            texts = json.loads(c.spec)
+        else:
+            try:
+                from llguidance.gbnf_to_lark import any_to_lark
+
+                lark = any_to_lark(c.spec) if c.kind == "gbnf" else c.spec
+            except Exception:  # noqa: BLE001 - the compile step reports it
+                return None
+            texts = [_unescape(m.group(0)[1:-1]) for m in _LARK_LEXEME.finditer(lark)
+                     if m.group(0)[:1] in ('"', "/") and not m.group(0).startswith("//")]
+        for text in texts:
+            for tok, tid in added.items():
+                if tok in text:
+                    how = "a regular expression" if c.kind == "regex" else \
+                        "a choice" if c.kind == "choice" else "a grammar's string or regex"
+                    return (f"Invalid \0: {tok!r} is one token of the model (id {tid}), which the grammar engine "
+                            f"matches only as that token, not as text written by {how}; in a Lark grammar "
+                            f"(structured_outputs.grammar) name the token itself: {tok}")
+        return None
 
     def known(self, c: Constraint, field: str) -> bool:
         """True when ``c`` compiled before; raises its ConstraintError when it failed before;
@@ -459,7 +501,8 @@ class Checker:
             failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer())
         # The field goes in when the verdict is read ("\0"): the same constraint may come in
         # another field (guided_json, response_format, ...).
-        verdict = f"Invalid \0: {_first(messages)}" if failed else ""
+        verdict = f"Invalid \0: {_first(messages)}" if failed else (self._token_written_as_text(c) or "")
+        failed = bool(verdict)
         with self._lock:
             self._verdicts[c] = verdict
             self._verdicts.move_to_end(c)
@@ -467,6 +510,17 @@ class Checker:
                 self._verdicts.popitem(last=False)
         if failed:
             raise ConstraintError(verdict.replace("\0", field), field)
+
+
+# A Lark grammar's lexemes, left to right: a comment, a string, a token reference (<think>,
+# </think>, <[123]>), a regex literal; anything else one character at a time.
+_LARK_LEXEME = re.compile(r'//[^\n]*|"(?:[^"\\\n]|\\.)*"|<[^\s<>"]+>|/(?:[^/\\\n]|\\.)+/|.', re.S)
+
+
+def _unescape(text: str) -> str:
+    r"""A regex's or a string's text with ``\<``-style escapes of punctuation undone (``\/`` is
+    ``/``), so a token's text written with escapes is found too."""
+    return re.sub(r"\\([^0-9A-Za-z])", r"\1", text)
 
 
 def _first(messages: list[str]) -> str:

@@ -12,9 +12,9 @@ answer in ``content``, streamed as separate deltas (mindie/reasoning.py).
   the template), and a DeepSeek-R1-style model (its answer starts inside the thinking) configured
   with MindIE's ``enable_reasoning``. The chat answer is compared with the raw text the completions
   route gives for the same prompt and seed.
-- Enforced shapes (need the worker side of issue 29, branch s35-constrain): the output constrained
-  by a regex such as ``<think>[a-z ]{0,20}</think>[a-z ]{0,20}``, so even noise thinks first and
-  then answers.
+- Enforced shapes (the worker masks the constrained rows): the output constrained by a regex
+  (``<think>[a-z ]{0,20}</think>[a-z ]{0,20}``) or a Lark grammar naming the tags, so even noise
+  thinks first and then answers; a special token's text in a regex is refused up front.
 """
 from __future__ import annotations
 
@@ -305,16 +305,35 @@ def test_thinking_budget_not_reached_changes_nothing(r1_srv):
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
-# -- enforced (needs the worker side: branch s35-constrain) ------------------------------------------
-
-# Until the worker masks constrained rows (branch s35-constrain) these fail; strict, so a pass
-# fails too and the marker goes when that branch is merged.
-
+# -- enforced (the worker masks the constrained rows) ------------------------------------------------
 
 THINK_THEN_ANSWER = "<think>[a-z ]{0,20}</think>[a-z ]{0,20}"
-# The same shape with the tags as the model's own tokens (Qwen3's <think> and </think> are added
-# tokens: llguidance names them in a Lark grammar; a regex spells them out in byte-level pieces).
+# The same shape with the tags as the model's own tokens: Qwen3's <think> and </think> are added
+# (not special) tokens, which a Lark grammar names; a regex writes their text in byte-level pieces
+# (the worker never tokenizes text into an added token).
 THINK_THEN_ANSWER_LARK = "start: <think> /[a-z ]{0,20}/ </think> /[a-z ]{0,20}/"
+
+
+def test_special_tokens_written_as_text_are_refused(qwen3_srv, r1_srv):
+    """A regex (a grammar's string, a choice) that writes the text of one of the model's special
+    tokens cannot be followed: llguidance matches the token only as itself, yet admits it where the
+    text is forced, then refuses it midway (outlines#1771). Refused up front naming the field: 400 on
+    OpenAI's routes, 422 on vLLM's /generate; the token named in a Lark grammar is accepted. (Added
+    tokens that are not special, Qwen3's <think>, are written as text: the worker's tokenizer.)"""
+    for srv, field, spec in [(qwen3_srv, "structured_outputs", {"regex": r"[a-z]{1,3}<\|im_end\|>"}),
+                             (r1_srv, "guided_grammar", 'start: /[a-z]{1,3}/ "<|im_end|>"'),
+                             (qwen3_srv, "guided_choice", ["a<|im_end|>", "c"])]:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, field: spec},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "'<|im_end|>' is one token of the model" in err["message"], err
+        r = httpx.post(srv.url + "/generate", json={"prompt": "x", "max_tokens": 4, field: spec}, timeout=60)
+        assert r.status_code == 422 and "is one token of the model" in r.json()["error"], r.text
+    r = httpx.post(qwen3_srv.url + "/v1/chat/completions", json={
+        "messages": MSGS, "max_tokens": 2, "structured_outputs": {"grammar": 'start: /[a-z]{1,3}/ <|im_end|>'}},
+        timeout=60)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("kind,spec", [("regex", THINK_THEN_ANSWER), ("grammar", THINK_THEN_ANSWER_LARK)])
@@ -329,7 +348,7 @@ def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv, kind, spec):
     assert choice["finish_reason"] == "stop"
     assert re.fullmatch("[a-z ]{0,20}", msg["reasoning_content"]) and re.fullmatch("[a-z ]{0,20}", msg["content"])
     assert (msg["reasoning_content"], msg["content"]) == split(QWEN3, prompt, text)
-    # reasoning tokens: the generated tokens up to the one completing </think> (one added token for
+    # reasoning tokens: the generated tokens up to the one completing </think> (the added token for
     # the grammar, byte-level pieces for the regex)
     pieces = raw["logprobs"]["tokens"]
     closing = next(i for i in range(len(pieces)) if "</think>" in "".join(pieces[:i + 1]))
@@ -343,9 +362,13 @@ def test_qwen3_constraint_makes_noise_think_then_answer(qwen3_srv, kind, spec):
     assert usage["completion_tokens_details"] == body["usage"]["completion_tokens_details"]
 
 
-def test_r1_regex_closes_the_thinking(r1_srv):
+@pytest.mark.parametrize("kind", ["regex", "grammar"])
+def test_r1_constraint_closes_the_thinking(r1_srv, kind):
+    """R1's answer starts inside the thinking: text, </think> (as text pieces for the regex, the
+    token for the grammar), text, split there, streamed or not."""
     pattern = "[a-z ]{1,20}</think>[a-z ]{1,20}"
-    params = {"max_tokens": 60, "seed": 2, "temperature": 1.0, "structured_outputs": {"regex": pattern}}
+    spec = pattern if kind == "regex" else "start: /[a-z ]{1,20}/ </think> /[a-z ]{1,20}/"
+    params = {"max_tokens": 60, "seed": 2, "temperature": 1.0, "structured_outputs": {kind: spec}}
     raw = _raw(r1_srv, r1_srv.template.render(MSGS), **params)["text"]
     assert re.fullmatch(pattern, raw), raw
     msg = _chat(r1_srv, **params)["choices"][0]["message"]
