@@ -7,11 +7,11 @@
    and cached (the same schema again: the cache lookup, the request's matcher copied, its first mask).
 2. **Jump-forward** (engine in this process, as ``mindie-bench engine`` runs it): a schema with long
    fixed keys, greedy, ``--jf-requests`` requests at once and one alone, with ``jumpForward`` on and
-   off: model steps, tokens, wall time; the tokens must be the same.
+   off alternated for ``--rounds``: model steps, tokens, wall time (median); the tokens must be the same.
 3. **Tokens/s over HTTP** (the real server, ``scripts/launch.sh`` through ``serving.start_server``):
    streamed ``/v1/completions`` at each ``--concurrency`` level, every request constrained by a
    realistic schema (``response_format`` json_schema, greedy, ending where the schema completes)
-   against none (the same prompts, ``ignore_eos`` at the constrained requests' mean length),
+   against none (the same prompts, ``ignore_eos``, each as long as its constrained answer was),
    alternated for ``--rounds``; once with jump-forward on (the default) and once off (the masks'
    cost alone). Output tokens are the server's counts.
 
@@ -27,6 +27,7 @@ part 3 talks HTTP only. The figures are in docs/performance.md, "Structured outp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import signal
@@ -150,7 +151,10 @@ def compile_times(model_dir: str, vocab: int, eos, props: int, n: int) -> dict:
 
 # -- 2. jump-forward -----------------------------------------------------------------------------
 
-def jump_forward(runner, cfg, num_blocks: int, model_dir: str, prompts: list[list[int]], max_new: int) -> dict:
+def jump_forward(runner, cfg, num_blocks: int, model_dir: str, prompts: list[list[int]], max_new: int,
+                 rounds: int) -> dict:
+    """Steps, tokens and seconds (median of ``rounds``, on and off alternated) of one request alone
+    and of ``prompts`` at once, with jump-forward on and off."""
     import msgspec
 
     from mindie.contract.wire import Constraint, SamplingParams, Submit
@@ -158,31 +162,43 @@ def jump_forward(runner, cfg, num_blocks: int, model_dir: str, prompts: list[lis
     from workers.engine.engine import Engine
 
     c = Constraint("json_schema", json.dumps(LONG_KEYS))
-    rows = {}
+    engines = {}
     for jf in (True, False):
-        eng = Engine(runner, msgspec.structs.replace(cfg, jump_forward=jf), num_blocks)
+        eng = engines[jf] = Engine(runner, msgspec.structs.replace(cfg, jump_forward=jf), num_blocks)
         eng.grammars = Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
+        # warm: the grammar compiled and cached, one-time costs paid
+        eng.add(Submit("warm", "b", prompts[0], SamplingParams(max_new_tokens=4, constraint=c)))
+        while eng.has_work() or eng.grammar_busy:
+            eng.step()
+    rows: dict = {}
+    n = 0
+    for _ in range(max(1, rounds)):  # alternated, so that a busy spell of the machine hits both sides
         for batch in ("alone", "batch"):
-            group = prompts[:1] if batch == "alone" else prompts
-            # warm: the grammar compiled and cached, one-time costs paid
-            eng.add(Submit("warm", "b", group[0], SamplingParams(max_new_tokens=4, constraint=c)))
-            while eng.has_work() or eng.grammar_busy:
-                eng.step()
-            steps0, forced0 = eng.steps, eng.forced_tokens
-            outs: dict[str, list[int]] = {}
-            t0 = time.perf_counter()
-            for i, p in enumerate(group):
-                eng.add(Submit(f"r{i}", "b", p, SamplingParams(max_new_tokens=max_new, constraint=c)))
-                outs[f"r{i}"] = []
-            while eng.has_work() or eng.grammar_busy:
-                for o in eng.step():
-                    outs[o.seq.request_id] += o.token_ids
-            dt = time.perf_counter() - t0
-            rows[(jf, batch)] = {"steps": eng.steps - steps0, "tokens": sum(map(len, outs.values())),
-                                 "forced": eng.forced_tokens - forced0, "seconds": dt, "outs": outs}
+            for jf in (True, False):
+                eng = engines[jf]
+                group = prompts[:1] if batch == "alone" else prompts
+                steps0, forced0 = eng.steps, eng.forced_tokens
+                outs: dict[int, list[int]] = {}
+                t0 = time.perf_counter()
+                for i, p in enumerate(group):
+                    n += 1
+                    eng.add(Submit(f"r{n}", "b", p, SamplingParams(max_new_tokens=max_new, constraint=c)))
+                    outs[n] = []
+                while eng.has_work() or eng.grammar_busy:
+                    for o in eng.step():
+                        outs[int(o.seq.request_id[1:])] += o.token_ids
+                dt = time.perf_counter() - t0
+                r = rows.setdefault((jf, batch), {"steps": eng.steps - steps0, "tokens": sum(map(len, outs.values())),
+                                                  "forced": eng.forced_tokens - forced0, "all_s": [],
+                                                  "outs": list(outs.values())})
+                r["all_s"].append(round(dt, 3))
+                r["same"] = r["outs"] == list(outs.values())
+    for eng in engines.values():
         eng.close()
-    same = all(rows[(True, b)]["outs"] == rows[(False, b)]["outs"] for b in ("alone", "batch"))
+    same = all(rows[(True, b)]["outs"] == rows[(False, b)]["outs"] and rows[(True, b)]["same"]
+               for b in ("alone", "batch"))
     for r in rows.values():
+        r["seconds"] = med(r["all_s"])
         r.pop("outs")
     return {"same_tokens": same, **{f"{'on' if jf else 'off'}/{b}": r for (jf, b), r in rows.items()}}
 
@@ -213,9 +229,15 @@ def http_tokens(model: str, dtype: str, port: int, levels: list[int], rounds: in
                     bad = [x for x in seg.results if x.error or not x.ok]
                     if bad:
                         raise SystemExit(f"constrained requests failed: {bad[0].error}")
+                    # each prompt's free twin generates as many tokens as its constrained answer had
+                    # (the batch thins out alike), ignoring EOS
+                    lengths = {x.index: max(1, x.output_tokens) for x in seg.results}
                     mean = max(1, round(seg.stats["total_output_tokens"] / max(1, seg.stats["completed"])))
-                    wl = make_workload(prompt_len=str(prompt_len), output_len=str(mean))
-                    seg = await run_segment(OpenAIAdapter(url, model="bench", ignore_eos=True), wl, cfg,
+
+                    def twins(n: int, seed: int, wl=wl, lengths=lengths, mean=mean):
+                        return [dataclasses.replace(sp, output_len=lengths.get(sp.index, mean)) for sp in wl(n, seed)]
+
+                    seg = await run_segment(OpenAIAdapter(url, model="bench", ignore_eos=True), twins, cfg,
                                             f"none c={c} round {r + 1}")
                     rows[c]["none"].append(seg.stats)
 
@@ -279,8 +301,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             prompts = [[rng.randrange(3, runner.vocab_size) for _ in range(args.prompt_len)]
                        for _ in range(args.jf_requests)]
-        doc["jump"] = j = jump_forward(runner, cfg, num_blocks, model_dir, prompts, args.max_new)
-        print(f"\njump-forward, schema with long fixed keys, greedy (same tokens on and off: {j['same_tokens']}):")
+        doc["jump"] = j = jump_forward(runner, cfg, num_blocks, model_dir, prompts, args.max_new, args.rounds)
+        print(f"\njump-forward, schema with long fixed keys, greedy (same tokens on and off: {j['same_tokens']}; "
+              f"seconds: median of {args.rounds} alternated rounds):")
         print(f"{'':<22}{'steps':>7}{'tokens':>8}{'forced':>8}{'seconds':>9}{'tok/s':>8}")
         for b in ("alone", "batch"):
             for onoff in ("off", "on"):

@@ -284,20 +284,26 @@ class ConstraintState:
         also stops before an end token or a stop id."""
         out: list[int] = []
         m = self.matcher
+        # llguidance's fast-forward tokens from here: the cheap hint that forced text follows
+        # (computed once per run of them: it costs twice a mask); the masks decide.
+        hint: list[int] = []
         while len(out) < limit and not m.is_error():
             if m.is_stopped():  # complete: only an end token may follow
                 ends = self.eos | set(self.stop) if m.is_accepting() else self.eos
                 if len(ends) == 1 and not first:
                     out.append(next(iter(ends)))
                 break
-            if not m.compute_ff_tokens():  # llguidance's hint: no forced text here
-                break
+            if not hint:
+                hint = m.compute_ff_tokens()
+                if not hint:  # no forced text here
+                    break
             row = np.empty(self.words, dtype=np.int32)
             self.fill(row)
             tok = single_token(row)
             if tok is None or (first and (tok in self.eos or tok in self.stop)) or not self.consume(tok):
                 break
             out.append(tok)
+            hint = hint[1:] if tok == hint[0] else []
         self.forced += len(out)
         return out
 
