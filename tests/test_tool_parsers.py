@@ -177,6 +177,35 @@ def test_cut_calls_stay_calls(fmt, text, args):
         assert got == (content or "") and [c["function"] for c in scalls] == [c["function"] for c in calls], chunks
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "deepseek_v31"])
+def test_long_arguments_are_read_in_linear_time(fmt, monkeypatch):
+    """A call whose arguments run long (code, a document) is not re-parsed at every step (that is
+    quadratic: seconds of the front end's event loop for 20 KB): past 4 KB the stream reads again
+    each time the text has grown by 1/64, so fragments keep coming, they add up to the final
+    arguments, and the whole stream costs a bounded number of reads."""
+    parser = parser_class(fmt)(NAMES)
+    reads = []
+    extract = parser.extract
+    monkeypatch.setattr(parser, "extract", lambda text, final: reads.append(len(text)) or extract(text, final))
+    head = ('<tool_call>\n{"name": "add", "arguments": {"a": "' if fmt == "hermes" else f'{B}{CB}add{SEP}{{"a": "')
+    tail = '"}}\n</tool_call>' if fmt == "hermes" else f'"}}{CE}{E}'
+    s = ToolCallStream(parser)
+    _, ds = s.push(head)
+    sent, pushes_with_fragments = "".join(d["function"].get("arguments", "") for d in ds), 0
+    for i in range(4000):
+        _, ds = s.push(f"w{i % 10} ")
+        for d in ds:
+            sent += d["function"].get("arguments", "")
+        pushes_with_fragments += bool(ds)
+    _, ds = s.push(tail, final=True)
+    sent += "".join(d["function"].get("arguments", "") for d in ds)
+    want = j({"a": "".join(f"w{i % 10} " for i in range(4000))})
+    assert sent == want and s.calls[0]["function"]["arguments"] == want
+    long_reads = [n for n in reads if n > 4096]  # 4096 -> 12 KB: about 64 * ln(12000 / 4096) = 69 reads
+    assert len(long_reads) < 100 and pushes_with_fragments > 1000, (len(long_reads), pushes_with_fragments)
+    assert max(b - a for a, b in zip(reads, reads[1:])) < 12100 // 64 + 8  # never more than 1/64 behind
+
+
 def test_parallel_false_keeps_the_first_call():
     text = CASES[0][1]
     content, calls = parse_text(parser_class("hermes")(NAMES), text, parallel=False)

