@@ -160,6 +160,11 @@ def test_sampler_masks_every_mode(mode):
                 _seq(p, hist, 7)]
         bits = _bits(allowed, V)[None, :]
         toks, lps = sampler.sample_with_logprobs(logits.clone(), rows, ([0], bits))
+        # the same with the masks as additive 0 / -inf rows (MaskJob.additive, the CPU worker's way)
+        additive = np.where(np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :V] == 1,
+                            np.float32(0), np.float32(-np.inf))
+        t2, l2 = sampler.sample_with_logprobs(logits.clone(), rows, ([0], bits, additive))
+        assert t2.tolist() == toks.tolist() and l2 == lps
         by_hand = logits.clone()
         keep = torch.zeros(V, dtype=torch.bool)
         keep[allowed] = True

@@ -335,22 +335,27 @@ class MaskJob:
             else:
                 todo.append(i)
         self.computed = len(todo)
-        self._future: Future | None = None
-        if todo:
-            self._future = grammars._mask_pool.submit(self._compute, grammars._executor, todo)
+        # The masks as a CPU sampler adds them (``additive``, float32 [rows, words * 32]: 0 where a
+        # token is allowed, -inf where not), made on the mask thread beside the step: adding it to
+        # the logits costs a quarter of a masked fill (0.46 against 1.9 ms at 32 rows x 32000 ids).
+        self.additive: np.ndarray | None = None
+        self._future: Future = grammars._mask_pool.submit(self._compute, grammars._executor, todo)
 
     def _compute(self, executor: "LLExecutor", todo: list[int]) -> None:
         if len(todo) == 1:
             self.states[todo[0]].fill(self.bits[todo[0]])
-            return
-        llg_np.fill_next_token_bitmask_par(executor, [(self.states[i].matcher, i) for i in todo], self.bits)
-        for i in todo:
-            self.states[i]._finish(self.bits[i])
+        elif todo:
+            llg_np.fill_next_token_bitmask_par(executor, [(self.states[i].matcher, i) for i in todo], self.bits)
+            for i in todo:
+                self.states[i]._finish(self.bits[i])
+        banned = np.unpackbits((~self.bits).view(np.uint8), axis=1, bitorder="little").view(bool)
+        additive = np.zeros(banned.shape, dtype=np.float32)
+        np.putmask(additive, banned, np.float32(-np.inf))
+        self.additive = additive
 
     def wait(self) -> np.ndarray:
         """The masks (blocks until computed). Idempotent; raises what the mask thread raised."""
-        if self._future is not None:
-            self._future.result()
+        self._future.result()
         return self.bits
 
 

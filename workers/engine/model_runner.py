@@ -180,12 +180,13 @@ class ModelRunner:
         return max(1, self.PROMPT_LOGITS_ELEMS // max(1, self.vocab_size))
 
 
-def sample_masks(batch: ScheduledBatch, sampled_idx: list[int]) -> tuple[list[int], "object"]:
+def sample_masks(batch: ScheduledBatch, sampled_idx: list[int]) -> tuple[list[int], "object", "object"]:
     """The sampler's ``masks`` argument: (row of each constrained sequence among the sampled ones,
-    their masks), waiting for the mask thread if it is still computing them."""
+    their masks, the same as additive -inf/0 rows), waiting for the mask thread if it is still computing them."""
     rows, job = batch.masks
     pos = {b: j for j, b in enumerate(sampled_idx)}
-    return [pos[b] for b in rows], job.wait()
+    bits = job.wait()
+    return [pos[b] for b in rows], bits, job.additive
 
 
 class NullRunner:

@@ -57,7 +57,9 @@ MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs above this is clamped
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 # Token masks of some rows (structured output): (the rows, int32 bitmask [len(rows), words]: bit t
 # of a row's words set when token t is allowed; llguidance's layout, workers/engine/constraints.py).
-RowMasks = tuple[Sequence[int], np.ndarray]
+# Optionally a third element: the same masks as float32 [len(rows), words * 32], 0 where a token is
+# allowed and -inf where not (MaskJob.additive, made beside the step; added on the CPU).
+RowMasks = tuple  # (Sequence[int], np.ndarray) or (Sequence[int], np.ndarray, np.ndarray | None)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +179,7 @@ class Sampler:
         if masks is not None and len(masks[0]):
             # First: every later stage (penalties, watermark, temperature, the filters) keeps a
             # disallowed token at -inf, and every route then draws among the allowed ones only.
-            apply_token_masks(logits, list(masks[0]), masks[1])
+            apply_token_masks(logits, list(masks[0]), masks[1], masks[2] if len(masks) > 2 else None)
         ps = [_effective(r.params) for r in rows]
         lp_rows = [i for i, p in enumerate(ps) if p.logprobs >= 0] if want_logprobs else []
         if not any(p.sample or p.penalty != 1.0 or p.watermark or p.presence or p.frequency for p in ps):
@@ -477,11 +479,18 @@ def unpack_token_masks(bits: np.ndarray, vocab: int, device: torch.device) -> to
     return torch.cat([allowed, allowed.new_zeros(R, vocab - allowed.shape[1])], dim=1)
 
 
-def apply_token_masks(logits: torch.Tensor, rows: list[int], bits: np.ndarray) -> None:
-    """Disallowed tokens of ``rows`` to -inf, in place on fp32 ``logits``."""
-    allowed = unpack_token_masks(bits, logits.shape[1], logits.device)
+def apply_token_masks(logits: torch.Tensor, rows: list[int], bits: np.ndarray,
+                      additive: np.ndarray | None = None) -> None:
+    """Disallowed tokens of ``rows`` to -inf, in place on fp32 ``logits``; ``additive``: the same
+    masks as 0 / -inf rows, added on the CPU (x + 0 is x, x + -inf is -inf: the same logits)."""
     idx, x = _take(logits, rows)
-    x.masked_fill_(~allowed, _NEG_INF)
+    if additive is not None and logits.device.type == "cpu":
+        n = min(x.shape[1], additive.shape[1])
+        x[:, :n].add_(torch.from_numpy(additive[:, :n]))
+        if n < x.shape[1]:  # a head wider than the tokenizer: never allowed
+            x[:, n:] = _NEG_INF
+    else:
+        x.masked_fill_(~unpack_token_masks(bits, logits.shape[1], logits.device), _NEG_INF)
     if idx is not None:
         logits.index_copy_(0, idx, x)
 
