@@ -160,10 +160,14 @@ class ToolSupport:
             self.source = "detected from the chat template" if found else "default"
         self.renders_tools, self.renders_calls = self._probe(template)
         tok = tokenizer.tokenizer
-        self.special: dict[str, int] = {}  # delimiter -> its special token id
+        # delimiter -> its token id: special tokens, and added ones a tokenizer does not mark special
+        # (Qwen's <tool_call>): the grammar names that token, so the model writes the id it was
+        # trained on, not the delimiter's text in pieces (the worker never spells an added token).
+        self.special: dict[str, int] = {}
+        added = tok.get_added_tokens_decoder()
         for m in self.parser_cls.markers:
             tid = tok.token_to_id(m)
-            if tid is not None and tid in tokenizer.special_ids:
+            if tid is not None and (tid in tokenizer.special_ids or tid in added):
                 self.special[m] = tid
         log.info("tool calls: parser %s (%s); chat template renders tools: %s, tool calls: %s; special delimiters: %s",
                  self.parser_cls.name, self.source, self.renders_tools, self.renders_calls,

@@ -377,3 +377,20 @@ def test_r1_constraint_closes_the_thinking(r1_srv, kind):
     deltas, _ = _chat_stream(r1_srv, **params)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == want[0]
     assert "".join(d.get("content", "") for d in deltas) == want[1]
+
+
+def test_qwen3_forced_call_writes_the_added_tool_call_token(qwen3_srv):
+    """Qwen's ``<tool_call>`` is an added token its tokenizer does not mark special: a forced call's
+    grammar names that token, so the model writes the id it was trained on (one token), not the
+    delimiter's text in pieces; the call is parsed from it."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": False}}}]
+    body = _chat(qwen3_srv, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                 seed=5, temperature=1.0, logprobs=True)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", "|".join(t["token"] for t in choice["logprobs"]["content"])
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    pieces = [t["token"] for t in choice["logprobs"]["content"]]
+    assert "<tool_call>" in pieces, pieces
