@@ -450,19 +450,21 @@ class Engine:
         if not st.error and st.consume(tok) and self.cfg.jump_forward:
             forced = st.jump(seq.max_new_tokens - seq.num_output)
             lp = seq.params.logprobs
+            n = 0
             for f in forced:
                 seq.tokens.append(f)
                 seq.forced_tail += 1
                 out.token_ids.append(f)
+                n += 1
                 if out.logprobs:
                     out.logprobs.append(0.0)
                     if lp > 0:
                         out.top_logprobs.append([(f, 0.0)])
                 out.finish_reason = self._finish_reason(seq, f)
                 if out.finish_reason:
-                    break
-            self.generated_tokens += len(forced)
-            self.forced_tokens += len(forced)
+                    break  # (the forced tokens after it are not emitted, nor counted)
+            self.generated_tokens += n
+            self.forced_tokens += n
         if st.error:
             out.token_ids, out.logprobs, out.top_logprobs = [], [], []
             out.finish_reason = FINISH_ABORT
