@@ -94,10 +94,11 @@ class Relay:
                 err = ApiError(405, f"{method} is not allowed on {path}", "Method Not Allowed") if other \
                     else ApiError(404, f"{path} is not a route of this coordinator", "NotFoundError")
                 return await self._answer(send, rec, frames.OTHER, err, "refused")
+            fam = frames.family(path, None)  # refusals in the shape of the route's family
             if self.inflight >= self.limit.max_requests:
                 m.refused("max_requests")
-                return await self._answer(send, rec, frames.OTHER,
-                                          ApiError(429, "Too many requests", "Too Many Requests"), "refused")
+                return await self._answer(send, rec, fam, ApiError(429, "Too many requests", "Too Many Requests"),
+                                          "refused")
             self.inflight += 1
             try:
                 await self._admitted(scope, receive, send, rec, by_path, t0)
@@ -142,7 +143,7 @@ class Relay:
         try:
             body = await self._read_body(receive)
         except ApiError as e:
-            return await self._answer(send, rec, frames.OTHER, e, "refused")
+            return await self._answer(send, rec, frames.family(path, None), e, "refused")
         if body is None:
             rec["outcome"] = "client disconnected"
             return
