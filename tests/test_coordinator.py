@@ -367,3 +367,29 @@ def test_coordinator_kill9_and_restart(fleet):
         assert r.status_code == 200
     finally:
         again.stop()
+
+
+def test_client_disconnect_cancels_on_the_instance(fleet):
+    """A client that hangs up mid-stream: the coordinator closes the instance's connection, and the
+    instance stops generating (its running count drops long before the 2000 tokens would end)."""
+    _, servers, coord = fleet
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", coord.url + "/infer", json=body) as r:
+            it = r.iter_lines()
+            for _ in range(6):
+                next(it)
+            iid = next(i["id"] for i in coord.info()["instances"] if i["inflight"])
+            status = httpx.get(servers[iid].url + "/v2/status", timeout=10).json()["resource"]
+            assert status["runningRequestNum"] == 1
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        if httpx.get(servers[iid].url + "/v2/status", timeout=10).json()["resource"]["runningRequestNum"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the instance still runs the request 5 s after the client left")
+    _wait_lines(coord, 1)
+    time.sleep(0.2)
+    assert "client disconnected" in coord.request_lines()[-1], coord.request_lines()[-1]
+    assert re.search(r"^coordinator_client_disconnects_total [1-9]", httpx.get(coord.manage + "/metrics").text, re.M)

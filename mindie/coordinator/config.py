@@ -47,6 +47,7 @@ class HttpConfig(_S):
     user_agent: str = "Coordinator/1.0"
     # project extensions
     pollIntervalMs: Annotated[int, msgspec.Meta(ge=50, le=60000)] = 1000  # instance status poll period
+    drainTimeoutS: Annotated[int, msgspec.Meta(ge=0, le=3600)] = 30  # SIGTERM: in-flight requests get this long
 
 
 class RequestLimit(_S):

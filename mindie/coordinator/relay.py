@@ -56,6 +56,10 @@ def _match(method: str, path: str) -> tuple[bool, bool]:
     return False, False
 
 
+class _ShortAnswer(Exception):
+    """Ends the ASGI call without finishing the answer: uvicorn closes the connection."""
+
+
 class _Retry(Exception):
     def __init__(self, reason: str, detail: str, breaker: bool = True) -> None:
         super().__init__(detail)
@@ -102,6 +106,8 @@ class Relay:
             self.inflight += 1
             try:
                 await self._admitted(scope, receive, send, rec, by_path, t0)
+            except _ShortAnswer:
+                pass
             finally:
                 self.inflight -= 1
                 self._room.set()
@@ -165,6 +171,8 @@ class Relay:
         if work in done:
             gone.cancel()
             work.result()
+            if rec.get("cut"):
+                raise _ShortAnswer
         else:
             # the client hung up: stop relaying; closing the instance's connection cancels there
             work.cancel()
@@ -191,7 +199,8 @@ class Relay:
         info = router.info(scope["path"], parsed)
         tried: set[int] = set()
         last: Optional[_Retry] = None
-        deadline = t0 + e.infer_timeout if e.infer_timeout else None
+        limit = e.tokenizer_timeout if scope["path"] == "/v1/tokenizer" else e.infer_timeout
+        deadline = t0 + limit if limit else None
         while True:
             inst, decision = router.pick(info, tried)
             if inst is None and not tried and reg.ready():
@@ -338,8 +347,9 @@ class Relay:
             rec["bytes"] += len(frame)
             await send({"type": "http.response.body", "body": frame, "more_body": False})
         else:
-            # a non-stream body cannot carry an error after it began: close short of its length
-            raise ConnectionAbortedError(outcome)
+            # a non-stream answer cannot carry an error once its body began: it ends short of its
+            # Content-Length, which every HTTP client reports as an incomplete answer
+            rec["cut"] = True
 
     async def _broadcast(self, scope, send, rec, body: bytes, fam: str) -> None:
         """stopInfer: the coordinator does not know which instance holds the id; ask every ready one."""
