@@ -49,14 +49,17 @@ class Coordinator:
     """``python -m mindie.coordinator`` in the background, its log in a file."""
 
     def __init__(self, tmp: Path, instances: list[Server] | None = None, config: dict | None = None,
-                 name: str = "coord", env: dict | None = None, ports: tuple[int, int] | None = None) -> None:
+                 name: str = "coord", env: dict | None = None, ports: tuple[int, int] | None = None,
+                 tls=None) -> None:
+        """``tls``: the client's ssl.SSLContext when both listeners speak HTTPS."""
         self.predict_port, self.manage_port = ports or free_ports(2)
+        instances = [{"id": i, "ip": "127.0.0.1", "business_port": s.port, "mgmt_port": s.port}
+                     for i, s in enumerate(instances or [])]
         cfg = {"http_config": {"predict_ip": "127.0.0.1", "predict_port": self.predict_port,
                                "manage_ip": "127.0.0.1", "manage_port": self.manage_port, "pollIntervalMs": 200},
                "digs_scheduler_config": {"deploy_mode": "single_node"},
                "exception_config": {"max_retry": 2, "first_token_timeout": 30, "infer_timeout": 120},
-               "instances": [{"id": i, "ip": "127.0.0.1", "business_port": s.port, "mgmt_port": s.port}
-                             for i, s in enumerate(instances or [])]}
+               "instances": instances}
         for k, v in (config or {}).items():
             if isinstance(v, dict) and isinstance(cfg.get(k), dict):
                 cfg[k] = {**cfg[k], **v}
@@ -67,8 +70,10 @@ class Coordinator:
         self.path.write_text(json.dumps(cfg, indent=1))
         self.log_path = tmp / f"{name}.log"
         self.env = env
-        self.url = f"http://127.0.0.1:{self.predict_port}"
-        self.manage = f"http://127.0.0.1:{self.manage_port}"
+        scheme = "https" if tls else "http"
+        self.tls = tls
+        self.url = f"{scheme}://127.0.0.1:{self.predict_port}"
+        self.manage = f"{scheme}://127.0.0.1:{self.manage_port}"
         self.start()
 
     def start(self) -> None:
@@ -98,13 +103,13 @@ class Coordinator:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"coordinator exited with {self.proc.returncode}:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.manage + "/v1/readiness", timeout=2).status_code == 200:
+                if httpx.get(self.manage + "/v1/readiness", timeout=2, verify=self.tls or True).status_code == 200:
                     return
             time.sleep(0.05)
         raise TimeoutError(f"coordinator not ready after {timeout} s:\n{self.tail()}")
 
     def info(self) -> dict:
-        return httpx.get(self.manage + "/v1/coordinator_info", timeout=10).json()
+        return httpx.get(self.manage + "/v1/coordinator_info", timeout=10, verify=self.tls or True).json()
 
     def wait_state(self, iid: int, state: str, timeout: float = 30.0) -> None:
         t0 = time.monotonic()

@@ -73,11 +73,17 @@ async def _run(srv: uvicorn.Server) -> None:
 
 async def _main(loaded: Loaded) -> int:
     from mindie.coordinator.app import Coordinator
+    from mindie.tls import TlsError
     c = loaded.config
-    coord = Coordinator(c)
     h = c.http_config
+    try:
+        coord = Coordinator(c)
+        listeners = coord.listeners()
+    except TlsError as e:
+        log.error("TLS refused: %s", e)
+        return 1
     servers = []
-    for name, app, ip, port, ssl_ctx in coord.listeners():
+    for name, app, ip, port, ssl_ctx in listeners:
         cfg = uvicorn.Config(app, host=ip, port=port, log_level="warning", access_log=False, lifespan="off",
                              timeout_keep_alive=max(1, h.keep_alive_seconds), server_header=False,
                              ws="none", limit_concurrency=None, backlog=4096,
