@@ -130,15 +130,16 @@ def test_first_token_timeout_retries_elsewhere(fleet):
     try:
         coord.wait_ready()
         os.kill(stopped, signal.SIGSTOP)
-        for _ in range(2):  # one of the two picks is the stopped instance
+        for _ in range(2):  # idle instances take turns: the stopped one is picked at least once
             t0 = time.monotonic()
             r = httpx.post(coord.url + "/infer", json={"inputs": PROMPT, "stream": True,
                                                        "parameters": {"max_new_tokens": 4}}, timeout=30)
             assert r.status_code == 200 and r.text.count("data:") == 4, r.text
         lines = [ln for ln in coord.request_lines() if "retries" in ln]
-        assert len(lines) == 1 and "retries 0:first_token_timeout" in lines[0] and "-> instance 1(" in lines[0], \
-            coord.request_lines()
-        assert float(re.search(r"duration_ms (\S+)", lines[0]).group(1)) >= 2000
+        assert lines, coord.request_lines()
+        for ln in lines:
+            assert "retries 0:first_token_timeout" in ln and "-> instance 1(" in ln, ln
+            assert float(re.search(r"duration_ms (\S+)", ln).group(1)) >= 2000
     finally:
         os.kill(stopped, signal.SIGCONT)
         coord.stop()

@@ -73,6 +73,9 @@ class Coordinator:
         self.business = httpx.AsyncClient(verify=self.business_ssl or True, headers=headers, http2=False,
                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
                                           timeout=httpx.Timeout(h.http_timeout_seconds or None, connect=5.0))
+        from mindie.coordinator.upstream import Pool
+        # the relay's own client (mindie/coordinator/upstream.py); httpx for everything else
+        self.pool = Pool(self.business_ssl, connect_timeout=5.0)
         self.mgmt = httpx.AsyncClient(verify=self.mgmt_ssl or True, headers=headers,
                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self.poller = Poller(self.registry, self.mgmt, h.pollIntervalMs / 1000.0)
@@ -109,6 +112,7 @@ class Coordinator:
     async def stop(self) -> None:
         await self.poller.stop()
         await self.business.aclose()
+        self.pool.close()
         await self.mgmt.aclose()
 
     def relay_stats(self) -> dict:
