@@ -70,15 +70,16 @@ class Coordinator:
         h = config.http_config
         headers = {"User-Agent": h.user_agent}
         # No pool limit: each relayed stream holds one upstream connection (thousands at once).
-        self.business = httpx.AsyncClient(verify=self.business_ssl or True, headers=headers, http2=False,
-                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-                                          timeout=httpx.Timeout(h.http_timeout_seconds or None, connect=5.0))
+        # httpx: the coordinator's own calls (polls, metrics, stopInfer), bounded by http_timeout_seconds
+        timeout = httpx.Timeout(h.http_timeout_seconds or None, connect=5.0)
+        self.business = httpx.AsyncClient(verify=self.business_ssl or True, headers=headers, timeout=timeout,
+                                          limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         from mindie.coordinator.upstream import Pool
-        # the relay's own client (mindie/coordinator/upstream.py); httpx for everything else
+        # the relay's own client (mindie/coordinator/upstream.py)
         self.pool = Pool(self.business_ssl, connect_timeout=5.0)
-        self.mgmt = httpx.AsyncClient(verify=self.mgmt_ssl or True, headers=headers,
+        self.mgmt = httpx.AsyncClient(verify=self.mgmt_ssl or True, headers=headers, timeout=timeout,
                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
-        self.poller = Poller(self.registry, self.mgmt, h.pollIntervalMs / 1000.0)
+        self.poller = Poller(self.registry, self.mgmt, h.pollIntervalMs / 1000.0, h.http_timeout_seconds)
         from mindie.coordinator.metrics import CoordinatorMetrics
         from mindie.coordinator.router import Router
         from mindie.coordinator.relay import Relay

@@ -369,7 +369,7 @@ class Relay:
         async def one(inst):
             url = inst.base_url + scope["raw_path"].decode("latin-1")
             try:
-                r = await coord.business.post(url, content=body, headers=self._headers(scope), timeout=10)
+                r = await coord.business.post(url, content=body, headers=self._headers(scope))
                 return inst, r.status_code, r.content, r.headers.get("content-type", "application/json")
             except httpx.HTTPError as x:
                 return inst, 0, str(x).encode(), "text/plain"

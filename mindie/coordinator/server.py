@@ -89,7 +89,7 @@ async def _main(loaded: Loaded) -> int:
     servers = []
     for name, app, ip, port, ssl_ctx in listeners:
         cfg = uvicorn.Config(app, host=ip, port=port, log_level="warning", access_log=False, lifespan="off",
-                             timeout_keep_alive=max(1, h.keep_alive_seconds), server_header=False,
+                             timeout_keep_alive=h.keep_alive_seconds or 86400, server_header=False,
                              ws="none", limit_concurrency=None, backlog=4096,
                              timeout_graceful_shutdown=h.drainTimeoutS)
         srv = _Server(cfg)
