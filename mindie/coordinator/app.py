@@ -62,7 +62,7 @@ class Coordinator:
                                  t.mindie_mangment_tls_enable, config.digs_scheduler_config.max_res_num)
         for rec in config.instances:
             self.registry.add(Instance(id=rec.id, ip=rec.ip, business_port=rec.business_port,
-                                       mgmt_port=rec.mgmt_port, source="config"))
+                                       mgmt_port=rec.mgmt_port, metric_port=rec.metric_port, source="config"))
         self.business_ssl = (_client_context(t.mindie_client_tls_items, "mindie_client")
                              if t.mindie_client_tls_enable else None)
         self.mgmt_ssl = (_client_context(t.mindie_mangment_tls_items, "mindie_mangment")
