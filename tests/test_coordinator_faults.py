@@ -181,3 +181,41 @@ def test_kill9_instance_retry_breaker_and_probe_back(fleet):
         assert "-> instance 0(" in " ".join(coord.request_lines()[-2:])
     finally:
         coord.stop()
+
+
+def test_stop_service_drains_the_fleet(fleet):
+    """GET /stopService on the coordinator's manage port: new requests get 503 at once, the stream
+    in flight finishes, every instance drains and stops, then the coordinator exits 0. (Last in
+    this module: it stops the instances.)"""
+    tmp, servers = fleet
+    coord = Coordinator(tmp, servers, name="stop")
+    try:
+        coord.wait_ready()
+        got = bytearray()
+        started = threading.Event()
+
+        def run():
+            body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
+            with httpx.stream("POST", coord.url + "/infer", json=body, timeout=60) as r:
+                for chunk in r.iter_raw():
+                    got.extend(chunk)
+                    started.set()
+        t = threading.Thread(target=run)
+        t.start()
+        assert started.wait(30)
+        out = {}
+        stopper = threading.Thread(target=lambda: out.setdefault("r", httpx.get(coord.manage + "/stopService", timeout=90)))
+        stopper.start()
+        time.sleep(0.3)
+        r = httpx.post(coord.url + "/infer", json={"inputs": "a"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"] == "The service has been stopped.", r.text
+        assert httpx.get(coord.manage + "/v1/readiness", timeout=10).status_code == 503
+        stopper.join(90)
+        t.join(60)
+        assert out["r"].status_code == 200
+        assert got.count(b"data:") == 300 and b'"generated_text"' in got  # the stream ended whole
+        assert coord.proc.wait(30) == 0
+        for s in servers:
+            assert s.proc.wait(60) == 0, s.tail()
+    finally:
+        coord.stop()

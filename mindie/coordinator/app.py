@@ -56,6 +56,8 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.started = time.time()
+        self.stopping = False  # /stopService was called: new requests get 503
+        self.request_stop = lambda: None  # set by the process (mindie/coordinator/server.py)
         t = config.tls_config
         e = config.exception_config
         self.registry = Registry(e.breakerFailures, e.breakerOpenMs / 1000.0, t.mindie_client_tls_enable,

@@ -102,6 +102,9 @@ class Relay:
                     else ApiError(404, f"{path} is not a route of this coordinator", "NotFoundError")
                 return await self._answer(send, rec, frames.OTHER, err, "refused")
             fam = frames.family(path, None)  # refusals in the shape of the route's family
+            if self.coord.stopping:
+                return await self._answer(send, rec, fam, ApiError(503, "The service has been stopped.",
+                                                                   "Service Unavailable"), "stopping")
             if self.inflight >= self.limit.max_requests:
                 m.refused("max_requests")
                 return await self._answer(send, rec, fam, ApiError(429, "Too many requests", "Too Many Requests"),

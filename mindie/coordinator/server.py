@@ -101,6 +101,7 @@ async def _main(loaded: Loaded) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    coord.request_stop = stop.set  # /stopService on the manage port
     await coord.start()
     tasks = [asyncio.create_task(_run(srv), name=f"uvicorn-{name}") for name, srv in servers]
     while not all(srv.started for _, srv in servers):
