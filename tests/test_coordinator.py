@@ -317,7 +317,6 @@ def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
         assert line and f"-> instance {1 - home}(" in line[-1], coord.request_lines()[-3:]
         t.join(120)
         time.sleep(0.3)  # its request line is written just after the client saw the end
-    time.sleep(0.3)  # its request line is written just after the client saw the end
     finally:
         coord.stop()
 
@@ -348,7 +347,6 @@ def test_request_limit_refused_at_once(fleet):
         assert r.status_code == 429 and r.json()["error"]["code"] == 429  # OpenAI's error shape
         t.join(120)
         time.sleep(0.3)  # its request line is written just after the client saw the end
-    time.sleep(0.3)  # its request line is written just after the client saw the end
         # body_limit (MB): 413 in MindIE's shape
         r = httpx.post(coord.url + "/infer", content=b"x" * (10 * 2 ** 20 + 1), timeout=30)
         assert r.status_code == 413 and r.json()["error_type"] == "Request Entity Too Large"
