@@ -272,7 +272,8 @@ def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
     turn went (load_balance alternates idle instances); a busy affine instance falls back to load."""
     tmp, servers, _ = fleet
     coord = Coordinator(tmp, servers, name="ca", config={
-        "digs_scheduler_config": {"algorithm_type": "cache_affinity"}, "request_limit": {"single_node_max_requests": 1}})
+        "digs_scheduler_config": {"algorithm_type": "cache_affinity", "affinityBlockTokens": 16},
+        "request_limit": {"single_node_max_requests": 1}})
     try:
         coord.wait_ready()
         convs = [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"topic {c}"}]
@@ -293,6 +294,28 @@ def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
         hits = sum(float(v) for v in re.findall(r'^coordinator_routing_decisions_total\{decision="affinity_hit"'
                                                  r',instance="\d"\} (\S+)', text, re.M))
         assert hits == 8, text
+        # token prompts: the instance that served a prompt's leading blocks gets the prompts that
+        # share them (another tail); a prompt with other leading blocks goes by load
+        def tok(ids):
+            before = len(coord.request_lines())
+            httpx.post(coord.url + "/infer_token", json={"input_id": ids, "parameters": {"max_new_tokens": 1}},
+                       timeout=60).raise_for_status()
+            _wait_lines(coord, before + 1)
+            return _instance_of_last(coord)[0]
+        shared = list(range(100, 164))  # 4 blocks of 16
+        first = tok(shared + [7, 8, 9])
+        assert [tok(shared + [i, 3]) for i in (1, 2, 3)] == [first] * 3
+        assert tok(list(range(500, 564))) == 1 - first  # new prefix: by load, and the other one is idle-er
+        # text prompts: blocks of 16 x string_token_rate characters
+        text = "lorem ipsum dolor sit amet " * 20
+        home_t = None
+        for tail in ("alpha", "beta", "gamma"):
+            before = len(coord.request_lines())
+            httpx.post(coord.url + "/v1/completions", json={"model": "demo", "prompt": text + tail, "max_tokens": 1},
+                       timeout=60).raise_for_status()
+            _wait_lines(coord, before + 1)
+            home_t = home_t if home_t is not None else _instance_of_last(coord)[0]
+            assert _instance_of_last(coord)[0] == home_t
         # the affine instance busy (single_node_max_requests 1, a long stream on it): by load
         conv = convs[0]
         home = where[0][0]
