@@ -264,6 +264,7 @@ def test_server_infer_token_and_chat_equal_transformers(case: str, tmp_path: Pat
                            config={k: v for k, v in extra.items()})
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
+    (tmp_path / "srv").mkdir()
     with demo_server(tmp_path / "srv", str(path), model={"modelName": case}) as srv:
         n = 12
         for ids in ([5, 6, 7, 8, 9], list(range(20, 60))):

@@ -165,8 +165,8 @@ def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config",
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
         "pad_token": "<|im_end|>", "unk_token": "<unk>", "model_max_length": 4096, "chat_template": template}))
-    save_random_model(cls_name, dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                     max_position_embeddings=2048, bos_token_id=1, eos_token_id=eos,
-                                     tie_word_embeddings=True, **(config or {})), path)
+    save_random_model(cls_name, {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                        max_position_embeddings=2048, bos_token_id=1, eos_token_id=eos,
+                                        tie_word_embeddings=True), **(config or {})}, path)
     return path
