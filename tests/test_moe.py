@@ -293,3 +293,103 @@ def test_server_infer_token_and_chat_equal_transformers(case: str, tmp_path: Pat
             assert abs(lps[j] - ref[len(ids) + j - 1, tid].item()) <= TOL, (j, lps[j])
         log = srv.tail(400)
         assert "mixture of experts" in log and f"top-{extra['num_experts_per_tok']}" in log, log[-3000:]
+
+
+# ----------------------------------------------------------------------------- the NPU path, on CPU
+
+
+def _fake_torch_npu(calls: list[str]) -> Any:
+    """torch_npu's MoE ops as pure-torch references asserting their documented contracts
+    (workers/backends/npu_moe.py's docstring)."""
+    import types
+    mod = types.ModuleType("torch_npu")
+
+    def gating(x, finished, k):
+        calls.append("gating")
+        assert finished is None and x.dim() == 2
+        y, idx = torch.topk(torch.softmax(x.float(), -1), k, dim=-1)
+        t = x.shape[0]
+        return y.to(x.dtype), idx.int(), torch.arange(t * k, dtype=torch.int32).view(k, t).t()
+
+    def init_routing(x, row_idx, expert_idx, active_num):
+        calls.append("init_routing")
+        assert row_idx.dtype == expert_idx.dtype == torch.int32 and active_num == x.shape[0]
+        t, k = expert_idx.shape
+        assert torch.equal(row_idx, torch.arange(t * k, dtype=torch.int32).view(k, t).t())
+        src = row_idx.t().reshape(-1).long()  # j * T + t, in that order
+        experts = expert_idx.t().reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        dst = torch.empty_like(order)
+        dst[order] = torch.arange(t * k)
+        return x[src[order] % t], dst.int(), experts[order].int()
+
+    def expert_tokens(sorted_ids, n):
+        calls.append("expert_tokens")
+        return torch.cumsum(torch.bincount(sorted_ids.long(), minlength=n), 0)
+
+    def grouped_matmul(xs, ws, *, antiquant_scale=None, group_list, split_item, group_type, group_list_type):
+        calls.append("grouped_matmul")
+        assert split_item == 2 and group_type == 0 and group_list_type == 0 and len(xs) == len(ws) == 1
+        x, w = xs[0], ws[0]
+        out = x.new_empty(x.shape[0], w.shape[2])
+        start = 0
+        for e, end in enumerate(group_list.tolist()):
+            we = w[e].to(x.dtype) if antiquant_scale is None else w[e].to(x.dtype) * antiquant_scale[0][e]
+            out[start:end] = x[start:end] @ we
+            start = end
+        return [out]
+
+    def swiglu(x, dim):
+        calls.append("swiglu")
+        g, u = x.chunk(2, dim=dim)
+        return torch.nn.functional.silu(g) * u
+
+    def finalize(rows, skip1, skip2, bias, scales, src_to_dst, export_for_source_row):
+        calls.append("finalize")
+        assert skip1 is None and skip2 is None and bias is None
+        t, k = scales.shape
+        out = torch.zeros(t, rows.shape[1], dtype=rows.dtype)
+        for j in range(k):
+            out += scales[:, j, None] * rows[src_to_dst[j * t:(j + 1) * t].long()]
+        return out
+
+    def weight_quant_bmm(x, weight, antiquant_scale):
+        return x @ (weight.to(x.dtype) * antiquant_scale)
+
+    mod.npu_moe_gating_top_k_softmax = gating
+    mod.npu_moe_init_routing = init_routing
+    mod.npu_moe_compute_expert_tokens = expert_tokens
+    mod.npu_grouped_matmul = grouped_matmul
+    mod.npu_swiglu = swiglu
+    mod.npu_moe_finalize_routing = finalize
+    mod.npu_weight_quant_batchmatmul = weight_quant_bmm
+    return mod
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_npu_moe_ops_agree_with_the_cpu_reference(int8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.backends import npu_moe
+    from workers.backends.int8 import Int8Linear, NpuInt8Kernel
+
+    calls: list[str] = []
+    fake = _fake_torch_npu(calls)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    torch.manual_seed(3)
+    dtype = torch.bfloat16 if int8 else torch.float32
+    model = torch.nn.Module()
+    model.moe = SparseMoE(32, 6, 2, 16, dtype, norm_topk_prob=True, shared_inter=8, shared_gate=True)
+    for p in model.moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if int8:
+        model.moe.quantize_experts(lambda w: Int8Linear(w, None, NpuInt8Kernel()))
+    x = torch.randn(9, 32, dtype=dtype)
+    with torch.no_grad():
+        want = model.moe(x)
+        assert npu_moe.attach(model, fake) == 1
+        got = model.moe(x)
+    assert calls == ["gating", "init_routing", "expert_tokens", "grouped_matmul", "swiglu", "grouped_matmul",
+                     "finalize"]
+    torch.testing.assert_close(got, want, atol=2e-2 if int8 else 1e-5, rtol=0)
+    # an expert-parallel shard keeps the reference path
+    model.moe = SparseMoE(32, 6, 2, 16, dtype, shard=MoeShard.plan(6, 16, 0, 0, 2, "ep"))
+    assert npu_moe.attach(model, fake) == 0
