@@ -393,3 +393,38 @@ def test_npu_moe_ops_agree_with_the_cpu_reference(int8: bool, monkeypatch: pytes
     # an expert-parallel shard keeps the reference path
     model.moe = SparseMoE(32, 6, 2, 16, dtype, shard=MoeShard.plan(6, 16, 0, 0, 2, "ep"))
     assert npu_moe.attach(model, fake) == 0
+
+
+# ----------------------------------------------------------------------------- the moeParallel key
+
+
+def test_moe_parallel_key_reaches_the_worker_and_is_checked_at_launch(models: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    import msgspec
+
+    from mindie.config import ConfigError, load_config
+    from mindie.contract.spec import decode_spec, encode_spec
+    from mindie.topology import build_deployment
+    from workers.prepare import check_tensor_parallel
+
+    def deploy(model_cfg: dict):
+        data = {"ServerConfig": {"runDir": str(tmp_path / "run")},
+                "BackendConfig": {"deviceType": "cpu", "npuDeviceIds": [[0, 1, 2]],
+                                  "ModelDeployConfig": {"ModelConfig": [model_cfg]}}}
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        return build_deployment(load_config(str(tmp_path / "config.json"), env={}).config)
+
+    assert deploy({}).workers[0].moe_parallel == "tp"  # the documented default
+    spec = deploy({"moeParallel": "ep"}).workers[0]
+    assert decode_spec(encode_spec(spec)).moe_parallel == "ep"
+    with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.moeParallel"):
+        deploy({"moeParallel": "dp"})
+    # four ranks cannot split 6 experts (ep) nor an expert intermediate size of 30 (tp): refused
+    # at launch naming the key; two can
+    import dataclasses
+    args = ModelArgs.from_dir(models["qwen3_moe"])
+    odd = dataclasses.replace(args, moe=dataclasses.replace(args.moe, num_experts=6, moe_intermediate_size=30))
+    for mode, what in (("ep", "6 experts"), ("tp", "intermediate size 30")):
+        with pytest.raises(SystemExit, match=rf"moeParallel '{mode}'.*{what}"):
+            check_tensor_parallel(msgspec.structs.replace(spec, moe_parallel=mode, device_ids=[0, 1, 2, 3]), odd)
+        check_tensor_parallel(msgspec.structs.replace(spec, moe_parallel=mode, device_ids=[0, 1]), odd)
