@@ -32,7 +32,7 @@ from tests.harness import ROOT, demo_server
 from tests.test_logprobs import TOL
 from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, save_chat_model, save_random_model
 from tests.reference_attention import DenseCausalAttention
-from workers.backends.int8 import Int8Kernel, copy_dequantized_into, quantize_model
+from workers.backends.int8 import Int8Kernel, Int8Linear, copy_dequantized_into, quantize_model
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.loader import load_model
 from workers.models.moe import MoeShard, SparseMoE
@@ -193,7 +193,7 @@ def test_int8_experts_compute_their_dequantised_weights(models: dict[str, Path],
     q, _ = load_model(models[case])
     n = quantize_model(q, Int8Kernel())
     moe = next(l.mlp for l in q.layers if isinstance(l.mlp, SparseMoE))
-    assert moe.int8_w13 is not None and moe.w13.numel() == 0  # the bf16/fp32 stacks are gone
+    assert moe.int8 and isinstance(moe.lin13[0], Int8Linear) and moe.w13.numel() == 0  # the bf16/fp32 stacks are gone
     assert n >= 2 * 8 * sum(q.args.moe.sparse_layers)
     ref, _ = load_model(models[case])
     copy_dequantized_into(ref, q)
@@ -428,3 +428,22 @@ def test_moe_parallel_key_reaches_the_worker_and_is_checked_at_launch(models: di
         with pytest.raises(SystemExit, match=rf"moeParallel '{mode}'.*{what}"):
             check_tensor_parallel(msgspec.structs.replace(spec, moe_parallel=mode, device_ids=[0, 1, 2, 3]), odd)
         check_tensor_parallel(msgspec.structs.replace(spec, moe_parallel=mode, device_ids=[0, 1]), odd)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_cpu_backend_rewrites_keep_the_logits(models: dict[str, Path], int8: bool) -> None:
+    """The CPU backend's rewrites (workers/backends/cpu_specialise.py): experts as oneDNN-packed
+    linears, or int8 experts on the C kernels' products, compute what the plain model does."""
+    from workers.backends.cpu_specialise import specialise_cpu_model
+    from workers.backends.int8 import CpuInt8Kernel
+
+    for case in ("qwen2_moe", "mixtral"):
+        model, _ = load_model(models[case])
+        ref, _ = load_model(models[case])
+        if int8:
+            quantize_model(model, CpuInt8Kernel())
+            copy_dequantized_into(ref, model)
+        specialise_cpu_model(model)
+        moe = next(l.mlp for l in model.layers if isinstance(l.mlp, SparseMoE))
+        assert moe.experts_kind == ("int8" if int8 else "packed") and moe.w13.numel() == 0
+        torch.testing.assert_close(_logits(model, PROMPTS), _logits(ref, PROMPTS), atol=1e-4, rtol=0)

@@ -287,10 +287,10 @@ def copy_dequantized_into(ref: nn.Module, quantised: nn.Module) -> nn.Module:
             if n in qlin:
                 m.weight.copy_(qlin[n].dequantized())
         for n, m in quantised.named_modules():  # mixture-of-experts layers: stacked expert weights
-            if getattr(m, "int8_w13", None) is not None:
+            if getattr(m, "int8", False):
                 r = ref.get_submodule(n)
-                r.w13.copy_(torch.stack([lin.dequantized() for lin in m.int8_w13]))
-                r.w2.copy_(torch.stack([lin.dequantized() for lin in m.int8_w2]))
+                r.w13.copy_(torch.stack([lin.dequantized() for lin in m.lin13]))
+                r.w2.copy_(torch.stack([lin.dequantized() for lin in m.lin2]))
         if "logits_linear" in qlin:  # tied: the reference computes the logits from its own copy
             ref.lm_head = nn.Linear(ref.args.hidden_size, ref.args.vocab_size, bias=False)
             ref.lm_head.weight = nn.Parameter(qlin["logits_linear"].dequantized())

@@ -67,12 +67,12 @@ class NpuGroupedExperts:
     def __init__(self, moe: nn.Module, torch_npu) -> None:
         self._npu = torch_npu
         self.num_experts = moe.shard.experts
-        if moe.int8_w13 is not None:
+        if moe.int8:
             # NpuInt8Kernel keeps each int8 weight transposed ([K, N]) with scales in the model dtype
-            self.w13 = torch.stack([lin.q for lin in moe.int8_w13])
-            self.w2 = torch.stack([lin.q for lin in moe.int8_w2])
-            self.s13 = [torch.stack([lin.scale for lin in moe.int8_w13])]
-            self.s2 = [torch.stack([lin.scale for lin in moe.int8_w2])]
+            self.w13 = torch.stack([lin.q for lin in moe.lin13])
+            self.w2 = torch.stack([lin.q for lin in moe.lin2])
+            self.s13 = [torch.stack([lin.scale for lin in moe.lin13])]
+            self.s2 = [torch.stack([lin.scale for lin in moe.lin2])]
         else:
             self.w13 = moe.w13.detach().transpose(1, 2).contiguous()  # [E, H, 2I]
             self.w2 = moe.w2.detach().transpose(1, 2).contiguous()  # [E, I, H]
