@@ -447,3 +447,21 @@ def test_cpu_backend_rewrites_keep_the_logits(models: dict[str, Path], int8: boo
         moe = next(l.mlp for l in model.layers if isinstance(l.mlp, SparseMoE))
         assert moe.experts_kind == ("int8" if int8 else "packed") and moe.w13.numel() == 0
         torch.testing.assert_close(_logits(model, PROMPTS), _logits(ref, PROMPTS), atol=1e-4, rtol=0)
+
+
+def test_moe_bench_script_runs(tmp_path: Path) -> None:
+    """mindie_bench/lab/moe.py on a tiny shape: one token activates top_k experts per layer, and
+    the roofline counts those, not all of them."""
+    out = tmp_path / "moe.json"
+    proc = subprocess.run([sys.executable, "-m", "mindie_bench.lab.moe", "--dir", str(tmp_path), "--experts", "8",
+                           "--top-k", "2", "--hidden", "256", "--inter", "64", "--layers", "2", "--vocab", "300",
+                           "--concurrency", "1,4", "--repeat", "1", "--steps", "2", "--hf-tokens", "3",
+                           "--context", "16", "--bw-mib", "16", "--threads", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["batch"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows[1]["active_experts_per_layer"] == 2
+    assert 2 <= rows[4]["active_experts_per_layer"] <= 8
+    assert rows[1]["experts_mb"] == pytest.approx(rows[1]["all_experts_mb"] / 4, abs=0.011)  # MB, 2 decimals
+    assert rows[1]["engine_tok_s"] > 0 and rows[1]["transformers_tok_s"] > 0 and rows[1]["roofline_tok_s"] > 0
+    assert "transformers tok/s" in proc.stdout

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--quantize", default="", choices=["", "w8a16"],
+                    help="the engine's ModelConfig quantize (transformers stays in --dtype); the roofline then "
+                         "counts the int8 experts' and linears' bytes as 1 per weight")
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--context", type=int, default=128, help="mean context of the engine's timed decode steps")
     ap.add_argument("--steps", type=int, default=16, help="engine: timed decode steps per round")
@@ -113,11 +116,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     margs = ModelArgs.from_dir(path)
     batches = [int(c) for c in args.concurrency.split(",") if c.strip()]
     load_before = os.getloadavg()
-    runner, engine_cfg = rl.load(str(path), args.dtype, threads, 16)
+    runner, engine_cfg = rl.load(str(path), args.dtype, threads, 16, quantize=args.quantize)
     warm = 2
     num_blocks = rl.blocks_needed(max(batches), args.context, args.steps, warm, 16)
     runner.allocate_kv(num_blocks, 16)
     elem = torch.empty((), dtype=runner.kv_dtype).element_size()
+    welem = 1 if args.quantize else elem  # int8 weights: 1 byte each (norms and routers, tiny, counted so too)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     bw = rl.Bandwidth(args.bw_mib << 20, threads)
     rng = random.Random(0)
@@ -131,12 +135,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         active = statistics.mean(a for x in runs for a in x["active_experts"])
         ctx = runs[0]["contexts"][len(runs[0]["contexts"]) // 2]
         sb = rl.step_bytes(margs, elem, ctx, active)
+        if welem != elem:  # the weights at int8, the KV and embedding rows in the model dtype
+            w = rl.step_bytes(margs, welem, ctx, active)
+            sb = {**w, "kv": sb["kv"], "embedding_rows": sb["embedding_rows"],
+                  "total": w["weights"] + sb["kv"] + sb["embedding_rows"]}
         hf_tok_s = hf_decode(hf, b, args.context, args.hf_tokens, rng)
         best = max(bw.samples)
         row = {"batch": b, "engine_tok_s": round(b / step, 1), "transformers_tok_s": round(hf_tok_s, 1),
                "active_experts_per_layer": round(active, 2), "step_mb": round(sb["total"] / 1e6, 2),
                "experts_mb": round(sb["w_experts"] / 1e6, 2), "all_experts_mb": round(
-                   rl.weight_bytes(margs, elem, margs.moe.num_experts)["experts"] / 1e6, 2),  # type: ignore[union-attr]
+                   rl.weight_bytes(margs, welem, margs.moe.num_experts)["experts"] / 1e6, 2),  # type: ignore[union-attr]
                "roofline_tok_s": round(b * best * 1e9 / sb["total"], 1)}
         row["fraction"] = round(row["engine_tok_s"] / row["roofline_tok_s"], 3)
         row["vs_transformers"] = round(row["engine_tok_s"] / row["transformers_tok_s"], 2)
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     m = margs.moe
     print(f"model {path}: Qwen3-MoE, {margs.num_hidden_layers} layers, hidden {margs.hidden_size}, {m.num_experts} "
           f"experts top-{m.top_k}, expert intermediate {m.moe_intermediate_size}, vocab {margs.vocab_size}; "
-          f"{args.dtype}, {threads} threads")
+          f"{args.dtype}{', engine ' + args.quantize if args.quantize else ''}, {threads} threads")
     print(f"read bandwidth: best {bwsum['best_gb_s']} GB/s, median {bwsum['median_gb_s']} GB/s")
     print(f"{'batch':>5} {'engine tok/s':>12} {'transformers tok/s':>18} {'x':>6} {'experts/layer':>13} "
           f"{'experts MB':>10} {'step MB':>8} {'roofline tok/s':>14} {'fraction':>8}")
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{r['roofline_tok_s']:>14.1f} {r['fraction']:>8.3f}")
     print(f"load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} CPUs "
           "(a shared machine: other processes' load lands on both sides of each row)")
-    result = {"model": str(path), "dtype": args.dtype, "threads": threads, "bandwidth": bwsum, "results": rows,
+    result = {"model": str(path), "dtype": args.dtype, "quantize": args.quantize, "threads": threads, "bandwidth": bwsum, "results": rows,
               "loadavg_before": load_before, "loadavg_after": load_after, "args": vars(args)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -173,8 +173,9 @@ def step_bytes(args, elem: int, contexts: list[int], active: float | None = None
 # The engine's decode steps
 
 
-def load(model: str, dtype: str, threads: int, block_size: int, device: str = "cpu"):
-    """The engine's runner, set up as mindie_bench/lab/engine.py does (``device``: cpu or cuda)."""
+def load(model: str, dtype: str, threads: int, block_size: int, device: str = "cpu", quantize: str = ""):
+    """The engine's runner, set up as mindie_bench/lab/engine.py does (``device``: cpu or cuda;
+    ``quantize``: ModelConfig quantize, "" or "w8a16")."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends import get_backend
     from workers.engine.assembly import load_runner
@@ -182,7 +183,7 @@ def load(model: str, dtype: str, threads: int, block_size: int, device: str = "c
     engine_cfg = EngineConfig(block_size=block_size, max_seq_len=4096, max_batch_size=256,
                               max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False)
     spec = WorkerSpec(worker_id="roofline", job_endpoint="", pub_endpoint="", model_path=model, dtype=dtype,
-                      engine=engine_cfg, device_type=device)
+                      engine=engine_cfg, device_type=device, quantize=quantize)
     backend = get_backend(device, threads)
     backend.setup()
     return load_runner(spec, backend), engine_cfg
