@@ -257,6 +257,44 @@ def _greedy(hf: Any, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def test_server_expert_parallel_instance_and_int8_experts(tmp_path: Path) -> None:
+    """The real launch script: an instance of two ranks with moeParallel "ep" (each loads half of
+    the experts) answers greedy /infer_token as transformers does; a bf16 worker with int8 experts
+    (quantize w8a16) serves and says what it quantised."""
+    from tests.harness import Server, free_port, short_run_dir, write_config
+
+    cls, extra = CASES["qwen2_moe"]
+    path = save_chat_model(tmp_path / "chat", QWEN3_CHAT_TEMPLATE, cls_name=cls, config=dict(extra))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    port = free_port()
+    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=str(path),
+                       model={"worldSize": 2, "moeParallel": "ep"})
+    data = json.loads(cfg.read_text())
+    data["BackendConfig"]["npuDeviceIds"] = [[0, 1]]
+    cfg.write_text(json.dumps(data, indent=2))
+    srv = Server(cfg, port)
+    try:
+        srv.wait_ready(180)
+        for ids in ([5, 6, 7, 8, 9], list(range(20, 60))):
+            r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "stream": False, "parameters": {
+                "max_new_tokens": 10, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["details"]["generated_token_ids"] == _greedy(hf, ids, 10), ids
+        log = srv.tail(600)
+        assert "rank 1 holds experts 4..7" in log, log[-3000:]
+    finally:
+        srv.stop()
+    (tmp_path / "q").mkdir()
+    with demo_server(tmp_path / "q", str(path), model={"modelName": "q", "dtype": "bfloat16",
+                                                        "quantize": "w8a16"}) as q:
+        r = httpx.post(q.url + "/infer_token", json={"input_id": [5, 6, 7], "stream": False, "parameters": {
+            "max_new_tokens": 6, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=120)
+        assert r.status_code == 200 and len(r.json()["details"]["generated_token_ids"]) == 6, r.text
+        log = q.tail(600)
+        # 1 sparse layer x (8 experts x 2 + shared expert 2) + 2 layers x (qkv, o) + dense MLP 2 + tied head
+        assert "quantised 25 linear layers to int8" in log, log[-3000:]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_server_infer_token_and_chat_equal_transformers(case: str, tmp_path: Path) -> None:
     cls, extra = CASES[case]
