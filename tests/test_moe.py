@@ -135,16 +135,17 @@ def test_logits_match_transformers_fp32(models: dict[str, Path], case: str) -> N
     assert sum(isinstance(l.mlp, SparseMoE) for l in ours.layers) == sum(ours.args.moe.sparse_layers)
 
 
-def test_only_activated_experts_are_read() -> None:
+@pytest.mark.parametrize("tokens", [1, 5])  # 1: the single-sequence decode path (no sorting)
+def test_only_activated_experts_are_read(tokens: int) -> None:
     torch.manual_seed(0)
     moe = SparseMoE(32, 8, 2, 16, torch.float32, shared_inter=0)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    x = torch.randn(5, 32)
+    x = torch.randn(tokens, 32)
     weights, ids = moe.gate(x)
     used = set(ids.flatten().tolist())
     ref = torch.zeros_like(x)
-    for t in range(5):  # per token, per choice: the textbook sum
+    for t in range(tokens):  # per token, per choice: the textbook sum
         for j in range(2):
             e = int(ids[t, j])
             h = x[t:t + 1]
