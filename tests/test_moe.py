@@ -504,3 +504,10 @@ def test_moe_bench_script_runs(tmp_path: Path) -> None:
     assert rows[1]["experts_mb"] == pytest.approx(rows[1]["all_experts_mb"] / 4, abs=0.011)  # MB, 2 decimals
     assert rows[1]["engine_tok_s"] > 0 and rows[1]["transformers_tok_s"] > 0 and rows[1]["roofline_tok_s"] > 0
     assert "transformers tok/s" in proc.stdout
+
+
+def test_lora_adapters_are_refused_on_a_mixture_of_experts(models: dict[str, Path], tmp_path: Path) -> None:
+    from workers.models.lora_adapter import AdapterError, check_adapter
+    (tmp_path / "adapter").mkdir()
+    with pytest.raises(AdapterError, match="not served on a mixture of experts \\(qwen3_moe"):
+        check_adapter(tmp_path / "adapter", ModelArgs.from_dir(models["qwen3_moe"]))
