@@ -59,10 +59,10 @@ def bad_models(tmp_path_factory, demo_model) -> dict[str, tuple[Path, str]]:
     root = tmp_path_factory.mktemp("bad-models")
     out = {}
     # Real (tiny) checkpoints of two families the decoder does not implement.
-    save_random_model("Qwen3MoeConfig", dict(SMALL, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                                             head_dim=8), root / "qwen3_moe")
-    out["qwen3_moe"] = (_with_tokenizer(root / "qwen3_moe", demo_model),
-                        "model_type: unsupported model type 'qwen3_moe' (supported: llama, mistral, qwen2, qwen3)")
+    save_random_model("OlmoeConfig", dict(SMALL, num_experts=4, num_experts_per_tok=2), root / "olmoe")
+    out["olmoe"] = (_with_tokenizer(root / "olmoe", demo_model),
+                    "model_type: unsupported model type 'olmoe' (supported: llama, mistral, mixtral, qwen2, qwen2_moe, "
+                    "qwen3, qwen3_moe)")
     save_random_model("DeepseekV3Config", dict(SMALL, moe_intermediate_size=16, n_routed_experts=4,
                                                num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16,
                                                q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
@@ -112,7 +112,7 @@ def launch_refused(tmp_path, model, **config) -> tuple[int, str, str]:
     return status, srv.log_path.read_text(), run_dir
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "missing_shard", "truncated", "wrong_shape"])
+@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "missing_shard", "truncated", "wrong_shape"])
 def test_a_model_that_cannot_load_is_refused_before_anything_starts(tmp_path, bad_models, name):
     model, message = bad_models[name]
     status, log, run_dir = launch_refused(tmp_path, model)

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("engine", "engine-alone output tokens/s, in this process (no sockets, no HTTP)"),
     "serving": ("serving", "the real server (scripts/launch.sh) against its engine alone; --null-model: the stack"),
     "roofline": ("roofline", "decode tokens/s against this machine's memory-bandwidth roofline"),
+    "moe": ("moe", "a mixture of experts' decode tokens/s against transformers and the activated-experts roofline"),
     "side-by-side": ("vllm_side_by_side.sh", "this server against vLLM's CPU build (installs vLLM in a venv)"),
     "overlap": ("overlap", "step overlap on against off: two servers, mindie-bench compare"),
     "overload": ("overload", "admission at 10x maxLinkNum: rejection latency, /health, RSS"),
