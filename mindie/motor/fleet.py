@@ -26,8 +26,9 @@ typo) is refused naming it and the closest known key.
 
 Derived per instance k (0-based): the server's three planes at ``ServerConfig.port`` (default:
 the port after the coordinator's highest) + k x stride, each plane keeping its offset from
-``port`` (default +1 and +2, as ``scripts/launch.sh -p`` moves them), stride = the span of the
-planes; ``ServerConfig.runDir`` = ``<run dir>/i<k>``. Files written to the run directory
+``port`` (default: management +1, as ``scripts/launch.sh -p`` moves it, and metrics on the
+management port, where the coordinator reads each instance's /metrics), stride = the span of
+the planes; ``ServerConfig.runDir`` = ``<run dir>/i<k>``. Files written to the run directory
 (default ``$XDG_RUNTIME_DIR/mindie-motor/<predict_port>``, else
 ``/tmp/mindie-py-<uid>/motor-<predict_port>``): ``i<k>.json`` (each instance's config.json),
 ``ms_coordinator.json`` (with the ``instances`` list), ``plan.json``; the run writes each
@@ -343,8 +344,11 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     offsets = {"port": 0,
                "managementPort": _int(sc["managementPort"], keys["managementPort"], 1024, 65535) - port0
                if "managementPort" in sc else 1,
-               "metricsPort": _int(sc["metricsPort"], keys["metricsPort"], 1024, 65535) - port0
-               if "metricsPort" in sc else 2}
+               "metricsPort": None}
+    # Default: /metrics on the management plane, where the coordinator reads it (a static
+    # instance record has no metrics port).
+    offsets["metricsPort"] = (_int(sc["metricsPort"], keys["metricsPort"], 1024, 65535) - port0
+                              if "metricsPort" in sc else offsets["managementPort"])
     stride = max(offsets.values()) - min(offsets.values()) + 1
     if "managementIpAddress" not in sc:
         # MindIE's default management address (127.0.0.2) is not the business one, and Motor's
