@@ -201,3 +201,74 @@ def test_coordinator_probes_are_coordinator_modes(tmp_path) -> None:
                                "instances": [{"id": 0, "ip": "10.0.0.1", "business_port": 1025, "mgmt_port": 1026}]}))
     t = probe.coordinator_target(None, env={"MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH": str(cfg)})
     assert (t.host, t.port, t.tls) == ("127.0.0.1", 1026, None)  # 0.0.0.0 probed on loopback
+
+
+# -- the sidecar and the coordinator probes against a real coordinator ------------------------------
+def test_refresh_sidecar_and_probes_against_a_real_coordinator(tmp_path, monkeypatch) -> None:
+    """discover watch keeps a live coordinator's instance set equal to the pods that resolve (a
+    scale-down removes one); health_check.sh --coordinator: live 200, not ready (503: exit 6)
+    while no instance answers, not running (exit 3) once it stopped."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.harness import free_ports
+
+    predict, manage, dead = free_ports(3)
+    cfg = tmp_path / "ms_coordinator.json"
+    doc = json.loads(configmap()["data"]["ms_coordinator.json"])
+    doc["http_config"].update(predict_ip="127.0.0.1", manage_ip="127.0.0.1", predict_port=predict, manage_port=manage)
+    cfg.write_text(json.dumps(doc))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MIES_", "MINDIE_"))}
+    env["PYTHON"] = sys.executable
+    log = open(tmp_path / "coordinator.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "mindie.coordinator", "--config", str(cfg)], cwd=str(ROOT),
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def check(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / "scripts" / "health_check.sh"), "--coordinator", "--config", str(cfg),
+                               mode], capture_output=True, text=True, env=env, timeout=30, cwd="/")
+
+    def instances() -> list[tuple]:
+        info = httpx.get(f"http://127.0.0.1:{manage}/v1/coordinator_info", timeout=5).json()
+        return sorted((i["id"], i["ip"], i["business_port"], i["mgmt_port"]) for i in info["instances"])
+
+    try:
+        deadline = time.monotonic() + 30
+        while check("liveness").returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
+            time.sleep(0.2)
+        r = check("startup")
+        assert r.returncode == 0 and r.stdout.startswith("healthy: 200"), r
+        monkeypatch.setenv("POD_NAMESPACE", "ns1")
+        args = discover.parse_args(["watch", "--manage", f"http://127.0.0.1:{manage}", "--business-port", str(dead),
+                                    "--mgmt-port", str(dead), "--interval", "0.01", "--max-replicas", "4"])
+        pods = {f"mindie-server-{k}.mindie-server.ns1.svc.cluster.local": f"127.0.0.{k + 1}" for k in range(2)}
+        assert discover.watch(args, resolver=pods.get, rounds=1) == 0
+        assert instances() == [(0, "127.0.0.1", dead, dead), (1, "127.0.0.2", dead, dead)]
+        # Nothing answers on those ports: not ready (503), the probe says so with its own status.
+        r = check("readiness")
+        assert r.returncode == probe.STARTING and r.stderr.startswith("starting: 503"), r
+        # Scale down: mindie-server-1 no longer resolves.
+        del pods["mindie-server-1.mindie-server.ns1.svc.cluster.local"]
+        assert discover.watch(args, resolver=pods.get, rounds=1) == 0
+        assert instances() == [(0, "127.0.0.1", dead, dead)]
+        # Server modes are refused for a coordinator.
+        r = check("timed")
+        assert r.returncode == probe.USAGE and "server mode" in r.stderr, r
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    r = check("liveness")
+    assert r.returncode == probe.NOT_RUNNING, r
