@@ -1,0 +1,371 @@
+"""The predict port: every inference route of the server, relayed to one instance.
+
+A raw ASGI app (no framework between the client's bytes and the instance's): the body is read
+(``request_limit.body_limit`` MB), the request admitted (``max_requests`` in flight, else 429 at
+once; no instance ready, 503), routed (mindie/coordinator/router.py), sent to the instance, and
+the instance's status, headers and body relayed as they come, chunk by chunk (a stream's frames
+are never gathered). Failover:
+
+- the instance refuses the connection, answers 503, fails, or sends no first byte within
+  ``first_token_timeout`` (streams; a non-stream answer has ``infer_timeout``): the request goes
+  to another instance, at most ``max_retry`` more times, each instance once; the failure counts
+  for the instance's circuit breaker (a 503 does not: it says "not now", e.g. draining);
+- the instance fails after the first byte: the stream ends with an error frame in its API's shape
+  (mindie/coordinator/frames.py), never a silent cut;
+- the client hangs up: the instance's connection is closed, which the server takes as a cancel
+  (its request stops, its KV blocks are freed).
+
+One request-log line per request (logger ``mindie.coordinator.request``) names the instance.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any, Optional
+
+import httpx
+
+from mindie.coordinator import frames
+from mindie.errors import ApiError
+
+log = logging.getLogger("mindie.coordinator")
+reqlog = logging.getLogger("mindie.coordinator.request")
+
+# (method, path pattern, streams by path). GET routes are answered by any ready instance.
+ROUTES = [
+    ("POST", re.compile(r"/infer|/infer_token|/v1/tokenizer|/generate|/v1/completions|/v1/chat/completions|/"
+                        r"|/v2/models/[^/]+/(infer|generate)"), False),
+    ("POST", re.compile(r"/generate_stream|/v2/models/[^/]+/generate_stream"), True),
+    ("POST", re.compile(r"/v2/models/[^/]+/stopInfer"), False),
+    ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info"), False),
+]
+HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+       "transfer-encoding", "upgrade", "host", "content-length", "server"}
+
+
+def _match(method: str, path: str) -> tuple[bool, bool]:
+    """(known route, streams by its path) for ``method`` and ``path``; a known path with another
+    method is (True, ...) with the method refused later."""
+    for m, pat, streams in ROUTES:
+        if pat.fullmatch(path) and m == method:
+            return True, streams
+    return False, False
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str, detail: str, breaker: bool = True) -> None:
+        super().__init__(detail)
+        self.reason, self.detail, self.breaker = reason, detail, breaker
+
+
+class Relay:
+    def __init__(self, coord: Any) -> None:
+        self.coord = coord
+        c = coord.config
+        self.limit = c.request_limit
+        self.exc = c.exception_config
+        self.body_max = c.request_limit.body_limit << 20
+        self.server_name = c.http_config.server_name.encode()
+        self.inflight = 0  # admitted requests not finished (the max_requests bound)
+        self.received = 0
+        self.input_chars = 0  # of the bodies relayed (coordinator_info's request_length_info)
+        self._room = asyncio.Event()
+
+    # -- ASGI ------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        t0 = time.monotonic()
+        rid = uuid.uuid4().hex[:16]
+        method, path = scope["method"], scope["path"]
+        known, by_path = _match(method, path)
+        rec = {"id": rid, "method": method, "path": path, "instance": "-", "status": 0, "decision": "-",
+               "attempts": 0, "retries": [], "ttft_ms": None, "bytes": 0, "outcome": ""}
+        m = self.coord.metrics
+        m.received(path)
+        self.received += 1
+        try:
+            if not known:
+                other = any(pat.fullmatch(path) for _, pat, _ in ROUTES)
+                err = ApiError(405, f"{method} is not allowed on {path}", "Method Not Allowed") if other \
+                    else ApiError(404, f"{path} is not a route of this coordinator", "NotFoundError")
+                return await self._answer(send, rec, frames.OTHER, err, "refused")
+            if self.inflight >= self.limit.max_requests:
+                m.refused("max_requests")
+                return await self._answer(send, rec, frames.OTHER,
+                                          ApiError(429, "Too many requests", "Too Many Requests"), "refused")
+            self.inflight += 1
+            try:
+                await self._admitted(scope, receive, send, rec, by_path, t0)
+            finally:
+                self.inflight -= 1
+                self._room.set()
+        finally:
+            dur = (time.monotonic() - t0) * 1000
+            m.finished(rec, dur / 1000)
+            reqlog.info("request %s %s %s -> instance %s status %s %s attempts %d%s ttft_ms %s duration_ms %.1f "
+                        "bytes %d%s", rid, method, path, rec["instance"], rec["status"], rec["decision"],
+                        rec["attempts"], f" retries {','.join(rec['retries'])}" if rec["retries"] else "",
+                        "-" if rec["ttft_ms"] is None else f"{rec['ttft_ms']:.1f}", dur, rec["bytes"],
+                        f" {rec['outcome']}" if rec["outcome"] else "",
+                        extra={"request": {k: v for k, v in rec.items()} | {"duration_ms": round(dur, 1)}})
+
+    async def _answer(self, send, rec: dict, fam: str, err: ApiError, outcome: str) -> None:
+        status, body = frames.answer(fam, err)
+        rec["status"], rec["outcome"] = status, outcome or err.message
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"server", self.server_name)]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _read_body(self, receive) -> Optional[bytes]:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.body_max:
+                raise ApiError(413, f"The request body is larger than request_limit.body_limit "
+                                    f"({self.limit.body_limit} MB).", "Request Entity Too Large")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    async def _admitted(self, scope, receive, send, rec: dict, by_path: bool, t0: float) -> None:
+        path = scope["path"]
+        try:
+            body = await self._read_body(receive)
+        except ApiError as e:
+            return await self._answer(send, rec, frames.OTHER, e, "refused")
+        if body is None:
+            rec["outcome"] = "client disconnected"
+            return
+        self.input_chars += len(body)
+        try:
+            parsed = json.loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            parsed = None  # the instance answers the malformed body in its own words
+        fam = frames.family(path, parsed)
+        stream = by_path or (isinstance(parsed, dict) and parsed.get("stream") is True)
+        work = asyncio.ensure_future(self._route(scope, send, rec, body, parsed, fam, stream, t0))
+        gone = asyncio.ensure_future(self._disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            gone.cancel()
+            raise
+        if work in done:
+            gone.cancel()
+            work.result()
+        else:
+            # the client hung up: stop relaying; closing the instance's connection cancels there
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            rec["outcome"] = "client disconnected"
+            self.coord.metrics.disconnect()
+
+    @staticmethod
+    async def _disconnect(receive) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    async def _route(self, scope, send, rec, body: bytes, parsed: Any, fam: str, stream: bool, t0: float) -> None:
+        coord = self.coord
+        reg, router, m = coord.registry, coord.router, coord.metrics
+        e = self.exc
+        if not reg.ready():
+            return await self._answer(send, rec, fam, ApiError(503, "MindIE-MS Coordinator is not ready",
+                                                              "Service Unavailable"), "no instance ready")
+        if scope["path"].endswith("/stopInfer"):
+            return await self._broadcast(scope, send, rec, body, fam)
+        info = router.info(scope["path"], parsed)
+        tried: set[int] = set()
+        last: Optional[_Retry] = None
+        deadline = t0 + e.infer_timeout if e.infer_timeout else None
+        while True:
+            inst, decision = router.pick(info, tried)
+            if inst is None and not tried and reg.ready():
+                inst, decision = await self._wait_room(info, t0)
+                if inst is None:
+                    return await self._answer(send, rec, fam, ApiError(
+                        503, "Request schedule timeout: every ready instance is at "
+                             "request_limit.single_node_max_requests", "Service Unavailable"), "schedule timeout")
+            if inst is None:
+                err = ApiError(503, f"No instance could serve the request: {last.detail}" if last
+                               else "MindIE-MS Coordinator is not ready", "Service Unavailable")
+                return await self._answer(send, rec, fam, err, "no instance left")
+            rec["instance"] = f"{inst.id}({inst.host}:{inst.business_port})"
+            rec["decision"] = decision
+            rec["attempts"] += 1
+            m.routed(decision, inst.id)
+            try:
+                await self._attempt(scope, send, rec, inst, body, fam, stream, t0, deadline)
+                return
+            except _Retry as r:
+                last = r
+                tried.add(inst.id)
+                rec["retries"].append(f"{inst.id}:{r.reason}")
+                log.warning("request %s: instance %d %s: %s", rec["id"], inst.id, r.reason, r.detail)
+                if r.breaker and inst.breaker.failure():
+                    m.breaker_trip(inst.id)
+                    log.warning("instance %d %s isolated (circuit breaker open %.1f s): %s", inst.id, inst.base_url,
+                                inst.breaker.open_s * inst.breaker.backoff, r.detail)
+                    reg.note()
+                if rec["attempts"] > e.max_retry:
+                    if r.reason == "first_token_timeout":
+                        err = ApiError(504, "Request first token timeout", "Gateway Timeout")
+                    else:
+                        err = ApiError(503, f"No instance could serve the request after {rec['attempts']} "
+                                            f"attempt(s): {r.detail}", "Service Unavailable")
+                    return await self._answer(send, rec, fam, err, "retries exhausted")
+                m.retry(r.reason)
+
+    async def _wait_room(self, info, t0: float):
+        """Every ready instance is full: wait for room until ``schedule_timeout`` (0: no bound)."""
+        st = self.exc.schedule_timeout
+        while True:
+            self._room.clear()
+            left = None if not st else t0 + st - time.monotonic()
+            if left is not None and left <= 0:
+                return None, "schedule_timeout"
+            try:
+                await asyncio.wait_for(self._room.wait(), timeout=min(0.5, left) if left else 0.5)
+            except asyncio.TimeoutError:
+                pass
+            inst, decision = self.coord.router.pick(info, set())
+            if inst is not None:
+                return inst, decision
+
+    def _headers(self, scope) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP]
+
+    async def _attempt(self, scope, send, rec, inst, body: bytes, fam: str, stream: bool, t0: float,
+                       deadline: Optional[float]) -> None:
+        coord = self.coord
+        e = self.exc
+        url = inst.base_url + scope["raw_path"].decode("latin-1")
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        first_by = None
+        if stream and e.first_token_timeout:
+            first_by = time.monotonic() + e.first_token_timeout
+        if deadline is not None:
+            first_by = deadline if first_by is None else min(first_by, deadline)
+        inst.inflight += 1
+        inst.dispatched += 1
+        inst.breaker.on_dispatch()
+        coord.metrics.inflight(inst.id, inst.inflight)
+        resp: Optional[httpx.Response] = None
+        started = False
+        try:
+            req = coord.business.build_request(scope["method"], url, headers=self._headers(scope), content=body)
+            try:
+                resp = await asyncio.wait_for(coord.business.send(req, stream=True), _left(first_by))
+            except (asyncio.TimeoutError, httpx.TimeoutException):
+                raise _Retry("first_token_timeout", f"no answer within {_left_s(first_by, e)}") from None
+            except httpx.HTTPError as x:
+                raise _Retry("connect", f"{type(x).__name__}: {x}".rstrip(": ")) from None
+            if resp.status_code == 503:
+                text = (await resp.aread())[:300].decode("utf-8", "replace")
+                raise _Retry("503", f"answered 503: {text}", breaker=False)
+            it = resp.aiter_raw()
+            try:
+                first = await asyncio.wait_for(anext(it, b""), _left(first_by))
+            except (asyncio.TimeoutError, httpx.TimeoutException):
+                raise _Retry("first_token_timeout", f"no first byte within {_left_s(first_by, e)}") from None
+            except httpx.HTTPError as x:
+                raise _Retry("cut_before_first_token", f"{type(x).__name__}: {x}".rstrip(": ")) from None
+            rec["ttft_ms"] = (time.monotonic() - t0) * 1000
+            rec["status"] = resp.status_code
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.multi_items()
+                       if k.lower() not in HOP or (k.lower() == "content-length" and not stream)]
+            headers.append((b"server", self.server_name))
+            started = True
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+            rec["bytes"] += len(first)
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            try:
+                while True:
+                    if deadline is None:
+                        chunk = await anext(it, None)
+                    else:
+                        chunk = await asyncio.wait_for(anext(it, None), max(0.0, deadline - time.monotonic()))
+                    if chunk is None:
+                        break
+                    rec["bytes"] += len(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (asyncio.TimeoutError, httpx.TimeoutException):
+                err = ApiError(504, "Request inference timeout", "Gateway Timeout")
+                await self._cut(send, rec, fam, err, "infer_timeout", stream)
+                return
+            except httpx.HTTPError as x:
+                # the instance died (or closed) mid-answer: say so in the stream's own shape
+                if inst.breaker.failure():
+                    coord.metrics.breaker_trip(inst.id)
+                coord.metrics.cut()
+                err = ApiError(500, f"The instance serving this request failed after the first token "
+                                    f"({type(x).__name__}); the answer is incomplete.", "Incomplete Generation")
+                await self._cut(send, rec, fam, err, "instance failed mid-stream", stream)
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if resp.status_code >= 500:
+                if inst.breaker.failure():
+                    coord.metrics.breaker_trip(inst.id)
+            else:
+                inst.breaker.success()
+        finally:
+            inst.inflight -= 1
+            coord.metrics.inflight(inst.id, inst.inflight)
+            if resp is not None:
+                await resp.aclose()
+            if not started:
+                rec["status"] = rec["status"] or 0
+
+    async def _cut(self, send, rec, fam: str, err: ApiError, outcome: str, stream: bool) -> None:
+        rec["outcome"] = outcome
+        if stream:
+            frame = frames.stream_error(fam, err)
+            rec["bytes"] += len(frame)
+            await send({"type": "http.response.body", "body": frame, "more_body": False})
+        else:
+            # a non-stream body cannot carry an error after it began: close short of its length
+            raise ConnectionAbortedError(outcome)
+
+    async def _broadcast(self, scope, send, rec, body: bytes, fam: str) -> None:
+        """stopInfer: the coordinator does not know which instance holds the id; ask every ready one."""
+        coord = self.coord
+        answers = []
+        insts = coord.registry.ready()
+
+        async def one(inst):
+            url = inst.base_url + scope["raw_path"].decode("latin-1")
+            try:
+                r = await coord.business.post(url, content=body, headers=self._headers(scope), timeout=10)
+                return inst, r.status_code, r.content, r.headers.get("content-type", "application/json")
+            except httpx.HTTPError as x:
+                return inst, 0, str(x).encode(), "text/plain"
+        answers = await asyncio.gather(*(one(i) for i in insts))
+        ok = [a for a in answers if a[1] == 200]
+        inst, status, content, ctype = (ok or sorted(answers, key=lambda a: -a[1]))[0]
+        rec["instance"] = ",".join(str(a[0].id) for a in (ok or answers))
+        rec["status"] = status or 503
+        await send({"type": "http.response.start", "status": status or 503,
+                    "headers": [(b"content-type", ctype.encode()), (b"server", self.server_name)]})
+        await send({"type": "http.response.body", "body": content})
+
+
+def _left(by: Optional[float]) -> Optional[float]:
+    return None if by is None else max(0.0, by - time.monotonic())
+
+
+def _left_s(by: Optional[float], e) -> str:
+    return f"first_token_timeout {e.first_token_timeout} s" if e.first_token_timeout else "infer_timeout"
