@@ -35,8 +35,8 @@ config is its ``ms_coordinator.json`` (``--config FILE``, else
 ``$MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH``, else its defaults), read by the coordinator's own
 loader; the probe connects to ``http_config.manage_ip``/``manage_port`` (HTTPS with
 ``tls_config.controller_server_tls_enable``, trusting its ``ca_cert``) and asks, as MindIE's
-probe.sh does for its coordinator: ``startup`` and ``liveness`` -> ``GET /v1/health`` (200 while
-the process serves), ``readiness`` -> ``GET /v1/readiness`` (503 while no instance is ready, so
+probe.sh does for its coordinator: ``startup`` -> ``GET /v1/startup``, ``liveness`` -> ``GET
+/v1/health`` (both 200 while the process serves), ``readiness`` -> ``GET /v1/readiness`` (503 while no instance is ready, so
 a coordinator with nothing to route to leaves its Service). ``timed`` and ``stop`` are server
 modes (a coordinator runs no inference; it stops on SIGTERM).
 
@@ -84,9 +84,8 @@ OK, UNHEALTHY, USAGE, NOT_RUNNING, TIMEOUT, TLS_ERROR, STARTING, STOPPED, BUSY =
 
 MODES = ("startup", "liveness", "readiness", "timed", "stop")
 ROUTES = {"startup": "/v2/health/live", "liveness": "/v2/health/live", "readiness": "/v2/health/ready"}
-# MindIE's probe.sh for its coordinator uses /v1/startup, /v1/health and /v1/readiness on the
-# management side; this coordinator answers /v1/health from the start (no separate startup state).
-COORDINATOR_ROUTES = {"startup": "/v1/health", "liveness": "/v1/health", "readiness": "/v1/readiness"}
+# MindIE's probe.sh for its coordinator: /v1/startup, /v1/health and /v1/readiness.
+COORDINATOR_ROUTES = {"startup": "/v1/startup", "liveness": "/v1/health", "readiness": "/v1/readiness"}
 COORDINATOR_CONFIG_ENV = "MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH"
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_TIMED_N = 3
@@ -110,7 +109,7 @@ exit status:
   6 starting (503)   7 stopped (503 after /stopService)   8 busy (503 from /v2/health/ready)
 
 --coordinator (a MindIE Motor coordinator, --config ms_coordinator.json):
-  startup     GET /v1/health        (200 while the coordinator serves)
+  startup     GET /v1/startup       (200 while the coordinator serves)
   liveness    GET /v1/health
   readiness   GET /v1/readiness     (503 while no instance is ready to route to)
 
