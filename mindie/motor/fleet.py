@@ -88,11 +88,10 @@ CONTROLLER_KEYS = (
     "multi_node_infer_config", "node_manager_port", "process_manager", "rank_table_detecting_seconds",
     "role_decision_methods", "scaling_rule_file_path", "server_online_attempt_times",
     "server_online_wait_seconds", "tls_config", "transfer_type")
-# Environment variables that would move an instance off its derived config (launch.sh reads
-# them over the config file): not passed to the instances.
-INSTANCE_ENV_DROPPED = ("MIES_CONFIG_JSON_PATH", "MINDIE_HOST", "MINDIE_PORT", "MINDIE_MANAGEMENT_PORT",
-                        "MINDIE_METRICS_PORT", "MINDIE_RUN_DIR", "MINDIE_ROLE", "MIES_CONTAINER_IP",
-                        "MIES_CONTAINER_MANAGEMENT_IP", "MINDIE_LAUNCHER_PID", "MINDIE_HUP_RESET")
+# Environment variables not passed to the instances: every override of a config key (launch.sh
+# reads them over the config file, so they would move an instance off its derived config.json:
+# mindie.config.ENV_OVERRIDES, added in instance_env()) and the launcher's own plumbing.
+INSTANCE_ENV_DROPPED = ("MIES_CONFIG_JSON_PATH", "MINDIE_ROLE", "MINDIE_LAUNCHER_PID", "MINDIE_HUP_RESET")
 COORDINATOR_ENV_DROPPED = ("MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH",)
 # launch.sh options that the derivation sets: refused after "--".
 LAUNCH_OPTIONS_DERIVED = ("-c", "--config", "-H", "--host", "-p", "--port", "--management-port",
@@ -464,8 +463,15 @@ def _say(msg: str) -> None:
     print(f"motor: {msg}", file=sys.stderr, flush=True)
 
 
-def _child_env(drop: tuple) -> dict:
+def _child_env(drop) -> dict:
     return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def instance_env() -> tuple[dict, list[str]]:
+    """The instances' environment, and the overrides left out of it (named in a note)."""
+    from mindie.config import ENV_OVERRIDES
+    drop = set(INSTANCE_ENV_DROPPED) | set(ENV_OVERRIDES)
+    return _child_env(drop), sorted(k for k in ENV_OVERRIDES if k in os.environ)
 
 
 def _preexec() -> None:
@@ -540,7 +546,9 @@ class Fleet:
         return p
 
     def start_instances(self) -> None:
-        env = _child_env(INSTANCE_ENV_DROPPED)
+        env, dropped = instance_env()
+        if dropped:
+            _say(f"note: not passed to the instances (their derived config.json is): {', '.join(dropped)}")
         env.setdefault("PYTHON", sys.executable)
         for inst in self.plan.instances:
             p = self._spawn(inst.name, ["bash", str(LAUNCH), "--config", inst.config, *self.launch_args],
