@@ -482,6 +482,15 @@ def _preexec() -> None:
     die_with_parent(signal.SIGTERM)
 
 
+def _how(rc: int) -> str:
+    """How a child ended, from its Popen returncode."""
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-rc).name}"
+        return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
 def _tail(path: str, n: int = 20) -> str:
     with contextlib.suppress(OSError):
         lines = Path(path).read_text(errors="replace").splitlines()[-n:]
@@ -573,7 +582,7 @@ class Fleet:
             for name, inst in list(pending.items()):
                 p = self.procs[name]
                 if p.poll() is not None:
-                    _say(f"instance {name} failed to start: launch.sh exited with status {p.returncode}; "
+                    _say(f"instance {name} failed to start: launch.sh {_how(p.returncode)}; "
                          f"its log ({inst.log}) ends:\n{_tail(inst.log)}")
                     return False
                 if _get(inst.mgmt_ip, inst.mgmt_port, "/v2/health/ready", 2.0, inst.https) == 200:
@@ -592,7 +601,7 @@ class Fleet:
         tls = self.plan.manage_url.startswith("https")
         while time.monotonic() < deadline and not self.signals:
             if p.poll() is not None:
-                _say(f"the coordinator exited with status {p.returncode} while starting; its log "
+                _say(f"the coordinator {_how(p.returncode)} while starting; its log "
                      f"({self.plan.coordinator_log}) ends:\n{_tail(self.plan.coordinator_log)}")
                 return False
             if _get(self.plan.manage_host, self.plan.manage_port, "/v1/readiness", 2.0, tls) == 200:
@@ -621,7 +630,7 @@ class Fleet:
                     return 0
                 now = time.monotonic()
                 self.coordinator_deaths = [t for t in self.coordinator_deaths if now - t < RESTART_WINDOW_S] + [now]
-                how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
+                how = _how(rc)
                 if len(self.coordinator_deaths) > RESTARTS:
                     _say(f"the coordinator {how}, {len(self.coordinator_deaths)} times in "
                          f"{RESTART_WINDOW_S:g} s: giving up; its log ends:\n{_tail(self.plan.coordinator_log)}")
@@ -632,7 +641,7 @@ class Fleet:
                 p = self.procs[inst.name]
                 if inst.name not in dead_instances and p.poll() is not None:
                     dead_instances.add(inst.name)
-                    _say(f"instance {inst.name} stopped (launch.sh status {p.returncode}): the coordinator "
+                    _say(f"instance {inst.name} stopped (launch.sh {_how(p.returncode)}): the coordinator "
                          f"routes around it; its log ({inst.log}) ends:\n{_tail(inst.log, 5)}")
             time.sleep(0.2)
         return 0

@@ -219,7 +219,7 @@ def affinity(args) -> dict:
             weight = sum(w for _, w in per)
             hit = sum(r * w for r, w in per) / weight if weight else 0.0
             coord = scrape(fleet.manage_url + "/metrics")
-            decisions = {k: v for k, v in coord.items() if k.startswith("coordinator_") and "decision" in k}
+            decisions = {k: v for k, v in coord.items() if k.startswith("coordinator_routing_decisions_total")}
         finally:
             fleet.stop()
         bad = [r for r in records if r["status"] != 200 or r["ttft_s"] is None]
