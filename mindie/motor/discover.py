@@ -117,11 +117,20 @@ def render(args: argparse.Namespace, resolver: Resolver = resolve) -> int:
     return 0
 
 
-def post_refresh(manage: str, body: dict, timeout: float) -> tuple[int, str]:
+def tls_context(cacert: str = "", cert: str = "", key: str = ""):
+    """HTTPS to the manage port: its CA (default: the system's), our certificate for mutual TLS."""
+    import ssl
+    ctx = ssl.create_default_context(cafile=cacert or None)
+    if cert:
+        ctx.load_cert_chain(cert, key or None)
+    return ctx
+
+
+def post_refresh(manage: str, body: dict, timeout: float, context=None) -> tuple[int, str]:
     req = urllib.request.Request(manage.rstrip("/") + "/v1/instances/refresh", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, r.read(4096).decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read(4096).decode("utf-8", "replace")
@@ -132,6 +141,7 @@ def post_refresh(manage: str, body: dict, timeout: float) -> tuple[int, str]:
 def watch(args: argparse.Namespace, resolver: Resolver = resolve, rounds: Optional[int] = None) -> int:
     """Refresh the coordinator whenever the resolved set changes (also after a failed refresh and
     after the coordinator restarts: every ``--resync`` seconds the set is sent again)."""
+    ctx = tls_context(args.cacert, args.cert, args.key) if args.manage.startswith("https:") else None
     sent: Optional[list[dict]] = None
     last = 0.0
     n = 0
@@ -139,7 +149,8 @@ def watch(args: argparse.Namespace, resolver: Resolver = resolve, rounds: Option
         n += 1
         found = discover(args, resolver)
         if found != sent or time.monotonic() - last >= args.resync:
-            status, text = post_refresh(args.manage, refresh_body(found, args.metric_port or args.mgmt_port), 5.0)
+            status, text = post_refresh(args.manage, refresh_body(found, args.metric_port or args.mgmt_port), 5.0,
+                                        ctx)
             if status == 200:
                 if found != sent:
                     print(f"discover: refreshed {len(found)} instance(s): "
@@ -172,6 +183,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--min-instances", type=int, default=1, help="render: wait for this many (default 1)")
     p.add_argument("--wait", type=float, default=600.0, help="render: at most this long (default 600 s)")
     p.add_argument("--manage", default="http://127.0.0.1:1026", help="watch: the coordinator's manage URL")
+    p.add_argument("--cacert", default="", help="watch, https --manage: the CA of the manage port's certificate")
+    p.add_argument("--cert", default="", help="watch, mutual TLS: our client certificate")
+    p.add_argument("--key", default="", help="watch, mutual TLS: its key")
     p.add_argument("--resync", type=float, default=60.0,
                    help="watch: send the set again after this long even if unchanged (a restarted coordinator)")
     args = p.parse_args(argv)
