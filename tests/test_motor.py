@@ -238,3 +238,67 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_coordinator_killed_is_restarted_and_its_own_stop_drains_the_fleet(tmp_path, demo_model) -> None:
+    """kill -9 of the coordinator: the instances keep serving, motor.sh starts a new one, which
+    routes again; the coordinator ending by itself with status 0 (a stop it was asked for) drains
+    every instance and motor.sh exits 0."""
+    import contextlib
+    predict, manage = free_ports(2)
+    base = consecutive_free_ports(4, avoid=(predict, manage))
+    cfg = user_config(tmp_path / "u.json", predict=predict, manage=manage, server=server_config(demo_model, base))
+    run = short_run_dir()
+    log = open(tmp_path / "motor.log", "wb")
+    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", run, "--ready-timeout", "180",
+                             "--", "-w", "1"], stdout=log, stderr=subprocess.STDOUT, env=env(), cwd="/")
+
+    def out() -> str:
+        log.flush()
+        return (tmp_path / "motor.log").read_text(errors="replace")
+
+    def coordinator_pid() -> int:
+        lines = [line for line in out().splitlines() if line.startswith("motor: coordinator: pid ")]
+        return int(lines[-1].split()[3].rstrip(","))
+
+    def wait_for(text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in out():
+            assert proc.poll() is None and time.monotonic() < deadline, f"no {text!r}:\n{out()}"
+            time.sleep(0.1)
+
+    body = {"input_id": [5, 6, 7], "stream": False, "parameters": {"max_new_tokens": 3}}
+    try:
+        wait_for("mindie-motor ready:", 200)
+        plan = json.loads((Path(run) / "plan.json").read_text())
+        first = coordinator_pid()
+        os.kill(first, signal.SIGKILL)
+        # The instances serve on their own ports meanwhile.
+        for i in plan["instances"]:
+            r = httpx.post(f"http://127.0.0.1:{i['business_port']}/infer_token", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        wait_for("the coordinator was killed by SIGKILL: restarting it", 20)
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.post(f"http://127.0.0.1:{predict}/infer_token", json=body, timeout=60)
+                if r.status_code == 200:
+                    break
+            assert time.monotonic() < deadline, out()
+            time.sleep(0.2)
+        second = coordinator_pid()
+        assert second != first and alive(second)
+        pids = [proc.pid, *descendants(proc.pid)]
+        os.kill(second, signal.SIGTERM)  # the coordinator's own stop: it exits 0
+        assert proc.wait(90) == 0, out()
+        assert wait_gone(pids, 20) is not None, [p for p in pids if alive(p)]
+        assert "the coordinator stopped by itself (exit 0, a stop it was asked for): stopping the instances" in out()
+        assert "draining 2 instance(s)" in out()
+    finally:
+        if proc.poll() is None:
+            for pid in descendants(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+        log.close()

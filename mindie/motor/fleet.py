@@ -626,7 +626,7 @@ class Fleet:
             if coord.poll() is not None:
                 rc = coord.returncode
                 if rc == 0:
-                    _say("the coordinator stopped (stopService): stopping the instances")
+                    _say("the coordinator stopped by itself (exit 0, a stop it was asked for): stopping the instances")
                     return 0
                 now = time.monotonic()
                 self.coordinator_deaths = [t for t in self.coordinator_deaths if now - t < RESTART_WINDOW_S] + [now]
