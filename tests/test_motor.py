@@ -210,6 +210,13 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
         # Both instances are known and ready to the coordinator.
         info = httpx.get(f"http://127.0.0.1:{manage}/v1/coordinator_info", timeout=10)
         assert info.status_code == 200, info.text
+        # A second motor.sh on the same run directory is refused and leaves the files alone.
+        before = (Path(run) / "i0.json").read_text()
+        other = user_config(tmp_path / "u-other.json", predict=predict, manage=manage, replicas=1,
+                            server=server_config(demo_model, base + 10))
+        r = motor("--config", str(other), "--run-dir", run)
+        assert r.returncode == 2 and "is in use by another motor.sh" in r.stderr, r
+        assert (Path(run) / "i0.json").read_text() == before
         # health_check.sh --coordinator against the live coordinator.
         coord_cfg = Path(run) / "ms_coordinator.json"
         for mode in ("startup", "liveness", "readiness"):

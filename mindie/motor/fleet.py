@@ -687,15 +687,23 @@ class Fleet:
                     p.wait(5)
 
 
-def run(plan: Plan, launch_args: list[str], ready_timeout: float) -> int:
-    lock_path = os.path.join(plan.run_dir, "motor.lock")
+def claim(run_dir: str) -> Optional[int]:
+    """An open descriptor holding the run directory's lock (``motor.lock``), or None (with a
+    message) when another motor.sh holds it: its files are not touched."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    lock_path = os.path.join(run_dir, "motor.lock")
     lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        _say(f"the run directory {plan.run_dir} is in use by another motor.sh (its lock {lock_path} is held): "
-             "stop it first or pass --run-dir")
-        return 2
+        os.close(lock)
+        _say(f"the run directory {run_dir} is in use by another motor.sh (its lock {lock_path} is held): "
+             "stop that one first or pass --run-dir")
+        return None
+    return lock
+
+
+def run(plan: Plan, lock: int, launch_args: list[str], ready_timeout: float) -> int:
     fleet = Fleet(plan, launch_args, ready_timeout)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, fleet.on_signal)
@@ -778,6 +786,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: Optional[list[str]] = None) -> int:
     args, launch_args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        # First without writing: the run directory (from the ports) is claimed before its files
+        # are written, so a fleet running there keeps its own.
+        plan = derive(args.config, args.run_dir, write=False)
+        lock = claim(plan.run_dir)
+        if lock is None:
+            return 2
         plan = derive(args.config, args.run_dir, write=True)
     except FleetError as e:
         print(f"motor: user_config.json refused: {e}", file=sys.stderr, flush=True)
@@ -786,8 +800,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"note: {note}")
     if args.command == "plan":
         print(json.dumps(asdict(plan), indent=2))
+        os.close(lock)
         return 0
-    return run(plan, launch_args, args.ready_timeout)
+    return run(plan, lock, launch_args, args.ready_timeout)
 
 
 if __name__ == "__main__":
