@@ -15,19 +15,29 @@ from mindie.coordinator.registry import Instance, Poller, Registry
 log = logging.getLogger("mindie.coordinator")
 
 
-def _client_context(items: TlsItems, key: str) -> ssl.SSLContext:
-    """A client context for talking to instances: their CA, and our certificate when given (mutual TLS)."""
-    ctx = ssl.create_default_context(cafile=items.ca_cert or None)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    if items.tls_cert:
-        password = None
-        if items.tls_passwd:
-            with open(items.tls_passwd, "rb") as f:
-                password = f.read().rstrip(b"\r\n")
-        ctx.load_cert_chain(items.tls_cert, items.tls_key or None, password=password)
-    if items.tls_crl:
-        ctx.load_verify_locations(cafile=items.tls_crl)
-        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+def _client_context(items: TlsItems, plane: str) -> ssl.SSLContext:
+    """A client context for talking to instances: their CA, and our certificate when given
+    (mutual TLS). Raises ``TlsError`` naming the key of a file that cannot be used."""
+    from mindie.tls import TlsError
+    k = f"tls_config.{plane}_tls_items"
+    key = f"{k}.ca_cert"
+    try:
+        ctx = ssl.create_default_context(cafile=items.ca_cert or None)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if items.tls_cert:
+            password = None
+            if items.tls_passwd:
+                key = f"{k}.tls_passwd"
+                with open(items.tls_passwd, "rb") as f:
+                    password = f.read().rstrip(b"\r\n")
+            key = f"{k}.tls_cert"
+            ctx.load_cert_chain(items.tls_cert, items.tls_key or None, password=password)
+        if items.tls_crl:
+            key = f"{k}.tls_crl"
+            ctx.load_verify_locations(cafile=items.tls_crl)
+            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+    except (OSError, ssl.SSLError) as e:
+        raise TlsError(key, f"{type(e).__name__}: {e}") from None
     return ctx
 
 

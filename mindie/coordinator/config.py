@@ -47,6 +47,7 @@ class HttpConfig(_S):
     user_agent: str = "Coordinator/1.0"
     # project extensions
     pollIntervalMs: Annotated[int, msgspec.Meta(ge=50, le=60000)] = 1000  # instance status poll period
+    drainTimeoutS: Annotated[int, msgspec.Meta(ge=0, le=3600)] = 30  # SIGTERM: in-flight requests get this long
 
 
 class RequestLimit(_S):
@@ -236,9 +237,24 @@ def unknown_keys(raw: Any, tp: Any = CoordinatorConfig, path: str = "") -> list[
     return out
 
 
+def _field_type(path: str) -> Any:
+    """The declared type at a msgspec path such as 'digs_scheduler_config.algorithm_type'."""
+    tp: Any = CoordinatorConfig
+    for name, index in re.findall(r"\.?([^.\[]+)|\[(\d+)\]", path):
+        while typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        tp = _fields(tp).get(name, Any) if name else (typing.get_args(tp) or (Any,))[0]
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
 def _translate(err: msgspec.ValidationError) -> tuple[str, str]:
     m = re.fullmatch(r"(.*?) - at `\$(.*)`", str(err), re.S)
     what, path = (m.group(1), m.group(2).lstrip(".")) if m else (str(err), "")
+    if what.startswith("Invalid enum value"):
+        allowed = typing.get_args(_field_type(path)) if typing.get_origin(_field_type(path)) is Literal else ()
+        return path, "must be one of " + ", ".join(json.dumps(a) for a in allowed)
     what = re.sub(r"^Expected `([^`]+)`, got `([^`]+)`", r"must be \1, got \2", what)
     what = re.sub(r"^Expected `[^`]+` (.+)", r"must be \1", what).replace("that's ", "")
     return path, what

@@ -56,6 +56,10 @@ def _match(method: str, path: str) -> tuple[bool, bool]:
     return False, False
 
 
+class _ShortAnswer(Exception):
+    """Ends the ASGI call without finishing the answer: uvicorn closes the connection."""
+
+
 class _Retry(Exception):
     def __init__(self, reason: str, detail: str, breaker: bool = True) -> None:
         super().__init__(detail)
@@ -94,13 +98,16 @@ class Relay:
                 err = ApiError(405, f"{method} is not allowed on {path}", "Method Not Allowed") if other \
                     else ApiError(404, f"{path} is not a route of this coordinator", "NotFoundError")
                 return await self._answer(send, rec, frames.OTHER, err, "refused")
+            fam = frames.family(path, None)  # refusals in the shape of the route's family
             if self.inflight >= self.limit.max_requests:
                 m.refused("max_requests")
-                return await self._answer(send, rec, frames.OTHER,
-                                          ApiError(429, "Too many requests", "Too Many Requests"), "refused")
+                return await self._answer(send, rec, fam, ApiError(429, "Too many requests", "Too Many Requests"),
+                                          "refused")
             self.inflight += 1
             try:
                 await self._admitted(scope, receive, send, rec, by_path, t0)
+            except _ShortAnswer:
+                pass
             finally:
                 self.inflight -= 1
                 self._room.set()
@@ -142,7 +149,7 @@ class Relay:
         try:
             body = await self._read_body(receive)
         except ApiError as e:
-            return await self._answer(send, rec, frames.OTHER, e, "refused")
+            return await self._answer(send, rec, frames.family(path, None), e, "refused")
         if body is None:
             rec["outcome"] = "client disconnected"
             return
@@ -164,6 +171,8 @@ class Relay:
         if work in done:
             gone.cancel()
             work.result()
+            if rec.get("cut"):
+                raise _ShortAnswer
         else:
             # the client hung up: stop relaying; closing the instance's connection cancels there
             work.cancel()
@@ -190,7 +199,8 @@ class Relay:
         info = router.info(scope["path"], parsed)
         tried: set[int] = set()
         last: Optional[_Retry] = None
-        deadline = t0 + e.infer_timeout if e.infer_timeout else None
+        limit = e.tokenizer_timeout if scope["path"] == "/v1/tokenizer" else e.infer_timeout
+        deadline = t0 + limit if limit else None
         while True:
             inst, decision = router.pick(info, tried)
             if inst is None and not tried and reg.ready():
@@ -337,8 +347,9 @@ class Relay:
             rec["bytes"] += len(frame)
             await send({"type": "http.response.body", "body": frame, "more_body": False})
         else:
-            # a non-stream body cannot carry an error after it began: close short of its length
-            raise ConnectionAbortedError(outcome)
+            # a non-stream answer cannot carry an error once its body began: it ends short of its
+            # Content-Length, which every HTTP client reports as an incomplete answer
+            rec["cut"] = True
 
     async def _broadcast(self, scope, send, rec, body: bytes, fam: str) -> None:
         """stopInfer: the coordinator does not know which instance holds the id; ask every ready one."""

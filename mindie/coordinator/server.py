@@ -73,14 +73,21 @@ async def _run(srv: uvicorn.Server) -> None:
 
 async def _main(loaded: Loaded) -> int:
     from mindie.coordinator.app import Coordinator
+    from mindie.tls import TlsError
     c = loaded.config
-    coord = Coordinator(c)
     h = c.http_config
+    try:
+        coord = Coordinator(c)
+        listeners = coord.listeners()
+    except TlsError as e:
+        log.error("TLS refused: %s", e)
+        return 1
     servers = []
-    for name, app, ip, port, ssl_ctx in coord.listeners():
+    for name, app, ip, port, ssl_ctx in listeners:
         cfg = uvicorn.Config(app, host=ip, port=port, log_level="warning", access_log=False, lifespan="off",
                              timeout_keep_alive=max(1, h.keep_alive_seconds), server_header=False,
-                             ws="none", limit_concurrency=None, backlog=4096)
+                             ws="none", limit_concurrency=None, backlog=4096,
+                             timeout_graceful_shutdown=h.drainTimeoutS)
         srv = _Server(cfg)
         if ssl_ctx is not None:
             cfg.load()
@@ -104,9 +111,20 @@ async def _main(loaded: Loaded) -> int:
         await asyncio.sleep(0.02)
     coord.announce_ready_line()
     await stop.wait()
-    log.info("stopping: closing the listeners")
+    log.info("stopping: no new connections; requests in flight get http_config.drainTimeoutS (%d s); "
+             "the instances keep serving", h.drainTimeoutS)
     for _, srv in servers:
         srv.should_exit = True
+    stop.clear()
+
+    async def second_signal() -> None:  # a second SIGTERM/SIGINT: stop now
+        await stop.wait()
+        log.warning("second stop signal: cutting the requests in flight")
+        for _, s in servers:
+            s.force_exit = True
+    force = asyncio.create_task(second_signal())
     await asyncio.gather(*tasks, return_exceptions=True)
+    force.cancel()
     await coord.stop()
+    log.info("stopped")
     return 0

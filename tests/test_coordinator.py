@@ -1,0 +1,395 @@
+"""The coordinator (mindie/coordinator/) in front of two real server instances (scripts/launch.sh,
+demo model, loopback): every API family through it gives what the instance gives directly
+(stream and not), routing (load_balance, cache_affinity), the manage API (refresh, offline,
+online, readiness, coordinator_info, aggregated /metrics), request_limit refusals, and a
+kill -9'd coordinator restarted. Faults of instances: tests/test_coordinator_faults.py."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.coord_harness import Coordinator, start_instances
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+VOLATILE = {"id", "created", "prefill_time", "decode_time", "system_fingerprint", "queue_time",
+            "inference_time", "first_token_time", "time_per_output_token", "seed"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fleet")
+    servers = start_instances(tmp, 2)
+    coord = Coordinator(tmp, servers, name="lb")
+    try:
+        coord.wait_ready_line()
+        coord.wait_ready()
+        yield tmp, servers, coord
+    finally:
+        coord.stop()
+        for s in servers:
+            s.stop()
+
+
+def _strip(x):
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items() if k not in VOLATILE}
+    if isinstance(x, list):
+        return [_strip(v) for v in x]
+    return x
+
+
+def normal(r: httpx.Response):
+    """The answer without what differs between two runs (ids, timings): parsed JSON, or the list
+    of a stream's frames (SSE ``data:`` events or vLLM's NUL-ended JSON)."""
+    text = r.text
+    ctype = r.headers.get("content-type", "")
+    if "event-stream" in ctype or text.startswith("data:"):
+        frames = [ln[5:].strip() for ln in text.split("\n") if ln.startswith("data:")]
+        return r.status_code, [_strip(json.loads(f)) if f.startswith("{") else f for f in frames]
+    if "\0" in text:
+        return r.status_code, [_strip(json.loads(f)) for f in text.split("\0") if f.strip()]
+    try:
+        return r.status_code, _strip(r.json())
+    except ValueError:
+        return r.status_code, text
+
+
+CASES = [
+    ("/infer", {"inputs": PROMPT, "stream": False, "parameters": {"max_new_tokens": 8, "details": True}}),
+    ("/infer", {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 8}}),
+    ("/infer_token", {"input_id": [5, 9, 13, 22, 31], "stream": False, "parameters": {"max_new_tokens": 6}}),
+    ("/infer_token", {"input_id": [5, 9, 13, 22, 31], "stream": True, "parameters": {"max_new_tokens": 6}}),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}],
+                              "max_tokens": 8, "temperature": 0}),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}],
+                              "max_tokens": 8, "temperature": 0, "stream": True}),
+    ("/v1/completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}),
+    ("/v1/completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}),
+    ("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "details": True}}),
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}),
+    ("/", {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 4}}),
+    ("/generate", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}),
+    ("/generate", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}),
+    ("/v2/models/demo/infer", {"id": "t1", "inputs": [{"name": "input0", "shape": [1, 5], "datatype": "UINT32",
+                                                        "data": [5, 9, 13, 22, 31]}],
+                               "outputs": [{"name": "output0"}], "parameters": {"max_new_tokens": 6}}),
+    ("/v2/models/demo/generate", {"id": "g1", "text_input": PROMPT, "parameters": {"max_new_tokens": 6}}),
+    ("/v2/models/demo/generate_stream", {"id": "s1", "text_input": PROMPT, "parameters": {"max_new_tokens": 6}}),
+    ("/v1/tokenizer", {"inputs": PROMPT}),
+    ("/infer", {"inputs": PROMPT, "parameters": {"top_p": 1.5}}),  # an instance's 422, passed through
+]
+
+
+@pytest.mark.parametrize("path,body", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
+def test_same_answer_as_the_instance(fleet, path, body):
+    _, servers, coord = fleet
+    direct = normal(httpx.post(servers[0].url + path, json=body, timeout=60))
+    via = httpx.post(coord.url + path, json=body, timeout=60)
+    assert normal(via) == direct, via.text[:500]
+    assert via.headers.get("content-type") == httpx.post(servers[1].url + path, json=body,
+                                                         timeout=60).headers.get("content-type")
+    assert via.headers.get("server") == "MindIE-MS"
+
+
+def test_get_routes_and_unknown_route(fleet):
+    _, servers, coord = fleet
+    for path in ("/v1/models", "/info", "/v2", "/v2/models/demo", "/v2/models/demo/config"):
+        r = httpx.get(coord.url + path, timeout=10)
+        assert r.status_code == 200, (path, r.text)
+        assert normal(r) == normal(httpx.get(servers[0].url + path, timeout=10)), path
+    r = httpx.post(coord.url + "/no/such/route", json={}, timeout=10)
+    assert r.status_code == 404 and r.json()["error_type"] == "NotFoundError"
+    r = httpx.get(coord.url + "/infer", timeout=10)
+    assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
+
+
+def test_streams_are_relayed_frame_by_frame(fleet):
+    """The first event reaches the client while the instance is still generating."""
+    _, servers, coord = fleet
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 200, "ignore_eos": True}}
+    t0 = time.monotonic()
+    times = []
+    with httpx.stream("POST", coord.url + "/infer", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                times.append(time.monotonic() - t0)
+    assert len(times) == 200
+    assert times[0] < times[-1] * 0.5, (times[0], times[-1])
+
+
+def _instance_of_last(coord, n: int = 1) -> list[int]:
+    out = []
+    for ln in coord.request_lines()[-n:]:
+        m = re.search(r"-> instance (\d+)\(", ln)
+        out.append(int(m.group(1)) if m else -1)
+    return out
+
+
+def _wait_lines(coord, n, timeout=10):
+    t0 = time.monotonic()
+    while len(coord.request_lines()) < n and time.monotonic() - t0 < timeout:
+        time.sleep(0.05)
+
+
+def test_load_balance_spreads_and_follows_load(fleet):
+    _, servers, coord = fleet
+    # idle instances take turns
+    before = len(coord.request_lines())
+    for _ in range(4):
+        assert httpx.post(coord.url + "/infer", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}},
+                          timeout=60).status_code == 200
+    _wait_lines(coord, before + 4)
+    picks = _instance_of_last(coord, 4)
+    assert sorted(picks) == [0, 0, 1, 1], picks
+    # a long stream on one instance: the next short requests go to the other one
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 400, "ignore_eos": True}}
+    started = threading.Event()
+
+    def long():
+        with httpx.stream("POST", coord.url + "/infer", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+    t = threading.Thread(target=long)
+    t.start()
+    assert started.wait(30)
+    busy = coord.info()
+    busy_id = next(i["id"] for i in busy["instances"] if i["inflight"] == 1)
+    before = len(coord.request_lines())
+    for _ in range(3):
+        httpx.post(coord.url + "/infer", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}, timeout=60)
+    _wait_lines(coord, before + 3)
+    assert _instance_of_last(coord, 3) == [1 - busy_id] * 3
+    t.join(120)
+
+
+def test_request_log_line_names_the_instance(fleet):
+    _, servers, coord = fleet
+    httpx.post(coord.url + "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}, timeout=60)
+    _wait_lines(coord, 1)
+    line = coord.request_lines()[-1]
+    assert re.search(r"request \w+ POST /v1/completions -> instance [01]\(127\.0\.0\.1:\d+\) status 200 ", line), line
+
+
+def test_manage_info_metrics_and_probes(fleet):
+    _, servers, coord = fleet
+    for path in ("/v1/startup", "/v1/health", "/v2/health/live", "/v1/readiness", "/v2/health/ready"):
+        assert httpx.get(coord.manage + path, timeout=10).status_code == 200, path
+    info = coord.info()
+    assert [s["id"] for s in info["schedule_info"]] == [0, 1]
+    assert set(info["schedule_info"][0]) == {"id", "allocated_slots", "allocated_blocks"}
+    assert {"request_num", "request_length_info"} <= set(info)
+    assert all(i["state"] == "ready" and i["model_name"] == "demo" for i in info["instances"])
+    text = httpx.get(coord.manage + "/metrics", timeout=10).text
+    # each instance's own metrics, labelled, and the coordinator's counters
+    assert re.search(r'^request_received_total\{.*instance="0".*\} \d+', text, re.M), text[:2000]
+    assert re.search(r'^request_received_total\{.*instance="1".*\} \d+', text, re.M)
+    assert re.search(r"^coordinator_request_received_total \d+", text, re.M)
+    assert re.search(r'^coordinator_routing_decisions_total\{decision="load",instance="[01]"\} \d+', text, re.M)
+    assert re.search(r'^coordinator_instance_ready\{instance="1"\} 1', text, re.M)
+
+
+def test_offline_online_and_readiness(fleet):
+    _, servers, coord = fleet
+    m = coord.manage
+    assert httpx.post(m + "/v1/instances/offline", json={"ids": [0]}, timeout=10).status_code == 200
+    coord.wait_state(0, "offline")
+    before = len(coord.request_lines())
+    for _ in range(3):
+        httpx.post(coord.url + "/infer", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}, timeout=60)
+    _wait_lines(coord, before + 3)
+    assert _instance_of_last(coord, 3) == [1, 1, 1]
+    assert httpx.post(m + "/v1/instances/offline", json={"ids": [1]}, timeout=10).status_code == 200
+    r = httpx.get(m + "/v1/readiness", timeout=10)
+    assert r.status_code == 503 and r.content == b""
+    assert httpx.get(m + "/v2/health/ready", timeout=10).status_code == 503
+    assert httpx.get(m + "/v1/health", timeout=10).status_code == 200
+    r = httpx.post(coord.url + "/infer", json={"inputs": "a"}, timeout=10)
+    assert r.status_code == 503 and r.json() == {"error": "MindIE-MS Coordinator is not ready",
+                                                 "error_type": "Service Unavailable"}
+    assert httpx.post(m + "/v1/instances/online", json={"ids": [0, 1]}, timeout=10).status_code == 200
+    assert httpx.get(m + "/v1/readiness", timeout=10).status_code == 200
+    # bodies MindIE's controller would not send: 400 in MindIE's shape, naming what is wrong
+    r = httpx.post(m + "/v1/instances/offline", json={"ids": [7]}, timeout=10)
+    assert r.status_code == 400 and "7" in r.json()["error"]
+    r = httpx.post(m + "/v1/instances/online", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and set(r.json()) == {"error", "error_type"}
+    r = httpx.post(m + "/v1/instances/query_tasks", json={"p_id": 0, "d_id": 1}, timeout=10)
+    assert r.json() == {"is_end": True}
+
+
+def test_refresh_sets_the_instances(fleet):
+    tmp, servers, coord = fleet
+    m = coord.manage
+    a, b = servers
+    # MindIE's body: the full set; instance 1 is left out, instance 5 (= b under a new id) comes in
+    body = {"ids": [0, 5], "instances": [
+        {"id": 0, "ip": "127.0.0.1", "port": str(a.port), "metric_port": str(a.port), "model_name": "demo",
+         "static_info": {"group_id": 0, "max_seq_len": 2560, "max_output_len": 512, "total_slots_num": 64,
+                         "total_block_num": 1024, "block_size": 16, "label": 0, "role": 85},
+         "dynamic_info": {"avail_slots_num": 64, "avail_block_num": 1024}},
+        {"id": 5, "ip": "127.0.0.1", "port": str(b.port), "metric_port": str(b.port), "model_name": "demo",
+         "static_info": {"total_slots_num": 64, "total_block_num": 1024, "block_size": 16, "role": 85},
+         "dynamic_info": {"avail_slots_num": 64, "avail_block_num": 1024}}]}
+    try:
+        r = httpx.post(m + "/v1/instances/refresh", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        ids = sorted(i["id"] for i in coord.info()["instances"])
+        assert ids == [0, 5]
+        coord.wait_state(5, "ready")
+        before = len(coord.request_lines())
+        for _ in range(4):
+            httpx.post(coord.url + "/infer", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}, timeout=60)
+        _wait_lines(coord, before + 4)
+        assert sorted(_instance_of_last(coord, 4)) == [0, 0, 5, 5]
+        # the newer form: delete one endpoint
+        r = httpx.post(m + "/v1/instances/refresh", json={"event": "del", "instances": [{"endpoints": [
+            {"id": 5, "ip": "127.0.0.1", "business_port": b.port, "mgmt_port": b.port}]}]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert [i["id"] for i in coord.info()["instances"]] == [0]
+        # malformed: 400 naming the field
+        r = httpx.post(m + "/v1/instances/refresh", json={"ids": [3], "instances": [
+            {"id": 3, "ip": "127.0.0.1", "port": "80", "metric_port": "1026"}]}, timeout=10)
+        assert r.status_code == 400 and "instances[0].port" in r.json()["error"], r.text
+    finally:
+        r = httpx.post(m + "/v1/instances/refresh", json={"event": "set", "instances": [{"endpoints": [
+            {"id": 0, "ip": "127.0.0.1", "business_port": a.port, "mgmt_port": a.port},
+            {"id": 1, "ip": "127.0.0.1", "business_port": b.port, "mgmt_port": b.port}]}]}, timeout=30)
+        assert r.status_code == 200, r.text
+        coord.wait_state(1, "ready")
+
+
+def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
+    """Multi-turn chats: with cache_affinity every turn of a conversation goes where its first
+    turn went (load_balance alternates idle instances); a busy affine instance falls back to load."""
+    tmp, servers, _ = fleet
+    coord = Coordinator(tmp, servers, name="ca", config={
+        "digs_scheduler_config": {"algorithm_type": "cache_affinity"}, "request_limit": {"single_node_max_requests": 1}})
+    try:
+        coord.wait_ready()
+        convs = [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": f"topic {c}"}]
+                 for c in range(4)]
+        where: dict[int, list[int]] = {c: [] for c in range(4)}
+        for turn in range(3):
+            for c, msgs in enumerate(convs):
+                r = httpx.post(coord.url + "/v1/chat/completions", json={"model": "demo", "messages": msgs,
+                                                                         "max_tokens": 3, "temperature": 0}, timeout=60)
+                assert r.status_code == 200, r.text
+                msgs += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"and more on turn {turn}"}]
+                _wait_lines(coord, turn * 4 + c + 1)
+                where[c].append(_instance_of_last(coord)[0])
+        assert all(len(set(w)) == 1 for w in where.values()), where
+        assert {w[0] for w in where.values()} == {0, 1}, where  # new conversations by load: both used
+        text = httpx.get(coord.manage + "/metrics", timeout=10).text
+        hits = sum(float(v) for v in re.findall(r'^coordinator_routing_decisions_total\{decision="affinity_hit"'
+                                                 r',instance="\d"\} (\S+)', text, re.M))
+        assert hits == 8, text
+        # the affine instance busy (single_node_max_requests 1, a long stream on it): by load
+        conv = convs[0]
+        home = where[0][0]
+        started = threading.Event()
+
+        def long():
+            body = {"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 300,
+                    "ignore_eos": True, "stream": True}
+            # send it to the home instance: a conversation whose first turn went there
+            with httpx.stream("POST", coord.url + "/v1/chat/completions", json={**body, "messages": conv[:2]},
+                              timeout=120) as r:
+                for _ in r.iter_lines():
+                    started.set()
+        t = threading.Thread(target=long)
+        t.start()
+        assert started.wait(30)
+        r = httpx.post(coord.url + "/v1/chat/completions", json={"model": "demo", "messages": conv,
+                                                                 "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        time.sleep(0.3)
+        line = [ln for ln in coord.request_lines() if "affinity_busy" in ln]
+        assert line and f"-> instance {1 - home}(" in line[-1], coord.request_lines()[-3:]
+        t.join(120)
+    finally:
+        coord.stop()
+
+
+def test_request_limit_refused_at_once(fleet):
+    tmp, servers, _ = fleet
+    coord = Coordinator(tmp, servers, name="lim", config={"request_limit": {"max_requests": 1,
+                                                                            "single_node_max_requests": 1}})
+    try:
+        coord.wait_ready()
+        started = threading.Event()
+
+        def long():
+            body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
+            with httpx.stream("POST", coord.url + "/infer", json=body, timeout=120) as r:
+                for _ in r.iter_lines():
+                    started.set()
+        t = threading.Thread(target=long)
+        t.start()
+        assert started.wait(30)
+        t0 = time.monotonic()
+        r = httpx.post(coord.url + "/infer", json={"inputs": "a"}, timeout=10)
+        assert time.monotonic() - t0 < 1.0
+        assert r.status_code == 429
+        assert r.json() == {"error": "Too many requests", "error_type": "Too Many Requests"}
+        r = httpx.post(coord.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]},
+                       timeout=10)
+        assert r.status_code == 429 and r.json()["error"]["code"] == 429  # OpenAI's error shape
+        t.join(120)
+        # body_limit (MB): 413 in MindIE's shape
+        r = httpx.post(coord.url + "/infer", content=b"x" * (10 * 2 ** 20 + 1), timeout=30)
+        assert r.status_code == 413 and r.json()["error_type"] == "Request Entity Too Large"
+    finally:
+        coord.stop()
+
+
+def test_coordinator_kill9_and_restart(fleet):
+    """kill -9 of the coordinator: the instances keep serving; a new one rebuilds its view from the
+    config and the first poll, and routes at once."""
+    tmp, servers, _ = fleet
+    coord = Coordinator(tmp, servers, name="k9")
+    coord.wait_ready()
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}
+    assert httpx.post(coord.url + "/infer", json=body, timeout=60).status_code == 200
+    coord.kill9()
+    for s in servers:
+        assert httpx.post(s.url + "/infer", json=body, timeout=60).status_code == 200
+    again = Coordinator(tmp, servers, name="k9", ports=(coord.predict_port, coord.manage_port))
+    try:
+        line = again.wait_ready_line()
+        assert "0 127.0.0.1" in line and "1 127.0.0.1" in line and line.count(" ready") >= 3, line
+        r = httpx.post(again.url + "/infer", json=body, timeout=60)
+        assert r.status_code == 200
+    finally:
+        again.stop()
+
+
+def test_client_disconnect_cancels_on_the_instance(fleet):
+    """A client that hangs up mid-stream: the coordinator closes the instance's connection, and the
+    instance stops generating (its running count drops long before the 2000 tokens would end)."""
+    _, servers, coord = fleet
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", coord.url + "/infer", json=body) as r:
+            it = r.iter_lines()
+            for _ in range(6):
+                next(it)
+            iid = next(i["id"] for i in coord.info()["instances"] if i["inflight"])
+            status = httpx.get(servers[iid].url + "/v2/status", timeout=10).json()["resource"]
+            assert status["runningRequestNum"] == 1
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        if httpx.get(servers[iid].url + "/v2/status", timeout=10).json()["resource"]["runningRequestNum"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the instance still runs the request 5 s after the client left")
+    _wait_lines(coord, 1)
+    time.sleep(0.2)
+    assert "client disconnected" in coord.request_lines()[-1], coord.request_lines()[-1]
+    assert re.search(r"^coordinator_client_disconnects_total [1-9]", httpx.get(coord.manage + "/metrics").text, re.M)
