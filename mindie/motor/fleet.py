@@ -105,7 +105,7 @@ COORD_TLS_ITEM_PATHS = ("ca_cert", "tls_cert", "tls_key", "tls_passwd", "tls_crl
 
 DEFAULT_READY_TIMEOUT_S = 300.0
 COORDINATOR_READY_TIMEOUT_S = 60.0
-COORDINATOR_STOP_S = 30.0  # its drain bound beyond the instances' drainTimeoutS
+COORDINATOR_STOP_S = 10.0  # beyond its drainTimeoutS: the cut and the exit
 RESTARTS = 3  # coordinator deaths within RESTART_WINDOW_S before the fleet gives up
 RESTART_WINDOW_S = 60.0
 
@@ -144,6 +144,7 @@ class Plan:
     manage_url: str
     manage_host: str
     manage_port: int
+    coordinator_drain_s: float = 30.0  # its http_config.drainTimeoutS: what its SIGTERM lets finish
     instances: list[Instance] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -419,9 +420,11 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     if isinstance(digs, dict):
         digs.setdefault("deploy_mode", mode)
     coord_path = os.path.join(run_dir, "ms_coordinator.json")
+    coord_drain = 30.0
     if write:
         _write_json(coord_path, coord)
-        notes += _check_coordinator(coord_path)
+        coord_notes, coord_drain = _check_coordinator(coord_path)
+        notes += coord_notes
     predict_ip = _connect_host(str(http.get("predict_ip", "127.0.0.1")))
     manage_ip = _connect_host(str(http.get("manage_ip", "127.0.0.1")))
     tls = coord.get("tls_config") if isinstance(coord.get("tls_config"), dict) else {}
@@ -429,25 +432,25 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
                 coordinator_log=os.path.join(run_dir, "coordinator.log"),
                 predict_url=_url("https" if tls.get("request_server_tls_enable") else "http", predict_ip, predict_port),
                 manage_url=_url("https" if tls.get("controller_server_tls_enable") else "http", manage_ip, manage_port),
-                manage_host=manage_ip, manage_port=manage_port, instances=instances, notes=notes)
+                manage_host=manage_ip, manage_port=manage_port, coordinator_drain_s=coord_drain,
+                instances=instances, notes=notes)
     if write:
         _write_json(os.path.join(run_dir, "plan.json"), asdict(plan))
     return plan
 
 
-def _check_coordinator(path: str) -> list[str]:
-    """The coordinator's own loader on the derived file (its typos and ranges, keys named)."""
+def _check_coordinator(path: str) -> tuple[list[str], float]:
+    """The coordinator's own loader on the derived file (its typos and ranges, keys named):
+    its notes, and its drain bound (http_config.drainTimeoutS)."""
     from mindie.config import ConfigError
-    try:
-        from mindie.coordinator import config as ccfg
-    except ImportError:  # pragma: no cover - the coordinator package is part of this checkout
-        return ["the coordinator's config loader is not importable: ms_coordinator.json not checked"]
+    from mindie.coordinator import config as ccfg
     try:
         loaded = ccfg.load(path, env={})
     except ConfigError as e:
         msg = str(e).replace(f" (in {path})", "")
         raise FleetError(f"mindie_ms_coordinator_config.{msg}" if e.key else msg) from None
-    return [f"mindie_ms_coordinator_config.{n}" for n in loaded.notes]
+    drain = float(getattr(loaded.config.http_config, "drainTimeoutS", 30))
+    return [f"mindie_ms_coordinator_config.{n}" for n in loaded.notes], drain
 
 
 def _write_json(path: str, doc: Any) -> None:
@@ -652,10 +655,10 @@ class Fleet:
         coord = self.procs.get("coordinator")
         drain = max((i.drain_timeout_s for i in self.plan.instances), default=20.0)
         if coord is not None and coord.poll() is None:
-            _say("stopping the coordinator")
+            _say(f"stopping the coordinator (its requests in flight get up to {self.plan.coordinator_drain_s:g} s)")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(coord.pid, signal.SIGTERM)
-            self._wait([coord], drain + COORDINATOR_STOP_S, "the coordinator")
+            self._wait([coord], self.plan.coordinator_drain_s + COORDINATOR_STOP_S, "the coordinator")
         live = [self.procs[i.name] for i in self.plan.instances if i.name in self.procs]
         if any(p.poll() is None for p in live):
             _say(f"draining {sum(p.poll() is None for p in live)} instance(s) (up to {drain:g} s each, in parallel)")
