@@ -55,6 +55,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+# Imported here, in the parent: the preexec_fn of a child must not dlopen (libc's prctl).
+from mindie.runtime.lifecycle import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch.sh"
 
@@ -481,7 +484,6 @@ def _preexec() -> None:
     # A session of its own (a terminal's Ctrl-C reaches motor only, which stops the children in
     # order), and SIGTERM when motor dies, even by SIGKILL: launch.sh then drains as on a stop.
     os.setsid()
-    from mindie.runtime.lifecycle import die_with_parent
     die_with_parent(signal.SIGTERM)
 
 
