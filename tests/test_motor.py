@@ -309,3 +309,36 @@ def test_coordinator_killed_is_restarted_and_its_own_stop_drains_the_fleet(tmp_p
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_motor_killed_leaves_no_process(tmp_path, demo_model) -> None:
+    """SIGKILL to motor.sh: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
+    stops on its own (the instances drain), within a bound."""
+    import contextlib
+    predict, manage = free_ports(2)
+    base = consecutive_free_ports(2, avoid=(predict, manage))
+    cfg = user_config(tmp_path / "u.json", predict=predict, manage=manage, replicas=1,
+                      server=server_config(demo_model, base))
+    log = open(tmp_path / "motor.log", "wb")
+    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", short_run_dir(), "--", "-w", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env(), cwd="/")
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 200
+        while "mindie-motor ready:" not in (tmp_path / "motor.log").read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "motor.log").read_text()
+            time.sleep(0.2)
+        pids[:] = descendants(proc.pid)
+        assert len(pids) >= 5, pids  # coordinator, launch.sh, supervisor, worker, gunicorn (+ front end)
+        proc.kill()
+        proc.wait()
+        assert wait_gone(pids, 40) is not None, [p for p in pids if alive(p)]
+    finally:
+        for pid in pids + descendants(proc.pid):  # what is left, reparented or not
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
