@@ -44,7 +44,6 @@ import contextlib
 import copy
 import difflib
 import fcntl
-import http.client
 import json
 import os
 import signal
@@ -503,24 +502,35 @@ def _tail(path: str, n: int = 20) -> str:
     return "    (no log)"
 
 
-def _get(host: str, port: int, path: str, timeout: float, tls: bool = False) -> int:
-    """Status of GET ``path``; 0 when nothing answers. HTTPS without verification: a local
-    readiness check of our own children, not a trust decision."""
-    import ssl
-    try:
-        if tls:
-            ctx = ssl.create_default_context()
-            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-            conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=ctx)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+class Readiness:
+    """One readiness check of a management plane with scripts/health_check.sh's client
+    (mindie/ops/probe.py): the same TLS rules (the plane's CA, MINDIE_PROBE_CERT/KEY for mutual
+    TLS), so a fleet of HTTPS instances is waited for as its probes would see it."""
+
+    def __init__(self, config: str, coordinator: bool):
+        from mindie.ops import probe
+        self.probe = probe
+        self.coordinator = coordinator
+        self.target = probe.coordinator_target(config, env={}) if coordinator else probe.management_target(config, env={})
+        self.ctx = None
+        if self.target.tls:
+            e = os.environ
+            self.ctx = probe.client_context(self.target.tls, cacert=e.get("MINDIE_PROBE_CACERT", ""),
+                                            cert=e.get("MINDIE_PROBE_CERT", ""), key=e.get("MINDIE_PROBE_KEY", ""),
+                                            key_password_file=e.get("MINDIE_PROBE_KEY_PASSWORD_FILE", ""))
+        self.last = ""
+
+    def ready(self, timeout: float = 2.0) -> bool:
+        p = self.probe
+        prober = p.Prober(self.target, time.monotonic() + timeout, self.ctx,
+                          os.environ.get("MINDIE_PROBE_SERVER_NAME", ""), bool(os.environ.get("MINDIE_PROBE_CERT")))
         try:
-            conn.request("GET", path, headers={"Connection": "close", "User-Agent": "mindie-motor"})
-            return conn.getresponse().status
-        finally:
-            conn.close()
-    except (OSError, http.client.HTTPException):
-        return 0
+            code, self.last = p.probe(prober, "readiness", 0, self.coordinator)
+        except p.ProbeFailure as f:
+            code, self.last = f.code, f.message
+        except p._Deadline:
+            code, self.last = p.TIMEOUT, f"timeout: no answer within {timeout:g} s"
+        return code == p.OK
 
 
 class Fleet:
@@ -581,6 +591,7 @@ class Fleet:
     def wait_instances(self) -> bool:
         deadline = time.monotonic() + self.ready_timeout
         pending = {i.name: i for i in self.plan.instances}
+        checks = {i.name: Readiness(i.config, coordinator=False) for i in self.plan.instances}
         while pending:
             if self.signals:
                 return False
@@ -590,30 +601,30 @@ class Fleet:
                     _say(f"instance {name} failed to start: launch.sh {_how(p.returncode)}; "
                          f"its log ({inst.log}) ends:\n{_tail(inst.log)}")
                     return False
-                if _get(inst.mgmt_ip, inst.mgmt_port, "/v2/health/ready", 2.0, inst.https) == 200:
+                if checks[name].ready():
                     _say(f"instance {name} ready")
                     del pending[name]
             if time.monotonic() > deadline:
                 for name, inst in pending.items():
-                    _say(f"instance {name} not ready after {self.ready_timeout:g} s (--ready-timeout); "
-                         f"its log ({inst.log}) ends:\n{_tail(inst.log)}")
+                    _say(f"instance {name} not ready after {self.ready_timeout:g} s (--ready-timeout; last probe: "
+                         f"{checks[name].last}); its log ({inst.log}) ends:\n{_tail(inst.log)}")
                 return False
             time.sleep(0.2)
         return True
 
     def wait_coordinator(self, p: subprocess.Popen) -> bool:
         deadline = time.monotonic() + COORDINATOR_READY_TIMEOUT_S
-        tls = self.plan.manage_url.startswith("https")
+        check = Readiness(self.plan.coordinator_config, coordinator=True)
         while time.monotonic() < deadline and not self.signals:
             if p.poll() is not None:
                 _say(f"the coordinator {_how(p.returncode)} while starting; its log "
                      f"({self.plan.coordinator_log}) ends:\n{_tail(self.plan.coordinator_log)}")
                 return False
-            if _get(self.plan.manage_host, self.plan.manage_port, "/v1/readiness", 2.0, tls) == 200:
+            if check.ready():
                 return True
             time.sleep(0.2)
         if not self.signals:
-            _say(f"the coordinator was not ready after {COORDINATOR_READY_TIMEOUT_S:g} s; its log "
+            _say(f"the coordinator was not ready after {COORDINATOR_READY_TIMEOUT_S:g} s (last probe: {check.last}); its log "
                  f"({self.plan.coordinator_log}) ends:\n{_tail(self.plan.coordinator_log)}")
         return False
 
