@@ -342,3 +342,65 @@ def test_motor_killed_leaves_no_process(tmp_path, demo_model) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_tls_fleet(tmp_path, demo_model) -> None:
+    """Mutual TLS everywhere, relative paths in user_config.json (taken from its directory):
+    the instances' planes (httpsEnabled, client CA), the coordinator's predict and manage ports
+    and its client side to the instances. motor.sh waits for both with the probes' client
+    (MINDIE_PROBE_CERT/KEY), a request through the coordinator works over HTTPS, and
+    health_check.sh --coordinator probes the HTTPS manage port."""
+    import ssl
+    from tests.certs import Pki
+    pki = Pki(tmp_path)
+    ca = str(tmp_path / "security" / "ca" / "ca.pem")
+    client = ssl.create_default_context(cafile=ca)
+    client.load_cert_chain(pki.client[0], pki.client[1])
+    predict, manage = free_ports(2)
+    base = consecutive_free_ports(2, avoid=(predict, manage))
+    server = server_config(demo_model, base)
+    server["ServerConfig"].update(pki.server_config(crl=False))
+    items = lambda plane: {"ca_cert": "security/ca/ca.pem", "tls_cert": f"security/certs/{plane}/server.pem",  # noqa: E731
+                           "tls_key": f"security/keys/{plane}/server.key.pem"}
+    mine = {"ca_cert": "security/ca/ca.pem", "tls_cert": "clients/client.pem", "tls_key": "clients/client.key.pem"}
+    cfg = user_config(tmp_path / "u.json", predict=predict, manage=manage, replicas=1, server=server)
+    doc = json.loads(cfg.read_text())
+    doc["mindie_ms_coordinator_config"]["tls_config"] = {
+        "request_server_tls_enable": True, "request_server_tls_items": items("business"),
+        "controller_server_tls_enable": True, "controller_server_tls_items": items("management"),
+        "mindie_client_tls_enable": True, "mindie_client_tls_items": mine,
+        "mindie_mangment_tls_enable": True, "mindie_mangment_tls_items": mine}
+    cfg.write_text(json.dumps(doc))
+    e = env() | {"MINDIE_PROBE_CERT": pki.client[0], "MINDIE_PROBE_KEY": pki.client[1]}
+    run = short_run_dir()
+    log = open(tmp_path / "motor.log", "wb")
+    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", run, "--", "-w", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=e, cwd="/")
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 200
+        while "mindie-motor ready:" not in (tmp_path / "motor.log").read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "motor.log").read_text()
+            time.sleep(0.2)
+        text = (tmp_path / "motor.log").read_text()
+        assert f"coordinator https://127.0.0.1:{predict} (manage https://127.0.0.1:{manage})" in text, text
+        assert f"i0 https://127.0.0.1:{base}" in text, text
+        body = {"inputs": "hello there", "parameters": {"max_new_tokens": 4}}
+        r = httpx.post(f"https://127.0.0.1:{predict}/infer", json=body, timeout=60, verify=client)
+        assert r.status_code == 200, r.text
+        p = subprocess.run(["bash", str(HEALTH_CHECK), "--coordinator", "--config", str(Path(run) / "ms_coordinator.json"),
+                            "readiness"], capture_output=True, text=True, env=e, timeout=30, cwd="/")
+        assert p.returncode == 0 and p.stdout.startswith("healthy: 200 from https://127.0.0.1:"), (p.stdout, p.stderr)
+        pids[:] = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, (tmp_path / "motor.log").read_text()
+        assert wait_gone(pids, 20) is not None
+    finally:
+        for pid in pids + descendants(proc.pid):
+            if alive(pid):
+                with __import__("contextlib").suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
