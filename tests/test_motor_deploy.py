@@ -254,9 +254,22 @@ def test_refresh_sidecar_and_probes_against_a_real_coordinator(tmp_path, monkeyp
         # Nothing answers on those ports: not ready (503), the probe says so with its own status.
         r = check("readiness")
         assert r.returncode == probe.STARTING and r.stderr.startswith("starting: 503"), r
-        # Scale down: mindie-server-1 no longer resolves.
-        del pods["mindie-server-1.mindie-server.ns1.svc.cluster.local"]
-        assert discover.watch(args, resolver=pods.get, rounds=1) == 0
+        # Scale down: mindie-server-1 stops resolving after the first of 4 lookups. It is kept
+        # through --drop-after (3) lookups in a row that miss it (a DNS hiccup takes nothing out),
+        # then dropped.
+        seen: list[tuple] = []
+        calls = {"n": 0}
+
+        def resolver(name: str):
+            if name.startswith("mindie-server-0."):
+                calls["n"] += 1
+                if calls["n"] > 1:
+                    seen.append(tuple(instances()))
+            return None if name.startswith("mindie-server-1.") and calls["n"] > 1 else pods.get(name)
+
+        assert discover.watch(args, resolver=resolver, rounds=4) == 0
+        both = ((0, "127.0.0.1", dead, dead), (1, "127.0.0.2", dead, dead))
+        assert seen == [both, both, both], seen  # before lookups 2, 3 and 4
         assert instances() == [(0, "127.0.0.1", dead, dead)]
         # Server modes are refused for a coordinator.
         r = check("timed")

@@ -15,7 +15,8 @@ A StatefulSet ``S`` with headless Service ``H`` in namespace ``N`` names its pod
   the result with the coordinator's own loader.
 - ``watch`` (a sidecar, an init container with ``restartPolicy: Always``): every ``--interval``
   seconds looks the names up again and, when the set of (ordinal, address) changed (a pod
-  rescheduled to a new address, a scale up or down), sends MindIE's ``POST
+  rescheduled to a new address, a scale up or down; a pod is dropped after ``--drop-after``
+  lookups in a row miss it), sends MindIE's ``POST
   /v1/instances/refresh`` (``ids`` = every instance; ``instances`` with ``id``, ``ip``,
   ``port``, ``mgmt_port``, ``metric_port``) to the coordinator's manage port.
 
@@ -140,14 +141,26 @@ def post_refresh(manage: str, body: dict, timeout: float, context=None) -> tuple
 
 def watch(args: argparse.Namespace, resolver: Resolver = resolve, rounds: Optional[int] = None) -> int:
     """Refresh the coordinator whenever the resolved set changes (also after a failed refresh and
-    after the coordinator restarts: every ``--resync`` seconds the set is sent again)."""
+    after the coordinator restarts: every ``--resync`` seconds the set is sent again). A pod that
+    stops resolving is dropped only after ``--drop-after`` lookups in a row miss it: one failed
+    lookup (a DNS hiccup) does not take an instance out of the coordinator."""
     ctx = tls_context(args.cacert, args.cert, args.key) if args.manage.startswith("https:") else None
     sent: Optional[list[dict]] = None
+    kept: dict[int, dict] = {}  # id -> the record last sent
+    misses: dict[int, int] = {}
     last = 0.0
     n = 0
     while rounds is None or n < rounds:
         n += 1
-        found = discover(args, resolver)
+        now = {i["id"]: i for i in discover(args, resolver)}
+        for iid, rec in kept.items():
+            if iid in now:
+                misses.pop(iid, None)
+                continue
+            misses[iid] = misses.get(iid, 0) + 1
+            if misses[iid] < args.drop_after:
+                now[iid] = rec
+        found = [now[k] for k in sorted(now)]
         if found != sent or time.monotonic() - last >= args.resync:
             status, text = post_refresh(args.manage, refresh_body(found, args.metric_port or args.mgmt_port), 5.0,
                                         ctx)
@@ -156,10 +169,13 @@ def watch(args: argparse.Namespace, resolver: Resolver = resolve, rounds: Option
                     print(f"discover: refreshed {len(found)} instance(s): "
                           + ", ".join(f"{i['id']} {i['ip']}" for i in found), flush=True)
                 sent, last = found, time.monotonic()
+                kept = {i["id"]: i for i in found}
+                misses = {k: v for k, v in misses.items() if k in kept}
             else:
                 print(f"discover: refresh to {args.manage} answered {status or 'nothing'}: {text[:200]}",
                       file=sys.stderr, flush=True)
-        time.sleep(args.interval)
+        if rounds is None or n < rounds:
+            time.sleep(args.interval)
     return 0
 
 
@@ -186,6 +202,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cacert", default="", help="watch, https --manage: the CA of the manage port's certificate")
     p.add_argument("--cert", default="", help="watch, mutual TLS: our client certificate")
     p.add_argument("--key", default="", help="watch, mutual TLS: its key")
+    p.add_argument("--drop-after", type=int, default=3,
+                   help="watch: lookups in a row that must miss a pod before it is dropped (default 3)")
     p.add_argument("--resync", type=float, default=60.0,
                    help="watch: send the set again after this long even if unchanged (a restarted coordinator)")
     args = p.parse_args(argv)
