@@ -393,3 +393,53 @@ def test_client_disconnect_cancels_on_the_instance(fleet):
     time.sleep(0.2)
     assert "client disconnected" in coord.request_lines()[-1], coord.request_lines()[-1]
     assert re.search(r"^coordinator_client_disconnects_total [1-9]", httpx.get(coord.manage + "/metrics").text, re.M)
+
+
+class _Held:
+    """A long stream through the coordinator, held open until ``release()``."""
+
+    def __init__(self, url: str) -> None:
+        self.started, self.stop = threading.Event(), threading.Event()
+        self.t = threading.Thread(target=self._run, args=(url,))
+        self.t.start()
+        assert self.started.wait(30)
+
+    def _run(self, url: str) -> None:
+        body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+        with httpx.stream("POST", url + "/infer", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                self.started.set()
+                if self.stop.is_set():
+                    return  # closing the stream: the coordinator and the instance cancel it
+
+    def release(self) -> None:
+        self.stop.set()
+        self.t.join(30)
+
+
+def test_schedule_timeout_waits_for_room(fleet):
+    """Every instance at single_node_max_requests: a request waits for room up to
+    schedule_timeout (then 503), and is served as soon as room frees."""
+    tmp, servers, _ = fleet
+    coord = Coordinator(tmp, servers, name="sched", config={
+        "request_limit": {"single_node_max_requests": 1}, "exception_config": {"schedule_timeout": 2}})
+    try:
+        coord.wait_ready()
+        held = [_Held(coord.url), _Held(coord.url)]
+        t0 = time.monotonic()
+        r = httpx.post(coord.url + "/infer", json={"inputs": "a", "parameters": {"max_new_tokens": 2}}, timeout=30)
+        waited = time.monotonic() - t0
+        assert r.status_code == 503 and "Request schedule timeout" in r.json()["error"], r.text
+        assert 1.9 <= waited < 5, waited
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+            coord.url + "/infer", json={"inputs": "a", "parameters": {"max_new_tokens": 2}}, timeout=30)))
+        t.start()
+        time.sleep(0.5)
+        assert "r" not in out  # waiting
+        held[0].release()
+        t.join(30)
+        assert out["r"].status_code == 200, out["r"].text
+        held[1].release()
+    finally:
+        coord.stop()

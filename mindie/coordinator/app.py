@@ -56,13 +56,15 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.started = time.time()
+        self.stopping = False  # /stopService was called: new requests get 503
+        self.request_stop = lambda: None  # set by the process (mindie/coordinator/server.py)
         t = config.tls_config
         e = config.exception_config
         self.registry = Registry(e.breakerFailures, e.breakerOpenMs / 1000.0, t.mindie_client_tls_enable,
                                  t.mindie_mangment_tls_enable, config.digs_scheduler_config.max_res_num)
         for rec in config.instances:
             self.registry.add(Instance(id=rec.id, ip=rec.ip, business_port=rec.business_port,
-                                       mgmt_port=rec.mgmt_port, source="config"))
+                                       mgmt_port=rec.mgmt_port, metric_port=rec.metric_port, source="config"))
         self.business_ssl = (_client_context(t.mindie_client_tls_items, "mindie_client")
                              if t.mindie_client_tls_enable else None)
         self.mgmt_ssl = (_client_context(t.mindie_mangment_tls_items, "mindie_mangment")
@@ -70,12 +72,16 @@ class Coordinator:
         h = config.http_config
         headers = {"User-Agent": h.user_agent}
         # No pool limit: each relayed stream holds one upstream connection (thousands at once).
-        self.business = httpx.AsyncClient(verify=self.business_ssl or True, headers=headers, http2=False,
-                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-                                          timeout=httpx.Timeout(h.http_timeout_seconds or None, connect=5.0))
-        self.mgmt = httpx.AsyncClient(verify=self.mgmt_ssl or True, headers=headers,
+        # httpx: the coordinator's own calls (polls, metrics, stopInfer), bounded by http_timeout_seconds
+        timeout = httpx.Timeout(h.http_timeout_seconds or None, connect=5.0)
+        self.business = httpx.AsyncClient(verify=self.business_ssl or True, headers=headers, timeout=timeout,
+                                          limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        from mindie.coordinator.upstream import Pool
+        # the relay's own client (mindie/coordinator/upstream.py)
+        self.pool = Pool(self.business_ssl, connect_timeout=5.0)
+        self.mgmt = httpx.AsyncClient(verify=self.mgmt_ssl or True, headers=headers, timeout=timeout,
                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
-        self.poller = Poller(self.registry, self.mgmt, h.pollIntervalMs / 1000.0)
+        self.poller = Poller(self.registry, self.mgmt, h.pollIntervalMs / 1000.0, h.http_timeout_seconds)
         from mindie.coordinator.metrics import CoordinatorMetrics
         from mindie.coordinator.router import Router
         from mindie.coordinator.relay import Relay
@@ -109,6 +115,7 @@ class Coordinator:
     async def stop(self) -> None:
         await self.poller.stop()
         await self.business.aclose()
+        self.pool.close()
         await self.mgmt.aclose()
 
     def relay_stats(self) -> dict:

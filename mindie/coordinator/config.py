@@ -152,6 +152,9 @@ class InstanceRecord(_S):
     ip: str
     business_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     mgmt_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    # MindIE's refresh field: where the instance's /metrics is when its metrics plane has a port
+    # of its own (ServerConfig.metricsPort != managementPort); None = the management port
+    metric_port: Optional[Annotated[int, msgspec.Meta(ge=1, le=65535)]] = None
 
 
 class CoordinatorConfig(_S):

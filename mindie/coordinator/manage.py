@@ -10,6 +10,7 @@ POST /v1/instances/refresh                        the instance set (MindIE's bod
                                                   ``event`` + ``endpoints`` form)
 POST /v1/instances/offline | online               {"ids": [...]}: stop / resume routing to them
 POST /v1/instances/query_tasks                    {"p_id", "d_id"} -> {"is_end": bool}
+GET  /stopService[?mode=Force]                    every instance drained and stopped, then the coordinator
 
 A malformed body is a 400 in MindIE's shape ({"error", "error_type"}) naming the field.
 """
@@ -74,7 +75,7 @@ class Probe:
         self.coord, self.need_ready = coord, ready
 
     async def on_get(self, req, resp) -> None:
-        if self.need_ready and not self.coord.registry.ready():
+        if self.need_ready and (self.coord.stopping or not self.coord.registry.ready()):
             resp.status = 503
         resp.data = b""
 
@@ -219,6 +220,41 @@ class OnOff:
         resp.data = b""
 
 
+class StopService:
+    """GET /stopService[?mode=Force] (the server's route, on the manage port): the coordinator
+    refuses new requests (503), sends the same call to every instance (each drains its requests in
+    progress, then stops), answers 200 when they have, then stops itself as on SIGTERM. A second
+    call: 500, as the server answers it."""
+
+    def __init__(self, coord: Any) -> None:
+        self.coord = coord
+
+    async def on_get(self, req, resp) -> None:
+        coord = self.coord
+        if coord.stopping:
+            resp.status = 500
+            resp.data = b""
+            return
+        coord.stopping = True
+        force = req.get_param("mode") == "Force"
+        insts = list(coord.registry.instances.values())
+        log.warning("/stopService%s: new requests are refused; stopping %d instance(s)", " (Force)" if force else "",
+                    len(insts))
+
+        async def one(inst):
+            try:
+                r = await coord.mgmt.get(f"{inst.mgmt_url}/stopService", params={"mode": "Force"} if force else None,
+                                         timeout=None)
+                return f"instance {inst.id}: {r.status_code}"
+            except Exception as e:  # an instance already gone is stopped too
+                return f"instance {inst.id}: {type(e).__name__}"
+        import asyncio
+        results = await asyncio.gather(*(one(i) for i in insts))
+        log.warning("/stopService: %s", ", ".join(results) or "no instances")
+        resp.data = b""
+        resp.schedule_sync(coord.request_stop)
+
+
 class QueryTasks:
     def __init__(self, coord: Any) -> None:
         self.coord = coord
@@ -242,7 +278,7 @@ def manage_app(coord: Any) -> falcon.asgi.App:
                       ("/v1/coordinator_info", CoordinatorInfo(coord)), ("/recvs_info", RecvsInfo(coord)),
                       ("/metrics", Metrics(coord)), ("/v1/instances/refresh", Refresh(coord)),
                       ("/v1/instances/offline", OnOff(coord, False)), ("/v1/instances/online", OnOff(coord, True)),
-                      ("/v1/instances/query_tasks", QueryTasks(coord))]:
+                      ("/v1/instances/query_tasks", QueryTasks(coord)), ("/stopService", StopService(coord))]:
         app.add_route(path, res)
     app.set_error_serializer(_serialize)
     return app

@@ -147,11 +147,13 @@ class Registry:
 class Poller:
     """Polls every instance's management plane each ``interval_s``."""
 
-    def __init__(self, registry: Registry, client: httpx.AsyncClient, interval_s: float) -> None:
+    def __init__(self, registry: Registry, client: httpx.AsyncClient, interval_s: float,
+                 http_timeout_s: float = 600) -> None:
         self.registry = registry
         self.client = client
         self.interval_s = interval_s
-        self.timeout_s = min(5.0, max(1.0, 2 * interval_s))
+        # a poll that takes longer than this says "unreachable" (a hung instance must not stall polling)
+        self.timeout_s = min(5.0, max(1.0, 2 * interval_s), http_timeout_s or 5.0)
         self._task: Optional[asyncio.Task] = None
         self.polls = 0
 

@@ -20,6 +20,7 @@ One request-log line per request (logger ``mindie.coordinator.request``) names t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -30,8 +31,10 @@ from typing import Any, Optional
 import httpx
 
 from mindie.coordinator import frames
+from mindie.coordinator.upstream import Response, UpstreamError
 from mindie.errors import ApiError
 
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
 log = logging.getLogger("mindie.coordinator")
 reqlog = logging.getLogger("mindie.coordinator.request")
 
@@ -99,6 +102,9 @@ class Relay:
                     else ApiError(404, f"{path} is not a route of this coordinator", "NotFoundError")
                 return await self._answer(send, rec, frames.OTHER, err, "refused")
             fam = frames.family(path, None)  # refusals in the shape of the route's family
+            if self.coord.stopping:
+                return await self._answer(send, rec, fam, ApiError(503, "The service has been stopped.",
+                                                                   "Service Unavailable"), "stopping")
             if self.inflight >= self.limit.max_requests:
                 m.refused("max_requests")
                 return await self._answer(send, rec, fam, ApiError(429, "Too many requests", "Too Many Requests"),
@@ -262,9 +268,9 @@ class Relay:
                        deadline: Optional[float]) -> None:
         coord = self.coord
         e = self.exc
-        url = inst.base_url + scope["raw_path"].decode("latin-1")
+        target = scope["raw_path"].decode("latin-1")
         if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
+            target += "?" + scope["query_string"].decode("latin-1")
         first_by = None
         if stream and e.first_token_timeout:
             first_by = time.monotonic() + e.first_token_timeout
@@ -274,60 +280,53 @@ class Relay:
         inst.dispatched += 1
         inst.breaker.on_dispatch()
         coord.metrics.inflight(inst.id, inst.inflight)
-        resp: Optional[httpx.Response] = None
-        started = False
+        resp: Optional[Response] = None
         try:
-            req = coord.business.build_request(scope["method"], url, headers=self._headers(scope), content=body)
             try:
-                resp = await asyncio.wait_for(coord.business.send(req, stream=True), _left(first_by))
-            except (asyncio.TimeoutError, httpx.TimeoutException):
+                resp = await coord.pool.request(inst.ip, inst.business_port, scope["method"], target,
+                                                self._headers(scope), body, _left(first_by))
+            except asyncio.TimeoutError:
                 raise _Retry("first_token_timeout", f"no answer within {_left_s(first_by, e)}") from None
-            except httpx.HTTPError as x:
-                raise _Retry("connect", f"{type(x).__name__}: {x}".rstrip(": ")) from None
-            if resp.status_code == 503:
-                text = (await resp.aread())[:300].decode("utf-8", "replace")
+            except UpstreamError as x:
+                raise _Retry("connect", str(x)) from None
+            if resp.status == 503:
+                try:
+                    text = (await asyncio.wait_for(resp.read(300), 5))[:300].decode("utf-8", "replace")
+                except (UpstreamError, asyncio.TimeoutError):
+                    text = ""
                 raise _Retry("503", f"answered 503: {text}", breaker=False)
-            it = resp.aiter_raw()
+            it = resp.chunks()
             try:
                 first = await asyncio.wait_for(anext(it, b""), _left(first_by))
-            except (asyncio.TimeoutError, httpx.TimeoutException):
+            except asyncio.TimeoutError:
                 raise _Retry("first_token_timeout", f"no first byte within {_left_s(first_by, e)}") from None
-            except httpx.HTTPError as x:
-                raise _Retry("cut_before_first_token", f"{type(x).__name__}: {x}".rstrip(": ")) from None
+            except UpstreamError as x:
+                raise _Retry("cut_before_first_token", str(x)) from None
             rec["ttft_ms"] = (time.monotonic() - t0) * 1000
-            rec["status"] = resp.status_code
-            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.multi_items()
-                       if k.lower() not in HOP or (k.lower() == "content-length" and not stream)]
+            rec["status"] = resp.status
+            headers = [(k, v) for k, v in resp.headers
+                       if (lk := k.decode("latin-1").lower()) not in HOP or (lk == "content-length" and not stream)]
             headers.append((b"server", self.server_name))
-            started = True
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             rec["bytes"] += len(first)
             await send({"type": "http.response.body", "body": first, "more_body": True})
             try:
-                while True:
-                    if deadline is None:
-                        chunk = await anext(it, None)
-                    else:
-                        chunk = await asyncio.wait_for(anext(it, None), max(0.0, deadline - time.monotonic()))
-                    if chunk is None:
-                        break
-                    rec["bytes"] += len(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except (asyncio.TimeoutError, httpx.TimeoutException):
+                await self._pump(it, send, rec, deadline)
+            except asyncio.TimeoutError:
                 err = ApiError(504, "Request inference timeout", "Gateway Timeout")
                 await self._cut(send, rec, fam, err, "infer_timeout", stream)
                 return
-            except httpx.HTTPError as x:
+            except UpstreamError as x:
                 # the instance died (or closed) mid-answer: say so in the stream's own shape
                 if inst.breaker.failure():
                     coord.metrics.breaker_trip(inst.id)
                 coord.metrics.cut()
-                err = ApiError(500, f"The instance serving this request failed after the first token "
-                                    f"({type(x).__name__}); the answer is incomplete.", "Incomplete Generation")
+                err = ApiError(500, f"The instance serving this request failed after the first token ({x}); "
+                                    "the answer is incomplete.", "Incomplete Generation")
                 await self._cut(send, rec, fam, err, "instance failed mid-stream", stream)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            if resp.status_code >= 500:
+            if resp.status >= 500:
                 if inst.breaker.failure():
                     coord.metrics.breaker_trip(inst.id)
             else:
@@ -336,9 +335,22 @@ class Relay:
             inst.inflight -= 1
             coord.metrics.inflight(inst.id, inst.inflight)
             if resp is not None:
-                await resp.aclose()
-            if not started:
-                rec["status"] = rec["status"] or 0
+                resp.release()
+
+    @staticmethod
+    async def _pump(it, send, rec: dict, deadline: Optional[float]) -> None:
+        """Each chunk of the instance's answer to the client as it comes. One timer for the whole
+        answer (``asyncio.timeout``), not one per chunk: thousands of streams stay cheap."""
+        if deadline is not None and _TIMEOUT is None:  # Python 3.10: a timer per chunk
+            while (chunk := await asyncio.wait_for(anext(it, None), max(0.0, deadline - time.monotonic()))) is not None:
+                rec["bytes"] += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            return
+        async with (_TIMEOUT(max(0.0, deadline - time.monotonic())) if deadline is not None
+                    else contextlib.nullcontext()):
+            async for chunk in it:
+                rec["bytes"] += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _cut(self, send, rec, fam: str, err: ApiError, outcome: str, stream: bool) -> None:
         rec["outcome"] = outcome
@@ -360,7 +372,7 @@ class Relay:
         async def one(inst):
             url = inst.base_url + scope["raw_path"].decode("latin-1")
             try:
-                r = await coord.business.post(url, content=body, headers=self._headers(scope), timeout=10)
+                r = await coord.business.post(url, content=body, headers=self._headers(scope))
                 return inst, r.status_code, r.content, r.headers.get("content-type", "application/json")
             except httpx.HTTPError as x:
                 return inst, 0, str(x).encode(), "text/plain"
