@@ -71,7 +71,7 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     from mindie.coordinator.config import load
     run = tmp_path / "run"
     cfg = user_config(tmp_path / "u.json", predict=21025, manage=21026,
-                      server={"ServerConfig": {"port": 21100, "managementPort": 21101},
+                      server={"ServerConfig": {"port": 21100, "managementPort": 21101, "metricsPort": 21102},
                               "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelWeightPath": "w/m"}]}}})
     r = motor("plan", "--config", str(cfg), "--run-dir", str(run))
     assert r.returncode == 0, r.stderr
@@ -81,23 +81,25 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     for k in range(2):
         loaded = load_config(str(run / f"i{k}.json"), env={})
         s = loaded.config.server
-        # Each plane keeps its offset from port; metrics on the management plane; stride 2.
+        # Each plane keeps its offset from port; stride 3.
         got.append((s.port, s.management_port, s.metrics_port, s.management_ip_address, s.run_dir))
         # A relative path is taken from user_config.json's directory.
         assert loaded.config.backend.model_deploy.models[0].model_weight_path == str(tmp_path / "w" / "m")
-    assert got == [(21100, 21101, 21101, "127.0.0.1", str(run / "i0")),
-                   (21102, 21103, 21103, "127.0.0.1", str(run / "i1"))]
+    assert got == [(21100, 21101, 21102, "127.0.0.1", str(run / "i0")),
+                   (21103, 21104, 21105, "127.0.0.1", str(run / "i1"))]
     c = load(str(run / "ms_coordinator.json"), env={}).config
-    assert [(i.id, i.ip, i.business_port, i.mgmt_port) for i in c.instances] == [
-        (0, "127.0.0.1", 21100, 21101), (1, "127.0.0.1", 21102, 21103)]
+    assert [(i.id, i.ip, i.business_port, i.mgmt_port, i.metric_port) for i in c.instances] == [
+        (0, "127.0.0.1", 21100, 21101, 21102), (1, "127.0.0.1", 21103, 21104, 21105)]
     assert (c.http_config.predict_port, c.http_config.manage_port) == (21025, 21026)
     assert plan["predict_url"] == "http://127.0.0.1:21025" and len(plan["instances"]) == 2
-    # No ServerConfig.port: the instances start after the coordinator's highest port.
+    # No ServerConfig.port: the instances start after the coordinator's highest port; metrics on
+    # the management plane (the coordinator's default place for /metrics), stride 2.
     cfg = user_config(tmp_path / "u2.json", predict=21025, manage=21026, replicas=3, server={})
     r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run2"))
     assert r.returncode == 0, r.stderr
-    assert [(i["business_port"], i["mgmt_port"]) for i in json.loads(r.stdout)["instances"]] == [
-        (21027, 21028), (21029, 21030), (21031, 21032)]
+    assert [(i["business_port"], i["mgmt_port"], i["metrics_port"]) for i in json.loads(r.stdout)["instances"]] == [
+        (21027, 21028, 21028), (21029, 21030, 21030), (21031, 21032, 21032)]
+    assert all("metric_port" not in i for i in json.loads((tmp_path / "run2" / "ms_coordinator.json").read_text())["instances"])
 
 
 @pytest.mark.parametrize("edit,key", [
@@ -247,10 +249,10 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
         log.close()
 
 
-def test_coordinator_killed_is_restarted_and_its_own_stop_drains_the_fleet(tmp_path, demo_model) -> None:
+def test_coordinator_killed_is_restarted_and_stop_service_drains_the_fleet(tmp_path, demo_model) -> None:
     """kill -9 of the coordinator: the instances keep serving, motor.sh starts a new one, which
-    routes again; the coordinator ending by itself with status 0 (a stop it was asked for) drains
-    every instance and motor.sh exits 0."""
+    routes again; GET /stopService on the coordinator stops every instance and the coordinator,
+    and motor.sh exits 0 leaving no process."""
     import contextlib
     predict, manage = free_ports(2)
     base = consecutive_free_ports(4, avoid=(predict, manage))
@@ -296,11 +298,13 @@ def test_coordinator_killed_is_restarted_and_its_own_stop_drains_the_fleet(tmp_p
         second = coordinator_pid()
         assert second != first and alive(second)
         pids = [proc.pid, *descendants(proc.pid)]
-        os.kill(second, signal.SIGTERM)  # the coordinator's own stop: it exits 0
+        # stopService on the coordinator: it stops every instance (each drains), then itself
+        # (exit 0); motor.sh then waits for the instances' launchers and exits 0.
+        r = httpx.get(f"http://127.0.0.1:{manage}/stopService", timeout=90)
+        assert r.status_code == 200, r.text
         assert proc.wait(90) == 0, out()
         assert wait_gone(pids, 20) is not None, [p for p in pids if alive(p)]
         assert "the coordinator stopped by itself (exit 0, a stop it was asked for): stopping the instances" in out()
-        assert "draining 2 instance(s)" in out()
     finally:
         if proc.poll() is None:
             for pid in descendants(proc.pid):

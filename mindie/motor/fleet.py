@@ -412,7 +412,10 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
                         mgmt_port=s["managementPort"], metrics_port=s["metricsPort"], https=https,
                         drain_timeout_s=drain)
         instances.append(inst)
-        inst_records.append({"id": k, "ip": inst.ip, "business_port": inst.business_port, "mgmt_port": inst.mgmt_port})
+        rec = {"id": k, "ip": inst.ip, "business_port": inst.business_port, "mgmt_port": inst.mgmt_port}
+        if inst.metrics_port != inst.mgmt_port:  # the coordinator reads /metrics there
+            rec["metric_port"] = inst.metrics_port
+        inst_records.append(rec)
         if inst.mgmt_ip != inst.ip:  # set apart by the user: Motor's records carry one ip
             raise FleetError(f"the management plane ({mip}) must be on the business plane's address ({ip}) "
                              "for the coordinator, whose instance records carry one ip",
