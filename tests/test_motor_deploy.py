@@ -161,8 +161,13 @@ def test_discovery_renders_a_config_the_coordinator_loads(tmp_path, monkeypatch)
              for k in range(n)}
     assert discover.render(args, resolver=names.get) == 0
     c = load(str(rendered), env={}).config
+    # The records carry the pods' DNS names (the coordinator resolves them at each connection).
     assert [(i.id, i.ip, i.business_port, i.mgmt_port) for i in c.instances] == [
-        (k, f"10.1.0.{k + 7}", s.port, s.management_port) for k in range(n)]
+        (k, name, s.port, s.management_port) for k, name in enumerate(names)]
+    assert args.address == "name"
+    args.address = "ip"  # or the addresses they resolve to now
+    assert discover.render(args, resolver=names.get) == 0
+    assert [i.ip for i in load(str(rendered), env={}).config.instances] == [f"10.1.0.{k + 7}" for k in range(n)]
     assert c.digs_scheduler_config.deploy_mode == "single_node"
     # Too few pods resolve within --wait: refused (exit 1), nothing written.
     rendered.unlink()
@@ -246,7 +251,8 @@ def test_refresh_sidecar_and_probes_against_a_real_coordinator(tmp_path, monkeyp
         r = check("startup")
         assert r.returncode == 0 and r.stdout.startswith("healthy: 200"), r
         monkeypatch.setenv("POD_NAMESPACE", "ns1")
-        args = discover.parse_args(["watch", "--manage", f"http://127.0.0.1:{manage}", "--business-port", str(dead),
+        args = discover.parse_args(["watch", "--address", "ip", "--manage", f"http://127.0.0.1:{manage}",
+                                    "--business-port", str(dead),
                                     "--mgmt-port", str(dead), "--interval", "0.01", "--max-replicas", "4"])
         pods = {f"mindie-server-{k}.mindie-server.ns1.svc.cluster.local": f"127.0.0.{k + 1}" for k in range(2)}
         assert discover.watch(args, resolver=pods.get, rounds=1) == 0

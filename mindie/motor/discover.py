@@ -11,11 +11,13 @@ A StatefulSet ``S`` with headless Service ``H`` in namespace ``N`` names its pod
 
 - ``render`` (an init container): waits (bounded, ``--wait``) until at least ``--min-instances``
   names resolve, then writes the template with ``instances`` =
-  ``[{"id": k, "ip": <address of S-k>, "business_port": P, "mgmt_port": M}, ...]`` and checks
-  the result with the coordinator's own loader.
+  ``[{"id": k, "ip": "S-k.H.N.svc.<domain>", "business_port": P, "mgmt_port": M}, ...]`` (the
+  DNS name, which the coordinator resolves at each connection, so a pod that moves to a new
+  address is followed; ``--address ip``: the address it resolves to now) and checks the result
+  with the coordinator's own loader.
 - ``watch`` (a sidecar, an init container with ``restartPolicy: Always``): every ``--interval``
-  seconds looks the names up again and, when the set of (ordinal, address) changed (a pod
-  rescheduled to a new address, a scale up or down; a pod is dropped after ``--drop-after``
+  seconds looks the names up again and, when the set changed (a scale up or down; with
+  ``--address ip`` also a pod rescheduled to a new address; a pod is dropped after ``--drop-after``
   lookups in a row miss it), sends MindIE's ``POST
   /v1/instances/refresh`` (``ids`` = every instance; ``instances`` with ``id``, ``ip``,
   ``port``, ``mgmt_port``, ``metric_port``) to the coordinator's manage port.
@@ -67,9 +69,11 @@ def discover(args: argparse.Namespace, resolver: Resolver = resolve) -> list[dic
     """Instance records (Motor's endpoint shape) of the pods whose names resolve now."""
     out = []
     for k in range(args.max_replicas):
-        ip = resolver(pod_name(args, k))
+        name = pod_name(args, k)
+        ip = resolver(name)
         if ip:
-            out.append({"id": k, "ip": ip, "business_port": args.business_port, "mgmt_port": args.mgmt_port})
+            out.append({"id": k, "ip": name if args.address == "name" else ip,
+                        "business_port": args.business_port, "mgmt_port": args.mgmt_port})
     return out
 
 
@@ -193,6 +197,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--business-port", type=int, default=1025, help="the servers' ServerConfig.port")
     p.add_argument("--mgmt-port", type=int, default=1026, help="the servers' ServerConfig.managementPort")
     p.add_argument("--metric-port", type=int, default=0, help="the servers' metricsPort (default: --mgmt-port)")
+    p.add_argument("--address", choices=("name", "ip"), default="name",
+                   help="what the instance records carry: the pod's DNS name (default: the coordinator "
+                        "resolves it at connect time, so a pod rescheduled to a new address is followed "
+                        "at once) or the address it resolves to now")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between lookups (default 5)")
     p.add_argument("--template", help="render: ms_coordinator.json without instances")
     p.add_argument("--out", help="render: where the config with instances goes")
