@@ -1,7 +1,7 @@
 """The coordinator's benchmarks (docs/performance.md, "Coordinator"), each on a real local fleet
 started by ``scripts/motor.sh`` (coordinator + server instances through ``scripts/launch.sh``):
 
-    python -m mindie_bench.lab.fleet affinity [--conversations 12 --turns 4 ...]
+    python -m mindie_bench.lab.fleet affinity [--conversations 8 --turns 4 --first-words 600 ...]
     python -m mindie_bench.lab.fleet relay [--concurrency 256 --num-prompts 768 ...]
 
 ``affinity``: a multi-turn chat workload (OpenAI ``/v1/chat/completions``, streamed) over two
@@ -281,9 +281,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("affinity", help="cache_affinity against load_balance on a multi-turn chat workload")
-    a.add_argument("--conversations", type=int, default=12)
+    a.add_argument("--conversations", type=int, default=8)
     a.add_argument("--turns", type=int, default=4)
-    a.add_argument("--first-words", type=int, default=300, help="words of each conversation's opening message")
+    a.add_argument("--first-words", type=int, default=600, help="words of each conversation's opening message")
     a.add_argument("--turn-words", type=int, default=20, help="words of each later user message")
     a.add_argument("--max-tokens", type=int, default=16)
     a.add_argument("--seed", type=int, default=0)
