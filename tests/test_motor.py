@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import ROOT, alive, descendants, free_ports, short_run_dir, wait_gone
+from tests.harness import ROOT, InferStreams, alive, descendants, free_ports, short_run_dir, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +45,7 @@ def server_config(model_path: str, port: int | None = None) -> dict:
                                                     "ModelConfig": [{"modelName": "demo", "modelWeightPath": model_path,
                                                                      "cpuMemSize": 1, "dtype": "float32"}]},
                               "ScheduleConfig": {"cacheBlockSize": 16, "maxBatchSize": 16, "maxPrefillBatchSize": 8,
-                                                 "maxPrefillTokens": 1024, "maxIterTimes": 64}}}
+                                                 "maxPrefillTokens": 1024, "maxIterTimes": 512}}}
 
 
 def user_config(path: Path, *, predict: int, manage: int, replicas: int = 2, server: dict | None = None,
@@ -226,8 +226,16 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
             assert p.returncode == 0 and p.stdout.startswith("healthy: 200"), (mode, p.stdout, p.stderr)
         pids = [proc.pid, *descendants(proc.pid)]
         assert len(pids) >= 8, pids  # motor, coordinator, 2 x (launch.sh, supervisor, worker, gunicorn, front end)
+        # SIGTERM with streams in flight through the coordinator: they finish in full (the
+        # coordinator drains first, then the instances), nothing is cut.
+        streams = InferStreams(url, 4, 200)
+        streams.wait_started(3, timeout=60)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        streams.join(90)
+        failed, full = streams.outcome()
+        assert (failed, full) == ([], 4), [len(e) for e in streams.events]
+        assert min(streams.ended) > t0, "the streams were still running when SIGTERM came"
         assert proc.wait(90) == 0, out()
         gone = wait_gone(pids, 20)
         assert gone is not None, [p for p in pids if alive(p)]
