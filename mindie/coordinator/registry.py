@@ -47,7 +47,7 @@ class Instance:
     running: int = 0
     block_size: int = 128
     inflight: int = 0  # requests this coordinator has on it now
-    dispatched: int = 0  # since the last poll (the poll's figures do not know them yet)
+    inflight_at_poll: int = 0  # ours when the last /v2/status was asked (its running + waiting include them)
     breaker: Breaker = field(default_factory=lambda: Breaker(3, 5.0))
     scheme: str = "http"
     mgmt_scheme: str = "http"
@@ -184,6 +184,7 @@ class Poller:
 
     async def poll(self, inst: Instance) -> None:
         t = self.timeout_s
+        asked_with = inst.inflight
         try:
             health, status = await asyncio.gather(self.client.get(f"{inst.mgmt_url}/health", timeout=t),
                                                   self.client.get(f"{inst.mgmt_url}/v2/status", timeout=t))
@@ -212,7 +213,7 @@ class Poller:
                 inst.total_blocks = int(res.get("totalNpuBlockNums", 0)) or inst.total_blocks
                 inst.waiting = int(res.get("waitingRequestNum", 0))
                 inst.running = int(res.get("runningRequestNum", 0))
-                inst.dispatched = 0
+                inst.inflight_at_poll = asked_with
             except (ValueError, AttributeError, TypeError):
                 pass
         ok = health.status_code == 200

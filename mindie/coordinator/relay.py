@@ -277,7 +277,6 @@ class Relay:
         if deadline is not None:
             first_by = deadline if first_by is None else min(first_by, deadline)
         inst.inflight += 1
-        inst.dispatched += 1
         inst.breaker.on_dispatch()
         coord.metrics.inflight(inst.id, inst.inflight)
         resp: Optional[Response] = None
