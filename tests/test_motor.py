@@ -92,6 +92,13 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
         (0, "127.0.0.1", 21100, 21101, 21102), (1, "127.0.0.1", 21103, 21104, 21105)]
     assert (c.http_config.predict_port, c.http_config.manage_port) == (21025, 21026)
     assert plan["predict_url"] == "http://127.0.0.1:21025" and len(plan["instances"]) == 2
+    # Accelerators: npuDeviceIds is instance 0's; instance k's moves up by k times its span.
+    cfg = user_config(tmp_path / "u3.json", predict=21025, manage=21026, replicas=3,
+                      server={"BackendConfig": {"deviceType": "npu", "npuDeviceIds": [[0, 1], [2, 3]]}})
+    r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run3"))
+    assert r.returncode == 0, r.stderr
+    assert [load_config(str(tmp_path / "run3" / f"i{k}.json"), env={}).config.backend.npu_device_ids
+            for k in range(3)] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
     # No ServerConfig.port: the instances start after the coordinator's highest port; metrics on
     # the management plane (the coordinator's default place for /metrics), stride 2.
     cfg = user_config(tmp_path / "u2.json", predict=21025, manage=21026, replicas=3, server={})
@@ -100,6 +107,7 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     assert [(i["business_port"], i["mgmt_port"], i["metrics_port"]) for i in json.loads(r.stdout)["instances"]] == [
         (21027, 21028, 21028), (21029, 21030, 21030), (21031, 21032, 21032)]
     assert all("metric_port" not in i for i in json.loads((tmp_path / "run2" / "ms_coordinator.json").read_text())["instances"])
+    assert "deviceType auto: every instance uses the npuDeviceIds as written" in r.stderr
 
 
 @pytest.mark.parametrize("edit,key", [

@@ -34,6 +34,9 @@ the planes; ``ServerConfig.runDir`` = ``<run dir>/i<k>``. Files written to the r
 ``ms_coordinator.json`` (with the ``instances`` list), ``plan.json``; the run writes each
 process's output to ``i<k>.log`` and ``coordinator.log`` there.
 
+Devices: with ``BackendConfig.deviceType`` npu or cuda, ``npuDeviceIds`` is instance 0's and
+instance k's is moved up by k times its span (``[[0], [1]]``: i1 gets ``[[2], [3]]``).
+
 Relative paths in the two configs (model weights, TLS files, chat templates, LoRA adapters) are
 taken from the directory of ``user_config.json`` and written absolute.
 """
@@ -242,6 +245,23 @@ def _check_keys(raw: dict) -> list[str]:
     return notes
 
 
+def _devices(cfg: dict, k: int) -> None:
+    """Instance k's accelerators: ``npuDeviceIds`` as written for one instance, moved up by k
+    times their span (``[[0], [1]]``: i0 ``[[0], [1]]``, i1 ``[[2], [3]]``), so the instances of one
+    host do not share a device. Only for an explicit ``deviceType`` npu or cuda: CPU workers
+    (and "auto", which may be either) keep the ids as written."""
+    bc = cfg.get("BackendConfig")
+    if not isinstance(bc, dict) or bc.get("deviceType") not in ("npu", "cuda") or not k:
+        return
+    ids = bc.get("npuDeviceIds", [[0]])
+    try:
+        flat = [int(d) for group in ids for d in group]
+        span = max(flat) - min(flat) + 1
+        bc["npuDeviceIds"] = [[int(d) + k * span for d in group] for group in ids]
+    except (TypeError, ValueError):
+        return  # malformed: the server's loader names it
+
+
 def _absolute(value: Any, base: str) -> Any:
     if isinstance(value, str) and value.strip() and not os.path.isabs(os.path.expanduser(value.strip())):
         return os.path.join(base, value.strip())
@@ -358,6 +378,10 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
         sc["managementIpAddress"] = sc.get("ipAddress", "127.0.0.1")
     if "runDir" in sc:
         notes.append("mindie_server_config.ServerConfig.runDir: replaced by <run dir>/i<k> per instance")
+    bc = server.get("BackendConfig") if isinstance(server.get("BackendConfig"), dict) else {}
+    if n > 1 and bc.get("deviceType", "auto") == "auto":
+        notes.append("mindie_server_config.BackendConfig.deviceType auto: every instance uses the npuDeviceIds as "
+                     "written (set npu or cuda to give each instance its own devices)")
     _server_paths_absolute(server, base)
     _coordinator_paths_absolute(coord, base)
 
@@ -381,6 +405,7 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
             taken[p] = (f"i{k}", what)
             s[plane] = p
         s["runDir"] = os.path.join(run_dir, f"i{k}")
+        _devices(cfg, k)
         configs.append(cfg)
     if write:
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
