@@ -110,6 +110,16 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     assert "deviceType auto: every instance uses the npuDeviceIds as written" in r.stderr
 
 
+def test_example_user_config_plans(tmp_path) -> None:
+    """deploy/user_config.example.json passes every loader as shipped."""
+    r = motor("plan", "--config", str(ROOT / "deploy" / "user_config.example.json"), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["predict_url"] == "http://127.0.0.1:1025"
+    assert [(i["business_port"], i["mgmt_port"], i["metrics_port"]) for i in plan["instances"]] == [
+        (1030, 1031, 1031), (1032, 1033, 1033)]
+
+
 @pytest.mark.parametrize("edit,key", [
     (lambda d: d["deploy_config"].update(replica=2), "deploy_config.replica: unknown key: did you mean replicas?"),
     (lambda d: d.update(mindie_server_conf={}), "mindie_server_conf: unknown key"),
