@@ -4,7 +4,9 @@ An instance comes from ``instances`` in the config or from ``POST /v1/instances/
 poll (``http_config.pollIntervalMs``) asks every instance's management plane for ``/health``
 (200 = its workers are ready) and ``/v2/status`` (free slots, free KV blocks, waiting and
 running requests); ``/v1/config`` (model name, KV block size) and
-``/v2/models/{m}/getSlotCount`` (total slots) once, and again after the instance was away. An
+``/v2/models/{m}/getSlotCount`` (total slots) once, and again after the instance was away. A refused
+or reset poll makes an instance unreachable at once; a poll that times out (a busy instance
+answers late) only the third time in a row. An
 instance is *ready* (routable) when its last poll succeeded, it is online (not taken out by
 ``/v1/instances/offline``) and its circuit breaker (mindie/coordinator/breaker.py) lets requests
 through. A restarted coordinator rebuilds this view from the config and one poll; instances
@@ -23,6 +25,8 @@ import httpx
 from mindie.coordinator.breaker import Breaker
 
 log = logging.getLogger("mindie.coordinator.registry")
+
+POLL_TIMEOUTS_DOWN = 3  # polls in a row that time out before a ready instance counts as unreachable
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Instance:
     running: int = 0
     block_size: int = 128
     inflight: int = 0  # requests this coordinator has on it now
+    poll_timeouts: int = 0  # polls in a row that timed out
     inflight_at_poll: int = 0  # ours when the last /v2/status was asked (its running + waiting include them)
     breaker: Breaker = field(default_factory=lambda: Breaker(3, 5.0))
     scheme: str = "http"
@@ -199,7 +204,17 @@ class Poller:
                                                   timeout=t)
                     if slots.status_code == 200:
                         inst.total_slots = int(slots.json().get("total_slots") or 0)
-        except (httpx.HTTPError, ValueError, OSError) as e:
+        except httpx.TimeoutException as e:
+            # a busy instance answers its management plane late: not ready only after a few in a row
+            inst.poll_timeouts += 1
+            if inst.poll_timeouts < POLL_TIMEOUTS_DOWN and inst.polled_ok:
+                return
+            inst.polled_ok = False
+            inst.why_not = f"management plane {inst.mgmt_url} did not answer within {t:g} s ({inst.poll_timeouts} polls)"
+            if inst.breaker.probe_due():
+                inst.breaker.failure()
+            return
+        except (httpx.HTTPError, ValueError, OSError) as e:  # refused, reset: down now
             inst.polled_ok = False
             inst.why_not = f"management plane {inst.mgmt_url} unreachable: {type(e).__name__}: {e}".rstrip(": ")
             if inst.breaker.probe_due():
@@ -216,6 +231,7 @@ class Poller:
                 inst.inflight_at_poll = asked_with
             except (ValueError, AttributeError, TypeError):
                 pass
+        inst.poll_timeouts = 0
         ok = health.status_code == 200
         inst.seen = inst.seen or ok
         inst.polled_ok = ok

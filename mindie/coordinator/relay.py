@@ -6,7 +6,8 @@ once; no instance ready, 503), routed (mindie/coordinator/router.py), sent to th
 the instance's status, headers and body relayed as they come, chunk by chunk (a stream's frames
 are never gathered). Failover:
 
-- the instance refuses the connection, answers 503, fails, or sends no first byte within
+- the instance refuses the connection, answers 503 (or 200 with an empty body), fails, or
+  sends no first byte within
   ``first_token_timeout`` (streams; a non-stream answer has ``infer_timeout``): the request goes
   to another instance, at most ``max_retry`` more times, each instance once; the failure counts
   for the instance's circuit breaker (a 503 does not: it says "not now", e.g. draining);
@@ -301,6 +302,10 @@ class Relay:
                 raise _Retry("first_token_timeout", f"no first byte within {_left_s(first_by, e)}") from None
             except UpstreamError as x:
                 raise _Retry("cut_before_first_token", str(x)) from None
+            if not first and resp.status == 200 and scope["method"] == "POST":
+                # no inference API answers 200 with nothing: an instance that ended the answer
+                # before writing a byte is treated as one that failed before its first token
+                raise _Retry("empty_answer", "answered 200 with an empty body", breaker=False)
             rec["ttft_ms"] = (time.monotonic() - t0) * 1000
             rec["status"] = resp.status
             headers = [(k, v) for k, v in resp.headers
