@@ -647,11 +647,11 @@ def test_lab_commands_resolve_and_take_their_arguments(capsys: pytest.CaptureFix
 
 
 def test_scripts_keeps_only_what_an_operator_runs() -> None:
-    """scripts/ holds the launcher, the probes, the drain and the watermark detector; the
-    benchmarks, profilers and drills live in mindie_bench/lab/ (issue 26)."""
+    """scripts/ holds the launcher, the probes, the drain, the watermark detector and the local
+    fleet (motor.sh, issue 31); the benchmarks, profilers and drills live in mindie_bench/lab/ (issue 26)."""
     root = Path(__file__).resolve().parents[1]
     assert sorted(p.name for p in (root / "scripts").iterdir()) == [
-        "health_check.sh", "launch.sh", "prestop.sh", "watermark_detect.py"]
+        "health_check.sh", "launch.sh", "motor.sh", "prestop.sh", "watermark_detect.py"]
 
 
 def test_the_client_does_not_import_the_server() -> None:

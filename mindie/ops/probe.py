@@ -30,6 +30,16 @@ liveness probes of MindIE Server; its ``health_probe.md`` recommends ``/health/t
   one-token inference must finish within N s; a deeper check than live (it catches a hung
   device), for a manual check or a slow liveness probe, not for a frequent one.
 
+``--coordinator``: probe a MindIE Motor coordinator (``python -m mindie.coordinator``) instead: the
+config is its ``ms_coordinator.json`` (``--config FILE``, else
+``$MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH``, else its defaults), read by the coordinator's own
+loader; the probe connects to ``http_config.manage_ip``/``manage_port`` (HTTPS with
+``tls_config.controller_server_tls_enable``, trusting its ``ca_cert``) and asks, as MindIE's
+probe.sh does for its coordinator: ``startup`` -> ``GET /v1/startup``, ``liveness`` -> ``GET
+/v1/health`` (both 200 while the process serves), ``readiness`` -> ``GET /v1/readiness`` (503 while no instance is ready, so
+a coordinator with nothing to route to leaves its Service). ``timed`` and ``stop`` are server
+modes (a coordinator runs no inference; it stops on SIGTERM).
+
 HTTPS: with ``ServerConfig.httpsEnabled`` the probe speaks TLS (1.2+) to the management
 listener. It verifies the server certificate against ``--cacert FILE`` (env
 ``MINDIE_PROBE_CACERT``), else the plane's CA files (``tlsCaPath`` + ``managementTlsCaFile``, or
@@ -74,6 +84,9 @@ OK, UNHEALTHY, USAGE, NOT_RUNNING, TIMEOUT, TLS_ERROR, STARTING, STOPPED, BUSY =
 
 MODES = ("startup", "liveness", "readiness", "timed", "stop")
 ROUTES = {"startup": "/v2/health/live", "liveness": "/v2/health/live", "readiness": "/v2/health/ready"}
+# MindIE's probe.sh for its coordinator: /v1/startup, /v1/health and /v1/readiness.
+COORDINATOR_ROUTES = {"startup": "/v1/startup", "liveness": "/v1/health", "readiness": "/v1/readiness"}
+COORDINATOR_CONFIG_ENV = "MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH"
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_TIMED_N = 3
 DEFAULT_STOP_WAIT_S = 100.0  # prestop.sh: MINDIE_PRESTOP_WAIT; deploy/k8s grace period 150 s
@@ -94,6 +107,11 @@ exit status:
   0 healthy / drained   1 unhealthy (other answer)   2 usage or config error
   3 not running (connection refused)   4 timeout   5 TLS error
   6 starting (503)   7 stopped (503 after /stopService)   8 busy (503 from /v2/health/ready)
+
+--coordinator (a MindIE Motor coordinator, --config ms_coordinator.json):
+  startup     GET /v1/startup       (200 while the coordinator serves)
+  liveness    GET /v1/health
+  readiness   GET /v1/readiness     (503 while no instance is ready to route to)
 
 environment: MIES_CONFIG_JSON_PATH (config, as the server) and the server's overrides
 (MIES_CONTAINER_MANAGEMENT_IP, MINDIE_HOST, MINDIE_PORT, ...); MINDIE_PROBE_CACERT,
@@ -152,6 +170,32 @@ def management_target(config_path: Optional[str], env=os.environ) -> Target:
         raise ProbeFailure(USAGE, f"config error: {e}") from None
     li = next(x for x in listeners if "management" in x.planes)
     return Target(connect_host(li.host), li.port, li.tls, li.host)
+
+
+class _CoordinatorTls:
+    """The manage listener's TLS as client_context() reads a plane's (its CA files, the key naming them)."""
+
+    def __init__(self, ca_cert: str):
+        self.ca_files = [ca_cert] if ca_cert else []
+        self.ca_key = "tls_config.controller_server_tls_items.ca_cert"
+
+
+def coordinator_target(config_path: Optional[str], env=os.environ) -> Target:
+    """The coordinator's manage listener, from its ms_coordinator.json read by its own loader."""
+    from mindie.config import ConfigError
+    from mindie.coordinator.config import load
+
+    if config_path is None:
+        config_path = env.get(COORDINATOR_CONFIG_ENV, "").strip() or None
+    try:
+        c = load(config_path, env=env).config
+    except ConfigError as e:
+        raise ProbeFailure(USAGE, f"config error: {e}") from None
+    except OSError as e:
+        raise ProbeFailure(USAGE, f"config error: {e}") from None
+    h, t = c.http_config, c.tls_config
+    tls = _CoordinatorTls(t.controller_server_tls_items.ca_cert) if t.controller_server_tls_enable else None
+    return Target(connect_host(h.manage_ip), h.manage_port, tls, h.manage_ip)
 
 
 # -- TLS -------------------------------------------------------------------------------------------------
@@ -304,8 +348,8 @@ def classify(status: int, body: bytes, url: str) -> tuple[int, str]:
     return UNHEALTHY, f"unhealthy: {status} from {url}" + (f" ({msg})" if msg else "")
 
 
-def probe(prober: Prober, mode: str, n: int) -> tuple[int, str]:
-    path = f"/health/timed-{n}" if mode == "timed" else ROUTES[mode]
+def probe(prober: Prober, mode: str, n: int, coordinator: bool = False) -> tuple[int, str]:
+    path = COORDINATOR_ROUTES[mode] if coordinator else f"/health/timed-{n}" if mode == "timed" else ROUTES[mode]
     t0 = time.monotonic()
     status, body = prober.request(path)
     code, line = classify(status, body, prober.target.url(path))
@@ -375,6 +419,9 @@ def parse_args(argv):
                    help=f"stop: seconds to wait for the drain and exit (default $MINDIE_PRESTOP_WAIT, else "
                         f"{DEFAULT_STOP_WAIT_S:g})")
     p.add_argument("--force", action="store_true", help="stop: /stopService?mode=Force")
+    p.add_argument("--coordinator", action="store_true",
+                   help="probe a MindIE Motor coordinator: --config is its ms_coordinator.json (default "
+                        f"${COORDINATOR_CONFIG_ENV}); startup, liveness and readiness only")
     p.add_argument("--cacert", metavar="FILE", default=os.environ.get("MINDIE_PROBE_CACERT", ""),
                    help="HTTPS: CA file the server certificate is checked against [MINDIE_PROBE_CACERT] "
                         "(default: the plane's tlsCaPath CA files)")
@@ -390,6 +437,9 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.n is not None and args.mode != "timed":
         p.error(f"N is only for timed, not {args.mode}")
+    if args.coordinator and args.mode in ("timed", "stop"):
+        p.error(f"{args.mode} is a server mode: a coordinator runs no inference and stops on SIGTERM "
+                "(--coordinator takes startup, liveness or readiness)")
     if args.mode == "timed":
         args.n = DEFAULT_TIMED_N if args.n is None else args.n
         if not 1 <= args.n <= 600:
@@ -427,7 +477,7 @@ def run(argv=None) -> tuple[int, str]:
     signal.setitimer(signal.ITIMER_REAL, budget + 0.05)
     target = None
     try:
-        target = management_target(args.config)
+        target = coordinator_target(args.config) if args.coordinator else management_target(args.config)
         ctx = None
         if target.tls:
             ctx = client_context(target.tls, cacert=args.cacert, cert=args.cert, key=args.key,
@@ -435,7 +485,7 @@ def run(argv=None) -> tuple[int, str]:
         prober = Prober(target, deadline, ctx, args.server_name, bool(args.cert))
         if args.mode == "stop":
             return stop(prober, args.force, args.wait)
-        return probe(prober, args.mode, args.n or 0)
+        return probe(prober, args.mode, args.n or 0, args.coordinator)
     except ProbeFailure as f:
         return f.code, f.message
     except _Deadline:
