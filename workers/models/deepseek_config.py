@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-__all__ = ["DeepseekArgs", "parse_deepseek", "yarn_mscale"]
+__all__ = ["DeepseekArgs", "is_mtp_tensor", "parse_deepseek", "yarn_mscale"]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -182,3 +182,12 @@ def parse_deepseek(cfg: Mapping[str, Any], arch: str, err: Callable[[str, str], 
         routed_scaling_factor=num("routed_scaling_factor", 1.0 if version == 2 else 2.5),
         num_nextn_predict_layers=int(nextn),
     )
+
+
+def is_mtp_tensor(num_hidden_layers: int, name: str) -> bool:
+    """A tensor of DeepSeek's multi-token-prediction head: ``model.layers.{n}.*`` with n >=
+    num_hidden_layers (not served: skipped at load, counted in the load log)."""
+    if not name.startswith("model.layers."):
+        return False
+    idx = name.split(".", 3)[2]
+    return idx.isdigit() and int(idx) >= num_hidden_layers
