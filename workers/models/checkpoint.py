@@ -87,7 +87,7 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> full shape, for every tensor of the model ``args`` describe
     (whole model, not a tensor-parallel shard: each rank reads its slice of these)."""
     if args.deepseek is not None:  # multi-head latent attention and DeepSeek's experts
-        from .deepseek import expected_tensors as deepseek_tensors
+        from .deepseek_names import expected_tensors as deepseek_tensors
         return deepseek_tensors(args)
     hid, vocab, inter = args.hidden_size, args.vocab_size, args.intermediate_size
     q, kv = args.q_size, args.kv_size

@@ -39,13 +39,12 @@ from .deepseek_routing import DeepseekRouter
 from .llama import MLP, Embedding, Linear, RMSNorm
 from .lora import LoraHook
 from .moe import DEEPSEEK_NAMES, MoeShard, SparseMoE
-from .moe import expected_tensors as moe_expected
 from .moe import slots as moe_slots
 
 if TYPE_CHECKING:
     from .sharding import TensorParallel
 
-__all__ = ["DeepseekLM", "DeepseekRope", "expected_tensors", "kv_bytes_per_token", "param_slots", "rope_inv_freq"]
+__all__ = ["DeepseekLM", "DeepseekRope", "kv_bytes_per_token", "param_slots", "rope_inv_freq"]
 
 
 def rope_inv_freq(ds: DeepseekArgs) -> torch.Tensor:
@@ -182,7 +181,13 @@ class DeepseekLM(nn.Module):
         local = tp.shard.local_args(args) if tp is not None else args
         self.local_args = local
         reduce = tp.all_reduce if tp is not None else None
-        moe_shard = getattr(tp.shard, "moe", None) if tp is not None else None
+        moe_shard = None
+        if tp is not None and ds.n_routed_experts:
+            # Expert tensor/expert parallelism as ModelConfig moeParallel says (workers/models/moe.py);
+            # planned here when the shard plan has none for DeepSeek's experts.
+            moe_shard = getattr(tp.shard, "moe", None) or MoeShard.plan(
+                ds.n_routed_experts, ds.moe_intermediate_size, ds.moe_intermediate_size * ds.n_shared_experts,
+                tp.shard.rank, tp.shard.world, getattr(tp.shard, "moe_mode", "tp"))
         self.lora = LoraHook()  # never set: LoRA adapters are refused for DeepSeek (lora_manager)
         self.embed_tokens = Embedding(local.vocab_size, args.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DeepseekLayer(args, local, i, dtype, reduce, moe_shard)
@@ -195,11 +200,10 @@ class DeepseekLM(nn.Module):
         self.rope = DeepseekRope(ds, max_positions or args.max_position_embeddings)
 
     @property
-    def kv_layout(self) -> tuple[type, tuple[int, int, int]]:
-        """The KV cache this model needs: (attention class, (layers, 1, latent width)); the engine
-        assembly allocates and sizes the cache from it (workers/engine/assembly.py)."""
-        from workers.attention.mla import MlaPagedAttention  # models do not import attention at module load
-        return MlaPagedAttention, (self.args.num_hidden_layers, 1, self.args.deepseek.latent_width)
+    def kv_layout(self) -> tuple[str, tuple[int, int, int]]:
+        """The KV cache this model needs: ("mla", (layers, 1, latent width)); the engine assembly
+        allocates and sizes it with workers.attention.for_layout("mla") (the latent cache)."""
+        return "mla", (self.args.num_hidden_layers, 1, self.args.deepseek.latent_width)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -230,52 +234,6 @@ def kv_bytes_per_token(args: ModelArgs, elem: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------ checkpoint
-
-
-def _layer_dense_names(pre: str, hid: int, inter: int) -> dict[str, tuple[int, ...]]:
-    return {f"{pre}mlp.gate_proj.weight": (inter, hid), f"{pre}mlp.up_proj.weight": (inter, hid),
-            f"{pre}mlp.down_proj.weight": (hid, inter)}
-
-
-def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """HF name -> full shape of every tensor a DeepSeek checkpoint must hold (the MTP layers,
-    ``model.layers.{num_hidden_layers + i}``, are not among them: checkpoint.py skips them)."""
-    ds = args.deepseek
-    assert ds is not None
-    hid, h = args.hidden_size, args.num_attention_heads
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, hid),
-                                       "model.norm.weight": (hid,)}
-    if not args.tie_word_embeddings:
-        out["lm_head.weight"] = (args.vocab_size, hid)
-    for i in range(args.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        a = f"{pre}self_attn."
-        if ds.q_lora_rank is None:
-            out[f"{a}q_proj.weight"] = (h * ds.qk_head_dim, hid)
-        else:
-            out[f"{a}q_a_proj.weight"] = (ds.q_lora_rank, hid)
-            if args.attention_bias:
-                out[f"{a}q_a_proj.bias"] = (ds.q_lora_rank,)
-            out[f"{a}q_a_layernorm.weight"] = (ds.q_lora_rank,)
-            out[f"{a}q_b_proj.weight"] = (h * ds.qk_head_dim, ds.q_lora_rank)
-        out[f"{a}kv_a_proj_with_mqa.weight"] = (ds.latent_width, hid)
-        if args.attention_bias:
-            out[f"{a}kv_a_proj_with_mqa.bias"] = (ds.latent_width,)
-        out[f"{a}kv_a_layernorm.weight"] = (ds.kv_lora_rank,)
-        out[f"{a}kv_b_proj.weight"] = (h * (ds.qk_nope_head_dim + ds.v_head_dim), ds.kv_lora_rank)
-        out[f"{a}o_proj.weight"] = (hid, h * ds.v_head_dim)
-        if args.attention_bias:
-            out[f"{a}o_proj.bias"] = (hid,)
-        if ds.is_moe_layer(i):
-            out.update(moe_expected(pre, DEEPSEEK_NAMES, hid, ds.n_routed_experts, ds.moe_intermediate_size,
-                                    ds.moe_intermediate_size * ds.n_shared_experts))
-            if ds.scoring == "sigmoid":
-                out[f"{pre}mlp.gate.e_score_correction_bias"] = (ds.n_routed_experts,)
-        else:
-            out.update(_layer_dense_names(pre, hid, args.intermediate_size))
-        out[f"{pre}input_layernorm.weight"] = (hid,)
-        out[f"{pre}post_attention_layernorm.weight"] = (hid,)
-    return out
 
 
 def param_slots(model: DeepseekLM, slot: Callable[..., object], shard=None) -> dict[str, object]:
