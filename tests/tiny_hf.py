@@ -25,6 +25,9 @@ def random_model(cls_name: str, config: dict[str, Any]) -> Any:
                 p.normal_(0.0, 0.1)
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero would hide it
+                b.normal_(0.0, 0.5)
     return model
 
 
@@ -142,12 +145,14 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|User|>", "<|Assistant|>")  # spe
 TEXT_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # added, not special (as Qwen3's)
 
 
-def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config") -> Path:
+def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config",
+                    config: dict[str, Any] | None = None) -> Path:
     """A tiny random chat model in ``path``: the demo model's byte-level BPE tokenizer with Qwen3's
     chat tokens added (``<|im_start|>``/``<|im_end|>`` special, ``<think>``, ``</think>``,
     ``<tool_call>``, ``</tool_call>`` added as text tokens, as in Qwen3's tokenizer), ``template``
     as its chat template, ``<|im_end|>`` its EOS, and random weights (``cls_name`` transformers
-    config, Qwen3 by default). Returns ``path``."""
+    config, Qwen3 by default; ``config``: its keys other than the vocabulary and special ids).
+    Returns ``path``."""
     import json
 
     from tokenizers import AddedToken, Tokenizer
@@ -164,8 +169,8 @@ def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config")
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
         "pad_token": "<|im_end|>", "unk_token": "<unk>", "model_max_length": 4096, "chat_template": template}))
-    save_random_model(cls_name, dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                     max_position_embeddings=2048, bos_token_id=1, eos_token_id=eos,
-                                     tie_word_embeddings=True), path)
+    shape = config if config is not None else dict(  # ``config``: another family's shape keys
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True)
+    save_random_model(cls_name, dict(shape, vocab_size=vocab, bos_token_id=1, eos_token_id=eos), path)
     return path
