@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("chaos", "fault drills against the real launcher under load"),
     "lora": ("lora", "LoRA adapters: tokens/s with four in the batch against the base alone, ITL while one loads"),
     "structured": ("structured", "structured output: tokens/s constrained against none, compile time, jump-forward"),
+    "deepseek": ("deepseek", "a tiny DeepSeek-V3 (MLA, grouped routing): tokens/s against transformers, KV bytes per token"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 
