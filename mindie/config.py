@@ -175,6 +175,10 @@ class ModelConfig(_Section):
     # MindIE's name (its weights' config.json); here quantised at load from the checkpoint.
     # null/"" = none; "w8a16" = weight-only int8 linears (workers/backends/int8.py).
     quantize: Optional[Literal["", "w8a16"]] = None
+    # Project extension: how a tensor-parallel instance (worldSize > 1) splits a mixture of experts'
+    # routed experts: "tp" every expert sharded across the ranks (the default: balanced whatever the
+    # routing), "ep" whole experts split across them (num_experts / worldSize each). workers/models/sharding.py.
+    moe_parallel: Literal["tp", "ep"] = "tp"
     # MindIE's per-model-type options ({"<model_type>": {"tool_call_options": {"tool_call_parser": ...},
     # "chat_template": ...}}): tool calls on /v1/chat/completions (docs/apis.md, "Tool calls").
     models: dict[str, ModelTypeOptions] = field(default_factory=dict)

@@ -115,7 +115,8 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
                 threads=threads, core_share_file=os.path.join(run_dir, "cores.busy") if share else "",
                 worker_index=index, num_workers=n, null_model=null_model, null_step_ms=null_step_ms,
                 watermark_gamma=config.server.watermark_gamma, watermark_delta=config.server.watermark_delta,
-                log_level=log_level, engine=engine, quantize=model.quantize or "", remote=host != backend.worker_host,
+                log_level=log_level, engine=engine, quantize=model.quantize or "",
+                moe_parallel=model.moe_parallel, remote=host != backend.worker_host,
                 lora_modules=[LoraModule(name=m.name, path=m.path, base_model_name=m.base_model_name)
                               for m in deploy.lora_modules],
                 max_loras=deploy.max_loras, max_lora_rank=deploy.max_lora_rank))

@@ -196,6 +196,9 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ModelDeployConfig.ModelConfig[].reasoningParser": [
         f"tests/test_reasoning.py::{n}" for n in ("test_config_keys", "test_chosen_by_config",
                                                   "test_qwen3_answer_is_split_as_the_parser_says")],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].moeParallel": [
+        f"tests/test_moe.py::{n}" for n in ("test_moe_parallel_key_reaches_the_worker_and_is_checked_at_launch",
+                                            "test_tensor_parallel_moe_generates_what_one_process_does")],
     "BackendConfig.ModelDeployConfig.ModelConfig[].quantize": [
         f"tests/test_int8.py::{n}" for n in ("test_quantize_reaches_the_worker_spec", "test_int8_path_is_used_when_configured",
                                              "test_backend_without_int8_refuses_the_key",

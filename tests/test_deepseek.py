@@ -232,7 +232,11 @@ def test_logprobs_within_tolerance(models, case: str) -> None:
 # -- tensor parallel (gloo) ------------------------------------------------------------------------------
 
 
-def test_tensor_parallel_two_ranks_equal_one(models, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_tensor_parallel_two_ranks_equal_one(models, tmp_path: Path, mode: str) -> None:
+    """moeParallel "tp" (each expert split) and "ep" (4 of the 8 experts per rank); heads split,
+    the latent cache replicated."""
+    import os
     path = models["v3_yarn"][1]
     reqs = [{"id": f"g{i}", "prompt": p, "params": {"max_new_tokens": 10, "ignore_eos": True}}
             for i, p in enumerate(_prompts()[:4])]
@@ -240,7 +244,8 @@ def test_tensor_parallel_two_ranks_equal_one(models, tmp_path: Path) -> None:
     for world in (1, 2):
         out = tmp_path / f"tp{world}.json"
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), str(world), str(out),
-                               "--requests", json.dumps(reqs)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                               "--requests", json.dumps(reqs)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                              env=dict(os.environ, TP_TEST_MOE_PARALLEL=mode))
         assert proc.returncode == 0, proc.stderr[-4000:]
         outs.append(json.loads(out.read_text()))
     assert outs[1]["tokens"] == outs[0]["tokens"]

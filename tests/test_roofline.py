@@ -110,3 +110,26 @@ def test_script_runs_and_prints_the_fraction(demo_model, tmp_path):
         # the fractions are printed on the batch's line
         line = next(ln for ln in proc.stdout.splitlines() if ln.split()[:1] == [str(b)])
         assert f"{row['fraction']:.3f}" in line and f"{row['fraction_paired']:.3f}" in line
+
+
+@pytest.mark.parametrize("shared", [0, 48])
+def test_moe_counts_the_activated_experts_only(demo_model, shared):
+    """A mixture of experts reads its router, its shared expert and the activated experts: all E
+    activated = every parameter; top_k activated = that minus the others' bytes."""
+    from workers.models.config import MoeArgs
+    from workers.models.llama import DecoderLM
+    rl = _roofline()
+    moe = MoeArgs(num_experts=8, top_k=2, moe_intermediate_size=40, norm_topk_prob=True,
+                  sparse_layers=(True, False, True), shared_expert_intermediate_size=shared,
+                  shared_expert_gate=bool(shared))
+    args = _args(demo_model, num_hidden_layers=3, moe=moe)
+    with torch.device("meta"):
+        model = DecoderLM(args, dtype=torch.bfloat16, max_positions=16)
+    everything = _weights_read_per_step(model)
+    assert sum(rl.weight_bytes(args, 2, active=8).values()) == everything
+    per_expert = 3 * args.hidden_size * 40 * 2
+    assert sum(rl.weight_bytes(args, 2).values()) == everything - 2 * (8 - 2) * per_expert
+    assert rl.expected_active_experts(moe, 1) == pytest.approx(2)
+    assert rl.expected_active_experts(moe, 64) == pytest.approx(8, abs=1e-3)
+    one, many = rl.step_bytes(args, 2, [10]), rl.step_bytes(args, 2, [10] * 32)
+    assert one["w_experts"] == 2 * 2 * per_expert and many["w_experts"] > 7.9 * 2 * per_expert

@@ -151,8 +151,7 @@ def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config",
     chat tokens added (``<|im_start|>``/``<|im_end|>`` special, ``<think>``, ``</think>``,
     ``<tool_call>``, ``</tool_call>`` added as text tokens, as in Qwen3's tokenizer), ``template``
     as its chat template, ``<|im_end|>`` its EOS, and random weights (``cls_name`` transformers
-    config, Qwen3 by default; ``config``: its keys other than the vocabulary and special ids).
-    Returns ``path``."""
+    config, Qwen3 by default; ``config``: keys added to it, e.g. a mixture of experts'). Returns ``path``."""
     import json
 
     from tokenizers import AddedToken, Tokenizer
@@ -169,8 +168,8 @@ def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config",
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
         "pad_token": "<|im_end|>", "unk_token": "<unk>", "model_max_length": 4096, "chat_template": template}))
-    shape = config if config is not None else dict(  # ``config``: another family's shape keys
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True)
-    save_random_model(cls_name, dict(shape, vocab_size=vocab, bos_token_id=1, eos_token_id=eos), path)
+    save_random_model(cls_name, {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                        max_position_embeddings=2048, bos_token_id=1, eos_token_id=eos,
+                                        tie_word_embeddings=True), **(config or {})}, path)
     return path

@@ -26,6 +26,7 @@ from mindie.contract.spec import EngineConfig, WorkerSpec, decode_spec, encode_s
 
 def make_spec(model: str, world: int) -> WorkerSpec:
     return WorkerSpec(worker_id="w0", job_endpoint="", pub_endpoint="", device_type="cpu",
+                      moe_parallel=os.environ.get("TP_TEST_MOE_PARALLEL", "tp"),
                       device_ids=list(range(world)), model_path=model, dtype="float32", cpu_mem_gb=0.02, threads=1,
                       engine=EngineConfig(block_size=16, max_seq_len=512, max_batch_size=16,
                                           max_prefill_batch_size=16, max_prefill_tokens=64, overlap=False))

@@ -204,7 +204,7 @@ def check_tensor_parallel(spec: WorkerSpec, args: ModelArgs) -> None:
         return
     from workers.models.sharding import plan_shard  # lazy: imports torch (see the module docstring)
     try:
-        plan_shard(args, 0, world)
+        plan_shard(args, 0, world, spec.moe_parallel)
     except ModelConfigError as e:
         raise SystemExit(str(e)) from None
     log.info("tensor parallel: each npuDeviceIds entry is one instance of %d ranks (one process per device)", world)

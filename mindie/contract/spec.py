@@ -186,6 +186,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     engine: EngineConfig = EngineConfig()
     # ModelConfig[].quantize: "" = the model dtype; "w8a16" = weight-only int8 linears.
     quantize: str = ""
+    # ModelConfig[].moeParallel: "tp" | "ep" (a tensor-parallel instance's split of the routed experts).
+    moe_parallel: str = "tp"
     # A worker on another host (BackendConfig.workerHosts): front ends connect to it, this host's
     # supervisor does not start it.
     remote: bool = False

@@ -3,7 +3,8 @@
 
 A decode step of a small batch is bound by memory reads: every weight matrix (q/k/v, o,
 gate/up, down per layer, the norms, the full LM head) is read once per step whatever the batch,
-plus each sequence's KV cache (context x layers x 2 x kv_heads x head_dim). So the best a step
+(a mixture of experts: the router, the shared expert and only the experts the step's tokens were
+routed to, counted from the routers' picks during the timed steps), plus each sequence's KV cache (context x layers x 2 x kv_heads x head_dim). So the best a step
 can do is ``bytes per step / read bandwidth`` seconds, and the roofline is
 
     tokens/s = batch x bandwidth / bytes per step
@@ -101,11 +102,21 @@ class Bandwidth:
 # Bytes a decode step reads
 
 
-def weight_bytes(args, elem: int) -> dict[str, int]:
+def expected_active_experts(moe, tokens: int) -> float:
+    """Experts one sparse layer reads in a step of ``tokens`` rows, expected under uniform routing:
+    each token picks ``top_k`` of ``E``, so an expert is missed by all with probability
+    ``(1 - k/E) ** tokens``. 1 token: exactly top_k; many: all E."""
+    e, k = moe.num_experts, moe.top_k
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def weight_bytes(args, elem: int, active: float | None = None) -> dict[str, int]:
     """Bytes of the weights one decode step reads, by part, for a Llama-family ModelArgs
     (workers/models/config.py) stored with ``elem`` bytes per element. The embedding matrix is
     read one row per sequence (see ``step_bytes``); a tied LM head is that same matrix, read in
-    full."""
+    full. A mixture of experts (``args.moe``): each sparse layer reads its router, its shared
+    expert and the ``active`` experts the step's tokens picked (workers/models/moe.py reads no
+    other); None = top_k (a one-token step)."""
     h, inter, v = args.hidden_size, args.intermediate_size, args.vocab_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     qkv = h * (q + 2 * kv) + (q + 2 * kv if args.attention_bias else 0)
@@ -114,11 +125,20 @@ def weight_bytes(args, elem: int) -> dict[str, int]:
     down = inter * h + (h if args.mlp_bias else 0)
     norms = 2 * h + (2 * args.head_dim if args.qk_norm else 0)
     layers = args.num_hidden_layers
+    moe = getattr(args, "moe", None)
+    sparse = moe.num_sparse_layers if moe is not None else 0
+    dense = layers - sparse
     parts = {
-        "qkv": layers * qkv, "o": layers * o, "gate_up": layers * gate_up, "down": layers * down,
+        "qkv": layers * qkv, "o": layers * o, "gate_up": dense * gate_up, "down": dense * down,
         "norms": layers * norms + h,  # + the final norm
         "lm_head": v * h,
     }
+    if moe is not None:
+        k = moe.top_k if active is None else active
+        shared = moe.shared_expert_intermediate_size
+        parts["router"] = sparse * moe.num_experts * h
+        parts["experts"] = round(sparse * k * 3 * h * moe.moe_intermediate_size)
+        parts["shared_expert"] = sparse * (3 * h * shared + (h if moe.shared_expert_gate else 0))
     return {k: n * elem for k, n in parts.items()}
 
 
@@ -134,9 +154,14 @@ def kv_bytes(args, elem: int, contexts: list[int]) -> int:
     return total
 
 
-def step_bytes(args, elem: int, contexts: list[int]) -> dict[str, int]:
-    """All bytes one decode step of ``len(contexts)`` sequences reads."""
-    w = weight_bytes(args, elem)
+def step_bytes(args, elem: int, contexts: list[int], active: float | None = None) -> dict[str, int]:
+    """All bytes one decode step of ``len(contexts)`` sequences reads; a mixture of experts reads
+    ``active`` experts per sparse layer (None: as many as uniform routing of ``len(contexts)``
+    tokens activates, ``expected_active_experts``)."""
+    moe = getattr(args, "moe", None)
+    if moe is not None and active is None:
+        active = expected_active_experts(moe, len(contexts))
+    w = weight_bytes(args, elem, active)
     weights = sum(w.values())
     emb = len(contexts) * args.hidden_size * elem
     kv = kv_bytes(args, elem, contexts)
@@ -194,7 +219,14 @@ def measure_decode(runner, engine_cfg, num_blocks: int, batch: int, context: int
         engine.step()
     contexts: list[list[int]] = []
     times: list[float] = []
+    # A mixture of experts: the experts each timed step's sparse layers actually read (their
+    # routers' picks), so the roofline counts the activated experts' bytes, not all of them.
+    picks: list[int] = []
+    hooks = [m.gate.register_forward_hook(lambda _m, _i, out: picks.append(int(out[1].unique().numel())))
+             for m in runner.model.modules() if hasattr(m, "experts_forward")]
+    active: list[float] = []
     for _ in range(steps):
+        picks.clear()
         ctx = [s.num_tokens for s in seqs]  # the step computes position num_tokens - 1: reads num_tokens
         t0 = time.perf_counter()
         outs = engine.step()
@@ -203,11 +235,16 @@ def measure_decode(runner, engine_cfg, num_blocks: int, batch: int, context: int
         if produced != batch:
             raise RuntimeError(f"a timed step produced {produced} tokens, expected {batch} (not a pure decode step)")
         contexts.append(ctx)
+        if picks:
+            active.append(statistics.mean(picks))
+    for hk in hooks:
+        hk.remove()
     while engine.has_work():  # finish and free the blocks
         engine.step()
     total = sum(times)
     return {"prompt_len": prompt_len, "steps": steps, "tok_s": batch * steps / total,
-            "step_ms_median": statistics.median(times) * 1e3, "step_s": times, "contexts": contexts}
+            "step_ms_median": statistics.median(times) * 1e3, "step_s": times, "contexts": contexts,
+            "active_experts": active}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for b in batches:
         # Bytes per step: the mean over the timed steps (the context grows by one each step).
-        per_step = [step_bytes(margs, elem, ctx) for ctx in runs[b][0]["contexts"]]
+        acts = runs[b][0]["active_experts"] or [None] * len(runs[b][0]["contexts"])
+        per_step = [step_bytes(margs, elem, ctx, a) for ctx, a in zip(runs[b][0]["contexts"], acts)]
         sb = {k: round(statistics.mean(p[k] for p in per_step)) for k in per_step[0]}
         mean_ctx = statistics.mean(c for ctx in runs[b][0]["contexts"] for c in ctx)
         # Measured: batch / the median of all timed steps of all rounds (a step that another
@@ -305,12 +343,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "window_tok_s": round(window, 1), "window_tok_s_rounds": [round(x["tok_s"], 1) for x in runs[b]],
             "implied_gb_s": round(sb["total"] / step_med / 1e9, 2),
         })
+        if margs.moe is not None:
+            rows[-1]["active_experts_per_layer"] = round(statistics.mean(a for x in runs[b] for a in x["active_experts"]), 2)
 
     dtype_name = str(runner.kv_dtype).replace("torch.", "")
     where = f"{threads} threads" if args.device == "cpu" else torch.cuda.get_device_name(0)
     print(f"model {model}: {margs.num_hidden_layers} layers, hidden {margs.hidden_size}, "
           f"{margs.num_attention_heads}/{margs.num_key_value_heads} heads x {margs.head_dim}, "
           f"intermediate {margs.intermediate_size}, vocab {margs.vocab_size}; {dtype_name}, {where}")
+    if margs.moe is not None:
+        m = margs.moe
+        print(f"mixture of experts: {m.num_experts} experts, top-{m.top_k}, expert intermediate "
+              f"{m.moe_intermediate_size}, {m.num_sparse_layers} sparse layers; experts read per sparse layer and "
+              "step (measured from the routers): " + ", ".join(f"batch {r['batch']}: {r['active_experts_per_layer']}"
+                                                              for r in rows))
     print(f"read bandwidth: best {bwsum['best_gb_s']} GB/s, median {bwsum['median_gb_s']} GB/s "
           f"({bwsum['repeats']} x torch.sum over {bwsum['bytes'] >> 20} MiB)")
     hdr = (f"{'batch':>5} {'context':>7} {'weights MB':>10} {'KV MB':>8} {'step MB':>8} {'roofline tok/s':>14} "

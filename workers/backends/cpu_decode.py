@@ -209,6 +209,8 @@ def attach(model: nn.Module) -> FusedDecode | None:
         why = model.fused_decode_refusal
     elif code not in (0, 1):
         why = f"{dtype} (fp32 and bf16 only)"
+    elif getattr(args, "moe", None) is not None:
+        why = "mixture-of-experts layers (the eager path runs their grouped expert products)"
     elif args.qk_norm:
         why = "q/k norms"
     elif args.head_dim > 256 or args.head_dim % 2 or args.num_attention_heads // args.num_key_value_heads > 16:

@@ -162,6 +162,28 @@ class PackedLinear(nn.Module):
         return _packed_linear(x, self.packed, self.bias, self.out_features)
 
 
+def pack_experts(model: nn.Module) -> int:
+    """A mixture of experts' stacked expert weights (workers/models/moe.py) as per-expert packed
+    linears: one oneDNN product per activated expert, like every other linear here. Experts
+    already converted (int8) stay as they are. Returns the count of linears packed."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for mod in model.modules():
+        if callable(getattr(mod, "convert_experts", None)) and mod.lin13 is None and mod.w13.numel():
+            if _pack(mod.w13[0]) is None:  # a dtype oneDNN does not pack on this CPU
+                continue
+
+            def make(w: torch.Tensor) -> nn.Module:
+                shape = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                return PackedLinear(shape, _pack(w.contiguous()))
+
+            count += mod.convert_experts(make, "packed")
+    if count:
+        log.info("packed %d expert linear layers for oneDNN", count)
+    return count
+
+
 def pack_linears(model: nn.Module) -> int:
     """Swap every nn.Linear of ``model`` for a PackedLinear (and pack the tied LM head)."""
     if not torch.backends.mkldnn.is_available():

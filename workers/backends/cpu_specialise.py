@@ -35,11 +35,12 @@ def specialise_cpu_model(model: nn.Module) -> Specialised:
     1. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights,
        or the int8 layers' own tensors, so it must come before step 2 replaces them;
     2. oneDNN packing of every remaining nn.Linear and of a tied head that has no int8 copy
-       (cpu_linear.py); Int8Linear layers are not nn.Linear and stay as they are;
+       (cpu_linear.py); Int8Linear layers are not nn.Linear and stay as they are; a mixture of
+       experts' stacked expert weights become per-expert packed linears (int8 experts stay);
     3. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path.
     """
     fused = cpu_decode.attach(model)
-    packed = cpu_linear.pack_linears(model)
+    packed = cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
     c_modules = cpu_fused.fuse_model(model)
     return Specialised(fused, packed, c_modules)
 

@@ -1,7 +1,8 @@
 """Weight-only int8 linears (W8A16): ``ModelConfig[].quantize: "w8a16"``.
 
 At load, every linear of the decoder layers (the fused q/k/v and gate/up projections, o and
-down) and the LM head are quantised from the loaded weights (upcast to fp32): per output channel,
+down; in a mixture of experts every routed expert's gate/up and down matrices and the shared
+expert's, not the router nor the shared expert's [1, H] gate) and the LM head are quantised from the loaded weights (upcast to fp32): per output channel,
 symmetric, ``scale[n] = max|W[n, :]| / 127`` (1 for an all-zero row), ``q = round(W / scale)``
 clamped to [-127, 127]. Activations stay in the model dtype; the matmul computes
 ``x @ (q * scale).T`` with an fp32 accumulation. The embedding, the norms and the biases stay in
@@ -259,10 +260,15 @@ def quantize_model(model: nn.Module, kernel: Int8Kernel,
                 continue
             if parent_name == "" and name != "lm_head":
                 continue
+            if name == "shared_expert_gate":  # [1, H]: a scalar gate per token, kept exact
+                continue
             if include is not None and not include(full):
                 continue
             setattr(parent, name, Int8Linear(child.weight, child.bias, kernel))
             count += 1
+    for name, mod in list(model.named_modules()):  # mixture-of-experts layers: every expert's two matrices
+        if callable(getattr(mod, "quantize_experts", None)) and (include is None or include(name)):
+            count += mod.quantize_experts(lambda w: Int8Linear(w, None, kernel))
     if getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens") and (
             include is None or include("lm_head")):
         model.logits_linear = Int8Linear(model.embed_tokens.weight, None, kernel)
@@ -280,6 +286,11 @@ def copy_dequantized_into(ref: nn.Module, quantised: nn.Module) -> nn.Module:
         for n, m in ref.named_modules():
             if n in qlin:
                 m.weight.copy_(qlin[n].dequantized())
+        for n, m in quantised.named_modules():  # mixture-of-experts layers: stacked expert weights
+            if getattr(m, "int8", False):
+                r = ref.get_submodule(n)
+                r.w13.copy_(torch.stack([lin.dequantized() for lin in m.lin13]))
+                r.w2.copy_(torch.stack([lin.dequantized() for lin in m.lin2]))
         if "logits_linear" in qlin:  # tied: the reference computes the logits from its own copy
             ref.lm_head = nn.Linear(ref.args.hidden_size, ref.args.vocab_size, bias=False)
             ref.lm_head.weight = nn.Parameter(qlin["logits_linear"].dequantized())

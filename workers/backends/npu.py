@@ -51,6 +51,11 @@ class NpuBackend(Backend):
             return None
         return NpuInt8Kernel()
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        # Mixture-of-experts layers: torch_npu's fused routing and grouped products (npu_moe.py).
+        from workers.backends import npu_moe
+        npu_moe.attach(model)
+
     def free_memory(self) -> int:
         free, _total = torch.npu.mem_get_info()
         return free

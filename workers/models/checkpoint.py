@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelArgs
 from .deepseek_config import is_mtp_tensor
 from .gguf_file import GgufError, open_gguf, plan_tensors, view_source
+from .moe_names import NAMES as MOE_NAMES, expected_tensors as moe_tensors
 
 __all__ = ["FLOAT_DTYPES", "Checkpoint", "ModelLoadError", "check_checkpoint", "expected_tensors",
            "safetensors_files"]
@@ -106,10 +107,15 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         if args.qk_norm:
             out[f"{pre}self_attn.q_norm.weight"] = (args.head_dim,)
             out[f"{pre}self_attn.k_norm.weight"] = (args.head_dim,)
-        for proj, shape in (("gate_proj", (inter, hid)), ("up_proj", (inter, hid)), ("down_proj", (hid, inter))):
-            out[f"{pre}mlp.{proj}.weight"] = shape
-            if args.mlp_bias:
-                out[f"{pre}mlp.{proj}.bias"] = shape[:1]
+        moe = args.moe
+        if moe is not None and moe.sparse_layers[i]:  # a mixture-of-experts layer (workers/models/moe.py)
+            out.update(moe_tensors(pre, MOE_NAMES[moe.names], hid, moe.num_experts, moe.moe_intermediate_size,
+                                   moe.shared_expert_intermediate_size, moe.shared_expert_gate))
+        else:
+            for proj, shape in (("gate_proj", (inter, hid)), ("up_proj", (inter, hid)), ("down_proj", (hid, inter))):
+                out[f"{pre}mlp.{proj}.weight"] = shape
+                if args.mlp_bias:
+                    out[f"{pre}mlp.{proj}.bias"] = shape[:1]
         out[f"{pre}input_layernorm.weight"] = (hid,)
         out[f"{pre}post_attention_layernorm.weight"] = (hid,)
     return out

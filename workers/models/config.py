@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from .deepseek_config import DeepseekArgs, parse_deepseek
 
-__all__ = ["ModelArgs", "ModelConfigError", "RopeScaling", "SUPPORTED_ARCHS"]
+__all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
 
 # model_type / architectures[0] -> arch family.
 SUPPORTED_ARCHS: dict[str, str] = {
@@ -34,7 +34,18 @@ SUPPORTED_ARCHS: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    # Mixtures of experts (workers/models/moe.py): the attention of their dense family, SparseMoE
+    # feed-forward layers (ModelArgs.moe).
+    "qwen2_moe": "qwen2_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "mixtral": "mixtral",
+    "MixtralForCausalLM": "mixtral",
 }
+
+# An MoE family -> the dense family whose attention (biases, q/k norms, windows) it shares.
+MOE_BASE: dict[str, str] = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -57,6 +68,25 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     # freq_factors only: frequency i is divided by factors[i]
     factors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    """The mixture-of-experts part of a model (workers/models/moe.py): which layers are sparse and
+    how their experts are routed. Parsed from Qwen2-MoE / Qwen3-MoE / Mixtral config.json keys."""
+
+    num_experts: int  # Qwen num_experts, Mixtral num_local_experts
+    top_k: int  # num_experts_per_tok
+    moe_intermediate_size: int  # each routed expert's (Mixtral: intermediate_size)
+    norm_topk_prob: bool  # renormalise the top-k weights to sum 1 (Mixtral: always)
+    sparse_layers: tuple[bool, ...]  # per layer: SparseMoE (True) or the dense MLP (intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0 = none
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
+    names: str = "qwen"  # checkpoint naming: "qwen" (mlp.experts.{e}.gate_proj..) | "mixtral" (block_sparse_moe..w1)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
 
 
 @dataclass(frozen=True)
@@ -89,6 +119,7 @@ class ModelArgs:
     model_type: str = ""
     # DeepSeek-V2/V3 (multi-head latent attention, their MoE routing): workers/models/deepseek_config.py
     deepseek: DeepseekArgs | None = None
+    moe: MoeArgs | None = None  # mixture of experts (None: every layer dense)
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -145,7 +176,8 @@ class ModelArgs:
                 raise err(key, f"must be true or false, got {v!r}")
             return v
 
-        arch = _arch_of(cfg, err)
+        arch_key = _arch_of(cfg, err)
+        arch = MOE_BASE.get(arch_key, arch_key)
 
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act != "silu":
@@ -179,7 +211,9 @@ class ModelArgs:
 
         # Bias layout differs per family: Llama/Qwen3 `attention_bias` covers q,k,v,o; Qwen2 always
         # has q,k,v bias and never o bias (its config has no attention_bias key at all).
-        if arch == "qwen2":
+        if arch_key == "qwen2_moe":
+            qkv_bias, o_bias = get_bool("qkv_bias", True), False
+        elif arch == "qwen2":
             qkv_bias, o_bias = True, False
         elif arch == "mistral":
             qkv_bias = o_bias = False
@@ -189,7 +223,8 @@ class ModelArgs:
             qkv_bias = o_bias = get_bool("attention_bias", False)
         mlp_bias = get_bool("mlp_bias", False) if arch == "llama" else False
 
-        sliding_window, layer_windows = _parse_sliding_window(cfg, arch, n_layers, err)
+        sliding_window, layer_windows = _parse_sliding_window(cfg, arch_key, n_layers, err)
+        moe = _parse_moe(cfg, arch_key, n_layers, err) if arch_key in MOE_BASE else None
 
         dtype = cfg.get("torch_dtype", cfg.get("dtype"))
         if dtype is not None and dtype not in _DTYPES:
@@ -209,7 +244,8 @@ class ModelArgs:
             arch=arch,
             vocab_size=get_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=get_int("intermediate_size"),
+            intermediate_size=(get_int("intermediate_size") if moe is None or not all(moe.sparse_layers)
+                               else get_int("intermediate_size", moe.moe_intermediate_size)),
             num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
@@ -230,6 +266,7 @@ class ModelArgs:
             eos_token_ids=eos_ids,
             model_type=str(cfg.get("model_type", "")),
             deepseek=deepseek,
+            moe=moe,
         )
 
     # ---------------------------------------------------------------- helpers
@@ -332,13 +369,13 @@ def _parse_sliding_window(
     if arch == "llama" or arch.startswith("deepseek"):
         return None, (None,) * n_layers
     window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
     if window is None:
         return None, (None,) * n_layers
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise err("sliding_window", f"must be a positive integer or null, got {window!r}")
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral", "qwen3_moe"):  # Qwen3-MoE: every layer (transformers' Qwen3MoeAttention)
         return window, (window,) * n_layers
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
@@ -351,7 +388,57 @@ def _parse_sliding_window(
     mwl = cfg.get("max_window_layers", 28)
     if isinstance(mwl, bool) or not isinstance(mwl, int) or mwl < 0:
         raise err("max_window_layers", f"must be a non-negative integer, got {mwl!r}")
+    if arch == "qwen2_moe":  # transformers' Qwen2MoeConfig default layer_types: odd layers below max_window_layers
+        return window, tuple(window if (i + 1) % 2 and i < mwl else None for i in range(n_layers))
     return window, tuple(window if i >= mwl else None for i in range(n_layers))
+
+
+def _parse_moe(cfg: Mapping[str, Any], arch: str, n_layers: int, err: Any) -> MoeArgs | None:
+    """The MoE keys of a Qwen2-MoE / Qwen3-MoE / Mixtral config.json (None: no sparse layer)."""
+
+    def pos_int(key: str, default: Any = None, minimum: int = 1) -> int:
+        v = cfg.get(key, default)
+        if v is None:
+            raise err(key, "missing (required)")
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise err(key, f"must be an integer >= {minimum}, got {v!r}")
+        return v
+
+    def flag(key: str, default: bool) -> bool:
+        v = cfg.get(key, default)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise err(key, f"must be true or false, got {v!r}")
+        return v
+
+    if arch == "mixtral":
+        n = pos_int("num_local_experts", 8)
+        top_k = pos_int("num_experts_per_tok", 2)
+        inter = pos_int("intermediate_size")
+        sparse = (True,) * n_layers
+        moe = MoeArgs(n, top_k, inter, True, sparse, names="mixtral")
+    else:
+        # transformers >= 5 writes Qwen3-MoE's count as num_local_experts (its checkpoints: num_experts)
+        key = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg else "num_local_experts"
+        n = pos_int(key, 60 if arch == "qwen2_moe" else 128, minimum=0)
+        if n == 0:
+            return None
+        top_k = pos_int("num_experts_per_tok", 4 if arch == "qwen2_moe" else 8)
+        inter = pos_int("moe_intermediate_size")
+        step = pos_int("decoder_sparse_step", 1)
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise err("mlp_only_layers", f"must be a list of layer indices, got {only!r}")
+        sparse = tuple(i not in only and (i + 1) % step == 0 for i in range(n_layers))
+        shared = pos_int("shared_expert_intermediate_size", minimum=0) if arch == "qwen2_moe" else 0
+        moe = MoeArgs(n, top_k, inter, flag("norm_topk_prob", False), sparse, shared_expert_intermediate_size=shared,
+                      shared_expert_gate=bool(shared), names="qwen")
+    if top_k > n:
+        raise err("num_experts_per_tok", f"{top_k} is more than the {n} experts")
+    if flag("output_router_logits", False):
+        pass  # a training option (the auxiliary loss): nothing to serve differently
+    return moe if any(moe.sparse_layers) else None
 
 
 def _ids(value: Any, err: Any, key: str) -> list[int]:

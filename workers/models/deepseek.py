@@ -181,13 +181,8 @@ class DeepseekLM(nn.Module):
         local = tp.shard.local_args(args) if tp is not None else args
         self.local_args = local
         reduce = tp.all_reduce if tp is not None else None
-        moe_shard = None
-        if tp is not None and ds.n_routed_experts:
-            # Expert tensor/expert parallelism as ModelConfig moeParallel says (workers/models/moe.py);
-            # planned here when the shard plan has none for DeepSeek's experts.
-            moe_shard = getattr(tp.shard, "moe", None) or MoeShard.plan(
-                ds.n_routed_experts, ds.moe_intermediate_size, ds.moe_intermediate_size * ds.n_shared_experts,
-                tp.shard.rank, tp.shard.world, getattr(tp.shard, "moe_mode", "tp"))
+        # The experts this rank holds (ModelConfig moeParallel "tp" or "ep": sharding.plan_shard).
+        moe_shard = tp.shard.moe if tp is not None else None
         self.lora = LoraHook()  # never set: LoRA adapters are refused for DeepSeek (lora_manager)
         self.embed_tokens = Embedding(local.vocab_size, args.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DeepseekLayer(args, local, i, dtype, reduce, moe_shard)

@@ -1,4 +1,6 @@
-"""One readable Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral) in plain torch.
+"""One readable Llama-family decoder (Llama 2/3/3.1, Qwen2/2.5, Qwen3, Mistral; and the mixtures of
+experts built on their attention, Qwen2-MoE, Qwen3-MoE, Mixtral, whose sparse layers are
+workers/models/moe.py's SparseMoE) in plain torch.
 
 The model runs over a FLAT batch: the tokens of many sequences (prefill chunks and decode steps
 alike) are concatenated into one `[T]` tensor with their absolute `positions`. Everything except
@@ -21,6 +23,7 @@ from torch import nn
 
 from .config import ModelArgs, RopeScaling
 from .lora import DOWN, GATE_UP, O, QKV, LoraHook
+from .moe import MoeShard, SparseMoE
 
 if TYPE_CHECKING:
     from .sharding import TensorParallel
@@ -219,17 +222,33 @@ class MLP(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
+def sparse_moe(args: ModelArgs, dtype: torch.dtype | None, reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+               shard: MoeShard | None) -> SparseMoE:
+    """The SparseMoE of one sparse layer of ``args`` (``args.moe`` set); ``shard``: this rank's part."""
+    moe = args.moe
+    assert moe is not None
+    return SparseMoE(args.hidden_size, moe.num_experts, moe.top_k, moe.moe_intermediate_size, dtype,
+                     norm_topk_prob=moe.norm_topk_prob, shared_inter=moe.shared_expert_intermediate_size,
+                     shared_gate=moe.shared_expert_gate, shard=shard, reduce=reduce)
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)); ``mlp`` is a
+    SparseMoE on the sparse layers of a mixture of experts (workers/models/moe.py)."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, dtype: torch.dtype | None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, lora: LoraHook | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, lora: LoraHook | None = None,
+                 moe_shard: MoeShard | None = None) -> None:
         super().__init__()
         lora = lora if lora is not None else LoraHook()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.self_attn = DecoderAttention(args, layer_idx, dtype, reduce, lora)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.mlp = MLP(args, dtype, reduce, layer_idx, lora)
+        self.mlp: nn.Module
+        if args.moe is not None and args.moe.sparse_layers[layer_idx]:
+            self.mlp = sparse_moe(args, dtype, reduce, moe_shard)
+        else:
+            self.mlp = MLP(args, dtype, reduce, layer_idx, lora)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: Attention) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
@@ -265,7 +284,8 @@ class DecoderLM(nn.Module):
         # around a forward that has adapter rows, read by every layer's projections.
         self.lora = LoraHook()
         self.embed_tokens = Embedding(local.vocab_size, args.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, reduce, self.lora)
+        moe_shard = tp.shard.moe if tp is not None else None
+        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, reduce, self.lora, moe_shard)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         # Tied checkpoints reuse the embedding matrix: no separate module, so nothing can untie it.

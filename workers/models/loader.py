@@ -22,6 +22,8 @@ from .gguf_file import GgufError, open_gguf
 from .gguf_loader import Int8Target, load_gguf
 from . import deepseek
 from .llama import DecoderLM
+from .moe import SparseMoE, slots as moe_slots
+from .moe_names import NAMES as MOE_NAMES
 from .sharding import Shard, TensorParallel
 
 __all__ = ["load_model", "ModelConfigError", "ModelLoadError", "parameter_bytes", "safetensors_files"]
@@ -101,9 +103,13 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
         if att.q_norm is not None and att.k_norm is not None:
             whole(f"{pre}self_attn.q_norm.weight", att.q_norm.weight)
             whole(f"{pre}self_attn.k_norm.weight", att.k_norm.weight)
-        column(layer.mlp.gate_up_proj, [(f"{pre}mlp.gate_proj", 0, inter, i0),
-                                        (f"{pre}mlp.up_proj", inter, inter, i0)])
-        row(f"{pre}mlp.down_proj", layer.mlp.down_proj)
+        if isinstance(layer.mlp, SparseMoE):  # routed experts, router, shared expert (workers/models/moe.py)
+            assert a.moe is not None
+            slots.update(moe_slots(layer.mlp, pre, MOE_NAMES[a.moe.names], Slot, shard is not None))
+        else:
+            column(layer.mlp.gate_up_proj, [(f"{pre}mlp.gate_proj", 0, inter, i0),
+                                            (f"{pre}mlp.up_proj", inter, inter, i0)])
+            row(f"{pre}mlp.down_proj", layer.mlp.down_proj)
         whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
         whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return slots
@@ -153,10 +159,10 @@ def load_model(
     checkpoint = check_checkpoint(path, args)
     expected = expected_tensors(args)
     log.info(
-        "loading %s model from %s: %d layers, hidden %d, vocab %d, %s on %s, %s",
+        "loading %s model from %s: %d layers, hidden %d, vocab %d, %s on %s, %s%s",
         args.arch, next(iter(checkpoint.files)) if checkpoint.gguf else path, args.num_hidden_layers,
         args.hidden_size, args.vocab_size, str(dtype).removeprefix("torch."), device,
-        "GGUF" if checkpoint.gguf else f"{len(checkpoint.files)} shard(s)",
+        "GGUF" if checkpoint.gguf else f"{len(checkpoint.files)} shard(s)", describe_moe(args, tp),
     )
 
     # Allocate straight on the target device. DecoderLM skips random init, so this is just
@@ -215,6 +221,23 @@ def load_model(
         log.info("tensor-parallel rank %d/%d: %.1f MiB of parameters here, %.3f of the whole model's %.1f MiB",
                  shard.rank, shard.world, mine / 2**20, mine / full, full / 2**20)
     return model, args
+
+
+def describe_moe(args: ModelArgs, tp: TensorParallel | None = None) -> str:
+    """The load log's words for a mixture of experts ("" for a dense model)."""
+    m = args.moe
+    if m is None:
+        return ""
+    text = (f"; mixture of experts ({args.model_type or args.arch}): {m.num_experts} experts, top-{m.top_k}"
+            f"{' renormalised' if m.norm_topk_prob else ''}, expert intermediate {m.moe_intermediate_size}, "
+            f"{m.num_sparse_layers}/{len(m.sparse_layers)} sparse layers")
+    if m.shared_expert_intermediate_size:
+        text += f", shared expert {m.shared_expert_intermediate_size}{' (sigmoid gate)' if m.shared_expert_gate else ''}"
+    if tp is not None and tp.shard.moe is not None:
+        s = tp.shard.moe
+        text += (f"; rank {tp.shard.rank} holds experts {s.expert0}..{s.expert0 + s.experts - 1}, "
+                 f"intermediate columns {s.inter0}..{s.inter0 + s.inter - 1} of each")
+    return text
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

@@ -175,6 +175,9 @@ def check_adapter(path: str | os.PathLike, args: ModelArgs, max_rank: int = MAX_
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise AdapterError(f"No adapter found for '{path}'", status=404)
+    if args.moe is not None:
+        raise AdapterError(f"LoRA adapters are not served on a mixture of experts ({args.model_type or args.arch}: "
+                           "its expert layers have no adapter path)")
     cfg = _read_config(folder)
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":

@@ -34,11 +34,14 @@ checkpoint side and where each tensor goes (workers/models/checkpoint.py, loader
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The checkpoint names live in a torch-free module (the launch step checks headers without torch).
+from .moe_names import DEEPSEEK_NAMES, MIXTRAL_NAMES, QWEN_NAMES, ExpertNames, expected_tensors
 
 __all__ = ["DEEPSEEK_NAMES", "ExpertNames", "MIXTRAL_NAMES", "MoeShard", "QWEN_NAMES", "SoftmaxTopKRouter",
            "SparseMoE", "SwiGLU", "expected_tensors", "slots"]
@@ -153,9 +156,10 @@ class SparseMoE(nn.Module):
         i = shard.inter
         self.w13 = nn.Parameter(torch.empty(shard.experts, 2 * i, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(shard.experts, hidden, i, dtype=dtype), requires_grad=False)
-        # int8 (quantize_experts): per-expert linears in place of w13/w2
-        self.int8_w13: nn.ModuleList | None = None
-        self.int8_w2: nn.ModuleList | None = None
+        # Per-expert linear modules in place of w13/w2 (convert_experts): int8 (quantize_experts,
+        # Int8Linear) or a device's packed layout (the CPU backend's oneDNN-packed linears).
+        self.lin13: nn.ModuleList | None = None
+        self.lin2: nn.ModuleList | None = None
         self.shared_expert = SwiGLU(hidden, shard.shared_inter, dtype) if shared_inter else None
         self.shared_expert_gate = _Linear(hidden, 1, bias=False, dtype=dtype) if shared_gate else None
         # The device backend's routed-experts step (workers/backends/npu_moe.py): same contract as
@@ -206,65 +210,40 @@ class SparseMoE(nn.Module):
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Local expert ``e``'s SwiGLU on rows h [n, H]."""
         i = self.shard.inter
-        if self.int8_w13 is not None and self.int8_w2 is not None:
-            gate, up = self.int8_w13[e](h).split(i, dim=-1)
-            return self.int8_w2[e](F.silu(gate) * up)
+        if self.lin13 is not None and self.lin2 is not None:
+            gate, up = self.lin13[e](h).split(i, dim=-1)
+            return self.lin2[e](F.silu(gate) * up)
         gate, up = F.linear(h, self.w13[e]).split(i, dim=-1)
         return F.linear(F.silu(gate) * up, self.w2[e])
 
-    def quantize_experts(self, make_linear: Callable[[torch.Tensor], nn.Module]) -> int:
-        """Replace the stacked expert weights by per-expert int8 linears ``make_linear(weight [N,
-        K])`` (workers/backends/int8.py ``Int8Linear``); returns the count of linears made."""
-        self.int8_w13 = nn.ModuleList(make_linear(self.w13[e]) for e in range(self.shard.experts))
-        self.int8_w2 = nn.ModuleList(make_linear(self.w2[e]) for e in range(self.shard.experts))
+    def convert_experts(self, make_linear: Callable[[torch.Tensor], nn.Module], kind: str) -> int:
+        """Replace the stacked expert weights by per-expert linear modules ``make_linear(weight [N,
+        K])`` (``lin13[e]``, ``lin2[e]``), ``kind`` naming them ("int8", "packed"); returns the
+        count of linears made. A model converted once stays so (a second call does nothing)."""
+        if self.lin13 is not None:
+            return 0
+        self.lin13 = nn.ModuleList(make_linear(self.w13[e]) for e in range(self.shard.experts))
+        self.lin2 = nn.ModuleList(make_linear(self.w2[e]) for e in range(self.shard.experts))
+        self.experts_kind = kind
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
         return 2 * self.shard.experts
 
+    def quantize_experts(self, make_linear: Callable[[torch.Tensor], nn.Module]) -> int:
+        """``convert_experts`` into int8 linears (workers/backends/int8.py ``Int8Linear``)."""
+        return self.convert_experts(make_linear, "int8")
+
+    @property
+    def int8(self) -> bool:
+        return self.lin13 is not None and getattr(self, "experts_kind", "") == "int8"
+
     def extra_repr(self) -> str:
         s = self.shard
         return (f"experts={s.experts}/{s.total} from {s.expert0}, top_k={self.top_k}, inter={s.inter} from "
-                f"{s.inter0}{', int8' if self.int8_w13 is not None else ''}")
+                f"{s.inter0}{', ' + self.experts_kind if self.lin13 is not None else ''}")
 
 
 # ------------------------------------------------------------------------ checkpoint names
-
-
-class ExpertNames(NamedTuple):
-    """How a family names one MoE block's tensors under ``model.layers.{i}.``."""
-
-    block: str  # "mlp" | "block_sparse_moe"
-    w1: str  # gate projection of expert e: f"{block}.experts.{e}.{w1}.weight"
-    w3: str  # up projection
-    w2: str  # down projection
-    shared: str = "shared_expert"  # f"{block}.{shared}.gate_proj/up_proj/down_proj.weight"
-    shared_gate: str = "shared_expert_gate"  # f"{block}.{shared_gate}.weight" [1, H]
-
-
-QWEN_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
-MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
-DEEPSEEK_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_experts")
-
-
-def expected_tensors(prefix: str, names: ExpertNames, hidden: int, num_experts: int, inter: int,
-                     shared_inter: int = 0, shared_gate: bool = False) -> dict[str, tuple[int, ...]]:
-    """HF name -> full shape of one MoE block's tensors (``prefix`` = "model.layers.{i}."), the
-    router's ``gate.weight`` included (a router with more tensors, DeepSeek's correction bias,
-    adds its own)."""
-    b = f"{prefix}{names.block}."
-    out: dict[str, tuple[int, ...]] = {f"{b}gate.weight": (num_experts, hidden)}
-    for e in range(num_experts):
-        out[f"{b}experts.{e}.{names.w1}.weight"] = (inter, hidden)
-        out[f"{b}experts.{e}.{names.w3}.weight"] = (inter, hidden)
-        out[f"{b}experts.{e}.{names.w2}.weight"] = (hidden, inter)
-    if shared_inter:
-        out[f"{b}{names.shared}.gate_proj.weight"] = (shared_inter, hidden)
-        out[f"{b}{names.shared}.up_proj.weight"] = (shared_inter, hidden)
-        out[f"{b}{names.shared}.down_proj.weight"] = (hidden, shared_inter)
-        if shared_gate:
-            out[f"{b}{names.shared_gate}.weight"] = (1, hidden)
-    return out
-
 
 def slots(moe: SparseMoE, prefix: str, names: ExpertNames, slot: Callable[..., Any],
           sharded: bool) -> dict[str, Any]:

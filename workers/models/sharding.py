@@ -13,7 +13,11 @@ the weights and does 1/world of the matmul work:
   one all-gather;
 - KV heads are split when there are at least as many as ranks, otherwise replicated: each rank
   keeps the one KV head its query heads use;
-- norms (and Qwen3's q/k norms) are replicated.
+- norms (and Qwen3's q/k norms) are replicated;
+- a mixture of experts' sparse layers (workers/models/moe.py) split by ``moeParallel``: "tp" (the
+  default) column/row-splits every expert like the dense MLP, "ep" gives each rank
+  ``num_experts / world`` whole experts; the shared expert is split like the dense MLP either way,
+  the router is replicated, and one all-reduce sums the layer's partial outputs.
 
 ``Shard`` is the plan for one rank (pure arithmetic, used by the loader); ``TensorParallel`` does
 the collectives (used by the model's forward).
@@ -27,10 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs, ModelConfigError
+from .moe import MoeShard
 
-__all__ = ["Shard", "TensorParallel", "WORLD_SIZE_KEY", "plan_shard"]
+__all__ = ["MOE_PARALLEL_KEY", "MOE_PARALLEL_MODES", "Shard", "TensorParallel", "WORLD_SIZE_KEY", "plan_shard"]
 
 WORLD_SIZE_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize"
+MOE_PARALLEL_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].moeParallel"
+MOE_PARALLEL_MODES = ("tp", "ep")
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Shard:
     inter: int  # intermediate (MLP) columns on this rank
     vocab: int  # embedding / LM-head rows per rank (the last rank's tail is padding)
     full_vocab: int
+    moe: MoeShard | None = None  # the experts this rank holds (a mixture of experts' sparse layers)
 
     @property
     def head0(self) -> int:
@@ -66,9 +74,10 @@ class Shard:
                                    layer_windows=args.layer_windows)
 
 
-def plan_shard(args: ModelArgs, rank: int, world: int) -> Shard:
+def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> Shard:
     """The shard of rank ``rank``; ModelConfigError naming worldSize when the model cannot be split
-    that way (its query heads, its KV heads or its intermediate size do not divide)."""
+    that way (its query heads, its KV heads or its intermediate size do not divide), or
+    moeParallel when its experts cannot (``moe_mode`` "tp" or "ep": see the module docstring)."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a world of {world}")
     h, kv, inter = args.num_attention_heads, args.num_key_value_heads, args.intermediate_size
@@ -80,8 +89,21 @@ def plan_shard(args: ModelArgs, rank: int, world: int) -> Shard:
 
     if h % world:
         raise refuse(f"num_attention_heads {h} is not a multiple of {world}")
-    if inter % world:
+    dense = args.moe is None or not all(args.moe.sparse_layers)
+    if dense and inter % world:
         raise refuse(f"intermediate_size {inter} is not a multiple of {world}")
+    moe = None
+    ds = args.deepseek if args.deepseek is not None and args.deepseek.n_routed_experts else None
+    if args.moe is not None or ds is not None:
+        m = args.moe
+        # DeepSeek's experts (workers/models/deepseek.py): its shared experts are one SwiGLU
+        sizes = ((m.num_experts, m.moe_intermediate_size, m.shared_expert_intermediate_size) if m is not None else
+                 (ds.n_routed_experts, ds.moe_intermediate_size, ds.moe_intermediate_size * ds.n_shared_experts))
+        try:
+            moe = MoeShard.plan(*sizes, rank, world, moe_mode)
+        except ValueError as e:
+            raise ModelConfigError(f"{MOE_PARALLEL_KEY} {moe_mode!r}: {world} ranks cannot split the experts: {e}; "
+                                   f"use moeParallel {'tp' if moe_mode == 'ep' else 'ep'} or another worldSize") from None
     if kv % world == 0:
         kv_local, kv0 = kv // world, rank * (kv // world)
     elif world % kv == 0:
@@ -90,8 +112,8 @@ def plan_shard(args: ModelArgs, rank: int, world: int) -> Shard:
     else:
         raise refuse(f"num_key_value_heads {kv} neither divides nor is divided by {world}")
     vocab = -(-args.vocab_size // world)
-    return Shard(rank=rank, world=world, heads=h // world, kv_heads=kv_local, kv_head0=kv0, inter=inter // world,
-                 vocab=vocab, full_vocab=args.vocab_size)
+    return Shard(rank=rank, world=world, heads=h // world, kv_heads=kv_local, kv_head0=kv0,
+                 inter=inter // world if dense else inter, vocab=vocab, full_vocab=args.vocab_size, moe=moe)
 
 
 class TensorParallel:
