@@ -284,7 +284,8 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, Any
     path = tmp_path_factory.mktemp("ds_chat") / "tiny-deepseek-v3"
     cfg = {k: v for k, v in BASE.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id")}
     save_chat_model(path, CHAT_TEMPLATE, cls_name="DeepseekV3Config",
-                    config=dict(cfg, n_group=4, topk_group=2, rope_parameters=YARN, num_hidden_layers=3))
+                    config=dict(cfg, n_group=4, topk_group=2, rope_parameters=YARN, head_dim=cfg["qk_rope_head_dim"],
+                                tie_word_embeddings=False))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     return hf, path, tok
