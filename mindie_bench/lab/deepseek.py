@@ -61,7 +61,8 @@ def hf_throughput(model, conc: int, prompt_len: int, output_len: int, vocab: int
                              min_new_tokens=output_len, do_sample=False)
     dt = time.perf_counter() - t0
     tokens = (out.shape[1] - prompt_len) * conc
-    return {"concurrency": conc, "output_tokens": tokens, "seconds": round(dt, 2), "output_tok_s": round(tokens / dt, 1)}
+    return {"concurrency": conc, "output_tokens": tokens, "seconds": round(dt, 2),
+            "output_tok_s": round(tokens / dt, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
