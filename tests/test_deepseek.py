@@ -145,7 +145,11 @@ def test_logits_match_transformers_through_the_latent_cache(models, case: str) -
     ids = torch.randint(3, VOCAB, (170,))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    out = _paged_logits(model, ids, [100, 50])  # positions 128.. are past YaRN's original length
+    # positions 128.. are past YaRN's original length; the first chunk expands the latents into
+    # per-head K/V, the second (50 queries after 100 cached) absorbs, decodes absorb
+    cls = for_layout(model.kv_layout[0])
+    assert not cls.absorb_prefill(100, 112, 32, 8, 16, 16) and cls.absorb_prefill(50, 160, 32, 8, 16, 16)
+    out = _paged_logits(model, ids, [100, 50])
     assert (out - ref).abs().max().item() <= 1e-4
 
 

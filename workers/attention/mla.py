@@ -14,7 +14,9 @@ Per step, after the write of the new rows:
   latent cache is read: no per-head K/V is ever formed.
 - prompt chunks expand: the gathered latents go through kv_b_proj into per-head keys and values,
   as transformers computes them, then SDPA with a causal mask over the cached prefix and the
-  chunk. Prompt tokens are computed once, so the extra work of expanding is paid once per token.
+  chunk; except short chunks after a long cached prefix (chunked prefill, prefix-cache hits),
+  which absorb as decodes do, since expanding would pay kv_b_proj over the whole prefix for a
+  few queries (``absorb_prefill`` compares the two).
 Both are exact up to float summation order (tests/test_deepseek.py compares with transformers).
 """
 from __future__ import annotations
@@ -75,6 +77,9 @@ class MlaPagedAttention:
         B, nb = g.tables.shape
         bs = self.block_size
         lat = cache.index_select(0, g.tables.view(-1)).view(B, nb * bs, -1)  # [B, N, R + rope]
+        if self.absorb_prefill(g.q_index.shape[1], nb * bs, R, q_pe.shape[-1], nope, vd):
+            out[g.q_index[g.q_valid]] = self._absorbed_chunks(lat, q_nope, q_pe, w, nope, scale, g)
+            return out
         c, k_pe = lat[..., :R].to(kv_b.dtype), lat[..., R:].to(kv_b.dtype)
         kv = F.linear(c, kv_b).view(B, nb * bs, H, nope + vd).transpose(1, 2)  # [B, H, N, nope + v]
         k = torch.cat((kv[..., :nope], k_pe[:, None].expand(B, H, nb * bs, k_pe.shape[-1])), dim=-1)
@@ -84,6 +89,27 @@ class MlaPagedAttention:
         o = o.transpose(1, 2)  # [B, Q, H, v]
         out[g.q_index[g.q_valid]] = o[g.q_valid]
         return out
+
+    @staticmethod
+    def absorb_prefill(q: int, n: int, r: int, rope: int, nope: int, vd: int) -> bool:
+        """Absorb a step's prompt chunks too when that reads fewer bytes and does fewer products:
+        expanding costs kv_b_proj over all ``n`` cached positions (nope + v per head), absorbing
+        widens each of the ``q`` queries' scores to r + rope. Short chunks after a long cached
+        prefix (chunked prefill, prefix-cache hits) absorb; a prompt computed whole expands."""
+        return q * (r + rope) < n * (nope + vd)
+
+    def _absorbed_chunks(self, lat: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor,
+                         nope: int, scale: float, g) -> torch.Tensor:
+        """Prompt chunks through the absorbed path: [valid query rows, H, v], SDPA over the latent
+        rows as one shared key/value head (values: the latent part of each row)."""
+        R = w.shape[2]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w[:, :nope].to(q_nope.dtype))
+        q_full = torch.cat((q_lat, q_pe), dim=-1).to(lat.dtype)[g.q_index].transpose(1, 2)  # [B, H, Q, R + rope]
+        k = lat[:, None]  # [B, 1, N, R + rope]
+        o_lat = F.scaled_dot_product_attention(q_full, k, k[..., :R], attn_mask=g.mask(None, self.block_size),
+                                               scale=scale, enable_gqa=True)  # [B, H, Q, R]
+        o_lat = o_lat.transpose(1, 2)[g.q_valid]  # [rows, H, R]
+        return torch.einsum("bhr,hvr->bhv", o_lat.to(w.dtype), w[:, nope:]).to(q_nope.dtype)
 
     def _decode(self, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor, nope: int,
                 scale: float, pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
