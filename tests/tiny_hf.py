@@ -25,6 +25,9 @@ def random_model(cls_name: str, config: dict[str, Any]) -> Any:
                 p.normal_(0.0, 0.1)
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero would hide it
+                b.normal_(0.0, 0.5)
     return model
 
 

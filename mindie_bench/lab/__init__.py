@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lora": ("lora", "LoRA adapters: tokens/s with four in the batch against the base alone, ITL while one loads"),
     "structured": ("structured", "structured output: tokens/s constrained against none, compile time, jump-forward"),
     "fleet": ("fleet", "the coordinator on a local fleet (scripts/motor.sh): cache_affinity against load_balance, relay overhead"),
+    "deepseek": ("deepseek", "a tiny DeepSeek-V3 (MLA, grouped routing): tokens/s against transformers, KV bytes per token"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 

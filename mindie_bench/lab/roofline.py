@@ -117,6 +117,8 @@ def weight_bytes(args, elem: int, active: float | None = None) -> dict[str, int]
     full. A mixture of experts (``args.moe``): each sparse layer reads its router, its shared
     expert and the ``active`` experts the step's tokens picked (workers/models/moe.py reads no
     other); None = top_k (a one-token step)."""
+    if getattr(args, "deepseek", None) is not None:
+        return deepseek_weight_bytes(args, elem, active)
     h, inter, v = args.hidden_size, args.intermediate_size, args.vocab_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     qkv = h * (q + 2 * kv) + (q + 2 * kv if args.attention_bias else 0)
@@ -142,11 +144,48 @@ def weight_bytes(args, elem: int, active: float | None = None) -> dict[str, int]
     return {k: n * elem for k, n in parts.items()}
 
 
+def deepseek_weight_bytes(args, elem: int, active: float | None = None) -> dict[str, int]:
+    """``weight_bytes`` of a DeepSeek model (workers/models/deepseek.py): MLA's projections (q_a,
+    q_b or q_proj, kv_a, kv_b, o), dense MLPs on its dense layers, and on its MoE layers the fp32
+    router, the shared experts and the ``active`` routed experts (None: top_k)."""
+    ds = args.deepseek
+    h, v, heads = args.hidden_size, args.vocab_size, args.num_attention_heads
+    b = 1 if args.attention_bias else 0
+    if ds.q_lora_rank is None:
+        q = h * heads * ds.qk_head_dim
+    else:
+        q = h * ds.q_lora_rank + b * ds.q_lora_rank + ds.q_lora_rank + ds.q_lora_rank * heads * ds.qk_head_dim
+    kv = h * ds.latent_width + b * ds.latent_width + ds.kv_lora_rank + heads * (
+        ds.qk_nope_head_dim + ds.v_head_dim) * ds.kv_lora_rank
+    o = heads * ds.v_head_dim * h + b * h
+    layers = args.num_hidden_layers
+    sparse = sum(ds.is_moe_layer(i) for i in range(layers))
+    k = ds.num_experts_per_tok if active is None else active
+    parts = {"q": layers * q, "kv": layers * kv, "o": layers * o,
+             "mlp": (layers - sparse) * 3 * h * args.intermediate_size, "norms": layers * 2 * h + h, "lm_head": v * h,
+             "experts": round(sparse * k * 3 * h * ds.moe_intermediate_size),
+             "shared_expert": sparse * 3 * h * ds.moe_intermediate_size * ds.n_shared_experts}
+    out = {name: n * elem for name, n in parts.items()}
+    out["router"] = sparse * (ds.n_routed_experts * h + (ds.n_routed_experts if ds.scoring == "sigmoid" else 0)) * 4
+    return out
+
+
+def _moe_view(args):
+    """What ``expected_active_experts`` reads (num_experts, top_k), for MoeArgs and DeepSeek alike."""
+    ds = getattr(args, "deepseek", None)
+    if ds is not None and ds.n_routed_experts:
+        from types import SimpleNamespace
+        return SimpleNamespace(num_experts=ds.n_routed_experts, top_k=ds.num_experts_per_tok)
+    return getattr(args, "moe", None)
+
+
 def kv_bytes(args, elem: int, contexts: list[int]) -> int:
     """K and V read by one decode step: per sequence, ``context`` cached positions (including the
     new token's) x layers x 2 x kv_heads x head_dim x elem; a sliding-window layer reads at most
     its window."""
     per_pos = 2 * args.num_key_value_heads * args.head_dim * elem
+    if getattr(args, "deepseek", None) is not None:  # MLA: one latent row per position and layer
+        per_pos = args.deepseek.latent_width * elem
     total = 0
     for window in args.layer_windows:
         for c in contexts:
@@ -158,7 +197,7 @@ def step_bytes(args, elem: int, contexts: list[int], active: float | None = None
     """All bytes one decode step of ``len(contexts)`` sequences reads; a mixture of experts reads
     ``active`` experts per sparse layer (None: as many as uniform routing of ``len(contexts)``
     tokens activates, ``expected_active_experts``)."""
-    moe = getattr(args, "moe", None)
+    moe = _moe_view(args)
     if moe is not None and active is None:
         active = expected_active_experts(moe, len(contexts))
     w = weight_bytes(args, elem, active)
@@ -344,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "window_tok_s": round(window, 1), "window_tok_s_rounds": [round(x["tok_s"], 1) for x in runs[b]],
             "implied_gb_s": round(sb["total"] / step_med / 1e9, 2),
         })
-        if margs.moe is not None:
+        if _moe_view(margs) is not None:
             rows[-1]["active_experts_per_layer"] = round(statistics.mean(a for x in runs[b] for a in x["active_experts"]), 2)
 
     dtype_name = str(runner.kv_dtype).replace("torch.", "")
@@ -358,6 +397,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{m.moe_intermediate_size}, {m.num_sparse_layers} sparse layers; experts read per sparse layer and "
               "step (measured from the routers): " + ", ".join(f"batch {r['batch']}: {r['active_experts_per_layer']}"
                                                               for r in rows))
+    elif getattr(margs, "deepseek", None) is not None and margs.deepseek.n_routed_experts:
+        d = margs.deepseek
+        print(f"DeepSeek (MLA, latent {d.latent_width} per token and layer): {d.n_routed_experts} experts, "
+              f"top-{d.num_experts_per_tok}, expert intermediate {d.moe_intermediate_size}; experts read per MoE layer "
+              "and step (measured from the routers): " + ", ".join(f"batch {r['batch']}: {r['active_experts_per_layer']}"
+                                                                  for r in rows))
     print(f"read bandwidth: best {bwsum['best_gb_s']} GB/s, median {bwsum['median_gb_s']} GB/s "
           f"({bwsum['repeats']} x torch.sum over {bwsum['bytes'] >> 20} MiB)")
     hdr = (f"{'batch':>5} {'context':>7} {'weights MB':>10} {'KV MB':>8} {'step MB':>8} {'roofline tok/s':>14} "

@@ -3,6 +3,8 @@
 - ``paged.py``: the portable torch implementation (CUDA, and the CPU without its C kernels);
 - ``cpu.py``: the same with the cache write, decodes and prompt chunks in the C kernels;
 - ``npu.py``: torch_npu's fused paged-attention ops (their own cache layout);
+- ``mla.py``: multi-head latent attention over a cache of compressed latents (DeepSeek-V2/V3),
+  chosen by the model's ``kv_layout`` ("mla") on every device (``for_layout``);
 - ``kv_cache.py``: the cache itself: tensors, sizing (bytes per block, blocks in a budget),
   allocation, and the block-table contract the engine's block manager fills in.
 
@@ -17,6 +19,7 @@ from typing import Protocol
 import torch
 
 from workers.attention.cpu import CpuPagedAttention
+from workers.attention.mla import MlaPagedAttention
 from workers.attention.npu import NpuPagedAttention
 from workers.attention.paged import PagedAttention
 from workers.kernels import cpu_kernels
@@ -52,4 +55,14 @@ def for_device(device_type: str) -> type:
     return PagedAttention
 
 
-__all__ = ["Attention", "CpuPagedAttention", "NpuPagedAttention", "PagedAttention", "for_device"]
+def for_layout(kind: str) -> type:
+    """The attention implementation of a model that names its own cache layout (``model.kv_layout``):
+    "mla", DeepSeek's latent cache (mla.py; portable torch on every device)."""
+    layouts = {"mla": MlaPagedAttention}
+    if kind not in layouts:
+        raise ValueError(f"unknown KV cache layout {kind!r} (known: {', '.join(layouts)})")
+    return layouts[kind]
+
+
+__all__ = ["Attention", "CpuPagedAttention", "MlaPagedAttention", "NpuPagedAttention", "PagedAttention", "for_device",
+           "for_layout"]

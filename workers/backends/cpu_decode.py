@@ -205,6 +205,8 @@ def attach(model: nn.Module) -> FusedDecode | None:
         why = "no C kernels"
     elif args is None or getattr(model, "tp", None) is not None:
         why = "a tensor-parallel rank"
+    elif getattr(model, "fused_decode_refusal", None):  # a model the kernel does not compute (DeepSeek's MLA)
+        why = model.fused_decode_refusal
     elif code not in (0, 1):
         why = f"{dtype} (fp32 and bf16 only)"
     elif getattr(args, "moe", None) is not None:

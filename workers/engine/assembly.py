@@ -24,8 +24,11 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from mindie.contract.spec import WorkerSpec
-from workers.attention import kv_cache
+
+from workers.attention import for_layout, kv_cache
 from workers.backends import get_backend
 from workers.backends.base import Backend
 from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, Int8Target, quantize_model
@@ -88,7 +91,8 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
              else "every step decodes every running request")
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
     engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)
-    engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else "")
+    engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else
+                               MLA_LORA_REFUSAL if runner.model.args.deepseek is not None else "")
     engine.grammars = grammars(spec.model_path, runner)  # rank 0 samples, so it alone masks
     return Assembly(runner, engine, group, num_blocks, device)
 
@@ -106,6 +110,7 @@ def grammars(model_dir: str, runner: ModelRunner | NullRunner) -> constraints.Gr
     return constraints.Grammars(model_dir, runner.vocab_size, runner.eos_token_ids)
 
 
+MLA_LORA_REFUSAL = "LoRA adapters are not served for DeepSeek (multi-head latent attention) models"
 TP_REFUSAL = "LoRA adapters are not served by tensor-parallel instances (npuDeviceIds entries of several devices)"
 
 
@@ -185,7 +190,21 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
              args.num_hidden_layers, args.vocab_size, dtype, f" with {spec.quantize} weights" if kernel else "",
              device, time.perf_counter() - t0)
     local = model.local_args  # a TP rank keeps its own KV heads only
-    return ModelRunner(model, (args.num_hidden_layers, local.num_key_value_heads, args.head_dim), dtype,
+    kv_shape = (args.num_hidden_layers, local.num_key_value_heads, args.head_dim)
+    attention_cls = backend.attention_class()
+    layout = getattr(model, "kv_layout", None)  # a model with its own cache layout (DeepSeek's latent cache)
+    if layout is not None:
+        attention_cls, kv_shape = for_layout(layout[0]), layout[1]
+    per_token = attention_cls.bytes_per_slot(*kv_shape, dtype)
+    if args.deepseek is not None:
+        from workers.models.deepseek import kv_bytes_per_token
+        _, full = kv_bytes_per_token(args, torch.empty((), dtype=dtype).element_size())
+        log.info("KV cache: %d bytes per token (MLA latent: %d layers x (kv_lora_rank %d + qk_rope_head_dim %d)); "
+                 "full per-head K/V would take %d (%.1fx)", per_token, args.num_hidden_layers,
+                 args.deepseek.kv_lora_rank, args.deepseek.qk_rope_head_dim, full, full / per_token)
+    else:
+        log.info("KV cache: %d bytes per token (%d layers x %d KV heads x head_dim %d, K and V)", per_token, *kv_shape)
+    return ModelRunner(model, kv_shape, dtype,
                        Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
-                       frozenset(args.eos_token_ids), device, attention_cls=backend.attention_class(),
+                       frozenset(args.eos_token_ids), device, attention_cls=attention_cls,
                        after_step=backend.after_step, group=group if group is not None and group.rank == 0 else None)

@@ -30,6 +30,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
+from .deepseek_config import is_mtp_tensor
 from .gguf_file import GgufError, open_gguf, plan_tensors, view_source
 from .moe_names import NAMES as MOE_NAMES, expected_tensors as moe_tensors
 
@@ -55,6 +56,7 @@ class Checkpoint:
     files: dict[Path, list[tuple[str, str]]]
     nbytes: int  # the shard files' sizes together
     gguf: bool = False
+    skipped_mtp: int = 0  # DeepSeek's multi-token-prediction tensors, not loaded
 
     @property
     def tensors(self) -> int:
@@ -85,6 +87,9 @@ def safetensors_files(path: str | Path) -> list[Path]:
 def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> full shape, for every tensor of the model ``args`` describe
     (whole model, not a tensor-parallel shard: each rank reads its slice of these)."""
+    if args.deepseek is not None:  # multi-head latent attention and DeepSeek's experts
+        from .deepseek_names import expected_tensors as deepseek_tensors
+        return deepseek_tensors(args)
     hid, vocab, inter = args.hidden_size, args.vocab_size, args.intermediate_size
     q, kv = args.q_size, args.kv_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hid), "model.norm.weight": (hid,)}
@@ -171,6 +176,7 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
     seen: dict[str, Path] = {}
     unexpected: list[str] = []
     nbytes = 0
+    mtp = 0
     for file in safetensors_files(path):
         nbytes += os.path.getsize(file)
         entries = files[file] = []
@@ -179,6 +185,9 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
             key = name if name in expected or name.startswith(("model.", "lm_head.")) else f"model.{name}"
             if key not in expected:
                 if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if args.deepseek is not None and is_mtp_tensor(args.num_hidden_layers, key):
+                    mtp += 1  # the MTP head is not served
                     continue
                 if key == "lm_head.weight" and args.tie_word_embeddings:
                     continue  # some tied checkpoints store a copy of the embedding anyway
@@ -202,4 +211,4 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
         if unexpected:
             parts.append(f"unexpected tensors: {_names(unexpected)}")
         raise ModelLoadError(f"{path}: checkpoint does not match its config.json ({args.arch}): " + "; ".join(parts))
-    return Checkpoint(files, nbytes)
+    return Checkpoint(files, nbytes, skipped_mtp=mtp)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .deepseek_config import DeepseekArgs, parse_deepseek
+
 __all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
 
 # model_type / architectures[0] -> arch family.
@@ -27,6 +29,11 @@ SUPPORTED_ARCHS: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "mistral": "mistral",
     "MistralForCausalLM": "mistral",
+    # Multi-head latent attention and DeepSeek's MoE: workers/models/deepseek.py
+    "deepseek_v2": "deepseek_v2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     # Mixtures of experts (workers/models/moe.py): the attention of their dense family, SparseMoE
     # feed-forward layers (ModelArgs.moe).
     "qwen2_moe": "qwen2_moe",
@@ -110,6 +117,8 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     model_type: str = ""
+    # DeepSeek-V2/V3 (multi-head latent attention, their MoE routing): workers/models/deepseek_config.py
+    deepseek: DeepseekArgs | None = None
     moe: MoeArgs | None = None  # mixture of experts (None: every layer dense)
 
     def __post_init__(self) -> None:
@@ -180,7 +189,10 @@ class ModelArgs:
         n_kv = n_heads if n_kv is None else get_int("num_key_value_heads")
         if n_heads % n_kv:
             raise err("num_key_value_heads", f"{n_kv} does not divide num_attention_heads={n_heads}")
-        if cfg.get("head_dim") is not None:
+        deepseek = parse_deepseek(cfg, arch, err) if arch.startswith("deepseek") else None
+        if deepseek is not None:  # the rope part of each head (what transformers' config calls head_dim)
+            head_dim = deepseek.qk_rope_head_dim
+        elif cfg.get("head_dim") is not None:
             head_dim = get_int("head_dim")
         else:
             if hidden % n_heads:
@@ -191,7 +203,8 @@ class ModelArgs:
         n_layers = get_int("num_hidden_layers")
         max_pos = get_int("max_position_embeddings", 4096 if arch == "llama" else None)
 
-        rope_theta, rope_scaling = _parse_rope(cfg, err, max_pos)
+        # DeepSeek's rope (YaRN with mscale) is its own: deepseek_config.py
+        rope_theta, rope_scaling = (deepseek.rope_theta, None) if deepseek else _parse_rope(cfg, err, max_pos)
         if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != head_dim // 2:
             raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, head_dim {head_dim} needs "
                       f"{head_dim // 2}")
@@ -204,6 +217,8 @@ class ModelArgs:
             qkv_bias, o_bias = True, False
         elif arch == "mistral":
             qkv_bias = o_bias = False
+        elif deepseek is not None:  # q_a, kv_a and o projections (attention_bias)
+            qkv_bias = o_bias = get_bool("attention_bias", False)
         else:
             qkv_bias = o_bias = get_bool("attention_bias", False)
         mlp_bias = get_bool("mlp_bias", False) if arch == "llama" else False
@@ -250,6 +265,7 @@ class ModelArgs:
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             model_type=str(cfg.get("model_type", "")),
+            deepseek=deepseek,
             moe=moe,
         )
 
@@ -350,7 +366,7 @@ def _parse_sliding_window(
 ) -> tuple[int | None, tuple[int | None, ...]]:
     """Sliding-window attention: Mistral when `sliding_window` is set; Qwen2/3 only when
     `use_sliding_window` is true, and then only on layers >= `max_window_layers` (or as `layer_types` says)."""
-    if arch == "llama":
+    if arch == "llama" or arch.startswith("deepseek"):
         return None, (None,) * n_layers
     window = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):

@@ -20,6 +20,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safe
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
 from .gguf_loader import Int8Target, load_gguf
+from . import deepseek
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
@@ -53,6 +54,8 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
     tensor-parallel ``shard`` each entry takes only this rank's slice (workers/models/sharding.py).
     """
     a = model.args
+    if a.deepseek is not None:  # MLA and DeepSeek's experts: workers/models/deepseek.py
+        return deepseek.param_slots(model, Slot, shard)
     d, hid = a.head_dim, a.hidden_size
     slots: dict[str, Slot] = {}
 
@@ -165,10 +168,14 @@ def load_model(
     # Allocate straight on the target device. DecoderLM skips random init, so this is just
     # uninitialised storage that the checkpoint overwrites below (no meta device: its empty_like
     # drags in sympy and costs ~0.5 s on first use).
+    model_cls = deepseek.DeepseekLM if args.deepseek is not None else DecoderLM
     with torch.device(device):
-        model = DecoderLM(args, dtype=dtype, max_positions=max_positions, tp=tp)
+        model = model_cls(args, dtype=dtype, max_positions=max_positions, tp=tp)
     model.eval().requires_grad_(False)
     model.rope.to_device(device)
+    if checkpoint.skipped_mtp:
+        log.info("multi-token-prediction head (num_nextn_predict_layers %d): %d tensors not loaded (not served)",
+                 args.deepseek.num_nextn_predict_layers if args.deepseek else 0, checkpoint.skipped_mtp)
     shard = tp.shard if tp is not None else None
     if shard is not None:
         with torch.no_grad():  # the vocabulary padding rows of the last rank

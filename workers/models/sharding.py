@@ -93,11 +93,14 @@ def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> 
     if dense and inter % world:
         raise refuse(f"intermediate_size {inter} is not a multiple of {world}")
     moe = None
-    if args.moe is not None:
+    ds = args.deepseek if args.deepseek is not None and args.deepseek.n_routed_experts else None
+    if args.moe is not None or ds is not None:
         m = args.moe
+        # DeepSeek's experts (workers/models/deepseek.py): its shared experts are one SwiGLU
+        sizes = ((m.num_experts, m.moe_intermediate_size, m.shared_expert_intermediate_size) if m is not None else
+                 (ds.n_routed_experts, ds.moe_intermediate_size, ds.moe_intermediate_size * ds.n_shared_experts))
         try:
-            moe = MoeShard.plan(m.num_experts, m.moe_intermediate_size, m.shared_expert_intermediate_size, rank, world,
-                                moe_mode)
+            moe = MoeShard.plan(*sizes, rank, world, moe_mode)
         except ValueError as e:
             raise ModelConfigError(f"{MOE_PARALLEL_KEY} {moe_mode!r}: {world} ranks cannot split the experts: {e}; "
                                    f"use moeParallel {'tp' if moe_mode == 'ep' else 'ep'} or another worldSize") from None
