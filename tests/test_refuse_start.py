@@ -61,14 +61,10 @@ def bad_models(tmp_path_factory, demo_model) -> dict[str, tuple[Path, str]]:
     # Real (tiny) checkpoints of two families the decoder does not implement.
     save_random_model("OlmoeConfig", dict(SMALL, num_experts=4, num_experts_per_tok=2), root / "olmoe")
     out["olmoe"] = (_with_tokenizer(root / "olmoe", demo_model),
-                    "model_type: unsupported model type 'olmoe' (supported: llama, mistral, mixtral, qwen2, qwen2_moe, "
+                    "model_type: unsupported model type 'olmoe' (supported: deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, "
                     "qwen3, qwen3_moe)")
-    save_random_model("DeepseekV3Config", dict(SMALL, moe_intermediate_size=16, n_routed_experts=4,
-                                               num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16,
-                                               q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                                               first_k_dense_replace=1, n_group=1, topk_group=1), root / "deepseek_v3")
-    out["deepseek_v3"] = (_with_tokenizer(root / "deepseek_v3", demo_model),
-                          "model_type: unsupported model type 'deepseek_v3'")
+    save_random_model("Phi3Config", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2), root / "phi3")
+    out["phi3"] = (_with_tokenizer(root / "phi3", demo_model), "model_type: unsupported model type 'phi3'")
 
     # The demo checkpoint split in two shards with an index, the second shard missing.
     tensors = load_file(str(Path(demo_model) / "model.safetensors"))
@@ -112,7 +108,7 @@ def launch_refused(tmp_path, model, **config) -> tuple[int, str, str]:
     return status, srv.log_path.read_text(), run_dir
 
 
-@pytest.mark.parametrize("name", ["olmoe", "deepseek_v3", "missing_shard", "truncated", "wrong_shape"])
+@pytest.mark.parametrize("name", ["olmoe", "phi3", "missing_shard", "truncated", "wrong_shape"])
 def test_a_model_that_cannot_load_is_refused_before_anything_starts(tmp_path, bad_models, name):
     model, message = bad_models[name]
     status, log, run_dir = launch_refused(tmp_path, model)
