@@ -67,6 +67,7 @@ class RequestStream:
         self.frames: collections.deque[P.TokenFrame] = collections.deque()
         self.event = asyncio.Event()
         self.finished = False
+        self.cancelled = False  # ended by this front end (``DeviceClient.cancel``): no frame comes
         self.error: P.RequestError | None = None
 
     def _push(self, frame: P.TokenFrame) -> None:
@@ -91,7 +92,12 @@ class RequestStream:
             try:
                 await asyncio.wait_for(self.event.wait(), timeout)
             except asyncio.TimeoutError:
-                return []
+                # Frames may have come as the wait timed out: the reader task pushed them after the
+                # timer fired, before this task resumed (wait_for then cancels a wait that has its
+                # event). They are returned now, not left queued: a caller that sees [] and a
+                # finished stream takes it as cancelled here, and the request's output was lost
+                # (an empty 200 stream under load).
+                pass
         out = list(self.frames)
         self.frames.clear()
         return out
@@ -241,6 +247,7 @@ class DeviceClient:
         if link.inflight.pop(stream.request_id, None) is None:
             return
         stream.finished = True
+        stream.cancelled = True
         self._send_cancel(link, [stream.request_id])
 
     async def stop_user(self, user_id: str, timeout: float) -> tuple[int, bool]:

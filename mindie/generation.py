@@ -150,8 +150,10 @@ class Generation:
                     wait = min(wait, IDLE_TICK_S)
                 frames = await self.stream.get(max(0.0, wait))
                 if not frames:
-                    if self.stream.finished:  # cancelled by this front end: nothing more comes
+                    if self.stream.cancelled:  # cancelled by this front end: nothing more comes
                         return
+                    if self.stream.finished:  # (get returns every frame it has: never expected)
+                        raise ApiError(500, "Internal error: the request's stream ended without its last frame")
                     if time.monotonic() >= deadline:
                         raise ApiError(500, f"Engine callback timeout: {desc}", timeout=True)
                     if tick:

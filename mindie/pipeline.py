@@ -287,6 +287,13 @@ def _run_checks(checks: list[Callable[[], None]]) -> None:
         check()
 
 
+def _check_finished(outs: list[Output]) -> None:
+    """Raises ApiError (500) for an output whose pieces ended without a finish reason: an answer
+    ends with its full output or with an error, never as a silent success (an empty 200 stream)."""
+    if any(not o.finish for o in outs):
+        raise ApiError(500, "Internal error: the generation ended without a finish reason")
+
+
 def finish_ok(metrics: Metrics, rec: RequestRecord, finish: str) -> None:
     """A request that succeeded: MindIE's metrics (TTFT, TPOT, end to end) and its log line."""
     metrics.succeeded(rec.output_tokens)
@@ -491,6 +498,7 @@ class Pipeline:
             return
         try:
             work.result()
+            _check_finished(outs)
         except ApiError as e:
             self._failed(rec, e)
             raise
@@ -525,6 +533,7 @@ class Pipeline:
                 data = b"".join(render(job, out, p, ctx))
                 if data:
                     yield sse.Raw(data)
+            _check_finished(outs)
             tail = b"".join(codec.close(job, outs, ctx))
             self._succeeded(codec, rec, outs)
             if tail:

@@ -8,13 +8,24 @@ SSE at all (NUL-terminated JSON, its codec says so with its content type).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import falcon.asgi
 import msgspec
 
-IDLE_TICK_S = 1.0  # how often an idle stream checks for a client disconnect
+
+def _idle_tick_s(default: float = 1.0) -> float:
+    """``MINDIE_SSE_IDLE_TICK_S`` (a test knob, docs/config.md), within [0.001, 60] s; else ``default``."""
+    try:
+        value = float(os.environ.get("MINDIE_SSE_IDLE_TICK_S") or default)
+    except ValueError:
+        return default
+    return min(60.0, max(0.001, value)) if value == value else default
+
+
+IDLE_TICK_S = _idle_tick_s()  # how often an idle stream checks for a client disconnect
 SSE = "text/event-stream"
 
 _enc = msgspec.json.Encoder()
