@@ -4,7 +4,8 @@ An instance comes from ``instances`` in the config or from ``POST /v1/instances/
 poll (``http_config.pollIntervalMs``) asks every instance's management plane for ``/health``
 (200 = its workers are ready) and ``/v2/status`` (free slots, free KV blocks, waiting and
 running requests); ``/v1/config`` (model name, KV block size) and
-``/v2/models/{m}/getSlotCount`` (total slots) once, and again after the instance was away. An
+``/v2/models/{m}/getSlotCount`` (total slots) once; the role an instance reports in
+``/v2/status`` (and a decode instance's KV address) each poll (mindie/coordinator/pd.py), and again after the instance was away. An
 instance is *ready* (routable) when its last poll succeeded, it is online (not taken out by
 ``/v1/instances/offline``) and its circuit breaker (mindie/coordinator/breaker.py) lets requests
 through. A restarted coordinator rebuilds this view from the config and one poll; instances
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 import httpx
 
 from mindie.coordinator.breaker import Breaker
+from mindie.coordinator.pd import role_from_status
 
 log = logging.getLogger("mindie.coordinator.registry")
 
@@ -51,6 +53,14 @@ class Instance:
     breaker: Breaker = field(default_factory=lambda: Breaker(3, 5.0))
     scheme: str = "http"
     mgmt_scheme: str = "http"
+    role_given: str = ""  # from the record (instances[].role, refresh static_info); "" = not given
+    role_reported: str = ""  # what the instance's /v2/status says (wins); "" = says nothing
+    kv_address: str = ""  # a decode instance's KV address (/v2/status), where prefill ships blocks
+
+    @property
+    def role(self) -> str:
+        """prefill | decode | flex (mindie/coordinator/pd.py)."""
+        return self.role_reported or self.role_given or "flex"
 
     @property
     def host(self) -> str:
@@ -81,6 +91,7 @@ class Instance:
     def describe(self) -> dict:
         return {"id": self.id, "ip": self.ip, "business_port": self.business_port, "mgmt_port": self.mgmt_port,
                 "model_name": self.model_name, "state": self.state(), "source": self.source,
+                "role": self.role, "kv_address": self.kv_address,
                 "avail_slots_num": self.avail_slots, "total_slots_num": self.total_slots,
                 "avail_block_num": self.avail_blocks, "total_block_num": self.total_blocks,
                 "waiting": self.waiting, "running": self.running, "inflight": self.inflight,
@@ -110,6 +121,7 @@ class Registry:
             # the same endpoint sent again (refresh): keep what the poller knows
             old.model_name = inst.model_name or old.model_name
             old.static_info = inst.static_info or old.static_info
+            old.role_given = inst.role_given or old.role_given
             old.source = inst.source
             return old
         self.instances[inst.id] = inst
@@ -215,6 +227,13 @@ class Poller:
                 inst.dispatched = 0
             except (ValueError, AttributeError, TypeError):
                 pass
+            try:
+                role, addr = role_from_status(status.json())
+            except ValueError:
+                role, addr = "", ""
+            if role != inst.role_reported and (role or inst.role_reported):
+                log.info("instance %d %s role %s", inst.id, inst.base_url, role or inst.role_given or "flex")
+            inst.role_reported, inst.kv_address = role, addr
         ok = health.status_code == 200
         inst.seen = inst.seen or ok
         inst.polled_ok = ok

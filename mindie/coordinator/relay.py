@@ -16,6 +16,16 @@ are never gathered). Failover:
   (its request stops, its KV blocks are freed).
 
 One request-log line per request (logger ``mindie.coordinator.request``) names the instance.
+
+``deploy_mode: pd_separate`` (mindie/coordinator/pd.py): a generation request is first sent to
+a prefill instance (the handoff headers; its answer, a small JSON, is read whole within
+``first_token_timeout``), then to a decode instance with the prefill's answer, whose status,
+headers and body are relayed as above. A prefill instance that fails (refused connection, 5xx,
+no answer in time) or a decode instance that fails before its first byte sends the request
+through another pair (prefill again: the blocks went to the failed one), at most ``max_retry``
+more times; after the decode instance's first byte a failure is an error frame. A prefill
+instance's 4xx (a request it refuses) is the client's answer. No ready pair: a ``flex``
+(hybrid) instance serves the request whole.
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ from typing import Any, Optional
 
 import httpx
 
-from mindie.coordinator import frames
+from mindie.coordinator import frames, pd
 from mindie.coordinator.upstream import Response, UpstreamError
 from mindie.errors import ApiError
 
@@ -64,9 +74,10 @@ class _ShortAnswer(Exception):
 
 
 class _Retry(Exception):
-    def __init__(self, reason: str, detail: str, breaker: bool = True) -> None:
+    def __init__(self, reason: str, detail: str, breaker: bool = True, inst: Any = None) -> None:
         super().__init__(detail)
         self.reason, self.detail, self.breaker = reason, detail, breaker
+        self.inst = inst  # the instance that failed, when not the one the attempt was for (prefill)
 
 
 class Relay:
@@ -207,10 +218,18 @@ class Relay:
         last: Optional[_Retry] = None
         limit = e.tokenizer_timeout if scope["path"] == "/v1/tokenizer" else e.infer_timeout
         deadline = t0 + limit if limit else None
+        # pd_separate: generation goes prefill -> decode; the tokenizer and GET routes go to any instance
+        handoff = router.pd and scope["method"] == "POST" and scope["path"] != "/v1/tokenizer"
         while True:
-            inst, decision = router.pick(info, tried)
+            p_inst = None
+            if handoff:
+                p_inst, inst, decision = router.pick_pd(info, tried)
+            elif router.pd:  # any ready instance answers these, whatever its role
+                inst, decision = router.pick(info, tried, "")
+            else:
+                inst, decision = router.pick(info, tried)
             if inst is None and not tried and reg.ready():
-                inst, decision = await self._wait_room(info, t0)
+                p_inst, inst, decision = await self._wait_room(info, t0, handoff)
                 if inst is None:
                     return await self._answer(send, rec, fam, ApiError(
                         503, "Request schedule timeout: every ready instance is at "
@@ -220,14 +239,20 @@ class Relay:
                                else "MindIE-MS Coordinator is not ready", "Service Unavailable")
                 return await self._answer(send, rec, fam, err, "no instance left")
             rec["instance"] = f"{inst.id}({inst.host}:{inst.business_port})"
-            rec["decision"] = decision
+            if p_inst is not None:
+                rec["instance"] += f" prefill {p_inst.id}({p_inst.host}:{p_inst.business_port})"
+            rec["decision"] = decision if p_inst is None else f"pd_{decision}"
             rec["attempts"] += 1
-            m.routed(decision, inst.id)
+            m.routed(rec["decision"], inst.id)
             try:
-                await self._attempt(scope, send, rec, inst, body, fam, stream, t0, deadline)
+                if p_inst is not None:
+                    await self._handoff(scope, send, rec, p_inst, inst, body, fam, stream, t0, deadline)
+                else:
+                    await self._attempt(scope, send, rec, inst, body, fam, stream, t0, deadline)
                 return
             except _Retry as r:
                 last = r
+                inst = r.inst or inst
                 tried.add(inst.id)
                 rec["retries"].append(f"{inst.id}:{r.reason}")
                 log.warning("request %s: instance %d %s: %s", rec["id"], inst.id, r.reason, r.detail)
@@ -245,32 +270,85 @@ class Relay:
                     return await self._answer(send, rec, fam, err, "retries exhausted")
                 m.retry(r.reason)
 
-    async def _wait_room(self, info, t0: float):
-        """Every ready instance is full: wait for room until ``schedule_timeout`` (0: no bound)."""
+    async def _wait_room(self, info, t0: float, handoff: bool = False):
+        """Every ready instance is full: wait for room until ``schedule_timeout`` (0: no bound).
+        (prefill or None, instance or None, decision)."""
         st = self.exc.schedule_timeout
+        router = self.coord.router
         while True:
             self._room.clear()
             left = None if not st else t0 + st - time.monotonic()
             if left is not None and left <= 0:
-                return None, "schedule_timeout"
+                return None, None, "schedule_timeout"
             try:
                 await asyncio.wait_for(self._room.wait(), timeout=min(0.5, left) if left else 0.5)
             except asyncio.TimeoutError:
                 pass
-            inst, decision = self.coord.router.pick(info, set())
+            if handoff:
+                p, inst, decision = router.pick_pd(info, set())
+            else:
+                p, (inst, decision) = None, router.pick(info, set(), "" if router.pd else None)
             if inst is not None:
-                return inst, decision
+                return p, inst, decision
 
     def _headers(self, scope) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP]
+        return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP
+                and k.lower() not in pd.PD_HEADERS]
+
+    async def _handoff(self, scope, send, rec, p_inst, d_inst, body: bytes, fam: str, stream: bool, t0: float,
+                       deadline: Optional[float]) -> None:
+        """pd_separate: prefill on ``p_inst`` (its KV shipped to ``d_inst``), then relay ``d_inst``'s answer."""
+        coord, e = self.coord, self.exc
+        pd_id = uuid.uuid4().hex
+        target = _target(scope)
+        first_by = time.monotonic() + e.first_token_timeout if e.first_token_timeout else None
+        if deadline is not None:
+            first_by = deadline if first_by is None else min(first_by, deadline)
+        p_inst.inflight += 1
+        p_inst.dispatched += 1
+        p_inst.breaker.on_dispatch()
+        resp: Optional[Response] = None
+        t_p = time.monotonic()
+        try:
+            try:
+                resp = await coord.pool.request(p_inst.ip, p_inst.business_port, scope["method"], target,
+                                                self._headers(scope) + pd.prefill_headers(pd_id, d_inst.kv_address),
+                                                body, _left(first_by))
+                answer = await asyncio.wait_for(resp.read(1 << 20), _left(first_by))
+            except asyncio.TimeoutError:
+                raise _Retry("prefill_timeout", f"prefill: no answer within {_left_s(first_by, e)}",
+                             inst=p_inst) from None
+            except UpstreamError as x:
+                raise _Retry("prefill_connect", f"prefill: {x}", inst=p_inst) from None
+            if resp.status >= 500:
+                raise _Retry("prefill_" + str(resp.status), f"prefill answered {resp.status}: "
+                             f"{answer[:300].decode('utf-8', 'replace')}", breaker=resp.status != 503, inst=p_inst)
+            if resp.status != 200:
+                # the prefill instance refused the request itself (validation): that is the answer
+                rec["status"] = resp.status
+                rec["ttft_ms"] = (time.monotonic() - t0) * 1000
+                headers = [(k, v) for k, v in resp.headers if k.decode("latin-1").lower() not in HOP]
+                headers += [(b"content-length", str(len(answer)).encode()), (b"server", self.server_name)]
+                await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+                await send({"type": "http.response.body", "body": answer})
+                rec["bytes"] += len(answer)
+                rec["outcome"] = "refused by prefill"
+                p_inst.breaker.success()
+                return
+            p_inst.breaker.success()
+        finally:
+            p_inst.inflight -= 1
+            if resp is not None:
+                resp.release()
+        rec["prefill_ms"] = (time.monotonic() - t_p) * 1000
+        await self._attempt(scope, send, rec, d_inst, body, fam, stream, t0, deadline,
+                            extra=pd.decode_headers(pd_id, answer.strip().decode("latin-1")))
 
     async def _attempt(self, scope, send, rec, inst, body: bytes, fam: str, stream: bool, t0: float,
-                       deadline: Optional[float]) -> None:
+                       deadline: Optional[float], extra: Optional[list] = None) -> None:
         coord = self.coord
         e = self.exc
-        target = scope["raw_path"].decode("latin-1")
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
+        target = _target(scope)
         first_by = None
         if stream and e.first_token_timeout:
             first_by = time.monotonic() + e.first_token_timeout
@@ -284,7 +362,7 @@ class Relay:
         try:
             try:
                 resp = await coord.pool.request(inst.ip, inst.business_port, scope["method"], target,
-                                                self._headers(scope), body, _left(first_by))
+                                                self._headers(scope) + (extra or []), body, _left(first_by))
             except asyncio.TimeoutError:
                 raise _Retry("first_token_timeout", f"no answer within {_left_s(first_by, e)}") from None
             except UpstreamError as x:
@@ -384,6 +462,13 @@ class Relay:
         await send({"type": "http.response.start", "status": status or 503,
                     "headers": [(b"content-type", ctype.encode()), (b"server", self.server_name)]})
         await send({"type": "http.response.body", "body": content})
+
+
+def _target(scope) -> str:
+    target = scope["raw_path"].decode("latin-1")
+    if scope.get("query_string"):
+        target += "?" + scope["query_string"].decode("latin-1")
+    return target
 
 
 def _left(by: Optional[float]) -> Optional[float]:
