@@ -21,18 +21,17 @@ from typing import Any
 
 PREFILL, DECODE, FLEX = "prefill", "decode", "flex"
 
-# header names (lower case: ASGI/h11 carry them so)
-H_STAGE = b"x-mindie-pd"
-H_ID = b"x-mindie-pd-id"
-H_PEER = b"x-mindie-pd-peer"
-H_PARAMS = b"x-mindie-pd-params"
-PD_HEADERS = (H_STAGE, H_ID, H_PEER, H_PARAMS)  # a client's own are dropped, never forwarded
+# The one header of the handoff (s37-pd-interface: compact JSON, camelCase keys):
+#   prefill: {"op":"prefill","transferId":ID,"kvEndpoint":EP[,"kvCurvePublicKey":K]}
+#   decode:  {"op":"decode","transferId":ID,"kvEndpoint":EP}
+H_PD = b"x-mindie-pd"
+PD_HEADERS = (H_PD,)  # a client's own is dropped, never forwarded
 
 # MindIE MS static_info numbers: label 2=P 3=D (0/1 hybrid); role 80='P' 68='D' 85='U'ndefined
 _LABELS = {2: PREFILL, 3: DECODE}
 _ROLE_CODES = {80: PREFILL, 68: DECODE, 85: ""}
 _NAMES = {"prefill": PREFILL, "p": PREFILL, "decode": DECODE, "d": DECODE, "flex": FLEX, "hybrid": FLEX,
-          "mixed": FLEX, "none": FLEX, "u": "", "undefined": "", "": ""}
+          "mixed": FLEX, "none": "", "u": "", "undefined": "", "": ""}
 
 
 def parse_role(value: Any) -> str:
@@ -63,25 +62,33 @@ def role_from_static(static: dict) -> str:
         return ""
 
 
-def role_from_status(body: Any) -> tuple[str, str]:
-    """(role, KV address) an instance reports in its ``/v2/status`` (or ``/v1/status``) body;
-    "" where it says nothing."""
+def role_from_status(body: Any) -> tuple[str, list[str], str]:
+    """(role, KV endpoints, KV CURVE public key) an instance reports in its ``/v2/status`` (or
+    ``/v1/status``) body: ``service.currentRole`` (MindIE's key; "none" = no role yet) or
+    ``pd.role``, ``pd.kvEndpoints`` (one per device worker), ``pd.kvCurvePublicKey``."""
     if not isinstance(body, dict):
-        return "", ""
-    role, addr = "", ""
-    for where in (body, body.get("pd") if isinstance(body.get("pd"), dict) else {},
-                  body.get("server") if isinstance(body.get("server"), dict) else {}):
-        role = role or parse_role(where.get("role"))
-        for k in ("pdKvAddress", "kvAddress", "kv_address"):
-            if not addr and isinstance(where.get(k), str):
-                addr = where[k]
-    return role, addr
+        return "", [], ""
+    svc = body.get("service") if isinstance(body.get("service"), dict) else {}
+    pdb = body.get("pd") if isinstance(body.get("pd"), dict) else {}
+    role = parse_role(svc.get("currentRole")) or parse_role(pdb.get("role")) or parse_role(body.get("role"))
+    eps = pdb.get("kvEndpoints")
+    eps = [e for e in eps if isinstance(e, str) and e] if isinstance(eps, list) else []
+    key = pdb.get("kvCurvePublicKey")
+    return role, eps, key if isinstance(key, str) else ""
 
 
-def prefill_headers(pd_id: str, peer: str) -> list[tuple[bytes, bytes]]:
-    return [(H_STAGE, PREFILL.encode()), (H_ID, pd_id.encode()), (H_PEER, peer.encode("latin-1", "replace"))]
+def pick_endpoint(endpoints: list[str], same_host: bool, n: int) -> str:
+    """The decode instance's KV endpoint for the ``n``-th handoff to it: its ipc endpoints when
+    the prefill instance is on the same host (no TCP, no CURVE), else its tcp ones; round robin
+    over its device workers. "" when it reports none."""
+    ipc = [e for e in endpoints if e.startswith("ipc://")]
+    other = [e for e in endpoints if not e.startswith("ipc://")]
+    pool = (ipc or other) if same_host else (other or ipc)
+    return pool[n % len(pool)] if pool else ""
 
 
-def decode_headers(pd_id: str, params: Any) -> list[tuple[bytes, bytes]]:
-    text = params if isinstance(params, str) else json.dumps(params, separators=(",", ":"))
-    return [(H_STAGE, DECODE.encode()), (H_ID, pd_id.encode()), (H_PARAMS, text.encode("latin-1", "replace"))]
+def header(op: str, transfer_id: str, endpoint: str, curve_key: str = "") -> tuple[bytes, bytes]:
+    doc = {"op": op, "transferId": transfer_id, "kvEndpoint": endpoint}
+    if curve_key and op == PREFILL and endpoint.startswith("tcp://"):
+        doc["kvCurvePublicKey"] = curve_key
+    return H_PD, json.dumps(doc, separators=(",", ":")).encode()

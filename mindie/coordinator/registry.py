@@ -55,7 +55,9 @@ class Instance:
     mgmt_scheme: str = "http"
     role_given: str = ""  # from the record (instances[].role, refresh static_info); "" = not given
     role_reported: str = ""  # what the instance's /v2/status says (wins); "" = says nothing
-    kv_address: str = ""  # a decode instance's KV address (/v2/status), where prefill ships blocks
+    kv_endpoints: list = field(default_factory=list)  # a decode instance's KV endpoints (/v2/status pd)
+    kv_curve_key: str = ""
+    handoffs: int = 0  # handoffs sent to it as the decode side (round robin over its endpoints)
 
     @property
     def role(self) -> str:
@@ -91,7 +93,7 @@ class Instance:
     def describe(self) -> dict:
         return {"id": self.id, "ip": self.ip, "business_port": self.business_port, "mgmt_port": self.mgmt_port,
                 "model_name": self.model_name, "state": self.state(), "source": self.source,
-                "role": self.role, "kv_address": self.kv_address,
+                "role": self.role, "kv_endpoints": self.kv_endpoints,
                 "avail_slots_num": self.avail_slots, "total_slots_num": self.total_slots,
                 "avail_block_num": self.avail_blocks, "total_block_num": self.total_blocks,
                 "waiting": self.waiting, "running": self.running, "inflight": self.inflight,
@@ -228,12 +230,12 @@ class Poller:
             except (ValueError, AttributeError, TypeError):
                 pass
             try:
-                role, addr = role_from_status(status.json())
+                role, eps, key = role_from_status(status.json())
             except ValueError:
-                role, addr = "", ""
+                role, eps, key = "", [], ""
             if role != inst.role_reported and (role or inst.role_reported):
                 log.info("instance %d %s role %s", inst.id, inst.base_url, role or inst.role_given or "flex")
-            inst.role_reported, inst.kv_address = role, addr
+            inst.role_reported, inst.kv_endpoints, inst.kv_curve_key = role, eps, key
         ok = health.status_code == 200
         inst.seen = inst.seen or ok
         inst.polled_ok = ok

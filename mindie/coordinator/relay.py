@@ -297,13 +297,45 @@ class Relay:
 
     async def _handoff(self, scope, send, rec, p_inst, d_inst, body: bytes, fam: str, stream: bool, t0: float,
                        deadline: Optional[float]) -> None:
-        """pd_separate: prefill on ``p_inst`` (its KV shipped to ``d_inst``), then relay ``d_inst``'s answer."""
+        """pd_separate: step A (prefill on ``p_inst``, its KV pushed to ``d_inst``) and step B
+        (``d_inst`` waits for the blocks, then answers) sent at once, so the transfer overlaps;
+        ``d_inst``'s answer is relayed. A prefill failure before the decode side's first byte
+        cancels step B and retries with another pair; a prefill 4xx is the client's answer."""
+        tid = f"{rec['id']}-{rec['attempts']}"
+        ep = pd.pick_endpoint(d_inst.kv_endpoints, p_inst.ip == d_inst.ip, d_inst.handoffs)
+        d_inst.handoffs += 1
+        rec["transfer"] = tid
+        p_task = asyncio.ensure_future(self._prefill(scope, rec, p_inst, body, pd.header(
+            pd.PREFILL, tid, ep, d_inst.kv_curve_key), deadline))
+        d_task = asyncio.ensure_future(self._attempt(scope, send, rec, d_inst, body, fam, stream, t0, deadline,
+                                                     extra=[pd.header(pd.DECODE, tid, ep)]))
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and not d_task.done():
+                refused = p_task.exception() or p_task.result()
+                if refused is not None and not rec.get("sent"):
+                    # prefill failed (or refused the request) before the client saw a byte: step B goes
+                    d_task.cancel()
+                    await asyncio.gather(d_task, return_exceptions=True)
+                    if isinstance(refused, BaseException):
+                        raise refused
+                    return await self._relay_answer(send, rec, *refused)
+            await d_task  # the decode side's answer (or its _Retry before its first byte)
+        finally:
+            for t in (p_task, d_task):
+                if not t.done():
+                    t.cancel()  # closes that instance's connection: it cancels there
+            await asyncio.gather(p_task, d_task, return_exceptions=True)
+
+    async def _prefill(self, scope, rec, p_inst, body: bytes, hdr: tuple[bytes, bytes],
+                       deadline: Optional[float]) -> Optional[tuple]:
+        """Step A: None when the prefill instance answered 200 (its KV is at the decode side);
+        (status, headers, body) of a 4xx it answered (the request is refused: relay it);
+        raises _Retry (for ``p_inst``) when it failed or did not answer within first_token_timeout."""
         coord, e = self.coord, self.exc
-        pd_id = uuid.uuid4().hex
-        target = _target(scope)
-        first_by = time.monotonic() + e.first_token_timeout if e.first_token_timeout else None
+        by = time.monotonic() + e.first_token_timeout if e.first_token_timeout else None
         if deadline is not None:
-            first_by = deadline if first_by is None else min(first_by, deadline)
+            by = deadline if by is None else min(by, deadline)
         p_inst.inflight += 1
         p_inst.dispatched += 1
         p_inst.breaker.on_dispatch()
@@ -311,38 +343,35 @@ class Relay:
         t_p = time.monotonic()
         try:
             try:
-                resp = await coord.pool.request(p_inst.ip, p_inst.business_port, scope["method"], target,
-                                                self._headers(scope) + pd.prefill_headers(pd_id, d_inst.kv_address),
-                                                body, _left(first_by))
-                answer = await asyncio.wait_for(resp.read(1 << 20), _left(first_by))
+                resp = await coord.pool.request(p_inst.ip, p_inst.business_port, scope["method"], _target(scope),
+                                                self._headers(scope) + [hdr], body, _left(by))
+                answer = await asyncio.wait_for(resp.read(1 << 20), _left(by))
             except asyncio.TimeoutError:
-                raise _Retry("prefill_timeout", f"prefill: no answer within {_left_s(first_by, e)}",
-                             inst=p_inst) from None
+                raise _Retry("prefill_timeout", f"prefill instance {p_inst.id}: no answer within "
+                             f"{_left_s(by, e)}", inst=p_inst) from None
             except UpstreamError as x:
-                raise _Retry("prefill_connect", f"prefill: {x}", inst=p_inst) from None
+                raise _Retry("prefill_connect", f"prefill instance {p_inst.id}: {x}", inst=p_inst) from None
             if resp.status >= 500:
-                raise _Retry("prefill_" + str(resp.status), f"prefill answered {resp.status}: "
+                raise _Retry(f"prefill_{resp.status}", f"prefill instance {p_inst.id} answered {resp.status}: "
                              f"{answer[:300].decode('utf-8', 'replace')}", breaker=resp.status != 503, inst=p_inst)
-            if resp.status != 200:
-                # the prefill instance refused the request itself (validation): that is the answer
-                rec["status"] = resp.status
-                rec["ttft_ms"] = (time.monotonic() - t0) * 1000
-                headers = [(k, v) for k, v in resp.headers if k.decode("latin-1").lower() not in HOP]
-                headers += [(b"content-length", str(len(answer)).encode()), (b"server", self.server_name)]
-                await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-                await send({"type": "http.response.body", "body": answer})
-                rec["bytes"] += len(answer)
-                rec["outcome"] = "refused by prefill"
-                p_inst.breaker.success()
-                return
             p_inst.breaker.success()
+            rec["prefill_ms"] = (time.monotonic() - t_p) * 1000
+            if resp.status == 200:
+                return None
+            headers = [(k, v) for k, v in resp.headers if k.decode("latin-1").lower() not in HOP]
+            return resp.status, headers, answer
         finally:
             p_inst.inflight -= 1
             if resp is not None:
                 resp.release()
-        rec["prefill_ms"] = (time.monotonic() - t_p) * 1000
-        await self._attempt(scope, send, rec, d_inst, body, fam, stream, t0, deadline,
-                            extra=pd.decode_headers(pd_id, answer.strip().decode("latin-1")))
+
+    async def _relay_answer(self, send, rec, status: int, headers: list, answer: bytes) -> None:
+        rec["status"] = status
+        rec["outcome"] = "refused by the prefill instance"
+        headers = headers + [(b"content-length", str(len(answer)).encode()), (b"server", self.server_name)]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+        rec["bytes"] += len(answer)
 
     async def _attempt(self, scope, send, rec, inst, body: bytes, fam: str, stream: bool, t0: float,
                        deadline: Optional[float], extra: Optional[list] = None) -> None:
@@ -385,6 +414,7 @@ class Relay:
             headers = [(k, v) for k, v in resp.headers
                        if (lk := k.decode("latin-1").lower()) not in HOP or (lk == "content-length" and not stream)]
             headers.append((b"server", self.server_name))
+            rec["sent"] = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             rec["bytes"] += len(first)
             await send({"type": "http.response.body", "body": first, "more_body": True})

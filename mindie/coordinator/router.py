@@ -27,7 +27,7 @@ thousand keys, least recently used dropped first; keys of an instance that leave
 for each request, each among the ready instances of its role by the rule above (the prefill
 side's and the decode side's prefix tables are apart: both hold prefix caches); with no ready
 prefill or no ready decode instance the request goes whole to a ``flex`` (hybrid) instance,
-and with none of those either it is refused 503.
+else to a ready decode instance (which computes a prompt itself), else it is refused 503.
 """
 from __future__ import annotations
 
@@ -179,7 +179,11 @@ class Router:
             d, _ = self.pick(info, exclude, DECODE)
             return p, d, dp
         inst, decision = self.pick(info, exclude, FLEX)
-        return None, inst, decision if inst is None else f"hybrid_{decision}"
+        if inst is not None:
+            return None, inst, f"hybrid_{decision}"
+        # no hybrid either: a decode instance computes a prompt itself (it serves plain requests)
+        inst, decision = self.pick(info, exclude, DECODE)
+        return None, inst, decision if inst is None else f"decode_alone_{decision}"
 
     def pick(self, info: RouteInfo, exclude: set[int], role: Optional[str] = None) -> tuple[Optional[Instance], str]:
         """(instance, decision) or (None, why): decision is one of load, affinity_hit,

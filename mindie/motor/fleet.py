@@ -409,6 +409,8 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     for k in range(n):
         cfg = copy.deepcopy(servers[roles[k]])
         s = cfg["ServerConfig"]
+        if roles[k]:
+            s.update(_role_keys(roles[k], s))
         for plane, off in offsets.items():
             p = port0 + off + k * stride
             what = f"instance i{k}'s {keys[plane]}"
@@ -486,6 +488,21 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     if write:
         _write_json(os.path.join(run_dir, "plan.json"), asdict(plan))
     return plan
+
+
+def _role_keys(role: str, sc: dict) -> dict:
+    """The server config keys that start an instance in its PD role: ``ServerConfig.pdRole``
+    (the section it came from decides: mindie_server_prefill_config -> prefill) and
+    ``interCommPort`` 0 unless set (one host: the KV moves over ipc, and N instances would
+    otherwise all bind MindIE's default tcp port 1121)."""
+    from mindie.config import ServerConfig
+    fields = ServerConfig.__struct_fields__
+    out = {}
+    if "pd_role" in fields:
+        out["pdRole"] = role
+    if "inter_comm_port" in fields and "interCommPort" not in sc:
+        out["interCommPort"] = 0
+    return out
 
 
 def _check_coordinator(path: str) -> tuple[list[str], float]:
