@@ -132,10 +132,10 @@ class Relay:
             dur = (time.monotonic() - t0) * 1000
             m.finished(rec, dur / 1000)
             reqlog.info("request %s %s %s -> instance %s status %s %s attempts %d%s ttft_ms %s duration_ms %.1f "
-                        "bytes %d%s", rid, method, path, rec["instance"], rec["status"], rec["decision"],
+                        "bytes %d%s%s", rid, method, path, rec["instance"], rec["status"], rec["decision"],
                         rec["attempts"], f" retries {','.join(rec['retries'])}" if rec["retries"] else "",
                         "-" if rec["ttft_ms"] is None else f"{rec['ttft_ms']:.1f}", dur, rec["bytes"],
-                        f" {rec['outcome']}" if rec["outcome"] else "",
+                        _pd_note(rec), f" {rec['outcome']}" if rec["outcome"] else "",
                         extra={"request": {k: v for k, v in rec.items()} | {"duration_ms": round(dur, 1)}})
 
     async def _answer(self, send, rec: dict, fam: str, err: ApiError, outcome: str) -> None:
@@ -357,6 +357,10 @@ class Relay:
             p_inst.breaker.success()
             rec["prefill_ms"] = (time.monotonic() - t_p) * 1000
             if resp.status == 200:
+                with contextlib.suppress(ValueError, UnicodeDecodeError):
+                    a = json.loads(answer)
+                    if isinstance(a, dict):
+                        rec["pd"] = a
                 return None
             headers = [(k, v) for k, v in resp.headers if k.decode("latin-1").lower() not in HOP]
             return resp.status, headers, answer
@@ -492,6 +496,22 @@ class Relay:
         await send({"type": "http.response.start", "status": status or 503,
                     "headers": [(b"content-type", ctype.encode()), (b"server", self.server_name)]})
         await send({"type": "http.response.body", "body": content})
+
+
+def _pd_note(rec: dict) -> str:
+    """`` pd transfer <id> prefill_ms F blocks B kv_bytes X`` for a handoff (what the prefill
+    instance answered), else ""."""
+    if "transfer" not in rec:
+        return ""
+    a = rec.get("pd") or {}
+    out = f" pd transfer {rec['transfer']}"
+    if "prefill_ms" in rec:
+        out += f" prefill_ms {rec['prefill_ms']:.1f}"
+    for k, name in (("blocks", "blocks"), ("bytes", "kv_bytes"), ("promptTokens", "prompt_tokens"),
+                    ("transferMs", "transfer_ms")):
+        if isinstance(a.get(k), (int, float)):
+            out += f" {name} {a[k]:g}"
+    return out
 
 
 def _target(scope) -> str:

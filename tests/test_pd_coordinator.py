@@ -1,0 +1,192 @@
+"""deploy_mode pd_separate through the real coordinator (issue 32, items 3 and 5, coordinator
+side): a prefill instance (pdRole prefill), a decode instance (pdRole decode) and a hybrid one
+(flex), each started by scripts/launch.sh with the demo model, all on loopback.
+
+- greedy answers through prefill -> KV transfer -> decode equal the hybrid instance's, for
+  /infer_token, OpenAI chat and TGI, stream and not, with a stop string and logprobs, and a
+  prompt spanning many KV blocks; the request line shows the handoff (the prefill instance's
+  transfer: blocks > 0);
+- coordinator_info lists each instance with its role (reported by the instances themselves);
+- the decode instance taken offline: requests go whole to the hybrid instance;
+- a client that hangs up mid-stream: the decode instance stops the request;
+- kill -9 of the decode instance mid-stream: the stream ends with an error frame (no hang), and
+  the next request goes to the hybrid instance."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.coord_harness import Coordinator, kill9
+from tests.harness import Server, free_ports, short_run_dir, write_config
+from tests.test_coordinator import normal
+
+pytestmark = pytest.mark.timeout(400)
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+LONG = " ".join(f"word{i}" for i in range(150))  # many 16-token blocks and a partial one
+ROLES = ("prefill", "decode", "flex")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    servers = []
+    try:
+        for role, port in zip(ROLES, free_ports(3)):
+            d = tmp / role
+            d.mkdir()
+            cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
+                               server={"pdRole": role, "interCommPort": 0, "kvLoadFailurePolicy": "fail"})
+            servers.append(Server(cfg, port))
+        for s in servers:
+            s.wait_ready(240)
+        # no static roles: the coordinator learns them from the instances' /v2/status
+        coord = Coordinator(tmp, servers, name="pd",
+                            config={"digs_scheduler_config": {"deploy_mode": "pd_separate"},
+                                    "exception_config": {"max_retry": 2, "first_token_timeout": 30,
+                                                         "infer_timeout": 120}})
+        coord.wait_ready_line()
+        coord.wait_ready()
+        yield tmp, servers, coord
+        coord.stop()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _lines_after(coord, n: int, timeout: float = 10) -> list[str]:
+    t0 = time.monotonic()
+    while len(coord.request_lines()) <= n and time.monotonic() - t0 < timeout:
+        time.sleep(0.05)
+    return coord.request_lines()[n:]
+
+
+def test_coordinator_info_lists_roles(fleet):
+    _, servers, coord = fleet
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        info = coord.info()
+        roles = {i["business_port"]: i["role"] for i in info["instances"]}
+        if list(roles.values()) == list(ROLES):
+            break
+        time.sleep(0.2)
+    assert [roles[s.port] for s in servers] == list(ROLES), info
+    assert info["deploy_mode"] == "pd_separate" and info["ready"] is True
+    dec = next(i for i in info["instances"] if i["role"] == "decode")
+    assert dec["kv_endpoints"] and all(e.startswith(("ipc://", "tcp://")) for e in dec["kv_endpoints"]), dec
+
+
+CASES = [
+    ("/infer_token", {"input_id": [5, 9, 13, 22, 31, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+                      "stream": False, "parameters": {"max_new_tokens": 12, "details": True}}),
+    ("/infer_token", {"input_id": [5, 9, 13, 22, 31], "stream": True, "parameters": {"max_new_tokens": 8}}),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}],
+                              "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+                              "stop": ["ing"]}),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": LONG}],
+                              "max_tokens": 12, "temperature": 0, "logprobs": True, "stream": True,
+                              "stop": ["ing"]}),
+    ("/generate", {"inputs": LONG, "parameters": {"max_new_tokens": 12, "details": True, "decoder_input_details": False,
+                                                  "stop": ["e"], "top_n_tokens": 2}}),
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True, "stop": ["e"]}}),
+]
+
+
+@pytest.mark.parametrize("path,body", CASES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
+def test_greedy_equal_to_the_hybrid_instance(fleet, path, body):
+    _, servers, coord = fleet
+    hybrid = servers[2]
+    direct = normal(httpx.post(hybrid.url + path, json=body, timeout=120))
+    n = len(coord.request_lines())
+    via = httpx.post(coord.url + path, json=body, timeout=120)
+    assert direct[0] == 200, direct
+    assert normal(via) == direct, via.text[:800]
+    (line,) = _lines_after(coord, n)
+    # the handoff happened: prefill on instance 0, decode on 1, blocks moved
+    assert re.search(r"-> instance 1\(127\.0\.0\.1:\d+\) prefill 0\(", line), line
+    m = re.search(r" pd transfer \S+ prefill_ms [\d.]+ blocks (\d+)", line)
+    assert m and int(m.group(1)) > 0, line
+
+
+def test_prefill_refusal_is_the_answer(fleet):
+    """A request the server refuses (422) comes back as the hybrid instance answers it."""
+    _, servers, coord = fleet
+    body = {"inputs": PROMPT, "parameters": {"top_p": 1.5}}
+    direct = normal(httpx.post(servers[2].url + "/infer", json=body, timeout=60))
+    via = httpx.post(coord.url + "/infer", json=body, timeout=60)
+    assert direct[0] == 422 and normal(via) == direct
+
+
+def test_hybrid_fallback_when_the_decode_instance_is_offline(fleet):
+    _, servers, coord = fleet
+    body = {"input_id": [5, 9, 13, 22, 31], "stream": False, "parameters": {"max_new_tokens": 6}}
+    direct = normal(httpx.post(servers[2].url + "/infer_token", json=body, timeout=60))
+    assert httpx.post(coord.manage + "/v1/instances/offline", json={"ids": [1]}, timeout=10).status_code == 200
+    try:
+        n = len(coord.request_lines())
+        via = httpx.post(coord.url + "/infer_token", json=body, timeout=60)
+        assert normal(via) == direct
+        (line,) = _lines_after(coord, n)
+        assert re.search(r"-> instance 2\(\S+\) status 200 hybrid_load ", line), line
+    finally:
+        httpx.post(coord.manage + "/v1/instances/online", json={"ids": [1]}, timeout=10)
+    coord.wait_state(1, "ready")
+
+
+def _running(server: Server) -> int:
+    return httpx.get(server.url + "/v2/status", timeout=10).json()["resource"]["runningRequestNum"]
+
+
+def test_client_disconnect_cancels_on_the_decode_instance(fleet):
+    _, servers, coord = fleet
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", coord.url + "/infer", json=body) as r:
+            it = r.iter_lines()
+            for _ in range(6):
+                next(it)
+            assert _running(servers[1]) == 1
+    t0 = time.monotonic()
+    while _running(servers[1]) and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert _running(servers[1]) == 0, "the decode instance still runs the request 5 s after the client left"
+
+
+def test_kill9_of_the_decode_instance_mid_stream(fleet):
+    """Last: it kills the decode instance."""
+    _, servers, coord = fleet
+    body = {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    got = bytearray()
+    frames = threading.Event()
+    done = threading.Event()
+
+    def run():
+        with httpx.stream("POST", coord.url + "/infer", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for chunk in r.iter_raw():
+                got.extend(chunk)
+                if got.count(b"data:") >= 3:
+                    frames.set()
+        done.set()
+    t = threading.Thread(target=run)
+    t.start()
+    assert frames.wait(30), bytes(got)
+    t_kill = time.monotonic()
+    kill9(servers[1])
+    t.join(60)
+    assert done.is_set() and time.monotonic() - t_kill < 30
+    last = json.loads([ln[5:] for ln in got.decode().split("\n") if ln.startswith("data:")][-1])
+    assert last == {"error": last["error"], "error_type": "Incomplete Generation"}, last
+    # no decode instance now: the next request is served whole by the hybrid instance
+    coord.wait_state(1, "unreachable", timeout=30)
+    n = len(coord.request_lines())
+    r = httpx.post(coord.url + "/infer_token", json={"input_id": [5, 9, 13], "parameters": {"max_new_tokens": 4}},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    (line,) = _lines_after(coord, n)
+    assert "-> instance 2(" in line and "hybrid_" in line, line
