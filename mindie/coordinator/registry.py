@@ -4,8 +4,11 @@ An instance comes from ``instances`` in the config or from ``POST /v1/instances/
 poll (``http_config.pollIntervalMs``) asks every instance's management plane for ``/health``
 (200 = its workers are ready) and ``/v2/status`` (free slots, free KV blocks, waiting and
 running requests); ``/v1/config`` (model name, KV block size) and
-``/v2/models/{m}/getSlotCount`` (total slots) once; the role an instance reports in
-``/v2/status`` (and a decode instance's KV address) each poll (mindie/coordinator/pd.py), and again after the instance was away. An
+``/v2/models/{m}/getSlotCount`` (total slots) once, and again after the instance was away; the
+role an instance reports in ``/v2/status`` (and a decode instance's KV endpoints) each poll
+(mindie/coordinator/pd.py). A refused
+or reset poll makes an instance unreachable at once; a poll that times out (a busy instance
+answers late) only the third time in a row. An
 instance is *ready* (routable) when its last poll succeeded, it is online (not taken out by
 ``/v1/instances/offline``) and its circuit breaker (mindie/coordinator/breaker.py) lets requests
 through. A restarted coordinator rebuilds this view from the config and one poll; instances
@@ -25,6 +28,8 @@ from mindie.coordinator.breaker import Breaker
 from mindie.coordinator.pd import role_from_status
 
 log = logging.getLogger("mindie.coordinator.registry")
+
+POLL_TIMEOUTS_DOWN = 3  # polls in a row that time out before a ready instance counts as unreachable
 
 
 @dataclass
@@ -49,7 +54,8 @@ class Instance:
     running: int = 0
     block_size: int = 128
     inflight: int = 0  # requests this coordinator has on it now
-    dispatched: int = 0  # since the last poll (the poll's figures do not know them yet)
+    poll_timeouts: int = 0  # polls in a row that timed out
+    inflight_at_poll: int = 0  # ours when the last /v2/status was asked (its running + waiting include them)
     breaker: Breaker = field(default_factory=lambda: Breaker(3, 5.0))
     scheme: str = "http"
     mgmt_scheme: str = "http"
@@ -198,6 +204,7 @@ class Poller:
 
     async def poll(self, inst: Instance) -> None:
         t = self.timeout_s
+        asked_with = inst.inflight
         try:
             health, status = await asyncio.gather(self.client.get(f"{inst.mgmt_url}/health", timeout=t),
                                                   self.client.get(f"{inst.mgmt_url}/v2/status", timeout=t))
@@ -212,7 +219,17 @@ class Poller:
                                                   timeout=t)
                     if slots.status_code == 200:
                         inst.total_slots = int(slots.json().get("total_slots") or 0)
-        except (httpx.HTTPError, ValueError, OSError) as e:
+        except httpx.TimeoutException as e:
+            # a busy instance answers its management plane late: not ready only after a few in a row
+            inst.poll_timeouts += 1
+            if inst.poll_timeouts < POLL_TIMEOUTS_DOWN and inst.polled_ok:
+                return
+            inst.polled_ok = False
+            inst.why_not = f"management plane {inst.mgmt_url} did not answer within {t:g} s ({inst.poll_timeouts} polls)"
+            if inst.breaker.probe_due():
+                inst.breaker.failure()
+            return
+        except (httpx.HTTPError, ValueError, OSError) as e:  # refused, reset: down now
             inst.polled_ok = False
             inst.why_not = f"management plane {inst.mgmt_url} unreachable: {type(e).__name__}: {e}".rstrip(": ")
             if inst.breaker.probe_due():
@@ -226,7 +243,7 @@ class Poller:
                 inst.total_blocks = int(res.get("totalNpuBlockNums", 0)) or inst.total_blocks
                 inst.waiting = int(res.get("waitingRequestNum", 0))
                 inst.running = int(res.get("runningRequestNum", 0))
-                inst.dispatched = 0
+                inst.inflight_at_poll = asked_with
             except (ValueError, AttributeError, TypeError):
                 pass
             try:
@@ -236,6 +253,7 @@ class Poller:
             if role != inst.role_reported and (role or inst.role_reported):
                 log.info("instance %d %s role %s", inst.id, inst.base_url, role or inst.role_given or "flex")
             inst.role_reported, inst.kv_endpoints, inst.kv_curve_key = role, eps, key
+        inst.poll_timeouts = 0
         ok = health.status_code == 200
         inst.seen = inst.seen or ok
         inst.polled_ok = ok

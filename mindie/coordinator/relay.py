@@ -6,7 +6,8 @@ once; no instance ready, 503), routed (mindie/coordinator/router.py), sent to th
 the instance's status, headers and body relayed as they come, chunk by chunk (a stream's frames
 are never gathered). Failover:
 
-- the instance refuses the connection, answers 503, fails, or sends no first byte within
+- the instance refuses the connection, answers 503 (or 200 with an empty body), fails, or
+  sends no first byte within
   ``first_token_timeout`` (streams; a non-stream answer has ``infer_timeout``): the request goes
   to another instance, at most ``max_retry`` more times, each instance once; the failure counts
   for the instance's circuit breaker (a 503 does not: it says "not now", e.g. draining);
@@ -337,8 +338,8 @@ class Relay:
         if deadline is not None:
             by = deadline if by is None else min(by, deadline)
         p_inst.inflight += 1
-        p_inst.dispatched += 1
         p_inst.breaker.on_dispatch()
+        coord.metrics.inflight(p_inst.id, p_inst.inflight)
         resp: Optional[Response] = None
         t_p = time.monotonic()
         try:
@@ -366,6 +367,7 @@ class Relay:
             return resp.status, headers, answer
         finally:
             p_inst.inflight -= 1
+            coord.metrics.inflight(p_inst.id, p_inst.inflight)
             if resp is not None:
                 resp.release()
 
@@ -388,7 +390,6 @@ class Relay:
         if deadline is not None:
             first_by = deadline if first_by is None else min(first_by, deadline)
         inst.inflight += 1
-        inst.dispatched += 1
         inst.breaker.on_dispatch()
         coord.metrics.inflight(inst.id, inst.inflight)
         resp: Optional[Response] = None
@@ -413,6 +414,10 @@ class Relay:
                 raise _Retry("first_token_timeout", f"no first byte within {_left_s(first_by, e)}") from None
             except UpstreamError as x:
                 raise _Retry("cut_before_first_token", str(x)) from None
+            if not first and resp.status == 200 and scope["method"] == "POST":
+                # no inference API answers 200 with nothing: an instance that ended the answer
+                # before writing a byte is treated as one that failed before its first token
+                raise _Retry("empty_answer", "answered 200 with an empty body", breaker=False)
             rec["ttft_ms"] = (time.monotonic() - t0) * 1000
             rec["status"] = resp.status
             headers = [(k, v) for k, v in resp.headers

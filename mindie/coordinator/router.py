@@ -3,10 +3,10 @@
 ``load_balance``: among the ready instances below ``request_limit.single_node_max_requests``
 requests in flight, the one with the least load, where load =
 
-    queued work / total slots  +  (1 - free KV blocks / total blocks) / 2
+    queued work / total slots  +  (1 - free KV blocks / total blocks, in 5 % steps) / 2
 
-queued work = max(requests this coordinator has in flight there, the instance's own running +
-waiting count at the last poll + requests sent there since). Figures missing (an instance that
+queued work = the requests this coordinator has in flight there now (exact) + the instance's
+running + waiting at the last poll less this coordinator's share of them then (other clients' work). Figures missing (an instance that
 does not report totals) count as empty. Ties go to the instance picked least recently, so idle
 instances take turns. Not round-robin: a loaded instance is skipped while others have room.
 
@@ -153,8 +153,10 @@ class Router:
 
     @staticmethod
     def load(i: Instance) -> float:
-        queued = max(i.inflight, i.running + i.waiting + i.dispatched)
-        blocks = (1.0 - i.avail_blocks / i.total_blocks) if i.total_blocks else 0.0
+        # ours now (exact) + the others' at the last poll (its count less ours then)
+        queued = i.inflight + max(0, i.running + i.waiting - i.inflight_at_poll)
+        # KV use in 5 % steps: a few blocks held by the prefix cache do not outweigh queued work
+        blocks = int(20 * (1.0 - i.avail_blocks / i.total_blocks)) / 20 if i.total_blocks else 0.0
         return queued / max(1, i.total_slots) + blocks / 2
 
     def has_room(self, i: Instance) -> bool:
@@ -163,7 +165,8 @@ class Router:
     def busy(self, i: Instance) -> bool:
         if not i.ready() or not self.has_room(i):
             return True
-        if i.total_slots and (i.avail_slots - i.dispatched) / i.total_slots < self.slots_thresh:
+        free = min(i.avail_slots, i.total_slots - i.inflight)  # the poll may not know our latest requests
+        if i.total_slots and free / i.total_slots < self.slots_thresh:
             return True
         return bool(i.total_blocks) and i.avail_blocks / i.total_blocks < self.block_thresh
 

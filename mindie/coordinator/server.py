@@ -52,9 +52,25 @@ def setup_logging(loaded: Loaded) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
 
 
+def _raise_fd_limit() -> None:
+    """Each relayed stream holds two sockets (client, instance): lift the soft open-file limit to
+    the hard one (a 1024 default would end the coordinator's reach near 500 streams)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+    log.info("open files: at most %s (%s streams at once, two sockets each)",
+             resource.getrlimit(resource.RLIMIT_NOFILE)[0], resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
+
+
 def serve(loaded: Loaded) -> int:
     """Run until SIGTERM/SIGINT; the exit status."""
     setup_logging(loaded)
+    _raise_fd_limit()
     for note in loaded.notes:
         log.info("config: %s", note)
     try:
