@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import ROOT, alive, descendants, free_ports, short_run_dir, wait_gone
+from tests.harness import ROOT, InferStreams, alive, descendants, free_ports, short_run_dir, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +45,7 @@ def server_config(model_path: str, port: int | None = None) -> dict:
                                                     "ModelConfig": [{"modelName": "demo", "modelWeightPath": model_path,
                                                                      "cpuMemSize": 1, "dtype": "float32"}]},
                               "ScheduleConfig": {"cacheBlockSize": 16, "maxBatchSize": 16, "maxPrefillBatchSize": 8,
-                                                 "maxPrefillTokens": 1024, "maxIterTimes": 64}}}
+                                                 "maxPrefillTokens": 1024, "maxIterTimes": 512}}}
 
 
 def user_config(path: Path, *, predict: int, manage: int, replicas: int = 2, server: dict | None = None,
@@ -92,6 +92,13 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
         (0, "127.0.0.1", 21100, 21101, 21102), (1, "127.0.0.1", 21103, 21104, 21105)]
     assert (c.http_config.predict_port, c.http_config.manage_port) == (21025, 21026)
     assert plan["predict_url"] == "http://127.0.0.1:21025" and len(plan["instances"]) == 2
+    # Accelerators: npuDeviceIds is instance 0's; instance k's moves up by k times its span.
+    cfg = user_config(tmp_path / "u3.json", predict=21025, manage=21026, replicas=3,
+                      server={"BackendConfig": {"deviceType": "npu", "npuDeviceIds": [[0, 1], [2, 3]]}})
+    r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run3"))
+    assert r.returncode == 0, r.stderr
+    assert [load_config(str(tmp_path / "run3" / f"i{k}.json"), env={}).config.backend.npu_device_ids
+            for k in range(3)] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
     # No ServerConfig.port: the instances start after the coordinator's highest port; metrics on
     # the management plane (the coordinator's default place for /metrics), stride 2.
     cfg = user_config(tmp_path / "u2.json", predict=21025, manage=21026, replicas=3, server={})
@@ -100,6 +107,17 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     assert [(i["business_port"], i["mgmt_port"], i["metrics_port"]) for i in json.loads(r.stdout)["instances"]] == [
         (21027, 21028, 21028), (21029, 21030, 21030), (21031, 21032, 21032)]
     assert all("metric_port" not in i for i in json.loads((tmp_path / "run2" / "ms_coordinator.json").read_text())["instances"])
+    assert "deviceType auto: every instance uses the npuDeviceIds as written" in r.stderr
+
+
+def test_example_user_config_plans(tmp_path) -> None:
+    """deploy/user_config.example.json passes every loader as shipped."""
+    r = motor("plan", "--config", str(ROOT / "deploy" / "user_config.example.json"), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["predict_url"] == "http://127.0.0.1:1025"
+    assert [(i["business_port"], i["mgmt_port"], i["metrics_port"]) for i in plan["instances"]] == [
+        (1030, 1031, 1031), (1032, 1033, 1033)]
 
 
 @pytest.mark.parametrize("edit,key", [
@@ -227,8 +245,16 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
             assert p.returncode == 0 and p.stdout.startswith("healthy: 200"), (mode, p.stdout, p.stderr)
         pids = [proc.pid, *descendants(proc.pid)]
         assert len(pids) >= 8, pids  # motor, coordinator, 2 x (launch.sh, supervisor, worker, gunicorn, front end)
+        # SIGTERM with streams in flight through the coordinator: they finish in full (the
+        # coordinator drains first, then the instances), nothing is cut.
+        streams = InferStreams(url, 4, 200)
+        streams.wait_started(3, timeout=60)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        streams.join(90)
+        failed, full = streams.outcome()
+        assert (failed, full) == ([], 4), [len(e) for e in streams.events]
+        assert min(streams.ended) > t0, "the streams were still running when SIGTERM came"
         assert proc.wait(90) == 0, out()
         gone = wait_gone(pids, 20)
         assert gone is not None, [p for p in pids if alive(p)]

@@ -37,6 +37,9 @@ the planes; ``ServerConfig.runDir`` = ``<run dir>/i<k>``. Files written to the r
 ``ms_coordinator.json`` (with the ``instances`` list), ``plan.json``; the run writes each
 process's output to ``i<k>.log`` and ``coordinator.log`` there.
 
+Devices: with ``BackendConfig.deviceType`` npu or cuda, ``npuDeviceIds`` is instance 0's and
+instance k's is moved up by k times its span (``[[0], [1]]``: i1 gets ``[[2], [3]]``).
+
 Relative paths in the two configs (model weights, TLS files, chat templates, LoRA adapters) are
 taken from the directory of ``user_config.json`` and written absolute.
 """
@@ -248,6 +251,23 @@ def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
     return notes
 
 
+def _devices(cfg: dict, k: int) -> None:
+    """Instance k's accelerators: ``npuDeviceIds`` as written for one instance, moved up by k
+    times their span (``[[0], [1]]``: i0 ``[[0], [1]]``, i1 ``[[2], [3]]``), so the instances of one
+    host do not share a device. Only for an explicit ``deviceType`` npu or cuda: CPU workers
+    (and "auto", which may be either) keep the ids as written."""
+    bc = cfg.get("BackendConfig")
+    if not isinstance(bc, dict) or bc.get("deviceType") not in ("npu", "cuda") or not k:
+        return
+    ids = bc.get("npuDeviceIds", [[0]])
+    try:
+        flat = [int(d) for group in ids for d in group]
+        span = max(flat) - min(flat) + 1
+        bc["npuDeviceIds"] = [[int(d) + k * span for d in group] for group in ids]
+    except (TypeError, ValueError):
+        return  # malformed: the server's loader names it
+
+
 def _absolute(value: Any, base: str) -> Any:
     if isinstance(value, str) and value.strip() and not os.path.isabs(os.path.expanduser(value.strip())):
         return os.path.join(base, value.strip())
@@ -400,6 +420,11 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
             and templates["decode"][0] != server_key:
         notes.append(f"{templates['decode'][0]}.ServerConfig ports: replaced; every instance takes the port "
                      f"layout of {server_key} (decode instances after the prefill ones)")
+    for role, (key, _) in templates.items():
+        bc = servers[role].get("BackendConfig") if isinstance(servers[role].get("BackendConfig"), dict) else {}
+        if roles.count(role) > 1 and bc.get("deviceType", "auto") == "auto":
+            notes.append(f"{key}.BackendConfig.deviceType auto: every instance uses the npuDeviceIds as "
+                         "written (set npu or cuda to give each instance its own devices)")
     _coordinator_paths_absolute(coord, base)
 
     run_dir = os.path.abspath(os.path.expanduser(run_dir)) if run_dir else default_run_dir(predict_port)
@@ -424,6 +449,7 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
             taken[p] = (f"i{k}", what)
             s[plane] = p
         s["runDir"] = os.path.join(run_dir, f"i{k}")
+        _devices(cfg, k)
         configs.append(cfg)
     if write:
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
@@ -887,4 +913,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C before anything was started (the run has its own handler)
+        sys.exit(130)
