@@ -190,3 +190,65 @@ def test_kill9_of_the_decode_instance_mid_stream(fleet):
     assert r.status_code == 200, r.text
     (line,) = _lines_after(coord, n)
     assert "-> instance 2(" in line and "hybrid_" in line, line
+
+
+def test_motor_sh_starts_a_pd_fleet(tmp_path):
+    """scripts/motor.sh with MindIE's PD user_config.json: 1 prefill + 1 decode instance behind the
+    coordinator on predict_port; coordinator_info lists each with its role; a request through it
+    goes prefill -> decode and equals the decode instance's own plain answer (greedy)."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    from tests.harness import descendants, short_run_dir
+    from tests.test_motor import MOTOR, consecutive_free_ports, env
+    from tests.test_pd_coordinator_deploy import pd_user_config
+    from workers.models.demo import ensure_demo_model
+
+    predict, manage = free_ports(2)
+    base = consecutive_free_ports(4, avoid=(predict, manage))
+    cfg = pd_user_config(tmp_path / "u.json", predict=predict, manage=manage, model=str(ensure_demo_model()))
+    doc = json.loads(cfg.read_text())
+    for k in ("mindie_server_prefill_config", "mindie_server_decode_config"):
+        doc[k]["ServerConfig"]["port"] = base
+    cfg.write_text(json.dumps(doc))
+    run = short_run_dir()
+    log = open(tmp_path / "motor.log", "wb")
+    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", run, "--ready-timeout", "240",
+                             "--", "-w", "1"], stdout=log, stderr=subprocess.STDOUT, env=env(), cwd="/")
+
+    def out() -> str:
+        log.flush()
+        return (tmp_path / "motor.log").read_text(errors="replace")
+    try:
+        deadline = time.monotonic() + 260
+        while "mindie-motor ready:" not in out():
+            assert proc.poll() is None and time.monotonic() < deadline, out()
+            time.sleep(0.2)
+        ready = next(ln for ln in out().splitlines() if "mindie-motor ready:" in ln)
+        assert "i0 prefill http://" in ready and "i1 decode http://" in ready, ready
+        info = httpx.get(f"http://127.0.0.1:{manage}/v1/coordinator_info", timeout=10).json()
+        assert [(i["id"], i["role"], i["state"]) for i in info["instances"]] == [(0, "prefill", "ready"),
+                                                                                (1, "decode", "ready")], info
+        plan = json.loads((Path(run) / "plan.json").read_text())
+        body = {"input_id": list(range(5, 45)), "stream": False, "parameters": {"max_new_tokens": 8}}
+        r = httpx.post(f"http://127.0.0.1:{predict}/infer_token", json=body, timeout=120)
+        direct = httpx.post(f"http://127.0.0.1:{plan['instances'][1]['business_port']}/infer_token", json=body,
+                            timeout=120)
+        assert r.status_code == 200 and r.json() == direct.json(), (r.text, direct.text)
+        coord_log = Path(plan["coordinator_log"]).read_text(errors="replace")
+        line = [ln for ln in coord_log.splitlines() if "coordinator.request:" in ln][-1]
+        assert re.search(r"-> instance 1\(\S+\) prefill 0\(\S+\) status 200 pd_", line), line
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                for pid in descendants(proc.pid):
+                    with __import__("contextlib").suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                proc.kill()
+                proc.wait()
+        log.close()
