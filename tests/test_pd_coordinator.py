@@ -157,6 +157,45 @@ def test_client_disconnect_cancels_on_the_decode_instance(fleet):
     assert _running(servers[1]) == 0, "the decode instance still runs the request 5 s after the client left"
 
 
+def test_stalled_prefill_instance_is_retried_within_first_token_timeout(fleet):
+    """SIGSTOP of every process of the prefill instance (a stalled link/box): a request handed to it
+    is given up after first_token_timeout (its decode half cancelled) and served by the hybrid
+    instance; nothing waits longer."""
+    import os
+    import signal
+
+    from tests.harness import descendants
+    tmp, servers, coord = fleet
+    quick = Coordinator(tmp, servers, name="pd-quick",
+                        config={"digs_scheduler_config": {"deploy_mode": "pd_separate"},
+                                "http_config": {"pollIntervalMs": 5000},  # the request finds P ready
+                                "exception_config": {"max_retry": 2, "first_token_timeout": 4, "infer_timeout": 60}})
+    pids = [servers[0].proc.pid, *descendants(servers[0].proc.pid)]
+    try:
+        quick.wait_ready()
+        t0 = time.monotonic()
+        while [i["role"] for i in quick.info()["instances"]] != list(ROLES):
+            assert time.monotonic() - t0 < 20, quick.info()
+            time.sleep(0.2)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        body = {"input_id": [5, 9, 13, 22, 31], "stream": False, "parameters": {"max_new_tokens": 6}}
+        t0 = time.monotonic()
+        r = httpx.post(quick.url + "/infer_token", json=body, timeout=60)
+        took = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert normal(r) == normal(httpx.post(servers[2].url + "/infer_token", json=body, timeout=60))
+        assert 4 <= took < 15, took
+        line = quick.request_lines()[-1]
+        assert "-> instance 2(" in line and "retries 0:prefill_timeout" in line, line
+    finally:
+        for pid in pids:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        quick.stop()
+    coord.wait_state(0, "ready", timeout=60)
+
+
 def test_kill9_of_the_decode_instance_mid_stream(fleet):
     """Last: it kills the decode instance."""
     _, servers, coord = fleet
