@@ -191,6 +191,10 @@ class Relay:
             work.result()
             if rec.get("cut"):
                 raise _ShortAnswer
+        elif rec.get("complete"):
+            # the whole answer was sent and the client closed at once (before our bookkeeping
+            # ended, e.g. a handoff's cleanup): not a disconnect
+            await asyncio.gather(work, return_exceptions=True)
         else:
             # the client hung up: stop relaying; closing the instance's connection cancels there
             work.cancel()
@@ -377,6 +381,7 @@ class Relay:
         headers = headers + [(b"content-length", str(len(answer)).encode()), (b"server", self.server_name)]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
+        rec["complete"] = True
         rec["bytes"] += len(answer)
 
     async def _attempt(self, scope, send, rec, inst, body: bytes, fam: str, stream: bool, t0: float,
@@ -443,6 +448,7 @@ class Relay:
                 await self._cut(send, rec, fam, err, "instance failed mid-stream", stream)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            rec["complete"] = True
             if resp.status >= 500:
                 if inst.breaker.failure():
                     coord.metrics.breaker_trip(inst.id)
