@@ -59,6 +59,23 @@ def fleet(tmp_path_factory):
             s.stop()
 
 
+def close(a, b, path: str = "") -> list[str]:
+    """Where ``a`` and ``b`` differ: everything exactly (token ids, text, counts, finish reasons)
+    but floats (logprobs) within 1e-4: the decode instance computes the last prompt token alone,
+    the hybrid one in the prompt's batch, so float rounding may differ in the last digits."""
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if abs(a - b) <= 1e-4 else [f"{path}: {a} != {b}"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(a)} != {sorted(b)}"]
+        return [d for k in a for d in close(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in close(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
 def _lines_after(coord, n: int, timeout: float = 10) -> list[str]:
     t0 = time.monotonic()
     while len(coord.request_lines()) <= n and time.monotonic() - t0 < timeout:
@@ -105,7 +122,7 @@ def test_greedy_equal_to_the_hybrid_instance(fleet, path, body):
     n = len(coord.request_lines())
     via = httpx.post(coord.url + path, json=body, timeout=120)
     assert direct[0] == 200, direct
-    assert normal(via) == direct, via.text[:800]
+    assert not close(normal(via), direct), (close(normal(via), direct), via.text[:800])
     (line,) = _lines_after(coord, n)
     # the handoff happened: prefill on instance 0, decode on 1, blocks moved
     assert re.search(r"-> instance 1\(127\.0\.0\.1:\d+\) prefill 0\(", line), line
