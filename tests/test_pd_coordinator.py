@@ -41,7 +41,7 @@ def fleet(tmp_path_factory):
             d = tmp / role
             d.mkdir()
             cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
-                               server={"pdRole": role, "interCommPort": 0, "kvLoadFailurePolicy": "fail"})
+                               server={"pdRole": role, "kvLoadFailurePolicy": "fail"})
             servers.append(Server(cfg, port))
         for s in servers:
             s.wait_ready(240)
@@ -74,6 +74,10 @@ def close(a, b, path: str = "") -> list[str]:
             return [f"{path}: {len(a)} items != {len(b)}"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in close(x, y, f"{path}[{i}]")]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def _pd(server: Server) -> dict:
+    return httpx.get(server.url + "/v2/status", timeout=10).json()["pd"]
 
 
 def _lines_after(coord, n: int, timeout: float = 10) -> list[str]:
@@ -120,14 +124,18 @@ def test_greedy_equal_to_the_hybrid_instance(fleet, path, body):
     hybrid = servers[2]
     direct = normal(httpx.post(hybrid.url + path, json=body, timeout=120))
     n = len(coord.request_lines())
+    computed = _pd(servers[1])["computedPromptTokens"]
     via = httpx.post(coord.url + path, json=body, timeout=120)
     assert direct[0] == 200, direct
     assert not close(normal(via), direct), (close(normal(via), direct), via.text[:800])
     (line,) = _lines_after(coord, n)
-    # the handoff happened: prefill on instance 0, decode on 1, blocks moved
-    assert re.search(r"-> instance 1\(127\.0\.0\.1:\d+\) prefill 0\(", line), line
-    m = re.search(r" pd transfer \S+ prefill_ms [\d.]+ blocks (\d+)", line)
-    assert m and int(m.group(1)) > 0, line
+    # the handoff happened: prefill on instance 0, decode on 1 at the first attempt ...
+    assert re.search(r"-> instance 1\(127\.0\.0\.1:\d+\) prefill 0\(\S+\) status 200 pd_load attempts 1 ", line), line
+    m = re.search(r" pd transfer \S+ prefill_ms [\d.]+ prompt_tokens (\d+)", line)
+    assert m and int(m.group(1)) > 1, line
+    # ... and the prompt's KV came from the prefill instance: the decode instance computed only
+    # its last token (kvLoadFailurePolicy fail: a lost transfer would have been a 503 and a retry)
+    assert _pd(servers[1])["computedPromptTokens"] - computed == 1, (_pd(servers[1]), m.group(1))
 
 
 def test_prefill_refusal_is_the_answer(fleet):

@@ -55,6 +55,9 @@ def test_motor_derives_a_pd_fleet(tmp_path) -> None:
     assert loaded.digs_scheduler_config.deploy_mode == "pd_separate"
     assert [(i.id, i.role, i.business_port) for i in loaded.instances] == [
         (i["id"], i["role"], i["business_port"]) for i in plan["instances"]]
+    # each instance starts in its role (the server's own key)
+    for i in plan["instances"]:
+        assert json.loads(Path(i["config"]).read_text())["ServerConfig"]["pdRole"] == i["role"]
     assert len({i["business_port"] for i in plan["instances"]}) == 3
     # p + d beyond one host's 16 instances: refused naming the key
     cfg = pd_user_config(tmp_path / "u2.json", predict=21125, manage=21126, p=10, d=7)
@@ -99,6 +102,7 @@ def test_pd_manifests_two_statefulsets_behind_the_coordinator(tmp_path, monkeypa
         p.write_text(cm["data"][item["key"]])
         loaded = load_config(str(p), env={})
         assert not loaded.unknown, loaded.unknown
+        assert loaded.config.server.pd_role == role  # each StatefulSet's pods start in their role
         sets[role] = (ss, loaded.config.server)
     # the two roles' pods are told apart by their Services (neither selects the other's pods)
     for a, b in (("prefill", "decode"), ("decode", "prefill")):
