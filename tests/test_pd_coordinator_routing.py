@@ -23,6 +23,8 @@ def fleet(*roles: str, mode: str = "pd_separate", algorithm: str = "load_balance
         inst = reg.add(Instance(id=i, ip="127.0.0.1", business_port=2000 + i, mgmt_port=2000 + i, role_given=r))
         inst.polled_ok = inst.seen = True
         inst.total_slots, inst.avail_slots = 8, 8
+        if r == "decode":
+            inst.kv_endpoints = [f"ipc:///run/i{i}/w0-kv.ipc"]
     return reg, Router(cfg, reg, _Metrics())
 
 
@@ -56,6 +58,9 @@ def test_pair_fallback_and_refusal():
     p, d, decision = router.pick_pd(RouteInfo(), {0, 1, 3})  # no prefill, no hybrid: the decode one alone
     assert p is None and d.id == 2 and decision == "decode_alone_load"
     assert router.pick_pd(RouteInfo(), {2, 3}) == (None, None, "none_ready")  # prefill alone cannot serve
+    reg.instances[2].kv_endpoints = []  # a decode instance with no KV endpoint: no pair with it
+    p, d, decision = router.pick_pd(RouteInfo(), set())
+    assert p is None and d.id == 3
     # single_node ignores roles
     reg, router = fleet("prefill", "decode", mode="single_node")
     assert router.pick(RouteInfo(), {0})[0].id == 1 and router.pick(RouteInfo(), {1})[0].id == 0

@@ -177,9 +177,11 @@ class Router:
     def pick_pd(self, info: RouteInfo, exclude: set[int]) -> tuple[Optional[Instance], Optional[Instance], str]:
         """pd_separate: (prefill, decode, decision) for a handoff; (None, flex, decision) for a
         hybrid instance when no prefill/decode pair is ready; (None, None, "none_ready")."""
-        if self.candidates(exclude, PREFILL) and self.candidates(exclude, DECODE):
+        # a decode instance that reports no KV endpoint cannot receive blocks: not a pair's half
+        deaf = {i.id for i in self.registry.instances.values() if i.role == DECODE and not i.kv_endpoints}
+        if self.candidates(exclude, PREFILL) and self.candidates(exclude | deaf, DECODE):
             p, dp = self.pick(info, exclude, PREFILL)
-            d, _ = self.pick(info, exclude, DECODE)
+            d, _ = self.pick(info, exclude | deaf, DECODE)
             return p, d, dp
         inst, decision = self.pick(info, exclude, FLEX)
         if inst is not None:
