@@ -478,8 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                 or "NOT" in row.launcher or "DISTURBED" in row.launcher or "HUNG" in row.errors
     finally:
         chaos.close()
-    print(f"\n{args.workers} device workers (CPU, demo model), {args.frontends} front ends, {args.clients} "
-          f"streaming clients x {args.tokens} tokens; {time.monotonic() - t0:.0f} s; logs in {chaos.work}\n")
+    what = ("a pd_separate fleet (1 prefill + 1 decode instance, 1 CPU device worker each, demo model) behind "
+            f"the coordinator, {args.pd_prompt}-id prompts" if isinstance(chaos, PdChaos)
+            else f"{args.workers} device workers (CPU, demo model), {args.frontends} front ends")
+    print(f"\n{what}, {args.clients} streaming clients x {args.tokens} tokens; {time.monotonic() - t0:.0f} s; "
+          f"logs in {chaos.work}\n")
     print(table(rows))
     return 1 if failed else 0
 
