@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chaos": ("chaos", "fault drills against the real launcher under load"),
     "lora": ("lora", "LoRA adapters: tokens/s with four in the batch against the base alone, ITL while one loads"),
     "structured": ("structured", "structured output: tokens/s constrained against none, compile time, jump-forward"),
+    "kv-transfer": ("kv_transfer", "PD disaggregation: KV block transfer GB/s over ipc, tcp and tcp+CURVE on loopback"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 
