@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -21,10 +23,10 @@ BLOCK = 16  # cacheBlockSize of every instance here
 LEASE_MS = 1500
 
 
-def _start(tmp, name: str, role: str, policy: str = "recompute"):
+def _start(tmp, name: str, role: str, policy: str = "recompute", schedule: dict | None = None):
     port = free_port()
     cfg = write_config(tmp / f"{name}.json", port=port, run_dir=short_run_dir(), workers=1,
-                       model_path=_start.model,
+                       model_path=_start.model, schedule=schedule,
                        server={"inferMode": "dmi", "pdRole": role, "kvTransferLeaseMs": LEASE_MS,
                                "kvTransferTimeoutMs": 3000, "kvLoadFailurePolicy": policy})
     return Server(cfg, port)
@@ -35,7 +37,10 @@ def fleet(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("pd")
     _start.model = demo_model
     servers = {"H": _start(tmp, "h", "flex"), "P": _start(tmp, "p", "prefill"), "D": _start(tmp, "d", "decode"),
-               "F": _start(tmp, "f", "decode", policy="fail")}
+               "F": _start(tmp, "f", "decode", policy="fail"),
+               # a flex instance whose prompts take many steps beside a decode (16-token chunks): its
+               # worker is killed mid-transfer
+               "K": _start(tmp, "k", "flex", schedule={"prefillChunkTokens": 16})}
     try:
         for s in servers.values():
             s.wait_ready(180)
@@ -139,6 +144,20 @@ def test_openai_chat(fleet, stream):
     else:
         assert r.json()["choices"][0]["message"] == h.json()["choices"][0]["message"]
         assert r.json()["usage"] == h.json()["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_completions(fleet, stream):
+    body = {"model": "demo", "prompt": "once upon a time in a land of paged caches " * 6, "max_tokens": 12,
+            "temperature": 0, "stream": stream}
+    h = httpx.post(fleet["H"].url + "/v1/completions", json=body, timeout=120)
+    r, _ = _pd(fleet, "/v1/completions", body, stream=stream)
+    assert h.status_code == r.status_code == 200, r.text
+    if stream:
+        key = lambda c: c["choices"][0]["text"] if c.get("choices") else None  # noqa: E731
+        assert _sse_text(r, key) == _sse_text(h, key) and _sse_text(h, key)
+    else:
+        assert r.json()["choices"][0]["text"] == h.json()["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -313,3 +332,36 @@ def test_prefill_to_missing_endpoint_is_503(fleet):
     r = httpx.post(fleet["P"].url + "/infer_token", json=body, headers=hp, timeout=60)
     assert r.status_code == 503 and "not found" in r.json()["error"], r.text
     assert _held(fleet["P"]) == 0
+
+
+def test_kill_9_of_the_prefill_worker_mid_transfer(fleet):
+    """kill -9 of K's device worker while its blocks stream to F: F holds what arrived, frees it within
+    the lease; the decode request fails with F's policy (fail: 503); K's worker is restarted."""
+    k, f = fleet["K"], fleet["F"]
+    prompt = _prompt(120 * BLOCK, 3)
+    body = {"input_id": prompt, "parameters": {"max_new_tokens": 4, "details": True}}
+    tid = uuid.uuid4().hex
+    hp = {"X-Mindie-PD": json.dumps({"op": "prefill", "transferId": tid, "kvEndpoint": f.kv})}
+    hd = {"X-Mindie-PD": json.dumps({"op": "decode", "transferId": tid, "kvEndpoint": f.kv})}
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        # A plain request decoding on K first: beside it K's prompt steps take 16-token chunks
+        # (prefillChunkTokens), so the transfer to F spans ~120 steps.
+        ex.submit(httpx.post, k.url + "/infer_token", json={"input_id": [5, 6, 7], "parameters": {
+            "max_new_tokens": 2000, "ignore_eos": True}}, timeout=120)
+        time.sleep(0.5)
+        pre = ex.submit(httpx.post, k.url + "/infer_token", json=body, headers=hp, timeout=120)
+        dec = ex.submit(httpx.post, f.url + "/infer_token", json=body, headers=hd, timeout=120)
+        deadline = time.monotonic() + 30
+        while _held(f) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held = _held(f)
+        (worker,) = k.workers()
+        os.kill(worker, signal.SIGKILL)
+        assert held > 0, "no block arrived before the kill"
+        pr, dr = pre.result(), dec.result()
+    assert pr.status_code >= 500, pr.text  # the prefill request ends with an error, never hangs
+    assert dr.status_code == 503 and "KV transfer" in dr.json()["error"], dr.text
+    t0 = time.monotonic()
+    while _held(f) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert _held(f) == 0 and time.monotonic() - t0 < LEASE_MS / 1000 + 3

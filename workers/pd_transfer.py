@@ -186,7 +186,9 @@ class KvTransfer:
     # -- state ---------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return bool(self.outs or self.ins or self.parked or self.adopted)
+        """Work the loop must poll for soon (received frames wake it by themselves; the decode side's
+        leases are checked at the idle wait's pace, well under a second)."""
+        return bool(self.outs or self.parked or self.adopted)
 
     @property
     def held_blocks(self) -> int:
@@ -442,6 +444,8 @@ class KvTransfer:
             if not why:
                 continue
             del self.parked[tid]
+            if t is not None and not t.failed:
+                self._fail_in(t, why)  # its blocks freed now (a late frame starts a new lease)
             self.ins.pop(tid, None)
             if self.policy == "recompute":
                 log.warning("kv transfer %s of request %s: %s; recomputing the prompt here", tid,

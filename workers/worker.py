@@ -338,6 +338,8 @@ class Worker:
         for fid, st in list(self.frontends.items()):
             if now - st.last_hello > P.FRONTEND_TIMEOUT_S:
                 for rid in st.requests:
+                    if self.kv is not None:
+                        self.kv.cancel(rid)  # a decode request still waiting for its KV blocks
                     self.engine.abort(rid)
                 log.warning("front end %s silent for %.1f s: cancelled its %d requests", fid,
                             now - st.last_hello, len(st.requests))

@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lora": ("lora", "LoRA adapters: tokens/s with four in the batch against the base alone, ITL while one loads"),
     "structured": ("structured", "structured output: tokens/s constrained against none, compile time, jump-forward"),
     "fleet": ("fleet", "the coordinator on a local fleet (scripts/motor.sh): cache_affinity against load_balance, relay overhead"),
+    "kv-transfer": ("kv_transfer", "PD disaggregation: KV block transfer GB/s over ipc, tcp and tcp+CURVE on loopback"),
+    "pd": ("pd", "PD disaggregation: one hybrid instance against 1 prefill + 1 decode under a mixed load"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 
