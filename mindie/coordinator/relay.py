@@ -510,8 +510,9 @@ class Relay:
 
 
 def _pd_note(rec: dict) -> str:
-    """`` pd transfer <id> prefill_ms F blocks B kv_bytes X`` for a handoff (what the prefill
-    instance answered), else ""."""
+    """`` pd transfer <id> prefill_ms F prompt_tokens N server_prefill_ms F`` for a handoff:
+    step A's time as the coordinator saw it (prefill + KV push + the decode side's ack), then
+    what the prefill instance answered; else ""."""
     if "transfer" not in rec:
         return ""
     a = rec.get("pd") or {}
@@ -519,9 +520,9 @@ def _pd_note(rec: dict) -> str:
     if "prefill_ms" in rec:
         out += f" prefill_ms {rec['prefill_ms']:.1f}"
     for k, name in (("blocks", "blocks"), ("bytes", "kv_bytes"), ("promptTokens", "prompt_tokens"),
-                    ("transferMs", "transfer_ms")):
+                    ("prefillMs", "server_prefill_ms"), ("transferMs", "transfer_ms")):
         if isinstance(a.get(k), (int, float)):
-            out += f" {name} {a[k]:g}"
+            out += f" {name} {a[k]:.1f}" if isinstance(a[k], float) else f" {name} {a[k]}"
     return out
 
 
