@@ -27,6 +27,7 @@ from mindie.errors import ApiError
 from mindie.frontend import FrontEnd
 from mindie.runtime.log_setup import setup_logging
 from mindie.listeners import read_listeners
+from mindie.pd import RoleResource
 from mindie.pipeline import Pipeline
 
 log = logging.getLogger("mindie.app")
@@ -74,13 +75,14 @@ def create_app():
 
 def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]]:
     """{plane: [(path, resource, responder suffix)]}: MindIE's route sets (mindie.md §2)."""
-    pipeline = Pipeline(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, fe.state)
+    pipeline = Pipeline(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, fe.state, roles=fe.roles)
     infer = InferResource(pipeline, full_text=fe.full_text, model_name=fe.model_name)
     models = ModelsResource(fe.model_name, fe.model_dir, fe.started, pipeline.adapters)
     generate, tgi = GenerateResource(pipeline, fe.model_name), TgiResource(pipeline, fe.model_name)
     triton = TritonResource(pipeline, fe.model_name, full_text=fe.full_text)
     completions, chat = openai_routes(fe, pipeline)
-    status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine)
+    status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine,
+                          roles=fe.roles)
     health = Health(fe.client, fe.state, fe.admission)
     healthz = HealthResource(health, fe.model_name)
     timed = TimedHealthResource(health, probe_token=min(1, max(0, fe.vocab_size - 1)))
@@ -110,6 +112,9 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/health/timed", timed, None), ("/health/timed-{n}", timed, "n"),
             ("/info", status, "info"), ("/v1/config", status, "v1_config"), ("/v1/status", status, "v1_status"),
             ("/v2/status", status, "v2_status"), ("/v2/models/{model}/getSlotCount", status, "slots"),
+            # Prefill/decode roles (mindie/pd.py): MindIE's Controller routes and bodies.
+            ("/v1/role/{role}", RoleResource(fe.roles, server.max_request_length, 1), None),
+            ("/v2/role/{role}", RoleResource(fe.roles, server.max_request_length, 2), None),
             ("/stopService", StopServiceResource(fe.client, fe.state, fe.admission, fe.run_dir,
                                                  server.drain_timeout_s), None),
             ("/metrics-json", MetricsJsonResource(fe.client, f"{server.management_ip_address}:{server.management_port}"),

@@ -219,7 +219,8 @@ class DeviceClient:
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, token_ids: list[int], params: P.SamplingParams, priority: int = 5,
-               request_id: str | None = None, user_id: str = "", adapter: str = "") -> RequestStream:
+               request_id: str | None = None, user_id: str = "", adapter: str = "",
+               pd: P.PdOrder | None = None) -> RequestStream:
         """Send a request to the least loaded ready worker (with ``adapter``: of those that list that
         LoRA adapter; ``NoWorkerError`` when none is ready, ``UnknownAdapterError`` when none lists it)."""
         links = self.ready_links()
@@ -230,12 +231,16 @@ class DeviceClient:
                                                                              for a in lk.heartbeat.adapters)]
             if not links:
                 raise UnknownAdapterError(adapter)
+        if pd is not None and pd.op == "decode":  # the worker that receives the transfer
+            links = [lk for lk in links if lk.ep.kv_endpoint == pd.kv_endpoint]
+            if not links:
+                raise NoWorkerError(f"no ready device worker of this instance has KV endpoint {pd.kv_endpoint}")
         link = min(links, key=lambda lk: lk.load())
         rid = request_id or secrets.token_hex(8)
         stream = RequestStream(rid, link)
         try:
             link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time(), user_id,
-                                             adapter)), zmq.NOBLOCK)
+                                             adapter, pd)), zmq.NOBLOCK)
         except zmq.Again:
             raise NoWorkerError(f"device worker {link.ep.worker_id} is not connected")
         link.inflight[rid] = stream

@@ -135,6 +135,15 @@ class ServerConfig(_Section):
     # Project extension: how long a stop (SIGTERM, SIGINT, /stopService) lets the requests in
     # progress run before the front ends cut them with a final error (docs/operations.md, "Stop").
     drain_timeout_s: Annotated[float, Meta(ge=0, le=MAX_E2E_TIMEOUT_S)] = DEFAULT_DRAIN_TIMEOUT_S
+    # Prefill/decode disaggregation (docs/design.md "Disaggregated prefill/decode"): MindIE's inferMode
+    # (standard = hybrid, dmi = PD separated), then project extensions: the start role, the lease of KV
+    # blocks held for a transfer, how long a decode request waits for its blocks, and the policy for a
+    # lost or late transfer.
+    infer_mode: Literal["standard", "dmi"] = "standard"
+    pd_role: Literal["prefill", "decode", "flex"] = "flex"
+    kv_transfer_lease_ms: Annotated[int, Meta(ge=100, le=600000)] = 30000
+    kv_transfer_timeout_ms: Annotated[int, Meta(ge=100, le=600000)] = 10000
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
 
 class ToolCallOptions(msgspec.Struct, kw_only=True):
@@ -564,7 +573,7 @@ def _collect_ignored(raw: Any, tp: Any, path: str, out: list[str]) -> None:
 # List indices are written "[]".
 MINDIE_UNUSED_KEYS = frozenset({
     "Version", "LogConfig.dynamicLogLevelValidHours", "LogConfig.dynamicLogLevelValidTime",
-    "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby", "ServerConfig.inferMode",
+    "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby",
     "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort", "ServerConfig.interCommTlsCaPath",
     "ServerConfig.interCommTlsCaFiles", "ServerConfig.interCommTlsCert", "ServerConfig.interCommPk",
     "ServerConfig.interCommPkPwd", "ServerConfig.interCommTlsCrlPath", "ServerConfig.interCommTlsCrlFiles",

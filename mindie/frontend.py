@@ -24,6 +24,7 @@ from mindie.drain import DrainWatch
 from mindie.listeners import read_listeners
 from mindie.metrics import Metrics
 from mindie.ready_line import announce_when_ready
+from mindie.pd import RoleState
 from mindie.service_state import STOPPING, ServiceState
 from mindie.validation import Limits
 
@@ -59,6 +60,7 @@ class FrontEnd:
         # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).
         self.admission = Admission(deployment.run_dir, server.max_link_num)
         self.state = ServiceState(deployment.run_dir)
+        self.roles = RoleState(deployment.run_dir, config.server.pd_role)  # mindie/pd.py
         # Cuts what still runs when a stop's drain ends (mindie/drain.py).
         self.drain = DrainWatch(self.client, self.state, server.drain_timeout_s)
         self.vocab_size = 0

@@ -113,7 +113,7 @@ class Generation:
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, input_ids: list[int],
                  params: P.SamplingParams, deadline: Deadline, *, priority: int = 5, user_id: str = "",
                  stops: Sequence[str] = (), include_stop: bool = False, detokenize: bool = True,
-                 adapter: str = "", keep_special: frozenset[int] = frozenset()):
+                 adapter: str = "", keep_special: frozenset[int] = frozenset(), pd: P.PdOrder | None = None):
         """``detokenize`` False: pieces carry ids only (no text, no stop strings); ``adapter``: the
         LoRA adapter it runs with ("" = the base model); ``keep_special``: special ids whose text
         the pieces keep (a tool-call format's delimiters)."""
@@ -131,6 +131,8 @@ class Generation:
         self.ttft_s: float | None = None
         try:
             extra = {"adapter": adapter} if adapter else {}  # (clients without LoRA take no such argument)
+            if pd is not None:
+                extra["pd"] = pd  # prefill/decode disaggregation (mindie/pd.py)
             self.stream = client.submit(input_ids, params, priority, user_id=user_id, **extra)
         except NoWorkerError as e:
             raise ApiError(503, f"No device worker is ready: {e}") from None

@@ -32,14 +32,16 @@ import contextlib
 import logging
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 import falcon
 import falcon.asgi
+import msgspec
 
-from mindie import ignored_fields, sse
+from mindie import ignored_fields, pd, sse
 from mindie.adapters import Adapters
 from mindie.admission import Admission, Slot
 from mindie.client import DeviceClient
@@ -313,13 +315,14 @@ class Pipeline:
 
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, limits: Limits, metrics: Metrics,
                  admission: Admission | None = None, state: ServiceState | None = None,
-                 ignored_log: ignored_fields.IgnoredFieldsLog | None = None):
+                 ignored_log: ignored_fields.IgnoredFieldsLog | None = None, roles: pd.RoleState | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
         self.admission = admission
         self.state = state
+        self.roles = roles  # the instance's PD role (mindie/pd.py); None = flex
         self.ignored_log = ignored_log or ignored_fields.REPORTER
         self.adapters = Adapters(client)  # the LoRA adapters requests may name (mindie/adapters.py)
         self.structured = Checker(tokenizer)  # structured-output constraints (mindie/structured.py)
@@ -331,6 +334,7 @@ class Pipeline:
         ctx = Context(req, rec, kw)
         req.context.codec = codec
         slot: Slot | None = None
+        order: P.PdOrder | None = None
         try:
             rec.request_id = request_id(req)
         except ApiError as e:  # logged, not counted as a failed generation (as MindIE's /infer)
@@ -340,6 +344,9 @@ class Pipeline:
         resp.set_header(REQ_ID_HEADER, rec.request_id)
         try:
             slot = self._admit()
+            order = pd.parse_header(req.get_header(pd.HEADER))
+            if (refused := pd.refusal(self.roles.role if self.roles is not None else "flex", order)) is not None:
+                raise refused
             codec.precheck(ctx)
             body = await read_body(req, self.limits.max_request_length_mb)
             if self.state is not None and self.state.stopped():
@@ -351,9 +358,16 @@ class Pipeline:
                 await asyncio.to_thread(_run_checks, job.checks)
             if job.ignored:  # accepted as before; named in a header and a rate-limited WARNING
                 ignored_fields.report(req, resp, job.ignored, self.ignored_log)
+            if order is not None and order.op == "prefill":
+                # Prompt only: one submission (its first prompt), one token, no constraint; the answer
+                # is the transfer's (mindie/pd.py), not the family's.
+                job.stream = False
+                job.subs = job.subs[:1]
+                sub0 = job.subs[0]
+                sub0.params.max_new_tokens, sub0.params.constraint, sub0.budget = 1, None, None
             rec.input_tokens = job.prompt_tokens()
             rec.stream = job.stream
-            outs = self._submit(codec, job, rec)
+            outs = self._submit(codec, job, rec, order)
         except Exception as e:
             if slot is not None:
                 slot.release()
@@ -362,6 +376,13 @@ class Pipeline:
             self._failed(rec, err)
             raise err from None
         self.metrics.prompt_tokens(sum(len(o.sub.input_ids) for o in outs))
+        if order is not None and order.op == "prefill":
+            try:
+                await self._prefill(codec, outs, ctx, resp, order)
+            finally:
+                if slot is not None:
+                    slot.release()
+            return
         if job.stream:
             sse.start_stream(resp, self._stream(codec, job, outs, ctx, slot), codec.content_type)
             return
@@ -391,7 +412,23 @@ class Pipeline:
     def _succeeded(self, codec: Codec, rec: RequestRecord, outs: list[Output]) -> None:
         finish_ok(self.metrics, rec, codec.finish_label(outs[0].finish if outs else ""))
 
-    def _submit(self, codec: Codec, job: Job, rec: RequestRecord) -> list[Output]:
+    async def _prefill(self, codec: Codec, outs: list[Output], ctx: Context, resp: falcon.asgi.Response,
+                       order: P.PdOrder) -> None:
+        """A PD prefill request: its prompt computed and its KV blocks acknowledged by the decode
+        worker; answered with the transfer's figures (mindie/pd.py)."""
+        t0 = time.monotonic()
+        try:
+            await self._drain(outs, ctx.rec)
+        except ApiError as e:
+            self._failed(ctx.rec, e)
+            raise codec.refused(e) from None
+        n = len(outs[0].sub.input_ids)
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = msgspec.json.encode({"transferId": order.transfer_id, "promptTokens": n,
+                                         "prefillMs": round((time.monotonic() - t0) * 1000.0, 3)})
+        finish_ok(self.metrics, ctx.rec, "pd_prefill")
+
+    def _submit(self, codec: Codec, job: Job, rec: RequestRecord, order: P.PdOrder | None = None) -> list[Output]:
         lim = self.limits
         outs: list[Output] = []
         try:
@@ -403,7 +440,7 @@ class Pipeline:
                     return Generation(self.client, self.tokenizer, ids, params, deadline, priority=sub.priority,
                                       user_id=sub.user_id or rec.request_id, stops=sub.stops,
                                       include_stop=sub.include_stop, detokenize=codec.detokenize, adapter=sub.adapter,
-                                      keep_special=sub.keep_special)
+                                      keep_special=sub.keep_special, pd=order if not outs else None)
                 gen = start(sub.input_ids, sub.params) if sub.budget is None else \
                     sub.budget.generation(start, sub.input_ids, sub.params)
                 outs.append(Output(i, sub, gen))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from mindie.config import Config
-from mindie.contract.spec import CpuTuning, Deployment, EngineConfig, LoraModule, WorkerSpec, worker_endpoints
+from mindie.contract.spec import CpuTuning, Deployment, EngineConfig, LoraModule, WorkerSpec, kv_endpoint, worker_endpoints
 
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
@@ -119,5 +119,8 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
                 moe_parallel=model.moe_parallel, remote=host != backend.worker_host,
                 lora_modules=[LoraModule(name=m.name, path=m.path, base_model_name=m.base_model_name)
                               for m in deploy.lora_modules],
-                max_loras=deploy.max_loras, max_lora_rank=deploy.max_lora_rank))
+                max_loras=deploy.max_loras, max_lora_rank=deploy.max_lora_rank,
+                kv_endpoint=kv_endpoint(run_dir, index) if host == backend.worker_host else "",
+                kv_lease_ms=config.server.kv_transfer_lease_ms, kv_wait_ms=config.server.kv_transfer_timeout_ms,
+                kv_failure_policy=config.server.kv_load_failure_policy))
     return Deployment(run_dir=run_dir, workers=workers)

@@ -73,7 +73,7 @@ MINDIE_DEFAULT: dict[str, Any] = {
 
 MINDIE_IGNORED = {
     "LogConfig.dynamicLogLevelValidHours", "LogConfig.dynamicLogLevelValidTime",
-    "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby", "ServerConfig.inferMode",
+    "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby",
     "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort", "ServerConfig.interCommTlsCaPath",
     "ServerConfig.interCommTlsCaFiles", "ServerConfig.openAiSupport", "ServerConfig.distDPServerEnabled",
     "BackendConfig.backendName", "BackendConfig.modelInstanceNumber", "BackendConfig.tokenizerProcessNumber",
@@ -141,6 +141,7 @@ JSON_KEYS = {
         "metricsTlsPkPwd", "metricsTlsCrlPath",
         "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
         "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig", "drainTimeoutS",
+        "inferMode", "pdRole", "kvTransferLeaseMs", "kvTransferTimeoutMs", "kvLoadFailurePolicy",
         "headTimeoutS", "bodyTimeoutS"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
     "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
@@ -234,8 +235,8 @@ def test_config_path_from_env_and_explicit_path_wins(tmp_path: Path) -> None:
 
 
 def test_comment_keys_are_not_reported(tmp_path: Path) -> None:
-    loaded = load_dict(tmp_path, {"//": "x", "ServerConfig": {"//port": "y", "inferMode": "standard"}})
-    assert loaded.ignored == ["ServerConfig.inferMode"]
+    loaded = load_dict(tmp_path, {"//": "x", "ServerConfig": {"//port": "y", "kmcKsfMaster": "k"}})
+    assert loaded.ignored == ["ServerConfig.kmcKsfMaster"]
 
 
 def test_example_file_loads() -> None:
@@ -704,7 +705,7 @@ def test_receive_timeouts_from_file_and_environment(tmp_path: Path) -> None:
 
 # -- typos: unknown keys are named, with the closest known key; strict mode refuses them -------------
 
-TYPO_FILE = {"ServerConfig": {"managmentPort": 1999, "inferMode": "standard"},
+TYPO_FILE = {"ServerConfig": {"managmentPort": 1999, "kmcKsfMaster": "k"},
              "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelWeightPth": "/m"}]},
                                "ScheduleConfig": {"maxBatchSzie": 8}}}
 
@@ -718,7 +719,7 @@ def test_unknown_keys_are_told_from_mindie_keys_with_the_closest_known_key(tmp_p
         "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPth":
             "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath",
         "BackendConfig.ScheduleConfig.maxBatchSzie": "BackendConfig.ScheduleConfig.maxBatchSize"}
-    assert "ServerConfig.inferMode" in loaded.ignored  # MindIE's own key: not a typo
+    assert "ServerConfig.kmcKsfMaster" in loaded.ignored  # MindIE's own key: not a typo
     assert loaded.config.server.management_port == 1026  # the typo set nothing
 
 
@@ -745,7 +746,7 @@ def test_strict_config_refuses_an_unknown_key_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="from environment variable MINDIE_STRICT_CONFIG"):
         load_config(str(path), env={"MINDIE_STRICT_CONFIG": "1"})
     assert load_config(str(path), env={"MINDIE_STRICT_CONFIG": "0"}).unknown  # off: loads, keys reported
-    path.write_text(json.dumps({"ServerConfig": {"strictConfig": True, "inferMode": "standard"}}))
+    path.write_text(json.dumps({"ServerConfig": {"strictConfig": True, "kmcKsfMaster": "k"}}))
     assert load_config(str(path), env={}).config.server.strict_config is True  # MindIE's keys still load
 
 

@@ -128,6 +128,12 @@ KEY_TESTS: dict[str, list[str]] = {
                                   f"{_CFG}::test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config"],
     "ServerConfig.drainTimeoutS": ["tests/test_stop.py::test_a_stop_drains_then_cuts_every_family_with_a_final_error",
                                    "tests/test_deploy.py::test_deployment_agrees_with_the_config_and_the_scripts"],
+    "ServerConfig.inferMode": ["tests/test_pd.py::test_roles_reported_and_enforced"],
+    "ServerConfig.pdRole": ["tests/test_pd.py::test_roles_reported_and_enforced"],
+    "ServerConfig.kvTransferLeaseMs": ["tests/test_pd.py::test_sender_dies_mid_transfer_blocks_freed_within_lease"],
+    "ServerConfig.kvTransferTimeoutMs": ["tests/test_pd.py::test_lost_transfer_times_out"],
+    "ServerConfig.kvLoadFailurePolicy": ["tests/test_pd.py::test_corrupt_transfer_fails_loudly_or_recomputes",
+                                         "tests/test_pd.py::test_lost_transfer_times_out"],
     # -- BackendConfig
     "BackendConfig.npuDeviceIds": _here("test_npu_device_ids_make_one_worker_per_entry",
                                         "test_device_groups_launch_as_tensor_parallel_instances") + [

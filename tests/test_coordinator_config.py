@@ -87,8 +87,10 @@ def test_mindie_shipped_file_is_accepted(tmp_path):
     ("http_config.predict_port", "80", "http_config.predict_port: must be >= 1024"),
     ("request_limit.body_limit", 0, "request_limit.body_limit: must be >= 1, got 0"),
     ("digs_scheduler_config.algorithm_type", "round_robin", "digs_scheduler_config.algorithm_type: must be one of \"load_balance\", \"cache_affinity\", got \"round_robin\""),
-    ("digs_scheduler_config.deploy_mode", "pd_separate", "digs_scheduler_config.deploy_mode: \"pd_separate\" "
-                                                         "(prefill/decode disaggregation) is not supported"),
+    ("digs_scheduler_config.deploy_mode", "pd_disaggregation", "digs_scheduler_config.deploy_mode: "
+                                                               "\"pd_disaggregation\" is not supported by this coordinator: use \"pd_separate\""),
+    ("instances", [{"id": 0, "ip": "127.0.0.1", "business_port": 1, "mgmt_port": 2, "role": "P"}],
+     "instances[0].role: must be one of"),
     ("http_config.predict_ip", "0.0.0.0", "http_config.predict_ip: 0.0.0.0 listens on every interface"),
     ("http_config.manage_ip", "localhost:1", "http_config.manage_ip: must be an IPv4 or IPv6 address"),
     ("request_limit.single_node_max_requests", 2000, None),  # > max_requests? no: 2000 <= 10000 is fine

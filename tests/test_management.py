@@ -109,8 +109,8 @@ def test_timed_health_runs_a_real_inference(split):
 # -- status and config ----------------------------------------------------------------------------
 def test_status_routes_idle(split):
     st = httpx.get(split.mgmt + "/v1/status", timeout=10).json()
-    assert list(st) == ["service", "resource", "linkStatus"]
-    assert st["service"]["roleStatus"] == "RoleReady"
+    assert list(st) == ["service", "resource", "linkStatus", "pd"]  # pd: project extension (mindie/pd.py)
+    assert st["service"] == {"roleStatus": "RoleReady", "currentRole": "flex"}
     res = st["resource"]
     assert list(res) == ["availSlotsNum", "availBlockNum", "waitingRequestNum", "runningRequestNum",
                          "swappedRequestNum", "freeNpuBlockNums", "freeCpuBlockNums", "totalNpuBlockNums",

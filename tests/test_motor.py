@@ -149,22 +149,23 @@ def test_refused_naming_the_key(tmp_path, edit, key) -> None:
     assert line.startswith("motor: user_config.json refused: ") and key in line, line
 
 
-def test_pd_separate_refused_with_the_reason(tmp_path) -> None:
-    """MindIE's own example user_config.json is a PD deployment: refused, saying what to use."""
+def test_pd_forms_other_than_pd_separate_refused_with_the_reason(tmp_path) -> None:
+    """pd_separate is derived (tests/test_pd_coordinator_deploy.py); MindIE's other PD forms are
+    refused, saying what to use; the PD server configs belong to pd_separate only."""
     cfg = user_config(tmp_path / "u.json", predict=21025, manage=21026,
-                      mindie_ms_controller_config={"deploy_mode": "pd_separate", "digs_prefill_slo": 1000})
+                      mindie_ms_controller_config={"deploy_mode": "pd_disaggregation", "digs_prefill_slo": 1000})
     doc = json.loads(cfg.read_text())
     del doc["mindie_ms_coordinator_config"]["digs_scheduler_config"]["deploy_mode"]
     cfg.write_text(json.dumps(doc))
     r = motor("plan", "--config", str(cfg))
     assert r.returncode == 2
-    assert ("mindie_ms_controller_config.deploy_mode: pd_separate (prefill/decode disaggregation) is not supported "
-            "by motor.sh yet") in r.stderr
+    assert ("mindie_ms_controller_config.deploy_mode: pd_disaggregation is not supported by motor.sh: "
+            "\"pd_separate\" starts prefill and decode instances") in r.stderr
     doc["mindie_ms_controller_config"]["deploy_mode"] = "single_node"
     doc["mindie_server_prefill_config"] = {}
     cfg.write_text(json.dumps(doc))
     r = motor("plan", "--config", str(cfg))
-    assert r.returncode == 2 and "mindie_server_prefill_config: belongs to a PD deploy_mode" in r.stderr
+    assert r.returncode == 2 and "mindie_server_prefill_config: belongs to deploy_mode pd_separate" in r.stderr
 
 
 # -- a real fleet ------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from workers.backends.core_share import CoreShare
 from workers.models.config import ModelArgs
 from workers.engine.assembly import build
 from workers.engine.engine import AdapterNotFound, CapacityError, ConstraintRefused, Engine, InFlight
+from workers.pd_transfer import KvTransfer
 from workers.tp_rank import follow
 
 log = logging.getLogger("workers.worker")
@@ -154,6 +155,19 @@ class Worker:
         except BaseException:
             self._close_sockets()
             raise
+        # Prefill/decode disaggregation: this worker's KV endpoint (workers/pd_transfer.py).
+        self.kv: KvTransfer | None = None
+        if spec.kv_endpoint and self.group is None:
+            try:
+                self.kv = KvTransfer(self.ctx, self.engine, spec.kv_endpoint, spec.kv_lease_ms, spec.kv_wait_ms,
+                                     spec.kv_failure_policy, self._add_parked, self._emit)
+            except BaseException:
+                self._close_sockets()
+                raise
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        if self.kv is not None and self.kv.router is not None:
+            self.poller.register(self.kv.router, zmq.POLLIN)
         # The PUB socket is shared with the heartbeat thread: every send holds this lock
         # (ZeroMQ sockets may change threads only behind a full memory barrier).
         self.pub_lock = threading.Lock()
@@ -191,31 +205,58 @@ class Worker:
     def _fail(self, fid: str, request_id: str, err: P.RequestError) -> None:
         self._emit(fid, P.TokenFrame(request_id, finish_reason=FINISH_ERROR, error=err))
 
+    def _add_parked(self, msg: P.Submit) -> None:
+        """A decode request whose KV transfer arrived (or failed, with the recompute policy)."""
+        self._add(msg, self.frontends.get(msg.frontend_id) or self._frontend(msg.frontend_id))
+
     def handle(self, msg: P.JobMessage) -> None:
         if isinstance(msg, P.Submit):
             known = msg.frontend_id in self.frontends
             st = self._frontend(msg.frontend_id)
             if not known:
                 self._welcome(msg.frontend_id, st)
-            try:
-                self.engine.add(msg)
-            except CapacityError as e:
-                self._fail(msg.frontend_id, msg.request_id, P.request_error(424, str(e)))
-            except AdapterNotFound as e:  # unloaded since the front end saw it listed
-                self._fail(msg.frontend_id, msg.request_id, P.request_error(404, str(e)))
-            except ConstraintRefused as e:  # a constraint known bad (cached) or not enforceable here
-                self._fail(msg.frontend_id, msg.request_id, P.request_error(e.status, str(e)))
-            except Exception as e:  # a request the front end should not have sent (AssertionError)
-                log.error("request %s refused: %s", msg.request_id, e)
-                self._fail(msg.frontend_id, msg.request_id, P.request_error(500, f"Request refused by the device worker: {e}"))
-            else:
+            if msg.pd is not None and msg.pd.op == "decode":
+                if self.kv is None:
+                    self._fail(msg.frontend_id, msg.request_id,
+                               P.request_error(503, "this device worker has no KV endpoint (PD decode refused)"))
+                    return
                 st.requests.add(msg.request_id)
+                self.kv.park(msg)  # added once its KV blocks arrived (workers/pd_transfer.py)
+                return
+            self._add(msg, st)
         elif isinstance(msg, P.Cancel):
             st = self.frontends.get(msg.frontend_id)
             for rid in msg.request_ids:
+                if self.kv is not None:
+                    self.kv.cancel(rid)
                 if self.engine.abort(rid) is not None and st is not None:
                     st.requests.discard(rid)
-        elif isinstance(msg, P.Stop):
+        else:
+            self._handle_other(msg)
+
+    def _add(self, msg: P.Submit, st: FrontendState) -> None:
+        """Queue a request on the engine (a prefill request also starts its KV transfer)."""
+        try:
+            seq = self.engine.add(msg)
+        except CapacityError as e:
+            self._fail(msg.frontend_id, msg.request_id, P.request_error(424, str(e)))
+        except AdapterNotFound as e:  # unloaded since the front end saw it listed
+            self._fail(msg.frontend_id, msg.request_id, P.request_error(404, str(e)))
+        except ConstraintRefused as e:  # a constraint known bad (cached) or not enforceable here
+            self._fail(msg.frontend_id, msg.request_id, P.request_error(e.status, str(e)))
+        except Exception as e:  # a request the front end should not have sent (AssertionError)
+            log.error("request %s refused: %s", msg.request_id, e)
+            self._fail(msg.frontend_id, msg.request_id, P.request_error(500, f"Request refused by the device worker: {e}"))
+        else:
+            st.requests.add(msg.request_id)
+            if msg.pd is not None and msg.pd.op == "prefill":
+                why = "this device worker has no KV cache to send" if self.kv is None else self.kv.start(msg, seq)
+                if why:
+                    self.engine.abort(msg.request_id)
+                    self._fail(msg.frontend_id, msg.request_id, P.request_error(503, why))
+
+    def _handle_other(self, msg: P.JobMessage) -> None:
+        if isinstance(msg, P.Stop):
             self._stop_user(msg)
         elif isinstance(msg, P.LoadAdapter):
             answer = self.engine.lora.begin_load(msg.name, msg.path, (msg.frontend_id, msg.token))
@@ -271,7 +312,14 @@ class Worker:
         return 5 if self.engine.lora_busy or self.engine.grammar_busy else self.idle_wait_ms
 
     def drain(self, timeout_ms: int) -> None:
-        if not self.pull.poll(timeout_ms):
+        if self.kv is not None:
+            if self.kv.busy:
+                timeout_ms = min(timeout_ms, 2)  # transfers and leases move between steps
+            ready = dict(self.poller.poll(timeout_ms))
+            self.kv.poll()
+            if self.pull not in ready:
+                return
+        elif not self.pull.poll(timeout_ms):
             return
         while True:
             try:
@@ -290,6 +338,8 @@ class Worker:
         for fid, st in list(self.frontends.items()):
             if now - st.last_hello > P.FRONTEND_TIMEOUT_S:
                 for rid in st.requests:
+                    if self.kv is not None:
+                        self.kv.cancel(rid)  # a decode request still waiting for its KV blocks
                     self.engine.abort(rid)
                 log.warning("front end %s silent for %.1f s: cancelled its %d requests", fid,
                             now - st.last_hello, len(st.requests))
@@ -321,7 +371,8 @@ class Worker:
             eng.num_running, eng.num_waiting, bm.num_free, bm.num_blocks, eng.scheduler.num_preemptions,
             bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
             eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds,
-            self._adapter_infos())
+            self._adapter_infos(), self.kv.held if self.kv is not None else 0,
+            self.kv.active if self.kv is not None else 0)
 
     def _adapter_infos(self) -> list[P.AdapterInfo]:
         """``Heartbeat.adapters``, rebuilt only when the manager's listing changed (the heartbeat
@@ -438,10 +489,14 @@ class Worker:
             if out.error:  # its constraint could not be followed (workers/engine/constraints.py)
                 self._fail(seq.frontend_id, seq.request_id, P.request_error(out.error_status, out.error))
                 continue
-            self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
-                                                     out.prefill_ms, out.decode_ms, logprobs=out.logprobs,
-                                                     top_logprobs=out.top_logprobs,
-                                                     prompt_logprobs=out.prompt_logprobs))
+            frame = P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason, out.prefill_ms, out.decode_ms,
+                                 logprobs=out.logprobs, top_logprobs=out.top_logprobs,
+                                 prompt_logprobs=out.prompt_logprobs)
+            if self.kv is not None and self.kv.hold_frame(frame):
+                continue  # a prefill request's frame waits for its KV transfer's Ack
+            self._emit(seq.frontend_id, frame)
+        if self.kv is not None:
+            self.kv.poll()  # the blocks this step completed go out now (transfer overlaps prefill)
 
     def _keepalive(self) -> None:
         try:
@@ -480,6 +535,8 @@ class Worker:
         log.info("worker %s stopped", self.spec.worker_id)
 
     def _close_sockets(self) -> None:
+        if getattr(self, "kv", None) is not None:
+            self.kv.close()
         self.pull.close(0)
         self.pub.close(0)
         if self.auth is not None:

@@ -19,6 +19,7 @@ from mindie.client import DeviceClient
 from mindie.config import Config
 from mindie.contract.spec import EngineConfig
 from mindie.errors import not_found
+from mindie.pd import RoleState, role_status
 
 MINDIE_VERSION = "1.0.0"
 
@@ -50,10 +51,11 @@ class StatusRoutes:
     """Every status route of one front end; one Falcon responder per route (suffixes)."""
 
     def __init__(self, config: Config, client: DeviceClient, model_name: str, model_dir: str, device: str = "cpu",
-                 engine: EngineConfig | None = None):
+                 engine: EngineConfig | None = None, roles: RoleState | None = None):
         """``engine``: the launch plan's engine settings, as settled (shown by /v1/config)."""
         self.config = config
         self.engine = engine
+        self.roles = roles or RoleState("", config.server.pd_role)  # prefill/decode role (mindie/pd.py)
         self.model_dir = model_dir
         self.client = client
         self.model_name = model_name
@@ -88,18 +90,29 @@ class StatusRoutes:
                 "npuMemSize": self.model.npu_mem_size, "cpuMemSize": self.model.cpu_mem_size,
                 "worldSize": self.model.world_size, "maxOutputLen": sch.max_iter_times,
                 "cacheBlockSize": sch.cache_block_size}
+        server = self.config.server
+        body.update({"inferMode": server.infer_mode, "pdRole": server.pd_role, "currentRole": self.roles.role})
         if self.engine is not None:
             body["engine"] = msgspec.to_builtins(self.engine)
         _json(resp, body)
 
     def _v1_status(self, live: Live) -> dict:
+        role = role_status(self.roles)
+        if not live.beats:
+            role["service"]["roleStatus"] = "RoleUnknown"
         return {
-            "service": {"roleStatus": "RoleReady" if live.beats else "RoleUnknown", "currentRole": "none"},
+            "service": role["service"],
             "resource": {"availSlotsNum": live.free_slots, "availBlockNum": live.free_blocks,
                          "waitingRequestNum": live.waiting, "runningRequestNum": live.running,
                          "swappedRequestNum": live.swapped, "freeNpuBlockNums": live.free_blocks,
                          "freeCpuBlockNums": 0, "totalNpuBlockNums": live.total_blocks, "totalCpuBlockNums": 0},
-            "linkStatus": {"peers": []},
+            "linkStatus": role["linkStatus"],
+            # Project extension: where decode workers receive KV blocks (mindie/pd.py, workers/pd_transfer.py).
+            "pd": {"role": role["service"]["currentRole"],
+                   "kvEndpoints": [ep.kv_endpoint for ep in self.client.endpoints if ep.kv_endpoint],
+                   "transfersActive": sum(hb.kv_transfers for hb in live.beats),
+                   "heldBlocks": sum(hb.kv_held for hb in live.beats),
+                   "computedPromptTokens": sum(hb.prompt_tokens for hb in live.beats)},
         }
 
     async def on_get_v1_status(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:

@@ -197,6 +197,13 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     lora_modules: list[LoraModule] = []
     max_loras: int = 0
     max_lora_rank: int = 0
+    # Prefill/decode disaggregation (workers/pd_transfer.py): this worker's KV endpoint ("" = none),
+    # the lease of blocks held for a transfer, how long a decode request waits for its transfer, and
+    # what a lost or late one does (ServerConfig.kvTransferLeaseMs, kvTransferTimeoutMs, kvLoadFailurePolicy).
+    kv_endpoint: str = ""
+    kv_lease_ms: int = 30000
+    kv_wait_ms: int = 10000
+    kv_failure_policy: str = "recompute"
 
 
 class Deployment(msgspec.Struct, kw_only=True):
@@ -219,6 +226,11 @@ def worker_endpoints(run_dir: str, index: int, host: str = "", port: int = 0) ->
         h = f"[{host}]" if ":" in host else host  # an IPv6 address
         return f"tcp://{h}:{port + 2 * index}", f"tcp://{h}:{port + 2 * index + 1}"
     return f"ipc://{run_dir}/w{index}-jobs.ipc", f"ipc://{run_dir}/w{index}-frames.ipc"
+
+
+def kv_endpoint(run_dir: str, index: int) -> str:
+    """The KV endpoint of worker ``index`` (prefill/decode disaggregation: workers/pd_transfer.py)."""
+    return f"ipc://{run_dir}/w{index}-kv.ipc"
 
 
 def deployment_path(run_dir: str) -> str:

@@ -70,6 +70,16 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     constraint: Constraint | None = None  # structured output: every generated token must keep it satisfiable
 
 
+class PdOrder(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A request's part in prefill/decode disaggregation (the X-Mindie-PD header, mindie/pd.py):
+    ``op`` "prefill" (compute the prompt, push its KV blocks to ``kv_endpoint``, the decode worker's)
+    or "decode" (wait for transfer ``transfer_id`` at this worker's ``kv_endpoint``, then continue)."""
+
+    op: str
+    transfer_id: str
+    kv_endpoint: str
+
+
 class Submit(Message, tag=1):
     """A new request for a worker."""
 
@@ -81,6 +91,7 @@ class Submit(Message, tag=1):
     arrival: float = 0.0  # wall-clock epoch seconds when the front end accepted it
     user_id: str = ""  # the client's id (req-id header): what stopInfer names; need not be unique
     adapter: str = ""  # the LoRA adapter the request runs with ("" = the base model)
+    pd: PdOrder | None = None  # prefill/decode disaggregation (workers/pd_transfer.py); None = hybrid
 
 
 class Cancel(Message, tag=2):
@@ -226,6 +237,8 @@ class Heartbeat(Message, tag=6):
     swapped: int = 0  # preempted requests waiting to be recomputed
     decode_holds: int = 0  # steps that held the running requests' decodes for prompts (decodeHoldMs)
     adapters: list[AdapterInfo] = []  # LoRA adapters registered and not being unloaded
+    kv_held: int = 0  # KV blocks held for transfers (workers/pd_transfer.py), both directions
+    kv_transfers: int = 0  # transfers in progress (sent, received, or decode requests waiting for one)
 
 
 class Stopped(Message, tag=8):

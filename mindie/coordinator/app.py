@@ -64,7 +64,8 @@ class Coordinator:
                                  t.mindie_mangment_tls_enable, config.digs_scheduler_config.max_res_num)
         for rec in config.instances:
             self.registry.add(Instance(id=rec.id, ip=rec.ip, business_port=rec.business_port,
-                                       mgmt_port=rec.mgmt_port, metric_port=rec.metric_port, source="config"))
+                                       mgmt_port=rec.mgmt_port, metric_port=rec.metric_port, source="config",
+                                       role_given=rec.role))
         self.business_ssl = (_client_context(t.mindie_client_tls_items, "mindie_client")
                              if t.mindie_client_tls_enable else None)
         self.mgmt_ssl = (_client_context(t.mindie_mangment_tls_items, "mindie_mangment")
@@ -127,6 +128,11 @@ class Coordinator:
     def announce_ready_line(self) -> None:
         insts = ", ".join(f"{i.id} {i.host}:{i.business_port} {i.state()}" for i in self.registry.instances.values())
         n = len(self.registry.instances)
+        d = self.config.digs_scheduler_config
+        if d.deploy_mode != "single_node":
+            insts = ", ".join(f"{i.id} {i.host}:{i.business_port} {i.role} {i.state()}"
+                              for i in self.registry.instances.values())
         log.info("mindie-coordinator ready: predict %s, manage %s | %s | %d instance%s%s", self.url("predict"),
-                 self.url("manage"), self.config.digs_scheduler_config.algorithm_type, n, "s" * (n != 1),
+                 self.url("manage"), d.algorithm_type if d.deploy_mode == "single_node"
+                 else f"{d.deploy_mode} {d.algorithm_type}", n, "s" * (n != 1),
                  f": {insts}" if insts else "")

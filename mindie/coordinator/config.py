@@ -155,6 +155,9 @@ class InstanceRecord(_S):
     # MindIE's refresh field: where the instance's /metrics is when its metrics plane has a port
     # of its own (ServerConfig.metricsPort != managementPort); None = the management port
     metric_port: Optional[Annotated[int, msgspec.Meta(ge=1, le=65535)]] = None
+    # project extension (deploy_mode pd_separate): the instance's role until it reports its own
+    # in /v2/status (mindie/coordinator/pd.py); "" = flex unless it reports one
+    role: Literal["", "prefill", "decode", "flex"] = ""
 
 
 class CoordinatorConfig(_S):
@@ -347,9 +350,10 @@ def _check(c: CoordinatorConfig, raw: dict, source: Optional[str]) -> None:
         raise ConfigError(f"must differ from http_config.predict_port ({h.predict_port}) on the same address",
                           "http_config.manage_port", source=source)
     d = c.digs_scheduler_config
-    if d.deploy_mode != "single_node":
-        raise ConfigError(f"{json.dumps(d.deploy_mode)} (prefill/decode disaggregation) is not supported by this "
-                          "coordinator yet: use \"single_node\"", "digs_scheduler_config.deploy_mode", source=source)
+    if d.deploy_mode not in ("single_node", "pd_separate"):
+        raise ConfigError(f"{json.dumps(d.deploy_mode)} is not supported by this coordinator: use \"pd_separate\" "
+                          "(prefill then decode instances, each request handed off) or \"single_node\"",
+                          "digs_scheduler_config.deploy_mode", source=source)
     if c.request_limit.single_node_max_requests > c.request_limit.max_requests:
         raise ConfigError(f"must be <= request_limit.max_requests ({c.request_limit.max_requests}), "
                           f"got {c.request_limit.single_node_max_requests}",

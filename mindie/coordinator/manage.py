@@ -23,6 +23,7 @@ from typing import Any
 import falcon
 import falcon.asgi
 
+from mindie.coordinator.pd import parse_role, role_from_static
 from mindie.coordinator.registry import Instance
 from mindie.errors import ApiError
 
@@ -94,6 +95,7 @@ class CoordinatorInfo:
             "request_length_info": stats,
             "instances": [i.describe() for i in insts],  # project extension
             "algorithm_type": self.coord.config.digs_scheduler_config.algorithm_type,
+            "deploy_mode": self.coord.config.digs_scheduler_config.deploy_mode,
             "ready": bool(self.coord.registry.ready()),
         }
 
@@ -164,7 +166,8 @@ class Refresh:
             raise _bad(f"{where}.static_info must be an object")
         inst = Instance(id=_int(it["id"], f"{where}.id"), ip=ip, business_port=bport,
                         mgmt_port=_int(mgmt, f"{where}.mgmt_port", 1024, 65535), metric_port=metric,
-                        model_name=model if isinstance(model, str) else "", source="refresh", static_info=static)
+                        model_name=model if isinstance(model, str) else "", source="refresh", static_info=static,
+                        role_given=role_from_static(static) or parse_role(it.get("role")))
         dyn = it.get("dynamic_info") or {}
         if isinstance(dyn, dict):  # a first view until the poller's own
             inst.total_slots = int(static.get("total_slots_num") or 0)

@@ -4,7 +4,9 @@ An instance comes from ``instances`` in the config or from ``POST /v1/instances/
 poll (``http_config.pollIntervalMs``) asks every instance's management plane for ``/health``
 (200 = its workers are ready) and ``/v2/status`` (free slots, free KV blocks, waiting and
 running requests); ``/v1/config`` (model name, KV block size) and
-``/v2/models/{m}/getSlotCount`` (total slots) once, and again after the instance was away. A refused
+``/v2/models/{m}/getSlotCount`` (total slots) once, and again after the instance was away; the
+role an instance reports in ``/v2/status`` (and a decode instance's KV endpoints) each poll
+(mindie/coordinator/pd.py). A refused
 or reset poll makes an instance unreachable at once; a poll that times out (a busy instance
 answers late) only the third time in a row. An
 instance is *ready* (routable) when its last poll succeeded, it is online (not taken out by
@@ -23,6 +25,7 @@ from typing import Callable, Optional
 import httpx
 
 from mindie.coordinator.breaker import Breaker
+from mindie.coordinator.pd import role_from_status
 
 log = logging.getLogger("mindie.coordinator.registry")
 
@@ -56,6 +59,16 @@ class Instance:
     breaker: Breaker = field(default_factory=lambda: Breaker(3, 5.0))
     scheme: str = "http"
     mgmt_scheme: str = "http"
+    role_given: str = ""  # from the record (instances[].role, refresh static_info); "" = not given
+    role_reported: str = ""  # what the instance's /v2/status says (wins); "" = says nothing
+    kv_endpoints: list = field(default_factory=list)  # a decode instance's KV endpoints (/v2/status pd)
+    kv_curve_key: str = ""
+    handoffs: int = 0  # handoffs sent to it as the decode side (round robin over its endpoints)
+
+    @property
+    def role(self) -> str:
+        """prefill | decode | flex (mindie/coordinator/pd.py)."""
+        return self.role_reported or self.role_given or "flex"
 
     @property
     def host(self) -> str:
@@ -86,6 +99,7 @@ class Instance:
     def describe(self) -> dict:
         return {"id": self.id, "ip": self.ip, "business_port": self.business_port, "mgmt_port": self.mgmt_port,
                 "model_name": self.model_name, "state": self.state(), "source": self.source,
+                "role": self.role, "kv_endpoints": self.kv_endpoints,
                 "avail_slots_num": self.avail_slots, "total_slots_num": self.total_slots,
                 "avail_block_num": self.avail_blocks, "total_block_num": self.total_blocks,
                 "waiting": self.waiting, "running": self.running, "inflight": self.inflight,
@@ -115,6 +129,7 @@ class Registry:
             # the same endpoint sent again (refresh): keep what the poller knows
             old.model_name = inst.model_name or old.model_name
             old.static_info = inst.static_info or old.static_info
+            old.role_given = inst.role_given or old.role_given
             old.source = inst.source
             return old
         self.instances[inst.id] = inst
@@ -231,6 +246,13 @@ class Poller:
                 inst.inflight_at_poll = asked_with
             except (ValueError, AttributeError, TypeError):
                 pass
+            try:
+                role, eps, key = role_from_status(status.json())
+            except ValueError:
+                role, eps, key = "", [], ""
+            if role != inst.role_reported and (role or inst.role_reported):
+                log.info("instance %d %s role %s", inst.id, inst.base_url, role or inst.role_given or "flex")
+            inst.role_reported, inst.kv_endpoints, inst.kv_curve_key = role, eps, key
         inst.poll_timeouts = 0
         ok = health.status_code == 200
         inst.seen = inst.seen or ok

@@ -17,6 +17,16 @@ are never gathered). Failover:
   (its request stops, its KV blocks are freed).
 
 One request-log line per request (logger ``mindie.coordinator.request``) names the instance.
+
+``deploy_mode: pd_separate`` (mindie/coordinator/pd.py): a generation request is first sent to
+a prefill instance (the handoff headers; its answer, a small JSON, is read whole within
+``first_token_timeout``), then to a decode instance with the prefill's answer, whose status,
+headers and body are relayed as above. A prefill instance that fails (refused connection, 5xx,
+no answer in time) or a decode instance that fails before its first byte sends the request
+through another pair (prefill again: the blocks went to the failed one), at most ``max_retry``
+more times; after the decode instance's first byte a failure is an error frame. A prefill
+instance's 4xx (a request it refuses) is the client's answer. No ready pair: a ``flex``
+(hybrid) instance serves the request whole.
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ from typing import Any, Optional
 
 import httpx
 
-from mindie.coordinator import frames
+from mindie.coordinator import frames, pd
 from mindie.coordinator.upstream import Response, UpstreamError
 from mindie.errors import ApiError
 
@@ -65,9 +75,10 @@ class _ShortAnswer(Exception):
 
 
 class _Retry(Exception):
-    def __init__(self, reason: str, detail: str, breaker: bool = True) -> None:
+    def __init__(self, reason: str, detail: str, breaker: bool = True, inst: Any = None) -> None:
         super().__init__(detail)
         self.reason, self.detail, self.breaker = reason, detail, breaker
+        self.inst = inst  # the instance that failed, when not the one the attempt was for (prefill)
 
 
 class Relay:
@@ -122,10 +133,10 @@ class Relay:
             dur = (time.monotonic() - t0) * 1000
             m.finished(rec, dur / 1000)
             reqlog.info("request %s %s %s -> instance %s status %s %s attempts %d%s ttft_ms %s duration_ms %.1f "
-                        "bytes %d%s", rid, method, path, rec["instance"], rec["status"], rec["decision"],
+                        "bytes %d%s%s", rid, method, path, rec["instance"], rec["status"], rec["decision"],
                         rec["attempts"], f" retries {','.join(rec['retries'])}" if rec["retries"] else "",
                         "-" if rec["ttft_ms"] is None else f"{rec['ttft_ms']:.1f}", dur, rec["bytes"],
-                        f" {rec['outcome']}" if rec["outcome"] else "",
+                        _pd_note(rec), f" {rec['outcome']}" if rec["outcome"] else "",
                         extra={"request": {k: v for k, v in rec.items()} | {"duration_ms": round(dur, 1)}})
 
     async def _answer(self, send, rec: dict, fam: str, err: ApiError, outcome: str) -> None:
@@ -180,6 +191,10 @@ class Relay:
             work.result()
             if rec.get("cut"):
                 raise _ShortAnswer
+        elif rec.get("complete"):
+            # the whole answer was sent and the client closed at once (before our bookkeeping
+            # ended, e.g. a handoff's cleanup): not a disconnect
+            await asyncio.gather(work, return_exceptions=True)
         else:
             # the client hung up: stop relaying; closing the instance's connection cancels there
             work.cancel()
@@ -208,10 +223,18 @@ class Relay:
         last: Optional[_Retry] = None
         limit = e.tokenizer_timeout if scope["path"] == "/v1/tokenizer" else e.infer_timeout
         deadline = t0 + limit if limit else None
+        # pd_separate: generation goes prefill -> decode; the tokenizer and GET routes go to any instance
+        handoff = router.pd and scope["method"] == "POST" and scope["path"] != "/v1/tokenizer"
         while True:
-            inst, decision = router.pick(info, tried)
+            p_inst = None
+            if handoff:
+                p_inst, inst, decision = router.pick_pd(info, tried)
+            elif router.pd:  # any ready instance answers these, whatever its role
+                inst, decision = router.pick(info, tried, "")
+            else:
+                inst, decision = router.pick(info, tried)
             if inst is None and not tried and reg.ready():
-                inst, decision = await self._wait_room(info, t0)
+                p_inst, inst, decision = await self._wait_room(info, t0, handoff)
                 if inst is None:
                     return await self._answer(send, rec, fam, ApiError(
                         503, "Request schedule timeout: every ready instance is at "
@@ -221,14 +244,20 @@ class Relay:
                                else "MindIE-MS Coordinator is not ready", "Service Unavailable")
                 return await self._answer(send, rec, fam, err, "no instance left")
             rec["instance"] = f"{inst.id}({inst.host}:{inst.business_port})"
-            rec["decision"] = decision
+            if p_inst is not None:
+                rec["instance"] += f" prefill {p_inst.id}({p_inst.host}:{p_inst.business_port})"
+            rec["decision"] = decision if p_inst is None else f"pd_{decision}"
             rec["attempts"] += 1
-            m.routed(decision, inst.id)
+            m.routed(rec["decision"], inst.id)
             try:
-                await self._attempt(scope, send, rec, inst, body, fam, stream, t0, deadline)
+                if p_inst is not None:
+                    await self._handoff(scope, send, rec, p_inst, inst, body, fam, stream, t0, deadline)
+                else:
+                    await self._attempt(scope, send, rec, inst, body, fam, stream, t0, deadline)
                 return
             except _Retry as r:
                 last = r
+                inst = r.inst or inst
                 tried.add(inst.id)
                 rec["retries"].append(f"{inst.id}:{r.reason}")
                 log.warning("request %s: instance %d %s: %s", rec["id"], inst.id, r.reason, r.detail)
@@ -246,32 +275,120 @@ class Relay:
                     return await self._answer(send, rec, fam, err, "retries exhausted")
                 m.retry(r.reason)
 
-    async def _wait_room(self, info, t0: float):
-        """Every ready instance is full: wait for room until ``schedule_timeout`` (0: no bound)."""
+    async def _wait_room(self, info, t0: float, handoff: bool = False):
+        """Every ready instance is full: wait for room until ``schedule_timeout`` (0: no bound).
+        (prefill or None, instance or None, decision)."""
         st = self.exc.schedule_timeout
+        router = self.coord.router
         while True:
             self._room.clear()
             left = None if not st else t0 + st - time.monotonic()
             if left is not None and left <= 0:
-                return None, "schedule_timeout"
+                return None, None, "schedule_timeout"
             try:
                 await asyncio.wait_for(self._room.wait(), timeout=min(0.5, left) if left else 0.5)
             except asyncio.TimeoutError:
                 pass
-            inst, decision = self.coord.router.pick(info, set())
+            if handoff:
+                p, inst, decision = router.pick_pd(info, set())
+            else:
+                p, (inst, decision) = None, router.pick(info, set(), "" if router.pd else None)
             if inst is not None:
-                return inst, decision
+                return p, inst, decision
 
     def _headers(self, scope) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP]
+        return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP
+                and k.lower() not in pd.PD_HEADERS]
+
+    async def _handoff(self, scope, send, rec, p_inst, d_inst, body: bytes, fam: str, stream: bool, t0: float,
+                       deadline: Optional[float]) -> None:
+        """pd_separate: step A (prefill on ``p_inst``, its KV pushed to ``d_inst``) and step B
+        (``d_inst`` waits for the blocks, then answers) sent at once, so the transfer overlaps;
+        ``d_inst``'s answer is relayed. A prefill failure before the decode side's first byte
+        cancels step B and retries with another pair; a prefill 4xx is the client's answer."""
+        tid = f"{rec['id']}-{rec['attempts']}"
+        ep = pd.pick_endpoint(d_inst.kv_endpoints, p_inst.ip == d_inst.ip, d_inst.handoffs)
+        d_inst.handoffs += 1
+        rec["transfer"] = tid
+        p_task = asyncio.ensure_future(self._prefill(scope, rec, p_inst, body, pd.header(
+            pd.PREFILL, tid, ep, d_inst.kv_curve_key), deadline))
+        d_task = asyncio.ensure_future(self._attempt(scope, send, rec, d_inst, body, fam, stream, t0, deadline,
+                                                     extra=[pd.header(pd.DECODE, tid, ep)]))
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and not d_task.done():
+                refused = p_task.exception() or p_task.result()
+                if refused is not None and not rec.get("sent"):
+                    # prefill failed (or refused the request) before the client saw a byte: step B goes
+                    d_task.cancel()
+                    await asyncio.gather(d_task, return_exceptions=True)
+                    if isinstance(refused, BaseException):
+                        raise refused
+                    return await self._relay_answer(send, rec, *refused)
+            await d_task  # the decode side's answer (or its _Retry before its first byte)
+        finally:
+            for t in (p_task, d_task):
+                if not t.done():
+                    t.cancel()  # closes that instance's connection: it cancels there
+            await asyncio.gather(p_task, d_task, return_exceptions=True)
+
+    async def _prefill(self, scope, rec, p_inst, body: bytes, hdr: tuple[bytes, bytes],
+                       deadline: Optional[float]) -> Optional[tuple]:
+        """Step A: None when the prefill instance answered 200 (its KV is at the decode side);
+        (status, headers, body) of a 4xx it answered (the request is refused: relay it);
+        raises _Retry (for ``p_inst``) when it failed or did not answer within first_token_timeout."""
+        coord, e = self.coord, self.exc
+        by = time.monotonic() + e.first_token_timeout if e.first_token_timeout else None
+        if deadline is not None:
+            by = deadline if by is None else min(by, deadline)
+        p_inst.inflight += 1
+        p_inst.breaker.on_dispatch()
+        coord.metrics.inflight(p_inst.id, p_inst.inflight)
+        resp: Optional[Response] = None
+        t_p = time.monotonic()
+        try:
+            try:
+                resp = await coord.pool.request(p_inst.ip, p_inst.business_port, scope["method"], _target(scope),
+                                                self._headers(scope) + [hdr], body, _left(by))
+                answer = await asyncio.wait_for(resp.read(1 << 20), _left(by))
+            except asyncio.TimeoutError:
+                raise _Retry("prefill_timeout", f"prefill instance {p_inst.id}: no answer within "
+                             f"{_left_s(by, e)}", inst=p_inst) from None
+            except UpstreamError as x:
+                raise _Retry("prefill_connect", f"prefill instance {p_inst.id}: {x}", inst=p_inst) from None
+            if resp.status >= 500:
+                raise _Retry(f"prefill_{resp.status}", f"prefill instance {p_inst.id} answered {resp.status}: "
+                             f"{answer[:300].decode('utf-8', 'replace')}", breaker=resp.status != 503, inst=p_inst)
+            p_inst.breaker.success()
+            rec["prefill_ms"] = (time.monotonic() - t_p) * 1000
+            if resp.status == 200:
+                with contextlib.suppress(ValueError, UnicodeDecodeError):
+                    a = json.loads(answer)
+                    if isinstance(a, dict):
+                        rec["pd"] = a
+                return None
+            headers = [(k, v) for k, v in resp.headers if k.decode("latin-1").lower() not in HOP]
+            return resp.status, headers, answer
+        finally:
+            p_inst.inflight -= 1
+            coord.metrics.inflight(p_inst.id, p_inst.inflight)
+            if resp is not None:
+                resp.release()
+
+    async def _relay_answer(self, send, rec, status: int, headers: list, answer: bytes) -> None:
+        rec["status"] = status
+        rec["outcome"] = "refused by the prefill instance"
+        headers = headers + [(b"content-length", str(len(answer)).encode()), (b"server", self.server_name)]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+        rec["complete"] = True
+        rec["bytes"] += len(answer)
 
     async def _attempt(self, scope, send, rec, inst, body: bytes, fam: str, stream: bool, t0: float,
-                       deadline: Optional[float]) -> None:
+                       deadline: Optional[float], extra: Optional[list] = None) -> None:
         coord = self.coord
         e = self.exc
-        target = scope["raw_path"].decode("latin-1")
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
+        target = _target(scope)
         first_by = None
         if stream and e.first_token_timeout:
             first_by = time.monotonic() + e.first_token_timeout
@@ -284,7 +401,7 @@ class Relay:
         try:
             try:
                 resp = await coord.pool.request(inst.ip, inst.business_port, scope["method"], target,
-                                                self._headers(scope), body, _left(first_by))
+                                                self._headers(scope) + (extra or []), body, _left(first_by))
             except asyncio.TimeoutError:
                 raise _Retry("first_token_timeout", f"no answer within {_left_s(first_by, e)}") from None
             except UpstreamError as x:
@@ -311,6 +428,7 @@ class Relay:
             headers = [(k, v) for k, v in resp.headers
                        if (lk := k.decode("latin-1").lower()) not in HOP or (lk == "content-length" and not stream)]
             headers.append((b"server", self.server_name))
+            rec["sent"] = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             rec["bytes"] += len(first)
             await send({"type": "http.response.body", "body": first, "more_body": True})
@@ -330,6 +448,7 @@ class Relay:
                 await self._cut(send, rec, fam, err, "instance failed mid-stream", stream)
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            rec["complete"] = True
             if resp.status >= 500:
                 if inst.breaker.failure():
                     coord.metrics.breaker_trip(inst.id)
@@ -388,6 +507,30 @@ class Relay:
         await send({"type": "http.response.start", "status": status or 503,
                     "headers": [(b"content-type", ctype.encode()), (b"server", self.server_name)]})
         await send({"type": "http.response.body", "body": content})
+
+
+def _pd_note(rec: dict) -> str:
+    """`` pd transfer <id> prefill_ms F prompt_tokens N server_prefill_ms F`` for a handoff:
+    step A's time as the coordinator saw it (prefill + KV push + the decode side's ack), then
+    what the prefill instance answered; else ""."""
+    if "transfer" not in rec:
+        return ""
+    a = rec.get("pd") or {}
+    out = f" pd transfer {rec['transfer']}"
+    if "prefill_ms" in rec:
+        out += f" prefill_ms {rec['prefill_ms']:.1f}"
+    for k, name in (("blocks", "blocks"), ("bytes", "kv_bytes"), ("promptTokens", "prompt_tokens"),
+                    ("prefillMs", "server_prefill_ms"), ("transferMs", "transfer_ms")):
+        if isinstance(a.get(k), (int, float)):
+            out += f" {name} {a[k]:.1f}" if isinstance(a[k], float) else f" {name} {a[k]}"
+    return out
+
+
+def _target(scope) -> str:
+    target = scope["raw_path"].decode("latin-1")
+    if scope.get("query_string"):
+        target += "?" + scope["query_string"].decode("latin-1")
+    return target
 
 
 def _left(by: Optional[float]) -> Optional[float]:

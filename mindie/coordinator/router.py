@@ -22,6 +22,12 @@ warning lines (free slots / total slots < ``slots_thresh``, or free blocks / tot
 ``block_thresh``); then the request goes by load, as does a request no key matches. Every key
 of the request is then recorded for the chosen instance. The table keeps at most ``cache_size``
 thousand keys, least recently used dropped first; keys of an instance that leaves are dropped.
+
+``deploy_mode: pd_separate`` (``pick_pd``): a prefill instance and a decode instance are chosen
+for each request, each among the ready instances of its role by the rule above (the prefill
+side's and the decode side's prefix tables are apart: both hold prefix caches); with no ready
+prefill or no ready decode instance the request goes whole to a ``flex`` (hybrid) instance,
+else to a ready decode instance (which computes a prompt itself), else it is refused 503.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mindie.coordinator.pd import DECODE, FLEX, PREFILL
 from mindie.coordinator.registry import Instance, Registry
 
 MAX_KEYS = 64  # prefix keys per request (the leading 64 blocks or messages)
@@ -124,7 +131,9 @@ class Router:
         self.chars_per_token = config.string_token_rate
         self.registry = registry
         self.metrics = metrics
+        self.pd = d.deploy_mode == "pd_separate"
         self.table: OrderedDict[bytes, int] = OrderedDict()
+        self.table_d: OrderedDict[bytes, int] = OrderedDict()  # the decode instances' prefixes (pd_separate)
         self.last_pick: dict[int, float] = {}
         registry.listeners.append(self._on_change)
 
@@ -133,8 +142,9 @@ class Router:
             self.forget(inst.id)
 
     def forget(self, iid: int) -> None:
-        for k in [k for k, v in self.table.items() if v == iid]:
-            del self.table[k]
+        for table in (self.table, self.table_d):
+            for k in [k for k, v in table.items() if v == iid]:
+                del table[k]
 
     def info(self, path: str, body: Any) -> RouteInfo:
         if self.algorithm != "cache_affinity":
@@ -160,13 +170,34 @@ class Router:
             return True
         return bool(i.total_blocks) and i.avail_blocks / i.total_blocks < self.block_thresh
 
-    def candidates(self, exclude: set[int]) -> list[Instance]:
-        return [i for i in self.registry.ready() if i.id not in exclude and self.has_room(i)]
+    def candidates(self, exclude: set[int], role: Optional[str] = None) -> list[Instance]:
+        return [i for i in self.registry.ready()
+                if i.id not in exclude and self.has_room(i) and (not role or i.role == role)]
 
-    def pick(self, info: RouteInfo, exclude: set[int]) -> tuple[Optional[Instance], str]:
+    def pick_pd(self, info: RouteInfo, exclude: set[int]) -> tuple[Optional[Instance], Optional[Instance], str]:
+        """pd_separate: (prefill, decode, decision) for a handoff; (None, flex, decision) for a
+        hybrid instance when no prefill/decode pair is ready; (None, None, "none_ready")."""
+        # a decode instance that reports no KV endpoint cannot receive blocks: not a pair's half
+        deaf = {i.id for i in self.registry.instances.values() if i.role == DECODE and not i.kv_endpoints}
+        if self.candidates(exclude, PREFILL) and self.candidates(exclude | deaf, DECODE):
+            p, dp = self.pick(info, exclude, PREFILL)
+            d, _ = self.pick(info, exclude | deaf, DECODE)
+            return p, d, dp
+        inst, decision = self.pick(info, exclude, FLEX)
+        if inst is not None:
+            return None, inst, f"hybrid_{decision}"
+        # no hybrid either: a decode instance computes a prompt itself (it serves plain requests)
+        inst, decision = self.pick(info, exclude, DECODE)
+        return None, inst, decision if inst is None else f"decode_alone_{decision}"
+
+    def pick(self, info: RouteInfo, exclude: set[int], role: Optional[str] = None) -> tuple[Optional[Instance], str]:
         """(instance, decision) or (None, why): decision is one of load, affinity_hit,
-        affinity_busy (the affine instance was busy: by load), affinity_miss (by load)."""
-        cands = self.candidates(exclude)
+        affinity_busy (the affine instance was busy: by load), affinity_miss (by load).
+        ``role``: only instances of that role (pd_separate; in single_node every instance)."""
+        if role is None and self.pd:
+            role = FLEX
+        table = self.table_d if role == DECODE else self.table
+        cands = self.candidates(exclude, role)
         if not cands:
             return None, "none_ready"
         decision = "load"
@@ -174,11 +205,11 @@ class Router:
         if self.algorithm == "cache_affinity":
             decision = "affinity_miss"
             for k in reversed(info.keys):
-                iid = self.table.get(k)
+                iid = table.get(k)
                 if iid is None:
                     continue
                 inst = self.registry.instances.get(iid)
-                if inst is None or iid in exclude or self.busy(inst):
+                if inst is None or iid in exclude or self.busy(inst) or (role and inst.role != role):
                     decision = "affinity_busy"
                 else:
                     chosen, decision = inst, "affinity_hit"
@@ -188,8 +219,8 @@ class Router:
         self.last_pick[chosen.id] = time.monotonic()
         if info.keys:
             for k in info.keys:
-                self.table[k] = chosen.id
-                self.table.move_to_end(k)
-            while len(self.table) > self.capacity:
-                self.table.popitem(last=False)
+                table[k] = chosen.id
+                table.move_to_end(k)
+            while len(table) > self.capacity:
+                table.popitem(last=False)
         return chosen, decision

@@ -22,6 +22,11 @@ A StatefulSet ``S`` with headless Service ``H`` in namespace ``N`` names its pod
   /v1/instances/refresh`` (``ids`` = every instance; ``instances`` with ``id``, ``ip``,
   ``port``, ``mgmt_port``, ``metric_port``) to the coordinator's manage port.
 
+Prefill/decode fleets (``deploy_mode: pd_separate``, deploy/k8s/motor-pd/): ``--group
+STATEFULSET:SERVICE:ROLE:FIRST_ID`` (repeated) looks up each StatefulSet's pods with ids
+FIRST_ID + ordinal and gives their records ``role`` (and, in a refresh, MindIE's
+``static_info`` ``label`` 2=P 3=D / ``role`` 80/68), instead of ``--statefulset``/``--service``.
+
 The business and management ports are the server config's (``--business-port``,
 ``--mgmt-port``, default MindIE's 1025 and 1026; ``--metric-port`` default: the management port).
 """
@@ -61,19 +66,37 @@ def namespace(env=os.environ) -> str:
         return "default"
 
 
-def pod_name(args: argparse.Namespace, k: int) -> str:
-    return f"{args.statefulset}-{k}.{args.service}.{args.namespace}.svc.{args.cluster_domain}"
+def pod_name(args: argparse.Namespace, k: int, group: Optional[tuple] = None) -> str:
+    sts, svc = (group[0], group[1]) if group else (args.statefulset, args.service)
+    return f"{sts}-{k}.{svc}.{args.namespace}.svc.{args.cluster_domain}"
+
+
+# MindIE MS static_info codes for a role (mindie/coordinator/pd.py reads them back)
+STATIC_ROLE = {"prefill": {"label": 2, "role": 80}, "decode": {"label": 3, "role": 68}, "flex": {}}
+
+
+def parse_group(text: str) -> tuple[str, str, str, int]:
+    """``STATEFULSET:SERVICE:ROLE:FIRST_ID`` -> a tuple (argparse type)."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[2] not in STATIC_ROLE or not parts[3].isdigit() or not all(parts[:2]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STATEFULSET:SERVICE:ROLE:FIRST_ID with ROLE "
+                                         "prefill, decode or flex")
+    return parts[0], parts[1], parts[2], int(parts[3])
 
 
 def discover(args: argparse.Namespace, resolver: Resolver = resolve) -> list[dict]:
     """Instance records (Motor's endpoint shape) of the pods whose names resolve now."""
     out = []
-    for k in range(args.max_replicas):
-        name = pod_name(args, k)
-        ip = resolver(name)
-        if ip:
-            out.append({"id": k, "ip": name if args.address == "name" else ip,
-                        "business_port": args.business_port, "mgmt_port": args.mgmt_port})
+    for group in getattr(args, "group", None) or [None]:
+        for k in range(args.max_replicas):
+            name = pod_name(args, k, group)
+            ip = resolver(name)
+            if ip:
+                rec = {"id": k + (group[3] if group else 0), "ip": name if args.address == "name" else ip,
+                       "business_port": args.business_port, "mgmt_port": args.mgmt_port}
+                if group:
+                    rec["role"] = group[2]
+                out.append(rec)
     return out
 
 
@@ -82,7 +105,8 @@ def refresh_body(instances: list[dict], metric_port: int) -> dict:
     return {"ids": [i["id"] for i in instances],
             "instances": [{"id": i["id"], "ip": i["ip"], "port": str(i["business_port"]),
                            "mgmt_port": str(i["mgmt_port"]), "metric_port": str(metric_port),
-                           "model_name": "", "static_info": {}, "dynamic_info": {}} for i in instances]}
+                           "model_name": "", "static_info": dict(STATIC_ROLE.get(i.get("role", ""), {})),
+                           "dynamic_info": {}} for i in instances]}
 
 
 def render(args: argparse.Namespace, resolver: Resolver = resolve) -> int:
@@ -191,6 +215,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("command", choices=("render", "watch"))
     p.add_argument("--statefulset", default="mindie-server", help="the server StatefulSet (default mindie-server)")
     p.add_argument("--service", default="mindie-server", help="its headless Service (default mindie-server)")
+    p.add_argument("--group", action="append", type=parse_group, default=None, metavar="STS:SVC:ROLE:FIRST_ID",
+                   help="pd_separate: a StatefulSet of one role, its headless Service and the id of its "
+                        "pod 0 (repeat per role; replaces --statefulset/--service)")
     p.add_argument("--namespace", default=None, help="default $POD_NAMESPACE, else the pod's service account's")
     p.add_argument("--cluster-domain", default="cluster.local")
     p.add_argument("--max-replicas", type=int, default=16, help="ordinals looked up: 0 .. N-1 (default 16)")

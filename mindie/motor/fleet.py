@@ -10,9 +10,12 @@ MindIE deploys it to Kubernetes; here it starts processes on one host. What is r
 
 - the deploy mode: ``mindie_ms_controller_config.deploy_mode`` and/or
   ``mindie_ms_coordinator_config.digs_scheduler_config.deploy_mode`` (they must agree; default
-  ``single_node``). The PD forms (``pd_separate``, ``pd_disaggregation``,
-  ``pd_disaggregation_single_container``) are refused for now: prefill/decode disaggregation is
-  a later issue.
+  ``single_node``). ``pd_separate``: ``deploy_config.p_instances_num`` prefill instances running
+  ``mindie_server_prefill_config`` and ``d_instances_num`` decode instances running
+  ``mindie_server_decode_config`` (a missing one: ``mindie_server_config``), the coordinator
+  handing each request from a prefill to a decode instance (mindie/coordinator/pd.py); the port
+  layout is the prefill config's, instances numbered prefill first. The other PD forms
+  (``pd_disaggregation``, ``pd_disaggregation_single_container``) are refused.
 - single_node: ``deploy_config.replicas`` instances (MindIE's name for the instance count of a
   single-node service, infer_server.json; default 1, at most 16 on one host), each running the
   server config ``mindie_server_config`` (a whole config.json; this project's name for the
@@ -64,7 +67,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch.sh"
 
 SINGLE_NODE = "single_node"
+PD_SEPARATE = "pd_separate"
 PD_MODES = ("pd_separate", "pd_disaggregation", "pd_disaggregation_single_container")
+PD_APPLIED = ("p_instances_num", "d_instances_num")  # deploy_config keys applied in pd_separate
 MAX_INSTANCES = 16  # one host: each instance is a whole server (front ends + device workers)
 
 TOP_KEYS = ("version", "deploy_config", "mindie_ms_controller_config", "mindie_ms_coordinator_config",
@@ -136,6 +141,7 @@ class Instance:
     metrics_port: int
     https: bool
     drain_timeout_s: float
+    role: str = ""      # pd_separate: prefill | decode
 
 
 @dataclass
@@ -202,17 +208,16 @@ def deploy_mode(raw: dict) -> str:
         (k1, v1), (k2, v2) = modes.items()
         raise FleetError(f"{json.dumps(v1)} disagrees with {k2} {json.dumps(v2)}", k1)
     key, mode = next(iter(modes.items()), ("deploy_mode", SINGLE_NODE))
-    if mode in PD_MODES:
-        raise FleetError(f"{mode} (prefill/decode disaggregation) is not supported by motor.sh yet: "
-                         "set \"single_node\" to start N identical instances behind the coordinator "
-                         "(mindie_server_config, deploy_config.replicas)", key)
-    if mode != SINGLE_NODE:
-        raise FleetError(f"must be \"single_node\" (or one of {', '.join(PD_MODES)}, not supported yet), "
-                         f"got {json.dumps(mode)}", key)
+    if mode in PD_MODES and mode != PD_SEPARATE:
+        raise FleetError(f"{mode} is not supported by motor.sh: \"pd_separate\" starts prefill and decode "
+                         "instances (deploy_config.p_instances_num, d_instances_num) behind the coordinator; "
+                         "\"single_node\" starts N identical ones", key)
+    if mode not in (SINGLE_NODE, PD_SEPARATE):
+        raise FleetError(f"must be \"single_node\" or \"pd_separate\", got {json.dumps(mode)}", key)
     return mode
 
 
-def _check_keys(raw: dict) -> list[str]:
+def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
     """Refuse unknown keys naming them; notes for MindIE keys not applied here."""
     notes = []
     for key in raw:
@@ -220,13 +225,14 @@ def _check_keys(raw: dict) -> list[str]:
             continue
         if key not in TOP_KEYS:
             raise FleetError("unknown key (not a MindIE user_config.json key)" + _close(key, TOP_KEYS), key)
-    for key in ("mindie_server_prefill_config", "mindie_server_decode_config"):
-        if key in raw:
-            raise FleetError("belongs to a PD deploy_mode (pd_separate), not supported by motor.sh yet; "
-                             "single_node instances run mindie_server_config", key)
+    if mode != PD_SEPARATE:
+        for key in ("mindie_server_prefill_config", "mindie_server_decode_config"):
+            if key in raw:
+                raise FleetError("belongs to deploy_mode pd_separate; single_node instances run "
+                                 "mindie_server_config", key)
     dc = _obj(raw, "deploy_config", "")
     for key in dc:
-        if key.startswith("//") or key == "replicas":
+        if key.startswith("//") or key == "replicas" or (mode == PD_SEPARATE and key in PD_APPLIED):
             continue
         if key in DEPLOY_KEYS_NOT_APPLIED:
             notes.append(f"deploy_config.{key}: accepted, not applied on one host (Kubernetes/NPU placement)")
@@ -339,10 +345,35 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     source = os.path.abspath(os.path.expanduser(config_path))
     base = os.path.dirname(source)
     raw = read_user_config(source)
-    notes = _check_keys(raw)
     mode = deploy_mode(raw)
+    notes = _check_keys(raw, mode)
     dc = _obj(raw, "deploy_config", "")
-    n = _int(dc.get("replicas", 1), "deploy_config.replicas", 1, MAX_INSTANCES)
+    if mode == PD_SEPARATE:
+        n_p = _int(dc.get("p_instances_num", 1), "deploy_config.p_instances_num", 1, MAX_INSTANCES)
+        n_d = _int(dc.get("d_instances_num", 1), "deploy_config.d_instances_num", 1, MAX_INSTANCES)
+        if n_p + n_d > MAX_INSTANCES:
+            raise FleetError(f"p_instances_num + d_instances_num = {n_p + n_d}, more than {MAX_INSTANCES} "
+                             "instances on one host", "deploy_config.d_instances_num")
+        if "replicas" in dc:
+            notes.append("deploy_config.replicas: not applied in pd_separate (p_instances_num, d_instances_num are)")
+        n = n_p + n_d
+        roles = ["prefill"] * n_p + ["decode"] * n_d
+        templates = {}
+        for role in ("prefill", "decode"):
+            key = f"mindie_server_{role}_config"
+            if key in raw:
+                templates[role] = (key, _obj(raw, key, ""))
+            elif "mindie_server_config" in raw:
+                templates[role] = ("mindie_server_config", _obj(raw, "mindie_server_config", ""))
+            else:
+                raise FleetError("is required with deploy_mode pd_separate (a whole server config.json; "
+                                 "or give mindie_server_config for both roles)", key)
+        server_key = templates["prefill"][0]
+    else:
+        n = _int(dc.get("replicas", 1), "deploy_config.replicas", 1, MAX_INSTANCES)
+        roles = [""] * n
+        templates = {"": ("mindie_server_config", _obj(raw, "mindie_server_config", ""))}
+        server_key = "mindie_server_config"
 
     coord = copy.deepcopy(_obj(raw, "mindie_ms_coordinator_config", ""))
     if "instances" in coord:
@@ -355,10 +386,23 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     coord_ports = {predict_port: "mindie_ms_coordinator_config.http_config.predict_port",
                    manage_port: "mindie_ms_coordinator_config.http_config.manage_port"}
 
-    server = copy.deepcopy(_obj(raw, "mindie_server_config", ""))
-    sc = _obj(server, "ServerConfig", "mindie_server_config.")
-    server["ServerConfig"] = sc
-    keys = {k: f"mindie_server_config.ServerConfig.{k}" for k in ("port", "managementPort", "metricsPort")}
+    def prepared(key: str, tmpl: dict) -> dict:
+        srv = copy.deepcopy(tmpl)
+        sc_ = _obj(srv, "ServerConfig", f"{key}.")
+        srv["ServerConfig"] = sc_
+        if "managementIpAddress" not in sc_:
+            # MindIE's default management address (127.0.0.2) is not the business one, and Motor's
+            # instance records carry one ip for both planes.
+            sc_["managementIpAddress"] = sc_.get("ipAddress", "127.0.0.1")
+        if "runDir" in sc_:
+            notes.append(f"{key}.ServerConfig.runDir: replaced by <run dir>/i<k> per instance")
+        _server_paths_absolute(srv, base)
+        return srv
+
+    servers = {role: prepared(key, tmpl) for role, (key, tmpl) in templates.items()}
+    server = servers[roles[0]]
+    sc = server["ServerConfig"]
+    keys = {k: f"{server_key}.ServerConfig.{k}" for k in ("port", "managementPort", "metricsPort")}
     if "port" in sc:
         port0 = _int(sc["port"], keys["port"], 1024, 65535)
     else:
@@ -372,17 +416,15 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     offsets["metricsPort"] = (_int(sc["metricsPort"], keys["metricsPort"], 1024, 65535) - port0
                               if "metricsPort" in sc else offsets["managementPort"])
     stride = max(offsets.values()) - min(offsets.values()) + 1
-    if "managementIpAddress" not in sc:
-        # MindIE's default management address (127.0.0.2) is not the business one, and Motor's
-        # instance records carry one ip for both planes.
-        sc["managementIpAddress"] = sc.get("ipAddress", "127.0.0.1")
-    if "runDir" in sc:
-        notes.append("mindie_server_config.ServerConfig.runDir: replaced by <run dir>/i<k> per instance")
-    bc = server.get("BackendConfig") if isinstance(server.get("BackendConfig"), dict) else {}
-    if n > 1 and bc.get("deviceType", "auto") == "auto":
-        notes.append("mindie_server_config.BackendConfig.deviceType auto: every instance uses the npuDeviceIds as "
-                     "written (set npu or cuda to give each instance its own devices)")
-    _server_paths_absolute(server, base)
+    if mode == PD_SEPARATE and any(k in servers["decode"]["ServerConfig"] for k in keys) \
+            and templates["decode"][0] != server_key:
+        notes.append(f"{templates['decode'][0]}.ServerConfig ports: replaced; every instance takes the port "
+                     f"layout of {server_key} (decode instances after the prefill ones)")
+    for role, (key, _) in templates.items():
+        bc = servers[role].get("BackendConfig") if isinstance(servers[role].get("BackendConfig"), dict) else {}
+        if roles.count(role) > 1 and bc.get("deviceType", "auto") == "auto":
+            notes.append(f"{key}.BackendConfig.deviceType auto: every instance uses the npuDeviceIds as "
+                         "written (set npu or cuda to give each instance its own devices)")
     _coordinator_paths_absolute(coord, base)
 
     run_dir = os.path.abspath(os.path.expanduser(run_dir)) if run_dir else default_run_dir(predict_port)
@@ -390,8 +432,10 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     instances: list[Instance] = []
     configs: list[dict] = []
     for k in range(n):
-        cfg = copy.deepcopy(server)
+        cfg = copy.deepcopy(servers[roles[k]])
         s = cfg["ServerConfig"]
+        if roles[k]:
+            s.update(_role_keys(roles[k], s))
         for plane, off in offsets.items():
             p = port0 + off + k * stride
             what = f"instance i{k}'s {keys[plane]}"
@@ -418,13 +462,14 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
                 loaded = load_config(path, env={})
             except ConfigError as e:
                 msg = str(e).replace(f" (in {path})", "")
-                raise FleetError((f"mindie_server_config.{msg}" if e.key else msg)
+                raise FleetError((f"{templates[roles[k]][0]}.{msg}" if e.key else msg)
                                  + (f" (instance i{k}, {path})" if k else "")) from None
             if loaded.unknown:
                 key, close = loaded.unknown[0]
-                raise FleetError("unknown key" + (f": did you mean mindie_server_config.{close}?" if close else
+                tk = templates[roles[k]][0]
+                raise FleetError("unknown key" + (f": did you mean {tk}.{close}?" if close else
                                                   " (not a MindIE config.json key nor a project extension)"),
-                                 f"mindie_server_config.{key}")
+                                 f"{tk}.{key}")
             s = loaded.config.server
             ip, mip, https, drain = s.ip_address, s.management_ip_address, s.https_enabled, s.drain_timeout_s
         else:
@@ -435,16 +480,18 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
         inst = Instance(id=k, name=f"i{k}", config=path, run_dir=s["runDir"], log=os.path.join(run_dir, f"i{k}.log"),
                         ip=_connect_host(ip), business_port=s["port"], mgmt_ip=_connect_host(mip),
                         mgmt_port=s["managementPort"], metrics_port=s["metricsPort"], https=https,
-                        drain_timeout_s=drain)
+                        drain_timeout_s=drain, role=roles[k])
         instances.append(inst)
         rec = {"id": k, "ip": inst.ip, "business_port": inst.business_port, "mgmt_port": inst.mgmt_port}
         if inst.metrics_port != inst.mgmt_port:  # the coordinator reads /metrics there
             rec["metric_port"] = inst.metrics_port
+        if roles[k]:  # until the instance reports its own role in /v2/status
+            rec["role"] = roles[k]
         inst_records.append(rec)
         if inst.mgmt_ip != inst.ip:  # set apart by the user: Motor's records carry one ip
             raise FleetError(f"the management plane ({mip}) must be on the business plane's address ({ip}) "
                              "for the coordinator, whose instance records carry one ip",
-                             "mindie_server_config.ServerConfig.managementIpAddress")
+                             f"{templates[roles[k]][0]}.ServerConfig.managementIpAddress")
     coord["instances"] = inst_records
     digs = coord.setdefault("digs_scheduler_config", {})
     if isinstance(digs, dict):
@@ -467,6 +514,21 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     if write:
         _write_json(os.path.join(run_dir, "plan.json"), asdict(plan))
     return plan
+
+
+def _role_keys(role: str, sc: dict) -> dict:
+    """The server config keys that start an instance in its PD role: ``ServerConfig.pdRole``
+    (the section it came from decides: mindie_server_prefill_config -> prefill) and
+    ``interCommPort`` 0 unless set (one host: the KV moves over ipc, and N instances would
+    otherwise all bind MindIE's default tcp port 1121)."""
+    from mindie.config import ServerConfig
+    fields = ServerConfig.__struct_fields__
+    out = {}
+    if "pd_role" in fields:
+        out["pdRole"] = role
+    if "inter_comm_port" in fields and "interCommPort" not in sc:
+        out["interCommPort"] = 0
+    return out
 
 
 def _check_coordinator(path: str) -> tuple[list[str], float]:
@@ -657,7 +719,8 @@ class Fleet:
         return False
 
     def ready_line(self) -> str:
-        inst = ", ".join(f"{i.name} {_url('https' if i.https else 'http', i.ip, i.business_port)}"
+        inst = ", ".join(f"{i.name}{' ' + i.role if i.role else ''} "
+                         f"{_url('https' if i.https else 'http', i.ip, i.business_port)}"
                          for i in self.plan.instances)
         return (f"mindie-motor ready: coordinator {self.plan.predict_url} (manage {self.plan.manage_url}) | "
                 f"{len(self.plan.instances)} instance(s): {inst} | run dir {self.plan.run_dir}")

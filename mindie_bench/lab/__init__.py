@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "structured": ("structured", "structured output: tokens/s constrained against none, compile time, jump-forward"),
     "fleet": ("fleet", "the coordinator on a local fleet (scripts/motor.sh): cache_affinity against load_balance, relay overhead"),
     "deepseek": ("deepseek", "a tiny DeepSeek-V3 (MLA, grouped routing): tokens/s against transformers, KV bytes per token"),
+    "kv-transfer": ("kv_transfer", "PD disaggregation: KV block transfer GB/s over ipc, tcp and tcp+CURVE on loopback"),
+    "pd": ("pd", "PD disaggregation: one hybrid instance against 1 prefill + 1 decode under a mixed load"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 

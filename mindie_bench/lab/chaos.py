@@ -26,6 +26,17 @@ Each drill runs against a server under load (--clients clients, each sending one
 Kills that the server survives (a device worker, a front end) must recover on their own; the
 others must take the whole server down within seconds, leaving no process.
 
+Prefill/decode drills (``--drills pd-prefill,pd-decode``; issue 32): a ``pd_separate`` fleet
+started by ``scripts/motor.sh`` (one prefill and one decode instance behind the coordinator),
+the load sent to the coordinator with longer prompts (``--pd-prompt`` ids, so a fault lands
+during prefill and KV transfer), and ``kill -9`` of every process of the prefill instance
+(``pd-prefill``: requests not yet at their first token are retried, here on the decode instance
+alone) or of the decode instance (``pd-decode``: streams end with an error frame). The killed
+instance is started again from its derived config, as a process manager would; "recover s" is
+until a request through the coordinator succeeds with both instances ready again, "left" the
+killed instance's processes still alive 20 s after the fault; no client may hang (client
+timeout 60 s, ``exception_config`` bounds the coordinator's waits).
+
 Also ``mindie-bench chaos ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
 Public entry points for the server (``scripts/launch.sh``, HTTP, signals); it reads process trees
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -58,6 +70,7 @@ from tests.harness import alive, free_port, process_roles as roles, rss_mib  # n
 
 DRILLS = ["worker", "frontend", "supervisor", "master", "supervisor+master", "launcher", "launcher+master",
           "second-server", "sigterm"]
+PD_DRILLS = ["pd-prefill", "pd-decode"]  # a pd_separate fleet (PdChaos), not in the default list
 FATAL = {"supervisor", "master", "supervisor+master", "launcher", "launcher+master"}
 
 
@@ -136,6 +149,7 @@ class Load:
     tokens: int
     reqs: list[Req] = field(default_factory=list)
     stopping: bool = False
+    prompt: int = 8  # input ids per request
 
     def start(self) -> None:
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
@@ -157,7 +171,7 @@ class Load:
         n = 0
         while not self.stopping:
             n += 1
-            body = {"input_id": [(i * 97 + n * 13 + j) % 30000 + 3 for j in range(8)], "stream": True,
+            body = {"input_id": [(i * 97 + n * 13 + j) % 30000 + 3 for j in range(self.prompt)], "stream": True,
                     "parameters": {"max_new_tokens": self.tokens, "ignore_eos": True}}
             req = Req(time.monotonic())
             self.reqs.append(req)
@@ -333,6 +347,91 @@ class Chaos:
             self.server.stop()
 
 
+class PdChaos:
+    """The PD drills on a pd_separate fleet (scripts/motor.sh: 1 prefill + 1 decode instance)."""
+
+    def __init__(self, args):
+        from mindie_bench.lab.pd import PdFleet, server_config
+        from workers.models.demo import ensure_demo_model
+        self.args = args
+        self.work = Path(tempfile.mkdtemp(prefix="chaos-pd-"))
+        self.fleet = PdFleet(self.work, server=server_config(str(ensure_demo_model()), 1, 64), launch_args=[])
+        self.plan = self.fleet.wait_ready(300)
+        self.restarted: list[subprocess.Popen] = []
+
+    def _pids(self, name: str) -> list[int]:
+        """launch.sh of instance ``name`` (i0, i1) and every process below it."""
+        from tests.harness import descendants
+        inst = next(i for i in self.plan["instances"] if i["name"] == name)
+        out = []
+        for pid in [self.fleet.proc.pid, *descendants(self.fleet.proc.pid)] + [p.pid for p in self.restarted]:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if inst["config"].encode() in cmd and b"launch.sh" in b" ".join(cmd):
+                out += [pid, *descendants(pid)]
+        return out
+
+    def _states(self) -> dict:
+        try:
+            info = httpx.get(self.fleet.manage_url + "/v1/coordinator_info", timeout=5).json()
+            return {i["role"]: i["state"] for i in info["instances"]}
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def run(self, name: str) -> Row:
+        role = "prefill" if name == "pd-prefill" else "decode"
+        inst = next(i for i in self.plan["instances"] if i["role"] == role)
+        load = Load(self.fleet.url, self.args.clients, self.args.tokens, prompt=self.args.pd_prompt)
+        load.start()
+        time.sleep(self.args.warmup)
+        row = Row(f"kill -9 {role} instance")
+        victims = self._pids(inst["name"])
+        t0 = time.monotonic()
+        row.in_flight = load.in_flight(t0)
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        while time.monotonic() - t0 < 20 and any(alive(p) for p in victims):
+            time.sleep(0.05)
+        row.left = str(sum(1 for p in victims if alive(p)))
+        row.down = f"{time.monotonic() - t0:.1f}"
+        # started again from its derived config, as a process manager would
+        log = open(self.work / f"{inst['name']}-restart.log", "ab")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MIES_", "MINDIE_"))}
+        self.restarted.append(subprocess.Popen(["bash", str(ROOT / "scripts" / "launch.sh"), "--config",
+                                                inst["config"]], stdout=log, stderr=subprocess.STDOUT, env=env))
+        t_recover = None
+        while time.monotonic() - t0 < 300:
+            if self._states() == {"prefill": "ready", "decode": "ready"} and probe(self.fleet.url):
+                t_recover = time.monotonic()
+                break
+            time.sleep(0.2)
+        row.recover = f"{t_recover - t0:.1f}" if t_recover else "> 300"
+        row.launcher = "restarted; coordinator: " + ", ".join(f"{k} {v}" for k, v in sorted(self._states().items()))
+        time.sleep(self.args.after)
+        load.stop()
+        reqs = list(load.reqs)
+        in_flight = [r for r in reqs if r.start <= t0 < (r.end or float("inf"))]
+        later = [r for r in reqs if t0 < r.start <= (t_recover or t0)]
+        row.failed = sum(1 for r in in_flight if r.outcome != "ok")
+        row.errors = f"in flight: {_kinds(in_flight)}" + (f"; later: {_kinds(later)}" if later else "")
+        hung = [r for r in in_flight if r.outcome == "client timeout"]
+        if hung:
+            row.errors += f" ({len(hung)} HUNG)"
+        return row
+
+    def close(self) -> None:
+        for p in self.restarted:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        self.fleet.stop()
+        for p in self.restarted:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(60)
+
+
 def _kinds(reqs: list[Req]) -> str:
     kinds = Counter(r.outcome for r in reqs if r.outcome != "ok")
     return ", ".join(f"{n}x {k}" for k, n in kinds.most_common()) or "none"
@@ -357,12 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200, help="max_new_tokens per request")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each fault")
     ap.add_argument("--after", type=float, default=1.0, help="seconds of load after recovery")
+    ap.add_argument("--pd-prompt", type=int, default=300, help="PD drills: input ids per request")
     args = ap.parse_args(argv)
     drills = [d for d in args.drills.split(",") if d]
-    unknown = set(drills) - set(DRILLS)
+    unknown = set(drills) - set(DRILLS) - set(PD_DRILLS)
     if unknown:
         ap.error(f"unknown drills: {', '.join(sorted(unknown))}")
-    chaos = Chaos(args)
+    if set(drills) & set(PD_DRILLS) and not set(drills) <= set(PD_DRILLS):
+        ap.error("the PD drills (pd-prefill, pd-decode) run on a fleet of their own: give them alone")
+    chaos = PdChaos(args) if set(drills) <= set(PD_DRILLS) else Chaos(args)
     rows: list[Row] = []
     failed = False
     t0 = time.monotonic()
@@ -372,12 +474,15 @@ def main(argv: list[str] | None = None) -> int:
             row = chaos.run(name)
             rows.append(row)
             print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
-            failed |= row.left != "0" or (row.recover == "-" and name not in ("sigterm",)) or "NOT" in row.launcher \
-                or "DISTURBED" in row.launcher
+            failed |= row.left != "0" or (row.recover in ("-", "> 300") and name not in ("sigterm",)) \
+                or "NOT" in row.launcher or "DISTURBED" in row.launcher or "HUNG" in row.errors
     finally:
         chaos.close()
-    print(f"\n{args.workers} device workers (CPU, demo model), {args.frontends} front ends, {args.clients} "
-          f"streaming clients x {args.tokens} tokens; {time.monotonic() - t0:.0f} s; logs in {chaos.work}\n")
+    what = ("a pd_separate fleet (1 prefill + 1 decode instance, 1 CPU device worker each, demo model) behind "
+            f"the coordinator, {args.pd_prompt}-id prompts" if isinstance(chaos, PdChaos)
+            else f"{args.workers} device workers (CPU, demo model), {args.frontends} front ends")
+    print(f"\n{what}, {args.clients} streaming clients x {args.tokens} tokens; {time.monotonic() - t0:.0f} s; "
+          f"logs in {chaos.work}\n")
     print(table(rows))
     return 1 if failed else 0
 

@@ -137,6 +137,35 @@ class BlockManager:
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
 
+    # -- holds (prefill/decode disaggregation, workers/pd_transfer.py) ----------------------
+    def hold(self, block_id: int) -> None:
+        """One more reference on a block outside any sequence: a KV transfer's lease."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def unhold(self, block_id: int) -> None:
+        """Drop a ``hold``; a hashed block stays reusable until evicted, as after ``release``."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)
+
+    def take(self) -> int:
+        """A free block for received content (evicting the least recent cached one), held once."""
+        return self._take_free()
+
+    def publish(self, block_id: int, prev: int | None, token_ids: tuple[int, ...]) -> int:
+        """Register received content of a full block in the prefix cache; returns its hash."""
+        h = chain_hash(prev, token_ids)
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = h, token_ids
+        self.hash_to_block.setdefault(h, block_id)
+        return h
+
     def register_computed(self, seq: Sequence) -> None:
         """Publish newly completed full blocks of ``seq`` in the prefix cache."""
         if not self.enable_prefix_cache:

@@ -146,6 +146,9 @@ class Engine:
         # refused. Requests whose grammar compiles wait here, outside the scheduler.
         self.grammars: Grammars | None = None
         self._compiling: list[Sequence] = []
+        # Called with a sequence just before it ends and its blocks are released (finished or aborted):
+        # a KV transfer (workers/pd_transfer.py) holds the blocks it has yet to send. None = none.
+        self.finish_hook: Callable[[Sequence], None] | None = None
         self.forced_tokens = 0  # tokens emitted without a model step (jump-forward)
         self.steps = 0
         self.prompt_tokens = 0  # prompt tokens computed (prefill chunks, recomputes included)
@@ -262,6 +265,8 @@ class Engine:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             seq.finish_reason = FINISH_ABORT
+            if self.finish_hook is not None:
+                self.finish_hook(seq)
             if self._inflight is not None and id(seq) in self._inflight.seqs:
                 self._deferred.append(seq)  # the compute thread may still read its block table
             else:
@@ -422,6 +427,8 @@ class Engine:
                 self._advance_grammar(seq, tok, out)
             if out.finish_reason:
                 seq.finish_reason = out.finish_reason
+                if self.finish_hook is not None:
+                    self.finish_hook(seq)
                 self.requests.pop(seq.request_id, None)
                 self.scheduler.remove(seq)
                 self._release_adapter(seq)
