@@ -206,8 +206,15 @@ def test_roles_reported_and_enforced(fleet):
 def test_role_api(fleet):
     h = fleet["H"]
     try:
-        r = httpx.post(h.url + "/v1/role/prefill", json=V1_BODY, timeout=10)
-        assert r.status_code == 200 and r.json() == {"result": "ok"}
+        # A request running when the role changes is drained, not cut (new plain requests are refused).
+        long = {"input_id": [5, 6, 7], "parameters": {"max_new_tokens": 500, "ignore_eos": True, "details": True}}
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            running = ex.submit(httpx.post, h.url + "/infer_token", json=long, timeout=120)
+            time.sleep(0.1)
+            r = httpx.post(h.url + "/v1/role/prefill", json=V1_BODY, timeout=10)
+            assert r.status_code == 200 and r.json() == {"result": "ok"}
+            assert not running.done(), "the request ended before the role changed: nothing was drained"
+            assert len(_ids(running.result())) == 500
         st = httpx.get(h.url + "/v1/status", timeout=10).json()
         assert st["service"]["currentRole"] == "prefill" and st["linkStatus"]["peers"] == [{"target": 1, "link": "ok"}]
         plain = {"input_id": [5, 6, 7], "parameters": {"max_new_tokens": 2}}
