@@ -84,7 +84,7 @@ def parse_header(value: str | None) -> P.PdOrder | None:
         raise ApiError(400, f"{HEADER}: op must be \"prefill\" or \"decode\"")
     if not isinstance(tid, str) or not TRANSFER_ID_RE.match(tid):
         raise ApiError(400, f"{HEADER}: transferId must match {TRANSFER_ID_RE.pattern}")
-    if not isinstance(ep, str) or not (ep.startswith("ipc://") or ep.startswith("tcp://")):
+    if not isinstance(ep, str) or not (ep.startswith(("ipc://", "tcp://"))):
         raise ApiError(400, f"{HEADER}: kvEndpoint must be an ipc:// or tcp:// endpoint (/v2/status pd.kvEndpoints)")
     return P.PdOrder(op, tid, ep)
 
@@ -188,5 +188,13 @@ def role_status(roles: RoleState) -> dict:
                                                          if p is not None]}}
 
 
-__all__ = ["HEADER", "ROLES", "RoleState", "RoleResource", "parse_header", "refusal", "check_role_body",
-           "role_status"]
+__all__ = [
+    "HEADER",
+    "ROLES",
+    "RoleResource",
+    "RoleState",
+    "check_role_body",
+    "parse_header",
+    "refusal",
+    "role_status",
+]

@@ -129,7 +129,9 @@ def test_status_routes_idle(split):
     cfg = httpx.get(split.mgmt + "/v1/config", timeout=10).json()
     engine = cfg.pop("engine")  # project extension: the plan's engine settings, as settled
     assert cfg == {"modelName": "demo", "maxSeqLen": 2560, "npuMemSize": -1, "cpuMemSize": 1, "worldSize": 0,
-                   "maxOutputLen": 2000, "cacheBlockSize": BLOCK}
+                   "maxOutputLen": 2000, "cacheBlockSize": BLOCK,
+                   # prefill/decode role (mindie/pd.py): MindIE's inferMode, then project extensions
+                   "inferMode": "standard", "pdRole": "flex", "currentRole": "flex"}
     assert engine["block_size"] == BLOCK and engine["max_batch_size"] == MAX_BATCH
     assert None not in (engine["overlap"], engine["prefill_chunk_tokens"], engine["decode_hold_ms"],
                         engine["cpu"]["native_bf16"], engine["cpu"]["fused_decode_rows"])

@@ -139,7 +139,7 @@ def test_openai_chat(fleet, stream):
     r, _ = _pd(fleet, "/v1/chat/completions", body, stream=stream)
     assert h.status_code == r.status_code == 200, r.text
     if stream:
-        key = lambda c: c["choices"][0]["delta"].get("content") if c.get("choices") else None  # noqa: E731
+        key = lambda c: c["choices"][0]["delta"].get("content") if c.get("choices") else None
         assert _sse_text(r, key) == _sse_text(h, key) and _sse_text(h, key)
     else:
         assert r.json()["choices"][0]["message"] == h.json()["choices"][0]["message"]
@@ -154,7 +154,7 @@ def test_openai_completions(fleet, stream):
     r, _ = _pd(fleet, "/v1/completions", body, stream=stream)
     assert h.status_code == r.status_code == 200, r.text
     if stream:
-        key = lambda c: c["choices"][0]["text"] if c.get("choices") else None  # noqa: E731
+        key = lambda c: c["choices"][0]["text"] if c.get("choices") else None
         assert _sse_text(r, key) == _sse_text(h, key) and _sse_text(h, key)
     else:
         assert r.json()["choices"][0]["text"] == h.json()["choices"][0]["text"]
@@ -168,7 +168,7 @@ def test_tgi(fleet, stream):
     r, _ = _pd(fleet, path, body, stream=stream)
     assert h.status_code == r.status_code == 200, r.text
     if stream:
-        key = lambda c: c["token"]["text"]  # noqa: E731
+        key = lambda c: c["token"]["text"]
         assert _sse_text(r, key) == _sse_text(h, key)
     else:
         assert r.json()["generated_text"] == h.json()["generated_text"]
@@ -206,8 +206,15 @@ def test_roles_reported_and_enforced(fleet):
 def test_role_api(fleet):
     h = fleet["H"]
     try:
-        r = httpx.post(h.url + "/v1/role/prefill", json=V1_BODY, timeout=10)
-        assert r.status_code == 200 and r.json() == {"result": "ok"}
+        # A request running when the role changes is drained, not cut (new plain requests are refused).
+        long = {"input_id": [5, 6, 7], "parameters": {"max_new_tokens": 500, "ignore_eos": True, "details": True}}
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            running = ex.submit(httpx.post, h.url + "/infer_token", json=long, timeout=120)
+            time.sleep(0.1)
+            r = httpx.post(h.url + "/v1/role/prefill", json=V1_BODY, timeout=10)
+            assert r.status_code == 200 and r.json() == {"result": "ok"}
+            assert not running.done(), "the request ended before the role changed: nothing was drained"
+            assert len(_ids(running.result())) == 500
         st = httpx.get(h.url + "/v1/status", timeout=10).json()
         assert st["service"]["currentRole"] == "prefill" and st["linkStatus"]["peers"] == [{"target": 1, "link": "ok"}]
         plain = {"input_id": [5, 6, 7], "parameters": {"max_new_tokens": 2}}
@@ -305,7 +312,7 @@ def test_sender_dies_mid_transfer_blocks_freed_within_lease(fleet):
     holds them, then frees them within the lease (kvTransferLeaseMs)."""
     nframes, nbytes = _layout(fleet)
     d = fleet["D"]
-    sock, KvBlock, KvDone, crc_of = _fake_sender(d.kv)
+    sock, KvBlock, _KvDone, crc_of = _fake_sender(d.kv)
     tid = uuid.uuid4().hex
     prompt = _prompt(6 * BLOCK, 77)
     enc = msgspec.msgpack.Encoder()

@@ -35,8 +35,8 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import msgspec
 import torch
@@ -203,7 +203,7 @@ class KvTransfer:
         ep = sub.pd.kv_endpoint
         if ep.startswith("ipc://") and not os.path.exists(ep[len("ipc://"):]):
             return f"KV endpoint {ep} not found (no decode worker listens there)"
-        if not (ep.startswith("ipc://") or ep.startswith("tcp://")):
+        if not (ep.startswith(("ipc://", "tcp://"))):
             return f"KV endpoint {ep} is not ipc:// or tcp://"
         limit = (len(sub.token_ids) - 1) // self.bm.block_size
         self.outs[sub.request_id] = _Out(sub.pd.transfer_id, ep, seq, limit)
@@ -391,7 +391,7 @@ class KvTransfer:
                     self._receive(frames)
                 except Exception:  # a malformed message must never kill the device loop
                     log.exception("bad KV message ignored")
-        for ep, sock in self.dealers.items():
+        for sock in self.dealers.values():
             while True:
                 try:
                     ack = _dec.decode(sock.recv(zmq.NOBLOCK))
