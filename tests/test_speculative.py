@@ -312,3 +312,29 @@ def test_sampled_distribution_kept(tmp_path):
         keep = (a + b) > 0
         p = stats.chi2_contingency(np.stack([a[keep], b[keep]])).pvalue
         assert p > 1e-3, (pos, a, b)
+
+
+def test_speculation_max_batch_backs_off_under_load():
+    """No proposal in a step with more running requests than speculationMaxBatch; proposals again
+    once fewer run (the same outputs either way)."""
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 2 + [3, 4]
+    reqs = {f"r{i}": (prompt, SamplingParams(max_new_tokens=12 + 4 * i, ignore_eos=True)) for i in range(6)}
+    outs = {}
+    for mb in (0, 3, 64):
+        from mindie.contract.spec import EngineConfig
+        from workers.engine.engine import Engine
+        eng = Engine(CycleRunner(), EngineConfig(block_size=4, spec_tokens=4, spec_max_batch=mb), 256)
+        seen = []
+        orig = eng.spec.propose
+
+        def propose(seq, room, eng=eng, orig=orig, seen=seen):
+            seen.append(eng.scheduler.num_running)
+            return orig(seq, room)
+        eng.spec.propose = propose
+        outs[mb] = run(eng, reqs)
+        assert eng.check_no_leaks()
+        if mb == 0:
+            assert not seen and eng.spec.drafts == 0
+        else:
+            assert seen and max(seen) <= mb and eng.spec.accepted_tokens > 0
+    assert outs[0] == outs[3] == outs[64]

@@ -321,7 +321,8 @@ class Worker:
             eng.num_running, eng.num_waiting, bm.num_free, bm.num_blocks, eng.scheduler.num_preemptions,
             bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
             eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds,
-            self._adapter_infos())
+            self._adapter_infos(), eng.spec.drafts, eng.spec.draft_tokens, eng.spec.accepted_tokens,
+            list(eng.spec.accepted_per_pos))
 
     def _adapter_infos(self) -> list[P.AdapterInfo]:
         """``Heartbeat.adapters``, rebuilt only when the manager's listing changed (the heartbeat
@@ -441,7 +442,8 @@ class Worker:
             self._emit(seq.frontend_id, P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason,
                                                      out.prefill_ms, out.decode_ms, logprobs=out.logprobs,
                                                      top_logprobs=out.top_logprobs,
-                                                     prompt_logprobs=out.prompt_logprobs))
+                                                     prompt_logprobs=out.prompt_logprobs, spec_draft=out.spec_draft,
+                                                     spec_accepted=out.spec_accepted))
 
     def _keepalive(self) -> None:
         try:

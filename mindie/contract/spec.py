@@ -65,7 +65,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # spec_max_batch (speculationMaxBatch), and the recent acceptance under which a request backs
     # off (speculationMinAcceptance).
     spec_method: str = "ngram"
-    spec_tokens: int = 4
+    spec_tokens: int = 6
     spec_lookup_min: int = 2
     spec_lookup_max: int = 5
     spec_max_batch: int = 8

@@ -190,6 +190,9 @@ class TokenFrame(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # With SamplingParams.prompt_logprobs, on the first frame: log P(prompt[i] | prompt[:i]) for
     # i = 1 .. len(prompt) - 1 (the first prompt token has none).
     prompt_logprobs: list[float] = []
+    # Speculative decoding in this step (workers/engine/speculative.py): tokens proposed and accepted.
+    spec_draft: int = 0
+    spec_accepted: int = 0
 
 
 class FrameBatch(Message, tag=5):
@@ -226,6 +229,12 @@ class Heartbeat(Message, tag=6):
     swapped: int = 0  # preempted requests waiting to be recomputed
     decode_holds: int = 0  # steps that held the running requests' decodes for prompts (decodeHoldMs)
     adapters: list[AdapterInfo] = []  # LoRA adapters registered and not being unloaded
+    # Speculative decoding since the worker started: verify steps with a proposal, tokens proposed,
+    # tokens accepted, and accepted counts by position in the proposal (vLLM's spec_decode counters).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class Stopped(Message, tag=8):

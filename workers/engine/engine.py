@@ -65,6 +65,8 @@ class StepOutput:
     prompt_logprobs: list[float] = field(default_factory=list)  # on the first output only
     error: str = ""  # the request failed (a LoRA adapter that could not be read): the message
     error_status: int = 424  # and its HTTP status (400: its constraint, workers/engine/constraints.py)
+    spec_draft: int = 0  # speculative decoding: tokens proposed for this step
+    spec_accepted: int = 0  # and accepted
 
 
 class RunnerOutput(list):
@@ -402,7 +404,7 @@ class Engine:
         while a < len(draft) and toks[a] == draft[a]:
             a += 1
         self.spec.record(seq, len(draft), a)
-        out = StepOutput(seq, [])
+        out = StepOutput(seq, [], spec_draft=len(draft), spec_accepted=a)
         out.decode_ms = (now - seq.last_token_t) * 1000.0
         self.tbt_ms.add(out.decode_ms)
         seq.last_token_t = now
