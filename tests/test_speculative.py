@@ -338,3 +338,50 @@ def test_speculation_max_batch_backs_off_under_load():
         else:
             assert seen and max(seen) <= mb and eng.spec.accepted_tokens > 0
     assert outs[0] == outs[3] == outs[64]
+
+
+def test_constrained_requests_speculate_exactly(demo_model):
+    """Structured output with speculation: proposals are cut at the first token the grammar refuses,
+    each verify row is sampled under the mask after the proposed tokens before it, and the matcher
+    advances over the emitted ones: the same tokens and log-probabilities as without speculation
+    (greedy and seeded, JSON schema and regex, with jump-forward), and proposals were accepted."""
+    pytest.importorskip("llguidance")
+    from tests.test_constrained import _free_and_constrained, constrained_engine
+    from mindie.contract.wire import Submit
+    free, cons = _free_and_constrained()
+    from mindie.contract.wire import Constraint
+    words = Constraint("regex", "[a-z ]{20,60}")  # the demo model's repetitive text fits it: proposals hit
+    cons = {**cons, "c-words": ([5, 6, 10], SamplingParams(max_new_tokens=50, constraint=words)),
+            "c-words-pen": ([5, 6, 11], SamplingParams(max_new_tokens=50, constraint=words, repetition_penalty=1.1,
+                                                       logprobs=2))}
+    reqs = {**free, **cons, **{f"{k}-again": ([9, 9] + v[0], v[1]) for k, v in cons.items()}}
+
+    def go(method):
+        eng = constrained_engine(demo_model, spec_method=method, spec_lookup_min=1, spec_max_batch=64)
+        for rid, (ids, params) in reqs.items():
+            eng.add(Submit(rid, "fe", ids, params))
+        out = {rid: ([], "", []) for rid in reqs}
+        drafted = {rid: [0, 0] for rid in reqs}
+        for _ in range(10000):
+            if not (eng.has_work() or eng.grammar_busy):
+                break
+            for o in eng.step():
+                ids, _, lps = out[o.seq.request_id]
+                ids.extend(o.token_ids)
+                lps.extend(o.logprobs)
+                drafted[o.seq.request_id][0] += o.spec_draft
+                drafted[o.seq.request_id][1] += o.spec_accepted
+                if o.finish_reason or o.error:
+                    out[o.seq.request_id] = (ids, o.error or o.finish_reason, lps)
+        assert eng.check_no_leaks()
+        eng.close()
+        return out, drafted
+
+    plain, _ = go("")
+    spec, drafted = go("ngram")
+    assert {k: v[:2] for k, v in spec.items()} == {k: v[:2] for k, v in plain.items()}
+    for k in spec:
+        np.testing.assert_allclose(spec[k][2], plain[k][2], atol=2e-4)
+    cons_drafted = sum(drafted[k][0] for k in reqs if k.startswith("c-"))
+    cons_accepted = sum(drafted[k][1] for k in reqs if k.startswith("c-"))
+    assert cons_accepted > 10 and cons_drafted >= cons_accepted, drafted

@@ -354,8 +354,13 @@ class Engine:
             return None
         self.steps += 1
         # Constrained rows sampled this step: their masks computed on the mask thread beside the step.
+        drafts = batch.drafts
         constrained = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                       if s.grammar is not None and s.num_computed + n == s.num_tokens]
+                       if s.grammar is not None and s.num_computed + n - (len(drafts[i]) if drafts else 0) == s.num_tokens]
+        if constrained and drafts is not None:
+            # The masks of the rows after each proposed token (speculative decoding), made here on the
+            # loop thread before the mask thread takes the matchers for the first rows.
+            batch.draft_masks = {i: batch.seqs[i].grammar.draft_masks(drafts[i]) for i in constrained if drafts[i]}
         if constrained:
             batch.masks = (constrained, self.grammars.masks([batch.seqs[i].grammar for i in constrained]))
         if self.lora is not None and any(s.adapter is not None for s in batch.seqs):
@@ -382,17 +387,21 @@ class Engine:
 
     def _propose(self) -> None:
         """Proposals for this step's decoding requests (the scheduler takes them into the batch
-        where its budget and free blocks allow). None in steps with more decoding requests than
+        where its budget and free blocks allow). None in steps with more running requests than
         ``spec_max_batch``: their verify rows would cost other requests' rows the cores. Constrained
-        requests do not speculate (their masks are made for one position a step)."""
+        requests speculate too: their proposals are checked against the grammar (check_draft)."""
         running = self.scheduler.running
-        decoding = [s for s in running if s.decoding and s.forced_tail == 0 and s.grammar is None]
+        decoding = [s for s in running if s.decoding and s.forced_tail == 0
+                    and (s.grammar is None or (isinstance(s.grammar, ConstraintState) and not s.grammar.error))]
         if not decoding or len(running) > self.spec.max_batch:
             return
         for seq in decoding:
             room = seq.max_new_tokens - seq.num_output - 1  # the token sampled after the proposal
             if room > 0:
-                seq.draft = self.spec.propose(seq, room)
+                draft = self.spec.propose(seq, room)
+                if draft and seq.grammar is not None:
+                    draft = seq.grammar.check_draft(draft)
+                seq.draft = draft
 
     def _verified(self, seq: Sequence, draft: list[int], toks: list[int], lps: list | None,
                   now: float) -> StepOutput:
@@ -422,9 +431,16 @@ class Engine:
             if out.finish_reason:
                 break
         # Computed now: the last sampled token and the emitted proposed ones (all but the last emitted).
-        seq.num_computed += len(out.token_ids)
+        emitted = len(out.token_ids)
+        seq.num_computed += emitted
         self.blocks.trim(seq)
         self.blocks.register_computed(seq)
+        if seq.grammar is not None and not out.finish_reason:
+            # The matcher over the emitted tokens (the proposal was checked against it, and each
+            # sampled one came from its mask), then jump-forward after the last one.
+            for tok in out.token_ids[:-1]:
+                seq.grammar.consume(tok)
+            self._advance_grammar(seq, out.token_ids[-1], out)
         return out
 
     def collect(self, f: InFlight) -> list[StepOutput]:

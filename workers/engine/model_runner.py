@@ -231,9 +231,22 @@ def sample_masks(batch: ScheduledBatch, sampled_idx: list[int]) -> tuple[list[in
     """The sampler's ``masks`` argument: (row of each constrained sequence among the sampled ones,
     their masks, the same as additive -inf/0 rows), waiting for the mask thread if it is still computing them."""
     rows, job = batch.masks
-    pos = {b: j for j, b in enumerate(sampled_idx)}
+    pos: dict[int, int] = {}
+    for j, b in enumerate(sampled_idx):
+        pos.setdefault(b, j)  # a sequence verifying proposed tokens: its first row
     bits = job.wait()
-    return [pos[b] for b in rows], bits, job.additive
+    out_rows, additive = [pos[b] for b in rows], job.additive
+    if batch.draft_masks:  # the rows after its proposed tokens follow its first
+        extra = [(pos[b] + 1 + j, m) for b, ms in batch.draft_masks.items() for j, m in enumerate(ms)]
+        out_rows += [r for r, _ in extra]
+        more = np.stack([m for _, m in extra])
+        bits = np.concatenate([bits, more])
+        if additive is not None:
+            banned = np.unpackbits((~more).view(np.uint8), axis=1, bitorder="little").view(bool)
+            add = np.zeros(banned.shape, dtype=np.float32)
+            np.putmask(add, banned, np.float32(-np.inf))
+            additive = np.concatenate([additive, add])
+    return out_rows, bits, additive
 
 
 class NullRunner:

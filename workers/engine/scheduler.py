@@ -40,6 +40,9 @@ class ScheduledBatch:
     # Speculative decoding: per sequence, the proposed tokens it verifies this step (counted in
     # its num_tokens, after its last sampled token); None = no proposal in the step.
     drafts: list[list[int]] | None = None
+    # Constrained sequences verifying proposed tokens: batch index -> the masks of their rows after
+    # the first (ConstraintState.draft_masks), set by the engine at launch.
+    draft_masks: dict | None = None
 
     @property
     def empty(self) -> bool:

@@ -26,9 +26,10 @@ token is distributed as p with d's mass removed and renormalised (p conditioned 
 so every emitted token is distributed as without speculation (``rejection_sample`` below is the
 textbook form, for the unit tests' comparison), and with a seed the very same tokens come out.
 
-``Controller`` decides per step who speculates: nobody when the step has more decoding requests
-than ``max_batch`` (the verify rows would compete with other requests' rows for the cores), and a
+``Controller`` decides per step who speculates: nobody when more requests are running than
+``max_batch`` (the verify rows would compete with other requests' rows for the cores), and a
 request whose recent acceptance is low proposes fewer tokens, then nothing for a while (doubling).
+A constrained request's proposal is cut where its grammar refuses it (workers/engine/constraints.py).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class SpecStats:
     draft_tokens: int = 0  # proposed tokens
     accepted_tokens: int = 0  # proposed tokens accepted
     ema: float = 1.0  # recent accepted fraction (starts optimistic)
+    run: float = 2.0  # recent accepted tokens per verify step (the proposal length follows it)
     skip: int = 0  # steps left without proposing (back-off)
     backoff: int = 0  # the next back-off length
     suffix: "SuffixProposer | None" = None  # memory_decoding: the request's tree
@@ -157,7 +159,7 @@ class Controller:
     num_tokens: int = 4  # most proposed tokens per request and step (speculationGamma)
     lookup_min: int = 2
     lookup_max: int = 5
-    max_batch: int = 8  # no speculation in steps with more decoding requests than this
+    max_batch: int = 8  # no speculation in steps with more running requests than this
     min_acceptance: float = 0.3  # below this recent acceptance a request backs off
     # step totals, for /metrics (vLLM's spec_decode counters) and the worker's status
     drafts: int = 0
@@ -180,10 +182,10 @@ class Controller:
         if st.skip > 0:
             st.skip -= 1
             return []
-        # Fewer tokens while acceptance is middling: about twice the expected accepted run.
-        k = min(self.num_tokens, room)
-        if st.ema < 0.75:
-            k = min(k, max(1, int(math.ceil(4 * st.ema))))
+        # As many tokens as recent verify steps accepted, plus one and a half: a fully accepted
+        # proposal grows the next one, a short run shrinks it (each proposed token is a row the
+        # step computes; on a CPU a small model's rows are not free).
+        k = min(self.num_tokens, room, max(1, int(math.ceil(1.5 * st.run + 1))))
         if k <= 0:
             return []
         if self.method == "ngram":
@@ -200,6 +202,7 @@ class Controller:
         st.draft_tokens += drafted
         st.accepted_tokens += accepted
         st.ema = 0.7 * st.ema + 0.3 * (accepted / drafted)
+        st.run = 0.6 * st.run + 0.4 * accepted
         if st.ema < self.min_acceptance:
             st.backoff = min(max(2 * st.backoff, 4), 64)
             st.skip = st.backoff
