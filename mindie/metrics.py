@@ -312,12 +312,13 @@ def worker_families(model_name: str, heartbeats: Sequence[P.Heartbeat], rates: t
         for j, v in enumerate(hb.spec_accepted_per_pos):
             per_pos.extend([0] * (j + 1 - len(per_pos)))
             per_pos[j] += v
-    c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by "
-                            "position in the proposal (0 = the first), since the device workers started",
-                            labels=lab + ["position"])
-    for j, v in enumerate(per_pos):
-        c.add_metric([model_name, str(j)], v)
-    out.append(c)
+    if per_pos:  # (no speculating worker: no positions)
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by "
+                                "position in the proposal (0 = the first), since the device workers started",
+                                labels=lab + ["position"])
+        for j, v in enumerate(per_pos):
+            c.add_metric([model_name, str(j)], v)
+        out.append(c)
     return out
 
 

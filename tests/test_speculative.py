@@ -385,3 +385,20 @@ def test_constrained_requests_speculate_exactly(demo_model):
     cons_drafted = sum(drafted[k][0] for k in reqs if k.startswith("c-"))
     cons_accepted = sum(drafted[k][1] for k in reqs if k.startswith("c-"))
     assert cons_accepted > 10 and cons_drafted >= cons_accepted, drafted
+
+
+def test_spec_counters_on_metrics_are_summed_over_workers():
+    """vLLM's spec_decode counters from the workers' heartbeats: sums, per-position by label."""
+    from mindie.contract import wire as P
+    from mindie.metrics import worker_families
+
+    def hb(w, drafts, draft_tokens, accepted, per_pos):
+        return P.Heartbeat(w, "a", "cpu:0", 1, "m", 0, 0, 10, 10, spec_drafts=drafts, spec_draft_tokens=draft_tokens,
+                           spec_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+    fams = {f.name: f for f in worker_families("m", [hb("w0", 3, 12, 7, [3, 2, 2]), hb("w1", 1, 4, 1, [1])],
+                                               (0.0, 0.0), 0, 0)}
+    assert fams["vllm:spec_decode_num_drafts"].samples[0].value == 4
+    assert fams["vllm:spec_decode_num_draft_tokens"].samples[0].value == 16
+    assert fams["vllm:spec_decode_num_accepted_tokens"].samples[0].value == 8
+    per = {s.labels["position"]: s.value for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert per == {"0": 4, "1": 2, "2": 2}
