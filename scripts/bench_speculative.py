@@ -6,7 +6,7 @@ copy-heavy tasks (rewrite a given code file, extract from a given document, echo
 and free-form chat, and at concurrency 32 (the four kinds mixed). Prints a markdown table
 (docs/performance.md, "Speculative decoding").
 
-    python3 scripts/bench_speculative.py [--new-tokens 128] [--rounds 1] [--method ngram]
+    python3 scripts/bench_speculative.py [--new-tokens 128] [--rounds 1] [--method ngram] [--threads 1 --cpu-time]
 """
 from __future__ import annotations
 
@@ -53,9 +53,12 @@ def chat(tok, text: str, reply_start: str = "") -> list[int]:
                       add_special_tokens=False).ids
 
 
-def run_once(engine, reqs) -> tuple[float, int, int, int]:
+CLOCK = time.perf_counter  # --cpu-time: time.process_time
+
+
+def run_once(engine, reqs) -> tuple[float, int, int, int, int]:
     """Decode seconds (from the first output token to the last), tokens generated after the first of
-    each request, tokens proposed, tokens accepted. Prefill is left out: speculation does not change it,
+    each request, tokens proposed, tokens accepted, engine steps after the first output. Prefill is left out: speculation does not change it,
     and on a shared machine its noise would swamp the decode figures."""
     from mindie.contract.wire import Submit
     d0, a0 = engine.spec.draft_tokens, engine.spec.accepted_tokens
@@ -63,12 +66,14 @@ def run_once(engine, reqs) -> tuple[float, int, int, int]:
         engine.add(Submit(rid, "fe", ids, params))
     n = 0
     t_first = None
+    steps0 = 0
     while engine.has_work():
         for o in engine.step():
             if t_first is None:
-                t_first = time.perf_counter()
+                t_first, steps0 = CLOCK(), engine.steps
             n += len(o.token_ids)
-    return time.perf_counter() - t_first, n - len(reqs), engine.spec.draft_tokens - d0, engine.spec.accepted_tokens - a0
+    return (CLOCK() - t_first, n - len(reqs), engine.spec.draft_tokens - d0,
+            engine.spec.accepted_tokens - a0, engine.steps - steps0)
 
 
 def main() -> None:
@@ -79,7 +84,14 @@ def main() -> None:
     ap.add_argument("--method", default="ngram", choices=["ngram", "memory_decoding"])
     ap.add_argument("--spec-tokens", type=int, default=6)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--only", choices=["c1", "c32"], default=None, help="only the concurrency-1 rows or the c=32 row")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="rates per second of this process's CPU time, not wall time (a shared machine: with "
+                         "--threads 1 no OpenMP thread spins, so CPU time is the work done)")
     args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
 
     from tokenizers import Tokenizer
 
@@ -111,14 +123,14 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     uid = 0
     print(f"| task | c | prompt tokens | tok/s off | tok/s on ({args.method}) | speed-up | proposed | accepted | "
-          f"acceptance |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"acceptance | steps per token off / on |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
 
     def row(task: str, c: int, plen: int, b: dict) -> None:
         off, on = b["off"][0], b["on"][0]
         d, a = b["on"][1], b["on"][2]
         print(f"| {task} | {c} | {plen} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {d} | {a} | "
-              f"{(a / d if d else 0):.0%} |", flush=True)
+              f"{(a / d if d else 0):.0%} | {b['off'][3]:.2f} / {b['on'][3]:.2f} |", flush=True)
 
     def measure(reqs_of) -> dict:
         """Per mode: (median tokens/s, tokens proposed, accepted) over the rounds, off and on alternated."""
@@ -130,14 +142,18 @@ def main() -> None:
                 runs[name].append(run_once(engines[name], reqs_of(uid)))
         out = {}
         for name, rs in runs.items():
-            rates = sorted(n / s for s, n, _, _ in rs)
-            out[name] = (rates[len(rates) // 2], sum(r[2] for r in rs), sum(r[3] for r in rs))
+            rates = sorted(n / s for s, n, *_ in rs)
+            # steps per output token: what speculation changes, whatever else the machine runs
+            per_tok = sum(r[4] for r in rs) / max(1, sum(r[1] for r in rs))
+            out[name] = (rates[len(rates) // 2], sum(r[2] for r in rs), sum(r[3] for r in rs), per_tok)
         return out
 
-    for task, (text, start) in TASKS.items():
+    for task, (text, start) in TASKS.items() if args.only != "c32" else ():
         ids = chat(tok, text, start)
         best = measure(lambda u: {f"{task}-{u}": (ids, params)})
         row(task, 1, len(ids), best)
+    if args.only == "c1":
+        return
     mix = [chat(tok, t, s) for t, s in TASKS.values()]
     p32 = SamplingParams(max_new_tokens=args.c32_new_tokens, ignore_eos=True)
     best = measure(lambda u: {f"c32-{u}-{i}": (mix[i % len(mix)], p32) for i in range(32)})
