@@ -133,11 +133,12 @@ def main() -> None:
               f"{(a / d if d else 0):.0%} | {b['off'][3]:.2f} / {b['on'][3]:.2f} |", flush=True)
 
     def measure(reqs_of) -> dict:
-        """Per mode: (median tokens/s, tokens proposed, accepted) over the rounds, off and on alternated."""
+        """Per mode: (median tokens/s, tokens proposed, accepted, steps per token) over the rounds, off and
+        on alternated (off first in even rounds, on first in odd ones)."""
         nonlocal uid
         runs: dict = {"off": [], "on": []}
-        for _ in range(args.rounds):
-            for name in ("off", "on"):
+        for r in range(args.rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):  # no order bias
                 uid += 1
                 runs[name].append(run_once(engines[name], reqs_of(uid)))
         out = {}
