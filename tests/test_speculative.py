@@ -8,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+from scipy import stats  # setup.cfg [test]
 
 from mindie.contract.wire import SamplingParams
 from tests.test_engine import make_engine, run
@@ -15,7 +16,6 @@ from tests.tiny_hf import random_model
 from workers.engine.speculative import (Controller, SpecStats, SuffixProposer, accepted_prefix, ngram_propose,
                                         rejection_sample)
 
-stats = pytest.importorskip("scipy.stats")
 
 
 # -- the proposers and the sampler alone --------------------------------------------------------
@@ -345,7 +345,6 @@ def test_constrained_requests_speculate_exactly(demo_model):
     each verify row is sampled under the mask after the proposed tokens before it, and the matcher
     advances over the emitted ones: the same tokens and log-probabilities as without speculation
     (greedy and seeded, JSON schema and regex, with jump-forward), and proposals were accepted."""
-    pytest.importorskip("llguidance")
     from tests.test_constrained import _free_and_constrained, constrained_engine
     from mindie.contract.wire import Submit
     free, cons = _free_and_constrained()

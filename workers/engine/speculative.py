@@ -185,7 +185,7 @@ class Controller:
         # As many tokens as recent verify steps accepted, plus one and a half: a fully accepted
         # proposal grows the next one, a short run shrinks it (each proposed token is a row the
         # step computes; on a CPU a small model's rows are not free).
-        k = min(self.num_tokens, room, max(1, int(math.ceil(1.5 * st.run + 1))))
+        k = min(self.num_tokens, room, max(1, math.ceil(1.5 * st.run + 1)))
         if k <= 0:
             return []
         if self.method == "ngram":
