@@ -72,6 +72,39 @@ class ConfigError(Exception):
         self.source = source
 
 
+SPEC_MAX_TOKENS = 16  # MindIE's decoding_length range [1, 16]
+NGRAM_DEFAULT_TOKENS = 6  # proposed tokens per step of the n-gram default (docs/performance.md)
+
+
+def speculation_plugin(text: str) -> tuple[str, int] | None:
+    """``ModelConfig.plugin_params`` (MindIE's JSON string) as (method, decoding_length); None when
+    empty. ValueError, worded for the key, for anything this server does not run."""
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise ValueError(f"must be a JSON object in a string, got {text!r}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"must be a JSON object in a string, got {text!r}")
+    kind = obj.get("plugin_type")
+    if kind == "la":
+        raise ValueError("plugin_type \"la\" (lookahead) is not implemented here: use \"memory_decoding\", or remove "
+                         "plugin_params for the default n-gram speculation")
+    if kind != "memory_decoding":
+        raise ValueError(f"plugin_type must be \"memory_decoding\", got {kind!r}")
+    unknown = set(obj) - {"plugin_type", "decoding_length", "dynamic_algo"}
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))} (known: plugin_type, decoding_length, "
+                         "dynamic_algo)")
+    length = obj.get("decoding_length", SPEC_MAX_TOKENS)
+    if not isinstance(length, int) or isinstance(length, bool) or not 1 <= length <= SPEC_MAX_TOKENS:
+        raise ValueError(f"decoding_length must be an integer in [1, {SPEC_MAX_TOKENS}], got {length!r}")
+    if not isinstance(obj.get("dynamic_algo", False), bool):
+        raise ValueError(f"dynamic_algo must be true or false, got {obj['dynamic_algo']!r}")
+    return kind, length
+
+
 class _Section(msgspec.Struct, kw_only=True, rename="camel"):
     """Base of every section: snake_case fields, camelCase keys; unknown keys are accepted."""
 
@@ -195,6 +228,10 @@ class ModelConfig(_Section):
     # mindie/reasoning.py). "auto": MindIE's models.<type>.enable_reasoning where set, else
     # detected from the chat template; "none": off.
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    # MindIE's speculative decoding plugin, a JSON object in a string: {"plugin_type":
+    # "memory_decoding", "decoding_length": 1-16, "dynamic_algo": bool} (workers/engine/speculative.py;
+    # checked in _check). "" = the project's default proposer (n-gram prompt lookup).
+    plugin_params: str = field(default="", name="plugin_params")
 
 
 class LoraModuleConfig(_Section):
@@ -218,6 +255,9 @@ class ModelDeployConfig(_Section):
     max_loras: Annotated[int, Meta(ge=0, le=MAX_LORAS)] = 0
     max_lora_rank: Annotated[int, Meta(ge=0, le=UINT32_MAX)] = 0
     lora_modules: list[LoraModuleConfig] = field(default_factory=list, name="LoraModules")
+    # MindIE's: the most tokens proposed per request and step (speculative decoding); must be >=
+    # plugin_params' decoding_length. 0 = the proposer's default (decoding_length, or 6 for n-grams).
+    speculation_gamma: Annotated[int, Meta(ge=0, le=SPEC_MAX_TOKENS)] = 0
 
 
 class ScheduleConfig(_Section):
@@ -245,6 +285,15 @@ class ScheduleConfig(_Section):
     # Project extension: structured output emits the tokens a request's grammar forces (each the
     # only token its mask admits) without a model step of their own (jump-forward).
     jump_forward: bool = True
+    # Project extensions: speculative decoding without a draft model (workers/engine/speculative.py):
+    # on by default; n-gram lengths the prompt lookup tries; no speculation in steps with more decoding
+    # requests than speculationMaxBatch; a request whose recent acceptance falls below
+    # speculationMinAcceptance backs off.
+    speculative_decoding: bool = True
+    prompt_lookup_min: Annotated[int, Meta(ge=1, le=16)] = 2
+    prompt_lookup_max: Annotated[int, Meta(ge=1, le=16)] = 5
+    speculation_max_batch: Annotated[int, Meta(ge=0, le=819200)] = 8
+    speculation_min_acceptance: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
 
 
 class CpuTuningConfig(_Section):
@@ -587,7 +636,6 @@ MINDIE_UNUSED_KEYS = frozenset({
     "BackendConfig.ModelDeployConfig.ModelConfig[].modelInstanceType",
     "BackendConfig.ModelDeployConfig.ModelConfig[].backendType",
     "BackendConfig.ModelDeployConfig.ModelConfig[].trustRemoteCode",
-    "BackendConfig.ModelDeployConfig.ModelConfig[].plugin_params",
     "BackendConfig.ModelDeployConfig.ModelConfig[].async_scheduler_wait_time",
     "BackendConfig.ModelDeployConfig.ModelConfig[].kv_trans_timeout",
     "BackendConfig.ModelDeployConfig.ModelConfig[].kv_link_timeout",
@@ -779,6 +827,17 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
     if sch.max_iter_times > d.max_seq_len:
         fail("BackendConfig.ScheduleConfig.maxIterTimes",
              f"must be <= ModelDeployConfig.maxSeqLen ({d.max_seq_len}), got {sch.max_iter_times}")
+    if sch.prompt_lookup_min > sch.prompt_lookup_max:
+        fail("BackendConfig.ScheduleConfig.promptLookupMin",
+             f"must be <= promptLookupMax ({sch.prompt_lookup_max}), got {sch.prompt_lookup_min}")
+    for i, m in enumerate(d.models):
+        try:
+            plugin = speculation_plugin(m.plugin_params)
+        except ValueError as e:
+            fail(f"BackendConfig.ModelDeployConfig.ModelConfig[{i}].plugin_params", str(e))
+        if plugin and i == 0 and d.speculation_gamma and d.speculation_gamma < plugin[1]:
+            fail("BackendConfig.ModelDeployConfig.speculationGamma",
+                 f"must be >= plugin_params' decoding_length ({plugin[1]}), got {d.speculation_gamma}")
     ids = b.npu_device_ids
     if len({len(group) for group in ids}) > 1:
         fail(_DEVICE_IDS_KEY, f"every entry must list the same number of devices, got {ids}")

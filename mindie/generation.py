@@ -68,7 +68,7 @@ class Piece:
     """What one step added to a request (a plain slotted class: one is made per token frame)."""
 
     __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "stop", "prefill_ms",
-                 "decode_ms", "prompt_logprobs")
+                 "decode_ms", "prompt_logprobs", "spec")
 
     def __init__(self, token_ids: list[int], text: str, logprobs: list[float] = (),
                  top_logprobs: list[list[tuple[int, float]]] = (), finish_reason: str = "", stop: str | None = None,
@@ -82,6 +82,7 @@ class Piece:
         self.prefill_ms = prefill_ms
         self.decode_ms = decode_ms
         self.prompt_logprobs = prompt_logprobs  # first piece, when asked
+        self.spec = (0, 0)  # speculative decoding in its step: (tokens proposed, accepted)
 
 
 class Deadline:
@@ -183,8 +184,11 @@ class Generation:
             if not (f.token_ids or f.finish_reason):
                 return None
             # The frame's lists are this request's alone (decoded for it): no copies.
-            return Piece(f.token_ids, "", f.logprobs, f.top_logprobs, f.finish_reason, None, f.prefill_ms,
-                         f.decode_ms, f.prompt_logprobs)
+            p = Piece(f.token_ids, "", f.logprobs, f.top_logprobs, f.finish_reason, None, f.prefill_ms,
+                      f.decode_ms, f.prompt_logprobs)
+            if f.spec_draft:
+                p.spec = (f.spec_draft, f.spec_accepted)
+            return p
         text, stop = self.matcher.push(self.detok.push(f.token_ids))
         if stop is None and f.finish_reason:
             more, stop = self.matcher.push(self.detok.flush())
@@ -198,5 +202,8 @@ class Generation:
         self.finish_reason = finish
         if not (f.token_ids or text or finish):
             return None
-        return Piece(f.token_ids, text, f.logprobs, f.top_logprobs, finish, stop, f.prefill_ms, f.decode_ms,
-                     f.prompt_logprobs)
+        p = Piece(f.token_ids, text, f.logprobs, f.top_logprobs, finish, stop, f.prefill_ms, f.decode_ms,
+                  f.prompt_logprobs)
+        if f.spec_draft:
+            p.spec = (f.spec_draft, f.spec_accepted)
+        return p

@@ -299,6 +299,26 @@ def worker_families(model_name: str, heartbeats: Sequence[P.Heartbeat], rates: t
     gauge("cpu_cache_usage_perc", "Host (swap) KV-cache usage: always 0, there is no swap space", 0.0)
     gauge("npu_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt blocks (1 = 100%)",
           prefix_hit_rate(heartbeats))
+    # Speculative decoding (workers/engine/speculative.py), vLLM's counter names.
+    for name, doc, field in (
+            ("vllm:spec_decode_num_drafts", "Verify steps of a request with proposed tokens", "spec_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding", "spec_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", "spec_accepted_tokens")):
+        c = CounterMetricFamily(name, doc + " since the device workers started", labels=lab)
+        c.add_metric([model_name], sum(getattr(hb, field) for hb in heartbeats))
+        out.append(c)
+    per_pos: list[int] = []
+    for hb in heartbeats:
+        for j, v in enumerate(hb.spec_accepted_per_pos):
+            per_pos.extend([0] * (j + 1 - len(per_pos)))
+            per_pos[j] += v
+    if per_pos:  # (no speculating worker: no positions)
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by "
+                                "position in the proposal (0 = the first), since the device workers started",
+                                labels=lab + ["position"])
+        for j, v in enumerate(per_pos):
+            c.add_metric([model_name, str(j)], v)
+        out.append(c)
     return out
 
 

@@ -498,13 +498,13 @@ class Pipeline:
             out = outs[0]
             async with contextlib.aclosing(out.gen.pieces()) as pieces:
                 async for p in pieces:
-                    rec.token(len(p.token_ids))
+                    rec.piece(p)
                     out.add(p)
             return
         async with contextlib.aclosing(self._pieces(outs, tick=False)) as pieces:
             async for item in pieces:
                 out, p = item
-                rec.token(len(p.token_ids))
+                rec.piece(p)
                 out.add(p)
 
     async def _collect(self, codec: Codec, job: Job, outs: list[Output], ctx: Context,
@@ -565,7 +565,7 @@ class Pipeline:
                     out, p = single, item
                 else:
                     out, p = item
-                rec.token(len(p.token_ids))
+                rec.piece(p)
                 out.add(p)
                 data = b"".join(render(job, out, p, ctx))
                 if data:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from mindie.config import Config
+from mindie.config import NGRAM_DEFAULT_TOKENS, Config, speculation_plugin
 from mindie.contract.spec import CpuTuning, Deployment, EngineConfig, LoraModule, WorkerSpec, kv_endpoint, worker_endpoints
 
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
@@ -78,7 +78,19 @@ def engine_config(config: Config, *, null_model: bool = False) -> EngineConfig:
         # None (here and in cpu below) = the device's default, settled by workers.prepare.
         overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None),
         tp_start_timeout_s=backend.tp_start_timeout_s, tp_collective_timeout_s=backend.tp_collective_timeout_s,
-        gc_freeze=backend.gc_freeze, cpu=cpu_tuning(config))
+        gc_freeze=backend.gc_freeze, cpu=cpu_tuning(config), **speculation(config))
+
+
+def speculation(config: Config) -> dict:
+    """EngineConfig's speculative decoding fields: memory_decoding where ModelConfig.plugin_params
+    says so (decoding_length tokens), else the n-gram default (speculationGamma tokens, or 6);
+    off with ScheduleConfig.speculativeDecoding false."""
+    deploy, sched = config.backend.model_deploy, config.backend.schedule
+    plugin = speculation_plugin(deploy.models[0].plugin_params)
+    method, tokens = plugin if plugin else ("ngram", deploy.speculation_gamma or NGRAM_DEFAULT_TOKENS)
+    return dict(spec_method=method if sched.speculative_decoding else "", spec_tokens=tokens,
+                spec_lookup_min=sched.prompt_lookup_min, spec_lookup_max=sched.prompt_lookup_max,
+                spec_max_batch=sched.speculation_max_batch, spec_min_acceptance=sched.speculation_min_acceptance)
 
 
 def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: float = 0.0,

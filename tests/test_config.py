@@ -151,14 +151,15 @@ JSON_KEYS = {
         "kernels", "isa", "kernelCache", "nativeBf16", "linearBuckets", "prewarmGflop", "fusedDecode",
         "fusedDecodeRows", "fusedDecodeMb", "int8Rows"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
-                                        "maxLoraRank", "LoraModules"},
+                                        "maxLoraRank", "LoraModules", "speculationGamma"},
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize",
-        "moeParallel", "models", "reasoningParser"},
+        "moeParallel", "models", "reasoningParser", "plugin_params"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
-        "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "jumpForward"},
+        "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "jumpForward",
+        "speculativeDecoding", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 

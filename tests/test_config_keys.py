@@ -230,6 +230,30 @@ KEY_TESTS: dict[str, list[str]] = {
                                                        "test_e2e_prompts_go_first_and_are_counted"),
     "BackendConfig.ScheduleConfig.jumpForward": ["tests/test_constrained.py::test_jump_forward_key_reaches_the_engine",
                                                  "tests/test_constrained.py::test_mixed_batch_and_jump_forward"],
+    # -- speculative decoding (tests/test_speculative*.py)
+    "BackendConfig.ScheduleConfig.speculativeDecoding": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative_server.py::test_speculation_counted_on_metrics_and_in_the_request_log"],
+    "BackendConfig.ScheduleConfig.promptLookupMin": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative_server.py::test_config_refusals", "tests/test_speculative.py::test_ngram_proposes_after_the_latest_longest_match"],
+    "BackendConfig.ScheduleConfig.promptLookupMax": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative.py::test_ngram_proposes_after_the_latest_longest_match"],
+    "BackendConfig.ScheduleConfig.speculationMaxBatch": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative.py::test_speculation_max_batch_backs_off_under_load"],
+    "BackendConfig.ScheduleConfig.speculationMinAcceptance": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative_server.py::test_config_refusals",
+        "tests/test_speculative.py::test_controller_backs_off_on_low_acceptance"],
+    "BackendConfig.ModelDeployConfig.speculationGamma": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative_server.py::test_config_refusals"],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].plugin_params": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative_server.py::test_config_refusals",
+        "tests/test_speculative.py::test_same_outputs_with_and_without_speculation"],
     # -- engine and kernel settings (tests/test_engine_settings.py: file and override reach the plan and the worker)
     "BackendConfig.tpStartTimeoutS": _ES + ["tests/test_tensor_parallel.py::test_startup_names_the_rank_that_did_not_come_up"],
     "BackendConfig.tpCollectiveTimeoutS": _ES + [

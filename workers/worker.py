@@ -372,7 +372,8 @@ class Worker:
             bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
             eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds,
             self._adapter_infos(), self.kv.held if self.kv is not None else 0,
-            self.kv.active if self.kv is not None else 0)
+            self.kv.active if self.kv is not None else 0, eng.spec.drafts, eng.spec.draft_tokens,
+            eng.spec.accepted_tokens, list(eng.spec.accepted_per_pos))
 
     def _adapter_infos(self) -> list[P.AdapterInfo]:
         """``Heartbeat.adapters``, rebuilt only when the manager's listing changed (the heartbeat
@@ -491,7 +492,8 @@ class Worker:
                 continue
             frame = P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason, out.prefill_ms, out.decode_ms,
                                  logprobs=out.logprobs, top_logprobs=out.top_logprobs,
-                                 prompt_logprobs=out.prompt_logprobs)
+                                 prompt_logprobs=out.prompt_logprobs, spec_draft=out.spec_draft,
+                                 spec_accepted=out.spec_accepted)
             if self.kv is not None and self.kv.hold_frame(frame):
                 continue  # a prefill request's frame waits for its KV transfer's Ack
             self._emit(seq.frontend_id, frame)

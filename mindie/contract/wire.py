@@ -201,6 +201,9 @@ class TokenFrame(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # With SamplingParams.prompt_logprobs, on the first frame: log P(prompt[i] | prompt[:i]) for
     # i = 1 .. len(prompt) - 1 (the first prompt token has none).
     prompt_logprobs: list[float] = []
+    # Speculative decoding in this step (workers/engine/speculative.py): tokens proposed and accepted.
+    spec_draft: int = 0
+    spec_accepted: int = 0
 
 
 class FrameBatch(Message, tag=5):
@@ -239,6 +242,12 @@ class Heartbeat(Message, tag=6):
     adapters: list[AdapterInfo] = []  # LoRA adapters registered and not being unloaded
     kv_held: int = 0  # KV blocks held for transfers (workers/pd_transfer.py), both directions
     kv_transfers: int = 0  # transfers in progress (sent, received, or decode requests waiting for one)
+    # Speculative decoding since the worker started: verify steps with a proposal, tokens proposed,
+    # tokens accepted, and accepted counts by position in the proposal (vLLM's spec_decode counters).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class Stopped(Message, tag=8):

@@ -121,6 +121,21 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free())
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks of ``seq`` past its computed tokens (speculative decoding: the slots of
+        rejected proposed tokens). They were never registered (registration needs computed tokens),
+        so they go first in line for reuse; a kept block's stale slots are overwritten by the next
+        tokens before registration can reach them."""
+        keep = self.blocks_needed(seq.num_computed)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                assert block.hash is None, "a block holding uncomputed tokens was registered"
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)
+
     def release(self, seq: Sequence) -> None:
         """Return every block of ``seq``; hashed blocks stay reusable until evicted."""
         for block_id in reversed(seq.block_table):

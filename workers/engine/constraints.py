@@ -276,6 +276,34 @@ class ConstraintState:
                 words[t >> 5] |= np.uint32(1 << (t & 31))
         self.bits = row.copy()
 
+    def check_draft(self, draft: list[int]) -> list[int]:
+        """The longest prefix of a speculative proposal the grammar allows from here, cut before an
+        end token (EOS or a stop id: the request's end is left to a sampled token)."""
+        n = self.matcher.validate_tokens(draft)
+        for j in range(min(n, len(draft))):
+            if draft[j] in self.eos or draft[j] in self.stop:
+                return draft[:j]
+        return draft[:n]
+
+    def draft_masks(self, draft: list[int]) -> np.ndarray:
+        """The masks [len(draft), words] after each proposed token (row j: after draft[:j + 1]),
+        computed by advancing the matcher and rolling it back; the state is as before."""
+        bits, error = self.bits, self.error
+        out = np.empty((len(draft), self.words), dtype=np.int32)
+        done = 0
+        try:
+            for j, tok in enumerate(draft):
+                if not self.matcher.consume_token(tok):
+                    out[j:] = -1  # (checked by check_draft: not expected) every token, so no row is empty
+                    break
+                done += 1
+                self.fill(out[j])
+        finally:
+            if done:
+                self.matcher.rollback(done)
+            self.bits, self.error = bits, error
+        return out
+
     def jump(self, limit: int, *, first: bool = False) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (each the only token its mask admits),
         consumed. Stops before the first free choice, leaving its mask in ``bits`` when it was

@@ -21,6 +21,7 @@ from workers.engine.constraints import ERROR_STATUS, ConstraintError, Constraint
 from workers.engine.lora_manager import Answer, LoraManager, UnknownAdapter
 from workers.engine.scheduler import ScheduledBatch, Scheduler
 from workers.engine.sequence import Sequence, Status
+from workers.engine.speculative import Controller
 
 log = logging.getLogger("workers.engine")
 
@@ -64,6 +65,8 @@ class StepOutput:
     prompt_logprobs: list[float] = field(default_factory=list)  # on the first output only
     error: str = ""  # the request failed (a LoRA adapter that could not be read): the message
     error_status: int = 424  # and its HTTP status (400: its constraint, workers/engine/constraints.py)
+    spec_draft: int = 0  # speculative decoding: tokens proposed for this step
+    spec_accepted: int = 0  # and accepted
 
 
 class RunnerOutput(list):
@@ -77,6 +80,10 @@ class RunnerOutput(list):
         super().__init__(tokens)
         self.logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = {}
         self.prompt_logprobs: dict[int, tuple[int, list[float]]] = {}
+        # Speculative decoding, by batch index of a sequence that verified k proposed tokens: the
+        # k + 1 tokens sampled at its rows (the first is also self[i]), and their log-probabilities.
+        self.verified: dict[int, list[int]] = {}
+        self.verified_logprobs: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}
 
 
 class Runner(Protocol):
@@ -156,6 +163,11 @@ class Engine:
         # Means of the last 1000 first-token and between-token times (ms), for /metrics-json.
         self.ttft_ms = RecentMean(1000)
         self.tbt_ms = RecentMean(1000)
+        # Speculative decoding (workers/engine/speculative.py): only with a runner that verifies
+        # proposals (ModelRunner; the null model's tokens are no model's).
+        self.spec = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) else "",
+                               cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
+                               cfg.spec_min_acceptance)
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, sub: Submit) -> Sequence:
@@ -337,13 +349,23 @@ class Engine:
         that computes: torch's thread count is per thread). None when nothing can run."""
         if self._inflight is not None:
             raise RuntimeError("a step is already in flight: collect() it first")
+        if self.spec.enabled:
+            self._propose()
         batch = self.scheduler.schedule()
+        if self.spec.enabled:
+            for seq in self.scheduler.running:
+                seq.draft = []  # not scheduled this step (a held decode, no budget): proposed afresh next time
         if batch.empty:
             return None
         self.steps += 1
         # Constrained rows sampled this step: their masks computed on the mask thread beside the step.
+        drafts = batch.drafts
         constrained = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                       if s.grammar is not None and s.num_computed + n == s.num_tokens]
+                       if s.grammar is not None and s.num_computed + n - (len(drafts[i]) if drafts else 0) == s.num_tokens]
+        if constrained and drafts is not None:
+            # The masks of the rows after each proposed token (speculative decoding), made here on the
+            # loop thread before the mask thread takes the matchers for the first rows.
+            batch.draft_masks = {i: batch.seqs[i].grammar.draft_masks(drafts[i]) for i in constrained if drafts[i]}
         if constrained:
             batch.masks = (constrained, self.grammars.masks([batch.seqs[i].grammar for i in constrained]))
         if self.lora is not None and any(s.adapter is not None for s in batch.seqs):
@@ -368,6 +390,64 @@ class Engine:
         self._inflight = InFlight(batch, future, {id(s) for s in batch.seqs})
         return self._inflight
 
+    def _propose(self) -> None:
+        """Proposals for this step's decoding requests (the scheduler takes them into the batch
+        where its budget and free blocks allow). None in steps with more running requests than
+        ``spec_max_batch``: their verify rows would cost other requests' rows the cores. Constrained
+        requests speculate too: their proposals are checked against the grammar (check_draft)."""
+        running = self.scheduler.running
+        decoding = [s for s in running if s.decoding and s.forced_tail == 0
+                    and (s.grammar is None or (isinstance(s.grammar, ConstraintState) and not s.grammar.error))]
+        if not decoding or len(running) > self.spec.max_batch:
+            return
+        for seq in decoding:
+            room = seq.max_new_tokens - seq.num_output - 1  # the token sampled after the proposal
+            if room > 0:
+                draft = self.spec.propose(seq, room)
+                if draft and seq.grammar is not None:
+                    draft = seq.grammar.check_draft(draft)
+                seq.draft = draft
+
+    def _verified(self, seq: Sequence, draft: list[int], toks: list[int], lps: list | None,
+                  now: float) -> StepOutput:
+        """A sequence that verified ``draft``: the accepted prefix and the token sampled after it,
+        emitted one by one as the non-speculative steps would (stopping at EOS, a stop id or the
+        length); the KV of the rejected tokens dropped (their blocks freed: the prefix cache
+        registers only computed tokens, and these are not)."""
+        a = 0
+        while a < len(draft) and toks[a] == draft[a]:
+            a += 1
+        self.spec.record(seq, len(draft), a)
+        out = StepOutput(seq, [], spec_draft=len(draft), spec_accepted=a)
+        out.decode_ms = (now - seq.last_token_t) * 1000.0
+        self.tbt_ms.add(out.decode_ms)
+        seq.last_token_t = now
+        for j in range(a + 1):
+            tok = toks[j]
+            seq.tokens.append(tok)
+            self.generated_tokens += 1
+            out.token_ids.append(tok)
+            if lps is not None:
+                lp, top = lps[j]
+                out.logprobs.append(lp)
+                if seq.params.logprobs > 0:
+                    out.top_logprobs.append(top)
+            out.finish_reason = self._finish_reason(seq, tok)
+            if out.finish_reason:
+                break
+        # Computed now: the last sampled token and the emitted proposed ones (all but the last emitted).
+        emitted = len(out.token_ids)
+        seq.num_computed += emitted
+        self.blocks.trim(seq)
+        self.blocks.register_computed(seq)
+        if seq.grammar is not None and not out.finish_reason:
+            # The matcher over the emitted tokens (the proposal was checked against it, and each
+            # sampled one came from its mask), then jump-forward after the last one.
+            for tok in out.token_ids[:-1]:
+                seq.grammar.consume(tok)
+            self._advance_grammar(seq, out.token_ids[-1], out)
+        return out
+
     def collect(self, f: InFlight) -> list[StepOutput]:
         """Wait for a launched step and turn its tokens into outputs (finishing sequences)."""
         try:
@@ -387,9 +467,19 @@ class Engine:
         outputs: list[StepOutput] = []
         token_lps = getattr(sampled, "logprobs", None)
         prompt_lps = getattr(sampled, "prompt_logprobs", None)
+        verified = getattr(sampled, "verified", None)
         for i, (seq, n, tok) in enumerate(zip(batch.seqs, batch.num_tokens, sampled)):
             if seq.finish_reason == FINISH_ABORT:
                 continue  # cancelled while it computed
+            if verified and i in verified:
+                out = self._verified(seq, batch.drafts[i], verified[i], sampled.verified_logprobs.get(i), now)
+                if out.finish_reason:
+                    seq.finish_reason = out.finish_reason
+                    self.requests.pop(seq.request_id, None)
+                    self.scheduler.remove(seq)
+                    self._release_adapter(seq)
+                outputs.append(out)
+                continue
             if prompt_lps and i in prompt_lps:
                 p0, vals = prompt_lps[i]
                 have = len(seq.prompt_logprobs)

@@ -15,6 +15,7 @@ import math
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from workers.attention import PagedAttention, kv_cache
@@ -32,6 +33,7 @@ SampleFn = Callable[..., torch.Tensor]
 
 
 class ModelRunner:
+    verifies_drafts = True  # speculative decoding: execute() samples every row of batch.drafts
     def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int], kv_dtype: torch.dtype,
                  sample: SampleFn, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device,
                  attention_cls: type = PagedAttention, after_step: Callable[[], None] | None = None,
@@ -81,8 +83,18 @@ class ModelRunner:
         want_lp = False
         order = self.flat_order(batch)
         segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter weights)
+        # Per sequence of the flat batch (in order): its block table, first position and rows as
+        # the attention sees them. A sequence verifying k proposed tokens (batch.drafts) is 1 + k
+        # decode rows at consecutive positions sharing its block table: every attention path writes
+        # the step's KV before it reads any, so row j sees the rows before it, as a prompt chunk's
+        # row would, and an all-decode step keeps the fused decode path.
+        tables: list[list[int]] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        drafts = batch.drafts
         for i in order:
             seq, n = batch.seqs[i], batch.num_tokens[i]
+            draft = drafts[i] if drafts is not None else ()
             if batch.adapters is not None and (w := batch.adapters[i]) is not None:
                 if segments and segments[-1][2] is w:
                     segments[-1] = (segments[-1][0], len(ids) + n, w)
@@ -94,6 +106,23 @@ class ModelRunner:
                 lo, hi = max(start, len(seq.prompt_logprobs)), min(start + n, seq.prompt_len - 1)
                 if lo < hi:
                     prompt_spans.append((i, len(ids) + lo - start, lo, hi - lo))
+            if draft:
+                k = len(draft)
+                ids.extend(seq.tokens[start:start + n - k])
+                ids.extend(draft)
+                pos.extend(range(start, start + n))
+                tables.extend([seq.block_table] * n)
+                starts.extend(range(start, start + n))
+                counts.extend([1] * n)
+                last_rows.extend(range(len(ids) - n, len(ids)))
+                sampled_seqs.append(seq)
+                sampled_seqs.extend(DraftRow(seq, draft, j) for j in range(1, k + 1))
+                sampled_idx.extend([i] * n)
+                want_lp = want_lp or seq.params.logprobs >= 0
+                continue
+            tables.append(seq.block_table)
+            starts.append(start)
+            counts.append(n)
             ids.extend(seq.tokens[start:start + n])
             pos.extend(range(start, start + n))
             if start + n == seq.num_tokens:
@@ -107,9 +136,7 @@ class ModelRunner:
                       for _, row0, _, cnt in prompt_spans for a in range(0, cnt, chunk)]
         if sampled_seqs:
             logit_rows.append(last_rows)
-        seqs = [batch.seqs[i] for i in order]
-        inputs = StepInputs(ids, pos, [s.block_table for s in seqs], [s.num_computed for s in seqs],
-                            [batch.num_tokens[i] for i in order], logit_rows)
+        inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows)
         if self.group is not None:
             self.group.send_step(inputs)  # the other ranks of a tensor-parallel instance run it too
         if segments:
@@ -140,11 +167,17 @@ class ModelRunner:
             it = iter(enumerate(toks.tolist()))
             for i in order:  # the order of sampled_seqs
                 seq, n = batch.seqs[i], batch.num_tokens[i]
-                if seq.num_computed + n == seq.num_tokens:
+                k = len(drafts[i]) if drafts is not None else 0
+                if seq.num_computed + n - k == seq.num_tokens:
                     j, tok = next(it)
                     result[i] = int(tok)
                     if lps is not None and lps[j] is not None:
                         result.logprobs[i] = lps[j]
+                    if k:  # the tokens sampled after each proposed one (and their log-probabilities)
+                        more = [next(it) for _ in range(k)]
+                        result.verified[i] = [int(tok)] + [int(t) for _, t in more]
+                        if lps is not None and lps[j] is not None:
+                            result.verified_logprobs[i] = [lps[j]] + [lps[jj] for jj, _ in more]
         if self.after_step is not None:
             self.after_step()
         return result
@@ -180,13 +213,40 @@ class ModelRunner:
         return max(1, self.PROMPT_LOGITS_ELEMS // max(1, self.vocab_size))
 
 
+class DraftRow:
+    """Row ``j`` (1..k) of a sequence verifying proposed tokens, as the sampler reads a request
+    (workers/engine/sampler.py ``Row``): its history is the sequence's followed by the first ``j``
+    proposed tokens, and its draw index is the one the non-speculative step at that position
+    would use, so penalties, seeds and log-probabilities are those of that step."""
+
+    __slots__ = ("params", "token_ids", "num_output")
+
+    def __init__(self, seq: Sequence, draft: list[int], j: int) -> None:
+        self.params = seq.params
+        self.token_ids = np.concatenate([seq.token_ids, np.asarray(draft[:j], dtype=np.int64)])
+        self.num_output = seq.num_output + j
+
+
 def sample_masks(batch: ScheduledBatch, sampled_idx: list[int]) -> tuple[list[int], "object", "object"]:
     """The sampler's ``masks`` argument: (row of each constrained sequence among the sampled ones,
     their masks, the same as additive -inf/0 rows), waiting for the mask thread if it is still computing them."""
     rows, job = batch.masks
-    pos = {b: j for j, b in enumerate(sampled_idx)}
+    pos: dict[int, int] = {}
+    for j, b in enumerate(sampled_idx):
+        pos.setdefault(b, j)  # a sequence verifying proposed tokens: its first row
     bits = job.wait()
-    return [pos[b] for b in rows], bits, job.additive
+    out_rows, additive = [pos[b] for b in rows], job.additive
+    if batch.draft_masks:  # the rows after its proposed tokens follow its first
+        extra = [(pos[b] + 1 + j, m) for b, ms in batch.draft_masks.items() for j, m in enumerate(ms)]
+        out_rows += [r for r, _ in extra]
+        more = np.stack([m for _, m in extra])
+        bits = np.concatenate([bits, more])
+        if additive is not None:
+            banned = np.unpackbits((~more).view(np.uint8), axis=1, bitorder="little").view(bool)
+            add = np.zeros(banned.shape, dtype=np.float32)
+            np.putmask(add, banned, np.float32(-np.inf))
+            additive = np.concatenate([additive, add])
+    return out_rows, bits, additive
 
 
 class NullRunner:

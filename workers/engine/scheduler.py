@@ -37,6 +37,12 @@ class ScheduledBatch:
     # The constrained rows sampled this step and their token masks, set by the engine at launch:
     # (batch indices, workers.engine.constraints.MaskJob, computing beside the step); None = none.
     masks: tuple | None = None
+    # Speculative decoding: per sequence, the proposed tokens it verifies this step (counted in
+    # its num_tokens, after its last sampled token); None = no proposal in the step.
+    drafts: list[list[int]] | None = None
+    # Constrained sequences verifying proposed tokens: batch index -> the masks of their rows after
+    # the first (ConstraintState.draft_masks), set by the engine at launch.
+    draft_masks: dict | None = None
 
     @property
     def empty(self) -> bool:
@@ -179,6 +185,19 @@ class Scheduler:
             if not decode and prompt_budget <= 0:
                 continue  # its next prompt chunk waits for a later step
             n = min(need, budget) if decode else min(need, budget, prompt_budget)
+            draft = seq.draft
+            if draft:
+                seq.draft = []
+                # Proposed tokens ride along only where the budget and free blocks allow: never
+                # a preemption for a guess.
+                k = min(len(draft), budget - n) if decode and need == 1 else 0
+                if k > 0 and self.blocks.can_grow(seq, n + k):
+                    if out.drafts is None:
+                        out.drafts = [[] for _ in out.seqs]
+                    draft = draft[:k]
+                    n += k
+                else:
+                    draft = []
             while not self.blocks.can_grow(seq, n):
                 victim = self.running[-1]  # sorted: lowest priority, newest
                 self._preempt(victim)
@@ -190,6 +209,8 @@ class Scheduler:
             self.blocks.grow(seq, n)
             out.seqs.append(seq)
             out.num_tokens.append(n)
+            if out.drafts is not None:
+                out.drafts.append(draft)
             budget -= n
             if not decode:
                 prompt_budget -= n
@@ -217,6 +238,8 @@ class Scheduler:
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_tokens.append(n)
+            if out.drafts is not None:
+                out.drafts.append([])
             budget -= n
             prompt_budget -= n
             prefills += 1

@@ -9,6 +9,7 @@ from typing import Any, Iterator, overload
 import numpy as np
 
 from mindie.contract.wire import SamplingParams
+from workers.engine.speculative import SpecStats
 
 
 class Status(enum.Enum):
@@ -113,6 +114,11 @@ class Sequence:
     # Tokens the grammar forced before the first step (after the prompt), in no output yet: they
     # lead the first one (computed in the prefill, with the prompt).
     unsent: list[int] = field(default_factory=list)
+    # Speculative decoding (workers/engine/speculative.py): the tokens proposed for its next step
+    # (set by the engine before scheduling, taken by the scheduler into ScheduledBatch.drafts), and
+    # its counts and back-off state.
+    draft: list[int] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):

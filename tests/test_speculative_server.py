@@ -1,0 +1,182 @@
+"""Speculative decoding through the real launch script (tests/harness.py): two servers on the demo
+model, speculation on (the default) and off (``speculativeDecoding: false``), answer the same
+greedy and seeded requests with the same tokens and text on /infer_token, OpenAI chat and TGI
+(stop strings, lengths, logprobs, a streamed reply); the speculating one counts its proposals on
+/metrics (vLLM's names) and in the request log. Config refusals of MindIE's keys."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mindie.config import ConfigError, load_config
+from tests.harness import demo_server
+
+# Repetitive prompts: the demo model's greedy output soon repeats itself, and the prompts repeat spans.
+TEXT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+IDS = [5, 91, 340, 1200, 77, 5, 91, 340, 1200, 77, 5, 91, 340, 1200, 77, 5, 91]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, demo_model):
+    on_dir, off_dir = tmp_path_factory.mktemp("spec_on"), tmp_path_factory.mktemp("spec_off")
+    with demo_server(on_dir, demo_model, schedule={"promptLookupMin": 1}) as on, \
+            demo_server(off_dir, demo_model, schedule={"speculativeDecoding": False}) as off:
+        yield on, off
+
+
+def post(srv, path: str, body: dict) -> httpx.Response:
+    return httpx.post(srv.url + path, json=body, timeout=120)
+
+
+def both(servers, path: str, body: dict) -> tuple[dict, dict]:
+    on, off = servers
+    a, b = post(on, path, body), post(off, path, body)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    return a.json(), b.json()
+
+
+def strip_times(x):
+    """Bodies without their timings, ids and drawn seeds (they differ from run to run; the seeded
+    cases set theirs)."""
+    if isinstance(x, dict):
+        return {k: strip_times(v) for k, v in x.items()
+                if k not in ("id", "created", "prefill_time", "decode_time_arr", "system_fingerprint", "seed")}
+    if isinstance(x, list):
+        return [strip_times(v) for v in x]
+    return x
+
+
+def metric(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+CASES = [
+    ("/infer_token", {"input_id": IDS, "stream": False, "parameters": {"max_new_tokens": 60, "details": True}}),
+    ("/infer_token", {"input_id": IDS, "stream": False,
+                      "parameters": {"max_new_tokens": 47, "do_sample": True, "temperature": 0.8, "top_k": 40,
+                                     "seed": 7, "repetition_penalty": 1.05, "details": True}}),
+    ("/infer", {"inputs": TEXT, "stream": False, "parameters": {"max_new_tokens": 50, "details": True}}),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 64,
+                              "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 64,
+                              "temperature": 0, "stop": ["return"]}),
+    ("/v1/completions", {"model": "demo", "prompt": TEXT, "max_tokens": 40, "temperature": 0.9, "seed": 3}),
+    ("/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 55, "details": True, "decoder_input_details": False}}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{p}-{i}" for i, (p, _) in enumerate(CASES)])
+def test_same_replies_with_and_without_speculation(servers, case):
+    path, body = CASES[case]
+    a, b = both(servers, path, body)
+    a, b = strip_times(a), strip_times(b)
+    if path == "/v1/chat/completions" and body.get("logprobs"):
+        la = a["choices"][0]["logprobs"]["content"]
+        lb = b["choices"][0]["logprobs"]["content"]
+        assert [t["token"] for t in la] == [t["token"] for t in lb]
+        for x, y in zip(la, lb):
+            assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
+        a["choices"][0].pop("logprobs"), b["choices"][0].pop("logprobs")
+    if path == "/generate":
+        for d in (a, b):
+            for t in d["details"]["tokens"]:
+                t["logprob"] = round(t["logprob"], 3) if t.get("logprob") is not None else None
+    assert a == b
+
+
+def test_streamed_chat_is_the_same(servers):
+    body = {"model": "demo", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 64, "temperature": 0,
+            "stream": True}
+    texts = []
+    for srv in servers:
+        parts = []
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        parts.append(ch.get("delta", {}).get("content") or "")
+        texts.append("".join(parts))
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_speculation_counted_on_metrics_and_in_the_request_log(servers):
+    on, off = servers
+    before = metric(on, "vllm:spec_decode_num_accepted_tokens_total")
+    a, b = both(servers, "/infer_token", {"input_id": IDS, "stream": False,
+                                           "parameters": {"max_new_tokens": 80}})
+    assert a == b
+    drafts = metric(on, "vllm:spec_decode_num_drafts_total")
+    proposed = metric(on, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(on, "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = metric(on, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    # heartbeats come every second or so: wait for one after the request
+    for _ in range(50):
+        if accepted > before:
+            break
+        import time
+        time.sleep(0.2)
+        accepted = metric(on, "vllm:spec_decode_num_accepted_tokens_total")
+        per_pos = metric(on, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+        drafts = metric(on, "vllm:spec_decode_num_drafts_total")
+        proposed = metric(on, "vllm:spec_decode_num_draft_tokens_total")
+    assert accepted > before and proposed >= accepted and drafts > 0 and per_pos == accepted
+    assert metric(off, "vllm:spec_decode_num_draft_tokens_total") == 0
+    on.log.flush()
+    lines = [ln for ln in Path(on.log_path).read_text(errors="replace").splitlines() if "/infer_token" in ln
+             and "status=200" in ln]
+    assert any(re.search(r" spec=\d+/\d+", ln) for ln in lines), lines[-3:]
+    off.log.flush()
+    assert not any(" spec=" in ln for ln in Path(off.log_path).read_text(errors="replace").splitlines())
+
+
+@pytest.mark.parametrize("deploy, model, schedule, key, message", [
+    ({}, {"plugin_params": '{"plugin_type":"la","level":4}'}, {}, "plugin_params", "lookahead"),
+    ({}, {"plugin_params": '{"plugin_type":"memory_decoding","decoding_length":17}'}, {}, "plugin_params",
+     "decoding_length"),
+    ({}, {"plugin_params": "memory_decoding"}, {}, "plugin_params", "JSON object"),
+    ({"speculationGamma": 4}, {"plugin_params": '{"plugin_type":"memory_decoding","decoding_length":8}'}, {},
+     "speculationGamma", ">= plugin_params' decoding_length"),
+    ({"speculationGamma": 17}, {}, {}, "speculationGamma", "<= 16"),
+    ({}, {}, {"promptLookupMin": 4, "promptLookupMax": 3}, "promptLookupMin", "<= promptLookupMax"),
+    ({}, {}, {"speculationMinAcceptance": 1.5}, "speculationMinAcceptance", "<= 1"),
+])
+def test_config_refusals(tmp_path, deploy, model, schedule, key, message):
+    cfg = {"BackendConfig": {"ModelDeployConfig": {**deploy, "ModelConfig": [{"modelName": "m", **model}]},
+                             "ScheduleConfig": schedule}}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(p))
+    assert key in str(e.value) and message in str(e.value)
+
+
+def test_config_reaches_the_engine(tmp_path):
+    from mindie.topology import engine_config
+
+    def cfg(deploy=None, model=None, schedule=None):
+        p = tmp_path / "config.json"
+        p.write_text(json.dumps({"BackendConfig": {
+            "ModelDeployConfig": {**(deploy or {}), "ModelConfig": [{"modelName": "m", **(model or {})}]},
+            "ScheduleConfig": schedule or {}}}))
+        return engine_config(load_config(str(p)).config)
+
+    d = cfg()
+    assert (d.spec_method, d.spec_tokens, d.spec_lookup_min, d.spec_lookup_max) == ("ngram", 6, 2, 5)
+    assert cfg(deploy={"speculationGamma": 3}).spec_tokens == 3
+    m = cfg(deploy={"speculationGamma": 16},
+            model={"plugin_params": '{"plugin_type":"memory_decoding","decoding_length":12,"dynamic_algo":true}'})
+    assert (m.spec_method, m.spec_tokens) == ("memory_decoding", 12)
+    assert cfg(schedule={"speculativeDecoding": False}).spec_method == ""
+    s = cfg(schedule={"promptLookupMin": 1, "promptLookupMax": 3, "speculationMaxBatch": 2,
+                      "speculationMinAcceptance": 0.5})
+    assert (s.spec_lookup_min, s.spec_lookup_max, s.spec_max_batch, s.spec_min_acceptance) == (1, 3, 2, 0.5)
