@@ -40,7 +40,9 @@ def fleet(tmp_path_factory, demo_model):
                "F": _start(tmp, "f", "decode", policy="fail"),
                # a flex instance whose prompts take many steps beside a decode (16-token chunks): its
                # worker is killed mid-transfer
-               "K": _start(tmp, "k", "flex", schedule={"prefillChunkTokens": 16})}
+               # K's plain decode must stay one token a step (no speculation) so its 16-token prompt chunks
+               # keep the transfer spread over ~120 steps for the kill test.
+               "K": _start(tmp, "k", "flex", schedule={"prefillChunkTokens": 16, "speculativeDecoding": False})}
     try:
         for s in servers.values():
             s.wait_ready(180)
