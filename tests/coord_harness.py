@@ -19,6 +19,11 @@ from tests.harness import ROOT, Server, descendants, free_port, free_ports, shor
 def start_instances(tmp: Path, n: int = 2, args: list[str] | None = None, model_path: str | None = None,
                     **config) -> list[Server]:
     """``n`` one-worker demo-model instances (planes merged on one port), ready."""
+    # The coordinator's tests hold long streams open (busy instances, drains, faults mid-stream):
+    # without speculation each token is a step, so a stream lasts as long as they assume
+    # (speculative decoding has its own server tests).
+    schedule = config.setdefault("schedule", {})
+    schedule.setdefault("speculativeDecoding", False)
     servers = []
     for i, port in enumerate(free_ports(n)):
         d = tmp / f"inst{i}"

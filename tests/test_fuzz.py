@@ -75,7 +75,9 @@ POST_ROUTES = {"/infer", "/infer_token", "/v1/tokenizer", "/v2/models/{model}/st
                "/v2/models/{model}/generate_stream",
                "/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 # Registered but not fuzzed: it stops the server (tests/test_management.py drives it).
-NOT_FUZZED = {"/stopService"}
+# /stopService stops the server; the role routes would turn it into a prefill or decode instance
+# that refuses plain requests (tests/test_pd.py covers them).
+NOT_FUZZED = {"/stopService", "/v1/role/{role}", "/v2/role/{role}"}
 
 
 def _path(route: str) -> bytes:

@@ -36,7 +36,11 @@ def server(tmp_path_factory, demo_model, request):
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
                        server={"maxRequestLength": 1},
-                       schedule={"maxIterTimes": 2500, "overlapSteps": request.param})
+                       schedule={"maxIterTimes": 2500, "overlapSteps": request.param,
+                                 # long generations must take many steps here (a worker is killed mid-stream):
+                                 # speculation would finish the demo model's repetitive text in a few
+                                 # (tests/test_speculative_server.py serves it on and off)
+                                 "speculativeDecoding": False})
     srv = Server(cfg, port, frontends=2)
     srv.wait_ready()
     srv.tokenizer = load_tokenizer(demo_model)
@@ -275,7 +279,9 @@ def test_kill_device_worker_during_streaming(server):
 def test_timeouts_sighup_and_sigterm(tmp_path, demo_model):
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       server={"e2eTimeout": 2}, schedule={"maxIterTimes": 2500})
+                       server={"e2eTimeout": 2},
+                       # 2500 tokens must outlast the 2 s timeout: one token a step (no speculation)
+                       schedule={"maxIterTimes": 2500, "speculativeDecoding": False})
     srv = Server(cfg, port, frontends=1)
     try:
         srv.wait_ready()
@@ -378,7 +384,8 @@ def test_watermark_is_detected(server):
 def test_priority_one_admitted_first_when_saturated(tmp_path, demo_model):
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       workers=1, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1})
+                       workers=1, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1,
+                                                    "speculativeDecoding": False})  # the busy request must stay busy
     srv = Server(cfg, port)
 
     async def main() -> list[str]:

@@ -71,7 +71,8 @@ def test_vllm_stream(srv):
     assert r.status_code == 200
     assert r.content.endswith(b"\0")
     chunks = [json.loads(c) for c in r.content.split(b"\0")[:-1]]
-    assert len(chunks) == 5 and all(list(c) == ["text"] and len(c["text"]) == 1 for c in chunks)
+    # one chunk per engine step, as vLLM: a speculative step that accepts tokens sends them in one chunk
+    assert 1 <= len(chunks) <= 5 and all(list(c) == ["text"] and len(c["text"]) == 1 for c in chunks)
     assert "".join(c["text"][0] for c in chunks) == want
 
 

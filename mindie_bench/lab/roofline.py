@@ -220,7 +220,8 @@ def load(model: str, dtype: str, threads: int, block_size: int, device: str = "c
     from workers.engine.assembly import load_runner
 
     engine_cfg = EngineConfig(block_size=block_size, max_seq_len=4096, max_batch_size=256,
-                              max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False)
+                              max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False,
+                              spec_method="")  # one token per sequence per step: the roofline times plain decodes
     spec = WorkerSpec(worker_id="roofline", job_endpoint="", pub_endpoint="", model_path=model, dtype=dtype,
                       engine=engine_cfg, device_type=device, quantize=quantize)
     backend = get_backend(device, threads)
