@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -236,6 +237,12 @@ def test_client_disconnect_frees_request(server):
     _wait_nothing_running(server, 10, "request still running after disconnect")
 
 
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of a process, in clock ticks (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def test_kill_device_worker_during_streaming(server):
     body = {"input_id": [9, 10, 11], "stream": True, "parameters": {"max_new_tokens": 3000}}
 
@@ -245,9 +252,12 @@ def test_kill_device_worker_during_streaming(server):
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            before = {pid: _cpu_ticks(pid) for pid in server.workers()}
             tasks = [asyncio.create_task(one(client)) for _ in range(4)]
             await asyncio.sleep(1.0)  # 2500 tokens each: all still running when the worker dies
-            victim = server.workers()[0]
+            # The worker that is decoding (the router may have put all four streams on one worker):
+            # the one that used the most CPU since the streams started.
+            victim = max(before, key=lambda pid: _cpu_ticks(pid) - before[pid])
             os.kill(victim, signal.SIGKILL)
             t0 = time.monotonic()
             done, pending = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
