@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .config_values import config_int
 from .deepseek_config import DeepseekArgs, parse_deepseek
 
 __all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
@@ -153,12 +154,7 @@ class ModelArgs:
             return ModelConfigError(f"{source}: {key}: {msg}")
 
         def get_int(key: str, default: int | None = None, *, minimum: int = 1) -> int:
-            v = cfg.get(key, default)
-            if v is None:
-                raise err(key, "missing (required)")
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise err(key, f"must be an integer >= {minimum}, got {v!r}")
-            return v
+            return config_int(cfg, key, err, default, minimum=minimum)
 
         def get_float(key: str, default: float) -> float:
             v = cfg.get(key, default)
@@ -397,12 +393,7 @@ def _parse_moe(cfg: Mapping[str, Any], arch: str, n_layers: int, err: Any) -> Mo
     """The MoE keys of a Qwen2-MoE / Qwen3-MoE / Mixtral config.json (None: no sparse layer)."""
 
     def pos_int(key: str, default: Any = None, minimum: int = 1) -> int:
-        v = cfg.get(key, default)
-        if v is None:
-            raise err(key, "missing (required)")
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise err(key, f"must be an integer >= {minimum}, got {v!r}")
-        return v
+        return config_int(cfg, key, err, default, minimum=minimum)
 
     def flag(key: str, default: bool) -> bool:
         v = cfg.get(key, default)

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .config_values import config_int
+
 __all__ = ["DeepseekArgs", "is_mtp_tensor", "parse_deepseek", "yarn_mscale"]
 
 
@@ -77,12 +79,7 @@ def parse_deepseek(cfg: Mapping[str, Any], arch: str, err: Callable[[str, str], 
     version = 2 if arch == "deepseek_v2" else 3
 
     def pos_int(key: str, default: int | None = None, minimum: int = 1) -> int:
-        v = cfg.get(key, default)
-        if v is None:
-            raise err(key, "missing (required for DeepSeek models)")
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise err(key, f"must be an integer >= {minimum}, got {v!r}")
-        return v
+        return config_int(cfg, key, err, default, minimum=minimum, missing="missing (required for DeepSeek models)")
 
     def num(key: str, default: float, params: Mapping[str, Any] | None = None, positive: bool = True) -> float:
         src = cfg if params is None else params

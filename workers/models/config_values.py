@@ -1,0 +1,18 @@
+"""Typed reads of config.json values, shared by the model-config parsers (errors name the key)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+ErrorFactory = Callable[[str, str], Exception]
+
+
+def config_int(cfg: Mapping[str, Any], key: str, err: ErrorFactory, default: Any = None, *,
+               minimum: int = 1, missing: str = "missing (required)") -> int:
+    """``cfg[key]`` (or ``default``) as an integer >= ``minimum``; ``err(key, msg)`` otherwise.
+    A bool is refused although Python counts it an int: ``true`` for a layer count is a typo."""
+    v = cfg.get(key, default)
+    if v is None:
+        raise err(key, missing)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise err(key, f"must be an integer >= {minimum}, got {v!r}")
+    return v
