@@ -95,6 +95,8 @@ def test_same_answer_as_the_instance(fleet, path, body):
     assert via.headers.get("content-type") == httpx.post(servers[1].url + path, json=body,
                                                          timeout=60).headers.get("content-type")
     assert via.headers.get("server") == "MindIE-MS"
+    # Date is a singleton field (RFC 9110 6.6.1): the coordinator's, not the instance's as well
+    assert len(via.headers.get_list("date")) == 1, via.headers
 
 
 def test_get_routes_and_unknown_route(fleet):

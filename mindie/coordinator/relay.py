@@ -57,8 +57,10 @@ ROUTES = [
     ("POST", re.compile(r"/v2/models/[^/]+/stopInfer"), False),
     ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info"), False),
 ]
+# Not relayed either way: hop-by-hop fields, and those this hop writes itself (uvicorn adds date;
+# a second date from the instance would make the singleton field appear twice).
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-       "transfer-encoding", "upgrade", "host", "content-length", "server"}
+       "transfer-encoding", "upgrade", "host", "content-length", "server", "date"}
 
 
 def _match(method: str, path: str) -> tuple[bool, bool]:
