@@ -161,6 +161,7 @@ class Result:
     headers_s: float  # request sent -> status line and headers received
     body: bytes
     content_type: str
+    done_s: float = 0.0  # request sent -> whole body received
 
 
 def body(n: int, stream: bool = True) -> dict:
@@ -172,7 +173,7 @@ async def send(client: httpx.AsyncClient, index: int, payload: dict, path: str =
     async with client.stream("POST", path, content=json.dumps(payload)) as r:
         headers_s = time.monotonic() - t
         raw = await r.aread()
-    return Result(index, r.status_code, headers_s, raw, r.headers.get("content-type", ""))
+    return Result(index, r.status_code, headers_s, raw, r.headers.get("content-type", ""), time.monotonic() - t)
 
 
 def client(srv: Server, n: int) -> httpx.AsyncClient:
@@ -257,8 +258,11 @@ def test_burst_of_10x_admits_exactly_the_limit(server):
     lat = [r.headers_s for r in rejected]
     print(f"rejection latency p50 {pct(lat, 50) * 1e3:.1f} ms, p99 {pct(lat, 99) * 1e3:.1f} ms; "
           f"health max {max(h for _, h in health) * 1e3:.1f} ms over {len(health)} probes")
-    # Rejected at once, not after the admitted requests (1.5 s of tokens) finish.
-    assert max(lat) < 1.0, sorted(lat)[-5:]
+    # Rejected at once, not after the admitted requests (1.5 s of tokens) finish: every rejection is
+    # answered before the first admitted request has its last byte (a bound that holds on a loaded
+    # machine, where the front ends' own time stretches too).
+    first_done = min(r.done_s for r in admitted)
+    assert max(lat) < first_done, (sorted(lat)[-5:], first_done)
     # /health does not count and stays fast throughout.
     assert len(health) >= 20 and all(s == 200 for s, _ in health)
     assert max(h for _, h in health) < 0.5, sorted(h for _, h in health)[-5:]
