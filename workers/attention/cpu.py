@@ -4,7 +4,7 @@ its prompt chunks done by C kernels (cpu_kernels.c) that read the KV blocks in p
 The torch decode path gathers every decoding sequence's blocks into a scratch tensor (K and V,
 every layer) and pays about fifteen op dispatches per layer; the kernel does one pass over the
 cached rows with an online softmax in fp32, parallel over (sequence, KV head) on torch's OpenMP
-pool. Prompt chunks take ``paged_prefill`` on AVX-512 builds (fp32 and bf16, head size a
+pool. Prompt chunks take ``paged_prefill`` on AVX-512 and AVX2 builds (fp32 and bf16, head size a
 multiple of 16): tiles of query positions over the cached rows, skipping the keys a query cannot
 see, where torch's SDPA ran a 128-token causal prompt at a fifth of the cores' speed; other
 layouts keep SDPA. Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
@@ -38,7 +38,7 @@ class CpuPagedAttention(PagedAttention):
         self.prefill_calls = 0  # steps whose prompt chunks the kernel computed (tests read it)
         # What paged_prefill covers, known from the cache alone (the query heads per KV head are
         # checked by the kernel, which then refuses); other builds never build the chunk lists.
-        self._prefill_ok = (self.lib is not None and self.lib.has_avx512 and self.code in (0, 1)
+        self._prefill_ok = (self.lib is not None and self.lib.has_prefill and self.code in (0, 1)
                             and head_dim % 16 == 0)
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:

@@ -149,6 +149,10 @@ def load() -> ctypes.CDLL | None:
             lib.has_dpbf16 = bool(lib.kernels_have_dpbf16())
             lib.kernels_have_avx512.restype = ctypes.c_int
             lib.has_avx512 = bool(lib.kernels_have_avx512())
+            lib.kernels_have_avx2.restype = ctypes.c_int
+            lib.has_avx2 = bool(lib.kernels_have_avx2())  # the 8-lane AVX2+FMA paths (builds without AVX-512)
+            lib.kernels_have_prefill.restype = ctypes.c_int
+            lib.has_prefill = bool(lib.kernels_have_prefill())
             lib.kernels_have_f16.restype = ctypes.c_int
             lib.kernels_decode_specialised.restype = ctypes.c_int
             lib.kernels_decode_specialised.argtypes = [ctypes.c_int]
