@@ -86,7 +86,8 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
     else:
         k = _kernel_isa(lib)
         decode = f"C {k}"
-        prefill = (f"C {k}" + (" (fp32: fresh prompts up to 1024 tokens, else SDPA)" if dtype == torch.float32 else "")
+        fma = dtype == torch.float32 or not lib.has_dpbf16  # plain FMAs: fresh prompts only (attention/cpu.py)
+        prefill = (f"C {k}" + (" for fresh prompts up to 1024 tokens, else SDPA" if fma else "")
                    if getattr(lib, "has_prefill", False) and dtype in (torch.float32, torch.bfloat16)
                    else "torch SDPA")
         if dtype not in (torch.float32, torch.bfloat16) and not (dtype == torch.float16 and lib.has_f16):

@@ -800,28 +800,37 @@ INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *k
             const int64_t jn = n - j0 < 8 ? n - j0 : 8, t = t0 + j0;
             for (int64_t j = 0; j < jn; j++)
                 for (int64_t v = 0; v < DV; v++) _mm256_store_ps(rows[j] + v * 8, load8(dt, kc, base + (j0 + j) * D + v * 8));
-            for (int64_t r = r0; r < r1; r++) {
-                int64_t ja = lo[r] - t, jb = hi[r] - t + 1; /* the visible keys of this group */
-                if (ja < 0) ja = 0;
-                if (jb > jn) jb = jn;
-                if (ja >= jb) {
-                    _mm256_store_ps(sc[r] + j0, _mm256_set1_ps(-INFINITY));
-                    continue;
+            /* two rows at a time against four keys at a time: 8 accumulators, 6 loads per 8 FMAs */
+            for (int64_t r = r0; r < r1; r += 2) {
+                const int64_t rb = r + 1 < r1 ? r + 1 : r; /* an odd last row pairs with itself */
+                int64_t ja[2], jb[2];
+                for (int i = 0; i < 2; i++) {
+                    const int64_t rr = i ? rb : r;
+                    ja[i] = lo[rr] - t < 0 ? 0 : lo[rr] - t;
+                    jb[i] = hi[rr] - t + 1 > jn ? jn : hi[rr] - t + 1;
                 }
-                __m256 s[8];
-                for (int64_t j = 0; j < 8; j++) {
-                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                    if (j >= ja && j < jb) {
-                        int64_t v = 0;
-                        for (; v + 2 <= DV; v += 2) {
-                            a0 = _mm256_fmadd_ps(_mm256_load_ps(qf[r] + v * 8), _mm256_load_ps(rows[j] + v * 8), a0);
-                            a1 = _mm256_fmadd_ps(_mm256_load_ps(qf[r] + v * 8 + 8), _mm256_load_ps(rows[j] + v * 8 + 8), a1);
+                __m256 s[2][8];
+                for (int64_t h = 0; h < 8; h += 4) {
+                    __m256 a[2][4];
+                    for (int i = 0; i < 2; i++)
+                        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+                    if (h < jb[0] || h < jb[1])
+                        for (int64_t v = 0; v < DV; v++) {
+                            const __m256 q0 = _mm256_load_ps(qf[r] + v * 8), q1 = _mm256_load_ps(qf[rb] + v * 8);
+                            for (int j = 0; j < 4; j++) {
+                                const __m256 kv = _mm256_load_ps(rows[h + j] + v * 8);
+                                a[0][j] = _mm256_fmadd_ps(q0, kv, a[0][j]);
+                                a[1][j] = _mm256_fmadd_ps(q1, kv, a[1][j]);
+                            }
                         }
-                        if (v < DV) a0 = _mm256_fmadd_ps(_mm256_load_ps(qf[r] + v * 8), _mm256_load_ps(rows[j] + v * 8), a0);
-                    }
-                    s[j] = _mm256_add_ps(a0, a1);
+                    for (int i = 0; i < 2; i++)
+                        for (int j = 0; j < 4; j++) s[i][h + j] = a[i][j];
                 }
-                _mm256_store_ps(sc[r] + j0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8(s), lanes8(ja, jb)));
+                for (int i = 0; i < 2 && r + i < r1; i++) {
+                    /* lanes past jn hold stale keys' scores (or NaN from stale rows): masked here */
+                    const __m256 vis = ja[i] < jb[i] ? lanes8(ja[i], jb[i]) : _mm256_setzero_ps();
+                    _mm256_store_ps(sc[r + i] + j0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8(s[i]), vis));
+                }
             }
         }
         for (int64_t r = r0; r < r1; r++) {
