@@ -16,7 +16,7 @@ from mindie.contract import wire as P
 from mindie.contract.spec import EngineConfig, settle_engine
 from mindie.topology import build_deployment
 
-AVX512_BF16 = "flags : fpu avx2 avx512f avx512_bf16"
+AVX512_BF16 = "flags : fpu avx2 fma avx512f avx512_bf16"
 AVX2 = "flags : fpu avx2 fma"
 
 # key under BackendConfig -> (a value other than the default, the environment override's text,

@@ -88,11 +88,13 @@ def dispatch_line(preset: str, dtype: str) -> str:
     return backend.dispatch.line()
 
 
-def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int) -> None:
+def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int) -> dict:
+    """Prints the table; returns each dtype's best GFLOP/s (any method, any row count)."""
     print(f"\nproducts x[M, {k}] @ W[{n}, {k}]^T, GFLOP/s (best of {rounds} rounds)")
     names = ["torch packed", "torch F.linear"] + [f"C {name}" for name in libs]
     print(f"{'dtype':>8} {'rows':>5} " + " ".join(f"{h:>16}" for h in names))
     g = torch.Generator().manual_seed(0)
+    peak: dict = {}
     for dt in (torch.float32, torch.bfloat16):
         w = (torch.randn(n, k, generator=g) * 0.05).to(dt)
         packed = cpu_linear._pack(w)
@@ -114,6 +116,8 @@ def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int
                 cells.insert(0, None)
             print(f"{str(dt).replace('torch.', ''):>8} {m:>5} "
                   + " ".join(f"{'(not packed)' if c is None else f'{c:.1f}':>16}" for c in cells))
+            peak[dt] = max([peak.get(dt, 0.0)] + [c for c in cells if c is not None])
+    return peak
 
 
 def attention(libs: dict, batches: list[int], contexts: list[int], prefill: int, reps: int, rounds: int) -> None:
@@ -156,6 +160,42 @@ def attention(libs: dict, batches: list[int], contexts: list[int], prefill: int,
                           + " ".join(f"{c:>12.0f}" for c in cells[1:]))
 
 
+def prompt_step(preset: str, tokens: int, rounds: int, peak: dict) -> None:
+    """A prompt-only step of the preset model as a worker runs it (specialised, C kernels): one
+    fresh prompt of ``tokens`` tokens and the logits of its last row; its GFLOP/s (products and
+    attention) against the best product GFLOP/s measured above for the same dtype."""
+    from workers.backends.cpu import CpuBackend
+    from workers.models.demo import PRESETS, ensure_demo_model
+    from workers.models.loader import load_model
+    path = str(ensure_demo_model(**dataclasses.asdict(PRESETS[preset])))
+    print(f"\nprompt-only step, {preset}, one fresh prompt of {tokens} tokens (best of {rounds} rounds)")
+    for dt in (torch.float32, torch.bfloat16):
+        backend = CpuBackend()
+        model = load_model(path, dtype=dt)[0]
+        backend.prepare_model(model)
+        a = model.args
+        bs = 128
+        attn = backend.attention_class()(a.num_hidden_layers, -(-tokens // bs) + 1, bs, a.num_key_value_heads,
+                                         a.head_dim, dt, torch.device("cpu"))
+        ids = torch.randint(3, a.vocab_size, (tokens,))
+        pos = torch.arange(tokens)
+
+        def step():
+            attn.prepare([list(range(-(-tokens // bs)))], [0], [tokens])
+            model.compute_logits(model(ids, pos, attn)[-1:])
+
+        with torch.inference_mode():
+            [us] = best_us([step], 1, rounds)
+        proj = a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim \
+            + a.num_attention_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+        flop = a.num_hidden_layers * (2.0 * tokens * proj + 2.0 * a.num_attention_heads * a.head_dim * tokens * tokens) \
+            + 2.0 * a.hidden_size * a.vocab_size
+        gf = flop / us / 1e3
+        best = peak.get(dt)
+        print(f"{str(dt).replace('torch.', ''):>8}: {us / 1e3:.1f} ms, {flop / 1e9:.2f} GFLOP, {gf:.1f} GFLOP/s"
+              + (f" = {gf / best:.0%} of the best product rate above ({best:.1f})" if best else ""))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -167,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", type=int, default=128, help="prompt-chunk tokens of the prefill timing (0: none)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=0, help="calls per round (default: by work size)")
-    ap.add_argument("--preset", default="bench30m", help="model whose dispatch line is printed")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: dispatch, products, attention")
+    ap.add_argument("--preset", default="bench30m", help="model of the dispatch line and the prompt-only step")
+    ap.add_argument("--prompt", type=int, default=512, help="tokens of the prompt-only step (0: none)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: dispatch, products, prompt, attention")
     args = ap.parse_args(argv)
     global CLOCK
     if args.threads:
@@ -190,9 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     if "dispatch" not in skip:
         for dt in ("float32", "bfloat16"):
             print(f"dispatch ({args.preset}, {dt}): {dispatch_line(args.preset, dt)}")
+    peak: dict = {}
     if "products" not in skip:
         k, n = (int(v) for v in args.shape.split("x"))
-        products(libs, k, n, [int(r) for r in args.rows.split(",")], args.reps or 5, args.rounds)
+        peak = products(libs, k, n, [int(r) for r in args.rows.split(",")], args.reps or 5, args.rounds)
+    if "prompt" not in skip and args.prompt:
+        prompt_step(args.preset, args.prompt, args.rounds, peak)
     if "attention" not in skip:
         attention(libs, [int(b) for b in args.batch.split(",")], [int(c) for c in args.context.split(",")],
                   args.prefill, args.reps or 20, args.rounds)

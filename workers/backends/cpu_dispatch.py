@@ -98,7 +98,10 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
         kind = ("avx512_bf16 dot products" if lib is not None and lib.has_dpbf16 and dtype == torch.bfloat16
                 else f"{_kernel_isa(fused.lib)} FMAs")
         step = f"on up to {fused.max_rows} rows ({kind}; oneDNN above)"
-    from workers.backends.cpu_linear import PackedLinear
+    from workers.backends.cpu_linear import KernelLinear, PackedLinear
     packed = any(isinstance(m, PackedLinear) for m in model.modules())
-    return Dispatch(isa_name(flags, lib), products_name(dtype, flags, packed), step, decode, prefill,
+    products = products_name(dtype, flags, packed)
+    if any(isinstance(m, KernelLinear) for m in model.modules()):
+        products = "C avx2 bf16 products (linear_rows; oneDNN cannot pack bf16 here)"
+    return Dispatch(isa_name(flags, lib), products, step, decode, prefill,
                     str(dtype).replace("torch.", ""))
