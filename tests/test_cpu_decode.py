@@ -107,7 +107,7 @@ def _decode_run(model, dtype: torch.dtype, fused: bool, prompts: list[list[int]]
 def test_fused_step_computes_what_eager_does(models, case, dtype):
     model = _prepared(models[case], dtype)
     assert model.fast_decode is not None
-    top = model.fast_decode.max_rows  # 64 on AVX-512 builds, 4 on AVX2 ones
+    top = model.fast_decode.max_rows  # 64 on AVX-512 and AVX2+FMA builds, 4 on others
     # prompts of 2-20 tokens, so the sequences' contexts differ
     prompts = [[(7 * i + j) % 150 + 3 for j in range(2 + (5 * i) % 19)] for i in range(top)]
     for batch in sorted({1, 3, min(8, top), min(16, top), top}):
@@ -273,7 +273,7 @@ def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, ca
     assert "exceed cpuTuning.fusedDecodeMb" in said
     assert "cpuTuning.fusedDecodeRows must be an integer from 0 to 64, got 'abc'" in said
     assert "cpuTuning.fusedDecodeMb must be a number of MiB >= 0, got nan" in said
-    assert f"fused decode kernel on for decode steps of up to {64 if LIB.has_avx512 else 4} sequences" in said
+    assert f"fused decode kernel on for decode steps of up to {64 if LIB.has_avx512 or LIB.has_avx2 else 4} sequences" in said
 
 
 def _greedy(url: str, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -75,6 +75,13 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
     built = list((tmp_path / "avx2").glob("cpu_kernels-*.so"))
     assert len(built) == 1, built
     assert _zmm_instructions(built[0]) == 0
+    # the 8-lane AVX2+FMA paths are what that build runs (every AVX-512 CPU has AVX2 and FMA)
+    caps = subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; lib = cpu_kernels.load(); "
+                           "print(lib.has_avx512, lib.has_avx2, lib.has_prefill)"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout.split()
+    flags = Path("/proc/cpuinfo").read_text()
+    if " avx2 " in flags and " fma " in flags:
+        assert caps == ["False", "True", "True"], caps
     if AVX512_HOST:
         native = {**os.environ, "MINDIE_CPU_ISA": "native", "MINDIE_KERNEL_CACHE": str(tmp_path / "native")}
         subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; "
@@ -96,3 +103,53 @@ def test_bad_isa_name_falls_back_with_a_reason(tmp_path):
     with pytest.raises(ConfigError, match=r'^BackendConfig\.cpuTuning\.isa: must be one of "native", "avx2", got "sse9" '
                                           r"\(from environment variable MINDIE_CPU_ISA\)"):
         load_config(env={"MINDIE_CPU_ISA": "sse9"})
+
+
+def test_dispatch_names_follow_the_cpu_flags():
+    """The dispatch line's parts (workers/backends/cpu_dispatch.py) by instruction set: AMX, then
+    AVX512-BF16, then AVX2+FMA; bf16 products named by what oneDNN runs them on."""
+    from workers.backends.cpu_dispatch import isa_name, products_name
+    assert isa_name({"avx2", "fma", "f16c"}, None) == "avx2+fma (no avx512/amx)"
+    assert isa_name({"avx2", "fma", "avx512f", "avx512_bf16"}, None) == "avx512+avx512_bf16"
+    assert isa_name({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, None) == "avx512+avx512_bf16+amx_bf16"
+    assert isa_name({"sse2"}, None) == "no avx2"
+    avx2_build = type("Lib", (), {"has_avx512": False})()
+    assert isa_name({"avx2", "fma", "avx512f"}, avx2_build) == "avx512, kernels built for avx2"
+    assert products_name(torch.bfloat16, {"avx2", "avx512f", "amx_bf16"}) == "torch bf16 (oneDNN amx_bf16)"
+    assert products_name(torch.bfloat16, {"avx2", "avx512f", "avx512_bf16"}) == "torch bf16 (oneDNN avx512_bf16)"
+    assert products_name(torch.float32, {"avx2", "fma"}) == "torch fp32 (oneDNN avx2)"
+    assert products_name(torch.float32, {"avx2", "avx512f"}) == "torch fp32 (oneDNN avx512)"
+    assert "not prepacked" in products_name(torch.bfloat16, {"avx2"}, packed=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_logs_its_dispatch_once_and_describes_it(tmp_path, caplog, dtype):
+    """prepare_model decides the kernels for the model and logs one "cpu kernels:" line; the
+    device description (/v1/config's workers) carries the same line. On this host: the build's
+    attention kernels (avx512 or avx2) and the fused step's row limit from the settled plan."""
+    from tests.tiny_hf import save_random_model
+    from workers.kernels import cpu_kernels
+    from workers.models.loader import load_model
+    save_random_model("LlamaConfig", dict(vocab_size=203, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                          bos_token_id=1, eos_token_id=2), tmp_path / "m")
+    lib = cpu_kernels.load()
+    backend = CpuBackend(1)
+    model, _ = load_model(tmp_path / "m", dtype)
+    with caplog.at_level("INFO", logger="workers.backends"):
+        backend.prepare_model(model)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu kernels: ")]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line == "cpu kernels: " + backend.dispatch.line() and backend.dispatch.line() in backend.describe()
+    flags = Path("/proc/cpuinfo").read_text()
+    if lib is None:
+        assert "decode attention=torch" in line
+        return
+    kind = "avx512" if lib.has_avx512 else "avx2" if lib.has_avx2 else "portable"
+    assert f"decode attention=C {kind}," in line, line
+    assert f"dtype={str(dtype).replace('torch.', '')}" in line
+    assert f"fused decode step=on up to {settings.cpu().fused_decode_rows} rows" in line, line
+    if " avx2 " in flags and " fma " in flags and not AVX512_HOST:
+        assert lib.has_avx2 and lib.has_prefill and line.startswith("cpu kernels: isa=avx2+fma (no avx512/amx)")
+        assert "prefill attention=C avx2 for fresh prompts up to 1024 tokens, else SDPA" in line

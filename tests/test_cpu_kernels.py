@@ -130,8 +130,9 @@ def test_batch_parallel_path_matches_single_thread():
 @pytest.mark.parametrize("bs,window", [(16, None), (128, None), (16, 7), (32, 100)])
 @pytest.mark.parametrize("fresh", [True, False])
 def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh):
-    """Prompt chunks through the prefill kernel (bf16 caches, and fp32 ones for fresh prompts of up
-    to 1024 tokens; D a multiple of 16, up to 32 query heads per KV head, AVX-512 builds) equal the
+    """Prompt chunks through the prefill kernel (bf16 caches with AVX512-BF16, and fp32 ones, or bf16
+    ones without it, for fresh prompts of up to 1024 tokens; D a multiple of 16, up to 32 query
+    heads per KV head, AVX-512 and AVX2 builds) equal the
     portable SDPA path within the dtype's tolerance: fresh prompts of 2 to 77 tokens, chunks after
     a cached prefix that start and end inside blocks and cross them, beside a decode, with and
     without a sliding window. Other layouts keep SDPA."""
@@ -150,8 +151,8 @@ def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh):
     k = torch.randn(T, hkv, d, generator=g).to(dt)
     v = torch.randn(T, hkv, d, generator=g).to(dt)
     _one_step_agrees(ref, ker, tables, start, new, q, k, v, window, dt)
-    covered = (ker.lib is not None and ker.lib.has_avx512 and d % 16 == 0 and h // hkv <= 32
-               and (dt == torch.bfloat16 or dt == torch.float32 and fresh))
+    covered = (ker.lib is not None and ker.lib.has_prefill and d % 16 == 0 and h // hkv <= 32
+               and (fresh or dt == torch.bfloat16 and ker.lib.has_dpbf16))
     assert ker.prefill_calls == (1 if covered else 0), (ker.prefill_calls, covered)
 
 
@@ -173,13 +174,13 @@ def test_prefill_kernel_tiles_in_parallel_as_alone():
         for i, n in enumerate(lens):
             ker.prepare([tables[i]], [0], [n])
             alone = ker(0, q[row:row + n], k[row:row + n], k[row:row + n], None)
-            if ker.lib is not None and ker.lib.has_avx512:
+            if ker.lib is not None and ker.lib.has_prefill:
                 assert torch.equal(alone, together[row:row + n]), f"prompt {i}"
             else:
                 torch.testing.assert_close(alone.float(), together[row:row + n].float(), atol=TOL[torch.bfloat16],
                                            rtol=TOL[torch.bfloat16])
             row += n
-    assert ker.prefill_calls == (1 + len(lens) if ker.lib is not None and ker.lib.has_avx512 else 0)
+    assert ker.prefill_calls == (1 + len(lens) if ker.lib is not None and ker.lib.has_prefill else 0)
 
 
 def _run_fresh(code: str, **env) -> str:

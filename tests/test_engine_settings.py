@@ -16,7 +16,7 @@ from mindie.contract import wire as P
 from mindie.contract.spec import EngineConfig, settle_engine
 from mindie.topology import build_deployment
 
-AVX512_BF16 = "flags : fpu avx2 avx512f avx512_bf16"
+AVX512_BF16 = "flags : fpu avx2 fma avx512f avx512_bf16"
 AVX2 = "flags : fpu avx2 fma"
 
 # key under BackendConfig -> (a value other than the default, the environment override's text,
@@ -118,10 +118,11 @@ def test_device_dependent_defaults_are_settled_once_in_the_plan(tmp_path: Path) 
     assert cpu.unsettled() == []
     avx2 = settle(spec, "cuda", "/m", AVX2).engine
     assert (avx2.overlap, avx2.prefill_chunk_tokens, avx2.decode_hold_ms) == (True, 2048, 0)
-    assert (avx2.cpu.native_bf16, avx2.cpu.fused_decode_rows) == (False, 4)
+    assert (avx2.cpu.native_bf16, avx2.cpu.fused_decode_rows) == (False, 64)  # the AVX2+FMA loops
     built_avx2 = settle_engine(msgspec.structs.replace(spec.engine, cpu=msgspec.structs.replace(
         spec.engine.cpu, isa="avx2")), "cpu", AVX512_BF16)
-    assert built_avx2.cpu.fused_decode_rows == 4  # -mno-avx512f: the portable loops
+    assert built_avx2.cpu.fused_decode_rows == 64  # -mno-avx512f: the AVX2+FMA loops
+    assert settle(spec, "cpu", "/m", "flags : fpu sse2 avx").engine.cpu.fused_decode_rows == 4  # portable loops
     kept = settle(build_deployment(load_config(env={"MINDIE_CPU_BF16": "0", "MINDIE_CPU_FUSED_DECODE_ROWS": "2"})
                                    .config).workers[0], "cpu", "/m", AVX512_BF16).engine
     assert (kept.cpu.native_bf16, kept.cpu.fused_decode_rows) == (False, 2)

@@ -128,6 +128,10 @@ def test_status_routes_idle(split):
     assert httpx.get(split.mgmt + "/v2/models/x/getSlotCount", timeout=10).status_code == 404
     cfg = httpx.get(split.mgmt + "/v1/config", timeout=10).json()
     engine = cfg.pop("engine")  # project extension: the plan's engine settings, as settled
+    workers = cfg.pop("workers")  # project extension: each worker's device and the CPU kernels it chose
+    assert [w["workerId"] for w in workers] == sorted(w["workerId"] for w in workers) and len(workers) == 2, workers
+    assert all(w["device"].startswith("cpu (") and "kernels: isa=" in w["device"] and "decode attention=" in w["device"]
+               for w in workers), workers
     assert cfg == {"modelName": "demo", "maxSeqLen": 2560, "npuMemSize": -1, "cpuMemSize": 1, "worldSize": 0,
                    "maxOutputLen": 2000, "cacheBlockSize": BLOCK,
                    # prefill/decode role (mindie/pd.py): MindIE's inferMode, then project extensions

@@ -83,8 +83,10 @@ class StatusRoutes:
             "max_input_length": deploy.max_input_token_len})
 
     async def on_get_v1_config(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        """GET /v1/config: MindIE's keys, and (project extension) ``engine``, every engine and
-        kernel setting as the launch plan resolved it (deployment.json's ``engine``)."""
+        """GET /v1/config: MindIE's keys, and (project extensions) ``engine``, every engine and
+        kernel setting as the launch plan resolved it (deployment.json's ``engine``), and
+        ``workers``, each live device worker's id and device description (on CPU the kernels it
+        dispatches to)."""
         deploy, sch = self.config.backend.model_deploy, self.config.backend.schedule
         body = {"modelName": self.model_name, "maxSeqLen": deploy.max_seq_len,
                 "npuMemSize": self.model.npu_mem_size, "cpuMemSize": self.model.cpu_mem_size,
@@ -94,6 +96,10 @@ class StatusRoutes:
         body.update({"inferMode": server.infer_mode, "pdRole": server.pd_role, "currentRole": self.roles.role})
         if self.engine is not None:
             body["engine"] = msgspec.to_builtins(self.engine)
+        # Project extension: each device worker's own description (CPU: the kernels it chose for
+        # this machine, workers/backends/cpu_dispatch.py).
+        body["workers"] = [{"workerId": hb.worker_id, "device": hb.device}
+                           for hb in sorted(self.client.heartbeats(), key=lambda b: b.worker_id)]
         _json(resp, body)
 
     def _v1_status(self, live: Live) -> dict:

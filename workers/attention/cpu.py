@@ -4,7 +4,7 @@ its prompt chunks done by C kernels (cpu_kernels.c) that read the KV blocks in p
 The torch decode path gathers every decoding sequence's blocks into a scratch tensor (K and V,
 every layer) and pays about fifteen op dispatches per layer; the kernel does one pass over the
 cached rows with an online softmax in fp32, parallel over (sequence, KV head) on torch's OpenMP
-pool. Prompt chunks take ``paged_prefill`` on AVX-512 builds (fp32 and bf16, head size a
+pool. Prompt chunks take ``paged_prefill`` on AVX-512 and AVX2 builds (fp32 and bf16, head size a
 multiple of 16): tiles of query positions over the cached rows, skipping the keys a query cannot
 see, where torch's SDPA ran a 128-token causal prompt at a fifth of the cores' speed; other
 layouts keep SDPA. Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
@@ -38,8 +38,10 @@ class CpuPagedAttention(PagedAttention):
         self.prefill_calls = 0  # steps whose prompt chunks the kernel computed (tests read it)
         # What paged_prefill covers, known from the cache alone (the query heads per KV head are
         # checked by the kernel, which then refuses); other builds never build the chunk lists.
-        self._prefill_ok = (self.lib is not None and self.lib.has_avx512 and self.code in (0, 1)
+        self._prefill_ok = (self.lib is not None and self.lib.has_prefill and self.code in (0, 1)
                             and head_dim % 16 == 0)
+        # whether prompt chunks' scores are plain fp32 FMAs (fp32 caches; bf16 ones without AVX512-BF16)
+        self.plain_fma_prefill = self.code == 0 or (self.lib is not None and not self.lib.has_dpbf16)
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
         super().prepare(block_tables, start_pos, num_new)
@@ -48,8 +50,10 @@ class CpuPagedAttention(PagedAttention):
         if self._prefill_ok and g is not None:
             pre = [i for i, n in enumerate(num_new) if n != 1]  # as build_metadata splits them
             # fp32 scores take plain FMAs (bf16 takes vdpbf16ps): SDPA is faster from ~1k keys,
-            # and after a cached prefix (scripts/bench_attention.py --prefill).
-            if self.code == 0 and not (g.fresh and max(start_pos[i] + num_new[i] for i in pre) <= 1024):
+            # and after a cached prefix (scripts/bench_attention.py --prefill). AVX2 builds take
+            # plain FMAs for bf16 too: the same rule (mindie-bench isa: a fresh 128-token prompt
+            # 1.3-1.6x faster than SDPA, after 1000 cached keys 1.4x slower in bf16).
+            if self.plain_fma_prefill and not (g.fresh and max(start_pos[i] + num_new[i] for i in pre) <= 1024):
                 return
             row0 = list(itertools.accumulate(num_new, initial=0))
             self._chunks = (torch.tensor([row0[i] for i in pre]), torch.tensor([start_pos[i] for i in pre]),

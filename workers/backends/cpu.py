@@ -11,8 +11,10 @@ import torch
 from mindie.contract.spec import WorkerSpec, native_bf16_default
 from workers import settings
 from workers.backends.base import Backend
+from workers.backends.cpu_dispatch import Dispatch, decide
 from workers.backends.cpu_specialise import specialise_cpu_model, warm_up_cpu_model
 from workers.backends.int8 import CpuInt8Kernel
+from workers.kernels import cpu_kernels
 
 log = logging.getLogger("workers.backends")
 
@@ -47,6 +49,7 @@ class CpuBackend(Backend):
         self.threads = threads
         self._trim = _malloc_trim()
         self._next_trim = 0.0
+        self.dispatch: Dispatch | None = None  # the kernels chosen for the model (prepare_model)
 
     def after_step(self) -> None:
         # glibc keeps the pages of freed blocks resident (a prefill step's activations reach
@@ -86,6 +89,8 @@ class CpuBackend(Backend):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         specialise_cpu_model(model)  # the steps and their order: workers/backends/cpu_specialise.py
+        self.dispatch = decide(model, cpu_kernels.load())
+        log.info("cpu kernels: %s", self.dispatch.line())  # once per worker: its one model load
 
     def warm_up(self, model: torch.nn.Module, spec: WorkerSpec) -> None:
         """Create the oneDNN primitives of every (linear shape, row bucket, thread count) this
@@ -125,4 +130,5 @@ class CpuBackend(Backend):
         return dtype
 
     def describe(self) -> str:
-        return f"cpu ({torch.get_num_threads()} threads, pid {os.getpid()})"
+        kernels = f"; kernels: {self.dispatch.line()}" if self.dispatch is not None else ""
+        return f"cpu ({torch.get_num_threads()} threads, pid {os.getpid()}{kernels})"

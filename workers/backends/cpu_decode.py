@@ -3,7 +3,7 @@
 At batch 1 a decode step of a small model reads its weights in about as much time as eager torch
 spends dispatching the ~12 ops of each layer (docs/performance.md, "Decode at concurrency 1").
 For a step made only of decodes, of at most ``cpuTuning.fusedDecodeRows`` sequences (64; 4 on
-an AVX2 build), the kernel runs embedding, every layer and the final norm inside one OpenMP
+a CPU without AVX2+FMA), the kernel runs embedding, every layer and the final norm inside one OpenMP
 region: matrix-vector products over weights repacked for it (``pack``: AVX512-BF16 dot products
 where the CPU has them, fp32 FMAs otherwise, a loop the compiler vectorises on AVX2), the same C
 norms, rope and paged attention as the eager path, and every intermediate rounded where torch
@@ -54,8 +54,8 @@ MAX_ROWS = 64  # DEC_MAX_ROWS in cpu_kernels.c
 
 def rows_limit() -> int:
     """The largest decode batch the kernel takes (``cpuTuning.fusedDecodeRows``, 0-64, settled in
-    the plan: 64 with AVX-512, 4 with the portable loops of an AVX2 build, slower than oneDNN from
-    about 8 rows; docs/performance.md). ValueError for anything else."""
+    the plan: 64 with AVX-512 or AVX2+FMA, 4 with the portable loops of other CPUs, slower than
+    oneDNN from about 8 rows; docs/performance.md). ValueError for anything else."""
     value = settings.cpu().fused_decode_rows
     if not isinstance(value, int) or not 0 <= value <= MAX_ROWS:
         raise ValueError(f"cpuTuning.fusedDecodeRows must be an integer from 0 to {MAX_ROWS}, got {value!r}")

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from workers import settings
+from workers.kernels import cpu_kernels
+from workers.kernels.cpu_layout import pack
 
 log = logging.getLogger("workers.backends")
 
@@ -162,6 +164,45 @@ class PackedLinear(nn.Module):
         return _packed_linear(x, self.packed, self.bias, self.out_features)
 
 
+class KernelLinear(nn.Module):
+    """A bf16 linear layer where oneDNN cannot pack bf16 (a CPU without AVX512-BF16 / AMX: torch's
+    ``F.linear`` then runs at 8-9 GFLOP/s per core on an AVX2 Zen 3): the C kernels' AVX2 products
+    (``linear_rows`` over the 16-channel layout, bf16 widened to fp32, fp32 sums rounded once to
+    bf16) at 32-35 GFLOP/s from 16 rows up (``mindie-bench isa``). The layout copy replaces the weight."""
+
+    def __init__(self, linear: nn.Module, lib, weight: torch.Tensor | None = None):
+        super().__init__()
+        w = linear.weight if weight is None else weight
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.packed = pack(w.detach())
+        self.bias = getattr(linear, "bias", None)
+        self.lib = lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.bfloat16 or rows.shape[0] == 0:
+            w = self.plain()
+            return torch.nn.functional.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.bfloat16)
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.bfloat16 else self.bias.to(torch.bfloat16)
+        self.lib.linear_rows(1, rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), None,
+                             self.out_features, None if bias is None else bias.contiguous().data_ptr(), out.data_ptr())
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def plain(self) -> torch.Tensor:
+        """The [N, K] weight back from the layout (rare paths: fp32 inputs, no rows)."""
+        nb, kp = self.packed.shape[:2]
+        return self.packed.permute(0, 2, 1, 3).reshape(nb * 16, kp * 2)[:self.out_features, :self.in_features]
+
+
+def _kernel_linears_lib():
+    """The C kernels where they compute bf16 products faster than torch can here (AVX2 builds),
+    else None."""
+    lib = cpu_kernels.load()
+    return lib if lib is not None and getattr(lib, "has_avx2", False) else None
+
+
 def pack_experts(model: nn.Module) -> int:
     """A mixture of experts' stacked expert weights (workers/models/moe.py) as per-expert packed
     linears: one oneDNN product per activated expert, like every other linear here. Experts
@@ -188,7 +229,8 @@ def pack_linears(model: nn.Module) -> int:
     """Swap every nn.Linear of ``model`` for a PackedLinear (and pack the tied LM head)."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    count = 0
+    count = kernel = 0
+    klib = _kernel_linears_lib()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
@@ -196,6 +238,9 @@ def pack_linears(model: nn.Module) -> int:
                 if packed is not None:
                     setattr(parent, name, PackedLinear(child, packed))
                     count += 1
+                elif klib is not None and child.weight.dtype == torch.bfloat16:
+                    setattr(parent, name, KernelLinear(child, klib))
+                    kernel += 1
     head = getattr(model, "lm_head", None)
     # A tied head that already has its own kernel (an int8 copy: workers/backends/int8.py) keeps it.
     if head is None and hasattr(model, "embed_tokens") and getattr(model, "logits_linear", None) is None:
@@ -204,5 +249,10 @@ def pack_linears(model: nn.Module) -> int:
             vocab, hidden = model.embed_tokens.weight.shape
             model.logits_linear = _PackedHead(packed, hidden, vocab)
             count += 1
-    log.info("packed %d linear layers for oneDNN", count)
-    return count
+        elif klib is not None and model.embed_tokens.weight.dtype == torch.bfloat16:
+            model.logits_linear = KernelLinear(model.embed_tokens, klib, model.embed_tokens.weight)
+            kernel += 1
+    log.info("packed %d linear layers for oneDNN%s", count,
+             f"; {kernel} bf16 linear layers on the C kernels' AVX2 products (oneDNN cannot pack bf16 here)"
+             if kernel else "")
+    return count + kernel

@@ -71,6 +71,15 @@ static inline int decode16c_enabled(void) { return __atomic_load_n(&decode16c_on
 #else
 #define HAVE_AVX512BW 0
 #endif
+/* AVX2 + FMA without AVX-512 (AMD Zen 1-3, Intel Haswell to Comet Lake; cpuTuning.isa avx2 on
+ * any CPU): 8-lane versions of the decode and prefill attention and of the decode step's
+ * products. AVX-512 builds take their 16-lane code instead; other CPUs the portable loops. */
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
 
 #define MAX_D 256
 #define MAX_G 16
@@ -402,6 +411,141 @@ INLINE int decode_item16_by(int dt, const void *q, const void *kc, const void *v
 }
 #endif
 
+#if HAVE_AVX2
+/* ---- AVX2 + FMA attention (8 lanes): decode_item8 and prefill_tile8 follow decode_item16 and
+ * prefill_tile16 step for step (same chunks, same online softmax in fp32) ---- */
+
+/* 8 elements of type dt (fp32 or bf16) at p + i, as fp32 */
+INLINE __m256 load8(int dt, const void *p, int64_t i) {
+    if (dt == 1)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* lane j = the sum of the 8 lanes of v[j] */
+INLINE __m256 sum8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* e^x for x <= 0: exp16's polynomial; 2^n built in the exponent bits, so x is clamped at -87
+ * (e^-87 ~ 1.6e-38 where expf gives a denormal or 0: nothing beside the chunk maximum's e^0 = 1) */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* lanes ja <= lane < jb all ones */
+INLINE __m256 lanes8(int64_t ja, int64_t jb) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32((int)ja - 1)),
+                                                _mm256_cmpgt_epi32(_mm256_set1_epi32((int)jb), idx)));
+}
+
+/* chunk_softmax16 in 8 lanes: maximum (a NaN score skipped, as the scalar compare skips it),
+ * rescale, exponentials in place and their sum. sc holds n scores, padded to a multiple of 8. */
+INLINE void chunk_softmax8(float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    __m256 mx = _mm256_set1_ps(*m);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(_mm256_loadu_ps(sc + j), mx);
+    float mb = hmax8(mx);
+    for (; j < n; j++) mb = sc[j] > mb ? sc[j] : mb;
+    if (mb > *m) {
+        const float corr = expf(*m - mb);  /* 0 on the first chunk: m = -inf */
+        *l *= corr;
+        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
+        *m = mb;
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j < n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), _mm256_set1_ps(mb)));
+        if (n - j < 8) e = _mm256_and_ps(e, lanes8(0, n - j));
+        _mm256_storeu_ps(sc + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    *l += hsum8(sum);
+}
+
+/* decode_item for fp32/bf16 caches and D a multiple of 8: each group of 8 cached rows is
+ * converted to fp32 once for all G query heads, its 8 scores per head summed together (sum8),
+ * the softmax terms take a vector exp. */
+INLINE void decode_item8(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
+                         int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                         void *out) {
+    const int64_t G = H / Hkv, DV = D / 8, es = dt == 0 ? 4 : 2;
+    float qf[MAX_G][MAX_D] __attribute__((aligned(32))), acc[MAX_G][MAX_D] __attribute__((aligned(32)));
+    float rows[8][MAX_D] __attribute__((aligned(32))), m[MAX_G], l[MAX_G];
+    float sc[MAX_G][CHUNK] __attribute__((aligned(32)));
+    item_start(dt, q, G, D, scale, kvh, qf, acc, m, l);
+    for (int64_t t0 = item_first(p, window), base, n; t0 <= p; t0 += n) {
+        n = item_chunk(t0, p, table, Hkv, kvh, bs, D, es, kc, vc, &base);
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            const int64_t jn = n - j0 < 8 ? n - j0 : 8;
+            prefetch_rows(kc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 8 ? n : j0 + PF_ROWS + 8, D, es);
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm256_store_ps(rows[j] + v * 8, load8(dt, kc, base + (j0 + j) * D + v * 8));
+            for (int64_t g = 0; g < G; g++) {
+                __m256 s[8];
+                for (int64_t j = 0; j < 8; j++) {
+                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                    if (j < jn) {
+                        int64_t v = 0;
+                        for (; v + 2 <= DV; v += 2) {
+                            a0 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + v * 8), _mm256_load_ps(rows[j] + v * 8), a0);
+                            a1 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + v * 8 + 8), _mm256_load_ps(rows[j] + v * 8 + 8), a1);
+                        }
+                        if (v < DV) a0 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + v * 8), _mm256_load_ps(rows[j] + v * 8), a0);
+                    }
+                    s[j] = _mm256_add_ps(a0, a1);
+                }
+                _mm256_store_ps(sc[g] + j0, sum8(s)); /* CHUNK is a multiple of 8: in bounds */
+            }
+        }
+        for (int64_t g = 0; g < G; g++) chunk_softmax8(sc[g], n, &m[g], &l[g], acc[g], D);
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            const int64_t jn = n - j0 < 8 ? n - j0 : 8;
+            prefetch_rows(vc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 8 ? n : j0 + PF_ROWS + 8, D, es);
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm256_store_ps(rows[j] + v * 8, load8(dt, vc, base + (j0 + j) * D + v * 8));
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t v = 0; v < DV; v++) {
+                    __m256 a = _mm256_load_ps(acc[g] + v * 8);
+                    for (int64_t j = 0; j < jn; j++)
+                        a = _mm256_fmadd_ps(_mm256_set1_ps(sc[g][j0 + j]), _mm256_load_ps(rows[j] + v * 8), a);
+                    _mm256_store_ps(acc[g] + v * 8, a);
+                }
+        }
+    }
+    item_finish(dt, out, G, D, kvh, acc, l);
+}
+#endif
+
 /* One (sequence, kv head) work item, over chunks of up to CHUNK cached positions of one block:
  * scores of the chunk for the G query heads, one rescale of the running sums per chunk, then the
  * value rows. Cached rows are read in place and converted to fp32 inside the loops. */
@@ -412,6 +556,12 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
     if ((dt == 0 || dt == 1) && D % 16 == 0) {
         if (!decode_item16_by(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out))
             decode_item16(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+        return;
+    }
+#endif
+#if HAVE_AVX2
+    if ((dt == 0 || dt == 1) && D % 8 == 0) {
+        decode_item8(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
         return;
     }
 #endif
@@ -616,15 +766,126 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
 }
 #endif
 
+#if HAVE_AVX2
+#define PRE_ROWS 32 /* as in AVX-512 builds */
+
+/* prefill_tile16 in 8 lanes, fp32 FMAs for both element types (AVX2 has no bf16 dot product):
+ * each 8-key group converted to fp32 once for all rows; a row skips the groups it cannot see. */
+INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *kc, const void *vc,
+                          const int64_t *table, int64_t p0, int64_t nq, int64_t H, int64_t Hkv, int64_t bs,
+                          int64_t D, int64_t window, float scale, int64_t kvh, void *out) {
+    const int64_t G = H / Hkv, DV = D / 8, es = dt == 0 ? 4 : 2, R = nq * G;
+    float qf[PRE_ROWS][MAX_D] __attribute__((aligned(32))), acc[PRE_ROWS][MAX_D] __attribute__((aligned(32)));
+    float rows[8][MAX_D] __attribute__((aligned(32))), sc[PRE_ROWS][CHUNK] __attribute__((aligned(32)));
+    float m[PRE_ROWS], l[PRE_ROWS];
+    int64_t lo[PRE_ROWS], hi[PRE_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / G, h = kvh * G + r % G;
+        hi[r] = p0 + i;
+        lo[r] = item_first(hi[r], window);
+        for (int64_t d = 0; d < D; d++) {
+            qf[r][d] = load_one(dt, q, i * q_stride + h * D + d) * scale;
+            acc[r][d] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int64_t last = hi[R - 1];
+    for (int64_t t0 = lo[0], base, n; t0 <= last; t0 += n) {
+        n = item_chunk(t0, last, table, Hkv, kvh, bs, D, es, kc, vc, &base);
+        int64_t r0 = 0, r1 = R; /* the rows that see some key of this chunk (positions rise with r) */
+        while (r0 < R && hi[r0] < t0) r0++;
+        while (r1 > r0 && lo[r1 - 1] > t0 + n - 1) r1--;
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            const int64_t jn = n - j0 < 8 ? n - j0 : 8, t = t0 + j0;
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm256_store_ps(rows[j] + v * 8, load8(dt, kc, base + (j0 + j) * D + v * 8));
+            /* two rows at a time against four keys at a time: 8 accumulators, 6 loads per 8 FMAs */
+            for (int64_t r = r0; r < r1; r += 2) {
+                const int64_t rb = r + 1 < r1 ? r + 1 : r; /* an odd last row pairs with itself */
+                int64_t ja[2], jb[2];
+                for (int i = 0; i < 2; i++) {
+                    const int64_t rr = i ? rb : r;
+                    ja[i] = lo[rr] - t < 0 ? 0 : lo[rr] - t;
+                    jb[i] = hi[rr] - t + 1 > jn ? jn : hi[rr] - t + 1;
+                }
+                __m256 s[2][8];
+                for (int64_t h = 0; h < 8; h += 4) {
+                    __m256 a[2][4];
+                    for (int i = 0; i < 2; i++)
+                        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+                    if (h < jb[0] || h < jb[1])
+                        for (int64_t v = 0; v < DV; v++) {
+                            const __m256 q0 = _mm256_load_ps(qf[r] + v * 8), q1 = _mm256_load_ps(qf[rb] + v * 8);
+                            for (int j = 0; j < 4; j++) {
+                                const __m256 kv = _mm256_load_ps(rows[h + j] + v * 8);
+                                a[0][j] = _mm256_fmadd_ps(q0, kv, a[0][j]);
+                                a[1][j] = _mm256_fmadd_ps(q1, kv, a[1][j]);
+                            }
+                        }
+                    for (int i = 0; i < 2; i++)
+                        for (int j = 0; j < 4; j++) s[i][h + j] = a[i][j];
+                }
+                for (int i = 0; i < 2 && r + i < r1; i++) {
+                    /* lanes past jn hold stale keys' scores (or NaN from stale rows): masked here */
+                    const __m256 vis = ja[i] < jb[i] ? lanes8(ja[i], jb[i]) : _mm256_setzero_ps();
+                    _mm256_store_ps(sc[r + i] + j0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8(s[i]), vis));
+                }
+            }
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const float mb = item_rescale(sc[r], n, &m[r], &l[r], acc[r], D);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j += 8) {
+                const int64_t jn = n - j < 8 ? n - j : 8, t = t0 + j;
+                int64_t ja = lo[r] - t, jb = hi[r] - t + 1;
+                if (ja < 0) ja = 0;
+                if (jb > jn) jb = jn;
+                const __m256 e = _mm256_and_ps(lanes8(ja, jb),
+                                               exp8(_mm256_sub_ps(_mm256_load_ps(sc[r] + j), _mm256_set1_ps(mb))));
+                _mm256_store_ps(sc[r] + j, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            l[r] += hsum8(sum);
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            const int64_t jn = n - j0 < 8 ? n - j0 : 8, t = t0 + j0;
+            for (int64_t j = 0; j < jn; j++)
+                for (int64_t v = 0; v < DV; v++) _mm256_store_ps(rows[j] + v * 8, load8(dt, vc, base + (j0 + j) * D + v * 8));
+            for (int64_t r = r0; r < r1; r++) {
+                int64_t ja = lo[r] - t, jb = hi[r] - t + 1;
+                if (ja < 0) ja = 0;
+                if (jb > jn) jb = jn;
+                if (ja >= jb) continue;
+                for (int64_t v = 0; v < DV; v++) {
+                    __m256 a = _mm256_load_ps(acc[r] + v * 8);
+                    for (int64_t j = ja; j < jb; j++)
+                        a = _mm256_fmadd_ps(_mm256_set1_ps(sc[r][j0 + j]), _mm256_load_ps(rows[j] + v * 8), a);
+                    _mm256_store_ps(acc[r] + v * 8, a);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / G, h = kvh * G + r % G;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) store_one(dt, out, i * q_stride + h * D + d, acc[r][d] * inv);
+    }
+}
+#define prefill_tile prefill_tile8
+#elif HAVE_AVX512
+#define prefill_tile prefill_tile16
+#endif
+
 /* Attention of prompt chunks: sequence b's nq[b] queries are rows row0[b] .. row0[b] + nq[b] - 1 of
  * q and out ([T, H, D], type dtype), at positions start[b] .. start[b] + nq[b] - 1, and see the
  * cached keys of their sequence up to their own position (this step's keys written first). fp32
- * and bf16 caches with D a multiple of 16, AVX-512 builds only: returns -1 otherwise (the caller
+ * and bf16 caches with D a multiple of 16, AVX-512 and AVX2 builds: returns -1 otherwise (the caller
  * keeps torch's SDPA), before touching anything. */
 int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
                   int64_t max_blocks, const int64_t *row0, const int64_t *start, const int64_t *nq, int64_t B,
                   int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, void *out) {
-#if HAVE_AVX512
+#if HAVE_AVX512 || HAVE_AVX2
     if (D > MAX_D || D % 16 != 0 || Hkv <= 0 || H % Hkv != 0 || H / Hkv > PRE_ROWS || (dtype != 0 && dtype != 1))
         return -1;
     const int64_t G = H / Hkv, QT = PRE_ROWS / G, es = dtype == 0 ? 4 : 2;
@@ -641,10 +902,10 @@ int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, cons
         const int64_t n = nq[b] - a < QT ? nq[b] - a : QT;
         const int64_t off = (row0[b] + a) * H * D * es;
         if (dtype == 0)
-            prefill_tile16(0, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
+            prefill_tile(0, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
                            bs, D, window, scale, kvh, (char *)out + off);
         else
-            prefill_tile16(1, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
+            prefill_tile(1, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
                            bs, D, window, scale, kvh, (char *)out + off);
     }
     free(tile);
@@ -691,6 +952,9 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
 int kernels_have_avx512(void) { return HAVE_AVX512; }
+int kernels_have_avx2(void) { return HAVE_AVX2; }
+/* whether paged_prefill computes prompt chunks in this build (else it returns -1) */
+int kernels_have_prefill(void) { return HAVE_AVX512 || HAVE_AVX2; }
 
 /* f(args..., MM) with the row count MM (1-4) a compile-time constant in each call */
 #define BY_ROWS(mm, f, ...) do { switch (mm) {                      \
@@ -791,6 +1055,83 @@ INLINE void q8_rows(int dt, const void *x, int64_t K, const int8_t *q, const flo
 }
 #endif
 
+#if HAVE_AVX2
+/* AVX2 products over the same packed layout, each block's 16 channels as two 8-lane halves. Up
+ * to two rows take two blocks per pass, more rows one (accumulators: rows x blocks x 2 <= 8 of the
+ * 16 vector registers, enough to keep both FMA units busy). Each lane sums in K order within a
+ * chunk of K_CHUNK, as fma_rows does. */
+INLINE void fma_rows8(const float *xf, int64_t K, const float *wf, int64_t g0, int64_t nb, int64_t m0, float *res,
+                      const int MM) {
+    const int BP = MM <= 2 ? 2 : 1;
+    for (int b0 = 0; b0 < nb; b0 += BP) {
+        const float *w[2];
+        for (int b = 0; b < BP; b++) w[b] = wf + block_of(g0, b0 + b, nb) * K * 16;
+        for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+            const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
+            __m256 acc[4][2][2];
+            for (int m = 0; m < MM; m++)
+                for (int b = 0; b < BP; b++) acc[m][b][0] = acc[m][b][1] = _mm256_setzero_ps();
+            for (int64_t k = k0; k < k1; k++) {
+                __m256 wv[2][2];
+                for (int b = 0; b < BP; b++) {
+                    wv[b][0] = _mm256_loadu_ps(w[b] + k * 16);
+                    wv[b][1] = _mm256_loadu_ps(w[b] + k * 16 + 8);
+                }
+                for (int m = 0; m < MM; m++) {
+                    const __m256 xv = _mm256_broadcast_ss(xf + (m0 + m) * K + k);
+                    for (int b = 0; b < BP; b++) {
+                        acc[m][b][0] = _mm256_fmadd_ps(xv, wv[b][0], acc[m][b][0]);
+                        acc[m][b][1] = _mm256_fmadd_ps(xv, wv[b][1], acc[m][b][1]);
+                    }
+                }
+            }
+            for (int m = 0; m < MM; m++)
+                for (int b = 0; b < BP && b0 + b < GROUP; b++)
+                    for (int h = 0; h < 2; h++) {
+                        float *o = res + (m0 + m) * GROUP * 16 + (b0 + b) * 16 + h * 8;
+                        _mm256_storeu_ps(o, k0 == 0 ? acc[m][b][h] : _mm256_add_ps(_mm256_loadu_ps(o), acc[m][b][h]));
+                    }
+        }
+    }
+}
+
+/* bf16 weights [N/16][K/2][16][2] widened to fp32 (a pair's even element is the low half of its
+ * 32 bits, the odd one the high half), x's pair broadcast; an odd K's last pair has x1 = 0. */
+INLINE void bf16_rows8(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb, int64_t m0,
+                       float *res, const int MM) {
+    const int64_t KP = (K + 1) / 2, full = K / 2;
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int b = 0; b < nb; b++) {
+        const uint16_t *w = wb + (g0 + b) * KP * 32;
+        for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+            const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+            __m256 acc[4][2];
+            for (int m = 0; m < MM; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+            for (int64_t kp = p0; kp < p1; kp++) {
+                __m256 we[2], wo[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + kp * 32 + h * 16));
+                    we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                    wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                }
+                for (int m = 0; m < MM; m++) {
+                    const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
+                    const __m256 x0 = _mm256_set1_ps(bf16_to_f32(r[0]));
+                    const __m256 x1 = _mm256_set1_ps(kp < full ? bf16_to_f32(r[1]) : 0.0f);
+                    for (int h = 0; h < 2; h++)
+                        acc[m][h] = _mm256_fmadd_ps(x1, wo[h], _mm256_fmadd_ps(x0, we[h], acc[m][h]));
+                }
+            }
+            for (int m = 0; m < MM; m++)
+                for (int h = 0; h < 2; h++) {
+                    float *o = res + (m0 + m) * GROUP * 16 + b * 16 + h * 8;
+                    _mm256_storeu_ps(o, p0 == 0 ? acc[m][h] : _mm256_add_ps(_mm256_loadu_ps(o), acc[m][h]));
+                }
+        }
+    }
+}
+#endif
+
 /* Weight-only int8 (w8a16): q int8 [N/16][K][16], fp32 scales [N/16 * 16] (padding rows 0);
  * res = scale * sum over k of x * q, summed in fp32. */
 static void gemv_group_int8(int dt, const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale,
@@ -844,7 +1185,15 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
             continue;
         }
 #endif
-        /* Portable path (AVX2 builds): the same layout and order, 16 lanes the compiler vectorises,
+#if HAVE_AVX2
+        if (dt == 0) {
+            BY_ROWS(mm, fma_rows8, (const float *)x, K, (const float *)pw, g0, nb, m0, res);
+            continue;
+        }
+        BY_ROWS(mm, bf16_rows8, (const uint16_t *)x, K, (const uint16_t *)pw, g0, nb, m0, res);
+        continue;
+#endif
+        /* Portable path (no AVX2): the same layout and order, 16 lanes the compiler vectorises,
          * four rows per pass over the weight block (rows past M repeat the last one, discarded). */
         int64_t r[4];
         for (int m = 0; m < 4; m++) r[m] = (m0 + m < M ? m0 + m : M - 1) * K;

@@ -76,8 +76,8 @@ def _private_dir(d: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(d, os.W_OK)
 
 
-def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
+def _build(cc: str, source: Path = SOURCE) -> Path:
+    src = source.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
     flags = build_flags()
     key = hashlib.sha256(src + version + cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
@@ -97,7 +97,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
         os.close(fd)
         try:
-            res = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+            res = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
                                  timeout=BUILD_TIMEOUT_S)
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
@@ -107,6 +107,47 @@ def _build(cc: str) -> Path:
                 os.unlink(tmp)
     log.info("built the CPU kernels (%s) in %.1f s: %s", isa(), time.perf_counter() - t0, out)
     return out
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the kernels' ctypes signatures and the build's capabilities (``has_*``) on ``lib``."""
+    lib.paged_decode.restype = ctypes.c_int
+    lib.paged_decode.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] \
+        + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+    lib.paged_prefill.restype = ctypes.c_int
+    lib.paged_prefill.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+    lib.paged_write.restype = None
+    lib.paged_write.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p] + [ctypes.c_int64] * 5
+    lib.rms_norm.restype = ctypes.c_int
+    lib.rms_norm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    lib.rope_inplace.restype = ctypes.c_int
+    lib.rope_inplace.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 \
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    lib.linear_rows.restype = ctypes.c_int
+    lib.linear_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.int8_unpack_t.restype = ctypes.c_int
+    lib.int8_unpack_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.decode_layers.restype = ctypes.c_int
+    lib.decode_layers.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.kernels_have_dpbf16.restype = ctypes.c_int
+    lib.has_dpbf16 = bool(lib.kernels_have_dpbf16())
+    lib.kernels_have_avx512.restype = ctypes.c_int
+    lib.has_avx512 = bool(lib.kernels_have_avx512())
+    # the 8-lane AVX2+FMA paths (builds without AVX-512); a library built from an older source
+    # (mindie-bench isa --base-kernels) lacks these two and had no AVX2 paths
+    lib.has_avx2 = hasattr(lib, "kernels_have_avx2") and bool(lib.kernels_have_avx2())
+    lib.has_prefill = bool(lib.kernels_have_prefill()) if hasattr(lib, "kernels_have_prefill") else lib.has_avx512
+    lib.kernels_have_f16.restype = ctypes.c_int
+    lib.kernels_decode_specialised.restype = ctypes.c_int
+    lib.kernels_decode_specialised.argtypes = [ctypes.c_int]
+    lib.kernels_decode_specialised_for.restype = ctypes.c_int
+    lib.kernels_decode_specialised_for.argtypes = [ctypes.c_int] + [ctypes.c_int64] * 3
+    lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
@@ -122,45 +163,23 @@ def load() -> ctypes.CDLL | None:
     else:
         try:
             import torch  # noqa: F401  (its libgomp must be loaded first so the kernels share it)
-            lib = ctypes.CDLL(str(_build(cc)))
-            lib.paged_decode.restype = ctypes.c_int
-            lib.paged_decode.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] \
-                + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
-            lib.paged_prefill.restype = ctypes.c_int
-            lib.paged_prefill.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
-                + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
-            lib.paged_write.restype = None
-            lib.paged_write.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_void_p] + [ctypes.c_int64] * 5
-            lib.rms_norm.restype = ctypes.c_int
-            lib.rms_norm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
-            lib.rope_inplace.restype = ctypes.c_int
-            lib.rope_inplace.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 \
-                + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-            lib.linear_rows.restype = ctypes.c_int
-            lib.linear_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-            lib.int8_unpack_t.restype = ctypes.c_int
-            lib.int8_unpack_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-            lib.decode_layers.restype = ctypes.c_int
-            lib.decode_layers.argtypes = [ctypes.c_int, ctypes.c_void_p]
-            lib.kernels_have_dpbf16.restype = ctypes.c_int
-            lib.has_dpbf16 = bool(lib.kernels_have_dpbf16())
-            lib.kernels_have_avx512.restype = ctypes.c_int
-            lib.has_avx512 = bool(lib.kernels_have_avx512())
-            lib.kernels_have_f16.restype = ctypes.c_int
-            lib.kernels_decode_specialised.restype = ctypes.c_int
-            lib.kernels_decode_specialised.argtypes = [ctypes.c_int]
-            lib.kernels_decode_specialised_for.restype = ctypes.c_int
-            lib.kernels_decode_specialised_for.argtypes = [ctypes.c_int] + [ctypes.c_int64] * 3
-            lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
+            lib = declare(ctypes.CDLL(str(_build(cc))))
             _lib = lib
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
             _reason = f"build failed: {e}"
     if _lib is None:
         log.warning("CPU kernels unavailable (%s): using the portable torch attention, norms and rope", _reason)
     return _lib
+
+
+def build_other(source: Path) -> ctypes.CDLL:
+    """Another version of cpu_kernels.c built with this build's flags (benchmarks compare an older
+    source in the same process: ``mindie-bench isa --base-kernels``). Raises where it cannot."""
+    import torch  # noqa: F401  (its libgomp first, as load())
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC)")
+    return declare(ctypes.CDLL(str(_build(cc, Path(source)))))
 
 
 def unavailable_reason() -> str:
