@@ -74,8 +74,6 @@ def fleet(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("pdtcp")
     a, b = _keys(tmp, "keys-a"), _keys(tmp, "keys-b")
     common = {"inferMode": "dmi", "kvTransferLeaseMs": 3000, "kvTransferTimeoutMs": 3000}
-    # No speculation: each token is a step on every instance, as in the hybrid reference.
-    sched = {"speculativeDecoding": False}
     specs = {"P": ({"pdRole": "prefill"}, a), "D": ({"pdRole": "decode", "kvTransferTcpOnly": True,
                                                      "kvLoadFailurePolicy": "fail"}, a),
              "H": ({"pdRole": "flex"}, b)}
@@ -84,7 +82,7 @@ def fleet(tmp_path_factory, demo_model):
         for name, (extra, keys) in specs.items():
             port = free_port()
             cfg = _config(tmp / f"{name}.json", port, {**common, **extra, "interCommPort": _kv_port()}, keys,
-                          model_path=demo_model, schedule=sched)
+                          model_path=demo_model)
             servers[name] = Server(cfg, port)
         for s in servers.values():
             s.wait_ready(240)
