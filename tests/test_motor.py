@@ -17,7 +17,7 @@ import pytest
 
 from tests.coord_harness import MOTOR, MotorFleet, consecutive_free_ports
 from tests.coord_harness import motor_env as env
-from tests.harness import ROOT, InferStreams, alive, free_ports, wait_gone
+from tests.harness import ROOT, InferStreams, alive, free_ports, plain_decode, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,8 +38,10 @@ def server_config(model_path: str, port: int | None = None) -> dict:
                               "ModelDeployConfig": {"maxSeqLen": 1024, "maxInputTokenLen": 512,
                                                     "ModelConfig": [{"modelName": "demo", "modelWeightPath": model_path,
                                                                      "cpuMemSize": 1, "dtype": "float32"}]},
-                              "ScheduleConfig": {"cacheBlockSize": 16, "maxBatchSize": 16, "maxPrefillBatchSize": 8,
-                                                 "maxPrefillTokens": 1024, "maxIterTimes": 512}}}
+                              # streams held across a SIGTERM must still run then: a token a step
+                              "ScheduleConfig": plain_decode({"cacheBlockSize": 16, "maxBatchSize": 16,
+                                                              "maxPrefillBatchSize": 8, "maxPrefillTokens": 1024,
+                                                              "maxIterTimes": 512})}}
 
 
 def user_config(path: Path, *, predict: int, manage: int, replicas: int = 2, server: dict | None = None,

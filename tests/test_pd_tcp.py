@@ -175,6 +175,42 @@ def test_stream_over_tcp_curve_equals_hybrid(fleet):
     assert r.status_code == 200 and text(r) == text(want) and text(want)
 
 
+def _logprobs(r: httpx.Response) -> list:
+    assert r.status_code == 200, r.text
+    return [(c["text"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]) for c in r.json()["choices"]]
+
+
+def test_logprobs_equal_a_prefix_cache_hit_exactly(fleet):
+    """Through P -> D the logprobs are bit for bit those of a hybrid instance that holds the prompt's
+    full blocks in its prefix cache (the decode side computes the tail after them, as a prefix hit
+    does); against a cold hybrid prefill they may differ in the last float digits (the tail's KV is
+    computed with attention over cached blocks instead of in one prefill: another summation order)."""
+    body = {"model": "demo", "prompt": " ".join(f"word{i}" for i in range(90)), "max_tokens": 10,
+            "temperature": 0, "logprobs": 2}
+    h = fleet["H"].url + "/v1/completions"
+    cold = _logprobs(httpx.post(h, json=body, timeout=60))
+    warm = _logprobs(httpx.post(h, json=body, timeout=60))  # its full blocks now a prefix-cache hit
+    pr, r, _ = _handoff(fleet, body, path="/v1/completions")
+    assert pr.status_code == 200, pr.text
+    got = _logprobs(r)
+    assert got == warm
+    assert [t for t, _, _ in got] == [t for t, _, _ in cold]
+    assert max(abs(a - b) for (_, x, _), (_, y, _) in zip(got, cold) for a, b in zip(x, y)) < 1e-4
+
+
+def test_n_choices_through_pd(fleet):
+    """n > 1: the first choice decodes on the transferred blocks, the others compute the prompt on D
+    (the decode order names one request); every choice as the hybrid instance's, seeded."""
+    body = {"model": "demo", "prompt": " ".join(f"w{i}" for i in range(50)), "max_tokens": 8, "n": 3,
+            "temperature": 0.8, "seed": 11}
+    want = httpx.post(fleet["H"].url + "/v1/completions", json=body, timeout=60)
+    pr, r, _ = _handoff(fleet, body, path="/v1/completions")
+    assert pr.status_code == 200 and pr.json()["promptTokens"] > 16, pr.text
+    assert r.status_code == 200, r.text
+    texts = lambda resp: sorted((c["index"], c["text"]) for c in resp.json()["choices"])  # noqa: E731
+    assert len(texts(r)) == 3 and texts(r) == texts(want)
+
+
 def test_wrong_client_key_refused_loudly(fleet):
     """H holds key dir B: D's ZAP refuses its key. H's prefill answers 503 at once saying so (not
     after the lease); D's decode request follows kvLoadFailurePolicy fail within its timeout."""
