@@ -58,8 +58,10 @@ def fleet(tmp_path_factory):
 
 def close(a, b, path: str = "") -> list[str]:
     """Where ``a`` and ``b`` differ: everything exactly (token ids, text, counts, finish reasons)
-    but floats (logprobs) within 1e-4: the decode instance computes the last prompt token alone,
-    the hybrid one in the prompt's batch, so float rounding may differ in the last digits."""
+    but floats (logprobs) within 1e-4: the decode instance computes the prompt's tail after the
+    transferred blocks as a prefix-cache hit does, the cold hybrid instance the whole prompt at once,
+    so float rounding may differ in the last digits (docs/design.md, "Logprobs"; bit for bit
+    against a prefix hit: tests/test_pd_tcp.py)."""
     if isinstance(a, float) and isinstance(b, float):
         return [] if abs(a - b) <= 1e-4 else [f"{path}: {a} != {b}"]
     if isinstance(a, dict) and isinstance(b, dict):
