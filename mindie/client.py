@@ -232,7 +232,7 @@ class DeviceClient:
             if not links:
                 raise UnknownAdapterError(adapter)
         if pd is not None and pd.op == "decode":  # the worker that receives the transfer
-            links = [lk for lk in links if lk.ep.kv_endpoint == pd.kv_endpoint]
+            links = [lk for lk in links if pd.kv_endpoint in (lk.ep.kv_endpoint, lk.ep.kv_tcp_endpoint)]
             if not links:
                 raise NoWorkerError(f"no ready device worker of this instance has KV endpoint {pd.kv_endpoint}")
         link = min(links, key=lambda lk: lk.load())

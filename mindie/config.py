@@ -177,6 +177,14 @@ class ServerConfig(_Section):
     kv_transfer_lease_ms: Annotated[int, Meta(ge=100, le=600000)] = 30000
     kv_transfer_timeout_ms: Annotated[int, Meta(ge=100, le=600000)] = 10000
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # KV transfer across hosts (docs/design.md "Disaggregated prefill/decode", "Addressing"): with
+    # inferMode dmi and interCommPort > 0 (MindIE's P<->D port; its default 1121, here 0 = ipc only),
+    # worker i also binds tcp://<kvTransferHost or ipAddress>:<interCommPort + i>, CURVE with
+    # BackendConfig.workerCurveKeyDir; kvTransferTcpOnly drops the ipc endpoint (peers on this host
+    # without a shared run directory, or tcp forced on one host).
+    inter_comm_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    kv_transfer_host: str = ""
+    kv_transfer_tcp_only: bool = False
 
 
 class ToolCallOptions(msgspec.Struct, kw_only=True):
@@ -395,6 +403,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "MINDIE_METRICS_PORT": "ServerConfig.metricsPort",  # launch.sh --metrics-port
     "MINDIE_GRACEFUL_TIMEOUT": "ServerConfig.drainTimeoutS",  # the deploy files' name for it
     "MINDIE_RUN_DIR": "ServerConfig.runDir",
+    "MINDIE_KV_TRANSFER_HOST": "ServerConfig.kvTransferHost",  # Kubernetes: the pod's IP (downward API)
     "MINDIE_FRONTENDS": "ServerConfig.frontendCount",
     "MINDIE_STRICT_CONFIG": "ServerConfig.strictConfig",  # launch.sh --strict-config
     "MINDIE_HEAD_TIMEOUT_S": "ServerConfig.headTimeoutS",
@@ -467,6 +476,8 @@ def _apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
         put("MIES_CONTAINER_IP", server, "ipAddress", v)
     if (v := get.get("MINDIE_HOST")):
         put("MINDIE_HOST", server, "ipAddress", v)
+    if (v := get.get("MINDIE_KV_TRANSFER_HOST")):
+        put("MINDIE_KV_TRANSFER_HOST", server, "kvTransferHost", v)
     if (v := get.get("MIES_CONTAINER_MANAGEMENT_IP")):
         put("MIES_CONTAINER_MANAGEMENT_IP", server, "managementIpAddress", v)
     if server is not None:
@@ -623,7 +634,7 @@ def _collect_ignored(raw: Any, tp: Any, path: str, out: list[str]) -> None:
 MINDIE_UNUSED_KEYS = frozenset({
     "Version", "LogConfig.dynamicLogLevelValidHours", "LogConfig.dynamicLogLevelValidTime",
     "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby",
-    "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort", "ServerConfig.interCommTlsCaPath",
+    "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommTlsCaPath",
     "ServerConfig.interCommTlsCaFiles", "ServerConfig.interCommTlsCert", "ServerConfig.interCommPk",
     "ServerConfig.interCommPkPwd", "ServerConfig.interCommTlsCrlPath", "ServerConfig.interCommTlsCrlFiles",
     "ServerConfig.openAiSupport", "ServerConfig.distDPServerEnabled", "ServerConfig.tlsPkPwd",
@@ -872,6 +883,7 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
                 # MindIE falls back to the model's default parser; a typo is refused here instead
                 fail(f"{key}.models.{model_type}.tool_call_options.tool_call_parser",
                      f"must be empty or one of {', '.join(sorted(tool_parser_names.ALIASES))}, got {parser!r}")
+    _check_kv_link(config, fail, source)
     # Worker links (project extensions; mindie/runtime/curve.py).
     for key, host in [("BackendConfig.workerHost", b.worker_host)] + [
             (f"BackendConfig.workerHosts[{i}]", h) for i, h in enumerate(b.worker_hosts)]:
@@ -917,6 +929,52 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
     for key, level in (("dynamicLogLevel", config.log.dynamic_log_level), ("logLevel", config.log.log_level)):
         if level.strip() and level.strip().lower() not in LOG_LEVELS:
             fail(f"LogConfig.{key}", f"must be empty or one of {', '.join(LOG_LEVELS)}, got {level!r}")
+
+
+def kv_tcp_host(server: ServerConfig) -> str:
+    """The address the KV transfer endpoint binds and advertises: ``kvTransferHost``, else
+    ``ipAddress``; "" when the tcp endpoint is off (needs inferMode dmi and interCommPort > 0)."""
+    if server.infer_mode != "dmi" or not server.inter_comm_port:
+        return ""
+    return server.kv_transfer_host.strip() or server.ip_address
+
+
+def _check_kv_link(config: Config, fail, source: Optional[str]) -> None:
+    """The KV transfer endpoint on tcp: a port range the workers fit in, an address peers can
+    connect to, and CURVE keys (or the insecure flag) as for tcp worker links."""
+    s, b = config.server, config.backend
+    host = kv_tcp_host(s)
+    if s.kv_transfer_tcp_only and not host:
+        fail("ServerConfig.kvTransferTcpOnly", "needs the tcp KV endpoint: inferMode \"dmi\" and interCommPort > 0")
+    if s.kv_transfer_host.strip() and not host:
+        fail("ServerConfig.kvTransferHost", "is used only with inferMode \"dmi\" and interCommPort > 0")
+    if not host:
+        return
+    n = len(b.npu_device_ids)
+    if not 1024 <= s.inter_comm_port <= 65536 - n:
+        fail("ServerConfig.interCommPort", f"must be 0 (KV over ipc only) or in [1024, {65536 - n}] ({n} workers "
+             f"bind interCommPort + 0..{n - 1}), got {s.inter_comm_port}")
+    key = "ServerConfig.kvTransferHost" if s.kv_transfer_host.strip() else "ServerConfig.ipAddress"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        fail(key, f"the KV transfer endpoint's address must be an IPv4 or IPv6 address, got {host!r}")
+    if ip.is_unspecified:
+        fail("ServerConfig.kvTransferHost", f"the KV transfer endpoint needs an address peers can connect to, not "
+             f"{host} (ipAddress): set kvTransferHost (in Kubernetes MINDIE_KV_TRANSFER_HOST from status.podIP)")
+    key_dir = b.worker_curve_key_dir.strip()
+    if not key_dir and not b.worker_insecure_tcp:
+        fail("BackendConfig.workerCurveKeyDir", "the tcp KV transfer endpoint (inferMode dmi, interCommPort "
+             f"{s.inter_comm_port}) needs CURVE keys: set it to a key directory (python -m mindie.ops.curve_keys DIR "
+             "makes one), set workerInsecureTcp: true to allow plain tcp, or interCommPort 0 for ipc only")
+    if key_dir:
+        from mindie.runtime.curve import CurveKeyError, check_kv_key_dir
+
+        try:
+            check_kv_key_dir(os.path.join(os.path.dirname(source) if source else os.getcwd(),
+                                          os.path.expanduser(key_dir)))
+        except CurveKeyError as e:
+            fail(e.key, e.message)
 
 
 def _adjust(config: Config) -> list[str]:

@@ -5,7 +5,9 @@ the worker side is workers/pd_transfer.py).
   by MindIE's ``POST /v1/role/{role}`` / ``/v2/role/{role}`` (bodies checked as MindIE checks them),
   kept in the private run directory (``pd.role``) so that every front end follows one role.
 - The ``X-Mindie-PD`` header of a request relayed by the coordinator: ``{"op": "prefill" | "decode",
-  "transferId": ..., "kvEndpoint": ...}`` (``parse_header``), and what each role serves (``refusal``).
+  "transferId": ..., "kvEndpoint": ...[, "kvCurvePublicKey": ...]}`` (``parse_header``; the key: a
+  prefill order to a tcp endpoint, the decode worker's CURVE public key), and what each role serves
+  (``refusal``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ HEADER = "X-Mindie-PD"
 ROLES = ("prefill", "decode", "flex")
 ROLE_FILE = "pd.role"
 TRANSFER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40}$")  # a 32-byte CURVE key in Z85
 BAD_BODY = "Req body converts to json fail. Reset to previous node status."
 
 
@@ -86,7 +89,10 @@ def parse_header(value: str | None) -> P.PdOrder | None:
         raise ApiError(400, f"{HEADER}: transferId must match {TRANSFER_ID_RE.pattern}")
     if not isinstance(ep, str) or not (ep.startswith(("ipc://", "tcp://"))):
         raise ApiError(400, f"{HEADER}: kvEndpoint must be an ipc:// or tcp:// endpoint (/v2/status pd.kvEndpoints)")
-    return P.PdOrder(op, tid, ep)
+    key = d.get("kvCurvePublicKey", "")
+    if not isinstance(key, str) or (key and not Z85_KEY_RE.match(key)):
+        raise ApiError(400, f"{HEADER}: kvCurvePublicKey must be a 40-character Z85 key (/v2/status pd.kvCurvePublicKey)")
+    return P.PdOrder(op, tid, ep, key if op == "prefill" else "")
 
 
 def refusal(role: str, order: P.PdOrder | None) -> ApiError | None:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 
-from mindie.config import NGRAM_DEFAULT_TOKENS, Config, speculation_plugin
-from mindie.contract.spec import CpuTuning, Deployment, EngineConfig, LoraModule, WorkerSpec, kv_endpoint, worker_endpoints
+import ipaddress
+
+from mindie.config import NGRAM_DEFAULT_TOKENS, Config, kv_tcp_host, speculation_plugin
+from mindie.contract.spec import (CpuTuning, Deployment, EngineConfig, LoraModule, WorkerSpec, kv_endpoint,
+                                  kv_tcp_endpoint, worker_endpoints)
 
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
@@ -114,6 +117,11 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
     # workerHost only. With workerHosts a worker's id names its host (every host's config lists
     # the same workerHosts, so every plan agrees); without it the ids are w0, w1, ... as always.
     hosts = backend.worker_hosts or [backend.worker_host]
+    # KV transfer endpoints (workers/pd_transfer.py): ipc in the run directory unless tcp only, and
+    # tcp on interCommPort + index with inferMode dmi.
+    kv_host = kv_tcp_host(config.server)
+    kv_host = ipaddress.ip_address(kv_host).compressed if kv_host else ""
+    kv_ipc = not (kv_host and config.server.kv_transfer_tcp_only)
     for host in hosts:
         for index, ids in enumerate(groups):
             job, pub = worker_endpoints(run_dir, index, host, backend.worker_port)
@@ -132,7 +140,10 @@ def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: 
                 lora_modules=[LoraModule(name=m.name, path=m.path, base_model_name=m.base_model_name)
                               for m in deploy.lora_modules],
                 max_loras=deploy.max_loras, max_lora_rank=deploy.max_lora_rank,
-                kv_endpoint=kv_endpoint(run_dir, index) if host == backend.worker_host else "",
+                kv_endpoint=kv_endpoint(run_dir, index) if host == backend.worker_host and kv_ipc else "",
+                kv_tcp_endpoint=kv_tcp_endpoint(kv_host, config.server.inter_comm_port, index)
+                if host == backend.worker_host and kv_host else "",
+                kv_curve_key_dir=backend.worker_curve_key_dir,
                 kv_lease_ms=config.server.kv_transfer_lease_ms, kv_wait_ms=config.server.kv_transfer_timeout_ms,
                 kv_failure_policy=config.server.kv_load_failure_policy))
     return Deployment(run_dir=run_dir, workers=workers)

@@ -13,23 +13,27 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness import ROOT, Server, descendants, free_port, free_ports, short_run_dir, write_config
+from tests.harness import (ROOT, Server, alive, descendants, free_port, free_ports, plain_decode, short_run_dir,
+                           write_config)
+
+MOTOR = ROOT / "scripts" / "motor.sh"
 
 
 def start_instances(tmp: Path, n: int = 2, args: list[str] | None = None, model_path: str | None = None,
                     **config) -> list[Server]:
     """``n`` one-worker demo-model instances (planes merged on one port), ready."""
     # The coordinator's tests hold long streams open (busy instances, drains, faults mid-stream):
-    # without speculation each token is a step, so a stream lasts as long as they assume
-    # (speculative decoding has its own server tests).
-    schedule = config.setdefault("schedule", {})
-    schedule.setdefault("speculativeDecoding", False)
+    # one token a step (harness.plain_decode) unless the caller's schedule says otherwise.
+    # ``per_instance``: each instance's own write_config arguments on top (a role, a key...).
+    per_instance = config.pop("per_instance", None) or [{}] * n
+    config["schedule"] = plain_decode(config.get("schedule"))
     servers = []
     for i, port in enumerate(free_ports(n)):
         d = tmp / f"inst{i}"
         d.mkdir(exist_ok=True)
+        own = {**config, **per_instance[i]}
         cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
-                           model_path=model_path, **config)
+                           model_path=model_path, **own)
         servers.append(Server(cfg, port, args=args))
     try:
         for s in servers:
@@ -39,6 +43,95 @@ def start_instances(tmp: Path, n: int = 2, args: list[str] | None = None, model_
             s.stop()
         raise
     return servers
+
+
+def motor_env() -> dict:
+    """The environment scripts/motor.sh runs in here: none of the caller's MIES_/MINDIE_ settings."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("MIES_", "MINDIE_"))}
+    e["PYTHON"] = sys.executable
+    return e
+
+
+def consecutive_free_ports(n: int, avoid: tuple = ()) -> int:
+    """The first of ``n`` consecutive ports free on loopback now (a fleet's instances take
+    consecutive ports from ServerConfig.port)."""
+    import random
+    import socket
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n)
+        if any(base <= a < base + n for a in avoid):
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+class MotorFleet:
+    """``scripts/motor.sh --config ...`` in the background (a local fleet), its output in a file."""
+
+    def __init__(self, tmp: Path, config: Path, *, run_dir: str | None = None, args: tuple = ("-w", "1"),
+                 ready_timeout: int | None = None, env: dict | None = None, name: str = "motor") -> None:
+        self.run_dir = run_dir or short_run_dir()
+        self.log_path = tmp / f"{name}.log"
+        self.log = open(self.log_path, "wb")
+        cmd = ["bash", str(MOTOR), "--config", str(config), "--run-dir", self.run_dir]
+        if ready_timeout:
+            cmd += ["--ready-timeout", str(ready_timeout)]
+        self.proc = subprocess.Popen([*cmd, "--", *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env or motor_env(), cwd="/")
+
+    def out(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        """Until ``text`` is in the output; fails if motor.sh exits or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while text not in self.out():
+            assert self.proc.poll() is None, f"motor.sh exited with {self.proc.returncode}:\n{self.out()}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{self.out()}"
+            time.sleep(0.1)
+
+    def wait_ready(self, timeout: float = 200) -> str:
+        """The ready line, once motor.sh printed it."""
+        self.wait_for("mindie-motor ready:", timeout)
+        return next(ln for ln in self.out().splitlines() if "mindie-motor ready:" in ln)
+
+    def plan(self) -> dict:
+        return json.loads((Path(self.run_dir) / "plan.json").read_text())
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *descendants(self.proc.pid)]
+
+    def cleanup(self, extra: list[int] | tuple = (), grace: float = 0) -> None:
+        """The ``finally`` of a fleet test: SIGTERM first when ``grace`` (seconds to stop by itself),
+        then SIGKILL whatever is left (its processes, and ``extra``: processes seen earlier that may
+        have been reparented); closes the log."""
+        if self.proc.poll() is None and grace:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
+        left = [*extra, *descendants(self.proc.pid)]
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in left:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if not self.log.closed:
+            self.log.close()
 
 
 def kill9(server: Server) -> None:

@@ -70,6 +70,14 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
     return path
 
 
+def plain_decode(schedule: dict | None = None) -> dict:
+    """``schedule`` (ScheduleConfig keys) with speculative decoding off unless it says otherwise, for
+    timing-bound tests (a stream held open, a worker killed mid-stream, a timeout to outlast, a
+    transfer spread over many steps): they assume one token per engine step, and speculation finishes
+    the demo model's repetitive text in a few (tests/test_speculative_server.py serves it on and off)."""
+    return {"speculativeDecoding": False, **(schedule or {})}
+
+
 def write_plan(config: Path, *, null_model: bool = False, null_step_ms: float = 0.0):
     """The launch plan of a config file, written and settled as scripts/launch.sh does
     (mindie.ops.prepare, then workers.prepare); returns (path, Deployment)."""

@@ -74,7 +74,7 @@ MINDIE_DEFAULT: dict[str, Any] = {
 MINDIE_IGNORED = {
     "LogConfig.dynamicLogLevelValidHours", "LogConfig.dynamicLogLevelValidTime",
     "ServerConfig.kmcKsfMaster", "ServerConfig.kmcKsfStandby",
-    "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommPort", "ServerConfig.interCommTlsCaPath",
+    "ServerConfig.interCommTLSEnabled", "ServerConfig.interCommTlsCaPath",
     "ServerConfig.interCommTlsCaFiles", "ServerConfig.openAiSupport", "ServerConfig.distDPServerEnabled",
     "BackendConfig.backendName", "BackendConfig.modelInstanceNumber", "BackendConfig.tokenizerProcessNumber",
     "BackendConfig.multiNodesInferEnabled", "BackendConfig.multiNodesInferPort", "BackendConfig.interNodeTLSEnabled",
@@ -142,7 +142,7 @@ JSON_KEYS = {
         "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
         "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig", "drainTimeoutS",
         "inferMode", "pdRole", "kvTransferLeaseMs", "kvTransferTimeoutMs", "kvLoadFailurePolicy",
-        "headTimeoutS", "bodyTimeoutS"},
+        "interCommPort", "kvTransferHost", "kvTransferTcpOnly", "headTimeoutS", "bodyTimeoutS"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},
     "BackendConfig": {"npuDeviceIds", "deviceType", "cpuThreadsPerWorker", "ModelDeployConfig", "ScheduleConfig",
                       "workerHost", "workerHosts", "workerPort", "workerCurveKeyDir", "workerInsecureTcp",

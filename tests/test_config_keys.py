@@ -134,6 +134,12 @@ KEY_TESTS: dict[str, list[str]] = {
     "ServerConfig.kvTransferTimeoutMs": ["tests/test_pd.py::test_lost_transfer_times_out"],
     "ServerConfig.kvLoadFailurePolicy": ["tests/test_pd.py::test_corrupt_transfer_fails_loudly_or_recomputes",
                                          "tests/test_pd.py::test_lost_transfer_times_out"],
+    "ServerConfig.interCommPort": ["tests/test_pd_tcp.py::test_greedy_over_tcp_curve_equals_hybrid",
+                                   "tests/test_pd_tcp.py::test_config_tcp_kv_endpoint"],
+    "ServerConfig.kvTransferHost": ["tests/test_pd_tcp.py::test_config_tcp_kv_endpoint",
+                                    "tests/test_pd_coordinator_deploy.py::test_pd_manifests_two_statefulsets_behind_the_coordinator"],
+    "ServerConfig.kvTransferTcpOnly": ["tests/test_pd_tcp.py::test_tcp_endpoints_advertised",
+                                       "tests/test_pd_tcp.py::test_config_tcp_kv_endpoint"],
     # -- BackendConfig
     "BackendConfig.npuDeviceIds": _here("test_npu_device_ids_make_one_worker_per_entry",
                                         "test_device_groups_launch_as_tensor_parallel_instances") + [

@@ -9,25 +9,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.harness import ROOT, InferStreams, alive, descendants, free_ports, short_run_dir, wait_gone
+from tests.coord_harness import MOTOR, MotorFleet, consecutive_free_ports
+from tests.coord_harness import motor_env as env
+from tests.harness import ROOT, InferStreams, alive, free_ports, plain_decode, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
-MOTOR = ROOT / "scripts" / "motor.sh"
 HEALTH_CHECK = ROOT / "scripts" / "health_check.sh"
-
-
-def env() -> dict:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("MIES_", "MINDIE_"))}
-    e["PYTHON"] = sys.executable
-    return e
 
 
 def motor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -44,8 +38,10 @@ def server_config(model_path: str, port: int | None = None) -> dict:
                               "ModelDeployConfig": {"maxSeqLen": 1024, "maxInputTokenLen": 512,
                                                     "ModelConfig": [{"modelName": "demo", "modelWeightPath": model_path,
                                                                      "cpuMemSize": 1, "dtype": "float32"}]},
-                              "ScheduleConfig": {"cacheBlockSize": 16, "maxBatchSize": 16, "maxPrefillBatchSize": 8,
-                                                 "maxPrefillTokens": 1024, "maxIterTimes": 512}}}
+                              # streams held across a SIGTERM must still run then: a token a step
+                              "ScheduleConfig": plain_decode({"cacheBlockSize": 16, "maxBatchSize": 16,
+                                                              "maxPrefillBatchSize": 8, "maxPrefillTokens": 1024,
+                                                              "maxIterTimes": 512})}}
 
 
 def user_config(path: Path, *, predict: int, manage: int, replicas: int = 2, server: dict | None = None,
@@ -168,31 +164,7 @@ def test_pd_forms_other_than_pd_separate_refused_with_the_reason(tmp_path) -> No
     assert r.returncode == 2 and "mindie_server_prefill_config: belongs to deploy_mode pd_separate" in r.stderr
 
 
-# -- a real fleet ------------------------------------------------------------------------------------
-def consecutive_free_ports(n: int, avoid: tuple = ()) -> int:
-    """The first of ``n`` consecutive ports free on loopback now (the fleet's instances take
-    consecutive ports from ServerConfig.port)."""
-    import random
-    import socket
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
-        if any(base <= a < base + n for a in avoid):
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
+# -- a real fleet (tests/coord_harness.py: MotorFleet) ---------------------------------------------------
 def probe_coordinator(cfg: Path, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(HEALTH_CHECK), "--coordinator", "--config", str(cfg), "--timeout", "5", mode],
                           capture_output=True, text=True, env=env(), timeout=30, cwd="/")
@@ -202,24 +174,12 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
     predict, manage = free_ports(2)
     base = consecutive_free_ports(4, avoid=(predict, manage))
     cfg = user_config(tmp_path / "u.json", predict=predict, manage=manage, server=server_config(demo_model, base))
-    run = short_run_dir()
-    log = open(tmp_path / "motor.log", "wb")
-    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", run, "--ready-timeout", "180",
-                             "--", "-w", "1"], stdout=log, stderr=subprocess.STDOUT, env=env(), cwd="/")
-
-    def out() -> str:
-        log.flush()
-        return (tmp_path / "motor.log").read_text(errors="replace")
-
+    fleet = MotorFleet(tmp_path, cfg, ready_timeout=180)
+    proc, out, run = fleet.proc, fleet.out, fleet.run_dir
     try:
-        deadline = time.monotonic() + 200
-        while "mindie-motor ready:" not in out():
-            assert proc.poll() is None, f"motor.sh exited with {proc.returncode}:\n{out()}"
-            assert time.monotonic() < deadline, f"not ready:\n{out()}"
-            time.sleep(0.2)
-        ready = next(line for line in out().splitlines() if "mindie-motor ready:" in line)
+        ready = fleet.wait_ready(200)
         assert f"coordinator http://127.0.0.1:{predict}" in ready and "2 instance(s)" in ready, ready
-        plan = json.loads((Path(run) / "plan.json").read_text())
+        plan = fleet.plan()
         url = f"http://127.0.0.1:{predict}"
         body = {"input_id": [5, 6, 7, 8], "stream": False, "parameters": {"max_new_tokens": 6, "do_sample": False}}
         r = httpx.post(url + "/infer_token", json=body, timeout=60)
@@ -243,7 +203,7 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
         for mode in ("startup", "liveness", "readiness"):
             p = probe_coordinator(coord_cfg, mode)
             assert p.returncode == 0 and p.stdout.startswith("healthy: 200"), (mode, p.stdout, p.stderr)
-        pids = [proc.pid, *descendants(proc.pid)]
+        pids = fleet.pids()
         assert len(pids) >= 8, pids  # motor, coordinator, 2 x (launch.sh, supervisor, worker, gunicorn, front end)
         # SIGTERM with streams in flight through the coordinator: they finish in full (the
         # coordinator drains first, then the instances), nothing is cut.
@@ -267,13 +227,7 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
         for i in plan["instances"]:
             assert not any((Path(i["run_dir"]) / e).exists() for e in ("server.lock", "deployment.json")), i
     finally:
-        if proc.poll() is None:
-            for pid in descendants(proc.pid):
-                with __import__("contextlib").suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
-        log.close()
+        fleet.cleanup()
 
 
 def test_coordinator_killed_is_restarted_and_stop_service_drains_the_fleet(tmp_path, demo_model) -> None:
@@ -284,29 +238,17 @@ def test_coordinator_killed_is_restarted_and_stop_service_drains_the_fleet(tmp_p
     predict, manage = free_ports(2)
     base = consecutive_free_ports(4, avoid=(predict, manage))
     cfg = user_config(tmp_path / "u.json", predict=predict, manage=manage, server=server_config(demo_model, base))
-    run = short_run_dir()
-    log = open(tmp_path / "motor.log", "wb")
-    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", run, "--ready-timeout", "180",
-                             "--", "-w", "1"], stdout=log, stderr=subprocess.STDOUT, env=env(), cwd="/")
-
-    def out() -> str:
-        log.flush()
-        return (tmp_path / "motor.log").read_text(errors="replace")
+    fleet = MotorFleet(tmp_path, cfg, ready_timeout=180)
+    proc, out, wait_for = fleet.proc, fleet.out, fleet.wait_for
 
     def coordinator_pid() -> int:
         lines = [line for line in out().splitlines() if line.startswith("motor: coordinator: pid ")]
         return int(lines[-1].split()[3].rstrip(","))
 
-    def wait_for(text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in out():
-            assert proc.poll() is None and time.monotonic() < deadline, f"no {text!r}:\n{out()}"
-            time.sleep(0.1)
-
     body = {"input_id": [5, 6, 7], "stream": False, "parameters": {"max_new_tokens": 3}}
     try:
-        wait_for("mindie-motor ready:", 200)
-        plan = json.loads((Path(run) / "plan.json").read_text())
+        fleet.wait_ready(200)
+        plan = fleet.plan()
         first = coordinator_pid()
         os.kill(first, signal.SIGKILL)
         # The instances serve on their own ports meanwhile.
@@ -324,7 +266,7 @@ def test_coordinator_killed_is_restarted_and_stop_service_drains_the_fleet(tmp_p
             time.sleep(0.2)
         second = coordinator_pid()
         assert second != first and alive(second)
-        pids = [proc.pid, *descendants(proc.pid)]
+        pids = fleet.pids()
         # stopService on the coordinator: it stops every instance (each drains), then itself
         # (exit 0); motor.sh then waits for the instances' launchers and exits 0.
         r = httpx.get(f"http://127.0.0.1:{manage}/stopService", timeout=90)
@@ -333,46 +275,27 @@ def test_coordinator_killed_is_restarted_and_stop_service_drains_the_fleet(tmp_p
         assert wait_gone(pids, 20) is not None, [p for p in pids if alive(p)]
         assert "the coordinator stopped by itself (exit 0, a stop it was asked for): stopping the instances" in out()
     finally:
-        if proc.poll() is None:
-            for pid in descendants(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
-        log.close()
+        fleet.cleanup()
 
 
 def test_motor_killed_leaves_no_process(tmp_path, demo_model) -> None:
     """SIGKILL to motor.sh: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
     stops on its own (the instances drain), within a bound."""
-    import contextlib
     predict, manage = free_ports(2)
     base = consecutive_free_ports(2, avoid=(predict, manage))
     cfg = user_config(tmp_path / "u.json", predict=predict, manage=manage, replicas=1,
                       server=server_config(demo_model, base))
-    log = open(tmp_path / "motor.log", "wb")
-    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", short_run_dir(), "--", "-w", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env(), cwd="/")
+    fleet = MotorFleet(tmp_path, cfg)
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 200
-        while "mindie-motor ready:" not in (tmp_path / "motor.log").read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "motor.log").read_text()
-            time.sleep(0.2)
-        pids[:] = descendants(proc.pid)
+        fleet.wait_ready(200)
+        pids[:] = fleet.pids()[1:]
         assert len(pids) >= 5, pids  # coordinator, launch.sh, supervisor, worker, gunicorn (+ front end)
-        proc.kill()
-        proc.wait()
+        fleet.proc.kill()
+        fleet.proc.wait()
         assert wait_gone(pids, 40) is not None, [p for p in pids if alive(p)]
     finally:
-        for pid in pids + descendants(proc.pid):  # what is left, reparented or not
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        fleet.cleanup(pids)  # what is left, reparented or not
 
 
 def test_tls_fleet(tmp_path, demo_model) -> None:
@@ -403,17 +326,12 @@ def test_tls_fleet(tmp_path, demo_model) -> None:
         "mindie_mangment_tls_enable": True, "mindie_mangment_tls_items": mine}
     cfg.write_text(json.dumps(doc))
     e = env() | {"MINDIE_PROBE_CERT": pki.client[0], "MINDIE_PROBE_KEY": pki.client[1]}
-    run = short_run_dir()
-    log = open(tmp_path / "motor.log", "wb")
-    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", run, "--", "-w", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=e, cwd="/")
+    fleet = MotorFleet(tmp_path, cfg, env=e)
+    proc, run = fleet.proc, fleet.run_dir
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 200
-        while "mindie-motor ready:" not in (tmp_path / "motor.log").read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "motor.log").read_text()
-            time.sleep(0.2)
-        text = (tmp_path / "motor.log").read_text()
+        fleet.wait_ready(200)
+        text = fleet.out()
         assert f"coordinator https://127.0.0.1:{predict} (manage https://127.0.0.1:{manage})" in text, text
         assert f"i0 https://127.0.0.1:{base}" in text, text
         body = {"inputs": "hello there", "parameters": {"max_new_tokens": 4}}
@@ -422,16 +340,9 @@ def test_tls_fleet(tmp_path, demo_model) -> None:
         p = subprocess.run(["bash", str(HEALTH_CHECK), "--coordinator", "--config", str(Path(run) / "ms_coordinator.json"),
                             "readiness"], capture_output=True, text=True, env=e, timeout=30, cwd="/")
         assert p.returncode == 0 and p.stdout.startswith("healthy: 200 from https://127.0.0.1:"), (p.stdout, p.stderr)
-        pids[:] = descendants(proc.pid)
+        pids[:] = fleet.pids()[1:]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(90) == 0, (tmp_path / "motor.log").read_text()
+        assert proc.wait(90) == 0, fleet.out()
         assert wait_gone(pids, 20) is not None
     finally:
-        for pid in pids + descendants(proc.pid):
-            if alive(pid):
-                with __import__("contextlib").suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        fleet.cleanup(pids)

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.harness import Server, free_port, short_run_dir, write_config
+from tests.harness import Server, free_port, plain_decode, short_run_dir, write_config
 
 BLOCK = 16  # cacheBlockSize of every instance here
 LEASE_MS = 1500
@@ -39,10 +39,9 @@ def fleet(tmp_path_factory, demo_model):
     servers = {"H": _start(tmp, "h", "flex"), "P": _start(tmp, "p", "prefill"), "D": _start(tmp, "d", "decode"),
                "F": _start(tmp, "f", "decode", policy="fail"),
                # a flex instance whose prompts take many steps beside a decode (16-token chunks): its
-               # worker is killed mid-transfer
-               # K's plain decode must stay one token a step (no speculation) so its 16-token prompt chunks
-               # keep the transfer spread over ~120 steps for the kill test.
-               "K": _start(tmp, "k", "flex", schedule={"prefillChunkTokens": 16, "speculativeDecoding": False})}
+               # worker is killed mid-transfer; its plain decode stays one token a step (plain_decode)
+               # so its 16-token prompt chunks keep the transfer spread over ~120 steps for the kill test.
+               "K": _start(tmp, "k", "flex", schedule=plain_decode({"prefillChunkTokens": 16}))}
     try:
         for s in servers.values():
             s.wait_ready(180)

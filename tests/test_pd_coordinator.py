@@ -21,8 +21,8 @@ import time
 import httpx
 import pytest
 
-from tests.coord_harness import Coordinator, kill9
-from tests.harness import Server, free_ports, short_run_dir, write_config
+from tests.coord_harness import Coordinator, kill9, start_instances
+from tests.harness import Server, free_ports
 from tests.test_coordinator import normal
 
 pytestmark = pytest.mark.timeout(400)
@@ -37,14 +37,11 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     servers = []
     try:
-        for role, port in zip(ROLES, free_ports(3)):
-            d = tmp / role
-            d.mkdir()
-            cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
-                               server={"pdRole": role, "kvLoadFailurePolicy": "fail"})
-            servers.append(Server(cfg, port))
-        for s in servers:
-            s.wait_ready(240)
+        # speculation as configured by default (exactness through PD with it on); the streams held
+        # open here are long enough either way
+        servers = start_instances(tmp, 3, schedule={"speculativeDecoding": True},
+                                  per_instance=[{"server": {"pdRole": role, "kvLoadFailurePolicy": "fail"}}
+                                                for role in ROLES])
         # no static roles: the coordinator learns them from the instances' /v2/status
         coord = Coordinator(tmp, servers, name="pd",
                             config={"digs_scheduler_config": {"deploy_mode": "pd_separate"},
@@ -61,8 +58,10 @@ def fleet(tmp_path_factory):
 
 def close(a, b, path: str = "") -> list[str]:
     """Where ``a`` and ``b`` differ: everything exactly (token ids, text, counts, finish reasons)
-    but floats (logprobs) within 1e-4: the decode instance computes the last prompt token alone,
-    the hybrid one in the prompt's batch, so float rounding may differ in the last digits."""
+    but floats (logprobs) within 1e-4: the decode instance computes the prompt's tail after the
+    transferred blocks as a prefix-cache hit does, the cold hybrid instance the whole prompt at once,
+    so float rounding may differ in the last digits (docs/design.md, "Logprobs"; bit for bit
+    against a prefix hit: tests/test_pd_tcp.py)."""
     if isinstance(a, float) and isinstance(b, float):
         return [] if abs(a - b) <= 1e-4 else [f"{path}: {a} != {b}"]
     if isinstance(a, dict) and isinstance(b, dict):
@@ -265,13 +264,7 @@ def test_motor_sh_starts_a_pd_fleet(tmp_path):
     """scripts/motor.sh with MindIE's PD user_config.json: 1 prefill + 1 decode instance behind the
     coordinator on predict_port; coordinator_info lists each with its role; a request through it
     goes prefill -> decode and equals the decode instance's own plain answer (greedy)."""
-    import os
-    import signal
-    import subprocess
-    from pathlib import Path
-
-    from tests.harness import descendants, short_run_dir
-    from tests.test_motor import MOTOR, consecutive_free_ports, env
+    from tests.coord_harness import MotorFleet, consecutive_free_ports
     from tests.test_pd_coordinator_deploy import pd_user_config
     from workers.models.demo import ensure_demo_model
 
@@ -282,42 +275,21 @@ def test_motor_sh_starts_a_pd_fleet(tmp_path):
     for k in ("mindie_server_prefill_config", "mindie_server_decode_config"):
         doc[k]["ServerConfig"]["port"] = base
     cfg.write_text(json.dumps(doc))
-    run = short_run_dir()
-    log = open(tmp_path / "motor.log", "wb")
-    proc = subprocess.Popen(["bash", str(MOTOR), "--config", str(cfg), "--run-dir", run, "--ready-timeout", "240",
-                             "--", "-w", "1"], stdout=log, stderr=subprocess.STDOUT, env=env(), cwd="/")
-
-    def out() -> str:
-        log.flush()
-        return (tmp_path / "motor.log").read_text(errors="replace")
+    fleet = MotorFleet(tmp_path, cfg, ready_timeout=240)
     try:
-        deadline = time.monotonic() + 260
-        while "mindie-motor ready:" not in out():
-            assert proc.poll() is None and time.monotonic() < deadline, out()
-            time.sleep(0.2)
-        ready = next(ln for ln in out().splitlines() if "mindie-motor ready:" in ln)
+        ready = fleet.wait_ready(260)
         assert "i0 prefill http://" in ready and "i1 decode http://" in ready, ready
         info = httpx.get(f"http://127.0.0.1:{manage}/v1/coordinator_info", timeout=10).json()
         assert [(i["id"], i["role"], i["state"]) for i in info["instances"]] == [(0, "prefill", "ready"),
                                                                                 (1, "decode", "ready")], info
-        plan = json.loads((Path(run) / "plan.json").read_text())
+        plan = fleet.plan()
         body = {"input_id": list(range(5, 45)), "stream": False, "parameters": {"max_new_tokens": 8}}
         r = httpx.post(f"http://127.0.0.1:{predict}/infer_token", json=body, timeout=120)
         direct = httpx.post(f"http://127.0.0.1:{plan['instances'][1]['business_port']}/infer_token", json=body,
                             timeout=120)
         assert r.status_code == 200 and r.json() == direct.json(), (r.text, direct.text)
-        coord_log = Path(plan["coordinator_log"]).read_text(errors="replace")
+        coord_log = open(plan["coordinator_log"], encoding="utf-8", errors="replace").read()
         line = [ln for ln in coord_log.splitlines() if "coordinator.request:" in ln][-1]
         assert re.search(r"-> instance 1\(\S+\) prefill 0\(\S+\) status 200 pd_", line), line
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                for pid in descendants(proc.pid):
-                    with __import__("contextlib").suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                proc.kill()
-                proc.wait()
-        log.close()
+        fleet.cleanup(grace=90)

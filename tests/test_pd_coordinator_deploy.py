@@ -5,13 +5,18 @@
   instances numbered prefill first, each running its role's config, the coordinator's records
   carrying the roles, the coordinator's loader taking the result;
 - deploy/k8s/motor-pd/: two StatefulSets (prefill, decode) behind their headless Services, each
-  on its role's config.json from the ConfigMap (loaded by the server's loader), and a coordinator
+  on its role's config.json from the ConfigMap (loaded by the server's loader), their KV endpoints
+  on tcp at the pod's IP with CURVE keys from a Secret (the init container that copies them run
+  for real), and a coordinator
   whose init container renders (for real, with a stand-in resolver) a pd_separate config with
   both StatefulSets' pods and their roles, which the coordinator's loader takes; the sidecar's
   refresh carries MindIE's static_info role codes, which the coordinator reads back."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +27,8 @@ from mindie.config import load_config  # noqa: E402
 from mindie.coordinator.config import load as load_coordinator  # noqa: E402
 from mindie.coordinator.pd import role_from_static  # noqa: E402
 from mindie.motor import discover  # noqa: E402
+from mindie.ops.curve_keys import create_key_dir  # noqa: E402
+from mindie.topology import build_deployment  # noqa: E402
 from tests.harness import ROOT  # noqa: E402
 from tests.test_motor import motor, server_config as motor_server_config  # noqa: E402
 
@@ -81,6 +88,35 @@ def named(kind: str, name: str) -> dict:
     return d
 
 
+def _pod_kv_link(pod: dict, tmp: Path) -> tuple[Path, dict]:
+    """Run the pod's init container ``curve-keys`` for real (sh) on a stand-in of its Secret volume
+    (a key directory made by mindie.ops.curve_keys, the Secret's items at their paths, group-readable
+    as the kubelet leaves them with fsGroup): (the directory it filled, the server's env with the
+    downward API's pod IP as 10.2.0.7)."""
+    (init,) = [c for c in pod["initContainers"] if c["name"] == "curve-keys"]
+    (svol,) = [v for v in pod["volumes"] if v["name"] == "curve-secret"]
+    made = tmp / "made"
+    create_key_dir(str(made))
+    secret, out = tmp / "secret", tmp / "curve"
+    out.mkdir()
+    for it in svol["secret"]["items"]:
+        # the Secret's keys: the file's path in the key directory, "/" written "."
+        assert it["key"] == it["path"].replace("/", "."), it
+        dst = secret / it["path"]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(made / it["path"], dst)
+        os.chmod(dst, 0o440)
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert init["command"][:2] == ["sh", "-c"]
+    cmd = init["command"][2].replace(mounts["curve-secret"], str(secret)).replace(mounts["curve"], str(out))
+    r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    (srv,) = pod["containers"]
+    (host,) = [e for e in srv["env"] if e["name"] == "MINDIE_KV_TRANSFER_HOST"]
+    assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    return out, {"MINDIE_KV_TRANSFER_HOST": "10.2.0.7"}
+
+
 def test_pd_manifests_two_statefulsets_behind_the_coordinator(tmp_path, monkeypatch) -> None:
     kinds = sorted(d["kind"] for d in docs())
     assert kinds == ["ConfigMap", "Deployment", "Service", "Service", "Service", "Service", "StatefulSet",
@@ -98,11 +134,23 @@ def test_pd_manifests_two_statefulsets_behind_the_coordinator(tmp_path, monkeypa
         assert vol["configMap"]["name"] == cm["metadata"]["name"]
         (item,) = vol["configMap"]["items"]
         assert item == {"key": f"{role}.json", "path": "config.json"}
+        # KV over tcp + CURVE pod to pod: the keys as the init container leaves them, the pod's IP
+        # from the downward API, the config as the server loads it
+        key_dir, env = _pod_kv_link(pod, tmp_path / role)
+        doc = json.loads(cm["data"][item["key"]])
+        assert doc["ServerConfig"]["inferMode"] == "dmi" and doc["ServerConfig"]["interCommPort"] == 1121
+        (mount,) = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == "curve"]
+        kd = doc["BackendConfig"]["workerCurveKeyDir"]
+        assert kd.startswith(mount + "/")
+        doc["BackendConfig"]["workerCurveKeyDir"] = str(key_dir / kd[len(mount) + 1:])
         p = tmp_path / f"{role}.json"
-        p.write_text(cm["data"][item["key"]])
-        loaded = load_config(str(p), env={})
+        p.write_text(json.dumps(doc))
+        loaded = load_config(str(p), env=env)
         assert not loaded.unknown, loaded.unknown
         assert loaded.config.server.pd_role == role  # each StatefulSet's pods start in their role
+        workers = build_deployment(loaded.config).workers
+        assert [w.kv_tcp_endpoint for w in workers] == [f"tcp://10.2.0.7:{1121 + i}" for i in range(len(workers))]
+        assert all(w.kv_endpoint.startswith("ipc://") for w in workers)  # and ipc for peers in the pod
         sets[role] = (ss, loaded.config.server)
     # the two roles' pods are told apart by their Services (neither selects the other's pods)
     for a, b in (("prefill", "decode"), ("decode", "prefill")):

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from mindie.detokenizer import load_tokenizer
-from tests.harness import Server, alive, descendants, free_port, process_roles, short_run_dir, write_config
+from tests.harness import (Server, alive, descendants, free_port, plain_decode, process_roles, short_run_dir,
+                           write_config)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,11 +38,8 @@ def server(tmp_path_factory, demo_model, request):
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
                        server={"maxRequestLength": 1},
-                       schedule={"maxIterTimes": 2500, "overlapSteps": request.param,
-                                 # long generations must take many steps here (a worker is killed mid-stream):
-                                 # speculation would finish the demo model's repetitive text in a few
-                                 # (tests/test_speculative_server.py serves it on and off)
-                                 "speculativeDecoding": False})
+                       # long generations must take many steps here (a worker is killed mid-stream)
+                       schedule=plain_decode({"maxIterTimes": 2500, "overlapSteps": request.param}))
     srv = Server(cfg, port, frontends=2)
     srv.wait_ready()
     srv.tokenizer = load_tokenizer(demo_model)
@@ -290,8 +288,8 @@ def test_timeouts_sighup_and_sigterm(tmp_path, demo_model):
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
                        server={"e2eTimeout": 2},
-                       # 2500 tokens must outlast the 2 s timeout: one token a step (no speculation)
-                       schedule={"maxIterTimes": 2500, "speculativeDecoding": False})
+                       # 2500 tokens must outlast the 2 s timeout: one token a step
+                       schedule=plain_decode({"maxIterTimes": 2500}))
     srv = Server(cfg, port, frontends=1)
     try:
         srv.wait_ready()
@@ -394,8 +392,8 @@ def test_watermark_is_detected(server):
 def test_priority_one_admitted_first_when_saturated(tmp_path, demo_model):
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       workers=1, schedule={"maxBatchSize": 1, "maxPrefillBatchSize": 1,
-                                                    "speculativeDecoding": False})  # the busy request must stay busy
+                       # the busy request must stay busy
+                       workers=1, schedule=plain_decode({"maxBatchSize": 1, "maxPrefillBatchSize": 1}))
     srv = Server(cfg, port)
 
     async def main() -> list[str]:

@@ -94,11 +94,14 @@ def keys(tmp_path_factory) -> dict[str, Path]:
 # -- config ---------------------------------------------------------------------------------------
 def test_generated_key_dir_layout(keys) -> None:
     good = keys["good"]
-    for name in ("worker.key_secret", "worker.key", "frontend.key_secret", "clients/frontend.key"):
+    for name in ("worker.key_secret", "worker.key", "frontend.key_secret", "clients/frontend.key",
+                 "clients/worker.key"):
         assert (good / name).is_file(), name
     for name in ("worker.key_secret", "frontend.key_secret"):
         assert (good / name).stat().st_mode & 0o077 == 0
-    assert (good / "clients" / "frontend.key").read_bytes() == (good / "frontend.key").read_bytes()
+    # the front ends may connect, and the workers' own key: prefill workers' KV transfers (pd_transfer.py)
+    for name in ("frontend.key", "worker.key"):
+        assert (good / "clients" / name).read_bytes() == (good / name).read_bytes()
 
 
 def test_tcp_without_keys_is_refused_unless_insecure(tmp_path) -> None:
@@ -175,10 +178,11 @@ def test_key_dir_relative_to_the_config_file(tmp_path, keys) -> None:
 
 @pytest.mark.parametrize("missing,named", [("worker.key_secret", "worker.key_secret"), ("worker.key", "worker.key "),
                                            ("frontend.key_secret", "frontend.key_secret"),
-                                           ("clients/frontend.key", "clients holds no *.key file")])
+                                           ("clients/*.key", "clients holds no *.key file")])
 def test_missing_key_file_is_refused(tmp_path, keys, missing, named) -> None:
     shutil.copytree(keys["good"], tmp_path / "curve")
-    (tmp_path / "curve" / missing).unlink()
+    for path in (tmp_path / "curve").glob(missing):
+        path.unlink()
     path = tcp_config(tmp_path / "config.json", workerHost="127.0.0.1", workerPort=20000,
                       workerCurveKeyDir=str(tmp_path / "curve"))
     with pytest.raises(ConfigError) as e:

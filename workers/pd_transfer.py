@@ -22,6 +22,16 @@ its prefix cache (a block it already holds is reused, the payload dropped). A de
 (``Submit.pd.op == "decode"``) is parked until its transfer is complete and its prompt's ids match
 the received ones; then it is added as any request, and the prefix cache hands it those blocks.
 
+Addressing: a worker binds its KV endpoint as ``ipc://<runDir>/w<i>-kv.ipc`` (peers on this host)
+and, with ``inferMode: dmi`` and ``ServerConfig.interCommPort``, also ``tcp://<host>:<interCommPort+i>``
+(``WorkerSpec.kv_tcp_endpoint``: peers on other hosts). A tcp endpoint is a CURVE server with the
+workers' keypair (``BackendConfig.workerCurveKeyDir``), clients authenticated by ZAP against
+``clients/*.key``; the prefill side connects as a CURVE client with the same workers' keypair and,
+as the server key, the decode instance's ``kvCurvePublicKey`` (its /v2/status; the X-Mindie-PD
+header) or else its own ``worker.key`` (one fleet, one key directory). A refused handshake (wrong
+key either way) fails the transfer at once with a 503 that says so, instead of waiting for the
+lease; plain tcp only with ``workerInsecureTcp``.
+
 Leases: the prefill side holds the blocks it still has to send (and those sent) until the Ack, at
 most ``kv_lease_ms`` after the prompt finished; the decode side holds received blocks until the
 decode request took them, at most ``kv_lease_ms`` after the transfer's last frame (a prefill worker
@@ -41,12 +51,19 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from mindie.contract import wire as P
+from mindie.runtime.curve import CurveKeyError, insecure_warning, kv_keys, link_mode
 from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
 from workers.engine.block_manager import chain_hash
 
 log = logging.getLogger("workers.pd_transfer")
+
+# Handshake outcomes a tcp KV link watches (ZeroMQ socket monitor): a failure ends the transfers on
+# that link at once (a CURVE client otherwise retries silently until the lease ends).
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | \
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 class KvBlock(msgspec.Struct, array_like=True, tag=1):
@@ -124,6 +141,7 @@ class _Out:
     endpoint: str
     seq: object  # the engine's Sequence
     limit: int  # blocks to send
+    link: tuple = ()  # (endpoint, CURVE server key or b""): the dealer this transfer goes out on
     next: int = 0
     ids: list[int] = field(default_factory=list)  # held block ids, in order (sent or to send)
     finished: bool = False
@@ -139,6 +157,7 @@ class _In:
 
     transfer_id: str
     ident: bytes
+    sock: zmq.Socket | None = None  # the endpoint it arrived on (ipc or tcp): the Ack goes back there
     tokens: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # held block ids
     # Blocks written by this transfer, published in the prefix cache only once it completed (a failed
@@ -156,8 +175,22 @@ class KvTransfer:
     """Both sides of KV transfer for one worker; driven by the worker loop (one thread)."""
 
     def __init__(self, ctx: zmq.Context, engine, endpoint: str, lease_ms: int, wait_ms: int, policy: str,
-                 add: Callable[[P.Submit], None], emit: Callable[[str, P.TokenFrame], None]):
-        self.ctx, self.engine, self.endpoint = ctx, engine, endpoint
+                 add: Callable[[P.Submit], None], emit: Callable[[str, P.TokenFrame], None],
+                 tcp_endpoint: str = "", key_dir: str = "", insecure: bool = False):
+        """``endpoint`` the ipc one ("" = none), ``tcp_endpoint`` the tcp one ("" = none): bound with
+        CURVE from ``key_dir`` (the worker's ZAP handler must already run on ``ctx``), plain only
+        with ``insecure``. Raises ``CurveKeyError`` for a tcp endpoint it must not open."""
+        self.ctx, self.engine, self.endpoint, self.tcp_endpoint = ctx, engine, endpoint, tcp_endpoint
+        self.key_dir, self.insecure = key_dir, insecure
+        self.keys: tuple[bytes, bytes, str] | None = None  # (public, secret, clients dir) of the workers
+        self.key_error = ""
+        if key_dir:
+            try:
+                self.keys = kv_keys(key_dir)
+            except CurveKeyError as e:
+                if tcp_endpoint:
+                    raise
+                self.key_error = str(e)  # only tcp transfers out are refused, each saying why
         self.lease_s, self.wait_s, self.policy = lease_ms / 1000.0, wait_ms / 1000.0, policy
         self.add, self.emit = add, emit
         self.bm = engine.blocks
@@ -167,21 +200,57 @@ class KvTransfer:
         self.ins: dict[str, _In] = {}  # by transfer id
         self.parked: dict[str, tuple[P.Submit, float]] = {}  # decode requests by transfer id
         self.adopted: dict[str, _In] = {}  # by request id: blocks held until the request took them
-        self.dealers: dict[str, zmq.Socket] = {}
-        self.router: zmq.Socket | None = None
+        self.dealers: dict[tuple, zmq.Socket] = {}  # by (endpoint, CURVE server key or b"")
+        self.monitors: dict[tuple, zmq.Socket] = {}  # their handshake monitors (tcp)
+        self.routers: list[zmq.Socket] = []  # where blocks arrive: ipc and/or tcp
+        self.router_monitor: zmq.Socket | None = None
         if endpoint and self.staging is not None:
-            self.router = ctx.socket(zmq.ROUTER)
-            self.router.setsockopt(zmq.LINGER, 0)
-            self.router.setsockopt(zmq.RCVHWM, 0)
             if endpoint.startswith("ipc://"):
                 path = endpoint[len("ipc://"):]
                 if os.path.exists(path):
                     os.unlink(path)  # a dead predecessor's socket file
-            self.router.bind(endpoint)
+            self.routers.append(self._router(endpoint, None))
+        if tcp_endpoint and self.staging is not None:
+            mode = link_mode(tcp_endpoint, key_dir, insecure)
+            if mode == "plain":
+                log.warning("%s", insecure_warning(tcp_endpoint))
+            sock = self._router(tcp_endpoint, self.keys if mode == "curve" else None)
+            self.routers.append(sock)
+            # A peer refused by ZAP (its key is not in clients/) is logged here: the decode side's
+            # view of a wrong key (the request itself follows kvLoadFailurePolicy).
+            self.router_monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            log.info("KV transfer endpoint %s (%s)", tcp_endpoint, "CURVE" if mode == "curve" else "plain tcp")
         engine.finish_hook = self._finished
         # Read by the heartbeat thread: plain ints the loop thread replaces after every poll.
         self.held = 0
         self.active = 0
+
+    def _router(self, endpoint: str, keys: tuple[bytes, bytes, str] | None) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        if keys is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise SystemExit(f"cannot bind the KV transfer endpoint {endpoint}: {e.strerror} "
+                             "(ServerConfig.interCommPort picks the tcp ports)") from None
+        return sock
+
+    @property
+    def router(self) -> zmq.Socket | None:
+        """The first endpoint's socket (None: this worker receives no KV blocks)."""
+        return self.routers[0] if self.routers else None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [e for e in (self.endpoint, self.tcp_endpoint) if e]
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -205,8 +274,18 @@ class KvTransfer:
             return f"KV endpoint {ep} not found (no decode worker listens there)"
         if not (ep.startswith(("ipc://", "tcp://"))):
             return f"KV endpoint {ep} is not ipc:// or tcp://"
+        server_key = b""
+        if ep.startswith("tcp://"):
+            try:
+                mode = link_mode(ep, self.key_dir, self.insecure)
+            except CurveKeyError as e:
+                return f"KV endpoint {ep}: {e}"
+            if mode == "curve":
+                if self.keys is None:
+                    return f"KV endpoint {ep}: {self.key_error}"
+                server_key = (getattr(sub.pd, "kv_server_key", "") or "").encode() or self.keys[0]
         limit = (len(sub.token_ids) - 1) // self.bm.block_size
-        self.outs[sub.request_id] = _Out(sub.pd.transfer_id, ep, seq, limit)
+        self.outs[sub.request_id] = _Out(sub.pd.transfer_id, ep, seq, limit, (ep, server_key))
         return ""
 
     def cancel(self, rid: str) -> None:
@@ -218,14 +297,67 @@ class KvTransfer:
         if rid in self.outs and self.outs[rid].finished:
             self._abort_out(rid, "the prefill request was cancelled")
 
-    def _dealer(self, endpoint: str) -> zmq.Socket:
-        sock = self.dealers.get(endpoint)
+    def _dealer(self, link: tuple) -> zmq.Socket:
+        """The socket to a decode worker's endpoint (one per endpoint and server key, kept)."""
+        sock = self.dealers.get(link)
         if sock is None:
-            sock = self.dealers[endpoint] = self.ctx.socket(zmq.DEALER)
+            endpoint, server_key = link
+            sock = self.dealers[link] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
+            if endpoint.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            if server_key:
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys[0])
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys[1])
+            if endpoint.startswith("tcp://"):
+                self.monitors[link] = sock.get_monitor_socket(_HANDSHAKE_FAILED)
             sock.connect(endpoint)
         return sock
+
+    def _drop_dealer(self, link: tuple) -> None:
+        sock, mon = self.dealers.pop(link, None), self.monitors.pop(link, None)
+        if mon is not None:
+            sock.disable_monitor()
+            mon.close(0)
+        if sock is not None:
+            sock.close(0)
+
+    def _check_links(self) -> None:
+        """Handshake failures on tcp links: every transfer on that link fails now, loudly, and the
+        link is dropped (a later transfer connects afresh)."""
+        for link, mon in list(self.monitors.items()):
+            why = ""
+            while True:
+                try:
+                    ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    why = (f"the decode worker at {link[0]} refused this worker's CURVE key (ZAP status "
+                           f"{ev['value']}: its BackendConfig.workerCurveKeyDir/clients/ does not hold this "
+                           "instance's worker.key)")
+                elif ev["event"] & _HANDSHAKE_FAILED and not why:
+                    why = (f"CURVE handshake with {link[0]} failed: its public key is not "
+                           f"{link[1][:8].decode(errors='replace')}... (kvCurvePublicKey, or this instance's "
+                           "workerCurveKeyDir/worker.key), or it is not a CURVE endpoint")
+            if not why:
+                continue
+            log.warning("kv link %s: %s", link[0], why)
+            for rid, out in list(self.outs.items()):
+                if out.link == link:
+                    self._end_out(rid, False, why)
+            self._drop_dealer(link)
+        if self.router_monitor is not None:
+            while True:
+                try:
+                    ev = recv_monitor_message(self.router_monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                log.warning("KV transfer endpoint %s: a peer's handshake failed (%s, status %s): a prefill "
+                            "instance with another CURVE key?", self.tcp_endpoint, zmq.Event(ev["event"]).name,
+                            ev["value"])
 
     def _finished(self, seq) -> None:
         """Engine hook: a sequence ends; a prefill transfer holds the blocks it has yet to send."""
@@ -258,7 +390,7 @@ class KvTransfer:
             for i in range(len(out.ids), avail):
                 self.bm.hold(seq.block_table[i])
                 out.ids.append(seq.block_table[i])
-        sock = self._dealer(out.endpoint)
+        sock = self._dealer(out.link)
         while out.next < len(out.ids):
             i = out.next
             views = self.staging.export(out.ids[i])
@@ -279,7 +411,7 @@ class KvTransfer:
         for b in out.ids:
             self.bm.unhold(b)
         try:
-            self._dealer(out.endpoint).send(_enc.encode(KvAbort(out.transfer_id, why)), zmq.NOBLOCK)
+            self._dealer(out.link).send(_enc.encode(KvAbort(out.transfer_id, why)), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -304,7 +436,7 @@ class KvTransfer:
         """A decode request waits for its transfer (at most kv_wait_ms)."""
         self.parked[sub.pd.transfer_id] = (sub, time.monotonic() + self.wait_s)
 
-    def _receive(self, frames: list) -> None:
+    def _receive(self, sock: zmq.Socket, frames: list) -> None:
         ident, head = frames[0].bytes, frames[1].bytes
         msg = _dec.decode(head)
         if isinstance(msg, KvAck):
@@ -313,7 +445,7 @@ class KvTransfer:
         if t is None:
             if isinstance(msg, KvAbort) or any(a.transfer_id == msg.transfer_id for a in self.adopted.values()):
                 return
-            t = self.ins[msg.transfer_id] = _In(msg.transfer_id, ident)
+            t = self.ins[msg.transfer_id] = _In(msg.transfer_id, ident, sock)
         t.last = time.monotonic()
         if isinstance(msg, KvAbort):
             self._fail_in(t, f"the prefill side gave up: {msg.why}")
@@ -366,7 +498,7 @@ class KvTransfer:
 
     def _ack(self, t: _In, ok: bool, why: str) -> None:
         try:
-            self.router.send_multipart([t.ident, _enc.encode(KvAck(t.transfer_id, ok, why))], zmq.NOBLOCK)
+            t.sock.send_multipart([t.ident, _enc.encode(KvAck(t.transfer_id, ok, why))], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -381,16 +513,18 @@ class KvTransfer:
     # -- the loop's hooks ----------------------------------------------------------------------
     def poll(self, after_step: bool = True) -> None:
         """Between steps: frames in, blocks out, parked requests admitted, leases enforced."""
-        if self.router is not None:
+        for router in self.routers:
             while True:
                 try:
-                    frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 try:
-                    self._receive(frames)
+                    self._receive(router, frames)
                 except Exception:  # a malformed message must never kill the device loop
                     log.exception("bad KV message ignored")
+        if self.monitors or self.router_monitor is not None:
+            self._check_links()
         for sock in self.dealers.values():
             while True:
                 try:
@@ -476,10 +610,14 @@ class KvTransfer:
         self.active = len(self.outs) + len(self.ins) + len(self.parked)
 
     def close(self) -> None:
-        for sock in self.dealers.values():
-            sock.close(0)
-        if self.router is not None:
-            self.router.close(0)
+        for link in list(self.dealers):
+            self._drop_dealer(link)
+        if self.router_monitor is not None:
+            self.routers[-1].disable_monitor()
+            self.router_monitor.close(0)
+        for router in self.routers:
+            router.close(0)
+        if self.routers:
             if self.endpoint.startswith("ipc://"):
                 try:
                     os.unlink(self.endpoint[len("ipc://"):])

@@ -25,7 +25,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from mindie.contract import wire as P
-from mindie.runtime.curve import CurveKeyError, insecure_warning, link_mode, worker_keys
+from mindie.runtime.curve import CurveKeyError, insecure_warning, kv_keys, link_mode, worker_keys
 from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
 from mindie.runtime.gc_freeze import freeze_heap
 from mindie.runtime.lifecycle import lock_file
@@ -157,17 +157,29 @@ class Worker:
             raise
         # Prefill/decode disaggregation: this worker's KV endpoint (workers/pd_transfer.py).
         self.kv: KvTransfer | None = None
-        if spec.kv_endpoint and self.group is None:
+        if (spec.kv_endpoint or spec.kv_tcp_endpoint) and self.group is None:
             try:
+                if spec.kv_tcp_endpoint and spec.kv_curve_key_dir and self.auth is None:
+                    # ZAP for the tcp KV endpoint: peers whose public key is in clients/ (the workers' own
+                    # key is there: prefill workers of the fleet authenticate with it).
+                    _, _, clients = kv_keys(spec.kv_curve_key_dir)
+                    self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("workers.worker.zap"))
+                    self.auth.start()
+                    self.auth.configure_curve(domain="*", location=clients)
                 self.kv = KvTransfer(self.ctx, self.engine, spec.kv_endpoint, spec.kv_lease_ms, spec.kv_wait_ms,
-                                     spec.kv_failure_policy, self._add_parked, self._emit)
+                                     spec.kv_failure_policy, self._add_parked, self._emit,
+                                     tcp_endpoint=spec.kv_tcp_endpoint, key_dir=spec.kv_curve_key_dir,
+                                     insecure=spec.insecure_tcp)
+            except CurveKeyError as e:
+                self._close_sockets()
+                raise SystemExit(f"worker {spec.worker_id} refuses to start its KV transfer endpoint: {e}") from None
             except BaseException:
                 self._close_sockets()
                 raise
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
-        if self.kv is not None and self.kv.router is not None:
-            self.poller.register(self.kv.router, zmq.POLLIN)
+        for router in self.kv.routers if self.kv is not None else ():
+            self.poller.register(router, zmq.POLLIN)
         # The PUB socket is shared with the heartbeat thread: every send holds this lock
         # (ZeroMQ sockets may change threads only behind a full memory barrier).
         self.pub_lock = threading.Lock()

@@ -20,6 +20,7 @@ from mindie.config import Config
 from mindie.contract.spec import EngineConfig
 from mindie.errors import not_found
 from mindie.pd import RoleState, role_status
+from mindie.runtime.curve import WORKER_PUBLIC, CurveKeyError, read_certificate
 
 MINDIE_VERSION = "1.0.0"
 
@@ -27,6 +28,30 @@ MINDIE_VERSION = "1.0.0"
 def _json(resp: falcon.asgi.Response, body: dict) -> None:
     resp.content_type = falcon.MEDIA_JSON
     resp.data = msgspec.json.encode(body)
+
+
+def kv_endpoints(specs) -> list[str]:
+    """Where this instance's decode workers receive KV blocks: each worker's ipc endpoint (peers on
+    this host), then each one's tcp endpoint (peers elsewhere; ServerConfig.interCommPort)."""
+    return [ep.kv_endpoint for ep in specs if ep.kv_endpoint] + [ep.kv_tcp_endpoint for ep in specs
+                                                                 if ep.kv_tcp_endpoint]
+
+
+_KEYS: dict[str, str] = {}
+
+
+def kv_curve_key(specs) -> dict:
+    """``{"kvCurvePublicKey": ...}``: the workers' CURVE public key a prefill instance checks this
+    instance's tcp KV endpoints with; {} without one (ipc only, plain tcp, unreadable key)."""
+    key_dir = next((ep.kv_curve_key_dir for ep in specs if ep.kv_tcp_endpoint and ep.kv_curve_key_dir), "")
+    if not key_dir:
+        return {}
+    if key_dir not in _KEYS:
+        try:
+            _KEYS[key_dir] = read_certificate(os.path.join(key_dir, WORKER_PUBLIC), secret=False)[0].decode()
+        except CurveKeyError:
+            return {}
+    return {"kvCurvePublicKey": _KEYS[key_dir]}
 
 
 class Live:
@@ -115,7 +140,8 @@ class StatusRoutes:
             "linkStatus": role["linkStatus"],
             # Project extension: where decode workers receive KV blocks (mindie/pd.py, workers/pd_transfer.py).
             "pd": {"role": role["service"]["currentRole"],
-                   "kvEndpoints": [ep.kv_endpoint for ep in self.client.endpoints if ep.kv_endpoint],
+                   "kvEndpoints": kv_endpoints(self.client.endpoints),
+                   **kv_curve_key(self.client.endpoints),
                    "transfersActive": sum(hb.kv_transfers for hb in live.beats),
                    "heldBlocks": sum(hb.kv_held for hb in live.beats),
                    "computedPromptTokens": sum(hb.prompt_tokens for hb in live.beats)},

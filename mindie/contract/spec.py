@@ -218,6 +218,10 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     # the lease of blocks held for a transfer, how long a decode request waits for its transfer, and
     # what a lost or late one does (ServerConfig.kvTransferLeaseMs, kvTransferTimeoutMs, kvLoadFailurePolicy).
     kv_endpoint: str = ""
+    # Its tcp KV endpoint ("" = none; ServerConfig.interCommPort) and the CURVE key directory of KV
+    # transfers on tcp, both ways (BackendConfig.workerCurveKeyDir; "" = plain tcp only with insecure_tcp).
+    kv_tcp_endpoint: str = ""
+    kv_curve_key_dir: str = ""
     kv_lease_ms: int = 30000
     kv_wait_ms: int = 10000
     kv_failure_policy: str = "recompute"
@@ -248,6 +252,12 @@ def worker_endpoints(run_dir: str, index: int, host: str = "", port: int = 0) ->
 def kv_endpoint(run_dir: str, index: int) -> str:
     """The KV endpoint of worker ``index`` (prefill/decode disaggregation: workers/pd_transfer.py)."""
     return f"ipc://{run_dir}/w{index}-kv.ipc"
+
+
+def kv_tcp_endpoint(host: str, port: int, index: int) -> str:
+    """The tcp KV endpoint of worker ``index``: ``host`` (an IP address) port ``port + index``."""
+    h = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return f"tcp://{h}:{port + index}"
 
 
 def deployment_path(run_dir: str) -> str:

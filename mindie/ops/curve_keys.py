@@ -4,8 +4,9 @@
 
 Writes, with pyzmq's ``zmq.auth.create_certificates`` (the layout is mindie/runtime/curve.py):
 ``worker.key_secret`` / ``worker.key`` (the workers' keypair), ``frontend.key_secret`` /
-``frontend.key`` (the front ends' keypair) and ``clients/frontend.key`` (the front ends allowed
-to connect). DIR is created mode 0700 and secret files are written mode 0600. Existing key files
+``frontend.key`` (the front ends' keypair) and ``clients/frontend.key`` and ``clients/worker.key``
+(the keys allowed to connect: the front ends, and the workers' own, with which a prefill worker
+authenticates its KV transfers to a decode worker's tcp endpoint). DIR is created mode 0700 and secret files are written mode 0600. Existing key files
 are kept unless ``--force``. Torch-free.
 """
 from __future__ import annotations
@@ -37,10 +38,11 @@ def create_key_dir(key_dir: str, force: bool = False) -> list[str]:
             os.chmod(secret, 0o600)
             os.chmod(public, 0o644)
             written += [secret, public]
-        allowed = os.path.join(clients, "frontend.key")
-        shutil.copyfile(os.path.join(key_dir, "frontend.key"), allowed)
-        os.chmod(allowed, 0o644)
-        written.append(allowed)
+        for name in ("frontend.key", WORKER_PUBLIC):
+            allowed = os.path.join(clients, name)
+            shutil.copyfile(os.path.join(key_dir, name), allowed)
+            os.chmod(allowed, 0o644)
+            written.append(allowed)
     finally:
         os.umask(old)
     return written

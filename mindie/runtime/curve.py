@@ -28,7 +28,8 @@ import stat
 
 __all__ = ["KEY_DIR_KEY", "INSECURE_KEY", "HOST_KEY", "WORKER_SECRET", "WORKER_PUBLIC", "FRONTEND_SECRET",
            "CLIENTS_DIR", "PERMISSIONS_ENV", "CurveKeyError", "permission_checks_on", "is_tcp", "link_mode",
-           "read_certificate", "check_key_dir", "worker_keys", "frontend_keys", "insecure_warning"]
+           "read_certificate", "check_key_dir", "check_kv_key_dir", "worker_keys", "kv_keys", "frontend_keys",
+           "insecure_warning"]
 
 KEY_DIR_KEY = "BackendConfig.workerCurveKeyDir"
 INSECURE_KEY = "BackendConfig.workerInsecureTcp"
@@ -131,6 +132,30 @@ def frontend_keys(key_dir: str, env=os.environ) -> tuple[bytes, bytes, bytes]:
     server, _ = read_certificate(os.path.join(key_dir, WORKER_PUBLIC), secret=False, env=env)
     public, secret = read_certificate(os.path.join(key_dir, FRONTEND_SECRET), secret=True, env=env)
     return server, public, secret
+
+
+def kv_keys(key_dir: str, env=os.environ) -> tuple[bytes, bytes, str]:
+    """What a worker's tcp KV transfer endpoint binds with, and its prefill side connects with:
+    the workers' keypair (public, secret) and the directory of the keys allowed to connect, which
+    must hold the workers' own public key (a prefill worker authenticates with that keypair;
+    instances of one fleet share the key directory)."""
+    public, secret, clients = worker_keys(key_dir, env)
+    for path in glob.glob(os.path.join(clients, "*.key")):
+        try:
+            if read_certificate(path, secret=False, env=env)[0] == public:
+                return public, secret, clients
+        except CurveKeyError:
+            continue
+    raise CurveKeyError(f"{clients} does not hold the workers' public key ({WORKER_PUBLIC}): prefill workers "
+                        f"authenticate their KV transfers with it (copy {os.path.join(key_dir, WORKER_PUBLIC)} "
+                        "there, or remake the directory with python -m mindie.ops.curve_keys DIR --force)")
+
+
+def check_kv_key_dir(key_dir: str, env=os.environ) -> None:
+    """The key directory of a tcp KV transfer endpoint (``kv_keys``)."""
+    if not os.path.isdir(key_dir):
+        raise CurveKeyError(f"{key_dir} is not a directory (python -m mindie.ops.curve_keys DIR makes one)")
+    kv_keys(key_dir, env)
 
 
 def check_key_dir(key_dir: str, env=os.environ) -> None:
