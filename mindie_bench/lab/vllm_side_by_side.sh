@@ -27,6 +27,8 @@ OURS_PORT=18601
 OURS_DTYPE=""
 OURS_WORKERS=2
 NO_VLLM=0
+NUM_PROMPTS=""
+WARMUP=""
 PLOT=0
 VLLM_ARGS=()
 BENCH_ARGS=()
@@ -71,6 +73,9 @@ Options:
   --ready-timeout S    seconds to wait for vLLM's /health (default $READY_TIMEOUT; vLLM took 40-76 s on AVX-512 machines, minutes on a loaded AVX2 one)
   --concurrency LIST   concurrency levels (default $CONC)
   --rounds N           A/B rounds per level (default $ROUNDS)
+  --num-prompts LIST   measured requests per level, one per --concurrency level or one for all
+                       (default: mindie-bench's, max(32, 4 x c)); a 1B model wants few
+  --warmup N           warm-up requests before each segment (default: mindie-bench's, c)
   --prompt-len N       prompt tokens (default $PROMPT_LEN)
   --output-len N       output tokens (default $OUTPUT_LEN)
   --out DIR            result directory (default $OUT); vLLM's log goes there too
@@ -83,7 +88,7 @@ VLLM_CPU_OMP_THREADS_BIND pass through to vLLM unchanged.
 
 Examples:
   $(basename "$0") --model bench30m --start-ours --concurrency 1,32 --rounds 2
-  $(basename "$0") --model gpu1b --start-ours --concurrency 1 --rounds 1 -- --num-prompts 2 --warmup 1
+  $(basename "$0") --model gpu1b --start-ours --concurrency 1,32 --num-prompts 2,32 --warmup 1 --rounds 1
   $(basename "$0") --model ~/models/llama-30m --ours http://127.0.0.1:1025 --concurrency 1,8,32 --plot
 EOF
 }
@@ -111,6 +116,8 @@ while [[ $# -gt 0 ]]; do
         --ready-timeout) READY_TIMEOUT="${2:?}"; shift 2 ;;
         --concurrency) CONC="${2:?}"; shift 2 ;;
         --rounds) ROUNDS="${2:?}"; shift 2 ;;
+        --num-prompts) NUM_PROMPTS="${2:?}"; shift 2 ;;
+        --warmup) WARMUP="${2:?}"; shift 2 ;;
         --prompt-len) PROMPT_LEN="${2:?}"; shift 2 ;;
         --output-len) OUTPUT_LEN="${2:?}"; shift 2 ;;
         --out) OUT="${2:?}"; shift 2 ;;
@@ -217,11 +224,30 @@ EXTRA=()
 [[ "$PLOT" == 1 ]] && EXTRA+=(--plot)
 [[ "$OURS_API" == tgi ]] && EXTRA+=(--tokenizer "$MODEL")  # TGI takes text: decode the ids
 
+# One mindie-bench call per level when the request counts differ by level, else one for all.
+IFS=, read -r -a LEVELS <<<"$CONC"
+IFS=, read -r -a COUNTS <<<"$NUM_PROMPTS"
+(( ${#COUNTS[@]} <= 1 || ${#COUNTS[@]} == ${#LEVELS[@]} )) || die "--num-prompts: one count, or one per level (${#LEVELS[@]})"
+[[ -n "$WARMUP" ]] && EXTRA+=(--warmup "$WARMUP")
+# bench SUBCOMMAND ARGS...: run it once per level group; exit status: the worst.
+bench_levels() {
+    local sub="$1" rc=0 i; shift
+    if (( ${#COUNTS[@]} <= 1 )); then
+        local n=(); [[ -n "$NUM_PROMPTS" ]] && n=(--num-prompts "$NUM_PROMPTS")
+        "${BENCH[@]}" "$sub" "$@" --concurrency "$CONC" "${n[@]}" "${EXTRA[@]}" "${BENCH_ARGS[@]}" || rc=$?
+        return "$rc"
+    fi
+    for i in "${!LEVELS[@]}"; do
+        "${BENCH[@]}" "$sub" "$@" --concurrency "${LEVELS[$i]}" --num-prompts "${COUNTS[$i]}" \
+            "${EXTRA[@]}" "${BENCH_ARGS[@]}" || rc=$?
+    done
+    return "$rc"
+}
+
 if [[ "$NO_VLLM" == 1 ]]; then
     set +e
-    "${BENCH[@]}" run --url "$OURS_URL" --api "$OURS_API" --concurrency "$CONC" \
-        --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --vocab-size "$VOCAB" \
-        --out "$OUT" "${EXTRA[@]}" "${BENCH_ARGS[@]}"
+    bench_levels run --url "$OURS_URL" --api "$OURS_API" \
+        --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --vocab-size "$VOCAB" --out "$OUT"
     rc=$?
     set -e
     exit "$rc"
@@ -276,12 +302,10 @@ echo "vLLM ready after $((SECONDS - t0)) s"
 
 # --- 4. compare ---------------------------------------------------------------------
 set +e
-"${BENCH[@]}" compare \
+bench_levels compare \
     --url-a "$OURS_URL" --api-a "$OURS_API" --label-a mindie-py \
-    --url-b "$VLLM_URL" --api-b openai --label-b vllm-cpu \
-    --concurrency "$CONC" --rounds "$ROUNDS" \
-    --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --vocab-size "$VOCAB" \
-    --out "$OUT" "${EXTRA[@]}" "${BENCH_ARGS[@]}"
+    --url-b "$VLLM_URL" --api-b openai --label-b vllm-cpu --rounds "$ROUNDS" \
+    --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --vocab-size "$VOCAB" --out "$OUT"
 rc=$?
 set -e
 exit "$rc"
