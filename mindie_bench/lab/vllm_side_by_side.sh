@@ -260,8 +260,18 @@ fi
 # --- 3. start vLLM (a plain child: same session as the load generator) ---------------
 VLLM_LOG="$OUT/vllm-server-$(date -u +%Y%m%d-%H%M%S).log"
 VLLM_PID=""
+# PID and all its descendants (vLLM's engine core and its worker, a grandchild), by parent id.
+descendants() {
+    local p
+    for p in $(pgrep -P "$1" 2>/dev/null); do
+        descendants "$p"
+    done
+    echo "$1"
+}
 stop_vllm() {
     [[ -n "$VLLM_PID" ]] || return 0
+    local tree
+    tree="$(descendants "$VLLM_PID")"  # before the API server goes: orphans cannot be found after
     if kill -0 "$VLLM_PID" 2>/dev/null; then
         echo "stopping vLLM (pid $VLLM_PID)"
         kill -TERM "$VLLM_PID" 2>/dev/null || true
@@ -269,11 +279,13 @@ stop_vllm() {
             kill -0 "$VLLM_PID" 2>/dev/null || break
             sleep 1
         done
-        if kill -0 "$VLLM_PID" 2>/dev/null; then
-            pkill -KILL -P "$VLLM_PID" 2>/dev/null || true  # its engine-core children, by parent id
-            kill -KILL "$VLLM_PID" 2>/dev/null || true
-        fi
     fi
+    # A worker still starting (compiling) does not leave with its API server: stop every one left.
+    # shellcheck disable=SC2086
+    kill -TERM $tree 2>/dev/null || true
+    sleep 2
+    # shellcheck disable=SC2086
+    kill -KILL $tree 2>/dev/null || true
     wait "$VLLM_PID" 2>/dev/null || true
     VLLM_PID=""
 }
