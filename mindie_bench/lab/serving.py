@@ -79,6 +79,26 @@ def bench_model() -> str:
     return demo_model("bench30m")
 
 
+def bench_config(model: str, port: int, run_dir: Path, *, workers: int = 2, dtype: str = "bfloat16",
+                 kv_gib: float = 1.0, overlap: bool | None = None, server: dict | None = None,
+                 schedule: dict | None = None, deploy: dict | None = None, backend: dict | None = None) -> dict:
+    """The benchmark configuration (docs/performance.md): ``workers`` CPU device workers sharing
+    ``kv_gib`` of KV cache, one model, MindIE's key names; the dicts override its sections."""
+    return {
+        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port,
+                         "httpsEnabled": False, "runDir": str(run_dir), "maxLinkNum": 1000, **(server or {})},
+        "BackendConfig": {
+            "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu", **(backend or {}),
+            "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 2048, "ModelConfig": [{
+                "modelName": "bench", "modelWeightPath": model, "dtype": dtype,
+                "cpuMemSize": kv_gib / workers}], **(deploy or {})},
+            "ScheduleConfig": {"cacheBlockSize": 128, "maxBatchSize": 512, "maxPrefillBatchSize": 64,
+                               "maxPrefillTokens": 8192, "maxIterTimes": 4096, "overlapSteps": overlap,
+                               **(schedule or {})},
+        },
+    }
+
+
 def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1, dtype: str = "bfloat16",
                  kv_gib: float = 1.0, overlap: bool | None = None, null_model: bool = False,
                  null_step_ms: float = 0.0, server: dict | None = None, schedule: dict | None = None,
@@ -90,19 +110,8 @@ def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1,
     ModelDeployConfig / BackendConfig keys over the defaults here (maxLoras, cpuThreadsPerWorker, ...)."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(tmp, 0o700)
-    cfg = {
-        "ServerConfig": {"ipAddress": "127.0.0.1", "port": port, "managementPort": port, "metricsPort": port,
-                         "httpsEnabled": False, "runDir": str(tmp), "maxLinkNum": 1000, **(server or {})},
-        "BackendConfig": {
-            "npuDeviceIds": [[i] for i in range(workers)], "deviceType": "cpu", **(backend or {}),
-            "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 2048, "ModelConfig": [{
-                "modelName": "bench", "modelWeightPath": model, "dtype": dtype,
-                "cpuMemSize": kv_gib / workers}], **(deploy or {})},
-            "ScheduleConfig": {"cacheBlockSize": 128, "maxBatchSize": 512, "maxPrefillBatchSize": 64,
-                               "maxPrefillTokens": 8192, "maxIterTimes": 4096, "overlapSteps": overlap,
-                               **(schedule or {})},
-        },
-    }
+    cfg = bench_config(model, port, tmp, workers=workers, dtype=dtype, kv_gib=kv_gib, overlap=overlap,
+                       server=server, schedule=schedule, deploy=deploy, backend=backend)
     cfg_path = tmp / "config.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))
     env = dict(os.environ, MINDIE_LOG_LEVEL="WARNING", PYTHON=sys.executable)
