@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-METHODS = ("ngram", "memory_decoding")
+METHODS = ("suffix", "ngram", "memory_decoding")
 
 
 @dataclass
@@ -52,7 +52,6 @@ class SpecStats:
     run: float = 2.0  # recent accepted tokens per verify step (the proposal length follows it)
     skip: int = 0  # steps left without proposing (back-off)
     backoff: int = 0  # the next back-off length
-    suffix: "SuffixProposer | None" = None  # memory_decoding: the request's tree
 
 
 def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -78,50 +77,125 @@ def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[in
     return []
 
 
-class SuffixProposer:
-    """A request's frequency trie over its history (MindIE's memory decoding): for every context
-    of 1..``max_depth`` tokens, how often each token followed it. Updated as tokens arrive
-    (``extend``: O(max_depth) dict updates a token); ``propose`` walks the most frequent path."""
+def _match_lengths(corpus: np.ndarray, ends: np.ndarray, tail: np.ndarray, max_depth: int) -> np.ndarray:
+    """For each end position e of ``corpus`` (corpus[e] == tail[-1]), how many tokens of ``tail``
+    (read backwards) the window ending at e equals, up to ``max_depth``. Vectorised over the ends:
+    one comparison per depth for those still matching."""
+    m = np.ones(ends.size, dtype=np.int64)
+    alive = np.arange(ends.size)
+    for j in range(1, min(max_depth, len(tail))):
+        alive = alive[ends[alive] - j >= 0]
+        if alive.size == 0:
+            break
+        alive = alive[corpus[ends[alive] - j] == tail[-1 - j]]
+        if alive.size == 0:
+            break
+        m[alive] += 1
+    return m
 
-    def __init__(self, max_depth: int = 8) -> None:
-        self.max_depth = max_depth
-        self.next: dict[tuple[int, ...], dict[int, int]] = {}
-        self.seen = 0  # tokens of the history already counted
-        self.hist: list[int] = []
 
-    def extend(self, tokens: np.ndarray) -> None:
-        """Count the tokens of ``tokens`` (the whole history) not counted yet."""
-        new = tokens[self.seen:].tolist()
-        h = self.hist
-        for t in new:
-            for d in range(1, min(self.max_depth, len(h)) + 1):
-                ctx = tuple(h[-d:])
-                c = self.next.get(ctx)
-                if c is None:
-                    self.next[ctx] = {t: 1}
-                else:
-                    c[t] = c.get(t, 0) + 1
-            h.append(t)
-        self.seen = len(tokens)
+def _follow(corpus: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> list[int]:
+    """Up to ``k`` tokens after the windows ending at ``ends``: at each position the most frequent
+    next token among the windows that still agree with what was taken (ties: the latest window),
+    stopping where that token's share falls under ``min_prob`` or no window continues (a negative
+    id in ``corpus`` separates documents and ends a continuation)."""
+    out: list[int] = []
+    pos = ends + 1
+    n = len(corpus)
+    while len(out) < k:
+        pos = pos[pos < n]
+        if pos.size == 0:
+            break
+        toks = corpus[pos]
+        ok = toks >= 0
+        pos, toks = pos[ok], toks[ok]
+        if pos.size == 0:
+            break
+        vals, counts = np.unique(toks, return_counts=True)
+        best = counts.max()
+        if best < min_prob * pos.size:
+            break
+        if (counts == best).sum() > 1:
+            t = int(toks[np.flatnonzero(np.isin(toks, vals[counts == best]))[-1]])  # the latest
+        else:
+            t = int(vals[np.argmax(counts)])
+        out.append(t)
+        pos = pos[toks == t] + 1
+    return out
 
-    def propose(self, k: int, min_depth: int = 1) -> list[int]:
-        """Up to ``k`` tokens: from the longest context (at least ``min_depth`` tokens) ending the
-        history that has a continuation, the most frequent next token (ties: the one seen first), repeated on the history extended by
-        the proposal."""
-        h = list(self.hist[-self.max_depth:])
-        out: list[int] = []
+
+def suffix_propose(tokens: np.ndarray, k: int, max_depth: int = 32, min_match: int = 1,
+                   min_prob: float = 0.5, memory: "SuffixMemory | None" = None) -> tuple[list[int], int]:
+    """Suffix decoding (vLLM's ``suffix`` method, SGLang's and MindIE's memory decoding): find the
+    longest suffix of ``tokens`` (up to ``max_depth``) that occurred earlier in ``tokens`` (or, when
+    longer there, in ``memory``: recent requests), then follow what came after its occurrences,
+    the most frequent continuation first (``_follow``). The proposal is at most match length + 1
+    tokens (a long match is a confident one: vLLM's ``max_spec_factor`` 1, plus one) and ``k``.
+    Returns (proposal, match length). A proposal that reaches the history's end continues the loop
+    it found (period = distance to the match), as ``ngram_propose`` does."""
+    L = len(tokens)
+    if k <= 0 or L < 2:
+        return [], 0
+    last = tokens[L - 1]
+    ends = np.flatnonzero(tokens[:L - 1] == last)
+    M = 0
+    if ends.size:
+        m = _match_lengths(tokens, ends, tokens, max_depth)
+        M = int(m.max())
+        ends = ends[m == M]
+    if memory is not None and memory.size:
+        mem_ends, mem_m = memory.matches(tokens, max_depth)
+        if mem_m > M and mem_m >= min_match:
+            return _follow(memory.corpus, mem_ends, min(k, mem_m + 1), min_prob), mem_m
+    if M < min_match:
+        return [], M
+    k = min(k, M + 1)
+    out = _follow(tokens, ends, k, min_prob)
+    e = int(ends[-1])
+    period = L - 1 - e
+    if len(out) < k and len(out) == period and out == tokens[e + 1:].tolist():
+        # the latest match's continuation ran to the history's end: a loop, continued
         while len(out) < k:
-            nxt = None
-            for d in range(min(self.max_depth, len(h)), min_depth - 1, -1):
-                c = self.next.get(tuple(h[-d:]))
-                if c:
-                    nxt = max(c.items(), key=lambda kv: kv[1])[0]
-                    break
-            if nxt is None:
-                break
-            out.append(nxt)
-            h.append(nxt)
-        return out
+            j = len(out)
+            out.append(out[j - period] if j >= period else int(tokens[e + 1 + j]))
+    return out, M
+
+
+class SuffixMemory:
+    """Recent requests' prompts and outputs (MindIE's memory decoding across requests; vLLM
+    suffix decoding's global tree): their tokens in one array, documents separated by -1, at most
+    ``capacity`` tokens (the oldest documents dropped). ``matches`` finds a history's longest
+    suffix in it."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self.docs: list[np.ndarray] = []
+        self.corpus = np.empty(0, dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return len(self.corpus)
+
+    def add(self, tokens: np.ndarray) -> None:
+        doc = np.asarray(tokens, dtype=np.int64)[-self.capacity:]
+        self.docs.append(doc)
+        total = sum(len(d) + 1 for d in self.docs)
+        while total > self.capacity and len(self.docs) > 1:
+            total -= len(self.docs.pop(0)) + 1
+        self.corpus = np.concatenate([np.append(d, -1) for d in self.docs])
+
+    def clear(self) -> None:
+        self.docs.clear()
+        self.corpus = np.empty(0, dtype=np.int64)
+
+    def matches(self, tokens: np.ndarray, max_depth: int) -> tuple[np.ndarray, int]:
+        """The end positions in the corpus of ``tokens``' longest suffix found there, and its length."""
+        ends = np.flatnonzero(self.corpus == tokens[-1])
+        if ends.size == 0:
+            return ends, 0
+        m = _match_lengths(self.corpus, ends, tokens, max_depth)
+        M = int(m.max())
+        return ends[m == M], M
 
 
 def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
@@ -151,11 +225,18 @@ def rejection_sample(probs: np.ndarray, draft: int, u_accept: float, u_resample:
     return False, int(min(np.searchsorted(cdf, u_resample, side="right"), len(p) - 1))
 
 
+#: A suffix match at least this long is proposed even while its request backs off: long matches
+#: are the copying this is for (their proposals are accepted ~70 % on the copy-heavy benchmarks),
+#: short ones the guesses that free text rejects.
+STRONG_MATCH = 8
+SUFFIX_DEPTH = 32  # the longest suffix looked up (vLLM's suffix_decoding_max_tree_depth is 24)
+
+
 @dataclass
 class Controller:
     """Who speculates this step, and how far (the engine asks ``propose`` once per step)."""
 
-    method: str = "ngram"  # "" = off
+    method: str = "suffix"  # "" = off
     num_tokens: int = 4  # most proposed tokens per request and step (speculationGamma)
     lookup_min: int = 2
     lookup_max: int = 5
@@ -166,34 +247,49 @@ class Controller:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # memory_decoding: recent requests' tokens, proposals across requests
+    memory: SuffixMemory | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("",) + METHODS:
             raise ValueError(f"unknown speculative decoding method {self.method!r} (known: {', '.join(METHODS)})")
         self.accepted_per_pos = [0] * max(self.num_tokens, 0)
+        if self.method == "memory_decoding" and self.memory is None:
+            self.memory = SuffixMemory()
 
     @property
     def enabled(self) -> bool:
         return bool(self.method) and self.num_tokens > 0
 
     def propose(self, seq, room: int) -> list[int]:
-        """A proposal for ``seq`` (a decoding, unconstrained request), at most ``room`` tokens."""
+        """A proposal for ``seq`` (a decoding request), at most ``room`` tokens."""
         st: SpecStats = seq.spec
-        if st.skip > 0:
-            st.skip -= 1
-            return []
-        # As many tokens as recent verify steps accepted, plus one and a half: a fully accepted
-        # proposal grows the next one, a short run shrinks it (each proposed token is a row the
-        # step computes; on a CPU a small model's rows are not free).
-        k = min(self.num_tokens, room, max(1, math.ceil(1.5 * st.run + 1)))
+        if self.method == "ngram":
+            if st.skip > 0:
+                st.skip -= 1
+                return []
+            # As many tokens as recent verify steps accepted, plus one and a half: a fully accepted
+            # proposal grows the next one, a short run shrinks it (each proposed token is a row the
+            # step computes; on a CPU a small model's rows are not free).
+            k = min(self.num_tokens, room, max(1, math.ceil(1.5 * st.run + 1)))
+            if k <= 0:
+                return []
+            return ngram_propose(seq.token_ids, self.lookup_min, self.lookup_max, k)
+        # suffix, memory_decoding: the proposal's length follows its match's (suffix_propose)
+        k = min(self.num_tokens, room)
         if k <= 0:
             return []
-        if self.method == "ngram":
-            return ngram_propose(seq.token_ids, self.lookup_min, self.lookup_max, k)
-        if st.suffix is None:
-            st.suffix = SuffixProposer()
-        st.suffix.extend(seq.token_ids)
-        return st.suffix.propose(k, self.lookup_min)
+        draft, match = suffix_propose(seq.token_ids, k, SUFFIX_DEPTH, memory=self.memory)
+        if st.skip > 0:  # backing off: only a long match (copying resumed) is worth its rows
+            st.skip -= 1
+            if match < STRONG_MATCH:
+                return []
+        return draft
+
+    def finished(self, seq) -> None:
+        """A request ended: memory_decoding remembers its prompt and output."""
+        if self.memory is not None:
+            self.memory.add(seq.token_ids)
 
     def record(self, seq, drafted: int, accepted: int) -> None:
         """A verify step of ``seq``: ``drafted`` tokens proposed, ``accepted`` of them accepted."""
