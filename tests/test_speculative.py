@@ -13,7 +13,7 @@ from scipy import stats  # setup.cfg [test]
 from mindie.contract.wire import SamplingParams
 from tests.test_engine import make_engine, run
 from tests.tiny_hf import random_model
-from workers.engine.speculative import (STRONG_MATCH, Controller, SpecStats, SuffixMemory, accepted_prefix,
+from workers.engine.speculative import (ROW_COST, STRONG_MATCH, Controller, SpecStats, SuffixMemory, accepted_prefix,
                                         ngram_propose, rejection_sample, suffix_propose)
 
 
@@ -120,24 +120,31 @@ def test_controller_backs_off_on_low_acceptance() -> None:
         Controller("lookahead")
 
 
-def test_suffix_controller_backs_off_but_keeps_long_matches() -> None:
-    """While a request backs off (low acceptance), short matches propose nothing; a match of
-    STRONG_MATCH tokens or more (copying resumed) still does."""
-    c = Controller("suffix", num_tokens=16, min_acceptance=0.3)
+def test_suffix_controller_keeps_what_pays_for_its_rows() -> None:
+    """A suffix proposal keeps the tokens whose chance of acceptance (the request's recent rate)
+    beats a row's cost: all of them at first, fewer after rejections, none after many (so free
+    text pays nothing), but a match of STRONG_MATCH tokens or more (copying resumed) whole; while
+    nothing is proposed the rate fades back to its prior and proposals come back."""
+    c = Controller("suffix", num_tokens=16)
 
     class S:
         spec = SpecStats()
         token_ids = np.array([1, 2, 3, 4, 9, 1, 2])
     s = S()
-    assert c.propose(s, 10) == [3, 4, 9]
-    for _ in range(4):
+    assert c.propose(s, 10) == [3, 4, 9]  # match [1, 2]: 3 tokens
+    for _ in range(8):
         c.record(s, 3, 0)
-    assert s.spec.skip > 0 and c.propose(s, 10) == []
+    assert s.spec.hits / (s.spec.hits + s.spec.misses) < ROW_COST and c.propose(s, 10) == []
     span = list(range(20, 20 + STRONG_MATCH + 4))
-    s.token_ids = np.array(span + [5] + span[:STRONG_MATCH])
-    skip = s.spec.skip
+    strong = S()
+    strong.spec = s.spec
+    strong.token_ids = np.array(span + [5] + span[:STRONG_MATCH])
     # (match length + 1 tokens; past the history's end the loop it found goes on)
-    assert c.propose(s, 16) == (span[STRONG_MATCH:] + [5] + span)[:STRONG_MATCH + 1] and s.spec.skip == skip - 1
+    assert c.propose(strong, 16) == (span[STRONG_MATCH:] + [5] + span)[:STRONG_MATCH + 1]
+    for _ in range(60):
+        c.propose(s, 10)
+    assert c.propose(s, 10)[:1] == [3]  # tried again (its first token: the rate is just above the cost)
+    assert c.drafts == 8 and c.draft_tokens == 24 and c.accepted_tokens == 0
 
 
 # -- the engine, speculation on and off -----------------------------------------------------------
