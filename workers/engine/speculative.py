@@ -6,11 +6,14 @@ A proposer guesses the next few tokens of a request from its own history (prompt
   ``promptLookupMin`` tokens) that ends the history and occurred before; the tokens that followed
   its latest earlier occurrence are the proposal. Copy-heavy work (rewriting a given file,
   extracting from a given document, echoing JSON) repeats spans of the prompt.
-* ``memory_decoding`` (MindIE's trie over the history; vLLM's ``suffix``): ``SuffixProposer`` keeps,
-  per request, counts of the token that followed every context of 1..``max_depth`` tokens; a
-  proposal walks from the longest context of the current history that was seen before, taking the
-  most frequent continuation each time, so repeated loops and recurring phrases are followed even
-  when the latest occurrence diverged.
+* ``suffix`` (the default; vLLM's ``suffix`` method, SGLang's and MindIE's memory decoding over one
+  request): the longest suffix of the history (up to 32 tokens) that occurred earlier in it, then
+  the continuation most of its occurrences agree on (``suffix_propose``); the proposal is at most
+  the match length + 1 tokens, so a long match (copying) proposes far and a one-token match (just
+  re-synchronised after the model left the source) one or two tokens.
+* ``memory_decoding`` (MindIE's ``plugin_params``): ``suffix`` that also looks in the prompts and
+  outputs of the worker's recent requests (``SuffixMemory``) when the match there is longer.
+  MindIE's lookahead (``la``) key is served by ``suffix`` (mindie/config.py).
 
 The engine (workers/engine/engine.py) verifies a proposal of k tokens in the request's next step:
 the sequence contributes 1 + k rows at consecutive positions (the runner lays them out as decode
@@ -27,8 +30,10 @@ so every emitted token is distributed as without speculation (``rejection_sample
 textbook form, for the unit tests' comparison), and with a seed the very same tokens come out.
 
 ``Controller`` decides per step who speculates: nobody when more requests are running than
-``max_batch`` (the verify rows would compete with other requests' rows for the cores), and a
-request whose recent acceptance is low proposes fewer tokens, then nothing for a while (doubling).
+``max_batch`` (the verify rows would compete with other requests' rows for the cores; the proposer
+is then not called at all), and per request how far: the n-gram proposer follows the recent accepted
+run and pauses (doubling) on low acceptance; the suffix proposer keeps the tokens whose chance of
+acceptance (the request's recent rate) beats a row's cost (``ROW_COST``), except after a long match.
 A constrained request's proposal is cut where its grammar refuses it (workers/engine/constraints.py).
 """
 from __future__ import annotations
