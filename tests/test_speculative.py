@@ -350,7 +350,8 @@ def test_sampled_distribution_kept(tmp_path, method):
         return {s: out[f"s{s}"][0] for s in seeds}, eng.spec
 
     spec, ctl = sample(method, range(n))
-    assert ctl.accepted_tokens > n and ctl.draft_tokens - ctl.accepted_tokens > n  # accepted often, rejected often
+    # accepted often, rejected often (hundreds of each: the suffix proposer keeps fewer tokens once rejected)
+    assert ctl.accepted_tokens > n // 2 and ctl.draft_tokens - ctl.accepted_tokens > n
     plain_same, _ = sample("", range(n))
     assert spec == plain_same  # seeded: identical
     plain, _ = sample("", range(n, 2 * n))
