@@ -76,9 +76,17 @@ SPEC_MAX_TOKENS = 16  # MindIE's decoding_length range [1, 16]
 NGRAM_DEFAULT_TOKENS = 6  # proposed tokens per step of the n-gram default (docs/performance.md)
 
 
-def speculation_plugin(text: str) -> tuple[str, int] | None:
-    """``ModelConfig.plugin_params`` (MindIE's JSON string) as (method, decoding_length); None when
-    empty. ValueError, worded for the key, for anything this server does not run."""
+SUFFIX_DEFAULT_TOKENS = 16  # the suffix proposer's: its proposals follow their match's length
+SPEC_METHODS = ("suffix", "ngram")  # ScheduleConfig.speculationMethod
+LA_MAX_GAMMA = (16 - 1) * (16 + 16)  # MindIE's rule speculationGamma >= (N - 1) * (W + G), each <= 16
+
+
+def speculation_plugin(text: str) -> tuple[str, int, int] | None:
+    """``ModelConfig.plugin_params`` (MindIE's JSON string) as (method, most tokens proposed per
+    step, the least speculationGamma MindIE accepts with it); None when empty. ValueError, worded
+    for the key, for anything this server does not run. Lookahead (``la``) is served by the suffix
+    proposer: its guess set (n-grams of the history that follow the last token) is what the suffix
+    match finds; the Jacobi branch (``window`` guesses per step) is not run (docs/config.md)."""
     if not text.strip():
         return None
     try:
@@ -89,10 +97,21 @@ def speculation_plugin(text: str) -> tuple[str, int] | None:
         raise ValueError(f"must be a JSON object in a string, got {text!r}")
     kind = obj.get("plugin_type")
     if kind == "la":
-        raise ValueError("plugin_type \"la\" (lookahead) is not implemented here: use \"memory_decoding\", or remove "
-                         "plugin_params for the default n-gram speculation")
+        known = {"plugin_type", "level", "window", "guess_set_size"}
+        unknown = set(obj) - known
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
+        missing = known - set(obj)
+        if missing:  # MindIE's validator requires all three
+            raise ValueError(f"missing key(s) for plugin_type \"la\": {', '.join(sorted(missing))}")
+        for key, lo in (("level", 3), ("window", 1), ("guess_set_size", 1)):
+            v = obj[key]
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= SPEC_MAX_TOKENS:
+                raise ValueError(f"{key} must be an integer in [{lo}, {SPEC_MAX_TOKENS}], got {v!r}")
+        n, w, g = obj["level"], obj["window"], obj["guess_set_size"]
+        return "suffix", min(SPEC_MAX_TOKENS, (n - 1) * g), (n - 1) * (w + g)
     if kind != "memory_decoding":
-        raise ValueError(f"plugin_type must be \"memory_decoding\", got {kind!r}")
+        raise ValueError(f"plugin_type must be \"memory_decoding\" or \"la\", got {kind!r}")
     unknown = set(obj) - {"plugin_type", "decoding_length", "dynamic_algo"}
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))} (known: plugin_type, decoding_length, "
@@ -102,7 +121,7 @@ def speculation_plugin(text: str) -> tuple[str, int] | None:
         raise ValueError(f"decoding_length must be an integer in [1, {SPEC_MAX_TOKENS}], got {length!r}")
     if not isinstance(obj.get("dynamic_algo", False), bool):
         raise ValueError(f"dynamic_algo must be true or false, got {obj['dynamic_algo']!r}")
-    return kind, length
+    return kind, length, length
 
 
 class _Section(msgspec.Struct, kw_only=True, rename="camel"):
@@ -263,9 +282,11 @@ class ModelDeployConfig(_Section):
     max_loras: Annotated[int, Meta(ge=0, le=MAX_LORAS)] = 0
     max_lora_rank: Annotated[int, Meta(ge=0, le=UINT32_MAX)] = 0
     lora_modules: list[LoraModuleConfig] = field(default_factory=list, name="LoraModules")
-    # MindIE's: the most tokens proposed per request and step (speculative decoding); must be >=
-    # plugin_params' decoding_length. 0 = the proposer's default (decoding_length, or 6 for n-grams).
-    speculation_gamma: Annotated[int, Meta(ge=0, le=SPEC_MAX_TOKENS)] = 0
+    # MindIE's: the most tokens proposed per request and step (speculative decoding; at most
+    # SPEC_MAX_TOKENS are proposed); must be >= plugin_params' decoding_length, or (N-1)*(W+G) for
+    # lookahead (MindIE's rules). 0 = the proposer's default (decoding_length, 16 for the suffix
+    # proposer, 6 for n-grams).
+    speculation_gamma: Annotated[int, Meta(ge=0, le=LA_MAX_GAMMA)] = 0
 
 
 class ScheduleConfig(_Section):
@@ -298,6 +319,7 @@ class ScheduleConfig(_Section):
     # requests than speculationMaxBatch; a request whose recent acceptance falls below
     # speculationMinAcceptance backs off.
     speculative_decoding: bool = True
+    speculation_method: str = "suffix"  # without plugin_params: "suffix" or "ngram" (SPEC_METHODS)
     prompt_lookup_min: Annotated[int, Meta(ge=1, le=16)] = 2
     prompt_lookup_max: Annotated[int, Meta(ge=1, le=16)] = 5
     speculation_max_batch: Annotated[int, Meta(ge=0, le=819200)] = 8
@@ -846,9 +868,13 @@ def _check(config: Config, from_env: Mapping[str, str], source: Optional[str]) -
             plugin = speculation_plugin(m.plugin_params)
         except ValueError as e:
             fail(f"BackendConfig.ModelDeployConfig.ModelConfig[{i}].plugin_params", str(e))
-        if plugin and i == 0 and d.speculation_gamma and d.speculation_gamma < plugin[1]:
+        if plugin and i == 0 and d.speculation_gamma and d.speculation_gamma < plugin[2]:
+            rule = "(level-1)*(window+guess_set_size)" if "level" in m.plugin_params else "decoding_length"
             fail("BackendConfig.ModelDeployConfig.speculationGamma",
-                 f"must be >= plugin_params' decoding_length ({plugin[1]}), got {d.speculation_gamma}")
+                 f"must be >= plugin_params' {rule} ({plugin[2]}), got {d.speculation_gamma}")
+    if sch.speculation_method not in SPEC_METHODS:
+        fail("BackendConfig.ScheduleConfig.speculationMethod",
+             f"must be one of {', '.join(SPEC_METHODS)}, got {sch.speculation_method!r}")
     ids = b.npu_device_ids
     if len({len(group) for group in ids}) > 1:
         fail(_DEVICE_IDS_KEY, f"every entry must list the same number of devices, got {ids}")

@@ -9,7 +9,8 @@ import os
 
 import ipaddress
 
-from mindie.config import NGRAM_DEFAULT_TOKENS, Config, kv_tcp_host, speculation_plugin
+from mindie.config import (NGRAM_DEFAULT_TOKENS, SPEC_MAX_TOKENS, SUFFIX_DEFAULT_TOKENS, Config, kv_tcp_host,
+                           speculation_plugin)
 from mindie.contract.spec import (CpuTuning, Deployment, EngineConfig, LoraModule, WorkerSpec, kv_endpoint,
                                   kv_tcp_endpoint, worker_endpoints)
 
@@ -85,12 +86,18 @@ def engine_config(config: Config, *, null_model: bool = False) -> EngineConfig:
 
 
 def speculation(config: Config) -> dict:
-    """EngineConfig's speculative decoding fields: memory_decoding where ModelConfig.plugin_params
-    says so (decoding_length tokens), else the n-gram default (speculationGamma tokens, or 6);
+    """EngineConfig's speculative decoding fields: memory_decoding or lookahead where
+    ModelConfig.plugin_params says so (decoding_length tokens; lookahead: the suffix proposer),
+    else ScheduleConfig.speculationMethod (suffix: speculationGamma tokens or 16; ngram: or 6);
     off with ScheduleConfig.speculativeDecoding false."""
     deploy, sched = config.backend.model_deploy, config.backend.schedule
     plugin = speculation_plugin(deploy.models[0].plugin_params)
-    method, tokens = plugin if plugin else ("ngram", deploy.speculation_gamma or NGRAM_DEFAULT_TOKENS)
+    if plugin:
+        method, tokens = plugin[0], plugin[1]
+    else:
+        method = sched.speculation_method
+        default = SUFFIX_DEFAULT_TOKENS if method == "suffix" else NGRAM_DEFAULT_TOKENS
+        tokens = min(deploy.speculation_gamma or default, SPEC_MAX_TOKENS)
     return dict(spec_method=method if sched.speculative_decoding else "", spec_tokens=tokens,
                 spec_lookup_min=sched.prompt_lookup_min, spec_lookup_max=sched.prompt_lookup_max,
                 spec_max_batch=sched.speculation_max_batch, spec_min_acceptance=sched.speculation_min_acceptance)

@@ -651,7 +651,7 @@ def test_scripts_keeps_only_what_an_operator_runs() -> None:
     fleet (motor.sh, issue 31); the benchmarks, profilers and drills live in mindie_bench/lab/ (issue 26)."""
     root = Path(__file__).resolve().parents[1]
     assert sorted(p.name for p in (root / "scripts").iterdir()) == [
-        "bench_speculative.py", "health_check.sh", "launch.sh", "motor.sh", "prestop.sh", "watermark_detect.py"]
+        "health_check.sh", "launch.sh", "motor.sh", "prestop.sh", "watermark_detect.py"]
 
 
 def test_the_client_does_not_import_the_server() -> None:

@@ -159,7 +159,7 @@ JSON_KEYS = {
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
         "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "jumpForward",
-        "speculativeDecoding", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance"},
+        "speculativeDecoding", "speculationMethod", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 

@@ -240,6 +240,11 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ScheduleConfig.speculativeDecoding": [
         "tests/test_speculative_server.py::test_config_reaches_the_engine",
         "tests/test_speculative_server.py::test_speculation_counted_on_metrics_and_in_the_request_log"],
+    "BackendConfig.ScheduleConfig.speculationMethod": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative_server.py::test_config_refusals",
+        "tests/test_speculative.py::test_suffix_proposer_follows_the_longest_match_and_its_most_frequent_continuation",
+        "tests/test_speculative.py::test_suffix_controller_keeps_what_pays_for_its_rows"],
     "BackendConfig.ScheduleConfig.promptLookupMin": [
         "tests/test_speculative_server.py::test_config_reaches_the_engine",
         "tests/test_speculative_server.py::test_config_refusals", "tests/test_speculative.py::test_ngram_proposes_after_the_latest_longest_match"],

@@ -13,8 +13,8 @@ from scipy import stats  # setup.cfg [test]
 from mindie.contract.wire import SamplingParams
 from tests.test_engine import make_engine, run
 from tests.tiny_hf import random_model
-from workers.engine.speculative import (Controller, SpecStats, SuffixProposer, accepted_prefix, ngram_propose,
-                                        rejection_sample)
+from workers.engine.speculative import (ROW_COST, STRONG_MATCH, Controller, SpecStats, SuffixMemory, accepted_prefix,
+                                        ngram_propose, rejection_sample, suffix_propose)
 
 
 
@@ -33,16 +33,35 @@ def test_ngram_proposes_after_the_latest_longest_match() -> None:
     assert ngram_propose(t, 2, 4, 0) == []
 
 
-def test_suffix_proposer_follows_the_most_frequent_continuation() -> None:
-    sp = SuffixProposer(max_depth=4)
-    hist = [1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2, 3, 1]
-    sp.extend(np.array(hist))
-    # after [.., 3, 1]: 2 (seen 3 times), then after [3,1,2]: 3 (3 times) beats 4 (once)
-    assert sp.propose(4) == [2, 3, 1, 2]
-    sp.extend(np.array(hist + [7]))  # incremental: only the new token is counted
-    assert sp.seen == len(hist) + 1
-    assert sp.propose(3) == []  # 7 never seen before
-    assert sp.propose(3, min_depth=2) == []
+def test_suffix_proposer_follows_the_longest_match_and_its_most_frequent_continuation() -> None:
+    t = np.array([1, 2, 3, 9, 8, 1, 2, 3, 9, 8, 7, 4, 2, 3, 5, 2, 3])
+    # the suffix [2, 3] occurred 3 times; [1, 2, 3] never ends the history: the longest match is 2
+    # tokens, followed by 9 twice and 5 once: 9 (2 of 3 >= min_prob 0.5), then 8 (both), then the
+    # windows disagree (1 and 7, half each: the latest, 7)
+    assert suffix_propose(t, 16) == ([9, 8, 7], 2)  # match length 2: at most 3 tokens
+    assert suffix_propose(t, 2) == ([9, 8], 2)
+    assert suffix_propose(t, 16, min_match=3) == ([], 2)
+    assert suffix_propose(t, 16, min_prob=0.9) == ([], 2)  # 9 is 2 of 3 only
+    t2 = np.array([5, 1, 2, 3, 4, 6, 1, 2, 3, 4, 7, 0, 2, 3, 4])
+    # longest match [2, 3, 4] (3 tokens) twice: 6 once, 7 once: a tie, the latest window wins
+    assert suffix_propose(t2, 16)[0][:1] == [7]
+    assert suffix_propose(np.array([5, 6, 7, 8]), 4) == ([], 0)  # nothing repeats
+    # a loop reaching the history's end is continued with its period
+    assert suffix_propose(np.array([1, 2, 3, 1, 2, 3, 1, 2]), 16) == ([3, 1, 2, 3, 1, 2], 5)
+    assert suffix_propose(t, 0) == ([], 0)
+
+
+def test_suffix_memory_proposes_from_recent_requests() -> None:
+    mem = SuffixMemory(capacity=40)
+    mem.add(np.array([10, 11, 12, 13, 14, 15]))
+    hist = np.array([7, 8, 11, 12, 13])  # nothing repeats in the history itself
+    assert suffix_propose(hist, 16) == ([], 0)
+    assert suffix_propose(hist, 16, memory=mem) == ([14, 15], 3)  # ends at the document's end
+    for i in range(10):  # older documents drop out past the capacity
+        mem.add(np.array([20 + i] * 5))
+    assert mem.size <= 40 and suffix_propose(hist, 16, memory=mem) == ([], 0)
+    mem.clear()
+    assert mem.size == 0
 
 
 def test_accepted_prefix() -> None:
@@ -99,6 +118,33 @@ def test_controller_backs_off_on_low_acceptance() -> None:
     assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (4, 12, 0)
     with pytest.raises(ValueError):
         Controller("lookahead")
+
+
+def test_suffix_controller_keeps_what_pays_for_its_rows() -> None:
+    """A suffix proposal keeps the tokens whose chance of acceptance (the request's recent rate)
+    beats a row's cost: all of them at first, fewer after rejections, none after many (so free
+    text pays nothing), but a match of STRONG_MATCH tokens or more (copying resumed) whole; while
+    nothing is proposed the rate fades back to its prior and proposals come back."""
+    c = Controller("suffix", num_tokens=16)
+
+    class S:
+        spec = SpecStats()
+        token_ids = np.array([1, 2, 3, 4, 9, 1, 2])
+    s = S()
+    assert c.propose(s, 10) == [3, 4, 9]  # match [1, 2]: 3 tokens
+    for _ in range(8):
+        c.record(s, 3, 0)
+    assert s.spec.hits / (s.spec.hits + s.spec.misses) < ROW_COST and c.propose(s, 10) == []
+    span = list(range(20, 20 + STRONG_MATCH + 4))
+    strong = S()
+    strong.spec = s.spec
+    strong.token_ids = np.array(span + [5] + span[:STRONG_MATCH])
+    # (match length + 1 tokens; past the history's end the loop it found goes on)
+    assert c.propose(strong, 16) == (span[STRONG_MATCH:] + [5] + span)[:STRONG_MATCH + 1]
+    for _ in range(60):
+        c.propose(s, 10)
+    assert c.propose(s, 10)[:1] == [3]  # tried again (its first token: the rate is just above the cost)
+    assert c.drafts == 8 and c.draft_tokens == 24 and c.accepted_tokens == 0
 
 
 # -- the engine, speculation on and off -----------------------------------------------------------
@@ -161,7 +207,8 @@ def plain(demo_model, reqs):
     return out
 
 
-@pytest.mark.parametrize("variant", ["ngram", "memory_decoding", "ngram-preempt", "ngram-overlap", "ngram-chunked"])
+@pytest.mark.parametrize("variant", ["suffix", "ngram", "memory_decoding", "suffix-preempt", "ngram-preempt",
+                                     "suffix-overlap", "suffix-chunked", "ngram-chunked"])
 def test_same_outputs_with_and_without_speculation(demo_model, reqs, plain, variant):
     method = variant.split("-")[0]
     cfg = dict(spec_method=method, spec_max_batch=64)
@@ -239,7 +286,7 @@ def test_stop_ids_eos_and_length_inside_accepted_proposals():
         "eos": (SamplingParams(max_new_tokens=60), cycle[:6]),  # 10 is EOS below
         "eos-ignored": (SamplingParams(max_new_tokens=23, ignore_eos=True), cycle[:23]),
     }
-    for method in ("", "ngram", "memory_decoding"):
+    for method in ("", "ngram", "suffix", "memory_decoding"):
         eng = _cycle_engine(method)
         eng.runner.eos_token_ids = frozenset({10})
         out = run(eng, {k: (prompt, p) for k, (p, _) in cases.items()})
@@ -283,7 +330,8 @@ def _tiny_model(path, head_scale: float = 6.0) -> str:
     return str(path)
 
 
-def test_sampled_distribution_kept(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_sampled_distribution_kept(tmp_path, method):
     """Sampled outputs keep their distribution: on a 12-token model where the proposers hit often,
     the joint frequencies of the tokens at output positions 2..5 over 600 seeds with speculation
     match 600 other seeds without it (chi-square on a contingency table; threshold p < 1e-3, so the
@@ -301,8 +349,9 @@ def test_sampled_distribution_kept(tmp_path):
         assert eng.check_no_leaks()
         return {s: out[f"s{s}"][0] for s in seeds}, eng.spec
 
-    spec, ctl = sample("ngram", range(n))
-    assert ctl.accepted_tokens > n and ctl.draft_tokens - ctl.accepted_tokens > n  # accepted often, rejected often
+    spec, ctl = sample(method, range(n))
+    # accepted often, rejected often (hundreds of each: the suffix proposer keeps fewer tokens once rejected)
+    assert ctl.accepted_tokens > n // 2 and ctl.draft_tokens - ctl.accepted_tokens > n
     plain_same, _ = sample("", range(n))
     assert spec == plain_same  # seeded: identical
     plain, _ = sample("", range(n, 2 * n))
@@ -377,13 +426,14 @@ def test_constrained_requests_speculate_exactly(demo_model):
         return out, drafted
 
     plain, _ = go("")
-    spec, drafted = go("ngram")
-    assert {k: v[:2] for k, v in spec.items()} == {k: v[:2] for k, v in plain.items()}
-    for k in spec:
-        np.testing.assert_allclose(spec[k][2], plain[k][2], atol=2e-4)
-    cons_drafted = sum(drafted[k][0] for k in reqs if k.startswith("c-"))
-    cons_accepted = sum(drafted[k][1] for k in reqs if k.startswith("c-"))
-    assert cons_accepted > 10 and cons_drafted >= cons_accepted, drafted
+    for method in ("ngram", "suffix"):
+        spec, drafted = go(method)
+        assert {k: v[:2] for k, v in spec.items()} == {k: v[:2] for k, v in plain.items()}, method
+        for k in spec:
+            np.testing.assert_allclose(spec[k][2], plain[k][2], atol=2e-4)
+        cons_drafted = sum(drafted[k][0] for k in reqs if k.startswith("c-"))
+        cons_accepted = sum(drafted[k][1] for k in reqs if k.startswith("c-"))
+        assert cons_accepted > 10 and cons_drafted >= cons_accepted, (method, drafted)
 
 
 def test_spec_counters_on_metrics_are_summed_over_workers():

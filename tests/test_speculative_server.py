@@ -140,13 +140,21 @@ def test_speculation_counted_on_metrics_and_in_the_request_log(servers):
 
 
 @pytest.mark.parametrize("deploy, model, schedule, key, message", [
-    ({}, {"plugin_params": '{"plugin_type":"la","level":4}'}, {}, "plugin_params", "lookahead"),
+    ({}, {"plugin_params": '{"plugin_type":"la","level":4}'}, {}, "plugin_params", "guess_set_size, window"),
+    ({}, {"plugin_params": '{"plugin_type":"la","level":2,"window":5,"guess_set_size":5}'}, {}, "plugin_params",
+     "level must be an integer in [3, 16]"),
+    ({}, {"plugin_params": '{"plugin_type":"la","level":4,"window":5,"guess_set_size":5,"x":1}'}, {},
+     "plugin_params", "unknown key(s) x"),
+    ({"speculationGamma": 16}, {"plugin_params": '{"plugin_type":"la","level":4,"window":5,"guess_set_size":5}'}, {},
+     "speculationGamma", ">= plugin_params' (level-1)*(window+guess_set_size) (30)"),
+    ({}, {"plugin_params": '{"plugin_type":"mtp"}'}, {}, "plugin_params", "\"memory_decoding\" or \"la\""),
+    ({}, {}, {"speculationMethod": "suffx"}, "speculationMethod", "one of suffix, ngram, got 'suffx'"),
     ({}, {"plugin_params": '{"plugin_type":"memory_decoding","decoding_length":17}'}, {}, "plugin_params",
      "decoding_length"),
     ({}, {"plugin_params": "memory_decoding"}, {}, "plugin_params", "JSON object"),
     ({"speculationGamma": 4}, {"plugin_params": '{"plugin_type":"memory_decoding","decoding_length":8}'}, {},
      "speculationGamma", ">= plugin_params' decoding_length"),
-    ({"speculationGamma": 17}, {}, {}, "speculationGamma", "<= 16"),
+    ({"speculationGamma": 481}, {}, {}, "speculationGamma", "<= 480"),
     ({}, {}, {"promptLookupMin": 4, "promptLookupMax": 3}, "promptLookupMin", "<= promptLookupMax"),
     ({}, {}, {"speculationMinAcceptance": 1.5}, "speculationMinAcceptance", "<= 1"),
 ])
@@ -171,8 +179,14 @@ def test_config_reaches_the_engine(tmp_path):
         return engine_config(load_config(str(p)).config)
 
     d = cfg()
-    assert (d.spec_method, d.spec_tokens, d.spec_lookup_min, d.spec_lookup_max) == ("ngram", 6, 2, 5)
+    assert (d.spec_method, d.spec_tokens, d.spec_lookup_min, d.spec_lookup_max) == ("suffix", 16, 2, 5)
     assert cfg(deploy={"speculationGamma": 3}).spec_tokens == 3
+    assert cfg(deploy={"speculationGamma": 40}).spec_tokens == 16  # proposals of 16 tokens at most
+    n = cfg(schedule={"speculationMethod": "ngram"})
+    assert (n.spec_method, n.spec_tokens) == ("ngram", 6)
+    la = cfg(deploy={"speculationGamma": 30},
+             model={"plugin_params": '{"plugin_type":"la","level":4,"window":5,"guess_set_size":5}'})
+    assert (la.spec_method, la.spec_tokens) == ("suffix", 15)  # lookahead served by the suffix proposer
     m = cfg(deploy={"speculationGamma": 16},
             model={"plugin_params": '{"plugin_type":"memory_decoding","decoding_length":12,"dynamic_algo":true}'})
     assert (m.spec_method, m.spec_tokens) == ("memory_decoding", 12)

@@ -59,13 +59,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # admits) without a model step of their own (jumpForward; workers/engine/constraints.py).
     jump_forward: bool = True
     # Speculative decoding without a draft model (workers/engine/speculative.py): the proposer
-    # ("ngram" prompt lookup, "memory_decoding" MindIE's trie; "" = off), the most tokens proposed
+    # ("suffix" suffix decoding, "ngram" prompt lookup, "memory_decoding" suffix decoding with
+    # recent requests remembered; "" = off), the most tokens proposed
     # per request and step (speculationGamma / decoding_length), the n-gram lengths looked up
     # (promptLookupMin/Max), no speculation in steps with more decoding requests than
     # spec_max_batch (speculationMaxBatch), and the recent acceptance under which a request backs
     # off (speculationMinAcceptance).
-    spec_method: str = "ngram"
-    spec_tokens: int = 6
+    spec_method: str = "suffix"
+    spec_tokens: int = 16
     spec_lookup_min: int = 2
     spec_lookup_max: int = 5
     spec_max_batch: int = 8

@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "deepseek": ("deepseek", "a tiny DeepSeek-V3 (MLA, grouped routing): tokens/s against transformers, KV bytes per token"),
     "kv-transfer": ("kv_transfer", "PD disaggregation: KV block transfer GB/s over ipc, tcp and tcp+CURVE on loopback"),
     "pd": ("pd", "PD disaggregation: one hybrid instance against 1 prefill + 1 decode under a mixed load"),
+    "speculative": ("speculative", "speculative decoding without a draft model: tokens/s on against off, copy-heavy tasks, chat, c=32"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
 }
 

@@ -349,10 +349,9 @@ class Engine:
         that computes: torch's thread count is per thread). None when nothing can run."""
         if self._inflight is not None:
             raise RuntimeError("a step is already in flight: collect() it first")
-        if self.spec.enabled:
-            self._propose()
+        proposed = self.spec.enabled and self._propose()
         batch = self.scheduler.schedule()
-        if self.spec.enabled:
+        if proposed:
             for seq in self.scheduler.running:
                 seq.draft = []  # not scheduled this step (a held decode, no budget): proposed afresh next time
         if batch.empty:
@@ -390,23 +389,27 @@ class Engine:
         self._inflight = InFlight(batch, future, {id(s) for s in batch.seqs})
         return self._inflight
 
-    def _propose(self) -> None:
+    def _propose(self) -> bool:
         """Proposals for this step's decoding requests (the scheduler takes them into the batch
         where its budget and free blocks allow). None in steps with more running requests than
         ``spec_max_batch``: their verify rows would cost other requests' rows the cores. Constrained
         requests speculate too: their proposals are checked against the grammar (check_draft)."""
         running = self.scheduler.running
-        decoding = [s for s in running if s.decoding and s.forced_tail == 0
-                    and (s.grammar is None or (isinstance(s.grammar, ConstraintState) and not s.grammar.error))]
-        if not decoding or len(running) > self.spec.max_batch:
-            return
-        for seq in decoding:
+        if len(running) > self.spec.max_batch:  # checked first: a large batch pays nothing per step
+            return False
+        proposed = False
+        for seq in running:
+            if not seq.decoding or seq.forced_tail or (
+                    seq.grammar is not None and not (isinstance(seq.grammar, ConstraintState) and not seq.grammar.error)):
+                continue
             room = seq.max_new_tokens - seq.num_output - 1  # the token sampled after the proposal
             if room > 0:
                 draft = self.spec.propose(seq, room)
                 if draft and seq.grammar is not None:
                     draft = seq.grammar.check_draft(draft)
                 seq.draft = draft
+                proposed = proposed or bool(draft)
+        return proposed
 
     def _verified(self, seq: Sequence, draft: list[int], toks: list[int], lps: list | None,
                   now: float) -> StepOutput:
@@ -475,6 +478,10 @@ class Engine:
                 out = self._verified(seq, batch.drafts[i], verified[i], sampled.verified_logprobs.get(i), now)
                 if out.finish_reason:
                     seq.finish_reason = out.finish_reason
+                    if self.spec.memory is not None:
+                        self.spec.finished(seq)
+                    if self.finish_hook is not None:  # (as the plain path below does)
+                        self.finish_hook(seq)
                     self.requests.pop(seq.request_id, None)
                     self.scheduler.remove(seq)
                     self._release_adapter(seq)
@@ -517,6 +524,8 @@ class Engine:
                 self._advance_grammar(seq, tok, out)
             if out.finish_reason:
                 seq.finish_reason = out.finish_reason
+                if self.spec.memory is not None:
+                    self.spec.finished(seq)
                 if self.finish_hook is not None:
                     self.finish_hook(seq)
                 self.requests.pop(seq.request_id, None)

@@ -6,11 +6,14 @@ A proposer guesses the next few tokens of a request from its own history (prompt
   ``promptLookupMin`` tokens) that ends the history and occurred before; the tokens that followed
   its latest earlier occurrence are the proposal. Copy-heavy work (rewriting a given file,
   extracting from a given document, echoing JSON) repeats spans of the prompt.
-* ``memory_decoding`` (MindIE's trie over the history; vLLM's ``suffix``): ``SuffixProposer`` keeps,
-  per request, counts of the token that followed every context of 1..``max_depth`` tokens; a
-  proposal walks from the longest context of the current history that was seen before, taking the
-  most frequent continuation each time, so repeated loops and recurring phrases are followed even
-  when the latest occurrence diverged.
+* ``suffix`` (the default; vLLM's ``suffix`` method, SGLang's and MindIE's memory decoding over one
+  request): the longest suffix of the history (up to 32 tokens) that occurred earlier in it, then
+  the continuation most of its occurrences agree on (``suffix_propose``); the proposal is at most
+  the match length + 1 tokens, so a long match (copying) proposes far and a one-token match (just
+  re-synchronised after the model left the source) one or two tokens.
+* ``memory_decoding`` (MindIE's ``plugin_params``): ``suffix`` that also looks in the prompts and
+  outputs of the worker's recent requests (``SuffixMemory``) when the match there is longer.
+  MindIE's lookahead (``la``) key is served by ``suffix`` (mindie/config.py).
 
 The engine (workers/engine/engine.py) verifies a proposal of k tokens in the request's next step:
 the sequence contributes 1 + k rows at consecutive positions (the runner lays them out as decode
@@ -27,8 +30,10 @@ so every emitted token is distributed as without speculation (``rejection_sample
 textbook form, for the unit tests' comparison), and with a seed the very same tokens come out.
 
 ``Controller`` decides per step who speculates: nobody when more requests are running than
-``max_batch`` (the verify rows would compete with other requests' rows for the cores), and a
-request whose recent acceptance is low proposes fewer tokens, then nothing for a while (doubling).
+``max_batch`` (the verify rows would compete with other requests' rows for the cores; the proposer
+is then not called at all), and per request how far: the n-gram proposer follows the recent accepted
+run and pauses (doubling) on low acceptance; the suffix proposer keeps the tokens whose chance of
+acceptance (the request's recent rate) beats a row's cost (``ROW_COST``), except after a long match.
 A constrained request's proposal is cut where its grammar refuses it (workers/engine/constraints.py).
 """
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-METHODS = ("ngram", "memory_decoding")
+METHODS = ("suffix", "ngram", "memory_decoding")
 
 
 @dataclass
@@ -52,7 +57,10 @@ class SpecStats:
     run: float = 2.0  # recent accepted tokens per verify step (the proposal length follows it)
     skip: int = 0  # steps left without proposing (back-off)
     backoff: int = 0  # the next back-off length
-    suffix: "SuffixProposer | None" = None  # memory_decoding: the request's tree
+    # suffix: recent accepted proposed tokens and rejections (a verify step that rejected one),
+    # decayed; their ratio estimates the chance that a proposed token is accepted
+    hits: float = 2.0
+    misses: float = 1.0
 
 
 def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -78,50 +86,125 @@ def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[in
     return []
 
 
-class SuffixProposer:
-    """A request's frequency trie over its history (MindIE's memory decoding): for every context
-    of 1..``max_depth`` tokens, how often each token followed it. Updated as tokens arrive
-    (``extend``: O(max_depth) dict updates a token); ``propose`` walks the most frequent path."""
+def _match_lengths(corpus: np.ndarray, ends: np.ndarray, tail: np.ndarray, max_depth: int) -> np.ndarray:
+    """For each end position e of ``corpus`` (corpus[e] == tail[-1]), how many tokens of ``tail``
+    (read backwards) the window ending at e equals, up to ``max_depth``: one gather of the
+    [ends, depth] windows and one comparison (a handful of numpy calls whatever the sizes)."""
+    d = min(max_depth, len(tail))
+    idx = ends[:, None] - np.arange(d)
+    win = corpus[np.maximum(idx, 0)]
+    eq = (win == tail[len(tail) - d:][::-1]) & (idx >= 0)
+    return np.cumprod(eq, axis=1).sum(axis=1)
 
-    def __init__(self, max_depth: int = 8) -> None:
-        self.max_depth = max_depth
-        self.next: dict[tuple[int, ...], dict[int, int]] = {}
-        self.seen = 0  # tokens of the history already counted
-        self.hist: list[int] = []
 
-    def extend(self, tokens: np.ndarray) -> None:
-        """Count the tokens of ``tokens`` (the whole history) not counted yet."""
-        new = tokens[self.seen:].tolist()
-        h = self.hist
-        for t in new:
-            for d in range(1, min(self.max_depth, len(h)) + 1):
-                ctx = tuple(h[-d:])
-                c = self.next.get(ctx)
-                if c is None:
-                    self.next[ctx] = {t: 1}
-                else:
-                    c[t] = c.get(t, 0) + 1
-            h.append(t)
-        self.seen = len(tokens)
-
-    def propose(self, k: int, min_depth: int = 1) -> list[int]:
-        """Up to ``k`` tokens: from the longest context (at least ``min_depth`` tokens) ending the
-        history that has a continuation, the most frequent next token (ties: the one seen first), repeated on the history extended by
-        the proposal."""
-        h = list(self.hist[-self.max_depth:])
-        out: list[int] = []
-        while len(out) < k:
-            nxt = None
-            for d in range(min(self.max_depth, len(h)), min_depth - 1, -1):
-                c = self.next.get(tuple(h[-d:]))
-                if c:
-                    nxt = max(c.items(), key=lambda kv: kv[1])[0]
-                    break
-            if nxt is None:
+def _follow(corpus: np.ndarray, ends: np.ndarray, k: int, min_prob: float) -> list[int]:
+    """Up to ``k`` tokens after the windows ending at ``ends`` (ascending): at each position the
+    most frequent next token among the windows that still agree with what was taken (ties: the
+    latest window), stopping where that token's share falls under ``min_prob`` or no window
+    continues (a negative id in ``corpus`` separates documents and ends a continuation). The
+    continuations are gathered once; the walk is plain Python over a few short lists (numpy's
+    per-call overhead would dominate at these sizes)."""
+    n = len(corpus)
+    idx = ends[:, None] + 1 + np.arange(k)
+    rows = np.where(idx < n, corpus[np.minimum(idx, n - 1)], -1).tolist()
+    out: list[int] = []
+    for j in range(k):
+        rows = [r for r in rows if r[j] >= 0]
+        if not rows:
+            break
+        first = rows[0][j]
+        if all(r[j] == first for r in rows):
+            t = first
+        else:
+            counts: dict[int, int] = {}
+            for r in rows:
+                counts[r[j]] = counts.get(r[j], 0) + 1
+            best = max(counts.values())
+            if best < min_prob * len(rows):
                 break
-            out.append(nxt)
-            h.append(nxt)
-        return out
+            t = next(r[j] for r in reversed(rows) if counts[r[j]] == best)  # the latest window
+            rows = [r for r in rows if r[j] == t]
+        out.append(t)
+    return out
+
+
+#: The latest occurrences of the last token a suffix match is looked for at (a bound on the
+#: proposer's work per step whatever the history's length; recent occurrences are the likely ones).
+MAX_OCCURRENCES = 256
+
+
+def suffix_propose(tokens: np.ndarray, k: int, max_depth: int = 32, min_match: int = 1,
+                   min_prob: float = 0.5, memory: "SuffixMemory | None" = None) -> tuple[list[int], int]:
+    """Suffix decoding (vLLM's ``suffix`` method, SGLang's and MindIE's memory decoding): find the
+    longest suffix of ``tokens`` (up to ``max_depth``) that occurred earlier in ``tokens`` (or, when
+    longer there, in ``memory``: recent requests), then follow what came after its occurrences,
+    the most frequent continuation first (``_follow``). The proposal is at most match length + 1
+    tokens (a long match is a confident one: vLLM's ``max_spec_factor`` 1, plus one) and ``k``.
+    Returns (proposal, match length). A proposal that reaches the history's end continues the loop
+    it found (period = distance to the match), as ``ngram_propose`` does."""
+    L = len(tokens)
+    if k <= 0 or L < 2:
+        return [], 0
+    last = tokens[L - 1]
+    ends = np.flatnonzero(tokens[:L - 1] == last)[-MAX_OCCURRENCES:]
+    M = 0
+    if ends.size:
+        m = _match_lengths(tokens, ends, tokens, max_depth)
+        M = int(m.max())
+        ends = ends[m == M]
+    if memory is not None and memory.size:
+        mem_ends, mem_m = memory.matches(tokens, max_depth)
+        if mem_m > M and mem_m >= min_match:
+            return _follow(memory.corpus, mem_ends, min(k, mem_m + 1), min_prob), mem_m
+    if M < min_match:
+        return [], M
+    k = min(k, M + 1)
+    out = _follow(tokens, ends, k, min_prob)
+    e = int(ends[-1])
+    period = L - 1 - e
+    if len(out) < k and len(out) == period and out == tokens[e + 1:].tolist():
+        # the latest match's continuation ran to the history's end: a loop, continued
+        while len(out) < k:
+            j = len(out)
+            out.append(out[j - period] if j >= period else int(tokens[e + 1 + j]))
+    return out, M
+
+
+class SuffixMemory:
+    """Recent requests' prompts and outputs (MindIE's memory decoding across requests; vLLM
+    suffix decoding's global tree): their tokens in one array, documents separated by -1, at most
+    ``capacity`` tokens (the oldest documents dropped). ``matches`` finds a history's longest
+    suffix in it."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self.docs: list[np.ndarray] = []
+        self.corpus = np.empty(0, dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return len(self.corpus)
+
+    def add(self, tokens: np.ndarray) -> None:
+        doc = np.asarray(tokens, dtype=np.int64)[-self.capacity:]
+        self.docs.append(doc)
+        total = sum(len(d) + 1 for d in self.docs)
+        while total > self.capacity and len(self.docs) > 1:
+            total -= len(self.docs.pop(0)) + 1
+        self.corpus = np.concatenate([np.append(d, -1) for d in self.docs])
+
+    def clear(self) -> None:
+        self.docs.clear()
+        self.corpus = np.empty(0, dtype=np.int64)
+
+    def matches(self, tokens: np.ndarray, max_depth: int) -> tuple[np.ndarray, int]:
+        """The end positions in the corpus of ``tokens``' longest suffix found there, and its length."""
+        ends = np.flatnonzero(self.corpus == tokens[-1])[-MAX_OCCURRENCES:]
+        if ends.size == 0:
+            return ends, 0
+        m = _match_lengths(self.corpus, ends, tokens, max_depth)
+        M = int(m.max())
+        return ends[m == M], M
 
 
 def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
@@ -151,11 +234,23 @@ def rejection_sample(probs: np.ndarray, draft: int, u_accept: float, u_resample:
     return False, int(min(np.searchsorted(cdf, u_resample, side="right"), len(p) - 1))
 
 
+#: What one proposed token's row costs, as a fraction of a decode step, at concurrency 1 on a CPU
+#: (SmolLM2-135M on the 2-core EPYC: 1 row -> 5 rows took the step from 143 to 179 ms, ~6-10 %
+#: a row; mindie-bench speculative). The suffix proposer keeps the tokens whose chance of being
+#: accepted is above it.
+ROW_COST = 0.1
+#: A suffix match at least this long is proposed even while its request backs off: long matches
+#: are the copying this is for (their proposals are accepted ~70 % on the copy-heavy benchmarks),
+#: short ones the guesses that free text rejects.
+STRONG_MATCH = 8
+SUFFIX_DEPTH = 32  # the longest suffix looked up (vLLM's suffix_decoding_max_tree_depth is 24)
+
+
 @dataclass
 class Controller:
     """Who speculates this step, and how far (the engine asks ``propose`` once per step)."""
 
-    method: str = "ngram"  # "" = off
+    method: str = "suffix"  # "" = off
     num_tokens: int = 4  # most proposed tokens per request and step (speculationGamma)
     lookup_min: int = 2
     lookup_max: int = 5
@@ -166,34 +261,57 @@ class Controller:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # memory_decoding: recent requests' tokens, proposals across requests
+    memory: SuffixMemory | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("",) + METHODS:
             raise ValueError(f"unknown speculative decoding method {self.method!r} (known: {', '.join(METHODS)})")
         self.accepted_per_pos = [0] * max(self.num_tokens, 0)
+        if self.method == "memory_decoding" and self.memory is None:
+            self.memory = SuffixMemory()
 
     @property
     def enabled(self) -> bool:
         return bool(self.method) and self.num_tokens > 0
 
     def propose(self, seq, room: int) -> list[int]:
-        """A proposal for ``seq`` (a decoding, unconstrained request), at most ``room`` tokens."""
+        """A proposal for ``seq`` (a decoding request), at most ``room`` tokens."""
         st: SpecStats = seq.spec
-        if st.skip > 0:
-            st.skip -= 1
-            return []
-        # As many tokens as recent verify steps accepted, plus one and a half: a fully accepted
-        # proposal grows the next one, a short run shrinks it (each proposed token is a row the
-        # step computes; on a CPU a small model's rows are not free).
-        k = min(self.num_tokens, room, max(1, math.ceil(1.5 * st.run + 1)))
+        if self.method == "ngram":
+            if st.skip > 0:
+                st.skip -= 1
+                return []
+            # As many tokens as recent verify steps accepted, plus one and a half: a fully accepted
+            # proposal grows the next one, a short run shrinks it (each proposed token is a row the
+            # step computes; on a CPU a small model's rows are not free).
+            k = min(self.num_tokens, room, max(1, math.ceil(1.5 * st.run + 1)))
+            if k <= 0:
+                return []
+            return ngram_propose(seq.token_ids, self.lookup_min, self.lookup_max, k)
+        # suffix, memory_decoding: the proposal's length follows its match's (suffix_propose)
+        k = min(self.num_tokens, room)
         if k <= 0:
             return []
-        if self.method == "ngram":
-            return ngram_propose(seq.token_ids, self.lookup_min, self.lookup_max, k)
-        if st.suffix is None:
-            st.suffix = SuffixProposer()
-        st.suffix.extend(seq.token_ids)
-        return st.suffix.propose(k, self.lookup_min)
+        draft, match = suffix_propose(seq.token_ids, k, SUFFIX_DEPTH, memory=self.memory)
+        if draft and match < STRONG_MATCH:
+            # Worth its rows? With each proposed token accepted with chance p (the request's
+            # recent rate) the j-th one is emitted with chance p^j and costs ROW_COST of a step:
+            # keep the j for which p^j > ROW_COST (none when even the first is not). While none
+            # is proposed the evidence fades back to the prior, so a paused request tries again.
+            # A long match (copying resumed) is proposed whatever the rate.
+            p = st.hits / (st.hits + st.misses)
+            if p < 1.0:
+                draft = draft[:int(math.log(ROW_COST) / math.log(p))]
+            if not draft:
+                st.hits = 0.9 * st.hits + 0.1 * 2.0
+                st.misses = 0.9 * st.misses + 0.1 * 1.0
+        return draft
+
+    def finished(self, seq) -> None:
+        """A request ended: memory_decoding remembers its prompt and output."""
+        if self.memory is not None:
+            self.memory.add(seq.token_ids)
 
     def record(self, seq, drafted: int, accepted: int) -> None:
         """A verify step of ``seq``: ``drafted`` tokens proposed, ``accepted`` of them accepted."""
@@ -201,6 +319,8 @@ class Controller:
         st.drafts += 1
         st.draft_tokens += drafted
         st.accepted_tokens += accepted
+        st.hits = 0.8 * st.hits + accepted
+        st.misses = 0.8 * st.misses + (accepted < drafted)
         st.ema = 0.7 * st.ema + 0.3 * (accepted / drafted)
         st.run = 0.6 * st.run + 0.4 * accepted
         if st.ema < self.min_acceptance:

