@@ -25,7 +25,7 @@ import pytest
 from mindie.config import ConfigError, load_config
 from mindie.ops.curve_keys import create_key_dir
 from mindie.topology import build_deployment
-from tests.coord_harness import Coordinator
+from tests.coord_harness import Coordinator, consecutive_free_ports
 from tests.harness import Server, free_port, short_run_dir, write_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -35,22 +35,7 @@ BLOCK = 16
 
 def _kv_port(n: int = 1) -> int:
     """A port P with P .. P + n - 1 free on 127.0.0.1 now (interCommPort of an n-worker instance)."""
-    import socket
-    for _ in range(100):
-        base = free_port()
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port")
+    return consecutive_free_ports(n)
 
 
 def _keys(tmp: Path, name: str) -> Path:

@@ -24,6 +24,7 @@ from mindie.contract import wire as P
 from mindie.runtime.curve import CurveKeyError, insecure_warning
 from mindie.contract.spec import WorkerSpec, encode_spec
 from mindie.topology import build_deployment
+from tests.coord_harness import consecutive_free_ports
 from tests.harness import ROOT, free_port, short_run_dir, write_config, write_plan
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,23 +52,7 @@ def mixed_keys(path: Path, *, worker_public: Path, frontend: Path) -> Path:
 
 def port_pair(n: int = 1) -> int:
     """A port P with P .. P + 2n - 1 free on 127.0.0.1 right now."""
-    for _ in range(200):
-        base = free_port()
-        if base + 2 * n - 1 > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + 2 * n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port pair")
+    return consecutive_free_ports(2 * n)
 
 
 def tcp_config(path: Path, demo_model: str = "", workers: int = 1, **backend) -> Path:
