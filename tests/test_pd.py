@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -23,10 +24,11 @@ BLOCK = 16  # cacheBlockSize of every instance here
 LEASE_MS = 1500
 
 
-def _start(tmp, name: str, role: str, policy: str = "recompute", schedule: dict | None = None):
+def _start(tmp, name: str, role: str, policy: str = "recompute", schedule: dict | None = None,
+           model: dict | None = None):
     port = free_port()
     cfg = write_config(tmp / f"{name}.json", port=port, run_dir=short_run_dir(), workers=1,
-                       model_path=_start.model, schedule=schedule,
+                       model_path=_start.model, schedule=schedule, model=model,
                        server={"inferMode": "dmi", "pdRole": role, "kvTransferLeaseMs": LEASE_MS,
                                "kvTransferTimeoutMs": 3000, "kvLoadFailurePolicy": policy})
     return Server(cfg, port)
@@ -41,7 +43,10 @@ def fleet(tmp_path_factory, demo_model):
                # a flex instance whose prompts take many steps beside a decode (16-token chunks): its
                # worker is killed mid-transfer; its plain decode stays one token a step (plain_decode)
                # so its 16-token prompt chunks keep the transfer spread over ~120 steps for the kill test.
-               "K": _start(tmp, "k", "flex", schedule=plain_decode({"prefillChunkTokens": 16}))}
+               "K": _start(tmp, "k", "flex", schedule=plain_decode({"prefillChunkTokens": 16})),
+               # a decode instance whose KV cache (cpuMemSize 0.0012 GiB: ~19 blocks at 4 KiB a token)
+               # is too small for four of the requests of the preemption test at once
+               "S": _start(tmp, "s", "decode", model={"cpuMemSize": 0.0012})}
     try:
         for s in servers.values():
             s.wait_ready(180)
@@ -173,6 +178,45 @@ def test_tgi(fleet, stream):
         assert _sse_text(r, key) == _sse_text(h, key)
     else:
         assert r.json()["generated_text"] == h.json()["generated_text"]
+
+
+def test_constrained_output_equals_hybrid(fleet):
+    """A JSON-schema response through prefill -> decode: the decode side compiles the constraint from
+    the body it got, so the tokens (and the object) are the hybrid instance's."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "size": {"type": "integer"}}, "required": ["name", "size"],
+              "additionalProperties": False}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "describe a block as json " * 5}],
+            "max_tokens": 200, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "block", "schema": schema}}}
+    h = httpx.post(fleet["H"].url + "/v1/chat/completions", json=body, timeout=120)
+    r, _ = _pd(fleet, "/v1/chat/completions", body)
+    assert h.status_code == r.status_code == 200, r.text
+    got = r.json()["choices"][0]["message"]["content"]
+    assert got == h.json()["choices"][0]["message"]["content"]
+    if r.json()["choices"][0]["finish_reason"] == "stop":  # not cut by max_tokens (whitespace is free)
+        assert set(json.loads(got)) == {"name", "size"}, got
+
+
+def test_preemption_on_the_decode_side_keeps_the_output(fleet):
+    """Four handoffs at once to a decode instance whose KV cache holds about three of them: it preempts
+    (and recomputes) some, and every answer is still the hybrid instance's."""
+    bodies = [{"input_id": _prompt(3 * BLOCK + 5, 40 + i),
+               "parameters": {"max_new_tokens": 80, "details": True, "ignore_eos": True}} for i in range(4)]
+    want = [_ids(httpx.post(fleet["H"].url + "/infer_token", json=b, timeout=120)) for b in bodies]
+
+    def metric() -> float:
+        text = httpx.get(fleet["S"].url + "/metrics", timeout=30).text
+        m = re.search(r"^num_preemptions_total(?:\{[^}]*\})? (\S+)", text, re.M)
+        assert m, text[-2000:]
+        return float(m.group(1))
+
+    before = metric()
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda b: _ids(_pd(fleet, "/infer_token", b, decode="S")[0]), bodies))
+    assert got == want
+    status = httpx.get(fleet["S"].url + "/v1/status", timeout=10).text
+    assert metric() > before, status[:1500]
 
 
 # -- roles ----------------------------------------------------------------------------------------
