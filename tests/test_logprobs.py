@@ -273,7 +273,9 @@ def test_prompt_logprobs_survive_preemption(hf_models, monkeypatch):
     hf, path = hf_models["llama3"]
     ps = [prompt(n, 50 + n) for n in (60, 45, 70, 38)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, prompt_logprobs=True, logprobs=0)
-    eng = make_engine(str(path), num_blocks=14, max_prefill_tokens=24)
+    # one token a step (spec_method ""): the schedule that preempts a request mid-prompt assumes it
+    # (speculation with preemption: tests/test_speculative.py)
+    eng = make_engine(str(path), num_blocks=14, max_prefill_tokens=24, spec_method="")
     mid_prompt: list[int] = []  # prompt logprobs known when a request was preempted before its first token
     preempt = eng.scheduler._preempt
 
