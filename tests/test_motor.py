@@ -106,6 +106,21 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     assert "deviceType auto: every instance uses the npuDeviceIds as written" in r.stderr
 
 
+def test_run_dir_parents_made_private(tmp_path) -> None:
+    """motor.sh's default run dir is /tmp/mindie-py-<uid>/motor-<port>: the parent it creates is 0700,
+    as a server's default ServerConfig.runDir beside it requires (a 0755 one made every later
+    scripts/launch.sh on the defaults refuse to start)."""
+    from mindie.config import ensure_run_dir
+    from mindie.motor.fleet import claim
+    parent = tmp_path / f"mindie-py-{os.getuid()}"
+    lock = claim(str(parent / "motor-1025"))
+    assert lock is not None
+    os.close(lock)
+    for d in (parent, parent / "motor-1025"):
+        assert (d.stat().st_mode & 0o777) == 0o700, (d, oct(d.stat().st_mode))
+    assert ensure_run_dir(str(parent / "server")) == str(parent / "server")
+
+
 def test_example_user_config_plans(tmp_path) -> None:
     """deploy/user_config.example.json passes every loader as shipped."""
     r = motor("plan", "--config", str(ROOT / "deploy" / "user_config.example.json"), "--run-dir", str(tmp_path / "run"))

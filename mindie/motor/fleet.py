@@ -452,7 +452,7 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
         _devices(cfg, k)
         configs.append(cfg)
     if write:
-        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        make_private_dirs(run_dir)
     inst_records = []
     for k, cfg in enumerate(configs):
         path = os.path.join(run_dir, f"i{k}.json")
@@ -794,10 +794,26 @@ class Fleet:
                     p.wait(5)
 
 
+def make_private_dirs(path: str) -> None:
+    """``path`` and every missing directory above it, each mode 0700. (os.makedirs gives the mode to
+    the leaf only: a 0755 ``/tmp/mindie-py-<uid>`` made here would make every later server on the
+    default run directory refuse to start, as ServerConfig.runDir must sit in a private parent.)"""
+    missing = []
+    d = os.path.abspath(path)
+    while not os.path.isdir(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+
+
 def claim(run_dir: str) -> Optional[int]:
     """An open descriptor holding the run directory's lock (``motor.lock``), or None (with a
     message) when another motor.sh holds it: its files are not touched."""
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    make_private_dirs(run_dir)
     lock_path = os.path.join(run_dir, "motor.lock")
     lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
