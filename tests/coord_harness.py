@@ -55,25 +55,8 @@ def motor_env() -> dict:
 def consecutive_free_ports(n: int, avoid: tuple = ()) -> int:
     """The first of ``n`` consecutive ports free on loopback now (a fleet's instances take
     consecutive ports from ServerConfig.port)."""
-    import random
-    import socket
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
-        if any(base <= a < base + n for a in avoid):
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
+    from mindie_bench.lab.fleet import _free_run
+    return _free_run(n, avoid)
 
 
 class MotorFleet:

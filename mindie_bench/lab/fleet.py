@@ -44,11 +44,14 @@ ROOT = Path(__file__).resolve().parents[2]
 MOTOR = ROOT / "scripts" / "motor.sh"
 
 
-def _free_run(n: int) -> int:
-    """First of ``n`` consecutive free loopback ports."""
+def _free_run(n: int, avoid: tuple = ()) -> int:
+    """First of ``n`` consecutive free loopback ports (none of ``avoid`` among them); the tests'
+    fleets take theirs here too (tests/coord_harness.consecutive_free_ports)."""
     import socket
     for _ in range(200):
         base = random.randrange(20000, 60000 - n)
+        if any(base <= a < base + n for a in avoid):
+            continue
         socks = []
         try:
             for p in range(base, base + n):
