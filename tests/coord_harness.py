@@ -212,6 +212,14 @@ class Coordinator:
     def request_lines(self) -> list[str]:
         return [ln for ln in self._text().splitlines() if "coordinator.request:" in ln]
 
+    def wait_request_lines(self, n: int, timeout: float = 15.0) -> list[str]:
+        """The request log once it holds at least n lines: the coordinator writes a request's line
+        after the client has its last byte, so a test reading it straight after a reply can be early."""
+        t0 = time.monotonic()
+        while len(lines := self.request_lines()) < n and time.monotonic() - t0 < timeout:
+            time.sleep(0.05)
+        return lines
+
     def tail(self, n: int = 60) -> str:
         self.log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

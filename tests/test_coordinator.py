@@ -134,9 +134,7 @@ def _instance_of_last(coord, n: int = 1) -> list[int]:
 
 
 def _wait_lines(coord, n, timeout=10):
-    t0 = time.monotonic()
-    while len(coord.request_lines()) < n and time.monotonic() - t0 < timeout:
-        time.sleep(0.05)
+    coord.wait_request_lines(n, timeout)
 
 
 def test_load_balance_spreads_and_follows_load(fleet):

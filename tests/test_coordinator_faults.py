@@ -112,7 +112,7 @@ def test_error_frame_when_the_instance_dies_mid_stream(fleet, family):
             assert last["error_type"] == "Incomplete Generation" and "first token" in last["error"], last
         text = httpx.get(coord.manage + "/metrics", timeout=10).text
         assert re.search(r"^coordinator_streams_cut_total 1", text, re.M)
-        line = coord.request_lines()[-1]
+        line = coord.wait_request_lines(1)[-1]
         assert "instance failed mid-stream" in line, line
     finally:
         coord.stop()
@@ -133,13 +133,13 @@ def test_first_token_timeout_retries_elsewhere(fleet):
         # The instance that took a probe is stopped: the router picks it again next (the last poll's
         # load favours it) or, on a tie, the other one and then it (least recently picked).
         assert httpx.post(coord.url + "/infer", json=body, timeout=30).status_code == 200
-        k = int(re.search(r"-> instance (\d+)\(", coord.request_lines()[-1]).group(1))
+        k = int(re.search(r"-> instance (\d+)\(", coord.wait_request_lines(1)[-1]).group(1))
         stopped = frontend_pid(servers[k])
         os.kill(stopped, signal.SIGSTOP)
         for _ in range(2):
             r = httpx.post(coord.url + "/infer", json=body, timeout=30)
             assert r.status_code == 200 and r.text.count("data:") == 4, r.text
-        lines = [ln for ln in coord.request_lines() if "retries" in ln]
+        lines = [ln for ln in coord.wait_request_lines(3) if "retries" in ln]
         assert lines, coord.request_lines()
         for ln in lines:
             assert f"retries {k}:first_token_timeout" in ln and f"-> instance {1 - k}(" in ln, ln
@@ -169,7 +169,7 @@ def test_kill9_instance_retry_breaker_and_probe_back(fleet):
                 "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True},
                 timeout=30)
             assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
-        lines = coord.request_lines()
+        lines = coord.wait_request_lines(6)
         assert all("-> instance 1(" in ln and " status 200 " in ln for ln in lines), lines
         assert sum("retries 0:connect" in ln for ln in lines) == 2, lines  # then the breaker opened
         assert [i["state"] for i in coord.info()["instances"]][0] == "isolated"
@@ -183,7 +183,7 @@ def test_kill9_instance_retry_breaker_and_probe_back(fleet):
         for _ in range(2):
             assert httpx.post(coord.url + "/infer", json=body, timeout=30).status_code == 200
         coord.wait_state(0, "ready", timeout=10)
-        assert "-> instance 0(" in " ".join(coord.request_lines()[-2:])
+        assert "-> instance 0(" in " ".join(coord.wait_request_lines(8)[-2:])
     finally:
         coord.stop()
 

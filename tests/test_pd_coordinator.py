@@ -80,10 +80,7 @@ def _pd(server: Server) -> dict:
 
 
 def _lines_after(coord, n: int, timeout: float = 10) -> list[str]:
-    t0 = time.monotonic()
-    while len(coord.request_lines()) <= n and time.monotonic() - t0 < timeout:
-        time.sleep(0.05)
-    return coord.request_lines()[n:]
+    return coord.wait_request_lines(n + 1, timeout)[n:]
 
 
 def test_coordinator_info_lists_roles(fleet):
@@ -215,7 +212,7 @@ def test_stalled_prefill_instance_is_retried_within_first_token_timeout(fleet):
         assert r.status_code == 200, r.text
         assert normal(r) == normal(httpx.post(servers[2].url + "/infer_token", json=body, timeout=60))
         assert 4 <= took < 15, took
-        line = quick.request_lines()[-1]
+        line = quick.wait_request_lines(1)[-1]
         assert "-> instance 2(" in line and "retries 0:prefill_timeout" in line, line
     finally:
         for pid in pids:

@@ -256,7 +256,7 @@ def test_through_the_coordinator_over_tcp(fleet):
         ref = httpx.post(fleet["H"].url + "/v1/chat/completions", json=chat, timeout=60)
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["message"] == ref.json()["choices"][0]["message"]
-        line = coord.request_lines()[-1]
+        line = coord.wait_request_lines(2)[-1]
         assert "transfer" in line, line
     finally:
         coord.stop()
