@@ -137,11 +137,31 @@ def _wait_lines(coord, n, timeout=10):
     coord.wait_request_lines(n, timeout)
 
 
+def _wait_idle(coord, servers, timeout: float = 20) -> None:
+    """Until the router sees every instance idle, so that their loads tie (then idle instances
+    take turns): each instance's own status says idle (its figures come with its workers'
+    heartbeats, a little after a request ends; a poll in between reads it still running), then
+    the coordinator's last poll does."""
+    t0 = time.monotonic()
+    for s in servers:
+        while (res := httpx.get(s.url + "/v2/status", timeout=10).json()["resource"])["runningRequestNum"] or \
+                res["waitingRequestNum"]:
+            assert time.monotonic() - t0 < timeout, res
+            time.sleep(0.05)
+    while True:
+        insts = coord.info()["instances"]
+        if not any(i["running"] or i["waiting"] or i["inflight"] for i in insts):
+            return
+        assert time.monotonic() - t0 < timeout, insts
+        time.sleep(0.05)
+
+
 def test_load_balance_spreads_and_follows_load(fleet):
     _, servers, coord = fleet
     # idle instances take turns
     before = len(coord.settled_request_lines())  # not short by the last test's stream's late line
     for _ in range(4):
+        _wait_idle(coord, servers)
         assert httpx.post(coord.url + "/infer", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}},
                           timeout=60).status_code == 200
     _wait_lines(coord, before + 4)
@@ -237,6 +257,7 @@ def test_refresh_sets_the_instances(fleet):
         coord.wait_state(5, "ready")
         before = len(coord.settled_request_lines())
         for _ in range(4):
+            _wait_idle(coord, servers)
             httpx.post(coord.url + "/infer", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}, timeout=60)
         _wait_lines(coord, before + 4)
         assert sorted(_instance_of_last(coord, 4)) == [0, 0, 5, 5]
@@ -271,6 +292,8 @@ def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
         where: dict[int, list[int]] = {c: [] for c in range(4)}
         for turn in range(3):
             for c, msgs in enumerate(convs):
+                if turn == 0:
+                    _wait_idle(coord, servers)  # new conversations go by load: idle ones take turns
                 r = httpx.post(coord.url + "/v1/chat/completions", json={"model": "demo", "messages": msgs,
                                                                          "max_tokens": 3, "temperature": 0}, timeout=60)
                 assert r.status_code == 200, r.text
