@@ -207,6 +207,30 @@ def test_manage_info_metrics_and_probes(fleet):
     assert re.search(r'^coordinator_instance_ready\{instance="1"\} 1', text, re.M)
 
 
+def _counter(coord, pattern: str) -> float:
+    m = re.search(pattern + r" (\S+)$", httpx.get(coord.manage + "/metrics", timeout=10).text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_request_is_counted_when_its_answer_has_ended(fleet):
+    """Read straight after the answer (no wait): the request is already in the success / failed
+    counters and the latency histogram (they are recorded before the last byte goes out)."""
+    _, _, coord = fleet
+    ok, e2e = r"^coordinator_request_success_total", r"^coordinator_e2e_request_latency_seconds_count"
+    bad = r'^coordinator_request_failed_total\{code="404"\}'
+    bodies = [{"inputs": PROMPT, "parameters": {"max_new_tokens": 3}},
+              {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3}}]
+    for body in bodies * 3:
+        n_ok, n_e2e = _counter(coord, ok), _counter(coord, e2e)
+        r = httpx.post(coord.url + "/infer", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert (_counter(coord, ok), _counter(coord, e2e)) == (n_ok + 1, n_e2e + 1), body
+    for _ in range(3):
+        n_bad = _counter(coord, bad)
+        assert httpx.post(coord.url + "/no/such/route", json={}, timeout=10).status_code == 404
+        assert _counter(coord, bad) == n_bad + 1
+
+
 def test_offline_online_and_readiness(fleet):
     _, servers, coord = fleet
     m = coord.manage
