@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -218,6 +219,19 @@ class Coordinator:
         t0 = time.monotonic()
         while len(lines := self.request_lines()) < n and time.monotonic() - t0 < timeout:
             time.sleep(0.05)
+        return lines
+
+    def settled_request_lines(self, timeout: float = 15.0) -> list[str]:
+        """The request log once every request the coordinator has received has its line (the
+        coordinator counts a request when it arrives and logs it after the client's last byte): a
+        count taken from it is not short by an earlier request's late line. Only with no request
+        in flight."""
+        text = httpx.get(self.manage + "/metrics", timeout=10, verify=self.tls or True).text
+        m = re.search(r"^coordinator_request_received_total (\S+)$", text, re.M)
+        assert m, text[-2000:]
+        n = int(float(m.group(1)))
+        lines = self.wait_request_lines(n, timeout)
+        assert len(lines) == n, (n, lines[-5:], self.tail())
         return lines
 
     def tail(self, n: int = 60) -> str:

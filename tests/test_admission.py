@@ -239,8 +239,14 @@ def test_burst_of_10x_admits_exactly_the_limit(server):
         await asyncio.sleep(0.2)
         async with client(server, total) as c:
             tasks = [asyncio.create_task(send(c, i, body(n_tokens, stream_of[i]))) for i in range(total)]
-            await asyncio.sleep(0.8)  # every request has arrived; the admitted ones run for >= 1.5 s
-            mid = snapshot(server.run_dir)
+            # the slots held, seen throughout (not at one guessed moment: on a loaded machine the
+            # requests arrive late): the most ever held at once
+            mid: dict = {}
+            while not all(t.done() for t in tasks):
+                now = snapshot(server.run_dir)
+                if sum(now.values()) > sum(mid.values()):
+                    mid = now
+                await asyncio.sleep(0.05)
             results = await asyncio.gather(*tasks)
         stop.set()
         return results, mid, await health
@@ -291,9 +297,12 @@ def test_ramp_admits_the_first_arrivals_and_slots_come_back(server):
         assert [r.index for r in wave if r.status == 200] == list(range(LIMIT)), [r.status for r in wave]
         for r in wave[:LIMIT]:
             assert_complete(r, n_tokens, True)
+        # rejected at once: in well under the time of the admitted requests' tokens (a bound relative
+        # to them holds on a loaded machine, where both stretch)
+        first_done = min(r.done_s for r in wave[:LIMIT])
         for r in wave[LIMIT:]:
             assert_rejected(r)
-            assert r.headers_s < 1.0
+            assert r.headers_s < first_done / 2, (r.headers_s, first_done)
     wait_free(server, 2, "slots still held after the ramp")
 
 

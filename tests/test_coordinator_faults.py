@@ -211,10 +211,14 @@ def test_stop_service_drains_the_fleet(fleet):
         out = {}
         stopper = threading.Thread(target=lambda: out.setdefault("r", httpx.get(coord.manage + "/stopService", timeout=90)))
         stopper.start()
-        time.sleep(0.3)
+        # once /stopService has arrived (readiness says so; later than a guessed 0.3 s on a loaded
+        # machine) new requests are refused while the stream runs on
+        t0 = time.monotonic()
+        while httpx.get(coord.manage + "/v1/readiness", timeout=10).status_code != 503:
+            assert time.monotonic() - t0 < 20, "readiness still 200 after /stopService"
+            time.sleep(0.02)
         r = httpx.post(coord.url + "/infer", json={"inputs": "a"}, timeout=10)
         assert r.status_code == 503 and r.json()["error"] == "The service has been stopped.", r.text
-        assert httpx.get(coord.manage + "/v1/readiness", timeout=10).status_code == 503
         stopper.join(90)
         t.join(60)
         assert out["r"].status_code == 200

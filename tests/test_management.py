@@ -46,6 +46,15 @@ def infer_body(n_new: int, stream: bool = False, prompt=(5, 6, 7)) -> dict:
             "parameters": {"max_new_tokens": n_new, "ignore_eos": True, "details": True}}
 
 
+def _wait_status(split, idle: dict, timeout: float = 10) -> None:
+    """Until /v1/status is the idle one again: its figures come with the workers' heartbeats,
+    a little after the answer."""
+    end = time.monotonic() + timeout
+    while (now := httpx.get(split.mgmt + "/v1/status", timeout=10).json()["resource"]) != idle:
+        assert time.monotonic() < end, (now, idle)
+        time.sleep(0.05)
+
+
 def wait_for(pred, timeout: float, what: str):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -167,8 +176,7 @@ def test_status_follows_a_running_request(split):
     assert slots["free_slots"] == 2 * MAX_BATCH - 1
     t.join(60)
     assert done.is_set()
-    time.sleep(0.5)
-    assert httpx.get(split.mgmt + "/v1/status", timeout=10).json()["resource"] == idle
+    _wait_status(split, idle)
 
 
 def test_business_model_queries(split):
@@ -239,7 +247,10 @@ def test_stop_infer_ends_a_long_stream_at_once(split):
 
     t = threading.Thread(target=run)
     t.start()
+    wait_for(lambda: frames, 30, "a frame")
+    t1 = time.monotonic()
     wait_for(lambda: len(b"".join(frames).split(b"data:")) > 20, 30, "20 frames")
+    step = (time.monotonic() - t1) / 20  # a frame's time here now
     for _ in range(2):  # from both front ends (connections are spread by the kernel)
         r = httpx.post(split.biz + "/v2/models/demo/stopInfer", json={"id": "other-id"}, timeout=10)
         assert r.status_code == 404
@@ -249,14 +260,15 @@ def test_stop_infer_ends_a_long_stream_at_once(split):
     r = httpx.post(split.biz + "/v2/models/demo/stopInfer", content=body, timeout=10)
     assert r.status_code == 200 and r.content == body, r.text  # MindIE echoes the body
     t.join(30)
-    assert t_end and t_end[0] - t0 < 2.0, "the stream did not end at once"
+    # the rest would take well over 1000 frames (hundreds with speculation): 2 s, or 100 frames'
+    # time where a loaded machine makes frames slow
+    assert t_end and t_end[0] - t0 < max(2.0, 100 * step), ("the stream did not end at once", t_end[0] - t0, step)
     assert headers.get("req-id") == "long-stream_1"
     data = b"".join(frames)
     last = json.loads(data.strip().split(b"data: ")[-1])
     assert last["details"]["finish_reason"] == "stop_sequence"
     assert last["details"]["generated_tokens"] < 1900
-    time.sleep(0.5)
-    assert httpx.get(split.mgmt + "/v1/status", timeout=10).json()["resource"] == idle  # blocks freed
+    _wait_status(split, idle)  # blocks freed
     # Gone now: a second stop finds nothing.
     r = httpx.post(split.biz + "/v2/models/demo/stopInfer", content=body, timeout=10)
     assert r.status_code == 404
@@ -307,7 +319,7 @@ def test_timed_health_fails_when_workers_stall(split):
         took = time.monotonic() - t0
         assert r.status_code == 500, r.text
         assert r.json()["error_type"] == "Incomplete Generation"
-        assert took < 3.5
+        assert took < 5.0  # the 2 s wait and the answer; a hang would run into the 10 s timeout
     finally:
         for pid in workers:
             os.kill(pid, signal.SIGCONT)

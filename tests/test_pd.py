@@ -400,7 +400,10 @@ def test_kill_9_of_the_prefill_worker_mid_transfer(fleet):
         # (prefillChunkTokens), so the transfer to F spans ~120 steps.
         ex.submit(httpx.post, k.url + "/infer_token", json={"input_id": [5, 6, 7], "parameters": {
             "max_new_tokens": 2000, "ignore_eos": True}}, timeout=120)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # until it runs (not a guessed 0.5 s: later on a loaded machine)
+        while httpx.get(k.url + "/v2/status", timeout=10).json()["resource"]["runningRequestNum"] < 1:
+            assert time.monotonic() < deadline, "the plain request never ran on K"
+            time.sleep(0.02)
         pre = ex.submit(httpx.post, k.url + "/infer_token", json=body, headers=hp, timeout=120)
         dec = ex.submit(httpx.post, f.url + "/infer_token", json=body, headers=hd, timeout=120)
         deadline = time.monotonic() + 30

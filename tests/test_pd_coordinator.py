@@ -119,7 +119,7 @@ def test_greedy_equal_to_the_hybrid_instance(fleet, path, body):
     _, servers, coord = fleet
     hybrid = servers[2]
     direct = normal(httpx.post(hybrid.url + path, json=body, timeout=120))
-    n = len(coord.request_lines())
+    n = len(coord.settled_request_lines())  # no earlier request's line still to come
     computed = _pd(servers[1])["computedPromptTokens"]
     via = httpx.post(coord.url + path, json=body, timeout=120)
     assert direct[0] == 200, direct
@@ -134,8 +134,8 @@ def test_greedy_equal_to_the_hybrid_instance(fleet, path, body):
     # kvLoadFailurePolicy fail a lost transfer would have been a 503 and a retry
     prompt = int(m.group(1))
     t0 = time.monotonic()
-    while _pd(servers[1])["computedPromptTokens"] == computed and time.monotonic() - t0 < 3:
-        time.sleep(0.1)  # the figure comes with the workers' heartbeats
+    while _pd(servers[1])["computedPromptTokens"] == computed and time.monotonic() - t0 < 10:
+        time.sleep(0.1)  # the figure comes with the workers' heartbeats (later on a loaded machine)
     assert _pd(servers[1])["computedPromptTokens"] - computed == (prompt % 16 or 16), (_pd(servers[1]), prompt)
 
 
@@ -154,7 +154,7 @@ def test_hybrid_fallback_when_the_decode_instance_is_offline(fleet):
     direct = normal(httpx.post(servers[2].url + "/infer_token", json=body, timeout=60))
     assert httpx.post(coord.manage + "/v1/instances/offline", json={"ids": [1]}, timeout=10).status_code == 200
     try:
-        n = len(coord.request_lines())
+        n = len(coord.settled_request_lines())  # no earlier request's line still to come
         via = httpx.post(coord.url + "/infer_token", json=body, timeout=60)
         assert normal(via) == direct
         (line,) = _lines_after(coord, n)
@@ -174,13 +174,18 @@ def test_client_disconnect_cancels_on_the_decode_instance(fleet):
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", coord.url + "/infer", json=body) as r:
             it = r.iter_lines()
-            for _ in range(6):
+            next(it)
+            t1 = time.monotonic()
+            for _ in range(20):  # about 10 events
                 next(it)
+            step = (time.monotonic() - t1) / 10  # the time an event takes here now
             assert _running(servers[1]) == 1
+    # the 2000 tokens would take hundreds of events: 5 s, or 150 events' time on a loaded machine
+    bound = max(5.0, 150 * step)
     t0 = time.monotonic()
-    while _running(servers[1]) and time.monotonic() - t0 < 5:
+    while _running(servers[1]) and time.monotonic() - t0 < bound:
         time.sleep(0.05)
-    assert _running(servers[1]) == 0, "the decode instance still runs the request 5 s after the client left"
+    assert _running(servers[1]) == 0, f"the decode instance still runs the request {bound:.1f} s after the client left"
 
 
 def test_stalled_prefill_instance_is_retried_within_first_token_timeout(fleet):
@@ -249,7 +254,7 @@ def test_kill9_of_the_decode_instance_mid_stream(fleet):
     assert last == {"error": last["error"], "error_type": "Incomplete Generation"}, last
     # no decode instance now: the next request is served whole by the hybrid instance
     coord.wait_state(1, "unreachable", timeout=30)
-    n = len(coord.request_lines())
+    n = len(coord.settled_request_lines())  # no earlier request's line still to come
     r = httpx.post(coord.url + "/infer_token", json={"input_id": [5, 9, 13], "parameters": {"max_new_tokens": 4}},
                    timeout=60)
     assert r.status_code == 200, r.text

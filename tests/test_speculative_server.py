@@ -51,12 +51,20 @@ def strip_times(x):
 
 
 def metric(srv, name: str) -> float:
+    return metric_set(srv, name)[0]
+
+
+def metric_set(srv, *names: str) -> list[float]:
+    """Figures of one scrape (one set of heartbeats: figures of separate scrapes may straddle one)."""
     text = httpx.get(srv.url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    totals = []
+    for name in names:
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        totals.append(total)
+    return totals
 
 
 CASES = [
@@ -115,20 +123,16 @@ def test_speculation_counted_on_metrics_and_in_the_request_log(servers):
     a, b = both(servers, "/infer_token", {"input_id": IDS, "stream": False,
                                            "parameters": {"max_new_tokens": 80}})
     assert a == b
-    drafts = metric(on, "vllm:spec_decode_num_drafts_total")
-    proposed = metric(on, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = metric(on, "vllm:spec_decode_num_accepted_tokens_total")
-    per_pos = metric(on, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    drafts, proposed, accepted, per_pos = metric_set(on, *names)
     # heartbeats come every second or so: wait for one after the request
     for _ in range(50):
         if accepted > before:
             break
         import time
         time.sleep(0.2)
-        accepted = metric(on, "vllm:spec_decode_num_accepted_tokens_total")
-        per_pos = metric(on, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
-        drafts = metric(on, "vllm:spec_decode_num_drafts_total")
-        proposed = metric(on, "vllm:spec_decode_num_draft_tokens_total")
+        drafts, proposed, accepted, per_pos = metric_set(on, *names)
     assert accepted > before and proposed >= accepted and drafts > 0 and per_pos == accepted
     assert metric(off, "vllm:spec_decode_num_draft_tokens_total") == 0
     on.log.flush()

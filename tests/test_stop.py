@@ -26,7 +26,9 @@ from mindie.runtime.lifecycle import leftovers
 from tests.harness import Server, alive, descendants, free_port, short_run_dir, write_config
 
 DRAIN_S = 2
-LONG, SHORT = 500, 40
+# 30 ms steps: LONG (15 s) outlasts the 2 s drain; SHORT (0.6 s) ends within it with room for a
+# loaded machine's slower steps (40 took 1.2 s of the 2 s)
+LONG, SHORT = 500, 20
 STOPPED = {"error": "The service has been stopped.", "error_type": "Service Unavailable"}
 CUT = "was still running at the end of the drain (ServerConfig.drainTimeoutS = 2 s) and was cut"
 CUT_FORCE = "was cut by a forced stop"

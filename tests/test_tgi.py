@@ -238,8 +238,17 @@ def _running(srv) -> int:
     return httpx.get(srv.url + "/v1/status", timeout=10).json()["resource"]["runningRequestNum"]
 
 
-def _wait_idle(srv, what: str) -> None:
-    end = time.monotonic() + 2  # 2000 tokens take several seconds: only a cancel ends it this soon
+def _token_s(srv) -> float:
+    """A token's time here now (a loaded machine makes tokens slow)."""
+    t0 = time.monotonic()
+    r = post(srv, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 100, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return (time.monotonic() - t0) / 100
+
+
+def _wait_idle(srv, what: str, token_s: float) -> None:
+    # 2000 tokens take several seconds: only a cancel ends it this soon (2 s, or 500 tokens' time)
+    end = time.monotonic() + max(2.0, 500 * token_s)
     while _running(srv):
         assert time.monotonic() < end, f"{what}: still running on the worker"
         time.sleep(0.05)
@@ -248,6 +257,7 @@ def _wait_idle(srv, what: str) -> None:
 @pytest.mark.parametrize("path", ["/generate_stream", "/generate"])
 def test_client_that_hangs_up_is_cancelled(srv, path):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2000, "ignore_eos": True}}
+    token_s = _token_s(srv)
     with httpx.Client(timeout=60) as c:
         try:
             with c.stream("POST", srv.url + path, json=body, headers={"req-id": f"gone{len(path)}"},
@@ -256,7 +266,7 @@ def test_client_that_hangs_up_is_cancelled(srv, path):
                     break  # first event, then hang up
         except httpx.ReadTimeout:
             pass  # non-stream: nothing comes before the end
-    _wait_idle(srv, path)
+    _wait_idle(srv, path, token_s)
     srv.log.flush()
     end = time.monotonic() + 5
     while f"request gone{len(path)} {path} status=499" not in srv.log_path.read_text():

@@ -16,7 +16,10 @@ are never gathered). Failover:
 - the client hangs up: the instance's connection is closed, which the server takes as a cancel
   (its request stops, its KV blocks are freed).
 
-One request-log line per request (logger ``mindie.coordinator.request``) names the instance.
+One request-log line per request (logger ``mindie.coordinator.request``) names the instance; it
+is written once the request's work is over (after its last byte). Its counters and latency
+(``coordinator_request_success_total`` and the rest) are recorded just before its last byte goes
+out, so a client that reads /metrics after its answer finds its request counted.
 
 ``deploy_mode: pd_separate`` (mindie/coordinator/pd.py): a generation request is first sent to
 a prefill instance (the handoff headers; its answer, a small JSON, is read whole within
@@ -109,6 +112,18 @@ class Relay:
         m = self.coord.metrics
         m.received(path)
         self.received += 1
+        counted = False
+        outer = send
+
+        async def send(msg: dict) -> None:
+            # counted before the answer's last byte: a client reading /metrics after its answer
+            # ended finds it there (the log line waits for the bookkeeping after that byte)
+            nonlocal counted
+            if msg["type"] == "http.response.body" and not msg.get("more_body") and not counted:
+                counted = True
+                m.finished(rec, time.monotonic() - t0)
+            await outer(msg)
+
         try:
             if not known:
                 other = any(pat.fullmatch(path) for _, pat, _ in ROUTES)
@@ -133,7 +148,8 @@ class Relay:
                 self._room.set()
         finally:
             dur = (time.monotonic() - t0) * 1000
-            m.finished(rec, dur / 1000)
+            if not counted:  # no whole answer went out (a cut, a client that left)
+                m.finished(rec, dur / 1000)
             reqlog.info("request %s %s %s -> instance %s status %s %s attempts %d%s ttft_ms %s duration_ms %.1f "
                         "bytes %d%s%s", rid, method, path, rec["instance"], rec["status"], rec["decision"],
                         rec["attempts"], f" retries {','.join(rec['retries'])}" if rec["retries"] else "",
