@@ -340,6 +340,7 @@ class CpuTuningConfig(_Section):
     fused_decode_rows: Optional[Annotated[int, Meta(ge=0, le=64)]] = None  # 64 = DEC_MAX_ROWS in cpu_kernels.c
     fused_decode_mb: Annotated[float, Meta(ge=0, le=1048576)] = 256.0
     int8_rows: Annotated[int, Meta(ge=0, le=1048576)] = 24
+    adaptive_threads: bool = True
 
 
 class BackendConfig(_Section):

@@ -286,6 +286,7 @@ KEY_TESTS: dict[str, list[str]] = {
         "tests/test_cpu_decode.py::test_large_steps_and_prefills_keep_the_eager_path"],
     "BackendConfig.cpuTuning.fusedDecodeMb": _ES + ["tests/test_cpu_decode.py::test_models_and_settings_it_does_not_cover"],
     "BackendConfig.cpuTuning.int8Rows": _ES,
+    "BackendConfig.cpuTuning.adaptiveThreads": _ES + ["tests/test_step_width.py::test_worker_steps_narrow_on_a_busy_host"],
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],

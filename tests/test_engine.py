@@ -207,7 +207,7 @@ def test_overlapped_step_failure_is_raised_by_collect(demo_model):
     eng = make_engine(demo_model, overlap=True)
     eng.add(Submit("r", "fe", [5, 6, 7], GREEDY))
 
-    def boom():
+    def boom(tokens: int):
         raise ValueError("device lost")
 
     flight = eng.launch(before=boom)

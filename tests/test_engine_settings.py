@@ -35,13 +35,15 @@ KEYS = {
     "cpuTuning.fusedDecodeRows": (8, "8", "cpu.fused_decode_rows"),
     "cpuTuning.fusedDecodeMb": (0.5, "0.5", "cpu.fused_decode_mb"),
     "cpuTuning.int8Rows": (7, "7", "cpu.int8_rows"),
+    "cpuTuning.adaptiveThreads": (False, "off", "cpu.adaptive_threads"),
 }
 ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "MINDIE_TP_COLLECTIVE_TIMEOUT_S",
        "gcFreeze": "MINDIE_GC_FREEZE", "cpuTuning.kernels": "MINDIE_CPU_KERNELS", "cpuTuning.isa": "MINDIE_CPU_ISA",
        "cpuTuning.kernelCache": "MINDIE_KERNEL_CACHE", "cpuTuning.nativeBf16": "MINDIE_CPU_BF16",
        "cpuTuning.linearBuckets": "MINDIE_CPU_LINEAR_BUCKETS", "cpuTuning.prewarmGflop": "MINDIE_CPU_PREWARM_GFLOP",
        "cpuTuning.fusedDecode": "MINDIE_CPU_FUSED_DECODE", "cpuTuning.fusedDecodeRows": "MINDIE_CPU_FUSED_DECODE_ROWS",
-       "cpuTuning.fusedDecodeMb": "MINDIE_CPU_FUSED_DECODE_MB", "cpuTuning.int8Rows": "MINDIE_CPU_INT8_ROWS"}
+       "cpuTuning.fusedDecodeMb": "MINDIE_CPU_FUSED_DECODE_MB", "cpuTuning.int8Rows": "MINDIE_CPU_INT8_ROWS",
+       "cpuTuning.adaptiveThreads": "MINDIE_CPU_ADAPTIVE_THREADS"}
 
 
 def _engine(tmp_path: Path, backend: dict, env: dict | None = None) -> EngineConfig:

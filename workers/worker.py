@@ -34,6 +34,7 @@ from mindie.runtime.start_report import StartReport
 from mindie.contract.spec import WorkerSpec, decode_spec
 
 from workers.backends.core_share import CoreShare
+from workers.backends.step_width import StepThreads
 from workers.models.config import ModelArgs
 from workers.engine.assembly import build
 from workers.engine.engine import AdapterNotFound, CapacityError, ConstraintRefused, Engine, InFlight
@@ -190,8 +191,16 @@ class Worker:
         self._listing: tuple = ()
         self._infos: list[P.AdapterInfo] = []
         self.cores = None
-        if spec.core_share_file and spec.device_type == "cpu" and not spec.null_model:
-            self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
+        self.step_threads = None
+        if spec.device_type == "cpu" and not spec.null_model:
+            adaptive = spec.engine.cpu.adaptive_threads
+            if spec.core_share_file:
+                self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
+                self.step_threads = StepThreads(self.cores, adaptive=adaptive)
+            elif adaptive and spec.threads > 1 and len(spec.device_ids) <= 1:  # not a tensor-parallel rank
+                self.step_threads = StepThreads(threads=spec.threads)
+            if self.step_threads is not None:
+                log.info("step width: %s", self.step_threads.describe())
         # Last: "ready" only once the sockets are bound too (a port in use fails the start).
         log.info("worker %s ready in %.2f s (model %s, vocab %d)", spec.worker_id, time.perf_counter() - t0,
                  spec.model_name, self.engine.runner.vocab_size)
@@ -483,7 +492,8 @@ class Worker:
 
     def _launch(self) -> InFlight | None:
         try:
-            return self.engine.launch(before=self.cores.apply if self.cores is not None else None)
+            st = self.step_threads
+            return self.engine.launch(before=None if st is None else st.before, after=None if st is None else st.after)
         except Exception as e:
             self._fail_all(e)
             return None

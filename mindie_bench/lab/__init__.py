@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "overload": ("overload", "admission at 10x maxLinkNum: rejection latency, /health, RSS"),
     "slowloris": ("slowloris", "500 slow connections against 8 normal clients: their p99 with and without them"),
     "multi-workers": ("multi_workers", "one CPU device worker against N on one host"),
+    "busy-host": ("busy_host", "adaptive step width (cpuTuning.adaptiveThreads) on against off, quiet host and beside busy processes"),
     "attention": ("attention", "kernel micro-benchmark: paged attention, torch path against the C kernels"),
     "decode-step": ("decode_step", "one decode step: the fused C step against the eager path"),
     "profile-step": ("profile_step", "where one decode step's time goes, per module kind"),

@@ -63,6 +63,7 @@ class CoreShare:
         self.threads = 0
         self.warned = False
         self.waited_s = 0.0  # time spent waiting for our own cores (tests, diagnostics)
+        self.could_borrow = False  # the last apply() saw an idle sibling
         self.map[index] = 0
 
     # -- locks ------------------------------------------------------------------------------
@@ -111,15 +112,20 @@ class CoreShare:
                     self._unlock(self.index)
                     self.owned = False
 
-    def apply(self) -> int:
+    def apply(self, borrow: bool = True) -> int:
         """Before a step: own cores (waiting for a borrower's step to end), borrow idle siblings'
-        cores, size torch's thread pool; returns the thread count."""
+        cores (unless ``borrow`` is False: then only note in ``could_borrow`` whether one is idle),
+        size torch's thread pool; returns the thread count."""
         with self.guard:
             self._release_borrowed()  # a step launched without release() (its launch failed)
             if not self.owned:
                 self._take_own()
+            self.could_borrow = False
             for i in range(self.count):
-                if i == self.index or self.map[i] != 0 or not self._try_lock(i):
+                if i == self.index or self.map[i] != 0:
+                    continue
+                self.could_borrow = True
+                if not borrow or not self._try_lock(i):
                     continue
                 if self.map[i] != 0:  # woke up between the look and the lock: its cores are its own
                     self._unlock(i)

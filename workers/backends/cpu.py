@@ -95,11 +95,14 @@ class CpuBackend(Backend):
     def warm_up(self, model: torch.nn.Module, spec: WorkerSpec) -> None:
         """Create the oneDNN primitives of every (linear shape, row bucket, thread count) this
         worker can meet: its own share of the cores, and with core lending its share times 2 ..
-        workers (workers/backends/core_share.py). Its heap then starts at its plateau
+        workers (workers/backends/core_share.py), or half its cores for a worker alone that
+        steps narrow on a busy host (workers/backends/step_width.py). Its heap then starts at its plateau
         (docs/reliability.md, "Flat memory")."""
         base = self.threads if self.threads > 0 else torch.get_num_threads()
         lending = bool(spec.core_share_file) and spec.num_workers > 1
         counts = [base * k for k in range(1, spec.num_workers + 1)] if lending else [base]
+        if not lending and base > 1 and len(spec.device_ids) <= 1 and spec.engine.cpu.adaptive_threads:
+            counts.append(base // 2)  # a worker alone steps narrow on a busy host (step_width.py)
         cfg = spec.engine
         warm_up_cpu_model(model, counts, max_rows=cfg.max_prefill_tokens, max_head_rows=cfg.max_batch_size)
         if self._trim is not None:

@@ -344,9 +344,11 @@ class Engine:
         f = self.launch()
         return outs + self.collect(f) if f is not None else outs
 
-    def launch(self, before: Callable[[], object] | None = None) -> InFlight | None:
-        """Schedule the next step and start computing it (``before`` runs first, on the thread
-        that computes: torch's thread count is per thread). None when nothing can run."""
+    def launch(self, before: Callable[[int], object] | None = None,
+               after: Callable[[], object] | None = None) -> InFlight | None:
+        """Schedule the next step and start computing it. ``before(tokens)`` runs first and
+        ``after()`` once the step is computed, both on the thread that computes (torch's thread
+        count is per thread). None when nothing can run."""
         if self._inflight is not None:
             raise RuntimeError("a step is already in flight: collect() it first")
         proposed = self.spec.enabled and self._propose()
@@ -375,8 +377,12 @@ class Engine:
 
         def compute() -> list[int | None]:
             if before is not None:
-                before()
-            return self.runner.execute(batch)
+                before(sum(batch.num_tokens))
+            try:
+                return self.runner.execute(batch)
+            finally:
+                if after is not None:
+                    after()
 
         if self._pool is not None:
             future = self._pool.submit(compute)
