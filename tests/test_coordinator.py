@@ -133,10 +133,6 @@ def _instance_of_last(coord, n: int = 1) -> list[int]:
     return out
 
 
-def _wait_lines(coord, n, timeout=10):
-    coord.wait_request_lines(n, timeout)
-
-
 def _wait_idle(coord, servers, timeout: float = 20) -> None:
     """Until the router sees every instance idle, so that their loads tie (then idle instances
     take turns): each instance's own status says idle (its figures come with its workers'
@@ -164,7 +160,7 @@ def test_load_balance_spreads_and_follows_load(fleet):
         _wait_idle(coord, servers)
         assert httpx.post(coord.url + "/infer", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}},
                           timeout=60).status_code == 200
-    _wait_lines(coord, before + 4)
+    coord.wait_request_lines(before + 4, 10)
     picks = _instance_of_last(coord, 4)
     assert sorted(picks) == [0, 0, 1, 1], picks
     # a long stream on one instance (held open until the short ones are answered: one that ended
@@ -175,7 +171,7 @@ def test_load_balance_spreads_and_follows_load(fleet):
     before = len(coord.request_lines())
     for _ in range(3):
         httpx.post(coord.url + "/infer", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}, timeout=60)
-    _wait_lines(coord, before + 3)
+    coord.wait_request_lines(before + 3, 10)
     assert _instance_of_last(coord, 3) == [1 - busy_id] * 3
     held.release()
 
@@ -239,7 +235,7 @@ def test_offline_online_and_readiness(fleet):
     before = len(coord.settled_request_lines())
     for _ in range(3):
         httpx.post(coord.url + "/infer", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}, timeout=60)
-    _wait_lines(coord, before + 3)
+    coord.wait_request_lines(before + 3, 10)
     assert _instance_of_last(coord, 3) == [1, 1, 1]
     assert httpx.post(m + "/v1/instances/offline", json={"ids": [1]}, timeout=10).status_code == 200
     r = httpx.get(m + "/v1/readiness", timeout=10)
@@ -283,7 +279,7 @@ def test_refresh_sets_the_instances(fleet):
         for _ in range(4):
             _wait_idle(coord, servers)
             httpx.post(coord.url + "/infer", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}, timeout=60)
-        _wait_lines(coord, before + 4)
+        coord.wait_request_lines(before + 4, 10)
         assert sorted(_instance_of_last(coord, 4)) == [0, 0, 5, 5]
         # the newer form: delete one endpoint
         r = httpx.post(m + "/v1/instances/refresh", json={"event": "del", "instances": [{"endpoints": [
@@ -323,7 +319,7 @@ def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
                 assert r.status_code == 200, r.text
                 msgs += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
                          {"role": "user", "content": f"and more on turn {turn}"}]
-                _wait_lines(coord, turn * 4 + c + 1)
+                coord.wait_request_lines(turn * 4 + c + 1, 10)
                 where[c].append(_instance_of_last(coord)[0])
         assert all(len(set(w)) == 1 for w in where.values()), where
         assert {w[0] for w in where.values()} == {0, 1}, where  # new conversations by load: both used
@@ -337,7 +333,7 @@ def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
             before = len(coord.request_lines())
             httpx.post(coord.url + "/infer_token", json={"input_id": ids, "parameters": {"max_new_tokens": 1}},
                        timeout=60).raise_for_status()
-            _wait_lines(coord, before + 1)
+            coord.wait_request_lines(before + 1, 10)
             return _instance_of_last(coord)[0]
         shared = list(range(100, 164))  # 4 blocks of 16
         first = tok(shared + [7, 8, 9])
@@ -350,7 +346,7 @@ def test_cache_affinity_keeps_conversations_on_their_instance(fleet):
             before = len(coord.request_lines())
             httpx.post(coord.url + "/v1/completions", json={"model": "demo", "prompt": text + tail, "max_tokens": 1},
                        timeout=60).raise_for_status()
-            _wait_lines(coord, before + 1)
+            coord.wait_request_lines(before + 1, 10)
             home_t = home_t if home_t is not None else _instance_of_last(coord)[0]
             assert _instance_of_last(coord)[0] == home_t
         # the affine instance busy (single_node_max_requests 1, a long stream on it): by load

@@ -34,7 +34,7 @@ from mindie.runtime.start_report import StartReport
 from mindie.contract.spec import WorkerSpec, decode_spec
 
 from workers.backends.core_share import CoreShare
-from workers.backends.step_width import StepThreads
+from workers.backends.step_width import StepThreads, narrow_threads_alone
 from workers.models.config import ModelArgs
 from workers.engine.assembly import build
 from workers.engine.engine import AdapterNotFound, CapacityError, ConstraintRefused, Engine, InFlight
@@ -197,7 +197,7 @@ class Worker:
             if spec.core_share_file:
                 self.cores = CoreShare(spec.core_share_file, spec.worker_index, spec.num_workers, max(1, spec.threads))
                 self.step_threads = StepThreads(self.cores, adaptive=adaptive)
-            elif adaptive and spec.threads > 1 and len(spec.device_ids) <= 1:  # not a tensor-parallel rank
+            elif narrow_threads_alone(spec):
                 self.step_threads = StepThreads(threads=spec.threads)
             if self.step_threads is not None:
                 log.info("step width: %s", self.step_threads.describe())

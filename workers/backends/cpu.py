@@ -14,6 +14,7 @@ from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide
 from workers.backends.cpu_specialise import specialise_cpu_model, warm_up_cpu_model
 from workers.backends.int8 import CpuInt8Kernel
+from workers.backends.step_width import narrow_threads_alone
 from workers.kernels import cpu_kernels
 
 log = logging.getLogger("workers.backends")
@@ -101,8 +102,8 @@ class CpuBackend(Backend):
         base = self.threads if self.threads > 0 else torch.get_num_threads()
         lending = bool(spec.core_share_file) and spec.num_workers > 1
         counts = [base * k for k in range(1, spec.num_workers + 1)] if lending else [base]
-        if not lending and base > 1 and len(spec.device_ids) <= 1 and spec.engine.cpu.adaptive_threads:
-            counts.append(base // 2)  # a worker alone steps narrow on a busy host (step_width.py)
+        if narrow := narrow_threads_alone(spec):
+            counts.append(narrow)  # a worker alone steps narrow on a busy host
         cfg = spec.engine
         warm_up_cpu_model(model, counts, max_rows=cfg.max_prefill_tokens, max_head_rows=cfg.max_batch_size)
         if self._trim is not None:

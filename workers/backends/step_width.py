@@ -31,7 +31,7 @@ LOG_EVERY_S = 30.0  # a change of preference is logged at most this often
 
 
 class StepWidth:
-    """The wide-or-narrow choice per step size (tokens in the step, in powers of two)."""
+    """The wide-or-narrow choice per step size (tokens in the step, by factors of 4: ``bucket``)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -42,7 +42,6 @@ class StepWidth:
         self._logged = -LOG_EVERY_S
         self._t0: float | None = None
         self._key: tuple[int, bool] | None = None
-        self.narrow_steps = 0  # steps run narrow by choice (diagnostics, tests)
         self._trying = False  # the step chosen last is a try of the other way
 
     @staticmethod
@@ -69,8 +68,6 @@ class StepWidth:
         """A step of ``tokens`` tokens starts now, ``wide`` or not (as it really runs)."""
         self._key = (self.bucket(tokens), wide)
         self._t0 = self.clock()
-        if not wide:
-            self.narrow_steps += 1
 
     def skip(self) -> None:
         """The step starting now says nothing about the choice (it had none: no idle sibling)."""
@@ -103,6 +100,16 @@ class StepWidth:
                      else "the cores are free again")
 
 
+def narrow_threads_alone(spec) -> int:
+    """The narrow thread count of a CPU worker alone on its cores (no core sharing, not a
+    tensor-parallel rank, more than one thread, cpuTuning.adaptiveThreads), else 0: the worker
+    steps with it and its warm-up builds its oneDNN primitives."""
+    if (spec.device_type != "cpu" or spec.null_model or spec.core_share_file or spec.threads <= 1
+            or len(spec.device_ids) > 1 or not spec.engine.cpu.adaptive_threads):
+        return 0
+    return spec.threads // 2
+
+
 def _set_threads(n: int) -> None:
     import torch
     torch.set_num_threads(n)
@@ -115,7 +122,7 @@ class StepThreads:
     def __init__(self, cores=None, threads: int = 1, adaptive: bool = True, set_threads=_set_threads,
                  width: StepWidth | None = None):
         self.cores = cores  # a CoreShare, or None for a worker alone on its cores
-        self.threads = threads  # a worker alone: its cores ("wide"); narrow = half of them
+        self.threads = threads  # a worker alone: its cores ("wide"); narrow = half of them (narrow_threads_alone)
         self.width = (width or StepWidth()) if adaptive else None
         self._set_threads = set_threads
         self._current = 0
