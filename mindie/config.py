@@ -311,6 +311,10 @@ class ScheduleConfig(_Section):
     # as no held request has waited this many ms since its last token. 0 = never hold; null =
     # the device's default (workers/prepare.py).
     decode_hold_ms: Optional[Annotated[int, Meta(ge=0, le=60000)]] = None
+    # Project extension: with decodeHoldMs, past it the hold goes on while the prompts completing
+    # were queued before the held requests' last tokens (one wave of prompts gets its first tokens
+    # before the decodes resume; workers/engine/scheduler.py, hold_decodes).
+    decode_hold_wave: bool = True
     # Project extension: structured output emits the tokens a request's grammar forces (each the
     # only token its mask admits) without a model step of their own (jump-forward).
     jump_forward: bool = True

@@ -77,7 +77,8 @@ def engine_config(config: Config, *, null_model: bool = False) -> EngineConfig:
         block_size=sched.cache_block_size, max_seq_len=deploy.max_seq_len, max_batch_size=sched.max_batch_size,
         max_prefill_batch_size=sched.max_prefill_batch_size, max_prefill_tokens=sched.max_prefill_tokens,
         enable_prefix_cache=sched.enable_prefix_cache, prefill_chunk_tokens=sched.prefill_chunk_tokens,
-        decode_hold_ms=sched.decode_hold_ms, jump_forward=sched.jump_forward,
+        decode_hold_ms=sched.decode_hold_ms, decode_hold_wave=sched.decode_hold_wave,
+        token_timeout_s=float(config.server.token_timeout), jump_forward=sched.jump_forward,
         # The null model sleeps through its steps like an accelerator: overlap unless told not to.
         # None (here and in cpu below) = the device's default, settled by workers.prepare.
         overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None),

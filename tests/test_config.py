@@ -158,7 +158,7 @@ JSON_KEYS = {
         "moeParallel", "models", "reasoningParser", "plugin_params"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
-        "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "jumpForward",
+        "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "decodeHoldWave", "jumpForward",
         "speculativeDecoding", "speculationMethod", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }

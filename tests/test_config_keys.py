@@ -234,6 +234,7 @@ KEY_TESTS: dict[str, list[str]] = {
                                                        "test_decode_hold_ms_bounds_the_wait_of_running_requests",
                                                        "test_e2e_worker_applies_its_keys",
                                                        "test_e2e_prompts_go_first_and_are_counted"),
+    "BackendConfig.ScheduleConfig.decodeHoldWave": _here("test_decode_hold_wave_prefills_a_burst_before_decodes_resume"),
     "BackendConfig.ScheduleConfig.jumpForward": ["tests/test_constrained.py::test_jump_forward_key_reaches_the_engine",
                                                  "tests/test_constrained.py::test_mixed_batch_and_jump_forward"],
     # -- speculative decoding (tests/test_speculative*.py)
@@ -1118,6 +1119,65 @@ def test_decode_hold_ms_bounds_the_wait_of_running_requests(tmp_path: Path) -> N
     assert sum(n for s in steps for r, n in s.items() if r == "r0") == 20 + 5
     assert all(sum(1 for s in steps if f"r{i}" in s) > 0 for i in range(5)), steps
     assert eng.check_no_leaks()
+
+
+def _gaps(steps: list[dict[str, int]], rid: str, start: int) -> list[int]:
+    """Steps in a row without ``rid`` after step ``start``, each time it is back."""
+    gaps, run = [], 0
+    for s in steps[start:]:
+        if rid in s:
+            gaps.append(run)
+            run = 0
+        else:
+            run += 1
+    return gaps
+
+
+def test_decode_hold_wave_prefills_a_burst_before_decodes_resume(tmp_path: Path) -> None:
+    """decodeHoldWave (default true): twelve prompts arrive together, steps take 40 ms and the hold
+    is 100 ms. The burst's first requests are answered while the rest still wait; past the 100 ms
+    they stay held as long as the prompts completing were queued before their first tokens, so
+    every prompt is prefilled before any decode and no step mixes decodes with prompt tokens.
+    With the key false the 100 ms bound alone holds: r0 waits at most three steps in a row and
+    decodes share steps with the burst's chunks. The hold is bounded by maxPrefillTokens prompt
+    tokens and by half the token timeout; requests that were decoding before a burst arrived are
+    held by decodeHoldMs alone (test_decode_hold_ms_bounds_the_wait_of_running_requests)."""
+    def mixed(steps):
+        return [s for s in steps if 1 in s.values() and max(s.values()) > 1]
+
+    burst = {0: [90] * 12}
+    eng, cfg = _hold_engine(tmp_path, 100, step_ms=40)
+    assert cfg.decode_hold_wave is True and cfg.token_timeout_s == 600.0
+    wave = _hold_steps(eng, burst, max_new=8)
+    last_prompt = max(i for i, s in enumerate(wave) if max(s.values()) > 1)
+    assert all(max(s.values()) > 1 for s in wave[:last_prompt + 1]) and not mixed(wave), wave
+    assert max(_gaps(wave, "r0", 1)) >= 8, wave  # held through the burst (11 prompts after it)
+    assert eng.check_no_leaks()
+    # A worker takes in the requests sent while a step computes after that step: the eleven
+    # added after r0's prompt step still belong to its burst.
+    late = _hold_steps(_hold_engine(tmp_path, 100, step_ms=40)[0], {0: [90], 1: [90] * 11}, max_new=8)
+    assert not mixed(late) and max(_gaps(late, "r0", 1)) >= 8, late
+
+    eng, cfg = _hold_engine(tmp_path, 100, step_ms=40, decodeHoldWave=False)
+    assert cfg.decode_hold_wave is False
+    alone = _hold_steps(eng, burst, max_new=8)
+    assert max(_gaps(alone, "r0", 1)) <= 3 and mixed(alone), alone
+
+    # At most maxPrefillTokens prompt tokens per hold: 300 here, so r0 decodes within 5 steps.
+    eng, cfg = _hold_engine(tmp_path, 100, step_ms=40)
+    eng.scheduler.cfg = msgspec.structs.replace(cfg, max_prefill_tokens=300)
+    capped = _hold_steps(eng, burst, max_new=8)
+    assert max(_gaps(capped, "r0", 1)) <= 5 and mixed(capped), capped
+
+    # Never past half the token timeout (from ServerConfig.tokenTimeout): 0.3 s, so 150 ms.
+    eng, cfg = _hold_engine(tmp_path, 50, step_ms=40)
+    eng.scheduler.cfg = msgspec.structs.replace(cfg, token_timeout_s=0.3)
+    timed = _hold_steps(eng, burst, max_new=8)
+    assert max(_gaps(timed, "r0", 1)) <= 5 and mixed(timed), timed
+    with pytest.raises(ConfigError, match=r"ScheduleConfig\.decodeHoldWave"):
+        load(tmp_path, {"BackendConfig": {"ScheduleConfig": {"decodeHoldWave": "yes"}}})
+    assert schedule_config(tmp_path, {}, {}).token_timeout_s == 600.0
+    assert deployment(tmp_path, {"ServerConfig": {"tokenTimeout": 30}}).workers[0].engine.token_timeout_s == 30.0
 
 
 def test_overlap_steps_moves_compute_to_a_thread(tmp_path: Path) -> None:

@@ -55,6 +55,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # first (decodeHoldMs); 0 = every step decodes every running request; None (in the plan) = the
     # device's default, settled by workers.prepare.
     decode_hold_ms: float | None = 0.0
+    # Past decode_hold_ms, hold on while the prompts completing were queued before the held
+    # requests' last tokens (decodeHoldWave; Scheduler.hold_decodes), never past half the token
+    # timeout (ServerConfig.tokenTimeout, s) of the request waiting longest.
+    decode_hold_wave: bool = True
+    token_timeout_s: float = 600.0
     enable_prefix_cache: bool = True
     # Structured output: emit the tokens a request's grammar forces (each the only token its mask
     # admits) without a model step of their own (jumpForward; workers/engine/constraints.py).

@@ -87,7 +87,9 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     log.info("step overlap %s", "on (model computes on its own thread)" if cfg.overlap else "off")
     log.info("prefill: chunks of %s prompt tokens while others have work; %s",
              cfg.prefill_chunk_tokens if cfg.prefill_chunk_tokens > 0 else cfg.max_prefill_tokens,  # 0 = the budget
-             f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms" if cfg.decode_hold_ms
+             f"steps that complete a prompt hold decodes up to {cfg.decode_hold_ms:g} ms"
+             + (", and through the rest of a burst whose first prompts are answered" if cfg.decode_hold_wave else "")
+             if cfg.decode_hold_ms
              else "every step decodes every running request")
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
     engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)

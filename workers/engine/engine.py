@@ -187,7 +187,8 @@ class Engine:
                 f"of {self.cfg.block_size} tokens")
         seq = Sequence(request_id=sub.request_id, frontend_id=sub.frontend_id, prompt_len=n,
                        tokens=list(sub.token_ids), params=sub.params, max_new_tokens=max_new,
-                       priority=sub.priority, arrival=sub.arrival or time.time(), user_id=sub.user_id)
+                       priority=sub.priority, arrival=sub.arrival or time.time(), user_id=sub.user_id,
+                       enqueue_step=self.steps)
         if sub.params.constraint is not None:
             seq.grammar = self._compile(sub)  # before the adapter: a refused constraint holds nothing
             if not isinstance(seq.grammar, Future):
@@ -510,6 +511,7 @@ class Engine:
             self.generated_tokens += 1
             out = StepOutput(seq, seq.unsent + [tok]) if seq.unsent else StepOutput(seq, [tok])
             if first:
+                seq.first_token_step = self.steps  # the step collected (one in flight at most)
                 out.prefill_ms = (now - seq.enqueue_t) * 1000.0
                 self.ttft_ms.add(out.prefill_ms)
             else:

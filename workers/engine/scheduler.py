@@ -8,7 +8,9 @@ Each step:
    When KV blocks run out, the lowest-priority, newest running sequence is preempted
    (blocks freed, recomputed later from its prompt + generated tokens).
    A step that can complete a prompt's prefill holds the decodes back (prefill first,
-   ``hold_decodes``) while no running request has waited ``decode_hold_ms`` for its next token.
+   ``hold_decodes``) while no running request has waited ``decode_hold_ms`` for its next token,
+   and past that while the prompts it completes were queued before the held requests' last
+   tokens (one wave, ``decode_hold_wave``).
 2. Waiting sequences are admitted in (priority, arrival) order while the batch cap, the
    prefill-batch cap, the token budget and free blocks allow; a prefix-cache hit skips the
    cached part of the prompt (for a request with ``prompt_logprobs``, only the part whose
@@ -57,6 +59,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_decode_holds = 0  # steps that held the running requests' decodes (hold_decodes)
+        self._held_tokens = 0  # prompt tokens computed in hold steps since decodes last ran
         self._order = 0
 
     # -- queue management -----------------------------------------------------------------
@@ -122,17 +125,34 @@ class Scheduler:
         It does when the step can complete a prompt's prefill (the next prompt in scheduling order
         fits in the step's prompt budget) and no request holding a token has waited
         ``decode_hold_ms`` since it. A burst of prompts then gets its first tokens one chunk step
-        after another, each step not slowed by the decodes of the prompts before it; the running
-        requests wait at most ``decode_hold_ms``. A long prompt alone holds nothing until its last
-        chunk, so decodes keep flowing between its chunks. A prompt never holds a request of
-        higher priority than its own."""
+        after another, each step not slowed by the decodes of the prompts before it. A long prompt
+        alone holds nothing until its last chunk, so decodes keep flowing between its chunks. A
+        prompt never holds a request of higher priority than its own.
+
+        Past ``decode_hold_ms`` the hold goes on while the prompt it completes was queued before
+        every held request had its first token (``decode_hold_wave``; counted in engine steps): the rest of a burst whose
+        first prompts are already answered. Where one prompt step takes longer than
+        ``decode_hold_ms`` (a 1B model on a CPU core: seconds) the time bound alone holds one
+        step, then mixes the burst's remaining prompt chunks with the decodes, so every request
+        already answered waits a prompt step per token until the burst ends; the wave rule makes
+        that one wait, and the prompt steps carry no decode rows (which cost a CPU what prompt
+        rows do). Requests that were decoding before a burst arrived are held by
+        ``decode_hold_ms`` alone, as before. Bounds: ``max_prefill_tokens`` prompt tokens per
+        hold, and half the token timeout of the request waiting longest."""
         hold_ms = self.cfg.decode_hold_ms
         if hold_ms <= 0:
             return False
         decoding = [s for s in self.running if self._decoding(s)]
         if not decoding:
             return False
-        if (time.perf_counter() - min(s.last_token_t for s in decoding)) * 1000.0 >= hold_ms:
+        waited_ms = (time.perf_counter() - min(s.last_token_t for s in decoding)) * 1000.0
+        # A prompt of the burst was added before the step after the one that answered the first
+        # of the held requests (a worker takes in requests between steps: those sent while a step
+        # computes are added after it). Steps, not clocks: no dependence on when the loop reads.
+        answered = min(s.first_token_step for s in decoding)
+        wave = waited_ms >= hold_ms
+        if wave and not (self.cfg.decode_hold_wave and answered > 0 and self._held_tokens < self.cfg.max_prefill_tokens
+                         and waited_ms < self.cfg.token_timeout_s * 500.0):
             return False
         top = min(s.priority for s in decoding)
         budget = min(self.cfg.max_prefill_tokens, self.prompt_budget(0))
@@ -142,7 +162,7 @@ class Scheduler:
             if self._decoding(seq) or need <= 0:
                 continue
             if need <= budget:
-                return seq.priority <= top
+                return seq.priority <= top and (not wave or seq.enqueue_step <= answered)
             budget -= need
             prefills += 1
             if budget <= 0:
@@ -152,18 +172,22 @@ class Scheduler:
             return False
         seq = self.waiting[0][1]
         need = seq.num_tokens  # a prefix-cache hit would only shorten it
-        return seq.priority <= top and need <= budget and self.blocks.blocks_needed(need) <= self.blocks.num_free
+        return (seq.priority <= top and need <= budget and self.blocks.blocks_needed(need) <= self.blocks.num_free
+                and (not wave or seq.enqueue_step <= answered))
 
     def schedule(self) -> ScheduledBatch:
         self.running.sort(key=lambda s: s.sort_key)
         if not self.hold_decodes():
+            self._held_tokens = 0
             return self._schedule(hold=False)
         out = self._schedule(hold=True)
         if not out.seqs:  # the predicted prompt could not be admitted after all: decode
+            self._held_tokens = 0
             again = self._schedule(hold=False)
             again.preempted[:0] = out.preempted
             return again
         self.num_decode_holds += 1
+        self._held_tokens += sum(out.num_tokens)
         return out
 
     def _schedule(self, hold: bool) -> ScheduledBatch:

@@ -97,6 +97,10 @@ class Sequence:
     preemptions: int = 0
     enqueue_t: float = field(default_factory=time.perf_counter)
     last_token_t: float = 0.0
+    # Engine steps launched before it was added, and the step that gave its first output (0 =
+    # none yet): which prompts came in one burst with it (Scheduler.hold_decodes).
+    enqueue_step: int = 0
+    first_token_step: int = 0
     finish_reason: str = ""
     user_id: str = ""  # the client's id (req-id header), what stopInfer names
     # With params.prompt_logprobs: log P(tokens[p + 1] | tokens[:p + 1]) for prompt positions
