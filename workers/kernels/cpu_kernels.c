@@ -1146,7 +1146,7 @@ INLINE void bf16_rows8(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_
 #define MC_ROWS 96    /* panel rows: 96 x 512 x 4 B = 192 KiB of fp32 x */
 #define NC_BLOCKS 16  /* blocks per pass: their sums 96 x 256 x 4 B = 96 KiB */
 
-static int64_t tile_rows_from = 8; /* linear_rows' bf16 products take the tiles from this many rows */
+static int64_t tile_rows_from = 4; /* linear_rows' bf16 products take the tiles from this many rows */
 
 /* Sets the row count from which bf16 linear_rows takes the tiled path (tests and benchmarks force
  * either path: 1 = always, a huge value = never); returns the previous one, on < 1 only asks. */
@@ -1212,10 +1212,13 @@ static void bf16_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
                 stage_rows8(x, K, m0, mc, 2 * p0, 2 * p1, a);
                 for (int64_t b = g0; b < g0 + gn; b++) {
                     const uint16_t *w = wb + b * KP * 32 + p0 * 32;
-                    for (int64_t r0 = 0; r0 < mc; r0 += TILE_MR) {
+                    /* the panel's rows in tiles of near-equal height (8 rows: 4 + 4, not 6 + 2) */
+                    const int64_t tiles = (mc + TILE_MR - 1) / TILE_MR;
+                    for (int64_t i = 0; i < tiles; i++) {
+                        const int64_t r0 = mc * i / tiles, mr = mc * (i + 1) / tiles - r0;
                         const float *ar = a + r0 * K_CHUNK;
                         float *s = sums + r0 * SS + (b - g0) * 16;
-                        switch (mc - r0 < TILE_MR ? mc - r0 : TILE_MR) {
+                        switch (mr) {
                         case 6: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 6); break;
                         case 5: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 5); break;
                         case 4: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 4); break;
