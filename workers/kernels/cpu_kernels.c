@@ -1236,6 +1236,38 @@ static void bf16_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
         }
     }
 }
+
+/* The same tiles for gemv_group (the fused decode step's products, up to DEC_MAX_ROWS rows): blocks
+ * g0 .. g0 + nb into res [M][GROUP * 16], x panels of GROUP_PANEL rows on the stack (48 KiB). */
+#define GROUP_PANEL 24
+static void bf16_group_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
+                              float *res) {
+    const int64_t KP = (K + 1) / 2;
+    float a[GROUP_PANEL * K_CHUNK] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += GROUP_PANEL) {
+        const int64_t mc = M - m0 < GROUP_PANEL ? M - m0 : GROUP_PANEL, tiles = (mc + TILE_MR - 1) / TILE_MR;
+        for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+            const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+            stage_rows8(x, K, m0, mc, 2 * p0, 2 * p1, a);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint16_t *w = wb + (g0 + b) * KP * 32 + p0 * 32;
+                for (int64_t i = 0; i < tiles; i++) {
+                    const int64_t r0 = mc * i / tiles, mr = mc * (i + 1) / tiles - r0;
+                    const float *ar = a + r0 * K_CHUNK;
+                    float *s = res + (m0 + r0) * GROUP * 16 + b * 16;
+                    switch (mr) {
+                    case 6: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 6); break;
+                    case 5: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 5); break;
+                    case 4: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 4); break;
+                    case 3: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 3); break;
+                    case 2: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 2); break;
+                    default: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 1); break;
+                    }
+                }
+            }
+        }
+    }
+}
 #else
 int64_t kernels_tile_rows(int64_t rows) { (void)rows; return 0; } /* no tiled path in this build */
 #endif
@@ -1279,6 +1311,12 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
         return;
     }
     const int64_t KP = (K + 1) / 2;
+#if HAVE_AVX2
+    if (dt == 1 && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
+        bf16_group_tiles8((const uint16_t *)x, M, K, (const uint16_t *)pw, g0, nb, res);
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mm = M - m0 < 4 ? M - m0 : 4;
 #if HAVE_DPBF16
