@@ -121,3 +121,45 @@ def test_kernel_linear_matches_torch(rows, bias):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 170)
     _check_close(out, x, lin.weight.detach(), lin.bias.detach() if bias else None, rows)
     assert torch.equal(layer(x.view(1, rows, 300)).view(rows, 170), out)
+
+
+@pytest.mark.parametrize("cls, extra", [("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+                                        ("Qwen2Config", dict(tie_word_embeddings=True))], ids=["llama_bias", "qwen2"])
+def test_bf16_model_prompt_matches_transformers(tmp_path, cls, extra):
+    """A bf16 model prepared as a CPU worker prepares it (its linears on these products where
+    oneDNN cannot pack bf16) computes a 45-token prompt's logits (the tiled path: rows >= the
+    threshold) within bf16's tolerance of transformers' fp32 logits on the same weights, and not
+    much further from them than transformers' own bf16 forward is (as tests/test_models.py)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tiny_hf import save_random_model
+    from workers.backends.cpu import CpuBackend
+    from workers.models.loader import load_model
+
+    config = dict(vocab_size=211, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, **extra)
+    hf = save_random_model(cls, config, tmp_path / "m")
+    backend = CpuBackend()
+    model, _ = load_model(tmp_path / "m", torch.bfloat16)
+    backend.prepare_model(model)
+    kernel = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    if not kernel:
+        pytest.skip("oneDNN packs bf16 on this CPU: the linears are not KernelLinear")
+    a = model.args
+    tokens = 45
+    attn = backend.attention_class()(a.num_hidden_layers, 4, 16, a.num_key_value_heads, a.head_dim,
+                                     torch.bfloat16, torch.device("cpu"))
+    torch.manual_seed(4)
+    ids = torch.randint(3, 211, (tokens,))
+    with torch.inference_mode():
+        attn.prepare([[0, 1, 2]], [0], [tokens])
+        ours = model.compute_logits(model(ids, torch.arange(tokens), attn)).float()
+        truth = hf(ids[None]).logits[0]
+        hf_half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval()
+        hf_half.config._attn_implementation = "eager"
+        hf_err = (hf_half(ids[None]).logits[0].float() - truth).abs().max().item()
+    assert tokens >= LIB.kernels_tile_rows(0) > 0  # the prompt's products took the tiled path
+    err = (ours - truth).abs().max().item()
+    scale = truth.abs().max().item()
+    # 8 bf16 ulps of the largest logit (tests/test_models.py: 0.0625 for logits up to ~2.5)
+    assert err <= scale * 2 ** -5, (err, hf_err, scale)
+    assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
