@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """This machine's instruction sets, the CPU kernels a worker dispatches to here, and what they
 reach: the products per row count (torch's oneDNN, packed as the worker packs them, and the C
-kernels' ``linear_rows``, the fused decode step's products) in fp32 and bf16, and the attention
-kernels per call (decode and prompt chunks, the C kernels against torch).
+kernels' ``linear_rows``, the fused decode step's products) in fp32 and bf16 (on AVX2 builds also
+the C bf16 products' row and tiled paths forced, and oneDNN fp32 on the same values, the rate
+``dtype: auto`` gets here), a prompt-only step of a preset model in fp32 and bf16, and the
+attention kernels per call (decode and prompt chunks, the C kernels against torch).
 
     python -m mindie_bench.lab.isa --threads 1
     python -m mindie_bench.lab.isa --threads 1 --base-kernels /tmp/old/cpu_kernels.c   # A/B in one run
+    python -m mindie_bench.lab.isa --threads 1 --skip dispatch,attention,flinear --shape 8192x2048 --prompt 0
 
 ``--base-kernels`` builds another version of cpu_kernels.c with the same flags and times its
 kernels beside this checkout's (the A/B of a kernel change in one process, alternating). Each
