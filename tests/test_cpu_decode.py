@@ -129,6 +129,30 @@ def test_fused_step_computes_what_eager_does(models, case, dtype):
                 torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(LIB is None or not LIB.has_avx2 or not hasattr(LIB, "kernels_tile_rows"),
+                    reason="the tiled bf16 products are in AVX2 builds only")
+@pytest.mark.parametrize("case", ["llama_bias", "qwen2_tied"])
+def test_fused_step_gives_the_same_bits_with_the_tiled_products(models, case):
+    """AVX2 builds compute bf16 products from a few rows on in register tiles (cpu_kernels.c
+    ``bf16_group_tiles8`` in the step, ``bf16_tiles8`` in the eager prompt's linears) in the row
+    path's summation order: decode steps with them on and off give the same hidden states and caches."""
+    model = _prepared(models[case], torch.bfloat16)
+    top = model.fast_decode.max_rows
+    prompts = [[(5 * i + j) % 150 + 3 for j in range(3 + (7 * i) % 17)] for i in range(top)]
+    before = LIB.kernels_tile_rows(0)
+    try:
+        for batch in sorted({3, 5, 16, top}):
+            LIB.kernels_tile_rows(1 << 40)
+            rows_h, rows_kv, rows_calls, fed = _decode_run(model, torch.bfloat16, True, prompts[:batch], 6)
+            LIB.kernels_tile_rows(1)
+            tiled_h, tiled_kv, tiled_calls, _ = _decode_run(model, torch.bfloat16, True, prompts[:batch], 6, fed)
+            assert rows_calls == tiled_calls == 6
+            assert all(torch.equal(a, b) for a, b in zip(rows_h, tiled_h)), (case, batch)
+            assert all(torch.equal(a, b) for a, b in zip(rows_kv, tiled_kv)), (case, batch)
+    finally:
+        LIB.kernels_tile_rows(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("n, k", [(64, 64), (101, 112), (203, 64), (48, 101), (1024, 512), (512, 1376)])
 def test_packed_products_against_a_float64_reference(dtype, n, k):

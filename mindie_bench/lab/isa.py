@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """This machine's instruction sets, the CPU kernels a worker dispatches to here, and what they
 reach: the products per row count (torch's oneDNN, packed as the worker packs them, and the C
-kernels' ``linear_rows``, the fused decode step's products) in fp32 and bf16, and the attention
-kernels per call (decode and prompt chunks, the C kernels against torch).
+kernels' ``linear_rows``, the fused decode step's products) in fp32 and bf16 (on AVX2 builds also
+the C bf16 products' row and tiled paths forced, and oneDNN fp32 on the same values, the rate
+``dtype: auto`` gets here), a prompt-only step of a preset model in fp32 and bf16, and the
+attention kernels per call (decode and prompt chunks, the C kernels against torch).
 
     python -m mindie_bench.lab.isa --threads 1
     python -m mindie_bench.lab.isa --threads 1 --base-kernels /tmp/old/cpu_kernels.c   # A/B in one run
+    python -m mindie_bench.lab.isa --threads 1 --skip dispatch,attention,flinear --shape 8192x2048 --prompt 0
 
 ``--base-kernels`` builds another version of cpu_kernels.c with the same flags and times its
 kernels beside this checkout's (the A/B of a kernel change in one process, alternating). Each
@@ -88,11 +91,35 @@ def dispatch_line(preset: str, dtype: str) -> str:
     return backend.dispatch.line()
 
 
-def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int) -> dict:
-    """Prints the table; returns each dtype's best GFLOP/s (any method, any row count)."""
+def _forced(lib, rows_from: int, fn):
+    """fn with ``lib``'s bf16 tiled path taken from ``rows_from`` rows (1: always, huge: never)."""
+    def call():
+        before = lib.kernels_tile_rows(rows_from)
+        try:
+            fn()
+        finally:
+            lib.kernels_tile_rows(before)
+    return call
+
+
+def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int, skip: set | None = None) -> dict:
+    """Prints the table; returns each dtype's best GFLOP/s (any method, any row count).
+
+    Columns: torch's oneDNN on the weight packed as the worker packs it (bf16 where this CPU packs
+    bf16), torch's ``F.linear`` (unless ``skip`` has "flinear"), each kernel build's
+    ``linear_rows`` as it dispatches; for bf16 on builds with the tiled AVX2 path also each of its
+    two paths forced ("rows": bf16_rows8, "tiles": the register-tiled one), and oneDNN fp32 on
+    the same values (what ``dtype: auto`` runs here) with the ratio of the dispatched C path to it."""
+    skip = skip or set()
     print(f"\nproducts x[M, {k}] @ W[{n}, {k}]^T, GFLOP/s (best of {rounds} rounds)")
-    names = ["torch packed", "torch F.linear"] + [f"C {name}" for name in libs]
-    print(f"{'dtype':>8} {'rows':>5} " + " ".join(f"{h:>16}" for h in names))
+    tiled = {name: lib for name, lib in libs.items() if getattr(lib, "has_avx2", False)
+             and hasattr(lib, "kernels_tile_rows")}
+    names = ["torch packed"] + ([] if "flinear" in skip else ["torch F.linear"]) + [f"C {name}" for name in libs]
+    for name, lib in tiled.items():
+        names += [f"C {name} rows", f"C {name} tiles"]
+        print(f"(C {name}: bf16 tiled path from {lib.kernels_tile_rows(0)} rows)")
+    names += ["fp32 oneDNN", "C/fp32"]
+    print(f"{'dtype':>8} {'rows':>5} " + " ".join(f"{h:>14}" for h in names))
     g = torch.Generator().manual_seed(0)
     peak: dict = {}
     for dt in (torch.float32, torch.bfloat16):
@@ -100,23 +127,37 @@ def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int
         packed = cpu_linear._pack(w)
         pw = pack(w)
         code = 1 if dt == torch.bfloat16 else 0
+        w32 = cpu_linear._pack(w.float()) if dt != torch.float32 else None
         for m in rows:
             x = torch.randn(m, k, generator=g).to(dt)
+            x32 = x.float()
             out = torch.empty(m, n, dtype=dt)
             flop = 2.0 * m * n * k
             fns = [] if packed is None else [
                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")]
-            fns.append(lambda: F.linear(x, w))
-            for lib in libs.values():
-                fns.append(lambda lib=lib: lib.linear_rows(code, x.data_ptr(), m, k, pw.data_ptr(), None, n, None,
-                                                           out.data_ptr()))
+            if "flinear" not in skip:
+                fns.append(lambda: F.linear(x, w))
+
+            def c_call(lib):
+                return lambda: lib.linear_rows(code, x.data_ptr(), m, k, pw.data_ptr(), None, n, None, out.data_ptr())
+
+            fns += [c_call(lib) for lib in libs.values()]
+            if code == 1:
+                for lib in tiled.values():
+                    fns += [_forced(lib, 1 << 40, c_call(lib)), _forced(lib, 1, c_call(lib))]
+                fns.append(lambda: torch.ops.mkldnn._linear_pointwise(x32, w32, None, "none", [], ""))
             with torch.inference_mode():
                 cells = [flop / us / 1e3 for us in best_us(fns, reps, rounds)]
             if packed is None:
                 cells.insert(0, None)
+            if code == 1:  # this checkout's C column (the last build's) over oneDNN fp32
+                cells.append(cells[1 + ("flinear" not in skip) + len(libs) - 1] / cells[-1])
+            else:
+                cells += [None] * (2 * len(tiled)) + [None, None]
             print(f"{str(dt).replace('torch.', ''):>8} {m:>5} "
-                  + " ".join(f"{'(not packed)' if c is None else f'{c:.1f}':>16}" for c in cells))
-            peak[dt] = max([peak.get(dt, 0.0)] + [c for c in cells if c is not None])
+                  + " ".join(f"{'-' if c is None else f'{c:.1f}':>14}" if i < len(cells) - 1 or c is None
+                             else f"{c:>13.2f}x" for i, c in enumerate(cells)))
+            peak[dt] = max([peak.get(dt, 0.0)] + [c for c in cells[:len(cells) - 2] if c is not None])
     return peak
 
 
@@ -163,12 +204,16 @@ def attention(libs: dict, batches: list[int], contexts: list[int], prefill: int,
 def prompt_step(preset: str, tokens: int, rounds: int, peak: dict) -> None:
     """A prompt-only step of the preset model as a worker runs it (specialised, C kernels): one
     fresh prompt of ``tokens`` tokens and the logits of its last row; its GFLOP/s (products and
-    attention) against the best product GFLOP/s measured above for the same dtype."""
+    attention) against the best product GFLOP/s measured above for the same dtype. fp32 and bf16
+    (and bf16 with the C kernels' tiled products turned off, where the build has them) take turns
+    within each round, so their ratio is measured under the same conditions."""
     from workers.backends.cpu import CpuBackend
     from workers.models.demo import PRESETS, ensure_demo_model
     from workers.models.loader import load_model
     path = str(ensure_demo_model(**dataclasses.asdict(PRESETS[preset])))
     print(f"\nprompt-only step, {preset}, one fresh prompt of {tokens} tokens (best of {rounds} rounds)")
+    runs: list[tuple[str, torch.dtype, object]] = []
+    flop = 0.0
     for dt in (torch.float32, torch.bfloat16):
         backend = CpuBackend()
         model = load_model(path, dtype=dt)[0]
@@ -180,20 +225,26 @@ def prompt_step(preset: str, tokens: int, rounds: int, peak: dict) -> None:
         ids = torch.randint(3, a.vocab_size, (tokens,))
         pos = torch.arange(tokens)
 
-        def step():
+        def step(model=model, attn=attn, ids=ids, pos=pos):
             attn.prepare([list(range(-(-tokens // bs)))], [0], [tokens])
             model.compute_logits(model(ids, pos, attn)[-1:])
 
-        with torch.inference_mode():
-            [us] = best_us([step], 1, rounds)
+        name = str(dt).replace("torch.", "")
+        runs.append((name, dt, step))
+        lib = cpu_kernels.load()
+        if dt == torch.bfloat16 and lib is not None and lib.has_avx2 and hasattr(lib, "kernels_tile_rows"):
+            runs.append((f"{name} (C rows path only)", dt, _forced(lib, 1 << 40, step)))
         proj = a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim \
             + a.num_attention_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
         flop = a.num_hidden_layers * (2.0 * tokens * proj + 2.0 * a.num_attention_heads * a.head_dim * tokens * tokens) \
             + 2.0 * a.hidden_size * a.vocab_size
+    with torch.inference_mode():
+        times = best_us([fn for _, _, fn in runs], 1, rounds)
+    for (name, dt, _), us in zip(runs, times):
         gf = flop / us / 1e3
         best = peak.get(dt)
-        print(f"{str(dt).replace('torch.', ''):>8}: {us / 1e3:.1f} ms, {flop / 1e9:.2f} GFLOP, {gf:.1f} GFLOP/s"
-              + (f" = {gf / best:.0%} of the best product rate above ({best:.1f})" if best else ""))
+        print(f"{name:>28}: {us / 1e3:.1f} ms ({times[0] / us:.2f}x float32's rate), {flop / 1e9:.2f} GFLOP, "
+              f"{gf:.1f} GFLOP/s" + (f" = {gf / best:.0%} of the best product rate above ({best:.1f})" if best else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=0, help="calls per round (default: by work size)")
     ap.add_argument("--preset", default="bench30m", help="model of the dispatch line and the prompt-only step")
     ap.add_argument("--prompt", type=int, default=512, help="tokens of the prompt-only step (0: none)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: dispatch, products, prompt, attention")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: dispatch, products, flinear (its column), prompt, attention")
     args = ap.parse_args(argv)
     global CLOCK
     if args.threads:
@@ -234,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     peak: dict = {}
     if "products" not in skip:
         k, n = (int(v) for v in args.shape.split("x"))
-        peak = products(libs, k, n, [int(r) for r in args.rows.split(",")], args.reps or 5, args.rounds)
+        peak = products(libs, k, n, [int(r) for r in args.rows.split(",")], args.reps or 5, args.rounds, skip)
     if "prompt" not in skip and args.prompt:
         prompt_step(args.preset, args.prompt, args.rounds, peak)
     if "attention" not in skip:

@@ -102,6 +102,6 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
     packed = any(isinstance(m, PackedLinear) for m in model.modules())
     products = products_name(dtype, flags, packed)
     if any(isinstance(m, KernelLinear) for m in model.modules()):
-        products = "C avx2 bf16 products (linear_rows; oneDNN cannot pack bf16 here)"
+        products = "C avx2 bf16 products (linear_rows, register-tiled from 4 rows; oneDNN cannot pack bf16 here)"
     return Dispatch(isa_name(flags, lib), products, step, decode, prefill,
                     str(dtype).replace("torch.", ""))

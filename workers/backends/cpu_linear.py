@@ -168,7 +168,9 @@ class KernelLinear(nn.Module):
     """A bf16 linear layer where oneDNN cannot pack bf16 (a CPU without AVX512-BF16 / AMX: torch's
     ``F.linear`` then runs at 8-9 GFLOP/s per core on an AVX2 Zen 3): the C kernels' AVX2 products
     (``linear_rows`` over the 16-channel layout, bf16 widened to fp32, fp32 sums rounded once to
-    bf16) at 32-35 GFLOP/s from 16 rows up (``mindie-bench isa``). The layout copy replaces the weight."""
+    bf16). From 4 rows (prompt chunks) they run register-tiled, 6 rows x 16 channels, at 75-85
+    GFLOP/s a Zen 3 core from 16 rows up, above oneDNN fp32 on the same shape; decodes of 1-3 rows
+    take the row path (``mindie-bench isa``, docs/performance.md). The layout copy replaces the weight."""
 
     def __init__(self, linear: nn.Module, lib, weight: torch.Tensor | None = None):
         super().__init__()

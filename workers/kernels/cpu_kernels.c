@@ -1132,6 +1132,146 @@ INLINE void bf16_rows8(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_
 }
 #endif
 
+#if HAVE_AVX2
+/* ---- bf16 products for many rows (prompt chunks) on AVX2, linear_rows from TILE_ROWS rows ----
+ * bf16_rows8 reads the weights once per four rows and widens each x element in a general register
+ * (shift, move, broadcast): 32-35 GFLOP/s a core on a Zen 3, below oneDNN's fp32. Here rows are
+ * register-blocked GotoBLAS style: a tile of up to 6 rows x one 16-channel block keeps 12 fp32
+ * accumulators; each weight pair of K is widened once (a shift, an and) and serves the 6 rows; x
+ * is widened once per K chunk into an fp32 panel (MC_ROWS rows, L2) whose elements the FMAs take
+ * as memory broadcasts; a block's chunk of weights (16 KiB) stays in L1 for every tile of the panel.
+ * Each lane sums in the order of bf16_rows8 (K order within chunks of K_CHUNK, chunks added), so
+ * both paths give the same bits and the dispatch by row count changes no result. */
+#define TILE_MR 6
+#define MC_ROWS 96    /* panel rows: 96 x 512 x 4 B = 192 KiB of fp32 x */
+#define NC_BLOCKS 16  /* blocks per pass: their sums 96 x 256 x 4 B = 96 KiB */
+
+static int64_t tile_rows_from = 4; /* linear_rows' bf16 products take the tiles from this many rows */
+
+/* Sets the row count from which bf16 linear_rows takes the tiled path (tests and benchmarks force
+ * either path: 1 = always, a huge value = never); returns the previous one, on < 1 only asks. */
+int64_t kernels_tile_rows(int64_t rows) {
+    return rows >= 1 ? __atomic_exchange_n(&tile_rows_from, rows, __ATOMIC_RELAXED)
+                     : __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED);
+}
+
+/* rows [0, MR) of the panel (row stride K_CHUNK, fp32) times one block's np pairs of K (w at the
+ * chunk's first pair), into sums s (row stride ss): s = acc on a chunk's first pass, else s + acc */
+INLINE void bf16_tile8(const float *a, const uint16_t *w, int64_t np, float *s, int64_t ss, int first,
+                       const int MR) {
+    __m256 acc[TILE_MR][2];
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < np; kp++) {
+        const __m256i *wv = (const __m256i *)(w + kp * 32);
+        const __m256 we0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wv), 16));
+        const __m256 we1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wv + 1), 16));
+        for (int m = 0; m < MR; m++) {
+            const __m256 x0 = _mm256_broadcast_ss(a + m * K_CHUNK + 2 * kp);
+            acc[m][0] = _mm256_fmadd_ps(x0, we0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(x0, we1, acc[m][1]);
+        }
+        const __m256 wo0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(wv), 16), 16));
+        const __m256 wo1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(_mm256_loadu_si256(wv + 1), 16), 16));
+        for (int m = 0; m < MR; m++) {
+            const __m256 x1 = _mm256_broadcast_ss(a + m * K_CHUNK + 2 * kp + 1);
+            acc[m][0] = _mm256_fmadd_ps(x1, wo0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(x1, wo1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int h = 0; h < 2; h++) {
+            float *o = s + m * ss + h * 8;
+            _mm256_storeu_ps(o, first ? acc[m][h] : _mm256_add_ps(_mm256_loadu_ps(o), acc[m][h]));
+        }
+}
+
+/* x rows [m0, m0 + mc), K elements [k0, k1) widened to fp32 at a[m * K_CHUNK + k - k0]; k1 may be
+ * K + 1 (an odd K's pad, 0 as bf16_rows8's x1) */
+static void stage_rows8(const uint16_t *x, int64_t K, int64_t m0, int64_t mc, int64_t k0, int64_t k1, float *a) {
+    for (int64_t m = 0; m < mc; m++) {
+        const uint16_t *r = x + (m0 + m) * K;
+        float *d = a + m * K_CHUNK - k0;
+        int64_t k = k0;
+        for (; k + 8 <= k1 && k + 8 <= K; k += 8)
+            _mm256_storeu_ps(d + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + k))), 16)));
+        for (; k < k1; k++) d[k] = k < K ? bf16_to_f32(r[k]) : 0.0f;
+    }
+}
+
+/* out rows [0, M) x blocks [b0, b1) (this thread's share), bf16, with bias: see above */
+static void bf16_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t b0, int64_t b1,
+                        int64_t N, const uint16_t *bias, uint16_t *out, float *a, float *sums) {
+    const int64_t KP = (K + 1) / 2, SS = NC_BLOCKS * 16;
+    for (int64_t m0 = 0; m0 < M; m0 += MC_ROWS) {
+        const int64_t mc = M - m0 < MC_ROWS ? M - m0 : MC_ROWS;
+        for (int64_t g0 = b0; g0 < b1; g0 += NC_BLOCKS) {
+            const int64_t gn = b1 - g0 < NC_BLOCKS ? b1 - g0 : NC_BLOCKS;
+            for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+                const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+                stage_rows8(x, K, m0, mc, 2 * p0, 2 * p1, a);
+                for (int64_t b = g0; b < g0 + gn; b++) {
+                    const uint16_t *w = wb + b * KP * 32 + p0 * 32;
+                    /* the panel's rows in tiles of near-equal height (8 rows: 4 + 4, not 6 + 2) */
+                    const int64_t tiles = (mc + TILE_MR - 1) / TILE_MR;
+                    for (int64_t i = 0; i < tiles; i++) {
+                        const int64_t r0 = mc * i / tiles, mr = mc * (i + 1) / tiles - r0;
+                        const float *ar = a + r0 * K_CHUNK;
+                        float *s = sums + r0 * SS + (b - g0) * 16;
+                        switch (mr) {
+                        case 6: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 6); break;
+                        case 5: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 5); break;
+                        case 4: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 4); break;
+                        case 3: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 3); break;
+                        case 2: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 2); break;
+                        default: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 1); break;
+                        }
+                    }
+                }
+            }
+            for (int64_t m = 0; m < mc; m++)
+                for (int64_t n = g0 * 16; n < N && n < (g0 + gn) * 16; n++)
+                    out[(m0 + m) * N + n] =
+                        f32_to_bf16(sums[m * SS + n - g0 * 16] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+        }
+    }
+}
+
+/* The same tiles for gemv_group (the fused decode step's products, up to DEC_MAX_ROWS rows): blocks
+ * g0 .. g0 + nb into res [M][GROUP * 16], x panels of GROUP_PANEL rows on the stack (48 KiB). */
+#define GROUP_PANEL 24
+static void bf16_group_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
+                              float *res) {
+    const int64_t KP = (K + 1) / 2;
+    float a[GROUP_PANEL * K_CHUNK] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += GROUP_PANEL) {
+        const int64_t mc = M - m0 < GROUP_PANEL ? M - m0 : GROUP_PANEL, tiles = (mc + TILE_MR - 1) / TILE_MR;
+        for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
+            const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
+            stage_rows8(x, K, m0, mc, 2 * p0, 2 * p1, a);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint16_t *w = wb + (g0 + b) * KP * 32 + p0 * 32;
+                for (int64_t i = 0; i < tiles; i++) {
+                    const int64_t r0 = mc * i / tiles, mr = mc * (i + 1) / tiles - r0;
+                    const float *ar = a + r0 * K_CHUNK;
+                    float *s = res + (m0 + r0) * GROUP * 16 + b * 16;
+                    switch (mr) {
+                    case 6: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 6); break;
+                    case 5: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 5); break;
+                    case 4: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 4); break;
+                    case 3: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 3); break;
+                    case 2: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 2); break;
+                    default: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 1); break;
+                    }
+                }
+            }
+        }
+    }
+}
+#else
+int64_t kernels_tile_rows(int64_t rows) { (void)rows; return 0; } /* no tiled path in this build */
+#endif
+
 /* Weight-only int8 (w8a16): q int8 [N/16][K][16], fp32 scales [N/16 * 16] (padding rows 0);
  * res = scale * sum over k of x * q, summed in fp32. */
 static void gemv_group_int8(int dt, const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale,
@@ -1171,6 +1311,12 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
         return;
     }
     const int64_t KP = (K + 1) / 2;
+#if HAVE_AVX2
+    if (dt == 1 && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
+        bf16_group_tiles8((const uint16_t *)x, M, K, (const uint16_t *)pw, g0, nb, res);
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mm = M - m0 < 4 ? M - m0 : 4;
 #if HAVE_DPBF16
@@ -1246,6 +1392,29 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
                 const void *bias, void *out) {
     if (dt < 0 || dt > 1 || M < 1) return -1;
     const int64_t NB = (N + 15) / 16, es = dt == 0 ? 4 : 2;
+#if HAVE_AVX2
+    if (dt == 1 && !scale && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
+        int failed = 0;
+        _Pragma("omp parallel reduction(|: failed)")
+        {
+            /* each thread an even share of the blocks (as my_blocks) and its own x panel */
+            const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t b0 = NB * t / T, b1 = NB * (t + 1) / T;
+            float *a = aligned_alloc(64, (size_t)MC_ROWS * K_CHUNK * sizeof(float));
+            float *sums = aligned_alloc(64, (size_t)MC_ROWS * NC_BLOCKS * 16 * sizeof(float));
+            if (a && sums) {
+                if (b1 > b0) bf16_tiles8((const uint16_t *)x, M, K, (const uint16_t *)pw, b0, b1, N, (const uint16_t *)bias,
+                                         (uint16_t *)out, a, sums);
+            } else {
+                failed = 1;
+            }
+            free(a);
+            free(sums);
+        }
+        if (!failed) return 0;
+        /* out of memory for a panel: the row path below computes every output again */
+    }
+#endif
     _Pragma("omp parallel for schedule(static)")
     for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
         float res[DEC_MAX_ROWS * GROUP * 16];

@@ -146,6 +146,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kernels_decode_specialised.argtypes = [ctypes.c_int]
     lib.kernels_decode_specialised_for.restype = ctypes.c_int
     lib.kernels_decode_specialised_for.argtypes = [ctypes.c_int] + [ctypes.c_int64] * 3
+    # the row count from which bf16 linear_rows takes its register-tiled AVX2 path (0: no such path;
+    # a library from an older source lacks the function)
+    if hasattr(lib, "kernels_tile_rows"):
+        lib.kernels_tile_rows.restype = ctypes.c_int64
+        lib.kernels_tile_rows.argtypes = [ctypes.c_int64]
     lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
     return lib
 

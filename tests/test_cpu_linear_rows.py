@@ -1,0 +1,165 @@
+"""The C kernels' bf16 products over the 16-channel layout (cpu_kernels.c ``linear_rows``), the
+products of ``KernelLinear`` (workers/backends/cpu_linear.py) on CPUs where oneDNN cannot pack bf16.
+AVX2 builds take a register-tiled path from ``kernels_tile_rows`` rows on (prompt chunks) and the
+row path below it (decodes): both must give the torch fp32 product of the same bf16 values within
+one bf16 rounding, and the same bits as each other (the same summation order), for row counts
+across the threshold and across the tiled path's panels (96 rows) and block groups (16 blocks),
+K across its chunks (512) and odd, N not a multiple of 16, with and without bias, 1 and 2 threads.
+tests/test_cpu_isa.py runs this file against the -mno-avx512f build too."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from workers.backends.cpu_linear import KernelLinear
+from workers.kernels import cpu_kernels
+from workers.kernels.cpu_layout import pack
+
+LIB = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
+TILED = LIB is not None and LIB.has_avx2  # builds with the tiled bf16 path (AVX2 without AVX-512)
+NEVER = 1 << 40
+
+ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 64, 95, 96, 97, 191, 600]
+SHAPES = [(64, 64), (101, 112), (1100, 203), (1537, 300), (2048, 272)]  # (K, N)
+
+
+@pytest.fixture
+def threshold():
+    """Restores the library's row threshold after a test that forces a path."""
+    if not hasattr(LIB, "kernels_tile_rows"):
+        pytest.skip("library without kernels_tile_rows")
+    before = LIB.kernels_tile_rows(0)
+    yield before
+    if before > 0:
+        LIB.kernels_tile_rows(before)
+
+
+def _run(x: torch.Tensor, pw: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.shape
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert LIB.linear_rows(1, x.data_ptr(), m, k, pw.data_ptr(), None, n,
+                           None if bias is None else bias.data_ptr(), out.data_ptr()) == 0
+    return out
+
+
+def _check_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what) -> None:
+    """Within one bf16 rounding of torch's fp32 product of the same bf16 values (plus the
+    difference fp32 summation orders can make)."""
+    ref = x.float() @ w.float().T + (0 if bias is None else bias.float())
+    spread = x.float().abs() @ w.float().abs().T * x.shape[1] * 2 ** -23
+    err = (out.float() - ref).abs()
+    bound = ref.abs() * 2 ** -8 + spread + 1e-30
+    assert not out.isnan().any(), what
+    assert (err <= bound).all(), (what, float((err - bound).max()))
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_and_row_paths_agree_with_torch_and_each_other(k, n, threads, threshold):
+    torch.manual_seed(k * 3 + n)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    b = (torch.randn(n) * 0.1).to(torch.bfloat16)
+    pw = pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in ROWS:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            for bias in (None, b):
+                LIB.kernels_tile_rows(1)
+                tiled = _run(x, pw, n, bias)
+                LIB.kernels_tile_rows(NEVER)
+                rows = _run(x, pw, n, bias)
+                LIB.kernels_tile_rows(threshold)
+                default = _run(x, pw, n, bias)
+                _check_close(tiled, x, w, bias, (m, "tiled", bias is None))
+                _check_close(rows, x, w, bias, (m, "rows", bias is None))
+                assert torch.equal(tiled, rows), (m, bias is None)
+                assert torch.equal(default, rows), (m, bias is None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threshold_reports_the_build():
+    """AVX2 builds take the tiled path from a few rows (decodes of 1-3 rows keep the row path);
+    builds without it (AVX-512, portable) report 0 and keep their own products."""
+    assert hasattr(LIB, "kernels_tile_rows")
+    got = LIB.kernels_tile_rows(0)
+    if TILED:
+        assert 2 <= got <= 16, got
+        assert LIB.kernels_tile_rows(got) == got  # setting returns the previous value
+    else:
+        assert got == 0
+
+
+def test_tiled_rows_are_independent_of_their_neighbours(threshold):
+    """A row's output depends on that row only: computed alone (row path) and inside a large
+    chunk (tiled, any position in a tile or panel) it has the same bits."""
+    torch.manual_seed(5)
+    k, n = 777, 150
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    pw = pack(w)
+    x = torch.randn(203, k).to(torch.bfloat16)
+    LIB.kernels_tile_rows(1)
+    together = _run(x, pw, n, None)
+    LIB.kernels_tile_rows(NEVER)
+    for r in (0, 5, 6, 95, 96, 100, 202):
+        assert torch.equal(_run(x[r:r + 1].contiguous(), pw, n, None)[0], together[r]), r
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 37, 130])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_kernel_linear_matches_torch(rows, bias):
+    """The layer a bf16 model's nn.Linear becomes here: [.., K] inputs of any leading shape."""
+    torch.manual_seed(rows)
+    lin = nn.Linear(300, 170, bias=bias).to(torch.bfloat16)
+    layer = KernelLinear(lin, LIB)
+    x = torch.randn(rows, 300).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 170)
+    _check_close(out, x, lin.weight.detach(), lin.bias.detach() if bias else None, rows)
+    assert torch.equal(layer(x.view(1, rows, 300)).view(rows, 170), out)
+
+
+@pytest.mark.parametrize("cls, extra", [("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+                                        ("Qwen2Config", dict(tie_word_embeddings=True))], ids=["llama_bias", "qwen2"])
+def test_bf16_model_prompt_matches_transformers(tmp_path, cls, extra):
+    """A bf16 model prepared as a CPU worker prepares it (its linears on these products where
+    oneDNN cannot pack bf16) computes a 45-token prompt's logits (the tiled path: rows >= the
+    threshold) within bf16's tolerance of transformers' fp32 logits on the same weights, and not
+    much further from them than transformers' own bf16 forward is (as tests/test_models.py)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tiny_hf import save_random_model
+    from workers.backends.cpu import CpuBackend
+    from workers.models.loader import load_model
+
+    config = dict(vocab_size=211, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, **extra)
+    hf = save_random_model(cls, config, tmp_path / "m")
+    backend = CpuBackend()
+    model, _ = load_model(tmp_path / "m", torch.bfloat16)
+    backend.prepare_model(model)
+    kernel = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    if not kernel:
+        pytest.skip("oneDNN packs bf16 on this CPU: the linears are not KernelLinear")
+    a = model.args
+    tokens = 45
+    attn = backend.attention_class()(a.num_hidden_layers, 4, 16, a.num_key_value_heads, a.head_dim,
+                                     torch.bfloat16, torch.device("cpu"))
+    torch.manual_seed(4)
+    ids = torch.randint(3, 211, (tokens,))
+    with torch.inference_mode():
+        attn.prepare([[0, 1, 2]], [0], [tokens])
+        ours = model.compute_logits(model(ids, torch.arange(tokens), attn)).float()
+        truth = hf(ids[None]).logits[0]
+        hf_half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval()
+        hf_half.config._attn_implementation = "eager"
+        hf_err = (hf_half(ids[None]).logits[0].float() - truth).abs().max().item()
+    assert tokens >= LIB.kernels_tile_rows(0) > 0  # the prompt's products took the tiled path
+    err = (ours - truth).abs().max().item()
+    scale = truth.abs().max().item()
+    # 8 bf16 ulps of the largest logit (tests/test_models.py: 0.0625 for logits up to ~2.5)
+    assert err <= scale * 2 ** -5, (err, hf_err, scale)
+    assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
