@@ -36,22 +36,40 @@ def test_native_bf16_detection(monkeypatch):
         assert native_bf16() is want
 
 
-@pytest.mark.parametrize("native, name, checkpoint, want", [
-    (False, "auto", "bfloat16", torch.float32),   # AVX2-only: fp32 compute, exact for bf16 values
-    (True, "auto", "bfloat16", torch.bfloat16),
-    (False, "auto", "float16", torch.float32),
-    (True, "auto", "float16", torch.bfloat16),
-    (False, "auto", "float32", torch.float32),
-    (False, "bfloat16", "bfloat16", torch.bfloat16),  # asked for explicitly: kept
-    (False, "auto", None, torch.float32),
+@pytest.mark.parametrize("native, tiles, name, checkpoint, want", [
+    (False, False, "auto", "bfloat16", torch.float32),   # no fast bf16 product: fp32, exact for bf16 values
+    (False, True, "auto", "bfloat16", torch.bfloat16),   # AVX2 with the C kernels' tiled bf16 products
+    (True, False, "auto", "bfloat16", torch.bfloat16),
+    (False, False, "auto", "float16", torch.float32),
+    (False, True, "auto", "float16", torch.bfloat16),
+    (True, False, "auto", "float16", torch.bfloat16),
+    (False, True, "auto", "float32", torch.float32),
+    (False, False, "bfloat16", "bfloat16", torch.bfloat16),  # asked for explicitly: kept
+    (False, True, "auto", None, torch.float32),
+    (False, True, "auto-int8", "bfloat16", torch.float32),  # int8 / GGUF weights: their own products
 ])
-def test_auto_dtype_follows_the_cpu(monkeypatch, caplog, native, name, checkpoint, want):
+def test_auto_dtype_follows_the_cpu(monkeypatch, caplog, native, tiles, name, checkpoint, want):
+    import workers.backends.cpu as cpu_backend
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(native_bf16=native))
+    monkeypatch.setattr(cpu_backend, "bf16_tiles", lambda: tiles)
     with caplog.at_level("INFO", logger="workers.backends"):
-        got = CpuBackend(1).resolve_dtype(name, checkpoint)
+        got = CpuBackend(1).resolve_dtype(name.split("-")[0], checkpoint, plain_weights=name != "auto-int8")
     assert got is want
     said = [r.getMessage() for r in caplog.records if "no native bf16" in r.getMessage()]
-    assert len(said) == (1 if name == "auto" and not native and checkpoint in ("bfloat16", "float16") else 0), said
+    assert len(said) == (1 if name.startswith("auto") and not native and checkpoint in ("bfloat16", "float16") else 0), said
+
+
+def test_bf16_tiles_follow_the_kernels(monkeypatch):
+    """bf16_tiles is true only with the kernels built for AVX2 with the tiled products, false with
+    the kernels off (cpuTuning.kernels)."""
+    import workers.backends.cpu as cpu_backend
+    from workers.kernels import cpu_kernels
+
+    lib = cpu_kernels.load()
+    want = lib is not None and lib.has_avx2 and hasattr(lib, "kernels_tile_rows")
+    assert cpu_backend.bf16_tiles() is bool(want)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    assert cpu_backend.bf16_tiles() is False
 
 
 def _zmm_instructions(lib: Path) -> int:

@@ -43,6 +43,17 @@ def native_bf16(cpu_flags: str | None = None) -> bool:
     return value
 
 
+def bf16_tiles() -> bool:
+    """Whether bf16 products run on the C kernels' register-tiled AVX2 paths here (an AVX2 build
+    with ``kernels_tile_rows``; workers/backends/cpu_linear.py, ``KernelLinear``): on a CPU
+    without native bf16 they beat oneDNN's fp32 products from 4 rows (docs/performance.md,
+    "AVX2-only AMD EPYC (Zen 3)"). False with the kernels off or unbuilt."""
+    from workers.kernels import cpu_kernels
+
+    lib = cpu_kernels.load()
+    return lib is not None and getattr(lib, "has_avx2", False) and hasattr(lib, "kernels_tile_rows")
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -116,19 +127,27 @@ class CpuBackend(Backend):
     def default_dtype(self) -> torch.dtype:
         return torch.float32
 
-    def resolve_dtype(self, name: str, checkpoint_dtype: str | None) -> torch.dtype:
+    def resolve_dtype(self, name: str, checkpoint_dtype: str | None, plain_weights: bool = True) -> torch.dtype:
         """"auto" = what this CPU computes fastest without losing the checkpoint's precision:
-        never float16 (CPUs compute it slowly; bfloat16 has its range), and float32 instead of
-        bfloat16 on a CPU without native bf16 (AVX2-only: torch's bf16 matmuls run several times
-        slower there than fp32; a bf16 value is exact in fp32). An explicit dtype is kept."""
+        never float16 (CPUs compute it slowly; bfloat16 has its range). bfloat16 where the CPU
+        computes it natively or the C kernels' tiled AVX2 bf16 products run (``bf16_tiles``: an
+        AVX2 CPU, 1.1x fp32's rate on a prompt, 1.5-1.7x on decodes) take the model's bf16
+        linears (``plain_weights``; int8 and GGUF weights have products of their own, measured
+        with better latencies in fp32 there); float32 elsewhere (torch's bf16 matmuls run several
+        times slower than fp32 there; a bf16 value is exact in fp32). An explicit dtype is kept."""
         dtype = super().resolve_dtype(name, checkpoint_dtype)
         if name != "auto":
             return dtype
         if dtype is torch.float16:
             dtype = torch.bfloat16
         if dtype is torch.bfloat16 and not native_bf16():
+            if plain_weights and bf16_tiles():
+                log.info("dtype auto: bfloat16 (checkpoint %s) on the C kernels' AVX2 bf16 products "
+                         "(no native bf16 here)", checkpoint_dtype)
+                return dtype
             log.info("dtype auto: the checkpoint is %s; computing in float32, as this CPU has no native bf16 "
-                     "(no avx512_bf16 / amx_bf16); set ModelConfig dtype to bfloat16 to keep it", checkpoint_dtype)
+                     "(no avx512_bf16 / amx_bf16) and the C kernels' AVX2 bf16 products are not available; "
+                     "set ModelConfig dtype to bfloat16 to keep it", checkpoint_dtype)
             return torch.float32
         log.info("dtype auto: %s (checkpoint %s)", str(dtype).replace("torch.", ""), checkpoint_dtype or "unknown")
         return dtype

@@ -40,6 +40,7 @@ from workers.engine.sampler import Sampler
 from workers.engine.tp_group import Group, join
 from workers.engine.watermark import WatermarkConfig
 from workers.models.config import ModelArgs
+from workers.models.gguf_file import MARKER as GGUF_MARKER
 from workers.models.loader import load_model
 from workers.models.sharding import TensorParallel, plan_shard
 
@@ -168,7 +169,9 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
         raise ValueError("WorkerSpec.model_path is empty: run python -m workers.prepare on the launch plan")
     t0 = time.perf_counter()
     args = ModelArgs.from_dir(spec.model_path)
-    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype)
+    # int8 (quantize) and GGUF weights (a view folder with its marker) have their own products
+    plain = not spec.quantize and not os.path.exists(os.path.join(spec.model_path, GGUF_MARKER))
+    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype, plain_weights=plain)
     kernel = None
     if spec.quantize:
         if spec.quantize not in SCHEMES:
