@@ -146,8 +146,9 @@ class CpuBackend(Backend):
                          "(no native bf16 here)", checkpoint_dtype)
                 return dtype
             log.info("dtype auto: the checkpoint is %s; computing in float32, as this CPU has no native bf16 "
-                     "(no avx512_bf16 / amx_bf16) and the C kernels' AVX2 bf16 products are not available; "
-                     "set ModelConfig dtype to bfloat16 to keep it", checkpoint_dtype)
+                     "(no avx512_bf16 / amx_bf16) and %s; set ModelConfig dtype to bfloat16 to keep it",
+                     checkpoint_dtype, "the C kernels' AVX2 bf16 products are not available" if plain_weights
+                     else "its int8 / GGUF weights have their own products")
             return torch.float32
         log.info("dtype auto: %s (checkpoint %s)", str(dtype).replace("torch.", ""), checkpoint_dtype or "unknown")
         return dtype
