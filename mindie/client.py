@@ -235,16 +235,22 @@ class DeviceClient:
             links = [lk for lk in links if pd.kv_endpoint in (lk.ep.kv_endpoint, lk.ep.kv_tcp_endpoint)]
             if not links:
                 raise NoWorkerError(f"no ready device worker of this instance has KV endpoint {pd.kv_endpoint}")
-        link = min(links, key=lambda lk: lk.load())
         rid = request_id or secrets.token_hex(8)
-        stream = RequestStream(rid, link)
-        try:
-            link.push.send(P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time(), user_id,
-                                             adapter, pd)), zmq.NOBLOCK)
-        except zmq.Again:
-            raise NoWorkerError(f"device worker {link.ep.worker_id} is not connected")
-        link.inflight[rid] = stream
-        return stream
+        data = P.encode(P.Submit(rid, self.frontend_id, token_ids, params, priority, time.time(), user_id, adapter, pd))
+        # Least loaded first; a worker whose job socket has no peer yet (just restarted: its
+        # heartbeats reach us before our push socket has reconnected to it) is skipped for the next.
+        refused = []
+        for link in sorted(links, key=lambda lk: lk.load()):
+            try:
+                link.push.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                refused.append(link.ep.worker_id)
+                continue
+            stream = RequestStream(rid, link)
+            link.inflight[rid] = stream
+            return stream
+        raise NoWorkerError(f"device worker{'s' if len(refused) > 1 else ''} {', '.join(refused)} "
+                            f"{'are' if len(refused) > 1 else 'is'} not connected")
 
     def cancel(self, stream: RequestStream) -> None:
         """Abort a request on its worker (client gone, timeout); safe to call twice."""
