@@ -298,7 +298,10 @@ def test_dockerfile_builds_what_the_readme_says(tmp_path) -> None:
     (bake,) = [r for r in docker_values("RUN") if "/etc/mindie/config.json" in r]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    # A wrapper, not a symlink: a venv's python found through a link elsewhere loses its venv
+    # (no pyvenv.cfg beside the link) and with it the project's dependencies.
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
     etc = tmp_path / "etc-mindie"
     subprocess.run(["bash", "-c", bake.replace("/etc/mindie", str(etc))], cwd=ROOT, check=True,
                    env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
