@@ -170,6 +170,9 @@ def test_backend_logs_its_dispatch_once_and_describes_it(tmp_path, caplog, dtype
     assert f"decode attention=C {kind}," in line, line
     assert f"dtype={str(dtype).replace('torch.', '')}" in line
     assert f"fused decode step=on up to {settings.cpu().fused_decode_rows} rows" in line, line
+    # AMX tiles in the fused step exactly where the build has them, the OS granted them and bf16 computes
+    assert ("amx_bf16 tiles" in line) == bool(getattr(lib, "amx_rows", 0) and dtype == torch.bfloat16), line
+    assert not getattr(lib, "amx_rows", 0) or "amx_bf16" in flags.split()
     if " avx2 " in flags and " fma " in flags and not AVX512_HOST:
         assert lib.has_avx2 and lib.has_prefill and line.startswith("cpu kernels: isa=avx2+fma (no avx512/amx)")
         assert "prefill attention=C avx2 for fresh prompts up to 1024 tokens, else SDPA" in line

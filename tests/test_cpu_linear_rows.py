@@ -163,3 +163,61 @@ def test_bf16_model_prompt_matches_transformers(tmp_path, cls, extra):
     # 8 bf16 ulps of the largest logit (tests/test_models.py: 0.0625 for logits up to ~2.5)
     assert err <= scale * 2 ** -5, (err, hf_err, scale)
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
+
+
+AMX = LIB is not None and getattr(LIB, "amx_rows", 0) > 0  # built with AMX-BF16 and granted by the OS
+
+
+@pytest.fixture
+def amx_rows():
+    """Restores the library's AMX row threshold after a test that forces a path."""
+    if not AMX:
+        pytest.skip("no AMX-BF16 tiles here (CPU without amx_bf16, or an AVX2 build)")
+    before = LIB.kernels_amx_rows(0)
+    yield before
+    LIB.kernels_amx_rows(before)
+
+
+@pytest.mark.parametrize("k, n", SHAPES + [(300, 170), (2048, 2048)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_tiles_agree_with_torch_and_are_row_independent(amx_rows, k, n, threads):
+    """On AMX CPUs the bf16 products of the fused decode step and linear_rows take tiles of 16
+    rows x 32 values of K: within one bf16 rounding of torch's fp32 product, across row tiles (16)
+    and their tails, K tails (K not a multiple of 32) and N not a multiple of 16; a row's output
+    does not depend on its neighbours (alone or at any place of a batch, the same bits); odd K
+    keeps the dot products (the layout's zero pad would meet a value past the row)."""
+    torch.manual_seed(k + n)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    b = (torch.randn(n) * 0.1).to(torch.bfloat16)
+    pw = pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(97, k).to(torch.bfloat16)
+        for m in (1, 3, 15, 16, 17, 33, 64, 97):
+            for bias in (None, b):
+                LIB.kernels_amx_rows(1)
+                tiles = _run(x[:m].contiguous(), pw, n, bias)
+                LIB.kernels_amx_rows(NEVER)
+                dots = _run(x[:m].contiguous(), pw, n, bias)
+                _check_close(tiles, x[:m], w, bias, (m, "amx", bias is None))
+                _check_close(dots, x[:m], w, bias, (m, "dots", bias is None))
+                if k % 2:
+                    assert torch.equal(tiles, dots), m
+        LIB.kernels_amx_rows(1)
+        together = _run(x, pw, n, None)
+        for r in (0, 5, 15, 16, 31, 63, 64, 96):
+            assert torch.equal(_run(x[r:r + 1].contiguous(), pw, n, None)[0], together[r]), r
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_amx_threshold_reports_the_build():
+    """The AMX row threshold is 0 exactly where the build or the OS gives no tiles, and settable."""
+    flags = open("/proc/cpuinfo").read().split()
+    got = LIB.kernels_amx_rows(0)
+    if not (LIB.has_avx512 and LIB.has_dpbf16 and "amx_bf16" in flags):
+        assert got == 0
+        return
+    assert 1 <= got <= 64, got  # granted on Linux 5.16 and later
+    assert LIB.kernels_amx_rows(got) == got

@@ -6,7 +6,7 @@ workers/backends/cpu_decode.py), then for each batch times whole decode steps (a
 metadata, forward, LM head, greedy argmax) with the fused step on and off, alternating in rounds
 within this one process so that a noisy machine shifts both sides alike. Prints the median step
 of each side and the ratio (bf16 on AVX2 builds: also the fused step with the C kernels' tiled
-products off, ``kernels_tile_rows``). The row limit is ``MINDIE_CPU_FUSED_DECODE_ROWS`` (batches above it
+products off, ``kernels_tile_rows``; bf16 on AMX CPUs: also without the AMX tiles, ``kernels_amx_rows``). The row limit is ``MINDIE_CPU_FUSED_DECODE_ROWS`` (batches above it
 run eager on both sides).
 
     python -m mindie_bench.lab.decode_step --batch 1,8,16 --threads 1
@@ -67,11 +67,16 @@ def main(argv: list[str] | None = None) -> None:
     per = -(-(args.context + 1) // bs)
     attn = backend.attention_class()(a.num_hidden_layers, max(batches) * per + 1, bs, a.num_key_value_heads,
                                      a.head_dim, dtype, torch.device("cpu"))
-    # AVX2 builds' bf16 products run register-tiled from a few rows (cpu_kernels.c kernels_tile_rows):
-    # a third side times the fused step without them
+    # bf16 products past the dot products: AMX tiles (cpu_kernels.c kernels_amx_rows) on AMX CPUs,
+    # register tiles on AVX2 builds (kernels_tile_rows); a third side times the fused step without them
     lib = cpu_kernels.load()
-    tiles_from = lib.kernels_tile_rows(0) if dtype == torch.bfloat16 and lib is not None and lib.has_avx2 \
-        and hasattr(lib, "kernels_tile_rows") else 0
+    switch, without = None, ""
+    if dtype == torch.bfloat16 and lib is not None:
+        if getattr(lib, "amx_rows", 0):
+            switch, without = lib.kernels_amx_rows, "without AMX tiles (avx512_bf16 dot products)"
+        elif lib.has_avx2 and hasattr(lib, "kernels_tile_rows"):
+            switch, without = lib.kernels_tile_rows, "with untiled bf16 products"
+    tiles_from = switch(0) if switch is not None else 0
     print(f"{path} ({args.dtype}), {torch.get_num_threads()} threads, context {args.context}, "
           f"fused step up to {fused.max_rows} rows")
     with torch.inference_mode():
@@ -80,14 +85,14 @@ def main(argv: list[str] | None = None) -> None:
             ids = torch.randint(0, a.vocab_size, (b,))
             pos = torch.full((b,), args.context)
             sides = [("fused", fused, tiles_from), ("eager", None, tiles_from)]
-            if tiles_from:  # the fused step with the row path's bf16 products only (tiles off)
+            if tiles_from:  # the fused step with the dot products / row path only (tiles off)
                 sides.append(("fused rows", fused, 1 << 40))
             res: dict[str, list[float]] = {name: [] for name, _, _ in sides}
             for _ in range(args.rounds):
                 for name, hook, rows_from in sides:
                     model.fast_decode = hook
                     if tiles_from:
-                        lib.kernels_tile_rows(rows_from)
+                        switch(rows_from)
                     ts = []
                     for _ in range(args.steps):
                         t = time.perf_counter()
@@ -97,13 +102,13 @@ def main(argv: list[str] | None = None) -> None:
                     res[name].append(statistics.median(ts[5:]) * 1e3)
             model.fast_decode = fused
             if tiles_from:
-                lib.kernels_tile_rows(tiles_from)
+                switch(tiles_from)
             f, e = statistics.median(res["fused"]), statistics.median(res["eager"])
             note = "" if b <= fused.max_rows else " (above the row limit: both eager)"
             extra = ""
             if tiles_from:
                 r = statistics.median(res["fused rows"])
-                extra = f", fused with untiled bf16 products {r:.2f} ms (/ fused {r / f:.2f})"
+                extra = f", fused {without} {r:.2f} ms (/ fused {r / f:.2f})"
             print(f"batch {b:>3}: fused {f:.2f} ms, eager {e:.2f} ms, eager / fused {e / f:.2f}{extra}{note}",
                   flush=True)
 

@@ -9,7 +9,8 @@ The parts and their choices (docs/performance.md has the figures per machine kin
   ``avx512_bf16`` does, fp32 FMAs otherwise (``dtype: auto`` is float32 there: oneDNN converts
   bf16 to fp32 on AVX2-only CPUs, several times slower than fp32 itself);
 - the fused decode step (``cpu_decode.py``): decode-only steps of up to ``cpuTuning.fusedDecodeRows``
-  rows with the C kernels' own products (AVX512-BF16, AVX-512 or AVX2+FMA loops), above that oneDNN;
+  rows with the C kernels' own products (AMX-BF16 tiles where ``amx_bf16`` exists and the OS grants
+  the tile state, AVX512-BF16 dot products, AVX-512 or AVX2+FMA loops), above that oneDNN;
 - decode and prefill attention: the C kernels' AVX-512 or AVX2+FMA loops, the portable C loops,
   or torch where the kernels are off (prefill: torch's SDPA where ``paged_prefill`` does not cover
   the layout).
@@ -97,6 +98,9 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
     else:
         kind = ("avx512_bf16 dot products" if lib is not None and lib.has_dpbf16 and dtype == torch.bfloat16
                 else f"{_kernel_isa(fused.lib)} FMAs")
+        amx = getattr(fused.lib, "amx_rows", 0) if dtype == torch.bfloat16 else 0
+        if amx:
+            kind = "amx_bf16 tiles" + (f" from {amx} rows, avx512_bf16 dot products below" if amx > 1 else "")
         step = f"on up to {fused.max_rows} rows ({kind}; oneDNN above)"
     from workers.backends.cpu_linear import KernelLinear, PackedLinear
     packed = any(isinstance(m, PackedLinear) for m in model.modules())

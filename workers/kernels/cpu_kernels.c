@@ -80,6 +80,15 @@ static inline int decode16c_enabled(void) { return __atomic_load_n(&decode16c_on
 #else
 #define HAVE_AVX2 0
 #endif
+/* AMX-BF16 tiles (Intel Sapphire Rapids and later, -march=native on such a CPU): the decode
+ * step's bf16 products from AMX_ROWS rows, where the AVX512-BF16 dot products are compute bound */
+#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 
 #define MAX_D 256
 #define MAX_G 16
@@ -1302,6 +1311,91 @@ static void gemv_group_int8(int dt, const void *x, int64_t M, int64_t K, const i
     }
 }
 
+#if HAVE_AMX
+/* The kernel's bf16 layout [NB][K/2][16][2] is AMX's B operand as it stands: per block, each pair
+ * of K is one 64-byte tile row of 16 channels x 2 values. A = 16 rows of x x 32 values of K,
+ * C = 16 rows x 16 channels in fp32, accumulated over the whole of K (another order than the dot
+ * products' K_CHUNK partial sums: results agree to rounding, not to the bit). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_cfg_t;
+
+static int amx_state = -1;         /* -1: not asked yet, 0: the kernel refused, 1: granted */
+static int64_t amx_rows_from = 1;  /* gemv_group's bf16 products take the tiles from this many rows */
+
+/* Linux lends the AMX tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * oneDNN asks too. Once per process, in any thread: the grant is the process's. */
+static int amx_ready(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s;
+}
+
+static void amx_config(int rows, int tail_pairs) {
+    tile_cfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) { c.rows[t] = (uint8_t)rows; c.colsb[t] = 64; }  /* C: the 4 blocks of a group */
+    c.rows[4] = (uint8_t)rows; c.colsb[4] = 64;                                   /* A: 32 values of K */
+    c.rows[5] = 16; c.colsb[5] = 64;                                              /* B: 16 pairs */
+    if (tail_pairs) {                                                             /* the last K < 32 */
+        c.rows[6] = (uint8_t)rows; c.colsb[6] = (uint16_t)(tail_pairs * 4);
+        c.rows[7] = (uint8_t)tail_pairs; c.colsb[7] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+#define AMX_BLOCK(t, b) do { _tile_loadd(5, w[b] + p * 32, 64); _tile_dpbf16ps(t, 4, 5); } while (0)
+#define AMX_TAIL(t, b) do { _tile_loadd(7, w[b] + full * 32, 64); _tile_dpbf16ps(t, 6, 7); } while (0)
+
+/* gemv_group's bf16 products on AMX tiles, K even: 16 rows at a time through the group's blocks
+ * (blocks past nb repeat the last, as block_of; their sums land in res unread) */
+static void bf16_group_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
+                           float *res) {
+    const int64_t KP = K / 2, full = KP / 16 * 16, tail = KP - full;
+    const uint16_t *w[GROUP];
+    for (int b = 0; b < GROUP; b++) w[b] = wb + block_of(g0, b, nb) * KP * 32;
+    int configured = -1;
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+        const int rows = M - r0 < 16 ? (int)(M - r0) : 16;
+        if (rows != configured) { amx_config(rows, (int)tail); configured = rows; }
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const uint16_t *xa = x + r0 * K;
+        for (int64_t p = 0; p < full; p += 16) {
+            _tile_loadd(4, xa + 2 * p, K * 2);
+            AMX_BLOCK(0, 0); AMX_BLOCK(1, 1); AMX_BLOCK(2, 2); AMX_BLOCK(3, 3);
+        }
+        if (tail) {
+            _tile_loadd(6, xa + 2 * full, K * 2);
+            AMX_TAIL(0, 0); AMX_TAIL(1, 1); AMX_TAIL(2, 2); AMX_TAIL(3, 3);
+        }
+        float *o = res + r0 * GROUP * 16;
+        _tile_stored(0, o, GROUP * 16 * 4); _tile_stored(1, o + 16, GROUP * 16 * 4);
+        _tile_stored(2, o + 32, GROUP * 16 * 4); _tile_stored(3, o + 48, GROUP * 16 * 4);
+    }
+    _tile_release();  /* an unused tile state costs nothing at context switches */
+}
+#endif
+
+/* Sets the row count from which gemv_group's bf16 products (the fused decode step, linear_rows)
+ * take AMX tiles (tests and benchmarks force either path: 1 = always, a huge value = never);
+ * returns the previous one, on < 1 only asks. 0: no AMX in this build, or the OS refused it. */
+int64_t kernels_amx_rows(int64_t rows) {
+#if HAVE_AMX
+    if (!amx_ready()) return 0;
+    return rows >= 1 ? __atomic_exchange_n(&amx_rows_from, rows, __ATOMIC_RELAXED)
+                     : __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED);
+#else
+    (void)rows;
+    return 0;
+#endif
+}
+
 /* res[m][b * 16 + l] = sum over k of x[m, k] * w[(g0 + b) * 16 + l, k], for b < nb <= GROUP
  * (scale != NULL: w is int8, see gemv_group_int8) */
 static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *pw, const float *scale, int64_t g0,
@@ -1311,6 +1405,12 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
         return;
     }
     const int64_t KP = (K + 1) / 2;
+#if HAVE_AMX
+    if (dt == 1 && K % 2 == 0 && M >= __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED) && amx_ready()) {
+        bf16_group_amx((const uint16_t *)x, M, K, (const uint16_t *)pw, g0, nb, res);
+        return;
+    }
+#endif
 #if HAVE_AVX2
     if (dt == 1 && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
         bf16_group_tiles8((const uint16_t *)x, M, K, (const uint16_t *)pw, g0, nb, res);

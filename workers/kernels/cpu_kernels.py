@@ -151,6 +151,12 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "kernels_tile_rows"):
         lib.kernels_tile_rows.restype = ctypes.c_int64
         lib.kernels_tile_rows.argtypes = [ctypes.c_int64]
+    # the row count from which gemv_group's bf16 products take AMX tiles (0: no AMX in this build,
+    # or the OS did not grant the tile state; a library from an older source lacks the function)
+    if hasattr(lib, "kernels_amx_rows"):
+        lib.kernels_amx_rows.restype = ctypes.c_int64
+        lib.kernels_amx_rows.argtypes = [ctypes.c_int64]
+    lib.amx_rows = int(lib.kernels_amx_rows(0)) if hasattr(lib, "kernels_amx_rows") else 0
     lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
     return lib
 
