@@ -254,6 +254,25 @@ def test_int8_model_shares_its_layers_with_the_fused_step(models):
     assert weight_bytes(model) - before < int8_bytes / 4  # no copy of the layers was added
 
 
+@pytest.mark.skipif(LIB is None or not getattr(LIB, "amx_rows", 0), reason="no AMX-BF16 tiles here")
+def test_amx_bf16_model_shares_its_layers_with_the_fused_step(models, monkeypatch):
+    """On AMX CPUs a bf16 model's linears keep one copy of their weights, in the kernels' layout
+    (KernelLinear, AMX tiles for prompts), and the fused step reads those tensors: it needs no copy,
+    so a budget of 0.01 MiB (cpuTuning.fusedDecodeMb) does not keep it off a model of any size."""
+    from workers.backends.cpu_linear import KernelLinear
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
+    model = _prepared(models["kv1"], torch.bfloat16)  # intermediate 112: gate/up split on a block edge
+    fused = model.fast_decode
+    assert fused is not None
+    owned = {m.packed.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, KernelLinear)}
+    assert len(owned) >= 4 * len(model.layers)  # qkv, o, gate_up, down (and an untied head)
+    for layer in fused.weights:
+        for name in ("qkv", "o", "gate", "up", "down"):
+            assert layer[f"{name}_w"].untyped_storage().data_ptr() in owned, name
+    _, _, calls, _ = _decode_run(model, torch.bfloat16, True, [[5, 6], [7, 8, 9]], 3)
+    assert calls == 3
+
+
 def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_rows=2))  # cpuTuning.fusedDecodeRows
     model = _prepared(models["llama_bias"], torch.bfloat16)
@@ -281,7 +300,7 @@ def test_models_and_settings_it_does_not_cover(models, tmp_path, monkeypatch, ca
         assert not attached(models["kv1"], torch.float16)
         # cpuTuning (the plan's values; their overrides and range checks: tests/test_engine_settings.py)
         monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
-        assert not attached(models["kv1"])
+        assert not attached(models["kv1"], torch.float32)  # bf16 on AMX CPUs shares instead (test below)
         monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=256.0))
         assert attached(models["kv1"])
         for name, bad in (("fused_decode_rows", "abc"), ("fused_decode_rows", 65),

@@ -125,9 +125,9 @@ def test_kernel_linear_matches_torch(rows, bias):
 
 @pytest.mark.parametrize("cls, extra", [("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
                                         ("Qwen2Config", dict(tie_word_embeddings=True))], ids=["llama_bias", "qwen2"])
-def test_bf16_model_prompt_matches_transformers(tmp_path, cls, extra):
+def test_bf16_model_prompt_matches_transformers(tmp_path, monkeypatch, cls, extra):
     """A bf16 model prepared as a CPU worker prepares it (its linears on these products where
-    oneDNN cannot pack bf16) computes a 45-token prompt's logits (the tiled path: rows >= the
+    oneDNN cannot pack bf16, or on AMX CPUs) computes a 45-token prompt's logits (the tiled path: rows >= the
     threshold) within bf16's tolerance of transformers' fp32 logits on the same weights, and not
     much further from them than transformers' own bf16 forward is (as tests/test_models.py)."""
     transformers = pytest.importorskip("transformers")
@@ -138,6 +138,9 @@ def test_bf16_model_prompt_matches_transformers(tmp_path, cls, extra):
     config = dict(vocab_size=211, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, **extra)
     hf = save_random_model(cls, config, tmp_path / "m")
+    if getattr(LIB, "amx_rows", 0):  # AMX: a model beyond the fused step's copy budget keeps its linears as KernelLinear
+        from workers import settings
+        monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
     backend = CpuBackend()
     model, _ = load_model(tmp_path / "m", torch.bfloat16)
     backend.prepare_model(model)
@@ -157,7 +160,9 @@ def test_bf16_model_prompt_matches_transformers(tmp_path, cls, extra):
         hf_half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval()
         hf_half.config._attn_implementation = "eager"
         hf_err = (hf_half(ids[None]).logits[0].float() - truth).abs().max().item()
-    assert tokens >= LIB.kernels_tile_rows(0) > 0  # the prompt's products took the tiled path
+    # the prompt's products took a tiled path: AVX2 register tiles, or AMX tiles (AMX CPUs: cpu_linear.amx_linears)
+    amx = LIB.kernels_amx_rows(0) if hasattr(LIB, "kernels_amx_rows") else 0
+    assert tokens >= LIB.kernels_tile_rows(0) > 0 or tokens >= amx > 0
     err = (ours - truth).abs().max().item()
     scale = truth.abs().max().item()
     # 8 bf16 ulps of the largest logit (tests/test_models.py: 0.0625 for logits up to ~2.5)

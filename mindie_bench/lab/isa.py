@@ -91,14 +91,15 @@ def dispatch_line(preset: str, dtype: str) -> str:
     return backend.dispatch.line()
 
 
-def _forced(lib, rows_from: int, fn):
-    """fn with ``lib``'s bf16 tiled path taken from ``rows_from`` rows (1: always, huge: never)."""
+def _forced(switch, rows_from: int, fn):
+    """fn with a library's bf16 tiles (``switch``: its kernels_tile_rows, AVX2 register tiles, or
+    kernels_amx_rows, AMX) taken from ``rows_from`` rows (1: always, huge: never)."""
     def call():
-        before = lib.kernels_tile_rows(rows_from)
+        before = switch(rows_from)
         try:
             fn()
         finally:
-            lib.kernels_tile_rows(before)
+            switch(before)
     return call
 
 
@@ -108,7 +109,8 @@ def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int
     Columns: torch's oneDNN on the weight packed as the worker packs it (bf16 where this CPU packs
     bf16), torch's ``F.linear`` (unless ``skip`` has "flinear"), each kernel build's
     ``linear_rows`` as it dispatches; for bf16 on builds with the tiled AVX2 path also each of its
-    two paths forced ("rows": bf16_rows8, "tiles": the register-tiled one), and oneDNN fp32 on
+    two paths forced ("rows": bf16_rows8, "tiles": the register-tiled one), on AMX builds the
+    AVX512-BF16 dot products and the AMX tiles forced ("dots", "amx"), and oneDNN fp32 on
     the same values (what ``dtype: auto`` runs here) with the ratio of the dispatched C path to it."""
     skip = skip or set()
     print(f"\nproducts x[M, {k}] @ W[{n}, {k}]^T, GFLOP/s (best of {rounds} rounds)")
@@ -118,6 +120,10 @@ def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int
     for name, lib in tiled.items():
         names += [f"C {name} rows", f"C {name} tiles"]
         print(f"(C {name}: bf16 tiled path from {lib.kernels_tile_rows(0)} rows)")
+    amx = {name: lib for name, lib in libs.items() if getattr(lib, "amx_rows", 0)}
+    for name, lib in amx.items():
+        names += [f"C {name} dots", f"C {name} amx"]
+        print(f"(C {name}: bf16 AMX tiles from {lib.kernels_amx_rows(0)} rows)")
     names += ["fp32 oneDNN", "C/fp32"]
     print(f"{'dtype':>8} {'rows':>5} " + " ".join(f"{h:>14}" for h in names))
     g = torch.Generator().manual_seed(0)
@@ -144,7 +150,11 @@ def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int
             fns += [c_call(lib) for lib in libs.values()]
             if code == 1:
                 for lib in tiled.values():
-                    fns += [_forced(lib, 1 << 40, c_call(lib)), _forced(lib, 1, c_call(lib))]
+                    fns += [_forced(lib.kernels_tile_rows, 1 << 40, c_call(lib)),
+                            _forced(lib.kernels_tile_rows, 1, c_call(lib))]
+                for lib in amx.values():
+                    fns += [_forced(lib.kernels_amx_rows, 1 << 40, c_call(lib)),
+                            _forced(lib.kernels_amx_rows, 1, c_call(lib))]
                 fns.append(lambda: torch.ops.mkldnn._linear_pointwise(x32, w32, None, "none", [], ""))
             with torch.inference_mode():
                 cells = [flop / us / 1e3 for us in best_us(fns, reps, rounds)]
@@ -153,7 +163,7 @@ def products(libs: dict, k: int, n: int, rows: list[int], reps: int, rounds: int
             if code == 1:  # this checkout's C column (the last build's) over oneDNN fp32
                 cells.append(cells[1 + ("flinear" not in skip) + len(libs) - 1] / cells[-1])
             else:
-                cells += [None] * (2 * len(tiled)) + [None, None]
+                cells += [None] * (2 * len(tiled) + 2 * len(amx)) + [None, None]
             print(f"{str(dt).replace('torch.', ''):>8} {m:>5} "
                   + " ".join(f"{'-' if c is None else f'{c:.1f}':>14}" if i < len(cells) - 1 or c is None
                              else f"{c:>13.2f}x" for i, c in enumerate(cells)))
@@ -233,7 +243,7 @@ def prompt_step(preset: str, tokens: int, rounds: int, peak: dict) -> None:
         runs.append((name, dt, step))
         lib = cpu_kernels.load()
         if dt == torch.bfloat16 and lib is not None and lib.has_avx2 and hasattr(lib, "kernels_tile_rows"):
-            runs.append((f"{name} (C rows path only)", dt, _forced(lib, 1 << 40, step)))
+            runs.append((f"{name} (C rows path only)", dt, _forced(lib.kernels_tile_rows, 1 << 40, step)))
         proj = a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim \
             + a.num_attention_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
         flop = a.num_hidden_layers * (2.0 * tokens * proj + 2.0 * a.num_attention_heads * a.head_dim * tokens * tokens) \

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from workers import settings
+from workers.backends import cpu_linear
+from workers.backends.cpu_linear import KernelLinear
 from workers.backends.int8 import Int8Linear
 from workers.kernels import cpu_kernels
 from workers.kernels.cpu_layout import pack, pack_scales
@@ -172,6 +174,12 @@ def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, to
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, nn.Linear):
         return pack(mod.weight[sel]), None
+    if isinstance(mod, KernelLinear):  # AMX CPUs (cpu_linear.amx_linears): its tensor, a view where blocks allow
+        n = mod.out_features
+        start, stop = sel.start or 0, n if sel.stop is None else sel.stop
+        if start % 16 == 0 and (stop % 16 == 0 or stop == n):
+            return mod.packed[start // 16:-(-stop // 16)], None
+        return pack(mod.plain()[sel]), None
     if not isinstance(mod, Int8Linear) or mod.kernel.transposed:
         return None
     state = mod.packed_state
@@ -182,6 +190,38 @@ def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, to
         return state["q"][b0:b1], state["scale16"][b0 * 16:b1 * 16]
     q = mod.kernel.plain(state)
     return (pack(q[sel]), pack_scales(mod.scale[sel])) if q.dtype == torch.int8 else None
+
+
+def _copy_bytes(model: nn.Module) -> int:
+    """What a copy of the plain linear layers would take (before packing them)."""
+    return sum(m.weight.numel() * m.weight.element_size() for layer in model.layers
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               if isinstance(m, nn.Linear))
+
+
+def _collect(model: nn.Module) -> tuple[list[dict], str | None, int]:
+    """Each layer's tensors as the kernel reads them, why not (or None), and the bytes of its own
+    (not shared with the model's layers: int8 and KernelLinear layers keep this layout already)."""
+    weights: list[dict] = []
+    for layer in model.layers:
+        a, f = layer.self_attn, layer.mlp
+        i = f.intermediate_size
+        mats = {"qkv": _matrix(a.qkv_proj), "o": _matrix(a.o_proj), "gate": _matrix(f.gate_up_proj, slice(0, i)),
+                "up": _matrix(f.gate_up_proj, slice(i, 2 * i)), "down": _matrix(f.down_proj)}
+        if any(m is None for m in mats.values()):
+            return [], "linear layers of a kind it does not read", 0
+        gub = f.gate_up_proj.bias
+        w = {"in_norm": _vec(layer.input_layernorm.weight), "post_norm": _vec(layer.post_attention_layernorm.weight),
+             "qkv_b": _vec(a.qkv_proj.bias), "o_b": _vec(a.o_proj.bias), "down_b": _vec(f.down_proj.bias),
+             "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:])}
+        for name, (packed, scale) in mats.items():
+            w[f"{name}_w"], w[f"{name}_s"] = packed, scale
+        weights.append(w)
+    shared = {t.untyped_storage().data_ptr() for t in model.buffers()} | {
+        m.packed.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, KernelLinear)}
+    size = sum(t.numel() * t.element_size() for d in weights for k, t in d.items()
+               if t is not None and k[-2:] in ("_w", "_s") and t.untyped_storage().data_ptr() not in shared)
+    return weights, None, size
 
 
 def attach(model: nn.Module) -> FusedDecode | None:
@@ -216,30 +256,17 @@ def attach(model: nn.Module) -> FusedDecode | None:
     elif args.head_dim > 256 or args.head_dim % 2 or args.num_attention_heads // args.num_key_value_heads > 16:
         why = "head shapes beyond the kernel's buffers"
     weights: list[dict] = []
+    size = 0
     if why is None:
-        for layer in model.layers:
-            a, f = layer.self_attn, layer.mlp
-            i = f.intermediate_size
-            mats = {"qkv": _matrix(a.qkv_proj), "o": _matrix(a.o_proj), "gate": _matrix(f.gate_up_proj, slice(0, i)),
-                    "up": _matrix(f.gate_up_proj, slice(i, 2 * i)), "down": _matrix(f.down_proj)}
-            if any(m is None for m in mats.values()):
-                why = "linear layers of a kind it does not read"
-                break
-            gub = f.gate_up_proj.bias
-            w = {"in_norm": _vec(layer.input_layernorm.weight), "post_norm": _vec(layer.post_attention_layernorm.weight),
-                 "qkv_b": _vec(a.qkv_proj.bias), "o_b": _vec(a.o_proj.bias), "down_b": _vec(f.down_proj.bias),
-                 "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:])}
-            for name, (packed, scale) in mats.items():
-                w[f"{name}_w"], w[f"{name}_s"] = packed, scale
-            weights.append(w)
-    if why is None:
-        # Bytes of its own: int8 layers whose kernel keeps them in this layout are shared, not copied.
-        shared = {t.untyped_storage().data_ptr() for t in model.buffers()}
-        size = sum(t.numel() * t.element_size() for d in weights for k, t in d.items()
-                   if t is not None and k[-2:] in ("_w", "_s") and t.untyped_storage().data_ptr() not in shared)
         budget = budget_mb * (1 << 20)
-        if size > budget:
-            why = f"its linear weights ({size / (1 << 20):.0f} MiB) exceed cpuTuning.fusedDecodeMb ({budget / (1 << 20):.0f})"
+        # AMX CPUs: rather than a copy beyond the budget, the linears themselves move to the kernels' layout
+        if code == 1 and _copy_bytes(model) > budget and cpu_linear.amx_linears(model):
+            log.info("fused decode kernel: instead of a copy beyond cpuTuning.fusedDecodeMb (%.0f MiB), the linears "
+                     "keep their one copy in its layout (AMX tiles for prompts too)", budget_mb)
+        weights, why, size = _collect(model)
+        if why is None and size > budget:
+            why = (f"its linear weights ({size / (1 << 20):.0f} MiB) exceed cpuTuning.fusedDecodeMb "
+                   f"({budget / (1 << 20):.0f})")
     if why is not None:
         log.info("fused decode kernel not used: %s", why)
         return None
@@ -247,7 +274,8 @@ def attach(model: nn.Module) -> FusedDecode | None:
     model.fast_decode = fused
     int8 = weights[0]["qkv_s"] is not None
     log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; %s)", fused.max_rows,
-             "int8 weight" if int8 else "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "fp32-accumulated",
+             "int8 weight" if int8 else "AMX-BF16" if getattr(lib, "amx_rows", 0) and code == 1
+             else "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "fp32-accumulated",
              f"keeps a {size / (1 << 20):.1f} MiB copy of the layer weights" if size
-             else "reads the int8 layers' own weights, no copy")
+             else "reads the layers' own weights, no copy")
     return fused

@@ -106,6 +106,8 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
     packed = any(isinstance(m, PackedLinear) for m in model.modules())
     products = products_name(dtype, flags, packed)
     if any(isinstance(m, KernelLinear) for m in model.modules()):
-        products = "C avx2 bf16 products (linear_rows, register-tiled from 4 rows; oneDNN cannot pack bf16 here)"
+        products = ("C amx_bf16 tiles (linear_rows; the weights' one copy, shared with the fused decode step)"
+                    if lib is not None and getattr(lib, "amx_rows", 0) and dtype == torch.bfloat16 else
+                    "C avx2 bf16 products (linear_rows, register-tiled from 4 rows; oneDNN cannot pack bf16 here)")
     return Dispatch(isa_name(flags, lib), products, step, decode, prefill,
                     str(dtype).replace("torch.", ""))

@@ -205,6 +205,36 @@ def _kernel_linears_lib():
     return lib if lib is not None and getattr(lib, "has_avx2", False) else None
 
 
+def _amx_lib():
+    """The C kernels where their bf16 products run on AMX tiles (cpu_kernels.c ``kernels_amx_rows``),
+    else None."""
+    lib = cpu_kernels.load()
+    return lib if lib is not None and getattr(lib, "amx_rows", 0) else None
+
+
+def amx_linears(model: nn.Module) -> int:
+    """On AMX CPUs, every bf16 nn.Linear of ``model`` (not the tied head) as a KernelLinear: one
+    copy of its weight, in the C kernels' layout, read by the prompt products (AMX tiles) and
+    shared by the fused decode step, which then needs no copy of its own. cpu_decode.attach does
+    this for a model whose copy would exceed cpuTuning.fusedDecodeMb: the 1B shape then decodes
+    at the read roofline instead of 0.78 of it, its prompts at ~0.8x oneDNN's rate
+    (docs/performance.md). Odd in_features keep oneDNN (the tiles take pairs of K). Returns the
+    count converted (0: no AMX here)."""
+    lib = _amx_lib()
+    if lib is None:
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0:
+                setattr(parent, name, KernelLinear(child, lib))
+                count += 1
+    if count:
+        log.info("%d bf16 linear layers on the C kernels' AMX tiles (one copy of the weights, shared with the "
+                 "fused decode step)", count)
+    return count
+
+
 def pack_experts(model: nn.Module) -> int:
     """A mixture of experts' stacked expert weights (workers/models/moe.py) as per-expert packed
     linears: one oneDNN product per activated expert, like every other linear here. Experts

@@ -32,7 +32,9 @@ def specialise_cpu_model(model: nn.Module) -> Specialised:
 
     0. (before this function) int8 quantisation, on every backend: its Int8Linear layers keep
        the C kernels' 16-channel layout, and a tied head gets ``model.logits_linear``;
-    1. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights,
+    1. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights
+       (a copy in its layout, within cpuTuning.fusedDecodeMb; on AMX CPUs a larger bf16 model's
+       linears become KernelLinear instead, whose one copy it shares),
        or the int8 layers' own tensors, so it must come before step 2 replaces them;
     2. oneDNN packing of every remaining nn.Linear and of a tied head that has no int8 copy
        (cpu_linear.py); Int8Linear layers are not nn.Linear and stay as they are; a mixture of
@@ -40,7 +42,8 @@ def specialise_cpu_model(model: nn.Module) -> Specialised:
     3. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path.
     """
     fused = cpu_decode.attach(model)
-    packed = cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
+    amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # step 1 may have made them
+    packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
     c_modules = cpu_fused.fuse_model(model)
     return Specialised(fused, packed, c_modules)
 

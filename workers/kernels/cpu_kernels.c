@@ -1322,6 +1322,7 @@ typedef struct {
     uint8_t rows[16];
 } tile_cfg_t;
 
+#define AMX_PANEL 512  /* linear_rows' rows per pass over the weights on AMX tiles */
 static int amx_state = -1;         /* -1: not asked yet, 0: the kernel refused, 1: granted */
 static int64_t amx_rows_from = 1;  /* gemv_group's bf16 products take the tiles from this many rows */
 
@@ -1353,15 +1354,61 @@ static void amx_config(int rows, int tail_pairs) {
 #define AMX_BLOCK(t, b) do { _tile_loadd(5, w[b] + p * 32, 64); _tile_dpbf16ps(t, 4, 5); } while (0)
 #define AMX_TAIL(t, b) do { _tile_loadd(7, w[b] + full * 32, 64); _tile_dpbf16ps(t, 6, 7); } while (0)
 
+/* 32 rows (two row tiles, the second of rows1 rows) x 2 blocks per pass, K a multiple of 32: each
+ * step of K loads 2 A and 2 B tiles for 4 products (the 16-row loop loads 5 for 4), so prompt
+ * chunks are less bound by L2 */
+static void amx_config2(int rows1) {
+    tile_cfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; }
+    c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)rows1;  /* C and A of the second row tile */
+    _tile_loadconfig(&c);
+}
+
+static void bf16_group_amx2(const uint16_t *x, int64_t M, int64_t K, const uint16_t *const *w, float *res) {
+    const int64_t KP = K / 2;
+    int configured = -1;
+    for (int64_t r0 = 0; r0 + 16 < M; r0 += 32) {
+        const int rows1 = M - r0 - 16 < 16 ? (int)(M - r0 - 16) : 16;
+        if (rows1 != configured) { amx_config2(rows1); configured = rows1; }
+        const uint16_t *xa = x + r0 * K, *xb = xa + 16 * K;
+        for (int bp = 0; bp < GROUP; bp += 2) {
+            const uint16_t *w0 = w[bp], *w1 = w[bp + 1];
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t p = 0; p < KP; p += 16) {
+                _tile_loadd(4, xa + 2 * p, K * 2);
+                _tile_loadd(6, w0 + p * 32, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, w1 + p * 32, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, xb + 2 * p, K * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            float *o = res + r0 * GROUP * 16 + bp * 16;
+            _tile_stored(0, o, GROUP * 16 * 4); _tile_stored(1, o + 16, GROUP * 16 * 4);
+            _tile_stored(2, o + 16 * GROUP * 16, GROUP * 16 * 4); _tile_stored(3, o + 16 * GROUP * 16 + 16, GROUP * 16 * 4);
+        }
+    }
+}
+
 /* gemv_group's bf16 products on AMX tiles, K even: 16 rows at a time through the group's blocks
- * (blocks past nb repeat the last, as block_of; their sums land in res unread) */
+ * (blocks past nb repeat the last, as block_of; their sums land in res unread); from 32 rows with
+ * K a multiple of 32, row pairs by bf16_group_amx2. Every path sums a row's products in the same
+ * order (16 pairs of K per product, K ascending), so a row's bits do not depend on its neighbours. */
 static void bf16_group_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
                            float *res) {
     const int64_t KP = K / 2, full = KP / 16 * 16, tail = KP - full;
     const uint16_t *w[GROUP];
     for (int b = 0; b < GROUP; b++) w[b] = wb + block_of(g0, b, nb) * KP * 32;
     int configured = -1;
-    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    int64_t start = 0;
+    if (!tail && M >= 32) {
+        bf16_group_amx2(x, M, K, w, res);
+        start = M % 32 > 16 || M % 32 == 0 ? M : M - M % 32;  /* a last lone row tile of <= 16 rows below */
+    }
+    for (int64_t r0 = start; r0 < M; r0 += 16) {
         const int rows = M - r0 < 16 ? (int)(M - r0) : 16;
         if (rows != configured) { amx_config(rows, (int)tail); configured = rows; }
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -1515,18 +1562,28 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
         /* out of memory for a panel: the row path below computes every output again */
     }
 #endif
+    /* AMX tiles: rows in panels of AMX_PANEL, each panel's x (K = 2048: 2 MiB) kept near while every
+     * group passes over it; the weights are read once per panel (from memory for a large model) */
+    int64_t panel = M;
+#if HAVE_AMX
+    if (dt == 1 && !scale && K % 2 == 0 && M >= __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED) && amx_ready())
+        panel = AMX_PANEL;
+#endif
+    for (int64_t p0 = 0; p0 < M; p0 += panel) {
+    const int64_t p1 = M - p0 < panel ? M : p0 + panel;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
         float res[DEC_MAX_ROWS * GROUP * 16];
         const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
-        for (int64_t m0 = 0; m0 < M; m0 += DEC_MAX_ROWS) {
-            const int64_t mm = M - m0 < DEC_MAX_ROWS ? M - m0 : DEC_MAX_ROWS;
+        for (int64_t m0 = p0; m0 < p1; m0 += DEC_MAX_ROWS) {
+            const int64_t mm = p1 - m0 < DEC_MAX_ROWS ? p1 - m0 : DEC_MAX_ROWS;
             gemv_group(dt, (const char *)x + m0 * K * es, mm, K, pw, scale, g0, nb, res);
             for (int64_t m = 0; m < mm; m++)
                 for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++)
                     store_one(dt, out, (m0 + m) * N + n,
                               res[m * GROUP * 16 + n - g0 * 16] + (bias ? load_one(dt, bias, n) : 0.0f));
         }
+    }
     }
     return 0;
 }
