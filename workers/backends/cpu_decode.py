@@ -11,7 +11,10 @@ rounds. Larger steps and prefills keep the eager path and its oneDNN-packed weig
 
 The oneDNN-packed layers cannot be read by the kernel, so it keeps its own copy of the layer
 weights: the linear layers' bytes twice. Only models whose copy fits ``cpuTuning.fusedDecodeMb``
-(256 MiB) get the kernel; above that a step streams enough bytes that dispatch no longer matters.
+(256 MiB) get a copy; a larger bf16 model on an AMX CPU keeps its linears in the kernel's layout
+instead (``cpu_linear.amx_linears``: AMX tiles for its prompts too) and the kernel reads them, no
+copy (its decode then reaches the read roofline, where per-op oneDNN calls stayed at ~0.78 of it);
+other larger models keep the eager path.
 ``cpuTuning.fusedDecode: false`` turns it off (each key's
 environment override: docs/config.md). Int8 weights (``quantize: w8a16``) are kept in this
 layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel reads those same

@@ -170,7 +170,8 @@ class KernelLinear(nn.Module):
     (``linear_rows`` over the 16-channel layout, bf16 widened to fp32, fp32 sums rounded once to
     bf16). From 4 rows (prompt chunks) they run register-tiled, 6 rows x 16 channels, at 75-85
     GFLOP/s a Zen 3 core from 16 rows up, above oneDNN fp32 on the same shape; decodes of 1-3 rows
-    take the row path (``mindie-bench isa``, docs/performance.md). The layout copy replaces the weight."""
+    take the row path (``mindie-bench isa``, docs/performance.md). The layout copy replaces the weight.
+    On AMX CPUs the same class carries a large bf16 model's layers on AMX tiles (``amx_linears``)."""
 
     def __init__(self, linear: nn.Module, lib, weight: torch.Tensor | None = None):
         super().__init__()
