@@ -55,13 +55,18 @@ def _check_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torc
     assert (err <= bound).all(), (what, float((err - bound).max()))
 
 
+def _layer(k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random bf16 [n, k] weight, its bias and its packed layout."""
+    torch.manual_seed(seed)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    b = (torch.randn(n) * 0.1).to(torch.bfloat16)
+    return w, b, pack(w)
+
+
 @pytest.mark.parametrize("k, n", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiled_and_row_paths_agree_with_torch_and_each_other(k, n, threads, threshold):
-    torch.manual_seed(k * 3 + n)
-    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
-    b = (torch.randn(n) * 0.1).to(torch.bfloat16)
-    pw = pack(w)
+    w, b, pw = _layer(k, n, k * 3 + n)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -187,14 +192,11 @@ def amx_rows():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_tiles_agree_with_torch_and_are_row_independent(amx_rows, k, n, threads):
     """On AMX CPUs the bf16 products of the fused decode step and linear_rows take tiles of 16
-    rows x 32 values of K: within one bf16 rounding of torch's fp32 product, across row tiles (16)
+    rows x 32 values of K (two row tiles by two blocks from 32 rows): within one bf16 rounding of torch's fp32 product, across row tiles (16)
     and their tails, K tails (K not a multiple of 32) and N not a multiple of 16; a row's output
     does not depend on its neighbours (alone or at any place of a batch, the same bits); odd K
     keeps the dot products (the layout's zero pad would meet a value past the row)."""
-    torch.manual_seed(k + n)
-    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
-    b = (torch.randn(n) * 0.1).to(torch.bfloat16)
-    pw = pack(w)
+    w, b, pw = _layer(k, n, k + n)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
