@@ -170,26 +170,29 @@ def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().contiguous()
 
 
+def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
+    """The 16-channel blocks [b0, b1) holding output rows ``sel`` of an n-row layer in the kernel's
+    layout, or None where the rows do not fall on block edges (then only a copy serves)."""
+    start, stop = sel.start or 0, n if sel.stop is None else sel.stop
+    return (start // 16, -(-stop // 16)) if start % 16 == 0 and (stop % 16 == 0 or stop == n) else None
+
+
 def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(packed weight, scales or None) of a plain or an int8 (CPU kernel) linear, or of the output
-    rows ``rows`` of it; None for anything else. An int8 layer the CPU kernel keeps in this layout
+    """(packed weight, scales or None) of a plain, a KernelLinear or an int8 (CPU kernel) linear,
+    or of the output rows ``rows`` of it; None for anything else. A layer that keeps this layout
     already is shared, not copied, where the rows fall on its 16-channel blocks."""
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, nn.Linear):
         return pack(mod.weight[sel]), None
-    if isinstance(mod, KernelLinear):  # AMX CPUs (cpu_linear.amx_linears): its tensor, a view where blocks allow
-        n = mod.out_features
-        start, stop = sel.start or 0, n if sel.stop is None else sel.stop
-        if start % 16 == 0 and (stop % 16 == 0 or stop == n):
-            return mod.packed[start // 16:-(-stop // 16)], None
-        return pack(mod.plain()[sel]), None
+    if isinstance(mod, KernelLinear):  # AMX CPUs (cpu_linear.amx_linears)
+        blocks = _blocks(sel, mod.out_features)
+        return (mod.packed[blocks[0]:blocks[1]] if blocks else pack(mod.plain()[sel])), None
     if not isinstance(mod, Int8Linear) or mod.kernel.transposed:
         return None
     state = mod.packed_state
-    n = mod.out_features
-    start, stop = sel.start or 0, n if sel.stop is None else sel.stop
-    if "scale16" in state and start % 16 == 0 and (stop % 16 == 0 or stop == n):
-        b0, b1 = start // 16, -(-stop // 16)
+    blocks = _blocks(sel, mod.out_features)
+    if "scale16" in state and blocks:
+        b0, b1 = blocks
         return state["q"][b0:b1], state["scale16"][b0 * 16:b1 * 16]
     q = mod.kernel.plain(state)
     return (pack(q[sel]), pack_scales(mod.scale[sel])) if q.dtype == torch.int8 else None

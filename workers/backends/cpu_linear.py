@@ -206,6 +206,12 @@ def _kernel_linears_lib():
     return lib if lib is not None and getattr(lib, "has_avx2", False) else None
 
 
+def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, layer) of every nn.Linear in ``model``, listed before any is swapped."""
+    return [(parent, name, child) for parent in list(model.modules())
+            for name, child in list(parent.named_children()) if isinstance(child, nn.Linear)]
+
+
 def _amx_lib():
     """The C kernels where their bf16 products run on AMX tiles (cpu_kernels.c ``kernels_amx_rows``),
     else None."""
@@ -225,11 +231,10 @@ def amx_linears(model: nn.Module) -> int:
     if lib is None:
         return 0
     count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0:
-                setattr(parent, name, KernelLinear(child, lib))
-                count += 1
+    for parent, name, child in _plain_linears(model):
+        if child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0:
+            setattr(parent, name, KernelLinear(child, lib))
+            count += 1
     if count:
         log.info("%d bf16 linear layers on the C kernels' AMX tiles (one copy of the weights, shared with the "
                  "fused decode step)", count)
@@ -264,16 +269,14 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     count = kernel = 0
     klib = _kernel_linears_lib()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                packed = _pack(child.weight)
-                if packed is not None:
-                    setattr(parent, name, PackedLinear(child, packed))
-                    count += 1
-                elif klib is not None and child.weight.dtype == torch.bfloat16:
-                    setattr(parent, name, KernelLinear(child, klib))
-                    kernel += 1
+    for parent, name, child in _plain_linears(model):
+        packed = _pack(child.weight)
+        if packed is not None:
+            setattr(parent, name, PackedLinear(child, packed))
+            count += 1
+        elif klib is not None and child.weight.dtype == torch.bfloat16:
+            setattr(parent, name, KernelLinear(child, klib))
+            kernel += 1
     head = getattr(model, "lm_head", None)
     # A tied head that already has its own kernel (an int8 copy: workers/backends/int8.py) keeps it.
     if head is None and hasattr(model, "embed_tokens") and getattr(model, "logits_linear", None) is None:
