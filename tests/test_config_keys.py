@@ -288,6 +288,10 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.cpuTuning.fusedDecodeMb": _ES + ["tests/test_cpu_decode.py::test_models_and_settings_it_does_not_cover"],
     "BackendConfig.cpuTuning.int8Rows": _ES,
     "BackendConfig.cpuTuning.adaptiveThreads": _ES + ["tests/test_step_width.py::test_worker_steps_narrow_on_a_busy_host"],
+    "BackendConfig.cpuTuning.prefillAttention": _ES + [
+        "tests/test_cpu_kernels.py::test_prompt_route_auto_is_sdpa_for_bf16_on_amx_only",
+        "tests/test_cpu_kernels.py::test_prefill_chunks_match_portable",
+        "tests/test_cpu_isa.py::test_backend_logs_its_dispatch_once_and_describes_it"],
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
@@ -1082,15 +1086,23 @@ def test_decode_hold_ms_puts_prompt_completing_steps_first(tmp_path: Path) -> No
     eng_held, eng_mixed = _hold_engine(tmp_path, 10_000)[0], _hold_engine(tmp_path, 0)[0]
     held = _hold_steps(eng_held, {0: [20], 2: [90] * 4}, max_new=12)
     mixed = _hold_steps(eng_mixed, {0: [20], 2: [90] * 4}, max_new=12)
-    assert (eng_held.scheduler.num_decode_holds, eng_mixed.scheduler.num_decode_holds) == (4, 0)
-    assert held[2:6] == [{"r1": 90, "r2": 6}, {"r2": 84, "r3": 12}, {"r3": 78, "r4": 18}, {"r4": 72}], held
-    assert held[6] == {f"r{i}": 1 for i in range(5)}, held
+    # The held step takes whole prompts beyond the 96-token chunk, up to four chunks (HOLD_CHUNKS).
+    assert (eng_held.scheduler.num_decode_holds, eng_mixed.scheduler.num_decode_holds) == (1, 0)
+    assert held[2] == {"r1": 90, "r2": 90, "r3": 90, "r4": 90}, held
+    assert held[3] == {f"r{i}": 1 for i in range(5)}, held
     assert not steps_with_decodes_and_prompts(held), held
     assert mixed[2] == {"r0": 1, "r1": 90, "r2": 5} and len(steps_with_decodes_and_prompts(mixed)) >= 4, mixed
     assert sum(sum(s.values()) for s in held) == sum(sum(s.values()) for s in mixed)  # same work
     # A burst never holds a request of higher priority (1 before 5) than its own.
     first = _hold_steps(_hold_engine(tmp_path, 10_000)[0], {0: [20], 2: [90] * 4}, max_new=12, priority={0: 1})
     assert first[2:6] == mixed[2:6], first
+    # Six prompts: four whole ones fill the held step's room (384 tokens); the 200-token one does
+    # not fit what is left, and alone it holds nobody: its chunks go beside the decodes, then its
+    # last chunk and the whole 90-token prompt after it go first together.
+    six = _hold_steps(_hold_engine(tmp_path, 10_000)[0], {0: [20], 2: [90] * 4 + [200, 90]}, max_new=12)
+    assert six[2] == {"r1": 90, "r2": 90, "r3": 90, "r4": 90}, six
+    decodes = {f"r{i}": 1 for i in range(5)}
+    assert six[3:6] == [{**decodes, "r5": 91}, {**decodes, "r5": 91}, {"r5": 18, "r6": 90}], six
 
     # A 300-token prompt arrives while r0 decodes: r0 decodes beside every chunk but the last.
     long = _hold_steps(_hold_engine(tmp_path, 10_000)[0], {0: [20], 2: [300]}, max_new=12)
@@ -1151,13 +1163,18 @@ def test_decode_hold_wave_prefills_a_burst_before_decodes_resume(tmp_path: Path)
     wave = _hold_steps(eng, burst, max_new=8)
     last_prompt = max(i for i, s in enumerate(wave) if max(s.values()) > 1)
     assert all(max(s.values()) > 1 for s in wave[:last_prompt + 1]) and not mixed(wave), wave
-    assert max(_gaps(wave, "r0", 1)) >= 8, wave  # held through the burst (11 prompts after it)
+    # held through the burst: no decode of r0 until the last prompt step (11 prompts after it,
+    # whole ones of 90 tokens up to four 96-token chunks per held step)
+    assert last_prompt >= 3 and max(_gaps(wave, "r0", 1)) >= last_prompt, wave
     assert eng.check_no_leaks()
     # A worker takes in the requests sent while a step computes after that step: the eleven
     # added after r0's prompt step still belong to its burst.
     late = _hold_steps(_hold_engine(tmp_path, 100, step_ms=40)[0], {0: [90], 1: [90] * 11}, max_new=8)
-    assert not mixed(late) and max(_gaps(late, "r0", 1)) >= 8, late
+    late_prompt = max(i for i, s in enumerate(late) if max(s.values()) > 1)
+    assert not mixed(late) and late_prompt >= 3 and max(_gaps(late, "r0", 1)) >= late_prompt - 1, late
 
+    # twice the burst for the bounds below: twelve whole prompts fit in three held steps (120 ms)
+    burst = {0: [90] * 24}
     eng, cfg = _hold_engine(tmp_path, 100, step_ms=40, decodeHoldWave=False)
     assert cfg.decode_hold_wave is False
     alone = _hold_steps(eng, burst, max_new=8)

@@ -12,14 +12,22 @@ import sys
 import pytest
 import torch
 
+from workers import settings
 from workers.kernels import cpu_kernels
-from workers.attention.cpu import CpuPagedAttention
+from workers.attention.cpu import CpuPagedAttention, prompt_route
 from workers.backends.cpu_fused import CpuRMSNorm, CpuRotaryEmbedding
 from workers.attention.paged import PagedAttention
 from workers.models.config import RopeScaling
 from workers.models.llama import RMSNorm, RotaryEmbedding
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(params=["kernels", "sdpa"])
+def route(request, monkeypatch) -> str:
+    """cpuTuning.prefillAttention forced to each route (``auto`` picks one of them per machine)."""
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_attention=request.param))
+    return request.param
 
 
 def _pair(layers, nb, bs, hkv, d, dt, seed):
@@ -89,9 +97,9 @@ def _one_step_agrees(ref, ker, tables, start, new, q, k, v, window, dt) -> None:
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_batch(dt):
+def test_mixed_prefill_and_decode_batch(dt, route):
     """Decodes and prompt chunks (one after a cached prefix, one fresh) in one call: decodes through
-    the decode kernel, chunks through the prefill kernel (bf16) or SDPA (fp32 after a prefix);
+    the decode kernel, chunks through the prefill kernel or SDPA one sequence at a time;
     non-contiguous k/v (slices of a fused projection, as the model passes them) are written."""
     bs, h, hkv, d = 16, 8, 2, 64
     ref, ker, g = _pair(1, 24, bs, hkv, d, dt, seed=3)
@@ -105,6 +113,7 @@ def test_mixed_prefill_and_decode_batch(dt):
     v = qkv[:, (h + hkv) * d:].view(T, hkv, d)
     assert not k.is_contiguous()
     _one_step_agrees(ref, ker, tables, start, new, q, k, v, None, dt)
+    assert (ker.prefill_calls, ker.sdpa_calls) == ((1, 0) if route == "kernels" else (0, 1))
 
 
 def test_batch_parallel_path_matches_single_thread():
@@ -129,13 +138,12 @@ def test_batch_parallel_path_matches_single_thread():
                                      (6, 1, 80), (64, 1, 64)])  # D 80, 64 heads per KV head: SDPA
 @pytest.mark.parametrize("bs,window", [(16, None), (128, None), (16, 7), (32, 100)])
 @pytest.mark.parametrize("fresh", [True, False])
-def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh):
-    """Prompt chunks through the prefill kernel (bf16 caches with AVX512-BF16, and fp32 ones, or bf16
-    ones without it, for fresh prompts of up to 1024 tokens; D a multiple of 16, up to 32 query
-    heads per KV head, AVX-512 and AVX2 builds) equal the
-    portable SDPA path within the dtype's tolerance: fresh prompts of 2 to 77 tokens, chunks after
-    a cached prefix that start and end inside blocks and cross them, beside a decode, with and
-    without a sliding window. Other layouts keep SDPA."""
+def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh, route):
+    """Prompt chunks through the prefill kernel (D a multiple of 16, up to 32 query heads per KV
+    head, AVX-512 and AVX2 builds, fp32 and bf16) or through SDPA one sequence at a time (no
+    window) equal the portable SDPA path within the dtype's tolerance: fresh prompts of 2 to 77
+    tokens, chunks after a cached prefix that start and end inside blocks and cross them, beside a
+    decode, with and without a sliding window. Other layouts keep the portable path."""
     start = [0, 0, 0, 0, 0, 5, 0] if fresh else [0, 0, 0, 40, 2 * bs - 3, 5, 0]
     new = [77, 2, 16, 30, 9, 1, 33]  # the 1-token entry is a decode
     nb = sum(-(-(s + n) // bs) for s, n in zip(start, new)) + 2
@@ -152,16 +160,19 @@ def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh):
     v = torch.randn(T, hkv, d, generator=g).to(dt)
     _one_step_agrees(ref, ker, tables, start, new, q, k, v, window, dt)
     covered = (ker.lib is not None and ker.lib.has_prefill and d % 16 == 0 and h // hkv <= 32
-               and dt in (torch.float32, torch.bfloat16)  # fp16 caches keep SDPA
-               and (fresh or dt == torch.bfloat16 and ker.lib.has_dpbf16))
-    assert ker.prefill_calls == (1 if covered else 0), (ker.prefill_calls, covered)
+               and dt in (torch.float32, torch.bfloat16)  # fp16 caches keep the portable path
+               # unforced, plain fp32 FMAs take fresh prompts only (SDPA is faster after a prefix)
+               and (route == "kernels" or fresh or dt == torch.bfloat16 and ker.lib.has_dpbf16))
+    sdpa = ker.lib is not None and route == "sdpa" and window is None
+    assert (ker.prefill_calls, ker.sdpa_calls) == (int(covered and not sdpa), int(sdpa)), (covered, sdpa)
 
 
-def test_prefill_kernel_tiles_in_parallel_as_alone():
+def test_prefill_kernel_tiles_in_parallel_as_alone(monkeypatch):
     """Many prompts take the OpenMP path over (tile, KV head): each prompt's rows equal those of the
     prompt computed alone (bit for bit through the kernel; within bf16's tolerance on builds
     without it, where SDPA pads the batch)."""
     bs, h, hkv, d = 32, 8, 2, 64
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_attention="kernels"))
     _ref, ker, g = _pair(1, 64, bs, hkv, d, torch.bfloat16, seed=11)
     lens = [37, 64, 5, 100, 19]
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(lens))]
@@ -182,6 +193,21 @@ def test_prefill_kernel_tiles_in_parallel_as_alone():
                                            rtol=TOL[torch.bfloat16])
             row += n
     assert ker.prefill_calls == (1 + len(lens) if ker.lib is not None and ker.lib.has_prefill else 0)
+
+
+def test_prompt_route_auto_is_sdpa_for_bf16_on_amx_only(monkeypatch):
+    """``auto``: SDPA for bf16 where torch's flash attention has AMX tiles and where the kernels are
+    off; the kernels otherwise. A forced route wins; a value outside the three is refused by name."""
+    amx, avx512 = "flags : avx2 fma avx512f avx512_bf16 amx_tile amx_bf16", "flags : avx2 fma avx512f avx512_bf16"
+    assert prompt_route(torch.bfloat16, True, amx) == "sdpa"
+    assert prompt_route(torch.float32, True, amx) == "kernels"
+    assert prompt_route(torch.bfloat16, True, avx512) == "kernels"
+    assert prompt_route(torch.bfloat16, False, avx512) == "sdpa"
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_attention="kernels"))
+    assert prompt_route(torch.bfloat16, True, amx) == "kernels"
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_attention="flash"))
+    with pytest.raises(ValueError, match="cpuTuning.prefillAttention"):
+        prompt_route(torch.bfloat16, True, amx)
 
 
 def _run_fresh(code: str, **env) -> str:
@@ -324,3 +350,28 @@ def test_specialised_decode_items_give_the_generic_items_bits(dt):
             cases += 1
     assert cases == 28 and lib.kernels_decode_specialised(-1) == 1
     assert lib.kernels_decode_specialised_for(1, 12, 4, 64) == 0 and lib.kernels_decode_specialised_for(2, 8, 4, 64) == 0
+
+
+def test_swiglu_kernel_equals_torch_bit_for_bit():
+    """The bf16 SwiGLU kernel (the MLP's silu(gate) * up in one pass) gives torch's bits for every
+    row count, strided rows (a slice of a wider projection), infinities, NaN and signed zeros;
+    fp32 activations keep torch's own code."""
+    from workers.backends.cpu_fused import CpuSwiGLU, silu_table
+    from workers.models.config import ModelArgs
+    from workers.models.llama import MLP
+    lib = cpu_kernels.load()
+    mlp = MLP(ModelArgs(arch="llama", vocab_size=8, hidden_size=16, intermediate_size=37, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=8), torch.bfloat16)
+    fused = CpuSwiGLU(mlp, lib, silu_table())
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 5, 300):
+        wide = (torch.randn(rows, 2 * 37 + 3, generator=g) * 6).to(torch.bfloat16)
+        wide[0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40])
+        wide[-1, 37:41] = torch.tensor([float("nan"), float("inf"), -0.0, 3.0])
+        for gate_up in (wide[:, :74], wide[:, :74].contiguous()):
+            want = mlp.swiglu(gate_up)
+            got = fused(gate_up)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), rows
+    x = torch.randn(4, 74)
+    assert torch.equal(fused(x), mlp.swiglu(x))  # fp32: torch's path

@@ -36,6 +36,7 @@ KEYS = {
     "cpuTuning.fusedDecodeMb": (0.5, "0.5", "cpu.fused_decode_mb"),
     "cpuTuning.int8Rows": (7, "7", "cpu.int8_rows"),
     "cpuTuning.adaptiveThreads": (False, "off", "cpu.adaptive_threads"),
+    "cpuTuning.prefillAttention": ("sdpa", "SDPA", "cpu.prefill_attention"),
 }
 ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "MINDIE_TP_COLLECTIVE_TIMEOUT_S",
        "gcFreeze": "MINDIE_GC_FREEZE", "cpuTuning.kernels": "MINDIE_CPU_KERNELS", "cpuTuning.isa": "MINDIE_CPU_ISA",
@@ -43,7 +44,8 @@ ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "
        "cpuTuning.linearBuckets": "MINDIE_CPU_LINEAR_BUCKETS", "cpuTuning.prewarmGflop": "MINDIE_CPU_PREWARM_GFLOP",
        "cpuTuning.fusedDecode": "MINDIE_CPU_FUSED_DECODE", "cpuTuning.fusedDecodeRows": "MINDIE_CPU_FUSED_DECODE_ROWS",
        "cpuTuning.fusedDecodeMb": "MINDIE_CPU_FUSED_DECODE_MB", "cpuTuning.int8Rows": "MINDIE_CPU_INT8_ROWS",
-       "cpuTuning.adaptiveThreads": "MINDIE_CPU_ADAPTIVE_THREADS"}
+       "cpuTuning.adaptiveThreads": "MINDIE_CPU_ADAPTIVE_THREADS",
+       "cpuTuning.prefillAttention": "MINDIE_CPU_PREFILL_ATTENTION"}
 
 
 def _engine(tmp_path: Path, backend: dict, env: dict | None = None) -> EngineConfig:

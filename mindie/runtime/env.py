@@ -63,6 +63,7 @@ ENGINE_ENV: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "MINDIE_CPU_FUSED_DECODE_MB": ("BackendConfig.cpuTuning.fusedDecodeMb", _number, "cpu.fused_decode_mb"),
     "MINDIE_CPU_INT8_ROWS": ("BackendConfig.cpuTuning.int8Rows", _number, "cpu.int8_rows"),
     "MINDIE_CPU_ADAPTIVE_THREADS": ("BackendConfig.cpuTuning.adaptiveThreads", _switch, "cpu.adaptive_threads"),
+    "MINDIE_CPU_PREFILL_ATTENTION": ("BackendConfig.cpuTuning.prefillAttention", str.lower, "cpu.prefill_attention"),
 }
 
 

@@ -8,15 +8,42 @@ pool. Prompt chunks take ``paged_prefill`` on AVX-512 and AVX2 builds (fp32 and 
 multiple of 16): tiles of query positions over the cached rows, skipping the keys a query cannot
 see, where torch's SDPA ran a 128-token causal prompt at a fifth of the cores' speed; other
 layouts keep SDPA. Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
+
+On CPUs with AMX (``amx_bf16``) the balance is the other way for bf16: torch's flash attention
+computes on AMX tiles while ``paged_prefill`` has vector loops, 1.2x slower on 128-token prompts
+and 5x on 2048 or after a long cached prefix. There bf16 prompt chunks take SDPA one sequence at a
+time (no padding to the longest prompt of the step), the keys of a cached prefix gathered from
+their blocks (``cpuTuning.prefillAttention``: ``auto``, ``kernels``, ``sdpa``).
 """
 from __future__ import annotations
 
 import itertools
 
 import torch
+import torch.nn.functional as F
 
+from mindie.contract.spec import cpu_flags
+from workers import settings
 from workers.attention.paged import PagedAttention, _Decode
 from workers.kernels import cpu_kernels
+
+ROUTES = ("auto", "kernels", "sdpa")
+
+
+def prompt_route(dtype: torch.dtype, kernels: bool, flags: str | None = None) -> str:
+    """Who computes prompt chunks: ``"sdpa"`` (torch, one sequence at a time) or ``"kernels"``
+    (``paged_prefill`` where it covers the layout, its own rules for fp32 below). From
+    ``cpuTuning.prefillAttention``; ``auto`` is SDPA for bf16 on AMX CPUs (torch's flash attention
+    runs on AMX tiles there) and where the C kernels are off, the kernels elsewhere."""
+    route = settings.cpu().prefill_attention
+    if route not in ROUTES:
+        raise ValueError(f"cpuTuning.prefillAttention must be one of {', '.join(ROUTES)}, got {route!r}")
+    if route != "auto":
+        return route
+    if not kernels:
+        return "sdpa"
+    amx = "amx_bf16" in (cpu_flags() if flags is None else flags).split()
+    return "sdpa" if dtype == torch.bfloat16 and amx else "kernels"
 
 
 class CpuPagedAttention(PagedAttention):
@@ -42,11 +69,21 @@ class CpuPagedAttention(PagedAttention):
                             and head_dim % 16 == 0)
         # whether prompt chunks' scores are plain fp32 FMAs (fp32 caches; bf16 ones without AVX512-BF16)
         self.plain_fma_prefill = self.code == 0 or (self.lib is not None and not self.lib.has_dpbf16)
+        self.route = prompt_route(dtype, self.lib is not None)
+        if self.route == "kernels" and settings.cpu().prefill_attention == "kernels":
+            self.plain_fma_prefill = False  # forced: the kernel wherever it covers the layout
+        # SDPA route: per prompt chunk (first flat row, first position, count, its blocks or None
+        # when fresh, its mask or None); windows keep the kernel (or the portable path)
+        self._seqs: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] | None = None
+        self.sdpa_calls = 0  # steps whose prompt chunks took the SDPA route (tests read it)
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
         super().prepare(block_tables, start_pos, num_new)
         self._chunks = None
+        self._seqs = None
         g = self.meta.prefill
+        if self.route == "sdpa" and g is not None:
+            self._seqs = self._sequences(block_tables, start_pos, num_new)
         if self._prefill_ok and g is not None:
             pre = [i for i, n in enumerate(num_new) if n != 1]  # as build_metadata splits them
             # fp32 scores take plain FMAs (bf16 takes vdpbf16ps): SDPA is faster from ~1k keys,
@@ -59,9 +96,55 @@ class CpuPagedAttention(PagedAttention):
             self._chunks = (torch.tensor([row0[i] for i in pre]), torch.tensor([start_pos[i] for i in pre]),
                             torch.tensor([num_new[i] for i in pre]))
 
+    def _sequences(self, block_tables: list[list[int]], start_pos: list[int],
+                   num_new: list[int]) -> list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]:
+        out = []
+        bs = self.block_size
+        for r0, table, s, n in zip(itertools.accumulate(num_new, initial=0), block_tables, start_pos, num_new):
+            if n == 1:
+                continue  # a decode: the decode kernel's
+            if s == 0:
+                out.append((r0, 0, n, None, None))
+                continue
+            blocks = torch.tensor(table[:-(-(s + n) // bs)], dtype=torch.long)
+            out.append((r0, s, n, blocks, torch.ones(n, s + n, dtype=torch.bool).tril(s)))  # row i sees s + i
+        return out
+
+    def _prompts_sdpa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The step's prompt chunks through SDPA, one sequence at a time, and its decodes."""
+        meta = self.meta
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        self._write(layer, k, v)
+        dt = kc.dtype
+        qc = q.to(dt)
+        out = torch.empty(qc.shape, dtype=dt)
+        hkv, bs, d = kc.shape[1:]
+        gqa = qc.shape[1] != hkv
+        for r0, s, n, blocks, mask in self._seqs:
+            qs = qc[r0:r0 + n].transpose(0, 1)[None]  # [1, H, n, D]
+            if blocks is None:  # fresh: this step's keys are all it sees
+                ks = k[r0:r0 + n].to(dt).transpose(0, 1)[None]
+                vs = v[r0:r0 + n].to(dt).transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+            else:  # after a cached prefix: its blocks, in position order, cut at its last key
+                nb = blocks.numel()
+                ks = self._gather("k", kc, blocks).transpose(0, 1).reshape(hkv, nb * bs, d)[None, :, :s + n]
+                vs = self._gather("v", vc, blocks).transpose(0, 1).reshape(hkv, nb * bs, d)[None, :, :s + n]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+            out[r0:r0 + n] = o[0].transpose(0, 1)
+        if meta.decode is not None:
+            rows = meta.decode.rows
+            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, None).to(dt)
+        if layer == 0:
+            self.sdpa_calls += 1
+        return out.to(q.dtype)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None = None) -> torch.Tensor:
-        meta, chunks = self.meta, self._chunks
+        meta = self.meta
+        if self._seqs is not None and window is None and q.dim() == 3 and q.shape[0] == meta.num_tokens:
+            return self._prompts_sdpa(layer, q, k, v)
+        chunks = self._chunks
         if chunks is None or q.dim() != 3 or q.shape[0] != meta.num_tokens:
             return super().__call__(layer, q, k, v, window)
         kc, vc = self.k_cache[layer], self.v_cache[layer]

@@ -31,6 +31,7 @@ from torch import nn
 
 from workers import settings
 from workers.backends import cpu_linear
+from workers.backends.cpu_fused import silu_table
 from workers.backends.cpu_linear import KernelLinear
 from workers.backends.int8 import Int8Linear
 from workers.kernels import cpu_kernels
@@ -98,10 +99,7 @@ class FusedDecode:
         # silu of every bf16 value, computed by torch: the kernel looks it up, so SwiGLU rounds as eager does
         self.silu = None
         if self.dtype == torch.bfloat16:
-            every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-            table = torch.nn.functional.silu(every).view(torch.int16).roll(-32768)
-            # two spare entries: the kernel's vector gather reads 4 bytes at the last one
-            self.silu = torch.cat([table, table.new_zeros(2)])
+            self.silu = silu_table()
         self.max_rows = max_rows
         self.calls = 0  # steps the kernel ran (tests check the path is taken)
         self._layers = None

@@ -211,15 +211,18 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if (lora := self.lora.step) is None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(self.swiglu(gate_up))
         else:
             lora.apply(self.layer_idx, GATE_UP, x, gate_up)
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            h = F.silu(gate) * up
+            h = self.swiglu(gate_up)
             out = self.down_proj(h)
             lora.apply(self.layer_idx, DOWN, h, out)
         return out if self.reduce is None else self.reduce(out)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused projection's output (a backend may swap in one kernel)."""
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up
 
 
 def sparse_moe(args: ModelArgs, dtype: torch.dtype | None, reduce: Callable[[torch.Tensor], torch.Tensor] | None,
