@@ -6,7 +6,9 @@ attention) of `PagedAttention` and of `CpuPagedAttention` alternately, checks th
 and prints microseconds per call and the speed-up. Shapes default to the bench30m model's
 (8 heads, 4 KV heads, head size 64, blocks of 128). With --prefill N each sequence computes a
 prompt chunk of N tokens after `context` cached ones instead (context 0: fresh prompts; the
-torch side is SDPA, the kernel side paged_prefill).
+torch side is SDPA on the padded batch, the kernel side paged_prefill), and a third column times
+``CpuPagedAttention``'s SDPA route (one sequence at a time; ``cpuTuning.prefillAttention``: what
+``auto`` picks for bf16 on AMX CPUs).
 
     python -m mindie_bench.lab.attention
     python -m mindie_bench.lab.attention --dtype float32 --batch 1,16 --context 512,2048
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     dt = getattr(torch, args.dtype)
     h, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     print(f"{args.dtype}, {h} heads / {hkv} KV heads x {d}, blocks of {bs}, {torch.get_num_threads()} threads")
-    print(f"{'batch':>5} {'context':>7} {'torch us':>9} {'kernel us':>10} {'speed-up':>9} {'max |diff|':>11}")
+    print(f"{'batch':>5} {'context':>7} {'torch us':>9} {'kernel us':>10} {'speed-up':>9} {'max |diff|':>11}"
+          + (f" {'sdpa/seq us':>12} {'kernel/sdpa':>12}" if args.prefill else ""))
     g = torch.Generator().manual_seed(0)
     for ctx in (int(c) for c in args.context.split(",")):
         for B in (int(b) for b in args.batch.split(",")):
@@ -68,15 +71,18 @@ def main(argv: list[str] | None = None) -> None:
             nb = B * per_seq + 1
             ref = PagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
             ker = CpuPagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
-            for a, b in ((ref.k_cache[0], ker.k_cache[0]), (ref.v_cache[0], ker.v_cache[0])):
+            seq = CpuPagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
+            ker.route, seq.route = "kernels", "sdpa"  # whatever auto picks on this machine
+            for a, b, c in ((ref.k_cache[0], ker.k_cache[0], seq.k_cache[0]), (ref.v_cache[0], ker.v_cache[0], seq.v_cache[0])):
                 a.copy_(torch.randn(a.shape, generator=g).to(dt))
                 b.copy_(a)
+                c.copy_(a)
             perm = torch.randperm(nb, generator=g).tolist()
             tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(B)]
             q = torch.randn(B * new, h, d, generator=g).to(dt)
             kv = torch.randn(B * new, hkv, d, generator=g).to(dt)
             with torch.inference_mode():
-                for a in (ref, ker):
+                for a in (ref, ker, seq):
                     if args.prefill:
                         a.prepare(tables, [ctx] * B, [new] * B)
                     else:
@@ -84,7 +90,12 @@ def main(argv: list[str] | None = None) -> None:
                 diff = (ref(0, q, kv, kv).float() - ker(0, q, kv, kv).float()).abs().max().item()
                 t_ref = per_call_us(lambda: ref(0, q, kv, kv), args.reps)
                 t_ker = per_call_us(lambda: ker(0, q, kv, kv), args.reps)
-            print(f"{B:>5} {ctx:>7} {t_ref:>9.0f} {t_ker:>10.0f} {t_ref / t_ker:>8.1f}x {diff:>11.4f}")
+                extra = ""
+                if args.prefill:
+                    diff = max(diff, (ref(0, q, kv, kv).float() - seq(0, q, kv, kv).float()).abs().max().item())
+                    t_seq = per_call_us(lambda: seq(0, q, kv, kv), args.reps)
+                    extra = f" {t_seq:>12.0f} {t_ker / t_seq:>11.1f}x"
+            print(f"{B:>5} {ctx:>7} {t_ref:>9.0f} {t_ker:>10.0f} {t_ref / t_ker:>8.1f}x {diff:>11.4f}{extra}")
 
 
 if __name__ == "__main__":

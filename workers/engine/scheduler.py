@@ -10,7 +10,8 @@ Each step:
    A step that can complete a prompt's prefill holds the decodes back (prefill first,
    ``hold_decodes``) while no running request has waited ``decode_hold_ms`` for its next token,
    and past that while the prompts it completes were queued before the held requests' last
-   tokens (one wave, ``decode_hold_wave``).
+   tokens (one wave, ``decode_hold_wave``). Such a step takes whole prompts up to
+   ``HOLD_CHUNKS`` prefill chunks.
 2. Waiting sequences are admitted in (priority, arrival) order while the batch cap, the
    prefill-batch cap, the token budget and free blocks allow; a prefix-cache hit skips the
    cached part of the prompt (for a request with ``prompt_logprobs``, only the part whose
