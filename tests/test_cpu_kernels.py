@@ -375,3 +375,23 @@ def test_swiglu_kernel_equals_torch_bit_for_bit():
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), rows
     x = torch.randn(4, 74)
     assert torch.equal(fused(x), mlp.swiglu(x))  # fp32: torch's path
+
+
+def test_sdpa_route_takes_a_long_chunk_after_a_prefix_in_pieces(monkeypatch):
+    """A prompt chunk longer than MASK_ROWS after a cached prefix goes through SDPA a piece of
+    query rows at a time (no n x (s + n) mask): the same result as the portable path, and as the
+    kernel, across piece edges."""
+    from workers.attention import cpu as cpu_attention
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_attention="sdpa"))
+    monkeypatch.setattr(cpu_attention, "MASK_ROWS", 24)
+    bs, h, hkv, d, dt = 16, 4, 2, 64, torch.bfloat16
+    ref, ker, g = _pair(1, 16, bs, hkv, d, dt, seed=21)
+    start, new = [37, 0], [70, 20]  # 70 rows in pieces of 24, 24, 22; a fresh prompt beside
+    tables = [list(range(0, 7)), list(range(7, 9))]
+    T = sum(new)
+    q = torch.randn(T, h, d, generator=g).to(dt)
+    k = torch.randn(T, hkv, d, generator=g).to(dt)
+    v = torch.randn(T, hkv, d, generator=g).to(dt)
+    _one_step_agrees(ref, ker, tables, start, new, q, k, v, None, dt)
+    assert (ker.sdpa_calls, ker.prefill_calls) == (1, 0)
+    assert ker._seqs[0][4] is None and ker._seqs[1][3] is None  # no whole mask kept; the fresh one needs none

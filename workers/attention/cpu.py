@@ -28,6 +28,14 @@ from workers.attention.paged import PagedAttention, _Decode
 from workers.kernels import cpu_kernels
 
 ROUTES = ("auto", "kernels", "sdpa")
+# Query rows per SDPA call of a chunk after a cached prefix: its mask is rows x keys (a 8192-token
+# chunk after 8192 cached would otherwise build a 128 MiB mask, and torch a bf16 copy of it).
+MASK_ROWS = 512
+
+
+def _causal_mask(a: int, b: int, s: int) -> torch.Tensor:
+    """Query rows a..b-1 of a chunk after s cached positions: row i sees keys 0 .. s + i."""
+    return torch.ones(b - a, s + b, dtype=torch.bool).tril(s + a)
 
 
 def prompt_route(dtype: torch.dtype, kernels: bool, flags: str | None = None) -> str:
@@ -107,7 +115,8 @@ class CpuPagedAttention(PagedAttention):
                 out.append((r0, 0, n, None, None))
                 continue
             blocks = torch.tensor(table[:-(-(s + n) // bs)], dtype=torch.long)
-            out.append((r0, s, n, blocks, torch.ones(n, s + n, dtype=torch.bool).tril(s)))  # row i sees s + i
+            # row i sees keys up to s + i; built once per step for every layer unless large
+            out.append((r0, s, n, blocks, _causal_mask(0, n, s) if n <= MASK_ROWS else None))
         return out
 
     def _prompts_sdpa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -130,7 +139,13 @@ class CpuPagedAttention(PagedAttention):
                 nb = blocks.numel()
                 ks = self._gather("k", kc, blocks).transpose(0, 1).reshape(hkv, nb * bs, d)[None, :, :s + n]
                 vs = self._gather("v", vc, blocks).transpose(0, 1).reshape(hkv, nb * bs, d)[None, :, :s + n]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+                if mask is not None:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+                else:  # a long chunk: MASK_ROWS query rows at a time, so no mask holds n x (s + n)
+                    o = torch.cat([F.scaled_dot_product_attention(
+                        qs[:, :, a:a + MASK_ROWS], ks[:, :, :s + min(a + MASK_ROWS, n)],
+                        vs[:, :, :s + min(a + MASK_ROWS, n)], attn_mask=_causal_mask(a, min(a + MASK_ROWS, n), s),
+                        enable_gqa=gqa) for a in range(0, n, MASK_ROWS)], dim=2)
             out[r0:r0 + n] = o[0].transpose(0, 1)
         if meta.decode is not None:
             rows = meta.decode.rows
