@@ -345,7 +345,7 @@ class CpuTuningConfig(_Section):
     fused_decode_mb: Annotated[float, Meta(ge=0, le=1048576)] = 256.0
     int8_rows: Annotated[int, Meta(ge=0, le=1048576)] = 24
     adaptive_threads: bool = True
-    prefill_attention: Literal["auto", "kernels", "sdpa"] = "auto"
+    prefill_attention: Literal["kernels", "sdpa"] = "kernels"
 
 
 class BackendConfig(_Section):

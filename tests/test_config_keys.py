@@ -289,7 +289,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.cpuTuning.int8Rows": _ES,
     "BackendConfig.cpuTuning.adaptiveThreads": _ES + ["tests/test_step_width.py::test_worker_steps_narrow_on_a_busy_host"],
     "BackendConfig.cpuTuning.prefillAttention": _ES + [
-        "tests/test_cpu_kernels.py::test_prompt_route_auto_is_sdpa_for_bf16_on_amx_only",
+        "tests/test_cpu_kernels.py::test_prompt_route_is_the_key_and_refuses_other_values",
         "tests/test_cpu_kernels.py::test_prefill_chunks_match_portable",
         "tests/test_cpu_isa.py::test_backend_logs_its_dispatch_once_and_describes_it"],
     # -- LogConfig

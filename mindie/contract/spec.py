@@ -33,7 +33,7 @@ class CpuTuning(msgspec.Struct, kw_only=True, frozen=True):
     fused_decode_mb: float = 256.0  # the largest weight copy it may keep (MiB)
     int8_rows: int = 24  # w8a16 without the C kernels: _weight_int8pack_mm up to this many rows
     adaptive_threads: bool = True  # each step's thread count chosen from measured step times (step_width.py)
-    prefill_attention: str = "auto"  # prompt chunks: auto | kernels (paged_prefill) | sdpa (attention/cpu.py)
+    prefill_attention: str = "kernels"  # prompt chunks: kernels (paged_prefill) | sdpa (attention/cpu.py)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -9,11 +9,14 @@ multiple of 16): tiles of query positions over the cached rows, skipping the key
 see, where torch's SDPA ran a 128-token causal prompt at a fifth of the cores' speed; other
 layouts keep SDPA. Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
 
-On CPUs with AMX (``amx_bf16``) the balance is the other way for bf16: torch's flash attention
-computes on AMX tiles while ``paged_prefill`` has vector loops, 1.2x slower on 128-token prompts
-and 5x on 2048 or after a long cached prefix. There bf16 prompt chunks take SDPA one sequence at a
-time (no padding to the longest prompt of the step), the keys of a cached prefix gathered from
-their blocks (``cpuTuning.prefillAttention``: ``auto``, ``kernels``, ``sdpa``).
+On CPUs with AMX (``amx_bf16``) torch's flash attention computes bf16 on AMX tiles while
+``paged_prefill`` has vector loops: SDPA is 2-6x faster there (docs/performance.md, "Prompt steps
+on AMX"). ``cpuTuning.prefillAttention: sdpa`` sends prompt chunks to it, one sequence at a time
+(no padding to the longest prompt of the step), the keys of a cached prefix gathered from their
+blocks. It is not the default because its result for a row depends on how many rows the call
+has: a prompt computed fresh and the same prompt after a prefix-cache hit (or split into other
+chunks, or verified as a speculative proposal) then differ in the last bits, and greedy answers
+can part. ``paged_prefill`` computes each row alone, so they never do.
 """
 from __future__ import annotations
 
@@ -22,12 +25,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from mindie.contract.spec import cpu_flags
 from workers import settings
 from workers.attention.paged import PagedAttention, _Decode
 from workers.kernels import cpu_kernels
 
-ROUTES = ("auto", "kernels", "sdpa")
+ROUTES = ("kernels", "sdpa")
 # Query rows per SDPA call of a chunk after a cached prefix: its mask is rows x keys (a 8192-token
 # chunk after 8192 cached would otherwise build a 128 MiB mask, and torch a bf16 copy of it).
 MASK_ROWS = 512
@@ -38,20 +40,14 @@ def _causal_mask(a: int, b: int, s: int) -> torch.Tensor:
     return torch.ones(b - a, s + b, dtype=torch.bool).tril(s + a)
 
 
-def prompt_route(dtype: torch.dtype, kernels: bool, flags: str | None = None) -> str:
-    """Who computes prompt chunks: ``"sdpa"`` (torch, one sequence at a time) or ``"kernels"``
-    (``paged_prefill`` where it covers the layout, its own rules for fp32 below). From
-    ``cpuTuning.prefillAttention``; ``auto`` is SDPA for bf16 on AMX CPUs (torch's flash attention
-    runs on AMX tiles there) and where the C kernels are off, the kernels elsewhere."""
+def prompt_route() -> str:
+    """Who computes prompt chunks (``cpuTuning.prefillAttention``): ``"kernels"`` (``paged_prefill``
+    where it covers the layout, with its own rule for fp32, else the portable path) or ``"sdpa"``
+    (torch, one sequence at a time; sliding-window layers keep the kernels' route)."""
     route = settings.cpu().prefill_attention
     if route not in ROUTES:
         raise ValueError(f"cpuTuning.prefillAttention must be one of {', '.join(ROUTES)}, got {route!r}")
-    if route != "auto":
-        return route
-    if not kernels:
-        return "sdpa"
-    amx = "amx_bf16" in (cpu_flags() if flags is None else flags).split()
-    return "sdpa" if dtype == torch.bfloat16 and amx else "kernels"
+    return route
 
 
 class CpuPagedAttention(PagedAttention):
@@ -77,9 +73,7 @@ class CpuPagedAttention(PagedAttention):
                             and head_dim % 16 == 0)
         # whether prompt chunks' scores are plain fp32 FMAs (fp32 caches; bf16 ones without AVX512-BF16)
         self.plain_fma_prefill = self.code == 0 or (self.lib is not None and not self.lib.has_dpbf16)
-        self.route = prompt_route(dtype, self.lib is not None)
-        if self.route == "kernels" and settings.cpu().prefill_attention == "kernels":
-            self.plain_fma_prefill = False  # forced: the kernel wherever it covers the layout
+        self.route = prompt_route()
         # SDPA route: per prompt chunk (first flat row, first position, count, its blocks or None
         # when fresh, its mask or None); windows keep the kernel (or the portable path)
         self._seqs: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] | None = None

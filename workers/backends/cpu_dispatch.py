@@ -13,8 +13,8 @@ The parts and their choices (docs/performance.md has the figures per machine kin
   the tile state, AVX512-BF16 dot products, AVX-512 or AVX2+FMA loops), above that oneDNN;
 - decode and prefill attention: the C kernels' AVX-512 or AVX2+FMA loops, the portable C loops,
   or torch where the kernels are off (prefill: torch's SDPA where ``paged_prefill`` does not cover
-  the layout, and for bf16 on AMX CPUs, where torch's flash attention runs on AMX tiles:
-  ``cpuTuning.prefillAttention``, workers/attention/cpu.py).
+  the layout, and all of them with ``cpuTuning.prefillAttention: sdpa``: faster on AMX CPUs,
+  where torch's flash attention runs on AMX tiles, not row-independent; workers/attention/cpu.py).
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
         prefill = (f"C {k}" + (" for fresh prompts up to 1024 tokens, else SDPA" if fma else "")
                    if getattr(lib, "has_prefill", False) and dtype in (torch.float32, torch.bfloat16)
                    else "torch SDPA")
-        if prompt_route(dtype, True, flags_line) == "sdpa":
+        if prompt_route() == "sdpa":
             tiles = " (flash attention on AMX tiles)" if dtype == torch.bfloat16 and "amx_bf16" in flags else ""
             prefill = f"torch SDPA per sequence{tiles}, {prefill} for sliding windows"
         if dtype not in (torch.float32, torch.bfloat16) and not (dtype == torch.float16 and lib.has_f16):
