@@ -25,7 +25,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.fixture(params=["kernels", "sdpa"])
 def route(request, monkeypatch) -> str:
-    """cpuTuning.prefillAttention forced to each route (``auto`` picks one of them per machine)."""
+    """cpuTuning.prefillAttention set to each route."""
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_attention=request.param))
     return request.param
 

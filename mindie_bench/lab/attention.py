@@ -7,8 +7,8 @@ and prints microseconds per call and the speed-up. Shapes default to the bench30
 (8 heads, 4 KV heads, head size 64, blocks of 128). With --prefill N each sequence computes a
 prompt chunk of N tokens after `context` cached ones instead (context 0: fresh prompts; the
 torch side is SDPA on the padded batch, the kernel side paged_prefill), and a third column times
-``CpuPagedAttention``'s SDPA route (one sequence at a time; ``cpuTuning.prefillAttention``: what
-``auto`` picks for bf16 on AMX CPUs).
+``CpuPagedAttention``'s SDPA route (one sequence at a time; ``cpuTuning.prefillAttention: sdpa``,
+the faster one on AMX CPUs).
 
     python -m mindie_bench.lab.attention
     python -m mindie_bench.lab.attention --dtype float32 --batch 1,16 --context 512,2048
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             ref = PagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
             ker = CpuPagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
             seq = CpuPagedAttention(1, nb, bs, hkv, d, dt, torch.device("cpu"))
-            ker.route, seq.route = "kernels", "sdpa"  # whatever auto picks on this machine
+            ker.route, seq.route = "kernels", "sdpa"  # both routes, whatever the key says
             for a, b, c in ((ref.k_cache[0], ker.k_cache[0], seq.k_cache[0]), (ref.v_cache[0], ker.v_cache[0], seq.v_cache[0])):
                 a.copy_(torch.randn(a.shape, generator=g).to(dt))
                 b.copy_(a)

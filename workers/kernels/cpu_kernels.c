@@ -1757,6 +1757,14 @@ INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
     if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
     else _mm512_mask_storeu_ps((float *)p + i, k, v);
 }
+
+/* round(silu(g)) * u for 16 lanes: g's bf16 bits (each lane's low 16) index torch's own silu
+ * results (silu_bf16 tables hold 2 spare entries, so the 4-byte gather of the last one stays
+ * inside); the product in fp32, rounded by the store as torch rounds it */
+INLINE __m512 silu_times16(const uint16_t *table, __m512i gbits, __m512 u) {
+    const __m512i t = _mm512_i32gather_epi32(gbits, (const void *)table, 2);
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(t, 16)), u);
+}
 #endif
 
 /* This thread's share of NB 16-channel blocks, split evenly over the team (dealing whole groups
@@ -1824,10 +1832,7 @@ INLINE void dec_swiglu(int dt, const dec_step_t *s, const dec_layer_t *L) {
                     __m512 g = _mm512_loadu_ps(rg + r), u = _mm512_loadu_ps(ru + r);
                     if (L->gate_b) g = _mm512_add_ps(g, load16m(1, L->gate_b, n0, k));
                     if (L->up_b) u = _mm512_add_ps(u, load16m(1, L->up_b, n0, k));
-                    /* the table holds 2 more entries, so the 4-byte gather of the last one stays inside */
-                    const __m512i t = _mm512_i32gather_epi32(bf16_bits16(g), (const void *)s->silu_bf16, 2);
-                    const __m512 sg = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
-                    store16m(1, s->act, m * I + n0, _mm512_mul_ps(sg, round16(1, u)), k);
+                    store16m(1, s->act, m * I + n0, silu_times16(s->silu_bf16, bf16_bits16(g), round16(1, u)), k);
                 }
             continue;
         }
@@ -1859,13 +1864,11 @@ int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, c
         const uint16_t *g = gu + t * gu_stride, *u = g + I;
         for (int64_t i = 0; i < I; i += 16) {
             const __mmask16 k = lanes16(I - i);
+            /* lanes past I load 0: a valid index, their products are not stored */
             const __m512i gi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g + i));
-            /* 4-byte gathers: the table's 2 spare entries keep the last one inside */
-            const __m512i st = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, gi, (const void *)table, 2);
-            const __m512 sg = _mm512_castsi512_ps(_mm512_slli_epi32(st, 16));
             const __m512 uf = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, u + i)), 16));
-            store16m(1, out, t * I + i, _mm512_mul_ps(sg, uf), k);
+            store16m(1, out, t * I + i, silu_times16(table, gi, uf), k);
         }
     }
     return 0;
