@@ -273,6 +273,38 @@ def test_amx_bf16_model_shares_its_layers_with_the_fused_step(models, monkeypatc
     assert calls == 3
 
 
+def test_amx_model_computes_a_prompt_alike_fresh_after_a_prefix_and_in_chunks(tmp_path, monkeypatch):
+    """On AMX CPUs a bf16 model whose linears are KernelLinear (AMX tiles; every model beyond
+    cpuTuning.fusedDecodeMb) and whose prompt attention takes paged_prefill's AMX tiles gives a
+    prompt's rows the same bits fresh, after a prefix-cache hit and in other chunks: each part
+    computes a row from that row alone. (oneDNN's products, the smaller models' prompt path, round
+    a row differently with the row count: docs/design.md.)"""
+    from workers.backends.cpu_linear import KernelLinear
+    lib = cpu_kernels.load()
+    if lib is None or not getattr(lib, "amx_rows", 0) or not getattr(lib, "prefill_amx", False):
+        pytest.skip("no AMX-BF16 tiles here (CPU without amx_bf16, or an AVX2 build)")
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
+    save_random_model("LlamaConfig", {**BASE, "hidden_size": 128}, tmp_path / "m")  # head size 32
+    model = _prepared(tmp_path / "m", torch.bfloat16)
+    assert sum(isinstance(m, KernelLinear) for m in model.modules()) >= 4 * len(model.layers)
+    n = 150
+    ids = torch.randint(3, BASE["vocab_size"], (n,), generator=torch.Generator().manual_seed(0))
+    attn = _attention(model, torch.bfloat16, blocks=64, block_size=16)
+    table = list(range(-(-n // 16)))
+    calls = lib.kernels_prefill_amx_calls()
+
+    def chunk(a: int, b: int) -> torch.Tensor:
+        attn.prepare([table], [a], [b - a])
+        return model(ids[a:b], torch.arange(a, b), attn)
+
+    with torch.inference_mode():
+        fresh = chunk(0, n)
+        for s in (37, 96, n - 3):
+            assert torch.equal(chunk(s, n), fresh[s:]), s
+        assert torch.equal(torch.cat([chunk(0, 50), chunk(50, 101), chunk(101, n)]), fresh)
+    assert lib.kernels_prefill_amx_calls() - calls == 7 * model.args.num_hidden_layers
+
+
 def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_rows=2))  # cpuTuning.fusedDecodeRows
     model = _prepared(models["llama_bias"], torch.bfloat16)

@@ -150,9 +150,9 @@ def test_backend_logs_its_dispatch_once_and_describes_it(tmp_path, caplog, dtype
     from tests.tiny_hf import save_random_model
     from workers.kernels import cpu_kernels
     from workers.models.loader import load_model
-    save_random_model("LlamaConfig", dict(vocab_size=203, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+    save_random_model("LlamaConfig", dict(vocab_size=203, hidden_size=128, intermediate_size=112, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                          bos_token_id=1, eos_token_id=2), tmp_path / "m")
+                                          bos_token_id=1, eos_token_id=2), tmp_path / "m")  # head size 32
     lib = cpu_kernels.load()
     backend = CpuBackend(1)
     model, _ = load_model(tmp_path / "m", dtype)
@@ -175,6 +175,9 @@ def test_backend_logs_its_dispatch_once_and_describes_it(tmp_path, caplog, dtype
     assert not getattr(lib, "amx_rows", 0) or "amx_bf16" in flags.split()
     # prompt chunks: the C kernel unless cpuTuning.prefillAttention asks for SDPA
     assert "prefill attention=torch SDPA per sequence" not in line and "prefill attention=C " in line, line
+    # bf16 prompt chunks on AMX tiles exactly where the build has them and the OS granted them
+    assert ("prefill attention=C amx_bf16 tiles," in line) == (lib.prefill_amx and dtype == torch.bfloat16), line
+    assert not lib.prefill_amx or "amx_bf16" in flags.split()
     if " avx2 " in flags and " fma " in flags and not AVX512_HOST:
         assert lib.has_avx2 and lib.has_prefill and line.startswith("cpu kernels: isa=avx2+fma (no avx512/amx)")
         assert "prefill attention=C avx2 for fresh prompts up to 1024 tokens, else SDPA" in line

@@ -207,28 +207,113 @@ def test_prompt_route_is_the_key_and_refuses_other_values(monkeypatch):
         prompt_route()
 
 
-def test_kernel_route_gives_a_prompt_the_same_bits_fresh_and_after_a_prefix():
-    """Why ``kernels`` is the default: the rows of a prompt's last chunk after a prefix-cache hit
-    equal, bit for bit, the same rows of the prompt computed fresh (the SDPA route does not
-    promise it: its result for a row depends on the call's row count)."""
-    bs, h, hkv, d, dt = 128, 9, 3, 64, torch.bfloat16
+@pytest.fixture(params=["amx", "avx512"])
+def prefill_path(request) -> str:
+    """bf16 prompt chunks through paged_prefill's AMX tiles or through its AVX-512 loops (the only
+    path on CPUs without AMX, where the ``amx`` case is skipped)."""
     lib = cpu_kernels.load()
-    if lib is None or not (lib.has_prefill and lib.has_dpbf16):
+    if lib is None or not lib.has_prefill:
+        pytest.skip(f"no paged_prefill in this build ({cpu_kernels.unavailable_reason() or 'no AVX-512/AVX2'})")
+    if request.param == "amx" and not lib.prefill_amx:
+        pytest.skip("no AMX tiles on this CPU (or the OS did not grant them)")
+    before = lib.kernels_prefill_amx(int(request.param == "amx")) if lib.prefill_amx else 0
+    yield request.param
+    if lib.prefill_amx:
+        lib.kernels_prefill_amx(before)
+
+
+def _amx_calls(lib) -> int:
+    return lib.kernels_prefill_amx_calls() if hasattr(lib, "kernels_prefill_amx_calls") else 0
+
+
+@pytest.mark.parametrize("h,hkv,d,bs,window", [(9, 3, 64, 128, None), (8, 4, 64, 16, None), (32, 8, 64, 32, None),
+                                               (9, 3, 64, 16, 7), (8, 2, 128, 32, 100), (4, 4, 32, 64, None),
+                                               (6, 2, 96, 48, None)])
+def test_kernel_route_gives_a_prompt_the_same_bits_fresh_and_after_a_prefix(prefill_path, h, hkv, d, bs, window):
+    """Why ``kernels`` is the default: the rows of a prompt's chunk after a prefix-cache hit (a
+    prefix ending anywhere in a block), or of a prompt computed in three chunks, equal, bit for
+    bit, the same rows of the prompt computed fresh, on the AMX tiles and on the AVX-512 loops
+    (the SDPA route does not promise it: its result for a row depends on the call's row count).
+    A chunk of one token is a decode (the decode kernel's), so the prefixes leave at least two."""
+    dt = torch.bfloat16
+    lib = cpu_kernels.load()
+    if not lib.has_dpbf16:
         pytest.skip("the kernel takes bf16 chunks after a prefix only with AVX512-BF16 (else SDPA: no such promise)")
     for n in (300, 700):
-        s = n // bs * bs
-        _ref, ker, g = _pair(1, 8, bs, hkv, d, dt, seed=n)
+        _ref, ker, g = _pair(1, -(-n // bs) + 1, bs, hkv, d, dt, seed=n + h + d)
         q = torch.randn(n, h, d, generator=g).to(dt)
         k = torch.randn(n, hkv, d, generator=g).to(dt)
         v = torch.randn(n, hkv, d, generator=g).to(dt)
         table = list(range(-(-n // bs)))
+        amx0 = _amx_calls(lib)
+
+        def chunk(s: int, e: int) -> torch.Tensor:
+            ker.prepare([table], [s], [e - s])
+            return ker(0, q[s:e], k[s:e], v[s:e], window)
+
         with torch.inference_mode():
-            ker.prepare([table], [0], [n])
-            fresh = ker(0, q, k, v, None)
-            ker.prepare([table], [s], [n - s])
-            again = ker(0, q[s:], k[s:], v[s:], None)
-        assert torch.equal(fresh[s:], again), n
-        assert ker.prefill_calls == 2
+            fresh = chunk(0, n)
+            for s in (1, 37, n // bs * bs, n - 5):
+                assert torch.equal(fresh[s:], chunk(s, n)), (n, s)
+            a, b = n // 3, 2 * n // 3
+            parts = torch.cat([chunk(0, a), chunk(a, b), chunk(b, n)])
+        assert torch.equal(fresh, parts), n
+        assert ker.prefill_calls == 8
+        on_tiles = prefill_path == "amx" and d % 32 == 0 and d <= 128
+        assert _amx_calls(lib) - amx0 == (8 if on_tiles else 0)
+
+
+def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None) -> torch.Tensor:
+    """Attention of query rows at positions start.. over keys 0.. in float64 ([n, H, D] from [L, Hkv, D])."""
+    n, h, d = q.shape
+    pos = torch.arange(start, start + n)[:, None]
+    keys = torch.arange(k.shape[0])[None]
+    mask = (keys <= pos) & ((keys > pos - window) if window else True)
+    g = h // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), kk) * d ** -0.5
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, vv)
+
+
+@pytest.mark.parametrize("h,hkv,d,bs,window", [(8, 4, 64, 128, None), (9, 3, 64, 16, None), (8, 2, 128, 32, 50),
+                                               (4, 4, 32, 64, None), (6, 2, 96, 16, None),
+                                               (6, 1, 80, 16, None), (4, 2, 256, 16, None)])  # not on the tiles
+def test_prefill_paths_round_as_the_exact_attention(prefill_path, h, hkv, d, bs, window):
+    """bf16 prompt chunks (one fresh, one after a cached prefix, in one call) against float64
+    attention of the same bf16 inputs: every output within one bf16 step of the exact value (2^-17
+near zero), and
+    at least 99 % of them the exact value rounded (the AMX tiles carry the probabilities as two bf16
+    terms, so they lose nothing a single bf16 would). Head sizes the tiles do not take (not a
+    multiple of 32, above 128) run the AVX-512 loops whatever the switch says."""
+    dt = torch.bfloat16
+    lib = cpu_kernels.load()
+    if not lib.has_dpbf16:
+        pytest.skip("bf16 chunks after a prefix take the kernel only with AVX512-BF16")
+    lens, starts = [150, 90], [0, 70]
+    per = [-(-(s + n) // bs) for s, n in zip(starts, lens)]
+    _ref, ker, g = _pair(1, sum(per), bs, hkv, d, dt, seed=d + bs)
+    tables = [list(range(per[0])), list(range(per[0], sum(per)))]
+    qs = [2 * torch.randn(n, h, d, generator=g).to(dt) for n in lens]  # sharper softmax than unit scores
+    ks = [torch.randn(s + n, hkv, d, generator=g).to(dt) for s, n in zip(starts, lens)]
+    vs = [torch.randn(s + n, hkv, d, generator=g).to(dt) for s, n in zip(starts, lens)]
+    amx0 = _amx_calls(lib)
+    with torch.inference_mode():
+        # the second sequence's prefix: written by a first chunk
+        ker.prepare([tables[1]], [0], [starts[1]])
+        ker(0, torch.zeros(starts[1], h, d, dtype=dt), ks[1][:starts[1]], vs[1][:starts[1]], window)
+        ker.prepare(tables, starts, lens)
+        out = ker(0, torch.cat(qs), torch.cat([k[s:] for k, s in zip(ks, starts)]),
+                  torch.cat([v[s:] for v, s in zip(vs, starts)]), window)
+    exact = torch.cat([_exact_attention(q, k, v, s, window) for q, k, v, s in zip(qs, ks, vs, starts)])
+    # one bf16 step at the exact value's magnitude; near 0 (terms of size ~1 cancelling) 2^-17,
+    # the precision of the probabilities' two bf16 terms
+    step = (exact.abs() * 2.0 ** -7).clamp_min(2.0 ** -17)
+    assert ((out.double() - exact).abs() <= step).all()
+    rounded = (out == exact.to(dt)).double().mean().item()
+    assert rounded >= 0.99, rounded
+    on_tiles = prefill_path == "amx" and d % 32 == 0 and d <= 128
+    assert _amx_calls(lib) - amx0 == (2 if on_tiles else 0)
 
 
 def _run_fresh(code: str, **env) -> str:

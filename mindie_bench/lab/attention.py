@@ -7,8 +7,8 @@ and prints microseconds per call and the speed-up. Shapes default to the bench30
 (8 heads, 4 KV heads, head size 64, blocks of 128). With --prefill N each sequence computes a
 prompt chunk of N tokens after `context` cached ones instead (context 0: fresh prompts; the
 torch side is SDPA on the padded batch, the kernel side paged_prefill), and a third column times
-``CpuPagedAttention``'s SDPA route (one sequence at a time; ``cpuTuning.prefillAttention: sdpa``,
-the faster one on AMX CPUs).
+``CpuPagedAttention``'s SDPA route (one sequence at a time; ``cpuTuning.prefillAttention: sdpa``).
+On AMX CPUs bf16 prompt chunks take the kernel's AMX tiles; a last column times its AVX-512 loops.
 
     python -m mindie_bench.lab.attention
     python -m mindie_bench.lab.attention --dtype float32 --batch 1,16 --context 512,2048
@@ -54,15 +54,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", type=int, default=0, help="prompt-chunk tokens per sequence (0: decode)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
-    if cpu_kernels.load() is None:
+    lib = cpu_kernels.load()
+    if lib is None:
         raise SystemExit(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    # bf16 prompt chunks on AMX tiles: a column for the AVX-512 loops they replace
+    vec_col = bool(args.prefill and lib.prefill_amx and args.dtype == "bfloat16")
     if args.threads:
         torch.set_num_threads(args.threads)
     dt = getattr(torch, args.dtype)
     h, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     print(f"{args.dtype}, {h} heads / {hkv} KV heads x {d}, blocks of {bs}, {torch.get_num_threads()} threads")
     print(f"{'batch':>5} {'context':>7} {'torch us':>9} {'kernel us':>10} {'speed-up':>9} {'max |diff|':>11}"
-          + (f" {'sdpa/seq us':>12} {'kernel/sdpa':>12}" if args.prefill else ""))
+          + (f" {'sdpa/seq us':>12} {'kernel/sdpa':>12}" if args.prefill else "")
+          + (f" {'avx512 us':>10} {'avx512/amx':>11}" if vec_col else ""))
     g = torch.Generator().manual_seed(0)
     for ctx in (int(c) for c in args.context.split(",")):
         for B in (int(b) for b in args.batch.split(",")):
@@ -95,6 +99,14 @@ def main(argv: list[str] | None = None) -> None:
                     diff = max(diff, (ref(0, q, kv, kv).float() - seq(0, q, kv, kv).float()).abs().max().item())
                     t_seq = per_call_us(lambda: seq(0, q, kv, kv), args.reps)
                     extra = f" {t_seq:>12.0f} {t_ker / t_seq:>11.1f}x"
+                if vec_col:
+                    lib.kernels_prefill_amx(0)
+                    try:
+                        diff = max(diff, (ref(0, q, kv, kv).float() - ker(0, q, kv, kv).float()).abs().max().item())
+                        t_vec = per_call_us(lambda: ker(0, q, kv, kv), args.reps)
+                    finally:
+                        lib.kernels_prefill_amx(1)
+                    extra += f" {t_vec:>10.0f} {t_vec / t_ker:>10.1f}x"
             print(f"{B:>5} {ctx:>7} {t_ref:>9.0f} {t_ker:>10.0f} {t_ref / t_ker:>8.1f}x {diff:>11.4f}{extra}")
 
 

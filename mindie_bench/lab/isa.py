@@ -215,7 +215,8 @@ def prompt_step(preset: str, tokens: int, rounds: int, peak: dict) -> None:
     """A prompt-only step of the preset model as a worker runs it (specialised, C kernels): one
     fresh prompt of ``tokens`` tokens and the logits of its last row; its GFLOP/s (products and
     attention) against the best product GFLOP/s measured above for the same dtype. fp32 and bf16
-    (and bf16 with the C kernels' tiled products turned off, where the build has them) take turns
+    (and bf16 with the C kernels' tiled products turned off, where the build has them; on AMX
+    builds bf16 with the prompt attention on the AVX-512 loops, and through SDPA) take turns
     within each round, so their ratio is measured under the same conditions."""
     from workers.backends.cpu import CpuBackend
     from workers.models.demo import PRESETS, ensure_demo_model
@@ -244,6 +245,15 @@ def prompt_step(preset: str, tokens: int, rounds: int, peak: dict) -> None:
         lib = cpu_kernels.load()
         if dt == torch.bfloat16 and lib is not None and lib.has_avx2 and hasattr(lib, "kernels_tile_rows"):
             runs.append((f"{name} (C rows path only)", dt, _forced(lib.kernels_tile_rows, 1 << 40, step)))
+        if dt == torch.bfloat16 and lib is not None and getattr(lib, "prefill_amx", False):
+            # prompt attention on the kernel's AVX-512 loops instead of its AMX tiles, and through
+            # torch's SDPA per sequence (cpuTuning.prefillAttention: sdpa)
+            runs.append((f"{name} (attention avx512)", dt, _forced(lib.kernels_prefill_amx, 0, step)))
+            sdpa = backend.attention_class()(a.num_hidden_layers, -(-tokens // bs) + 1, bs, a.num_key_value_heads,
+                                             a.head_dim, dt, torch.device("cpu"))
+            sdpa.route = "sdpa"
+            runs.append((f"{name} (attention sdpa)", dt,
+                         lambda model=model, attn=sdpa, ids=ids, pos=pos: step(model, attn, ids, pos)))
         proj = a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim \
             + a.num_attention_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
         flop = a.num_hidden_layers * (2.0 * tokens * proj + 2.0 * a.num_attention_heads * a.head_dim * tokens * tokens) \

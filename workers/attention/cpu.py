@@ -9,14 +9,14 @@ multiple of 16): tiles of query positions over the cached rows, skipping the key
 see, where torch's SDPA ran a 128-token causal prompt at a fifth of the cores' speed; other
 layouts keep SDPA. Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
 
-On CPUs with AMX (``amx_bf16``) torch's flash attention computes bf16 on AMX tiles while
-``paged_prefill`` has vector loops: SDPA is 2-6x faster there (docs/performance.md, "Prompt steps
-on AMX"). ``cpuTuning.prefillAttention: sdpa`` sends prompt chunks to it, one sequence at a time
-(no padding to the longest prompt of the step), the keys of a cached prefix gathered from their
-blocks. It is not the default because its result for a row depends on how many rows the call
-has: a prompt computed fresh and the same prompt after a prefix-cache hit (or split into other
-chunks, or verified as a speculative proposal) then differ in the last bits, and greedy answers
-can part. ``paged_prefill`` computes each row alone, so they never do.
+On CPUs with AMX (``amx_bf16``) bf16 chunks take ``paged_prefill``'s AMX tiles (head sizes a
+multiple of 32 up to 128): the scores and the value products as tile products, the online softmax
+in AVX-512 between them, 3-6x its AVX-512 loops and 1.1-1.7x torch's flash attention per sequence
+(docs/performance.md, "Prompt steps on AMX"). Both keep a row's result independent of the other
+rows of its call, which torch's SDPA does not: ``cpuTuning.prefillAttention: sdpa`` sends prompt
+chunks to it, one sequence at a time, the keys of a cached prefix gathered from their blocks, and a
+prompt computed fresh and the same prompt after a prefix-cache hit (or split into other chunks, or
+verified as a speculative proposal) then differ in the last bits, and greedy answers can part.
 """
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ MASK_ROWS = 512
 def _causal_mask(a: int, b: int, s: int) -> torch.Tensor:
     """Query rows a..b-1 of a chunk after s cached positions: row i sees keys 0 .. s + i."""
     return torch.ones(b - a, s + b, dtype=torch.bool).tril(s + a)
+
+
+def amx_prefill_covers(head_dim: int) -> bool:
+    """Whether ``paged_prefill`` takes bf16 chunks of this head size on AMX tiles (where the CPU has
+    them): a multiple of 32 up to 128 (cpu_kernels.c, ``AMX_PRE_D``)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= 128
 
 
 def prompt_route() -> str:

@@ -12,9 +12,10 @@ The parts and their choices (docs/performance.md has the figures per machine kin
   rows with the C kernels' own products (AMX-BF16 tiles where ``amx_bf16`` exists and the OS grants
   the tile state, AVX512-BF16 dot products, AVX-512 or AVX2+FMA loops), above that oneDNN;
 - decode and prefill attention: the C kernels' AVX-512 or AVX2+FMA loops, the portable C loops,
-  or torch where the kernels are off (prefill: torch's SDPA where ``paged_prefill`` does not cover
-  the layout, and all of them with ``cpuTuning.prefillAttention: sdpa``: faster on AMX CPUs,
-  where torch's flash attention runs on AMX tiles, not row-independent; workers/attention/cpu.py).
+  or torch where the kernels are off; bf16 prompt chunks on AMX tiles where ``amx_bf16`` exists
+  (head sizes a multiple of 32 up to 128); torch's SDPA where ``paged_prefill`` does not cover
+  the layout, and all of them with ``cpuTuning.prefillAttention: sdpa`` (not row-independent;
+  workers/attention/cpu.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from mindie.contract.spec import cpu_flags
-from workers.attention.cpu import prompt_route
+from workers.attention.cpu import amx_prefill_covers, prompt_route
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
         prefill = (f"C {k}" + (" for fresh prompts up to 1024 tokens, else SDPA" if fma else "")
                    if getattr(lib, "has_prefill", False) and dtype in (torch.float32, torch.bfloat16)
                    else "torch SDPA")
+        head_dim = getattr(getattr(model, "args", None), "head_dim", None)
+        if (dtype == torch.bfloat16 and getattr(lib, "prefill_amx", False) and getattr(lib, "has_prefill", False)
+                and head_dim is not None and amx_prefill_covers(head_dim)):
+            prefill = "C amx_bf16 tiles"
         if prompt_route() == "sdpa":
             tiles = " (flash attention on AMX tiles)" if dtype == torch.bfloat16 and "amx_bf16" in flags else ""
             prefill = f"torch SDPA per sequence{tiles}, {prefill} for sliding windows"

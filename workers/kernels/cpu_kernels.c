@@ -891,12 +891,23 @@ INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *k
  * cached keys of their sequence up to their own position (this step's keys written first). fp32
  * and bf16 caches with D a multiple of 16, AVX-512 and AVX2 builds: returns -1 otherwise (the caller
  * keeps torch's SDPA), before touching anything. */
+#if HAVE_AMX
+static int prefill_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
+                       int64_t max_blocks, const int64_t *row0, const int64_t *start, const int64_t *nq, int64_t B,
+                       int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, uint16_t *out);
+#endif
+
 int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
                   int64_t max_blocks, const int64_t *row0, const int64_t *start, const int64_t *nq, int64_t B,
                   int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, void *out) {
 #if HAVE_AVX512 || HAVE_AVX2
     if (D > MAX_D || D % 16 != 0 || Hkv <= 0 || H % Hkv != 0 || H / Hkv > PRE_ROWS || (dtype != 0 && dtype != 1))
         return -1;
+#if HAVE_AMX
+    if (dtype == 1 && prefill_amx((const uint16_t *)q, (const uint16_t *)kc, (const uint16_t *)vc, tables, max_blocks,
+                                  row0, start, nq, B, H, Hkv, bs, D, window, scale, (uint16_t *)out) == 0)
+        return 0;
+#endif
     const int64_t G = H / Hkv, QT = PRE_ROWS / G, es = dtype == 0 ? 4 : 2;
     int64_t tiles = 0;
     for (int64_t b = 0; b < B; b++) tiles += (nq[b] + QT - 1) / QT;
@@ -1428,6 +1439,298 @@ static void bf16_group_amx(const uint16_t *x, int64_t M, int64_t K, const uint16
     _tile_release();  /* an unused tile state costs nothing at context switches */
 }
 #endif
+
+/* ---- Prefill attention on AMX tiles (bf16 caches) ---- */
+
+#if HAVE_AMX
+/* paged_prefill's bf16 tiles on AMX: up to AMX_PRE_ROWS (query position, head) rows per tile, the
+ * scores S = Q Kᵀ and the values P V as tile products, the online softmax in AVX-512 between them.
+ *
+ * Each row's result depends on its own query and keys only, never on which other rows share its
+ * tile (a prompt fresh, the same prompt after a prefix-cache hit, chunked otherwise, or its rows
+ * verified as speculative proposals give the same bits):
+ * - tile products compute each row of C from that row of A alone;
+ * - the keys are cut into chunks at absolute positions (multiples of CHUNK, the first one starting
+ *   at a multiple of 32 below the tile's first visible key), so a row sees the same chunks, with
+ *   the same keys in the same lanes and 32-key steps, in any tile; keys a row cannot see weigh
+ *   exactly 0 and add nothing.
+ * The probabilities enter the value product as two bf16 terms (hi + lo: ~16 bits of the fp32
+ * value, where one bf16 would keep 8); their sum, the maxima and the rescaling stay in fp32. */
+#define AMX_PRE_ROWS 128 /* rows per tile at most: longer prompts reread their keys less often */
+#define AMX_PRE_D 128  /* the largest head size on this path (tile budget, workspace) */
+
+typedef struct {
+    uint16_t q[AMX_PRE_ROWS][AMX_PRE_D];   /* the tile's queries, rows past R zero */
+    uint32_t kt[AMX_PRE_D / 2][CHUNK];     /* the chunk's keys as B of the scores: [pair of D][key] */
+    uint32_t vp[CHUNK / 2][AMX_PRE_D];     /* the chunk's values as B of P V: [pair of keys][d] */
+    float sc[AMX_PRE_ROWS][CHUNK];         /* scores, then their exponentials */
+    uint16_t ph[AMX_PRE_ROWS][CHUNK], pl[AMX_PRE_ROWS][CHUNK]; /* exponentials as bf16 hi + lo */
+    float pv[AMX_PRE_ROWS][AMX_PRE_D];     /* this chunk's P V */
+    float acc[AMX_PRE_ROWS][AMX_PRE_D];
+    float m[AMX_PRE_ROWS], l[AMX_PRE_ROWS];
+    int64_t lo[AMX_PRE_ROWS], hi[AMX_PRE_ROWS];
+} amx_pre_ws;
+
+static int prefill_amx_on = 1;
+static int64_t prefill_amx_calls = 0; /* calls this path computed (tests read it) */
+
+static void amx_pre_config(void) {
+    tile_cfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; } /* every operand: 16 rows of 64 bytes */
+    _tile_loadconfig(&c);
+}
+
+/* 16 x 16 32-bit transpose: r[i] lane j -> r[j] lane i */
+INLINE void transpose16(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) {
+        b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* b[4k + c] lane L holds rows 4k..4k+3 of column 4L + c */
+        const __m512i p = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), q = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+        const __m512i p2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88),
+                      q2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(p, p2, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(p, p2, 0xDD);
+        r[4 + c] = _mm512_shuffle_i32x4(q, q2, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(q, q2, 0xDD);
+    }
+}
+
+/* The cached row of position t (KV head kvh), as bf16 */
+INLINE const uint16_t *cached_row(const uint16_t *c, const int64_t *table, int64_t t, int64_t Hkv, int64_t kvh,
+                                  int64_t bs, int64_t D) {
+    return c + ((table[t / bs] * Hkv + kvh) * bs + t % bs) * D;
+}
+
+/* Stage keys c0 .. c0 + n - 1 as kt (word w of key j at kt[w][j]) and values as vp (keys 2k and
+ * 2k + 1 interleaved per d); keys past n up to the next multiple of 32 are zero. */
+static void amx_pre_stage(amx_pre_ws *ws, const uint16_t *kc, const uint16_t *vc, const int64_t *table, int64_t c0,
+                          int64_t n, int64_t Hkv, int64_t kvh, int64_t bs, int64_t D) {
+    const int64_t W = D / 2, n32 = (n + 31) / 32 * 32;
+    for (int64_t j0 = 0; j0 < n32; j0 += 16) {
+        const uint32_t *row[16];
+        for (int j = 0; j < 16; j++)
+            row[j] = j0 + j < n ? (const uint32_t *)cached_row(kc, table, c0 + j0 + j, Hkv, kvh, bs, D) : NULL;
+        for (int64_t w0 = 0; w0 < W; w0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) r[j] = row[j] ? _mm512_loadu_si512(row[j] + w0) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int w = 0; w < 16; w++) _mm512_store_si512(&ws->kt[w0 + w][j0], r[w]);
+        }
+    }
+    /* pair k of d: (V[2k][d], V[2k+1][d]) */
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t k = 0; k < n32 / 2; k++) {
+        const int64_t t = 2 * k;
+        const uint16_t *a = t < n ? cached_row(vc, table, c0 + t, Hkv, kvh, bs, D) : NULL;
+        const uint16_t *b = t + 1 < n ? cached_row(vc, table, c0 + t + 1, Hkv, kvh, bs, D) : NULL;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            const __m512i x = a ? _mm512_loadu_si512(a + d0) : _mm512_setzero_si512();
+            const __m512i y = b ? _mm512_loadu_si512(b + d0) : _mm512_setzero_si512();
+            _mm512_store_si512(&ws->vp[k][d0], _mm512_permutex2var_epi16(x, lo_idx, y));
+            _mm512_store_si512(&ws->vp[k][d0 + 16], _mm512_permutex2var_epi16(x, hi_idx, y));
+        }
+    }
+}
+
+/* C tile i (of up to 4) += A(4) B and A(5) B with B the 16 d of pair rows at bp (stride D pairs) */
+#define PV_STEP(i) do { if (nd > i) { _tile_loadd(6, bp + 16 * i, AMX_PRE_D * 4); _tile_dpbf16ps(i, 4, 6); \
+                                      _tile_dpbf16ps(i, 5, 6); } } while (0)
+#define PV_STORE(i) do { if (nd > i) _tile_stored(i, &ws->pv[rt * 16][d0 + 16 * i], AMX_PRE_D * 4); } while (0)
+
+/* One tile as prefill_tile16 (same arguments, bf16), R = nq * G <= AMX_PRE_ROWS, D a multiple of
+ * 32 up to AMX_PRE_D; the tile configuration is loaded by the caller. */
+static void prefill_tile_amx(amx_pre_ws *ws, const uint16_t *q, int64_t q_stride, const uint16_t *kc,
+                             const uint16_t *vc, const int64_t *table, int64_t p0, int64_t nq, int64_t H, int64_t Hkv,
+                             int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh, uint16_t *out) {
+    const int64_t G = H / Hkv, R = nq * G, RT = (R + 15) / 16;
+    for (int64_t r = 0; r < RT * 16; r++) {
+        if (r < R) {
+            memcpy(ws->q[r], q + (r / G) * q_stride + (kvh * G + r % G) * D, (size_t)D * 2);
+            ws->hi[r] = p0 + r / G;
+            ws->lo[r] = item_first(ws->hi[r], window);
+            memset(ws->acc[r], 0, (size_t)D * 4);
+            ws->m[r] = -INFINITY;
+            ws->l[r] = 0.0f;
+        } else {
+            memset(ws->q[r], 0, (size_t)D * 2);
+            memset(ws->ph[r], 0, sizeof ws->ph[r]);
+            memset(ws->pl[r], 0, sizeof ws->pl[r]);
+        }
+    }
+    const int64_t last = ws->hi[R - 1];
+    for (int64_t c0 = ws->lo[0] / 32 * 32, n; c0 <= last; c0 += n) {
+        const int64_t cend = (c0 / CHUNK + 1) * CHUNK < last + 1 ? (c0 / CHUNK + 1) * CHUNK : last + 1;
+        n = cend - c0;
+        const int64_t n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
+        int64_t r0 = 0, r1 = R; /* the rows that see some key of this chunk (positions rise with r) */
+        while (r0 < R && ws->hi[r0] < c0) r0++;
+        while (r1 > r0 && ws->lo[r1 - 1] > cend - 1) r1--;
+        if (r0 >= r1) continue;
+        const int64_t rt0 = r0 / 16, rt1 = (r1 + 15) / 16, ra = rt0 * 16, rb = rt1 * 16 < R ? rt1 * 16 : R;
+        amx_pre_stage(ws, kc, vc, table, c0, n, Hkv, kvh, bs, D);
+        /* scores of the key groups some row of the row tile sees */
+        for (int64_t rt = rt0; rt < rt1; rt++) {
+            const int64_t top = rt * 16 + 15 < R ? rt * 16 + 15 : R - 1;
+            for (int64_t j0 = 0; j0 < n16; j0 += 16) {
+                if (c0 + j0 > ws->hi[top] || c0 + j0 + 15 < ws->lo[rt * 16]) continue;
+                _tile_zero(0);
+                for (int64_t w0 = 0; w0 < D / 2; w0 += 16) {
+                    _tile_loadd(1, &ws->q[rt * 16][2 * w0], AMX_PRE_D * 2);
+                    _tile_loadd(2, &ws->kt[w0][j0], CHUNK * 4);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, &ws->sc[rt * 16][j0], CHUNK * 4);
+            }
+        }
+        /* online softmax per row: scaled, masked, the running maximum and sum; bf16 hi + lo terms */
+        for (int64_t r = ra; r < rb; r++) {
+            const int64_t lo = ws->lo[r], hi = ws->hi[r];
+            __m512 mx = _mm512_set1_ps(ws->m[r]);
+            for (int64_t j = 0; j < n32; j += 16) {
+                const int64_t t = c0 + j, left = n - j;
+                const __mmask16 k = left > 0 && t <= hi && t + 15 >= lo ? visible16(t, left < 16 ? left : 16, lo, hi) : 0;
+                const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), k, _mm512_loadu_ps(ws->sc[r] + j),
+                                                    _mm512_set1_ps(scale));
+                _mm512_store_ps(ws->sc[r] + j, s);
+                mx = _mm512_mask_max_ps(mx, k, s, mx);
+            }
+            const float mb = _mm512_reduce_max_ps(mx);
+            if (mb > ws->m[r]) {
+                const float corr = expf(ws->m[r] - mb); /* 0 on the first chunk: m = -inf */
+                ws->l[r] *= corr;
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_store_ps(ws->acc[r] + d, _mm512_mul_ps(_mm512_load_ps(ws->acc[r] + d), _mm512_set1_ps(corr)));
+                ws->m[r] = mb;
+            }
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n32; j += 32) {
+                __m512 e[2];
+                for (int h = 0; h < 2; h++) {
+                    const __m512 s = _mm512_load_ps(ws->sc[r] + j + 16 * h);
+                    /* -inf - mb = -inf: exp16 gives 0; a row with no visible key yet (mb = -inf) gets NaN, masked */
+                    e[h] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                               exp16(_mm512_sub_ps(s, _mm512_set1_ps(mb))));
+                    sum = _mm512_add_ps(sum, e[h]);
+                }
+                const __m512bh hb = _mm512_cvtne2ps_pbh(e[1], e[0]);
+                const __m512i hw = (__m512i)hb;
+                /* the bf16 value back in fp32: the low half words shifted up */
+                const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
+                const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
+                _mm512_store_si512(ws->ph[r] + j, hw);
+                _mm512_store_si512(ws->pl[r] + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(e[1], h1),
+                                                                               _mm512_sub_ps(e[0], h0)));
+            }
+            ws->l[r] += _mm512_reduce_add_ps(sum);
+        }
+        /* P V for the active row tiles, 64 columns of d per pass */
+        for (int64_t rt = rt0; rt < rt1; rt++)
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int nd = D - d0 >= 64 ? 4 : (int)((D - d0) / 16);
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kk = 0; kk < n32; kk += 32) {
+                    _tile_loadd(4, ws->ph[rt * 16] + kk, CHUNK * 2);
+                    _tile_loadd(5, ws->pl[rt * 16] + kk, CHUNK * 2);
+                    const uint32_t *bp = &ws->vp[kk / 2][d0];
+                    PV_STEP(0); PV_STEP(1); PV_STEP(2); PV_STEP(3);
+                }
+                PV_STORE(0); PV_STORE(1); PV_STORE(2); PV_STORE(3);
+            }
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_store_ps(ws->acc[r] + d, _mm512_add_ps(_mm512_load_ps(ws->acc[r] + d), _mm512_load_ps(ws->pv[r] + d)));
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / G, h = kvh * G + r % G;
+        const float inv = 1.0f / ws->l[r];
+        for (int64_t d = 0; d < D; d++) out[i * q_stride + h * D + d] = f32_to_bf16(ws->acc[r][d] * inv);
+    }
+}
+#undef PV_STEP
+#undef PV_STORE
+
+/* paged_prefill's bf16 chunks on AMX tiles; -1 where this path does not cover the call */
+static int prefill_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
+                       int64_t max_blocks, const int64_t *row0, const int64_t *start, const int64_t *nq, int64_t B,
+                       int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, uint16_t *out) {
+    if (!__atomic_load_n(&prefill_amx_on, __ATOMIC_RELAXED) || D % 32 != 0 || D > AMX_PRE_D || !amx_ready())
+        return -1;
+    const int64_t G = H / Hkv;
+    /* the most rows per tile that still leave two (tile, KV head) items per thread (a row's
+     * result does not depend on the tile's size) */
+    int64_t QT = AMX_PRE_ROWS / G, tiles = 0;
+    for (;; QT = (QT + 1) / 2) {
+        tiles = 0;
+        for (int64_t b = 0; b < B; b++) tiles += (nq[b] + QT - 1) / QT;
+        if (QT * G <= 16 || tiles * Hkv >= 2 * omp_get_max_threads()) break;
+    }
+    int64_t (*tile)[2] = (int64_t (*)[2])malloc((size_t)(tiles > 0 ? tiles : 1) * sizeof *tile);
+    if (tile == NULL) return -1;
+    for (int64_t b = 0, i = 0; b < B; b++)
+        for (int64_t a = 0; a < nq[b]; a += QT, i++) { tile[i][0] = b; tile[i][1] = a; }
+    int failed = 0;
+    _Pragma("omp parallel if (tiles * Hkv > 1)")
+    {
+        /* every thread takes part in the loop (a work-sharing construct): one without a workspace
+         * skips its tiles and the call fails (the caller recomputes them all) */
+        amx_pre_ws *ws = (amx_pre_ws *)aligned_alloc(64, sizeof(amx_pre_ws));
+        if (ws != NULL) amx_pre_config();
+        else __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t w = 0; w < tiles * Hkv; w++) {
+            if (ws == NULL) continue;
+            const int64_t b = tile[w / Hkv][0], a = tile[w / Hkv][1], kvh = w % Hkv;
+            const int64_t n = nq[b] - a < QT ? nq[b] - a : QT, off = (row0[b] + a) * H * D;
+            prefill_tile_amx(ws, q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv, bs, D,
+                             window, scale, kvh, out + off);
+        }
+        if (ws != NULL) {
+            _tile_release();
+            free(ws);
+        }
+    }
+    free(tile);
+    if (failed) return -2;
+    __atomic_add_fetch(&prefill_amx_calls, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+#endif
+
+/* Whether bf16 prompt chunks take AMX tiles (paged_prefill): on >= 0 sets it (tests and benchmarks
+ * compare both paths); returns the previous setting, 0 where this build or the OS has no AMX. */
+int kernels_prefill_amx(int on) {
+#if HAVE_AMX
+    if (!amx_ready()) return 0;
+    return on >= 0 ? __atomic_exchange_n(&prefill_amx_on, on ? 1 : 0, __ATOMIC_RELAXED)
+                   : __atomic_load_n(&prefill_amx_on, __ATOMIC_RELAXED);
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+/* How many paged_prefill calls the AMX path has computed in this process */
+int64_t kernels_prefill_amx_calls(void) {
+#if HAVE_AMX
+    return __atomic_load_n(&prefill_amx_calls, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
 
 /* Sets the row count from which gemv_group's bf16 products (the fused decode step, linear_rows)
  * take AMX tiles (tests and benchmarks force either path: 1 = always, a huge value = never);

@@ -159,6 +159,14 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.kernels_amx_rows.restype = ctypes.c_int64
         lib.kernels_amx_rows.argtypes = [ctypes.c_int64]
     lib.amx_rows = int(lib.kernels_amx_rows(0)) if hasattr(lib, "kernels_amx_rows") else 0
+    # whether bf16 prompt chunks take AMX tiles in paged_prefill (0: no AMX in this build or not
+    # granted; a library from an older source lacks the function)
+    if hasattr(lib, "kernels_prefill_amx"):
+        lib.kernels_prefill_amx.restype = ctypes.c_int
+        lib.kernels_prefill_amx.argtypes = [ctypes.c_int]
+        lib.kernels_prefill_amx_calls.restype = ctypes.c_int64
+        lib.kernels_prefill_amx_calls.argtypes = []
+    lib.prefill_amx = bool(lib.kernels_prefill_amx(-1)) if hasattr(lib, "kernels_prefill_amx") else False
     lib.has_f16 = bool(lib.kernels_have_f16())  # compilers without _Float16 build fp32/bf16 only
     return lib
 
