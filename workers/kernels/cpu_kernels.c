@@ -1834,6 +1834,36 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
     }
 }
 
+#if HAVE_AVX512BW
+/* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
+
+/* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
+INLINE __m512i bf16_bits16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+}
+
+INLINE __m512 round16(int dt, __m512 f) {
+    return dt == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
+}
+
+INLINE __m512 load16m(int dt, const void *p, int64_t i, __mmask16 k) {
+    if (dt == 1)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
+    if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+    else _mm512_mask_storeu_ps((float *)p + i, k, v);
+}
+#endif
+
 /* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above (int8 with
  * scales when scale != NULL): the decode step's products on their own, and the CPU's int8 linears
  * at small row counts (workers/backends/int8.py). Rows go DEC_MAX_ROWS at a time through each group,
@@ -1881,10 +1911,22 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
         for (int64_t m0 = p0; m0 < p1; m0 += DEC_MAX_ROWS) {
             const int64_t mm = p1 - m0 < DEC_MAX_ROWS ? p1 - m0 : DEC_MAX_ROWS;
             gemv_group(dt, (const char *)x + m0 * K * es, mm, K, pw, scale, g0, nb, res);
-            for (int64_t m = 0; m < mm; m++)
-                for (int64_t n = g0 * 16; n < N && n < (g0 + nb) * 16; n++)
-                    store_one(dt, out, (m0 + m) * N + n,
-                              res[m * GROUP * 16 + n - g0 * 16] + (bias ? load_one(dt, bias, n) : 0.0f));
+            const int64_t n0 = g0 * 16, n1 = N < (g0 + nb) * 16 ? N : (g0 + nb) * 16;
+            for (int64_t m = 0; m < mm; m++) {
+#if HAVE_AVX512BW
+                /* 16 outputs at a time, rounded as store_one rounds them (a scalar loop took a sixth
+                 * of a 512-row bf16 product on AMX) */
+                for (int64_t n = n0; n < n1; n += 16) {
+                    const __mmask16 k = lanes16(n1 - n);
+                    __m512 v = _mm512_maskz_loadu_ps(k, res + m * GROUP * 16 + n - n0);
+                    if (bias) v = _mm512_add_ps(v, load16m(dt, bias, n, k));
+                    store16m(dt, out, (m0 + m) * N + n, v, k);
+                }
+#else
+                for (int64_t n = n0; n < n1; n++)
+                    store_one(dt, out, (m0 + m) * N + n, res[m * GROUP * 16 + n - n0] + (bias ? load_one(dt, bias, n) : 0.0f));
+#endif
+            }
         }
     }
     }
@@ -2033,34 +2075,6 @@ typedef struct {
 } dec_step_t;
 
 #if HAVE_AVX512BW
-/* The vector forms of f32_to_bf16 / load_one / store_one for the step's outputs, bit for bit. */
-
-/* each lane's bf16 (round to nearest even, NaN made quiet) in its low 16 bits */
-INLINE __m512i bf16_bits16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
-    const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-}
-
-INLINE __m512 round16(int dt, __m512 f) {
-    return dt == 1 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
-}
-
-INLINE __m512 load16m(int dt, const void *p, int64_t i, __mmask16 k) {
-    if (dt == 1)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
-    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
-}
-
-INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
-    if (dt == 1) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(bf16_bits16(v)));
-    else _mm512_mask_storeu_ps((float *)p + i, k, v);
-}
-
 /* round(silu(g)) * u for 16 lanes: g's bf16 bits (each lane's low 16) index torch's own silu
  * results (silu_bf16 tables hold 2 spare entries, so the 4-byte gather of the last one stays
  * inside); the product in fp32, rounded by the store as torch rounds it */
