@@ -15,8 +15,9 @@ in AVX-512 between them, 3-6x its AVX-512 loops and 1.1-1.7x torch's flash atten
 (docs/performance.md, "Prompt steps on AMX"). Both keep a row's result independent of the other
 rows of its call, which torch's SDPA does not: ``cpuTuning.prefillAttention: sdpa`` sends prompt
 chunks to it, one sequence at a time, the keys of a cached prefix gathered from their blocks, and a
-prompt computed fresh and the same prompt after a prefix-cache hit (or split into other chunks, or
-verified as a speculative proposal) then differ in the last bits, and greedy answers can part.
+prompt computed fresh and the same prompt after a prefix-cache hit (or split into other chunks)
+then differ in the last bits, and greedy answers can part. (The whole model is row-independent
+only where its products are too: KernelLinear is, oneDNN is not; docs/design.md.)
 """
 from __future__ import annotations
 

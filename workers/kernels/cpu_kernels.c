@@ -1447,8 +1447,8 @@ static void bf16_group_amx(const uint16_t *x, int64_t M, int64_t K, const uint16
  * scores S = Q Kᵀ and the values P V as tile products, the online softmax in AVX-512 between them.
  *
  * Each row's result depends on its own query and keys only, never on which other rows share its
- * tile (a prompt fresh, the same prompt after a prefix-cache hit, chunked otherwise, or its rows
- * verified as speculative proposals give the same bits):
+ * tile (a prompt fresh, the same prompt after a prefix-cache hit and chunked otherwise give the
+ * same bits):
  * - tile products compute each row of C from that row of A alone;
  * - the keys are cut into chunks at absolute positions (multiples of CHUNK, the first one starting
  *   at a multiple of 32 below the tile's first visible key), so a row sees the same chunks, with
@@ -1545,7 +1545,7 @@ static void amx_pre_stage(amx_pre_ws *ws, const uint16_t *kc, const uint16_t *vc
     }
 }
 
-/* C tile i (of up to 4) += A(4) B and A(5) B with B the 16 d of pair rows at bp (stride D pairs) */
+/* C tile i (of up to 4) += A(4) B and A(5) B, B the 16 d from 16 d * i of the pair rows at bp */
 #define PV_STEP(i) do { if (nd > i) { _tile_loadd(6, bp + 16 * i, AMX_PRE_D * 4); _tile_dpbf16ps(i, 4, 6); \
                                       _tile_dpbf16ps(i, 5, 6); } } while (0)
 #define PV_STORE(i) do { if (nd > i) _tile_stored(i, &ws->pv[rt * 16][d0 + 16 * i], AMX_PRE_D * 4); } while (0)
