@@ -2003,6 +2003,29 @@ int rms_norm(int dtype, const void *x, int64_t row_stride, const void *w, void *
 
 INLINE void rope_token(int dtype, void *x, int64_t base0, int64_t H, int64_t D, const float *cr, const float *sr) {
     const int64_t half = D / 2;
+#if HAVE_AVX512BW
+    if (dtype == 1 && half % 16 == 0 && half <= 128) {
+        /* bf16, 16 lanes at a time: the same products, sums and roundings (bf16_bits16 is
+         * f32_to_bf16), so the same bits; the scalar loop below took ~1 ns per element */
+        __m512 c[8], s[8];
+        for (int64_t v = 0; v < half / 16; v++) {
+            c[v] = round16(1, _mm512_loadu_ps(cr + 16 * v));
+            s[v] = round16(1, _mm512_loadu_ps(sr + 16 * v));
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t base = base0 + h * D;
+            for (int64_t v = 0; v < half / 16; v++) {
+                const int64_t i = base + 16 * v;
+                const __m512 x1 = load16m(1, x, i, 0xFFFF), x2 = load16m(1, x, i + half, 0xFFFF);
+                const __m512 a = _mm512_sub_ps(round16(1, _mm512_mul_ps(x1, c[v])), round16(1, _mm512_mul_ps(x2, s[v])));
+                const __m512 b = _mm512_add_ps(round16(1, _mm512_mul_ps(x2, c[v])), round16(1, _mm512_mul_ps(x1, s[v])));
+                store16m(1, x, i, a, 0xFFFF);
+                store16m(1, x, i + half, b, 0xFFFF);
+            }
+        }
+        return;
+    }
+#endif
     float c[half], s[half];
     for (int64_t i = 0; i < half; i++) { c[i] = round_to(dtype, cr[i]); s[i] = round_to(dtype, sr[i]); }
     for (int64_t h = 0; h < H; h++) {
