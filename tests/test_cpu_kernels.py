@@ -14,7 +14,7 @@ import torch
 
 from workers import settings
 from workers.kernels import cpu_kernels
-from workers.attention.cpu import CpuPagedAttention, prompt_route
+from workers.attention.cpu import CpuPagedAttention, amx_prefill_covers, prompt_route
 from workers.backends.cpu_fused import CpuRMSNorm, CpuRotaryEmbedding
 from workers.attention.paged import PagedAttention
 from workers.models.config import RopeScaling
@@ -259,7 +259,7 @@ def test_kernel_route_gives_a_prompt_the_same_bits_fresh_and_after_a_prefix(pref
             parts = torch.cat([chunk(0, a), chunk(a, b), chunk(b, n)])
         assert torch.equal(fresh, parts), n
         assert ker.prefill_calls == 8
-        on_tiles = prefill_path == "amx" and d % 32 == 0 and d <= 128
+        on_tiles = prefill_path == "amx" and amx_prefill_covers(d)
         assert _amx_calls(lib) - amx0 == (8 if on_tiles else 0)
 
 
@@ -282,9 +282,8 @@ def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 def test_prefill_paths_round_as_the_exact_attention(prefill_path, h, hkv, d, bs, window):
     """bf16 prompt chunks (one fresh, one after a cached prefix, in one call) against float64
     attention of the same bf16 inputs: every output within one bf16 step of the exact value (2^-17
-near zero), and
-    at least 99 % of them the exact value rounded (the AMX tiles carry the probabilities as two bf16
-    terms, so they lose nothing a single bf16 would). Head sizes the tiles do not take (not a
+    near zero), and at least 99 % of them the exact value rounded (the AMX tiles carry the
+    probabilities as two bf16 terms, so they lose nothing a single bf16 would). Head sizes the tiles do not take (not a
     multiple of 32, above 128) run the AVX-512 loops whatever the switch says."""
     dt = torch.bfloat16
     lib = cpu_kernels.load()
@@ -312,7 +311,7 @@ near zero), and
     assert ((out.double() - exact).abs() <= step).all()
     rounded = (out == exact.to(dt)).double().mean().item()
     assert rounded >= 0.99, rounded
-    on_tiles = prefill_path == "amx" and d % 32 == 0 and d <= 128
+    on_tiles = prefill_path == "amx" and amx_prefill_covers(d)
     assert _amx_calls(lib) - amx0 == (2 if on_tiles else 0)
 
 

@@ -891,6 +891,25 @@ INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *k
  * cached keys of their sequence up to their own position (this step's keys written first). fp32
  * and bf16 caches with D a multiple of 16, AVX-512 and AVX2 builds: returns -1 otherwise (the caller
  * keeps torch's SDPA), before touching anything. */
+#if HAVE_AVX512 || HAVE_AVX2
+/* paged_prefill's tiles: each sequence's nq[b] queries QT at a time */
+static int64_t tile_count(const int64_t *nq, int64_t B, int64_t QT) {
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < B; b++) tiles += (nq[b] + QT - 1) / QT;
+    return tiles;
+}
+
+/* The flat list of those tiles: tile i's sequence at [2 i], its first query at [2 i + 1]; NULL when
+ * out of memory */
+static int64_t *tile_list(const int64_t *nq, int64_t B, int64_t QT, int64_t tiles) {
+    int64_t *tile = (int64_t *)malloc((size_t)(tiles > 0 ? tiles : 1) * 2 * sizeof *tile);
+    if (tile != NULL)
+        for (int64_t b = 0, i = 0; b < B; b++)
+            for (int64_t a = 0; a < nq[b]; a += QT, i++) { tile[2 * i] = b; tile[2 * i + 1] = a; }
+    return tile;
+}
+#endif
+
 #if HAVE_AMX
 static int prefill_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *tables,
                        int64_t max_blocks, const int64_t *row0, const int64_t *start, const int64_t *nq, int64_t B,
@@ -908,17 +927,12 @@ int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, cons
                                   row0, start, nq, B, H, Hkv, bs, D, window, scale, (uint16_t *)out) == 0)
         return 0;
 #endif
-    const int64_t G = H / Hkv, QT = PRE_ROWS / G, es = dtype == 0 ? 4 : 2;
-    int64_t tiles = 0;
-    for (int64_t b = 0; b < B; b++) tiles += (nq[b] + QT - 1) / QT;
-    /* tile i of the flat list: its sequence and first query */
-    int64_t (*tile)[2] = (int64_t (*)[2])malloc((size_t)(tiles > 0 ? tiles : 1) * sizeof *tile);
+    const int64_t G = H / Hkv, QT = PRE_ROWS / G, es = dtype == 0 ? 4 : 2, tiles = tile_count(nq, B, QT);
+    int64_t *tile = tile_list(nq, B, QT, tiles);
     if (tile == NULL) return -1;
-    for (int64_t b = 0, i = 0; b < B; b++)
-        for (int64_t a = 0; a < nq[b]; a += QT, i++) { tile[i][0] = b; tile[i][1] = a; }
     _Pragma("omp parallel for schedule(dynamic, 1) if (tiles * Hkv > 1)")
     for (int64_t w = 0; w < tiles * Hkv; w++) {
-        const int64_t b = tile[w / Hkv][0], a = tile[w / Hkv][1], kvh = w % Hkv;
+        const int64_t b = tile[2 * (w / Hkv)], a = tile[2 * (w / Hkv) + 1], kvh = w % Hkv;
         const int64_t n = nq[b] - a < QT ? nq[b] - a : QT;
         const int64_t off = (row0[b] + a) * H * D * es;
         if (dtype == 0)
@@ -1474,14 +1488,6 @@ typedef struct {
 static int prefill_amx_on = 1;
 static int64_t prefill_amx_calls = 0; /* calls this path computed (tests read it) */
 
-static void amx_pre_config(void) {
-    tile_cfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) { c.rows[t] = 16; c.colsb[t] = 64; } /* every operand: 16 rows of 64 bytes */
-    _tile_loadconfig(&c);
-}
-
 /* 16 x 16 32-bit transpose: r[i] lane j -> r[j] lane i */
 INLINE void transpose16(__m512i *r) {
     __m512i a[16], b[16];
@@ -1672,28 +1678,25 @@ static int prefill_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
     const int64_t G = H / Hkv;
     /* the most rows per tile that still leave two (tile, KV head) items per thread (a row's
      * result does not depend on the tile's size) */
-    int64_t QT = AMX_PRE_ROWS / G, tiles = 0;
+    int64_t QT = AMX_PRE_ROWS / G, tiles;
     for (;; QT = (QT + 1) / 2) {
-        tiles = 0;
-        for (int64_t b = 0; b < B; b++) tiles += (nq[b] + QT - 1) / QT;
+        tiles = tile_count(nq, B, QT);
         if (QT * G <= 16 || tiles * Hkv >= 2 * omp_get_max_threads()) break;
     }
-    int64_t (*tile)[2] = (int64_t (*)[2])malloc((size_t)(tiles > 0 ? tiles : 1) * sizeof *tile);
+    int64_t *tile = tile_list(nq, B, QT, tiles);
     if (tile == NULL) return -1;
-    for (int64_t b = 0, i = 0; b < B; b++)
-        for (int64_t a = 0; a < nq[b]; a += QT, i++) { tile[i][0] = b; tile[i][1] = a; }
     int failed = 0;
     _Pragma("omp parallel if (tiles * Hkv > 1)")
     {
         /* every thread takes part in the loop (a work-sharing construct): one without a workspace
          * skips its tiles and the call fails (the caller recomputes them all) */
         amx_pre_ws *ws = (amx_pre_ws *)aligned_alloc(64, sizeof(amx_pre_ws));
-        if (ws != NULL) amx_pre_config();
+        if (ws != NULL) amx_config2(16); /* every operand: 16 rows of 64 bytes */
         else __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t w = 0; w < tiles * Hkv; w++) {
             if (ws == NULL) continue;
-            const int64_t b = tile[w / Hkv][0], a = tile[w / Hkv][1], kvh = w % Hkv;
+            const int64_t b = tile[2 * (w / Hkv)], a = tile[2 * (w / Hkv) + 1], kvh = w % Hkv;
             const int64_t n = nq[b] - a < QT ? nq[b] - a : QT, off = (row0[b] + a) * H * D;
             prefill_tile_amx(ws, q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv, bs, D,
                              window, scale, kvh, out + off);
