@@ -188,20 +188,22 @@ def amx_rows():
     LIB.kernels_amx_rows(before)
 
 
-@pytest.mark.parametrize("k, n", SHAPES + [(300, 170), (2048, 2048)])
+@pytest.mark.parametrize("k, n", SHAPES + [(300, 170), (512, 170), (1024, 100), (2048, 2048)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_tiles_agree_with_torch_and_are_row_independent(amx_rows, k, n, threads):
     """On AMX CPUs the bf16 products of the fused decode step and linear_rows take tiles of 16
     rows x 32 values of K (two row tiles by two blocks from 32 rows): within one bf16 rounding of torch's fp32 product, across row tiles (16)
     and their tails, K tails (K not a multiple of 32) and N not a multiple of 16; a row's output
-    does not depend on its neighbours (alone or at any place of a batch, the same bits); odd K
-    keeps the dot products (the layout's zero pad would meet a value past the row)."""
+    does not depend on its neighbours (alone or at any place of a batch, the same bits; past 64
+    rows with K a multiple of 32 up to 1024 linear_rows takes panels of up to 512 rows through
+    each block pair, bf16_panel_amx); odd K keeps the dot products (the layout's zero pad would meet a value past
+    the row)."""
     w, b, pw = _layer(k, n, k + n)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.randn(97, k).to(torch.bfloat16)
-        for m in (1, 3, 15, 16, 17, 33, 64, 97):
+        x = torch.randn(1100, k).to(torch.bfloat16)
+        for m in (1, 3, 15, 16, 17, 33, 64, 65, 97, 1100):
             for bias in (None, b):
                 LIB.kernels_amx_rows(1)
                 tiles = _run(x[:m].contiguous(), pw, n, bias)
@@ -213,8 +215,10 @@ def test_amx_tiles_agree_with_torch_and_are_row_independent(amx_rows, k, n, thre
                     assert torch.equal(tiles, dots), m
         LIB.kernels_amx_rows(1)
         together = _run(x, pw, n, None)
-        for r in (0, 5, 15, 16, 31, 63, 64, 96):
+        for r in (0, 5, 15, 16, 31, 63, 64, 96, 511, 512, 600, 1023, 1024, 1099):
             assert torch.equal(_run(x[r:r + 1].contiguous(), pw, n, None)[0], together[r]), r
+        for a, m in ((1, 80), (30, 513), (500, 600)):  # a panel's rows as another call's
+            assert torch.equal(_run(x[a:a + m].contiguous(), pw, n, None), together[a:a + m]), (a, m)
     finally:
         torch.set_num_threads(before)
 

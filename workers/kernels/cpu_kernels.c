@@ -1452,6 +1452,47 @@ static void bf16_group_amx(const uint16_t *x, int64_t M, int64_t K, const uint16
     }
     _tile_release();  /* an unused tile state costs nothing at context switches */
 }
+
+/* linear_rows' products of one group over a whole panel of rows on AMX tiles, K a multiple of 32
+ * up to AMX_PANEL_K: res [M][GROUP * 16] as bf16_group_amx gives it, bit for bit (the same 32-value
+ * steps of K in the same order), with the loops turned so that a block pair's weights (2 x 16 x K:
+ * up to 64 KiB) stay near while every row pair of the panel passes over them: each step then loads
+ * two tiles from L2 instead of four (bf16_group_amx2 takes its 64 rows at a time through all 4
+ * blocks). A larger K would need its sums stored and loaded back between chunks of K, which costs
+ * more than it saves (measured on the 1B shape, K 2048). */
+#define AMX_PANEL_K 1024
+static void bf16_panel_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
+                           float *res) {
+    const int64_t KP = K / 2, full = M / 32 * 32;
+    const uint16_t *w[GROUP];
+    for (int b = 0; b < GROUP; b++) w[b] = wb + block_of(g0, b, nb) * KP * 32;
+    if (full) amx_config2(16);
+    for (int bp = 0; bp < GROUP && full; bp += 2) {
+        const uint16_t *w0 = w[bp], *w1 = w[bp + 1];
+        for (int64_t r0 = 0; r0 < full; r0 += 32) {
+            const uint16_t *xa = x + r0 * K, *xb = xa + 16 * K;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t p = 0; p < KP; p += 16) {
+                _tile_loadd(4, xa + 2 * p, K * 2);
+                _tile_loadd(6, w0 + p * 32, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(7, w1 + p * 32, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_loadd(5, xb + 2 * p, K * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            float *o = res + r0 * GROUP * 16 + bp * 16;
+            _tile_stored(0, o, GROUP * 16 * 4); _tile_stored(1, o + 16, GROUP * 16 * 4);
+            _tile_stored(2, o + 16 * GROUP * 16, GROUP * 16 * 4);
+            _tile_stored(3, o + 16 * GROUP * 16 + 16, GROUP * 16 * 4);
+        }
+    }
+    if (full < M)  /* the last rows (< 32) as gemv_group takes them; it releases the tiles */
+        bf16_group_amx(x + full * K, M - full, K, wb, g0, nb, res + full * GROUP * 16);
+    else
+        _tile_release();
+}
 #endif
 
 /* ---- Prefill attention on AMX tiles (bf16 caches) ---- */
@@ -1867,6 +1908,28 @@ INLINE void store16m(int dt, void *p, int64_t i, __m512 v, __mmask16 k) {
 }
 #endif
 
+/* out rows m0 .. m0 + mm of the group's channels from res [mm][GROUP * 16], bias added, rounded
+ * to the element type */
+INLINE void store_group(int dt, const float *res, int64_t mm, int64_t m0, int64_t g0, int64_t nb, int64_t N,
+                        const void *bias, void *out) {
+    const int64_t n0 = g0 * 16, n1 = N < (g0 + nb) * 16 ? N : (g0 + nb) * 16;
+    for (int64_t m = 0; m < mm; m++) {
+#if HAVE_AVX512BW
+        /* 16 outputs at a time, rounded as store_one rounds them (a scalar loop took a sixth
+         * of a 512-row bf16 product on AMX) */
+        for (int64_t n = n0; n < n1; n += 16) {
+            const __mmask16 k = lanes16(n1 - n);
+            __m512 v = _mm512_maskz_loadu_ps(k, res + m * GROUP * 16 + n - n0);
+            if (bias) v = _mm512_add_ps(v, load16m(dt, bias, n, k));
+            store16m(dt, out, (m0 + m) * N + n, v, k);
+        }
+#else
+        for (int64_t n = n0; n < n1; n++)
+            store_one(dt, out, (m0 + m) * N + n, res[m * GROUP * 16 + n - n0] + (bias ? load_one(dt, bias, n) : 0.0f));
+#endif
+    }
+}
+
 /* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above (int8 with
  * scales when scale != NULL): the decode step's products on their own, and the CPU's int8 linears
  * at small row counts (workers/backends/int8.py). Rows go DEC_MAX_ROWS at a time through each group,
@@ -1898,8 +1961,36 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
         /* out of memory for a panel: the row path below computes every output again */
     }
 #endif
-    /* AMX tiles: rows in panels of AMX_PANEL, each panel's x (K = 2048: 2 MiB) kept near while every
-     * group passes over it; the weights are read once per panel (from memory for a large model) */
+#if HAVE_AMX
+    /* AMX tiles, K a multiple of 32 up to AMX_PANEL_K: rows in panels of AMX_PANEL, each block
+     * pair of the weights kept near while the panel's rows pass (bf16_panel_amx); up to
+     * DEC_MAX_ROWS rows the loop below (one pass) */
+    if (dt == 1 && !scale && K % 32 == 0 && K <= AMX_PANEL_K && M > DEC_MAX_ROWS && M >= __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED)
+        && amx_ready()) {
+        int failed = 0;
+        _Pragma("omp parallel reduction(|: failed)")
+        {
+            float *res = aligned_alloc(64, (size_t)(M < AMX_PANEL ? M : AMX_PANEL) * GROUP * 16 * sizeof(float));
+            failed = res == NULL;
+            /* every thread takes part in the loops (work-sharing constructs); one without its
+             * buffer skips its groups and the call falls back below */
+            for (int64_t p0 = 0; p0 < M; p0 += AMX_PANEL) {
+                const int64_t mm = M - p0 < AMX_PANEL ? M - p0 : AMX_PANEL;
+                _Pragma("omp for schedule(static)")
+                for (int64_t g0 = 0; g0 < NB; g0 += GROUP) {
+                    if (res == NULL) continue;
+                    const int64_t nb = NB - g0 < GROUP ? NB - g0 : GROUP;
+                    bf16_panel_amx((const uint16_t *)x + p0 * K, mm, K, (const uint16_t *)pw, g0, nb, res);
+                    store_group(dt, res, mm, p0, g0, nb, N, bias, out);
+                }
+            }
+            free(res);
+        }
+        if (!failed) return 0;
+    }
+#endif
+    /* rows DEC_MAX_ROWS at a time through each group (AMX tiles with K not a multiple of 32: in
+     * panels of AMX_PANEL rows, each panel's x kept near while every group passes over it) */
     int64_t panel = M;
 #if HAVE_AMX
     if (dt == 1 && !scale && K % 2 == 0 && M >= __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED) && amx_ready())
@@ -1914,22 +2005,7 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
         for (int64_t m0 = p0; m0 < p1; m0 += DEC_MAX_ROWS) {
             const int64_t mm = p1 - m0 < DEC_MAX_ROWS ? p1 - m0 : DEC_MAX_ROWS;
             gemv_group(dt, (const char *)x + m0 * K * es, mm, K, pw, scale, g0, nb, res);
-            const int64_t n0 = g0 * 16, n1 = N < (g0 + nb) * 16 ? N : (g0 + nb) * 16;
-            for (int64_t m = 0; m < mm; m++) {
-#if HAVE_AVX512BW
-                /* 16 outputs at a time, rounded as store_one rounds them (a scalar loop took a sixth
-                 * of a 512-row bf16 product on AMX) */
-                for (int64_t n = n0; n < n1; n += 16) {
-                    const __mmask16 k = lanes16(n1 - n);
-                    __m512 v = _mm512_maskz_loadu_ps(k, res + m * GROUP * 16 + n - n0);
-                    if (bias) v = _mm512_add_ps(v, load16m(dt, bias, n, k));
-                    store16m(dt, out, (m0 + m) * N + n, v, k);
-                }
-#else
-                for (int64_t n = n0; n < n1; n++)
-                    store_one(dt, out, (m0 + m) * N + n, res[m * GROUP * 16 + n - n0] + (bias ? load_one(dt, bias, n) : 0.0f));
-#endif
-            }
+            store_group(dt, res, mm, m0, g0, nb, N, bias, out);
         }
     }
     }
