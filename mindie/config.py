@@ -346,6 +346,7 @@ class CpuTuningConfig(_Section):
     int8_rows: Annotated[int, Meta(ge=0, le=1048576)] = 24
     adaptive_threads: bool = True
     prefill_attention: Literal["kernels", "sdpa"] = "kernels"
+    prefill_linears: Literal["kernels", "onednn"] = "kernels"
 
 
 class BackendConfig(_Section):

@@ -149,7 +149,8 @@ JSON_KEYS = {
                       "tpStartTimeoutS", "tpCollectiveTimeoutS", "gcFreeze", "cpuTuning"},
     "BackendConfig.cpuTuning": {
         "kernels", "isa", "kernelCache", "nativeBf16", "linearBuckets", "prewarmGflop", "fusedDecode",
-        "fusedDecodeRows", "fusedDecodeMb", "int8Rows", "adaptiveThreads", "prefillAttention"},
+        "fusedDecodeRows", "fusedDecodeMb", "int8Rows", "adaptiveThreads", "prefillAttention",
+        "prefillLinears"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
                                         "maxLoraRank", "LoraModules", "speculationGamma"},
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},

@@ -292,6 +292,9 @@ KEY_TESTS: dict[str, list[str]] = {
         "tests/test_cpu_kernels.py::test_prompt_route_is_the_key_and_refuses_other_values",
         "tests/test_cpu_kernels.py::test_prefill_chunks_match_portable",
         "tests/test_cpu_isa.py::test_backend_logs_its_dispatch_once_and_describes_it"],
+    "BackendConfig.cpuTuning.prefillLinears": _ES + [
+        "tests/test_cpu_decode.py::test_amx_model_computes_a_prompt_alike_fresh_after_a_prefix_and_in_chunks",
+        "tests/test_cpu_decode.py::test_prefill_linears_route_picks_the_products_and_refuses_other_values"],
     # -- LogConfig
     "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],

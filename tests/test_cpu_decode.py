@@ -273,20 +273,26 @@ def test_amx_bf16_model_shares_its_layers_with_the_fused_step(models, monkeypatc
     assert calls == 3
 
 
-def test_amx_model_computes_a_prompt_alike_fresh_after_a_prefix_and_in_chunks(tmp_path, monkeypatch):
-    """On AMX CPUs a bf16 model whose linears are KernelLinear (AMX tiles; every model beyond
+@pytest.mark.parametrize("route, budget_mb", [("kernels", 256.0), ("onednn", 0.01)])
+def test_amx_model_computes_a_prompt_alike_fresh_after_a_prefix_and_in_chunks(tmp_path, monkeypatch, route, budget_mb):
+    """On AMX CPUs a bf16 model whose linears are KernelLinear (AMX tiles: every such model by
+    default, cpuTuning.prefillLinears ``kernels``; under ``onednn`` a model beyond
     cpuTuning.fusedDecodeMb) and whose prompt attention takes paged_prefill's AMX tiles gives a
-    prompt's rows the same bits fresh, after a prefix-cache hit and in other chunks: each part
-    computes a row from that row alone. (oneDNN's products, the smaller models' prompt path, round
-    a row differently with the row count: docs/design.md.)"""
+    prompt's rows the same bits fresh, after a prefix-cache hit and in other chunks, and a row's
+    logits the same alone and among others (the tied head on the tiles too, by default): each part
+    computes a row from that row alone. (oneDNN's products round a row differently with the row
+    count: docs/design.md.)"""
     from workers.backends.cpu_linear import KernelLinear
     lib = cpu_kernels.load()
     if lib is None or not getattr(lib, "amx_rows", 0) or not getattr(lib, "prefill_amx", False):
         pytest.skip("no AMX-BF16 tiles here (CPU without amx_bf16, or an AVX2 build)")
-    monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
-    save_random_model("LlamaConfig", {**BASE, "hidden_size": 128}, tmp_path / "m")  # head size 32
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_linears=route, fused_decode_mb=budget_mb))
+    save_random_model("LlamaConfig", {**BASE, "hidden_size": 128, "tie_word_embeddings": True},
+                      tmp_path / "m")  # head size 32
     model = _prepared(tmp_path / "m", torch.bfloat16)
     assert sum(isinstance(m, KernelLinear) for m in model.modules()) >= 4 * len(model.layers)
+    assert isinstance(model.logits_linear, KernelLinear) == (route == "kernels")
+    assert model.fast_decode is not None  # sharing the layers' one copy
     n = 150
     ids = torch.randint(3, BASE["vocab_size"], (n,), generator=torch.Generator().manual_seed(0))
     attn = _attention(model, torch.bfloat16, blocks=64, block_size=16)
@@ -302,7 +308,36 @@ def test_amx_model_computes_a_prompt_alike_fresh_after_a_prefix_and_in_chunks(tm
         for s in (37, 96, n - 3):
             assert torch.equal(chunk(s, n), fresh[s:]), s
         assert torch.equal(torch.cat([chunk(0, 50), chunk(50, 101), chunk(101, n)]), fresh)
+        if route == "kernels":
+            logits = model.compute_logits(fresh)
+            for r in (0, 77, n - 1):
+                assert torch.equal(model.compute_logits(fresh[r:r + 1]), logits[r:r + 1]), r
     assert lib.kernels_prefill_amx_calls() - calls == 7 * model.args.num_hidden_layers
+
+
+def test_prefill_linears_route_picks_the_products_and_refuses_other_values(tmp_path, monkeypatch):
+    """cpuTuning.prefillLinears: ``onednn`` keeps a model within cpuTuning.fusedDecodeMb on
+    oneDNN's packed products (the fused decode step with a copy of its own); ``kernels`` (the
+    default) moves its linears and tied head to the C kernels' tiles on AMX CPUs and leaves them
+    to oneDNN elsewhere; any other value is refused, naming the key."""
+    from workers.backends import cpu_linear
+    from workers.backends.cpu_linear import KernelLinear, PackedLinear
+    save_random_model("LlamaConfig", {**BASE, "hidden_size": 128, "tie_word_embeddings": True}, tmp_path / "m")
+    lib = cpu_kernels.load()
+    amx = lib is not None and getattr(lib, "amx_rows", 0) > 0
+    for route in ("onednn", "kernels"):
+        monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_linears=route))
+        model = _prepared(tmp_path / "m", torch.bfloat16)
+        kernel = sum(isinstance(m, KernelLinear) for m in model.modules())
+        packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+        if route == "kernels" and amx:
+            assert (kernel, packed) == (4 * len(model.layers) + 1, 0), route  # and the tied head
+        elif torch.backends.mkldnn.is_available() and cpu_linear._pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None:
+            assert kernel == 0 and packed == 4 * len(model.layers), route
+        assert model.fast_decode is not None, route
+    monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_linears="mkl"))
+    with pytest.raises(ValueError, match="cpuTuning.prefillLinears"):
+        _prepared(tmp_path / "m", torch.bfloat16)
 
 
 def test_large_steps_and_prefills_keep_the_eager_path(models, monkeypatch):

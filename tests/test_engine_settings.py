@@ -37,6 +37,7 @@ KEYS = {
     "cpuTuning.int8Rows": (7, "7", "cpu.int8_rows"),
     "cpuTuning.adaptiveThreads": (False, "off", "cpu.adaptive_threads"),
     "cpuTuning.prefillAttention": ("sdpa", "SDPA", "cpu.prefill_attention"),
+    "cpuTuning.prefillLinears": ("onednn", "oneDNN", "cpu.prefill_linears"),
 }
 ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "MINDIE_TP_COLLECTIVE_TIMEOUT_S",
        "gcFreeze": "MINDIE_GC_FREEZE", "cpuTuning.kernels": "MINDIE_CPU_KERNELS", "cpuTuning.isa": "MINDIE_CPU_ISA",
@@ -45,7 +46,8 @@ ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "
        "cpuTuning.fusedDecode": "MINDIE_CPU_FUSED_DECODE", "cpuTuning.fusedDecodeRows": "MINDIE_CPU_FUSED_DECODE_ROWS",
        "cpuTuning.fusedDecodeMb": "MINDIE_CPU_FUSED_DECODE_MB", "cpuTuning.int8Rows": "MINDIE_CPU_INT8_ROWS",
        "cpuTuning.adaptiveThreads": "MINDIE_CPU_ADAPTIVE_THREADS",
-       "cpuTuning.prefillAttention": "MINDIE_CPU_PREFILL_ATTENTION"}
+       "cpuTuning.prefillAttention": "MINDIE_CPU_PREFILL_ATTENTION",
+       "cpuTuning.prefillLinears": "MINDIE_CPU_PREFILL_LINEARS"}
 
 
 def _engine(tmp_path: Path, backend: dict, env: dict | None = None) -> EngineConfig:

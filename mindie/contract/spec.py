@@ -34,6 +34,7 @@ class CpuTuning(msgspec.Struct, kw_only=True, frozen=True):
     int8_rows: int = 24  # w8a16 without the C kernels: _weight_int8pack_mm up to this many rows
     adaptive_threads: bool = True  # each step's thread count chosen from measured step times (step_width.py)
     prefill_attention: str = "kernels"  # prompt chunks: kernels (paged_prefill) | sdpa (attention/cpu.py)
+    prefill_linears: str = "kernels"  # bf16 linears on AMX: kernels (linear_rows' tiles) | onednn (cpu_linear.py)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):

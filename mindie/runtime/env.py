@@ -64,6 +64,7 @@ ENGINE_ENV: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "MINDIE_CPU_INT8_ROWS": ("BackendConfig.cpuTuning.int8Rows", _number, "cpu.int8_rows"),
     "MINDIE_CPU_ADAPTIVE_THREADS": ("BackendConfig.cpuTuning.adaptiveThreads", _switch, "cpu.adaptive_threads"),
     "MINDIE_CPU_PREFILL_ATTENTION": ("BackendConfig.cpuTuning.prefillAttention", str.lower, "cpu.prefill_attention"),
+    "MINDIE_CPU_PREFILL_LINEARS": ("BackendConfig.cpuTuning.prefillLinears", str.lower, "cpu.prefill_linears"),
 }
 
 

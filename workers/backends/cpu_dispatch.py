@@ -103,6 +103,8 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
             prefill = f"torch SDPA per sequence{tiles}, {prefill} for sliding windows"
         if dtype not in (torch.float32, torch.bfloat16) and not (dtype == torch.float16 and lib.has_f16):
             decode = "torch"
+    from workers.backends.cpu_linear import KernelLinear, PackedLinear
+    kernel = any(isinstance(m, KernelLinear) for m in model.modules())
     if fused is None:
         step = "off"
     else:
@@ -111,11 +113,10 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
         amx = getattr(fused.lib, "amx_rows", 0) if dtype == torch.bfloat16 else 0
         if amx:
             kind = "amx_bf16 tiles" + (f" from {amx} rows, avx512_bf16 dot products below" if amx > 1 else "")
-        step = f"on up to {fused.max_rows} rows ({kind}; oneDNN above)"
-    from workers.backends.cpu_linear import KernelLinear, PackedLinear
+        step = f"on up to {fused.max_rows} rows ({kind}; {'linear_rows' if kernel else 'oneDNN'} above)"
     packed = any(isinstance(m, PackedLinear) for m in model.modules())
     products = products_name(dtype, flags, packed)
-    if any(isinstance(m, KernelLinear) for m in model.modules()):
+    if kernel:
         products = ("C amx_bf16 tiles (linear_rows; the weights' one copy, shared with the fused decode step)"
                     if lib is not None and getattr(lib, "amx_rows", 0) and dtype == torch.bfloat16 else
                     "C avx2 bf16 products (linear_rows, register-tiled from 4 rows; oneDNN cannot pack bf16 here)")

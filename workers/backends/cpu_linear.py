@@ -219,14 +219,36 @@ def _amx_lib():
     return lib if lib is not None and getattr(lib, "amx_rows", 0) else None
 
 
-def amx_linears(model: nn.Module) -> int:
-    """On AMX CPUs, every bf16 nn.Linear of ``model`` (not the tied head) as a KernelLinear: one
-    copy of its weight, in the C kernels' layout, read by the prompt products (AMX tiles) and
-    shared by the fused decode step, which then needs no copy of its own. cpu_decode.attach does
-    this for a model whose copy would exceed cpuTuning.fusedDecodeMb: the 1B shape then decodes
-    at the read roofline instead of 0.78 of it, its prompts at ~0.8x oneDNN's rate
-    (docs/performance.md). Odd in_features keep oneDNN (the tiles take pairs of K). Returns the
-    count converted (0: no AMX here)."""
+ROUTES = ("kernels", "onednn")
+
+
+def prefill_route() -> str:
+    """Who computes a bf16 model's linear layers on an AMX CPU (``cpuTuning.prefillLinears``):
+    ``"kernels"`` (``amx_linears``: the C kernels' tiles for every row count, one copy of the
+    weights) or ``"onednn"`` (oneDNN's packed products, the fused decode step with a copy of its
+    own within ``cpuTuning.fusedDecodeMb``, ``amx_linears`` only beyond it)."""
+    route = settings.cpu().prefill_linears
+    if route not in ROUTES:
+        raise ValueError(f"cpuTuning.prefillLinears must be one of {', '.join(ROUTES)}, got {route!r}")
+    return route
+
+
+def amx_linears(model: nn.Module, head: bool = False) -> int:
+    """On AMX CPUs, every bf16 nn.Linear of ``model`` as a KernelLinear: one copy of its weight,
+    in the C kernels' layout, read by the prompt products (AMX tiles) and shared by the fused
+    decode step, which then needs no copy of its own; ``head``: a tied LM head too
+    (``model.logits_linear``, a copy of the embedding in that layout, as oneDNN's packed head).
+
+    A row's result depends on that row alone (the tiles sum every row's products in one order,
+    whatever the call's row count), so a model on them computes a prompt with the same bits fresh,
+    after a prefix-cache hit or in chunks, and a sequence's logits do not depend on the batch
+    around it; oneDNN's packed products round a row differently at different row counts
+    (docs/design.md). In a serving step, where each layer's weights come cold from memory, they
+    are also faster than oneDNN's up to about 1000 rows (docs/performance.md, "Prompt products on
+    AMX"). The default on AMX CPUs (``cpuTuning.prefillLinears``); cpu_decode.attach also does
+    this for a model whose fused-step copy would exceed cpuTuning.fusedDecodeMb under ``onednn``.
+    Odd in_features keep oneDNN (the tiles take pairs of K). Returns the count converted (0: no
+    AMX here)."""
     lib = _amx_lib()
     if lib is None:
         return 0
@@ -235,6 +257,11 @@ def amx_linears(model: nn.Module) -> int:
         if child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0:
             setattr(parent, name, KernelLinear(child, lib))
             count += 1
+    emb = getattr(model, "embed_tokens", None)
+    if (head and getattr(model, "lm_head", 0) is None and getattr(model, "logits_linear", 0) is None
+            and emb is not None and emb.weight.dtype == torch.bfloat16 and emb.weight.shape[1] % 2 == 0):
+        model.logits_linear = KernelLinear(emb, lib, emb.weight)
+        count += 1
     if count:
         log.info("%d bf16 linear layers on the C kernels' AMX tiles (one copy of the weights, shared with the "
                  "fused decode step)", count)

@@ -32,15 +32,19 @@ def specialise_cpu_model(model: nn.Module) -> Specialised:
 
     0. (before this function) int8 quantisation, on every backend: its Int8Linear layers keep
        the C kernels' 16-channel layout, and a tied head gets ``model.logits_linear``;
-    1. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights
-       (a copy in its layout, within cpuTuning.fusedDecodeMb; on AMX CPUs a larger bf16 model's
-       linears become KernelLinear instead, whose one copy it shares),
-       or the int8 layers' own tensors, so it must come before step 2 replaces them;
-    2. oneDNN packing of every remaining nn.Linear and of a tied head that has no int8 copy
+    1. on AMX CPUs (``cpuTuning.prefillLinears: kernels``, the default) every bf16 linear and a
+       tied head become KernelLinear (cpu_linear.amx_linears: the C kernels' tiles, row-independent);
+    2. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights
+       (a copy in its layout, within cpuTuning.fusedDecodeMb; beyond it a bf16 model's
+       linears become KernelLinear instead), or the KernelLinear layers' own copy,
+       or the int8 layers' own tensors, so it must come before step 3 replaces them;
+    3. oneDNN packing of every remaining nn.Linear and of a tied head that has no int8 copy
        (cpu_linear.py); Int8Linear layers are not nn.Linear and stay as they are; a mixture of
        experts' stacked expert weights become per-expert packed linears (int8 experts stay);
-    3. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path.
+    4. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path.
     """
+    if cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
+        cpu_linear.amx_linears(model, head=True)
     fused = cpu_decode.attach(model)
     amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # step 1 may have made them
     packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
@@ -49,6 +53,6 @@ def specialise_cpu_model(model: nn.Module) -> Specialised:
 
 
 def warm_up_cpu_model(model: nn.Module, thread_counts: list[int], max_rows: int, max_head_rows: int) -> dict:
-    """4. After the rewrites: create the oneDNN primitives of every (packed linear shape, row
+    """5. After the rewrites: create the oneDNN primitives of every (packed linear shape, row
     bucket, thread count) the worker can meet (cpu_linear.prewarm; off by default)."""
     return cpu_linear.prewarm(model, thread_counts, max_rows=max_rows, max_head_rows=max_head_rows)
