@@ -332,7 +332,7 @@ def test_prefill_linears_route_picks_the_products_and_refuses_other_values(tmp_p
         packed = sum(isinstance(m, PackedLinear) for m in model.modules())
         if route == "kernels" and amx:
             assert (kernel, packed) == (4 * len(model.layers) + 1, 0), route  # and the tied head
-        elif torch.backends.mkldnn.is_available() and cpu_linear._pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None:
+        elif cpu_linear._pack(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None:  # oneDNN packs bf16 here
             assert kernel == 0 and packed == 4 * len(model.layers), route
         assert model.fast_decode is not None, route
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(prefill_linears="mkl"))
@@ -418,3 +418,24 @@ def test_server_generates_the_same_tokens_with_and_without_it(tmp_path, demo_mod
     else:  # the same up to a last-bit difference somewhere in a long continuation
         same = sum(a == b for f, e in zip(runs["fused"], runs["eager"]) for a, b in zip(f, e))
         assert same >= 0.9 * 40 * len(prompts)
+
+
+def test_prompt_products_benchmark_times_both_routes(tmp_path, capsys):
+    """``mindie-bench prompt-products`` (the figures of docs/performance.md, "Prompt products on
+    AMX"): one row per case with both sides' step times and their ratio, on any CPU (without AMX
+    both sides are oneDNN, and it says so); the settings it changed are restored."""
+    from mindie_bench.lab import prompt_products
+    save_random_model("LlamaConfig", {**BASE, "hidden_size": 128, "tie_word_embeddings": True}, tmp_path / "m")
+    before = settings.engine()
+    assert prompt_products.main(["--model", str(tmp_path / "m"), "--cases", "2x40,3x1", "--pairs", "1",
+                                 "--context", "9"]) == 0
+    assert settings.engine() == before
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip().startswith(("2x40", "3x1"))}
+    assert set(rows) == {"2x40", "3x1"}
+    for onednn, kernels, ratio in ((float(v) for v in row) for row in rows.values()):
+        assert onednn > 0 and kernels > 0
+        # printed to 0.01: the ratio of the times as printed, within their rounding
+        assert (kernels - 0.005) / (onednn + 0.005) - 0.005 <= ratio <= (kernels + 0.005) / (onednn - 0.005) + 0.005
+    lib = cpu_kernels.load()
+    assert ("both sides run oneDNN" in out) == (lib is None or not getattr(lib, "amx_rows", 0))

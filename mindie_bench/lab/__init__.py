@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "attention": ("attention", "kernel micro-benchmark: paged attention, torch path against the C kernels"),
     "decode-step": ("decode_step", "one decode step: the fused C step against the eager path"),
     "profile-step": ("profile_step", "where one decode step's time goes, per module kind"),
+    "prompt-products": ("prompt_products", "a model's steps with its linears on oneDNN against the C kernels' AMX tiles, alternating"),
     "isa": ("isa", "this CPU's instruction sets, the kernels dispatched here, product GFLOP/s per row count, kernel timings"),
     "int8-quality": ("int8_quality", "w8a16 against bf16: agreement, logit error, weight bytes, tokens/s"),
     "gguf-load": ("gguf_load", "a GGUF model's load time and peak memory against its weights, per dtype"),

@@ -243,9 +243,10 @@ def amx_linears(model: nn.Module, head: bool = False) -> int:
     whatever the call's row count), so a model on them computes a prompt with the same bits fresh,
     after a prefix-cache hit or in chunks, and a sequence's logits do not depend on the batch
     around it; oneDNN's packed products round a row differently at different row counts
-    (docs/design.md). In a serving step, where each layer's weights come cold from memory, they
-    are also faster than oneDNN's up to about 1000 rows (docs/performance.md, "Prompt products on
-    AMX"). The default on AMX CPUs (``cpuTuning.prefillLinears``); cpu_decode.attach also does
+    (docs/design.md). In whole steps, where each layer's weights come cold from memory, they are
+    also faster than oneDNN's on decodes and on prompt steps of up to 512 tokens, level at 1024,
+    up to 16 % slower at 2048 (docs/performance.md, "Prompt products on AMX"). The default on AMX
+    CPUs (``cpuTuning.prefillLinears``); cpu_decode.attach also does
     this for a model whose fused-step copy would exceed cpuTuning.fusedDecodeMb under ``onednn``.
     Odd in_features keep oneDNN (the tiles take pairs of K). Returns the count converted (0: no
     AMX here)."""

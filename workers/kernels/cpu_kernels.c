@@ -1391,30 +1391,34 @@ static void amx_config2(int rows1) {
     _tile_loadconfig(&c);
 }
 
+/* Two row tiles (xa: 16 rows, xb: the configured rows1) by two blocks (w0, w1) over all of K (a
+ * multiple of 32): each step of K loads 2 A and 2 B tiles for 4 products; the sums go to o (rows
+ * GROUP * 16 floats apart, the second block at o + 16). The tile configuration is amx_config2's. */
+INLINE void amx_pair2(const uint16_t *xa, const uint16_t *xb, int64_t K, const uint16_t *w0, const uint16_t *w1,
+                      float *o) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t p = 0; p < K / 2; p += 16) {
+        _tile_loadd(4, xa + 2 * p, K * 2);
+        _tile_loadd(6, w0 + p * 32, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w1 + p * 32, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, xb + 2 * p, K * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, o, GROUP * 16 * 4); _tile_stored(1, o + 16, GROUP * 16 * 4);
+    _tile_stored(2, o + 16 * GROUP * 16, GROUP * 16 * 4); _tile_stored(3, o + 16 * GROUP * 16 + 16, GROUP * 16 * 4);
+}
+
 static void bf16_group_amx2(const uint16_t *x, int64_t M, int64_t K, const uint16_t *const *w, float *res) {
-    const int64_t KP = K / 2;
     int configured = -1;
     for (int64_t r0 = 0; r0 + 16 < M; r0 += 32) {
         const int rows1 = M - r0 - 16 < 16 ? (int)(M - r0 - 16) : 16;
         if (rows1 != configured) { amx_config2(rows1); configured = rows1; }
         const uint16_t *xa = x + r0 * K, *xb = xa + 16 * K;
-        for (int bp = 0; bp < GROUP; bp += 2) {
-            const uint16_t *w0 = w[bp], *w1 = w[bp + 1];
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t p = 0; p < KP; p += 16) {
-                _tile_loadd(4, xa + 2 * p, K * 2);
-                _tile_loadd(6, w0 + p * 32, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(7, w1 + p * 32, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(5, xb + 2 * p, K * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            float *o = res + r0 * GROUP * 16 + bp * 16;
-            _tile_stored(0, o, GROUP * 16 * 4); _tile_stored(1, o + 16, GROUP * 16 * 4);
-            _tile_stored(2, o + 16 * GROUP * 16, GROUP * 16 * 4); _tile_stored(3, o + 16 * GROUP * 16 + 16, GROUP * 16 * 4);
-        }
+        for (int bp = 0; bp < GROUP; bp += 2)
+            amx_pair2(xa, xb, K, w[bp], w[bp + 1], res + r0 * GROUP * 16 + bp * 16);
     }
 }
 
@@ -1469,24 +1473,8 @@ static void bf16_panel_amx(const uint16_t *x, int64_t M, int64_t K, const uint16
     if (full) amx_config2(16);
     for (int bp = 0; bp < GROUP && full; bp += 2) {
         const uint16_t *w0 = w[bp], *w1 = w[bp + 1];
-        for (int64_t r0 = 0; r0 < full; r0 += 32) {
-            const uint16_t *xa = x + r0 * K, *xb = xa + 16 * K;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t p = 0; p < KP; p += 16) {
-                _tile_loadd(4, xa + 2 * p, K * 2);
-                _tile_loadd(6, w0 + p * 32, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(7, w1 + p * 32, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(5, xb + 2 * p, K * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            float *o = res + r0 * GROUP * 16 + bp * 16;
-            _tile_stored(0, o, GROUP * 16 * 4); _tile_stored(1, o + 16, GROUP * 16 * 4);
-            _tile_stored(2, o + 16 * GROUP * 16, GROUP * 16 * 4);
-            _tile_stored(3, o + 16 * GROUP * 16 + 16, GROUP * 16 * 4);
-        }
+        for (int64_t r0 = 0; r0 < full; r0 += 32)
+            amx_pair2(x + r0 * K, x + (r0 + 16) * K, K, w0, w1, res + r0 * GROUP * 16 + bp * 16);
     }
     if (full < M)  /* the last rows (< 32) as gemv_group takes them; it releases the tiles */
         bf16_group_amx(x + full * K, M - full, K, wb, g0, nb, res + full * GROUP * 16);
