@@ -7,14 +7,16 @@ a CPU without AVX2+FMA), the kernel runs embedding, every layer and the final no
 region: matrix-vector products over weights repacked for it (``pack``: AVX512-BF16 dot products
 where the CPU has them, fp32 FMAs otherwise, a loop the compiler vectorises on AVX2), the same C
 norms, rope and paged attention as the eager path, and every intermediate rounded where torch
-rounds. Larger steps and prefills keep the eager path and its oneDNN-packed weights.
+rounds. Larger steps and prefills keep the eager path and its linears.
 
-The oneDNN-packed layers cannot be read by the kernel, so it keeps its own copy of the layer
+On an AMX CPU a bf16 model's linears are in the kernel's layout already (``cpu_linear.amx_linears``,
+``cpuTuning.prefillLinears: kernels``, the default: AMX tiles for its prompts too), and the kernel
+reads them, no copy (a large model's decode then reaches the read roofline, where per-op oneDNN
+calls stayed at ~0.78 of it). oneDNN-packed layers (fp32 models, CPUs without AMX,
+``prefillLinears: onednn``) cannot be read by the kernel, so it keeps its own copy of the layer
 weights: the linear layers' bytes twice. Only models whose copy fits ``cpuTuning.fusedDecodeMb``
-(256 MiB) get a copy; a larger bf16 model on an AMX CPU keeps its linears in the kernel's layout
-instead (``cpu_linear.amx_linears``: AMX tiles for its prompts too) and the kernel reads them, no
-copy (its decode then reaches the read roofline, where per-op oneDNN calls stayed at ~0.78 of it);
-other larger models keep the eager path.
+(256 MiB) get a copy; beyond it a bf16 model on an AMX CPU still moves its linears to the
+kernel's layout, other larger models keep the eager path.
 ``cpuTuning.fusedDecode: false`` turns it off (each key's
 environment override: docs/config.md). Int8 weights (``quantize: w8a16``) are kept in this
 layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel reads those same

@@ -171,7 +171,7 @@ class KernelLinear(nn.Module):
     bf16). From 4 rows (prompt chunks) they run register-tiled, 6 rows x 16 channels, at 75-85
     GFLOP/s a Zen 3 core from 16 rows up, above oneDNN fp32 on the same shape; decodes of 1-3 rows
     take the row path (``mindie-bench isa``, docs/performance.md). The layout copy replaces the weight.
-    On AMX CPUs the same class carries a large bf16 model's layers on AMX tiles (``amx_linears``)."""
+    On AMX CPUs the same class carries every bf16 model's layers on AMX tiles (``amx_linears``)."""
 
     def __init__(self, linear: nn.Module, lib, weight: torch.Tensor | None = None):
         super().__init__()
@@ -246,10 +246,9 @@ def amx_linears(model: nn.Module, head: bool = False) -> int:
     (docs/design.md). In whole steps, where each layer's weights come cold from memory, they are
     also faster than oneDNN's on decodes and on prompt steps of up to 512 tokens, level at 1024,
     up to 16 % slower at 2048 (docs/performance.md, "Prompt products on AMX"). The default on AMX
-    CPUs (``cpuTuning.prefillLinears``); cpu_decode.attach also does
-    this for a model whose fused-step copy would exceed cpuTuning.fusedDecodeMb under ``onednn``.
-    Odd in_features keep oneDNN (the tiles take pairs of K). Returns the count converted (0: no
-    AMX here)."""
+    CPUs (``cpuTuning.prefillLinears``); under ``onednn`` cpu_decode.attach does this for a model
+    whose fused-step copy would exceed cpuTuning.fusedDecodeMb. Odd in_features keep oneDNN (the
+    tiles take pairs of K). Returns the count converted (0: no AMX here)."""
     lib = _amx_lib()
     if lib is None:
         return 0

@@ -46,7 +46,7 @@ def specialise_cpu_model(model: nn.Module) -> Specialised:
     if cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
         cpu_linear.amx_linears(model, head=True)
     fused = cpu_decode.attach(model)
-    amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # step 1 may have made them
+    amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # steps 1 and 2 may have made them
     packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
     c_modules = cpu_fused.fuse_model(model)
     return Specialised(fused, packed, c_modules)
