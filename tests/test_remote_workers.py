@@ -23,8 +23,18 @@ from tests.test_worker_curve import make_keys, port_pair
 pytestmark = pytest.mark.timeout(300)
 
 
+def _plane_port(worker_port: int, n: int) -> int:
+    """A free port for a server's planes outside the worker links' ports worker_port .. + 2n - 1:
+    those are free but not bound until the workers start, so a plain free_port() can return one
+    of them, and then a worker cannot bind it (seen in CI: 'cannot bind ...: address already in
+    use', one worker of two)."""
+    while (port := free_port()) in range(worker_port, worker_port + 2 * n):
+        pass
+    return port
+
+
 def _config(path, demo_model, keys, worker_port):
-    port = free_port()
+    port = _plane_port(worker_port, 2)
     write_config(path, port=port, run_dir=short_run_dir(), workers=2, model_path=demo_model)
     cfg = json.loads(path.read_text())
     cfg["BackendConfig"].update(workerHost="127.0.0.1", workerPort=worker_port, workerCurveKeyDir=str(keys))
@@ -130,7 +140,8 @@ def _start_workers_host(tmp_path, name, demo_model, keys, wport, host, hosts):
     """A workers-only launch bound to ``host`` (its own process group, so that it can be stopped whole)."""
     d = tmp_path / name
     d.mkdir()
-    write_config(d / "config.json", port=free_port(), run_dir=short_run_dir(), workers=1, model_path=demo_model)
+    write_config(d / "config.json", port=_plane_port(wport, 1), run_dir=short_run_dir(), workers=1,
+                 model_path=demo_model)
     cfg = json.loads((d / "config.json").read_text())
     cfg["BackendConfig"].update(workerHost=host, workerHosts=hosts, workerPort=wport, workerCurveKeyDir=str(keys))
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -159,7 +170,7 @@ def test_front_ends_over_two_worker_hosts_survive_a_partition(tmp_path, demo_mod
     a, alog = _start_workers_host(tmp_path, "a", demo_model, keys, wport, hosts[0], hosts)
     b, blog = _start_workers_host(tmp_path, "b", demo_model, keys, wport, hosts[1], hosts)
     (tmp_path / "f").mkdir()
-    fe_port = free_port()
+    fe_port = _plane_port(wport, 1)
     write_config(tmp_path / "f" / "config.json", port=fe_port, run_dir=short_run_dir(), workers=1,
                  model_path=demo_model)
     cfg = json.loads((tmp_path / "f" / "config.json").read_text())

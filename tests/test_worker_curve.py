@@ -56,7 +56,12 @@ def port_pair(n: int = 1) -> int:
 
 
 def tcp_config(path: Path, demo_model: str = "", workers: int = 1, **backend) -> Path:
-    write_config(path, port=free_port(), run_dir=short_run_dir(), workers=workers, model_path=demo_model)
+    port = free_port()
+    # not one of the worker links' ports (free until the workers bind them: a collision leaves a
+    # worker unable to bind its own)
+    while "workerPort" in backend and port in range(backend["workerPort"], backend["workerPort"] + 2 * workers):
+        port = free_port()
+    write_config(path, port=port, run_dir=short_run_dir(), workers=workers, model_path=demo_model)
     cfg = json.loads(path.read_text())
     cfg["BackendConfig"].update(backend)
     path.write_text(json.dumps(cfg, indent=2))
