@@ -212,6 +212,15 @@ def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             for name, child in list(parent.named_children()) if isinstance(child, nn.Linear)]
 
 
+def _tied_head(model: nn.Module) -> nn.Module | None:
+    """The embedding of a model whose LM head is tied to it and has no kernel of its own yet, else
+    None. A head that already has one (an int8 copy: workers/backends/int8.py; the AMX tiles:
+    amx_linears) keeps it."""
+    if getattr(model, "lm_head", None) is None and getattr(model, "logits_linear", None) is None:
+        return getattr(model, "embed_tokens", None)
+    return None
+
+
 def _amx_lib():
     """The C kernels where their bf16 products run on AMX tiles (cpu_kernels.c ``kernels_amx_rows``),
     else None."""
@@ -257,9 +266,8 @@ def amx_linears(model: nn.Module, head: bool = False) -> int:
         if child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0:
             setattr(parent, name, KernelLinear(child, lib))
             count += 1
-    emb = getattr(model, "embed_tokens", None)
-    if (head and getattr(model, "lm_head", 0) is None and getattr(model, "logits_linear", 0) is None
-            and emb is not None and emb.weight.dtype == torch.bfloat16 and emb.weight.shape[1] % 2 == 0):
+    emb = _tied_head(model) if head else None
+    if emb is not None and emb.weight.dtype == torch.bfloat16 and emb.weight.shape[1] % 2 == 0:
         model.logits_linear = KernelLinear(emb, lib, emb.weight)
         count += 1
     if count:
@@ -304,16 +312,14 @@ def pack_linears(model: nn.Module) -> int:
         elif klib is not None and child.weight.dtype == torch.bfloat16:
             setattr(parent, name, KernelLinear(child, klib))
             kernel += 1
-    head = getattr(model, "lm_head", None)
-    # A tied head that already has its own kernel (an int8 copy: workers/backends/int8.py) keeps it.
-    if head is None and hasattr(model, "embed_tokens") and getattr(model, "logits_linear", None) is None:
-        packed = _pack(model.embed_tokens.weight)
+    if (emb := _tied_head(model)) is not None:
+        packed = _pack(emb.weight)
         if packed is not None:
-            vocab, hidden = model.embed_tokens.weight.shape
+            vocab, hidden = emb.weight.shape
             model.logits_linear = _PackedHead(packed, hidden, vocab)
             count += 1
-        elif klib is not None and model.embed_tokens.weight.dtype == torch.bfloat16:
-            model.logits_linear = KernelLinear(model.embed_tokens, klib, model.embed_tokens.weight)
+        elif klib is not None and emb.weight.dtype == torch.bfloat16:
+            model.logits_linear = KernelLinear(emb, klib, emb.weight)
             kernel += 1
     log.info("packed %d linear layers for oneDNN%s", count,
              f"; {kernel} bf16 linear layers on the C kernels' AVX2 products (oneDNN cannot pack bf16 here)"

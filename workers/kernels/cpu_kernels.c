@@ -1471,7 +1471,7 @@ static void bf16_panel_amx(const uint16_t *x, int64_t M, int64_t K, const uint16
     const uint16_t *w[GROUP];
     for (int b = 0; b < GROUP; b++) w[b] = wb + block_of(g0, b, nb) * KP * 32;
     if (full) amx_config2(16);
-    for (int bp = 0; bp < GROUP && full; bp += 2) {
+    for (int bp = 0; bp < GROUP; bp += 2) {
         const uint16_t *w0 = w[bp], *w1 = w[bp + 1];
         for (int64_t r0 = 0; r0 < full; r0 += 32)
             amx_pair2(x + r0 * K, x + (r0 + 16) * K, K, w0, w1, res + r0 * GROUP * 16 + bp * 16);
@@ -1949,12 +1949,14 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
         /* out of memory for a panel: the row path below computes every output again */
     }
 #endif
+    /* AMX tiles (gemv_group's rule): rows in panels of AMX_PANEL, the weights read once per panel
+     * (from memory for a large model) */
+    int64_t panel = M;
 #if HAVE_AMX
-    /* AMX tiles, K a multiple of 32 up to AMX_PANEL_K: rows in panels of AMX_PANEL, each block
-     * pair of the weights kept near while the panel's rows pass (bf16_panel_amx); up to
-     * DEC_MAX_ROWS rows the loop below (one pass) */
-    if (dt == 1 && !scale && K % 32 == 0 && K <= AMX_PANEL_K && M > DEC_MAX_ROWS && M >= __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED)
-        && amx_ready()) {
+    const int amx = dt == 1 && !scale && K % 2 == 0 && M >= __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED) && amx_ready();
+    /* K a multiple of 32 up to AMX_PANEL_K, more than DEC_MAX_ROWS rows: each block pair of the
+     * weights kept near while the panel's rows pass (bf16_panel_amx) */
+    if (amx && K % 32 == 0 && K <= AMX_PANEL_K && M > DEC_MAX_ROWS) {
         int failed = 0;
         _Pragma("omp parallel reduction(|: failed)")
         {
@@ -1976,14 +1978,11 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
         }
         if (!failed) return 0;
     }
+    if (amx) panel = AMX_PANEL;
 #endif
-    /* rows DEC_MAX_ROWS at a time through each group (AMX tiles with K not a multiple of 32: in
-     * panels of AMX_PANEL rows, each panel's x kept near while every group passes over it) */
-    int64_t panel = M;
-#if HAVE_AMX
-    if (dt == 1 && !scale && K % 2 == 0 && M >= __atomic_load_n(&amx_rows_from, __ATOMIC_RELAXED) && amx_ready())
-        panel = AMX_PANEL;
-#endif
+    /* otherwise (and where a panel's buffer could not be had) rows DEC_MAX_ROWS at a time through
+     * each group, on AMX in panels of AMX_PANEL rows, each panel's x kept near while every group
+     * passes over it */
     for (int64_t p0 = 0; p0 < M; p0 += panel) {
     const int64_t p1 = M - p0 < panel ? M : p0 + panel;
     _Pragma("omp parallel for schedule(static)")
