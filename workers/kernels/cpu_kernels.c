@@ -1130,37 +1130,45 @@ INLINE void fma_rows8(const float *xf, int64_t K, const float *wf, int64_t g0, i
 }
 
 /* bf16 weights [N/16][K/2][16][2] widened to fp32 (a pair's even element is the low half of its
- * 32 bits, the odd one the high half), x's pair broadcast; an odd K's last pair has x1 = 0. */
+ * 32 bits, the odd one the high half), x's pair broadcast; an odd K's last pair has x1 = 0. A lane's
+ * two FMAs per pair depend on each other, so one block's two accumulators would leave the FMA units
+ * waiting on their latency (~18 GB/s of weights a Zen 3 core at one row): few rows take BP blocks
+ * at once (independent sums, each still in K order, so the bits do not change). */
 INLINE void bf16_rows8(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb, int64_t m0,
                        float *res, const int MM) {
     const int64_t KP = (K + 1) / 2, full = K / 2;
+    const int BP = MM == 1 ? 4 : MM == 2 ? 2 : 1;
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int b = 0; b < nb; b++) {
-        const uint16_t *w = wb + (g0 + b) * KP * 32;
+    for (int b0 = 0; b0 < nb; b0 += BP) {
+        const uint16_t *w[4];
+        for (int b = 0; b < BP; b++) w[b] = wb + block_of(g0, b0 + b, nb) * KP * 32;
         for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
             const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
-            __m256 acc[4][2];
-            for (int m = 0; m < MM; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+            __m256 acc[4][4][2];
+            for (int m = 0; m < MM; m++)
+                for (int b = 0; b < BP; b++) acc[m][b][0] = acc[m][b][1] = _mm256_setzero_ps();
             for (int64_t kp = p0; kp < p1; kp++) {
-                __m256 we[2], wo[2];
-                for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + kp * 32 + h * 16));
-                    we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                    wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
-                }
+                __m256 x0[4], x1[4];
                 for (int m = 0; m < MM; m++) {
                     const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
-                    const __m256 x0 = _mm256_set1_ps(bf16_to_f32(r[0]));
-                    const __m256 x1 = _mm256_set1_ps(kp < full ? bf16_to_f32(r[1]) : 0.0f);
-                    for (int h = 0; h < 2; h++)
-                        acc[m][h] = _mm256_fmadd_ps(x1, wo[h], _mm256_fmadd_ps(x0, we[h], acc[m][h]));
+                    x0[m] = _mm256_set1_ps(bf16_to_f32(r[0]));
+                    x1[m] = _mm256_set1_ps(kp < full ? bf16_to_f32(r[1]) : 0.0f);
                 }
+                for (int b = 0; b < BP; b++)
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(w[b] + kp * 32 + h * 16));
+                        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                        for (int m = 0; m < MM; m++)
+                            acc[m][b][h] = _mm256_fmadd_ps(x1[m], wo, _mm256_fmadd_ps(x0[m], we, acc[m][b][h]));
+                    }
             }
             for (int m = 0; m < MM; m++)
-                for (int h = 0; h < 2; h++) {
-                    float *o = res + (m0 + m) * GROUP * 16 + b * 16 + h * 8;
-                    _mm256_storeu_ps(o, p0 == 0 ? acc[m][h] : _mm256_add_ps(_mm256_loadu_ps(o), acc[m][h]));
-                }
+                for (int b = 0; b < BP && b0 + b < GROUP; b++)
+                    for (int h = 0; h < 2; h++) {
+                        float *o = res + (m0 + m) * GROUP * 16 + (b0 + b) * 16 + h * 8;
+                        _mm256_storeu_ps(o, p0 == 0 ? acc[m][b][h] : _mm256_add_ps(_mm256_loadu_ps(o), acc[m][b][h]));
+                    }
         }
     }
 }
