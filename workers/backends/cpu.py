@@ -130,11 +130,14 @@ class CpuBackend(Backend):
     def resolve_dtype(self, name: str, checkpoint_dtype: str | None, plain_weights: bool = True) -> torch.dtype:
         """"auto" = what this CPU computes fastest without losing the checkpoint's precision:
         never float16 (CPUs compute it slowly; bfloat16 has its range). bfloat16 where the CPU
-        computes it natively or the C kernels' tiled AVX2 bf16 products run (``bf16_tiles``: an
-        AVX2 CPU, 1.1x fp32's rate on a prompt, 1.5-1.7x on decodes) take the model's bf16
-        linears (``plain_weights``; int8 and GGUF weights have products of their own, measured
-        with better latencies in fp32 there); float32 elsewhere (torch's bf16 matmuls run several
-        times slower than fp32 there; a bf16 value is exact in fp32). An explicit dtype is kept."""
+        computes it natively or where the C kernels' tiled AVX2 bf16 products (``bf16_tiles``: an
+        AVX2 CPU, 1.1x oneDNN fp32's rate on a prompt, 1.5-2x on decodes) take a bf16
+        checkpoint's own linears (``plain_weights``); float32 elsewhere (torch's bf16 matmuls
+        run several times slower than fp32 there; a bf16 value is exact in fp32). int8 weights
+        have products of their own; a GGUF file's quantised weights are not bf16 values, and
+        bf16 activations flip near ties in their answers (the default model's README question
+        on Zen 3, though 1.35-1.9x faster: docs/performance.md), so both stay float32 there. An
+        explicit dtype is kept."""
         dtype = super().resolve_dtype(name, checkpoint_dtype)
         if name != "auto":
             return dtype
@@ -148,7 +151,7 @@ class CpuBackend(Backend):
             log.info("dtype auto: the checkpoint is %s; computing in float32, as this CPU has no native bf16 "
                      "(no avx512_bf16 / amx_bf16) and %s; set ModelConfig dtype to bfloat16 to keep it",
                      checkpoint_dtype, "the C kernels' AVX2 bf16 products are not available" if plain_weights
-                     else "its int8 / GGUF weights have their own products")
+                     else "its int8 / GGUF weights are not bf16 values")
             return torch.float32
         log.info("dtype auto: %s (checkpoint %s)", str(dtype).replace("torch.", ""), checkpoint_dtype or "unknown")
         return dtype
