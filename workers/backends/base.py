@@ -61,10 +61,12 @@ class Backend:
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
 
-    def resolve_dtype(self, name: str, checkpoint_dtype: str | None, plain_weights: bool = True) -> torch.dtype:
+    def resolve_dtype(self, name: str, checkpoint_dtype: str | None, plain_weights: bool = True,
+                      gguf: bool = False) -> torch.dtype:
         """ModelConfig.dtype: a name, or "auto" = the checkpoint's torch_dtype (this device's
         default when the checkpoint does not say). ``plain_weights``: the linears keep the
-        checkpoint's floating-point weights (no int8 quantisation, not a GGUF file)."""
+        checkpoint's floating-point weights (no int8 quantisation, not a GGUF file); ``gguf``: the
+        weights come from a GGUF file."""
         if name != "auto":
             return DTYPES[name]
         return DTYPES.get(checkpoint_dtype or "", self.default_dtype())

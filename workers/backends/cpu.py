@@ -100,7 +100,8 @@ class CpuBackend(Backend):
         return 4 << 30
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        specialise_cpu_model(model)  # the steps and their order: workers/backends/cpu_specialise.py
+        # the steps and their order: workers/backends/cpu_specialise.py
+        specialise_cpu_model(model, bf16_weights=self.bf16_weights)
         self.dispatch = decide(model, cpu_kernels.load())
         log.info("cpu kernels: %s", self.dispatch.line())  # once per worker: its one model load
 
@@ -127,7 +128,10 @@ class CpuBackend(Backend):
     def default_dtype(self) -> torch.dtype:
         return torch.float32
 
-    def resolve_dtype(self, name: str, checkpoint_dtype: str | None, plain_weights: bool = True) -> torch.dtype:
+    bf16_weights = False  # resolve_dtype's choice for prepare_model: fp32 rows over bf16 weights
+
+    def resolve_dtype(self, name: str, checkpoint_dtype: str | None, plain_weights: bool = True,
+                      gguf: bool = False) -> torch.dtype:
         """"auto" = what this CPU computes fastest without losing the checkpoint's precision:
         never float16 (CPUs compute it slowly; bfloat16 has its range). bfloat16 where the CPU
         computes it natively or where the C kernels' tiled AVX2 bf16 products (``bf16_tiles``: an
@@ -136,8 +140,10 @@ class CpuBackend(Backend):
         run several times slower than fp32 there; a bf16 value is exact in fp32). int8 weights
         have products of their own; a GGUF file's quantised weights are not bf16 values, and
         bf16 activations flip near ties in their answers (the default model's README question
-        on Zen 3, though 1.35-1.9x faster: docs/performance.md), so both stay float32 there. An
-        explicit dtype is kept."""
+        on Zen 3, though 1.35-1.9x faster: docs/performance.md), so both stay float32 there; a GGUF
+        file's weights are then kept in bf16 where the C kernels compute fp32 rows over them
+        (``bf16_weights``: half the bytes a decode reads, fp32 activations). An explicit dtype is
+        kept."""
         dtype = super().resolve_dtype(name, checkpoint_dtype)
         if name != "auto":
             return dtype
@@ -148,6 +154,12 @@ class CpuBackend(Backend):
                 log.info("dtype auto: bfloat16 (checkpoint %s) on the C kernels' AVX2 bf16 products "
                          "(no native bf16 here)", checkpoint_dtype)
                 return dtype
+            if gguf and bf16_tiles() and getattr(cpu_kernels.load(), "has_w16a32", False):
+                self.bf16_weights = True
+                log.info("dtype auto: the GGUF file's weights in bfloat16, computed in float32 (no native bf16 "
+                         "here: the C kernels' AVX2 products on fp32 rows, bf16 activations would round its "
+                         "answers); set ModelConfig dtype to float32 or bfloat16 for either alone")
+                return torch.float32
             log.info("dtype auto: the checkpoint is %s; computing in float32, as this CPU has no native bf16 "
                      "(no avx512_bf16 / amx_bf16) and %s; set ModelConfig dtype to bfloat16 to keep it",
                      checkpoint_dtype, "the C kernels' AVX2 bf16 products are not available" if plain_weights

@@ -177,7 +177,8 @@ def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
     return (start // 16, -(-stop // 16)) if start % 16 == 0 and (stop % 16 == 0 or stop == n) else None
 
 
-def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(packed weight, scales or None) of a plain, a KernelLinear or an int8 (CPU kernel) linear,
     or of the output rows ``rows`` of it; None for anything else. A layer that keeps this layout
     already is shared, not copied, where the rows fall on its 16-channel blocks."""
@@ -185,6 +186,8 @@ def _matrix(mod: nn.Module, rows: slice | None = None) -> tuple[torch.Tensor, to
     if isinstance(mod, nn.Linear):
         return pack(mod.weight[sel]), None
     if isinstance(mod, KernelLinear):  # AMX CPUs (cpu_linear.amx_linears)
+        if mod.packed.dtype != dtype:  # bf16 weights of an fp32 model (cpu_linear.bf16_weight_linears)
+            return None
         blocks = _blocks(sel, mod.out_features)
         return (mod.packed[blocks[0]:blocks[1]] if blocks else pack(mod.plain()[sel])), None
     if not isinstance(mod, Int8Linear) or mod.kernel.transposed:
@@ -212,8 +215,10 @@ def _collect(model: nn.Module) -> tuple[list[dict], str | None, int]:
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
         i = f.intermediate_size
-        mats = {"qkv": _matrix(a.qkv_proj), "o": _matrix(a.o_proj), "gate": _matrix(f.gate_up_proj, slice(0, i)),
-                "up": _matrix(f.gate_up_proj, slice(i, 2 * i)), "down": _matrix(f.down_proj)}
+        dt = model.embed_tokens.weight.dtype
+        mats = {"qkv": _matrix(a.qkv_proj, dt), "o": _matrix(a.o_proj, dt),
+                "gate": _matrix(f.gate_up_proj, dt, slice(0, i)), "up": _matrix(f.gate_up_proj, dt, slice(i, 2 * i)),
+                "down": _matrix(f.down_proj, dt)}
         if any(m is None for m in mats.values()):
             return [], "linear layers of a kind it does not read", 0
         gub = f.gate_up_proj.bias

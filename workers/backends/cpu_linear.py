@@ -183,13 +183,15 @@ class KernelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16 or rows.shape[0] == 0:
+        # bf16 rows: dt 1; fp32 rows over these bf16 weights (bf16_weight_linears): dt 2
+        code = {torch.bfloat16: 1, torch.float32: 2 if getattr(self.lib, "has_w16a32", False) else None}.get(rows.dtype)
+        if code is None or rows.shape[0] == 0:
             w = self.plain()
             return torch.nn.functional.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.bfloat16)
-        bias = self.bias if self.bias is None or self.bias.dtype == torch.bfloat16 else self.bias.to(torch.bfloat16)
-        self.lib.linear_rows(1, rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), None,
+        out = torch.empty((rows.shape[0], self.out_features), dtype=rows.dtype)
+        bias = self.bias if self.bias is None or self.bias.dtype == rows.dtype else self.bias.to(rows.dtype)
+        self.lib.linear_rows(code, rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), None,
                              self.out_features, None if bias is None else bias.contiguous().data_ptr(), out.data_ptr())
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -273,6 +275,32 @@ def amx_linears(model: nn.Module, head: bool = False) -> int:
     if count:
         log.info("%d bf16 linear layers on the C kernels' AMX tiles (one copy of the weights, shared with the "
                  "fused decode step)", count)
+    return count
+
+
+def bf16_weight_linears(model: nn.Module) -> int:
+    """An fp32 model's linear layers and tied LM head as KernelLinear over their weights rounded
+    to bf16, computed on fp32 rows (``linear_rows`` dt 2, AVX2 builds): half the bytes a decode
+    reads, fp32's rounding of every activation. For a GGUF file's quantised weights on a CPU
+    without native bf16 (CpuBackend.resolve_dtype), where bf16 activations flip near ties
+    (docs/performance.md, "AVX2-only AMD EPYC (Zen 3)"). The fused decode step does not read
+    these layers (cpu_decode._matrix), so decodes run them eagerly. Returns the count converted
+    (0: no such kernel here)."""
+    lib = _kernel_linears_lib()
+    if lib is None or not getattr(lib, "has_w16a32", False):
+        return 0
+    count = 0
+    for parent, name, child in _plain_linears(model):
+        if child.weight.dtype == torch.float32:
+            setattr(parent, name, KernelLinear(child, lib, child.weight.detach().to(torch.bfloat16)))
+            count += 1
+    emb = _tied_head(model)
+    if emb is not None and emb.weight.dtype == torch.float32:
+        model.logits_linear = KernelLinear(emb, lib, emb.weight.detach().to(torch.bfloat16))
+        count += 1
+    if count:
+        log.info("%d linear layers keep their weights in bf16 on the C kernels' AVX2 products, computed on fp32 "
+                 "rows", count)
     return count
 
 

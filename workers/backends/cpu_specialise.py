@@ -27,13 +27,16 @@ class Specialised:
     c_modules: int  # RMSNorm / rope modules replaced by their C kernels
 
 
-def specialise_cpu_model(model: nn.Module) -> Specialised:
+def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specialised:
     """Rewrite a loaded model for the CPU backend, in this order:
 
     0. (before this function) int8 quantisation, on every backend: its Int8Linear layers keep
        the C kernels' 16-channel layout, and a tied head gets ``model.logits_linear``;
     1. on AMX CPUs (``cpuTuning.prefillLinears: kernels``, the default) every bf16 linear and a
        tied head become KernelLinear (cpu_linear.amx_linears: the C kernels' tiles, row-independent);
+       with ``bf16_weights`` (CpuBackend.resolve_dtype: a GGUF file in fp32 on an AVX2 CPU) an fp32
+       model's linears and tied head become KernelLinear over bf16 weights on fp32 rows
+       (cpu_linear.bf16_weight_linears), which the fused step does not read;
     2. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights
        (a copy in its layout, within cpuTuning.fusedDecodeMb; beyond it a bf16 model's
        linears become KernelLinear instead), or the KernelLinear layers' own copy,
@@ -45,6 +48,8 @@ def specialise_cpu_model(model: nn.Module) -> Specialised:
     """
     if cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
         cpu_linear.amx_linears(model, head=True)
+    if bf16_weights and getattr(model, "tp", None) is None:
+        cpu_linear.bf16_weight_linears(model)
     fused = cpu_decode.attach(model)
     amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # steps 1 and 2 may have made them
     packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)

@@ -170,8 +170,9 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     t0 = time.perf_counter()
     args = ModelArgs.from_dir(spec.model_path)
     # int8 (quantize) and GGUF weights (a view folder with its marker) have their own products
-    plain = not spec.quantize and not os.path.exists(os.path.join(spec.model_path, GGUF_MARKER))
-    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype, plain_weights=plain)
+    gguf = os.path.exists(os.path.join(spec.model_path, GGUF_MARKER))
+    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype, plain_weights=not spec.quantize and not gguf,
+                                  gguf=gguf and not spec.quantize)
     kernel = None
     if spec.quantize:
         if spec.quantize not in SCHEMES:

@@ -987,6 +987,8 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
 int kernels_have_avx512(void) { return HAVE_AVX512; }
 int kernels_have_avx2(void) { return HAVE_AVX2; }
+/* linear_rows' dt 2: fp32 rows and outputs over bf16 weights (AVX2 builds) */
+int kernels_have_w16a32(void) { return HAVE_AVX2; }
 /* whether paged_prefill computes prompt chunks in this build (else it returns -1) */
 int kernels_have_prefill(void) { return HAVE_AVX512 || HAVE_AVX2; }
 
@@ -1134,8 +1136,10 @@ INLINE void fma_rows8(const float *xf, int64_t K, const float *wf, int64_t g0, i
  * two FMAs per pair depend on each other, so one block's two accumulators would leave the FMA units
  * waiting on their latency (~18 GB/s of weights a Zen 3 core at one row): few rows take BP blocks
  * at once (independent sums, each still in K order, so the bits do not change). */
-INLINE void bf16_rows8(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb, int64_t m0,
-                       float *res, const int MM) {
+INLINE void bf16_rows8(const void *x, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb, int64_t m0,
+                       float *res, const int XF, const int MM) {
+    const uint16_t *xb = (const uint16_t *)x; /* XF: x is fp32 (linear_rows' dt 2), else bf16 */
+    const float *xf = (const float *)x;
     const int64_t KP = (K + 1) / 2, full = K / 2;
     const int BP = MM == 1 ? 4 : MM == 2 ? 2 : 1;
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
@@ -1150,9 +1154,9 @@ INLINE void bf16_rows8(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_
             for (int64_t kp = p0; kp < p1; kp++) {
                 __m256 x0[4], x1[4];
                 for (int m = 0; m < MM; m++) {
-                    const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
-                    x0[m] = _mm256_set1_ps(bf16_to_f32(r[0]));
-                    x1[m] = _mm256_set1_ps(kp < full ? bf16_to_f32(r[1]) : 0.0f);
+                    const int64_t r = (m0 + m) * K + 2 * kp;
+                    x0[m] = _mm256_set1_ps(XF ? xf[r] : bf16_to_f32(xb[r]));
+                    x1[m] = _mm256_set1_ps(kp < full ? (XF ? xf[r + 1] : bf16_to_f32(xb[r + 1])) : 0.0f);
                 }
                 for (int b = 0; b < BP; b++)
                     for (int h = 0; h < 2; h++) {
@@ -1229,11 +1233,16 @@ INLINE void bf16_tile8(const float *a, const uint16_t *w, int64_t np, float *s, 
 
 /* x rows [m0, m0 + mc), K elements [k0, k1) widened to fp32 at a[m * K_CHUNK + k - k0]; k1 may be
  * K + 1 (an odd K's pad, 0 as bf16_rows8's x1) */
-static void stage_rows8(const uint16_t *x, int64_t K, int64_t m0, int64_t mc, int64_t k0, int64_t k1, float *a) {
+static void stage_rows8(const void *x, int xf, int64_t K, int64_t m0, int64_t mc, int64_t k0, int64_t k1, float *a) {
     for (int64_t m = 0; m < mc; m++) {
-        const uint16_t *r = x + (m0 + m) * K;
         float *d = a + m * K_CHUNK - k0;
         int64_t k = k0;
+        if (xf) { /* fp32 rows (linear_rows' dt 2): copied as they are */
+            const float *r = (const float *)x + (m0 + m) * K;
+            for (; k < k1; k++) d[k] = k < K ? r[k] : 0.0f;
+            continue;
+        }
+        const uint16_t *r = (const uint16_t *)x + (m0 + m) * K;
         for (; k + 8 <= k1 && k + 8 <= K; k += 8)
             _mm256_storeu_ps(d + k, _mm256_castsi256_ps(_mm256_slli_epi32(
                                         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + k))), 16)));
@@ -1242,8 +1251,8 @@ static void stage_rows8(const uint16_t *x, int64_t K, int64_t m0, int64_t mc, in
 }
 
 /* out rows [0, M) x blocks [b0, b1) (this thread's share), bf16, with bias: see above */
-static void bf16_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t b0, int64_t b1,
-                        int64_t N, const uint16_t *bias, uint16_t *out, float *a, float *sums) {
+static void bf16_tiles8(int dt, const void *x, int64_t M, int64_t K, const uint16_t *wb, int64_t b0, int64_t b1,
+                        int64_t N, const void *bias, void *out, float *a, float *sums) {
     const int64_t KP = (K + 1) / 2, SS = NC_BLOCKS * 16;
     for (int64_t m0 = 0; m0 < M; m0 += MC_ROWS) {
         const int64_t mc = M - m0 < MC_ROWS ? M - m0 : MC_ROWS;
@@ -1251,7 +1260,7 @@ static void bf16_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
             const int64_t gn = b1 - g0 < NC_BLOCKS ? b1 - g0 : NC_BLOCKS;
             for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
                 const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
-                stage_rows8(x, K, m0, mc, 2 * p0, 2 * p1, a);
+                stage_rows8(x, dt == 2, K, m0, mc, 2 * p0, 2 * p1, a);
                 for (int64_t b = g0; b < g0 + gn; b++) {
                     const uint16_t *w = wb + b * KP * 32 + p0 * 32;
                     /* the panel's rows in tiles of near-equal height (8 rows: 4 + 4, not 6 + 2) */
@@ -1271,10 +1280,11 @@ static void bf16_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
                     }
                 }
             }
+            /* dt 1: bf16 x, bias and out; dt 2: fp32 (the element type store_one's 0) */
+            const int et = dt == 2 ? 0 : 1;
             for (int64_t m = 0; m < mc; m++)
                 for (int64_t n = g0 * 16; n < N && n < (g0 + gn) * 16; n++)
-                    out[(m0 + m) * N + n] =
-                        f32_to_bf16(sums[m * SS + n - g0 * 16] + (bias ? bf16_to_f32(bias[n]) : 0.0f));
+                    store_one(et, out, (m0 + m) * N + n, sums[m * SS + n - g0 * 16] + (bias ? load_one(et, bias, n) : 0.0f));
         }
     }
 }
@@ -1282,7 +1292,7 @@ static void bf16_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
 /* The same tiles for gemv_group (the fused decode step's products, up to DEC_MAX_ROWS rows): blocks
  * g0 .. g0 + nb into res [M][GROUP * 16], x panels of GROUP_PANEL rows on the stack (48 KiB). */
 #define GROUP_PANEL 24
-static void bf16_group_tiles8(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
+static void bf16_group_tiles8(const void *x, int xf, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
                               float *res) {
     const int64_t KP = (K + 1) / 2;
     float a[GROUP_PANEL * K_CHUNK] __attribute__((aligned(64)));
@@ -1290,7 +1300,7 @@ static void bf16_group_tiles8(const uint16_t *x, int64_t M, int64_t K, const uin
         const int64_t mc = M - m0 < GROUP_PANEL ? M - m0 : GROUP_PANEL, tiles = (mc + TILE_MR - 1) / TILE_MR;
         for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
             const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
-            stage_rows8(x, K, m0, mc, 2 * p0, 2 * p1, a);
+            stage_rows8(x, xf, K, m0, mc, 2 * p0, 2 * p1, a);
             for (int64_t b = 0; b < nb; b++) {
                 const uint16_t *w = wb + (g0 + b) * KP * 32 + p0 * 32;
                 for (int64_t i = 0; i < tiles; i++) {
@@ -1802,8 +1812,8 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
     }
 #endif
 #if HAVE_AVX2
-    if (dt == 1 && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
-        bf16_group_tiles8((const uint16_t *)x, M, K, (const uint16_t *)pw, g0, nb, res);
+    if ((dt == 1 || dt == 2) && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
+        bf16_group_tiles8(x, dt == 2, M, K, (const uint16_t *)pw, g0, nb, res);
         return;
     }
 #endif
@@ -1826,7 +1836,10 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
             BY_ROWS(mm, fma_rows8, (const float *)x, K, (const float *)pw, g0, nb, m0, res);
             continue;
         }
-        BY_ROWS(mm, bf16_rows8, (const uint16_t *)x, K, (const uint16_t *)pw, g0, nb, m0, res);
+        if (dt == 2)
+            BY_ROWS(mm, bf16_rows8, x, K, (const uint16_t *)pw, g0, nb, m0, res, 1);
+        else
+            BY_ROWS(mm, bf16_rows8, x, K, (const uint16_t *)pw, g0, nb, m0, res, 0);
         continue;
 #endif
         /* Portable path (no AVX2): the same layout and order, 16 lanes the compiler vectorises,
@@ -1929,13 +1942,14 @@ INLINE void store_group(int dt, const float *res, int64_t mm, int64_t m0, int64_
 /* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above (int8 with
  * scales when scale != NULL): the decode step's products on their own, and the CPU's int8 linears
  * at small row counts (workers/backends/int8.py). Rows go DEC_MAX_ROWS at a time through each group,
- * whose weights stay in cache meanwhile. */
+ * whose weights stay in cache meanwhile. dt 2 (AVX2 builds): x, bias and out fp32 over bf16 weights
+ * (a model computed in fp32 that reads half the bytes; each lane sums as for dt 1). */
 int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, const float *scale, int64_t N,
                 const void *bias, void *out) {
-    if (dt < 0 || dt > 1 || M < 1) return -1;
-    const int64_t NB = (N + 15) / 16, es = dt == 0 ? 4 : 2;
+    if (dt < 0 || dt > 2 || M < 1 || (dt == 2 && (scale || !HAVE_AVX2))) return -1;
+    const int64_t NB = (N + 15) / 16, es = dt == 1 ? 2 : 4;
 #if HAVE_AVX2
-    if (dt == 1 && !scale && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
+    if ((dt == 1 || dt == 2) && !scale && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
         int failed = 0;
         _Pragma("omp parallel reduction(|: failed)")
         {
@@ -1945,8 +1959,7 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
             float *a = aligned_alloc(64, (size_t)MC_ROWS * K_CHUNK * sizeof(float));
             float *sums = aligned_alloc(64, (size_t)MC_ROWS * NC_BLOCKS * 16 * sizeof(float));
             if (a && sums) {
-                if (b1 > b0) bf16_tiles8((const uint16_t *)x, M, K, (const uint16_t *)pw, b0, b1, N, (const uint16_t *)bias,
-                                         (uint16_t *)out, a, sums);
+                if (b1 > b0) bf16_tiles8(dt, x, M, K, (const uint16_t *)pw, b0, b1, N, bias, out, a, sums);
             } else {
                 failed = 1;
             }
@@ -2000,7 +2013,7 @@ int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, con
         for (int64_t m0 = p0; m0 < p1; m0 += DEC_MAX_ROWS) {
             const int64_t mm = p1 - m0 < DEC_MAX_ROWS ? p1 - m0 : DEC_MAX_ROWS;
             gemv_group(dt, (const char *)x + m0 * K * es, mm, K, pw, scale, g0, nb, res);
-            store_group(dt, res, mm, m0, g0, nb, N, bias, out);
+            store_group(dt == 2 ? 0 : dt, res, mm, m0, g0, nb, N, bias, out);
         }
     }
     }

@@ -142,6 +142,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     # the 8-lane AVX2+FMA paths (builds without AVX-512); a library built from an older source
     # (mindie-bench isa --base-kernels) lacks these two and had no AVX2 paths
     lib.has_avx2 = hasattr(lib, "kernels_have_avx2") and bool(lib.kernels_have_avx2())
+    # linear_rows' dt 2 (fp32 rows over bf16 weights: cpu_linear.KernelLinear in an fp32 model)
+    lib.has_w16a32 = hasattr(lib, "kernels_have_w16a32") and bool(lib.kernels_have_w16a32())
     lib.has_prefill = bool(lib.kernels_have_prefill()) if hasattr(lib, "kernels_have_prefill") else lib.has_avx512
     lib.kernels_have_f16.restype = ctypes.c_int
     lib.kernels_decode_specialised.restype = ctypes.c_int
