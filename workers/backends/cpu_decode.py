@@ -212,10 +212,10 @@ def _collect(model: nn.Module) -> tuple[list[dict], str | None, int]:
     """Each layer's tensors as the kernel reads them, why not (or None), and the bytes of its own
     (not shared with the model's layers: int8 and KernelLinear layers keep this layout already)."""
     weights: list[dict] = []
+    dt = model.embed_tokens.weight.dtype
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
         i = f.intermediate_size
-        dt = model.embed_tokens.weight.dtype
         mats = {"qkv": _matrix(a.qkv_proj, dt), "o": _matrix(a.o_proj, dt),
                 "gate": _matrix(f.gate_up_proj, dt, slice(0, i)), "up": _matrix(f.gate_up_proj, dt, slice(i, 2 * i)),
                 "down": _matrix(f.down_proj, dt)}

@@ -180,12 +180,13 @@ class KernelLinear(nn.Module):
         self.packed = pack(w.detach())
         self.bias = getattr(linear, "bias", None)
         self.lib = lib
+        self.w16a32 = bool(getattr(lib, "has_w16a32", False))  # linear_rows takes fp32 rows (dt 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         # bf16 rows: dt 1; fp32 rows over these bf16 weights (bf16_weight_linears): dt 2
-        code = {torch.bfloat16: 1, torch.float32: 2 if getattr(self.lib, "has_w16a32", False) else None}.get(rows.dtype)
-        if code is None or rows.shape[0] == 0:
+        code = 1 if rows.dtype == torch.bfloat16 else 2 if rows.dtype == torch.float32 and self.w16a32 else 0
+        if not code or rows.shape[0] == 0:
             w = self.plain()
             return torch.nn.functional.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         rows = rows.contiguous()

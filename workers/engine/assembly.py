@@ -169,7 +169,8 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
         raise ValueError("WorkerSpec.model_path is empty: run python -m workers.prepare on the launch plan")
     t0 = time.perf_counter()
     args = ModelArgs.from_dir(spec.model_path)
-    # int8 (quantize) and GGUF weights (a view folder with its marker) have their own products
+    # int8 weights (quantize) have their own products; a GGUF file's (a view folder with its
+    # marker) are dequantised at load, and the backend may keep them in another dtype than its rows
     gguf = os.path.exists(os.path.join(spec.model_path, GGUF_MARKER))
     dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype, plain_weights=not spec.quantize and not gguf,
                                   gguf=gguf and not spec.quantize)
