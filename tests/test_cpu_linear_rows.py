@@ -274,7 +274,8 @@ def test_fp32_rows_over_bf16_weights_agree_with_float64_and_across_paths(k, n, t
 
 @needs_w16a32
 @pytest.mark.parametrize("cls, extra", [("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
-                                        ("Qwen2Config", dict(tie_word_embeddings=True))], ids=["llama_bias", "qwen2_tied"])
+                                        ("Qwen2Config", dict(tie_word_embeddings=True))],
+                         ids=["llama_bias", "qwen2_tied"])
 def test_fp32_model_over_bf16_weights_matches_transformers(tmp_path, cls, extra, threshold):
     """A worker's fp32 model with ``bf16_weights`` (a GGUF file's choice on AVX2 CPUs: every linear
     and a tied head as KernelLinear over bf16 weights, fp32 activations) computes what transformers

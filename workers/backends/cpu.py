@@ -136,8 +136,9 @@ class CpuBackend(Backend):
         never float16 (CPUs compute it slowly; bfloat16 has its range). bfloat16 where the CPU
         computes it natively or where the C kernels' tiled AVX2 bf16 products (``bf16_tiles``: an
         AVX2 CPU, 1.1x oneDNN fp32's rate on a prompt, 1.5-1.7x on decodes, measured before the
-        one-row products' change) take a bf16 checkpoint's own linears (``plain_weights``); float32 elsewhere (torch's bf16 matmuls
-        run several times slower than fp32 there; a bf16 value is exact in fp32). int8 weights
+        one-row products' change) take a bf16 checkpoint's own linears (``plain_weights``);
+        float32 elsewhere (torch's bf16 matmuls run several times slower than fp32 there; a bf16
+        value is exact in fp32). int8 weights
         have products of their own; a GGUF file's quantised weights are not bf16 values, and
         bf16 activations flip near ties in their answers (the default model's README question
         on Zen 3, though 1.34-2.01x faster: docs/performance.md), so both stay float32 there; a GGUF
