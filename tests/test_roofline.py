@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -133,3 +135,19 @@ def test_moe_counts_the_activated_experts_only(demo_model, shared):
     assert rl.expected_active_experts(moe, 64) == pytest.approx(8, abs=1e-3)
     one, many = rl.step_bytes(args, 2, [10]), rl.step_bytes(args, 2, [10] * 32)
     assert one["w_experts"] == 2 * 2 * per_expert and many["w_experts"] > 7.9 * 2 * per_expert
+
+
+def test_prompts_prefilled_in_several_waves_still_time_pure_decode_steps(demo_model):
+    # One 200-token prompt per step (max_prefill_tokens 256): 6 prompts take 6 prefill waves, the
+    # first wave decodes 5 steps ahead of the last, and every timed step must still decode all 6
+    # (the GPU check's batch 64 failed so: 4 waves of 16).
+    roofline = _roofline()
+    runner, cfg = roofline.load(demo_model, "float32", 1, 16)
+    cfg = msgspec.structs.replace(cfg, max_prefill_tokens=256)
+    blocks = roofline.blocks_needed(6, 204, 6, 2, 16)
+    runner.allocate_kv(blocks, 16)
+    res = roofline.measure_decode(runner, cfg, blocks, 6, 204, 6, 2, random.Random(0))
+    assert len(res["step_s"]) == 6 and res["tok_s"] > 0
+    # the last wave: its prompt, first token and two warm steps' tokens; the first waves are steps ahead
+    ctx = res["contexts"][0]
+    assert min(ctx) == 200 + 1 + 2 and max(ctx) - min(ctx) >= 3

@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pd": ("pd", "PD disaggregation: one hybrid instance against 1 prefill + 1 decode under a mixed load"),
     "speculative": ("speculative", "speculative decoding without a draft model: tokens/s on against off, copy-heavy tasks, chat, c=32"),
     "gpu-check": ("gpu_check.sh", "on a CUDA machine: the CUDA tests, then the decode roofline on GPU 0"),
+    "gpu-step-profile": ("gpu_step_profile", "on a CUDA machine: a decode step's host wall time against its GPU busy time, top operators"),
 }
 
 HERE = Path(__file__).resolve().parent

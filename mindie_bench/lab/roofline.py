@@ -231,7 +231,7 @@ def load(model: str, dtype: str, threads: int, block_size: int, device: str = "c
 
 def blocks_needed(batch: int, context: int, steps: int, warm: int, block_size: int) -> int:
     prompt_len = max(1, context - (warm + steps) // 2)
-    return batch * math.ceil((prompt_len + warm + steps + 2) / block_size) + 2
+    return batch * math.ceil((prompt_len + warm + steps + 2 + batch) / block_size) + 2
 
 
 def measure_decode(runner, engine_cfg, num_blocks: int, batch: int, context: int, steps: int, warm: int,
@@ -245,7 +245,10 @@ def measure_decode(runner, engine_cfg, num_blocks: int, batch: int, context: int
 
     prompt_len = max(1, context - (warm + steps) // 2)
     engine = Engine(runner, engine_cfg, num_blocks)
-    params = SamplingParams(max_new_tokens=warm + steps + 2, ignore_eos=True)
+    # The prompts are prefilled in waves (max_prefill_tokens), so the first wave decodes a few
+    # steps ahead of the last: up to ``batch`` tokens of slack keep every sequence running through
+    # the timed steps, and the sequences are aborted after them.
+    params = SamplingParams(max_new_tokens=warm + steps + 2 + batch, ignore_eos=True)
     seqs = []
     for i in range(batch):
         ids = [rng.randrange(3, runner.vocab_size) for _ in range(prompt_len)]
@@ -280,7 +283,9 @@ def measure_decode(runner, engine_cfg, num_blocks: int, batch: int, context: int
             active.append(statistics.mean(picks))
     for hk in hooks:
         hk.remove()
-    while engine.has_work():  # finish and free the blocks
+    for i in range(batch):  # free the blocks
+        engine.abort(f"r{i}")
+    while engine.has_work():
         engine.step()
     total = sum(times)
     return {"prompt_len": prompt_len, "steps": steps, "tok_s": batch * steps / total,

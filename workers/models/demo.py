@@ -76,7 +76,7 @@ PRESETS: dict[str, DemoSize] = {
     # Benchmark model of the engine issue: hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 32000;
     # ~31M parameters (16.4M tied embedding + 14.8M in 8 layers with intermediate 688).
     "bench30m": DemoSize(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=688),
-    # GPU decode figures (scripts/gpu_check.sh): Llama-3.2-1B's shape with the demo vocabulary,
+    # GPU decode figures (mindie_bench/lab/gpu_check.sh): Llama-3.2-1B's shape with the demo vocabulary,
     # ~1.04B parameters in bf16 (2.1 GB).
     "gpu1b": DemoSize(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, dtype="bfloat16"),
 }
