@@ -336,6 +336,52 @@ def test_corrupt_transfer_fails_loudly_or_recomputes(fleet, fault):
         assert _held(s) == 0
 
 
+def test_a_full_decode_cache_cuts_the_transfer_and_computes_the_rest(fleet):
+    """S's KV cache entirely held by another transfer (a fake sender's 40 blocks, kept alive for 4 s):
+    a handoff's blocks find no free block. The prefill side still gets its acknowledgement (200, not
+    a 503 "out of KV blocks"), and S computes the whole prompt itself once the blocks are freed: the
+    hybrid instance's answer."""
+    nframes, nbytes = _layout(fleet)
+    s = fleet["S"]
+    hog = _prompt(40 * BLOCK, 99)
+    sock, KvBlock, KvDone, crc_of = _fake_sender(s.kv)
+    enc, tid = msgspec.msgpack.Encoder(), uuid.uuid4().hex
+
+    def send(i: int) -> None:
+        payload = [bytes([i % 250 + 1]) * nbytes for _ in range(nframes)]
+        ids = hog[i * BLOCK:(i + 1) * BLOCK] if i < 40 else hog[:BLOCK]
+        sock.send_multipart([enc.encode(KvBlock(tid, i, ids, crc_of(payload), nbytes * nframes)), *payload])
+
+    for i in range(40):
+        send(i)
+    deadline = time.monotonic() + 30
+    while _held(s) < 15 and time.monotonic() < deadline:  # S wrote what fits (~19 blocks) and holds it
+        time.sleep(0.1)
+    assert _held(s) >= 15
+    body = {"input_id": _prompt(3 * BLOCK + 5, 77), "parameters": {"max_new_tokens": 10, "details": True,
+                                                                   "ignore_eos": True}}
+    want = _ids(httpx.post(fleet["H"].url + "/infer_token", json=body, timeout=120))
+    before = _computed(s)
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        handoff = ex.submit(_pd, fleet, "/infer_token", body, decode="S")  # asserts the prefill side's 200
+        t0, i = time.monotonic(), 40
+        while time.monotonic() - t0 < 4:  # frames after the cut are dropped but keep the hog's lease
+            send(i)
+            i += 1
+            time.sleep(0.2)
+        sock.send(enc.encode(KvDone(tid, i, len(hog))))
+        r, pre = handoff.result(timeout=120)
+    assert _ids(r) == want and pre["promptTokens"] == len(body["input_id"])
+    deadline = time.monotonic() + 5  # (the figure comes with S's worker heartbeat)
+    while _computed(s) - before < len(body["input_id"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _computed(s) - before == len(body["input_id"])  # no block of it found room: all computed on S
+    assert sock.poll(10_000), "no acknowledgement of the hog's transfer"
+    ack = msgspec.msgpack.decode(sock.recv(), type=list)  # acknowledged too (its blocks up to the cut)
+    assert ack[0] == 4 and ack[1] == tid and ack[2] is True, ack
+    sock.close(0)
+
+
 def test_lost_transfer_times_out(fleet):
     """Step B without step A: F (fail) answers 503 after kvTransferTimeoutMs; D recomputes."""
     body = {"input_id": _prompt(40, 99), "parameters": {"max_new_tokens": 4, "details": True, "ignore_eos": True}}

@@ -18,7 +18,9 @@ decode worker computes the rest, under one block and the last token, and samples
 itself, so the client's stream comes from one instance and seeded sampling is unchanged).
 
 The decode worker writes each received block into a free block of its own cache and publishes it in
-its prefix cache (a block it already holds is reused, the payload dropped). A decode request
+its prefix cache (a block it already holds is reused, the payload dropped). A block that finds every
+block in use cuts the transfer: it and those after it are dropped, the transfer is acknowledged all
+the same, and the decode request computes the rest of its prompt itself. A decode request
 (``Submit.pd.op == "decode"``) is parked until its transfer is complete and its prompt's ids match
 the received ones; then it is added as any request, and the prefix cache hands it those blocks.
 
@@ -164,7 +166,10 @@ class _In:
     # transfer must leave nothing a later request could match): (block id, previous hash, token ids).
     unpublished: list[tuple[int, int | None, tuple[int, ...]]] = field(default_factory=list)
     prev: int | None = None
-    next: int = 0
+    next: int = 0  # blocks received and checked
+    # The block at which this cache was full (None: every block so far was written): it and the
+    # blocks after it are dropped, and the decode worker computes that part of the prompt itself.
+    cut: int | None = None
     done: bool = False
     failed: str = ""
     last: float = field(default_factory=time.monotonic)
@@ -478,6 +483,9 @@ class KvTransfer:
             self._fail_in(t, f"block {msg.seq}: {len(msg.token_ids)} token ids, block size is {bs}")
         if t.failed:
             return
+        if t.cut is not None:  # the blocks after a cut are of no use: a request's blocks are a prefix
+            t.next += 1
+            return
         ids = tuple(msg.token_ids)
         h = chain_hash(t.prev, ids)
         have = self.bm.hash_to_block.get(h)
@@ -486,7 +494,14 @@ class KvTransfer:
             block = have
         else:
             if self.bm.num_free == 0:
-                self._fail_in(t, "out of KV blocks on the decode worker")
+                # Every block is in use (running requests, other transfers): keep what arrived, and
+                # the decode request computes the rest as any prompt, when the scheduler admits it
+                # (waiting here instead could hold half the cache each for two transfers, forever).
+                t.cut = msg.seq
+                t.next += 1
+                log.info("kv transfer %s: the KV cache is full (all %d blocks in use) at block %d; the decode "
+                         "worker computes the prompt from token %d", t.transfer_id, self.bm.num_blocks, msg.seq,
+                         msg.seq * bs)
                 return
             block = self.bm.take()
             self.staging.load(block, payload)
