@@ -24,6 +24,7 @@ from workers import settings
 from workers.kernels import cpu_kernels
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_decode import attach
+from workers.backends.cpu_linear import KernelLinear
 from workers.kernels.cpu_layout import pack, pack_scales
 from workers.backends.int8 import CpuInt8Kernel, dequantize, quantize_model, quantize_weight
 from workers.models.loader import load_model
@@ -151,6 +152,35 @@ def test_fused_step_gives_the_same_bits_with_the_tiled_products(models, case):
             assert all(torch.equal(a, b) for a, b in zip(rows_kv, tiled_kv)), (case, batch)
     finally:
         LIB.kernels_tile_rows(before)
+
+
+@pytest.mark.skipif(LIB is None or not getattr(LIB, "has_w16a32", False),
+                    reason="fp32 rows over bf16 weights are in AVX2 builds only")
+@pytest.mark.parametrize("case", ["llama_bias", "qwen2_tied", "mistral_window"])
+def test_fp32_model_over_bf16_weights_takes_the_fused_step(models, case):
+    """A GGUF file's fp32 model on an AVX2 CPU keeps its linears' weights in bf16
+    (cpu_linear.bf16_weight_linears): the fused step reads those same tensors (no copy), computes
+    in fp32 over them (decode_layers' code 2) and agrees with the eager path, whose products are the
+    same kernels' (linear_rows dt 2), within fp32 rounding (SiLU's exp differs in the last bit)."""
+    model, _ = load_model(models[case], torch.float32)
+    backend = CpuBackend()
+    backend.bf16_weights = True
+    backend.prepare_model(model)
+    fd = model.fast_decode
+    assert fd is not None and fd.code == 2 and fd.dtype == torch.float32
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, KernelLinear) and qkv.packed.dtype == torch.bfloat16
+    assert fd.weights[0]["qkv_w"].data_ptr() == qkv.packed.data_ptr()  # shared, not copied
+    top = fd.max_rows
+    prompts = [[(3 * i + j) % 150 + 3 for j in range(2 + (7 * i) % 23)] for i in range(top)]
+    for batch in sorted({1, 3, 8, top}):
+        eager_h, eager_kv, eager_calls, fed = _decode_run(model, torch.float32, False, prompts[:batch], 10)
+        fused_h, fused_kv, fused_calls, _ = _decode_run(model, torch.float32, True, prompts[:batch], 10, fed)
+        assert (eager_calls, fused_calls) == (0, 10)
+        for a, b in zip(eager_h, fused_h):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        for a, b in zip(eager_kv, fused_kv):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

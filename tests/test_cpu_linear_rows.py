@@ -281,7 +281,7 @@ def test_fp32_model_over_bf16_weights_matches_transformers(tmp_path, cls, extra,
     and a tied head as KernelLinear over bf16 weights, fp32 activations) computes what transformers
     computes in fp32 on the same, bf16-valued weights, to fp32 rounding (bf16 activations would
     be ~2^-8 off), on a prompt (tiled path) and on greedy continuations with the row path forced;
-    the fused decode step does not take these layers."""
+    the fused decode step reads these layers as they are (its fp32 step over bf16 weights, code 2)."""
     pytest.importorskip("transformers")
     from tests.reference_attention import DenseCausalAttention
     from tests.tiny_hf import random_model
@@ -303,7 +303,7 @@ def test_fp32_model_over_bf16_weights_matches_transformers(tmp_path, cls, extra,
     kernel = [m for m in model.modules() if isinstance(m, KernelLinear)]
     assert kernel and all(m.packed.dtype == torch.bfloat16 for m in kernel)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert getattr(model, "fast_decode", None) is None
+    assert model.fast_decode is not None and model.fast_decode.code == 2
     assert "bf16 weights on fp32 rows" in backend.dispatch.line()
     torch.manual_seed(4)
     ids = torch.randint(3, 211, (45,)).tolist()

@@ -75,6 +75,9 @@ def test_the_default_model_is_served_by_name_in_native_precision(srv):
     w16a32 = not native and lib is not None and lib.has_w16a32
     devices = [w["device"] for w in httpx.get(srv.url + "/v1/config", timeout=10).json()["workers"]]
     assert all(("products=C avx2 products of bf16 weights on fp32 rows" in d) is w16a32 for d in devices), devices
+    if w16a32:  # and its decodes in the fused step, over the same bf16 weights
+        assert all("fused decode step=on" in d for d in devices), devices
+        assert "(bf16 weight, fp32 row products; reads the layers' own weights, no copy)" in log
     assert "demo" not in [m["id"] for m in models["data"]]
 
 

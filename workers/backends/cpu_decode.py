@@ -20,7 +20,9 @@ kernel's layout, other larger models keep the eager path.
 ``cpuTuning.fusedDecode: false`` turns it off (each key's
 environment override: docs/config.md). Int8 weights (``quantize: w8a16``) are kept in this
 layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel reads those same
-tensors, no copy, with their scales applied to the fp32 sums. Models it does not cover (q/k norms,
+tensors, no copy, with their scales applied to the fp32 sums. An fp32 model whose linears keep
+bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is computed in fp32
+over those same tensors (kernel code 2), no copy either. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
@@ -177,20 +179,21 @@ def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
     return (start // 16, -(-stop // 16)) if start % 16 == 0 and (stop % 16 == 0 or stop == n) else None
 
 
-def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None
+def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None, w16: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(packed weight, scales or None) of a plain, a KernelLinear or an int8 (CPU kernel) linear,
     or of the output rows ``rows`` of it; None for anything else. A layer that keeps this layout
-    already is shared, not copied, where the rows fall on its 16-channel blocks."""
+    already is shared, not copied, where the rows fall on its 16-channel blocks. ``w16``: the
+    step computes in fp32 over bf16 weights (decode_layers' dtype 2), and reads only those."""
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, nn.Linear):
-        return pack(mod.weight[sel]), None
-    if isinstance(mod, KernelLinear):  # AMX CPUs (cpu_linear.amx_linears)
-        if mod.packed.dtype != dtype:  # bf16 weights of an fp32 model (cpu_linear.bf16_weight_linears)
+        return None if w16 else (pack(mod.weight[sel]), None)
+    if isinstance(mod, KernelLinear):  # AMX CPUs (amx_linears), bf16 weights of fp32 models (bf16_weight_linears)
+        if mod.packed.dtype != (torch.bfloat16 if w16 else dtype):
             return None
         blocks = _blocks(sel, mod.out_features)
         return (mod.packed[blocks[0]:blocks[1]] if blocks else pack(mod.plain()[sel])), None
-    if not isinstance(mod, Int8Linear) or mod.kernel.transposed:
+    if not isinstance(mod, Int8Linear) or mod.kernel.transposed or w16:
         return None
     state = mod.packed_state
     blocks = _blocks(sel, mod.out_features)
@@ -208,17 +211,18 @@ def _copy_bytes(model: nn.Module) -> int:
                if isinstance(m, nn.Linear))
 
 
-def _collect(model: nn.Module) -> tuple[list[dict], str | None, int]:
+def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | None, int]:
     """Each layer's tensors as the kernel reads them, why not (or None), and the bytes of its own
-    (not shared with the model's layers: int8 and KernelLinear layers keep this layout already)."""
+    (not shared with the model's layers: int8 and KernelLinear layers keep this layout already).
+    ``w16``: every linear must be a KernelLinear over bf16 weights of this fp32 model."""
     weights: list[dict] = []
     dt = model.embed_tokens.weight.dtype
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
         i = f.intermediate_size
-        mats = {"qkv": _matrix(a.qkv_proj, dt), "o": _matrix(a.o_proj, dt),
-                "gate": _matrix(f.gate_up_proj, dt, slice(0, i)), "up": _matrix(f.gate_up_proj, dt, slice(i, 2 * i)),
-                "down": _matrix(f.down_proj, dt)}
+        mats = {"qkv": _matrix(a.qkv_proj, dt, None, w16), "o": _matrix(a.o_proj, dt, None, w16),
+                "gate": _matrix(f.gate_up_proj, dt, slice(0, i), w16),
+                "up": _matrix(f.gate_up_proj, dt, slice(i, 2 * i), w16), "down": _matrix(f.down_proj, dt, None, w16)}
         if any(m is None for m in mats.values()):
             return [], "linear layers of a kind it does not read", 0
         gub = f.gate_up_proj.bias
@@ -274,7 +278,12 @@ def attach(model: nn.Module) -> FusedDecode | None:
         if code == 1 and _copy_bytes(model) > budget and cpu_linear.amx_linears(model):
             log.info("fused decode kernel: instead of a copy beyond cpuTuning.fusedDecodeMb (%.0f MiB), the linears "
                      "keep their one copy in its layout (AMX tiles for prompts too)", budget_mb)
-        weights, why, size = _collect(model)
+        # An fp32 model whose linears keep bf16 weights (cpu_linear.bf16_weight_linears): the kernel's
+        # fp32 step over those same weights, code 2
+        w16 = code == 0 and getattr(lib, "has_w16a32", False) and any(
+            isinstance(m, KernelLinear) and m.packed.dtype == torch.bfloat16 for m in model.modules())
+        weights, why, size = _collect(model, w16)
+        code = 2 if w16 else code
         if why is None and size > budget:
             why = (f"its linear weights ({size / (1 << 20):.0f} MiB) exceed cpuTuning.fusedDecodeMb "
                    f"({budget / (1 << 20):.0f})")
@@ -286,7 +295,8 @@ def attach(model: nn.Module) -> FusedDecode | None:
     int8 = weights[0]["qkv_s"] is not None
     log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; %s)", fused.max_rows,
              "int8 weight" if int8 else "AMX-BF16" if getattr(lib, "amx_rows", 0) and code == 1
-             else "AVX512-BF16" if lib.has_dpbf16 and code == 1 else "fp32-accumulated",
+             else "AVX512-BF16" if lib.has_dpbf16 and code == 1
+             else "bf16 weight, fp32 row" if code == 2 else "fp32-accumulated",
              f"keeps a {size / (1 << 20):.1f} MiB copy of the layer weights" if size
              else "reads the layers' own weights, no copy")
     return fused

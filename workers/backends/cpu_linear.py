@@ -284,9 +284,9 @@ def bf16_weight_linears(model: nn.Module) -> int:
     to bf16, computed on fp32 rows (``linear_rows`` dt 2, AVX2 builds): half the bytes a decode
     reads, fp32's rounding of every activation. For a GGUF file's quantised weights on a CPU
     without native bf16 (CpuBackend.resolve_dtype), where bf16 activations flip near ties
-    (docs/performance.md, "AVX2-only AMD EPYC (Zen 3)"). The fused decode step does not read
-    these layers (cpu_decode._matrix), so decodes run them eagerly. Returns the count converted
-    (0: no such kernel here)."""
+    (docs/performance.md, "AVX2-only AMD EPYC (Zen 3)"). The fused decode step reads these
+    layers' own weights (cpu_decode: fp32 activations over them, no copy). Returns the count
+    converted (0: no such kernel here)."""
     lib = _kernel_linears_lib()
     if lib is None or not getattr(lib, "has_w16a32", False):
         return 0

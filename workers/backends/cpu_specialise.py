@@ -36,7 +36,8 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
        tied head become KernelLinear (cpu_linear.amx_linears: the C kernels' tiles, row-independent);
        with ``bf16_weights`` (CpuBackend.resolve_dtype: a GGUF file in fp32 on an AVX2 CPU) an fp32
        model's linears and tied head become KernelLinear over bf16 weights on fp32 rows
-       (cpu_linear.bf16_weight_linears), which the fused step does not read;
+       (cpu_linear.bf16_weight_linears), which the fused step reads as they are (its fp32 step
+       over bf16 weights, decode_layers' dtype 2);
     2. the fused decode step (``model.fast_decode``, cpu_decode.py): it reads the plain weights
        (a copy in its layout, within cpuTuning.fusedDecodeMb; beyond it a bf16 model's
        linears become KernelLinear instead), or the KernelLinear layers' own copy,

@@ -2208,16 +2208,17 @@ INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst)
     for (int64_t m = 0; m < s->M; m++) rms_row(dt, s->x, m * s->C, w, dst, m * s->C, s->C, s->eps, buf);
 }
 
-/* x[M, K] @ w^T (+ b): out[m, n] = round(sum), or with residual x[m, n] = round(x + round(sum)) */
-INLINE void dec_linear(int dt, const dec_step_t *s, const void *in, int64_t K, const void *w, const float *sc,
-                       const void *bias, int64_t N, void *dst, int residual) {
+/* x[M, K] @ w^T (+ b): out[m, n] = round(sum), or with residual x[m, n] = round(x + round(sum));
+ * pt: the products' type code (dt, or 2: fp32 rows over bf16 weights, gemv_group's dt 2) */
+INLINE void dec_linear(int dt, int pt, const dec_step_t *s, const void *in, int64_t K, const void *w,
+                       const float *sc, const void *bias, int64_t N, void *dst, int residual) {
     float res[DEC_MAX_ROWS * GROUP * 16];
     const int64_t NB = (N + 15) / 16;
     int64_t b0, b1;
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        gemv_group(dt, in, s->M, K, w, sc, g0, nb, res);
+        gemv_group(sc ? dt : pt, in, s->M, K, w, sc, g0, nb, res);
 #if HAVE_AVX512BW
         for (int64_t m = 0; m < s->M; m++)
             for (int64_t b = 0; b < nb; b++) {
@@ -2241,15 +2242,15 @@ INLINE void dec_linear(int dt, const dec_step_t *s, const void *in, int64_t K, c
 }
 
 /* gate and up for the same outputs together: act = round(round(silu(g)) * u) */
-INLINE void dec_swiglu(int dt, const dec_step_t *s, const dec_layer_t *L) {
+INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L) {
     float rg[DEC_MAX_ROWS * GROUP * 16], ru[DEC_MAX_ROWS * GROUP * 16];
     const int64_t I = s->I, NB = (I + 15) / 16;
     int64_t b0, b1;
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        gemv_group(dt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
-        gemv_group(dt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
+        gemv_group(L->gate_s ? dt : pt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
+        gemv_group(L->up_s ? dt : pt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
 #if HAVE_AVX512BW
         if (dt == 1 && s->silu_bf16) {
             for (int64_t m = 0; m < s->M; m++)
@@ -2305,7 +2306,7 @@ int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, c
 #endif
 }
 
-INLINE void dec_step(int dt, const dec_step_t *s) {
+INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
     const int64_t M = s->M, C = s->C, H = s->H, Hkv = s->Hkv, D = s->D, half = D / 2;
     const int64_t NQ = (H + 2 * Hkv) * D, es = dt == 0 ? 4 : 2;
     _Pragma("omp for schedule(static)")
@@ -2314,7 +2315,7 @@ INLINE void dec_step(int dt, const dec_step_t *s) {
     for (int64_t l = 0; l < s->n_layers; l++) {
         const dec_layer_t *L = &s->layers[l];
         dec_norm_rows(dt, s, L->in_norm, s->xn);
-        dec_linear(dt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_b, NQ, s->qkv, 0);
+        dec_linear(dt, pt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_b, NQ, s->qkv, 0);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             rope_token(dt, s->qkv, m * NQ, H + Hkv, D, s->cos_t + s->pos[m] * half, s->sin_t + s->pos[m] * half);
@@ -2328,25 +2329,26 @@ INLINE void dec_step(int dt, const dec_step_t *s) {
             attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
                         s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, i % Hkv, (char *)s->att + m * H * D * es);
         }
-        dec_linear(dt, s, s->att, H * D, L->o_w, L->o_s, L->o_b, C, s->x, 1);
+        dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_b, C, s->x, 1);
         dec_norm_rows(dt, s, L->post_norm, s->xn);
-        dec_swiglu(dt, s, L);
-        dec_linear(dt, s, s->act, s->I, L->down_w, L->down_s, L->down_b, C, s->x, 1);
+        dec_swiglu(dt, pt, s, L);
+        dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_b, C, s->x, 1);
     }
     dec_norm_rows(dt, s, s->final_norm, s->out);
 }
 
-/* Returns 0, or -1 (before touching anything) for shapes beyond the static buffers or a position
- * outside the rope table. */
+/* dtype 0 fp32, 1 bf16, 2 (AVX2 builds): fp32 activations over bf16 layer weights (linear_rows' dt 2;
+ * int8 layers keep their own products). Returns 0, or -1 (before touching anything) for shapes
+ * beyond the static buffers or a position outside the rope table. */
 int decode_layers(int dtype, const dec_step_t *s) {
-    if (dtype < 0 || dtype > 1 || s->M < 1 || s->M > DEC_MAX_ROWS || s->D > MAX_D || s->D % 2 || s->Hkv <= 0
-        || s->H % s->Hkv || s->H / s->Hkv > MAX_G || s->C > 65536)
+    if (dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_AVX2) || s->M < 1 || s->M > DEC_MAX_ROWS || s->D > MAX_D
+        || s->D % 2 || s->Hkv <= 0 || s->H % s->Hkv || s->H / s->Hkv > MAX_G || s->C > 65536)
         return -1;
     for (int64_t m = 0; m < s->M; m++)
         if (s->pos[m] < 0 || s->pos[m] >= s->max_pos || s->offsets[m] < 0 || s->offsets[m] >= s->bs) return -1;
     _Pragma("omp parallel")
     {
-        if (dtype == 0) dec_step(0, s); else dec_step(1, s);
+        if (dtype == 0) dec_step(0, 0, s); else if (dtype == 1) dec_step(1, 1, s); else dec_step(0, 2, s);
     }
     return 0;
 }
