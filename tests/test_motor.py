@@ -222,14 +222,17 @@ def test_fleet_starts_serves_and_drains(tmp_path, demo_model) -> None:
         assert len(pids) >= 8, pids  # motor, coordinator, 2 x (launch.sh, supervisor, worker, gunicorn, front end)
         # SIGTERM with streams in flight through the coordinator: they finish in full (the
         # coordinator drains first, then the instances), nothing is cut.
-        streams = InferStreams(url, 4, 200)
+        # 500 tokens (maxIterTimes 512): long enough that none can end between the poll that sees
+        # them started and the signal (200 once did on a fast CI host).
+        streams = InferStreams(url, 4, 500)
         streams.wait_started(3, timeout=60)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        at_signal = [len(e) for e in streams.events]
         streams.join(90)
         failed, full = streams.outcome()
         assert (failed, full) == ([], 4), [len(e) for e in streams.events]
-        assert min(streams.ended) > t0, "the streams were still running when SIGTERM came"
+        assert min(streams.ended) > t0 and max(at_signal) < 500, ("streams not in flight at SIGTERM", at_signal)
         assert proc.wait(90) == 0, out()
         gone = wait_gone(pids, 20)
         assert gone is not None, [p for p in pids if alive(p)]
