@@ -284,16 +284,23 @@ def test_int8_model_shares_its_layers_with_the_fused_step(models):
     assert weight_bytes(model) - before < int8_bytes / 4  # no copy of the layers was added
 
 
-@pytest.mark.skipif(LIB is None or not getattr(LIB, "amx_rows", 0), reason="no AMX-BF16 tiles here")
-def test_amx_bf16_model_shares_its_layers_with_the_fused_step(models, monkeypatch):
-    """On AMX CPUs a bf16 model's linears keep one copy of their weights, in the kernels' layout
-    (KernelLinear, AMX tiles for prompts), and the fused step reads those tensors: it needs no copy,
-    so a budget of 0.01 MiB (cpuTuning.fusedDecodeMb) does not keep it off a model of any size."""
+@pytest.mark.skipif(LIB is None or not (getattr(LIB, "amx_rows", 0) or LIB.has_dpbf16),
+                    reason="no AMX-BF16 tiles or AVX512-BF16 dot products here")
+def test_bf16_model_beyond_the_budget_shares_its_layers_with_the_fused_step(models, monkeypatch, caplog):
+    """On AMX and AVX512-BF16 CPUs a bf16 model whose fused-step copy would exceed the budget
+    (cpuTuning.fusedDecodeMb, 0.01 MiB here) keeps one copy of its linears' weights, in the
+    kernels' layout (KernelLinear: AMX tiles or AVX512-BF16 products for prompts), and the fused
+    step reads those tensors instead of a copy: a model of any size decodes in one C call."""
     from workers.backends.cpu_linear import KernelLinear
     monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
-    model = _prepared(models["kv1"], torch.bfloat16)  # intermediate 112: gate/up split on a block edge
+    with caplog.at_level(logging.INFO, logger="workers.backends"):
+        model = _prepared(models["kv1"], torch.bfloat16)  # intermediate 112: gate/up split on a block edge
     fused = model.fast_decode
     assert fused is not None
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "the linears keep their one copy in its layout" in said
+    assert ("AMX tiles" if getattr(LIB, "amx_rows", 0) else "AVX512-BF16 products") in said
+    assert "reads the layers' own weights, no copy" in said
     owned = {m.packed.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, KernelLinear)}
     assert len(owned) >= 4 * len(model.layers)  # qkv, o, gate_up, down (and an untied head)
     for layer in fused.weights:

@@ -149,7 +149,8 @@ def test_bf16_model_prompt_matches_transformers(tmp_path, monkeypatch, cls, extr
     config = dict(vocab_size=211, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, **extra)
     hf = save_random_model(cls, config, tmp_path / "m")
-    if getattr(LIB, "amx_rows", 0):  # AMX: a model beyond the fused step's copy budget keeps its linears as KernelLinear
+    if getattr(LIB, "amx_rows", 0) or LIB.has_dpbf16:  # a model beyond the fused step's copy budget keeps
+        # its linears as KernelLinear (AMX tiles, or AVX512-BF16 products: cpu_linear.dpbf16_linears)
         from workers import settings
         monkeypatch.setattr(settings, "_engine", settings.with_cpu(fused_decode_mb=0.01))
     backend = CpuBackend()
@@ -171,9 +172,10 @@ def test_bf16_model_prompt_matches_transformers(tmp_path, monkeypatch, cls, extr
         hf_half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval()
         hf_half.config._attn_implementation = "eager"
         hf_err = (hf_half(ids[None]).logits[0].float() - truth).abs().max().item()
-    # the prompt's products took a tiled path: AVX2 register tiles, or AMX tiles (AMX CPUs: cpu_linear.amx_linears)
+    # the prompt's products took a tiled path: AVX2 register tiles, AMX tiles (AMX CPUs: cpu_linear.amx_linears),
+    # or AVX512-BF16 dot products four rows at a time (cpu_linear.dpbf16_linears)
     amx = LIB.kernels_amx_rows(0) if hasattr(LIB, "kernels_amx_rows") else 0
-    assert tokens >= LIB.kernels_tile_rows(0) > 0 or tokens >= amx > 0
+    assert tokens >= LIB.kernels_tile_rows(0) > 0 or tokens >= amx > 0 or LIB.has_dpbf16
     err = (ours - truth).abs().max().item()
     scale = truth.abs().max().item()
     # 8 bf16 ulps of the largest logit (tests/test_models.py: 0.0625 for logits up to ~2.5)

@@ -275,9 +275,13 @@ def attach(model: nn.Module) -> FusedDecode | None:
     if why is None:
         budget = budget_mb * (1 << 20)
         # AMX CPUs: rather than a copy beyond the budget, the linears themselves move to the kernels' layout
-        if code == 1 and _copy_bytes(model) > budget and cpu_linear.amx_linears(model):
+        # AMX CPUs (and AVX512-BF16 ones): rather than a copy beyond the budget, the linears themselves
+        # move to the kernels' layout
+        if code == 1 and _copy_bytes(model) > budget and (cpu_linear.amx_linears(model)
+                                                          or cpu_linear.dpbf16_linears(model)):
             log.info("fused decode kernel: instead of a copy beyond cpuTuning.fusedDecodeMb (%.0f MiB), the linears "
-                     "keep their one copy in its layout (AMX tiles for prompts too)", budget_mb)
+                     "keep their one copy in its layout (%s for prompts too)", budget_mb,
+                     "AMX tiles" if getattr(lib, "amx_rows", 0) else "AVX512-BF16 products")
         # An fp32 model whose linears keep bf16 weights (cpu_linear.bf16_weight_linears): the kernel's
         # fp32 step over those same weights, code 2
         w16 = code == 0 and getattr(lib, "has_w16a32", False) and any(

@@ -119,6 +119,8 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
     if kernel:
         products = ("C amx_bf16 tiles (linear_rows; the weights' one copy, shared with the fused decode step)"
                     if lib is not None and getattr(lib, "amx_rows", 0) and dtype == torch.bfloat16 else
+                    "C avx512_bf16 products (linear_rows; the weights' one copy, shared with the fused decode step)"
+                    if lib is not None and lib.has_dpbf16 and dtype == torch.bfloat16 else
                     "C avx2 products of bf16 weights on fp32 rows (linear_rows, register-tiled from 4 rows)"
                     if dtype == torch.float32 else
                     "C avx2 bf16 products (linear_rows, register-tiled from 4 rows; oneDNN cannot pack bf16 here)")

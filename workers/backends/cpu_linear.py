@@ -261,7 +261,23 @@ def amx_linears(model: nn.Module, head: bool = False) -> int:
     CPUs (``cpuTuning.prefillLinears``); under ``onednn`` cpu_decode.attach does this for a model
     whose fused-step copy would exceed cpuTuning.fusedDecodeMb. Odd in_features keep oneDNN (the
     tiles take pairs of K). Returns the count converted (0: no AMX here)."""
-    lib = _amx_lib()
+    return _to_kernel_linears(model, _amx_lib(), head, "the C kernels' AMX tiles")
+
+
+def dpbf16_linears(model: nn.Module) -> int:
+    """On CPUs with AVX512-BF16 dot products but no AMX, every bf16 nn.Linear of ``model`` as a
+    KernelLinear (``linear_rows``' AVX512-BF16 products), so the fused decode step reads the
+    layers' one copy: cpu_decode.attach does this for a bf16 model whose fused-step copy would
+    exceed cpuTuning.fusedDecodeMb (the 1B shape on Zen 4: a decode at concurrency 1 from 0.71 to
+    the read roofline's 0.9+, its 512-row prompt products at 0.94x oneDNN's, docs/performance.md).
+    Returns the count converted (0: no AVX512-BF16 here)."""
+    lib = cpu_kernels.load()
+    ok = lib is not None and getattr(lib, "has_dpbf16", False) and not getattr(lib, "amx_rows", 0)
+    return _to_kernel_linears(model, lib if ok else None, False, "the C kernels' AVX512-BF16 products")
+
+
+def _to_kernel_linears(model: nn.Module, lib, head: bool, where: str) -> int:
+    """amx_linears and dpbf16_linears: the swap itself, on ``lib`` (None: nothing to do)."""
     if lib is None:
         return 0
     count = 0
@@ -274,8 +290,8 @@ def amx_linears(model: nn.Module, head: bool = False) -> int:
         model.logits_linear = KernelLinear(emb, lib, emb.weight)
         count += 1
     if count:
-        log.info("%d bf16 linear layers on the C kernels' AMX tiles (one copy of the weights, shared with the "
-                 "fused decode step)", count)
+        log.info("%d bf16 linear layers on %s (one copy of the weights, shared with the fused decode step)",
+                 count, where)
     return count
 
 
