@@ -15,8 +15,9 @@ reads them, no copy (a large model's decode then reaches the read roofline, wher
 calls stayed at ~0.78 of it). oneDNN-packed layers (fp32 models, CPUs without AMX,
 ``prefillLinears: onednn``) cannot be read by the kernel, so it keeps its own copy of the layer
 weights: the linear layers' bytes twice. Only models whose copy fits ``cpuTuning.fusedDecodeMb``
-(256 MiB) get a copy; beyond it a bf16 model on an AMX CPU still moves its linears to the
-kernel's layout, other larger models keep the eager path.
+(256 MiB) get a copy; beyond it a bf16 model on an AMX or AVX512-BF16 CPU still moves its
+linears to the kernel's layout (``cpu_linear.amx_linears``, ``cpu_linear.dpbf16_linears``), other
+larger models keep the eager path.
 ``cpuTuning.fusedDecode: false`` turns it off (each key's
 environment override: docs/config.md). Int8 weights (``quantize: w8a16``) are kept in this
 layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel reads those same
@@ -274,7 +275,6 @@ def attach(model: nn.Module) -> FusedDecode | None:
     size = 0
     if why is None:
         budget = budget_mb * (1 << 20)
-        # AMX CPUs: rather than a copy beyond the budget, the linears themselves move to the kernels' layout
         # AMX CPUs (and AVX512-BF16 ones): rather than a copy beyond the budget, the linears themselves
         # move to the kernels' layout
         if code == 1 and _copy_bytes(model) > budget and (cpu_linear.amx_linears(model)
