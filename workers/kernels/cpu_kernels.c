@@ -1039,7 +1039,10 @@ INLINE void fma_rows(const float *xf, int64_t K, const float *wf, int64_t g0, in
 #if HAVE_DPBF16
 /* bf16: per pair of K, one broadcast load of each row's pair (a shuffle from a general register
  * would take a vector slot the products need) and one vdpbf16ps per (row, block); an odd K's last
- * pair is padded with zero. */
+ * pair is padded with zero. Up to DP_MR rows at once: 6 rows x GROUP blocks keep 24 accumulators,
+ * the 6 rows' pairs and one block of weights in the 32 vector registers, so each weight load
+ * serves 6 products (4 rows: 1.5x the loads per product, 0.94x oneDNN's rate at 512 rows on a Zen 4). */
+#define DP_MR 6
 INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb, int64_t m0,
                     float *res, const int MM) {
     const int64_t KP = (K + 1) / 2, full = K / 2;
@@ -1047,14 +1050,16 @@ INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g
     for (int b = 0; b < GROUP; b++) w[b] = wb + block_of(g0, b, nb) * KP * 32;
     for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
         const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
-        __m512 acc[4][GROUP];
+        /* the chunk's whole pairs, then an odd K's padded last one */
+        const int64_t pf = p1 < full ? p1 : full;
+        __m512 acc[DP_MR][GROUP];
         for (int m = 0; m < MM; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
         for (int64_t kp = p0; kp < p1; kp++) {
-            __m512i xv[4];
+            __m512i xv[DP_MR];
             for (int m = 0; m < MM; m++) {
                 const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
                 int32_t pair = r[0];
-                if (kp < full) memcpy(&pair, r, sizeof pair);
+                if (kp < pf) memcpy(&pair, r, sizeof pair);
                 xv[m] = _mm512_set1_epi32(pair);
             }
             for (int b = 0; b < GROUP; b++) {
@@ -1063,6 +1068,23 @@ INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g
             }
         }
         chunk_out(res, acc, m0, MM, p0 == 0);
+    }
+}
+
+/* rows [0, M) through dp_rows in passes of near-equal height (8 rows: 4 + 4, not 6 + 2) */
+static void dp_group(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *wb, int64_t g0, int64_t nb,
+                     float *res) {
+    const int64_t passes = (M + DP_MR - 1) / DP_MR;
+    for (int64_t i = 0; i < passes; i++) {
+        const int64_t m0 = M * i / passes, mm = M * (i + 1) / passes - m0;
+        switch (mm) {
+        case 6: dp_rows(xb, K, wb, g0, nb, m0, res, 6); break;
+        case 5: dp_rows(xb, K, wb, g0, nb, m0, res, 5); break;
+        case 4: dp_rows(xb, K, wb, g0, nb, m0, res, 4); break;
+        case 3: dp_rows(xb, K, wb, g0, nb, m0, res, 3); break;
+        case 2: dp_rows(xb, K, wb, g0, nb, m0, res, 2); break;
+        default: dp_rows(xb, K, wb, g0, nb, m0, res, 1); break;
+        }
     }
 }
 #endif
@@ -1817,14 +1839,14 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
         return;
     }
 #endif
+#if HAVE_DPBF16
+    if (dt == 1) {
+        dp_group((const uint16_t *)x, M, K, (const uint16_t *)pw, g0, nb, res);
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int64_t mm = M - m0 < 4 ? M - m0 : 4;
-#if HAVE_DPBF16
-        if (dt == 1) {
-            BY_ROWS(mm, dp_rows, (const uint16_t *)x, K, (const uint16_t *)pw, g0, nb, m0, res);
-            continue;
-        }
-#endif
 #if HAVE_AVX512
         if (dt == 0) {
             BY_ROWS(mm, fma_rows, (const float *)x, K, (const float *)pw, g0, nb, m0, res);
