@@ -998,6 +998,11 @@ int kernels_have_prefill(void) { return HAVE_AVX512 || HAVE_AVX2; }
     case 3: f(__VA_ARGS__, 3); break;                                 \
     case 2: f(__VA_ARGS__, 2); break;                                 \
     default: f(__VA_ARGS__, 1); break; } } while (0)
+/* the same for row counts 1-6 (the register tiles of dp_group, bf16_tiles8 and bf16_group_tiles8) */
+#define BY_ROWS6(mm, f, ...) do { switch (mm) {                     \
+    case 6: f(__VA_ARGS__, 6); break;                                 \
+    case 5: f(__VA_ARGS__, 5); break;                                 \
+    default: BY_ROWS(mm, f, __VA_ARGS__); break; } } while (0)
 
 /* The *_rows products below compute rows m0 .. m0 + MM of a group into res, MM a constant after
  * inlining (the accumulators stay in registers, the loop has no branches). A group's blocks past
@@ -1050,8 +1055,6 @@ INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g
     for (int b = 0; b < GROUP; b++) w[b] = wb + block_of(g0, b, nb) * KP * 32;
     for (int64_t p0 = 0; p0 < KP; p0 += K_CHUNK / 2) {
         const int64_t p1 = KP - p0 < K_CHUNK / 2 ? KP : p0 + K_CHUNK / 2;
-        /* the chunk's whole pairs, then an odd K's padded last one */
-        const int64_t pf = p1 < full ? p1 : full;
         __m512 acc[DP_MR][GROUP];
         for (int m = 0; m < MM; m++) for (int b = 0; b < GROUP; b++) acc[m][b] = _mm512_setzero_ps();
         for (int64_t kp = p0; kp < p1; kp++) {
@@ -1059,7 +1062,7 @@ INLINE void dp_rows(const uint16_t *xb, int64_t K, const uint16_t *wb, int64_t g
             for (int m = 0; m < MM; m++) {
                 const uint16_t *r = xb + (m0 + m) * K + 2 * kp;
                 int32_t pair = r[0];
-                if (kp < pf) memcpy(&pair, r, sizeof pair);
+                if (kp < full) memcpy(&pair, r, sizeof pair);
                 xv[m] = _mm512_set1_epi32(pair);
             }
             for (int b = 0; b < GROUP; b++) {
@@ -1077,14 +1080,7 @@ static void dp_group(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *w
     const int64_t passes = (M + DP_MR - 1) / DP_MR;
     for (int64_t i = 0; i < passes; i++) {
         const int64_t m0 = M * i / passes, mm = M * (i + 1) / passes - m0;
-        switch (mm) {
-        case 6: dp_rows(xb, K, wb, g0, nb, m0, res, 6); break;
-        case 5: dp_rows(xb, K, wb, g0, nb, m0, res, 5); break;
-        case 4: dp_rows(xb, K, wb, g0, nb, m0, res, 4); break;
-        case 3: dp_rows(xb, K, wb, g0, nb, m0, res, 3); break;
-        case 2: dp_rows(xb, K, wb, g0, nb, m0, res, 2); break;
-        default: dp_rows(xb, K, wb, g0, nb, m0, res, 1); break;
-        }
+        BY_ROWS6(mm, dp_rows, xb, K, wb, g0, nb, m0, res);
     }
 }
 #endif
@@ -1291,14 +1287,7 @@ static void bf16_tiles8(int dt, const void *x, int64_t M, int64_t K, const uint1
                         const int64_t r0 = mc * i / tiles, mr = mc * (i + 1) / tiles - r0;
                         const float *ar = a + r0 * K_CHUNK;
                         float *s = sums + r0 * SS + (b - g0) * 16;
-                        switch (mr) {
-                        case 6: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 6); break;
-                        case 5: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 5); break;
-                        case 4: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 4); break;
-                        case 3: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 3); break;
-                        case 2: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 2); break;
-                        default: bf16_tile8(ar, w, p1 - p0, s, SS, p0 == 0, 1); break;
-                        }
+                        BY_ROWS6(mr, bf16_tile8, ar, w, p1 - p0, s, SS, p0 == 0);
                     }
                 }
             }
@@ -1329,14 +1318,7 @@ static void bf16_group_tiles8(const void *x, int xf, int64_t M, int64_t K, const
                     const int64_t r0 = mc * i / tiles, mr = mc * (i + 1) / tiles - r0;
                     const float *ar = a + r0 * K_CHUNK;
                     float *s = res + (m0 + r0) * GROUP * 16 + b * 16;
-                    switch (mr) {
-                    case 6: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 6); break;
-                    case 5: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 5); break;
-                    case 4: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 4); break;
-                    case 3: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 3); break;
-                    case 2: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 2); break;
-                    default: bf16_tile8(ar, w, p1 - p0, s, GROUP * 16, p0 == 0, 1); break;
-                    }
+                    BY_ROWS6(mr, bf16_tile8, ar, w, p1 - p0, s, GROUP * 16, p0 == 0);
                 }
             }
         }
