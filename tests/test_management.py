@@ -36,6 +36,10 @@ def split(tmp_path_factory, demo_model):
         srv.biz = f"http://127.0.0.1:{ports[0]}"
         srv.mgmt = f"http://127.0.0.1:{ports[1]}"
         srv.metrics = f"http://127.0.0.1:{ports[2]}"
+        # /health is ready once a front end has one worker, and each front end meets each worker on
+        # its own: until both front ends count both workers, status figures depend on which answers.
+        wait_for(lambda: all(httpx.get(srv.mgmt + "/v1/status", timeout=10).json()["resource"]["availSlotsNum"]
+                             == 2 * MAX_BATCH for _ in range(20)), 60, "both front ends to count both workers")
         yield srv
     finally:
         srv.stop()
@@ -157,24 +161,31 @@ def test_status_follows_a_running_request(split):
     """Filled from the workers' live state: a long stream shows as running with blocks taken,
     and everything is back within a step of its end."""
     idle = httpx.get(split.mgmt + "/v1/status", timeout=10).json()["resource"]
-    done = threading.Event()
+    assert idle["availSlotsNum"] == 2 * MAX_BATCH
+    stop, ended = threading.Event(), threading.Event()
 
     def run():
-        with httpx.stream("POST", split.biz + "/infer", json=infer_body(300, stream=True), timeout=60) as r:
+        # Long enough to outlast the checks on a fast CPU (the demo model makes 300 tokens in 0.2 s);
+        # left early once they are done.
+        with httpx.stream("POST", split.biz + "/infer", json=infer_body(1900, stream=True), timeout=60) as r:
             for _ in r.iter_bytes():
-                pass
-        done.set()
+                if stop.is_set():
+                    break
+        ended.set()
 
     t = threading.Thread(target=run)
     t.start()
-    res = wait_for(lambda: (lambda r: r if r["runningRequestNum"] == 1 else None)(
-        httpx.get(split.mgmt + "/v1/status", timeout=10).json()["resource"]), 20, "a running request")
-    assert res["freeNpuBlockNums"] < idle["freeNpuBlockNums"] and res["availSlotsNum"] == 2 * MAX_BATCH - 1
-    slots = httpx.get(split.mgmt + "/v2/models/demo/getSlotCount", timeout=10).json()
-    assert slots["free_slots"] == 2 * MAX_BATCH - 1
-    t.join(60)
-    assert done.is_set()
-    _wait_status(split, idle)
+    try:
+        res = wait_for(lambda: (lambda r: r if r["runningRequestNum"] == 1 else None)(
+            httpx.get(split.mgmt + "/v1/status", timeout=10).json()["resource"]), 20, "a running request")
+        assert res["freeNpuBlockNums"] < idle["freeNpuBlockNums"] and res["availSlotsNum"] == 2 * MAX_BATCH - 1
+        slots = httpx.get(split.mgmt + "/v2/models/demo/getSlotCount", timeout=10).json()
+        assert slots["free_slots"] == 2 * MAX_BATCH - 1
+    finally:
+        stop.set()
+        t.join(60)
+    assert ended.is_set()
+    _wait_status(split, idle, timeout=30)
 
 
 def test_business_model_queries(split):
