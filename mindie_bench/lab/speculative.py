@@ -9,6 +9,7 @@ and free-form chat, and at concurrency 32 (the four kinds mixed). Prints a markd
 (docs/performance.md, "Speculative decoding").
 
     mindie-bench speculative [--new-tokens 128] [--rounds 1] [--methods suffix,ngram] [--threads 1 --cpu-time]
+    mindie-bench speculative --row-cost --new-tokens 48 --rounds 6 --threads 1 --cpu-time   # ROW_COST's figure
     python -m mindie_bench.lab.speculative ...
 
 Engine internals (``workers.engine``, in this process), because what speculation changes is the
@@ -82,6 +83,35 @@ def run_once(engine, reqs) -> tuple[float, int, int, int, int]:
             engine.spec.accepted_tokens - a0, engine.steps - steps0)
 
 
+def row_cost(engine, ids: list[int], params, rounds: int) -> None:
+    """Decode step time with k always-rejected proposed tokens per step (token 0, which greedy decoding
+    of the chat prompt never picks), k = 0/1/2/4/8 interleaved each round; medians."""
+    from mindie.contract.wire import Submit
+    ks = (0, 1, 2, 4, 8)
+    k_now = [0]
+    engine.spec.propose = lambda seq, room: [0] * min(k_now[0], room)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for r in range(rounds):
+        for k in ks:
+            k_now[0] = k
+            engine.add(Submit(f"rowcost-{r}-{k}", "fe", ids, params))
+            engine.step()  # the prompt
+            t0, n = CLOCK(), 0
+            while engine.has_work():
+                engine.step()
+                n += 1
+            times[k].append((CLOCK() - t0) / max(n, 1))
+    if engine.spec.accepted_tokens:
+        print(f"warning: {engine.spec.accepted_tokens} proposed tokens were accepted: those steps emitted more "
+              "than one token, and the costs below are understated", file=sys.stderr)
+    base = sorted(times[0])[rounds // 2]
+    print("| proposed tokens per step | ms per step | x one-row step | cost per proposed row |")
+    print("|---|---|---|---|")
+    for k in ks:
+        t = sorted(times[k])[rounds // 2]
+        print(f"| {k} | {t * 1e3:.2f} | {t / base:.3f} | {((t / base - 1) / k if k else 0):.3f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -92,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec-tokens", type=int, default=0, help="speculationGamma (0: 16 for suffix, 6 for ngram)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--only", choices=["c1", "c32"], default=None, help="only the concurrency-1 rows or the c=32 row")
+    ap.add_argument("--row-cost", action="store_true",
+                    help="instead of the tables: what a proposed token's row costs (proposals of 0/1/2/4/8 "
+                         "always-rejected tokens, interleaved each round, on the free chat prompt), the "
+                         "figure speculative.ROW_COST stands for")
     ap.add_argument("--cpu-time", action="store_true",
                     help="rates per second of this process's CPU time, not wall time (a shared machine: with "
                          "--threads 1 no OpenMP thread spins, so CPU time is the work done)")
@@ -134,6 +168,11 @@ def main(argv: list[str] | None = None) -> None:
             runner.allocate_kv(num_blocks, 16)
         engines[name] = Engine(runner, cfg, num_blocks)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    if args.row_cost:
+        if not methods:
+            raise SystemExit("--row-cost needs a proposer in --methods (its engine verifies the proposals)")
+        row_cost(engines[methods[0]], chat(tok, TASKS["free chat"][0]), params, max(args.rounds, 3))
+        return
     uid = 0
     names = ["off", *methods]
     print("| task | c | prompt tokens | tok/s off | " + " | ".join(
