@@ -164,14 +164,38 @@ class Generation:
                     continue
                 self.deadline.token()
                 for f in frames:
-                    piece = self._piece(f)
-                    if piece is not None:
+                    for piece in self._pieces(f):
                         yield piece
                     if self.finish_reason:
                         break
         finally:
             if not self.stream.finished:
                 self.client.cancel(self.stream)
+
+    def _pieces(self, f: P.TokenFrame) -> list[Piece]:
+        """The frame's pieces: one, or with text one per token. A speculative step's frame carries
+        every token it accepted; split, each token gets its own text (TGI streams show it per
+        token) and a stop string ends the request at the token that completes it, the tokens after
+        it dropped (ids, log-probabilities, counts), exactly as without speculation."""
+        n = len(f.token_ids)
+        if n <= 1 or self.detok is None:
+            piece = self._piece(f)
+            return [] if piece is None else [piece]
+        out = []
+        for i in range(n):
+            last = i == n - 1
+            sub = P.TokenFrame(
+                f.request_id, f.token_ids[i:i + 1], f.finish_reason if last else "",
+                f.prefill_ms if i == 0 else 0.0, f.decode_ms / n,
+                logprobs=f.logprobs[i:i + 1], top_logprobs=f.top_logprobs[i:i + 1],
+                prompt_logprobs=f.prompt_logprobs if i == 0 else [],
+                spec_draft=f.spec_draft if i == 0 else 0, spec_accepted=f.spec_accepted if i == 0 else 0)
+            piece = self._piece(sub)
+            if piece is not None:
+                out.append(piece)
+            if self.finish_reason:  # a stop string: the rest of the step's tokens are not the answer's
+                break
+        return out
 
     def _piece(self, f: P.TokenFrame) -> Piece | None:
         if f.error is not None:

@@ -198,3 +198,69 @@ def test_config_reaches_the_engine(tmp_path):
     s = cfg(schedule={"promptLookupMin": 1, "promptLookupMax": 3, "speculationMaxBatch": 2,
                       "speculationMinAcceptance": 0.5})
     assert (s.spec_lookup_min, s.spec_lookup_max, s.spec_max_batch, s.spec_min_acceptance) == (1, 3, 2, 0.5)
+
+
+def chat_stop(srv, stop: str) -> dict:
+    r = post(srv, "/v1/chat/completions", {
+        "model": "demo", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 80, "temperature": 0,
+        "logprobs": True, "stop": [stop]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_stop_string_inside_a_speculative_step_ends_at_its_token(servers):
+    """A verify step accepts several tokens at once; a stop string completed by one of them ends the
+    answer at that token, as without speculation: the same text, token count and log-probability
+    list (before the fix the step's later tokens were counted and listed). Stops taken from the
+    unstopped answer at 15 depths, so most fall inside a step's run of accepted tokens."""
+    on, off = servers
+    full = chat_stop(off, "\x00never")  # (a stop that never matches: the plain greedy answer)
+    toks = [t["token"] for t in full["choices"][0]["logprobs"]["content"]]
+    text = full["choices"][0]["message"]["content"]
+    assert "".join(toks) == text and len(toks) == 80, toks
+    # The answer so far up to token k: it first matches where token k ends (the demo model's answers
+    # repeat a short period, so a short stop would always match in the first period).
+    stops = [text[:len("".join(toks[:k + 1]))] for k in range(4, 76, 5)]
+    before = metric(on, "vllm:spec_decode_num_accepted_tokens_total")
+    for stop in stops:
+        a, b = chat_stop(on, stop), chat_stop(off, stop)
+        ca, cb = a["choices"][0], b["choices"][0]
+        assert ca["finish_reason"] == cb["finish_reason"] == "stop", (stop, ca, cb)
+        assert ca["message"]["content"] == cb["message"]["content"], stop
+        assert [t["token"] for t in ca["logprobs"]["content"]] == [t["token"] for t in cb["logprobs"]["content"]], stop
+        assert a["usage"] == b["usage"], (stop, a["usage"], b["usage"])
+    for _ in range(50):  # (heartbeats carry the counters: one after the requests)
+        if metric(on, "vllm:spec_decode_num_accepted_tokens_total") > before:
+            break
+        import time
+        time.sleep(0.2)
+    assert metric(on, "vllm:spec_decode_num_accepted_tokens_total") > before  # it did speculate
+
+
+def tgi_stream_tokens(srv, body: dict) -> list[tuple]:
+    out = []
+    with httpx.stream("POST", srv.url + "/generate_stream", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:{"):
+                ev = json.loads(line[5:])
+                d = ev["details"] or {}
+                out.append((ev["index"], ev["token"]["id"], ev["token"]["text"], round(ev["token"]["logprob"], 3),
+                            ev["generated_text"], d.get("generated_tokens"), d.get("finish_reason")))
+    return out
+
+
+@pytest.mark.parametrize("stop", [None, "mid"])
+def test_tgi_stream_frames_are_the_same(servers, stop):
+    """TGI's stream sends one event per token with that token's text: with speculation the tokens a
+    step accepted each carry their own text (before the fix the step's text came on its last token
+    and the others had ""), and a stop string inside a step ends the stream at its token."""
+    on, off = servers
+    body = {"inputs": TEXT, "parameters": {"max_new_tokens": 60, "details": True}}
+    plain = tgi_stream_tokens(off, body)
+    if stop:  # the answer up to its 27th token (a repeating answer matches a short stop at once)
+        body["parameters"]["stop"] = ["".join(e[2] for e in plain[:27])]
+    a, b = tgi_stream_tokens(on, body), tgi_stream_tokens(off, body)
+    # (with the stop every event's text is held back: all of it could be the stop's start)
+    assert len(b) == (27 if stop else 60) and (stop or sum(1 for e in b if e[2]) > 20), b
+    assert a == b
