@@ -188,13 +188,13 @@ def test_triton_generate_stream(srv):
 
 def test_triton_id_is_the_stop_infer_name(srv):
     """The body's id is what stopInfer names. A MAX_ITER-token generation takes a fraction of a
-    second (sampled, so that speculation does not shorten it to a few steps), so on a loaded machine it may end before a stopInfer reaches it: then it ended by
+    second (sampled hot: the greedy answer repeats itself, and speculation would make it in a few
+    steps), so on a loaded machine it may end before a stopInfer reaches it: then it ended by
     length and stopInfer says "not found"; an attempt in which stopInfer finds it must end it."""
     for attempt in range(5):
         rid, out = f"long-{attempt}", {}
 
         def run():
-            # (sampled hot: the greedy answer repeats itself, so speculation makes it in a few steps)
             out["r"] = post(srv, "/v2/models/demo/generate", {"id": rid, "text_input": PROMPT,
                                                               "parameters": {"max_new_tokens": MAX_ITER,
                                                                              "do_sample": True, "temperature": 2.0,
