@@ -56,6 +56,17 @@ DeviceType = Literal["auto", "npu", "cuda", "cpu"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+def setting_source(var: str, env: Mapping[str, str] = os.environ) -> str:
+    """Where a setting made by environment variable ``var`` came from, in words:
+    "launch.sh --strict-config" when scripts/launch.sh set it from that flag (it lists what it set
+    in MINDIE_SET_BY_FLAG, "VAR=--flag ..."), else "environment variable VAR"."""
+    for item in env.get("MINDIE_SET_BY_FLAG", "").split():
+        name, _, flag = item.partition("=")
+        if name == var and flag:
+            return f"launch.sh {flag}"
+    return f"environment variable {var}"
+
+
 class ConfigError(Exception):
     """A config problem, worded as ``<dotted key>: <what is wrong>`` (plus where the value came from)."""
 
@@ -63,7 +74,7 @@ class ConfigError(Exception):
                  source: Optional[str] = None) -> None:
         text = f"{key}: {message}" if key else message
         if env:
-            text += f" (from environment variable {env})"
+            text += f" (from {setting_source(env)})"
         elif source:
             text += f" (in {source})"
         super().__init__(text)
@@ -707,19 +718,57 @@ def _known_names(path: str) -> list[str]:
     return names
 
 
+def _key_templates(tp: Any = Config, path: str = "") -> list[str]:
+    """Every key this server knows, as dotted paths with list indices written "[]"."""
+    out: list[str] = []
+    for name, sub in _struct_fields(_unwrap(tp)).items():
+        here = f"{path}.{name}" if path else name
+        out.append(here)
+        for t in (_unwrap(sub), *typing.get_args(_unwrap(sub))):  # X, Optional[X], list[X]
+            t = _unwrap(t)
+            if typing.get_origin(t) is list:
+                out += _key_templates(typing.get_args(t)[0], here + "[]")
+            elif _struct_fields(t):
+                out += _key_templates(t, here)
+    return out
+
+
+_KNOWN_TEMPLATES: list[str] = []  # filled on first use (Config's tree and MINDIE_UNUSED_KEYS)
+
+
+def _closest(name: str, names: list[str]) -> tuple[float, Optional[str]]:
+    """(similarity, the closest of ``names`` to ``name``), case-insensitive; (0, None) below 0.75."""
+    best: tuple[float, Optional[str]] = (0.0, None)
+    for n in names:
+        ratio = difflib.SequenceMatcher(None, name.lower(), n.lower()).ratio()
+        if ratio >= 0.75 and ratio > best[0]:
+            best = (ratio, n)
+    return best
+
+
 def unknown_keys(ignored: list[str]) -> list[tuple[str, Optional[str]]]:
     """The ignored keys that are neither this server's nor MindIE's, each with the closest
-    known key beside it (``difflib``, case-insensitive) or None."""
+    known key (``difflib``, case-insensitive) or None: the closest in its own section, or a key
+    of another section when that one is closer (``ScheduleConfig.speculationGama`` -> ModelConfig's
+    ``speculationGamma``; a right name in the wrong section -> where it belongs)."""
+    if not _KNOWN_TEMPLATES:
+        _KNOWN_TEMPLATES.extend(dict.fromkeys(_key_templates() + sorted(MINDIE_UNUSED_KEYS)))
     out = []
     for key in ignored:
-        if re.sub(r"\[\d+\]", "[]", key) in MINDIE_UNUSED_KEYS:
+        template = re.sub(r"\[\d+\]", "[]", key)
+        if template in MINDIE_UNUSED_KEYS:
             continue
-        name = key.rpartition(".")[2]
-        names = _known_names(key)
-        lower = {n.lower(): n for n in names}
-        close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.75)
-        parent = key.rpartition(".")[0]
-        out.append((key, (f"{parent}.{lower[close[0]]}" if parent else lower[close[0]]) if close else None))
+        parent, _, name = key.rpartition(".")
+        ratio, close = _closest(name, _known_names(key))
+        suggestion = (f"{parent}.{close}" if parent else close) if close else None
+        elsewhere = [t for t in _KNOWN_TEMPLATES if t.rpartition(".")[0] != template.rpartition(".")[0]]
+        far_ratio, far = _closest(name, [t.rpartition(".")[2] for t in elsewhere])
+        if far and far_ratio > ratio:
+            # the same leaf may sit in several sections: the one sharing most of the key's path
+            paths = [t for t in elsewhere if t.rpartition(".")[2] == far]
+            best = max(paths, key=lambda t: len(os.path.commonprefix([t, template])))
+            suggestion = best.replace("[]", "[0]")
+        out.append((key, suggestion))
     return out
 
 
@@ -826,10 +875,13 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
         raise ConfigError(message, key or "(top level)", env=_env_for(key, from_env), source=source) from None
     _check(config, from_env, source)
     if unknown and config.server.strict_config:
-        key, close = unknown[0]
-        raise ConfigError("unknown key (ServerConfig.strictConfig refuses it)"
-                          + (f": did you mean {close}?" if close else ""), key,
-                          env=from_env.get("ServerConfig.strictConfig"), source=source)
+        strict_env = from_env.get("ServerConfig.strictConfig")
+        if len(unknown) == 1:
+            key, close = unknown[0]
+            raise ConfigError("unknown key (ServerConfig.strictConfig refuses it)"
+                              + (f": did you mean {close}?" if close else ""), key, env=strict_env, source=source)
+        raise ConfigError(f"{len(unknown)} unknown keys (ServerConfig.strictConfig refuses them): " + "; ".join(
+            key + (f" (did you mean {close}?)" if close else "") for key, close in unknown), env=strict_env, source=source)
     notes = _adjust(config) + ([name_note] if name_note else [])
     _resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
     for i, m in enumerate(config.backend.model_deploy.models):

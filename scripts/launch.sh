@@ -107,22 +107,35 @@ PY="${PYTHON:-python3}"
 # The checkout's own packages first, wherever this script is started from (installed or not).
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
+# A flag sets its environment variable and is listed in MINDIE_SET_BY_FLAG ("VAR=--flag ..."), so
+# a config error or log line about the setting names the flag, not the variable.
+export MINDIE_SET_BY_FLAG=""
+by_flag() {  # by_flag VAR VALUE FLAG
+  export "$1=$2"; MINDIE_SET_BY_FLAG="${MINDIE_SET_BY_FLAG:+$MINDIE_SET_BY_FLAG }$1=$3"
+}
+need_value() {  # a flag that takes a value, at the end of the line: say so instead of a bash error
+  [ $# -ge 2 ] || { echo "launch.sh: $1 needs a value (see --help)" >&2; exit 2; }
+}
 while [ $# -gt 0 ]; do
   case "$1" in
+    -c|--config|-H|--host|-p|--port|--management-port|--metrics-port|--drain-timeout|-m|--model|-n|--model-name|\
+    -w|--frontends|--run-dir|--null-step-ms) need_value "$@" ;;
+  esac
+  case "$1" in
     -c|--config) export MIES_CONFIG_JSON_PATH="$2"; shift 2 ;;
-    -H|--host) export MINDIE_HOST="$2"; shift 2 ;;
-    -p|--port) export MINDIE_PORT="$2"; shift 2 ;;
-    --management-port) export MINDIE_MANAGEMENT_PORT="$2"; shift 2 ;;
-    --metrics-port) export MINDIE_METRICS_PORT="$2"; shift 2 ;;
-    --drain-timeout) export MINDIE_GRACEFUL_TIMEOUT="$2"; shift 2 ;;
-    -m|--model) export MINDIE_MODEL_PATH="$2"; shift 2 ;;
-    -n|--model-name) export MINDIE_MODEL_NAME="$2"; shift 2 ;;
-    -w|--frontends) export MINDIE_FRONTENDS="$2"; shift 2 ;;
-    --run-dir) export MINDIE_RUN_DIR="$2"; shift 2 ;;
-    --strict-config) export MINDIE_STRICT_CONFIG=1; shift ;;
+    -H|--host) by_flag MINDIE_HOST "$2" "$1"; shift 2 ;;
+    -p|--port) by_flag MINDIE_PORT "$2" "$1"; shift 2 ;;
+    --management-port) by_flag MINDIE_MANAGEMENT_PORT "$2" "$1"; shift 2 ;;
+    --metrics-port) by_flag MINDIE_METRICS_PORT "$2" "$1"; shift 2 ;;
+    --drain-timeout) by_flag MINDIE_GRACEFUL_TIMEOUT "$2" "$1"; shift 2 ;;
+    -m|--model) by_flag MINDIE_MODEL_PATH "$2" "$1"; shift 2 ;;
+    -n|--model-name) by_flag MINDIE_MODEL_NAME "$2" "$1"; shift 2 ;;
+    -w|--frontends) by_flag MINDIE_FRONTENDS "$2" "$1"; shift 2 ;;
+    --run-dir) by_flag MINDIE_RUN_DIR "$2" "$1"; shift 2 ;;
+    --strict-config) by_flag MINDIE_STRICT_CONFIG 1 "$1"; shift ;;
     --null-model) export MINDIE_NULL_MODEL=1; shift ;;
     --demo-model) export MINDIE_DEMO_MODEL=1; shift ;;
-    --null-step-ms) export MINDIE_NULL_STEP_MS="$2"; shift 2 ;;
+    --null-step-ms) by_flag MINDIE_NULL_STEP_MS "$2" "$1"; shift 2 ;;
     --workers-only) export MINDIE_ROLE=workers; shift ;;
     --frontends-only) export MINDIE_ROLE=frontends; shift ;;
     -h|--help) usage; exit 0 ;;

@@ -16,6 +16,7 @@ import msgspec
 
 from mindie.config import (
     ENV_OVERRIDES, Config, ConfigError, Loaded, default_run_dir, ensure_run_dir, load_config, python_log_level,
+    setting_source,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -725,6 +726,18 @@ def test_unknown_keys_are_told_from_mindie_keys_with_the_closest_known_key(tmp_p
     assert loaded.config.server.management_port == 1026  # the typo set nothing
 
 
+def test_a_key_in_the_wrong_section_is_pointed_to_where_it_belongs(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"ServerConfig": {"maxBatchSize": 8, "prot": 1025},
+                                "BackendConfig": {"ScheduleConfig": {"speculationGama": 4, "npuMemSize": 2}}}))
+    assert dict(load_config(str(path), env={}).unknown) == {
+        "ServerConfig.maxBatchSize": "BackendConfig.ScheduleConfig.maxBatchSize",  # right name, wrong section
+        "ServerConfig.prot": "ServerConfig.port",  # its own section's key is as close as any
+        # closer elsewhere than its own section's speculationMaxBatch
+        "BackendConfig.ScheduleConfig.speculationGama": "BackendConfig.ModelDeployConfig.speculationGamma",
+        "BackendConfig.ScheduleConfig.npuMemSize": "BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize"}
+
+
 def test_an_unknown_key_without_a_close_one_has_no_suggestion(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"ServerConfig": {"zzzqqq": 1}, "Nonsense": {}}))
@@ -752,6 +765,26 @@ def test_strict_config_refuses_an_unknown_key_naming_it(tmp_path: Path) -> None:
     assert load_config(str(path), env={}).config.server.strict_config is True  # MindIE's keys still load
 
 
+def test_strict_config_names_every_unknown_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"ServerConfig": {"managmentPort": 1999, "zzzqqq": 1},
+                                "BackendConfig": {"ScheduleConfig": {"maxBatchSzie": 8}}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path), env={"MINDIE_STRICT_CONFIG": "1"})
+    assert str(e.value) == (
+        "3 unknown keys (ServerConfig.strictConfig refuses them): ServerConfig.managmentPort (did you mean "
+        "ServerConfig.managementPort?); ServerConfig.zzzqqq; BackendConfig.ScheduleConfig.maxBatchSzie (did you "
+        "mean BackendConfig.ScheduleConfig.maxBatchSize?) (from environment variable MINDIE_STRICT_CONFIG)")
+
+
+def test_a_setting_made_by_a_launch_flag_names_the_flag() -> None:
+    flags = {"MINDIE_SET_BY_FLAG": "MINDIE_PORT=--port MINDIE_STRICT_CONFIG=--strict-config"}
+    assert setting_source("MINDIE_PORT", flags) == "launch.sh --port"
+    assert setting_source("MINDIE_STRICT_CONFIG", flags) == "launch.sh --strict-config"
+    assert setting_source("MINDIE_HOST", flags) == "environment variable MINDIE_HOST"
+    assert setting_source("MINDIE_PORT", {}) == "environment variable MINDIE_PORT"
+
+
 def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Path) -> None:
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"ServerConfig": {"managmentPort": 1999, "runDir": str(tmp_path / "run")}}))
@@ -770,4 +803,8 @@ def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Pa
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "config error: ServerConfig.managmentPort: unknown key" in r.stderr + r.stdout
-    assert "did you mean ServerConfig.managementPort?" in r.stderr + r.stdout
+    assert "did you mean ServerConfig.managementPort? (from launch.sh --strict-config)" in r.stderr + r.stdout
+    # A flag that needs a value, given none: said so, exit 2 (before: bash's "unbound variable").
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(cfg), "--port"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert (r.returncode, r.stderr.strip()) == (2, "launch.sh: --port needs a value (see --help)")

@@ -143,6 +143,20 @@ def test_speculation_counted_on_metrics_and_in_the_request_log(servers):
     assert not any(" spec=" in ln for ln in Path(off.log_path).read_text(errors="replace").splitlines())
 
 
+def test_each_worker_says_at_start_whether_it_speculates(servers):
+    on, off = servers
+    said = {}
+    for name, srv in (("on", on), ("off", off)):
+        srv.log.flush()
+        said[name] = [ln.split("speculative decoding: ", 1)[1] for ln in
+                      Path(srv.log_path).read_text(errors="replace").splitlines() if "speculative decoding: " in ln]
+    assert said["on"] and all(line == (
+        "suffix, up to 16 proposed tokens per request and step, in steps of up to 8 decoding requests, "
+        "a request backs off below 30% recent acceptance") for line in said["on"]), said["on"]
+    assert said["off"] and all(line == "off (ScheduleConfig.speculativeDecoding: false)" for line in said["off"]), \
+        said["off"]
+
+
 @pytest.mark.parametrize("deploy, model, schedule, key, message", [
     ({}, {"plugin_params": '{"plugin_type":"la","level":4}'}, {}, "plugin_params", "guess_set_size, window"),
     ({}, {"plugin_params": '{"plugin_type":"la","level":2,"window":5,"guess_set_size":5}'}, {}, "plugin_params",

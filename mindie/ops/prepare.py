@@ -19,7 +19,7 @@ import shlex
 import sys
 import time
 
-from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level
+from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level, setting_source
 from mindie.runtime.lifecycle import RunDirBusy, claim, launcher_pid, release
 from mindie.contract.spec import write_deployment
 from mindie.detokenizer import load_tokenizer
@@ -55,7 +55,7 @@ def main() -> None:
         for note in loaded.notes:
             log.info("config adjusted as MindIE does: %s", note)
         for key, var in loaded.env_overrides.items():
-            log.info("config %s set by environment variable %s", key, var)
+            log.info("config %s set by %s", key, setting_source(var))
         ensure_run_dir(config.server.run_dir)
         try:
             stale = claim(config.server.run_dir, launcher_pid())

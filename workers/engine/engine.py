@@ -168,6 +168,12 @@ class Engine:
         self.spec = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
                                cfg.spec_min_acceptance)
+        why_off = ""
+        if not cfg.spec_method:
+            why_off = " (ScheduleConfig.speculativeDecoding: false)"
+        elif not self.spec.enabled:
+            why_off = " (the null model runs no model to verify proposals)"
+        log.info("speculative decoding: %s%s", self.spec.describe(), why_off)
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, sub: Submit) -> Sequence:

@@ -275,6 +275,15 @@ class Controller:
     def enabled(self) -> bool:
         return bool(self.method) and self.num_tokens > 0
 
+    def describe(self) -> str:
+        """One line for the start log: the method and its limits, or off."""
+        if not self.enabled:
+            return "off"
+        lookup = f", n-grams of {self.lookup_min}-{self.lookup_max} tokens" if self.method == "ngram" else ""
+        return (f"{self.method}, up to {self.num_tokens} proposed tokens per request and step{lookup}, "
+                f"in steps of up to {self.max_batch} decoding requests, a request backs off below "
+                f"{self.min_acceptance:.0%} recent acceptance")
+
     def propose(self, seq, room: int) -> list[int]:
         """A proposal for ``seq`` (a decoding request), at most ``room`` tokens."""
         st: SpecStats = seq.spec
