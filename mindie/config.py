@@ -81,6 +81,7 @@ class ConfigError(Exception):
         self.key = key
         self.env = env
         self.source = source
+        self.unknown: list[tuple[str, Optional[str]]] = []  # a strict refusal's unknown keys
 
 
 SPEC_MAX_TOKENS = 16  # MindIE's decoding_length range [1, 16]
@@ -772,6 +773,21 @@ def unknown_keys(ignored: list[str]) -> list[tuple[str, Optional[str]]]:
     return out
 
 
+def refuse_unknown(unknown: list[tuple[str, Optional[str]]], refused_by: Optional[str],
+                   prefix: str = "") -> tuple[Optional[str], str]:
+    """(key, message) of an error naming every key of ``unknown`` (``unknown_keys``'s list), each
+    with ``prefix`` (a fleet file's section), and why: "(<refused_by> it/them)", or without
+    ``refused_by`` "not a MindIE config.json key nor a project extension"."""
+    if len(unknown) == 1:
+        key, close = unknown[0]
+        why = f" ({refused_by} it)" if refused_by else "" if close else \
+            " (not a MindIE config.json key nor a project extension)"
+        return prefix + key, "unknown key" + why + (f": did you mean {prefix}{close}?" if close else "")
+    why = f"{refused_by} them" if refused_by else "not MindIE config.json keys nor project extensions"
+    return None, f"{len(unknown)} unknown keys ({why}): " + "; ".join(
+        prefix + key + (f" (did you mean {prefix}{close}?)" if close else "") for key, close in unknown)
+
+
 def _lookup(raw: Any, path: str) -> tuple[bool, Any, Any]:
     """(found, raw value, declared type) of a dotted JSON path such as 'A.B[0].c'."""
     value, tp, found = raw, Config, True
@@ -875,13 +891,10 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
         raise ConfigError(message, key or "(top level)", env=_env_for(key, from_env), source=source) from None
     _check(config, from_env, source)
     if unknown and config.server.strict_config:
-        strict_env = from_env.get("ServerConfig.strictConfig")
-        if len(unknown) == 1:
-            key, close = unknown[0]
-            raise ConfigError("unknown key (ServerConfig.strictConfig refuses it)"
-                              + (f": did you mean {close}?" if close else ""), key, env=strict_env, source=source)
-        raise ConfigError(f"{len(unknown)} unknown keys (ServerConfig.strictConfig refuses them): " + "; ".join(
-            key + (f" (did you mean {close}?)" if close else "") for key, close in unknown), env=strict_env, source=source)
+        key, message = refuse_unknown(unknown, "ServerConfig.strictConfig refuses")
+        e = ConfigError(message, key, env=from_env.get("ServerConfig.strictConfig"), source=source)
+        e.unknown = unknown
+        raise e
     notes = _adjust(config) + ([name_note] if name_note else [])
     _resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
     for i, m in enumerate(config.backend.model_deploy.models):

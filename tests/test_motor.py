@@ -139,6 +139,14 @@ def test_example_user_config_plans(tmp_path) -> None:
     (lambda d: d["mindie_server_config"]["ServerConfig"].update(managementPrt=1),
      "mindie_server_config.ServerConfig.managementPrt: unknown key: did you mean "
      "mindie_server_config.ServerConfig.managementPort?"),
+    (lambda d: d["mindie_server_config"]["ServerConfig"].update(managementPrt=1, maxBatchSize=4),
+     "2 unknown keys (not MindIE config.json keys nor project extensions): "
+     "mindie_server_config.ServerConfig.managementPrt (did you mean mindie_server_config.ServerConfig.managementPort?); "
+     "mindie_server_config.ServerConfig.maxBatchSize (did you mean "
+     "mindie_server_config.BackendConfig.ScheduleConfig.maxBatchSize?)"),
+    (lambda d: d["mindie_server_config"]["ServerConfig"].update(managementPrt=1, zzzqqq=2, strictConfig=True),
+     "2 unknown keys (ServerConfig.strictConfig refuses them): mindie_server_config.ServerConfig.managementPrt "
+     "(did you mean mindie_server_config.ServerConfig.managementPort?); mindie_server_config.ServerConfig.zzzqqq"),
     (lambda d: d["mindie_ms_coordinator_config"]["exception_config"].update(max_retri=1),
      "mindie_ms_coordinator_config.exception_config.max_retri: unknown key"),
     (lambda d: d["mindie_ms_coordinator_config"].update(instances=[]), "mindie_ms_coordinator_config.instances: derived"),

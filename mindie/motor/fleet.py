@@ -340,7 +340,7 @@ def _url(scheme: str, host: str, port: int) -> str:
 def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = True) -> Plan:
     """Validate ``user_config.json`` and derive (and write, with ``write``) the fleet's files.
     Raises FleetError naming the key."""
-    from mindie.config import ConfigError, load_config
+    from mindie.config import ConfigError, load_config, refuse_unknown
 
     source = os.path.abspath(os.path.expanduser(config_path))
     base = os.path.dirname(source)
@@ -461,15 +461,16 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
             try:
                 loaded = load_config(path, env={})
             except ConfigError as e:
+                tk = templates[roles[k]][0]
+                if e.unknown:  # its ServerConfig.strictConfig: the keys named as in this file
+                    key, msg = refuse_unknown(e.unknown, "ServerConfig.strictConfig refuses", tk + ".")
+                    raise FleetError(msg, key) from None
                 msg = str(e).replace(f" (in {path})", "")
-                raise FleetError((f"{templates[roles[k]][0]}.{msg}" if e.key else msg)
+                raise FleetError((f"{tk}.{msg}" if e.key else msg)
                                  + (f" (instance i{k}, {path})" if k else "")) from None
             if loaded.unknown:
-                key, close = loaded.unknown[0]
-                tk = templates[roles[k]][0]
-                raise FleetError("unknown key" + (f": did you mean {tk}.{close}?" if close else
-                                                  " (not a MindIE config.json key nor a project extension)"),
-                                 f"{tk}.{key}")
+                key, msg = refuse_unknown(loaded.unknown, None, templates[roles[k]][0] + ".")
+                raise FleetError(msg, key)
             s = loaded.config.server
             ip, mip, https, drain = s.ip_address, s.management_ip_address, s.https_enabled, s.drain_timeout_s
         else:
