@@ -451,3 +451,20 @@ def test_spec_counters_on_metrics_are_summed_over_workers():
     assert fams["vllm:spec_decode_num_accepted_tokens"].samples[0].value == 8
     per = {s.labels["position"]: s.value for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
     assert per == {"0": 4, "1": 2, "2": 2}
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ({}, "speculative decoding: suffix, up to 8 proposed tokens per request and step, in steps of up to 8 "
+         "decoding requests, a request backs off below 30% recent acceptance"),
+    ({"spec_method": "ngram", "spec_lookup_min": 1}, "speculative decoding: ngram, up to 8 proposed tokens per "
+     "request and step, n-grams of 1-5 tokens, in steps of up to 8 decoding requests, a request backs off below "
+     "30% recent acceptance"),
+    ({"spec_method": ""}, "speculative decoding: off (ScheduleConfig.speculativeDecoding: false)"),
+    ({"spec_max_batch": 0}, "speculative decoding: off (ScheduleConfig.speculationMaxBatch: 0)"),
+])
+def test_the_engine_says_once_at_start_what_it_speculates(caplog, overrides, said) -> None:
+    from mindie.contract.spec import EngineConfig
+    from workers.engine.engine import Engine
+    with caplog.at_level("INFO", logger="workers.engine"):
+        Engine(CycleRunner(), EngineConfig(block_size=4, spec_tokens=8, **overrides), 64)
+    assert [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()] == [said]

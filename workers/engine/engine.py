@@ -168,12 +168,10 @@ class Engine:
         self.spec = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
                                cfg.spec_min_acceptance)
-        why_off = ""
-        if not cfg.spec_method:
-            why_off = " (ScheduleConfig.speculativeDecoding: false)"
-        elif not self.spec.enabled:
-            why_off = " (the null model runs no model to verify proposals)"
-        log.info("speculative decoding: %s%s", self.spec.describe(), why_off)
+        why_off = ("ScheduleConfig.speculativeDecoding: false" if not cfg.spec_method else
+                   "the null model runs no model to verify proposals" if not self.spec.enabled else
+                   "ScheduleConfig.speculationMaxBatch: 0" if cfg.spec_max_batch == 0 else "")
+        log.info("speculative decoding: %s", f"off ({why_off})" if why_off else self.spec.describe())
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, sub: Submit) -> Sequence:
