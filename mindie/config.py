@@ -14,6 +14,7 @@ Front ends import this module, so it must never import torch (or anything heavy)
                                  # "BackendConfig.ScheduleConfig.maxBatchSize: must be >= 1, got 0"
     loaded.config.backend.schedule.max_batch_size, loaded.notes, loaded.ignored
 """
+import contextvars
 import difflib
 import ipaddress
 import json
@@ -56,15 +57,23 @@ DeviceType = Literal["auto", "npu", "cuda", "cpu"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-def setting_source(var: str, env: Mapping[str, str] = os.environ) -> str:
+# The environment load_config reads (its ``env``), for ConfigError's wording of where a value came from.
+_READING: contextvars.ContextVar[Optional[Mapping[str, str]]] = contextvars.ContextVar("_READING", default=None)
+
+
+def setting_source(var: str, env: Optional[Mapping[str, str]] = None) -> str:
     """Where a setting made by environment variable ``var`` came from, in words:
     "launch.sh --strict-config" when scripts/launch.sh set it from that flag (it lists what it set
-    in MINDIE_SET_BY_FLAG, "VAR=--flag ..."), else "environment variable VAR"."""
+    in MINDIE_SET_BY_FLAG, "VAR=--flag ...", the last one given last), else "environment variable
+    VAR". ``env``: the environment load_config is reading, else the process's."""
+    if env is None:
+        env = _READING.get() if _READING.get() is not None else os.environ
+    said = f"environment variable {var}"
     for item in env.get("MINDIE_SET_BY_FLAG", "").split():
         name, _, flag = item.partition("=")
         if name == var and flag:
-            return f"launch.sh {flag}"
-    return f"environment variable {var}"
+            said = f"launch.sh {flag}"
+    return said
 
 
 class ConfigError(Exception):
@@ -666,6 +675,9 @@ def _collect_ignored(raw: Any, tp: Any, path: str, out: list[str]) -> None:
         (elem,) = typing.get_args(tp)
         for i, item in enumerate(raw):
             _collect_ignored(item, elem, f"{path}[{i}]", out)
+    elif typing.get_origin(tp) is dict and isinstance(raw, dict):  # ModelConfig[].models.<model_type>
+        for key, value in raw.items():
+            _collect_ignored(value, typing.get_args(tp)[1], f"{path}.{key}", out)
 
 
 # MindIE Server's own keys that this server accepts and does not use (its shipped config.json
@@ -707,6 +719,22 @@ MINDIE_UNUSED_KEYS = frozenset({
 })
 
 
+def _template(path: str) -> str:
+    """A dotted key's shape: list indices "[]", a mapping's own keys "<model_type>"."""
+    tp: Any = Config
+    out = ""
+    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", "." + path):
+        tp = _unwrap(tp)
+        if name:
+            mapping = typing.get_origin(tp) is dict
+            out += "." + ("<model_type>" if mapping else name)
+            tp = typing.get_args(tp)[1] if mapping else _struct_fields(tp).get(name, Any)
+        else:
+            out += "[]"
+            tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else Any
+    return out[1:]
+
+
 def _known_names(path: str) -> list[str]:
     """The keys this server and MindIE know beside the key at dotted ``path``."""
     parent, _, _ = path.rpartition(".")
@@ -720,21 +748,29 @@ def _known_names(path: str) -> list[str]:
 
 
 def _key_templates(tp: Any = Config, path: str = "") -> list[str]:
-    """Every key this server knows, as dotted paths with list indices written "[]"."""
+    """Every key of the Struct ``tp`` and below, as dotted paths: list indices written "[]", a
+    mapping's own keys "<model_type>" (``ModelConfig[].models.<model_type>.chat_template``)."""
     out: list[str] = []
     for name, sub in _struct_fields(_unwrap(tp)).items():
         here = f"{path}.{name}" if path else name
-        out.append(here)
-        for t in (_unwrap(sub), *typing.get_args(_unwrap(sub))):  # X, Optional[X], list[X]
-            t = _unwrap(t)
-            if typing.get_origin(t) is list:
-                out += _key_templates(typing.get_args(t)[0], here + "[]")
-            elif _struct_fields(t):
-                out += _key_templates(t, here)
+        out += [here, *_templates_below(sub, here)]
     return out
 
 
+def _templates_below(tp: Any, path: str) -> list[str]:
+    tp = _unwrap(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        return _templates_below(args[0], path + "[]")
+    if origin is dict:
+        return _templates_below(args[1], path + ".<model_type>")
+    if origin is Union:
+        return [t for a in args for t in _templates_below(a, path)]
+    return _key_templates(tp, path) if _struct_fields(tp) else []
+
+
 _KNOWN_TEMPLATES: list[str] = []  # filled on first use (Config's tree and MINDIE_UNUSED_KEYS)
+_OWN_SECTION_CLOSE = 0.8  # a suggestion of the key's own section this close wins over other sections'
 
 
 def _closest(name: str, names: list[str]) -> tuple[float, Optional[str]]:
@@ -747,28 +783,43 @@ def _closest(name: str, names: list[str]) -> tuple[float, Optional[str]]:
     return best
 
 
+def _fill_indices(template: str, key: str) -> str:
+    """``template``'s "[]" as ``key``'s own index where the two share the list, else "[0]"."""
+    key_template, indices = re.sub(r"\[\d+\]", "[]", key), re.findall(r"\[(\d+)\]", key)
+    parts = template.split("[]")
+    out = shape = parts[0]  # shape: the template so far, its indices "[]"
+    for i, part in enumerate(parts[1:]):
+        shape += "[]"
+        shared = i < len(indices) and key_template.startswith(shape)
+        out += f"[{indices[i] if shared else 0}]" + part
+        shape += part
+    return out
+
+
 def unknown_keys(ignored: list[str]) -> list[tuple[str, Optional[str]]]:
     """The ignored keys that are neither this server's nor MindIE's, each with the closest
-    known key (``difflib``, case-insensitive) or None: the closest in its own section, or a key
-    of another section when that one is closer (``ScheduleConfig.speculationGama`` -> ModelConfig's
-    ``speculationGamma``; a right name in the wrong section -> where it belongs)."""
+    known key (``difflib``, case-insensitive) or None: the closest in its own section, or a closer
+    key of another section unless its own section's is close already (``ScheduleConfig.speculationGama``
+    -> ModelDeployConfig's ``speculationGamma``; a right name in the wrong section -> where it belongs)."""
     if not _KNOWN_TEMPLATES:
         _KNOWN_TEMPLATES.extend(dict.fromkeys(_key_templates() + sorted(MINDIE_UNUSED_KEYS)))
     out = []
     for key in ignored:
-        template = re.sub(r"\[\d+\]", "[]", key)
+        template = _template(key)
         if template in MINDIE_UNUSED_KEYS:
             continue
         parent, _, name = key.rpartition(".")
         ratio, close = _closest(name, _known_names(key))
         suggestion = (f"{parent}.{close}" if parent else close) if close else None
-        elsewhere = [t for t in _KNOWN_TEMPLATES if t.rpartition(".")[0] != template.rpartition(".")[0]]
-        far_ratio, far = _closest(name, [t.rpartition(".")[2] for t in elsewhere])
-        if far and far_ratio > ratio:
-            # the same leaf may sit in several sections: the one sharing most of the key's path
-            paths = [t for t in elsewhere if t.rpartition(".")[2] == far]
-            best = max(paths, key=lambda t: len(os.path.commonprefix([t, template])))
-            suggestion = best.replace("[]", "[0]")
+        if "<model_type>" in template and ratio < _OWN_SECTION_CLOSE:
+            continue  # MindIE's per-model-type options are many (DeepSeek's ep_level, ...): only a near miss of ours is a typo
+        if ratio < _OWN_SECTION_CLOSE:
+            elsewhere = [t for t in _KNOWN_TEMPLATES if t.rpartition(".")[0] != template.rpartition(".")[0]]
+            far_ratio, far = _closest(name, [t.rpartition(".")[2] for t in elsewhere])
+            if far and far_ratio > ratio:
+                # the same leaf may sit in several sections: the one sharing most of the key's path
+                paths = [t for t in elsewhere if t.rpartition(".")[2] == far]
+                suggestion = _fill_indices(max(paths, key=lambda t: len(os.path.commonprefix([t, template]))), key)
         out.append((key, suggestion))
     return out
 
@@ -794,7 +845,7 @@ def _lookup(raw: Any, path: str) -> tuple[bool, Any, Any]:
     for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", "." + path):
         tp = _unwrap(tp)
         if name:
-            tp = _struct_fields(tp).get(name, Any)
+            tp = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else _struct_fields(tp).get(name, Any)
             found = found and isinstance(value, dict) and name in value
             value = value[name] if found else None
         else:
@@ -873,6 +924,14 @@ def load_config(path: Optional[str] = None, env: Mapping[str, str] = os.environ)
 
     An explicit ``path`` wins over MIES_CONFIG_JSON_PATH (a command-line flag beats the environment).
     """
+    token = _READING.set(env)
+    try:
+        return _load_config(path, env)
+    finally:
+        _READING.reset(token)
+
+
+def _load_config(path: Optional[str], env: Mapping[str, str]) -> Loaded:
     if path is None:
         path = env.get("MIES_CONFIG_JSON_PATH", "").strip() or None
     source = os.path.abspath(os.path.expanduser(path)) if path else None

@@ -113,13 +113,18 @@ export MINDIE_SET_BY_FLAG=""
 by_flag() {  # by_flag VAR VALUE FLAG
   export "$1=$2"; MINDIE_SET_BY_FLAG="${MINDIE_SET_BY_FLAG:+$MINDIE_SET_BY_FLAG }$1=$3"
 }
-need_value() {  # a flag that takes a value, at the end of the line: say so instead of a bash error
+valued=" -c --config -H --host -p --port --management-port --metrics-port --drain-timeout -m --model -n --model-name \
+-w --frontends --run-dir --null-step-ms "
+flags="$valued--strict-config --null-model --demo-model --workers-only --frontends-only -h --help "
+need_value() {  # a flag without its value (last, or followed by another flag): say so, not a bash error
   [ $# -ge 2 ] || { echo "launch.sh: $1 needs a value (see --help)" >&2; exit 2; }
+  case "$flags" in
+    *" $2 "*) echo "launch.sh: $1 needs a value, got the flag $2 (see --help)" >&2; exit 2 ;;
+  esac
 }
 while [ $# -gt 0 ]; do
-  case "$1" in
-    -c|--config|-H|--host|-p|--port|--management-port|--metrics-port|--drain-timeout|-m|--model|-n|--model-name|\
-    -w|--frontends|--run-dir|--null-step-ms) need_value "$@" ;;
+  case "$valued" in
+    *" $1 "*) need_value "$@" ;;
   esac
   case "$1" in
     -c|--config) export MIES_CONFIG_JSON_PATH="$2"; shift 2 ;;

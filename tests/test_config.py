@@ -736,6 +736,27 @@ def test_a_key_in_the_wrong_section_is_pointed_to_where_it_belongs(tmp_path: Pat
         # closer elsewhere than its own section's speculationMaxBatch
         "BackendConfig.ScheduleConfig.speculationGama": "BackendConfig.ModelDeployConfig.speculationGamma",
         "BackendConfig.ScheduleConfig.npuMemSize": "BackendConfig.ModelDeployConfig.ModelConfig[0].npuMemSize"}
+    # A suggestion in the key's own list entry keeps its index; a mapping's own keys are shown as such;
+    # a close key of its own section (baseModelName) wins over the same name elsewhere (ModelConfig's modelName).
+    path.write_text(json.dumps({"BackendConfig": {"ModelDeployConfig": {
+        "ModelConfig": [{"modelName": "m"}, {"modelName": "m", "chat_template": "t.jinja"}],
+        "LoraModules": [{"name": "a", "path": "/a", "baseModelName": "m"},
+                        {"name": "c", "path": "/c", "baseModelName": "m", "modelName": "m"}]}}}))
+    deploy = "BackendConfig.ModelDeployConfig."
+    assert dict(load_config(str(path), env={}).unknown) == {
+        deploy + "ModelConfig[1].chat_template": deploy + "ModelConfig[1].models.<model_type>.chat_template",
+        deploy + "LoraModules[1].modelName": deploy + "LoraModules[1].baseModelName"}
+
+
+def test_typos_under_a_model_type_are_named_and_mindie_options_there_are_not(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    model = "BackendConfig.ModelDeployConfig.ModelConfig[0].models.llama."
+    path.write_text(json.dumps({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"models": {"llama": {
+        "chat_templat": "t.jinja", "tool_call_options": {"tool_call_parsr": "hermes"}, "ep_level": 2}}}]}}}))
+    loaded = load_config(str(path), env={})
+    assert dict(loaded.unknown) == {model + "chat_templat": model + "chat_template",
+                                    model + "tool_call_options.tool_call_parsr": model + "tool_call_options.tool_call_parser"}
+    assert model + "ep_level" in loaded.ignored  # one of MindIE's many per-model-type options: reported at INFO
 
 
 def test_an_unknown_key_without_a_close_one_has_no_suggestion(tmp_path: Path) -> None:
@@ -783,6 +804,11 @@ def test_a_setting_made_by_a_launch_flag_names_the_flag() -> None:
     assert setting_source("MINDIE_STRICT_CONFIG", flags) == "launch.sh --strict-config"
     assert setting_source("MINDIE_HOST", flags) == "environment variable MINDIE_HOST"
     assert setting_source("MINDIE_PORT", {}) == "environment variable MINDIE_PORT"
+    # a flag given twice: the last one set the value
+    assert setting_source("MINDIE_PORT", {"MINDIE_SET_BY_FLAG": "MINDIE_PORT=-p MINDIE_PORT=--port"}) == "launch.sh --port"
+    # load_config words it from the environment it reads, not the process's
+    with pytest.raises(ConfigError, match=r"got 80 \(from launch\.sh -p\)$"):
+        load_config(None, env={"MINDIE_PORT": "80", "MINDIE_SET_BY_FLAG": "MINDIE_PORT=-p"})
 
 
 def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Path) -> None:
@@ -808,3 +834,7 @@ def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Pa
     r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(cfg), "--port"],
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert (r.returncode, r.stderr.strip()) == (2, "launch.sh: --port needs a value (see --help)")
+    # ... or followed by another of its flags (before: -n --demo-model served a model named "--demo-model")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "--demo-model"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert (r.returncode, r.stderr.strip()) == (2, "launch.sh: -n needs a value, got the flag --demo-model (see --help)")

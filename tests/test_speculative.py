@@ -455,9 +455,10 @@ def test_spec_counters_on_metrics_are_summed_over_workers():
 
 @pytest.mark.parametrize("overrides, said", [
     ({}, "speculative decoding: suffix, up to 8 proposed tokens per request and step, in steps of up to 8 "
-         "decoding requests, a request backs off below 30% recent acceptance"),
+         "decoding requests, a proposal cut to the tokens its request's recent acceptance makes worth a row "
+         "(10% of a step) unless its match is 8 tokens or longer"),
     ({"spec_method": "ngram", "spec_lookup_min": 1}, "speculative decoding: ngram, up to 8 proposed tokens per "
-     "request and step, n-grams of 1-5 tokens, in steps of up to 8 decoding requests, a request backs off below "
+     "request and step, n-grams of 1-5 tokens, in steps of up to 8 decoding requests, a request pauses below "
      "30% recent acceptance"),
     ({"spec_method": ""}, "speculative decoding: off (ScheduleConfig.speculativeDecoding: false)"),
     ({"spec_max_batch": 0}, "speculative decoding: off (ScheduleConfig.speculationMaxBatch: 0)"),

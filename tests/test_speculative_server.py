@@ -151,8 +151,9 @@ def test_each_worker_says_at_start_whether_it_speculates(servers):
         said[name] = [ln.split("speculative decoding: ", 1)[1] for ln in
                       Path(srv.log_path).read_text(errors="replace").splitlines() if "speculative decoding: " in ln]
     assert said["on"] and all(line == (
-        "suffix, up to 16 proposed tokens per request and step, in steps of up to 8 decoding requests, "
-        "a request backs off below 30% recent acceptance") for line in said["on"]), said["on"]
+        "suffix, up to 16 proposed tokens per request and step, in steps of up to 8 decoding requests, a proposal "
+        "cut to the tokens its request's recent acceptance makes worth a row (10% of a step) unless its match is "
+        "8 tokens or longer") for line in said["on"]), said["on"]
     assert said["off"] and all(line == "off (ScheduleConfig.speculativeDecoding: false)" for line in said["off"]), \
         said["off"]
 

@@ -279,10 +279,14 @@ class Controller:
         """One line for the start log: the method and its limits, or off."""
         if not self.enabled:
             return "off"
-        lookup = f", n-grams of {self.lookup_min}-{self.lookup_max} tokens" if self.method == "ngram" else ""
-        return (f"{self.method}, up to {self.num_tokens} proposed tokens per request and step{lookup}, "
-                f"in steps of up to {self.max_batch} decoding requests, a request backs off below "
-                f"{self.min_acceptance:.0%} recent acceptance")
+        if self.method == "ngram":
+            how = (f", n-grams of {self.lookup_min}-{self.lookup_max} tokens, in steps of up to {self.max_batch} "
+                   f"decoding requests, a request pauses below {self.min_acceptance:.0%} recent acceptance")
+        else:
+            how = (f", in steps of up to {self.max_batch} decoding requests, a proposal cut to the tokens its "
+                   f"request's recent acceptance makes worth a row ({ROW_COST:.0%} of a step) unless its match "
+                   f"is {STRONG_MATCH} tokens or longer")
+        return f"{self.method}, up to {self.num_tokens} proposed tokens per request and step{how}"
 
     def propose(self, seq, room: int) -> list[int]:
         """A proposal for ``seq`` (a decoding request), at most ``room`` tokens."""
