@@ -145,8 +145,11 @@ def test_example_user_config_plans(tmp_path) -> None:
      "mindie_server_config.ServerConfig.maxBatchSize (did you mean "
      "mindie_server_config.BackendConfig.ScheduleConfig.maxBatchSize?)"),
     (lambda d: d["mindie_server_config"]["ServerConfig"].update(managementPrt=1, zzzqqq=2, strictConfig=True),
-     "2 unknown keys (ServerConfig.strictConfig refuses them): mindie_server_config.ServerConfig.managementPrt "
-     "(did you mean mindie_server_config.ServerConfig.managementPort?); mindie_server_config.ServerConfig.zzzqqq"),
+     "2 unknown keys (not MindIE config.json keys nor project extensions): mindie_server_config.ServerConfig."
+     "managementPrt (did you mean mindie_server_config.ServerConfig.managementPort?); "
+     "mindie_server_config.ServerConfig.zzzqqq"),
+    (lambda d: (d.update(extra=1), d["deploy_config"].update(replica=2)),
+     "2 unknown keys: extra (not a MindIE user_config.json key); deploy_config.replica (did you mean replicas?)"),
     (lambda d: d["mindie_ms_coordinator_config"]["exception_config"].update(max_retri=1),
      "mindie_ms_coordinator_config.exception_config.max_retri: unknown key"),
     (lambda d: d["mindie_ms_coordinator_config"].update(instances=[]), "mindie_ms_coordinator_config.instances: derived"),

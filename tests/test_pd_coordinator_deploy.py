@@ -77,6 +77,18 @@ def test_motor_derives_a_pd_fleet(tmp_path) -> None:
     cfg.write_text(json.dumps(doc))
     r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run3"))
     assert r.returncode == 2 and "mindie_server_decode_config: is required with deploy_mode pd_separate" in r.stderr
+    # typos in both roles' configs: named together, as in this file (one decode instance or two alike)
+    doc["mindie_server_decode_config"] = motor_server_config("/m")
+    doc["deploy_config"].update(d_instances_num=2)
+    doc["mindie_server_prefill_config"]["ServerConfig"]["managmentPort"] = 1
+    doc["mindie_server_decode_config"]["ServerConfig"]["zzzqqq"] = 1
+    cfg.write_text(json.dumps(doc))
+    r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run4"))
+    assert r.returncode == 2 and (
+        "2 unknown keys (not MindIE config.json keys nor project extensions): "
+        "mindie_server_prefill_config.ServerConfig.managmentPort (did you mean "
+        "mindie_server_prefill_config.ServerConfig.managementPort?); mindie_server_decode_config.ServerConfig.zzzqqq"
+    ) in r.stderr, r.stderr
 
 
 def docs() -> list[dict]:

@@ -218,13 +218,12 @@ def deploy_mode(raw: dict) -> str:
 
 
 def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
-    """Refuse unknown keys naming them; notes for MindIE keys not applied here."""
-    notes = []
+    """Refuse unknown keys naming every one; notes for MindIE keys not applied here."""
+    notes: list[str] = []
+    unknown: list[tuple[str, str]] = []  # (key, " (why)" or ": did you mean X?")
     for key in raw:
-        if key.startswith("//"):
-            continue
-        if key not in TOP_KEYS:
-            raise FleetError("unknown key (not a MindIE user_config.json key)" + _close(key, TOP_KEYS), key)
+        if not key.startswith("//") and key not in TOP_KEYS:
+            unknown.append((key, _close(key, TOP_KEYS) or " (not a MindIE user_config.json key)"))
     if mode != PD_SEPARATE:
         for key in ("mindie_server_prefill_config", "mindie_server_decode_config"):
             if key in raw:
@@ -237,8 +236,8 @@ def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
         if key in DEPLOY_KEYS_NOT_APPLIED:
             notes.append(f"deploy_config.{key}: accepted, not applied on one host (Kubernetes/NPU placement)")
         else:
-            raise FleetError("unknown key" + (_close(key, DEPLOY_KEYS_NOT_APPLIED + ("replicas",))
-                                              or " (not a MindIE deploy_config key)"), f"deploy_config.{key}")
+            unknown.append((f"deploy_config.{key}", _close(key, DEPLOY_KEYS_NOT_APPLIED + ("replicas",))
+                            or " (not a MindIE deploy_config key)"))
     ctl = _obj(raw, "mindie_ms_controller_config", "")
     for key in ctl:
         if key.startswith("//") or key == "deploy_mode":
@@ -246,8 +245,13 @@ def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
         if key in CONTROLLER_KEYS:
             notes.append(f"mindie_ms_controller_config.{key}: accepted, not applied (no Controller in a local fleet)")
         else:
-            raise FleetError("unknown key" + (_close(key, CONTROLLER_KEYS) or " (not a MindIE ms_controller.json key)"),
-                             f"mindie_ms_controller_config.{key}")
+            unknown.append((f"mindie_ms_controller_config.{key}", _close(key, CONTROLLER_KEYS)
+                            or " (not a MindIE ms_controller.json key)"))
+    if len(unknown) == 1:
+        raise FleetError("unknown key" + unknown[0][1], unknown[0][0])
+    if unknown:
+        raise FleetError(f"{len(unknown)} unknown keys: " + "; ".join(
+            key + (f" ({why[2:]})" if why.startswith(": ") else why) for key, why in unknown))
     return notes
 
 
@@ -454,23 +458,26 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     if write:
         make_private_dirs(run_dir)
     inst_records = []
+    # Unknown keys of every instance template (prefill and decode alike), named as in this file:
+    # always refused here (a fleet file is checked whole before anything starts), all in one message.
+    unknown: dict[str, Optional[str]] = {}
     for k, cfg in enumerate(configs):
         path = os.path.join(run_dir, f"i{k}.json")
         if write:
             _write_json(path, cfg)
+            tk = templates[roles[k]][0]
             try:
                 loaded = load_config(path, env={})
             except ConfigError as e:
-                tk = templates[roles[k]][0]
-                if e.unknown:  # its ServerConfig.strictConfig: the keys named as in this file
-                    key, msg = refuse_unknown(e.unknown, "ServerConfig.strictConfig refuses", tk + ".")
-                    raise FleetError(msg, key) from None
+                if e.unknown:  # its own ServerConfig.strictConfig refused them
+                    unknown.update({f"{tk}.{key}": close and f"{tk}.{close}" for key, close in e.unknown})
+                    continue
                 msg = str(e).replace(f" (in {path})", "")
                 raise FleetError((f"{tk}.{msg}" if e.key else msg)
                                  + (f" (instance i{k}, {path})" if k else "")) from None
-            if loaded.unknown:
-                key, msg = refuse_unknown(loaded.unknown, None, templates[roles[k]][0] + ".")
-                raise FleetError(msg, key)
+            unknown.update({f"{tk}.{key}": close and f"{tk}.{close}" for key, close in loaded.unknown})
+            if unknown:
+                continue
             s = loaded.config.server
             ip, mip, https, drain = s.ip_address, s.management_ip_address, s.https_enabled, s.drain_timeout_s
         else:
@@ -493,6 +500,9 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
             raise FleetError(f"the management plane ({mip}) must be on the business plane's address ({ip}) "
                              "for the coordinator, whose instance records carry one ip",
                              f"{templates[roles[k]][0]}.ServerConfig.managementIpAddress")
+    if unknown:
+        key, msg = refuse_unknown(list(unknown.items()), None)
+        raise FleetError(msg, key)
     coord["instances"] = inst_records
     digs = coord.setdefault("digs_scheduler_config", {})
     if isinstance(digs, dict):
