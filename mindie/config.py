@@ -881,7 +881,8 @@ def _translate(err: msgspec.ValidationError, raw: Any) -> tuple[str, str]:
     shown = f" {json.dumps(value)}" if found else ""
     if (t := re.fullmatch(r"Expected `([^`]+)`, got `([^`]+)`", what)):
         want = _WANT_WORDS.get(t.group(1), t.group(1))
-        return path, f"must be {want}, got {_GOT_WORDS.get(t.group(2), t.group(2))}{shown}"
+        got = _GOT_WORDS.get(t.group(2), t.group(2))
+        return path, f"must be {want}, got {got}{'' if shown == ' ' + got else shown}"  # not "got null null"
     got = f", got{shown}" if found else ""
     if what.startswith("Invalid enum value"):
         return path, f"must be one of {', '.join(json.dumps(v) for v in _literals(tp))}{got}"
@@ -950,8 +951,11 @@ def _load_config(path: Optional[str], env: Mapping[str, str]) -> Loaded:
         raise ConfigError(message, key or "(top level)", env=_env_for(key, from_env), source=source) from None
     _check(config, from_env, source)
     if unknown and config.server.strict_config:
-        key, message = refuse_unknown(unknown, "ServerConfig.strictConfig refuses")
-        e = ConfigError(message, key, env=from_env.get("ServerConfig.strictConfig"), source=source)
+        # The keys are the file's: name it, and what turned strict mode on when not the file.
+        var = from_env.get("ServerConfig.strictConfig")
+        by = f"ServerConfig.strictConfig, set by {setting_source(var)}," if var else "ServerConfig.strictConfig"
+        key, message = refuse_unknown(unknown, by + " refuses")
+        e = ConfigError(message, key, source=source)
         e.unknown = unknown
         raise e
     notes = _adjust(config) + ([name_note] if name_note else [])

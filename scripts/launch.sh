@@ -158,7 +158,7 @@ trap 'exit 143' TERM INT  # until the server runs (the EXIT trap then cleans up)
 # a dead one left is removed) and write the launch plan (front-end side, torch-free); then settle
 # its device side ("auto" device, the built-in demo model, generated on first use). Each prints
 # shell assignments.
-eval "$("$PY" -m mindie.ops.prepare)"
+eval "$("$PY" -m mindie.ops.prepare || echo "exit 2")"
 # Hold the run directory's lock from now on. Every process started below inherits this
 # descriptor, so the directory counts as in use while any of them lives, even after this script
 # dies; once all have stopped, the EXIT trap removes the server's files (sockets, locks, state).

@@ -342,6 +342,7 @@ TYPE_CASES = [
     ("BackendConfig.ModelDeployConfig.ModelConfig", {"modelName": "a"}, "must be a list, got an object"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath", None, "must be a string, got null"),
     ("BackendConfig", [], "must be an object, got a list []"),
+    ("ServerConfig", None, "must be an object, got null (in "),  # once: before "got null null"
     ("EnableDynamicAdjustTimeoutConfig", 1, "must be true or false, got an integer 1"),
 ]
 
@@ -779,7 +780,8 @@ def test_strict_config_refuses_an_unknown_key_naming_it(tmp_path: Path) -> None:
     assert str(e.value).startswith("ServerConfig.managmentPort: unknown key") \
         and "did you mean ServerConfig.managementPort?" in str(e.value)
     path.write_text(json.dumps({"ServerConfig": {"managmentPort": 1999}}))
-    with pytest.raises(ConfigError, match="from environment variable MINDIE_STRICT_CONFIG"):
+    with pytest.raises(ConfigError, match=r"\(ServerConfig\.strictConfig, set by environment variable MINDIE_STRICT_CONFIG, "
+                                          r"refuses it\): did you mean ServerConfig\.managementPort\? \(in .*c\.json\)$"):
         load_config(str(path), env={"MINDIE_STRICT_CONFIG": "1"})
     assert load_config(str(path), env={"MINDIE_STRICT_CONFIG": "0"}).unknown  # off: loads, keys reported
     path.write_text(json.dumps({"ServerConfig": {"strictConfig": True, "kmcKsfMaster": "k"}}))
@@ -793,9 +795,9 @@ def test_strict_config_names_every_unknown_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(str(path), env={"MINDIE_STRICT_CONFIG": "1"})
     assert str(e.value) == (
-        "3 unknown keys (ServerConfig.strictConfig refuses them): ServerConfig.managmentPort (did you mean "
-        "ServerConfig.managementPort?); ServerConfig.zzzqqq; BackendConfig.ScheduleConfig.maxBatchSzie (did you "
-        "mean BackendConfig.ScheduleConfig.maxBatchSize?) (from environment variable MINDIE_STRICT_CONFIG)")
+        "3 unknown keys (ServerConfig.strictConfig, set by environment variable MINDIE_STRICT_CONFIG, refuses them): "
+        "ServerConfig.managmentPort (did you mean ServerConfig.managementPort?); ServerConfig.zzzqqq; "
+        f"BackendConfig.ScheduleConfig.maxBatchSzie (did you mean BackendConfig.ScheduleConfig.maxBatchSize?) (in {path})")
 
 
 def test_a_setting_made_by_a_launch_flag_names_the_flag() -> None:
@@ -829,7 +831,8 @@ def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Pa
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "config error: ServerConfig.managmentPort: unknown key" in r.stderr + r.stdout
-    assert "did you mean ServerConfig.managementPort? (from launch.sh --strict-config)" in r.stderr + r.stdout
+    assert ("config error: ServerConfig.managmentPort: unknown key (ServerConfig.strictConfig, set by launch.sh "
+            f"--strict-config, refuses it): did you mean ServerConfig.managementPort? (in {cfg})") in r.stderr + r.stdout
     # A flag that needs a value, given none: said so, exit 2 (before: bash's "unbound variable").
     r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(cfg), "--port"],
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
@@ -838,3 +841,30 @@ def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Pa
     r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "--demo-model"],
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert (r.returncode, r.stderr.strip()) == (2, "launch.sh: -n needs a value, got the flag --demo-model (see --help)")
+
+
+def test_launch_step_refuses_a_missing_model_path_and_a_bad_log_level_naming_their_source(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
+    env["MINDIE_RUN_DIR"] = str(tmp_path / "run")
+    key = "config error: BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: "
+
+    def prepare(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, capture_output=True, text=True,
+                              env={**env, **extra}, timeout=60)
+
+    r = prepare(MINDIE_MODEL_PATH="/nowhere", MINDIE_SET_BY_FLAG="MINDIE_MODEL_PATH=-m")
+    assert r.returncode == 2 and r.stdout.strip() == "exit 2", r.stdout + r.stderr
+    assert key + "/nowhere does not exist (a Hugging Face model directory or a .gguf file is expected) " \
+        "(from launch.sh -m)" in r.stderr, r.stderr
+    r = prepare(MINDIE_MODEL_PATH="/nowhere")
+    assert "(from environment variable MINDIE_MODEL_PATH)" in r.stderr, r.stderr
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelWeightPath": "/nowhere"}]}}}))
+    r = prepare(MIES_CONFIG_JSON_PATH=str(cfg))
+    assert r.returncode == 2 and f"does not exist (a Hugging Face model directory or a .gguf file is expected) " \
+        f"(in {cfg})" in r.stderr, r.stderr
+    # before: a traceback from logging.basicConfig, then launch.sh's false "claimed by another start"
+    r = prepare(MINDIE_LOG_LEVEL="LOUD")
+    assert (r.returncode, r.stdout.strip()) == (2, "exit 2") and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("config error: LogConfig.dynamicLogLevel: must be one of debug, info, warn, warning, "
+                                "error, critical, fatal, got 'LOUD' (from environment variable MINDIE_LOG_LEVEL)")

@@ -30,7 +30,26 @@ from mindie.topology import build_deployment, usable_cores
 log = logging.getLogger("mindie.ops.prepare")
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def check_log_level_env() -> None:
+    """MINDIE_LOG_LEVEL in dynamicLogLevel's words (warn, fatal, any case), exported as Python's
+    level name for every process; anything else refused naming the variable (exit 2)."""
+    text = os.environ.get("MINDIE_LOG_LEVEL", "").strip()
+    if not text:
+        return
+    if python_log_level(text) not in LEVELS:
+        print("config error: " + str(ConfigError(
+            f"must be one of debug, info, warn, warning, error, critical, fatal, got {text!r}",
+            "LogConfig.dynamicLogLevel", env="MINDIE_LOG_LEVEL")), file=sys.stderr)
+        print("exit 2")
+        sys.exit(2)
+    os.environ["MINDIE_LOG_LEVEL"] = python_log_level(text)
+
+
 def main() -> None:
+    check_log_level_env()
     logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")
     claimed = ""  # the run directory once claimed: a refusal after that leaves nothing in it
@@ -67,6 +86,7 @@ def main() -> None:
         if stale:
             log.info("removed what a server that stopped uncleanly left in %s: %s", config.server.run_dir,
                      ", ".join(stale))
+        check_model_path(loaded)
         role = check_role(loaded)
         listeners = plan_listeners(config.server)
         if role != "workers":  # a workers-only host serves no HTTP: its TLS files are not needed
@@ -152,6 +172,18 @@ def check_role(loaded) -> str:
         log.info("role %s: %s", role, "device workers only, for the front ends of another host" if role == "workers"
                  else f"front ends only, connected to the device workers at {hosts} from port {b.worker_port}")
     return role
+
+
+MODEL_PATH_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath"
+
+
+def check_model_path(loaded) -> None:
+    """A configured model path that does not exist: ConfigError naming the key and where the path
+    came from, before anything starts (workers.prepare checks what the path holds)."""
+    path = loaded.config.backend.model_deploy.models[0].model_weight_path
+    if path and not os.path.exists(path):
+        raise ConfigError(f"{path} does not exist (a Hugging Face model directory or a .gguf file is expected)",
+                          MODEL_PATH_KEY, env=loaded.env_overrides.get(MODEL_PATH_KEY), source=loaded.source)
 
 
 def check_tokenizer(model_dir: str) -> None:
