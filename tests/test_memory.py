@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 from tests.harness import ROOT
 
@@ -74,3 +75,21 @@ def test_row_buckets_bounded_and_exact():
             plain = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             out = _packed_linear(x, packed, None, 300)
             assert out.shape == (m, 300) and torch.equal(out, plain), (dtype, m)
+
+
+def test_prewarm_says_what_it_did(caplog):
+    """Off (the default budget 0): one line saying so, not "pre-warmed ... 0 primitives"; on: the count."""
+    import torch
+    from torch import nn
+
+    from workers.backends.cpu_linear import PackedLinear, _pack, prewarm
+    packed = _pack(torch.randn(64, 32))
+    if packed is None:
+        pytest.skip("oneDNN cannot pack on this CPU")
+    model = nn.Sequential(PackedLinear(nn.Linear(32, 64), packed))
+    with caplog.at_level("INFO", logger="workers.backends"):
+        assert prewarm(model, [1], max_rows=4, max_head_rows=1, budget_gflop=0)["primitives"] == 0
+        assert prewarm(model, [1], max_rows=4, max_head_rows=1, budget_gflop=1)["primitives"] > 0
+    said = [r.getMessage() for r in caplog.records if "oneDNN linears" in r.getMessage()]
+    assert said[0] == "oneDNN linears not pre-warmed (cpuTuning.prewarmGflop 0): 1 shapes' primitives are created on first use"
+    assert said[1].startswith("oneDNN linears pre-warmed: 1 shapes x 1 thread counts [1], row buckets up to 4"), said

@@ -211,6 +211,7 @@ def test_a_forced_stop_cuts_at_once_and_sigterms_every_process_first(tmp_path, k
         else:
             srv.proc.send_signal(signal.SIGTERM)
             assert refused_while_draining(srv) == STOPPED
+            time.sleep(0.3)  # a second signal within 0.2 s counts as the same stop (timeout(1) sends two)
             srv.proc.send_signal(signal.SIGTERM)
         done = long.join()
         assert time.monotonic() - t0 < DRAIN_S + 1 if kind == "Force" else True
@@ -236,5 +237,20 @@ def test_stop_during_start_and_with_nothing_running(tmp_path):
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGINT)
         check_clean_exit(srv, pids, t0, 12)
+    finally:
+        srv.stop()
+
+
+def test_one_stop_delivered_twice_at_once_is_one_stop(tmp_path):
+    """timeout(1) sends SIGTERM to the launcher and then to its process group: the two arrive
+    together and are one stop (a drain), not a stop and a Force."""
+    srv = start(tmp_path)
+    try:
+        pids = descendants(srv.proc.pid)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.send_signal(signal.SIGTERM)
+        log = check_clean_exit(srv, pids, t0, 12)
+        assert "asked again" not in log and "forced stop" not in log, log[-3000:]
     finally:
         srv.stop()

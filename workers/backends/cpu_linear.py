@@ -136,6 +136,10 @@ def prewarm(model: nn.Module, thread_counts: list[int], max_rows: int, max_head_
     info = {"shapes": len(shapes), "buckets": len(buckets), "largest": largest, "primitives": done,
             "threads": list(thread_counts), "gflop": round(spent, 1), "seconds": round(time.perf_counter() - t0, 2),
             "stopped_at": stopped}
+    if not done:
+        log.info("oneDNN linears not pre-warmed (cpuTuning.prewarmGflop %g): %d shapes' primitives are created "
+                 "on first use", budget_gflop, info["shapes"])
+        return info
     log.info("oneDNN linears pre-warmed: %d shapes x %d thread counts %s, row buckets up to %d (%d primitives, "
              "%.0f GFLOP) in %.2f s%s", info["shapes"], len(thread_counts), info["threads"], largest, done, spent,
              info["seconds"], f"; buckets from {stopped} rows are created on first use (over the "
