@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+
 import pytest
 
 from tests.harness import ROOT
