@@ -42,7 +42,8 @@ GET /stopService drains the server and then stops it (scripts/prestop.sh); probe
 scripts/health_check.sh.
 With ServerConfig.httpsEnabled every plane is HTTPS (mutual TLS when a CA is configured).
 
-Options (each also settable by the environment variable shown):
+Options (each also settable by the environment variable shown; a value follows as the next word
+or after "=": -p 18025, --port=18025; errors about a value name the flag that set it):
   -c, --config FILE     MindIE-shaped config.json            [MIES_CONFIG_JSON_PATH]
                         (default: built-in defaults: the default model, CPU workers)
   -H, --host ADDR       business-plane address (ServerConfig.ipAddress)  [MINDIE_HOST]
