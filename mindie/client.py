@@ -32,6 +32,10 @@ from mindie.contract.spec import WorkerSpec
 
 log = logging.getLogger("mindie.client")
 
+# Some workers ready, others still loading: after this long the server counts as started with
+# those ready (the health probes say ready, the ready line says "N of M").
+STARTUP_PARTIAL_S = 30.0
+
 
 class NoWorkerError(Exception):
     """No device worker is ready to take a request."""
@@ -123,7 +127,9 @@ class DeviceClient:
         # Called once a new worker instance (a start, a restart) is ready: mindie/adapters.py restores
         # the LoRA adapters loaded at run time into it.
         self.on_new_instance: Callable[[WorkerLink], None] | None = None
-        self.ever_ready = False  # a worker was ready once: "starting" is over
+        self.ever_ready = False  # a worker was ready once
+        self.first_ready_at: float | None = None  # time.monotonic() of the first Welcome
+        self._started = False  # latched by ``started``
         self._stops: dict[str, tuple[asyncio.Future, set[str], list[int]]] = {}
         self._asks: dict[str, tuple[asyncio.Future, set[str], dict[str, P.AdapterAnswer]]] = {}
         self.gaps = 0  # sequence gaps seen (frames lost); tests assert it stays 0
@@ -197,6 +203,17 @@ class DeviceClient:
             return True
         except asyncio.TimeoutError:
             return False
+
+    def started(self) -> bool:
+        """Start-up is over: every worker has been ready once, or STARTUP_PARTIAL_S passed since
+        the first was (the others still loading: serve with those ready). Latched: a worker that
+        restarts later does not make the server "starting" again. The health probes answer 503
+        "starting" until then, so an orchestrator sends traffic to a server that is fully up,
+        the moment the ready line says so (mindie/ready_line.py)."""
+        if not self._started and self.first_ready_at is not None:
+            self._started = all(link.instance for link in self.links.values()) or \
+                time.monotonic() - self.first_ready_at >= STARTUP_PARTIAL_S
+        return self._started
 
     def ready_links(self) -> list[WorkerLink]:
         return [link for link in self.links.values() if link.welcomed]
@@ -450,6 +467,8 @@ class DeviceClient:
                     link.welcomed = True
                     log.info("device worker %s ready", link.ep.worker_id)
                     self.ever_ready = True
+                    if self.first_ready_at is None:
+                        self.first_ready_at = time.monotonic()
                     self.ready_event.set()
                     if new and self.on_new_instance is not None:
                         try:

@@ -23,7 +23,6 @@ from mindie.listeners import Listener
 log = logging.getLogger("mindie.ready")
 
 READY_FILE = "ready.announced"
-PARTIAL_AFTER_S = 30.0  # some workers ready, others still loading: say so after this long
 
 
 def ready_line(listeners: list[Listener], dep: Deployment, ready: int, frontends: int) -> str:
@@ -51,18 +50,15 @@ def _claim(run_dir: str) -> bool:
 
 async def announce_when_ready(client: DeviceClient, listeners: list[Listener], dep: Deployment,
                               frontends: int) -> None:
-    """Wait for every worker (or PARTIAL_AFTER_S after the first), then log the line if no other
-    front end did."""
+    """Wait until start-up is over (``DeviceClient.started``: every worker ready once, or
+    STARTUP_PARTIAL_S after the first; the moment /health says ready), then log the line if no
+    other front end did."""
     path = os.path.join(dep.run_dir, READY_FILE)
-    first_at = None
-    loop = asyncio.get_running_loop()
     while True:
         if os.path.exists(path):
             return
         ready = len(client.ready_links())
-        if ready and first_at is None:
-            first_at = loop.time()
-        if ready and (ready == len(client.links) or loop.time() - first_at >= PARTIAL_AFTER_S):
+        if ready and client.started():
             if _claim(dep.run_dir):
                 log.info("%s", ready_line(listeners, dep, ready, frontends))
             return

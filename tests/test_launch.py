@@ -172,3 +172,48 @@ def test_one_ready_line_and_a_quiet_stop(tmp_path, demo_model):
         assert noise not in log, noise
     assert not [p for p in pids if alive(p)]
     assert leftovers(run_dir) == []
+
+
+def test_probes_say_starting_until_every_worker_is_ready(tmp_path, demo_model):
+    """One of two workers ready, the other still loading (held here with SIGSTOP): the probes
+    answer 503 "starting" (an orchestrator must not count the server up at half its capacity),
+    requests are served by the ready worker meanwhile, and no ready line is logged; once the other
+    worker is ready, the probes answer 200 and the ready line says 2 of 2."""
+    import re
+    base = free_triple()
+    cfg = write_config(tmp_path / "config.json", port=base, run_dir=short_run_dir(), workers=2,
+                       model_path=demo_model,
+                       server={"managementPort": base + 1, "metricsPort": base + 2, "managementIpAddress": "127.0.0.1"})
+    srv = Server(cfg, base, frontends=1, health_url=f"http://127.0.0.1:{base + 1}/health")
+    mgmt = f"http://127.0.0.1:{base + 1}"
+    held = None
+    try:
+        deadline = time.monotonic() + 60
+        while (m := re.search(r"started worker w1 \(pid (\d+)", srv.tail(100000))) is None:
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.tail(3000)
+            time.sleep(0.01)
+        held = int(m.group(1))
+        os.kill(held, signal.SIGSTOP)
+        while "device worker w0 ready" not in srv.tail(100000):
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.tail(3000)
+            time.sleep(0.1)
+        assert "device worker w1 ready" not in srv.tail(100000), "w1 was ready before it could be held"
+        for path in ("/health", "/v2/health/ready", "/v2/health/live", "/health/timed-5"):
+            assert httpx.get(mgmt + path, timeout=10).status_code == 503, path
+        r = httpx.post(srv.url + "/infer_token", json={"input_id": [5, 6, 7], "stream": False,
+                                                       "parameters": {"max_new_tokens": 4}}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "mindie-py ready:" not in srv.tail(100000)
+        os.kill(held, signal.SIGCONT)
+        held = None
+        srv.wait_ready(60)
+        for path in ("/health", "/v2/health/ready", "/v2/health/live"):
+            assert httpx.get(mgmt + path, timeout=10).status_code == 200, path
+        deadline = time.monotonic() + 10
+        while "mindie-py ready:" not in srv.tail(100000) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "2 of 2 device workers ready" in srv.tail(100000)
+    finally:
+        if held is not None:
+            os.kill(held, signal.SIGCONT)
+        srv.stop()

@@ -83,7 +83,8 @@ class HealthResource:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if self.health.state.stopped():
             return _stopped(resp)
-        _no_body(resp, 200 if self.health.client.ready_links() else 503)
+        client = self.health.client
+        _no_body(resp, 200 if client.ready_links() and client.started() else 503)
 
     async def on_get_model(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model: str) -> None:
         if model != self.model_name:
@@ -105,10 +106,10 @@ class LiveResource:
         h = self.health
         if h.state.stopped():
             return _stopped(resp)
-        if not h.client.ready_links():
-            if h.client.ever_ready:
-                return _json(resp, 500, {"message": "Service is abnormal"})
+        if not h.client.started():
             return _no_body(resp, 503)
+        if not h.client.ready_links():
+            return _json(resp, 500, {"message": "Service is abnormal"})
         if h.busy():
             if self.ready:
                 return _json(resp, 503, {"message": "Service is alive but busy. Consider reducing request frequency"})
@@ -157,10 +158,10 @@ class TimedHealthResource:
         if h.state.stopped():
             resp.data = self.HEALTHY
             return
-        if not h.client.ready_links():
-            if h.client.ever_ready:  # workers were up and are gone or stalled
-                raise ApiError(500, "Virtual inference failed: no device worker is ready")
+        if not h.client.started():
             return _no_body(resp, 503)
+        if not h.client.ready_links():  # workers were up and are gone or stalled
+            raise ApiError(500, "Virtual inference failed: no device worker is ready")
         if h.busy():
             resp.data = self.HEALTHY
             return
