@@ -166,7 +166,8 @@ class CpuBackend(Backend):
                      checkpoint_dtype, "the C kernels' AVX2 bf16 products are not available" if plain_weights
                      else "its int8 / GGUF weights are not bf16 values")
             return torch.float32
-        log.info("dtype auto: %s (checkpoint %s)", str(dtype).replace("torch.", ""), checkpoint_dtype or "unknown")
+        log.info("dtype auto: %s (%s %s)", str(dtype).replace("torch.", ""),
+                 "the GGUF file's model view says" if gguf else "checkpoint", checkpoint_dtype or "unknown")
         return dtype
 
     def describe(self) -> str:
