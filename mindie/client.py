@@ -127,8 +127,7 @@ class DeviceClient:
         # Called once a new worker instance (a start, a restart) is ready: mindie/adapters.py restores
         # the LoRA adapters loaded at run time into it.
         self.on_new_instance: Callable[[WorkerLink], None] | None = None
-        self.ever_ready = False  # a worker was ready once
-        self.first_ready_at: float | None = None  # time.monotonic() of the first Welcome
+        self.first_ready_at: float | None = None  # time.monotonic() of the first Welcome (None: none yet)
         self._started = False  # latched by ``started``
         self._stops: dict[str, tuple[asyncio.Future, set[str], list[int]]] = {}
         self._asks: dict[str, tuple[asyncio.Future, set[str], dict[str, P.AdapterAnswer]]] = {}
@@ -466,7 +465,6 @@ class DeviceClient:
                     link.expected_seq = msg.seq + 1
                     link.welcomed = True
                     log.info("device worker %s ready", link.ep.worker_id)
-                    self.ever_ready = True
                     if self.first_ready_at is None:
                         self.first_ready_at = time.monotonic()
                     self.ready_event.set()

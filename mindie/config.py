@@ -719,19 +719,28 @@ MINDIE_UNUSED_KEYS = frozenset({
 })
 
 
+def _path_steps(path: str) -> list[tuple[str, str]]:
+    """'A.B[0].c' -> [("A", ""), ("B", ""), ("", "0"), ("c", "")]: (key, "") or ("", list index)."""
+    return re.findall(r"\.([^.\[]+)|\[(\d+)\]", "." + path)
+
+
+def _child_type(tp: Any, name: str) -> Any:
+    """The declared type one step below ``tp``: its key ``name``'s (a mapping's values for any key),
+    or with ``name`` "" its list elements'; Any where nothing is declared."""
+    tp = _unwrap(tp)
+    if name:
+        return typing.get_args(tp)[1] if typing.get_origin(tp) is dict else _struct_fields(tp).get(name, Any)
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else Any
+
+
 def _template(path: str) -> str:
     """A dotted key's shape: list indices "[]", a mapping's own keys "<model_type>"."""
     tp: Any = Config
     out = ""
-    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", "." + path):
-        tp = _unwrap(tp)
-        if name:
-            mapping = typing.get_origin(tp) is dict
-            out += "." + ("<model_type>" if mapping else name)
-            tp = typing.get_args(tp)[1] if mapping else _struct_fields(tp).get(name, Any)
-        else:
-            out += "[]"
-            tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else Any
+    for name, _ in _path_steps(path):
+        mapping = bool(name) and typing.get_origin(_unwrap(tp)) is dict
+        out += ("." + ("<model_type>" if mapping else name)) if name else "[]"
+        tp = _child_type(tp, name)
     return out[1:]
 
 
@@ -842,14 +851,12 @@ def refuse_unknown(unknown: list[tuple[str, Optional[str]]], refused_by: Optiona
 def _lookup(raw: Any, path: str) -> tuple[bool, Any, Any]:
     """(found, raw value, declared type) of a dotted JSON path such as 'A.B[0].c'."""
     value, tp, found = raw, Config, True
-    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", "." + path):
-        tp = _unwrap(tp)
+    for name, index in _path_steps(path):
+        tp = _child_type(tp, name)
         if name:
-            tp = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else _struct_fields(tp).get(name, Any)
             found = found and isinstance(value, dict) and name in value
             value = value[name] if found else None
         else:
-            tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else Any
             found = found and isinstance(value, list) and int(index) < len(value)
             value = value[int(index)] if found else None
     return found, value, _unwrap(tp)

@@ -468,14 +468,14 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
             tk = templates[roles[k]][0]
             try:
                 loaded = load_config(path, env={})
+                found = loaded.unknown
             except ConfigError as e:
-                if e.unknown:  # its own ServerConfig.strictConfig refused them
-                    unknown.update({f"{tk}.{key}": close and f"{tk}.{close}" for key, close in e.unknown})
-                    continue
-                msg = str(e).replace(f" (in {path})", "")
-                raise FleetError((f"{tk}.{msg}" if e.key else msg)
-                                 + (f" (instance i{k}, {path})" if k else "")) from None
-            unknown.update({f"{tk}.{key}": close and f"{tk}.{close}" for key, close in loaded.unknown})
+                if not e.unknown:  # anything but its own ServerConfig.strictConfig refusing them
+                    msg = str(e).replace(f" (in {path})", "")
+                    raise FleetError((f"{tk}.{msg}" if e.key else msg)
+                                     + (f" (instance i{k}, {path})" if k else "")) from None
+                found = e.unknown
+            unknown.update({f"{tk}.{key}": close and f"{tk}.{close}" for key, close in found})
             if unknown:
                 continue
             s = loaded.config.server

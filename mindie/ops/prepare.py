@@ -19,7 +19,7 @@ import shlex
 import sys
 import time
 
-from mindie.config import ConfigError, ensure_run_dir, load_config, python_log_level, setting_source
+from mindie.config import LOG_LEVELS, ConfigError, ensure_run_dir, load_config, python_log_level, setting_source
 from mindie.runtime.lifecycle import RunDirBusy, claim, launcher_pid, release
 from mindie.contract.spec import write_deployment
 from mindie.detokenizer import load_tokenizer
@@ -30,19 +30,15 @@ from mindie.topology import build_deployment, usable_cores
 log = logging.getLogger("mindie.ops.prepare")
 
 
-LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
 def check_log_level_env() -> None:
-    """MINDIE_LOG_LEVEL in dynamicLogLevel's words (warn, fatal, any case), exported as Python's
+    """MINDIE_LOG_LEVEL in dynamicLogLevel's words (LOG_LEVELS, any case), exported as Python's
     level name for every process; anything else refused naming the variable (exit 2)."""
     text = os.environ.get("MINDIE_LOG_LEVEL", "").strip()
     if not text:
         return
-    if python_log_level(text) not in LEVELS:
-        print("config error: " + str(ConfigError(
-            f"must be one of debug, info, warn, warning, error, critical, fatal, got {text!r}",
-            "LogConfig.dynamicLogLevel", env="MINDIE_LOG_LEVEL")), file=sys.stderr)
+    if text.lower() not in LOG_LEVELS:
+        print("config error: " + str(ConfigError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}",
+                                                 "LogConfig.dynamicLogLevel", env="MINDIE_LOG_LEVEL")), file=sys.stderr)
         print("exit 2")
         sys.exit(2)
     os.environ["MINDIE_LOG_LEVEL"] = python_log_level(text)
