@@ -841,6 +841,13 @@ def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Pa
     r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "--demo-model"],
                        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert (r.returncode, r.stderr.strip()) == (2, "launch.sh: -n needs a value, got the flag --demo-model (see --help)")
+    # --flag=value is --flag value; a flag that takes none says so
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "--config", str(cfg), "--port=80"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "ServerConfig.port: must be >= 1024, got 80 (from launch.sh --port)" in r.stderr, r.stderr
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "--strict-config=1"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert (r.returncode, r.stderr.strip()) == (2, "launch.sh: --strict-config takes no value (see --help)")
 
 
 def test_launch_step_refuses_a_missing_model_path_and_a_bad_log_level_naming_their_source(tmp_path: Path) -> None:
