@@ -6,7 +6,7 @@ launcher (SIGHUP re-executes this file, and the master reaps children it does no
 Nothing here imports prometheus_client: PROMETHEUS_MULTIPROC_DIR must be set before that.
 
 Liveness (docs/design.md): the master gets SIGTERM when the launcher dies (on_starting); each
-front end gets SIGTERM when the master dies (mindie/gunicorn_worker.py).
+front end gets SIGTERM when the master dies (mindie/server/gunicorn_worker.py).
 """
 import errno
 import os
@@ -15,18 +15,18 @@ import socket
 import sys
 
 from mindie.runtime.lifecycle import die_with_parent, expected_parent
-from mindie.listeners import read_listeners
+from mindie.server.listeners import read_listeners
 
 # MindIE's planes (business, management, metrics; merged where ports are equal), as planned by
-# mindie.ops.prepare. TLS is not gunicorn's: each front end wraps each socket with its plane's
-# context (mindie/gunicorn_worker.py), so the planes can have their own certificates.
+# mindie.ops.launch_plan. TLS is not gunicorn's: each front end wraps each socket with its plane's
+# context (mindie/server/gunicorn_worker.py), so the planes can have their own certificates.
 bind = [li.bind for li in read_listeners(os.environ["MINDIE_LISTENERS"])]
 workers = int(os.environ.get("MINDIE_FRONTENDS", "1"))
-worker_class = "mindie.gunicorn_worker.FrontEndWorker"
-wsgi_app = "mindie.app:create_app()"
+worker_class = "mindie.server.gunicorn_worker.FrontEndWorker"
+wsgi_app = "mindie.server.app:create_app()"
 timeout = 30  # heartbeat of the event loop, not a request timeout
-# ServerConfig.drainTimeoutS (mindie.ops.prepare resolves it): the front ends cut what still runs at
-# that bound themselves (mindie/drain.py); gunicorn's SIGKILL comes well after.
+# ServerConfig.drainTimeoutS (mindie.ops.launch_plan resolves it): the front ends cut what still runs at
+# that bound themselves (mindie/server/drain.py); gunicorn's SIGKILL comes well after.
 graceful_timeout = int(float(os.environ.get("MINDIE_GRACEFUL_TIMEOUT") or 20)) + 10
 keepalive = 75
 reuse_port = True  # each front end gets its own SO_REUSEPORT socket: the kernel spreads connections

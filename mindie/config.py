@@ -29,7 +29,7 @@ from msgspec import Meta, field
 
 from mindie.contract.spec import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME
 from mindie.runtime.env import ENGINE_ENV, engine_overrides
-from mindie.tool_parsers import names as tool_parser_names
+from mindie.text.tool_parsers import names as tool_parser_names
 
 __all__ = [
     "Config", "ConfigError", "ServerConfig", "HealthCheckConfig", "BackendConfig", "ModelDeployConfig",
@@ -165,7 +165,7 @@ class ServerConfig(_Section):
     # Project default false (MindIE: true) so the demo starts without certificates; true is honoured.
     https_enabled: bool = False
     full_text_enabled: bool = False
-    # TLS files (mindie/tls.py). Paths and dirs are made absolute by load_config (relative:
+    # TLS files (mindie/runtime/tls.py). Paths and dirs are made absolute by load_config (relative:
     # from the config file's directory); CA files are names inside tls_ca_path (all planes), CRL
     # files names inside their plane's CRL dir. *_pk_pwd: a file holding the key's password in
     # plain text ("" = key not encrypted). Project defaults: no password file, no CRL files.
@@ -194,7 +194,7 @@ class ServerConfig(_Section):
     # Project extensions (MindIE has no key: its HTTP server reads with a 60 s socket timeout):
     # the whole request head must arrive within head_timeout_s of the connection opening (or of
     # the next request's first byte on a kept-alive connection), its body within body_timeout_s
-    # of the head; past either the front end answers 408 and closes (mindie/gunicorn_worker.py).
+    # of the head; past either the front end answers 408 and closes (mindie/server/gunicorn_worker.py).
     head_timeout_s: Annotated[float, Meta(ge=MIN_RECEIVE_TIMEOUT_S, le=MAX_RECEIVE_TIMEOUT_S)] = 10.0
     body_timeout_s: Annotated[float, Meta(ge=MIN_RECEIVE_TIMEOUT_S, le=MAX_RECEIVE_TIMEOUT_S)] = 60.0
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig, name="HealthCheckConfig")
@@ -230,7 +230,7 @@ class ServerConfig(_Section):
 class ToolCallOptions(msgspec.Struct, kw_only=True):
     """``ModelConfig[].models.<model_type>.tool_call_options`` (MindIE's keys, snake_case as MindIE spells them)."""
 
-    # "" = as the chat template shows (mindie/tool_calls.py), else one of mindie/tool_parsers/names.py
+    # "" = as the chat template shows (mindie/text/tool_calls.py), else one of mindie/text/tool_parsers/names.py
     tool_call_parser: str = ""
 
 
@@ -240,10 +240,10 @@ class ModelTypeOptions(msgspec.Struct, kw_only=True):
 
     tool_call_options: ToolCallOptions = field(default_factory=ToolCallOptions)
     chat_template: str = ""  # a .jinja file replacing the checkpoint's chat template; relative: from the config's directory
-    # MindIE: split the thinking into reasoning_content (mindie/reasoning.py; docs/apis.md).
+    # MindIE: split the thinking into reasoning_content (mindie/text/reasoning.py; docs/apis.md).
     enable_reasoning: Optional[bool] = None
     # MindIE: the text written into the answer when the thinking reaches a request's
-    # chat_template_kwargs.thinking_budget (mindie/reasoning.py ThinkingBudget).
+    # chat_template_kwargs.thinking_budget (mindie/text/reasoning.py ThinkingBudget).
     early_stopping_text: Optional[Annotated[str, Meta(min_length=1, max_length=1024)]] = None
 
 
@@ -273,7 +273,7 @@ class ModelConfig(_Section):
     # "chat_template": ...}}): tool calls on /v1/chat/completions (docs/apis.md, "Tool calls").
     models: dict[str, ModelTypeOptions] = field(default_factory=dict)
     # Project extension: the chat route's reasoning parser (vLLM's --reasoning-parser names;
-    # mindie/reasoning.py). "auto": MindIE's models.<type>.enable_reasoning where set, else
+    # mindie/text/reasoning.py). "auto": MindIE's models.<type>.enable_reasoning where set, else
     # detected from the chat template; "none": off.
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
     # MindIE's speculative decoding plugin, a JSON object in a string: {"plugin_type":

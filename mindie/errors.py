@@ -6,7 +6,7 @@ name of the status (``mindie.contract.errors.ERROR_TYPES``, shared with the devi
 ``ApiError`` is the one exception type of a failed request, on every route and in every API
 family: routes, parsers, the generation loop (a worker's error frame, a deadline) raise it, and
 the request pipeline (mindie/pipeline.py) logs and counts it once. The app's error handler
-(mindie/app.py) asks the request's codec to write it: MindIE's shape by default, OpenAI's
+(mindie/server/app.py) asks the request's codec to write it: MindIE's shape by default, OpenAI's
 ``{"error": {...}}`` on the OpenAI routes; inside an open stream the codec writes it as its
 family's error event.
 

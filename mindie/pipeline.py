@@ -15,15 +15,15 @@ Everything else happens here, once, the same way for every family:
 - the body, read under maxRequestLength (413), the /stopService flag (503), a large body parsed
   off the event loop, and so are the checks a codec leaves in ``Job.checks`` (a structured-output
   constraint compiled for the first time);
-- one ``Generation`` per submission (mindie/generation.py: stop strings, deadlines);
+- one ``Generation`` per submission (mindie/text/generation.py: stop strings, deadlines);
 - a non-stream client that hangs up, or a stream whose client is gone, is cancelled on its
   worker, logged 499 and counted failed;
 - every failure is one ``ApiError`` (mindie/errors.py), logged and counted once here; the app's
-  error handler asks the codec to write it (mindie/app.py);
+  error handler asks the codec to write it (mindie/server/app.py);
 - MindIE's metrics (received, failed, success with TTFT/TPOT/end to end, prompt tokens) and one
-  request-log line (mindie/request_log.py);
+  request-log line (mindie/server/request_log.py);
 - the body keys the codec found its family does not read (``Job.ignored``): named in the
-  ``X-Ignored-Fields`` header and a rate-limited WARNING (mindie/ignored_fields.py).
+  ``X-Ignored-Fields`` header and a rate-limited WARNING (mindie/text/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -41,21 +41,22 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie import ignored_fields, pd, sse
-from mindie.adapters import Adapters
-from mindie.admission import Admission, Slot
-from mindie.client import DeviceClient
+from mindie.text import ignored_fields
+from mindie import pd, sse
+from mindie.lora_adapters import Adapters
+from mindie.server.admission import Admission, Slot
+from mindie.device_client import DeviceClient
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_EOS, FINISH_STOP, FINISH_STOP_TOKEN
-from mindie.detokenizer import TextTokenizer
+from mindie.text.detokenizer import TextTokenizer
 from mindie.errors import ApiError, request_too_large
-from mindie.generation import Deadline, Generation, Piece
-from mindie.http_conn import RECEIVE_TIMEOUT_KEY
-from mindie.metrics import Metrics
-from mindie.request_log import RequestRecord
-from mindie.service_state import STOPPED_MESSAGE, ServiceState
-from mindie.structured import Checker
-from mindie.validation import Limits
+from mindie.text.generation import Deadline, Generation, Piece
+from mindie.server.http_conn import RECEIVE_TIMEOUT_KEY
+from mindie.server.metrics import Metrics
+from mindie.server.request_log import RequestRecord
+from mindie.server.service_state import STOPPED_MESSAGE, ServiceState
+from mindie.text.structured import Checker
+from mindie.text.validation import Limits
 
 log = logging.getLogger("mindie.api")
 
@@ -80,7 +81,7 @@ class Sub:
     prompt: int = 0  # which prompt of the request (OpenAI list prompts: several subs share one)
     adapter: str = ""  # the LoRA adapter the request names ("" = the base model)
     keep_special: frozenset[int] = frozenset()  # special ids the text keeps (tool-call delimiters)
-    # A thinking budget (mindie/reasoning.py ThinkingBudget): its ``generation(start, ids, params)``
+    # A thinking budget (mindie/text/reasoning.py ThinkingBudget): its ``generation(start, ids, params)``
     # runs the submission instead of one Generation.
     budget: Any = None
 
@@ -95,7 +96,7 @@ class Job:
     codec: "Codec | None" = None  # who renders it, when not the route's codec (/generate)
     ignored: list[ignored_fields.Found] = field(default_factory=list)  # body keys the family does not read
     # Checks too slow for the event loop (compiling a new structured-output constraint:
-    # mindie/structured.py), run on a thread before anything is submitted; each raises ApiError.
+    # mindie/text/structured.py), run on a thread before anything is submitted; each raises ApiError.
     checks: list[Callable[[], None]] = field(default_factory=list)
 
     def prompt_tokens(self) -> int:
@@ -248,7 +249,7 @@ async def read_body(req: falcon.asgi.Request, max_mb: int) -> bytes:
     A body shorter than its Content-Length (the client hung up, and Falcon's stream just ends;
     or httptools stopped at an Upgrade header) is refused with 400 rather than parsed: its
     prefix may be valid JSON. A body that stopped at ``ServerConfig.bodyTimeoutS`` (the
-    connection answered 408 and closed: mindie/gunicorn_worker.py) is refused with that 408,
+    connection answered 408 and closed: mindie/server/gunicorn_worker.py) is refused with that 408,
     so that it is logged and counted as what it was, and its admission slot given back.
     """
     limit = max_mb * 1024 * 1024
@@ -324,8 +325,8 @@ class Pipeline:
         self.state = state
         self.roles = roles  # the instance's PD role (mindie/pd.py); None = flex
         self.ignored_log = ignored_log or ignored_fields.REPORTER
-        self.adapters = Adapters(client)  # the LoRA adapters requests may name (mindie/adapters.py)
-        self.structured = Checker(tokenizer)  # structured-output constraints (mindie/structured.py)
+        self.adapters = Adapters(client)  # the LoRA adapters requests may name (mindie/lora_adapters.py)
+        self.structured = Checker(tokenizer)  # structured-output constraints (mindie/text/structured.py)
 
     async def serve(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, codec: Codec, **kw: Any) -> None:
         """One request, from admission to its last byte, with ``codec``'s shapes."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mindie_bench import lab
-from mindie_bench.adapters import APIS, Adapter, HttpClient, make_adapter, resolve_model
+from mindie_bench.api_clients import APIS, Adapter, HttpClient, make_adapter, resolve_model
 from mindie_bench.compare import Endpoint, compare_table, run_compare
 from mindie_bench.runner import (LoadConfig, plot_cdfs, plot_sweep, result_path, run_async, run_document,
                                  run_sweep, server_info, sweep_table, write_json)

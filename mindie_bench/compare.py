@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
-from mindie_bench.adapters import Adapter
+from mindie_bench.api_clients import Adapter
 from mindie_bench.runner import LoadConfig, Segment, run_segment
 from mindie_bench.workload import WorkloadFn
 

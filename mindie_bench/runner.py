@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Coroutine, Optional, Sequence, TypeVar
 
 from mindie_bench import stats as st
-from mindie_bench.adapters import Adapter, HttpClient, RequestResult
+from mindie_bench.api_clients import Adapter, HttpClient, RequestResult
 from mindie_bench.workload import RequestSpec, WorkloadFn
 
 T = TypeVar("T")

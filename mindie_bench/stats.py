@@ -26,7 +26,7 @@ import math
 from collections import Counter
 from typing import Any, Iterable, Optional, Sequence
 
-from mindie_bench.adapters import RequestResult
+from mindie_bench.api_clients import RequestResult
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 MAX_ERRORS_SHOWN = 5

@@ -166,7 +166,7 @@ trap 'exit 143' TERM INT  # until the server runs (the EXIT trap then cleans up)
 # a dead one left is removed) and write the launch plan (front-end side, torch-free); then settle
 # its device side ("auto" device, the built-in demo model, generated on first use). Each prints
 # shell assignments.
-eval "$("$PY" -m mindie.ops.prepare || echo "exit 2")"
+eval "$("$PY" -m mindie.ops.launch_plan || echo "exit 2")"
 # Hold the run directory's lock from now on. Every process started below inherits this
 # descriptor, so the directory counts as in use while any of them lives, even after this script
 # dies; once all have stopped, the EXIT trap removes the server's files (sockets, locks, state).
@@ -184,7 +184,7 @@ export MINDIE_PORT MINDIE_LISTENERS MINDIE_RUN_DIR MINDIE_DEPLOYMENT MINDIE_MODE
 export PROMETHEUS_MULTIPROC_DIR="$MINDIE_RUN_DIR/prometheus"
 rm -rf "$PROMETHEUS_MULTIPROC_DIR"; mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 
-grace="$MINDIE_GRACEFUL_TIMEOUT"  # ServerConfig.drainTimeoutS, as mindie.ops.prepare resolved it
+grace="$MINDIE_GRACEFUL_TIMEOUT"  # ServerConfig.drainTimeoutS, as mindie.ops.launch_plan resolved it
 cd "$root"
 # Each child in a process group of its own (job control): a terminal's Ctrl-C reaches only this
 # script, which stops the children in order, and what a child leaves behind can be found.
@@ -265,7 +265,7 @@ on_stop_signal() {
   signalled=1 stopping=1 signals=$((signals + 1))
   if [ "$signals" = 2 ] && [ -n "$gun" ]; then
     echo "launch.sh: asked again: cutting the requests in progress now" >&2
-    "$PY" -m mindie.ops.drain "$MINDIE_RUN_DIR" --drain "$grace" --force --no-wait </dev/null || true
+    "$PY" -m mindie.ops.launcher_drain "$MINDIE_RUN_DIR" --drain "$grace" --force --no-wait </dev/null || true
   elif [ "$signals" -ge 3 ] || { [ "$signals" = 2 ] && [ -z "$gun" ]; }; then
     echo "launch.sh: asked again: killing every process now" >&2
     hurry=1
@@ -321,11 +321,11 @@ done
 
 # A stop asked for (a signal, /stopService) drains first, the listeners still open: new requests
 # get MindIE's 503, the requests in progress run until the drain bound, when the front ends cut
-# what still runs (mindie/drain.py). A component that died stops the rest at once.
+# what still runs (mindie/server/drain.py). A component that died stops the rest at once.
 force=0
 if [ "$signalled" = 1 ] && [ -z "$reason" ] && [ -n "$gun" ] && [ "$hurry" = 0 ]; then
   dflag=(); [ "$signals" -ge 2 ] && dflag=(--force)
-  "$PY" -m mindie.ops.drain "$MINDIE_RUN_DIR" --drain "$grace" "${dflag[@]}" </dev/null &
+  "$PY" -m mindie.ops.launcher_drain "$MINDIE_RUN_DIR" --drain "$grace" "${dflag[@]}" </dev/null &
   dst=0; wait_job $! || dst=$?
   [ "$dst" = 3 ] && force=1
 fi

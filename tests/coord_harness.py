@@ -1,5 +1,5 @@
 """Helpers of the coordinator tests: server instances started by scripts/launch.sh and the real
-coordinator process (``python -m mindie.coordinator``), all on loopback."""
+coordinator process (``python -m coordinator``), all on loopback."""
 from __future__ import annotations
 
 import contextlib
@@ -128,7 +128,7 @@ def kill9(server: Server) -> None:
 
 
 class Coordinator:
-    """``python -m mindie.coordinator`` in the background, its log in a file."""
+    """``python -m coordinator`` in the background, its log in a file."""
 
     def __init__(self, tmp: Path, instances: list[Server] | None = None, config: dict | None = None,
                  name: str = "coord", env: dict | None = None, ports: tuple[int, int] | None = None,
@@ -164,7 +164,7 @@ class Coordinator:
         e["PYTHONPATH"] = str(ROOT)
         self.log = open(self.log_path, "ab")
         self.log_start = self.log.tell()  # this run's lines begin here (the file is kept across restarts)
-        self.proc = subprocess.Popen([sys.executable, "-m", "mindie.coordinator", "--config", str(self.path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--config", str(self.path)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=ROOT)
 
     def wait_ready_line(self, timeout: float = 30.0) -> str:

@@ -80,7 +80,7 @@ def plain_decode(schedule: dict | None = None) -> dict:
 
 def write_plan(config: Path, *, null_model: bool = False, null_step_ms: float = 0.0):
     """The launch plan of a config file, written and settled as scripts/launch.sh does
-    (mindie.ops.prepare, then workers.prepare); returns (path, Deployment)."""
+    (mindie.ops.launch_plan, then workers.prepare); returns (path, Deployment)."""
     from mindie.config import ensure_run_dir, load_config
     from mindie.contract.spec import write_deployment
     from mindie.topology import build_deployment

@@ -1,8 +1,8 @@
-"""Server-wide admission (mindie/admission.py): maxLinkNum requests in progress across every
+"""Server-wide admission (mindie/server/admission.py): maxLinkNum requests in progress across every
 front end, a JSON 503 past it, slots given back however a request ends, even when its front
 end is SIGKILLed.
 
-The first tests drive mindie.admission directly (two Admission objects in one process are two
+The first tests drive mindie.server.admission directly (two Admission objects in one process are two
 owners: the locks are per open file); the rest run the real server (scripts/launch.sh, two
 front ends, the null model at 10 ms a step so streams last seconds and cost no CPU)."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from mindie.admission import Admission, snapshot
+from mindie.server.admission import Admission, snapshot
 from tests.harness import Server, alive, children_of, free_port, short_run_dir, write_config
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,7 +67,7 @@ def test_dropped_slot_is_given_back(tmp_path):
 
 _HOLDER = """
 import sys, time
-from mindie.admission import Admission
+from mindie.server.admission import Admission
 a = Admission(sys.argv[1], int(sys.argv[2]))
 slots = [a.try_acquire() for _ in range(int(sys.argv[3]))]
 assert all(slots)
@@ -447,7 +447,7 @@ def wait_respawned(srv: Server, victim: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
         pids = frontend_pids(srv)
-        new = [p for p in pids if p != victim and f"[frontend pid {p}] mindie.client: device worker" in srv.tail(100000)]
+        new = [p for p in pids if p != victim and f"[frontend pid {p}] mindie.device_client: device worker" in srv.tail(100000)]
         if len(pids) == 2 and victim not in pids and len(new) == 2:
             return
         assert time.monotonic() < deadline, srv.tail()
@@ -492,9 +492,9 @@ def test_sigkilled_frontend_gives_its_slots_back(server):
 
 
 def test_in_progress_counts_live_front_ends_only(tmp_path):
-    """What a stop waits for (mindie/ops/drain.py): the slots of live owners, read without
+    """What a stop waits for (mindie/ops/launcher_drain.py): the slots of live owners, read without
     claiming a record; a dead owner's leftover count is not counted."""
-    from mindie.admission import in_progress
+    from mindie.server.admission import in_progress
     assert in_progress(str(tmp_path)) == 0  # no file yet
     a, b = Admission(str(tmp_path), 10), Admission(str(tmp_path), 10)
     held = [a.try_acquire(), a.try_acquire(), b.try_acquire()]

@@ -21,7 +21,7 @@ falcon_asgi = pytest.importorskip("falcon.asgi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from mindie_bench import cli, stats  # noqa: E402
-from mindie_bench.adapters import (HttpClient, RequestResult, SSEParser, _Conn, _Exchange,  # noqa: E402
+from mindie_bench.api_clients import (HttpClient, RequestResult, SSEParser, _Conn, _Exchange,  # noqa: E402
                                    make_adapter)
 from mindie_bench.compare import Endpoint, run_compare  # noqa: E402
 from mindie_bench.runner import LoadConfig, run_segment  # noqa: E402

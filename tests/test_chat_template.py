@@ -1,4 +1,4 @@
-"""mindie/chat_template.py renders exactly as transformers' apply_chat_template(tokenize=False):
+"""mindie/text/chat_template.py renders exactly as transformers' apply_chat_template(tokenize=False):
 the same checkpoint files (a Qwen2.5-style tokenizer_config.json written here with Qwen2.5's
 template, on the demo model's tokenizer.json), the same messages, byte-identical text."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mindie.chat_template import CHATML_FALLBACK, ChatTemplateError, load_chat_template
+from mindie.text.chat_template import CHATML_FALLBACK, ChatTemplateError, load_chat_template
 
 transformers = pytest.importorskip("transformers")
 
@@ -310,10 +310,10 @@ def test_llama31_template_matches_transformers(tmp_path, demo_model, i, tools):
 @pytest.mark.parametrize("template", ["qwen25", "llama31"])
 def test_openai_tool_history_renders_as_transformers(tmp_path, demo_model, template):
     """An OpenAI client's tool history (arguments as JSON strings) through the chat route's
-    preparation (mindie/tool_calls.py) renders byte for byte as transformers renders the same
+    preparation (mindie/text/tool_calls.py) renders byte for byte as transformers renders the same
     conversation in its documented form (arguments as dicts)."""
-    from mindie.detokenizer import load_tokenizer
-    from mindie.tool_calls import ToolSupport
+    from mindie.text.detokenizer import load_tokenizer
+    from mindie.text.tool_calls import ToolSupport
 
     src = QWEN25_TEMPLATE if template == "qwen25" else LLAMA31_TEMPLATE
     d = _checkpoint(tmp_path, demo_model, src, bos_token="<s>", eos_token="</s>")

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from mindie.client import DeviceClient, NoWorkerError, WorkerLink
+from mindie.device_client import DeviceClient, NoWorkerError, WorkerLink
 from mindie.contract import wire as P
 
 

@@ -818,7 +818,7 @@ def test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config(tmp_path: Pa
     cfg.write_text(json.dumps({"ServerConfig": {"managmentPort": 1999, "runDir": str(tmp_path / "run")}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
     # The launch step (what scripts/launch.sh runs first) says which key and what was meant.
-    r = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "mindie.ops.launch_plan"], cwd=ROOT, capture_output=True, text=True,
                        env={**env, "MIES_CONFIG_JSON_PATH": str(cfg)}, timeout=60)
     assert r.returncode == 0, r.stderr
     assert ("WARNING [launch] config key ServerConfig.managmentPort is unknown (neither this server's nor MindIE's): "
@@ -856,7 +856,7 @@ def test_launch_step_refuses_a_missing_model_path_and_a_bad_log_level_naming_the
     key = "config error: BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath: "
 
     def prepare(**extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "mindie.ops.launch_plan"], cwd=ROOT, capture_output=True, text=True,
                               env={**env, **extra}, timeout=60)
 
     r = prepare(MINDIE_MODEL_PATH="/nowhere", MINDIE_SET_BY_FLAG="MINDIE_MODEL_PATH=-m")

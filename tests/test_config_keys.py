@@ -40,7 +40,7 @@ import pytest
 from mindie.config import Config, ConfigError, Loaded, ensure_run_dir, load_config
 from mindie.contract.spec import EngineConfig, WorkerSpec
 from mindie.contract.wire import SamplingParams, Submit
-from mindie.listeners import plan_listeners
+from mindie.server.listeners import plan_listeners
 from mindie.topology import build_deployment
 from tests.harness import Server, free_port, short_run_dir, write_config
 
@@ -491,7 +491,7 @@ def _prepare(tmp_path: Path, config: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
     run_dir = tmp_path / "run"
     env.update(MIES_CONFIG_JSON_PATH=str(config), MINDIE_RUN_DIR=str(run_dir), MINDIE_LOG_LEVEL="INFO")
-    return subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mindie.ops.launch_plan"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -504,7 +504,7 @@ def test_log_config_keys_reach_the_launch_environment(tmp_path: Path) -> None:
                                                 "logFileSize": 3, "logFileNum": 4}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDIE_", "MIES_"))}
     env.update(MIES_CONFIG_JSON_PATH=str(config), MINDIE_RUN_DIR=str(tmp_path / "run"))
-    proc = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mindie.ops.launch_plan"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
@@ -512,11 +512,11 @@ def test_log_config_keys_reach_the_launch_environment(tmp_path: Path) -> None:
     assert (out["MINDIE_LOG_FORMAT"], out["MINDIE_LOG_FILE_SIZE"], out["MINDIE_LOG_FILE_NUM"]) == ("json", "3", "4")
     assert out["MINDIE_LOG_PATH"].strip("'") == str(tmp_path / "logs")
     config.write_text(json.dumps({"LogConfig": {"logFormat": "xml"}}))
-    bad = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "mindie.ops.launch_plan"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert "LogConfig.logFormat" in bad.stderr and bad.stdout.strip().endswith("exit 2"), bad.stderr
     config.write_text(json.dumps({"LogConfig": {"logFileSize": 0}}))
-    bad = subprocess.run([sys.executable, "-m", "mindie.ops.prepare"], cwd=ROOT, env=env, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "mindie.ops.launch_plan"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert "LogConfig.logFileSize" in bad.stderr, bad.stderr
 
@@ -624,7 +624,7 @@ def test_a_model_that_does_not_split_is_refused_naming_world_size(tmp_path: Path
     does not divide the model's heads, naming the key; exit status 2."""
     model = tmp_path / "model"
     model.mkdir()
-    shutil.copy(Path(demo_model) / "tokenizer.json", model)  # the front ends' check (mindie.ops.prepare)
+    shutil.copy(Path(demo_model) / "tokenizer.json", model)  # the front ends' check (mindie.ops.launch_plan)
     (model / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 48,
         "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 6, "num_key_value_heads": 6}))
@@ -748,13 +748,13 @@ def test_all_zero_ip_listening(tmp_path: Path) -> None:
 
 def test_dynamic_adjust_timeout_reaches_the_front_end_deadlines(tmp_path: Path, demo_model: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The front end's limits (mindie/frontend.py) and a request's deadlines follow tokenTimeout and
+    """The front end's limits (mindie/server/frontend.py) and a request's deadlines follow tokenTimeout and
     e2eTimeout, both at their maximum with EnableDynamicAdjustTimeoutConfig."""
-    from mindie.generation import Deadline as Deadlines
-    from mindie.frontend import FrontEnd
+    from mindie.text.generation import Deadline as Deadlines
+    from mindie.server.frontend import FrontEnd
     from workers.prepare import settle_deployment
 
-    monkeypatch.setattr("mindie.frontend.Metrics", lambda name: None)  # prometheus' registry is per process
+    monkeypatch.setattr("mindie.server.frontend.Metrics", lambda name: None)  # prometheus' registry is per process
 
     def front_end(flag: bool):
         data = {"EnableDynamicAdjustTimeoutConfig": flag,
@@ -804,7 +804,7 @@ def pki(tmp_path_factory):
 
 def _plane_ctx(pki, plane: str, **server) -> ssl.SSLContext:
     """The server context a front end builds for ``plane`` from a config with the pki's files."""
-    from mindie.tls import check_plane, plane_tls
+    from mindie.runtime.tls import check_plane, plane_tls
 
     path = pki.root / f"cfg-{plane}-{abs(hash(json.dumps(server, sort_keys=True)))}.json"
     path.write_text(json.dumps({"ServerConfig": {**pki.server_config(), **server}}))
@@ -860,7 +860,7 @@ def test_tls_keys_of_each_plane(pki, plane: str) -> None:
     """Each plane's Cert/Pk is the certificate it presents, its CaFile the CAs its clients must
     chain to, its CrlPath/CrlFiles the revocations it checks, its PkPwd the password of its key;
     changing one plane's key changes that plane only."""
-    from mindie.tls import TlsError
+    from mindie.runtime.tls import TlsError
 
     k = _PREFIX[plane]
     others = [p for p in _PREFIX if p != plane]
@@ -1342,7 +1342,7 @@ def test_e2e_model_name_and_weight_path(server) -> None:
 def test_e2e_full_text_stream(server) -> None:
     """fullTextEnabled: each frame's token.text is the text so far, exactly what the incremental
     detokenizer has produced up to that token; the final frame's generated_text is the whole text."""
-    from mindie.detokenizer import IncrementalDetokenizer, load_tokenizer
+    from mindie.text.detokenizer import IncrementalDetokenizer, load_tokenizer
 
     frames, _ = stream(server, [5618, 19678, 701, 9072, 13], max_new_tokens=30)
     ids, final = generated(frames)

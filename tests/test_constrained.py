@@ -7,7 +7,7 @@ constrained ones, a seed gives the same tokens alone and in a batch); jump-forwa
 the same tokens and log-probabilities in fewer steps; chunked prefill, preemption, the prefix cache
 and the overlapped step; a bad constraint failing its request only; a slow compile not stalling
 the others; the null model; and the real server (scripts/launch.sh): every kind and mode over HTTP in one
-batch with free requests, and a bad constraint sent straight to its worker (``mindie.client.DeviceClient``).
+batch with free requests, and a bad constraint sent straight to its worker (``mindie.device_client.DeviceClient``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The coordinator (mindie/coordinator/) in front of two real server instances (scripts/launch.sh,
+"""The coordinator (coordinator/) in front of two real server instances (scripts/launch.sh,
 demo model, loopback): every API family through it gives what the instance gives directly
 (stream and not), routing (load_balance, cache_affinity), the manage API (refresh, offline,
 online, readiness, coordinator_info, aggregated /metrics), request_limit refusals, and a

@@ -1,4 +1,4 @@
-"""ms_coordinator.json (mindie/coordinator/config.py) through the real command line: MindIE's
+"""ms_coordinator.json (coordinator/config.py) through the real command line: MindIE's
 shipped file accepted (numbers as strings), every typo refused naming the key and the closest
 known one, ranges, modes this coordinator does not have refused with the reason, --help."""
 from __future__ import annotations
@@ -49,7 +49,7 @@ SHIPPED = {
 def check(tmp_path, cfg: dict, *args: str) -> subprocess.CompletedProcess:
     path = tmp_path / "ms_coordinator.json"
     path.write_text(json.dumps(cfg))
-    return subprocess.run([sys.executable, "-m", "mindie.coordinator", "--config", str(path), "--check", *args],
+    return subprocess.run([sys.executable, "-m", "coordinator", "--config", str(path), "--check", *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 
@@ -131,7 +131,7 @@ def test_environment_overrides_and_default_path(tmp_path):
     path.write_text(json.dumps(SHIPPED))
     env = {**os.environ, "MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH": str(path),
            "MINDIE_MS_COORDINATOR_CONFIG_MAX_REQ": "50", "MINDIE_MS_COORDINATOR_CONFIG_SINGLE_NODE_MAX_REQ": "100"}
-    r = subprocess.run([sys.executable, "-m", "mindie.coordinator", "--check"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "coordinator", "--check"], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=60)
     # the environment wins over the file (MindIE's rule), and 100 > 50 is then refused
     assert r.returncode == 2 and "single_node_max_requests: must be <= request_limit.max_requests (50)" in r.stderr, \
@@ -139,7 +139,7 @@ def test_environment_overrides_and_default_path(tmp_path):
 
 
 def test_help_explains(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mindie.coordinator", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "coordinator", "--help"], capture_output=True, text=True,
                        cwd=ROOT, timeout=60)
     assert r.returncode == 0
     for word in ("ms_coordinator.json", "predict_port", "/v1/instances/refresh", "/v1/readiness", "instances",
@@ -159,7 +159,7 @@ def test_listen_failure_exits_1(tmp_path):
         path = tmp_path / "c.json"
         path.write_text(json.dumps(cfg | {"http_config": cfg["http_config"] | {"manage_port": port + 1 if port < 65535
                                                                                else port - 1}}))
-        r = subprocess.run([sys.executable, "-m", "mindie.coordinator", "--config", str(path)], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "coordinator", "--config", str(path)], capture_output=True,
                            text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 1, r.stderr
     assert "could not listen" in r.stderr, r.stderr

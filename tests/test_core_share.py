@@ -194,7 +194,7 @@ def test_usable_cores_affinity_and_cgroup_quota():
 
 
 def test_prepare_warns_when_threads_exceed_cores(monkeypatch, caplog):
-    from mindie.ops import prepare
+    from mindie.ops import launch_plan as prepare
     from mindie.contract.spec import WorkerSpec
 
     def spec(threads):

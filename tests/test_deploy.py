@@ -21,7 +21,7 @@ yaml = pytest.importorskip("yaml")  # PyYAML: setup.cfg [test] extras
 
 from mindie.ops import probe  # noqa: E402
 from mindie.config import load_config  # noqa: E402
-from mindie.listeners import plan_listeners  # noqa: E402
+from mindie.server.listeners import plan_listeners  # noqa: E402
 from tests.harness import ROOT, alive, free_port, free_ports, process_roles, short_run_dir, wait_gone, write_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,7 +31,7 @@ DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 UNIT = ROOT / "deploy" / "mindie.service"
 PLANE_PORT = {"business": "port", "management": "management_port", "metrics": "metrics_port"}
 LAUNCHER_STOP_MARGIN_S = 10  # launch.sh after its drain: the front ends and the workers stop
-CUT_GRACE_S = 3  # after the drain bound: the front ends cut what still runs (mindie/ops/drain.py)
+CUT_GRACE_S = 3  # after the drain bound: the front ends cut what still runs (mindie/ops/launcher_drain.py)
 
 
 def stop_deadline(wait: float, drain: float) -> float:

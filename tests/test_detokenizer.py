@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer, load_tokenizer
+from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer, load_tokenizer
 
 FFFD = "\ufffd"
 CORPUS = [

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from mindie.contract import wire as P
-from mindie.client import DeviceClient, RequestStream
+from mindie.device_client import DeviceClient, RequestStream
 from tests.harness import ROOT, alive, children_of, free_port, short_run_dir, write_config, write_plan
 
 pytestmark = pytest.mark.timeout(300)

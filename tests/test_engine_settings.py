@@ -111,7 +111,7 @@ def test_bad_file_values_are_refused_naming_the_key(tmp_path: Path) -> None:
 
 
 def test_device_dependent_defaults_are_settled_once_in_the_plan(tmp_path: Path) -> None:
-    """mindie.ops.prepare's plan leaves them None (the device may be "auto"); workers.prepare settles
+    """mindie.ops.launch_plan's plan leaves them None (the device may be "auto"); workers.prepare settles
     each from the device and the host's CPU; a value the config sets is kept; nothing is None."""
     from workers.prepare import settle
 
@@ -216,8 +216,8 @@ def test_welcome_carries_the_model_and_old_peers_still_decode() -> None:
 def test_the_front_end_takes_the_model_limits_from_the_welcome() -> None:
     """Until a Welcome the limits say 0 (unknown, not checked); the first one sets them in place
     (the routes hold the same Limits object), and the health probe's token follows."""
-    from mindie.frontend import FrontEnd
-    from mindie.validation import Limits, check_token_ids
+    from mindie.server.frontend import FrontEnd
+    from mindie.text.validation import Limits, check_token_ids
 
     fe = FrontEnd.__new__(FrontEnd)
     fe.limits = Limits.from_config(max_seq_len=64, max_input_token_len=32, max_iter_times=8, truncation=1)
@@ -242,8 +242,8 @@ def test_the_front_end_does_not_read_the_models_config_json() -> None:
     import ast
     import inspect
 
-    import mindie.frontend
+    import mindie.server.frontend
 
-    calls = [n.func.id for n in ast.walk(ast.parse(inspect.getsource(mindie.frontend)))
+    calls = [n.func.id for n in ast.walk(ast.parse(inspect.getsource(mindie.server.frontend)))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
     assert "open" not in calls

@@ -1,7 +1,7 @@
 """One configuration channel: every ``MINDIE_*`` variable the code reads is in the one table of
 docs/config.md ("Environment variables"), with the config key it overrides or why it has none;
 the rows with a key are exactly ``mindie.config.ENV_OVERRIDES`` (plus the LogConfig ones, which
-mindie/ops/prepare.py applies), and every key named exists."""
+mindie/ops/launch_plan.py applies), and every key named exists."""
 from __future__ import annotations
 
 import re
@@ -98,7 +98,7 @@ def test_the_table_names_the_keys_the_code_overrides() -> None:
     table = env_table(DOC.read_text())
     keys = {name: table_key(cell) for name, cell in table.items()}
     # Every override in code has its row naming the same key, and every row with a key is an
-    # override in code (or a LogConfig one, applied by mindie/ops/prepare.py).
+    # override in code (or a LogConfig one, applied by mindie/ops/launch_plan.py).
     assert {n: keys.get(n) for n in ENV_OVERRIDES} == ENV_OVERRIDES
     assert {n: k for n, k in keys.items() if k is not None} == {**ENV_OVERRIDES, **LOG_KEYS}
     for name, key in keys.items():

@@ -1,6 +1,6 @@
 """Hostile input (issue 13, item 1: "no input makes a 5xx"; docs/reliability.md "Hostile input").
 
-Unit part: the JSON nesting limit checked before decoding (mindie.validation._too_deep) against
+Unit part: the JSON nesting limit checked before decoding (mindie.text.validation._too_deep) against
 a reference depth on random trees.
 
 Server part: one real server (scripts/launch.sh, one front end, one CPU worker, generations of
@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from mindie.pipeline import read_body
 from mindie.errors import ApiError
 from mindie.api.infer_schema import parse_infer_request
-from mindie.validation import MAX_JSON_DEPTH, Limits, _too_deep
+from mindie.text.validation import MAX_JSON_DEPTH, Limits, _too_deep
 from tests.harness import ROOT, Server, alive, descendants, free_port, short_run_dir, write_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -269,7 +269,7 @@ def test_read_body(content_length, chunks, want):
 
 
 def test_routes_match_the_app():
-    """ROUTES are the routes mindie/app.py registers (a new route is fuzzed too, or this fails)."""
+    """ROUTES are the routes mindie/server/app.py registers (a new route is fuzzed too, or this fails)."""
     tree = ast.parse((ROOT / "mindie" / "app.py").read_text())
     # create_app's route table: ("/path", resource, suffix) tuples per plane.
     found = {n.elts[0].value for n in ast.walk(tree) if isinstance(n, ast.Tuple) and n.elts

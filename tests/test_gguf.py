@@ -300,8 +300,8 @@ def test_tokenizer_and_template_of_a_sentencepiece_file(tiny, cache) -> None:
     """A SentencePiece-style file (llama tokenizer, BOS added, byte fallback): the front end's
     tokenizer (tokenizers, on the view's tokenizer.json) gives transformers' ids, BOS included,
     and renders transformers' chat template."""
-    from mindie.chat_template import load_chat_template
-    from mindie.detokenizer import load_tokenizer
+    from mindie.text.chat_template import load_chat_template
+    from mindie.text.detokenizer import load_tokenizer
     view = ensure_view(tiny["mistral"], cache)
     ours, ref = load_tokenizer(view), ref_tokenizer(tiny["mistral"])
     for text in SAMPLE:
@@ -346,8 +346,8 @@ def smollm2_view(smollm2_server, smollm2_file, cache) -> Path:
 def test_real_tokenizer_special_tokens_eos_and_template(smollm2, smollm2_view) -> None:
     """SmolLM2's tokenizer from the GGUF metadata: transformers' ids on a multilingual sample
     (CJK, emoji, code, whitespace runs), special tokens, eos, and the chat template byte-exact."""
-    from mindie.chat_template import load_chat_template
-    from mindie.detokenizer import load_tokenizer
+    from mindie.text.chat_template import load_chat_template
+    from mindie.text.detokenizer import load_tokenizer
     from workers.models.config import ModelArgs
     ref_model, ref = smollm2
     ours = load_tokenizer(smollm2_view)

@@ -2,7 +2,7 @@
 not read, as before, and names them: the ``X-Ignored-Fields`` response header and a WARNING in
 the server log with the closest known key, rate-limited per (route, field set).
 
-The helper (mindie/ignored_fields.py) is checked directly; each family on the real launch
+The helper (mindie/text/ignored_fields.py) is checked directly; each family on the real launch
 script (tests/harness.py demo_server, one front end so that one process rate-limits)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from mindie import ignored_fields as I
+from mindie.text import ignored_fields as I
 from mindie.api import infer_schema, openai_schema, tgi_schema, triton, vllm_generate
 from tests.harness import demo_server
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from mindie.detokenizer import load_tokenizer
+from mindie.text.detokenizer import load_tokenizer
 from tests.harness import Server, alive, descendants, free_port, free_ports, short_run_dir, write_config
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mindie.api.metrics import MetricsJsonResource, MetricsResource, monitor_enabled
 from mindie.contract import wire as P
-from mindie.metrics import (E2E_BUCKETS, TOKENS_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, HeartbeatHistory, Metrics,
+from mindie.server.metrics import (E2E_BUCKETS, TOKENS_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, HeartbeatHistory, Metrics,
                             WorkerCollector, worker_families)
 from tests.harness import Server, free_port, short_run_dir, write_config
 

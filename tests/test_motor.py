@@ -1,4 +1,4 @@
-"""scripts/motor.sh (mindie/motor/fleet.py): a coordinator and N server instances on this host from
+"""scripts/motor.sh (coordinator/fleet/launcher.py): a coordinator and N server instances on this host from
 MindIE Motor's user_config.json. The derivation (ports, run directories, the coordinator's
 instance list; typos and the PD modes refused naming the key) through the real command, and a
 real fleet on loopback: two instances started by scripts/launch.sh and the coordinator, a request
@@ -64,7 +64,7 @@ def user_config(path: Path, *, predict: int, manage: int, replicas: int = 2, ser
 # -- derivation ----------------------------------------------------------------------------------------
 def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     from mindie.config import load_config
-    from mindie.coordinator.config import load
+    from coordinator.config import load
     run = tmp_path / "run"
     cfg = user_config(tmp_path / "u.json", predict=21025, manage=21026,
                       server={"ServerConfig": {"port": 21100, "managementPort": 21101, "metricsPort": 21102},
@@ -111,7 +111,7 @@ def test_run_dir_parents_made_private(tmp_path) -> None:
     as a server's default ServerConfig.runDir beside it requires (a 0755 one made every later
     scripts/launch.sh on the defaults refuse to start)."""
     from mindie.config import ensure_run_dir
-    from mindie.motor.fleet import claim
+    from coordinator.fleet.launcher import claim
     parent = tmp_path / f"mindie-py-{os.getuid()}"
     lock = claim(str(parent / "motor-1025"))
     assert lock is not None

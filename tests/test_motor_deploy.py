@@ -1,7 +1,7 @@
 """deploy/k8s/motor/: a coordinator Deployment in front of a server StatefulSet, checked as
 tests/test_deploy.py checks deploy/k8s/: the ConfigMap's config.json loads with the server's
 loader, its ms_coordinator.json template with the coordinator's; the init container's
-discovery (mindie.motor.discover render, run here with the pods' DNS names answered by a stand-in
+discovery (coordinator.fleet.discover render, run here with the pods' DNS names answered by a stand-in
 resolver) writes a config the coordinator's loader takes, with one instance per StatefulSet
 replica on the server's ports; names, ports, mounts, probes and grace periods agree."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from mindie.config import load_config  # noqa: E402
-from mindie.listeners import plan_listeners  # noqa: E402
-from mindie.motor import discover  # noqa: E402
+from mindie.server.listeners import plan_listeners  # noqa: E402
+from coordinator.fleet import discover  # noqa: E402
 from mindie.ops import probe  # noqa: E402
 from tests.harness import ROOT  # noqa: E402
 from tests.test_deploy import CUT_GRACE_S, image_root, local_command, stop_deadline  # noqa: E402
@@ -123,14 +123,14 @@ def test_server_statefulset_agrees_with_its_config_and_headless_service(tmp_path
 
 
 def test_discovery_renders_a_config_the_coordinator_loads(tmp_path, monkeypatch) -> None:
-    from mindie.coordinator.config import load
+    from coordinator.config import load
     _, loaded = server_config(tmp_path)
     s = loaded.config.server
     ss = statefulset()
     pod = coordinator_pod()
     init = container(pod, "discover", init=True)
     cmd = init["command"]
-    assert cmd[:4] == ["python3", "-m", "mindie.motor.discover", "render"] and init["workingDir"] == image_root()
+    assert cmd[:4] == ["python3", "-m", "coordinator.fleet.discover", "render"] and init["workingDir"] == image_root()
     assert (ROOT / "mindie" / "motor" / "discover.py").is_file()
     # The template is the ConfigMap's ms_coordinator.json; the rendered file is on a volume the
     # coordinator container mounts, where its --config and the probes' variable point.
@@ -141,7 +141,7 @@ def test_discovery_renders_a_config_the_coordinator_loads(tmp_path, monkeypatch)
     coord = container(pod, "coordinator")
     rvol, rrel = mount_of(pod, init, out)
     assert "emptyDir" in rvol and mount_of(pod, coord, out) == (rvol, rrel)
-    assert coord["command"][:3] == ["python3", "-m", "mindie.coordinator"] and arg(coord["command"], "--config") == out
+    assert coord["command"][:3] == ["python3", "-m", "coordinator"] and arg(coord["command"], "--config") == out
     env = {e["name"]: e.get("value") for e in coord["env"]}
     assert env["MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH"] == out
     # Render for real: the template from the ConfigMap, the pods' names answered by a stand-in
@@ -232,7 +232,7 @@ def test_refresh_sidecar_and_probes_against_a_real_coordinator(tmp_path, monkeyp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MIES_", "MINDIE_"))}
     env["PYTHON"] = sys.executable
     log = open(tmp_path / "coordinator.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mindie.coordinator", "--config", str(cfg)], cwd=str(ROOT),
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--config", str(cfg)], cwd=str(ROOT),
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def check(mode: str) -> subprocess.CompletedProcess:

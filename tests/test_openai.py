@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from mindie.chat_template import load_chat_template
-from mindie.detokenizer import load_tokenizer
+from mindie.text.chat_template import load_chat_template
+from mindie.text.detokenizer import load_tokenizer
 from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
 
 openai = pytest.importorskip("openai")

@@ -24,9 +24,9 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from mindie.config import load_config  # noqa: E402
-from mindie.coordinator.config import load as load_coordinator  # noqa: E402
-from mindie.coordinator.pd import role_from_static  # noqa: E402
-from mindie.motor import discover  # noqa: E402
+from coordinator.config import load as load_coordinator  # noqa: E402
+from coordinator.pd import role_from_static  # noqa: E402
+from coordinator.fleet import discover  # noqa: E402
 from mindie.ops.curve_keys import create_key_dir  # noqa: E402
 from mindie.topology import build_deployment  # noqa: E402
 from tests.harness import ROOT  # noqa: E402

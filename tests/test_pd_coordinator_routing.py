@@ -4,10 +4,10 @@ prefix (the two sides' tables apart), the hybrid fallback, then a decode instanc
 none; the decode instance's KV endpoint (ipc on one host, round robin over its workers)."""
 from __future__ import annotations
 
-from mindie.coordinator import pd
-from mindie.coordinator.config import CoordinatorConfig
-from mindie.coordinator.registry import Instance, Registry
-from mindie.coordinator.router import RouteInfo, Router, token_keys
+from coordinator import pd
+from coordinator.config import CoordinatorConfig
+from coordinator.registry import Instance, Registry
+from coordinator.router import RouteInfo, Router, token_keys
 
 
 class _Metrics:

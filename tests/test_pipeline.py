@@ -13,12 +13,12 @@ import threading
 import time
 from types import SimpleNamespace
 
-from mindie.client import RequestStream
+from mindie.device_client import RequestStream
 from mindie.contract import wire as P
-from mindie.metrics import Metrics
+from mindie.server.metrics import Metrics
 from mindie.pipeline import Codec, Context, Job, Pipeline, Sub
-from mindie.request_log import RequestRecord
-from mindie.validation import Limits
+from mindie.server.request_log import RequestRecord
+from mindie.text.validation import Limits
 
 
 class _Client:
@@ -124,9 +124,9 @@ def test_a_short_stream_whose_frames_land_on_a_tick_is_streamed_in_full(monkeypa
     """The whole pipeline of a stream: each token frame lands as a tick's wait times out (a tick
     of 0 s: every wait does), the stream still carries every token and its finish, and the request
     log says so (never ``status=200 out=0``)."""
-    import mindie.generation
+    import mindie.text.generation
     import mindie.sse
-    monkeypatch.setattr(mindie.generation, "IDLE_TICK_S", 0.0)
+    monkeypatch.setattr(mindie.text.generation, "IDLE_TICK_S", 0.0)
     monkeypatch.setattr(mindie.sse, "IDLE_TICK_S", 0.0)
 
     class _Render(_Codec):

@@ -1,5 +1,5 @@
 """Reasoning (issue 29, point 4): the thinking of ``<think>`` models in ``reasoning_content``, the
-answer in ``content``, streamed as separate deltas (mindie/reasoning.py).
+answer in ``content``, streamed as separate deltas (mindie/text/reasoning.py).
 
 - The splitter on scripted text: every way of cutting a text into stream pieces gives the same
   fields as the whole text, tags split across pieces included; the same through the real
@@ -24,10 +24,10 @@ import re
 import httpx
 import pytest
 
-from mindie.chat_template import load_chat_template
+from mindie.text.chat_template import load_chat_template
 from mindie.config import ConfigError, load_config
-from mindie.detokenizer import IncrementalDetokenizer, load_tokenizer
-from mindie.reasoning import PARSERS, choose, detect, split
+from mindie.text.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mindie.text.reasoning import PARSERS, choose, detect, split
 from tests.harness import demo_server
 from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, R1_CHAT_TEMPLATE, save_chat_model
 

@@ -87,7 +87,7 @@ def test_text_request_line_and_rotation(tmp_path):
     code = f"""
 import logging, os
 from mindie.runtime.log_setup import setup_logging
-from mindie.request_log import RequestRecord
+from mindie.server.request_log import RequestRecord
 setup_logging("frontend pid 1", env={{"MINDIE_LOG_PATH": {str(tmp_path)!r}, "MINDIE_LOG_FILE_SIZE": "1",
                                      "MINDIE_LOG_FILE_NUM": "2"}})
 rec = RequestRecord("r-9", "/infer")

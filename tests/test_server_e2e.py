@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mindie.detokenizer import load_tokenizer
+from mindie.text.detokenizer import load_tokenizer
 from tests.harness import (Server, alive, descendants, free_port, plain_decode, process_roles, short_run_dir,
                            wait_gone, write_config)
 

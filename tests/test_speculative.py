@@ -439,7 +439,7 @@ def test_constrained_requests_speculate_exactly(demo_model):
 def test_spec_counters_on_metrics_are_summed_over_workers():
     """vLLM's spec_decode counters from the workers' heartbeats: sums, per-position by label."""
     from mindie.contract import wire as P
-    from mindie.metrics import worker_families
+    from mindie.server.metrics import worker_families
 
     def hb(w, drafts, draft_tokens, accepted, per_pos):
         return P.Heartbeat(w, "a", "cpu:0", 1, "m", 0, 0, 10, 10, spec_drafts=drafts, spec_draft_tokens=draft_tokens,

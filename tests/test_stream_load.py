@@ -4,7 +4,7 @@ says so; none is an HTTP 200 with an empty body (``status=200 out=0 error=''``).
 
 The defect this guards against: a stream's frames that landed just as its wait for them timed
 out (the idle tick, mindie/sse.py) were dropped, and the request ended as an empty success
-(mindie/client.py ``RequestStream.get``). With the default 1 s tick that took a loaded server (a
+(mindie/device_client.py ``RequestStream.get``). With the default 1 s tick that took a loaded server (a
 thousand streams through the coordinator lost 1-6 %); a 2 ms tick (``MINDIE_SSE_IDLE_TICK_S``)
 makes nearly every wait time out, and over half of these streams came back empty before the fix.
 """

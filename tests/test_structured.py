@@ -1,4 +1,4 @@
-"""Structured output through every API (issue 29, points 2, 5 and 6): mindie/structured.py turns
+"""Structured output through every API (issue 29, points 2, 5 and 6): mindie/text/structured.py turns
 each API's fields into one ``wire.Constraint`` and compiles it with llguidance against the model's
 tokenizer before anything is submitted.
 
@@ -29,8 +29,8 @@ import httpx
 import pytest
 
 from mindie.contract.wire import Constraint
-from mindie.detokenizer import load_tokenizer
-from mindie.structured import (Checker, ConstraintError, from_guided, from_response_format,
+from mindie.text.detokenizer import load_tokenizer
+from mindie.text.structured import (Checker, ConstraintError, from_guided, from_response_format,
                                from_structured_outputs, from_tgi_grammar, json_schema_constraint, one_of)
 from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
 

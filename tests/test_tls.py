@@ -1,4 +1,4 @@
-"""HTTPS and mutual TLS on MindIE's three planes (mindie/tls.py, mindie/listeners.py), with
+"""HTTPS and mutual TLS on MindIE's three planes (mindie/runtime/tls.py, mindie/server/listeners.py), with
 certificates made at test time (tests/certs.py).
 
 The server test starts the real launcher with split ports (business, management, metrics on
@@ -28,9 +28,9 @@ import pytest
 from cryptography import x509
 
 from mindie.config import load_config
-from mindie.gunicorn_worker import TLS_HANDSHAKE_TIMEOUT_S
-from mindie.listeners import plan_listeners
-from mindie.tls import TlsError, check_plane, plane_tls
+from mindie.server.gunicorn_worker import TLS_HANDSHAKE_TIMEOUT_S
+from mindie.server.listeners import plan_listeners
+from mindie.runtime.tls import TlsError, check_plane, plane_tls
 from tests.certs import NOW, DAY, Pki, pem_cert, pem_key, write
 from tests.harness import Server, free_port, free_ports, short_run_dir, write_config
 

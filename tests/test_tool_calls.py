@@ -34,12 +34,12 @@ from tokenizers import AddedToken, Tokenizer
 from mindie.api.openai import ChatCompletionsCodec
 from mindie.config import ConfigError, load_config
 from mindie.contract.errors import FINISH_EOS, FINISH_LENGTH
-from mindie.detokenizer import IncrementalDetokenizer, load_tokenizer
+from mindie.text.detokenizer import IncrementalDetokenizer, load_tokenizer
 from mindie.errors import ApiError
-from mindie.generation import Piece
+from mindie.text.generation import Piece
 from mindie.pipeline import Output
-from mindie.tool_calls import configured_options
-from mindie.validation import Limits
+from mindie.text.tool_calls import configured_options
+from mindie.text.validation import Limits
 from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
 
 openai = pytest.importorskip("openai")

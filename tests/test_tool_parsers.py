@@ -1,4 +1,4 @@
-"""mindie/tool_parsers/ (issue 29, point 3): every format read from whole texts and from streams
+"""mindie/text/tool_parsers/ (issue 29, point 3): every format read from whole texts and from streams
 split at every position (the content never shows markup, the argument fragments add up to the
 non-stream answer), and every format's grammar for ``tool_choice`` required / a named function
 compiled with llguidance and checked token by token against real tokenizers: valid calls pass
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from mindie.chat_template import load_chat_template
-from mindie.detokenizer import TextTokenizer
-from mindie.tool_calls import ToolSupport
-from mindie.tool_parsers.base import Function, ToolCallStream, parse_text
-from mindie.tool_parsers.registry import PARSERS, detect, parser_class
+from mindie.text.chat_template import load_chat_template
+from mindie.text.detokenizer import TextTokenizer
+from mindie.text.tool_calls import ToolSupport
+from mindie.text.tool_parsers.base import Function, ToolCallStream, parse_text
+from mindie.text.tool_parsers.registry import PARSERS, detect, parser_class
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Zürich", "New \"York\""]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},

@@ -9,7 +9,7 @@ import pytest
 from mindie.contract import wire as protocol
 from mindie.errors import ApiError, request_too_large
 from mindie.api.infer_schema import InferRequest, parse_infer_request
-from mindie.validation import (
+from mindie.text.validation import (
     INT64_MAX,
     Limits,
     _dump_float,

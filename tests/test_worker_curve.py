@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from mindie.client import DeviceClient, NoWorkerError
+from mindie.device_client import DeviceClient, NoWorkerError
 from mindie.config import ConfigError, load_config
 from mindie.contract import wire as P
 from mindie.runtime.curve import CurveKeyError, insecure_warning

@@ -2,7 +2,7 @@
 
     python -m workers.prepare <runDir>/deployment.json
 
-Run by scripts/launch.sh after ``mindie.ops.prepare`` wrote the plan and before anything starts:
+Run by scripts/launch.sh after ``mindie.ops.launch_plan`` wrote the plan and before anything starts:
 resolves ``deviceType: auto`` (npu, else cuda, else cpu), makes the built-in demo model when no
 weights are configured (random weights, real tokenizer; about 4 s, once), serves a GGUF file
 through its model view (workers/models/gguf_view.py: config and tokenizer from its metadata,
@@ -21,7 +21,7 @@ loader takes (workers/models/checkpoint.py: the loader's own check, headers only
 tensor-parallel split the model does not allow, a ``LoraModules`` adapter the workers would refuse
 (workers/models/lora_adapter.py), and on an accelerator a device that is not there
 or a ``quantize`` key the backend has no kernel for (``workers.engine.assembly.start_refusal``).
-The tokenizer is the front ends' and is checked on their side (mindie/ops/prepare.py). What only a
+The tokenizer is the front ends' and is checked on their side (mindie/ops/launch_plan.py). What only a
 running worker finds out (memory, a port another program holds) is the supervisor's to stop on
 (workers/supervisor.py, ``START_ATTEMPTS``).
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Settle the device side of a launch plan (deployment.json): "
                                              "'auto' device, demo model, device defaults; refuse a model this "
                                              "host's workers cannot load. Run by scripts/launch.sh.")
-    ap.add_argument("deployment", help="path of deployment.json (written by python -m mindie.ops.prepare)")
+    ap.add_argument("deployment", help="path of deployment.json (written by python -m mindie.ops.launch_plan)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=(os.environ.get("MINDIE_LOG_LEVEL") or "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [launch] %(message)s")

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Start and watch one device worker per npuDeviceIds entry of the launch plan. "
                     "Normally started by scripts/launch.sh next to gunicorn.")
     ap.add_argument("--deployment", default=os.environ.get("MINDIE_DEPLOYMENT"),
-                    help="the launch plan, <runDir>/deployment.json, written by python -m mindie.ops.prepare and "
+                    help="the launch plan, <runDir>/deployment.json, written by python -m mindie.ops.launch_plan and "
                          "settled by python -m workers.prepare (default: $MINDIE_DEPLOYMENT)")
     args = ap.parse_args(argv)
     setup_logging(f"supervisor pid {os.getpid()}")

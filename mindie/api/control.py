@@ -7,9 +7,9 @@ it asks every ready device worker, each ends the requests with that id at once (
 a final frame with ``finish_reason`` "stop_sequence" to the front end that streams it) and says
 how many it ended.
 
-stopService drains the whole server: the stop order (mindie/service_state.py) makes every front
+stopService drains the whole server: the stop order (mindie/server/service_state.py) makes every front
 end refuse new inference with 503 "The service has been stopped." and cut what still runs
-``ServerConfig.drainTimeoutS`` later (mindie/drain.py); the call returns 200 once no inference
+``ServerConfig.drainTimeoutS`` later (mindie/server/drain.py); the call returns 200 once no inference
 request is in progress anywhere (admission count and the workers' queues both zero), then the
 launcher is asked to stop every process (SIGTERM, as on a terminal's Ctrl-C; it finds the drain
 done). With ``mode=Force`` the requests in progress are cut at once, the call returns at once, and
@@ -29,13 +29,13 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie.admission import Admission
+from mindie.server.admission import Admission
 from mindie.pipeline import read_body
 from mindie.api.status import Live
-from mindie.client import DeviceClient
+from mindie.device_client import DeviceClient
 from mindie.runtime.lifecycle import request_stop
 from mindie.errors import ApiError, not_found, validation_error
-from mindie.service_state import FORCE, GRACEFUL, ServiceState
+from mindie.server.service_state import FORCE, GRACEFUL, ServiceState
 
 log = logging.getLogger("mindie.control")
 

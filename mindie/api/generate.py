@@ -19,7 +19,7 @@ from mindie.api.tgi import TgiCodec
 from mindie.api.vllm_generate import VllmCodec
 from mindie.errors import validation_error
 from mindie.pipeline import Codec, Context, Job, Pipeline
-from mindie.validation import decode_json
+from mindie.text.validation import decode_json
 
 # MindIE's answer to a /generate body with neither `inputs` nor `prompt` (http_handler.cpp
 # HandlePostGenerate): a JSON text embedded as the message of a MindIE error.

@@ -8,12 +8,12 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie.adapters import Adapters
-from mindie.admission import Admission
-from mindie.client import DeviceClient, NoWorkerError
+from mindie.lora_adapters import Adapters
+from mindie.server.admission import Admission
+from mindie.device_client import DeviceClient, NoWorkerError
 from mindie.contract import wire as P
 from mindie.errors import ApiError, not_found
-from mindie.service_state import STOPPED_MESSAGE, ServiceState
+from mindie.server.service_state import STOPPED_MESSAGE, ServiceState
 
 
 class Health:
@@ -190,7 +190,7 @@ class TimedHealthResource:
 
 class ModelsResource:
     """GET /v1/models and GET /v1/models/{model}: the base model, then every LoRA adapter the
-    workers serve (``adapters``: mindie/adapters.py) with its folder as ``root`` and the base model
+    workers serve (``adapters``: mindie/lora_adapters.py) with its folder as ``root`` and the base model
     as ``parent``, as MindIE and vLLM list them."""
 
     def __init__(self, model_name: str, model_dir: str, started: int, adapters: Adapters | None = None):

@@ -16,11 +16,11 @@ import falcon.asgi
 from mindie import responses as R
 from mindie import sse
 from mindie.api.infer_schema import InferRequest, parse_infer_request
-from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
+from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import ApiError
-from mindie.generation import Piece
+from mindie.text.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
-from mindie.validation import Limits
+from mindie.text.validation import Limits
 
 
 class InferCodec(Codec):
@@ -32,7 +32,7 @@ class InferCodec(Codec):
                  adapters: Container[str] = ()):
         """``full_text``: ServerConfig.fullTextEnabled, each stream frame's ``token.text`` is the
         text so far instead of the new piece; ``adapters``: the LoRA adapters ``parameters.adapter_id``
-        may name besides ``model_name`` (mindie/adapters.py)."""
+        may name besides ``model_name`` (mindie/lora_adapters.py)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.full_text = full_text

@@ -14,11 +14,11 @@ The order of checks is MindIE's, and the first failure is reported:
 5. engine checks (``check_token_ids``): ids >= vocab, input too long -> 424
    ``Failed to enqueue inferRequest. ...``; or truncation.
 
-The parameter semantics (JSON kinds, ranges, messages) are mindie/validation.py's, shared with
+The parameter semantics (JSON kinds, ranges, messages) are mindie/text/validation.py's, shared with
 every other family.
 
 Keys MindIE does not read (top level or in ``parameters``) are ignored as MindIE ignores them,
-and named: the ``X-Ignored-Fields`` header and a rate-limited WARNING (mindie/ignored_fields.py).
+and named: the ``X-Ignored-Fields`` header and a rate-limited WARNING (mindie/text/ignored_fields.py).
 
 Deviations (documented choices):
 - A list ``inputs`` (MindIE's multimodal form) passes MindIE's own checks and is then rejected
@@ -40,15 +40,15 @@ import msgspec
 
 from mindie.contract.wire import DEFAULT_PRIORITY, SamplingParams
 from mindie.errors import service_unavailable, validation_error
-from mindie.ignored_fields import Found, find
-from mindie.validation import (DEFAULT_MAX_NEW_TOKENS, MAX_TOKEN_ID, PARSE_ERROR, Limits, _any_decoder, _json_kind,
+from mindie.text.ignored_fields import Found, find
+from mindie.text.validation import (DEFAULT_MAX_NEW_TOKENS, MAX_TOKEN_ID, PARSE_ERROR, Limits, _any_decoder, _json_kind,
                                check_common_params, check_json_text, check_model_name, check_string,
                                check_token_count, check_token_ids, get_param, max_new_tokens_param, priority_param,
                                timeout_param, u16len)
 
 _UNSET = msgspec.UNSET
 
-# What MindIE reads of the body (the rest is ignored, as MindIE does; mindie/ignored_fields.py
+# What MindIE reads of the body (the rest is ignored, as MindIE does; mindie/text/ignored_fields.py
 # names it): ``ignore_eos`` is this server's extension (AISBench sends it).
 PARAMETERS = dict.fromkeys(("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty",
                             "watermark", "priority", "max_new_tokens", "timeout", "details", "ignore_eos",

@@ -15,7 +15,7 @@ Unload: ``{"lora_name"}``: every worker drops the name at once (new requests nam
 and frees the adapter's tensors when its requests in flight have finished on it. 200 ``Success:
 LoRA adapter 'NAME' removed successfully.``, 404 ``The LoRA adapter 'NAME' cannot be found.``.
 
-Loaded adapters are recorded in the run directory (mindie/adapters.py ``LoadedAdapters``): a
+Loaded adapters are recorded in the run directory (mindie/lora_adapters.py ``LoadedAdapters``): a
 device worker that restarts gets them again from the front ends.
 
 MindIE itself answers these calls with 200 and the message whatever happened (503 for a bad name
@@ -32,9 +32,9 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie import ignored_fields
-from mindie.adapters import LoadedAdapters
-from mindie.client import DeviceClient
+from mindie.text import ignored_fields
+from mindie.lora_adapters import LoadedAdapters
+from mindie.device_client import DeviceClient
 from mindie.contract import wire as P
 from mindie.errors import ApiError
 from mindie.pipeline import read_body

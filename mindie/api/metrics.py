@@ -8,9 +8,9 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie.client import DeviceClient
+from mindie.device_client import DeviceClient
 from mindie.errors import ApiError
-from mindie.metrics import Metrics, WorkerCollector, latency_mean_ms
+from mindie.server.metrics import Metrics, WorkerCollector, latency_mean_ms
 
 MONITOR_ENV = "MIES_SERVICE_MONITOR_MODE"
 MONITOR_OFF = ApiError(500, f"Environment variable {MONITOR_ENV} is not set.")

@@ -1,5 +1,5 @@
 """OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` (vLLM-flavoured,
-as MindIE's ``openAiSupport: "vllm"``), on the shared generation loop (mindie/generation.py).
+as MindIE's ``openAiSupport: "vllm"``), on the shared generation loop (mindie/text/generation.py).
 
 Decisions (docs/apis.md has the user's view):
 - Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with vLLM's
@@ -23,17 +23,17 @@ Decisions (docs/apis.md has the user's view):
 - ``finish_reason``: "length", else "tool_calls" when the answer holds tool calls, else "stop"
   (EOS, stop string, stop token id, stopInfer); ``stop_reason`` is the matched stop string or
   stop token id (vLLM), else null.
-- Structured output (mindie/structured.py): ``response_format`` (``json_object``, ``json_schema``
+- Structured output (mindie/text/structured.py): ``response_format`` (``json_object``, ``json_schema``
   with ``strict``; TGI's ``{"type", "value"}`` form), vLLM's ``structured_outputs`` and older
   ``guided_*`` fields, on both routes; at most one of them. The constraint goes to the worker in
   ``SamplingParams.constraint``; one the front end has not compiled before is compiled off the
   event loop (``Job.checks``) and a bad one is a 400 naming the field.
-- Reasoning (chat, mindie/reasoning.py): with a reasoning parser (configured or detected from the
+- Reasoning (chat, mindie/text/reasoning.py): with a reasoning parser (configured or detected from the
   chat template) the thinking comes back as ``reasoning_content`` (stream: its own deltas) and
   ``usage.completion_tokens_details.reasoning_tokens`` counts it. An answer constrained by a JSON
   schema, JSON object or choice, or by a tool call's grammar, is all content (the constraint
   leaves no room for a think block).
-- Tool calls (chat, mindie/tool_calls.py, mindie/tool_parsers/): ``tools`` with ``tool_choice``
+- Tool calls (chat, mindie/text/tool_calls.py, mindie/text/tool_parsers/): ``tools`` with ``tool_choice``
   auto, required or a named function are parsed out of the content (after the reasoning split) in
   the model's format into ``message.tool_calls`` (streamed as OpenAI's ``delta.tool_calls``), the
   markup never shown as content; required and a named function also carry the call's grammar
@@ -61,19 +61,19 @@ import msgspec
 
 from mindie import sse
 from mindie.api import openai_schema as S
-from mindie.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from mindie.text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_LENGTH
-from mindie.detokenizer import TextTokenizer
+from mindie.text.detokenizer import TextTokenizer
 from mindie.errors import ApiError
-from mindie.generation import Piece
+from mindie.text.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
-from mindie.reasoning import (DEFAULT_EARLY_STOPPING_TEXT, MAX_THINKING_BUDGET, ReasoningParser, ThinkingBudget, choose,
+from mindie.text.reasoning import (DEFAULT_EARLY_STOPPING_TEXT, MAX_THINKING_BUDGET, ReasoningParser, ThinkingBudget, choose,
                               split)
-from mindie.structured import Checker, from_guided, from_response_format, from_structured_outputs, one_of
-from mindie.tool_calls import ToolRequest, ToolSupport, configured_options
-from mindie.tool_parsers.base import ToolCallStream, parse_text
-from mindie.validation import Limits, cap_max_new_tokens, check_token_count, check_token_ids, random_seed
+from mindie.text.structured import Checker, from_guided, from_response_format, from_structured_outputs, one_of
+from mindie.text.tool_calls import ToolRequest, ToolSupport, configured_options
+from mindie.text.tool_parsers.base import ToolCallStream, parse_text
+from mindie.text.validation import Limits, cap_max_new_tokens, check_token_count, check_token_ids, random_seed
 
 log = logging.getLogger("mindie.api.openai")
 
@@ -128,8 +128,8 @@ class _OpenAICodec(Codec):
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, max_n: int = S.MAX_N,
                  adapters: Container[str] = (), structured: Checker | None = None):
         """``max_n``: ScheduleConfig.maxN, the most choices one request may ask (n x prompts);
-        ``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py); ``structured``:
-        the front end's constraint checker (mindie/structured.py; None: one of its own)."""
+        ``adapters``: the LoRA adapters ``model`` may name (mindie/lora_adapters.py); ``structured``:
+        the front end's constraint checker (mindie/text/structured.py; None: one of its own)."""
         self.tokenizer = tokenizer
         self.structured = structured if structured is not None else Checker(tokenizer)
         self.limits = limits
@@ -372,7 +372,7 @@ class ChatCompletionsCodec(_OpenAICodec):
                  enable_reasoning: dict[str, bool] | None = None, early_stopping_text: str | None = None,
                  tool_call_parser: str = "", chat_template: str = "", **kwargs: Any):
         """``reasoning_parser``: ModelConfig.reasoningParser; ``enable_reasoning``: MindIE's
-        ModelConfig.models.<type>.enable_reasoning the config sets (mindie/reasoning.py ``choose``);
+        ModelConfig.models.<type>.enable_reasoning the config sets (mindie/text/reasoning.py ``choose``);
         ``early_stopping_text``: MindIE's ModelConfig.models.<type>.early_stopping_text (the thinking
         budget's text; None: MindIE's example for Qwen3); ``tool_call_parser``, ``chat_template``: the
         served model type's ``ModelConfig[].models`` options (MindIE's keys; "" = detect the parser,
@@ -582,7 +582,7 @@ class OpenAIResource:
 
 
 def openai_routes(fe, pipeline: Pipeline) -> tuple[OpenAIResource, OpenAIResource]:
-    """The two resources of a front end (mindie/frontend.py FrontEnd)."""
+    """The two resources of a front end (mindie/server/frontend.py FrontEnd)."""
     args = (fe.tokenizer, fe.limits, fe.model_name)
     max_n = fe.config.backend.schedule.max_n
     model = fe.config.backend.model_deploy.models[0]

@@ -2,7 +2,7 @@
 
 Unknown keys are accepted and ignored (OpenAI clients send fields this server has no use for), and
 named: ``ignored`` finds them for the ``X-Ignored-Fields`` header and the rate-limited WARNING
-(mindie/ignored_fields.py). Every bound a
+(mindie/text/ignored_fields.py). Every bound a
 ``msgspec.Meta`` can say is said here, so a bad value fails in the one C decode with msgspec's
 message (``Expected `float` <= 2.0 - at `$.temperature```), which the handler turns into a 400
 ``BadRequestError`` naming the parameter; ``check_*`` add the few rules that span fields.
@@ -18,8 +18,8 @@ import msgspec
 from msgspec import Meta
 
 from mindie.errors import ApiError
-from mindie.ignored_fields import Found, find_in_json, struct_schema
-from mindie.validation import MAX_JSON_DEPTH, too_deep
+from mindie.text.ignored_fields import Found, find_in_json, struct_schema
+from mindie.text.validation import MAX_JSON_DEPTH, too_deep
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ResponseFormat", "StructuredOutputs",
            "JsonSchemaFormat", "MAX_N",
@@ -57,7 +57,7 @@ class StreamOptions(_Base):
 
 
 class JsonSchemaFormat(_Base):
-    """``response_format.json_schema``: the values are checked by mindie/structured.py (MindIE's
+    """``response_format.json_schema``: the values are checked by mindie/text/structured.py (MindIE's
     messages); typed here only so that unknown keys in it are named."""
 
     name: Any = None
@@ -69,7 +69,7 @@ class JsonSchemaFormat(_Base):
 class ResponseFormat(_Base):
     """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), TGI's form of it
     (``value``: the schema or pattern of ``json``/``regex``/``json_schema``) and vLLM's structural
-    tag (``structures``, ``triggers``); checked by mindie/structured.py."""
+    tag (``structures``, ``triggers``); checked by mindie/text/structured.py."""
 
     type: Any = None
     json_schema: Optional[JsonSchemaFormat] = None
@@ -79,7 +79,7 @@ class ResponseFormat(_Base):
 
 
 class StructuredOutputs(_Base):
-    """vLLM's ``structured_outputs`` object (mindie/structured.py checks the values)."""
+    """vLLM's ``structured_outputs`` object (mindie/text/structured.py checks the values)."""
 
     json: Any = None
     regex: Any = None
@@ -112,7 +112,7 @@ class _Sampling(_Base):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # Structured output (mindie/structured.py): at most one of these constrains the output.
+    # Structured output (mindie/text/structured.py): at most one of these constrains the output.
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Any = None  # vLLM's older fields

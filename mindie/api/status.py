@@ -15,7 +15,7 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie.client import DeviceClient
+from mindie.device_client import DeviceClient
 from mindie.config import Config
 from mindie.contract.spec import EngineConfig
 from mindie.errors import not_found

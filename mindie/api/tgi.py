@@ -11,8 +11,8 @@ Answers are TGI's: ``{"generated_text", "details"}`` (details only with ``detail
 MindIE's ``{"error","error_type"}`` (422 ``Input Validation Error`` ...), before a stream starts as
 a plain JSON answer with that status, inside an open stream as a ``data:`` event.
 The body's checks are mindie/api/tgi_schema.py's; ``parameters.grammar`` (``json``, ``regex``,
-``json_schema``) constrains the output (mindie/structured.py), a bad one is MindIE's 422. Keys it does not read are ignored (as TGI and
-MindIE do) and named: ``X-Ignored-Fields`` and a rate-limited WARNING (mindie/ignored_fields.py).
+``json_schema``) constrains the output (mindie/text/structured.py), a bad one is MindIE's 422. Keys it does not read are ignored (as TGI and
+MindIE do) and named: ``X-Ignored-Fields`` and a rate-limited WARNING (mindie/text/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import msgspec
 
 from mindie import sse
 from mindie.api.tgi_schema import COMPAT_SCHEMA, SCHEMA, TgiRequest, parse_tgi
-from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
+from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import validation_error
-from mindie.generation import Piece
-from mindie.ignored_fields import find
+from mindie.text.generation import Piece
+from mindie.text.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
-from mindie.structured import Checker, as_validation_error
-from mindie.validation import Limits, decode_json
+from mindie.text.structured import Checker, as_validation_error
+from mindie.text.validation import Limits, decode_json
 
 COMPAT_PARSE_ERROR = "Failed to parse context to json body"
 _json = msgspec.json.encode
@@ -42,7 +42,7 @@ class TgiCodec(Codec):
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, mode: str,
                  adapters: Container[str] = (), structured: Checker | None = None):
-        """``adapters``: the LoRA adapters ``adapter_id`` may name (mindie/adapters.py);
+        """``adapters``: the LoRA adapters ``adapter_id`` may name (mindie/lora_adapters.py);
         ``structured``: the front end's constraint checker (None: one of its own)."""
         self.tokenizer = tokenizer
         self.structured = structured if structured is not None else Checker(tokenizer)

@@ -1,13 +1,13 @@
 """TGI request bodies (``/generate`` with ``inputs``, ``/generate_stream``, ``POST /``): the typed
 request and MindIE's checks with MindIE's messages (single_req_tgi_text_infer_interface.cpp
 ``ValidateAndPrepareReqToken`` then ``SetupInferParams``), in MindIE's order; the first failure
-is a 422 ``Input Validation Error``. The checks shared with ``/infer`` are mindie/validation.py's.
+is a 422 ``Input Validation Error``. The checks shared with ``/infer`` are mindie/text/validation.py's.
 
 Order: inputs (present, string, length in UTF-16 units, tokens) -> ``parameters`` object -> stop,
 temperature, top_k, top_p (< 1 as on /infer), typical_p, do_sample, seed, repetition_penalty,
 watermark, adapter_id, max_new_tokens, details, decoder_input_details, return_full_text,
 truncate -> decoder_input_details with a stream -> TGI-only keys MindIE does not read
-(top_n_tokens, best_of, grammar: mindie/structured.py, its compile check left to the codec's
+(top_n_tokens, best_of, grammar: mindie/text/structured.py, its compile check left to the codec's
 ``Job.checks``) -> engine checks (424) on the truncated prompt.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ import msgspec
 
 from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from mindie.errors import validation_error
-from mindie.structured import ConstraintError, as_validation_error, from_tgi_grammar
-from mindie.validation import (MAX_INT32, Limits, check_common_params, check_model_name, check_params_object,
+from mindie.text.structured import ConstraintError, as_validation_error, from_tgi_grammar
+from mindie.text.validation import (MAX_INT32, Limits, check_common_params, check_model_name, check_params_object,
                                check_stop, check_string, check_text_input, check_token_ids, dump_number,
                                encode_text_input, get_param, max_new_tokens_param)
 
 # What is read of the body (TGI keys this server does not implement, such as frequency_penalty,
-# are ignored, and named: mindie/ignored_fields.py). ``stream`` only on ``POST /``.
+# are ignored, and named: mindie/text/ignored_fields.py). ``stream`` only on ``POST /``.
 PARAMETERS = {**dict.fromkeys(("stop", "temperature", "top_k", "top_p", "typical_p", "do_sample", "seed",
                                "repetition_penalty", "watermark", "adapter_id", "max_new_tokens", "details",
                                "decoder_input_details", "return_full_text", "truncate", "top_n_tokens", "best_of",
@@ -86,7 +86,7 @@ def check_bool(p: dict, key: str) -> bool:
 def parse_tgi(body: dict, limits: Limits, encode: Callable[[str], list[int]], stream: bool,
               model_name: str, adapters: Container[str] = ()) -> TgiRequest:
     """Check a decoded TGI body (an object with ``inputs``); raise ApiError with MindIE's message.
-    ``adapter_id`` names the base model or one of the LoRA ``adapters`` (mindie/adapters.py)."""
+    ``adapter_id`` names the base model or one of the LoRA ``adapters`` (mindie/lora_adapters.py)."""
     text = check_inputs(body.get("inputs"), limits)
     ids = encode_text_input(text, encode, "Inputs token length must be in (0, {limit}], but got {n}")
     p = check_params_object(body)

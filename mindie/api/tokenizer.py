@@ -6,7 +6,7 @@ tokenizer adds included). With ``do_decode`` (the default) ``tokens`` are their 
 per token, special tokens as their text (``<s>``), except that tokens completing one character
 together (bytes of a CJK character) give one piece: as MindIE documents it, ``len(tokens)`` is
 below ``token_number`` only where characters were merged. With ``do_decode: false`` they are
-the token ids. Other body keys are ignored and named (mindie/ignored_fields.py).
+the token ids. Other body keys are ignored and named (mindie/text/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from mindie import ignored_fields
-from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer
+from mindie.text import ignored_fields
+from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.errors import validation_error
 from mindie.pipeline import read_body
-from mindie.validation import Limits
+from mindie.text.validation import Limits
 
 LARGE_TEXT = 64 * 1024  # characters; longer texts are tokenised on a thread
 SCHEMA = {"inputs": None, "do_decode": None}

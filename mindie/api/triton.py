@@ -18,7 +18,7 @@ given, is the request's name for stopInfer and the answer's ``id`` (else the ``r
 Parameters as on ``/infer`` with Triton's differences: ``top_p`` 1.0 and ``top_k`` 0 are accepted,
 ``batch_size`` is checked (and otherwise unused); ``typical_p`` only on the text routes.
 Other keys are ignored, as MindIE ignores them, and named (``X-Ignored-Fields`` and a
-rate-limited WARNING: mindie/ignored_fields.py).
+rate-limited WARNING: mindie/text/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import msgspec
 
 from mindie import sse
 from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, SamplingParams
-from mindie.detokenizer import TextTokenizer
+from mindie.text.detokenizer import TextTokenizer
 from mindie.errors import generation_error, not_found, validation_error
-from mindie.generation import Piece
-from mindie.ignored_fields import Found, find
+from mindie.text.generation import Piece
+from mindie.text.ignored_fields import Found, find
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
-from mindie.validation import (MAX_INT32, MAX_TOKEN_ID, MAX_TOKENS_NUM, CommonParams, Limits, check_common_params,
+from mindie.text.validation import (MAX_INT32, MAX_TOKEN_ID, MAX_TOKENS_NUM, CommonParams, Limits, check_common_params,
                                check_params_object, check_text_input, check_token_count, check_token_ids, decode_json,
                                dump_number, encode_text_input, get_param, max_new_tokens_param, priority_param,
                                random_seed, timeout_param)
@@ -46,7 +46,7 @@ ID_MESSAGE = ("The id can contain only digits, letters, underscores(_), hyphens(
               "in length.")
 _ENQUEUE = "Failed to enqueue inferRequest. "
 
-# The keys read (the others are ignored and named: mindie/ignored_fields.py).
+# The keys read (the others are ignored and named: mindie/text/ignored_fields.py).
 TOKEN_PARAMETERS = dict.fromkeys(("temperature", "top_k", "top_p", "do_sample", "seed", "repetition_penalty",
                                   "watermark", "priority", "max_new_tokens", "timeout", "details", "batch_size"))
 TEXT_PARAMETERS = {**TOKEN_PARAMETERS, "typical_p": None}

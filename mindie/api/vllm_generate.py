@@ -10,11 +10,11 @@ repetition_penalty, frequency_penalty and presence_penalty ([-2, 2]), skip_speci
 best_of ([1, 128]), n ([1, 8192]), model, max_tokens (default maxIterTimes), stream -> best_of
 against n and the temperature -> best_of/n > 1 refused (one sequence per request here) -> the
 structured output (vLLM's ``structured_outputs`` object or its older ``guided_*`` keys: at most one;
-mindie/structured.py), a bad one 422 with the message naming the field.
+mindie/text/structured.py), a bad one 422 with the message naming the field.
 
 Answers: ``{"text": ["<prompt> <output>"]}`` (MindIE joins them with one space); a stream is
 ``{"text": ["<new text>"]}`` chunks, each followed by a NUL byte. Keys not read are ignored and
-named (``X-Ignored-Fields``, a rate-limited WARNING: mindie/ignored_fields.py).
+named (``X-Ignored-Fields``, a rate-limited WARNING: mindie/text/ignored_fields.py).
 """
 from __future__ import annotations
 
@@ -23,20 +23,20 @@ from typing import Any, Container, Optional
 import msgspec
 
 from mindie.contract.wire import Constraint, SamplingParams
-from mindie.detokenizer import TextTokenizer
+from mindie.text.detokenizer import TextTokenizer
 from mindie.errors import ApiError, validation_error
-from mindie.generation import Piece
-from mindie.ignored_fields import find
+from mindie.text.generation import Piece
+from mindie.text.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Sub, finish_name
-from mindie.structured import (GUIDED_KEYS, STRUCTURED_OUTPUTS_KEYS, Checker, ConstraintError, as_validation_error,
+from mindie.text.structured import (GUIDED_KEYS, STRUCTURED_OUTPUTS_KEYS, Checker, ConstraintError, as_validation_error,
                                from_guided, from_structured_outputs, one_of)
-from mindie.validation import (MAX_INT32, Limits, cap_max_new_tokens, check_model_name, check_stop, check_text_input,
+from mindie.text.validation import (MAX_INT32, Limits, cap_max_new_tokens, check_model_name, check_stop, check_text_input,
                                check_token_ids, clamp_top_k, decode_json, dump_number, encode_text_input, float_param,
                                get_param, implicit_do_sample, random_seed, repetition_penalty_param, seed_param,
                                temperature_param, top_k_param, top_p_param, u16len)
 
 # The keys read (the others, ``inputs`` beside ``prompt`` among them, are ignored and named:
-# mindie/ignored_fields.py).
+# mindie/text/ignored_fields.py).
 SCHEMA = {**dict.fromkeys(("prompt", "ignore_eos", "stop", "stop_token_ids", "include_stop_str_in_output",
                            "temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty",
                            "presence_penalty", "skip_special_tokens", "best_of", "n", "model", "max_tokens", "stream")
@@ -72,7 +72,7 @@ class VllmRequest(msgspec.Struct, kw_only=True):
     best_of: Optional[int] = None
     model: Optional[str] = None
     adapter: str = ""  # the LoRA adapter ``model`` names ("" = the base model)
-    constraint: Optional[Constraint] = None  # structured output (mindie/structured.py)
+    constraint: Optional[Constraint] = None  # structured output (mindie/text/structured.py)
     constraint_field: str = ""  # the field that gave it
 
 
@@ -200,7 +200,7 @@ class VllmCodec(Codec):
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, adapters: Container[str] = (),
                  structured: Checker | None = None):
-        """``adapters``: the LoRA adapters ``model`` may name (mindie/adapters.py); ``structured``:
+        """``adapters``: the LoRA adapters ``model`` may name (mindie/lora_adapters.py); ``structured``:
         the front end's constraint checker (None: one of its own)."""
         self.tokenizer = tokenizer
         self.structured = structured if structured is not None else Checker(tokenizer)

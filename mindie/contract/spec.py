@@ -41,7 +41,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """The engine's and the scheduler's settings (ScheduleConfig and maxSeqLen, as applied), and
     the worker process's own (tensor-parallel timeouts, gc freeze, CPU tuning).
 
-    The three device-dependent ones are ``None`` in the plan mindie.ops.prepare writes (the device may
+    The three device-dependent ones are ``None`` in the plan mindie.ops.launch_plan writes (the device may
     still be "auto") and settled once by workers.prepare (``settle_engine``); an engine refuses
     ``None``. Their defaults here are what an engine built directly (tests, benchmarks) runs with."""
 

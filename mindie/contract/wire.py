@@ -30,7 +30,7 @@ DEFAULT_PRIORITY = 5  # MindIE's priority when a request gives none (1 = first, 
 
 class Constraint(msgspec.Struct, array_like=True, gc=False, omit_defaults=True, frozen=True):
     """A structured-output constraint on a request's generated tokens (issue 29): the front end
-    builds it from whatever field its API uses (mindie/structured.py), the worker compiles it
+    builds it from whatever field its API uses (mindie/text/structured.py), the worker compiles it
     (cached by content) and masks the constrained rows' logits in the sampler.
 
     ``kind`` and ``spec``:

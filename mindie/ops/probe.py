@@ -7,7 +7,7 @@
 Where it connects: the listener that serves the management plane, planned from the same
 config.json as the server (``--config FILE``, else ``$MIES_CONFIG_JSON_PATH``, else the built-in
 defaults) by the server's own loader and planner (``mindie.config.load_config``,
-``mindie.listeners.plan_listeners``), so the environment overrides (``MIES_CONTAINER_MANAGEMENT_IP``,
+``mindie.server.listeners.plan_listeners``), so the environment overrides (``MIES_CONTAINER_MANAGEMENT_IP``,
 ``MINDIE_HOST``, ``MINDIE_PORT``, ...) and the merging of planes with equal ports apply exactly
 as for ``scripts/launch.sh``. A listener on ``0.0.0.0`` is probed on ``127.0.0.1`` (``::`` on
 ``::1``).
@@ -30,7 +30,7 @@ liveness probes of MindIE Server; its ``health_probe.md`` recommends ``/health/t
   one-token inference must finish within N s; a deeper check than live (it catches a hung
   device), for a manual check or a slow liveness probe, not for a frequent one.
 
-``--coordinator``: probe a MindIE Motor coordinator (``python -m mindie.coordinator``) instead: the
+``--coordinator``: probe a MindIE Motor coordinator (``python -m coordinator``) instead: the
 config is its ``ms_coordinator.json`` (``--config FILE``, else
 ``$MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH``, else its defaults), read by the coordinator's own
 loader; the probe connects to ``http_config.manage_ip``/``manage_port`` (HTTPS with
@@ -159,7 +159,7 @@ def management_target(config_path: Optional[str], env=os.environ) -> Target:
     # Imported here, not at the top: a probe given --url reads no config, and a kubelet runs
     # this program every few seconds, so it loads only what its target needs.
     from mindie.config import ConfigError, load_config
-    from mindie.listeners import plan_listeners
+    from mindie.server.listeners import plan_listeners
 
     try:
         server = load_config(config_path, env=env).config.server
@@ -183,7 +183,7 @@ class _CoordinatorTls:
 def coordinator_target(config_path: Optional[str], env=os.environ) -> Target:
     """The coordinator's manage listener, from its ms_coordinator.json read by its own loader."""
     from mindie.config import ConfigError
-    from mindie.coordinator.config import load
+    from coordinator.config import load
 
     if config_path is None:
         config_path = env.get(COORDINATOR_CONFIG_ENV, "").strip() or None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from mindie.listeners import read_listeners
-from mindie.tls import TlsError, check_plane
+from mindie.server.listeners import read_listeners
+from mindie.runtime.tls import TlsError, check_plane
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,20 +15,20 @@ makes (``ENTRIES``; nothing else in it is ever touched):
     deployment.json[.<pid>.tmp] the launch plan (spec.py)
     w<i>-jobs.ipc, w<i>-frames.ipc, and their .lock files (flocked by the worker that binds them)
     cores.busy                  CPU core-sharing flags (workers/backends/core_share.py)
-    admission.slots             server-wide admission (mindie/admission.py; fcntl locks)
+    admission.slots             server-wide admission (mindie/server/admission.py; fcntl locks)
     prometheus/                 PROMETHEUS_MULTIPROC_DIR (made by scripts/launch.sh)
-    listeners.json[.<pid>.tmp]  the HTTP listeners (mindie/listeners.py)
-    lora_adapters.json[.<pid>.tmp] the LoRA adapters loaded at run time (mindie/adapters.py), for
+    listeners.json[.<pid>.tmp]  the HTTP listeners (mindie/server/listeners.py)
+    lora_adapters.json[.<pid>.tmp] the LoRA adapters loaded at run time (mindie/lora_adapters.py), for
                                 device workers that restart
     service.stopped[.<pid>.tmp] the stop order (/stopService, or a stop signal to the launcher): every
                                 front end refuses new inference and cuts what still runs at its
-                                deadline (mindie/service_state.py, mindie/drain.py)
-    ready.announced             made by the front end that logged the ready line (mindie/ready_line.py)
+                                deadline (mindie/server/service_state.py, mindie/server/drain.py)
+    ready.announced             made by the front end that logged the ready line (mindie/server/ready_line.py)
 
 A module that adds a file to the run directory adds its name to ``ENTRIES``.
 
 A server is live while any of these files is locked by a process. ``claim`` (at start, by
-``python -m mindie.ops.prepare``) refuses a live run directory and removes what a dead server left;
+``python -m mindie.ops.launch_plan``) refuses a live run directory and removes what a dead server left;
 ``hold`` (the launcher, on the descriptor it keeps open) makes the claim last for the server's
 life; ``release`` (the launcher, after every process stopped) removes it all; ``request_stop``
 asks the launcher to stop (what a ``/stopService`` handler calls).

@@ -3,7 +3,7 @@
 - level: ``MINDIE_LOG_LEVEL`` (the launcher sets it from ``LogConfig.dynamicLogLevel``);
 - format: ``MINDIE_LOG_FORMAT`` = ``text`` (default: ``time LEVEL [process] logger: message``) or
   ``json`` (one JSON object per line: ``time``, ``level``, ``process``, ``pid``, ``logger``,
-  ``message``, plus the fields of a request line: mindie/request_log.py), from ``LogConfig.logFormat``;
+  ``message``, plus the fields of a request line: mindie/server/request_log.py), from ``LogConfig.logFormat``;
 - file: with ``MINDIE_LOG_PATH`` (``LogConfig.logPath``) each process also writes a file of its
   own (``log_file``), rotated at ``MINDIE_LOG_FILE_SIZE`` MB
   (``logFileSize``) keeping ``MINDIE_LOG_FILE_NUM`` old files (``logFileNum``). One file per

@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "isa": ("isa", "this CPU's instruction sets, the kernels dispatched here, product GFLOP/s per row count, kernel timings"),
     "int8-quality": ("int8_quality", "w8a16 against bf16: agreement, logit error, weight bytes, tokens/s"),
     "gguf-load": ("gguf_load", "a GGUF model's load time and peak memory against its weights, per dtype"),
-    "detokenizer": ("detokenizer", "streaming detokenisation: mindie.detokenizer against DecodeStream"),
+    "detokenizer": ("detokenizer", "streaming detokenisation: mindie.text.detokenizer against DecodeStream"),
     "http-parser": ("http_parser", "the benchmark client's HTTP parser: httptools against the hand-written one"),
     "soak": ("soak", "memory soak: the real server under steady load, every process's RSS flat"),
     "chaos": ("chaos", "fault drills against the real launcher under load"),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Streaming detokenisation: mindie.detokenizer vs a ``tokenizers.decoders.DecodeStream`` wrapper.
+"""Streaming detokenisation: mindie.text.detokenizer vs a ``tokenizers.decoders.DecodeStream`` wrapper.
 
 Pushes N ids one at a time through each implementation and prints µs per token and whether the
 stream is exact (chunks + flush == decode(all ids, skip_special_tokens=True), and no U+FFFD in a
@@ -10,7 +10,7 @@ random ids) and the test suite's Llama-2-style / Metaspace byte-fallback tokeniz
 
 Also ``mindie-bench detokenizer ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
-Front-end internals, on purpose: it measures ``mindie.detokenizer`` itself (and uses the test
+Front-end internals, on purpose: it measures ``mindie.text.detokenizer`` itself (and uses the test
 suite's tokenizers in tests/).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
-from mindie.detokenizer import IncrementalDetokenizer, TextTokenizer, load_tokenizer  # noqa: E402
+from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer, load_tokenizer  # noqa: E402
 
 FFFD = "\ufffd"
 TEXT = (

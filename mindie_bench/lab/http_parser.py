@@ -2,8 +2,8 @@
 """HTTP/1.1 response parsing for the benchmark client: httptools vs the hand-written parser.
 
 Feeds one chunked SSE response of N events (MindIE ``/infer_token`` frames) to
-``mindie_bench.adapters._Conn`` (httptools) and to the hand-written state machine it replaced
-(``_Conn`` of mindie_bench/adapters.py at --baseline-rev, read from git history), in three read
+``mindie_bench.api_clients._Conn`` (httptools) and to the hand-written state machine it replaced
+(``_Conn`` of mindie_bench/api_clients.py at --baseline-rev, read from git history), in three read
 patterns: one chunk per read (what a streaming server's writes usually give), 64-byte reads and
 16 KiB reads. Prints µs per event (best of --repeat) and checks that both deliver the same body
 bytes and keep the connection reusable.
@@ -12,7 +12,7 @@ bytes and keep the connection reusable.
 
 Also ``mindie-bench http-parser ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
-This package's internals, on purpose: it measures ``mindie_bench.adapters._Conn``, the benchmark
+This package's internals, on purpose: it measures ``mindie_bench.api_clients._Conn``, the benchmark
 client's own connection class, against its predecessor read from git history.
 """
 from __future__ import annotations
@@ -29,18 +29,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mindie_bench.adapters import _Conn, _Exchange  # noqa: E402
+from mindie_bench.api_clients import _Conn, _Exchange  # noqa: E402
 
-BASELINE_REV = "63b6701"  # the last commit whose mindie_bench/adapters.py has the hand-written parser
+BASELINE_REV = "63b6701"  # the last commit whose mindie_bench/api_clients.py has the hand-written parser
 FRAME = b'data: {"prefill_time":null,"decode_time":16.80,"token":{"id":[17739],"text":" photograph"}}\n\n'
 HEAD = (b"HTTP/1.1 200 OK\r\ndate: Mon, 01 Jan 2024 00:00:00 GMT\r\nserver: uvicorn\r\n"
         b"content-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
 
 
 def baseline_conn(rev: str) -> type:
-    """``_Conn`` of mindie_bench/adapters.py at git revision ``rev``, imported under another
+    """``_Conn`` of mindie_bench/api_clients.py at git revision ``rev``, imported under another
     module name; exits with a message if git, the revision or the parser is not there."""
-    what = f"{rev}:mindie_bench/adapters.py"
+    what = f"{rev}:mindie_bench/api_clients.py"
     try:
         src = subprocess.run(["git", "show", what], cwd=ROOT, capture_output=True, check=True).stdout
     except FileNotFoundError:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--events", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=5, help="best of this many runs")
     ap.add_argument("--baseline-rev", default=BASELINE_REV, metavar="REV",
-                    help=f"git revision whose mindie_bench/adapters.py has the hand-written parser "
+                    help=f"git revision whose mindie_bench/api_clients.py has the hand-written parser "
                          f"(default {BASELINE_REV})")
     args = ap.parse_args(argv)
     n = args.events

@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from mindie_bench.adapters import NativeAdapter
+from mindie_bench.api_clients import NativeAdapter
 from mindie_bench.lab.serving import bench_model, start_server
 from mindie_bench import stats as st
 from mindie_bench.runner import LoadConfig, run_async, run_segment

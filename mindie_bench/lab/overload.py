@@ -23,7 +23,7 @@ release in this process (the per-request cost every inference request pays).
 Also ``mindie-bench overload ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
 Public entry points for the load (``scripts/launch.sh``, HTTP); one internal on purpose:
-``mindie.admission.Admission``, whose per-request cost in this process is the first line.
+``mindie.server.admission.Admission``, whose per-request cost in this process is the first line.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from mindie_bench.lab.serving import RssSampler, bench_model, tree_rss  # noqa: 
 def admission_cost(n: int = 100_000) -> tuple[float, float]:
     """(µs per acquire+release pair with room, µs per refused acquire at the limit) on a
     private temporary run dir, two owners."""
-    from mindie.admission import Admission
+    from mindie.server.admission import Admission
     d = tempfile.mkdtemp(prefix="adm")
     a, b = Admission(d, 1000), Admission(d, 1)
     try:

@@ -207,7 +207,7 @@ def jump_forward(runner, cfg, num_blocks: int, model_dir: str, prompts: list[lis
 
 def http_tokens(model: str, dtype: str, port: int, levels: list[int], rounds: int, jf: bool, max_new: int,
                 prompt_len: int, threads: int) -> dict:
-    from mindie_bench.adapters import OpenAIAdapter
+    from mindie_bench.api_clients import OpenAIAdapter
     from mindie_bench.lab.serving import start_server
     from mindie_bench.runner import LoadConfig, run_async, run_segment
     from mindie_bench.workload import make_workload

@@ -128,7 +128,7 @@ class Engine:
     thread pool) computes: ``launch()``, other work, ``collect()``. Without it ``launch()``
     computes at once. ``step()`` is both in one call.
 
-    Requests arrive validated by the front end (mindie/validation.py: lengths, ids, the
+    Requests arrive validated by the front end (mindie/text/validation.py: lengths, ids, the
     output budget); the engine only refuses what it alone can know (``CapacityError``)."""
 
     def __init__(self, runner: Runner, cfg: EngineConfig, num_blocks: int,

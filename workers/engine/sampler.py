@@ -89,7 +89,7 @@ class Row(Protocol):
     """What the sampler reads of a request (``workers.engine.sequence.Sequence`` is one).
 
     ``params.do_sample`` must already be the effective flag (the front end decides it:
-    ``mindie.validation.implicit_do_sample``); a temperature <= 0 also means greedy, and
+    ``mindie.text.validation.implicit_do_sample``); a temperature <= 0 also means greedy, and
     non-positive penalties are ignored. The draw index is ``num_output``, so a preempted and
     recomputed request draws the same tokens again."""
 

@@ -2,8 +2,8 @@
 
 Everything but the weights reads a model as a Hugging Face folder: ``ModelArgs.from_dir``
 (config.json, generation_config.json), the front ends' tokenizer (tokenizer.json with the
-``tokenizers`` library, mindie/detokenizer.py), the chat template and special tokens
-(tokenizer_config.json / chat_template.jinja, mindie/chat_template.py). For a GGUF file the
+``tokenizers`` library, mindie/text/detokenizer.py), the chat template and special tokens
+(tokenizer_config.json / chat_template.jinja, mindie/text/chat_template.py). For a GGUF file the
 launch step (workers/prepare.py) makes such a folder once, from the file's metadata, and serves
 it as the model directory; only the weight loader goes back to the ``.gguf`` file, which the
 view's ``mindie_gguf.json`` names (workers/models/gguf_file.py ``view_source``):

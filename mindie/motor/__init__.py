@@ -1,2 +1,0 @@
-"""A local MindIE Motor fleet: one coordinator in front of N server instances on one host
-(``scripts/motor.sh``, :mod:`mindie.motor.fleet`)."""

@@ -1,0 +1,152 @@
+"""The falcon.asgi application of a front end (one per gunicorn worker).
+
+    gunicorn -c deploy/gunicorn.conf.py  ->  mindie.server.app:create_app()
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import falcon
+import falcon.asgi
+
+from mindie.api.control import StopInferResource, StopServiceResource
+from mindie.api.health import Health, HealthResource, LiveResource, ModelsResource, TimedHealthResource
+from mindie.api.generate import GenerateResource
+from mindie.api.infer import InferResource
+from mindie.api.lora import LoadLoraResource, UnloadLoraResource
+from mindie.api.metrics import MetricsJsonResource, MetricsResource
+from mindie.api.openai import openai_routes
+from mindie.api.status import StatusRoutes
+from mindie.api.tgi import TgiResource
+from mindie.api.tokenizer import TokenizerResource
+from mindie.api.triton import TritonResource
+from mindie.contract.errors import error_type
+from mindie.runtime.gc_freeze import freeze_heap
+from mindie.errors import ApiError
+from mindie.server.frontend import FrontEnd
+from mindie.runtime.log_setup import setup_logging
+from mindie.server.listeners import read_listeners
+from mindie.pd import RoleResource
+from mindie.pipeline import Pipeline
+
+log = logging.getLogger("mindie.app")
+
+
+def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
+    """Every Falcon error (404, 405, ...) in MindIE's {"error", "error_type"} shape, whatever
+    the Accept header says (Falcon's default would send an empty body to an SSE client)."""
+    status = exc.status_code
+    name = error_type(status)
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = ApiError(status, exc.description or exc.title or "Error",
+                         name if name != "Error" else exc.title or "Error").body()
+
+
+async def _api_error(req, resp, ex: ApiError, params) -> None:
+    """A request error, written by the codec of the request's API family (mindie/pipeline.py
+    sets it on ``req.context``), else in MindIE's shape."""
+    codec = getattr(req.context, "codec", None)
+    status, body = codec.error(ex) if codec is not None else (ex.status, ex.body())
+    resp.status = status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = body
+
+
+async def _unexpected(req, resp, ex: Exception, params) -> None:
+    if isinstance(ex, falcon.HTTPError):
+        raise ex
+    log.exception("unhandled error on %s %s", req.method, req.path)
+    await _api_error(req, resp, ApiError(500, f"Server internal error: {type(ex).__name__}"), params)
+
+
+def create_app():
+    """The ASGI app of a front end: one Falcon app per listener with the routes of its planes
+    (mindie/server/listeners.py), chosen by the local port of each connection."""
+    setup_logging(f"frontend pid {os.getpid()}")
+    fe = FrontEnd.from_env()
+    routes = plane_routes(fe)
+    listeners = read_listeners(os.environ["MINDIE_LISTENERS"])
+    by_port = {li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]) for li in listeners}
+    router = plane_router(by_port, by_port[listeners[0].port])
+    freeze_heap(log, f"front end pid {os.getpid()}", fe.deployment.workers[0].engine.gc_freeze)
+    return router
+
+
+def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]]:
+    """{plane: [(path, resource, responder suffix)]}: MindIE's route sets (mindie.md §2)."""
+    pipeline = Pipeline(fe.client, fe.tokenizer, fe.limits, fe.metrics, fe.admission, fe.state, roles=fe.roles)
+    infer = InferResource(pipeline, full_text=fe.full_text, model_name=fe.model_name)
+    models = ModelsResource(fe.model_name, fe.model_dir, fe.started, pipeline.adapters)
+    generate, tgi = GenerateResource(pipeline, fe.model_name), TgiResource(pipeline, fe.model_name)
+    triton = TritonResource(pipeline, fe.model_name, full_text=fe.full_text)
+    completions, chat = openai_routes(fe, pipeline)
+    status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine,
+                          roles=fe.roles)
+    health = Health(fe.client, fe.state, fe.admission)
+    healthz = HealthResource(health, fe.model_name)
+    timed = TimedHealthResource(health, probe_token=min(1, max(0, fe.vocab_size - 1)))
+    fe.model_listeners.append(lambda vocab: setattr(timed, "probe_token", min(1, max(0, vocab - 1))))
+    server = fe.config.server
+    return {
+        "business": [
+            ("/infer", infer, None), ("/infer_token", infer, None),
+            ("/v1/models", models, None), ("/v1/models/{model}", models, "model"),
+            ("/v1/tokenizer", TokenizerResource(fe.tokenizer, fe.limits), None),
+            ("/v2", status, "v2"), ("/v2/models/{model}", status, "v2_model"),
+            ("/v2/models/{model}/config", status, "v2_model_config"),
+            ("/v2/models/{model}/stopInfer",
+             StopInferResource(fe.client, fe.model_name, server.max_request_length), None),
+            # TGI / vLLM (mindie/api/generate.py tells their /generate bodies apart), Triton; TGI clients
+            # read /info here too.
+            ("/generate", generate, None), ("/generate_stream", tgi, "stream"), ("/", tgi, "compat"),
+            ("/info", status, "info"),
+            ("/v2/models/{model}/infer", triton, "infer"), ("/v2/models/{model}/generate", triton, "generate"),
+            ("/v2/models/{model}/generate_stream", triton, "generate_stream"),
+            ("/v1/completions", completions, None), ("/v1/chat/completions", chat, None),  # mindie/api/openai.py
+        ],
+        "management": [
+            ("/health", healthz, None), ("/v2/models/{model}/ready", healthz, "model"),
+            ("/v2/health/live", LiveResource(health, ready=False), None),
+            ("/v2/health/ready", LiveResource(health, ready=True), None),
+            ("/health/timed", timed, None), ("/health/timed-{n}", timed, "n"),
+            ("/info", status, "info"), ("/v1/config", status, "v1_config"), ("/v1/status", status, "v1_status"),
+            ("/v2/status", status, "v2_status"), ("/v2/models/{model}/getSlotCount", status, "slots"),
+            # Prefill/decode roles (mindie/pd.py): MindIE's Controller routes and bodies.
+            ("/v1/role/{role}", RoleResource(fe.roles, server.max_request_length, 1), None),
+            ("/v2/role/{role}", RoleResource(fe.roles, server.max_request_length, 2), None),
+            ("/stopService", StopServiceResource(fe.client, fe.state, fe.admission, fe.run_dir,
+                                                 server.drain_timeout_s), None),
+            ("/metrics-json", MetricsJsonResource(fe.client, f"{server.management_ip_address}:{server.management_port}"),
+             None),
+            # LoRA adapters at run time (mindie/api/lora.py): MindIE's routes, vLLM's bodies too.
+            ("/v1/load_lora_adapter", LoadLoraResource(fe.client, fe.model_name, server.max_request_length,
+                                                        fe.loaded_adapters), None),
+            ("/v1/unload_lora_adapter", UnloadLoraResource(fe.client, server.max_request_length, fe.loaded_adapters),
+             None),
+        ],
+        "metrics": [("/metrics", MetricsResource(fe.metrics, fe.client), None)],
+    }
+
+
+def _plane_app(fe: FrontEnd, routes) -> falcon.asgi.App:
+    app = falcon.asgi.App(middleware=[fe])
+    for path, resource, suffix in routes:
+        app.add_route(path, resource, **({"suffix": suffix} if suffix else {}))
+    app.set_error_serializer(_serialize_error)
+    app.add_error_handler(Exception, _unexpected)
+    app.add_error_handler(ApiError, _api_error)
+    return app
+
+
+def plane_router(by_port: dict, first):
+    """Each HTTP request to the app of the listener it came in on (a route of another plane is a
+    404 there); lifespan events to ``first`` only, so the front end starts and stops once."""
+
+    async def route(scope, receive, send):
+        app = first
+        if scope["type"] == "http" and scope.get("server"):
+            app = by_port.get(scope["server"][1], first)
+        await app(scope, receive, send)
+
+    return route
