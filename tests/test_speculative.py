@@ -108,13 +108,13 @@ def test_controller_backs_off_on_low_acceptance() -> None:
     c = Controller("ngram", num_tokens=4, min_acceptance=0.3)
 
     class S:
-        spec = SpecStats()
+        spec_stats = SpecStats()
         token_ids = np.array([1, 2, 3, 1, 2, 3, 1, 2])
     s = S()
     assert c.propose(s, 10) == [3, 1, 2, 3]
     for _ in range(4):
         c.record(s, 3, 0)
-    assert s.spec.skip > 0 and c.propose(s, 10) == []  # backing off
+    assert s.spec_stats.skip > 0 and c.propose(s, 10) == []  # backing off
     assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (4, 12, 0)
     with pytest.raises(ValueError):
         Controller("lookahead")
@@ -128,16 +128,16 @@ def test_suffix_controller_keeps_what_pays_for_its_rows() -> None:
     c = Controller("suffix", num_tokens=16)
 
     class S:
-        spec = SpecStats()
+        spec_stats = SpecStats()
         token_ids = np.array([1, 2, 3, 4, 9, 1, 2])
     s = S()
     assert c.propose(s, 10) == [3, 4, 9]  # match [1, 2]: 3 tokens
     for _ in range(8):
         c.record(s, 3, 0)
-    assert s.spec.hits / (s.spec.hits + s.spec.misses) < ROW_COST and c.propose(s, 10) == []
+    assert s.spec_stats.hits / (s.spec_stats.hits + s.spec_stats.misses) < ROW_COST and c.propose(s, 10) == []
     span = list(range(20, 20 + STRONG_MATCH + 4))
     strong = S()
-    strong.spec = s.spec
+    strong.spec_stats = s.spec_stats
     strong.token_ids = np.array(span + [5] + span[:STRONG_MATCH])
     # (match length + 1 tokens; past the history's end the loop it found goes on)
     assert c.propose(strong, 16) == (span[STRONG_MATCH:] + [5] + span)[:STRONG_MATCH + 1]
@@ -203,7 +203,7 @@ def reqs() -> dict:
 def plain(demo_model, reqs):
     eng = make_engine(demo_model, spec_method="")
     out = _run_lp(eng, reqs)
-    assert eng.spec.drafts == 0 and eng.check_no_leaks()
+    assert eng.speculator.drafts == 0 and eng.check_no_leaks()
     return out
 
 
@@ -224,7 +224,7 @@ def test_same_outputs_with_and_without_speculation(demo_model, reqs, plain, vari
         assert eng.check_no_leaks()
     finally:
         eng.close()
-    assert eng.spec.accepted_tokens > 50 and eng.spec.draft_tokens > eng.spec.accepted_tokens, \
+    assert eng.speculator.accepted_tokens > 50 and eng.speculator.draft_tokens > eng.speculator.accepted_tokens, \
         "speculation must have run, with acceptances and rejections"
     if variant.endswith("preempt"):
         assert eng.scheduler.num_preemptions > 0
@@ -295,7 +295,7 @@ def test_stop_ids_eos_and_length_inside_accepted_proposals():
             assert out[k][0] == want, (method, k)
         assert out["eos"][1] == "eos_token" and out["stop"][1] == "stop_token" and out["len"][1] == "length"
         if method:  # whole runs accepted: the stops fell inside them
-            assert eng.spec.accepted_tokens > 30 and eng.spec.accepted_tokens == eng.spec.draft_tokens
+            assert eng.speculator.accepted_tokens > 30 and eng.speculator.accepted_tokens == eng.speculator.draft_tokens
             assert eng.steps < 30
 
 
@@ -307,7 +307,7 @@ def test_prefix_cache_holds_no_rejected_tokens(demo_model):
     params = SamplingParams(max_new_tokens=50, ignore_eos=True, repetition_penalty=1.1)
     eng = make_engine(demo_model, spec_method="ngram", spec_tokens=6)
     out = run(eng, {f"p{i}": (p, params) for i, p in enumerate(ps)})
-    assert eng.spec.draft_tokens > eng.spec.accepted_tokens > 0
+    assert eng.speculator.draft_tokens > eng.speculator.accepted_tokens > 0
     follow = {f"f{i}": (p + out[f"p{i}"][0][:40], SamplingParams(max_new_tokens=20, ignore_eos=True))
               for i, p in enumerate(ps)}
     hits0 = eng.blocks.prefix_hits
@@ -347,7 +347,7 @@ def test_sampled_distribution_kept(tmp_path, method):
                                                   seed=s)) for s in seeds}
         out = run(eng, reqs)
         assert eng.check_no_leaks()
-        return {s: out[f"s{s}"][0] for s in seeds}, eng.spec
+        return {s: out[f"s{s}"][0] for s in seeds}, eng.speculator
 
     spec, ctl = sample(method, range(n))
     # accepted often, rejected often (hundreds of each: the suffix proposer keeps fewer tokens once rejected)
@@ -374,18 +374,18 @@ def test_speculation_max_batch_backs_off_under_load():
         from workers.engine.engine import Engine
         eng = Engine(CycleRunner(), EngineConfig(block_size=4, spec_tokens=4, spec_max_batch=mb), 256)
         seen = []
-        orig = eng.spec.propose
+        orig = eng.speculator.propose
 
         def propose(seq, room, eng=eng, orig=orig, seen=seen):
             seen.append(eng.scheduler.num_running)
             return orig(seq, room)
-        eng.spec.propose = propose
+        eng.speculator.propose = propose
         outs[mb] = run(eng, reqs)
         assert eng.check_no_leaks()
         if mb == 0:
-            assert not seen and eng.spec.drafts == 0
+            assert not seen and eng.speculator.drafts == 0
         else:
-            assert seen and max(seen) <= mb and eng.spec.accepted_tokens > 0
+            assert seen and max(seen) <= mb and eng.speculator.accepted_tokens > 0
     assert outs[0] == outs[3] == outs[64]
 
 

@@ -26,7 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from mindie.contract import wire as P
 from mindie.runtime.curve import CurveKeyError, insecure_warning, kv_keys, link_mode, worker_keys
-from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
+from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR, UnknownAdapterError
 from mindie.runtime.gc_freeze import freeze_heap
 from mindie.runtime.lifecycle import lock_file
 from mindie.runtime.log_setup import setup_logging
@@ -37,7 +37,7 @@ from workers.backends.core_share import CoreShare
 from workers.backends.step_width import StepThreads, narrow_threads_alone
 from workers.models.config import ModelArgs
 from workers.engine.assembly import build
-from workers.engine.engine import AdapterNotFound, CapacityError, ConstraintRefused, Engine, InFlight
+from workers.engine.engine import CapacityError, ConstraintRefused, Engine, InFlight
 from workers.pd_transfer import KvTransfer
 from workers.tp_rank import follow
 
@@ -261,7 +261,7 @@ class Worker:
             seq = self.engine.add(msg)
         except CapacityError as e:
             self._fail(msg.frontend_id, msg.request_id, P.request_error(424, str(e)))
-        except AdapterNotFound as e:  # unloaded since the front end saw it listed
+        except UnknownAdapterError as e:  # unloaded since the front end saw it listed
             self._fail(msg.frontend_id, msg.request_id, P.request_error(404, str(e)))
         except ConstraintRefused as e:  # a constraint known bad (cached) or not enforceable here
             self._fail(msg.frontend_id, msg.request_id, P.request_error(e.status, str(e)))
@@ -393,8 +393,8 @@ class Worker:
             bm.hit_rate, bm.block_size, eng.steps, True, eng.cfg.max_batch_size, eng.prompt_tokens,
             eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds,
             self._adapter_infos(), self.kv.held if self.kv is not None else 0,
-            self.kv.active if self.kv is not None else 0, eng.spec.drafts, eng.spec.draft_tokens,
-            eng.spec.accepted_tokens, list(eng.spec.accepted_per_pos))
+            self.kv.active if self.kv is not None else 0, eng.speculator.drafts, eng.speculator.draft_tokens,
+            eng.speculator.accepted_tokens, list(eng.speculator.accepted_per_pos))
 
     def _adapter_infos(self) -> list[P.AdapterInfo]:
         """``Heartbeat.adapters``, rebuilt only when the manager's listing changed (the heartbeat

@@ -68,7 +68,7 @@ def run_once(engine, reqs) -> tuple[float, int, int, int, int]:
     each request, tokens proposed, tokens accepted, engine steps after the first output. Prefill is left out: speculation does not change it,
     and on a shared machine its noise would swamp the decode figures."""
     from mindie.contract.wire import Submit
-    d0, a0 = engine.spec.draft_tokens, engine.spec.accepted_tokens
+    d0, a0 = engine.speculator.draft_tokens, engine.speculator.accepted_tokens
     for rid, (ids, params) in reqs.items():
         engine.add(Submit(rid, "fe", ids, params))
     n = 0
@@ -79,8 +79,8 @@ def run_once(engine, reqs) -> tuple[float, int, int, int, int]:
             if t_first is None:
                 t_first, steps0 = CLOCK(), engine.steps
             n += len(o.token_ids)
-    return (CLOCK() - t_first, n - len(reqs), engine.spec.draft_tokens - d0,
-            engine.spec.accepted_tokens - a0, engine.steps - steps0)
+    return (CLOCK() - t_first, n - len(reqs), engine.speculator.draft_tokens - d0,
+            engine.speculator.accepted_tokens - a0, engine.steps - steps0)
 
 
 def row_cost(engine, ids: list[int], params, rounds: int) -> None:
@@ -89,7 +89,7 @@ def row_cost(engine, ids: list[int], params, rounds: int) -> None:
     from mindie.contract.wire import Submit
     ks = (0, 1, 2, 4, 8)
     k_now = [0]
-    engine.spec.propose = lambda seq, room: [0] * min(k_now[0], room)
+    engine.speculator.propose = lambda seq, room: [0] * min(k_now[0], room)
     times: dict[int, list[float]] = {k: [] for k in ks}
     for r in range(rounds):
         for k in ks:
@@ -101,8 +101,8 @@ def row_cost(engine, ids: list[int], params, rounds: int) -> None:
                 engine.step()
                 n += 1
             times[k].append((CLOCK() - t0) / max(n, 1))
-    if engine.spec.accepted_tokens:
-        print(f"warning: {engine.spec.accepted_tokens} proposed tokens were accepted: those steps emitted more "
+    if engine.speculator.accepted_tokens:
+        print(f"warning: {engine.speculator.accepted_tokens} proposed tokens were accepted: those steps emitted more "
               "than one token, and the costs below are understated", file=sys.stderr)
     base = sorted(times[0])[rounds // 2]
     print("| proposed tokens per step | ms per step | x one-row step | cost per proposed row |")

@@ -13,12 +13,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
-from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINISH_STOP_TOKEN
+from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINISH_STOP_TOKEN, UnknownAdapterError
+from mindie.contract.grammar import ERROR_STATUS, ConstraintError
 from mindie.contract.spec import EngineConfig
 from mindie.contract.wire import Submit
 from workers.engine.block_manager import BlockManager
-from workers.engine.constraints import ERROR_STATUS, ConstraintError, ConstraintState, Grammars, MaskJob
-from workers.engine.lora_manager import Answer, LoraManager, UnknownAdapter
+from workers.engine.constraints import ConstraintState, Grammars, MaskJob
+from workers.engine.lora_manager import Answer, LoraManager
 from workers.engine.scheduler import ScheduledBatch, Scheduler
 from workers.engine.sequence import Sequence, Status
 from workers.engine.speculative import Controller
@@ -35,12 +36,6 @@ class ConstraintRefused(ValueError):
 
     status = ERROR_STATUS
 
-
-class AdapterNotFound(LookupError):
-    """A request names a LoRA adapter this worker does not serve (404, in MindIE's words)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"Model {name} not found.")
 
 
 @dataclass
@@ -165,13 +160,13 @@ class Engine:
         self.tbt_ms = RecentMean(1000)
         # Speculative decoding (workers/engine/speculative.py): only with a runner that verifies
         # proposals (ModelRunner; the null model's tokens are no model's).
-        self.spec = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) else "",
+        self.speculator = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
                                cfg.spec_min_acceptance)
         why_off = ("ScheduleConfig.speculativeDecoding: false" if not cfg.spec_method else
-                   "the null model runs no model to verify proposals" if not self.spec.enabled else
+                   "the null model runs no model to verify proposals" if not self.speculator.enabled else
                    "ScheduleConfig.speculationMaxBatch: 0" if cfg.spec_max_batch == 0 else "")
-        log.info("speculative decoding: %s", f"off ({why_off})" if why_off else self.spec.describe())
+        log.info("speculative decoding: %s", f"off ({why_off})" if why_off else self.speculator.describe())
 
     # -- intake ---------------------------------------------------------------------------
     def add(self, sub: Submit) -> Sequence:
@@ -198,12 +193,9 @@ class Engine:
             if not isinstance(seq.grammar, Future):
                 self._jump_first(seq)
         if sub.adapter:
-            try:
-                if self.lora is None:
-                    raise UnknownAdapter(sub.adapter)
-                schedulable = self.lora.acquire(seq, sub.adapter)
-            except UnknownAdapter:
-                raise AdapterNotFound(sub.adapter) from None
+            if self.lora is None:
+                raise UnknownAdapterError(sub.adapter)
+            schedulable = self.lora.acquire(seq, sub.adapter)  # UnknownAdapterError when not served
         else:
             schedulable = True
         self.requests[seq.request_id] = seq
@@ -356,7 +348,7 @@ class Engine:
         count is per thread). None when nothing can run."""
         if self._inflight is not None:
             raise RuntimeError("a step is already in flight: collect() it first")
-        proposed = self.spec.enabled and self._propose()
+        proposed = self.speculator.enabled and self._propose()
         batch = self.scheduler.schedule()
         if proposed:
             for seq in self.scheduler.running:
@@ -406,7 +398,7 @@ class Engine:
         ``spec_max_batch``: their verify rows would cost other requests' rows the cores. Constrained
         requests speculate too: their proposals are checked against the grammar (check_draft)."""
         running = self.scheduler.running
-        if len(running) > self.spec.max_batch:  # checked first: a large batch pays nothing per step
+        if len(running) > self.speculator.max_batch:  # checked first: a large batch pays nothing per step
             return False
         proposed = False
         for seq in running:
@@ -415,7 +407,7 @@ class Engine:
                 continue
             room = seq.max_new_tokens - seq.num_output - 1  # the token sampled after the proposal
             if room > 0:
-                draft = self.spec.propose(seq, room)
+                draft = self.speculator.propose(seq, room)
                 if draft and seq.grammar is not None:
                     draft = seq.grammar.check_draft(draft)
                 seq.draft = draft
@@ -431,7 +423,7 @@ class Engine:
         a = 0
         while a < len(draft) and toks[a] == draft[a]:
             a += 1
-        self.spec.record(seq, len(draft), a)
+        self.speculator.record(seq, len(draft), a)
         out = StepOutput(seq, [], spec_draft=len(draft), spec_accepted=a)
         out.decode_ms = (now - seq.last_token_t) * 1000.0
         self.tbt_ms.add(out.decode_ms)
@@ -489,8 +481,8 @@ class Engine:
                 out = self._verified(seq, batch.drafts[i], verified[i], sampled.verified_logprobs.get(i), now)
                 if out.finish_reason:
                     seq.finish_reason = out.finish_reason
-                    if self.spec.memory is not None:
-                        self.spec.finished(seq)
+                    if self.speculator.memory is not None:
+                        self.speculator.finished(seq)
                     if self.finish_hook is not None:  # (as the plain path below does)
                         self.finish_hook(seq)
                     self.requests.pop(seq.request_id, None)
@@ -536,8 +528,8 @@ class Engine:
                 self._advance_grammar(seq, tok, out)
             if out.finish_reason:
                 seq.finish_reason = out.finish_reason
-                if self.spec.memory is not None:
-                    self.spec.finished(seq)
+                if self.speculator.memory is not None:
+                    self.speculator.finished(seq)
                 if self.finish_hook is not None:
                     self.finish_hook(seq)
                 self.requests.pop(seq.request_id, None)
@@ -606,4 +598,4 @@ class Engine:
             self.grammars.close()
 
 
-__all__ = ["AdapterNotFound", "CapacityError", "ConstraintRefused", "Engine", "InFlight", "StepOutput", "Runner", "RunnerOutput", "Status"]
+__all__ = ["CapacityError", "ConstraintRefused", "Engine", "InFlight", "StepOutput", "Runner", "RunnerOutput", "Status"]

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from mindie.contract.errors import UnknownAdapterError
 from workers.engine.sequence import Sequence
 from workers.models.config import ModelArgs
 from workers.models.lora import AdapterWeights, lora_dtype, read_adapter
@@ -40,10 +41,6 @@ from workers.models.lora_adapter import MAX_RANK, AdapterError, AdapterPlan, che
 log = logging.getLogger("workers.lora")
 
 NAME_MAX = 256
-
-
-class UnknownAdapter(LookupError):
-    """A request names an adapter this worker does not serve (never loaded, or being unloaded)."""
 
 
 @dataclass(eq=False)
@@ -242,10 +239,10 @@ class LoraManager:
     # -- requests ---------------------------------------------------------------------------------
     def acquire(self, seq: Sequence, name: str) -> bool:
         """A new request on adapter ``name``: True when it may be scheduled now, False when it waits
-        for the adapter's tensors (``poll`` hands it back). ``UnknownAdapter`` when not served."""
+        for the adapter's tensors (``poll`` hands it back). ``UnknownAdapterError`` when not served."""
         a = self.adapters.get(name)
         if a is None or a.unloading:
-            raise UnknownAdapter(name)
+            raise UnknownAdapterError(name)
         a.refs += 1
         seq.adapter = a
         if a.weights is not None:

@@ -122,7 +122,7 @@ class Sequence:
     # (set by the engine before scheduling, taken by the scheduler into ScheduledBatch.drafts), and
     # its counts and back-off state.
     draft: list[int] = field(default_factory=list)
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenIds):

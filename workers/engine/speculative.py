@@ -290,7 +290,7 @@ class Controller:
 
     def propose(self, seq, room: int) -> list[int]:
         """A proposal for ``seq`` (a decoding request), at most ``room`` tokens."""
-        st: SpecStats = seq.spec
+        st: SpecStats = seq.spec_stats
         if self.method == "ngram":
             if st.skip > 0:
                 st.skip -= 1
@@ -328,7 +328,7 @@ class Controller:
 
     def record(self, seq, drafted: int, accepted: int) -> None:
         """A verify step of ``seq``: ``drafted`` tokens proposed, ``accepted`` of them accepted."""
-        st: SpecStats = seq.spec
+        st: SpecStats = seq.spec_stats
         st.drafts += 1
         st.draft_tokens += drafted
         st.accepted_tokens += accepted
