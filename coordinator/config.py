@@ -4,22 +4,22 @@ MindIE's shipped file writes ports and most scheduler numbers as strings (``"pre
 "1025"``, ``"slots_thresh": "0.05"``): both strings and numbers are accepted. Every key is either
 applied, or accepted and reported as not applied here (``NOT_APPLIED``, logged at INFO), or
 refused with the reason; an unknown key (a typo) stops the start naming it and the closest known
-key. Project extensions are camelCase keys (``instances`` and the few ``*Ms`` tunables below);
-all are documented in docs/config.md, "Coordinator".
+key (mindie.config's one unknown-key check, which names every unknown key; values are worded by
+the server's loader too). Project extensions are camelCase keys (``instances`` and the few ``*Ms``
+tunables below); all are documented in docs/config.md, "Coordinator".
 """
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import json
 import os
 import re
-import typing
 from typing import Annotated, Any, Literal, Mapping, NamedTuple, Optional
 
 import msgspec
 
-from mindie.config import ConfigError, _read_json
+from mindie.config import (ConfigError, did_you_mean, key_templates, keys_outside, lookup, read_json,
+                           refuse_unknown, translate)
 
 Port = Annotated[int, msgspec.Meta(ge=1024, le=65535)]
 Seconds = Annotated[int, msgspec.Meta(ge=0, le=3600)]
@@ -156,7 +156,7 @@ class InstanceRecord(_S):
     # of its own (ServerConfig.metricsPort != managementPort); None = the management port
     metric_port: Optional[Annotated[int, msgspec.Meta(ge=1, le=65535)]] = None
     # project extension (deploy_mode pd_separate): the instance's role until it reports its own
-    # in /v2/status (coordinator/pd.py); "" = flex unless it reports one
+    # in /v2/status (coordinator/pd_pairing.py); "" = flex unless it reports one
     role: Literal["", "prefill", "decode", "flex"] = ""
 
 
@@ -213,57 +213,12 @@ class Loaded(NamedTuple):
     notes: list[str]  # INFO lines: keys accepted and not applied, environment overrides
 
 
-def _fields(tp: Any) -> dict[str, Any]:
-    while typing.get_origin(tp) is Annotated:
-        tp = typing.get_args(tp)[0]
-    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        return {f.encode_name: f.type for f in msgspec.structs.fields(tp)}
-    return {}
+KNOWN_KEYS = key_templates(CoordinatorConfig)  # for the unknown-key check
+FILE = "MindIE ms_coordinator.json"  # whose keys these are, in an unknown key's message
 
 
-def unknown_keys(raw: Any, tp: Any = CoordinatorConfig, path: str = "") -> list[tuple[str, Optional[str]]]:
-    """(dotted key, closest known key or None) for every key that is not the coordinator's."""
-    out: list[tuple[str, Optional[str]]] = []
-    fields = _fields(tp)
-    if fields and isinstance(raw, dict):
-        for key, value in raw.items():
-            sub = f"{path}.{key}" if path else key
-            if key.startswith("//"):
-                continue  # a comment
-            if key in fields:
-                out += unknown_keys(value, fields[key], sub)
-            else:
-                lower = {n.lower(): n for n in fields}
-                close = difflib.get_close_matches(key.lower(), list(lower), n=1, cutoff=0.75)
-                out.append((sub, (f"{path}.{lower[close[0]]}" if path else lower[close[0]]) if close else None))
-    elif typing.get_origin(tp) is list and isinstance(raw, list):
-        (elem,) = typing.get_args(tp)
-        for i, item in enumerate(raw):
-            out += unknown_keys(item, elem, f"{path}[{i}]")
-    return out
-
-
-def _field_type(path: str) -> Any:
-    """The declared type at a msgspec path such as 'digs_scheduler_config.algorithm_type'."""
-    tp: Any = CoordinatorConfig
-    for name, index in re.findall(r"\.?([^.\[]+)|\[(\d+)\]", path):
-        while typing.get_origin(tp) is Annotated:
-            tp = typing.get_args(tp)[0]
-        tp = _fields(tp).get(name, Any) if name else (typing.get_args(tp) or (Any,))[0]
-    while typing.get_origin(tp) is Annotated:
-        tp = typing.get_args(tp)[0]
-    return tp
-
-
-def _translate(err: msgspec.ValidationError) -> tuple[str, str]:
-    m = re.fullmatch(r"(.*?) - at `\$(.*)`", str(err), re.S)
-    what, path = (m.group(1), m.group(2).lstrip(".")) if m else (str(err), "")
-    if what.startswith("Invalid enum value"):
-        allowed = typing.get_args(_field_type(path)) if typing.get_origin(_field_type(path)) is Literal else ()
-        return path, "must be one of " + ", ".join(json.dumps(a) for a in allowed)
-    what = re.sub(r"^Expected `([^`]+)`, got `([^`]+)`", r"must be \1, got \2", what)
-    what = re.sub(r"^Expected `[^`]+` (.+)", r"must be \1", what).replace("that's ", "")
-    return path, what
+def _present(raw: Any, key: str) -> bool:
+    return lookup(raw, key, CoordinatorConfig)[0]
 
 
 def _check_ip(key: str, ip: str, allow_zero: bool, source: Optional[str]) -> None:
@@ -284,15 +239,15 @@ def load(path: Optional[str] = None, env: Mapping[str, str] = os.environ,
     if path is None:
         path = env.get(ENV_CONFIG_PATH, "").strip() or None
     source = os.path.abspath(os.path.expanduser(path)) if path else None
-    raw: Any = _read_json(source) if source else {}
+    raw: Any = read_json(source) if source else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"the top level must be a JSON object, got {type(raw).__name__}", source=source)
-    unknown = unknown_keys(raw)
+    unknown = did_you_mean(keys_outside(raw, CoordinatorConfig), KNOWN_KEYS)  # every key that is not the coordinator's
     if unknown:
-        key, close = unknown[0]
-        raise ConfigError("unknown key" + (f": did you mean {close}?" if close else
-                                           " (not a MindIE ms_coordinator.json key nor a project extension)"),
-                          key, source=source)
+        key, message = refuse_unknown(unknown, file=FILE)
+        e = ConfigError(message, key, source=source)
+        e.unknown = unknown  # the fleet names them as keys of its own file
+        raise e
     notes: list[str] = []
     if overrides:
         http = raw.setdefault("http_config", {})
@@ -308,38 +263,13 @@ def load(path: Optional[str] = None, env: Mapping[str, str] = os.environ,
         # strict=False: MindIE writes numbers as strings ("1025", "0.05")
         config = msgspec.convert(raw, CoordinatorConfig, strict=False)
     except msgspec.ValidationError as e:
-        key, message = _translate(e)
-        found, value = _value(raw, key)
-        if found and ", got" not in message:
-            message += f", got {json.dumps(value)}"
+        key, message = translate(e, raw, CoordinatorConfig)
         raise ConfigError(message, key or "(top level)", source=source) from None
     _check(config, raw, source)
     for key, why in NOT_APPLIED.items():
         if _present(raw, key):
             notes.append(f"{key}: accepted, not applied here ({why})")
     return Loaded(config, source, notes)
-
-
-def _value(raw: Any, path: str) -> tuple[bool, Any]:
-    """(found, value) at a msgspec path such as 'instances[0].ip'."""
-    for name, index in re.findall(r"\.?([^.\[]+)|\[(\d+)\]", path):
-        if name:
-            if not isinstance(raw, dict) or name not in raw:
-                return False, None
-            raw = raw[name]
-        else:
-            if not isinstance(raw, list) or int(index) >= len(raw):
-                return False, None
-            raw = raw[int(index)]
-    return True, raw
-
-
-def _present(raw: Any, dotted: str) -> bool:
-    for name in dotted.split("."):
-        if not isinstance(raw, dict) or name not in raw:
-            return False
-        raw = raw[name]
-    return True
 
 
 def _check(c: CoordinatorConfig, raw: dict, source: Optional[str]) -> None:

@@ -9,8 +9,8 @@
 # ms_coordinator.json (its instances list) into the run directory, starts every instance with
 # scripts/launch.sh, waits for them (bounded), starts the coordinator (python -m
 # coordinator) and prints one "mindie-motor ready: ..." line. SIGTERM/SIGINT, or the
-# coordinator's stopService, drains them all. The logic is coordinator/fleet/launcher.py (--help for
-# everything); docs/operations.md, "Fleet".
+# coordinator's stopService, drains them all. The logic is coordinator/fleet/ (plan.py derives, run.py
+# runs, cli.py is this command line: --help for everything); docs/operations.md, "Fleet".
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -18,4 +18,4 @@ root="$(cd "$here/.." && pwd)"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export MINDIE_MOTOR_PROG="${MINDIE_MOTOR_PROG:-motor.sh}"
 # exec: the signals reach the fleet's supervisor directly (it drains in order, then exits).
-exec "${PYTHON:-python3}" -m coordinator.fleet.launcher "$@"
+exec "${PYTHON:-python3}" -m coordinator.fleet "$@"

@@ -1,4 +1,4 @@
-"""Tests for mindie/config.py: MindIE config.json shape, defaults, ranges, env overrides, messages."""
+"""Tests for mindie/config/: MindIE config.json shape, defaults, ranges, env overrides, messages."""
 import copy
 import json
 import os
@@ -616,6 +616,9 @@ def test_default_run_dir_prefers_xdg_runtime_dir(tmp_path: Path) -> None:
     assert default_run_dir(1025, {"XDG_RUNTIME_DIR": str(tmp_path)}) == str(tmp_path / "mindie-py" / "1025")
     assert default_run_dir(7, {"XDG_RUNTIME_DIR": str(tmp_path / "missing"), "TMPDIR": str(tmp_path)}) == str(
         tmp_path / f"mindie-py-{os.getuid()}" / "7")
+    # A fleet's (scripts/motor.sh, by its coordinator's predict port): the same rule, its own names.
+    assert default_run_dir(1025, {"XDG_RUNTIME_DIR": str(tmp_path)}, fleet=True) == str(tmp_path / "mindie-motor" / "1025")
+    assert default_run_dir(7, {"TMPDIR": str(tmp_path)}, fleet=True) == str(tmp_path / f"mindie-py-{os.getuid()}" / "motor-7")
 
 
 def test_ensure_run_dir_is_private(tmp_path: Path) -> None:
@@ -628,7 +631,7 @@ def test_ensure_run_dir_is_private(tmp_path: Path) -> None:
         ensure_run_dir(path)
 
 
-def test_config_module_does_not_import_torch() -> None:
+def test_config_package_does_not_import_torch() -> None:
     code = "import sys, mindie.config; bad = [m for m in ('torch', 'numpy') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

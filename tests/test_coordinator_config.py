@@ -80,10 +80,13 @@ def test_mindie_shipped_file_is_accepted(tmp_path):
     ("exception_config.max_retires", 3, "exception_config.max_retires: unknown key: did you mean "
                                         "exception_config.max_retry?"),
     ("digs_scheduler_config.algorithm", "x", "digs_scheduler_config.algorithm: unknown key"),
+    # a right name in the wrong section: pointed to where it belongs (the server's config.json's rule)
+    ("http_config.max_retry", 3, "http_config.max_retry: unknown key: did you mean exception_config.max_retry?"),
     ("instances.0.mgmt_prt", 1, "instances[0].mgmt_prt: unknown key: did you mean instances[0].mgmt_port?"),
     ("tls_config.request_server_tls_items.tls_certs", "x",
      "tls_config.request_server_tls_items.tls_certs: unknown key: did you mean tls_config.request_server_tls_items.tls_cert?"),
     ("exception_config.max_retry", 11, "exception_config.max_retry: must be <= 10, got 11"),
+    ("exception_config.max_retry", "three", 'exception_config.max_retry: must be an integer, got a string "three"'),
     ("http_config.predict_port", "80", "http_config.predict_port: must be >= 1024"),
     ("request_limit.body_limit", 0, "request_limit.body_limit: must be >= 1, got 0"),
     ("digs_scheduler_config.algorithm_type", "round_robin", "digs_scheduler_config.algorithm_type: must be one of \"load_balance\", \"cache_affinity\", got \"round_robin\""),
@@ -111,6 +114,19 @@ def test_bad_keys_are_refused_naming_the_key(tmp_path, key, value, message):
     assert r.stderr.startswith("mindie-coordinator: config refused: "), r.stderr
     assert message in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_every_unknown_key_is_named(tmp_path):
+    """Every typo of the file in one refusal, each with the closest known key where there is one
+    (mindie.config's one unknown-key check: the server's config.json and the fleet's file alike)."""
+    cfg = with_("http_config.predict_prot", 1025)
+    cfg["exception_config"]["zzzqqq"] = 1
+    r = check(tmp_path, cfg)
+    assert r.returncode == 2, r.stdout
+    assert r.stderr.strip() == (
+        "mindie-coordinator: config refused: 2 unknown keys (not MindIE ms_coordinator.json keys nor project "
+        "extensions): http_config.predict_prot (did you mean http_config.predict_port?); exception_config.zzzqqq "
+        f"(in {tmp_path / 'ms_coordinator.json'})"), r.stderr
 
 
 def test_duplicate_instance_ids_and_limits(tmp_path):

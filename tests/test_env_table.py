@@ -132,13 +132,13 @@ def _key_exists(path: str) -> bool:
 
 @pytest.mark.parametrize("name", sorted(set(ENV_OVERRIDES) - {"MIES_CONTAINER_IP", "MIES_CONTAINER_MANAGEMENT_IP"}))
 def test_each_override_is_read_by_the_config_only(name: str) -> None:
-    """An override of a config key is read by mindie/config.py (the engine and kernel ones by its
+    """An override of a config key is read by mindie/config/env_overrides.py (the engine and kernel ones by its
     table in mindie/runtime/env.py, which the workers' plan-less processes share); outside them
     only launcher plumbing (the resolved value the launcher exports) may name it."""
     from mindie.runtime.env import ENGINE_ENV
 
     read = names_read_by_the_code()
-    home = "mindie/runtime/env.py" if name in ENGINE_ENV else "mindie/config.py"
+    home = "mindie/runtime/env.py" if name in ENGINE_ENV else "mindie/config/env_overrides.py"
     assert home in read.get(name, []), name
     plumbing = {"MINDIE_RUN_DIR", "MINDIE_FRONTENDS", "MINDIE_PORT", "MINDIE_MODEL_PATH", "MINDIE_HOST",
                 "MINDIE_MODEL_NAME", "MINDIE_DEVICE_TYPE", "MINDIE_NPU_DEVICE_IDS", "MINDIE_GRACEFUL_TIMEOUT"}

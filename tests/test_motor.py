@@ -1,4 +1,4 @@
-"""scripts/motor.sh (coordinator/fleet/launcher.py): a coordinator and N server instances on this host from
+"""scripts/motor.sh (coordinator/fleet/: plan.py, run.py): a coordinator and N server instances on this host from
 MindIE Motor's user_config.json. The derivation (ports, run directories, the coordinator's
 instance list; typos and the PD modes refused naming the key) through the real command, and a
 real fleet on loopback: two instances started by scripts/launch.sh and the coordinator, a request
@@ -111,7 +111,7 @@ def test_run_dir_parents_made_private(tmp_path) -> None:
     as a server's default ServerConfig.runDir beside it requires (a 0755 one made every later
     scripts/launch.sh on the defaults refuse to start)."""
     from mindie.config import ensure_run_dir
-    from coordinator.fleet.launcher import claim
+    from coordinator.fleet.run import claim
     parent = tmp_path / f"mindie-py-{os.getuid()}"
     lock = claim(str(parent / "motor-1025"))
     assert lock is not None
@@ -132,10 +132,11 @@ def test_example_user_config_plans(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("edit,key", [
-    (lambda d: d["deploy_config"].update(replica=2), "deploy_config.replica: unknown key: did you mean replicas?"),
+    (lambda d: d["deploy_config"].update(replica=2),
+     "deploy_config.replica: unknown key: did you mean deploy_config.replicas?"),
     (lambda d: d.update(mindie_server_conf={}), "mindie_server_conf: unknown key"),
     (lambda d: d["mindie_ms_controller_config"].update(deploy_mod="single_node"),
-     "mindie_ms_controller_config.deploy_mod: unknown key: did you mean deploy_mode?"),
+     "mindie_ms_controller_config.deploy_mod: unknown key: did you mean mindie_ms_controller_config.deploy_mode?"),
     (lambda d: d["mindie_server_config"]["ServerConfig"].update(managementPrt=1),
      "mindie_server_config.ServerConfig.managementPrt: unknown key: did you mean "
      "mindie_server_config.ServerConfig.managementPort?"),
@@ -149,9 +150,19 @@ def test_example_user_config_plans(tmp_path) -> None:
      "managementPrt (did you mean mindie_server_config.ServerConfig.managementPort?); "
      "mindie_server_config.ServerConfig.zzzqqq"),
     (lambda d: (d.update(extra=1), d["deploy_config"].update(replica=2)),
-     "2 unknown keys: extra (not a MindIE user_config.json key); deploy_config.replica (did you mean replicas?)"),
+     "2 unknown keys: extra (not a MindIE user_config.json key); deploy_config.replica (did you mean "
+     "deploy_config.replicas?)"),
     (lambda d: d["mindie_ms_coordinator_config"]["exception_config"].update(max_retri=1),
-     "mindie_ms_coordinator_config.exception_config.max_retri: unknown key"),
+     "mindie_ms_coordinator_config.exception_config.max_retri: unknown key: did you mean "
+     "mindie_ms_coordinator_config.exception_config.max_retry?"),
+    # every unknown key of every section, each named as a key of this file, suggestions included
+    (lambda d: d["mindie_ms_coordinator_config"]["exception_config"].update(max_retri=1, zzzqqq=2),
+     "2 unknown keys (not MindIE ms_coordinator.json keys nor project extensions): "
+     "mindie_ms_coordinator_config.exception_config.max_retri (did you mean "
+     "mindie_ms_coordinator_config.exception_config.max_retry?); mindie_ms_coordinator_config.exception_config.zzzqqq"),
+    # a right name in the wrong section: pointed to where it belongs (the one unknown-key check's rule)
+    (lambda d: d["deploy_config"].update(deploy_mod="single_node"),
+     "deploy_config.deploy_mod: unknown key: did you mean mindie_ms_controller_config.deploy_mode?"),
     (lambda d: d["mindie_ms_coordinator_config"].update(instances=[]), "mindie_ms_coordinator_config.instances: derived"),
     (lambda d: d["deploy_config"].update(replicas=17), "deploy_config.replicas: must be an integer in [1, 16]"),
     (lambda d: d["mindie_server_config"]["ServerConfig"].update(port=21026),

@@ -131,7 +131,7 @@ def test_discovery_renders_a_config_the_coordinator_loads(tmp_path, monkeypatch)
     init = container(pod, "discover", init=True)
     cmd = init["command"]
     assert cmd[:4] == ["python3", "-m", "coordinator.fleet.discover", "render"] and init["workingDir"] == image_root()
-    assert (ROOT / "mindie" / "motor" / "discover.py").is_file()
+    assert (ROOT / "coordinator" / "fleet" / "discover.py").is_file()
     # The template is the ConfigMap's ms_coordinator.json; the rendered file is on a volume the
     # coordinator container mounts, where its --config and the probes' variable point.
     tvol, trel = mount_of(pod, init, arg(cmd, "--template"))

@@ -1,8 +1,10 @@
-"""A local MindIE Motor fleet from MindIE's ``user_config.json``: one coordinator in front of N
-server instances on this host (``scripts/motor.sh``).
+"""Planning a local MindIE Motor fleet from MindIE's ``user_config.json`` (one coordinator in front
+of N server instances on this host, ``scripts/motor.sh``): read and check the file, derive each
+instance's config.json and ports and the coordinator's ms_coordinator.json, write them
+(``derive``). Running the plan is coordinator/fleet/run.py; the command line coordinator/fleet/cli.py.
 
-    python -m coordinator.fleet.launcher plan --config user_config.json [--run-dir DIR]   # derive, write, print
-    python -m coordinator.fleet.launcher run  --config user_config.json [--run-dir DIR] [-- LAUNCH.SH OPTIONS]
+    python -m coordinator.fleet plan --config user_config.json [--run-dir DIR]   # derive, write, print
+    python -m coordinator.fleet run  --config user_config.json [--run-dir DIR] [-- LAUNCH.SH OPTIONS]
 
 ``user_config.json`` is MindIE Motor's deploy file (``deploy_config``, ``mindie_ms_controller_config``,
 ``mindie_ms_coordinator_config``, ``mindie_server_prefill_config``, ``mindie_server_decode_config``).
@@ -13,7 +15,7 @@ MindIE deploys it to Kubernetes; here it starts processes on one host. What is r
   ``single_node``). ``pd_separate``: ``deploy_config.p_instances_num`` prefill instances running
   ``mindie_server_prefill_config`` and ``d_instances_num`` decode instances running
   ``mindie_server_decode_config`` (a missing one: ``mindie_server_config``), the coordinator
-  handing each request from a prefill to a decode instance (coordinator/pd.py); the port
+  handing each request from a prefill to a decode instance (coordinator/pd_pairing.py); the port
   layout is the prefill config's, instances numbered prefill first. The other PD forms
   (``pd_disaggregation``, ``pd_disaggregation_single_container``) are refused.
 - single_node: ``deploy_config.replicas`` instances (MindIE's name for the instance count of a
@@ -45,26 +47,18 @@ taken from the directory of ``user_config.json`` and written absolute.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import copy
-import difflib
-import fcntl
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-# Imported here, in the parent: the preexec_fn of a child must not dlopen (libc's prctl).
-from mindie.runtime.lifecycle import die_with_parent
+import msgspec
 
-ROOT = Path(__file__).resolve().parents[2]
-LAUNCH = ROOT / "scripts" / "launch.sh"
+from coordinator import config as coordinator_config
+from mindie.config import (ConfigError, ServerConfig, default_run_dir, did_you_mean, load_config,
+                           refuse_unknown)
+from mindie.config.paths import SERVER_TLS_PATHS
 
 SINGLE_NODE = "single_node"
 PD_SEPARATE = "pd_separate"
@@ -98,26 +92,21 @@ CONTROLLER_KEYS = (
     "multi_node_infer_config", "node_manager_port", "process_manager", "rank_table_detecting_seconds",
     "role_decision_methods", "scaling_rule_file_path", "server_online_attempt_times",
     "server_online_wait_seconds", "tls_config", "transfer_type")
-# Environment variables not passed to the instances: every override of a config key (launch.sh
-# reads them over the config file, so they would move an instance off its derived config.json:
-# mindie.config.ENV_OVERRIDES, added in instance_env()) and the launcher's own plumbing.
-INSTANCE_ENV_DROPPED = ("MIES_CONFIG_JSON_PATH", "MINDIE_ROLE", "MINDIE_LAUNCHER_PID", "MINDIE_HUP_RESET")
-COORDINATOR_ENV_DROPPED = ("MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH",)
+# The file's own keys, for the unknown-key check (mindie.config's; the sections holding a server's
+# config.json or the coordinator's ms_coordinator.json are checked by their own loaders), and why a
+# key of each section that is none of them is refused.
+FLEET_KEYS = (*TOP_KEYS, *(f"deploy_config.{k}" for k in (*DEPLOY_KEYS_NOT_APPLIED, "replicas")),
+              *(f"mindie_ms_controller_config.{k}" for k in CONTROLLER_KEYS))
+WHY_NOT = {"": "not a MindIE user_config.json key", "deploy_config": "not a MindIE deploy_config key",
+           "mindie_ms_controller_config": "not a MindIE ms_controller.json key"}
 # launch.sh options that the derivation sets: refused after "--".
 LAUNCH_OPTIONS_DERIVED = ("-c", "--config", "-H", "--host", "-p", "--port", "--management-port",
                           "--metrics-port", "--run-dir", "--workers-only", "--frontends-only")
 
-# Server config keys holding file paths (mindie.config._resolve_paths), relative to the config file.
-SERVER_TLS_PATH_KEYS = ("tlsCaPath", "tlsCert", "tlsPk", "tlsPkPwd", "tlsCrlPath", "managementTlsCert",
-                        "managementTlsPk", "managementTlsPkPwd", "managementTlsCrlPath", "metricsTlsCert",
-                        "metricsTlsPk", "metricsTlsPkPwd", "metricsTlsCrlPath")
+# ServerConfig's TLS file keys (as the server's loader resolves them: mindie.config.paths), and the
+# coordinator's TLS item keys holding file paths, relative to the config file.
+SERVER_TLS_PATH_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(ServerConfig) if f.name in SERVER_TLS_PATHS)
 COORD_TLS_ITEM_PATHS = ("ca_cert", "tls_cert", "tls_key", "tls_passwd", "tls_crl")
-
-DEFAULT_READY_TIMEOUT_S = 300.0
-COORDINATOR_READY_TIMEOUT_S = 60.0
-COORDINATOR_STOP_S = 10.0  # beyond its drainTimeoutS: the cut and the exit
-RESTARTS = 3  # coordinator deaths within RESTART_WINDOW_S before the fleet gives up
-RESTART_WINDOW_S = 60.0
 
 
 class FleetError(Exception):
@@ -161,11 +150,6 @@ class Plan:
 
 
 # -- reading -----------------------------------------------------------------------------------------
-def _close(key: str, known) -> str:
-    m = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    return f": did you mean {m[0]}?" if m else ""
-
-
 def _obj(raw: dict, key: str, where: str) -> dict:
     v = raw.get(key, {})
     if not isinstance(v, dict):
@@ -218,12 +202,10 @@ def deploy_mode(raw: dict) -> str:
 
 
 def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
-    """Refuse unknown keys naming every one; notes for MindIE keys not applied here."""
+    """Refuse unknown keys naming every one (mindie.config's unknown-key check); notes for MindIE
+    keys not applied here."""
     notes: list[str] = []
-    unknown: list[tuple[str, str]] = []  # (key, " (why)" or ": did you mean X?")
-    for key in raw:
-        if not key.startswith("//") and key not in TOP_KEYS:
-            unknown.append((key, _close(key, TOP_KEYS) or " (not a MindIE user_config.json key)"))
+    outside = [key for key in raw if not key.startswith("//") and key not in TOP_KEYS]
     if mode != PD_SEPARATE:
         for key in ("mindie_server_prefill_config", "mindie_server_decode_config"):
             if key in raw:
@@ -236,8 +218,7 @@ def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
         if key in DEPLOY_KEYS_NOT_APPLIED:
             notes.append(f"deploy_config.{key}: accepted, not applied on one host (Kubernetes/NPU placement)")
         else:
-            unknown.append((f"deploy_config.{key}", _close(key, DEPLOY_KEYS_NOT_APPLIED + ("replicas",))
-                            or " (not a MindIE deploy_config key)"))
+            outside.append(f"deploy_config.{key}")
     ctl = _obj(raw, "mindie_ms_controller_config", "")
     for key in ctl:
         if key.startswith("//") or key == "deploy_mode":
@@ -245,14 +226,16 @@ def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
         if key in CONTROLLER_KEYS:
             notes.append(f"mindie_ms_controller_config.{key}: accepted, not applied (no Controller in a local fleet)")
         else:
-            unknown.append((f"mindie_ms_controller_config.{key}", _close(key, CONTROLLER_KEYS)
-                            or " (not a MindIE ms_controller.json key)"))
-    if len(unknown) == 1:
-        raise FleetError("unknown key" + unknown[0][1], unknown[0][0])
-    if unknown:
-        raise FleetError(f"{len(unknown)} unknown keys: " + "; ".join(
-            key + (f" ({why[2:]})" if why.startswith(": ") else why) for key, why in unknown))
+            outside.append(f"mindie_ms_controller_config.{key}")
+    if (unknown := did_you_mean(outside, FLEET_KEYS)):
+        key, message = refuse_unknown(unknown, why_not=WHY_NOT)
+        raise FleetError(message, key)
     return notes
+
+
+def _prefixed(unknown: list[tuple[str, Optional[str]]], prefix: str) -> list[tuple[str, Optional[str]]]:
+    """Unknown keys of a section's own file (and their suggestions), named as keys of this file."""
+    return [(prefix + key, close and prefix + close) for key, close in unknown]
 
 
 def _devices(cfg: dict, k: int) -> None:
@@ -323,20 +306,12 @@ def _coordinator_paths_absolute(cfg: dict, base: str) -> None:
                 log[k] = _absolute(log[k], base)
 
 
-def default_run_dir(predict_port: int, env=os.environ) -> str:
-    """$XDG_RUNTIME_DIR/mindie-motor/<port>, else <$TMPDIR or /tmp>/mindie-py-<uid>/motor-<port>
-    (short: the instances' ipc sockets live below it)."""
-    xdg = env.get("XDG_RUNTIME_DIR", "")
-    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
-        return os.path.join(xdg, "mindie-motor", str(predict_port))
-    return os.path.join(env.get("TMPDIR", "") or "/tmp", f"mindie-py-{os.getuid()}", f"motor-{predict_port}")
-
-
 def _connect_host(listen: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(listen, listen)
 
 
-def _url(scheme: str, host: str, port: int) -> str:
+def url(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port``, an IPv6 host in brackets."""
     return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
@@ -344,8 +319,6 @@ def _url(scheme: str, host: str, port: int) -> str:
 def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = True) -> Plan:
     """Validate ``user_config.json`` and derive (and write, with ``write``) the fleet's files.
     Raises FleetError naming the key."""
-    from mindie.config import ConfigError, load_config, refuse_unknown
-
     source = os.path.abspath(os.path.expanduser(config_path))
     base = os.path.dirname(source)
     raw = read_user_config(source)
@@ -431,7 +404,8 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
                          "written (set npu or cuda to give each instance its own devices)")
     _coordinator_paths_absolute(coord, base)
 
-    run_dir = os.path.abspath(os.path.expanduser(run_dir)) if run_dir else default_run_dir(predict_port)
+    run_dir = (os.path.abspath(os.path.expanduser(run_dir)) if run_dir
+               else default_run_dir(predict_port, fleet=True))
     taken: dict[int, tuple[str, str]] = {p: ("coordinator", what) for p, what in coord_ports.items()}
     instances: list[Instance] = []
     configs: list[dict] = []
@@ -475,7 +449,7 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
                     raise FleetError((f"{tk}.{msg}" if e.key else msg)
                                      + (f" (instance i{k}, {path})" if k else "")) from None
                 found = e.unknown
-            unknown.update({f"{tk}.{key}": close and f"{tk}.{close}" for key, close in found})
+            unknown.update(_prefixed(found, f"{tk}."))
             if unknown:
                 continue
             s = loaded.config.server
@@ -501,7 +475,7 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
                              "for the coordinator, whose instance records carry one ip",
                              f"{templates[roles[k]][0]}.ServerConfig.managementIpAddress")
     if unknown:
-        key, msg = refuse_unknown(list(unknown.items()), None)
+        key, msg = refuse_unknown(list(unknown.items()))
         raise FleetError(msg, key)
     coord["instances"] = inst_records
     digs = coord.setdefault("digs_scheduler_config", {})
@@ -518,8 +492,8 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
     tls = coord.get("tls_config") if isinstance(coord.get("tls_config"), dict) else {}
     plan = Plan(run_dir=run_dir, source=source, deploy_mode=mode, coordinator_config=coord_path,
                 coordinator_log=os.path.join(run_dir, "coordinator.log"),
-                predict_url=_url("https" if tls.get("request_server_tls_enable") else "http", predict_ip, predict_port),
-                manage_url=_url("https" if tls.get("controller_server_tls_enable") else "http", manage_ip, manage_port),
+                predict_url=url("https" if tls.get("request_server_tls_enable") else "http", predict_ip, predict_port),
+                manage_url=url("https" if tls.get("controller_server_tls_enable") else "http", manage_ip, manage_port),
                 manage_host=manage_ip, manage_port=manage_port, coordinator_drain_s=coord_drain,
                 instances=instances, notes=notes)
     if write:
@@ -532,7 +506,6 @@ def _role_keys(role: str, sc: dict) -> dict:
     (the section it came from decides: mindie_server_prefill_config -> prefill) and
     ``interCommPort`` 0 unless set (one host: the KV moves over ipc, and N instances would
     otherwise all bind MindIE's default tcp port 1121)."""
-    from mindie.config import ServerConfig
     fields = ServerConfig.__struct_fields__
     out = {}
     if "pd_role" in fields:
@@ -545,11 +518,13 @@ def _role_keys(role: str, sc: dict) -> dict:
 def _check_coordinator(path: str) -> tuple[list[str], float]:
     """The coordinator's own loader on the derived file (its typos and ranges, keys named):
     its notes, and its drain bound (http_config.drainTimeoutS)."""
-    from mindie.config import ConfigError
-    from coordinator import config as ccfg
     try:
-        loaded = ccfg.load(path, env={})
+        loaded = coordinator_config.load(path, env={})
     except ConfigError as e:
+        if e.unknown:  # named as keys of this file, as the servers' are
+            key, msg = refuse_unknown(_prefixed(e.unknown, "mindie_ms_coordinator_config."),
+                                      file=coordinator_config.FILE)
+            raise FleetError(msg, key) from None
         msg = str(e).replace(f" (in {path})", "")
         raise FleetError(f"mindie_ms_coordinator_config.{msg}" if e.key else msg) from None
     drain = float(getattr(loaded.config.http_config, "drainTimeoutS", 30))
@@ -562,247 +537,6 @@ def _write_json(path: str, doc: Any) -> None:
         json.dump(doc, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
-
-
-# -- running ---------------------------------------------------------------------------------------
-def _say(msg: str) -> None:
-    print(f"motor: {msg}", file=sys.stderr, flush=True)
-
-
-def _child_env(drop) -> dict:
-    return {k: v for k, v in os.environ.items() if k not in drop}
-
-
-def instance_env() -> tuple[dict, list[str]]:
-    """The instances' environment, and the overrides left out of it (named in a note)."""
-    from mindie.config import ENV_OVERRIDES
-    drop = set(INSTANCE_ENV_DROPPED) | set(ENV_OVERRIDES)
-    return _child_env(drop), sorted(k for k in ENV_OVERRIDES if k in os.environ)
-
-
-def _preexec() -> None:
-    # A session of its own (a terminal's Ctrl-C reaches motor only, which stops the children in
-    # order), and SIGTERM when motor dies, even by SIGKILL: launch.sh then drains as on a stop.
-    os.setsid()
-    die_with_parent(signal.SIGTERM)
-
-
-def _how(rc: int) -> str:
-    """How a child ended, from its Popen returncode."""
-    if rc < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-rc).name}"
-        return f"was killed by signal {-rc}"
-    return f"exited with status {rc}"
-
-
-def _tail(path: str, n: int = 20) -> str:
-    with contextlib.suppress(OSError):
-        lines = Path(path).read_text(errors="replace").splitlines()[-n:]
-        return "\n".join("    " + line for line in lines)
-    return "    (no log)"
-
-
-class Readiness:
-    """One readiness check of a management plane with scripts/health_check.sh's client
-    (mindie/ops/probe.py): the same TLS rules (the plane's CA, MINDIE_PROBE_CERT/KEY for mutual
-    TLS), so a fleet of HTTPS instances is waited for as its probes would see it."""
-
-    def __init__(self, config: str, coordinator: bool):
-        from mindie.ops import probe
-        self.probe = probe
-        self.coordinator = coordinator
-        self.target = probe.coordinator_target(config, env={}) if coordinator else probe.management_target(config, env={})
-        self.ctx = None
-        if self.target.tls:
-            e = os.environ
-            self.ctx = probe.client_context(self.target.tls, cacert=e.get("MINDIE_PROBE_CACERT", ""),
-                                            cert=e.get("MINDIE_PROBE_CERT", ""), key=e.get("MINDIE_PROBE_KEY", ""),
-                                            key_password_file=e.get("MINDIE_PROBE_KEY_PASSWORD_FILE", ""))
-        self.last = ""
-
-    def ready(self, timeout: float = 2.0) -> bool:
-        p = self.probe
-        prober = p.Prober(self.target, time.monotonic() + timeout, self.ctx,
-                          os.environ.get("MINDIE_PROBE_SERVER_NAME", ""), bool(os.environ.get("MINDIE_PROBE_CERT")))
-        try:
-            code, self.last = p.probe(prober, "readiness", 0, self.coordinator)
-        except p.ProbeFailure as f:
-            code, self.last = f.code, f.message
-        except p._Deadline:
-            code, self.last = p.TIMEOUT, f"timeout: no answer within {timeout:g} s"
-        return code == p.OK
-
-
-class Fleet:
-    """The running fleet: N launch.sh processes and one coordinator, each in its own session."""
-
-    def __init__(self, plan: Plan, launch_args: list[str], ready_timeout: float):
-        self.plan, self.launch_args, self.ready_timeout = plan, launch_args, ready_timeout
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs: list = []
-        self.signals = 0
-        self.coordinator_deaths: list[float] = []
-
-    # signals: the first drains, the second forces (launch.sh's second SIGTERM cuts the requests
-    # in progress), the third kills every process group
-    def on_signal(self, signum, frame) -> None:
-        self.signals += 1
-        if self.signals == 2:
-            _say(f"{signal.Signals(signum).name} again: cutting the requests in progress")
-            for p in self.procs.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
-        elif self.signals >= 3:
-            _say("asked a third time: killing every process now")
-            self.kill_all()
-
-    def kill_all(self) -> None:
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-
-    def _spawn(self, name: str, argv: list[str], log: str, env: dict) -> subprocess.Popen:
-        f = open(log, "ab")
-        self.logs.append(f)
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
-                             cwd=str(ROOT), preexec_fn=_preexec)
-        self.procs[name] = p
-        return p
-
-    def start_instances(self) -> None:
-        env, dropped = instance_env()
-        if dropped:
-            _say(f"note: not passed to the instances (their derived config.json is): {', '.join(dropped)}")
-        env.setdefault("PYTHON", sys.executable)
-        for inst in self.plan.instances:
-            p = self._spawn(inst.name, ["bash", str(LAUNCH), "--config", inst.config, *self.launch_args],
-                            inst.log, env)
-            _say(f"instance {inst.name}: launch.sh pid {p.pid}, business {_url('http', inst.ip, inst.business_port)}, "
-                 f"management {_url('http', inst.mgmt_ip, inst.mgmt_port)}, log {inst.log}")
-
-    def start_coordinator(self) -> subprocess.Popen:
-        env = _child_env(COORDINATOR_ENV_DROPPED)
-        p = self._spawn("coordinator", [sys.executable, "-m", "coordinator", "--config",
-                                        self.plan.coordinator_config], self.plan.coordinator_log, env)
-        _say(f"coordinator: pid {p.pid}, predict {self.plan.predict_url}, manage {self.plan.manage_url}, "
-             f"log {self.plan.coordinator_log}")
-        return p
-
-    def wait_instances(self) -> bool:
-        deadline = time.monotonic() + self.ready_timeout
-        pending = {i.name: i for i in self.plan.instances}
-        checks = {i.name: Readiness(i.config, coordinator=False) for i in self.plan.instances}
-        while pending:
-            if self.signals:
-                return False
-            for name, inst in list(pending.items()):
-                p = self.procs[name]
-                if p.poll() is not None:
-                    _say(f"instance {name} failed to start: launch.sh {_how(p.returncode)}; "
-                         f"its log ({inst.log}) ends:\n{_tail(inst.log)}")
-                    return False
-                if checks[name].ready():
-                    _say(f"instance {name} ready")
-                    del pending[name]
-            if time.monotonic() > deadline:
-                for name, inst in pending.items():
-                    _say(f"instance {name} not ready after {self.ready_timeout:g} s (--ready-timeout; last probe: "
-                         f"{checks[name].last}); its log ({inst.log}) ends:\n{_tail(inst.log)}")
-                return False
-            time.sleep(0.2)
-        return True
-
-    def wait_coordinator(self, p: subprocess.Popen) -> bool:
-        deadline = time.monotonic() + COORDINATOR_READY_TIMEOUT_S
-        check = Readiness(self.plan.coordinator_config, coordinator=True)
-        while time.monotonic() < deadline and not self.signals:
-            if p.poll() is not None:
-                _say(f"the coordinator {_how(p.returncode)} while starting; its log "
-                     f"({self.plan.coordinator_log}) ends:\n{_tail(self.plan.coordinator_log)}")
-                return False
-            if check.ready():
-                return True
-            time.sleep(0.2)
-        if not self.signals:
-            _say(f"the coordinator was not ready after {COORDINATOR_READY_TIMEOUT_S:g} s (last probe: {check.last}); its log "
-                 f"({self.plan.coordinator_log}) ends:\n{_tail(self.plan.coordinator_log)}")
-        return False
-
-    def ready_line(self) -> str:
-        inst = ", ".join(f"{i.name}{' ' + i.role if i.role else ''} "
-                         f"{_url('https' if i.https else 'http', i.ip, i.business_port)}"
-                         for i in self.plan.instances)
-        return (f"mindie-motor ready: coordinator {self.plan.predict_url} (manage {self.plan.manage_url}) | "
-                f"{len(self.plan.instances)} instance(s): {inst} | run dir {self.plan.run_dir}")
-
-    def supervise(self) -> int:
-        """Until a stop signal or the coordinator's own stop (/stopService): exit status."""
-        dead_instances: set[str] = set()
-        while not self.signals:
-            coord = self.procs["coordinator"]
-            if coord.poll() is not None:
-                rc = coord.returncode
-                if rc == 0:
-                    _say("the coordinator stopped by itself (exit 0, a stop it was asked for): stopping the instances")
-                    return 0
-                now = time.monotonic()
-                self.coordinator_deaths = [t for t in self.coordinator_deaths if now - t < RESTART_WINDOW_S] + [now]
-                how = _how(rc)
-                if len(self.coordinator_deaths) > RESTARTS:
-                    _say(f"the coordinator {how}, {len(self.coordinator_deaths)} times in "
-                         f"{RESTART_WINDOW_S:g} s: giving up; its log ends:\n{_tail(self.plan.coordinator_log)}")
-                    return 1
-                _say(f"the coordinator {how}: restarting it (the instances kept serving)")
-                self.start_coordinator()
-            for inst in self.plan.instances:
-                p = self.procs[inst.name]
-                if inst.name not in dead_instances and p.poll() is not None:
-                    dead_instances.add(inst.name)
-                    _say(f"instance {inst.name} stopped (launch.sh {_how(p.returncode)}): the coordinator "
-                         f"routes around it; its log ({inst.log}) ends:\n{_tail(inst.log, 5)}")
-            time.sleep(0.2)
-        return 0
-
-    def stop(self) -> None:
-        """Coordinator first (its requests in flight finish on the instances), then every instance
-        at once (launch.sh drains on SIGTERM); each wait bounded, SIGKILL to what is left."""
-        coord = self.procs.get("coordinator")
-        drain = max((i.drain_timeout_s for i in self.plan.instances), default=20.0)
-        if coord is not None and coord.poll() is None:
-            _say(f"stopping the coordinator (its requests in flight get up to {self.plan.coordinator_drain_s:g} s)")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(coord.pid, signal.SIGTERM)
-            self._wait([coord], self.plan.coordinator_drain_s + COORDINATOR_STOP_S, "the coordinator")
-        live = [self.procs[i.name] for i in self.plan.instances if i.name in self.procs]
-        if any(p.poll() is None for p in live):
-            _say(f"draining {sum(p.poll() is None for p in live)} instance(s) (up to {drain:g} s each, in parallel)")
-            for p in live:
-                if p.poll() is None and self.signals < 2:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p.pid, signal.SIGTERM)
-            # launch.sh's own stop: drain + cut + front ends (+10 s) + workers (15 s)
-            self._wait(live, drain + 35.0, "instances")
-        # What any child left in its process group (it should be nothing).
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-        for f in self.logs:
-            f.close()
-
-    def _wait(self, procs: list, bound: float, what: str) -> None:
-        deadline = time.monotonic() + bound
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and self.signals < 3:
-            time.sleep(0.1)
-        left = [p for p in procs if p.poll() is None]
-        if left:
-            _say(f"{what} still running after {bound:g} s: SIGKILL to pid {' '.join(str(p.pid) for p in left)}")
-            for p in left:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, signal.SIGKILL)
-            for p in left:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(5)
 
 
 def make_private_dirs(path: str) -> None:
@@ -819,128 +553,3 @@ def make_private_dirs(path: str) -> None:
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
-
-
-def claim(run_dir: str) -> Optional[int]:
-    """An open descriptor holding the run directory's lock (``motor.lock``), or None (with a
-    message) when another motor.sh holds it: its files are not touched."""
-    make_private_dirs(run_dir)
-    lock_path = os.path.join(run_dir, "motor.lock")
-    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock)
-        _say(f"the run directory {run_dir} is in use by another motor.sh (its lock {lock_path} is held): "
-             "stop that one first or pass --run-dir")
-        return None
-    return lock
-
-
-def run(plan: Plan, lock: int, launch_args: list[str], ready_timeout: float) -> int:
-    fleet = Fleet(plan, launch_args, ready_timeout)
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, fleet.on_signal)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the terminal going away does not stop a fleet
-    status = 1
-    try:
-        fleet.start_instances()
-        if not fleet.wait_instances():
-            status = 0 if fleet.signals else 1
-            return status
-        coord = fleet.start_coordinator()
-        if not fleet.wait_coordinator(coord):
-            status = 0 if fleet.signals else 1
-            return status
-        print(fleet.ready_line(), file=sys.stderr, flush=True)
-        status = fleet.supervise()
-        if fleet.signals:
-            _say("stop requested: draining the fleet")
-        return status
-    finally:
-        fleet.stop()
-        _say("stopped" + ("" if status == 0 else f" (exit status {status})"))
-        os.close(lock)
-
-
-# -- command line ----------------------------------------------------------------------------------
-EPILOG = """\
-examples:
-  scripts/motor.sh --config user_config.json                 # the fleet, until SIGTERM/SIGINT
-  scripts/motor.sh --config user_config.json -- --null-model --null-step-ms 20 -w 1
-  python -m coordinator.fleet.launcher plan --config user_config.json   # derive and print, start nothing
-
-A minimal user_config.json (two instances of the demo model behind a cache-affine coordinator):
-
-  {"deploy_config": {"replicas": 2},
-   "mindie_ms_controller_config": {"deploy_mode": "single_node"},
-   "mindie_ms_coordinator_config": {
-       "http_config": {"predict_port": "1025", "manage_port": "1026"},
-       "digs_scheduler_config": {"deploy_mode": "single_node", "algorithm_type": "cache_affinity"}},
-   "mindie_server_config": {"ServerConfig": {"port": 1030},
-                            "BackendConfig": {"npuDeviceIds": [[0]], "deviceType": "cpu"}}}
-
-Stop: SIGTERM or SIGINT (Ctrl-C) stops the coordinator first (its requests in flight finish),
-then drains every instance (launch.sh's drain: ServerConfig.drainTimeoutS); a second signal
-cuts the requests in progress, a third kills. The coordinator's own stop (stopService) stops
-the instances the same way. A coordinator that dies is restarted (at most 3 times a minute);
-an instance that stops is left stopped (the coordinator routes around it). Every wait is
-bounded. Exit status: 0 stopped on request, 1 a start failed, 2 user_config.json refused (one
-line naming the key) or the run directory in use. docs/operations.md, "Fleet".
-"""
-
-
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    launch_args: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, launch_args = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog=os.environ.get("MINDIE_MOTOR_PROG") or "python -m coordinator.fleet.launcher",
-                                description="A local MindIE Motor fleet from user_config.json: a coordinator "
-                                            "in front of N server instances on this host.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", nargs="?", choices=("run", "plan"), default="run",
-                   help="run (default): start the fleet and supervise it; plan: derive, write and print the "
-                        "files, start nothing")
-    p.add_argument("-c", "--config", required=True, metavar="user_config.json", help="MindIE Motor's deploy file")
-    p.add_argument("--run-dir", metavar="DIR", default=None,
-                   help="where the derived files, logs and the instances' run directories go (default: "
-                        "$XDG_RUNTIME_DIR/mindie-motor/<predict_port>, else /tmp/mindie-py-<uid>/motor-<predict_port>)")
-    p.add_argument("--ready-timeout", type=float, default=DEFAULT_READY_TIMEOUT_S, metavar="S",
-                   help=f"seconds the instances get to load their models (default {DEFAULT_READY_TIMEOUT_S:g})")
-    args = p.parse_args(argv)
-    for a in launch_args:
-        if a.split("=", 1)[0] in LAUNCH_OPTIONS_DERIVED:
-            p.error(f"launch.sh option {a} after -- is derived from user_config.json per instance")
-    if not args.ready_timeout > 0:
-        p.error(f"--ready-timeout must be > 0, got {args.ready_timeout}")
-    return args, launch_args
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args, launch_args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        # First without writing: the run directory (from the ports) is claimed before its files
-        # are written, so a fleet running there keeps its own.
-        plan = derive(args.config, args.run_dir, write=False)
-        lock = claim(plan.run_dir)
-        if lock is None:
-            return 2
-        plan = derive(args.config, args.run_dir, write=True)
-    except FleetError as e:
-        print(f"motor: user_config.json refused: {e}", file=sys.stderr, flush=True)
-        return 2
-    for note in plan.notes:
-        _say(f"note: {note}")
-    if args.command == "plan":
-        print(json.dumps(asdict(plan), indent=2))
-        os.close(lock)
-        return 0
-    return run(plan, lock, launch_args, args.ready_timeout)
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C before anything was started (the run has its own handler)
-        sys.exit(130)

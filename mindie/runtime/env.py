@@ -28,7 +28,7 @@ def _switch(v: str) -> bool:
     return v.lower() not in OFF
 
 
-def _number(v: str) -> Any:
+def parse_number(v: str) -> Any:
     """An int or float; anything else stays a string, reported by validation naming the variable."""
     if re.fullmatch(r"[+-]?\d+", v):
         return int(v)
@@ -49,19 +49,19 @@ def _path(v: str) -> str:
 # variable -> (the config key it overrides, how its text becomes the key's JSON value, the
 # EngineConfig field the key becomes: mindie.topology.engine_config)
 ENGINE_ENV: dict[str, tuple[str, Callable[[str], Any], str]] = {
-    "MINDIE_TP_START_TIMEOUT_S": ("BackendConfig.tpStartTimeoutS", _number, "tp_start_timeout_s"),
-    "MINDIE_TP_COLLECTIVE_TIMEOUT_S": ("BackendConfig.tpCollectiveTimeoutS", _number, "tp_collective_timeout_s"),
+    "MINDIE_TP_START_TIMEOUT_S": ("BackendConfig.tpStartTimeoutS", parse_number, "tp_start_timeout_s"),
+    "MINDIE_TP_COLLECTIVE_TIMEOUT_S": ("BackendConfig.tpCollectiveTimeoutS", parse_number, "tp_collective_timeout_s"),
     "MINDIE_GC_FREEZE": ("BackendConfig.gcFreeze", _switch, "gc_freeze"),
     "MINDIE_CPU_KERNELS": ("BackendConfig.cpuTuning.kernels", _switch, "cpu.kernels"),
     "MINDIE_CPU_ISA": ("BackendConfig.cpuTuning.isa", str.lower, "cpu.isa"),
     "MINDIE_KERNEL_CACHE": ("BackendConfig.cpuTuning.kernelCache", _path, "cpu.kernel_cache"),
     "MINDIE_CPU_BF16": ("BackendConfig.cpuTuning.nativeBf16", _bf16, "cpu.native_bf16"),
     "MINDIE_CPU_LINEAR_BUCKETS": ("BackendConfig.cpuTuning.linearBuckets", _switch, "cpu.linear_buckets"),
-    "MINDIE_CPU_PREWARM_GFLOP": ("BackendConfig.cpuTuning.prewarmGflop", _number, "cpu.prewarm_gflop"),
+    "MINDIE_CPU_PREWARM_GFLOP": ("BackendConfig.cpuTuning.prewarmGflop", parse_number, "cpu.prewarm_gflop"),
     "MINDIE_CPU_FUSED_DECODE": ("BackendConfig.cpuTuning.fusedDecode", _switch, "cpu.fused_decode"),
-    "MINDIE_CPU_FUSED_DECODE_ROWS": ("BackendConfig.cpuTuning.fusedDecodeRows", _number, "cpu.fused_decode_rows"),
-    "MINDIE_CPU_FUSED_DECODE_MB": ("BackendConfig.cpuTuning.fusedDecodeMb", _number, "cpu.fused_decode_mb"),
-    "MINDIE_CPU_INT8_ROWS": ("BackendConfig.cpuTuning.int8Rows", _number, "cpu.int8_rows"),
+    "MINDIE_CPU_FUSED_DECODE_ROWS": ("BackendConfig.cpuTuning.fusedDecodeRows", parse_number, "cpu.fused_decode_rows"),
+    "MINDIE_CPU_FUSED_DECODE_MB": ("BackendConfig.cpuTuning.fusedDecodeMb", parse_number, "cpu.fused_decode_mb"),
+    "MINDIE_CPU_INT8_ROWS": ("BackendConfig.cpuTuning.int8Rows", parse_number, "cpu.int8_rows"),
     "MINDIE_CPU_ADAPTIVE_THREADS": ("BackendConfig.cpuTuning.adaptiveThreads", _switch, "cpu.adaptive_threads"),
     "MINDIE_CPU_PREFILL_ATTENTION": ("BackendConfig.cpuTuning.prefillAttention", str.lower, "cpu.prefill_attention"),
     "MINDIE_CPU_PREFILL_LINEARS": ("BackendConfig.cpuTuning.prefillLinears", str.lower, "cpu.prefill_linears"),
