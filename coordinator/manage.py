@@ -23,23 +23,26 @@ from typing import Any
 import falcon
 import falcon.asgi
 
-from coordinator.pd import parse_role, role_from_static
+from coordinator.pd_pairing import parse_role, role_from_static
 from coordinator.registry import Instance
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 
 log = logging.getLogger("mindie.coordinator.manage")
 
 
-def _bad(message: str) -> falcon.HTTPError:
-    return _Err(400, message, "Bad Request")
+def _bad(message: str) -> ApiError:
+    return ApiError(400, message)
 
 
-class _Err(falcon.HTTPError):
-    def __init__(self, status: int, message: str, etype: str) -> None:
-        super().__init__(falcon.code_to_http_status(status), title=etype, description=message)
+async def _api_error(req, resp, err: ApiError, params) -> None:
+    """A refusal of the management API, in MindIE's shape."""
+    resp.status = err.status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = err.body()
 
 
 def _serialize(req, resp, exc: falcon.HTTPError) -> None:
+    """Falcon's own errors (an unknown route, a method not allowed) in MindIE's shape too."""
     resp.content_type = falcon.MEDIA_JSON
     resp.data = ApiError(exc.status_code, exc.description or exc.title or "Error", exc.title or "Error").body()
 
@@ -284,4 +287,5 @@ def manage_app(coord: Any) -> falcon.asgi.App:
                       ("/v1/instances/query_tasks", QueryTasks(coord)), ("/stopService", StopService(coord))]:
         app.add_route(path, res)
     app.set_error_serializer(_serialize)
+    app.add_error_handler(ApiError, _api_error)
     return app

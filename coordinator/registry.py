@@ -6,7 +6,7 @@ poll (``http_config.pollIntervalMs``) asks every instance's management plane for
 running requests); ``/v1/config`` (model name, KV block size) and
 ``/v2/models/{m}/getSlotCount`` (total slots) once, and again after the instance was away; the
 role an instance reports in ``/v2/status`` (and a decode instance's KV endpoints) each poll
-(coordinator/pd.py). A refused
+(coordinator/pd_pairing.py). A refused
 or reset poll makes an instance unreachable at once; a poll that times out (a busy instance
 answers late) only the third time in a row. An
 instance is *ready* (routable) when its last poll succeeded, it is online (not taken out by
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import httpx
 
 from coordinator.breaker import Breaker
-from coordinator.pd import role_from_status
+from coordinator.pd_pairing import role_from_status
 
 log = logging.getLogger("mindie.coordinator.registry")
 
@@ -67,7 +67,7 @@ class Instance:
 
     @property
     def role(self) -> str:
-        """prefill | decode | flex (coordinator/pd.py)."""
+        """prefill | decode | flex (coordinator/pd_pairing.py)."""
         return self.role_reported or self.role_given or "flex"
 
     @property

@@ -12,7 +12,7 @@ are never gathered). Failover:
   to another instance, at most ``max_retry`` more times, each instance once; the failure counts
   for the instance's circuit breaker (a 503 does not: it says "not now", e.g. draining);
 - the instance fails after the first byte: the stream ends with an error frame in its API's shape
-  (coordinator/frames.py), never a silent cut;
+  (mindie/contract/families.py, the server's own shapes), never a silent cut;
 - the client hangs up: the instance's connection is closed, which the server takes as a cancel
   (its request stops, its KV blocks are freed).
 
@@ -21,7 +21,7 @@ is written once the request's work is over (after its last byte). Its counters a
 (``coordinator_request_success_total`` and the rest) are recorded just before its last byte goes
 out, so a client that reads /metrics after its answer finds its request counted.
 
-``deploy_mode: pd_separate`` (coordinator/pd.py): a generation request is first sent to
+``deploy_mode: pd_separate`` (coordinator/pd_pairing.py): a generation request is first sent to
 a prefill instance (the handoff headers; its answer, a small JSON, is read whole within
 ``first_token_timeout``), then to a decode instance with the prefill's answer, whose status,
 headers and body are relayed as above. A prefill instance that fails (refused connection, 5xx,
@@ -44,9 +44,11 @@ from typing import Any, Optional
 
 import httpx
 
-from coordinator import frames, pd
+from coordinator.pd_pairing import PD_HEADERS, handoff_header, pick_endpoint
 from coordinator.upstream import Response, UpstreamError
-from mindie.errors import ApiError
+from mindie.contract import families
+from mindie.contract.pd import DECODE, PREFILL
+from mindie.contract.http_error import ApiError
 
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
 log = logging.getLogger("mindie.coordinator")
@@ -129,8 +131,8 @@ class Relay:
                 other = any(pat.fullmatch(path) for _, pat, _ in ROUTES)
                 err = ApiError(405, f"{method} is not allowed on {path}", "Method Not Allowed") if other \
                     else ApiError(404, f"{path} is not a route of this coordinator", "NotFoundError")
-                return await self._answer(send, rec, frames.OTHER, err, "refused")
-            fam = frames.family(path, None)  # refusals in the shape of the route's family
+                return await self._answer(send, rec, families.OTHER, err, "refused")
+            fam = families.family(path, None)  # refusals in the shape of the route's family
             if self.coord.stopping:
                 return await self._answer(send, rec, fam, ApiError(503, "The service has been stopped.",
                                                                    "Service Unavailable"), "stopping")
@@ -158,7 +160,7 @@ class Relay:
                         extra={"request": {k: v for k, v in rec.items()} | {"duration_ms": round(dur, 1)}})
 
     async def _answer(self, send, rec: dict, fam: str, err: ApiError, outcome: str) -> None:
-        status, body = frames.answer(fam, err)
+        status, body = families.error_answer(fam, err)
         rec["status"], rec["outcome"] = status, outcome or err.message
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -185,7 +187,7 @@ class Relay:
         try:
             body = await self._read_body(receive)
         except ApiError as e:
-            return await self._answer(send, rec, frames.family(path, None), e, "refused")
+            return await self._answer(send, rec, families.family(path, None), e, "refused")
         if body is None:
             rec["outcome"] = "client disconnected"
             return
@@ -194,7 +196,7 @@ class Relay:
             parsed = json.loads(body) if body else None
         except (ValueError, UnicodeDecodeError):
             parsed = None  # the instance answers the malformed body in its own words
-        fam = frames.family(path, parsed)
+        fam = families.family(path, parsed)
         stream = by_path or (isinstance(parsed, dict) and parsed.get("stream") is True)
         work = asyncio.ensure_future(self._route(scope, send, rec, body, parsed, fam, stream, t0))
         gone = asyncio.ensure_future(self._disconnect(receive))
@@ -316,7 +318,7 @@ class Relay:
 
     def _headers(self, scope) -> list[tuple[bytes, bytes]]:
         return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP
-                and k.lower() not in pd.PD_HEADERS]
+                and k.lower() not in PD_HEADERS]
 
     async def _handoff(self, scope, send, rec, p_inst, d_inst, body: bytes, fam: str, stream: bool, t0: float,
                        deadline: Optional[float]) -> None:
@@ -325,13 +327,13 @@ class Relay:
         ``d_inst``'s answer is relayed. A prefill failure before the decode side's first byte
         cancels step B and retries with another pair; a prefill 4xx is the client's answer."""
         tid = f"{rec['id']}-{rec['attempts']}"
-        ep = pd.pick_endpoint(d_inst.kv_endpoints, p_inst.ip == d_inst.ip, d_inst.handoffs)
+        ep = pick_endpoint(d_inst.kv_endpoints, p_inst.ip == d_inst.ip, d_inst.handoffs)
         d_inst.handoffs += 1
         rec["transfer"] = tid
-        p_task = asyncio.ensure_future(self._prefill(scope, rec, p_inst, body, pd.header(
-            pd.PREFILL, tid, ep, d_inst.kv_curve_key), deadline))
+        p_task = asyncio.ensure_future(self._prefill(scope, rec, p_inst, body, handoff_header(
+            PREFILL, tid, ep, d_inst.kv_curve_key), deadline))
         d_task = asyncio.ensure_future(self._attempt(scope, send, rec, d_inst, body, fam, stream, t0, deadline,
-                                                     extra=[pd.header(pd.DECODE, tid, ep)]))
+                                                     extra=[handoff_header(DECODE, tid, ep)]))
         try:
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and not d_task.done():
@@ -496,7 +498,7 @@ class Relay:
     async def _cut(self, send, rec, fam: str, err: ApiError, outcome: str, stream: bool) -> None:
         rec["outcome"] = outcome
         if stream:
-            frame = frames.stream_error(fam, err)
+            frame = families.stream_error(fam, err)
             rec["bytes"] += len(frame)
             await send({"type": "http.response.body", "body": frame, "more_body": False})
         else:

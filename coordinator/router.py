@@ -37,7 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from coordinator.pd import DECODE, FLEX, PREFILL
+from mindie.contract.pd import DECODE, FLEX, PREFILL
 from coordinator.registry import Instance, Registry
 
 MAX_KEYS = 64  # prefix keys per request (the leading 64 blocks or messages)

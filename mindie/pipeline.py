@@ -6,7 +6,8 @@
 kept beside its route in ``mindie/api/``. A codec parses its body into a ``Job`` (one or more
 ``Sub``missions: OpenAI's ``n`` and list prompts give several) and renders what comes back in its
 own shape: the whole answer (``reply``), or stream events (``open``, ``render`` per piece,
-``close``), and errors (``error`` before the answer starts, ``stream_error`` inside a stream).
+``close``), and errors (``error`` before the answer starts, ``stream_error`` inside a stream: the
+codec's ``family``'s shapes, mindie/contract/families.py, which the coordinator writes too).
 Everything else happens here, once, the same way for every family:
 
 - the ``req-id`` header (what stopInfer names; generated when absent, echoed back) and the
@@ -18,7 +19,7 @@ Everything else happens here, once, the same way for every family:
 - one ``Generation`` per submission (mindie/text/generation.py: stop strings, deadlines);
 - a non-stream client that hangs up, or a stream whose client is gone, is cancelled on its
   worker, logged 499 and counted failed;
-- every failure is one ``ApiError`` (mindie/errors.py), logged and counted once here; the app's
+- every failure is one ``ApiError`` (mindie/contract/http_error.py), logged and counted once here; the app's
   error handler asks the codec to write it (mindie/server/app.py);
 - MindIE's metrics (received, failed, success with TTFT/TPOT/end to end, prompt tokens) and one
   request-log line (mindie/server/request_log.py);
@@ -39,17 +40,18 @@ from typing import Any, Union
 
 import falcon
 import falcon.asgi
-import msgspec
 
 from mindie.text import ignored_fields
-from mindie import pd, sse
+from mindie import sse
+from mindie.api import pd_role
 from mindie.lora_adapters import Adapters
 from mindie.server.admission import Admission, Slot
 from mindie.device_client import DeviceClient
+from mindie.contract import families, pd
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_EOS, FINISH_STOP, FINISH_STOP_TOKEN
 from mindie.text.detokenizer import TextTokenizer
-from mindie.errors import ApiError, request_too_large
+from mindie.contract.http_error import ApiError, request_too_large
 from mindie.text.generation import Deadline, Generation, Piece
 from mindie.server.http_conn import RECEIVE_TIMEOUT_KEY
 from mindie.server.metrics import Metrics
@@ -174,6 +176,7 @@ class Codec:
 
     detokenize = True  # whether pieces carry text (False: the codec decodes ids itself)
     content_type = sse.SSE  # of a stream
+    family = families.OTHER  # whose error shapes (mindie/contract/families.py; OTHER: MindIE's)
 
     def precheck(self, ctx: Context) -> None:
         """Checks before the body is read (Triton: the model in the path)."""
@@ -202,13 +205,12 @@ class Codec:
         return ()
 
     def error(self, err: ApiError) -> tuple[int, bytes]:
-        """An error answer (status, body) before the answer started: MindIE's shape."""
-        return err.status, err.body()
+        """An error answer (status, body) before the answer started, in the family's shape."""
+        return families.error_answer(self.family, err)
 
     def stream_error(self, job: Job, err: ApiError) -> bytes:
-        """An error inside an open stream: MindIE's shape as an event (``data:`` as MindIE's
-        TGI and Triton routes write it)."""
-        return sse.event(err.body(), space=False)
+        """The last bytes of an open stream that failed: the family's error frame and terminator."""
+        return families.stream_error(self.family, err)
 
     def finish_label(self, finish: str) -> str:
         """The finish reason in the request log."""
@@ -316,14 +318,14 @@ class Pipeline:
 
     def __init__(self, client: DeviceClient, tokenizer: TextTokenizer, limits: Limits, metrics: Metrics,
                  admission: Admission | None = None, state: ServiceState | None = None,
-                 ignored_log: ignored_fields.IgnoredFieldsLog | None = None, roles: pd.RoleState | None = None):
+                 ignored_log: ignored_fields.IgnoredFieldsLog | None = None, roles: pd_role.RoleState | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
         self.admission = admission
         self.state = state
-        self.roles = roles  # the instance's PD role (mindie/pd.py); None = flex
+        self.roles = roles  # the instance's PD role (mindie/api/pd_role.py); None = flex
         self.ignored_log = ignored_log or ignored_fields.REPORTER
         self.adapters = Adapters(client)  # the LoRA adapters requests may name (mindie/lora_adapters.py)
         self.structured = Checker(tokenizer)  # structured-output constraints (mindie/text/structured.py)
@@ -346,7 +348,7 @@ class Pipeline:
         try:
             slot = self._admit()
             order = pd.parse_header(req.get_header(pd.HEADER))
-            if (refused := pd.refusal(self.roles.role if self.roles is not None else "flex", order)) is not None:
+            if (refused := pd_role.refusal(self.roles.role if self.roles is not None else pd.FLEX, order)) is not None:
                 raise refused
             codec.precheck(ctx)
             body = await read_body(req, self.limits.max_request_length_mb)
@@ -359,9 +361,9 @@ class Pipeline:
                 await asyncio.to_thread(_run_checks, job.checks)
             if job.ignored:  # accepted as before; named in a header and a rate-limited WARNING
                 ignored_fields.report(req, resp, job.ignored, self.ignored_log)
-            if order is not None and order.op == "prefill":
+            if order is not None and order.op == pd.PREFILL:
                 # Prompt only: one submission (its first prompt), one token, no constraint; the answer
-                # is the transfer's (mindie/pd.py), not the family's.
+                # is the transfer's (mindie/api/pd_role.py), not the family's.
                 job.stream = False
                 job.subs = job.subs[:1]
                 sub0 = job.subs[0]
@@ -377,7 +379,7 @@ class Pipeline:
             self._failed(rec, err)
             raise err from None
         self.metrics.prompt_tokens(sum(len(o.sub.input_ids) for o in outs))
-        if order is not None and order.op == "prefill":
+        if order is not None and order.op == pd.PREFILL:
             try:
                 await self._prefill(codec, outs, ctx, resp, order)
             finally:
@@ -416,7 +418,7 @@ class Pipeline:
     async def _prefill(self, codec: Codec, outs: list[Output], ctx: Context, resp: falcon.asgi.Response,
                        order: P.PdOrder) -> None:
         """A PD prefill request: its prompt computed and its KV blocks acknowledged by the decode
-        worker; answered with the transfer's figures (mindie/pd.py)."""
+        worker; answered with the transfer's figures (mindie/api/pd_role.py)."""
         t0 = time.monotonic()
         try:
             await self._drain(outs, ctx.rec)
@@ -425,8 +427,7 @@ class Pipeline:
             raise codec.refused(e) from None
         n = len(outs[0].sub.input_ids)
         resp.content_type = falcon.MEDIA_JSON
-        resp.data = msgspec.json.encode({"transferId": order.transfer_id, "promptTokens": n,
-                                         "prefillMs": round((time.monotonic() - t0) * 1000.0, 3)})
+        resp.data = pd.prefill_answer(order.transfer_id, n, (time.monotonic() - t0) * 1000.0)
         finish_ok(self.metrics, ctx.rec, "pd_prefill")
 
     def _submit(self, codec: Codec, job: Job, rec: RequestRecord, order: P.PdOrder | None = None) -> list[Output]:

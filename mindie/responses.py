@@ -1,7 +1,8 @@
 """Response bodies of /infer and /infer_token, byte for byte in MindIE's shape.
 
 Key order follows the seed example (shared/seed/infer_token_example.txt) and mindie.md §4.3-4.4:
-msgspec Structs encode fields in declaration order, as compact JSON.
+msgspec Structs encode fields in declaration order, as compact JSON. An error inside a stream is
+the native family's error frame (mindie/contract/families.py).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Union
 
 import msgspec
 
-from mindie.sse import json_event
+from mindie.contract.sse_framing import json_event
 
 
 class TokenInfo(msgspec.Struct):
@@ -68,10 +69,3 @@ def final_stream_frame(ids: list[int], prefill_ms: float | None, decode_ms: floa
 
 def reply(generated_text: str, details: Details | None) -> bytes:
     return _enc.encode(Reply(generated_text, details))
-
-
-class ErrorFrame(msgspec.Struct):
-    """An error inside an already-started stream (worker died, frames lost)."""
-
-    error: str
-    error_type: str

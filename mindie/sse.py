@@ -1,19 +1,19 @@
-"""The one SSE writer of the front end: event framing, the items handed to Falcon's
-``resp.sse``, and the headers of a stream.
+"""The one SSE writer of the front end: the items handed to Falcon's ``resp.sse`` and the headers
+of a stream.
 
-Frames are bytes built here and passed through untouched (``Raw``), so every family's events are
-byte-exact: MindIE's native routes and OpenAI write ``data: {json}\\n\\n``; MindIE's TGI and
-Triton routes ``data:{json}\\n\\n`` (no space, as MindIE); vLLM's ``/generate`` stream is not
-SSE at all (NUL-terminated JSON, its codec says so with its content type).
+Frames are bytes, framed by the codecs with the contract's SSE framing
+(mindie/contract/sse_framing.py, shared with the coordinator) and passed through untouched
+(``Raw``), so every family's events are byte-exact: MindIE's native routes and OpenAI write
+``data: {json}\\n\\n``; MindIE's TGI and Triton routes ``data:{json}\\n\\n`` (no space, as MindIE);
+vLLM's ``/generate`` stream is not SSE at all (NUL-terminated JSON, its codec says so with its
+content type).
 """
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from typing import Any
 
 import falcon.asgi
-import msgspec
 
 
 def _idle_tick_s(default: float = 1.0) -> float:
@@ -27,18 +27,6 @@ def _idle_tick_s(default: float = 1.0) -> float:
 
 IDLE_TICK_S = _idle_tick_s()  # how often an idle stream checks for a client disconnect
 SSE = "text/event-stream"
-
-_enc = msgspec.json.Encoder()
-
-
-def event(data: bytes, space: bool = True) -> bytes:
-    """One SSE event: ``data: <data>\\n\\n`` (``data:<data>`` without ``space``)."""
-    return (b"data: " if space else b"data:") + data + b"\n\n"
-
-
-def json_event(obj: Any, space: bool = True) -> bytes:
-    """One SSE event of ``obj`` as compact JSON (msgspec keeps Struct field and dict key order)."""
-    return event(_enc.encode(obj), space)
 
 
 class Raw:

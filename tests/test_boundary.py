@@ -2,7 +2,9 @@
 ``mindie/`` imports nothing of ``workers/``; ``workers/`` imports only ``mindie.contract`` (what
 crosses the process boundary) and ``mindie.runtime`` (runtime code both sides share); those two
 import only the standard library, msgspec and each other; front ends and the supervisor never
-load torch."""
+load torch. The coordinator (``coordinator/``) imports only the contract, the runtime and the
+configuration of ``mindie/``, never the server's request stack, and loads neither a web framework
+nor torch nor ZeroMQ at import."""
 from __future__ import annotations
 
 import ast
@@ -63,9 +65,22 @@ def test_workers_import_only_the_contract_and_runtime_of_mindie() -> None:
     assert violations("workers", lambda p, m: top(m) != "mindie" or _shared(m)) == []
 
 
+def module_level_imports(path: Path) -> list[str]:
+    """The modules a file imports at its top level (not inside a function or class)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names] + \
+        [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+
+
 def test_contract_and_runtime_import_only_stdlib_msgspec_and_themselves() -> None:
     allowed = STDLIB | {"msgspec", "__future__"}
-    assert violations("mindie/contract", lambda p, m: top(m) in allowed or _shared(m)) == []
+    # The grammar a constraint compiles to (contract/grammar.py, one text for the front end's
+    # check and the worker's compile) is llguidance's: imported inside ``grammar_text`` only, so
+    # the contract loads without it.
+    grammar = ROOT / "mindie" / "contract" / "grammar.py"
+    assert violations("mindie/contract", lambda p, m: top(m) in allowed or _shared(m)
+                      or (p == grammar and top(m) == "llguidance")) == []
+    assert [m for m in module_level_imports(grammar) if top(m) == "llguidance"] == []
     # The planes' TLS (runtime/tls.py, shared by the front ends and the coordinator) reads
     # certificates with ``cryptography``, lazily: a device worker never loads it.
     tls = ROOT / "mindie" / "runtime" / "tls.py"
@@ -84,6 +99,54 @@ def test_the_scan_sees_a_violation(tmp_path: Path) -> None:
     assert len(bad) == 3, bad
 
 
+# What the coordinator may import of the server's package: the contract, the runtime, the configuration.
+COORDINATOR_MAY_IMPORT = ("mindie.contract", "mindie.runtime", "mindie.config")
+
+
+def imported_names(path: Path) -> list[tuple[int, str]]:
+    """Like ``imports``, with each name of a ``from X import a, b`` as ``X.a``, ``X.b`` (so that
+    ``from mindie import sse`` is seen as ``mindie.sse``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return out
+
+
+# The fleet launcher (coordinator/fleet/, scripts/motor.sh: a process of its own that starts server
+# instances) also waits for them with the server's own probe client, as their health checks do.
+FLEET_PROBE = "mindie.ops.probe"
+
+
+def coordinator_violations() -> list[str]:
+    def ok(p: Path, m: str) -> bool:
+        allowed = COORDINATOR_MAY_IMPORT + ((FLEET_PROBE,) if "fleet" in p.relative_to(ROOT).parts else ())
+        return top(m) != "mindie" or any(m == s or m.startswith(s + ".") for s in allowed)
+    return [f"{p.relative_to(ROOT)}:{line}: imports {m}" for p in files("coordinator")
+            for line, m in imported_names(p) if not ok(p, m)]
+
+
+def test_coordinator_imports_only_the_contract_runtime_and_config_of_mindie() -> None:
+    assert coordinator_violations() == []
+
+
+def test_the_coordinator_scan_sees_a_violation() -> None:
+    """The coordinator's scan itself: the imports it must flag are flagged, allowed ones are not."""
+    probe = ROOT / "coordinator" / "_boundary_probe.py"
+    probe.write_text("from mindie.api.openai import error_payload\nfrom mindie import sse\nimport mindie.errors\n"
+                     "from mindie.contract import families\nfrom mindie import config\n"
+                     "def f():\n    import mindie.text.structured\n")
+    try:
+        bad = [v for v in coordinator_violations() if v.startswith(str(probe.relative_to(ROOT)))]
+    finally:
+        probe.unlink()
+    assert [v.rsplit(" ", 1)[1] for v in bad] == ["mindie.api.openai.error_payload", "mindie.sse", "mindie.errors",
+                                                  "mindie.text.structured"], bad
+
+
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; sys.modules['torch_npu'] = None\n"
 
 
@@ -99,5 +162,21 @@ def test_imports_without_torch(modules: list[str], absent: list[str]) -> None:
     code = BLOCK_TORCH + "".join(f"import {m}\n" for m in modules) + (
         "loaded = [m for m in %r if sys.modules.get(m) is not None]\n"
         "assert not loaded, loaded\n" % absent)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_coordinator_loads_no_server_stack() -> None:
+    """``import coordinator.app`` and the console script's module load no web framework, torch,
+    ZeroMQ, nor the server's request stack. One exception: the configuration (mindie.config)
+    checks ModelConfig's tool-call parser names against ``mindie.text.tool_parsers.names``, a
+    dependency-free table in a package that imports nothing itself."""
+    code = BLOCK_TORCH + "import coordinator.app, coordinator.cli\n" + (
+        "allowed = {'mindie.text', 'mindie.text.tool_parsers', 'mindie.text.tool_parsers.names'}\n"
+        "banned = ('falcon', 'torch', 'zmq', 'mindie.api', 'mindie.text', 'mindie.server', 'mindie.pipeline',\n"
+        "          'mindie.sse', 'mindie.responses', 'mindie.device_client', 'workers')\n"
+        "loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and m not in allowed\n"
+        "                and any(m == b or m.startswith(b + '.') for b in banned))\n"
+        "assert not loaded, loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mindie.pipeline import read_body
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.api.infer_schema import parse_infer_request
 from mindie.text.validation import MAX_JSON_DEPTH, Limits, _too_deep
 from tests.harness import ROOT, Server, alive, descendants, free_port, short_run_dir, write_config

@@ -1,7 +1,7 @@
 """The shape of the project's import graph (tests/test_boundary.py says which side may import
 what; this says how the modules of each side depend on each other).
 
-Every import of every module of ``mindie/`` and ``workers/`` counts, at module top or inside a
+Every import of every module of ``mindie/``, ``workers/`` and ``coordinator/`` counts, at module top or inside a
 function (a lazy import is still a dependency), ``if TYPE_CHECKING`` ones included. Two rules:
 
 - no import circles: every strongly connected component of the graph is a single module;
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.harness import ROOT
 
-PACKAGES = ("mindie", "workers")
+PACKAGES = ("mindie", "workers", "coordinator")
 
 # Lower numbers are imported by higher ones, never the reverse; the longest matching prefix
 # decides. Kernels and model definitions know nothing of attention; attention (its KV cache
@@ -167,16 +167,19 @@ def test_workers_never_import_upwards() -> None:
 
 
 def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
-    """The checks themselves, on the real sources with two imports added: a lazy one from the
-    attention package up to the engine, and one that closes a circle (worker -> assembly ->
-    worker)."""
+    """The checks themselves, on the real sources with three imports added: a lazy one from the
+    attention package up to the engine, and two that close a circle (worker -> assembly ->
+    worker; in the coordinator, app -> registry -> app)."""
     sources = project_sources()
     paged, _ = sources["workers.attention.paged"]
     sources["workers.attention.paged"] = (paged + "\n\ndef _probe():\n    from workers.engine.engine import Engine\n",
                                           False)
     assembly, _ = sources["workers.engine.assembly"]
     sources["workers.engine.assembly"] = (assembly + "\nfrom .. import worker\n", False)
+    registry, _ = sources["coordinator.registry"]
+    sources["coordinator.registry"] = (registry + "\nfrom coordinator import app\n", False)
     graph = import_graph(sources)
     assert "workers.attention.paged (layer 2) imports workers.engine.engine (layer 4)" in upward_imports(graph)
     assert any({"workers.worker", "workers.engine.assembly"} <= c for c in cycles(graph))
+    assert any({"coordinator.app", "coordinator.registry"} <= c for c in cycles(graph))
     assert "workers.engine.assembly (layer 4) imports workers.worker (layer 5)" in upward_imports(graph)

@@ -120,7 +120,7 @@ def test_timed_health_runs_a_real_inference(split):
 # -- status and config ----------------------------------------------------------------------------
 def test_status_routes_idle(split):
     st = httpx.get(split.mgmt + "/v1/status", timeout=10).json()
-    assert list(st) == ["service", "resource", "linkStatus", "pd"]  # pd: project extension (mindie/pd.py)
+    assert list(st) == ["service", "resource", "linkStatus", "pd"]  # pd: project extension (mindie/api/pd_role.py)
     assert st["service"] == {"roleStatus": "RoleReady", "currentRole": "flex"}
     res = st["resource"]
     assert list(res) == ["availSlotsNum", "availBlockNum", "waitingRequestNum", "runningRequestNum",
@@ -145,7 +145,7 @@ def test_status_routes_idle(split):
                for w in workers), workers
     assert cfg == {"modelName": "demo", "maxSeqLen": 2560, "npuMemSize": -1, "cpuMemSize": 1, "worldSize": 0,
                    "maxOutputLen": 2000, "cacheBlockSize": BLOCK,
-                   # prefill/decode role (mindie/pd.py): MindIE's inferMode, then project extensions
+                   # prefill/decode role (mindie/api/pd_role.py): MindIE's inferMode, then project extensions
                    "inferMode": "standard", "pdRole": "flex", "currentRole": "flex"}
     assert engine["block_size"] == BLOCK and engine["max_batch_size"] == MAX_BATCH
     assert None not in (engine["overlap"], engine["prefill_chunk_tokens"], engine["decode_hold_ms"],

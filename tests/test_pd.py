@@ -1,7 +1,8 @@
-"""Prefill/decode disaggregation, instance to instance without a coordinator (mindie/pd.py,
-workers/pd_transfer.py): three real servers started by scripts/launch.sh on the demo model — a hybrid
-reference H, a prefill instance P and a decode instance D — and the X-Mindie-PD protocol driven by
-hand as the coordinator would (docs/design.md "Disaggregated prefill/decode")."""
+"""Prefill/decode disaggregation, instance to instance without a coordinator (mindie/contract/pd.py,
+mindie/api/pd_role.py, workers/pd_transfer.py): three real servers started by scripts/launch.sh on
+the demo model — a hybrid reference H, a prefill instance P and a decode instance D — and the
+X-Mindie-PD protocol driven by hand as the coordinator would (docs/design.md "Disaggregated
+prefill/decode")."""
 from __future__ import annotations
 
 import concurrent.futures

@@ -25,7 +25,7 @@ yaml = pytest.importorskip("yaml")
 
 from mindie.config import load_config  # noqa: E402
 from coordinator.config import load as load_coordinator  # noqa: E402
-from coordinator.pd import role_from_static  # noqa: E402
+from coordinator.pd_pairing import role_from_static  # noqa: E402
 from coordinator.fleet import discover  # noqa: E402
 from mindie.ops.curve_keys import create_key_dir  # noqa: E402
 from mindie.topology import build_deployment  # noqa: E402

@@ -4,7 +4,7 @@ prefix (the two sides' tables apart), the hybrid fallback, then a decode instanc
 none; the decode instance's KV endpoint (ipc on one host, round robin over its workers)."""
 from __future__ import annotations
 
-from coordinator import pd
+from coordinator import pd_pairing as pd
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import Instance, Registry
 from coordinator.router import RouteInfo, Router, token_keys
@@ -83,8 +83,8 @@ def test_kv_endpoint_choice():
     assert [pd.pick_endpoint(eps, True, n) for n in range(3)] == [eps[2], eps[3], eps[2]]
     assert [pd.pick_endpoint(eps, False, n) for n in range(3)] == [eps[0], eps[1], eps[0]]
     assert pd.pick_endpoint(eps[2:], False, 0) == eps[2] and pd.pick_endpoint([], True, 0) == ""
-    name, value = pd.header("prefill", "ab-1", eps[0], "K" * 40)
+    name, value = pd.handoff_header("prefill", "ab-1", eps[0], "K" * 40)
     assert name == b"x-mindie-pd"
     assert value == b'{"op":"prefill","transferId":"ab-1","kvEndpoint":"tcp://10.0.0.2:1121","kvCurvePublicKey":"' + \
         b"K" * 40 + b'"}'
-    assert pd.header("decode", "ab-1", eps[2], "K")[1] == b'{"op":"decode","transferId":"ab-1","kvEndpoint":"ipc:///r/kv-0.sock"}'
+    assert pd.handoff_header("decode", "ab-1", eps[2], "K")[1] == b'{"op":"decode","transferId":"ab-1","kvEndpoint":"ipc:///r/kv-0.sock"}'

@@ -30,8 +30,9 @@ import pytest
 
 from mindie.contract.wire import Constraint
 from mindie.text.detokenizer import load_tokenizer
-from mindie.text.structured import (Checker, ConstraintError, from_guided, from_response_format,
-                               from_structured_outputs, from_tgi_grammar, json_schema_constraint, one_of)
+from mindie.contract.grammar import ConstraintError
+from mindie.text.structured import (Checker, from_guided, from_response_format, from_structured_outputs,
+                                    from_tgi_grammar, json_schema_constraint, one_of)
 from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
 
 openai = pytest.importorskip("openai")
@@ -226,6 +227,42 @@ def test_checker_accepts_and_remembers(checker):
         assert checker.pending(c, "f")  # its check is left for a thread
         checker.check(c, "f")
         assert checker.known(c, "f") is True and checker.pending(c, "f") == []
+
+
+def test_the_front_end_checks_the_grammar_the_worker_compiles(demo_model, monkeypatch):
+    """One grammar text for both sides (mindie/contract/grammar.py): what the front end's Checker
+    validates is, byte for byte, what a device worker's Grammars compiles, for every kind the APIs
+    build (JSON schema, regex, choice, GBNF, Lark, json_object); JSON is compact by default."""
+    from mindie.text import structured
+    from workers.engine import constraints
+
+    seen: dict[str, list[str]] = {"front": [], "worker": []}
+
+    def spy(side: str, real):
+        def grammar_text(c: Constraint) -> str:
+            seen[side].append(real(c))
+            return seen[side][-1]
+        return grammar_text
+
+    monkeypatch.setattr(structured, "grammar_text", spy("front", structured.grammar_text))
+    monkeypatch.setattr(constraints, "grammar_text", spy("worker", constraints.grammar_text))
+    cases = [from_response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}),
+             from_structured_outputs({"regex": "[a-z]{1,8}"}), from_structured_outputs({"choice": ["yes", "no"]}),
+             from_structured_outputs({"grammar": 'root ::= "yes" | "no" | "maybe " [0-9]'}),
+             from_structured_outputs({"grammar": 'start: "a" | "b"'}), from_response_format({"type": "json_object"})]
+    assert [c.kind for c in cases] == ["json_schema", "regex", "choice", "gbnf", "lark", "json_object"]
+    tok = load_tokenizer(demo_model)
+    front = Checker(tok)
+    grammars = constraints.Grammars(demo_model, tok.tokenizer.get_vocab_size(), [2])
+    try:
+        for c in cases:
+            front.check(c, "f")
+            grammars.compile(c).result(60)
+    finally:
+        grammars.close()
+    assert len(seen["front"]) == len(cases) and seen["front"] == seen["worker"]
+    assert '"x-guidance":{"whitespace_flexible":false}' in seen["front"][-1]
+    assert seen["front"][3] == '%llguidance {}\n\nstart: "yes"\n     | "no"\n     | "maybe " /[0-9]/\n\n'
 
 
 def test_a_big_schema_checks_in_milliseconds(checker):

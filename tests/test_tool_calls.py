@@ -35,7 +35,7 @@ from mindie.api.openai import ChatCompletionsCodec
 from mindie.config import ConfigError, load_config
 from mindie.contract.errors import FINISH_EOS, FINISH_LENGTH
 from mindie.text.detokenizer import IncrementalDetokenizer, load_tokenizer
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.text.generation import Piece
 from mindie.pipeline import Output
 from mindie.text.tool_calls import configured_options

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from mindie.contract import wire as protocol
-from mindie.errors import ApiError, request_too_large
+from mindie.contract.http_error import ApiError, request_too_large
 from mindie.api.infer_schema import InferRequest, parse_infer_request
 from mindie.text.validation import (
     INT64_MAX,

@@ -1,5 +1,6 @@
 """KV transfer between device workers: prefill/decode disaggregation (docs/design.md,
-"Disaggregated prefill/decode"; the HTTP side is mindie/pd.py).
+"Disaggregated prefill/decode"; the protocol's names are mindie/contract/pd.py, the HTTP side
+mindie/api/pd_role.py).
 
 A prefill worker computes a request's prompt as usual (chunked) and, after every step, PUSHES the
 full KV blocks that step completed to the decode worker's KV endpoint (a ROUTER socket every worker
@@ -56,6 +57,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from mindie.contract import wire as P
+from mindie.contract.pd import IPC, KV_SCHEMES, TCP
 from mindie.runtime.curve import CurveKeyError, insecure_warning, kv_keys, link_mode
 from mindie.contract.errors import FINISH_ABORT, FINISH_ERROR
 from workers.engine.block_manager import chain_hash
@@ -210,8 +212,8 @@ class KvTransfer:
         self.routers: list[zmq.Socket] = []  # where blocks arrive: ipc and/or tcp
         self.router_monitor: zmq.Socket | None = None
         if endpoint and self.staging is not None:
-            if endpoint.startswith("ipc://"):
-                path = endpoint[len("ipc://"):]
+            if endpoint.startswith(IPC):
+                path = endpoint[len(IPC):]
                 if os.path.exists(path):
                     os.unlink(path)  # a dead predecessor's socket file
             self.routers.append(self._router(endpoint, None))
@@ -234,7 +236,7 @@ class KvTransfer:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        if endpoint.startswith("tcp://["):
+        if endpoint.startswith(TCP + "["):
             sock.setsockopt(zmq.IPV6, 1)
         if keys is not None:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
@@ -275,12 +277,12 @@ class KvTransfer:
         if self.staging is None:
             return "this device worker cannot export its KV cache (no cache tensors)"
         ep = sub.pd.kv_endpoint
-        if ep.startswith("ipc://") and not os.path.exists(ep[len("ipc://"):]):
+        if ep.startswith(IPC) and not os.path.exists(ep[len(IPC):]):
             return f"KV endpoint {ep} not found (no decode worker listens there)"
-        if not (ep.startswith(("ipc://", "tcp://"))):
+        if not ep.startswith(KV_SCHEMES):
             return f"KV endpoint {ep} is not ipc:// or tcp://"
         server_key = b""
-        if ep.startswith("tcp://"):
+        if ep.startswith(TCP):
             try:
                 mode = link_mode(ep, self.key_dir, self.insecure)
             except CurveKeyError as e:
@@ -310,13 +312,13 @@ class KvTransfer:
             sock = self.dealers[link] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
-            if endpoint.startswith("tcp://["):
+            if endpoint.startswith(TCP + "["):
                 sock.setsockopt(zmq.IPV6, 1)
             if server_key:
                 sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys[0])
                 sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys[1])
-            if endpoint.startswith("tcp://"):
+            if endpoint.startswith(TCP):
                 self.monitors[link] = sock.get_monitor_socket(_HANDSHAKE_FAILED)
             sock.connect(endpoint)
         return sock
@@ -633,8 +635,8 @@ class KvTransfer:
         for router in self.routers:
             router.close(0)
         if self.routers:
-            if self.endpoint.startswith("ipc://"):
+            if self.endpoint.startswith(IPC):
                 try:
-                    os.unlink(self.endpoint[len("ipc://"):])
+                    os.unlink(self.endpoint[len(IPC):])
                 except OSError:
                     pass

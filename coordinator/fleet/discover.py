@@ -71,7 +71,7 @@ def pod_name(args: argparse.Namespace, k: int, group: Optional[tuple] = None) ->
     return f"{sts}-{k}.{svc}.{args.namespace}.svc.{args.cluster_domain}"
 
 
-# MindIE MS static_info codes for a role (coordinator/pd.py reads them back)
+# MindIE MS static_info codes for a role (coordinator/pd_pairing.py reads them back)
 STATIC_ROLE = {"prefill": {"label": 2, "role": 80}, "decode": {"label": 3, "role": 68}, "flex": {}}
 
 

@@ -34,7 +34,7 @@ from mindie.pipeline import read_body
 from mindie.api.status import Live
 from mindie.device_client import DeviceClient
 from mindie.runtime.lifecycle import request_stop
-from mindie.errors import ApiError, not_found, validation_error
+from mindie.contract.http_error import ApiError, not_found, validation_error
 from mindie.server.service_state import FORCE, GRACEFUL, ServiceState
 
 log = logging.getLogger("mindie.control")

@@ -1,10 +1,11 @@
-"""``POST /generate``: one path, two protocols, told apart here and only here.
+"""``POST /generate``: one path, two protocols, told apart here by the contract's one rule.
 
 MindIE serves TGI's and vLLM's ``/generate`` on the same path and chooses by the body
 (http_handler.cpp ``HandlePostGenerate``):
 
 - an object with a non-null ``prompt`` is vLLM's (mindie/api/vllm_generate.py; ``prompt`` wins
-  when ``inputs`` is there too);
+  when ``inputs`` is there too): the contract's one rule (mindie/contract/families.py
+  ``is_vllm_generate``), which the coordinator follows too;
 - else an object with a non-null ``inputs`` is TGI's (mindie/api/tgi.py), never streamed here;
 - anything else (neither key, not an object, not JSON) is 422 with MindIE's embedded message
   ``NEITHER``.
@@ -17,7 +18,8 @@ import falcon.asgi
 
 from mindie.api.tgi import TgiCodec
 from mindie.api.vllm_generate import VllmCodec
-from mindie.errors import validation_error
+from mindie.contract.families import is_vllm_generate
+from mindie.contract.http_error import validation_error
 from mindie.pipeline import Codec, Context, Job, Pipeline
 from mindie.text.validation import decode_json
 
@@ -36,7 +38,7 @@ class GenerateCodec(Codec):
 
     def parse(self, body: bytes, ctx: Context) -> Job:
         value = decode_json(body, NEITHER)
-        if type(value) is dict and value.get("prompt") is not None:
+        if is_vllm_generate(value):
             return self.vllm.parse_value(value)
         if type(value) is not dict or value.get("inputs") is None:
             raise validation_error(NEITHER)

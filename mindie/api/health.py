@@ -12,7 +12,7 @@ from mindie.lora_adapters import Adapters
 from mindie.server.admission import Admission
 from mindie.device_client import DeviceClient, NoWorkerError
 from mindie.contract import wire as P
-from mindie.errors import ApiError, not_found
+from mindie.contract.http_error import ApiError, not_found
 from mindie.server.service_state import STOPPED_MESSAGE, ServiceState
 
 

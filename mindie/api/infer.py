@@ -6,7 +6,8 @@ A stream sends one frame per generated token (``prefill_time`` on the first, ``d
 the others: the step's time shared by its tokens); the last token goes out in the final frame,
 ``"text": null``, with ``generated_text`` and (with ``details``) the details. A deadline in an
 open stream is MindIE's raw text (``Engine callback timeout: ...``), written into the stream
-before it closes; any other error there is ``data: {"error", "error_type"}``."""
+before it closes; any other error there is ``data: {"error", "error_type"}`` (the native family's
+frames: mindie/contract/families.py)."""
 from __future__ import annotations
 
 from typing import Container
@@ -14,10 +15,9 @@ from typing import Container
 import falcon.asgi
 
 from mindie import responses as R
-from mindie import sse
 from mindie.api.infer_schema import InferRequest, parse_infer_request
+from mindie.contract import families
 from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
-from mindie.errors import ApiError
 from mindie.text.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
 from mindie.text.validation import Limits
@@ -27,6 +27,7 @@ class InferCodec(Codec):
     """MindIE's native shapes. The codec decodes ids itself, one token at a time."""
 
     detokenize = False
+    family = families.NATIVE
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, full_text: bool = False, model_name: str = "",
                  adapters: Container[str] = ()):
@@ -77,11 +78,6 @@ class InferCodec(Codec):
             details = R.StreamDetails(p.finish_reason, len(out.ids), r.sampling.seed) if r.details else None
             frames.append(R.final_stream_frame(ids[-1:], prefill, decode, detok.full_text(), details))
         return frames
-
-    def stream_error(self, job: Job, err: ApiError) -> bytes:
-        if err.timeout:  # MindIE writes the raw text into the open stream, then closes it
-            return err.message.encode()
-        return sse.json_event(R.ErrorFrame(err.message, err.error_type))
 
 
 class InferResource:

@@ -39,7 +39,7 @@ from typing import Annotated, Any, Callable, Container, Optional, Union
 import msgspec
 
 from mindie.contract.wire import DEFAULT_PRIORITY, SamplingParams
-from mindie.errors import service_unavailable, validation_error
+from mindie.contract.http_error import service_unavailable, validation_error
 from mindie.text.ignored_fields import Found, find
 from mindie.text.validation import (DEFAULT_MAX_NEW_TOKENS, MAX_TOKEN_ID, PARSE_ERROR, Limits, _any_decoder, _json_kind,
                                check_common_params, check_json_text, check_model_name, check_string,

@@ -36,7 +36,7 @@ from mindie.text import ignored_fields
 from mindie.lora_adapters import LoadedAdapters
 from mindie.device_client import DeviceClient
 from mindie.contract import wire as P
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.pipeline import read_body
 
 log = logging.getLogger("mindie.lora")

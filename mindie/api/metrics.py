@@ -9,7 +9,7 @@ import falcon.asgi
 import msgspec
 
 from mindie.device_client import DeviceClient
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.server.metrics import Metrics, WorkerCollector, latency_mean_ms
 
 MONITOR_ENV = "MIES_SERVICE_MONITOR_MODE"

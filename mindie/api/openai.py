@@ -10,7 +10,7 @@ Decisions (docs/apis.md has the user's view):
   ``ServiceUnavailableError`` (after /stopService, maxLinkNum requests in progress, no device
   worker), 500 ``InternalServerError`` (timeouts ``Engine callback timeout: ...``, a worker lost
   mid-request). A stream that fails after its 200 ends with ``data: {"error": {...}}`` and
-  ``data: [DONE]``.
+  ``data: [DONE]`` (the family's shapes, shared with the coordinator: mindie/contract/families.py).
 - ``max_tokens`` (chat: ``max_completion_tokens``, else ``max_tokens``) defaults to MindIE's
   ``maxIterTimes`` (not OpenAI's 16), and is capped as MindIE caps ``max_new_tokens``:
   min(max_tokens, maxIterTimes, maxSeqLen - prompt length).
@@ -59,13 +59,14 @@ from typing import Any, Container
 import falcon.asgi
 import msgspec
 
-from mindie import sse
 from mindie.api import openai_schema as S
 from mindie.text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from mindie.contract import families
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_LENGTH
+from mindie.contract.sse_framing import json_event
 from mindie.text.detokenizer import TextTokenizer
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.text.generation import Piece
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub
 from mindie.text.reasoning import (DEFAULT_EARLY_STOPPING_TEXT, MAX_THINKING_BUDGET, ReasoningParser, ThinkingBudget, choose,
@@ -78,10 +79,7 @@ from mindie.text.validation import Limits, cap_max_new_tokens, check_token_count
 log = logging.getLogger("mindie.api.openai")
 
 _SEED_MOD = 2**63
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
 _enc = msgspec.json.Encoder()
-DONE = b"data: [DONE]\n\n"
 # Model names that mean "whatever this server serves", as TGI (which serves one model and takes
 # any name) is addressed: huggingface_hub.InferenceClient(base_url).chat_completion() sends
 # "dummy" when given no model, TGI's documentation tells OpenAI clients to send "tgi".
@@ -90,12 +88,6 @@ PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
 
 def benchmark_enabled() -> bool:
     return os.environ.get("MINDIE_LLM_BENCHMARK_ENABLE", "").strip() in ("1", "2")
-
-
-def error_payload(err: ApiError) -> dict:
-    """OpenAI's error object (vLLM's types; ``code`` = the HTTP status)."""
-    etype = _ERROR_TYPES.get(err.status, "InternalServerError" if err.status >= 500 else "BadRequestError")
-    return {"error": {"message": err.message, "type": etype, "param": err.param, "code": err.status}}
 
 
 def _finish(reason: str, tool_calls: bool = False) -> str:
@@ -122,6 +114,7 @@ class OpenAIRequest:
 
 
 class _OpenAICodec(Codec):
+    family = families.OPENAI  # OpenAI's error object and its stream's [DONE]
     kind = ""  # "cmpl" | "chatcmpl"
     chunk_object = ""
 
@@ -145,12 +138,6 @@ class _OpenAICodec(Codec):
         if err.status in (422, 424):
             return ApiError(400, err.message, param=err.param)
         return err
-
-    def error(self, err: ApiError) -> tuple[int, bytes]:
-        return err.status, _enc.encode(error_payload(err))
-
-    def stream_error(self, job: Job, err: ApiError) -> bytes:
-        return sse.json_event(error_payload(err)) + DONE
 
     # -- helpers shared by both routes ---------------------------------------------------------
     def _token_text(self, tid: int) -> str:
@@ -258,13 +245,13 @@ class _OpenAICodec(Codec):
             chunk["decode_time_arr"] = out.decode_ms
         if job.request.include_usage:
             chunk["usage"] = None
-        yield sse.json_event(chunk)
+        yield json_event(chunk)
 
     def close(self, job: Job, outs: list[Output], ctx: Context) -> Iterator[bytes]:
         if job.request.include_usage:
-            yield sse.json_event({**self._head(job.request, self.chunk_object), "choices": [],
+            yield json_event({**self._head(job.request, self.chunk_object), "choices": [],
                                   "usage": self._usage(job, outs)})
-        yield DONE
+        yield families.terminator(self.family)
 
     # -- per route -----------------------------------------------------------------------------
     def response(self, job: Job, outs: list[Output]) -> dict:
@@ -531,7 +518,7 @@ class ChatCompletionsCodec(_OpenAICodec):
                                "finish_reason": None}]}
             if req.include_usage:
                 ch["usage"] = None
-            yield sse.json_event(ch)
+            yield json_event(ch)
 
     def chunk(self, job: Job, c: Output, p: Piece, before: int) -> dict | None:
         req: OpenAIRequest = job.request

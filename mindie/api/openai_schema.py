@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.text.ignored_fields import Found, find_in_json, struct_schema
 from mindie.text.validation import MAX_JSON_DEPTH, too_deep
 

@@ -18,8 +18,8 @@ import msgspec
 from mindie.device_client import DeviceClient
 from mindie.config import Config
 from mindie.contract.spec import EngineConfig
-from mindie.errors import not_found
-from mindie.pd import RoleState, role_status
+from mindie.contract.http_error import not_found
+from mindie.api.pd_role import RoleState, role_status
 from mindie.runtime.curve import WORKER_PUBLIC, CurveKeyError, read_certificate
 
 MINDIE_VERSION = "1.0.0"
@@ -80,7 +80,7 @@ class StatusRoutes:
         """``engine``: the launch plan's engine settings, as settled (shown by /v1/config)."""
         self.config = config
         self.engine = engine
-        self.roles = roles or RoleState("", config.server.pd_role)  # prefill/decode role (mindie/pd.py)
+        self.roles = roles or RoleState("", config.server.pd_role)  # prefill/decode role (mindie/api/pd_role.py)
         self.model_dir = model_dir
         self.client = client
         self.model_name = model_name
@@ -138,7 +138,7 @@ class StatusRoutes:
                          "swappedRequestNum": live.swapped, "freeNpuBlockNums": live.free_blocks,
                          "freeCpuBlockNums": 0, "totalNpuBlockNums": live.total_blocks, "totalCpuBlockNums": 0},
             "linkStatus": role["linkStatus"],
-            # Project extension: where decode workers receive KV blocks (mindie/pd.py, workers/pd_transfer.py).
+            # Project extension: where decode workers receive KV blocks (mindie/contract/pd.py, workers/pd_transfer.py).
             "pd": {"role": role["service"]["currentRole"],
                    "kvEndpoints": kv_endpoints(self.client.endpoints),
                    **kv_curve_key(self.client.endpoints),

@@ -22,10 +22,11 @@ from typing import Any, Container
 import falcon.asgi
 import msgspec
 
-from mindie import sse
 from mindie.api.tgi_schema import COMPAT_SCHEMA, SCHEMA, TgiRequest, parse_tgi
 from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
-from mindie.errors import validation_error
+from mindie.contract import families
+from mindie.contract.http_error import validation_error
+from mindie.contract.sse_framing import event
 from mindie.text.generation import Piece
 from mindie.text.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
@@ -39,6 +40,8 @@ _json = msgspec.json.encode
 class TgiCodec(Codec):
     """TGI's shapes; ``mode``: "generate" (``/generate``), "stream" (``/generate_stream``) or
     "compat" (``POST /``)."""
+
+    family = families.TGI
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, mode: str,
                  adapters: Container[str] = (), structured: Checker | None = None):
@@ -141,7 +144,7 @@ class TgiCodec(Codec):
                 ev["details"] = {"prompt_tokens": len(r.input_ids), "finish_reason": finish_name(p.finish_reason),
                                  "generated_tokens": len(out.ids), "seed": r.sampling.seed,
                                  "input_length": len(r.input_ids)}
-            yield sse.event(_json(ev), space=False)
+            yield event(_json(ev), space=False)
         st["index"] = index
         if p.token_ids:
             st["last"] = p.token_ids[-1]

@@ -18,8 +18,9 @@ from typing import Any, Callable, Container, Optional
 import msgspec
 
 from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, SamplingParams
-from mindie.errors import validation_error
-from mindie.text.structured import ConstraintError, as_validation_error, from_tgi_grammar
+from mindie.contract.http_error import validation_error
+from mindie.contract.grammar import ConstraintError
+from mindie.text.structured import as_validation_error, from_tgi_grammar
 from mindie.text.validation import (MAX_INT32, Limits, check_common_params, check_model_name, check_params_object,
                                check_stop, check_string, check_text_input, check_token_ids, dump_number,
                                encode_text_input, get_param, max_new_tokens_param)

@@ -18,7 +18,7 @@ import msgspec
 
 from mindie.text import ignored_fields
 from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
-from mindie.errors import validation_error
+from mindie.contract.http_error import validation_error
 from mindie.pipeline import read_body
 from mindie.text.validation import Limits
 

@@ -29,10 +29,11 @@ from typing import Optional
 import falcon.asgi
 import msgspec
 
-from mindie import sse
+from mindie.contract import families
+from mindie.contract.sse_framing import event
 from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, SamplingParams
 from mindie.text.detokenizer import TextTokenizer
-from mindie.errors import generation_error, not_found, validation_error
+from mindie.contract.http_error import generation_error, not_found, validation_error
 from mindie.text.generation import Piece
 from mindie.text.ignored_fields import Found, find
 from mindie.pipeline import Codec, Context, Job, Output, Pipeline, Sub, finish_name
@@ -219,6 +220,8 @@ _json = msgspec.json.encode
 class TritonCodec(Codec):
     """Triton's shapes; ``mode``: "infer" (tokens), "generate" or "stream" (text)."""
 
+    family = families.TRITON
+
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, mode: str, full_text: bool):
         self.tokenizer = tokenizer
         self.limits = limits
@@ -278,7 +281,7 @@ class TritonCodec(Codec):
             else:
                 res["prefill_time"], res["decode_time"] = None, round(p.decode_ms, 2)
         out.state["started"] = True
-        yield sse.event(_json(res), space=False)
+        yield event(_json(res), space=False)
 
 
 class TritonResource:

@@ -22,14 +22,16 @@ from typing import Any, Container, Optional
 
 import msgspec
 
+from mindie.contract import families
+from mindie.contract.grammar import ConstraintError
 from mindie.contract.wire import Constraint, SamplingParams
 from mindie.text.detokenizer import TextTokenizer
-from mindie.errors import ApiError, validation_error
+from mindie.contract.http_error import validation_error
 from mindie.text.generation import Piece
 from mindie.text.ignored_fields import find
 from mindie.pipeline import Codec, Context, Job, Output, Sub, finish_name
-from mindie.text.structured import (GUIDED_KEYS, STRUCTURED_OUTPUTS_KEYS, Checker, ConstraintError, as_validation_error,
-                               from_guided, from_structured_outputs, one_of)
+from mindie.text.structured import (GUIDED_KEYS, STRUCTURED_OUTPUTS_KEYS, Checker, as_validation_error, from_guided,
+                                    from_structured_outputs, one_of)
 from mindie.text.validation import (MAX_INT32, Limits, cap_max_new_tokens, check_model_name, check_stop, check_text_input,
                                check_token_ids, clamp_top_k, decode_json, dump_number, encode_text_input, float_param,
                                get_param, implicit_do_sample, random_seed, repetition_penalty_param, seed_param,
@@ -197,6 +199,7 @@ class VllmCodec(Codec):
     ``{"text": [new text]}`` chunks (not SSE), errors as MindIE's JSON (NUL-terminated in a stream)."""
 
     content_type = "text/plain; charset=utf-8"
+    family = families.VLLM
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, adapters: Container[str] = (),
                  structured: Checker | None = None):
@@ -230,6 +233,3 @@ class VllmCodec(Codec):
 
     def render(self, job: Job, out: Output, p: Piece, ctx: Context) -> list[bytes]:
         return [msgspec.json.encode({"text": [p.text]}) + b"\0"]
-
-    def stream_error(self, job: Job, err: ApiError) -> bytes:
-        return err.body() + b"\0"

@@ -6,7 +6,7 @@ from ``ERROR_TYPES``.
 """
 from __future__ import annotations
 
-# MindIE's g_exceptionInfo plus the name of our 413 (see mindie/errors.py).
+# MindIE's g_exceptionInfo plus the name of our 413 (see mindie/contract/http_error.py).
 ERROR_TYPES: dict[int, str] = {
     400: "Bad Request",
     404: "NotFoundError",

@@ -71,7 +71,7 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
 
 
 class PdOrder(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """A request's part in prefill/decode disaggregation (the X-Mindie-PD header, mindie/pd.py):
+    """A request's part in prefill/decode disaggregation (the X-Mindie-PD header, mindie/contract/pd.py):
     ``op`` "prefill" (compute the prompt, push its KV blocks to ``kv_endpoint``, the decode worker's)
     or "decode" (wait for transfer ``transfer_id`` at this worker's ``kv_endpoint``, then continue).
     ``kv_server_key``: the decode worker's CURVE public key (Z85) for a tcp endpoint ("" = the

@@ -23,11 +23,11 @@ from mindie.api.tokenizer import TokenizerResource
 from mindie.api.triton import TritonResource
 from mindie.contract.errors import error_type
 from mindie.runtime.gc_freeze import freeze_heap
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.server.frontend import FrontEnd
 from mindie.runtime.log_setup import setup_logging
 from mindie.server.listeners import read_listeners
-from mindie.pd import RoleResource
+from mindie.api.pd_role import RoleResource
 from mindie.pipeline import Pipeline
 
 log = logging.getLogger("mindie.app")
@@ -112,7 +112,7 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/health/timed", timed, None), ("/health/timed-{n}", timed, "n"),
             ("/info", status, "info"), ("/v1/config", status, "v1_config"), ("/v1/status", status, "v1_status"),
             ("/v2/status", status, "v2_status"), ("/v2/models/{model}/getSlotCount", status, "slots"),
-            # Prefill/decode roles (mindie/pd.py): MindIE's Controller routes and bodies.
+            # Prefill/decode roles (mindie/api/pd_role.py): MindIE's Controller routes and bodies.
             ("/v1/role/{role}", RoleResource(fe.roles, server.max_request_length, 1), None),
             ("/v2/role/{role}", RoleResource(fe.roles, server.max_request_length, 2), None),
             ("/stopService", StopServiceResource(fe.client, fe.state, fe.admission, fe.run_dir,

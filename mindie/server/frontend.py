@@ -24,7 +24,7 @@ from mindie.server.drain import DrainWatch
 from mindie.server.listeners import read_listeners
 from mindie.server.metrics import Metrics
 from mindie.server.ready_line import announce_when_ready
-from mindie.pd import RoleState
+from mindie.api.pd_role import RoleState
 from mindie.server.service_state import STOPPING, ServiceState
 from mindie.text.validation import Limits
 
@@ -60,7 +60,7 @@ class FrontEnd:
         # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).
         self.admission = Admission(deployment.run_dir, server.max_link_num)
         self.state = ServiceState(deployment.run_dir)
-        self.roles = RoleState(deployment.run_dir, config.server.pd_role)  # mindie/pd.py
+        self.roles = RoleState(deployment.run_dir, config.server.pd_role)  # mindie/api/pd_role.py
         # Cuts what still runs when a stop's drain ends (mindie/server/drain.py).
         self.drain = DrainWatch(self.client, self.state, server.drain_timeout_s)
         self.vocab_size = 0

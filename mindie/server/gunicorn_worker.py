@@ -26,7 +26,7 @@ from uvicorn_worker import UvicornWorker
 
 from mindie.runtime.lifecycle import die_with_parent
 from mindie.config import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_DEFAULT, ServerConfig, load_config
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.server.http_conn import RECEIVE_TIMEOUT_KEY, TlsSniffingServer, error_answer, linger_close
 from mindie.server.service_state import STOPPING
 from mindie.server.listeners import read_listeners

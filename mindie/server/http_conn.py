@@ -29,7 +29,7 @@ import socket
 import ssl
 from collections.abc import Callable, Iterable
 
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 
 log = logging.getLogger("mindie.http")
 

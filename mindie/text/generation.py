@@ -10,7 +10,7 @@ finish reason ``stop_token``), and so are log-probabilities (``SamplingParams.lo
 
 Every family uses it, the native ``/infer`` route included (its codec renders each piece's
 tokens as MindIE's per-token frames, with the piece's timings; it asks for no text here, since
-it decodes token by token itself). Errors are ``ApiError`` (mindie/errors.py).
+it decodes token by token itself). Errors are ``ApiError`` (mindie/contract/http_error.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from mindie.device_client import DeviceClient, NoWorkerError, UnknownAdapterErro
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_STOP
 from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.sse import IDLE_TICK_S
 
 
@@ -133,7 +133,7 @@ class Generation:
         try:
             extra = {"adapter": adapter} if adapter else {}  # (clients without LoRA take no such argument)
             if pd is not None:
-                extra["pd"] = pd  # prefill/decode disaggregation (mindie/pd.py)
+                extra["pd"] = pd  # prefill/decode disaggregation (mindie/contract/pd.py)
             self.stream = client.submit(input_ids, params, priority, user_id=user_id, **extra)
         except NoWorkerError as e:
             raise ApiError(503, f"No device worker is ready: {e}") from None

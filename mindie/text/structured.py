@@ -25,12 +25,13 @@ compactly, key order kept: property order is the order the output writes them), 
 grammar cache (keyed by content) and seeded sampling give the same tokens whichever API asked.
 
 JSON schema options travel inside the schema as llguidance's top-level ``"x-guidance"`` object
-(``whitespace_flexible``, ``whitespace_pattern``): the worker compiles ``json_schema`` specs with
+(``whitespace_flexible``, ``whitespace_pattern``): a ``json_schema`` spec compiles with
 ``LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)`` (compact JSON unless the
 schema says otherwise) and no overrides, so what the schema says wins.
 
-``Checker`` compiles a constraint with llguidance against the served model's tokenizer
-(``LLMatcher.validate_grammar``; special tokens a Lark grammar names are checked too) and caches
+``Checker`` compiles the grammar the device worker will enforce (the contract's ``grammar_text``,
+mindie/contract/grammar.py: one text for both sides) with llguidance against the served model's
+tokenizer (``LLMatcher.validate_grammar``; special tokens a Lark grammar names are checked too) and caches
 the verdict by content. The tokenizer is converted once per front end, on the first constrained
 request (~0.3-0.5 s for 32k-49k vocabularies), on a worker thread; a check costs ~1 ms for a
 small schema and ~15 ms for a 44 KB one, so the pipeline runs unknown constraints' checks off the
@@ -46,18 +47,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mindie.contract.grammar import ConstraintError, grammar_text
+from mindie.contract.http_error import ApiError, validation_error
 from mindie.contract.wire import Constraint
-from mindie.errors import ApiError, validation_error
 
-__all__ = ["ConstraintError", "Checker", "from_response_format", "from_structured_outputs", "from_guided",
-           "from_tgi_grammar", "json_schema_constraint", "lark_constraint", "regex_constraint", "choice_constraint",
-           "one_of", "grammar_text", "as_validation_error", "STRUCTURED_OUTPUTS_KEYS", "GUIDED_KEYS", "JSON_OBJECT"]
+__all__ = ["Checker", "from_response_format", "from_structured_outputs", "from_guided", "from_tgi_grammar",
+           "json_schema_constraint", "lark_constraint", "regex_constraint", "choice_constraint", "one_of",
+           "as_validation_error", "STRUCTURED_OUTPUTS_KEYS", "GUIDED_KEYS", "JSON_OBJECT"]
 
 JSON_OBJECT = Constraint("json_object")
-# The worker's defaults for JSON (workers/engine/constraints.py): compact output (no whitespace
-# outside strings) unless the schema's "x-guidance" says otherwise; a free-whitespace default lets a
-# weak model pad forever.
-JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_NAME = 64  # OpenAI's and MindIE's bound on response_format.json_schema.name
 MAX_MESSAGE = 1000  # characters of a compiler message kept in an error
 CACHE_SIZE = 512  # verdicts remembered per front end
@@ -68,14 +66,6 @@ STRUCTURED_OUTPUTS_KEYS = _SO_CONSTRAINTS + ("disable_fallback", "disable_any_wh
                                              "disable_additional_properties", "whitespace_pattern")
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
                "guided_decoding_backend")
-
-
-class ConstraintError(ApiError):
-    """A constraint that cannot be served: 400 naming the request's top-level field (OpenAI's
-    ``param``; ``field`` may be a path in it, which the message spells out)."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(400, message, param=field.split(".", 1)[0].split("[", 1)[0])
 
 
 def as_validation_error(e: ConstraintError) -> ApiError:
@@ -360,27 +350,6 @@ def one_of(*given: tuple[Constraint | None, str]) -> tuple[Constraint | None, st
 
 # -- checking ----------------------------------------------------------------------------------
 
-def grammar_text(c: Constraint) -> str:
-    """The llguidance grammar of a constraint (what ``LLMatcher(tokenizer, grammar)`` takes).
-    Raises (llguidance's GbnfToLarkError, ValueError) for a GBNF grammar that does not convert."""
-    from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    if c.kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(c.spec, defaults=JSON_DEFAULTS)
-    if c.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_DEFAULTS)
-    if c.kind == "regex":
-        return LLMatcher.grammar_from_regex(c.spec)
-    if c.kind == "choice":
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in json.loads(c.spec)))
-    if c.kind == "lark":
-        return LLMatcher.grammar_from_lark(c.spec)
-    if c.kind == "gbnf":
-        return LLMatcher.grammar_from_lark(any_to_lark(c.spec))
-    raise ValueError(f"unknown constraint kind {c.kind!r}")
-
-
 class Checker:
     """Compiles constraints with llguidance against the served model's tokenizer (a front end's
     one ``tokenizers.Tokenizer``, converted on first use) and remembers each verdict."""
@@ -495,8 +464,8 @@ class Checker:
 
         try:
             grammar = grammar_text(c)
-        except Exception as e:  # noqa: BLE001 - untrusted text: a GBNF grammar that does not convert
-            failed, messages = True, [str(e)]
+        except ConstraintError as e:  # untrusted text: a GBNF grammar that does not convert
+            failed, messages = True, [e.message]
         else:
             failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer())
         # The field goes in when the verdict is read ("\0"): the same constraint may come in

@@ -40,7 +40,7 @@ import llguidance
 from mindie.text.chat_template import ChatTemplate, ChatTemplateError
 from mindie.contract.wire import Constraint
 from mindie.text.detokenizer import TextTokenizer
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
 from mindie.text.tool_parsers import names
 from mindie.text.tool_parsers.registry import PARSERS, ToolParser, detect, parser_class
 from mindie.text.tool_parsers.base import NO_PARAMETERS, Function, lark_literal

@@ -33,7 +33,7 @@ import msgspec
 
 from mindie.config import ModelDeployConfig, ScheduleConfig, ServerConfig
 from mindie.contract.wire import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY, SamplingParams
-from mindie.errors import ApiError, generation_error, validation_error
+from mindie.contract.http_error import ApiError, generation_error, validation_error
 
 __all__ = [
     "Limits",

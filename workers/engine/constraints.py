@@ -3,9 +3,11 @@ llguidance, its token masks, and jump-forward.
 
 * ``Grammars`` (one per worker): llguidance's tokenizer built from the model's ``tokenizer.json``
   (with the model's EOS ids), and every constraint compiled on a thread of its own, cached by
-  content (kind + spec). A compile never runs on the worker loop or the compute thread: a request
-  whose grammar is compiling waits outside the scheduler (the engine's ``poll_constraints``); a
-  constraint llguidance refuses ends that request with ``ConstraintError`` (a 400). The cache keeps
+  content (kind + spec), each from the grammar text the contract gives it (mindie/contract/grammar.py,
+  the very text the front end checked). A compile never runs on the worker loop or the compute
+  thread: a request whose grammar is compiling waits outside the scheduler (the engine's
+  ``poll_constraints``); a constraint llguidance refuses ends that request with the contract's
+  ``ConstraintError`` (a 400). The cache keeps
   each compiled grammar as a template matcher that is never advanced; a request gets a
   ``deep_copy`` (tens of microseconds, even for a large schema).
 * ``ConstraintState`` (one per constrained request): its matcher, advanced with each accepted token
@@ -35,7 +37,8 @@ from typing import Iterable, Sequence as Seq
 
 import numpy as np
 
-from mindie.contract.wire import CONSTRAINT_KINDS, Constraint
+from mindie.contract.grammar import ConstraintError, first_lines, grammar_text
+from mindie.contract.wire import Constraint
 
 log = logging.getLogger("workers.engine")
 
@@ -45,58 +48,6 @@ try:  # a worker without llguidance still serves unconstrained requests
     import llguidance.numpy as llg_np
 except ImportError:  # pragma: no cover - llguidance is in install_requires
     llguidance = None
-
-ERROR_STATUS = 400  # every constraint failure is the request's (MindIE's "Bad Request")
-# JSON is generated compact (no whitespace outside strings) unless the schema's "x-guidance" says
-# otherwise: free whitespace lets a weak model pad forever, and compact JSON is mostly forced text.
-JSON_DEFAULTS = {"whitespace_flexible": False}
-
-
-class ConstraintError(ValueError):
-    """A constraint this worker cannot enforce (bad spec, grammar too complex, no tokenizer): the
-    request ends with a 400 error frame whose message names the constraint's kind."""
-
-    status = ERROR_STATUS
-
-
-def grammar_text(c: Constraint) -> str:
-    """llguidance's grammar for ``c`` (not yet checked: compiling it reports most errors)."""
-    kind, spec = c.kind, c.spec
-    if kind not in CONSTRAINT_KINDS:
-        raise ConstraintError(f"constraint kind {kind!r} is not one of {', '.join(CONSTRAINT_KINDS)}")
-    try:
-        if kind == "json_schema":
-            try:
-                json.loads(spec)
-            except ValueError as e:
-                raise ConstraintError(f"json_schema constraint: the schema is not JSON: {e}") from None
-            return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
-        if kind == "json_object":
-            return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
-        if kind == "regex":
-            return LLMatcher.grammar_from_regex(spec)
-        if kind == "choice":
-            try:
-                items = json.loads(spec)
-            except ValueError as e:
-                raise ConstraintError(f"choice constraint: the spec is not a JSON list: {e}") from None
-            if not (isinstance(items, list) and items and all(isinstance(s, str) for s in items)):
-                raise ConstraintError("choice constraint: the spec must be a non-empty JSON list of strings")
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in items))
-        if kind == "lark":
-            return LLMatcher.grammar_from_lark(spec)
-        return llguidance.grammar_from("gbnf", spec)  # llguidance's GBNF -> Lark converter
-    except ConstraintError:
-        raise
-    except Exception as e:  # noqa: BLE001  (the converters raise ValueError and friends)
-        raise ConstraintError(f"{kind} constraint: {_first_lines(str(e))}") from None
-
-
-def _first_lines(msg: str, n: int = 6) -> str:
-    """llguidance's errors end with its parser state: keep the message and the source excerpt."""
-    lines = [ln for ln in msg.strip().splitlines() if ln.strip()]
-    out = "\n".join(lines[:n])
-    return out if len(out) < 1000 else out[:1000] + "..."
 
 
 def load_tokenizer(model_dir: str, vocab_size: int, eos_ids: Iterable[int]) -> "LLTokenizer":
@@ -212,7 +163,7 @@ class Grammars:
         self.compiles += 1
         self.compile_s += time.perf_counter() - t0
         if m.is_error():
-            raise ConstraintError(f"{c.kind} constraint: {_first_lines(m.get_error())}")
+            raise ConstraintError(f"{c.kind} constraint: {first_lines(m.get_error())}")
         return m
 
     def state(self, template: "LLMatcher", stop_ids: Seq[int] = ()) -> "ConstraintState":
@@ -256,7 +207,7 @@ class ConstraintState:
         self.bits = None
         if self.matcher.consume_token(tok):
             return True
-        self.error = _first_lines(self.matcher.get_error()) or f"token {tok} is not allowed here"
+        self.error = first_lines(self.matcher.get_error()) or f"token {tok} is not allowed here"
         return False
 
     def fill(self, row: np.ndarray) -> None:
@@ -268,7 +219,7 @@ class ConstraintState:
 
     def _finish(self, row: np.ndarray) -> None:
         if self.matcher.is_error():
-            self.error = self.error or _first_lines(self.matcher.get_error())
+            self.error = self.error or first_lines(self.matcher.get_error())
             row.fill(-1)
         elif self.stop and self.matcher.is_accepting():
             words = row.view(np.uint32)
@@ -397,5 +348,4 @@ def first_allowed(row: np.ndarray, start: int, vocab_size: int) -> int:
     return int(allowed[j % len(allowed)])
 
 
-__all__ = ["ConstraintError", "ConstraintState", "ERROR_STATUS", "Grammars", "MaskJob", "first_allowed",
-           "grammar_text", "load_tokenizer", "single_token"]
+__all__ = ["ConstraintState", "Grammars", "MaskJob", "first_allowed", "load_tokenizer", "single_token"]

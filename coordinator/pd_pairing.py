@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation in the coordinator (``digs_scheduler_config.deploy_mode:
-pd_separate``): instance roles and the handoff headers.
+pd_separate``): the roles instances report, the decode side's KV endpoint for a pair, and the
+handoff headers (the protocol itself, roles, header name and encoding, is mindie/contract/pd.py).
 
 Roles. An instance is ``prefill``, ``decode`` or ``flex`` (hybrid: today's instance, serves a
 request whole). The role an instance *reports* on its management plane (``/v2/status``, polled)
@@ -7,30 +8,24 @@ wins; else the role its record was given (the static ``instances[].role`` extens
 refresh ``static_info``: ``label`` 2=P 3=D, ``role`` 80='P' 68='D' 85=undefined); else ``flex``.
 
 Handoff (MindIE Motor's HANDOFF, vLLM's proxy): the coordinator sends the request (same path,
-same body) to a prefill instance with the ``prefill`` headers below; the prefill instance computes
+same body) to a prefill instance with the ``prefill`` header (``handoff_header``); the prefill instance computes
 the prompt, ships its KV blocks to the chosen decode instance's KV address and answers a small
 JSON; the coordinator then sends the same request to the decode instance with the ``decode``
 headers (carrying the prefill's answer) and relays the decode instance's answer, stream or not.
-The wire names live here so the server side's protocol (docs/design.md, "Prefill/decode
-disaggregation") is matched in one place.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
-PREFILL, DECODE, FLEX = "prefill", "decode", "flex"
+from mindie.contract.pd import DECODE, FLEX, HEADER, IPC, PREFILL, encode_header
 
-# The one header of the handoff (s37-pd-interface: compact JSON, camelCase keys):
-#   prefill: {"op":"prefill","transferId":ID,"kvEndpoint":EP[,"kvCurvePublicKey":K]}
-#   decode:  {"op":"decode","transferId":ID,"kvEndpoint":EP}
-H_PD = b"x-mindie-pd"
+H_PD = HEADER.lower().encode()  # as ASGI spells header names
 PD_HEADERS = (H_PD,)  # a client's own is dropped, never forwarded
 
 # MindIE MS static_info numbers: label 2=P 3=D (0/1 hybrid); role 80='P' 68='D' 85='U'ndefined
 _LABELS = {2: PREFILL, 3: DECODE}
 _ROLE_CODES = {80: PREFILL, 68: DECODE, 85: ""}
-_NAMES = {"prefill": PREFILL, "p": PREFILL, "decode": DECODE, "d": DECODE, "flex": FLEX, "hybrid": FLEX,
+_NAMES = {PREFILL: PREFILL, "p": PREFILL, DECODE: DECODE, "d": DECODE, FLEX: FLEX, "hybrid": FLEX,
           "mixed": FLEX, "none": "", "u": "", "undefined": "", "": ""}
 
 
@@ -81,14 +76,12 @@ def pick_endpoint(endpoints: list[str], same_host: bool, n: int) -> str:
     """The decode instance's KV endpoint for the ``n``-th handoff to it: its ipc endpoints when
     the prefill instance is on the same host (no TCP, no CURVE), else its tcp ones; round robin
     over its device workers. "" when it reports none."""
-    ipc = [e for e in endpoints if e.startswith("ipc://")]
-    other = [e for e in endpoints if not e.startswith("ipc://")]
+    ipc = [e for e in endpoints if e.startswith(IPC)]
+    other = [e for e in endpoints if not e.startswith(IPC)]
     pool = (ipc or other) if same_host else (other or ipc)
     return pool[n % len(pool)] if pool else ""
 
 
-def header(op: str, transfer_id: str, endpoint: str, curve_key: str = "") -> tuple[bytes, bytes]:
-    doc = {"op": op, "transferId": transfer_id, "kvEndpoint": endpoint}
-    if curve_key and op == PREFILL and endpoint.startswith("tcp://"):
-        doc["kvCurvePublicKey"] = curve_key
-    return H_PD, json.dumps(doc, separators=(",", ":")).encode()
+def handoff_header(op: str, transfer_id: str, endpoint: str, curve_key: str = "") -> tuple[bytes, bytes]:
+    """The handoff header of one step as an ASGI (name, value) pair."""
+    return H_PD, encode_header(op, transfer_id, endpoint, curve_key).encode()

@@ -1,32 +1,28 @@
-"""Prefill/decode disaggregation, the front end's side (docs/design.md "Disaggregated prefill/decode";
-the worker side is workers/pd_transfer.py).
+"""The instance's prefill/decode role, the server's side of disaggregation (docs/design.md
+"Disaggregated prefill/decode"; the protocol, header included, is mindie/contract/pd.py; the worker
+side workers/pd_transfer.py).
 
-- The instance's role (``prefill`` | ``decode`` | ``flex``): ``ServerConfig.pdRole`` at start, changed
-  by MindIE's ``POST /v1/role/{role}`` / ``/v2/role/{role}`` (bodies checked as MindIE checks them),
-  kept in the private run directory (``pd.role``) so that every front end follows one role.
-- The ``X-Mindie-PD`` header of a request relayed by the coordinator: ``{"op": "prefill" | "decode",
-  "transferId": ..., "kvEndpoint": ...[, "kvCurvePublicKey": ...]}`` (``parse_header``; the key: a
-  prefill order to a tcp endpoint, the decode worker's CURVE public key), and what each role serves
-  (``refusal``).
+- The role (``prefill`` | ``decode`` | ``flex``): ``ServerConfig.pdRole`` at start, changed by
+  MindIE's ``POST /v1/role/{role}`` / ``/v2/role/{role}`` (``RoleResource``; bodies checked as
+  MindIE checks them), kept in the private run directory (``pd.role``) so that every front end
+  follows one role (``RoleState``), and reported in /v1/status and /v2/status (``role_status``).
+- What each role serves (``refusal``): the request pipeline (mindie/pipeline.py) asks it with the
+  request's ``X-Mindie-PD`` order.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 
 import falcon
 import falcon.asgi
 import msgspec
 
 from mindie.contract import wire as P
-from mindie.errors import ApiError
+from mindie.contract.http_error import ApiError
+from mindie.contract.pd import DECODE, FLEX, HEADER, PREFILL, ROLES
 
-HEADER = "X-Mindie-PD"
-ROLES = ("prefill", "decode", "flex")
 ROLE_FILE = "pd.role"
-TRANSFER_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-Z85_KEY_RE = re.compile(r"^[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40}$")  # a 32-byte CURVE key in Z85
 BAD_BODY = "Req body converts to json fail. Reset to previous node status."
 
 
@@ -34,7 +30,7 @@ class RoleState:
     """The instance's role, shared by the front ends through a file in the run directory (one
     ``stat`` per read; re-read when it changed). Its JSON: ``{"role", "p_percentage", "peers"}``."""
 
-    def __init__(self, run_dir: str, start_role: str = "flex"):
+    def __init__(self, run_dir: str, start_role: str = FLEX):
         self.path = os.path.join(run_dir, ROLE_FILE) if run_dir else ""
         self.start_role = start_role
         self._mtime = -1.0
@@ -72,36 +68,13 @@ class RoleState:
             os.replace(tmp, self.path)  # atomic: front ends never read half a file
 
 
-def parse_header(value: str | None) -> P.PdOrder | None:
-    """The request's ``X-Mindie-PD`` order, or None without the header; ApiError 400 when malformed."""
-    if value is None:
-        return None
-    try:
-        d = json.loads(value)
-    except ValueError:
-        raise ApiError(400, f"{HEADER} is not JSON") from None
-    if not isinstance(d, dict):
-        raise ApiError(400, f"{HEADER} must be a JSON object")
-    op, tid, ep = d.get("op"), d.get("transferId"), d.get("kvEndpoint")
-    if op not in ("prefill", "decode"):
-        raise ApiError(400, f"{HEADER}: op must be \"prefill\" or \"decode\"")
-    if not isinstance(tid, str) or not TRANSFER_ID_RE.match(tid):
-        raise ApiError(400, f"{HEADER}: transferId must match {TRANSFER_ID_RE.pattern}")
-    if not isinstance(ep, str) or not (ep.startswith(("ipc://", "tcp://"))):
-        raise ApiError(400, f"{HEADER}: kvEndpoint must be an ipc:// or tcp:// endpoint (/v2/status pd.kvEndpoints)")
-    key = d.get("kvCurvePublicKey", "")
-    if not isinstance(key, str) or (key and not Z85_KEY_RE.match(key)):
-        raise ApiError(400, f"{HEADER}: kvCurvePublicKey must be a 40-character Z85 key (/v2/status pd.kvCurvePublicKey)")
-    return P.PdOrder(op, tid, ep, key if op == "prefill" else "")
-
-
 def refusal(role: str, order: P.PdOrder | None) -> ApiError | None:
     """What ``role`` does not serve: a prefill instance serves only PD prefill requests; a decode
     instance PD decode requests and plain ones (it can compute a prompt itself); flex all."""
-    if role == "prefill" and (order is None or order.op != "prefill"):
+    if role == PREFILL and (order is None or order.op != PREFILL):
         return ApiError(503, "This instance's role is prefill: it serves only prefill requests of a PD pair "
                              f"({HEADER} op prefill).")
-    if role == "decode" and order is not None and order.op == "prefill":
+    if role == DECODE and order is not None and order.op == PREFILL:
         return ApiError(503, "This instance's role is decode: it does not serve prefill requests of a PD pair.")
     return None
 
@@ -188,19 +161,10 @@ def role_status(roles: RoleState) -> dict:
     """The ``service`` keys /v1/status and /v2/status report (MindIE's), and ``linkStatus``."""
     st = roles.state()
     service = {"roleStatus": "RoleReady", "currentRole": st.get("role", roles.start_role)}
-    if service["currentRole"] == "flex" and "p_percentage" in st:
+    if service["currentRole"] == FLEX and "p_percentage" in st:
         service["p_percentage"] = st["p_percentage"]
     return {"service": service, "linkStatus": {"peers": [{"target": p, "link": "ok"} for p in st.get("peers", [])
                                                          if p is not None]}}
 
 
-__all__ = [
-    "HEADER",
-    "ROLES",
-    "RoleResource",
-    "RoleState",
-    "check_role_body",
-    "parse_header",
-    "refusal",
-    "role_status",
-]
+__all__ = ["RoleResource", "RoleState", "check_role_body", "refusal", "role_status"]

@@ -1,14 +1,15 @@
-"""HTTP error model shared by every front-end route (MindIE ``WrapperJson``, mindie.md §3).
+"""The one HTTP error type of the server and the coordinator (MindIE ``WrapperJson``, mindie.md §3).
 
 Every error body is ``{"error": "<message>", "error_type": "<type>"}`` (key order as MindIE,
 compact JSON, non-ASCII kept as UTF-8 like nlohmann's ``dump``). ``error_type`` is the MindIE
 name of the status (``mindie.contract.errors.ERROR_TYPES``, shared with the device workers).
-``ApiError`` is the one exception type of a failed request, on every route and in every API
-family: routes, parsers, the generation loop (a worker's error frame, a deadline) raise it, and
-the request pipeline (mindie/pipeline.py) logs and counts it once. The app's error handler
-(mindie/server/app.py) asks the request's codec to write it: MindIE's shape by default, OpenAI's
-``{"error": {...}}`` on the OpenAI routes; inside an open stream the codec writes it as its
-family's error event.
+``ApiError`` is the one exception type of a failed request, on every route, in every API family
+and on both processes that answer HTTP: the server's routes, parsers and generation loop (a
+worker's error frame, a deadline) raise it, and its request pipeline (mindie/pipeline.py) logs and
+counts it once; the coordinator (coordinator/) raises it for what it refuses itself. Each writes it
+in the shape of the request's API family (mindie/contract/families.py): MindIE's shape by default,
+OpenAI's ``{"error": {...}}`` on the OpenAI routes; inside an open stream as its family's error
+frame.
 
 Decision (413): MindIE itself answers an over-long body with ``{"message": "Request body too
 large. Maximum allowed size is 40MB."}`` (cpp-httplib's error handler, mindie.md §1). We keep

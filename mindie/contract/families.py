@@ -1,0 +1,87 @@
+"""The API families of the predict port and how each one says that a request failed: one rule,
+used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the coordinator
+(coordinator/relay.py), so both answer a request of one family in the same bytes.
+
+- ``family(path, body)``: the family of a request: MindIE's native ``/infer`` and
+  ``/infer_token``; OpenAI's ``/v1/*completions``; vLLM's or TGI's ``/generate``, told apart by
+  the body (``is_vllm_generate``: MindIE's rule); TGI's ``/generate_stream`` and ``/``; Triton's
+  ``/v2/models/...``; anything else ``OTHER`` (MindIE's shape).
+- ``error_answer(fam, err)``: (status, body) of an error answered before the answer started:
+  MindIE's ``{"error", "error_type"}`` (mindie/contract/http_error.py), OpenAI's
+  ``{"error": {"message", "type", "param", "code"}}`` (vLLM's types, ``code`` = the status).
+- ``stream_error(fam, err)``: the bytes that end a stream that failed after it started: the
+  family's error frame, then its terminator (``terminator``: OpenAI's ``data: [DONE]``, none
+  for the others). Native: ``data: {"error", "error_type"}`` (a deadline: MindIE's raw text);
+  OpenAI: ``data: {"error": {...}}``; vLLM's ``/generate`` (not SSE): the MindIE body and a NUL;
+  TGI, Triton and the rest: ``data:{"error", "error_type"}`` (no space, as MindIE).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from mindie.contract.http_error import ApiError
+from mindie.contract.sse_framing import DONE, event, json_event
+
+NATIVE, OPENAI, VLLM, TGI, TRITON, OTHER = "native", "openai", "vllm", "tgi", "triton", "other"
+
+# vLLM's error types of OpenAI's error object, by HTTP status.
+OPENAI_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
+                      500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+_encode = msgspec.json.encode
+
+
+def is_vllm_generate(body: Any) -> bool:
+    """Whether a decoded ``/generate`` body is vLLM's: an object with a non-null ``prompt``
+    (``prompt`` wins when ``inputs`` is there too; MindIE's http_handler.cpp
+    ``HandlePostGenerate``). Otherwise it is TGI's (when it has ``inputs``; the server refuses it
+    when it has neither)."""
+    return isinstance(body, dict) and body.get("prompt") is not None
+
+
+def family(path: str, body: Any) -> str:
+    """The API family of a predict-port request (``body``: its decoded JSON, None when unknown)."""
+    if path in ("/infer", "/infer_token"):
+        return NATIVE
+    if path.startswith("/v1/") and path.endswith("completions"):
+        return OPENAI
+    if path == "/generate":
+        return VLLM if is_vllm_generate(body) else TGI
+    if path in ("/generate_stream", "/"):
+        return TGI
+    if path.startswith("/v2/models/"):
+        return TRITON
+    return OTHER
+
+
+def openai_error(err: ApiError) -> dict:
+    """OpenAI's error object (vLLM's types; ``code`` = the HTTP status)."""
+    etype = OPENAI_ERROR_TYPES.get(err.status, "InternalServerError" if err.status >= 500 else "BadRequestError")
+    return {"error": {"message": err.message, "type": etype, "param": err.param, "code": err.status}}
+
+
+def error_answer(fam: str, err: ApiError) -> tuple[int, bytes]:
+    """(status, body) of an error answer before anything was sent."""
+    if fam == OPENAI:
+        return err.status, _encode(openai_error(err))
+    return err.status, err.body()
+
+
+def terminator(fam: str) -> bytes:
+    """What ends every stream of ``fam`` (after its last event or its error frame)."""
+    return DONE if fam == OPENAI else b""
+
+
+def stream_error(fam: str, err: ApiError) -> bytes:
+    """The last bytes of a stream that failed after it started: the error frame and the terminator."""
+    if fam == NATIVE:
+        if err.timeout:  # MindIE writes a deadline's raw text into the open stream, then closes it
+            return err.message.encode()
+        return event(err.body())
+    if fam == OPENAI:
+        return json_event(openai_error(err)) + terminator(fam)
+    if fam == VLLM:
+        return err.body() + b"\0"
+    return event(err.body(), space=False)

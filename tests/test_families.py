@@ -1,0 +1,62 @@
+"""The API families' contract (mindie/contract/families.py), in process: one ``/generate`` rule for
+the server's codec and the coordinator, and each family's error bytes as both write them. The
+real round trips (an instance's error frames, the coordinator's own) are tests/test_coordinator*.py,
+test_openai.py, test_tgi.py, test_vllm_triton.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mindie.api.generate import GenerateCodec
+from mindie.contract import families as F
+from mindie.contract.http_error import ApiError
+
+
+class _Pick:
+    """Stands for a family's codec: its parse says which family was chosen."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def parse_value(self, value, *args) -> str:
+        return self.name
+
+
+@pytest.mark.parametrize("body,family", [
+    ({"prompt": "a"}, F.VLLM),
+    ({"prompt": "a", "inputs": "b"}, F.VLLM),  # prompt wins (MindIE's HandlePostGenerate)
+    ({"inputs": "b"}, F.TGI),
+    ({"prompt": None, "inputs": "b"}, F.TGI),  # a null prompt is no prompt
+])
+def test_one_generate_rule(body, family):
+    """The server's /generate codec and the coordinator's routing choose the same family."""
+    assert F.family("/generate", body) == family
+    assert GenerateCodec(_Pick(F.TGI), _Pick(F.VLLM)).parse(json.dumps(body).encode(), None) == family
+
+
+def test_families_of_paths():
+    assert [F.family(p, None) for p in ("/infer", "/infer_token", "/v1/completions", "/v1/chat/completions",
+                                        "/generate", "/generate_stream", "/", "/v2/models/m/generate_stream",
+                                        "/v1/tokenizer")] == \
+        [F.NATIVE, F.NATIVE, F.OPENAI, F.OPENAI, F.TGI, F.TGI, F.TGI, F.TRITON, F.OTHER]
+
+
+def test_error_bytes_per_family():
+    err = ApiError(500, "worker lost \u2014 \"x\"")
+    body = '{"error":"worker lost \u2014 \\"x\\"","error_type":"Incomplete Generation"}'.encode()
+    openai = ('{"error":{"message":"worker lost \u2014 \\"x\\"","type":"InternalServerError","param":null,'
+              '"code":500}}').encode()
+    assert F.error_answer(F.NATIVE, err) == F.error_answer(F.TGI, err) == (500, body)
+    assert F.error_answer(F.OPENAI, err) == (500, openai)
+    assert F.stream_error(F.NATIVE, err) == b"data: " + body + b"\n\n"
+    assert F.stream_error(F.OPENAI, err) == b"data: " + openai + b"\n\ndata: [DONE]\n\n"
+    assert F.stream_error(F.VLLM, err) == body + b"\0"
+    assert F.stream_error(F.TGI, err) == F.stream_error(F.TRITON, err) == b"data:" + body + b"\n\n"
+    # a deadline in MindIE's native stream is its raw text
+    assert F.stream_error(F.NATIVE, ApiError(500, "Engine callback timeout", timeout=True)) == \
+        b"Engine callback timeout"
+    assert F.terminator(F.OPENAI) == b"data: [DONE]\n\n" and F.terminator(F.TGI) == b""
+    # OpenAI's types by status; 422 (a MindIE check) reads as the client's fault
+    assert F.openai_error(ApiError(422, "bad", param="n"))["error"] == {
+        "message": "bad", "type": "BadRequestError", "param": "n", "code": 422}
