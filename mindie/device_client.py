@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from mindie.contract import wire as P
 from mindie.runtime.curve import frontend_keys, insecure_warning, link_mode
-from mindie.contract.errors import FINISH_ERROR
+from mindie.contract.errors import FINISH_ERROR, UnknownAdapterError
 from mindie.contract.spec import WorkerSpec
 
 log = logging.getLogger("mindie.client")
@@ -39,10 +39,6 @@ STARTUP_PARTIAL_S = 30.0
 
 class NoWorkerError(Exception):
     """No device worker is ready to take a request."""
-
-
-class UnknownAdapterError(LookupError):
-    """No ready device worker serves the LoRA adapter a request names."""
 
 
 @dataclass(eq=False)

@@ -270,7 +270,7 @@ def test_read_body(content_length, chunks, want):
 
 def test_routes_match_the_app():
     """ROUTES are the routes mindie/server/app.py registers (a new route is fuzzed too, or this fails)."""
-    tree = ast.parse((ROOT / "mindie" / "app.py").read_text())
+    tree = ast.parse((ROOT / "mindie" / "server" / "app.py").read_text())
     # create_app's route table: ("/path", resource, suffix) tuples per plane.
     found = {n.elts[0].value for n in ast.walk(tree) if isinstance(n, ast.Tuple) and n.elts
              and isinstance(n.elts[0], ast.Constant) and str(n.elts[0].value).startswith("/")}

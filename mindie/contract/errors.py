@@ -26,6 +26,15 @@ FINISH_STOP = "stop"  # internal: a stop string matched in the front end (APIs m
 FINISH_ERROR = "error"  # internal: the frame carries an error, the front end reports it
 
 
+class UnknownAdapterError(LookupError):
+    """A request names a LoRA adapter that is not served (never loaded, or being unloaded): the
+    one exception for it on both sides (device worker, front end), MindIE's 404 words."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"Model {name} not found.")
+
+
 def error_type(status: int) -> str:
     """MindIE's ``error_type`` of an HTTP status ("Error" for one MindIE does not name)."""
     return ERROR_TYPES.get(status, "Error")

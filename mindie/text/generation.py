@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from mindie.device_client import DeviceClient, NoWorkerError, UnknownAdapterError
 from mindie.contract import wire as P
-from mindie.contract.errors import FINISH_STOP
+from mindie.contract.errors import FINISH_STOP, UnknownAdapterError
+from mindie.device_client import DeviceClient, NoWorkerError
 from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
 from mindie.contract.http_error import ApiError
 from mindie.sse import IDLE_TICK_S
@@ -137,8 +137,8 @@ class Generation:
             self.stream = client.submit(input_ids, params, priority, user_id=user_id, **extra)
         except NoWorkerError as e:
             raise ApiError(503, f"No device worker is ready: {e}") from None
-        except UnknownAdapterError:  # unloaded since the request was parsed
-            raise ApiError(404, f"Model {adapter} not found.") from None
+        except UnknownAdapterError as e:  # unloaded since the request was parsed
+            raise ApiError(404, str(e)) from None
         self.request_id = self.stream.request_id
 
     async def pieces(self, tick: bool = False) -> AsyncIterator[Piece | None]:
