@@ -1,6 +1,6 @@
 """POST /infer and POST /infer_token: MindIE's native routes, token ids or text in, JSON or SSE out,
 byte for byte as the seed example (shared/seed/infer_token_example.txt; bodies in
-mindie/responses.py, the body parser in mindie/api/infer_schema.py).
+mindie/api/infer_responses.py, the body parser in mindie/api/infer_schema.py).
 
 A stream sends one frame per generated token (``prefill_time`` on the first, ``decode_time`` on
 the others: the step's time shared by its tokens); the last token goes out in the final frame,
@@ -14,7 +14,7 @@ from typing import Container
 
 import falcon.asgi
 
-from mindie import responses as R
+from mindie.api import infer_responses as R
 from mindie.api.infer_schema import InferRequest, parse_infer_request
 from mindie.contract import families
 from mindie.text.detokenizer import IncrementalDetokenizer, TextTokenizer
