@@ -1,4 +1,4 @@
-"""docs/design.md's module map names every module of mindie/ and workers/, and nothing else.
+"""docs/design.md's module map names every module of mindie/, workers/ and coordinator/, and nothing else.
 
 The map ("## Module map and the boundary") lists each module by its path from the repository root
 (``mindie/pipeline.py``); a module added, moved or removed without its line in the map fails here.
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mindie", "workers")
+PACKAGES = ("mindie", "workers", "coordinator")
 
 
 def _map_section() -> str:
