@@ -7,7 +7,7 @@ cached rows with an online softmax in fp32, parallel over (sequence, KV head) on
 pool. Prompt chunks take ``paged_prefill`` on AVX-512 and AVX2 builds (fp32 and bf16, head size a
 multiple of 16): tiles of query positions over the cached rows, skipping the keys a query cannot
 see, where torch's SDPA ran a 128-token causal prompt at a fifth of the cores' speed; other
-layouts keep SDPA. Measured side by side in docs/performance.md (`scripts/bench_attention.py`).
+layouts keep SDPA. Measured side by side in docs/performance.md (`mindie-bench attention`).
 
 On CPUs with AMX (``amx_bf16``) bf16 chunks take ``paged_prefill``'s AMX tiles (head sizes a
 multiple of 32 up to 128): the scores and the value products as tile products, the online softmax
@@ -96,7 +96,7 @@ class CpuPagedAttention(PagedAttention):
         if self._prefill_ok and g is not None:
             pre = [i for i, n in enumerate(num_new) if n != 1]  # as build_metadata splits them
             # fp32 scores take plain FMAs (bf16 takes vdpbf16ps): SDPA is faster from ~1k keys,
-            # and after a cached prefix (scripts/bench_attention.py --prefill). AVX2 builds take
+            # and after a cached prefix (`mindie-bench attention --prefill`). AVX2 builds take
             # plain FMAs for bf16 too: the same rule (mindie-bench isa: a fresh 128-token prompt
             # 1.3-1.6x faster than SDPA, after 1000 cached keys 1.4x slower in bf16).
             if self.plain_fma_prefill and not (g.fresh and max(start_pos[i] + num_new[i] for i in pre) <= 1024):
