@@ -82,7 +82,8 @@ class Coordinator:
         self.pool = Pool(self.business_ssl, connect_timeout=5.0)
         self.mgmt = httpx.AsyncClient(verify=self.mgmt_ssl or True, headers=headers, timeout=timeout,
                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
-        self.poller = Poller(self.registry, self.mgmt, h.pollIntervalMs / 1000.0, h.http_timeout_seconds)
+        self.poller = Poller(self.registry, self.mgmt, h.pollIntervalMs / 1000.0, h.http_timeout_seconds,
+                             business=self.business, own=self.own_listeners())
         from coordinator.metrics import CoordinatorMetrics
         from coordinator.router import Router
         from coordinator.relay import Relay
@@ -102,6 +103,11 @@ class Coordinator:
         return [("predict", self.relay, h.predict_ip, h.predict_port, pred),
                 ("manage", self.manage, h.manage_ip, h.manage_port, man)]
 
+    def own_listeners(self) -> list[tuple[str, int, str]]:
+        """(ip, port, name) of this coordinator's listeners: never an instance (admission_check.py)."""
+        h = self.config.http_config
+        return [(h.predict_ip, h.predict_port, "predict"), (h.manage_ip, h.manage_port, "manage")]
+
     def url(self, name: str) -> str:
         h, t = self.config.http_config, self.config.tls_config
         if name == "predict":
@@ -109,8 +115,9 @@ class Coordinator:
         return f"{'https' if t.controller_server_tls_enable else 'http'}://{h.manage_ip}:{h.manage_port}"
 
     async def start(self) -> None:
-        """The first poll before the listeners open, so a restarted coordinator routes at once."""
-        await self.poller.poll_all()
+        """The first poll before the listeners open, so a restarted coordinator routes at once
+        (bounded: an instance that does not answer within a poll's deadline is left to the poller)."""
+        await self.poller.poll_all(wait_s=self.poller.timeout_s + 1.0)
         self.poller.start()
 
     async def stop(self) -> None:

@@ -12,7 +12,9 @@ POST /v1/instances/offline | online               {"ids": [...]}: stop / resume 
 POST /v1/instances/query_tasks                    {"p_id", "d_id"} -> {"is_end": bool}
 GET  /stopService[?mode=Force]                    every instance drained and stopped, then the coordinator
 
-A malformed body is a 400 in MindIE's shape ({"error", "error_type"}) naming the field.
+A malformed body is a 400 in MindIE's shape ({"error", "error_type"}) naming the field, and
+nothing of it is stored (coordinator/refresh_schema.py); a body over ``request_limit.body_limit``
+is a 413. An instance a refresh adds is routed to only once admitted (coordinator/admission_check.py).
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ from typing import Any
 import falcon
 import falcon.asgi
 
+from coordinator import refresh_schema
+from coordinator.admission_check import own_by_address
 from coordinator.pd_pairing import parse_role, role_from_static
-from coordinator.registry import Instance
+from coordinator.registry import ADDED_LOGGED, POLL_CONCURRENCY, Instance
 from mindie.contract.http_error import ApiError
 
 log = logging.getLogger("mindie.coordinator.manage")
@@ -47,8 +51,23 @@ def _serialize(req, resp, exc: falcon.HTTPError) -> None:
     resp.data = ApiError(exc.status_code, exc.description or exc.title or "Error", exc.title or "Error").body()
 
 
-async def _json(req: falcon.asgi.Request) -> Any:
-    raw = await req.stream.read()
+async def _raw(req: falcon.asgi.Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (else 413): a manage call is small, whoever sends it."""
+    if req.content_length is not None and req.content_length > limit:
+        raise _Err(413, f"The request body is larger than request_limit.body_limit ({limit >> 20} MB).",
+                   "Request Entity Too Large")
+    chunks, size = [], 0
+    async for chunk in req.stream:
+        size += len(chunk)
+        if size > limit:
+            raise _Err(413, f"The request body is larger than request_limit.body_limit ({limit >> 20} MB).",
+                       "Request Entity Too Large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json(req: falcon.asgi.Request, limit: int = 10 << 20) -> Any:
+    raw = await _raw(req, limit)
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -126,86 +145,88 @@ class Refresh:
     def __init__(self, coord: Any) -> None:
         self.coord = coord
 
-    def _records(self, body: dict) -> tuple[str, list[Instance]]:
-        """(event, instances) of either form: MindIE MS's (``ids`` + ``instances`` with ``port``)
-        or the newer Motor's (``event`` + ``instances[].endpoints``)."""
-        out: list[Instance] = []
-        event = body.get("event", "set")
-        if event not in ("add", "del", "set"):
-            raise _bad(f'event must be "add", "del" or "set", got {json.dumps(event)}')
-        items = body.get("instances")
-        if not isinstance(items, list):
-            raise _bad("instances must be a list")
-        for n, it in enumerate(items):
-            where = f"instances[{n}]"
-            if not isinstance(it, dict):
-                raise _bad(f"{where} must be an object")
-            if isinstance(it.get("endpoints"), list):
-                for m, ep in enumerate(it["endpoints"]):
-                    w = f"{where}.endpoints[{m}]"
-                    if not isinstance(ep, dict):
-                        raise _bad(f"{w} must be an object")
-                    out.append(self._one(ep, w, ep.get("business_port"), it.get("model_name", "")))
-                continue
-            out.append(self._one(it, where, it.get("port"), it.get("model_name", "")))
-        return event, out
+    def _own(self, rec: refresh_schema.Rec) -> None:
+        """A 400 when a port of ``rec`` is one of this coordinator's listeners (relayed to itself)."""
+        own = self.coord.own_listeners()
+        bkey = "business_port" if ".endpoints[" in rec.where else "port"
+        for key, port in ((bkey, rec.business_port), ("mgmt_port", rec.mgmt_port), ("metric_port", rec.metric_port)):
+            name = own_by_address(rec.ip, port, own) if port else None
+            if name:
+                raise _bad(f"{rec.where}.{key}: {rec.ip}:{port} is this coordinator's own {name} port, "
+                           "not a server instance")
 
-    def _one(self, it: dict, where: str, port: Any, model: Any) -> Instance:
-        for k in ("id", "ip"):
-            if k not in it:
-                raise _bad(f"{where}.{k} is required")
-        ip = it["ip"]
-        if not isinstance(ip, str) or not ip:
-            raise _bad(f"{where}.ip must be a non-empty string")
-        if port is None:
-            raise _bad(f"{where}.port (or business_port) is required")
-        bport = _int(port, f"{where}.port", 1024, 65535)
-        metric = _int(it["metric_port"], f"{where}.metric_port", 1024, 65535) if it.get("metric_port") else None
-        mgmt = it.get("mgmt_port", metric)
-        if mgmt is None:
-            raise _bad(f"{where}.mgmt_port (or metric_port) is required: the instance's management port")
-        static = it.get("static_info") or {}
-        if not isinstance(static, dict):
-            raise _bad(f"{where}.static_info must be an object")
-        inst = Instance(id=_int(it["id"], f"{where}.id"), ip=ip, business_port=bport,
-                        mgmt_port=_int(mgmt, f"{where}.mgmt_port", 1024, 65535), metric_port=metric,
-                        model_name=model if isinstance(model, str) else "", source="refresh", static_info=static,
-                        role_given=role_from_static(static) or parse_role(it.get("role")))
-        dyn = it.get("dynamic_info") or {}
-        if isinstance(dyn, dict):  # a first view until the poller's own
-            inst.total_slots = int(static.get("total_slots_num") or 0)
-            inst.total_blocks = int(static.get("total_block_num") or 0)
-            inst.avail_slots = int(dyn.get("avail_slots_num") or inst.total_slots)
-            inst.avail_blocks = int(dyn.get("avail_block_num") or inst.total_blocks)
+    @staticmethod
+    def _instance(rec: refresh_schema.Rec) -> Instance:
+        static = rec.static_info
+        inst = Instance(id=rec.id, ip=rec.ip, business_port=rec.business_port, mgmt_port=rec.mgmt_port,
+                        metric_port=rec.metric_port, model_name=rec.model_name, model_expected=rec.model_name,
+                        source="refresh", static_info=static,
+                        role_given=role_from_static(static) or parse_role(rec.role))
+        # a first view until the poller's own
+        inst.total_slots = int(static.get("total_slots_num") or 0)
+        inst.total_blocks = int(static.get("total_block_num") or 0)
+        dyn = rec.dynamic_info
+        inst.avail_slots = (dyn.avail_slots_num if dyn else 0) or inst.total_slots
+        inst.avail_blocks = (dyn.avail_block_num if dyn else 0) or inst.total_blocks
         return inst
 
     async def on_post(self, req, resp) -> None:
-        body = await _json(req)
-        if not isinstance(body, dict):
-            raise _bad("the body must be a JSON object")
-        reg = self.coord.registry
-        event, insts = self._records(body)
-        ids = set(_ids(body)) if "ids" in body else None
+        coord = self.coord
+        reg = coord.registry
+        raw = await _raw(req, coord.config.request_limit.body_limit << 20)
+        try:
+            doc = refresh_schema.parse(raw)
+            n = refresh_schema.count(doc)
+            if n > reg.max_instances:  # bounded before any record is validated
+                raise _bad(f"{n} instances, more than digs_scheduler_config.max_res_num ({reg.max_instances})")
+            body = refresh_schema.validate(doc)
+            recs = refresh_schema.records(body)
+        except refresh_schema.RefreshError as e:
+            raise _bad(str(e)) from None
+        for r in recs:
+            self._own(r)
+        event = body.event
+        ids = set(body.ids) if body.ids is not None else None
+        mine = {r.id for r in recs}
         if ids is not None:
-            missing = ids - {i.id for i in insts} - set(reg.instances)
+            missing = ids - mine - set(reg.instances)
             if missing:
                 raise _bad(f"ids names {sorted(missing)}, which instances does not describe")
-        total = len(set(reg.instances) | {i.id for i in insts}) if event != "set" else len(insts)
+        total = len(set(reg.instances) | mine) if event != "set" else len(recs)
         if event != "del" and total > reg.max_instances:
             raise _bad(f"{total} instances, more than digs_scheduler_config.max_res_num ({reg.max_instances})")
+        if event != "del":
+            # an endpoint already another instance's (one kept by this refresh): two ids, one server
+            kept = [i for iid, i in reg.instances.items() if iid not in mine
+                    and (event == "add" or (ids is not None and iid in ids))]
+            taken = {(i.ip.lower(), i.business_port): i.id for i in kept}
+            for r in recs:
+                other = taken.get((r.ip.lower(), r.business_port))
+                if other is not None:
+                    raise _bad(f"{r.where}.ip: {r.ip}:{r.business_port} is already instance {other}'s endpoint")
+        # validated: stored from here on, nothing can fail half way
+        gone: set[int] = set()
+        added: list[Instance] = []
         if event == "del":
-            for i in insts:
-                reg.remove(i.id)
-                self.coord.router.forget(i.id)
+            gone = mine & set(reg.instances)
         else:
-            for i in insts:
-                reg.add(i)
+            for k, r in enumerate(recs):
+                before = reg.instances.get(r.id)
+                inst = reg.add(self._instance(r), quiet=k >= ADDED_LOGGED)
+                if inst is not before:
+                    added.append(inst)
             if event == "set":
-                keep = ids if ids is not None else {i.id for i in insts}
-                for iid in [k for k in reg.instances if k not in keep]:
-                    reg.remove(iid)
-                    self.coord.router.forget(iid)
-        await self.coord.poller.poll_all()  # route to them now, not at the next poll
+                keep = ids if ids is not None else mine
+                gone = {iid for iid in reg.instances if iid not in keep}
+        for k, iid in enumerate(sorted(gone)):
+            reg.remove(iid, quiet=k >= ADDED_LOGGED)
+        coord.router.forget_all(gone)
+        log.info("refresh (%s): %d record(s), %d instance(s) added, %d removed, %d in all", event, len(recs),
+                 len(added), len(gone), len(reg.instances))
+        if added and len(added) <= POLL_CONCURRENCY:
+            # a few: routed to now if they answer (each poll has its own deadline), not at the next poll
+            await coord.poller.poll_all(added, wait_s=coord.poller.timeout_s)
+        coord.poller.kick()
         resp.data = b""
 
 
@@ -243,7 +264,8 @@ class StopService:
             return
         coord.stopping = True
         force = req.get_param("mode") == "Force"
-        insts = list(coord.registry.instances.values())
+        # the servers it reaches: not an endpoint never admitted (a decoy gets no stop call)
+        insts = [i for i in coord.registry.instances.values() if i.admitted or i.reached]
         log.warning("/stopService%s: new requests are refused; stopping %d instance(s)", " (Force)" if force else "",
                     len(insts))
 

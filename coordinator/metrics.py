@@ -106,7 +106,8 @@ class CoordinatorMetrics:
         return text + generate_latest(self.registry)
 
     async def _scrape(self) -> bytes:
-        insts = list(self.coord.registry.instances.values())
+        # admitted instances only: an endpoint that is not a server (or not there) is not scraped
+        insts = [i for i in self.coord.registry.instances.values() if i.admitted]
 
         async def one(inst):
             try:

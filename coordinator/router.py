@@ -142,9 +142,17 @@ class Router:
             self.forget(inst.id)
 
     def forget(self, iid: int) -> None:
+        self.forget_all({iid})
+
+    def forget_all(self, iids: set[int]) -> None:
+        """Drop the prefix keys of instances that left (one pass, however many left)."""
+        if not iids:
+            return
         for table in (self.table, self.table_d):
-            for k in [k for k, v in table.items() if v == iid]:
+            for k in [k for k, v in table.items() if v in iids]:
                 del table[k]
+        for iid in iids:
+            self.last_pick.pop(iid, None)
 
     def info(self, path: str, body: Any) -> RouteInfo:
         if self.algorithm != "cache_affinity":
@@ -178,7 +186,7 @@ class Router:
         """pd_separate: (prefill, decode, decision) for a handoff; (None, flex, decision) for a
         hybrid instance when no prefill/decode pair is ready; (None, None, "none_ready")."""
         # a decode instance that reports no KV endpoint cannot receive blocks: not a pair's half
-        deaf = {i.id for i in self.registry.instances.values() if i.role == DECODE and not i.kv_endpoints}
+        deaf = {i.id for i in self.registry.ready() if i.role == DECODE and not i.kv_endpoints}
         if self.candidates(exclude, PREFILL) and self.candidates(exclude | deaf, DECODE):
             p, dp = self.pick(info, exclude, PREFILL)
             d, _ = self.pick(info, exclude | deaf, DECODE)
