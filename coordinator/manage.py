@@ -15,6 +15,7 @@ GET  /stopService[?mode=Force]                    every instance drained and sto
 A malformed body is a 400 in MindIE's shape ({"error", "error_type"}) naming the field, and
 nothing of it is stored (coordinator/refresh_schema.py); a body over ``request_limit.body_limit``
 is a 413. An instance a refresh adds is routed to only once admitted (coordinator/admission_check.py).
+With a bearer token configured (coordinator/manage_auth.py) every route but the probes needs it.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import falcon.asgi
 
 from coordinator import refresh_schema
 from coordinator.admission_check import own_by_address
+from coordinator.manage_auth import middleware
 from coordinator.pd_pairing import parse_role, role_from_static
 from coordinator.registry import ADDED_LOGGED, POLL_CONCURRENCY, Instance
 from mindie.contract.http_error import ApiError
@@ -298,7 +300,7 @@ class QueryTasks:
 
 
 def manage_app(coord: Any) -> falcon.asgi.App:
-    app = falcon.asgi.App()
+    app = falcon.asgi.App(middleware=middleware())
     live = Probe(coord, ready=False)
     ready = Probe(coord, ready=True)
     for path, res in [("/v1/startup", live), ("/v1/health", live), ("/v2/health/live", live),

@@ -93,6 +93,7 @@ async def _run(srv: uvicorn.Server) -> None:
 
 async def _main(loaded: Loaded) -> int:
     from coordinator.app import Coordinator
+    from coordinator.manage_auth import ManageAuthError
     from mindie.runtime.tls import TlsError
     c = loaded.config
     h = c.http_config
@@ -101,6 +102,9 @@ async def _main(loaded: Loaded) -> int:
         listeners = coord.listeners()
     except TlsError as e:
         log.error("TLS refused: %s", e)
+        return 1
+    except ManageAuthError as e:
+        log.error("manage port token refused: %s", e)
         return 1
     servers = []
     for name, app, ip, port, ssl_ctx in listeners:
