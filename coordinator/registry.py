@@ -190,7 +190,8 @@ class Registry:
             old.source = inst.source
             return old
         if old is not None:
-            old.polled_ok = False  # replaced: out of the routing index
+            old.polled_ok = False  # replaced: out of the routing index, and detached from it (a
+            old._index = None  # poll of it still in flight must not put it back under this id)
             self._was_ready.pop(inst.id, None)
         self.instances[inst.id] = inst
         inst._index = self._ok

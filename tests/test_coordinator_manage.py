@@ -316,3 +316,66 @@ def test_manage_port_bearer_token(fleet, tmp_path):
                          timeout=10).status_code == 200
     finally:
         coord.stop()
+
+
+# -- in-process checks of the pieces (no server processes) ---------------------------------------
+def test_own_listeners_by_address_and_by_connection():
+    import socket
+    from coordinator.admission_check import own_by_address, own_by_connection
+    own = [("127.0.0.1", 1025, "predict"), ("0.0.0.0", 1026, "manage")]
+    assert own_by_address("127.0.0.1", 1025, own) == "predict"
+    assert own_by_address("localhost", 1025, own) == "predict"
+    assert own_by_address("127.0.0.2", 1025, own) is None  # another loopback address: not that listener
+    assert own_by_address("127.0.0.2", 1026, own) == "manage"  # 0.0.0.0 takes every local address
+    assert own_by_address("10.1.2.3", 1025, own) is None and own_by_address("node-1", 1026, own) is None
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            assert own_by_connection(c, port, [("127.0.0.1", port, "manage")]) == "manage"
+            assert own_by_connection(c, port, [("0.0.0.0", port, "manage")]) == "manage"
+            assert own_by_connection(c, port, [("127.0.0.1", port + 1, "manage")]) is None
+
+
+def test_one_failing_record_never_stops_the_polls_of_the_others():
+    """A poll that raises what no handler expects (a bug, an odd answer) is that instance's
+    failure only: the real one is polled on, every interval, and stays ready."""
+    import asyncio
+    from coordinator.registry import Instance, Poller, Registry
+
+    async def main():
+        servers = [await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0) for _ in range(2)]
+        good, bad = (s.sockets[0].getsockname()[1] for s in servers)
+        answers = {"/health": b"", "/v1/config": b'{"modelName": "demo", "maxSeqLen": 2560, "cacheBlockSize": 128}',
+                   "/v2/status": b'{"service": {}, "resource": {"availSlotsNum": 8, "availBlockNum": 100, '
+                                 b'"waitingRequestNum": 0, "runningRequestNum": 0, "totalNpuBlockNums": 100}}',
+                   "/v2/models/demo/getSlotCount": b'{"total_slots": 8}'}
+        asked = {good: 0, bad: 0}
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            asked[request.url.port] += 1
+            if request.url.port == bad:
+                raise RuntimeError("a bug in one record's poll")
+            return httpx.Response(200, content=answers[request.url.path])
+        reg = Registry(3, 5.0, False, False, 10)
+        reg.add(Instance(id=0, ip="127.0.0.1", business_port=good, mgmt_port=good))
+        reg.add(Instance(id=1, ip="127.0.0.1", business_port=bad, mgmt_port=bad))
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            poller = Poller(reg, client, 0.05)
+            poller.start()
+            try:
+                for _ in range(200):  # bounded: until the good one was asked 20 times
+                    if asked[good] >= 20 * 2:
+                        break
+                    await asyncio.sleep(0.02)
+            finally:
+                await poller.stop()
+        for s in servers:
+            s.close()
+        return reg, asked
+    reg, asked = asyncio.run(main())
+    good, bad = reg.instances[0], reg.instances[1]
+    assert good.state() == "ready" and good.model_name == "demo" and good.total_slots == 8, good.describe()
+    assert bad.state() == "starting" and "a bug in one record's poll" in bad.why_not, bad.describe()
+    assert sum(asked.values()) > 40
