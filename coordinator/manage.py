@@ -57,14 +57,12 @@ def _serialize(req, resp, exc: falcon.HTTPError) -> None:
 async def _raw(req: falcon.asgi.Request, limit: int) -> bytes:
     """The body, at most ``limit`` bytes (else 413): a manage call is small, whoever sends it."""
     if req.content_length is not None and req.content_length > limit:
-        raise _Err(413, f"The request body is larger than request_limit.body_limit ({limit >> 20} MB).",
-                   "Request Entity Too Large")
+        raise ApiError(413, f"The request body is larger than request_limit.body_limit ({limit >> 20} MB).")
     chunks, size = [], 0
     async for chunk in req.stream:
         size += len(chunk)
         if size > limit:
-            raise _Err(413, f"The request body is larger than request_limit.body_limit ({limit >> 20} MB).",
-                       "Request Entity Too Large")
+            raise ApiError(413, f"The request body is larger than request_limit.body_limit ({limit >> 20} MB).")
         chunks.append(chunk)
     return b"".join(chunks)
 
