@@ -49,6 +49,7 @@ from coordinator.upstream import Response, UpstreamError
 from mindie.contract import families
 from mindie.contract.pd import DECODE, PREFILL
 from mindie.contract.http_error import ApiError
+from mindie.server.service_state import STOPPED_MESSAGE
 
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
 log = logging.getLogger("mindie.coordinator")
@@ -100,6 +101,8 @@ class Relay:
         self.received = 0
         self.input_chars = 0  # of the bodies relayed (coordinator_info's request_length_info)
         self._room = asyncio.Event()
+        # admitted requests' work (task -> its record): what a drain waits for, and cuts at its end
+        self.active: dict[asyncio.Task, dict] = {}
 
     # -- ASGI ------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -123,6 +126,7 @@ class Relay:
             nonlocal counted
             if msg["type"] == "http.response.body" and not msg.get("more_body") and not counted:
                 counted = True
+                rec["ended"] = True  # the answer is whole: a drain's cut has nothing left to end
                 m.finished(rec, time.monotonic() - t0)
             await outer(msg)
 
@@ -158,6 +162,48 @@ class Relay:
                         "-" if rec["ttft_ms"] is None else f"{rec['ttft_ms']:.1f}", dur, rec["bytes"],
                         _pd_note(rec), f" {rec['outcome']}" if rec["outcome"] else "",
                         extra={"request": {k: v for k, v in rec.items()} | {"duration_ms": round(dur, 1)}})
+
+    async def drain(self, drain_s: float, now: asyncio.Event) -> int:
+        """The predict port's side of a stop (new requests get 503 already: ``coord.stopping``):
+        wait until no admitted request is left, at most ``drain_s`` seconds (or until ``now`` is
+        set: a second stop signal), then cut what still runs -- a stream ends with an error frame
+        in its family's shape, an answer not begun gets the 503, and each one's request-log line
+        says the drain cut it. Returns how many were cut."""
+        deadline = time.monotonic() + drain_s
+        while self.active and not now.is_set() and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(now.wait(), min(0.1, left))  # a bounded look, not a busy loop
+        if not self.active:
+            return 0
+        forced = now.is_set()
+        why = (f"{STOPPED_MESSAGE} The request was cut by a second stop signal before it finished."
+               if forced else
+               f"{STOPPED_MESSAGE} The request was still running at the end of the coordinator's drain "
+               f"(http_config.drainTimeoutS = {drain_s:g} s) and was cut.")
+        tasks = [t for t in self.active if not t.done()]
+        for t in tasks:
+            self.active[t]["drain_cut"] = why
+            t.cancel()
+        log.warning("stop: cut %d request(s) still in flight %s", len(tasks),
+                    "(second stop signal)" if forced else f"at the end of the drain ({drain_s:g} s)")
+        # each cut request writes its last frame and its log line (bounded: a client that does not read)
+        end = time.monotonic() + 5.0
+        while self.active and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return len(tasks)
+
+    async def _drain_cut(self, send, rec: dict, fam: str, stream: bool) -> None:
+        """The end of a request the drain cut (its work was cancelled): an error frame in the
+        stream's shape, or MindIE's 503 when nothing was sent yet; nothing when its answer was
+        already whole."""
+        if rec.get("ended"):
+            return
+        self.coord.metrics.cut()
+        err = ApiError(503, rec["drain_cut"], "Service Unavailable")
+        outcome = "cut by the coordinator's drain"
+        if not rec.get("sent"):
+            return await self._answer(send, rec, fam, err, outcome)
+        await self._cut(send, rec, fam, err, outcome, stream)
 
     async def _answer(self, send, rec: dict, fam: str, err: ApiError, outcome: str) -> None:
         status, body = families.error_answer(fam, err)
@@ -200,13 +246,26 @@ class Relay:
         stream = by_path or (isinstance(parsed, dict) and parsed.get("stream") is True)
         work = asyncio.ensure_future(self._route(scope, send, rec, body, parsed, fam, stream, t0))
         gone = asyncio.ensure_future(self._disconnect(receive))
+        self.active[work] = rec
+        try:
+            await self._settle(work, gone, send, rec, fam, stream)
+        finally:
+            self.active.pop(work, None)  # after its last frame: a drain waits for that too
+
+    async def _settle(self, work: asyncio.Task, gone: asyncio.Task, send, rec: dict, fam: str, stream: bool) -> None:
+        """Waits for the request's work or the client's hang-up, and ends the request either way."""
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             work.cancel()
             gone.cancel()
             raise
-        if work in done:
+        if work in done and work.cancelled() and rec.get("drain_cut"):
+            gone.cancel()
+            await self._drain_cut(send, rec, fam, stream)
+            if rec.get("cut"):
+                raise _ShortAnswer
+        elif work in done:
             gone.cancel()
             work.result()
             if rec.get("cut"):

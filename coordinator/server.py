@@ -136,18 +136,25 @@ async def _main(loaded: Loaded) -> int:
         await asyncio.sleep(0.02)
     coord.announce_ready_line()
     await stop.wait()
-    log.info("stopping: no new connections; requests in flight get http_config.drainTimeoutS (%d s); "
-             "the instances keep serving", h.drainTimeoutS)
-    for _, srv in servers:
-        srv.should_exit = True
+    # The drain (as a server's own, mindie/server/drain.py): the listeners stay open so a new
+    # request gets MindIE's 503 rather than a refused connection, the requests in flight run
+    # until drainTimeoutS, and what still runs then is cut with an error in its API's shape.
+    coord.stopping = True
+    log.info("stopping: new requests get 503; requests in flight get http_config.drainTimeoutS (%d s), then "
+             "are cut with an error frame; the instances keep serving", h.drainTimeoutS)
     stop.clear()
 
-    async def second_signal() -> None:  # a second SIGTERM/SIGINT: stop now
+    async def second_signal() -> None:  # a second SIGTERM/SIGINT: cut now
         await stop.wait()
         log.warning("second stop signal: cutting the requests in flight")
         for _, s in servers:
             s.force_exit = True
     force = asyncio.create_task(second_signal())
+    await coord.relay.drain(h.drainTimeoutS, stop)
+    for _, srv in servers:
+        # what is left are answers being written (a cut's last frame) and idle connections
+        srv.config.timeout_graceful_shutdown = 5
+        srv.should_exit = True
     await asyncio.gather(*tasks, return_exceptions=True)
     force.cancel()
     await coord.stop()
