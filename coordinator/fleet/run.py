@@ -1,7 +1,8 @@
 """Running a planned fleet (coordinator/fleet/plan.py): spawn every instance (scripts/launch.sh)
 and then the coordinator, each in a session of its own; wait for them to be ready with the
-probes' client; supervise (a dead coordinator is restarted, a stopped instance is left to the
-coordinator's routing); stop in order on a signal or the coordinator's own stop. ``claim`` holds
+probes' client; supervise (a dead or wedged coordinator is restarted, a dead instance is
+restarted with backoff and the coordinator's poller admits it again); stop in order on a signal
+or the coordinator's own stop: the coordinator drains first, then the instances. ``claim`` holds
 the run directory's lock first, so a second motor.sh cannot touch a running fleet's files."""
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ COORDINATOR_READY_TIMEOUT_S = 60.0
 COORDINATOR_STOP_S = 10.0  # beyond its drainTimeoutS: the cut and the exit
 RESTARTS = 3  # coordinator deaths within RESTART_WINDOW_S before the fleet gives up
 RESTART_WINDOW_S = 60.0
+# A dead instance is restarted with backoff, as workers/supervisor.py restarts a worker: the wait
+# doubles from INSTANCE_BACKOFF_START_S to INSTANCE_BACKOFF_MAX_S, and an instance up
+# INSTANCE_STABLE_S resets it (a crash loop costs a start every 30 s, not a busy loop).
+INSTANCE_BACKOFF_START_S = 0.5
+INSTANCE_BACKOFF_MAX_S = 30.0
+INSTANCE_STABLE_S = 60.0
+# The coordinator's liveness (its manage port's /v1/health, the probe health_check.sh
+# --coordinator liveness runs): one look every LIVENESS_INTERVAL_S, each bounded by
+# LIVENESS_TIMEOUT_S; LIVENESS_MISSES in a row and it is killed and restarted (a stopped or wedged
+# loop answers nothing). A coordinator just started gets COORDINATOR_READY_TIMEOUT_S first.
+LIVENESS_INTERVAL_S = 2.0
+LIVENESS_TIMEOUT_S = 2.0
+LIVENESS_MISSES = 3
 
 
 def say(msg: str) -> None:
@@ -92,12 +106,13 @@ class Readiness:
                                             key_password_file=e.get("MINDIE_PROBE_KEY_PASSWORD_FILE", ""))
         self.last = ""
 
-    def ready(self, timeout: float = 2.0) -> bool:
+    def ready(self, timeout: float = 2.0, mode: str = "readiness") -> bool:
+        """One probe (``readiness``, or ``liveness``) answered healthy within ``timeout``."""
         p = self.probe
         prober = p.Prober(self.target, time.monotonic() + timeout, self.ctx,
                           os.environ.get("MINDIE_PROBE_SERVER_NAME", ""), bool(os.environ.get("MINDIE_PROBE_CERT")))
         try:
-            code, self.last = p.probe(prober, "readiness", 0, self.coordinator)
+            code, self.last = p.probe(prober, mode, 0, self.coordinator)
         except p.ProbeFailure as f:
             code, self.last = f.code, f.message
         except p._Deadline:
@@ -114,6 +129,14 @@ class Fleet:
         self.logs: list = []
         self.signals = 0
         self.coordinator_deaths: list[float] = []
+        self.started: dict[str, float] = {}  # name -> when its process was (re)started
+        self.backoff = {i.name: INSTANCE_BACKOFF_START_S for i in plan.instances}
+        self.restart_at: dict[str, float] = {}  # a dead instance's restart time
+        self.instance_env: Optional[dict] = None
+        self.liveness: Optional[Readiness] = None
+        self.misses = 0
+        self.next_look = 0.0
+        self.coordinator_seen = False  # its liveness answered since its last start
 
     # signals: the first drains, the second forces (launch.sh's second SIGTERM cuts the requests
     # in progress), the third kills every process group
@@ -139,6 +162,7 @@ class Fleet:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
                              cwd=str(ROOT), preexec_fn=_preexec)
         self.procs[name] = p
+        self.started[name] = time.monotonic()
         return p
 
     def start_instances(self) -> None:
@@ -146,16 +170,23 @@ class Fleet:
         if dropped:
             say(f"note: not passed to the instances (their derived config.json is): {', '.join(dropped)}")
         env.setdefault("PYTHON", sys.executable)
+        self.instance_env = env
         for inst in self.plan.instances:
-            p = self._spawn(inst.name, ["bash", str(LAUNCH), "--config", inst.config, *self.launch_args],
-                            inst.log, env)
-            say(f"instance {inst.name}: launch.sh pid {p.pid}, business {url('http', inst.ip, inst.business_port)}, "
-                f"management {url('http', inst.mgmt_ip, inst.mgmt_port)}, log {inst.log}")
+            self.start_instance(inst)
+
+    def start_instance(self, inst) -> subprocess.Popen:
+        """launch.sh for one planned instance (its first start, or a restart after it died)."""
+        p = self._spawn(inst.name, ["bash", str(LAUNCH), "--config", inst.config, *self.launch_args],
+                        inst.log, self.instance_env or instance_env()[0])
+        say(f"instance {inst.name}: launch.sh pid {p.pid}, business {url('http', inst.ip, inst.business_port)}, "
+            f"management {url('http', inst.mgmt_ip, inst.mgmt_port)}, log {inst.log}")
+        return p
 
     def start_coordinator(self) -> subprocess.Popen:
         env = _child_env(COORDINATOR_ENV_DROPPED)
         p = self._spawn("coordinator", [sys.executable, "-m", "coordinator", "--config",
                                         self.plan.coordinator_config], self.plan.coordinator_log, env)
+        self.coordinator_seen = False
         say(f"coordinator: pid {p.pid}, predict {self.plan.predict_url}, manage {self.plan.manage_url}, "
             f"log {self.plan.coordinator_log}")
         return p
@@ -209,9 +240,10 @@ class Fleet:
 
     def supervise(self) -> int:
         """Until a stop signal or the coordinator's own stop (/stopService): exit status."""
-        dead_instances: set[str] = set()
         while not self.signals:
             coord = self.procs["coordinator"]
+            if coord.poll() is None:
+                self.check_liveness(coord)
             if coord.poll() is not None:
                 rc = coord.returncode
                 if rc == 0:
@@ -226,14 +258,60 @@ class Fleet:
                     return 1
                 say(f"the coordinator {how}: restarting it (the instances kept serving)")
                 self.start_coordinator()
+                self.misses, self.next_look = 0, 0.0
             for inst in self.plan.instances:
-                p = self.procs[inst.name]
-                if inst.name not in dead_instances and p.poll() is not None:
-                    dead_instances.add(inst.name)
-                    say(f"instance {inst.name} stopped (launch.sh {_how(p.returncode)}): the coordinator "
-                        f"routes around it; its log ({inst.log}) ends:\n{_tail(inst.log, 5)}")
+                self.heal_instance(inst)
             time.sleep(0.2)
         return 0
+
+    def heal_instance(self, inst) -> None:
+        """A dead instance: its process group cleared, and launch.sh started again once its
+        backoff has passed; the coordinator's poller sees it answer and routes to it again."""
+        p, now = self.procs[inst.name], time.monotonic()
+        if p.poll() is None:
+            if now - self.started[inst.name] >= INSTANCE_STABLE_S:
+                self.backoff[inst.name] = INSTANCE_BACKOFF_START_S
+            return
+        at = self.restart_at.get(inst.name)
+        if at is None:
+            wait = self.backoff[inst.name]
+            self.restart_at[inst.name] = now + wait
+            self.backoff[inst.name] = min(wait * 2, INSTANCE_BACKOFF_MAX_S)
+            # what launch.sh left (a worker, a front end holding the port) goes with it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            say(f"instance {inst.name} stopped (launch.sh {_how(p.returncode)} after "
+                f"{now - self.started[inst.name]:.1f} s): restarting it in {wait:g} s; the coordinator routes "
+                f"around it meanwhile; its log ({inst.log}) ends:\n{_tail(inst.log, 5)}")
+        elif now >= at:
+            del self.restart_at[inst.name]
+            say(f"instance {inst.name}: restarting (the coordinator admits it again once it is ready)")
+            self.start_instance(inst)
+
+    def check_liveness(self, coord: subprocess.Popen) -> None:
+        """One bounded liveness look at the coordinator now and then; LIVENESS_MISSES in a row
+        (a stopped process, a wedged loop) and it is killed, for supervise() to restart."""
+        now = time.monotonic()
+        if now < self.next_look or now - self.started["coordinator"] < LIVENESS_INTERVAL_S:
+            return
+        self.next_look = now + LIVENESS_INTERVAL_S
+        if self.liveness is None:
+            self.liveness = Readiness(self.plan.coordinator_config, coordinator=True)
+        if self.liveness.ready(LIVENESS_TIMEOUT_S, mode="liveness"):
+            self.misses, self.coordinator_seen = 0, True
+            return
+        if not self.coordinator_seen and now - self.started["coordinator"] < COORDINATOR_READY_TIMEOUT_S:
+            return  # still starting (its first poll runs before it listens): not a miss yet
+        self.misses += 1
+        if self.misses < LIVENESS_MISSES:
+            return
+        say(f"the coordinator (pid {coord.pid}) failed its liveness probe {self.misses} times in a row "
+            f"(last: {self.liveness.last}): killing it (SIGKILL) to restart it")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(coord.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            coord.wait(10)  # a SIGKILL ends even a stopped process; its ports are free after it
+        self.misses = 0
 
     def stop(self) -> None:
         """Coordinator first (its requests in flight finish on the instances), then every instance
