@@ -291,3 +291,41 @@ def test_refresh_sidecar_and_probes_against_a_real_coordinator(tmp_path, monkeyp
         log.close()
     r = check("liveness")
     assert r.returncode == probe.NOT_RUNNING, r
+
+
+def test_discovery_sidecar_sends_the_manage_ports_bearer_token(tmp_path, monkeypatch, capsys) -> None:
+    """A coordinator whose manage port needs a bearer token (MINDIE_MS_COORDINATOR_MANAGE_TOKEN_FILE):
+    the watch sidecar, given the same variable, sends the token with its refresh (200, the
+    instances stored); without it the refresh is a 401, said on stderr; a token it cannot use
+    (mode 644) stops it at once with the reason."""
+    import httpx
+    from tests.coord_harness import Coordinator
+    from tests.harness import free_port
+    token = tmp_path / "manage.token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    coord = Coordinator(tmp_path, [], name="tok-discover",
+                        env={"MINDIE_MS_COORDINATOR_MANAGE_TOKEN_FILE": str(token)})
+    try:
+        coord.wait_ready_line()
+        dead = free_port()
+        monkeypatch.setenv("POD_NAMESPACE", "ns1")
+        monkeypatch.delenv("MINDIE_MS_COORDINATOR_MANAGE_TOKEN", raising=False)
+        monkeypatch.delenv("MINDIE_TLS_CHECK_PERMISSIONS", raising=False)
+        args = discover.parse_args(["watch", "--address", "ip", "--manage", coord.manage, "--business-port",
+                                    str(dead), "--mgmt-port", str(dead), "--interval", "0.01", "--max-replicas", "2"])
+        pods = {"mindie-server-0.mindie-server.ns1.svc.cluster.local": "127.0.0.1"}
+        monkeypatch.delenv("MINDIE_MS_COORDINATOR_MANAGE_TOKEN_FILE", raising=False)
+        assert discover.watch(args, resolver=pods.get, rounds=1) == 0
+        assert "answered 401" in capsys.readouterr().err
+        monkeypatch.setenv("MINDIE_MS_COORDINATOR_MANAGE_TOKEN_FILE", str(token))
+        assert discover.watch(args, resolver=pods.get, rounds=1) == 0
+        assert "discover: refreshed 1 instance(s): 0 127.0.0.1" in capsys.readouterr().out
+        info = httpx.get(coord.manage + "/v1/coordinator_info", timeout=5,
+                         headers={"Authorization": "Bearer s3cret-token"}).json()
+        assert [(i["id"], i["business_port"]) for i in info["instances"]] == [(0, dead)], info
+        token.chmod(0o644)
+        assert discover.watch(args, resolver=pods.get, rounds=1) == 2
+        assert "chmod 600" in capsys.readouterr().err
+    finally:
+        coord.stop()

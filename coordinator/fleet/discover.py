@@ -29,6 +29,11 @@ FIRST_ID + ordinal and gives their records ``role`` (and, in a refresh, MindIE's
 
 The business and management ports are the server config's (``--business-port``,
 ``--mgmt-port``, default MindIE's 1025 and 1026; ``--metric-port`` default: the management port).
+
+A manage port protected by a bearer token (coordinator/manage_auth.py): the sidecar reads the
+same ``MINDIE_MS_COORDINATOR_MANAGE_TOKEN_FILE`` (or ``MINDIE_MS_COORDINATOR_MANAGE_TOKEN``) as
+the coordinator and sends ``Authorization: Bearer <token>`` with every refresh; a token it cannot
+use stops it at once with the reason (exit 2), not with a 401 every ``--interval``.
 """
 from __future__ import annotations
 
@@ -155,9 +160,18 @@ def tls_context(cacert: str = "", cert: str = "", key: str = ""):
     return ctx
 
 
-def post_refresh(manage: str, body: dict, timeout: float, context=None) -> tuple[int, str]:
+def auth_headers(env=os.environ) -> dict:
+    """``Authorization: Bearer <token>`` when the manage port's token is set in ``env`` (the
+    coordinator's own variables), else nothing. Raises ManageAuthError for a token it cannot use."""
+    from coordinator.manage_auth import load_token
+    token = load_token(env)
+    return {"Authorization": "Bearer " + token.decode("ascii")} if token is not None else {}
+
+
+def post_refresh(manage: str, body: dict, timeout: float, context=None,
+                 headers: Optional[dict] = None) -> tuple[int, str]:
     req = urllib.request.Request(manage.rstrip("/") + "/v1/instances/refresh", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, r.read(4096).decode("utf-8", "replace")
@@ -172,7 +186,13 @@ def watch(args: argparse.Namespace, resolver: Resolver = resolve, rounds: Option
     after the coordinator restarts: every ``--resync`` seconds the set is sent again). A pod that
     stops resolving is dropped only after ``--drop-after`` lookups in a row miss it: one failed
     lookup (a DNS hiccup) does not take an instance out of the coordinator."""
+    from coordinator.manage_auth import ManageAuthError
     ctx = tls_context(args.cacert, args.cert, args.key) if args.manage.startswith("https:") else None
+    try:
+        auth = auth_headers()
+    except ManageAuthError as e:
+        print(f"discover: the manage port's token cannot be used: {e}", file=sys.stderr, flush=True)
+        return 2
     sent: Optional[list[dict]] = None
     kept: dict[int, dict] = {}  # id -> the record last sent
     misses: dict[int, int] = {}
@@ -191,7 +211,7 @@ def watch(args: argparse.Namespace, resolver: Resolver = resolve, rounds: Option
         found = [now[k] for k in sorted(now)]
         if found != sent or time.monotonic() - last >= args.resync:
             status, text = post_refresh(args.manage, refresh_body(found, args.metric_port or args.mgmt_port), 5.0,
-                                        ctx)
+                                        ctx, auth)
             if status == 200:
                 if found != sent:
                     print(f"discover: refreshed {len(found)} instance(s): "
