@@ -29,11 +29,13 @@ A minimal user_config.json (two instances of the demo model behind a cache-affin
    "mindie_server_config": {"ServerConfig": {"port": 1030},
                             "BackendConfig": {"npuDeviceIds": [[0]], "deviceType": "cpu"}}}
 
-Stop: SIGTERM or SIGINT (Ctrl-C) stops the coordinator first (its requests in flight finish),
-then drains every instance (launch.sh's drain: ServerConfig.drainTimeoutS); a second signal
-cuts the requests in progress, a third kills. The coordinator's own stop (stopService) stops
-the instances the same way. A coordinator that dies is restarted (at most 3 times a minute);
-an instance that stops is left stopped (the coordinator routes around it). Every wait is
+Stop: SIGTERM or SIGINT (Ctrl-C) drains the coordinator first (new requests 503, requests in
+flight run until its http_config.drainTimeoutS, then a stream still running ends with an error
+frame), then drains every instance (launch.sh's drain: ServerConfig.drainTimeoutS); a second
+signal cuts the requests in progress, a third kills. The coordinator's own stop (stopService)
+stops the instances the same way. A coordinator that dies, or fails its liveness probe 3 times
+in a row (wedged), is restarted (at most 3 times a minute); an instance that dies is restarted
+with backoff (0.5 s doubling to 30 s) and the coordinator routes to it again. Every wait is
 bounded. Exit status: 0 stopped on request, 1 a start failed, 2 user_config.json refused (one
 line naming the key) or the run directory in use. docs/operations.md, "Fleet".
 """
