@@ -1,7 +1,167 @@
+"""Session fixtures and the suite's two lanes.
+
+Lanes: a test is in the ``server`` lane when it starts processes of the project (scripts/launch.sh,
+scripts/motor.sh, the coordinator, device workers, any ``python -m``/script run as a subprocess);
+every other test runs in process. The marker is applied here at collection, from what the test's
+code, its fixtures' code and the module helpers they call name (the launch helpers of
+tests/harness.py and tests/coord_harness.py, or the ``subprocess`` module); ``@pytest.mark.server``
+by hand covers anything that escapes that reading. In-process tests run first, server tests after
+them, so ``pytest -m "not server"`` is the fast lane and a full run fails early on a plain bug.
+A test outside the server lane that still spawns the launch script or a project module is refused
+at the spawn (an audit hook), so the fast lane stays free of servers.
+"""
+from __future__ import annotations
+
+import dis
+import inspect
+import os
+import sys
+import types
+
 import pytest
+
+# Names whose use means "starts the real server or a process of the project".
+LAUNCH_HELPERS = frozenset({
+    "Server", "demo_server", "shared_demo_server", "start_instances", "MotorFleet", "Coordinator",
+})
+# Where they live (imported as tests.harness, or as harness with tests/ on sys.path).
+HARNESS_MODULES = frozenset({"harness", "coord_harness"})
+# Fixtures that hand a test a running server.
+SERVER_FIXTURES = frozenset({"demo_servers"})
+# Modules whose use in a test's code means it starts subprocesses.
+SPAWN_MODULES = frozenset({"subprocess", "multiprocessing"})
 
 
 @pytest.fixture(scope="session")
 def demo_model() -> str:
     from workers.models.demo import ensure_demo_model
     return str(ensure_demo_model())
+
+
+@pytest.fixture(scope="session")
+def demo_servers(tmp_path_factory):
+    """Servers shared by the whole session, one per configuration (tests/harness.SharedServers):
+    for family-contract tests that only send requests and read answers."""
+    from tests.harness import SharedServers
+
+    registry = SharedServers(tmp_path_factory.mktemp("shared"))
+    try:
+        yield registry
+    finally:
+        registry.close()
+
+
+# -- lanes -----------------------------------------------------------------------------------------
+def _code_names(code: types.CodeType) -> set[str]:
+    """Global and attribute names a function's code (nested functions included) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _imports_in_code(code: types.CodeType) -> bool:
+    """Whether a function imports a launch helper or a spawning module in its body."""
+    module = ""
+    for ins in dis.get_instructions(code):
+        if ins.opname == "IMPORT_NAME":
+            module = ins.argval
+            if module in SPAWN_MODULES:
+                return True
+        elif (ins.opname == "IMPORT_FROM" and ins.argval in LAUNCH_HELPERS
+              and module.split(".")[-1] in HARNESS_MODULES):
+            return True
+    return any(_imports_in_code(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _starts_processes(fn, seen: set) -> bool:
+    """Whether ``fn`` (a test, a fixture or a helper of the test module) starts processes: it names a
+    launch helper or a spawning module, or calls a function of its own module that does."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    if _imports_in_code(code):
+        return True
+    module_globals = getattr(fn, "__globals__", {})
+    for name in _code_names(code):
+        value = module_globals.get(name)
+        if value is None:
+            continue
+        if isinstance(value, types.ModuleType) and value.__name__ in SPAWN_MODULES:
+            return True
+        if name in LAUNCH_HELPERS and getattr(value, "__module__", "").split(".")[-1] in HARNESS_MODULES:
+            return True
+        # A helper defined in the same module (a function or a class's methods): read it too.
+        if getattr(value, "__module__", None) == fn.__module__:
+            if isinstance(value, type):
+                if any(_starts_processes(m, seen) for m in vars(value).values() if inspect.isfunction(m)):
+                    return True
+            elif inspect.isfunction(value) and _starts_processes(value, seen):
+                return True
+    return False
+
+
+def _in_server_lane(item: pytest.Item, cache: dict) -> bool:
+    if item.get_closest_marker("server"):
+        return True
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for name in item.fixturenames if info else ():
+        if name in SERVER_FIXTURES:
+            return True
+        # The suite's own fixtures (pytest's and plugins' have no baseid).
+        funcs.extend(d.func for d in info.name2fixturedefs.get(name) or () if d.baseid)
+    for fn in funcs:
+        if fn is None:
+            continue
+        key = getattr(fn, "__code__", fn)
+        if key not in cache:
+            cache[key] = _starts_processes(fn, set())
+        if cache[key]:
+            return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sys.addaudithook(_spawn_guard)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    cache: dict = {}
+    for item in items:
+        if _in_server_lane(item, cache) and not item.get_closest_marker("server"):
+            item.add_marker(pytest.mark.server)
+    # In process first; stable, so each module's tests keep their order (and module fixtures their span).
+    items.sort(key=lambda it: it.get_closest_marker("server") is not None)
+
+
+# -- the guard: no project process from a test outside the server lane ---------------------------------
+_current: dict = {"item": None}
+# What a started process's command line holds when it is one of the project's.
+_PROJECT = ("launch.sh", "motor.sh", "coordinator", "workers.", "mindie", "tests/")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _current["item"] = item
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem) -> None:
+    # Module fixtures of the next test tear down here: they are the current item's business.
+    _current["item"] = item
+
+
+def _spawn_guard(event: str, args: tuple) -> None:
+    if event != "subprocess.Popen":
+        return
+    item = _current["item"]
+    if item is None or item.get_closest_marker("server"):
+        return
+    argv = args[1] if len(args) > 1 else None
+    words = [os.fsdecode(a) for a in argv] if isinstance(argv, (list, tuple)) else [os.fsdecode(argv or "")]
+    if any(p in w for w in words for p in _PROJECT):
+        raise RuntimeError(f"{item.nodeid} starts {' '.join(words)[:200]} but is not in the server lane: "
+                           "mark it @pytest.mark.server (tests/conftest.py reads the launch helpers and "
+                           "the subprocess module from the test's code and fixtures)")

