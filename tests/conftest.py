@@ -75,6 +75,11 @@ def _imports_in_code(code: types.CodeType) -> bool:
     return any(_imports_in_code(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
+def _suite_module(name: str, own: str) -> bool:
+    """Whether module ``name`` holds tests (this one, ``own``, or another ``test_*`` module)."""
+    return name == own or name.rsplit(".", 1)[-1].startswith("test_")
+
+
 def _starts_processes(fn, seen: set) -> bool:
     """Whether ``fn`` (a test, a fixture or a helper of the test module) starts processes: it names a
     launch helper or a spawning module, or calls a function of its own module that does."""
@@ -94,8 +99,9 @@ def _starts_processes(fn, seen: set) -> bool:
             return True
         if name in LAUNCH_HELPERS and getattr(value, "__module__", "").split(".")[-1] in HARNESS_MODULES:
             return True
-        # A helper defined in the same module (a function or a class's methods): read it too.
-        if getattr(value, "__module__", None) == fn.__module__:
+        # A helper of the suite (this module's or another test module's: a function or a class's
+        # methods): read it too. The harnesses' own helpers count by name (LAUNCH_HELPERS).
+        if _suite_module(getattr(value, "__module__", None) or "", fn.__module__):
             if isinstance(value, type):
                 if any(_starts_processes(m, seen) for m in vars(value).values() if inspect.isfunction(m)):
                     return True
