@@ -279,6 +279,40 @@ def test_a_big_schema_checks_in_milliseconds(checker):
     assert len(c.spec) > 38_000 and elapsed < 2.0, elapsed
 
 
+# Hostile constraints (issue 52, finding 7): each compiles and validates, yet the worker could not
+# follow it; the front end refuses it at once (a spec past MAX_SPEC_CHARS, or its first tokens
+# followed as the worker would) with a message that keeps llguidance's parser state out.
+HOSTILE = {
+    "10,000 optional properties": ({"guided_json": {"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(10_000)}}}, "at most 65536 are served"),
+    "600 optional properties": ({"guided_json": {"type": "object", "properties": {
+        f"p{i}": {"type": "string"} for i in range(600)}}}, "too many alternatives at one point"),
+    "a recursive $ref that must recurse": ({"guided_json": {"$defs": {"a": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}}, "$ref": "#/$defs/a"}},
+        "too complex to follow"),
+    "a $ref cycle": ({"guided_json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                      "$ref": "#/$defs/a"}}, "admits no output"),
+    "(a{1000}){1000}": ({"guided_regex": "(a{1000}){1000}"}, "regular expression too large"),
+}
+LEAKS = ("<state>", "Tokens:", "non-verbose", "grm_prefix", "Parser: {")
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_checker_refuses_hostile_grammars_at_once(checker, name):
+    from mindie.text.structured import from_guided
+    fields, fragment = HOSTILE[name]
+    c, field = from_guided(fields)
+    checker.ll_tokenizer()
+    t0 = time.perf_counter()
+    with pytest.raises(ConstraintError) as e:
+        checker.check(c, field)
+    elapsed = time.perf_counter() - t0
+    assert fragment in e.value.message and not any(x in e.value.message for x in LEAKS), e.value.message
+    assert elapsed < 5.0, elapsed  # ~0.1-2.4 s on a loaded 2-core host; the worker took up to 13.7 s
+    with pytest.raises(ConstraintError):  # remembered
+        checker.known(c, field)
+
+
 # -- on the real server -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -520,6 +554,51 @@ def test_langchain_with_structured_output(srv, method):
         assert isinstance(out, dict), out
         streamed = list(chat.with_structured_output(None, method=method).stream(MSGS))
         assert streamed and streamed[-1] == out  # the JSON parser streams growing objects; same seed
+
+
+def test_hostile_constraints_are_refused_before_admission(srv):
+    """Issue 52, finding 7, on the real server: every hostile constraint, through each family, is
+    refused by the front end at once in the family's documented shape (OpenAI 400 with its error
+    object, vLLM's /generate and TGI 422 Input Validation Error), no parser state in the message;
+    the worker never sees one (its resident memory does not grow: it grew 947 -> 1,215 MB when
+    the worker compiled them), and the server serves on."""
+    from tests.harness import process_roles, rss_mib
+    workers = [p for p, r in process_roles(srv.launcher_pid()).items() if r == "worker"]
+    before = rss_mib(workers)
+    for name, (fields, fragment) in HOSTILE.items():
+        [(key, value)] = fields.items()
+        tgi = {"type": "json", "value": value} if key == "guided_json" else {"type": "regex", "value": value}
+        for path, body, status in (("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 4, **fields}, 400),
+                                   ("/generate", {"prompt": "x", "max_tokens": 4, **fields}, 422),
+                                   ("/generate", {"inputs": "x", "parameters": {"grammar": tgi}}, 422)):
+            t0 = time.monotonic()
+            r = _post(srv, path, body)
+            elapsed = time.monotonic() - t0
+            assert r.status_code == status, (name, path, r.text[:300])
+            if status == 400:
+                err = r.json()["error"]
+                assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == key, err
+                message = err["message"]
+            else:
+                assert r.json()["error_type"] == "Input Validation Error", r.text[:300]
+                message = r.json()["error"]
+            assert fragment in message and not any(x in message for x in LEAKS), (name, path, message)
+            assert elapsed < 6.0, (name, path, elapsed)  # the worker took up to 13.7 s
+    assert rss_mib(workers) - before < 40, (before, rss_mib(workers))
+    r = _post(srv, "/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 3, "guided_regex": "[a-z]{1,5}"})
+    assert r.status_code == 200 and re.fullmatch("[a-z]{1,5}", r.json()["choices"][0]["text"]), r.text
+
+
+def test_an_over_deep_tgi_body_names_the_depth(srv):
+    """Finding 9: a TGI ``grammar`` nested past 100 levels is refused naming the depth, as plain
+    text (not MindIE's "no inputs" JSON text, which named the wrong cause)."""
+    value: dict = {"type": "object"}
+    for _ in range(120):
+        value = {"type": "object", "properties": {"a": value}}
+    for path in ("/generate", "/generate_stream", "/"):
+        r = _post(srv, path, {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": value}}})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"] == "The request body nests JSON deeper than 100 levels.", r.text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("huggingface_hub") is None, reason="huggingface_hub not installed")

@@ -1,6 +1,7 @@
 """Structured output's grammar, one home for both sides: the text a ``wire.Constraint`` compiles
 to (``grammar_text``: llguidance's grammar, what ``LLMatcher(tokenizer, grammar)`` takes), the
-defaults it compiles with (``JSON_DEFAULTS``) and the one error of a constraint that cannot be
+defaults it compiles with (``JSON_DEFAULTS``), the bounds both sides apply (``MAX_SPEC_CHARS``,
+``PARSER_LIMITS``) and the one error of a constraint that cannot be
 served (``ConstraintError``, a 400). The front end (mindie/text/structured.py) checks the very
 grammar the device worker (workers/engine/constraints.py) then compiles and enforces, byte for byte.
 
@@ -19,6 +20,22 @@ ERROR_STATUS = 400  # every constraint failure is the request's (MindIE's "Bad R
 # otherwise: free whitespace lets a weak model pad forever, and compact JSON is mostly forced text.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # the schema of a ``json_object`` constraint
+# The largest spec served (characters of a schema, regex, grammar or choice list): llguidance has
+# no limit on a grammar's size before it builds it, and building grows faster than linearly (a
+# 270 KB schema of 10,000 optional properties: 11 s of one core, then refused at the first mask).
+MAX_SPEC_CHARS = 65536
+# llguidance's parser limits (LLParserLimits), one set for the front end's trial and the worker's
+# matchers, so a grammar the front end admits meets the same bounds in the worker. Its defaults
+# bound lexer fuel, Earley items per row and per step, lexer states and grammar symbols;
+# verbose_errors False keeps the parser's internal state out of the messages clients see.
+PARSER_LIMITS: dict = {"verbose_errors": False}
+
+
+def parser_limits():  # -> llguidance.LLParserLimits (imported here: see the module docstring)
+    """A fresh ``LLParserLimits`` of ``PARSER_LIMITS``."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(**PARSER_LIMITS)
 
 
 class ConstraintError(ApiError):
@@ -33,7 +50,12 @@ class ConstraintError(ApiError):
 
 def first_lines(msg: str, n: int = 6) -> str:
     """llguidance's errors end with its parser state: keep the message and the source excerpt."""
-    lines = [ln for ln in msg.strip().splitlines() if ln.strip()]
+    lines = []
+    for ln in msg.strip().splitlines():
+        if ln.startswith(("<state>", "<non-verbose/>")):  # the parser's state follows: never shown
+            break
+        if ln.strip():
+            lines.append(ln)
     out = "\n".join(lines[:n])
     return out if len(out) < 1000 else out[:1000] + "..."
 
@@ -48,6 +70,9 @@ def grammar_text(c: Constraint) -> str:
     kind, spec = c.kind, c.spec
     if kind not in CONSTRAINT_KINDS:
         raise ConstraintError(f"constraint kind {kind!r} is not one of {', '.join(CONSTRAINT_KINDS)}")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise ConstraintError(f"{kind} constraint: the spec is {len(spec)} characters long; at most "
+                              f"{MAX_SPEC_CHARS} are served")
     try:
         if kind == "json_schema":
             try:

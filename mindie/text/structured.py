@@ -47,7 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mindie.contract.grammar import ConstraintError, grammar_text
+from mindie.contract.grammar import ConstraintError, first_lines, grammar_text, parser_limits
 from mindie.contract.http_error import ApiError, validation_error
 from mindie.contract.wire import Constraint
 
@@ -59,6 +59,7 @@ JSON_OBJECT = Constraint("json_object")
 MAX_NAME = 64  # OpenAI's and MindIE's bound on response_format.json_schema.name
 MAX_MESSAGE = 1000  # characters of a compiler message kept in an error
 CACHE_SIZE = 512  # verdicts remembered per front end
+TRIAL_TOKENS = 8  # steps of a new grammar followed in the front end before it is admitted (Checker._trial)
 
 # vLLM's StructuredOutputsParams: the constraint keys (one of them) and the options.
 _SO_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -464,13 +465,15 @@ class Checker:
 
         try:
             grammar = grammar_text(c)
-        except ConstraintError as e:  # untrusted text: a GBNF grammar that does not convert
+        except ConstraintError as e:  # untrusted text: a GBNF grammar that does not convert, too long a spec
             failed, messages = True, [e.message]
         else:
-            failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer())
+            failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer(),
+                                                                        limits=parser_limits())
         # The field goes in when the verdict is read ("\0"): the same constraint may come in
         # another field (guided_json, response_format, ...).
-        verdict = f"Invalid \0: {_first(messages)}" if failed else (self._token_written_as_text(c) or "")
+        verdict = f"Invalid \0: {_first(messages)}" if failed else (
+            self._token_written_as_text(c) or self._trial(grammar) or "")
         failed = bool(verdict)
         with self._lock:
             self._verdicts[c] = verdict
@@ -479,6 +482,54 @@ class Checker:
                 self._verdicts.popitem(last=False)
         if failed:
             raise ConstraintError(verdict.replace("\0", field), field)
+
+
+    def _trial(self, grammar: str) -> str:
+        """Why the worker could not follow ``grammar``, or "": its first ``TRIAL_TOKENS`` steps
+        run here as the worker runs them (a matcher under the same limits, the mask, the forced
+        tokens), each time taking the lowest token the mask allows. llguidance builds its parser
+        lazily, so validation passes grammars whose first rows explode (hundreds of optional
+        properties: a row past ``max_items_in_row``), that admit no output (a ``$ref`` cycle) or
+        whose lexer runs out of fuel (``(a{1000}){1000}``): these fail within the first tokens,
+        here in at most ~1 s, instead of in a batch."""
+        tok = self.ll_tokenizer()
+        if tok is None:
+            return ""
+        import numpy as np
+        import llguidance.numpy as llg_np
+        from llguidance import LLMatcher
+
+        m = LLMatcher(tok, grammar, log_level=0, limits=parser_limits())
+        row = llg_np.allocate_token_bitmask(1, tok.vocab_size)
+        for _ in range(TRIAL_TOKENS):
+            if m.is_error() or m.is_stopped():
+                break
+            llg_np.fill_next_token_bitmask(m, row)
+            if m.is_error():
+                break
+            m.compute_ff_tokens()  # the worker's jump-forward hint: its own limit (step_max_items)
+            allowed = np.flatnonzero(row.reshape(-1))
+            if m.is_error() or not len(allowed):
+                break
+            word = int(row.reshape(-1)[allowed[0]]) & 0xFFFFFFFF
+            m.consume_token(int(allowed[0]) * 32 + (word & -word).bit_length() - 1)
+        return f"Invalid \0: {_too_complex(m.get_error())}" if m.is_error() else ""
+
+
+def _too_complex(error: str) -> str:
+    """llguidance's error from following a grammar, as a client reads it: the cause in words, then
+    llguidance's own first line (never its parser state)."""
+    line = first_lines(error, 1)
+    if line.startswith("NoExtension"):
+        return "the grammar admits no output (a $ref that only refers to itself?)"
+    if "items" in line:
+        cause = "too many alternatives at one point (hundreds of optional properties in one object, or a recursion " \
+                "that writes nothing)"
+    elif "lexer" in line.lower():
+        cause = "a regular expression too large to follow (nested repetition counts?)"
+    else:
+        cause = "the grammar cannot be followed"
+    return f"the grammar is too complex to follow: {cause}; llguidance: {line.split(';')[0]}"
 
 
 # A Lark grammar's lexemes, left to right: a comment, a string, a token reference (<think>,

@@ -49,6 +49,7 @@ __all__ = [
     "dump_number",
     "too_deep",
     "check_json_text",
+    "DEPTH_ERROR",
     "check_common_params",
     "CommonParams",
     "clamp_top_k",
@@ -487,8 +488,15 @@ def check_json_text(body: bytes, message: str = PARSE_ERROR) -> None:
         raise validation_error(message)
 
 
+DEPTH_ERROR = f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels."
+
+
 def decode_json(body: bytes, message: str = PARSE_ERROR) -> Any:
-    """The body as JSON (MindIE rejects invalid UTF-8 and, here, nesting past 100 levels)."""
+    """The body as JSON (MindIE rejects invalid UTF-8 and, here, nesting past 100 levels). A body
+    too deep is refused with ``DEPTH_ERROR`` (a plain message naming the cause: ``message`` may be
+    MindIE's embedded "no inputs" JSON text, which would name the wrong one)."""
+    if too_deep(body):
+        raise validation_error(DEPTH_ERROR)
     check_json_text(body, message)
     try:
         return _any_decoder.decode(body)

@@ -37,7 +37,7 @@ from typing import Iterable, Sequence as Seq
 
 import numpy as np
 
-from mindie.contract.grammar import ConstraintError, first_lines, grammar_text
+from mindie.contract.grammar import ConstraintError, first_lines, grammar_text, parser_limits
 from mindie.contract.wire import Constraint
 
 log = logging.getLogger("workers.engine")
@@ -159,7 +159,7 @@ class Grammars:
         t0 = time.perf_counter()
         tok = self.tokenizer()
         grammar = grammar_text(c)
-        m = LLMatcher(tok, grammar, log_level=0)
+        m = LLMatcher(tok, grammar, log_level=0, limits=parser_limits())  # the front end's limits
         self.compiles += 1
         self.compile_s += time.perf_counter() - t0
         if m.is_error():
