@@ -452,6 +452,47 @@ def test_required_and_named_calls_from_noise(srv):
         assert [x["function"] for x in scalls] == [x.function.model_dump() for x in calls]  # the same tokens, seeded
 
 
+# A tool schema as clients write it (issue 52, finding 8): nested object, array with a pattern,
+# integer bounds, an optional field. Bounded on purpose: an open object or a free-precision number
+# lets the random model write keys or digits until max_tokens (a valid prefix cut by "length",
+# whose arguments are then not JSON, as vLLM's are too).
+SEARCH = {"type": "object", "properties": {
+    "query": {"type": "string", "minLength": 3, "maxLength": 30},
+    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{2,5}$"}, "minItems": 1, "maxItems": 3},
+    "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+    "filters": {"type": "object", "properties": {"lang": {"enum": ["en", "fr"]}}, "required": ["lang"],
+                "additionalProperties": False},
+    "note": {"type": "string", "maxLength": 8}},
+    "required": ["query", "tags", "limit", "filters"], "additionalProperties": False}
+SEARCH_TOOLS = TOOLS + [{"type": "function", "function": {"name": "search", "description": "Search the web",
+                                                         "parameters": SEARCH}}]
+
+
+def test_required_calls_fit_their_schemas_streamed_or_not(srv):
+    """ENFORCED. tool_choice "required" is a grammar over every tool's parameter schema (any one
+    tool, its arguments fitting its schema, as vLLM does): from the random model, each call's
+    arguments validate against its tool's schema (jsonschema), and the streamed variant reassembles
+    to the same valid JSON."""
+    import jsonschema
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in SEARCH_TOOLS}
+    kw = dict(model="demo", messages=[{"role": "user", "content": "Search for cats."}], tools=SEARCH_TOOLS,
+              tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=1.0)
+    names = set()
+    for seed in range(4):
+        r = srv.oai.chat.completions.create(seed=seed, **kw)
+        [c] = r.choices
+        assert c.finish_reason == "tool_calls", c
+        [call] = c.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        names.add(call.function.name)
+        content, scalls, finish = _stream_calls(srv.oai.chat.completions.create(seed=seed, stream=True, **kw))
+        assert content == "" and finish == "tool_calls"
+        [sc] = scalls
+        assert sc["function"] == call.function.model_dump()  # the same tokens, seeded
+        jsonschema.validate(json.loads(sc["function"]["arguments"]), schemas[sc["function"]["name"]])
+    assert names <= set(schemas)
+
+
 def test_openai_round_trip_and_parse(srv):
     """ENFORCED. The openai package through a full tool round trip: the model
     calls a tool, the result goes back as a ``tool`` message, the model answers; and
