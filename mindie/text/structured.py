@@ -529,7 +529,7 @@ def _too_complex(error: str) -> str:
         cause = "a regular expression too large to follow (nested repetition counts?)"
     else:
         cause = "the grammar cannot be followed"
-    return f"the grammar is too complex to follow: {cause}; llguidance: {line.split(';')[0]}"
+    return f"the grammar is too complex to follow: {cause}; llguidance: {re.split(r'[;(]', line)[0].strip()}"
 
 
 # A Lark grammar's lexemes, left to right: a comment, a string, a token reference (<think>,

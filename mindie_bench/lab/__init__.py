@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lora": ("lora", "LoRA adapters: tokens/s with four in the batch against the base alone, ITL while one loads"),
     "structured": ("structured", "structured output: tokens/s constrained against none, compile time, jump-forward"),
     "coord-drills": ("coord_drills", "the coordinator's manage port: a 5,000-instance refresh flood, hostile refresh bodies, a decoy instance"),
+    "constraint-drill": ("constraint_drill", "hostile structured-output constraints on a real server: refusal time, message, worker RSS"),
     "fleet": ("fleet", "the coordinator on a local fleet (scripts/motor.sh): cache_affinity against load_balance, relay overhead"),
     "deepseek": ("deepseek", "a tiny DeepSeek-V3 (MLA, grouped routing): tokens/s against transformers, KV bytes per token"),
     "kv-transfer": ("kv_transfer", "PD disaggregation: KV block transfer GB/s over ipc, tcp and tcp+CURVE on loopback"),
