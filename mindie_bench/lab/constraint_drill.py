@@ -9,7 +9,7 @@ Starts ``scripts/launch.sh`` through tests/harness.py (as chaos.py does); loopba
 """
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +31,10 @@ BODIES = [("10,000 properties", {"guided_json": MANY}),
 def main(argv: list[str] | None = None) -> int:
     from tests.harness import demo_server, process_roles, rss_mib
 
-    args = sys.argv[1:] if argv is None else argv
-    model = args[0] if args else ""
+    p = argparse.ArgumentParser(prog="mindie-bench constraint-drill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default="", help="model directory or .gguf file (default: the default model)")
+    model = p.parse_args(argv).model
     with demo_server(Path(tempfile.mkdtemp()), model) as s:
         workers = [p for p, r in process_roles(s.launcher_pid()).items() if r == "worker"]
         print(f"worker RSS before: {rss_mib(workers):.0f} MiB")
