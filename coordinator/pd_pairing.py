@@ -12,15 +12,20 @@ same body) to a prefill instance with the ``prefill`` header (``handoff_header``
 the prompt, ships its KV blocks to the chosen decode instance's KV address and answers a small
 JSON; the coordinator then sends the same request to the decode instance with the ``decode``
 headers (carrying the prefill's answer) and relays the decode instance's answer, stream or not.
+
+Degraded (no decode instance ready): a prefill instance gets the request with the ``whole``
+order (``WHOLE_HEADER``) and serves it to its end, as MindIE falls back to hybrid serving.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from mindie.contract.pd import DECODE, FLEX, HEADER, IPC, PREFILL, encode_header
+from mindie.contract.pd import DECODE, FLEX, HEADER, IPC, PREFILL, encode_header, whole_header
 
 H_PD = HEADER.lower().encode()  # as ASGI spells header names
 PD_HEADERS = (H_PD,)  # a client's own is dropped, never forwarded
+# to a prefill instance when no decode instance is ready: serve the request whole (router.pick_pd)
+WHOLE_HEADER = (H_PD, whole_header().encode())
 
 # MindIE MS static_info numbers: label 2=P 3=D (0/1 hybrid); role 80='P' 68='D' 85='U'ndefined
 _LABELS = {2: PREFILL, 3: DECODE}

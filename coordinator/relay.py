@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import httpx
 
-from coordinator.pd_pairing import PD_HEADERS, handoff_header, pick_endpoint
+from coordinator.pd_pairing import PD_HEADERS, WHOLE_HEADER, handoff_header, pick_endpoint
 from coordinator.upstream import Response, UpstreamError
 from mindie.contract import families
 from mindie.contract.pd import DECODE, PREFILL
@@ -331,6 +331,9 @@ class Relay:
             try:
                 if p_inst is not None:
                     await self._handoff(scope, send, rec, p_inst, inst, body, fam, stream, t0, deadline)
+                elif router.pd and inst.role == PREFILL:  # no decode instance: served whole
+                    await self._attempt(scope, send, rec, inst, body, fam, stream, t0, deadline,
+                                        extra=[WHOLE_HEADER])
                 else:
                     await self._attempt(scope, send, rec, inst, body, fam, stream, t0, deadline)
                 return

@@ -27,7 +27,9 @@ thousand keys, least recently used dropped first; keys of an instance that leave
 for each request, each among the ready instances of its role by the rule above (the prefill
 side's and the decode side's prefix tables are apart: both hold prefix caches); with no ready
 prefill or no ready decode instance the request goes whole to a ``flex`` (hybrid) instance,
-else to a ready decode instance (which computes a prompt itself), else it is refused 503.
+else to a ready decode instance (which computes a prompt itself), else whole to a ready prefill
+instance (``X-Mindie-PD`` op ``whole``: MindIE's fallback to hybrid serving), else it is refused
+503. So any ready instance can serve: readiness (any instance ready) tells the truth in PD too.
 """
 from __future__ import annotations
 
@@ -196,7 +198,12 @@ class Router:
             return None, inst, f"hybrid_{decision}"
         # no hybrid either: a decode instance computes a prompt itself (it serves plain requests)
         inst, decision = self.pick(info, exclude, DECODE)
-        return None, inst, decision if inst is None else f"decode_alone_{decision}"
+        if inst is not None:
+            return None, inst, f"decode_alone_{decision}"
+        # no decode instance: a prefill one serves the request whole when asked (the relay sends
+        # the ``whole`` order), as MindIE falls back to hybrid serving; never a wait for a pair
+        inst, decision = self.pick(info, exclude, PREFILL)
+        return None, inst, decision if inst is None else f"prefill_whole_{decision}"
 
     def pick(self, info: RouteInfo, exclude: set[int], role: Optional[str] = None) -> tuple[Optional[Instance], str]:
         """(instance, decision) or (None, why): decision is one of load, affinity_hit,

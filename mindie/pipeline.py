@@ -350,6 +350,8 @@ class Pipeline:
             order = pd.parse_header(req.get_header(pd.HEADER))
             if (refused := pd_role.refusal(self.roles.role if self.roles is not None else pd.FLEX, order)) is not None:
                 raise refused
+            if order is not None and order.op == pd.WHOLE:
+                order = None  # served as a hybrid instance serves it: a plain request from here on
             codec.precheck(ctx)
             body = await read_body(req, self.limits.max_request_length_mb)
             if self.state is not None and self.state.stopped():

@@ -57,7 +57,10 @@ def test_pair_fallback_and_refusal():
     assert p is None and d.id == 3
     p, d, decision = router.pick_pd(RouteInfo(), {0, 1, 3})  # no prefill, no hybrid: the decode one alone
     assert p is None and d.id == 2 and decision == "decode_alone_load"
-    assert router.pick_pd(RouteInfo(), {2, 3}) == (None, None, "none_ready")  # prefill alone cannot serve
+    # prefill alone: one of them serves the request whole (issue 52: degrade, never wait)
+    p, d, decision = router.pick_pd(RouteInfo(), {2, 3})
+    assert p is None and d.id == 1 and decision == "prefill_whole_load"
+    assert router.pick_pd(RouteInfo(), {0, 1, 2, 3}) == (None, None, "none_ready")
     reg.instances[2].kv_endpoints = []  # a decode instance with no KV endpoint: no pair with it
     p, d, decision = router.pick_pd(RouteInfo(), set())
     assert p is None and d.id == 3

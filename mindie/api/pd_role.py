@@ -20,7 +20,7 @@ import msgspec
 
 from mindie.contract import wire as P
 from mindie.contract.http_error import ApiError
-from mindie.contract.pd import DECODE, FLEX, HEADER, PREFILL, ROLES
+from mindie.contract.pd import DECODE, FLEX, HEADER, PREFILL, ROLES, WHOLE
 
 ROLE_FILE = "pd.role"
 BAD_BODY = "Req body converts to json fail. Reset to previous node status."
@@ -69,11 +69,12 @@ class RoleState:
 
 
 def refusal(role: str, order: P.PdOrder | None) -> ApiError | None:
-    """What ``role`` does not serve: a prefill instance serves only PD prefill requests; a decode
-    instance PD decode requests and plain ones (it can compute a prompt itself); flex all."""
-    if role == PREFILL and (order is None or order.op != PREFILL):
+    """What ``role`` does not serve: a prefill instance serves only PD prefill requests and those
+    the coordinator orders served whole (``op whole``: its fallback with no decode instance ready);
+    a decode instance PD decode requests and plain ones (it can compute a prompt itself); flex all."""
+    if role == PREFILL and (order is None or order.op not in (PREFILL, WHOLE)):
         return ApiError(503, "This instance's role is prefill: it serves only prefill requests of a PD pair "
-                             f"({HEADER} op prefill).")
+                             f"({HEADER} op prefill) and whole ones ({HEADER} op whole).")
     if role == DECODE and order is not None and order.op == PREFILL:
         return ApiError(503, "This instance's role is decode: it does not serve prefill requests of a PD pair.")
     return None

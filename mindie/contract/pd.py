@@ -9,6 +9,11 @@ pairs instances (coordinator/pd_pairing.py), the server that serves each half
 
       prefill: {"op":"prefill","transferId":ID,"kvEndpoint":EP[,"kvCurvePublicKey":K]}
       decode:  {"op":"decode","transferId":ID,"kvEndpoint":EP}
+      whole:   {"op":"whole"}
+
+  ``whole`` asks any instance, a prefill one included, to serve the request to its end as a
+  hybrid instance does: the coordinator's fallback when no decode instance is ready (MindIE
+  falls back to hybrid serving), so a prefill-only fleet degrades instead of hanging.
 
   ``kvEndpoint`` is the decode worker's KV address (``ipc://`` on one host, ``tcp://`` across
   hosts); ``kvCurvePublicKey`` its CURVE public key (Z85), sent only with a prefill order to a
@@ -27,6 +32,7 @@ from mindie.contract.http_error import ApiError
 from mindie.contract.wire import PdOrder
 
 PREFILL, DECODE, FLEX = "prefill", "decode", "flex"
+WHOLE = "whole"  # an order, not a role: serve the request whole whatever the role
 ROLES = (PREFILL, DECODE, FLEX)
 
 HEADER = "X-Mindie-PD"
@@ -45,6 +51,11 @@ def encode_header(op: str, transfer_id: str, endpoint: str, curve_key: str = "")
     return json.dumps(doc, separators=(",", ":"))
 
 
+def whole_header() -> str:
+    """The ``X-Mindie-PD`` value that asks an instance to serve a request whole."""
+    return json.dumps({"op": WHOLE}, separators=(",", ":"))
+
+
 def parse_header(value: str | None) -> PdOrder | None:
     """The request's ``X-Mindie-PD`` order, or None without the header; ApiError 400 when malformed."""
     if value is None:
@@ -56,8 +67,10 @@ def parse_header(value: str | None) -> PdOrder | None:
     if not isinstance(d, dict):
         raise ApiError(400, f"{HEADER} must be a JSON object")
     op, tid, ep = d.get("op"), d.get("transferId"), d.get("kvEndpoint")
+    if op == WHOLE:
+        return PdOrder(WHOLE, "", "", "")  # no transfer: nothing else to read
     if op not in (PREFILL, DECODE):
-        raise ApiError(400, f"{HEADER}: op must be \"prefill\" or \"decode\"")
+        raise ApiError(400, f"{HEADER}: op must be \"prefill\", \"decode\" or \"whole\"")
     if not isinstance(tid, str) or not TRANSFER_ID_RE.match(tid):
         raise ApiError(400, f"{HEADER}: transferId must match {TRANSFER_ID_RE.pattern}")
     if not isinstance(ep, str) or not ep.startswith(KV_SCHEMES):
