@@ -106,6 +106,38 @@ def test_plan_derives_ports_run_dirs_and_the_instance_list(tmp_path) -> None:
     assert "deviceType auto: every instance uses the npuDeviceIds as written" in r.stderr
 
 
+def test_plan_gives_each_instance_its_own_cores(tmp_path) -> None:
+    """As each instance gets its own devices, it gets its own CPU cores (issue 52, finding 6):
+    disjoint sets covering the cores motor.sh may run on; fewer cores than instances, or
+    deploy_config.cpuBinding false: nothing bound, a note says so."""
+    from coordinator.fleet.plan import core_sets
+    assert core_sets(2, [0, 1, 2, 3, 4]) == [[0, 1, 2], [3, 4]]
+    assert core_sets(1, [4, 5]) == [[4, 5]] and core_sets(3, [0, 1]) == [[], [], []]
+    cores = sorted(os.sched_getaffinity(0))
+    n = min(len(cores), 16)
+    cfg = user_config(tmp_path / "u.json", predict=21025, manage=21026, replicas=n, server={})
+    r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    sets = [i["cpu_cores"] for i in json.loads(r.stdout)["instances"]]
+    assert all(sets) and sorted(c for s in sets for c in s) == cores, sets  # disjoint, all used
+    if n < 16:
+        cfg = user_config(tmp_path / "u2.json", predict=21025, manage=21026, replicas=n + 1, server={})
+        r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run2"))
+        assert r.returncode == 0, r.stderr
+        assert all(i["cpu_cores"] == [] for i in json.loads(r.stdout)["instances"])
+        assert f"{n + 1} instances on {len(cores)} usable core(s): not bound" in r.stderr
+    doc = json.loads(cfg.read_text())
+    doc["deploy_config"].update(replicas=1, cpuBinding=False)
+    cfg.write_text(json.dumps(doc))
+    r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run3"))
+    assert r.returncode == 0 and json.loads(r.stdout)["instances"][0]["cpu_cores"] == [], r.stderr
+    assert "deploy_config.cpuBinding false" in r.stderr
+    doc["deploy_config"]["cpuBinding"] = "no"
+    cfg.write_text(json.dumps(doc))
+    r = motor("plan", "--config", str(cfg), "--run-dir", str(tmp_path / "run4"))
+    assert r.returncode == 2 and "deploy_config.cpuBinding: must be true or false" in r.stderr, r.stderr
+
+
 def test_run_dir_parents_made_private(tmp_path) -> None:
     """motor.sh's default run dir is /tmp/mindie-py-<uid>/motor-<port>: the parent it creates is 0700,
     as a server's default ServerConfig.runDir beside it requires (a 0755 one made every later

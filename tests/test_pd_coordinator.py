@@ -14,7 +14,9 @@ side): a prefill instance (pdRole prefill), a decode instance (pdRole decode) an
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 
@@ -262,6 +264,39 @@ def test_kill9_of_the_decode_instance_mid_stream(fleet):
     assert "-> instance 2(" in line and "hybrid_" in line, line
 
 
+def _check_own_cores(fleet, plan: dict) -> None:
+    """Each instance's processes, its device workers included, run on its planned cores only, and
+    the instances' sets are disjoint (when the host has a core per instance)."""
+    from tests.harness import descendants
+    sets = [i["cpu_cores"] for i in plan["instances"]]
+    if len(os.sched_getaffinity(0)) < len(sets):
+        assert all(s == [] for s in sets), sets
+        return
+    assert all(sets) and not set(sets[0]) & set(sets[1]), sets
+    for k, cores in enumerate(sets):
+        (pid,) = re.findall(rf"instance i{k}: launch.sh pid (\d+)", fleet.out())
+        procs = [int(pid), *descendants(int(pid))]
+        workers = 0
+        for p in procs:
+            try:
+                with open(f"/proc/{p}/status") as f:
+                    allowed = next(ln.split()[1] for ln in f if ln.startswith("Cpus_allowed_list:"))
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    workers += b"workers" in f.read()
+            except (OSError, StopIteration):
+                continue  # a short-lived helper that is gone
+            assert sorted(_cpus(allowed)) == cores, (k, p, allowed, cores)
+        assert workers, f"instance i{k}: no worker process among {procs}"
+
+
+def _cpus(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += range(int(a), int(b or a) + 1)
+    return out
+
+
 def test_motor_sh_starts_a_pd_fleet(tmp_path):
     """scripts/motor.sh with MindIE's PD user_config.json: 1 prefill + 1 decode instance behind the
     coordinator on predict_port; coordinator_info lists each with its role; a request through it
@@ -293,5 +328,14 @@ def test_motor_sh_starts_a_pd_fleet(tmp_path):
         coord_log = open(plan["coordinator_log"], encoding="utf-8", errors="replace").read()
         line = [ln for ln in coord_log.splitlines() if "coordinator.request:" in ln][-1]
         assert re.search(r"-> instance 1\(\S+\) prefill 0\(\S+\) status 200 pd_", line), line
+        _check_own_cores(fleet, plan)
+        # decode instance loss (issue 52, finding 6): served whole by the prefill instance at once,
+        # while motor.sh restarts the decode instance; readiness 200 and true
+        (d_pid,) = re.findall(r"instance i1: launch.sh pid (\d+)", fleet.out())
+        os.killpg(int(d_pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        r = httpx.post(f"http://127.0.0.1:{predict}/infer_token", json=body, timeout=15)
+        assert r.status_code == 200 and r.json() == direct.json() and time.monotonic() - t0 < 10, r.text
+        assert httpx.get(f"http://127.0.0.1:{manage}/v1/readiness", timeout=5).status_code == 200
     finally:
         fleet.cleanup(grace=90)

@@ -42,6 +42,13 @@ process's output to ``i<k>.log`` and ``coordinator.log`` there.
 Devices: with ``BackendConfig.deviceType`` npu or cuda, ``npuDeviceIds`` is instance 0's and
 instance k's is moved up by k times its span (``[[0], [1]]``: i1 gets ``[[2], [3]]``).
 
+Cores: as each instance gets its own devices, it gets its own CPU cores (``cpu_cores``,
+``core_sets``): the cores this process may run on, split into disjoint contiguous sets, one per
+instance; motor.sh starts each instance bound to its set (CPU affinity, which the server's workers
+inherit and size their thread pools by: mindie/topology.py ``usable_cores``), so one instance's
+prompts do not take the cores another's decode steps run on. With fewer cores than instances, or
+``deploy_config.cpuBinding: false`` (a project extension), nothing is bound and a note says so.
+
 Relative paths in the two configs (model weights, TLS files, chat templates, LoRA adapters) are
 taken from the directory of ``user_config.json`` and written absolute.
 """
@@ -64,6 +71,7 @@ SINGLE_NODE = "single_node"
 PD_SEPARATE = "pd_separate"
 PD_MODES = ("pd_separate", "pd_disaggregation", "pd_disaggregation_single_container")
 PD_APPLIED = ("p_instances_num", "d_instances_num")  # deploy_config keys applied in pd_separate
+CPU_BINDING = "cpuBinding"  # deploy_config extension: false = the instances share the host's cores
 MAX_INSTANCES = 16  # one host: each instance is a whole server (front ends + device workers)
 
 TOP_KEYS = ("version", "deploy_config", "mindie_ms_controller_config", "mindie_ms_coordinator_config",
@@ -95,7 +103,7 @@ CONTROLLER_KEYS = (
 # The file's own keys, for the unknown-key check (mindie.config's; the sections holding a server's
 # config.json or the coordinator's ms_coordinator.json are checked by their own loaders), and why a
 # key of each section that is none of them is refused.
-FLEET_KEYS = (*TOP_KEYS, *(f"deploy_config.{k}" for k in (*DEPLOY_KEYS_NOT_APPLIED, "replicas")),
+FLEET_KEYS = (*TOP_KEYS, *(f"deploy_config.{k}" for k in (*DEPLOY_KEYS_NOT_APPLIED, "replicas", CPU_BINDING)),
               *(f"mindie_ms_controller_config.{k}" for k in CONTROLLER_KEYS))
 WHY_NOT = {"": "not a MindIE user_config.json key", "deploy_config": "not a MindIE deploy_config key",
            "mindie_ms_controller_config": "not a MindIE ms_controller.json key"}
@@ -131,6 +139,7 @@ class Instance:
     https: bool
     drain_timeout_s: float
     role: str = ""      # pd_separate: prefill | decode
+    cpu_cores: list[int] = field(default_factory=list)  # its own cores (CPU affinity); [] = not bound
 
 
 @dataclass
@@ -213,7 +222,7 @@ def _check_keys(raw: dict, mode: str = SINGLE_NODE) -> list[str]:
                                  "mindie_server_config", key)
     dc = _obj(raw, "deploy_config", "")
     for key in dc:
-        if key.startswith("//") or key == "replicas" or (mode == PD_SEPARATE and key in PD_APPLIED):
+        if key.startswith("//") or key in ("replicas", CPU_BINDING) or (mode == PD_SEPARATE and key in PD_APPLIED):
             continue
         if key in DEPLOY_KEYS_NOT_APPLIED:
             notes.append(f"deploy_config.{key}: accepted, not applied on one host (Kubernetes/NPU placement)")
@@ -316,6 +325,38 @@ def url(scheme: str, host: str, port: int) -> str:
 
 
 # -- derivation ------------------------------------------------------------------------------------
+def host_cores() -> list[int]:
+    """The cores this process may run on (its CPU affinity), in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def core_sets(n: int, cores: list[int]) -> list[list[int]]:
+    """``n`` disjoint contiguous sets of ``cores``, as even as they go (the first ones one larger);
+    ``n`` empty sets (nothing bound) when there are fewer cores than instances."""
+    if n <= 0 or len(cores) < n:
+        return [[] for _ in range(max(0, n))]
+    q, r = divmod(len(cores), n)
+    out, i = [], 0
+    for k in range(n):
+        m = q + (k < r)
+        out.append(cores[i:i + m])
+        i += m
+    return out
+
+
+def core_note(n: int, cores: list[int], binding: bool) -> Optional[str]:
+    """The note on how the instances' cores were planned (None when each has its own)."""
+    if not binding:
+        return f"deploy_config.{CPU_BINDING} false: the {n} instance(s) share the host's {len(cores)} core(s)"
+    if len(cores) < n:
+        return (f"{n} instances on {len(cores)} usable core(s): not bound, the instances share them (their "
+                "prompts slow each other's decode steps; give the host at least one core per instance)")
+    return None
+
+
 def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = True) -> Plan:
     """Validate ``user_config.json`` and derive (and write, with ``write``) the fleet's files.
     Raises FleetError naming the key."""
@@ -406,6 +447,13 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
 
     run_dir = (os.path.abspath(os.path.expanduser(run_dir)) if run_dir
                else default_run_dir(predict_port, fleet=True))
+    binding = dc.get(CPU_BINDING, True)
+    if not isinstance(binding, bool):
+        raise FleetError("must be true or false", f"deploy_config.{CPU_BINDING}")
+    cores = host_cores()
+    cpu_sets = core_sets(n if binding else 0, cores) or [[] for _ in range(n)]
+    if (note := core_note(n, cores, binding)) is not None:
+        notes.append(note)
     taken: dict[int, tuple[str, str]] = {p: ("coordinator", what) for p, what in coord_ports.items()}
     instances: list[Instance] = []
     configs: list[dict] = []
@@ -462,7 +510,7 @@ def derive(config_path: str, run_dir: Optional[str] = None, *, write: bool = Tru
         inst = Instance(id=k, name=f"i{k}", config=path, run_dir=s["runDir"], log=os.path.join(run_dir, f"i{k}.log"),
                         ip=_connect_host(ip), business_port=s["port"], mgmt_ip=_connect_host(mip),
                         mgmt_port=s["managementPort"], metrics_port=s["metricsPort"], https=https,
-                        drain_timeout_s=drain, role=roles[k])
+                        drain_timeout_s=drain, role=roles[k], cpu_cores=cpu_sets[k])
         instances.append(inst)
         rec = {"id": k, "ip": inst.ip, "business_port": inst.business_port, "mgmt_port": inst.mgmt_port}
         if inst.metrics_port != inst.mgmt_port:  # the coordinator reads /metrics there

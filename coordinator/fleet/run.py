@@ -72,6 +72,29 @@ def _preexec() -> None:
     die_with_parent(signal.SIGTERM)
 
 
+def _preexec_on(cores: list[int]):
+    """``_preexec`` and then the child bound to ``cores`` (its own, planned: coordinator/fleet/plan.py
+    ``core_sets``): every process it starts, its device workers included, inherits the affinity."""
+    if not cores:
+        return _preexec
+
+    def run() -> None:
+        _preexec()
+        os.sched_setaffinity(0, cores)
+    return run
+
+
+def _cpu_list(cores: list[int]) -> str:
+    """``cores`` as /proc's Cpus_allowed_list writes them (0-3,8)."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _how(rc: int) -> str:
     """How a child ended, from its Popen returncode."""
     if rc < 0:
@@ -156,11 +179,12 @@ class Fleet:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
 
-    def _spawn(self, name: str, argv: list[str], log: str, env: dict) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], log: str, env: dict, cores: Optional[list[int]] = None
+               ) -> subprocess.Popen:
         f = open(log, "ab")
         self.logs.append(f)
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
-                             cwd=str(ROOT), preexec_fn=_preexec)
+                             cwd=str(ROOT), preexec_fn=_preexec_on(cores or []))
         self.procs[name] = p
         self.started[name] = time.monotonic()
         return p
@@ -177,9 +201,10 @@ class Fleet:
     def start_instance(self, inst) -> subprocess.Popen:
         """launch.sh for one planned instance (its first start, or a restart after it died)."""
         p = self._spawn(inst.name, ["bash", str(LAUNCH), "--config", inst.config, *self.launch_args],
-                        inst.log, self.instance_env or instance_env()[0])
+                        inst.log, self.instance_env or instance_env()[0], inst.cpu_cores)
+        cores = f", cores {_cpu_list(inst.cpu_cores)}" if inst.cpu_cores else ""
         say(f"instance {inst.name}: launch.sh pid {p.pid}, business {url('http', inst.ip, inst.business_port)}, "
-            f"management {url('http', inst.mgmt_ip, inst.mgmt_port)}, log {inst.log}")
+            f"management {url('http', inst.mgmt_ip, inst.mgmt_port)}{cores}, log {inst.log}")
         return p
 
     def start_coordinator(self) -> subprocess.Popen:
