@@ -53,14 +53,16 @@ def server_config(model: str, threads: int, max_batch: int) -> dict:
 class PdFleet(LocalFleet):
     """scripts/motor.sh with deploy_mode pd_separate: one prefill and one decode instance."""
 
-    def __init__(self, tmp: Path, *, server: dict, launch_args: list[str], p: int = 1, d: int = 1):
+    def __init__(self, tmp: Path, *, server: dict, launch_args: list[str], p: int = 1, d: int = 1,
+                 cpu_binding: bool = True):
         import os
         import signal  # noqa: F401
         import subprocess
         base = _free_run(2 + 2 * (p + d))
         self.predict, self.manage = base, base + 1
         srv = {**server, "ServerConfig": {**server.get("ServerConfig", {}), "port": base + 2}}
-        doc = {"deploy_config": {"p_instances_num": p, "d_instances_num": d},
+        # cpuBinding: each instance on its own cores (motor.sh's default) or all sharing the host's
+        doc = {"deploy_config": {"p_instances_num": p, "d_instances_num": d, "cpuBinding": cpu_binding},
                "mindie_ms_controller_config": {"deploy_mode": "pd_separate"},
                "mindie_ms_coordinator_config": {
                    "http_config": {"predict_port": self.predict, "manage_port": self.manage},
@@ -173,6 +175,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--itl-target", type=float, default=200.0, help="ms, a request's own p99 ITL")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("hybrid", "pd"), default=None)
+    p.add_argument("--cpu-binding", choices=("on", "off"), default="on",
+                   help="1P+1D: each instance on its own cores (motor.sh's default) or sharing them")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     from workers.models.demo import ensure_demo_model
@@ -185,7 +189,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                           launch_args=[]), args)
     if args.only in (None, "pd"):
         half = max(1, args.cores // 2)
-        result["pd"] = run_fleet("1P+1D", PdFleet(tmp, server=server_config(model, half, 64), launch_args=[]), args)
+        result["pd"] = run_fleet("1P+1D", PdFleet(tmp, server=server_config(model, half, 64), launch_args=[],
+                                                  cpu_binding=args.cpu_binding == "on"), args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
