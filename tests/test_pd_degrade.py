@@ -78,6 +78,7 @@ def test_decode_instance_loss_degrades_to_whole_serving(fleet):
     r, took = _timed(coord, "/infer_token", BODY)
     assert r.status_code == 200 and took < QUICK_S, (r.status_code, took, r.text[:300], coord.tail())
     assert r.json() == want  # greedy: the whole prompt on one instance gives the pair's answer
+    print(f"\ndecode instance killed: next request (poll not yet aware) 200 in {took * 1000:.0f} ms")
     coord.wait_state(1, "unreachable", timeout=30)
     # seen gone: no pair, no hybrid, no decode instance; the prefill instance serves whole
     assert _ready(coord) == 200, "readiness says ready: requests must be served"
@@ -85,12 +86,14 @@ def test_decode_instance_loss_degrades_to_whole_serving(fleet):
     r, took = _timed(coord, "/infer_token", BODY)
     assert r.status_code == 200 and took < QUICK_S, (r.status_code, took, r.text[:300], coord.tail())
     assert r.json() == want
+    print(f"decode instance seen unreachable: readiness 200, request 200 in {took * 1000:.0f} ms", end="")
     t0 = time.monotonic()
     with httpx.stream("POST", coord.url + "/generate_stream", timeout=QUICK_S + 5,
                       json={"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 8}}) as s:
         assert s.status_code == 200
         text = b"".join(s.iter_raw()).decode()
     assert time.monotonic() - t0 < QUICK_S and '"generated_text"' in text, text[-400:]
+    print(f", a TGI stream whole in {(time.monotonic() - t0) * 1000:.0f} ms")
     lines = coord.wait_request_lines(n + 2)[n:]
     assert all(re.search(r"-> instance 0\(\S+\) status 200 prefill_whole_", ln) for ln in lines), lines
 
@@ -103,3 +106,4 @@ def test_no_instance_left_is_refused_at_once(fleet):
     assert _ready(coord) == 503
     r, took = _timed(coord, "/infer_token", BODY)
     assert r.status_code == 503 and took < 2.0, (r.status_code, took, r.text[:300])
+    print(f"\nno instance left: readiness 503, request 503 in {took * 1000:.0f} ms")
