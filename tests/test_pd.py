@@ -241,6 +241,10 @@ def test_roles_reported_and_enforced(fleet):
     plain = {"input_id": [5, 6, 7], "parameters": {"max_new_tokens": 2}}
     r = httpx.post(p.url + "/infer_token", json=plain, timeout=60)
     assert r.status_code == 503 and "role is prefill" in r.json()["error"], r.text
+    # the coordinator's fallback with no decode instance (issue 52): the prefill instance serves whole
+    whole = {"X-Mindie-PD": json.dumps({"op": "whole"})}
+    r = httpx.post(p.url + "/infer_token", json=plain, headers=whole, timeout=60)
+    assert r.status_code == 200 and r.json() == httpx.post(h.url + "/infer_token", json=plain, timeout=60).json()
     assert httpx.post(d.url + "/infer_token", json=plain, timeout=60).status_code == 200  # decode serves plain
     hdr = {"X-Mindie-PD": json.dumps({"op": "prefill", "transferId": "x1", "kvEndpoint": p.kv})}
     r = httpx.post(d.url + "/infer_token", json=plain, headers=hdr, timeout=60)

@@ -40,8 +40,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def server_config(model: str, threads: int, max_batch: int) -> dict:
+    # threads 0: cpuThreadsPerWorker left out, the server's default (its usable cores: motor.sh's
+    # core binding, or the whole host without it)
+    threads_key = {"cpuThreadsPerWorker": threads} if threads else {}
     return {"ServerConfig": {"ipAddress": "127.0.0.1", "httpsEnabled": False},
-            "BackendConfig": {"npuDeviceIds": [[0]], "deviceType": "cpu", "cpuThreadsPerWorker": threads,
+            "BackendConfig": {"npuDeviceIds": [[0]], "deviceType": "cpu", **threads_key,
                               "ModelDeployConfig": {"maxSeqLen": 4096, "maxInputTokenLen": 3072,
                                                     "ModelConfig": [{"modelName": "demo", "modelWeightPath": model,
                                                                      "cpuMemSize": 1, "dtype": "float32"}]},
@@ -170,7 +173,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--long-rate", type=float, default=0.3)
     p.add_argument("--long-prompt", type=int, default=600, help="words")
     p.add_argument("--long-tokens", type=int, default=4)
-    p.add_argument("--cores", type=int, default=2, help="total device-worker threads of each side")
+    p.add_argument("--cores", type=int, default=2,
+                   help="total device-worker threads of each side (0: the server's default, its usable cores)")
     p.add_argument("--ttft-target", type=float, default=2000.0, help="ms")
     p.add_argument("--itl-target", type=float, default=200.0, help="ms, a request's own p99 ITL")
     p.add_argument("--seed", type=int, default=0)
@@ -188,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                           server=server_config(model, args.cores, 64),
                                                           launch_args=[]), args)
     if args.only in (None, "pd"):
-        half = max(1, args.cores // 2)
+        half = max(1, args.cores // 2) if args.cores else 0
         result["pd"] = run_fleet("1P+1D", PdFleet(tmp, server=server_config(model, half, 64), launch_args=[],
                                                   cpu_binding=args.cpu_binding == "on"), args)
     if args.json:
