@@ -48,8 +48,7 @@ from coordinator.pd_pairing import PD_HEADERS, WHOLE_HEADER, handoff_header, pic
 from coordinator.upstream import Response, UpstreamError
 from mindie.contract import families
 from mindie.contract.pd import DECODE, PREFILL
-from mindie.contract.http_error import ApiError
-from mindie.server.service_state import STOPPED_MESSAGE
+from mindie.contract.http_error import STOPPED_MESSAGE, ApiError
 
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
 log = logging.getLogger("mindie.coordinator")

@@ -51,12 +51,12 @@ from mindie.contract import families, pd
 from mindie.contract import wire as P
 from mindie.contract.errors import FINISH_EOS, FINISH_STOP, FINISH_STOP_TOKEN
 from mindie.text.detokenizer import TextTokenizer
-from mindie.contract.http_error import ApiError, request_too_large
+from mindie.contract.http_error import STOPPED_MESSAGE, ApiError, request_too_large
 from mindie.text.generation import Deadline, Generation, Piece
 from mindie.server.http_conn import RECEIVE_TIMEOUT_KEY
 from mindie.server.metrics import Metrics
 from mindie.server.request_log import RequestRecord
-from mindie.server.service_state import STOPPED_MESSAGE, ServiceState
+from mindie.server.service_state import ServiceState
 from mindie.text.structured import Checker
 from mindie.text.validation import Limits
 

@@ -12,8 +12,8 @@ from mindie.lora_adapters import Adapters
 from mindie.server.admission import Admission
 from mindie.device_client import DeviceClient, NoWorkerError
 from mindie.contract import wire as P
-from mindie.contract.http_error import ApiError, not_found
-from mindie.server.service_state import STOPPED_MESSAGE, ServiceState
+from mindie.contract.http_error import STOPPED_MESSAGE, ApiError, not_found
+from mindie.server.service_state import ServiceState
 
 
 class Health:

@@ -68,6 +68,11 @@ def generation_error(message: str) -> ApiError:
     return ApiError(424, message)
 
 
+# MindIE's 503 once a stop was ordered (/stopService, a stop signal): the server's words, and the
+# coordinator's when it drains.
+STOPPED_MESSAGE = "The service has been stopped."
+
+
 def service_unavailable(message: str = "The service has been stopped") -> ApiError:
     """503 "Service Unavailable" (after /stopService, no live worker, ...)."""
     return ApiError(503, message)

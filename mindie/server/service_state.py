@@ -20,13 +20,14 @@ import threading
 import time
 from typing import NamedTuple
 
+from mindie.contract.http_error import STOPPED_MESSAGE
+
 # Set when this process is asked to stop (SIGTERM/SIGINT, mindie/server/gunicorn_worker.py): a front end
 # still waiting for its first worker stops waiting at once instead of holding the shutdown, and
 # the requests in progress are cut at the drain bound even without a stop order.
 STOPPING = threading.Event()
 
 STOPPED_FILE = "service.stopped"
-STOPPED_MESSAGE = "The service has been stopped."
 GRACEFUL, FORCE = "graceful", "Force"
 
 
