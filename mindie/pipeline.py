@@ -411,7 +411,9 @@ class Pipeline:
         return ApiError(500, f"Internal error: {type(e).__name__}")
 
     def _failed(self, rec: RequestRecord, err: ApiError) -> None:
-        self.metrics.failed()
+        # The tokens it produced before it failed (499, a timeout) are generated tokens too: the
+        # request log's output_tokens and generation_tokens_total count the same tokens.
+        self.metrics.failed(rec.output_tokens)
         rec.done(err.status, error=err.message)
 
     def _succeeded(self, codec: Codec, rec: RequestRecord, outs: list[Output]) -> None:

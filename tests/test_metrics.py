@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -377,3 +378,48 @@ def test_worker_gauges_follow_the_load_within_a_step(server):
     assert {e["metric"][0]["job"] for e in doc["result"]} == {"node"}
     instances = {e["metric"][0]["instance"] for e in doc["result"]}
     assert len(instances) == 1 and instances.pop().endswith(f":{server.port}")  # managementIp:managementPort
+
+
+def _request_line(srv: Server, rid: str, timeout: float = 20.0) -> dict:
+    """The request-log line of request ``rid`` (its status and output tokens), once written."""
+    t0 = time.monotonic()
+    pat = re.compile(rf"request {rid} \S+ status=(\d+) in=(\d+) out=(\d+)")
+    while time.monotonic() - t0 < timeout:
+        m = pat.search(srv.tail(400))
+        if m:
+            return {"status": int(m.group(1)), "in": int(m.group(2)), "out": int(m.group(3))}
+        time.sleep(0.1)
+    raise AssertionError(f"no request line for {rid}:\n{srv.tail()}")
+
+
+@pytest.mark.timeout(300)
+def test_cancelled_and_cut_requests_count_their_generated_tokens(server):
+    """Issue 52 finding 9: a stream whose client hangs up midway (499) and a request cut by its
+    own timeout (500 Engine callback timeout) count the tokens they generated in
+    generation_tokens_total, as many as their request-log lines say, as prompt_tokens_total
+    counts their prompts."""
+    before = figures(scrape(server))
+    # A stream cancelled midway: read a few events, then hang up.
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/infer_token", headers={"req-id": "gen-cancel-1"}, json={
+                "input_id": [7, 8, 9], "stream": True,
+                "parameters": {"max_new_tokens": 2400, "ignore_eos": True}}) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data:")
+                if events >= 20:
+                    break
+    # One cut by its timeout: 2,400 tokens do not fit in 1 s here.
+    cut = httpx.post(server.url + "/infer_token", headers={"req-id": "gen-cut-1"}, timeout=60, json={
+        "input_id": [7, 8, 9, 10], "parameters": {"max_new_tokens": 2400, "ignore_eos": True, "timeout": 1}})
+    assert cut.status_code == 500 and "Engine callback timeout" in cut.text, cut.text
+    cancelled = _request_line(server, "gen-cancel-1")
+    timed_out = _request_line(server, "gen-cut-1")
+    assert cancelled["status"] == 499 and timed_out["status"] == 500
+    assert cancelled["out"] >= 20 and timed_out["out"] > 0, (cancelled, timed_out)
+    now = figures(scrape(server))
+    delta = {k: now[k] - before[k] for k in ("request_failed", "prompt_tokens", "generation_tokens",
+                                             "request_success")}
+    assert delta == {"request_failed": 2, "prompt_tokens": 3 + 4,
+                     "generation_tokens": cancelled["out"] + timed_out["out"], "request_success": 0}

@@ -70,7 +70,9 @@ class Metrics:
         self._success = counter("request_success", "Requests finished successfully")
         self._failed = counter("request_failed", "Requests that ended with an error")
         self._prompt = counter("prompt_tokens", "Prompt tokens of the requests accepted")
-        self._gen = counter("generation_tokens", "Tokens generated for the requests that succeeded")
+        # Every token a request generated, however it ended (cancelled, cut by a deadline, stopped):
+        # the work was done, as prompt_tokens counts the prompts of requests that later failed.
+        self._gen = counter("generation_tokens", "Tokens generated, for every request however it ended")
         self._prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request", TOKENS_BUCKETS)
         self._gen_hist = histogram("request_generation_tokens", "Generated tokens per successful request",
                                    TOKENS_BUCKETS)
@@ -83,8 +85,12 @@ class Metrics:
     def received(self) -> None:
         self._received.inc()
 
-    def failed(self) -> None:
+    def failed(self, generated: int = 0) -> None:
+        """A request that ended with an error, after generating ``generated`` tokens (a client that
+        hung up mid-stream, a deadline that cut it): those tokens are counted as generated."""
         self._failed.inc()
+        if generated:
+            self._gen.inc(generated)
 
     def succeeded(self, generated: int) -> None:
         self._success.inc()
