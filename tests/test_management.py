@@ -94,6 +94,31 @@ def test_each_route_only_on_its_plane(split):
                     assert r.json()["error_type"] == "NotFoundError"
 
 
+def test_a_probe_on_the_business_port_says_where_the_probes_live(split):
+    """Issue 52 finding 9: /health and the other probes on the business port are 404s in MindIE's
+    shape that name the management plane's address; so is a common probe name no plane serves."""
+    mgmt = split.mgmt
+    for path in ("/health", "/v2/health/ready", "/v2/health/live", "/v2/models/demo/ready", "/health/timed-3",
+                 "/v1/status"):
+        for method in ("GET", "HEAD", "POST"):
+            r = httpx.request(method, split.biz + path, timeout=10)
+            assert r.status_code == 404, (method, path, r.status_code)
+            if method != "HEAD":
+                body = r.json()
+                assert body["error_type"] == "NotFoundError" and set(body) == {"error", "error_type"}
+                assert f"{mgmt}{path}" in body["error"] and "managementPort" in body["error"], body
+    r = httpx.get(split.biz + "/v1/health", timeout=10)
+    assert r.status_code == 404 and mgmt in r.json()["error"] and "/v2/health/ready" in r.json()["error"], r.text
+    # the other way round: the business routes named on the management port, /metrics on both
+    r = httpx.post(mgmt + "/infer_token", json={"input_id": [5]}, timeout=10)
+    assert r.status_code == 404 and f"{split.biz}/infer_token" in r.json()["error"], r.text
+    r = httpx.get(split.biz + "/metrics", timeout=10)
+    assert r.status_code == 404 and f"{split.metrics}/metrics" in r.json()["error"], r.text
+    # an unknown path stays a plain 404
+    r = httpx.get(split.biz + "/nothing-here", timeout=10)
+    assert r.status_code == 404 and "plane" not in r.json()["error"], r.text
+
+
 # -- health ---------------------------------------------------------------------------------------
 def test_health_routes_when_healthy(split):
     for path in ("/health", "/v2/health/live", "/v2/health/ready", "/v2/models/demo/ready"):

@@ -26,6 +26,7 @@ from mindie.runtime.gc_freeze import freeze_heap
 from mindie.contract.http_error import ApiError
 from mindie.server.frontend import FrontEnd
 from mindie.runtime.log_setup import setup_logging
+from mindie.server.elsewhere import elsewhere_routes
 from mindie.server.listeners import read_listeners
 from mindie.api.pd_role import RoleResource
 from mindie.pipeline import Pipeline
@@ -67,7 +68,9 @@ def create_app():
     fe = FrontEnd.from_env()
     routes = plane_routes(fe)
     listeners = read_listeners(os.environ["MINDIE_LISTENERS"])
-    by_port = {li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]) for li in listeners}
+    # Each listener also answers the other planes' paths with a 404 that says where they live.
+    by_port = {li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]
+                                   + elsewhere_routes(routes, listeners, li)) for li in listeners}
     router = plane_router(by_port, by_port[listeners[0].port])
     freeze_heap(log, f"front end pid {os.getpid()}", fe.deployment.workers[0].engine.gc_freeze)
     return router
