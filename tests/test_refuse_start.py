@@ -288,3 +288,22 @@ def test_a_worker_killed_while_serving_is_restarted_however_often(tmp_path, demo
     assert f"restart #{START_ATTEMPTS + 1})" in log, log
     assert "before it was ready" not in log and "failed to start" not in log, log
     assert lifecycle.leftovers(run_dir) == [], log
+
+
+def test_an_empty_model_folder_says_what_is_missing(tmp_path, demo_model):
+    """Issue 52 finding 9: modelWeightPath naming an empty folder is refused naming what a model
+    folder needs and this one lacks, not as a tokenizer that does not load; a folder with the
+    tokenizer only names the other two."""
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    status, log, run_dir = launch_refused(tmp_path, empty)
+    assert status == 2, log
+    assert (f"config error: {KEY}: {empty} is not a model folder: no config.json, no *.safetensors weights, "
+            f"no tokenizer.json (the folder is empty; ") in log, log
+    assert "tokenizer does not load" not in log and "launch.sh: supervisor pid" not in log, log
+    assert lifecycle.leftovers(run_dir) == [], log
+    (tmp_path / "tokenizer-only").mkdir()
+    partial = _with_tokenizer(tmp_path / "tokenizer-only", demo_model)
+    status, log, _ = launch_refused(tmp_path, partial)
+    assert status == 2, log
+    assert f"{partial} is not a model folder: no config.json, no *.safetensors weights (a Hugging Face" in log, log

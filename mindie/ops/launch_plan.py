@@ -13,6 +13,7 @@ directory when another server uses it.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shlex
@@ -194,6 +195,13 @@ def check_tokenizer(model_dir: str) -> None:
     if not os.path.isfile(os.path.join(model_dir, "config.json")) and any(
             name.lower().endswith(".gguf") for name in os.listdir(model_dir)):
         return
+    missing = missing_parts(model_dir)
+    if missing and not any(name.lower().endswith(".gguf") for name in os.listdir(model_dir)):  # say what the folder lacks, not what the first reader of it tripped on
+        empty = "the folder is empty; " if not os.listdir(model_dir) else ""
+        raise ConfigError(f"{model_dir} is not a model folder: {', '.join(missing)} ({empty}a Hugging Face model "
+                          "directory holds config.json, *.safetensors weights and tokenizer.json; or give a .gguf "
+                          "file)",
+                          MODEL_PATH_KEY) from None
     t0 = time.perf_counter()
     try:
         tok = load_tokenizer(model_dir)
@@ -202,6 +210,23 @@ def check_tokenizer(model_dir: str) -> None:
                           f"{e}", "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath") from None
     log.info("tokenizer check: %s loads (%d tokens); in %.2f s", os.path.join(model_dir, "tokenizer.json"),
              tok.vocab_size, time.perf_counter() - t0)
+
+
+def missing_parts(model_dir: str) -> list[str]:
+    """What a Hugging Face model folder lacks, as ``no config.json`` etc. ([] = all three there;
+    whether they load is checked after: the tokenizer here, the weights by workers.prepare)."""
+    def has(*patterns: str) -> bool:
+        return any(glob.glob(os.path.join(glob.escape(model_dir), p)) for p in patterns)
+
+    out = []
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        out.append("no config.json")
+    if not has("*.safetensors", "*.safetensors.index.json"):
+        out.append("no *.safetensors weights" + (" (pytorch_model*.bin only: convert it to safetensors)"
+                                                 if has("pytorch_model*.bin") else ""))
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        out.append("no tokenizer.json")
+    return out
 
 
 def check_cpu_threads(dep) -> None:
