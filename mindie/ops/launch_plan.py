@@ -196,7 +196,10 @@ def check_tokenizer(model_dir: str) -> None:
             name.lower().endswith(".gguf") for name in os.listdir(model_dir)):
         return
     missing = missing_parts(model_dir)
-    if missing and not any(name.lower().endswith(".gguf") for name in os.listdir(model_dir)):  # say what the folder lacks, not what the first reader of it tripped on
+    # No config.json or no tokenizer.json: say all the folder lacks, not what the first reader of it
+    # tripped on (weights alone missing: workers.prepare says so, after its own checks of config.json).
+    if set(missing) & {"no config.json", "no tokenizer.json"} and not any(
+            name.lower().endswith(".gguf") for name in os.listdir(model_dir)):
         empty = "the folder is empty; " if not os.listdir(model_dir) else ""
         raise ConfigError(f"{model_dir} is not a model folder: {', '.join(missing)} ({empty}a Hugging Face model "
                           "directory holds config.json, *.safetensors weights and tokenizer.json; or give a .gguf "
