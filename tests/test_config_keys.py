@@ -191,6 +191,9 @@ KEY_TESTS: dict[str, list[str]] = {
         f"{_LORA}::test_fifth_adapter_evicts_the_least_recently_used", f"{_CFG}::test_lora_keys_mindie_example"],
     "BackendConfig.ModelDeployConfig.maxLoraRank": [
         f"{_LORA}::test_refusals_name_the_problem", f"{_CFG}::test_lora_keys_mindie_example"],
+    "BackendConfig.ModelDeployConfig.loraRoot": [
+        f"{_LORA}::test_adapters_load_only_from_under_lora_root_and_no_path_is_told_apart",
+        f"{_LORA}::test_no_lora_root_no_loading_at_run_time"],
     "BackendConfig.ModelDeployConfig.LoraModules": [
         f"{_LORA}::test_server_outputs_equal_peft_on_every_api", f"{_LORA}::test_lora_modules_refused_at_launch",
         f"{_CFG}::test_cross_field_checks"],

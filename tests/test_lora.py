@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,7 +27,7 @@ import torch
 
 from mindie.contract.spec import EngineConfig, LoraModule, WorkerSpec
 from mindie.contract.wire import SamplingParams, Submit
-from tests.harness import Server, free_port, short_run_dir, write_config
+from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
 from tests.reference_attention import DenseCausalAttention
 from tests.tiny_hf import save_random_model
 from workers.models.lora_adapter import AdapterError, check_adapter
@@ -304,10 +306,13 @@ def srv(tmp_path_factory, demo_model, lora):
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=demo_model,
                        deploy={"maxLoras": 4, "maxLoraRank": 16, "LoraModules": [
-                           {"name": "a1", "path": str(lora["paths"]["a1"]), "baseModelName": "demo"}]})
+                           {"name": "a1", "path": str(lora["paths"]["a1"]), "baseModelName": "demo"}],
+                           # every test's folders are under pytest's base folder
+                           "loraRoot": str(tmp_path_factory.getbasetemp())})
     s = Server(cfg, port)
     try:
         s.wait_ready(120)
+        s.lora_root = str(tmp_path_factory.getbasetemp())
         for name in ("a2", "a3", "a4"):
             r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(lora["paths"][name]),
                                                                 "master_model": "demo"}, timeout=120)
@@ -391,7 +396,7 @@ def test_refusals_name_the_problem(srv, lora, tmp_path, demo_model):
     (trunc / "adapter_model.safetensors").write_bytes((trunc / "adapter_model.safetensors").read_bytes()[:-64])
     wide = make_adapter(demo_model, tmp_path / "wide", 0, r=32, target_modules=["q_proj"])
     cases = [
-        ({"lora_name": "x1", "lora_path": str(tmp_path / "none")}, 404, "No adapter found for"),
+        ({"lora_name": "x1", "lora_path": str(tmp_path / "none")}, 404, f"^No adapter found for '{tmp_path}/none'.$"),
         ({"lora_name": "x2", "lora_path": str(trunc)}, 400, "truncated"),
         ({"lora_name": "x3", "lora_path": str(wide)}, 400, "LoRA rank is greater than max_lora_rank: .*the limit is 16"),
         ({"lora_name": "a2", "lora_path": str(lora["paths"]["a2"])}, 400, "The LoRA adapter 'a2' has already been added."),
@@ -420,6 +425,49 @@ def test_refusals_name_the_problem(srv, lora, tmp_path, demo_model):
         assert r.status_code == 404, (route, r.text)
         err = r.json()["error"]
         assert (err["message"] if isinstance(err, dict) else err) == message, (route, r.text)
+
+
+def test_adapters_load_only_from_under_lora_root_and_no_path_is_told_apart(srv, lora, tmp_path, demo_model):
+    """Issue 52 finding 9: /v1/load_lora_adapter reads only under ModelDeployConfig.loraRoot;
+    a missing path, an existing folder outside the root (a real adapter or the model), a symbolic
+    link out of the root, a file and a folder without adapter_config.json all get one answer,
+    status and message alike (the path as given), so it tells nobody which files exist."""
+    def load(name: str, path: str) -> httpx.Response:
+        return httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=120)
+
+    outside = shutil.copytree(lora["paths"]["a5"], Path(tempfile.mkdtemp(prefix="lora-outside")) / "a5")
+    try:
+        link = tmp_path / "link-out"
+        link.symlink_to(outside)
+        (tmp_path / "empty").mkdir()
+        cases = {"missing": str(tmp_path / "none"), "outside adapter": str(outside), "model": demo_model,
+                 "etc": "/etc", "symlink out": str(link), "file": str(Path(demo_model) / "config.json"),
+                 "not an adapter": str(tmp_path / "empty"), "relative out": "../../../etc"}
+        for what, path in cases.items():
+            r = load("y1", path)
+            if what == "relative out":  # MindIE's path check refuses '..' first, as before
+                assert r.status_code == 400 and r.json()["error"] == "Input invalid lora path", r.text
+                continue
+            assert (r.status_code, r.json()) == (404, {"error": f"No adapter found for '{path}'.",
+                                                       "error_type": "NotFoundError"}), (what, r.text)
+        # inside the root, a relative path from it loads
+        inside = shutil.copytree(lora["paths"]["a5"], tmp_path / "a5copy")
+        rel = os.path.relpath(inside, srv.lora_root)
+        r = load("y2", rel)
+        assert r.status_code == 200, r.text
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "y2"}, timeout=30).status_code == 200
+    finally:
+        shutil.rmtree(outside.parent)
+
+
+def test_no_lora_root_no_loading_at_run_time(tmp_path, demo_model, lora):
+    """Without loraRoot, /v1/load_lora_adapter is refused naming the key; LoraModules still load."""
+    with demo_server(tmp_path, demo_model, deploy={"maxLoras": 2, "LoraModules": [
+            {"name": "a1", "path": str(lora["paths"]["a1"]), "baseModelName": "demo"}]}) as s:
+        r = httpx.post(s.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "y3", "lora_path": str(lora["paths"]["a2"])}, timeout=60)
+        assert r.status_code == 400 and "ModelDeployConfig.loraRoot" in r.json()["error"], r.text
+        assert _native(s, PROMPTS[0], "a1").json()["details"]["generated_token_ids"] == lora["refs"]["a1"][0]
 
 
 def test_unload_while_a_request_runs_on_the_adapter(srv, lora):
@@ -540,7 +588,7 @@ def test_real_model_with_a_random_adapter(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2-lora")
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path="",
-                       model={"modelName": "SmolLM2-135M-Instruct"}, deploy={"maxLoras": 2})
+                       model={"modelName": "SmolLM2-135M-Instruct"}, deploy={"maxLoras": 2, "loraRoot": str(tmp)})
     s = Server(cfg, port)  # boots while transformers loads the file
     try:
         threads = torch.get_num_threads()

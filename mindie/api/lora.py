@@ -15,6 +15,13 @@ Unload: ``{"lora_name"}``: every worker drops the name at once (new requests nam
 and frees the adapter's tensors when its requests in flight have finished on it. 200 ``Success:
 LoRA adapter 'NAME' removed successfully.``, 404 ``The LoRA adapter 'NAME' cannot be found.``.
 
+Paths (issue 52 finding 9): an adapter is read only from under ``ModelDeployConfig.loraRoot`` (a
+relative ``lora_path`` from it; an absolute one must resolve, symbolic links followed, inside it),
+and loading at run time is refused while it is unset. A path outside the root, one that does not
+exist and one that is no adapter folder all get the same 404 ``No adapter found for 'PATH'.``
+(the path as the client gave it), so the answer tells nobody which files exist; the server log
+says which it was.
+
 Loaded adapters are recorded in the run directory (mindie/lora_adapters.py ``LoadedAdapters``): a
 device worker that restarts gets them again from the front ends.
 
@@ -74,12 +81,15 @@ def _worst(answers: list[P.AdapterAnswer]) -> P.AdapterAnswer:
 class LoadLoraResource:
     """POST /v1/load_lora_adapter."""
 
-    def __init__(self, client: DeviceClient, model_name: str, max_body_mb: int, loaded: LoadedAdapters | None = None):
-        """``loaded``: where the adapters loaded at run time are recorded (for workers that restart)."""
+    def __init__(self, client: DeviceClient, model_name: str, max_body_mb: int, loaded: LoadedAdapters | None = None,
+                 root: str = ""):
+        """``loaded``: where the adapters loaded at run time are recorded (for workers that restart);
+        ``root``: ModelDeployConfig.loraRoot, an absolute path ("" = no loading at run time)."""
         self.client = client
         self.model_name = model_name
         self.max_body_mb = max_body_mb
         self.loaded = loaded
+        self.root = os.path.realpath(root) if root else ""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = _body(await read_body(req, self.max_body_mb))
@@ -97,7 +107,8 @@ class LoadLoraResource:
         if name == self.model_name:
             raise ApiError(400, f"Call to load LoRA method failed: The LoRA adapter '{name}' is invalid: it is the "
                                 "base model's name")
-        path = os.path.abspath(path)  # a relative path: from the server's working directory
+        given = path
+        path = self._under_root(given)
         links = self.client.ready_links()
         if not links:
             raise ApiError(503, "No device worker is ready")
@@ -120,9 +131,30 @@ class LoadLoraResource:
         if bad:
             worst = _worst(bad)
             log.warning("LoRA adapter %s not loaded (%s: %d %s)", name, worst.worker_id, worst.status, worst.message)
+            if worst.status == 404:  # no folder there: the same answer as a path outside the root
+                raise not_found(given)
             raise ApiError(worst.status, worst.message)
         raise ApiError(500, f"Call to load LoRA method failed: device worker(s) {', '.join(missing)} did not answer "
                             f"within {LOAD_ANSWER_TIMEOUT_S:g} s; the adapter was unloaded again")
+
+
+    def _under_root(self, given: str) -> str:
+        """The adapter folder ``given`` names, resolved inside the root; ApiError otherwise (400 with
+        no root; else the 404 a missing folder gets, whatever is there)."""
+        if not self.root:
+            raise ApiError(400, "Call to load LoRA method failed: LoRA adapters are loaded at run time only from "
+                                "under ModelDeployConfig.loraRoot, which is not set")
+        path = os.path.realpath(os.path.join(self.root, given))  # an absolute ``given`` replaces the root
+        if os.path.commonpath([self.root, path]) != self.root:
+            log.warning("LoRA adapter path %r refused: %s is outside loraRoot %s", given, path, self.root)
+            raise not_found(given)
+        return path
+
+
+def not_found(given: str) -> ApiError:
+    """The one answer for a path outside loraRoot, a missing one and one that is no adapter folder
+    (the workers' 404: they read the folder, which may be on another host)."""
+    return ApiError(404, f"No adapter found for '{given}'.")
 
 
 class UnloadLoraResource:

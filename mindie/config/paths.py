@@ -28,6 +28,7 @@ def resolve_paths(config: Config, base_dir: str, env: Mapping[str, str]) -> None
             opts.chat_template = absolute(opts.chat_template)
     for lm in config.backend.model_deploy.lora_modules:
         lm.path = absolute(lm.path)
+    config.backend.model_deploy.lora_root = absolute(config.backend.model_deploy.lora_root)
     config.backend.worker_curve_key_dir = absolute(config.backend.worker_curve_key_dir)
     config.backend.cpu_tuning.kernel_cache = absolute(config.backend.cpu_tuning.kernel_cache)
     s = config.server

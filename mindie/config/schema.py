@@ -244,6 +244,10 @@ class ModelDeployConfig(_Section):
     max_loras: Annotated[int, Meta(ge=0, le=MAX_LORAS)] = 0
     max_lora_rank: Annotated[int, Meta(ge=0, le=UINT32_MAX)] = 0
     lora_modules: list[LoraModuleConfig] = field(default_factory=list, name="LoraModules")
+    # The folder /v1/load_lora_adapter reads adapters from (relative paths are taken from it, an
+    # absolute one must lie under it, symbolic links resolved); "" = no loading at run time. Not
+    # MindIE's: its route reads any path, and its 400-vs-404 tells which paths exist.
+    lora_root: str = ""
     # MindIE's: the most tokens proposed per request and step (speculative decoding; at most
     # SPEC_MAX_TOKENS are proposed); must be >= plugin_params' decoding_length, or (N-1)*(W+G) for
     # lookahead (MindIE's rules). 0 = the proposer's default (decoding_length, 16 for the suffix

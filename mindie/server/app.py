@@ -124,7 +124,8 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
              None),
             # LoRA adapters at run time (mindie/api/lora.py): MindIE's routes, vLLM's bodies too.
             ("/v1/load_lora_adapter", LoadLoraResource(fe.client, fe.model_name, server.max_request_length,
-                                                        fe.loaded_adapters), None),
+                                                        fe.loaded_adapters,
+                                                        fe.config.backend.model_deploy.lora_root), None),
             ("/v1/unload_lora_adapter", UnloadLoraResource(fe.client, server.max_request_length, fe.loaded_adapters),
              None),
         ],

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     churn_path = str(write_adapter(model, tmp / "churn", args.load_rank, 99))
     print(f"model {model}; {args.adapters} adapters of rank {args.rank} in {tmp}", file=sys.stderr)
     server, url, ready_s = start_server(model, args.port, workers=args.workers, dtype=args.dtype,
-                                        deploy={"maxLoras": args.adapters + 2, "maxLoraRank": 64},
+                                        deploy={"maxLoras": args.adapters + 2, "maxLoraRank": 64,
+                                                "loraRoot": str(tmp)},
                                         backend={"cpuThreadsPerWorker": args.threads})
     print(f"launch -> ready: {ready_s:.2f} s", file=sys.stderr)
     n = args.num_prompts or args.concurrency

@@ -150,7 +150,8 @@ def _check_base(base: str, args: ModelArgs, folder: Path) -> None:
 def _read_config(folder: Path) -> dict:
     cfg_path = folder / CONFIG_FILE
     if not cfg_path.is_file():
-        raise AdapterError(f"{folder} has no {CONFIG_FILE} (a peft LoRA adapter folder is expected)")
+        # 404 as a missing folder: /v1/load_lora_adapter answers both alike (no existence oracle)
+        raise AdapterError(f"{folder} has no {CONFIG_FILE} (a peft LoRA adapter folder is expected)", status=404)
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
