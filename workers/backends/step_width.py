@@ -53,7 +53,20 @@ class StepWidth:
         """Whether the next step of ``tokens`` tokens should run wide."""
         b = self.bucket(tokens)
         wide, narrow = self.ema.get((b, True)), self.ema.get((b, False))
-        prefer_wide = wide is None or narrow is None or narrow >= wide * NARROW_WIN
+        if wide is None and narrow is None:
+            # A size never measured: the host's contention is the same for every size, so start the
+            # way the sizes already measured prefer (a busy host: narrow from the first request on).
+            self._trying = False
+            return not any(self.prefers_narrow.values())
+        if wide is None or narrow is None:
+            # One way measured: try the other at once rather than after EXPLORE_STEPS steps, so the
+            # first request after the start already steps the faster way on a busy host (issue 52:
+            # 20 s and two requests to notice the contention got the README's first request a
+            # 500 at its 10 s timeout).
+            self.since[b], self.tried[b] = 0, self.clock()
+            self._trying = True
+            return wide is None
+        prefer_wide = narrow >= wide * NARROW_WIN
         n = self.since.get(b, 0) + 1
         now = self.clock()
         if n >= EXPLORE_STEPS and now - self.tried.get(b, -EXPLORE_S) >= EXPLORE_S:
