@@ -153,7 +153,7 @@ JSON_KEYS = {
         "fusedDecodeRows", "fusedDecodeMb", "int8Rows", "adaptiveThreads", "prefillAttention",
         "prefillLinears"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
-                                        "maxLoraRank", "LoraModules", "speculationGamma"},
+                                        "maxLoraRank", "LoraModules", "speculationGamma", "loraRoot"},
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize",

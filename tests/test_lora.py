@@ -161,7 +161,7 @@ def test_adapter_checks_refuse_what_cannot_be_served(lora, demo_model, tmp_path)
     cases = {
         tmp_path / "nowhere": (404, "No adapter found for"),
         trunc: (400, "truncated"),
-        noconf: (400, "has no adapter_config.json"),
+        noconf: (404, "has no adapter_config.json"),  # a 404 as for no folder at all (no existence oracle)
         binonly: (400, "convert it to safetensors"),
         _edit_config(a1, tmp_path / "dora", use_dora=True): (400, "DoRA"),
         _edit_config(a1, tmp_path / "bias", bias="all"): (400, "bias 'all' is not supported"),

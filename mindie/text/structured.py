@@ -513,6 +513,10 @@ class Checker:
                 break
             word = int(row.reshape(-1)[allowed[0]]) & 0xFFFFFFFF
             m.consume_token(int(allowed[0]) * 32 + (word & -word).bit_length() - 1)
+            if m.is_error() and "doesn't satisfy the grammar" in m.get_error():
+                # The trial's own pick refused (a special token the mask let by, as a reasoning
+                # model's <think>): not the grammar's fault, and the worker never picks blindly.
+                return ""
         return f"Invalid \0: {_too_complex(m.get_error())}" if m.is_error() else ""
 
 
