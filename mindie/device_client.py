@@ -434,6 +434,14 @@ class DeviceClient:
                 if link.welcomed and msg.instance != link.instance:
                     link.welcomed = False  # restarted: handshake again
                     self._fail_link(link, f"Device worker {link.ep.worker_id} restarted")
+                elif not msg.ready and link.welcomed and msg.instance == link.instance:
+                    # its last word: it is stopping (its requests got 503 frames just before);
+                    # new requests go elsewhere or get a 503 now, not after the heartbeat timeout
+                    link.welcomed = False
+                    log.warning("device worker %s stopped", link.ep.worker_id)
+                    self._fail_link(link, f"Device worker {link.ep.worker_id} stopped")
+                    if not self.ready_links():
+                        self.ready_event.clear()
                 link.heartbeat = msg
             elif isinstance(msg, P.Stopped):
                 if msg.frontend_id == self.frontend_id:

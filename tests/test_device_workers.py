@@ -283,3 +283,29 @@ def test_long_step_does_not_look_like_a_dead_worker(null_supervisor):
             assert err is None and reason == "length" and len(ids) == 2
 
     asyncio.run(main())
+
+
+def test_a_stopping_worker_ends_its_requests_with_503_at_once(null_supervisor):
+    """A worker told to stop (SIGTERM: its supervisor's or its instance's end) ends every request
+    it holds with a 503 frame and says so in a last heartbeat, so a front end answers (and a
+    coordinator retries elsewhere) at once instead of after the heartbeat timeout."""
+    config = null_supervisor(20, maxIterTimes=2500)
+
+    async def main():
+        async with _connected(config) as c:
+            s = c.submit([5, 6, 7], P.SamplingParams(max_new_tokens=2500))
+            await asyncio.sleep(0.5)
+            link = s.link
+            old, pid = link.instance, link.heartbeat.pid
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+            ids, reason, err = await _collect(s, 10)
+            took = time.monotonic() - t0
+            assert err is not None and err.status == 503 and "stopped (signal SIGTERM)" in err.message, (reason, err)
+            assert took < P.WORKER_TIMEOUT_S / 2, took
+            deadline = time.monotonic() + 1
+            while link.welcomed and link.instance == old:  # the last heartbeat unready the link
+                assert time.monotonic() < deadline, "link still counted ready after the worker's last heartbeat"
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -123,6 +124,7 @@ class Worker:
         self.exit_code = 0
         self.instance = secrets.token_hex(6)
         self.stop = False
+        self.stop_reason = "stopping"  # said in the error frames of requests a stop ends
         self.frontends: dict[str, FrontendState] = {}
         mode, keys = link_security(spec)  # before the model loads: a refused link fails fast
         t0 = time.perf_counter()
@@ -441,10 +443,51 @@ class Worker:
                     self._iterate_overlapped()
                 else:
                     self._iterate()
+        except BaseException as e:
+            self.stop_reason = f"failed: {type(e).__name__}"
+            raise
         finally:
             self.stop = True
             self.heartbeat_thread.join(2 * P.HEARTBEAT_INTERVAL_S)
+            try:
+                self.farewell()
+            except Exception:  # best effort: the front ends' heartbeat timeout still ends them
+                log.exception("worker %s: farewell frames not sent", self.spec.worker_id)
             self.close()
+
+    def farewell(self) -> None:
+        """Stopping: every request this worker holds (running, waiting, parked for its KV blocks,
+        or still queued on the jobs socket) ends now with a 503 error frame, and a last heartbeat
+        says ``ready=False``, so front ends answer at once (a coordinator retries a 503 elsewhere)
+        instead of waiting out the heartbeat timeout for a worker that is gone."""
+        why = (f"Device worker {self.spec.worker_id} stopped ({self.stop_reason}) before the request "
+               "finished")
+        err = P.request_error(503, why)
+        while True:  # jobs that arrived while the last step computed
+            try:
+                msg = P.decode_job(self.pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            except Exception:
+                continue  # undecodable: nothing to answer
+            if isinstance(msg, P.Submit):
+                self._fail(msg.frontend_id, msg.request_id, err)
+                self._frontend(msg.frontend_id).requests.add(msg.request_id)
+            elif isinstance(msg, P.Cancel):
+                st = self.frontends.get(msg.frontend_id)
+                if st is not None:
+                    st.requests.difference_update(msg.request_ids)
+        ended = 0
+        for fid, st in self.frontends.items():
+            done = {f.request_id for f in self.pending.get(fid, ()) if f.finish_reason}
+            for rid in st.requests - done:
+                self._fail(fid, rid, err)
+                ended += 1
+        self.publish()
+        self._send(P.HEARTBEAT_TOPIC, msgspec.structs.replace(self.heartbeat(), ready=False))
+        if ended:
+            log.warning("worker %s stopping: %d unfinished request(s) ended with a 503 frame", self.spec.worker_id,
+                        ended)
 
     def _iterate(self) -> None:
         """Jobs in, one step computed, its frames out."""
@@ -543,6 +586,7 @@ class Worker:
             self.publish()
             log.error("tensor-parallel instance %s cannot go on: exiting so that its group restarts",
                       self.spec.worker_id)
+            self.stop_reason = "its tensor-parallel group broke"
             self.stop = True
             self.exit_code = 3
 
@@ -562,7 +606,7 @@ class Worker:
         if getattr(self, "kv", None) is not None:
             self.kv.close()
         self.pull.close(0)
-        self.pub.close(0)
+        self.pub.close(300)  # up to 0.3 s to flush the farewell frames (their subscribers are local)
         if self.auth is not None:
             self.auth.stop()
             self.auth = None
@@ -606,6 +650,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def _stop(signum, _frame):
         log.info("signal %s: stopping", signal.Signals(signum).name)
+        worker.stop_reason = f"signal {signal.Signals(signum).name}"
         worker.stop = True
 
     signal.signal(signal.SIGTERM, _stop)
