@@ -54,6 +54,13 @@ def test_front_end_imports_nothing_of_workers() -> None:
     assert violations("mindie", lambda p, m: top(m) != "workers") == []
 
 
+def test_server_and_workers_import_nothing_of_the_coordinator() -> None:
+    """No arrow back up from the server's package or the device side to the coordinator, not
+    even a lazy one (mindie-probe --coordinator finds its target through an entry point)."""
+    assert violations("mindie", lambda p, m: top(m) != "coordinator") == []
+    assert violations("workers", lambda p, m: top(m) != "coordinator") == []
+
+
 SHARED = ("mindie.contract", "mindie.runtime")
 
 
@@ -117,13 +124,19 @@ def imported_names(path: Path) -> list[tuple[int, str]]:
 
 
 # The fleet launcher (coordinator/fleet/, scripts/motor.sh: a process of its own that starts server
-# instances) also waits for them with the server's own probe client, as their health checks do.
+# instances) also waits for them with the server's own probe client, as their health checks do; the
+# coordinator's own health probe (coordinator/probe.py) is that client with the coordinator's target.
 FLEET_PROBE = "mindie.ops.probe"
+
+
+def _uses_probe(p: Path) -> bool:
+    rel = p.relative_to(ROOT).parts
+    return "fleet" in rel or rel == ("coordinator", "probe.py")
 
 
 def coordinator_violations() -> list[str]:
     def ok(p: Path, m: str) -> bool:
-        allowed = COORDINATOR_MAY_IMPORT + ((FLEET_PROBE,) if "fleet" in p.relative_to(ROOT).parts else ())
+        allowed = COORDINATOR_MAY_IMPORT + ((FLEET_PROBE,) if _uses_probe(p) else ())
         return top(m) != "mindie" or any(m == s or m.startswith(s + ".") for s in allowed)
     return [f"{p.relative_to(ROOT)}:{line}: imports {m}" for p in files("coordinator")
             for line, m in imported_names(p) if not ok(p, m)]
@@ -180,3 +193,19 @@ def test_the_coordinator_loads_no_server_stack() -> None:
         "assert not loaded, loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_mindie_probe_finds_the_coordinator_through_its_entry_point(tmp_path) -> None:
+    """``mindie-probe --coordinator`` (the installed console script) reaches the coordinator's
+    resolver through the ``mindie.probe_targets`` entry point declared in setup.cfg: a config
+    error it raises is the coordinator loader's, named by key."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    group = cfg["options.entry_points"]["mindie.probe_targets"]
+    assert "coordinator = coordinator.probe:coordinator_target" in group
+    from mindie.ops import probe
+    bad = tmp_path / "ms_coordinator.json"
+    bad.write_text('{"http_config": {"manage_port": "x"}}')
+    code, line = probe.run(["--coordinator", "--config", str(bad), "readiness"])  # the installed entry point
+    assert code == probe.USAGE and "manage_port" in line, line

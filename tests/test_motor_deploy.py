@@ -204,7 +204,8 @@ def test_coordinator_probes_are_coordinator_modes(tmp_path) -> None:
     cfg = tmp_path / "ms_coordinator.json"
     cfg.write_text(json.dumps({**json.loads(configmap()["data"]["ms_coordinator.json"]),
                                "instances": [{"id": 0, "ip": "10.0.0.1", "business_port": 1025, "mgmt_port": 1026}]}))
-    t = probe.coordinator_target(None, env={"MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH": str(cfg)})
+    from coordinator.probe import coordinator_target
+    t = coordinator_target(None, env={"MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH": str(cfg)})
     assert (t.host, t.port, t.tls) == ("127.0.0.1", 1026, None)  # 0.0.0.0 probed on loopback
 
 

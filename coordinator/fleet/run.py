@@ -118,9 +118,10 @@ class Readiness:
 
     def __init__(self, config: str, coordinator: bool):
         from mindie.ops import probe
+        from coordinator.probe import coordinator_target
         self.probe = probe
         self.coordinator = coordinator
-        self.target = probe.coordinator_target(config, env={}) if coordinator else probe.management_target(config, env={})
+        self.target = coordinator_target(config, env={}) if coordinator else probe.management_target(config, env={})
         self.ctx = None
         if self.target.tls:
             e = os.environ

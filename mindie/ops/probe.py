@@ -33,7 +33,7 @@ liveness probes of MindIE Server; its ``health_probe.md`` recommends ``/health/t
 ``--coordinator``: probe a MindIE Motor coordinator (``python -m coordinator``) instead: the
 config is its ``ms_coordinator.json`` (``--config FILE``, else
 ``$MINDIE_MS_COORDINATOR_CONFIG_FILE_PATH``, else its defaults), read by the coordinator's own
-loader; the probe connects to ``http_config.manage_ip``/``manage_port`` (HTTPS with
+loader (``coordinator/probe.py``, which runs this probe with its resolver); the probe connects to ``http_config.manage_ip``/``manage_port`` (HTTPS with
 ``tls_config.controller_server_tls_enable``, trusting its ``ca_cert``) and asks, as MindIE's
 probe.sh does for its coordinator: ``startup`` -> ``GET /v1/startup``, ``liveness`` -> ``GET
 /v1/health`` (both 200 while the process serves), ``readiness`` -> ``GET /v1/readiness`` (503 while no instance is ready, so
@@ -172,30 +172,18 @@ def management_target(config_path: Optional[str], env=os.environ) -> Target:
     return Target(connect_host(li.host), li.port, li.tls, li.host)
 
 
-class _CoordinatorTls:
-    """The manage listener's TLS as client_context() reads a plane's (its CA files, the key naming them)."""
-
-    def __init__(self, ca_cert: str):
-        self.ca_files = [ca_cert] if ca_cert else []
-        self.ca_key = "tls_config.controller_server_tls_items.ca_cert"
-
-
 def coordinator_target(config_path: Optional[str], env=os.environ) -> Target:
-    """The coordinator's manage listener, from its ms_coordinator.json read by its own loader."""
-    from mindie.config import ConfigError
-    from coordinator.config import load
+    """The coordinator's manage listener. The coordinator knows its own config: its resolver
+    (``coordinator/probe.py``) is found through the ``mindie.probe_targets`` entry point of the
+    installed package, so this module imports nothing of the coordinator (``python -m
+    coordinator.probe`` and ``health_check.sh --coordinator`` pass it in directly)."""
+    from importlib.metadata import entry_points
 
-    if config_path is None:
-        config_path = env.get(COORDINATOR_CONFIG_ENV, "").strip() or None
-    try:
-        c = load(config_path, env=env).config
-    except ConfigError as e:
-        raise ProbeFailure(USAGE, f"config error: {e}") from None
-    except OSError as e:
-        raise ProbeFailure(USAGE, f"config error: {e}") from None
-    h, t = c.http_config, c.tls_config
-    tls = _CoordinatorTls(t.controller_server_tls_items.ca_cert) if t.controller_server_tls_enable else None
-    return Target(connect_host(h.manage_ip), h.manage_port, tls, h.manage_ip)
+    found = [ep for ep in entry_points(group="mindie.probe_targets") if ep.name == "coordinator"]
+    if not found:
+        raise ProbeFailure(USAGE, "--coordinator: the coordinator package is not installed with this one; "
+                                  "run scripts/health_check.sh --coordinator or python -m coordinator.probe")
+    return found[0].load()(config_path, env=env)
 
 
 # -- TLS -------------------------------------------------------------------------------------------------
@@ -462,7 +450,9 @@ def _on_alarm(signum, frame):
     raise _Deadline()
 
 
-def run(argv=None) -> tuple[int, str]:
+def run(argv=None, coordinator_target=coordinator_target) -> tuple[int, str]:
+    """One probe: (exit status, the line to print). ``coordinator_target`` resolves ``--coordinator``'s
+    target from its config (``coordinator/probe.py`` passes its own)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.mode == "stop":
         budget = args.wait
@@ -498,9 +488,9 @@ def run(argv=None) -> tuple[int, str]:
         signal.signal(signal.SIGALRM, old)
 
 
-def main(argv=None) -> int:
+def main(argv=None, **run_kw) -> int:
     try:
-        code, line = run(argv)
+        code, line = run(argv, **run_kw)
     except _Deadline:  # the timer fired between the end of run() and its reset
         code, line = TIMEOUT, "timeout"
     print(line, file=sys.stdout if code == OK else sys.stderr, flush=True)
