@@ -57,11 +57,13 @@ reqlog = logging.getLogger("mindie.coordinator.request")
 # (method, path pattern, streams by path). GET routes are answered by any ready instance.
 ROUTES = [
     ("POST", re.compile(r"/infer|/infer_token|/v1/tokenizer|/generate|/v1/completions|/v1/chat/completions|/"
-                        r"|/v2/models/[^/]+/(infer|generate)"), False),
+                        r"|/v2/models/[^/]+/(infer|generate)|/api/(chat|generate|show|embed)"), False),
     ("POST", re.compile(r"/generate_stream|/v2/models/[^/]+/generate_stream"), True),
     ("POST", re.compile(r"/v2/models/[^/]+/stopInfer"), False),
-    ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info"), False),
+    ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info|/api/(tags|ps|version)"), False),
 ]
+# POST routes that generate nothing: any ready instance answers them, in PD too (no handoff).
+NOT_GENERATION = frozenset({"/v1/tokenizer", "/api/show", "/api/embed"})
 # Not relayed either way: hop-by-hop fields, and those this hop writes itself (uvicorn adds date;
 # a second date from the instance would make the singleton field appear twice).
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -242,7 +244,7 @@ class Relay:
         except (ValueError, UnicodeDecodeError):
             parsed = None  # the instance answers the malformed body in its own words
         fam = families.family(path, parsed)
-        stream = by_path or (isinstance(parsed, dict) and parsed.get("stream") is True)
+        stream = by_path or families.streams(path, parsed)
         work = asyncio.ensure_future(self._route(scope, send, rec, body, parsed, fam, stream, t0))
         gone = asyncio.ensure_future(self._disconnect(receive))
         self.active[work] = rec
@@ -302,7 +304,7 @@ class Relay:
         limit = e.tokenizer_timeout if scope["path"] == "/v1/tokenizer" else e.infer_timeout
         deadline = t0 + limit if limit else None
         # pd_separate: generation goes prefill -> decode; the tokenizer and GET routes go to any instance
-        handoff = router.pd and scope["method"] == "POST" and scope["path"] != "/v1/tokenizer"
+        handoff = router.pd and scope["method"] == "POST" and scope["path"] not in NOT_GENERATION
         while True:
             p_inst = None
             if handoff:

@@ -526,3 +526,35 @@ def test_schedule_timeout_waits_for_room(fleet):
         held[1].release()
     finally:
         coord.stop()
+
+
+def _ndjson(r: httpx.Response) -> list:
+    """An Ollama answer's objects without what differs between two runs (times, durations)."""
+    volatile = {"created_at", "total_duration", "load_duration", "prompt_eval_duration", "eval_duration"}
+    return [{k: v for k, v in json.loads(ln).items() if k not in volatile} for ln in r.text.splitlines() if ln]
+
+
+def test_ollama_through_the_coordinator(fleet):
+    """Ollama's routes relayed (mindie/contract/families.py OLLAMA): the chat stream (Ollama's
+    default, no "stream" key) line by line and the whole answers as the instance gives them, the
+    model routes, and an error in Ollama's shape."""
+    _, servers, coord = fleet
+    name = httpx.get(servers[0].url + "/api/tags", timeout=10).json()["models"][0]["name"]
+    via_tags = httpx.get(coord.url + "/api/tags", timeout=10)
+    assert via_tags.status_code == 200 and via_tags.json()["models"][0]["name"] == name
+    chat = {"model": name, "messages": [{"role": "user", "content": PROMPT}], "options": {"temperature": 0,
+                                                                                          "num_predict": 8}}
+    for path, body in (("/api/chat", chat), ("/api/chat", {**chat, "stream": False}),
+                       ("/api/generate", {"model": name, "prompt": PROMPT, "raw": True, "stream": False,
+                                          "options": {"temperature": 0, "num_predict": 8}})):
+        direct = httpx.post(servers[0].url + path, json=body, timeout=60)
+        via = httpx.post(coord.url + path, json=body, timeout=60)
+        assert via.status_code == direct.status_code == 200 and _ndjson(via) == _ndjson(direct), via.text[:300]
+        assert via.headers["content-type"] == direct.headers["content-type"]
+    assert len(_ndjson(via)) == 1 and _ndjson(via)[0]["eval_count"] == 8
+    lines = _ndjson(httpx.post(coord.url + "/api/chat", json=chat, timeout=60))
+    assert len(lines) > 2 and lines[-1]["done"] is True and lines[-1]["eval_count"] == 8
+    r = httpx.post(coord.url + "/api/chat", json={**chat, "model": "nope"}, timeout=30)
+    assert r.status_code == 404 and r.json() == {"error": "model 'nope' not found"}
+    r = httpx.post(coord.url + "/api/show", json={"model": name}, timeout=30)
+    assert r.status_code == 200 and r.json()["details"]["family"] == "llama"

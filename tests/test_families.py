@@ -38,8 +38,20 @@ def test_one_generate_rule(body, family):
 def test_families_of_paths():
     assert [F.family(p, None) for p in ("/infer", "/infer_token", "/v1/completions", "/v1/chat/completions",
                                         "/generate", "/generate_stream", "/", "/v2/models/m/generate_stream",
-                                        "/v1/tokenizer")] == \
-        [F.NATIVE, F.NATIVE, F.OPENAI, F.OPENAI, F.TGI, F.TGI, F.TGI, F.TRITON, F.OTHER]
+                                        "/v1/tokenizer", "/api/chat", "/api/tags")] == \
+        [F.NATIVE, F.NATIVE, F.OPENAI, F.OPENAI, F.TGI, F.TGI, F.TGI, F.TRITON, F.OTHER, F.OLLAMA, F.OLLAMA]
+
+
+def test_ollama_streams_unless_told_not_to():
+    """Ollama's chat and generate stream by default; every other family streams when asked."""
+    assert F.streams("/api/chat", {}) and F.streams("/api/generate", {"stream": None})
+    assert not F.streams("/api/chat", {"stream": False}) and not F.streams("/api/show", {})
+    assert F.streams("/v1/chat/completions", {"stream": True}) and not F.streams("/v1/chat/completions", {})
+    assert not F.streams("/api/chat", None)
+    err = ApiError(404, "model 'x' not found")
+    assert F.error_answer(F.OLLAMA, err) == (404, b'{"error":"model \'x\' not found"}')
+    assert F.stream_error(F.OLLAMA, err) == b'{"error":"model \'x\' not found"}\n'
+    assert F.terminator(F.OLLAMA) == b""
 
 
 def test_error_bytes_per_family():

@@ -5,15 +5,19 @@ used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the c
 - ``family(path, body)``: the family of a request: MindIE's native ``/infer`` and
   ``/infer_token``; OpenAI's ``/v1/*completions``; vLLM's or TGI's ``/generate``, told apart by
   the body (``is_vllm_generate``: MindIE's rule); TGI's ``/generate_stream`` and ``/``; Triton's
-  ``/v2/models/...``; anything else ``OTHER`` (MindIE's shape).
+  ``/v2/models/...``; Ollama's ``/api/...``; anything else ``OTHER`` (MindIE's shape).
+- ``streams(path, body)``: whether the body asks for a stream (its ``stream`` true; Ollama's chat
+  and generate stream unless it is false).
 - ``error_answer(fam, err)``: (status, body) of an error answered before the answer started:
   MindIE's ``{"error", "error_type"}`` (mindie/contract/http_error.py), OpenAI's
-  ``{"error": {"message", "type", "param", "code"}}`` (vLLM's types, ``code`` = the status).
+  ``{"error": {"message", "type", "param", "code"}}`` (vLLM's types, ``code`` = the status);
+  Ollama's ``{"error": "..."}``.
 - ``stream_error(fam, err)``: the bytes that end a stream that failed after it started: the
   family's error frame, then its terminator (``terminator``: OpenAI's ``data: [DONE]``, none
   for the others). Native: ``data: {"error", "error_type"}`` (a deadline: MindIE's raw text);
   OpenAI: ``data: {"error": {...}}``; vLLM's ``/generate`` (not SSE): the MindIE body and a NUL;
-  TGI, Triton and the rest: ``data:{"error", "error_type"}`` (no space, as MindIE).
+  Ollama (NDJSON, not SSE): the line ``{"error": "..."}``; TGI, Triton and the rest:
+  ``data:{"error", "error_type"}`` (no space, as MindIE).
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import msgspec
 from mindie.contract.http_error import ApiError
 from mindie.contract.sse_framing import DONE, event, json_event
 
-NATIVE, OPENAI, VLLM, TGI, TRITON, OTHER = "native", "openai", "vllm", "tgi", "triton", "other"
+NATIVE, OPENAI, VLLM, TGI, TRITON, OLLAMA, OTHER = "native", "openai", "vllm", "tgi", "triton", "ollama", "other"
+OLLAMA_GENERATION = frozenset({"/api/chat", "/api/generate"})  # stream unless the body says "stream": false
 
 # vLLM's error types of OpenAI's error object, by HTTP status.
 OPENAI_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
@@ -53,7 +58,19 @@ def family(path: str, body: Any) -> str:
         return TGI
     if path.startswith("/v2/models/"):
         return TRITON
+    if path.startswith("/api/"):
+        return OLLAMA
     return OTHER
+
+
+def streams(path: str, body: Any) -> bool:
+    """Whether a request's body asks for a stream (``body``: its decoded JSON, None when unknown;
+    the routes that stream by their path, TGI's and Triton's ``generate_stream``, always do)."""
+    if not isinstance(body, dict):
+        return False
+    if path in OLLAMA_GENERATION:
+        return body.get("stream") is not False
+    return body.get("stream") is True
 
 
 def openai_error(err: ApiError) -> dict:
@@ -66,6 +83,8 @@ def error_answer(fam: str, err: ApiError) -> tuple[int, bytes]:
     """(status, body) of an error answer before anything was sent."""
     if fam == OPENAI:
         return err.status, _encode(openai_error(err))
+    if fam == OLLAMA:
+        return err.status, _encode({"error": err.message})
     return err.status, err.body()
 
 
@@ -84,4 +103,6 @@ def stream_error(fam: str, err: ApiError) -> bytes:
         return json_event(openai_error(err)) + terminator(fam)
     if fam == VLLM:
         return err.body() + b"\0"
+    if fam == OLLAMA:
+        return _encode({"error": err.message}) + b"\n"
     return event(err.body(), space=False)

@@ -16,6 +16,8 @@ from mindie.api.generate import GenerateResource
 from mindie.api.infer import InferResource
 from mindie.api.lora import LoadLoraResource, UnloadLoraResource
 from mindie.api.metrics import MetricsJsonResource, MetricsResource
+from mindie.api.ollama import ollama_routes
+from mindie.api.ollama_models import RootResource, ollama_model_routes
 from mindie.api.openai import openai_routes
 from mindie.api.status import StatusRoutes
 from mindie.api.tgi import TgiResource
@@ -84,6 +86,8 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     generate, tgi = GenerateResource(pipeline, fe.model_name), TgiResource(pipeline, fe.model_name)
     triton = TritonResource(pipeline, fe.model_name, full_text=fe.full_text)
     completions, chat = openai_routes(fe, pipeline)
+    ollama_chat, ollama_generate = ollama_routes(pipeline, completions.codec, chat.codec)  # mindie/api/ollama.py
+    ollama = ollama_model_routes(fe, chat.codec, pipeline.adapters)
     status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine,
                           roles=fe.roles)
     health = Health(fe.client, fe.state, fe.admission)
@@ -102,11 +106,16 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
              StopInferResource(fe.client, fe.model_name, server.max_request_length), None),
             # TGI / vLLM (mindie/api/generate.py tells their /generate bodies apart), Triton; TGI clients
             # read /info here too.
-            ("/generate", generate, None), ("/generate_stream", tgi, "stream"), ("/", tgi, "compat"),
+            ("/generate", generate, None), ("/generate_stream", tgi, "stream"),
+            ("/", RootResource(tgi), None),  # POST: TGI's compat route; GET, HEAD: Ollama's "is running"
             ("/info", status, "info"),
             ("/v2/models/{model}/infer", triton, "infer"), ("/v2/models/{model}/generate", triton, "generate"),
             ("/v2/models/{model}/generate_stream", triton, "generate_stream"),
             ("/v1/completions", completions, None), ("/v1/chat/completions", chat, None),  # mindie/api/openai.py
+            # Ollama (mindie/api/ollama.py, ollama_models.py): generation on the OpenAI codecs, model routes.
+            ("/api/chat", ollama_chat, None), ("/api/generate", ollama_generate, None),
+            ("/api/tags", ollama, "tags"), ("/api/ps", ollama, "ps"), ("/api/version", ollama, "version"),
+            ("/api/show", ollama, "show"), ("/api/embed", ollama, "embed"),
         ],
         "management": [
             ("/health", healthz, None), ("/v2/models/{model}/ready", healthz, "model"),
