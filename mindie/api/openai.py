@@ -388,7 +388,13 @@ class ChatCompletionsCodec(_OpenAICodec):
         return tok.encode(text, add_special_tokens=False).ids
 
     def parse(self, body: bytes, ctx: Context) -> Job:
-        r = S.decode_chat(body)
+        job = self.job_of(S.decode_chat(body))
+        job.ignored = S.ignored(body, chat=True)
+        return job
+
+    def job_of(self, r: S.ChatCompletionRequest) -> Job:
+        """The job of a decoded chat request (also what other families that render a chat
+        conversation build theirs from: mindie/api/anthropic.py)."""
         adapter = self._check_model(r.model)
         checks: list = []  # compiles not seen before, run off the event loop (pipeline Job.checks)
         treq = self.tools.request(r.tools, r.tool_choice, r.parallel_tool_calls, checks)
@@ -423,7 +429,6 @@ class ChatCompletionsCodec(_OpenAICodec):
         job = self._job(req, params, r.seed, r.n or 1, S.stops(r.stop), r.include_stop_str_in_output)
         for sub in job.subs:
             sub.budget = budget
-        job.ignored = S.ignored(body, chat=True)
         job.checks = checks
         return job
 

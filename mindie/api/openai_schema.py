@@ -154,7 +154,7 @@ _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes):
+def decode_body(decoder: msgspec.json.Decoder, body: bytes):
     if not body.strip():
         raise bad_request("The request body is empty: a JSON object is expected.")
     if too_deep(body):  # before any recursive decode (docs/reliability.md "Hostile input")
@@ -175,7 +175,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
-    req = _decode(_completion_decoder, body)
+    req = decode_body(_completion_decoder, body)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of is not supported (it must be absent or equal to n).", "best_of")
     if req.suffix:
@@ -184,7 +184,7 @@ def decode_completion(body: bytes) -> CompletionRequest:
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
-    req = _decode(_chat_decoder, body)
+    req = decode_body(_chat_decoder, body)
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     for i, m in enumerate(req.messages):

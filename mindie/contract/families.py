@@ -5,18 +5,25 @@ used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the c
 - ``family(path, body)``: the family of a request: MindIE's native ``/infer`` and
   ``/infer_token``; OpenAI's ``/v1/*completions``; vLLM's or TGI's ``/generate``, told apart by
   the body (``is_vllm_generate``: MindIE's rule); TGI's ``/generate_stream`` and ``/``; Triton's
-  ``/v2/models/...``; Ollama's ``/api/...``; anything else ``OTHER`` (MindIE's shape).
+  ``/v2/models/...``; Ollama's ``/api/...``; Anthropic's ``/v1/messages`` (and paths under it);
+  anything else ``OTHER`` (MindIE's shape).
 - ``streams(path, body)``: whether the body asks for a stream (its ``stream`` true; Ollama's chat
   and generate stream unless it is false).
+- ``unrouted(path)``: the family whose shape answers a path no route serves (404): Anthropic's
+  under ``/v1/messages``, Ollama's under ``/api/``, OpenAI's for any other ``/v1/...`` (what
+  OpenAI clients read), else MindIE's.
 - ``error_answer(fam, err)``: (status, body) of an error answered before the answer started:
   MindIE's ``{"error", "error_type"}`` (mindie/contract/http_error.py), OpenAI's
-  ``{"error": {"message", "type", "param", "code"}}`` (vLLM's types, ``code`` = the status);
+  ``{"error": {"message", "type", "param", "code"}}`` (vLLM's types, ``code`` = the status),
+  Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (its types by status: a 503
+  keeps its status, which the coordinator retries on, with Anthropic's ``overloaded_error``);
   Ollama's ``{"error": "..."}``.
 - ``stream_error(fam, err)``: the bytes that end a stream that failed after it started: the
   family's error frame, then its terminator (``terminator``: OpenAI's ``data: [DONE]``, none
   for the others). Native: ``data: {"error", "error_type"}`` (a deadline: MindIE's raw text);
-  OpenAI: ``data: {"error": {...}}``; vLLM's ``/generate`` (not SSE): the MindIE body and a NUL;
-  Ollama (NDJSON, not SSE): the line ``{"error": "..."}``; TGI, Triton and the rest:
+  OpenAI: ``data: {"error": {...}}``; Anthropic: ``event: error`` with its error object; vLLM's
+  ``/generate`` (not SSE): the MindIE body and a NUL; Ollama (NDJSON, not SSE): the line
+  ``{"error": "..."}``; TGI, Triton and the rest:
   ``data:{"error", "error_type"}`` (no space, as MindIE).
 """
 from __future__ import annotations
@@ -26,14 +33,19 @@ from typing import Any
 import msgspec
 
 from mindie.contract.http_error import ApiError
-from mindie.contract.sse_framing import DONE, event, json_event
+from mindie.contract.sse_framing import DONE, event, json_event, named_event
 
-NATIVE, OPENAI, VLLM, TGI, TRITON, OLLAMA, OTHER = "native", "openai", "vllm", "tgi", "triton", "ollama", "other"
+NATIVE, OPENAI, VLLM, TGI, TRITON, OLLAMA, ANTHROPIC, OTHER = (
+    "native", "openai", "vllm", "tgi", "triton", "ollama", "anthropic", "other")
 OLLAMA_GENERATION = frozenset({"/api/chat", "/api/generate"})  # stream unless the body says "stream": false
 
 # vLLM's error types of OpenAI's error object, by HTTP status.
 OPENAI_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
                       500: "InternalServerError", 503: "ServiceUnavailableError"}
+# Anthropic's error types, by HTTP status (its 529 "overloaded" is our 503).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 _encode = msgspec.json.encode
 
@@ -50,6 +62,8 @@ def family(path: str, body: Any) -> str:
     """The API family of a predict-port request (``body``: its decoded JSON, None when unknown)."""
     if path in ("/infer", "/infer_token"):
         return NATIVE
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
     if path.startswith("/v1/") and path.endswith("completions"):
         return OPENAI
     if path == "/generate":
@@ -73,6 +87,20 @@ def streams(path: str, body: Any) -> bool:
     return body.get("stream") is True
 
 
+def unrouted(path: str) -> str:
+    """The family whose shape answers ``path`` when no route serves it."""
+    fam = family(path, None)
+    if fam in (ANTHROPIC, OLLAMA):
+        return fam
+    return OPENAI if path.startswith("/v1/") else OTHER
+
+
+def anthropic_error(err: ApiError) -> dict:
+    """Anthropic's error object."""
+    etype = ANTHROPIC_ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": etype, "message": err.message}}
+
+
 def openai_error(err: ApiError) -> dict:
     """OpenAI's error object (vLLM's types; ``code`` = the HTTP status)."""
     etype = OPENAI_ERROR_TYPES.get(err.status, "InternalServerError" if err.status >= 500 else "BadRequestError")
@@ -85,6 +113,8 @@ def error_answer(fam: str, err: ApiError) -> tuple[int, bytes]:
         return err.status, _encode(openai_error(err))
     if fam == OLLAMA:
         return err.status, _encode({"error": err.message})
+    if fam == ANTHROPIC:
+        return err.status, _encode(anthropic_error(err))
     return err.status, err.body()
 
 
@@ -101,6 +131,8 @@ def stream_error(fam: str, err: ApiError) -> bytes:
         return event(err.body())
     if fam == OPENAI:
         return json_event(openai_error(err)) + terminator(fam)
+    if fam == ANTHROPIC:
+        return named_event("error", anthropic_error(err))
     if fam == VLLM:
         return err.body() + b"\0"
     if fam == OLLAMA:

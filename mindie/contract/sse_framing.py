@@ -4,7 +4,7 @@ when it ends a stream itself (mindie/contract/families.py). Pure bytes: no web f
 
 An event is ``data: <data>\\n\\n`` (MindIE's native routes, OpenAI) or ``data:<data>\\n\\n``
 (MindIE's TGI and Triton routes: no space, as MindIE writes them); ``DONE`` is OpenAI's stream
-terminator.
+terminator. Anthropic's events are named: ``event: <name>\\ndata: <json>\\n\\n`` (``named_event``).
 """
 from __future__ import annotations
 
@@ -25,3 +25,8 @@ def event(data: bytes, space: bool = True) -> bytes:
 def json_event(obj: Any, space: bool = True) -> bytes:
     """One SSE event of ``obj`` as compact JSON (msgspec keeps Struct field and dict key order)."""
     return event(_enc.encode(obj), space)
+
+
+def named_event(name: str, obj: Any) -> bytes:
+    """One named SSE event of ``obj`` as compact JSON: ``event: <name>\\ndata: <json>\\n\\n``."""
+    return b"event: " + name.encode() + b"\ndata: " + _enc.encode(obj) + b"\n\n"

@@ -10,6 +10,7 @@ import os
 import falcon
 import falcon.asgi
 
+from mindie.api.anthropic import anthropic_routes
 from mindie.api.control import StopInferResource, StopServiceResource
 from mindie.api.health import Health, HealthResource, LiveResource, ModelsResource, TimedHealthResource
 from mindie.api.generate import GenerateResource
@@ -23,6 +24,7 @@ from mindie.api.status import StatusRoutes
 from mindie.api.tgi import TgiResource
 from mindie.api.tokenizer import TokenizerResource
 from mindie.api.triton import TritonResource
+from mindie.contract import families
 from mindie.contract.errors import error_type
 from mindie.runtime.gc_freeze import freeze_heap
 from mindie.contract.http_error import ApiError
@@ -38,10 +40,15 @@ log = logging.getLogger("mindie.app")
 
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     """Every Falcon error (404, 405, ...) in MindIE's {"error", "error_type"} shape, whatever
-    the Accept header says (Falcon's default would send an empty body to an SSE client)."""
+    the Accept header says (Falcon's default would send an empty body to an SSE client); a path
+    no route serves under ``/v1/`` in OpenAI's shape (Anthropic's under ``/v1/messages``), which
+    those clients read (mindie/contract/families.py ``unrouted``)."""
     status = exc.status_code
     name = error_type(status)
     resp.content_type = falcon.MEDIA_JSON
+    if isinstance(exc, falcon.HTTPRouteNotFound) and (fam := families.unrouted(req.path)) != families.OTHER:
+        _, resp.data = families.error_answer(fam, ApiError(404, f"Invalid URL ({req.method} {req.path})"))
+        return
     resp.data = ApiError(status, exc.description or exc.title or "Error",
                          name if name != "Error" else exc.title or "Error").body()
 
@@ -88,6 +95,7 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     completions, chat = openai_routes(fe, pipeline)
     ollama_chat, ollama_generate = ollama_routes(pipeline, completions.codec, chat.codec)  # mindie/api/ollama.py
     ollama = ollama_model_routes(fe, chat.codec, pipeline.adapters)
+    messages, count_tokens = anthropic_routes(pipeline, chat.codec, fe.limits.max_request_length_mb)
     status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine,
                           roles=fe.roles)
     health = Health(fe.client, fe.state, fe.admission)
@@ -116,6 +124,7 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/api/chat", ollama_chat, None), ("/api/generate", ollama_generate, None),
             ("/api/tags", ollama, "tags"), ("/api/ps", ollama, "ps"), ("/api/version", ollama, "version"),
             ("/api/show", ollama, "show"), ("/api/embed", ollama, "embed"),
+            ("/v1/messages", messages, None), ("/v1/messages/count_tokens", count_tokens, None),  # .../anthropic.py
         ],
         "management": [
             ("/health", healthz, None), ("/v2/models/{model}/ready", healthz, "model"),
