@@ -57,13 +57,13 @@ reqlog = logging.getLogger("mindie.coordinator.request")
 # (method, path pattern, streams by path). GET routes are answered by any ready instance.
 ROUTES = [
     ("POST", re.compile(r"/infer|/infer_token|/v1/tokenizer|/generate|/v1/completions|/v1/chat/completions|/"
-                        r"|/v2/models/[^/]+/(infer|generate)|/api/(chat|generate|show|embed)"), False),
+                        r"|/v1/messages|/v1/messages/count_tokens|/v2/models/[^/]+/(infer|generate)|/api/(chat|generate|show|embed)"), False),
     ("POST", re.compile(r"/generate_stream|/v2/models/[^/]+/generate_stream"), True),
     ("POST", re.compile(r"/v2/models/[^/]+/stopInfer"), False),
     ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info|/api/(tags|ps|version)"), False),
 ]
 # POST routes that generate nothing: any ready instance answers them, in PD too (no handoff).
-NOT_GENERATION = frozenset({"/v1/tokenizer", "/api/show", "/api/embed"})
+NOT_GENERATION = frozenset({"/v1/tokenizer", "/api/show", "/api/embed", "/v1/messages/count_tokens"})
 # Not relayed either way: hop-by-hop fields, and those this hop writes itself (uvicorn adds date;
 # a second date from the instance would make the singleton field appear twice).
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -136,7 +136,9 @@ class Relay:
                 other = any(pat.fullmatch(path) for _, pat, _ in ROUTES)
                 err = ApiError(405, f"{method} is not allowed on {path}", "Method Not Allowed") if other \
                     else ApiError(404, f"{path} is not a route of this coordinator", "NotFoundError")
-                return await self._answer(send, rec, families.OTHER, err, "refused")
+                # an unknown /v1/... path in OpenAI's shape (Anthropic's under /v1/messages), as the server
+                return await self._answer(send, rec, families.OTHER if other else families.unrouted(path), err,
+                                          "refused")
             fam = families.family(path, None)  # refusals in the shape of the route's family
             if self.coord.stopping:
                 return await self._answer(send, rec, fam, ApiError(503, "The service has been stopped.",

@@ -82,6 +82,12 @@ CASES = [
     ("/v2/models/demo/generate", {"id": "g1", "text_input": PROMPT, "parameters": {"max_new_tokens": 6}}),
     ("/v2/models/demo/generate_stream", {"id": "s1", "text_input": PROMPT, "parameters": {"max_new_tokens": 6}}),
     ("/v1/tokenizer", {"inputs": PROMPT}),
+    ("/v1/messages", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                      "temperature": 0}),
+    ("/v1/messages", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                      "temperature": 0, "stream": True}),
+    ("/v1/messages/count_tokens", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}]}),
+    ("/v1/messages", {"model": "nope", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}),
     ("/infer", {"inputs": PROMPT, "parameters": {"top_p": 1.5}}),  # an instance's 422, passed through
 ]
 
@@ -107,8 +113,46 @@ def test_get_routes_and_unknown_route(fleet):
         assert normal(r) == normal(httpx.get(servers[0].url + path, timeout=10)), path
     r = httpx.post(coord.url + "/no/such/route", json={}, timeout=10)
     assert r.status_code == 404 and r.json()["error_type"] == "NotFoundError"
+    # an unknown /v1/... path in OpenAI's shape (what OpenAI clients read), as the server answers it
+    r = httpx.post(coord.url + "/v1/no/such/route", json={}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError" and r.json()["error"]["code"] == 404
     r = httpx.get(coord.url + "/infer", timeout=10)
     assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
+
+
+def test_anthropic_messages_through_the_coordinator(fleet):
+    """Item 6 of issue 54: the anthropic package against the coordinator gets what the instance
+    gives, its errors in Anthropic's shape (an instance's 404 relayed; the coordinator's own
+    refusals of the family in that shape too), and a conversation's turns stay on one instance
+    under cache_affinity, as chat conversations do."""
+    anthropic = pytest.importorskip("anthropic")
+    tmp, servers, _ = fleet
+    coord = Coordinator(tmp, servers, name="anthropic", config={
+        "digs_scheduler_config": {"algorithm_type": "cache_affinity", "affinityBlockTokens": 16}})
+    try:
+        coord.wait_ready()
+        via, direct = (anthropic.Anthropic(base_url=u, api_key="none", max_retries=0, timeout=60)
+                       for u in (coord.url, servers[0].url))
+        msgs = [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]
+        kw = dict(model="demo", max_tokens=6, system="Be brief.", extra_body={"temperature": 0})
+        where = []
+        for turn in range(3):
+            a = via.messages.create(messages=msgs, **kw)
+            assert a.content == direct.messages.create(messages=msgs, **kw).content
+            with via.messages.stream(messages=msgs, **kw) as st:
+                assert "".join(st.text_stream) == "".join(b.text for b in a.content)
+            coord.wait_request_lines(2 * turn + 2, 10)
+            where += _instance_of_last(coord, 2)
+            msgs += [{"role": "assistant", "content": a.content[0].text if a.content else "."},
+                     {"role": "user", "content": f"turn {turn}"}]
+        assert len(set(where)) == 1, where  # every turn of the conversation on the instance that has it
+        assert via.messages.count_tokens(model="demo", messages=msgs).input_tokens == \
+            direct.messages.count_tokens(model="demo", messages=msgs).input_tokens
+        with pytest.raises(anthropic.NotFoundError) as e:
+            via.messages.create(model="claude-nope", max_tokens=4, messages=msgs)
+        assert e.value.body["error"]["type"] == "not_found_error"
+    finally:
+        coord.stop()
 
 
 def test_streams_are_relayed_frame_by_frame(fleet):

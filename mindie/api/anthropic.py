@@ -33,7 +33,7 @@ import falcon.asgi
 import msgspec
 
 from mindie.api import anthropic_schema as A
-from mindie.api.openai import ChatCompletionsCodec, OpenAIRequest
+from mindie.api.openai import ChatCompletionsCodec, OpenAIRequest, OpenAIResource
 from mindie.contract import families
 from mindie.contract.http_error import ApiError
 from mindie.contract.sse_framing import named_event
@@ -184,17 +184,6 @@ class _Blocks:
         self.key = None
 
 
-class MessagesResource:
-    """``POST /v1/messages``."""
-
-    def __init__(self, pipeline: Pipeline, codec: MessagesCodec):
-        self.pipeline = pipeline
-        self.codec = codec
-
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        await self.pipeline.serve(req, resp, self.codec)
-
-
 class CountTokensResource:
     """``POST /v1/messages/count_tokens``: the prompt's length, nothing generated (no admission slot,
     no metrics: it is not an inference)."""
@@ -216,7 +205,8 @@ class CountTokensResource:
 
 
 def anthropic_routes(pipeline: Pipeline, chat: ChatCompletionsCodec,
-                     max_mb: int) -> tuple[MessagesResource, CountTokensResource]:
-    """The two resources of a front end, on its chat codec (mindie/api/openai.py ``openai_routes``)."""
+                     max_mb: int) -> tuple[OpenAIResource, CountTokensResource]:
+    """The two resources of a front end, on its chat codec (mindie/api/openai.py ``openai_routes``):
+    /v1/messages is served by the pipeline as the OpenAI routes are."""
     codec = MessagesCodec(chat)
-    return MessagesResource(pipeline, codec), CountTokensResource(codec, max_mb)
+    return OpenAIResource(pipeline, codec), CountTokensResource(codec, max_mb)

@@ -563,9 +563,10 @@ class ChatCompletionsCodec(_OpenAICodec):
 
 
 class OpenAIResource:
-    """One OpenAI route (``/v1/completions`` or ``/v1/chat/completions``)."""
+    """One route the pipeline serves with a codec (``/v1/completions``, ``/v1/chat/completions``;
+    Anthropic's ``/v1/messages``, mindie/api/anthropic.py)."""
 
-    def __init__(self, pipeline: Pipeline, codec: _OpenAICodec):
+    def __init__(self, pipeline: Pipeline, codec: Codec):
         self.pipeline = pipeline
         self.codec = codec
 

@@ -124,7 +124,8 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/api/chat", ollama_chat, None), ("/api/generate", ollama_generate, None),
             ("/api/tags", ollama, "tags"), ("/api/ps", ollama, "ps"), ("/api/version", ollama, "version"),
             ("/api/show", ollama, "show"), ("/api/embed", ollama, "embed"),
-            ("/v1/messages", messages, None), ("/v1/messages/count_tokens", count_tokens, None),  # .../anthropic.py
+            ("/v1/messages", messages, None),  # mindie/api/anthropic.py
+            ("/v1/messages/count_tokens", count_tokens, None),
         ],
         "management": [
             ("/health", healthz, None), ("/v2/models/{model}/ready", healthz, "model"),
