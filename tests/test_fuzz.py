@@ -69,11 +69,12 @@ ROUTES = ["/infer", "/infer_token", "/health", "/v2/health/live", "/v2/health/re
           "/v1/config", "/v1/status", "/v2/status", "/v2/models/{model}/getSlotCount", "/metrics-json",
           "/generate", "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
           "/v2/models/{model}/generate_stream", "/v1/completions", "/v1/chat/completions",
-          "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/messages", "/v1/messages/count_tokens"]
 POST_ROUTES = {"/infer", "/infer_token", "/v1/tokenizer", "/v2/models/{model}/stopInfer", "/generate",
                "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
                "/v2/models/{model}/generate_stream",
-               "/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+               "/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+               "/v1/messages", "/v1/messages/count_tokens"}
 # Registered but not fuzzed: it stops the server (tests/test_management.py drives it).
 # /stopService stops the server; the role routes would turn it into a prefill or decode instance
 # that refuses plain requests (tests/test_pd.py covers them).
@@ -441,15 +442,24 @@ OPENAI_PATHS = (b"/v1/completions", b"/v1/chat/completions")
 
 def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False, path: bytes = b"") -> None:
     """A documented status; JSON or SSE bodies that parse; errors in MindIE's shape (OpenAI's
-    {"error": {"message", "type", "param", "code"}} on the OpenAI routes)."""
+    {"error": {"message", "type", "param", "code"}} on the OpenAI routes and for a path under /v1/
+    that no route serves; Anthropic's {"type": "error", "error": {"type", "message"}} under
+    /v1/messages)."""
     assert r.status in allowed, r  # 503 is not: the worker is alive throughout
     ctype = r.headers.get(b"content-type", b"")
+    bare = path.split(b"?")[0]
+    anthropic = bare == b"/v1/messages" or bare.startswith(b"/v1/messages/")
     if 200 <= r.status < 300:
         if ctype.startswith(b"application/json") and r.body:
             json.loads(r.body)
         elif ctype.startswith(b"text/event-stream"):  # SSE frames, or MindIE's raw timeout text last
             for frame in r.body.split(b"\n\n")[:-1]:
-                if frame == b"data: [DONE]" and path.split(b"?")[0] in OPENAI_PATHS:
+                if frame == b"data: [DONE]" and bare in OPENAI_PATHS:
+                    continue
+                if anthropic:  # named events
+                    name, data = frame.split(b"\n")
+                    assert name.startswith(b"event: ") and data.startswith(b"data: {"), r
+                    json.loads(data[6:])
                     continue
                 assert frame.startswith(b"data: {") or frame.startswith(b"Engine callback timeout: "), r
                 json.loads(frame[6:]) if frame.startswith(b"data: ") else None
@@ -461,7 +471,13 @@ def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False, path: byt
     except ValueError:
         raise AssertionError(f"error body is not JSON: {r}") from None
     assert ctype.startswith(b"application/json"), r
-    if path.split(b"?")[0] in OPENAI_PATHS and isinstance(err, dict) and isinstance(err.get("error"), dict):
+    unrouted_v1 = r.status == 404 and bare.startswith(b"/v1/")
+    if anthropic and isinstance(err, dict) and err.get("type") == "error":
+        e = err["error"]
+        assert list(err) == ["type", "error"] and list(e) == ["type", "message"], r
+        assert isinstance(e["type"], str) and isinstance(e["message"], str), r
+        message = e["message"]
+    elif (bare in OPENAI_PATHS or unrouted_v1) and isinstance(err, dict) and isinstance(err.get("error"), dict):
         e = err["error"]
         assert list(err) == ["error"] and list(e) == ["message", "type", "param", "code"], r
         assert isinstance(e["message"], str) and isinstance(e["type"], str) and e["code"] == r.status, r
