@@ -40,6 +40,12 @@ def test_families_of_paths():
                                         "/generate", "/generate_stream", "/", "/v2/models/m/generate_stream",
                                         "/v1/tokenizer", "/api/chat", "/api/tags")] == \
         [F.NATIVE, F.NATIVE, F.OPENAI, F.OPENAI, F.TGI, F.TGI, F.TGI, F.TRITON, F.OTHER, F.OLLAMA, F.OLLAMA]
+    assert [F.family(p, None) for p in ("/v1/messages", "/v1/messages/count_tokens", "/v1/messagesx")] == \
+        [F.ANTHROPIC, F.ANTHROPIC, F.OTHER]
+    # a path no route serves: Anthropic's shape under /v1/messages, Ollama's under /api/, OpenAI's under /v1/,
+    # else MindIE's
+    assert [F.unrouted(p) for p in ("/v1/messages/batches", "/v1/nope", "/v1", "/nope", "/api/pull")] == \
+        [F.ANTHROPIC, F.OPENAI, F.OTHER, F.OTHER, F.OLLAMA]
 
 
 def test_ollama_streams_unless_told_not_to():
@@ -69,6 +75,13 @@ def test_error_bytes_per_family():
     assert F.stream_error(F.NATIVE, ApiError(500, "Engine callback timeout", timeout=True)) == \
         b"Engine callback timeout"
     assert F.terminator(F.OPENAI) == b"data: [DONE]\n\n" and F.terminator(F.TGI) == b""
+    anthropic = '{"type":"error","error":{"type":"api_error","message":"worker lost \u2014 \\"x\\""}}'.encode()
+    assert F.error_answer(F.ANTHROPIC, err) == (500, anthropic)
+    assert F.stream_error(F.ANTHROPIC, err) == b"event: error\ndata: " + anthropic + b"\n\n"
+    assert F.terminator(F.ANTHROPIC) == b""
+    assert [F.anthropic_error(ApiError(s, "m"))["error"]["type"] for s in (400, 404, 413, 422, 503, 500)] == \
+        ["invalid_request_error", "not_found_error", "request_too_large", "invalid_request_error", "overloaded_error",
+         "api_error"]
     # OpenAI's types by status; 422 (a MindIE check) reads as the client's fault
     assert F.openai_error(ApiError(422, "bad", param="n"))["error"] == {
         "message": "bad", "type": "BadRequestError", "param": "n", "code": 422}
