@@ -69,12 +69,15 @@ ROUTES = ["/infer", "/infer_token", "/health", "/v2/health/live", "/v2/health/re
           "/v1/config", "/v1/status", "/v2/status", "/v2/models/{model}/getSlotCount", "/metrics-json",
           "/generate", "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
           "/v2/models/{model}/generate_stream", "/v1/completions", "/v1/chat/completions",
-          "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/messages", "/v1/messages/count_tokens"]
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/messages", "/v1/messages/count_tokens",
+          "/api/chat", "/api/generate", "/api/tags", "/api/ps", "/api/version", "/api/show", "/api/embed"]
 POST_ROUTES = {"/infer", "/infer_token", "/v1/tokenizer", "/v2/models/{model}/stopInfer", "/generate",
                "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
                "/v2/models/{model}/generate_stream",
                "/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-               "/v1/messages", "/v1/messages/count_tokens"}
+               "/v1/messages", "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/show", "/api/embed"}
+# Routes that answer both GET and POST (TGI's POST /, Ollama's GET / "Ollama is running").
+GET_AND_POST = {"/"}
 # Registered but not fuzzed: it stops the server (tests/test_management.py drives it).
 # /stopService stops the server; the role routes would turn it into a prefill or decode instance
 # that refuses plain requests (tests/test_pd.py covers them).
@@ -444,18 +447,24 @@ def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False, path: byt
     """A documented status; JSON or SSE bodies that parse; errors in MindIE's shape (OpenAI's
     {"error": {"message", "type", "param", "code"}} on the OpenAI routes and for a path under /v1/
     that no route serves; Anthropic's {"type": "error", "error": {"type", "message"}} under
-    /v1/messages)."""
+    /v1/messages; Ollama's {"error": "..."} under /api/)."""
     assert r.status in allowed, r  # 503 is not: the worker is alive throughout
     ctype = r.headers.get(b"content-type", b"")
     bare = path.split(b"?")[0]
     anthropic = bare == b"/v1/messages" or bare.startswith(b"/v1/messages/")
+    ollama = bare.startswith(b"/api/")
     if 200 <= r.status < 300:
         if ctype.startswith(b"application/json") and r.body:
             json.loads(r.body)
+        elif ctype.startswith(b"application/x-ndjson"):  # Ollama's streams: one JSON object a line
+            assert ollama and r.body.endswith(b"\n"), r
+            for line in r.body.split(b"\n")[:-1]:
+                assert isinstance(json.loads(line), dict), r
         elif ctype.startswith(b"text/event-stream"):  # SSE frames, or MindIE's raw timeout text last
             for frame in r.body.split(b"\n\n")[:-1]:
                 if frame == b"data: [DONE]" and bare in OPENAI_PATHS:
                     continue
+                assert not ollama, r  # NDJSON, never SSE
                 if anthropic:  # named events
                     name, data = frame.split(b"\n")
                     assert name.startswith(b"event: ") and data.startswith(b"data: {"), r
@@ -482,6 +491,10 @@ def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False, path: byt
         assert list(err) == ["error"] and list(e) == ["message", "type", "param", "code"], r
         assert isinstance(e["message"], str) and isinstance(e["type"], str) and e["code"] == r.status, r
         message = e["message"]
+    elif ollama and isinstance(err, dict) and list(err) == ["error"]:  # Ollama's {"error": "..."}
+        # (a request the HTTP layer refuses before routing, a bad request line, is MindIE's shape)
+        assert isinstance(err["error"], str), r
+        message = err["error"]
     else:
         assert isinstance(err, dict) and list(err) == ["error", "error_type"], r
         assert isinstance(err["error"], str) and isinstance(err["error_type"], str), r
@@ -578,10 +591,13 @@ def test_framing_cases(fz, name):
 def test_unknown_methods_on_known_routes_are_json_405(fz):
     for route in ROUTES:
         path = _path(route)
-        for method in (b"PUT", b"PATCH", b"DELETE", b"GET" if route in POST_ROUTES else b"POST"):
+        other = () if route in GET_AND_POST else (b"GET" if route in POST_ROUTES else b"POST",)
+        for method in (b"PUT", b"PATCH", b"DELETE", *other):
             [r] = exchange(fz, http(method, path, b"{}" if method != b"GET" else b""), expect=1)
             assert r.status == 405, (method, path, r)
             check(r, path=path)
+            if path.startswith(b"/api/"):  # Ollama's clients read only {"error": "..."}
+                assert list(json.loads(r.body)) == ["error"], (method, path, r)
 
 
 # --------------------------------------------------------------------------------------------
@@ -631,7 +647,8 @@ def hostile_api_bodies(draw) -> bytes:
 @fuzz_settings(400)
 def test_hostile_bodies_on_the_other_apis(fz, path, body):
     [r] = exchange(fz, http(b"POST", path, body), expect=1)
-    check(r, BODY_STATUSES | {400, 404}, path=path)
+    # /api/embed: 501 until the server serves embeddings (mindie/api/ollama_models.py)
+    check(r, BODY_STATUSES | {400, 404} | ({501} if path == b"/api/embed" else set()), path=path)
 
 
 valid_params = {

@@ -41,13 +41,18 @@ log = logging.getLogger("mindie.app")
 def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     """Every Falcon error (404, 405, ...) in MindIE's {"error", "error_type"} shape, whatever
     the Accept header says (Falcon's default would send an empty body to an SSE client); a path
-    no route serves under ``/v1/`` in OpenAI's shape (Anthropic's under ``/v1/messages``), which
-    those clients read (mindie/contract/families.py ``unrouted``)."""
+    no route serves under ``/v1/`` in OpenAI's shape (Anthropic's under ``/v1/messages``, Ollama's
+    under ``/api/``), which those clients read (mindie/contract/families.py ``unrouted``); any
+    error on an Anthropic or Ollama path in that family's shape."""
     status = exc.status_code
     name = error_type(status)
     resp.content_type = falcon.MEDIA_JSON
     if isinstance(exc, falcon.HTTPRouteNotFound) and (fam := families.unrouted(req.path)) != families.OTHER:
         _, resp.data = families.error_answer(fam, ApiError(404, f"Invalid URL ({req.method} {req.path})"))
+        return
+    if (fam := families.family(req.path, None)) in (families.OLLAMA, families.ANTHROPIC):
+        # their clients read only their own shape: a wrong method (405) too
+        _, resp.data = families.error_answer(fam, ApiError(status, exc.description or exc.title or "Error"))
         return
     resp.data = ApiError(status, exc.description or exc.title or "Error",
                          name if name != "Error" else exc.title or "Error").body()
