@@ -100,6 +100,7 @@ class Job:
     # Checks too slow for the event loop (compiling a new structured-output constraint:
     # mindie/text/structured.py), run on a thread before anything is submitted; each raises ApiError.
     checks: list[Callable[[], None]] = field(default_factory=list)
+    state: dict = field(default_factory=dict)  # the codec's per-request scratch (Output.state: per output)
 
     def prompt_tokens(self) -> int:
         """Prompt tokens of the request, each prompt counted once."""

@@ -35,6 +35,7 @@ def resolve_paths(config: Config, base_dir: str, env: Mapping[str, str]) -> None
     for name in SERVER_TLS_PATHS:
         setattr(s, name, absolute(getattr(s, name)))
     s.run_dir = absolute(s.run_dir) or default_run_dir(s.port, env)
+    s.responses_store_path = absolute(s.responses_store_path)  # "" = <runDir>/responses (the front end)
 
 
 def default_run_dir(port: int, env: Mapping[str, str] = os.environ, *, fleet: bool = False) -> str:

@@ -149,6 +149,10 @@ class ServerConfig(_Section):
     # Project extension: how long a stop (SIGTERM, SIGINT, /stopService) lets the requests in
     # progress run before the front ends cut them with a final error (docs/operations.md, "Stop").
     drain_timeout_s: Annotated[float, Meta(ge=0, le=MAX_E2E_TIMEOUT_S)] = DEFAULT_DRAIN_TIMEOUT_S
+    # Project extension: the directory of the stored responses of OpenAI's Responses API
+    # (mindie/server/response_store.py); "" = <runDir>/responses. Behind a coordinator, a volume the
+    # instances share lets any of them continue a response (previous_response_id).
+    responses_store_path: str = ""
     # Prefill/decode disaggregation (docs/design.md "Disaggregated prefill/decode"): MindIE's inferMode
     # (standard = hybrid, dmi = PD separated), then project extensions: the start role, the lease of KV
     # blocks held for a transfer, how long a decode request waits for its blocks, and the policy for a

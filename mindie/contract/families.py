@@ -6,6 +6,8 @@ used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the c
   ``/infer_token``; OpenAI's ``/v1/*completions``; vLLM's or TGI's ``/generate``, told apart by
   the body (``is_vllm_generate``: MindIE's rule); TGI's ``/generate_stream`` and ``/``; Triton's
   ``/v2/models/...``; Ollama's ``/api/...``; Anthropic's ``/v1/messages`` (and paths under it);
+  OpenAI's Responses ``/v1/responses`` (and paths under it: its errors are OpenAI's object, its
+  stream's error frame is its own ``error`` event, so it is a family of its own);
   anything else ``OTHER`` (MindIE's shape).
 - ``streams(path, body)``: whether the body asks for a stream (its ``stream`` true; Ollama's chat
   and generate stream unless it is false).
@@ -21,7 +23,10 @@ used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the c
 - ``stream_error(fam, err)``: the bytes that end a stream that failed after it started: the
   family's error frame, then its terminator (``terminator``: OpenAI's ``data: [DONE]``, none
   for the others). Native: ``data: {"error", "error_type"}`` (a deadline: MindIE's raw text);
-  OpenAI: ``data: {"error": {...}}``; Anthropic: ``event: error`` with its error object; vLLM's
+  OpenAI: ``data: {"error": {...}}``; Anthropic: ``event: error`` with its error object;
+  Responses: ``event: error`` with ``{type: "error", code, message, param, sequence_number}``
+  (``responses_error``: the server's codec numbers it in its stream; the coordinator, which does
+  not count the instance's events, writes 0); vLLM's
   ``/generate`` (not SSE): the MindIE body and a NUL; Ollama (NDJSON, not SSE): the line
   ``{"error": "..."}``; TGI, Triton and the rest:
   ``data:{"error", "error_type"}`` (no space, as MindIE).
@@ -35,8 +40,8 @@ import msgspec
 from mindie.contract.http_error import ApiError
 from mindie.contract.sse_framing import DONE, event, json_event, named_event
 
-NATIVE, OPENAI, VLLM, TGI, TRITON, OLLAMA, ANTHROPIC, OTHER = (
-    "native", "openai", "vllm", "tgi", "triton", "ollama", "anthropic", "other")
+NATIVE, OPENAI, VLLM, TGI, TRITON, OLLAMA, ANTHROPIC, RESPONSES, OTHER = (
+    "native", "openai", "vllm", "tgi", "triton", "ollama", "anthropic", "responses", "other")
 OLLAMA_GENERATION = frozenset({"/api/chat", "/api/generate"})  # stream unless the body says "stream": false
 
 # vLLM's error types of OpenAI's error object, by HTTP status.
@@ -64,6 +69,8 @@ def family(path: str, body: Any) -> str:
         return NATIVE
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return ANTHROPIC
+    if path == "/v1/responses" or path.startswith("/v1/responses/"):
+        return RESPONSES
     if path.startswith("/v1/") and path.endswith("completions"):
         return OPENAI
     if path == "/generate":
@@ -107,9 +114,16 @@ def openai_error(err: ApiError) -> dict:
     return {"error": {"message": err.message, "type": etype, "param": err.param, "code": err.status}}
 
 
+def responses_error(err: ApiError, sequence_number: int = 0) -> bytes:
+    """The ``error`` event that ends a Responses stream that failed after it started."""
+    e = openai_error(err)["error"]
+    return named_event("error", {"type": "error", "code": e["type"], "message": err.message, "param": err.param,
+                                 "sequence_number": sequence_number})
+
+
 def error_answer(fam: str, err: ApiError) -> tuple[int, bytes]:
     """(status, body) of an error answer before anything was sent."""
-    if fam == OPENAI:
+    if fam in (OPENAI, RESPONSES):
         return err.status, _encode(openai_error(err))
     if fam == OLLAMA:
         return err.status, _encode({"error": err.message})
@@ -133,6 +147,8 @@ def stream_error(fam: str, err: ApiError) -> bytes:
         return json_event(openai_error(err)) + terminator(fam)
     if fam == ANTHROPIC:
         return named_event("error", anthropic_error(err))
+    if fam == RESPONSES:
+        return responses_error(err)
     if fam == VLLM:
         return err.body() + b"\0"
     if fam == OLLAMA:

@@ -20,6 +20,7 @@ from mindie.api.metrics import MetricsJsonResource, MetricsResource
 from mindie.api.ollama import ollama_routes
 from mindie.api.ollama_models import RootResource, ollama_model_routes
 from mindie.api.openai import openai_routes
+from mindie.api.responses import responses_routes
 from mindie.api.status import StatusRoutes
 from mindie.api.tgi import TgiResource
 from mindie.api.tokenizer import TokenizerResource
@@ -32,6 +33,7 @@ from mindie.server.frontend import FrontEnd
 from mindie.runtime.log_setup import setup_logging
 from mindie.server.elsewhere import elsewhere_routes
 from mindie.server.listeners import read_listeners
+from mindie.server.response_store import ResponseStore
 from mindie.api.pd_role import RoleResource
 from mindie.pipeline import Pipeline
 
@@ -43,14 +45,14 @@ def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     the Accept header says (Falcon's default would send an empty body to an SSE client); a path
     no route serves under ``/v1/`` in OpenAI's shape (Anthropic's under ``/v1/messages``, Ollama's
     under ``/api/``), which those clients read (mindie/contract/families.py ``unrouted``); any
-    error on an Anthropic or Ollama path in that family's shape."""
+    error on an Anthropic, Ollama or Responses path in that family's shape."""
     status = exc.status_code
     name = error_type(status)
     resp.content_type = falcon.MEDIA_JSON
     if isinstance(exc, falcon.HTTPRouteNotFound) and (fam := families.unrouted(req.path)) != families.OTHER:
         _, resp.data = families.error_answer(fam, ApiError(404, f"Invalid URL ({req.method} {req.path})"))
         return
-    if (fam := families.family(req.path, None)) in (families.OLLAMA, families.ANTHROPIC):
+    if (fam := families.family(req.path, None)) in (families.OLLAMA, families.ANTHROPIC, families.RESPONSES):
         # their clients read only their own shape: a wrong method (405) too
         _, resp.data = families.error_answer(fam, ApiError(status, exc.description or exc.title or "Error"))
         return
@@ -101,6 +103,8 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     ollama_chat, ollama_generate = ollama_routes(pipeline, completions.codec, chat.codec)  # mindie/api/ollama.py
     ollama = ollama_model_routes(fe, chat.codec, pipeline.adapters)
     messages, count_tokens = anthropic_routes(pipeline, chat.codec, fe.limits.max_request_length_mb)
+    store = ResponseStore(fe.config.server.responses_store_path or os.path.join(fe.run_dir, "responses"))
+    responses, stored_response = responses_routes(pipeline, chat.codec, store)  # mindie/api/responses.py
     status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine,
                           roles=fe.roles)
     health = Health(fe.client, fe.state, fe.admission)
@@ -131,6 +135,7 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/api/show", ollama, "show"), ("/api/embed", ollama, "embed"),
             ("/v1/messages", messages, None),  # mindie/api/anthropic.py
             ("/v1/messages/count_tokens", count_tokens, None),
+            ("/v1/responses", responses, None), ("/v1/responses/{response_id}", stored_response, None),
         ],
         "management": [
             ("/health", healthz, None), ("/v2/models/{model}/ready", healthz, "model"),
