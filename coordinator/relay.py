@@ -54,13 +54,18 @@ _TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
 log = logging.getLogger("mindie.coordinator")
 reqlog = logging.getLogger("mindie.coordinator.request")
 
-# (method, path pattern, streams by path). GET routes are answered by any ready instance.
+# (method, path pattern, streams by path). GET and DELETE routes are answered by any ready instance.
 ROUTES = [
     ("POST", re.compile(r"/infer|/infer_token|/v1/tokenizer|/generate|/v1/completions|/v1/chat/completions|/"
-                        r"|/v1/messages|/v1/messages/count_tokens|/v2/models/[^/]+/(infer|generate)|/api/(chat|generate|show|embed)"), False),
+                        r"|/v1/messages|/v1/messages/count_tokens|/v2/models/[^/]+/(infer|generate)|/api/(chat|generate|show|embed)"
+                        r"|/v1/responses"), False),
     ("POST", re.compile(r"/generate_stream|/v2/models/[^/]+/generate_stream"), True),
     ("POST", re.compile(r"/v2/models/[^/]+/stopInfer"), False),
-    ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info|/api/(tags|ps|version)"), False),
+    ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info|/api/(tags|ps|version)"
+                       r"|/v1/responses/[^/]+"), False),
+    # a stored response of OpenAI's Responses API: any instance reads and deletes the store, which
+    # instances share only when ServerConfig.responsesStorePath names a shared volume (docs/apis.md)
+    ("DELETE", re.compile(r"/v1/responses/[^/]+"), False),
 ]
 # POST routes that generate nothing: any ready instance answers them, in PD too (no handoff).
 NOT_GENERATION = frozenset({"/v1/tokenizer", "/api/show", "/api/embed", "/v1/messages/count_tokens"})

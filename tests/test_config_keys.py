@@ -128,6 +128,8 @@ KEY_TESTS: dict[str, list[str]] = {
                                   f"{_CFG}::test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config"],
     "ServerConfig.drainTimeoutS": ["tests/test_stop.py::test_a_stop_drains_then_cuts_every_family_with_a_final_error",
                                    "tests/test_deploy.py::test_deployment_agrees_with_the_config_and_the_scripts"],
+    "ServerConfig.responsesStorePath": ["tests/test_responses.py::test_responses_store_path_key",
+                                        "tests/test_responses.py::test_store_get_delete_and_another_process_sees_it"],
     "ServerConfig.inferMode": ["tests/test_pd.py::test_roles_reported_and_enforced"],
     "ServerConfig.pdRole": ["tests/test_pd.py::test_roles_reported_and_enforced"],
     "ServerConfig.kvTransferLeaseMs": ["tests/test_pd.py::test_sender_dies_mid_transfer_blocks_freed_within_lease"],

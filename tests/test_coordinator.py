@@ -120,6 +120,26 @@ def test_get_routes_and_unknown_route(fleet):
     assert r.status_code == 405 and set(r.json()) == {"error", "error_type"}
 
 
+def test_responses_through_the_coordinator(fleet):
+    """OpenAI's Responses API relayed: the same answer and stream as the instance gives; GET and
+    DELETE /v1/responses/{id} reach an instance (its 404 for an id it does not hold, in OpenAI's
+    shape, not the coordinator's "not a route")."""
+    _, servers, coord = fleet
+    body = {"model": "demo", "input": PROMPT, "max_output_tokens": 8, "temperature": 0, "store": False}
+    direct = httpx.post(servers[0].url + "/v1/responses", json=body, timeout=60).json()
+    via = httpx.post(coord.url + "/v1/responses", json=body, timeout=60)
+    assert via.status_code == 200 and via.headers.get("server") == "MindIE-MS", via.text
+    assert [o["content"] for o in via.json()["output"]] == [o["content"] for o in direct["output"]]
+    assert via.json()["usage"] == direct["usage"]
+    stream = httpx.post(coord.url + "/v1/responses", json={**body, "stream": True}, timeout=60)
+    names = [ln[7:] for ln in stream.text.split("\n") if ln.startswith("event: ")]
+    assert names[0] == "response.created" and names[-1] in ("response.completed", "response.incomplete"), names
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, coord.url + "/v1/responses/resp_unknown", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError", r.text
+        assert "resp_unknown" in r.json()["error"]["message"], r.text
+
+
 def test_anthropic_messages_through_the_coordinator(fleet):
     """Item 6 of issue 54: the anthropic package against the coordinator gets what the instance
     gives, its errors in Anthropic's shape (an instance's 404 relayed; the coordinator's own

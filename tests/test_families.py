@@ -42,10 +42,21 @@ def test_families_of_paths():
         [F.NATIVE, F.NATIVE, F.OPENAI, F.OPENAI, F.TGI, F.TGI, F.TGI, F.TRITON, F.OTHER, F.OLLAMA, F.OLLAMA]
     assert [F.family(p, None) for p in ("/v1/messages", "/v1/messages/count_tokens", "/v1/messagesx")] == \
         [F.ANTHROPIC, F.ANTHROPIC, F.OTHER]
+    assert [F.family(p, None) for p in ("/v1/responses", "/v1/responses/resp_1", "/v1/responsesx")] == \
+        [F.RESPONSES, F.RESPONSES, F.OTHER]
+    assert F.streams("/v1/responses", {"stream": True}) and not F.streams("/v1/responses", {})
+    # OpenAI's error object; inside a stream, the Responses error event (no [DONE])
+    err = ApiError(400, "bad", param="input")
+    assert F.error_answer(F.RESPONSES, err) == F.error_answer(F.OPENAI, err)
+    assert F.stream_error(F.RESPONSES, err) == F.responses_error(err, 0) == (
+        b'event: error\ndata: {"type":"error","code":"BadRequestError","message":"bad","param":"input",'
+        b'"sequence_number":0}\n\n')
+    assert F.terminator(F.RESPONSES) == b""
     # a path no route serves: Anthropic's shape under /v1/messages, Ollama's under /api/, OpenAI's under /v1/,
     # else MindIE's
-    assert [F.unrouted(p) for p in ("/v1/messages/batches", "/v1/nope", "/v1", "/nope", "/api/pull")] == \
-        [F.ANTHROPIC, F.OPENAI, F.OTHER, F.OTHER, F.OLLAMA]
+    assert [F.unrouted(p) for p in ("/v1/messages/batches", "/v1/nope", "/v1", "/nope", "/api/pull",
+                                    "/v1/responses/r/input_items")] == \
+        [F.ANTHROPIC, F.OPENAI, F.OTHER, F.OTHER, F.OLLAMA, F.OPENAI]
 
 
 def test_ollama_streams_unless_told_not_to():

@@ -328,3 +328,15 @@ def test_reasoning_item(r1):
                                       "store": False}))
     assert items[0]["type"] == "reasoning" and items[0]["summary"][0]["text"] == reasoning
     assert [i["type"] for i in items] == [o.type for o in resp.output]
+
+
+def test_responses_store_path_key(tmp_path):
+    """ServerConfig.responsesStorePath: "" (the default) is <runDir>/responses, the one the front end
+    opens (the shared server's above); a relative path is taken from the config file's directory,
+    as every path key is, so that every front end process agrees on it."""
+    from mindie.config import load_config
+
+    assert load_config(None, env={}).config.server.responses_store_path == ""
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({"ServerConfig": {"responsesStorePath": "shared/responses"}}))
+    assert load_config(str(f), env={}).config.server.responses_store_path == str(tmp_path / "shared" / "responses")

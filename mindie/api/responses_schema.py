@@ -136,16 +136,15 @@ def _messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
+    """Function tools as the chat route's (built-in tools: a 400 naming the first)."""
     if tools is None:
         return None
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise _bad(f"tools[{i}]: only function tools are supported, got type {kind!r}.", "tools")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+    kinds = [t.get("type") if isinstance(t, dict) else None for t in tools]
+    bad = next((i for i, k in enumerate(kinds) if k != "function"), None)
+    if bad is not None:
+        raise _bad(f"tools[{bad}]: only function tools are supported, got type {kinds[bad]!r}.", "tools")
+    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                              if t.get(k) is not None}} for t in tools]
 
 
 def _tool_choice(choice: Union[str, dict[str, Any], None]) -> Union[str, dict[str, Any], None]:
