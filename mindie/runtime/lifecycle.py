@@ -25,7 +25,9 @@ makes (``ENTRIES``; nothing else in it is ever touched):
                                 deadline (mindie/server/service_state.py, mindie/server/drain.py)
     ready.announced             made by the front end that logged the ready line (mindie/server/ready_line.py)
 
-A module that adds a file to the run directory adds its name to ``ENTRIES``.
+A module that adds a file to the run directory adds its name to ``ENTRIES``; except
+``responses/`` (the Responses API's stored responses, mindie/server/response_store.py), left out
+on purpose: a restart keeps them.
 
 A server is live while any of these files is locked by a process. ``claim`` (at start, by
 ``python -m mindie.ops.launch_plan``) refuses a live run directory and removes what a dead server left;
