@@ -124,6 +124,7 @@ class Output:
     prefill_ms: float | None = None  # of the first token
     decode_ms: list[float] = field(default_factory=list)  # of each later token
     state: dict = field(default_factory=dict)  # the codec's per-output scratch
+    embedding: bytes = b""  # a pooling submission's vector (float32 little-endian)
 
     def add(self, p: Piece) -> None:
         # Once per token frame of every stream: keep the common case (one id, no log-probs) short.
@@ -148,6 +149,8 @@ class Output:
         if p.finish_reason:
             self.finish = p.finish_reason
             self.stop = p.stop
+            if p.embedding:
+                self.embedding = p.embedding
 
     def stop_reason(self) -> Union[str, int, None]:
         """The stop string or stop token id that ended it (vLLM's ``stop_reason``), else None."""

@@ -172,5 +172,5 @@ def test_errors_in_ollama_shape(smol):
     assert e.value.status_code == 400 and "does not support thinking" in e.value.error
     r = httpx.post(smol.url + "/api/chat", json={"model": NAME, "messages": ASK, "options": {"top_p": 3}}, timeout=30)
     assert r.status_code == 400 and list(r.json()) == ["error"] and "options.top_p" in r.json()["error"]
-    r = httpx.post(smol.url + "/api/embed", json={"model": NAME, "input": "x"}, timeout=30)
-    assert r.status_code == 501 and "embeddings are not served yet" in r.json()["error"]
+    r = httpx.post(smol.url + "/api/embed", json={"model": NAME, "input": 3}, timeout=30)
+    assert r.status_code == 400 and list(r.json()) == ["error"] and "input" in r.json()["error"]

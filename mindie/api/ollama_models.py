@@ -1,5 +1,5 @@
 """Ollama's model routes: ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``,
-``POST /api/embed`` (not served yet: 501) and ``GET``/``HEAD /`` (``Ollama is running``, what
+and ``GET``/``HEAD /`` (``Ollama is running``, what
 Ollama's front ends probe; ``POST /`` stays TGI's, mindie/api/tgi.py: ``RootResource``).
 
 The served model (and each LoRA adapter, as a model of its own) is described from its folder
@@ -39,8 +39,6 @@ from mindie.text.chat_template import ChatTemplateError
 
 OLLAMA_VERSION = "0.12.0"
 NEVER = "2318-01-01T00:00:00Z"  # expires_at of a model that is never unloaded
-EMBED_NOT_SERVED = ("embeddings are not served yet: /api/embed has no pooling model behind it on this server "
-                    "(the generation routes /api/chat and /api/generate are)")
 
 
 def _human(n: int) -> str:
@@ -171,10 +169,6 @@ class OllamaModels:
         _json(resp, {"modelfile": modelfile, "parameters": params, "template": self.template,
                      "details": c.details(c.name if adapter else ""), "model_info": c.model_info(),
                      "capabilities": caps, "modified_at": c.modified_at})
-
-    async def on_post_embed(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        # TODO(issue 54, item 4): answer with the embedding route once the server has one.
-        _json(resp, *_error(ApiError(501, EMBED_NOT_SERVED)))
 
 
 

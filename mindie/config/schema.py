@@ -221,6 +221,10 @@ class ModelConfig(_Section):
     # mindie/text/reasoning.py). "auto": MindIE's models.<type>.enable_reasoning where set, else
     # detected from the chat template; "none": off.
     reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    # Project extension: how /v1/embeddings pools the prompt's final hidden states (mindie/text/pooling.py).
+    # "auto": the checkpoint's sentence-transformers files (modules.json, 1_Pooling/config.json),
+    # else the last token, normalised (a plain decoder: Qwen3-Embedding style); a kind names it.
+    embedding_pooling: Literal["auto", "last", "mean", "cls"] = "auto"
     # MindIE's speculative decoding plugin, a JSON object in a string: {"plugin_type":
     # "memory_decoding", "decoding_length": 1-16, "dynamic_algo": bool} (workers/engine/speculative.py;
     # checked in checks.py). "" = the project's default proposer (n-gram prompt lookup).

@@ -23,6 +23,7 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "stop_sequence"
 FINISH_STOP_TOKEN = "stop_token"  # internal: a SamplingParams.stop_token_ids hit (APIs map it)
 FINISH_STOP = "stop"  # internal: a stop string matched in the front end (APIs map it)
+FINISH_POOLED = "pooled"  # internal: a pooling request's prompt computed and pooled (no token sampled)
 FINISH_ERROR = "error"  # internal: the frame carries an error, the front end reports it
 
 

@@ -3,7 +3,7 @@ used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the c
 (coordinator/relay.py), so both answer a request of one family in the same bytes.
 
 - ``family(path, body)``: the family of a request: MindIE's native ``/infer`` and
-  ``/infer_token``; OpenAI's ``/v1/*completions``; vLLM's or TGI's ``/generate``, told apart by
+  ``/infer_token``; OpenAI's ``/v1/*completions`` and ``/v1/embeddings``; vLLM's or TGI's ``/generate``, told apart by
   the body (``is_vllm_generate``: MindIE's rule); TGI's ``/generate_stream`` and ``/``; Triton's
   ``/v2/models/...``; Ollama's ``/api/...``; Anthropic's ``/v1/messages`` (and paths under it);
   OpenAI's Responses ``/v1/responses`` (and paths under it: its errors are OpenAI's object, its
@@ -71,7 +71,7 @@ def family(path: str, body: Any) -> str:
         return ANTHROPIC
     if path == "/v1/responses" or path.startswith("/v1/responses/"):
         return RESPONSES
-    if path.startswith("/v1/") and path.endswith("completions"):
+    if (path.startswith("/v1/") and path.endswith("completions")) or path == "/v1/embeddings":
         return OPENAI
     if path == "/generate":
         return VLLM if is_vllm_generate(body) else TGI

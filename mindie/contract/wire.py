@@ -68,6 +68,15 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated ids
     prompt_logprobs: bool = False  # the first frame carries the log-probability of each prompt token
     constraint: Constraint | None = None  # structured output: every generated token must keep it satisfiable
+    # Embeddings (issue 54): a pooling request computes its prompt only, samples nothing and ends
+    # with its pooled final hidden state (TokenFrame.embedding). "" = generate; else POOLING_KINDS.
+    pooling: str = ""
+
+
+# How a pooling request reduces its prompt's final hidden states (after the final norm) to one
+# vector: their mean, the last position's, the first position's (CLS). The worker pools only;
+# normalising and truncating (Matryoshka ``dimensions``) are the front end's (mindie/api/embeddings.py).
+POOLING_KINDS = ("mean", "last", "cls")
 
 
 class PdOrder(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -207,6 +216,9 @@ class TokenFrame(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # Speculative decoding in this step (workers/engine/speculative.py): tokens proposed and accepted.
     spec_draft: int = 0
     spec_accepted: int = 0
+    # A pooling request's (SamplingParams.pooling) only frame: its pooled hidden state, float32
+    # little-endian bytes (compact on the wire; the front end reads them with numpy).
+    embedding: bytes = b""
 
 
 class FrameBatch(Message, tag=5):

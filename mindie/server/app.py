@@ -11,6 +11,7 @@ import falcon
 import falcon.asgi
 
 from mindie.api.anthropic import anthropic_routes
+from mindie.api.embeddings import embedding_routes
 from mindie.api.control import StopInferResource, StopServiceResource
 from mindie.api.health import Health, HealthResource, LiveResource, ModelsResource, TimedHealthResource
 from mindie.api.generate import GenerateResource
@@ -36,6 +37,7 @@ from mindie.server.listeners import read_listeners
 from mindie.server.response_store import ResponseStore
 from mindie.api.pd_role import RoleResource
 from mindie.pipeline import Pipeline
+from mindie.text.pooling import load_pooling
 
 log = logging.getLogger("mindie.app")
 
@@ -102,6 +104,9 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     completions, chat = openai_routes(fe, pipeline)
     ollama_chat, ollama_generate = ollama_routes(pipeline, completions.codec, chat.codec)  # mindie/api/ollama.py
     ollama = ollama_model_routes(fe, chat.codec, pipeline.adapters)
+    pooling = load_pooling(fe.model_dir, fe.config.backend.model_deploy.models[0].embedding_pooling)
+    log.info("embeddings: %s pooling%s (%s)", pooling.kind, ", normalised" if pooling.normalize else "", pooling.source)
+    embeddings, ollama_embed = embedding_routes(fe, pipeline, pooling, pipeline.adapters)  # mindie/api/embeddings.py
     messages, count_tokens = anthropic_routes(pipeline, chat.codec, fe.limits.max_request_length_mb)
     store = ResponseStore(fe.config.server.responses_store_path or os.path.join(fe.run_dir, "responses"))
     responses, stored_response = responses_routes(pipeline, chat.codec, store)  # mindie/api/responses.py
@@ -132,7 +137,8 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             # Ollama (mindie/api/ollama.py, ollama_models.py): generation on the OpenAI codecs, model routes.
             ("/api/chat", ollama_chat, None), ("/api/generate", ollama_generate, None),
             ("/api/tags", ollama, "tags"), ("/api/ps", ollama, "ps"), ("/api/version", ollama, "version"),
-            ("/api/show", ollama, "show"), ("/api/embed", ollama, "embed"),
+            ("/api/show", ollama, "show"), ("/api/embed", ollama_embed, None),
+            ("/v1/embeddings", embeddings, None),
             ("/v1/messages", messages, None),  # mindie/api/anthropic.py
             ("/v1/messages/count_tokens", count_tokens, None),
             ("/v1/responses", responses, None), ("/v1/responses/{response_id}", stored_response, None),

@@ -68,7 +68,7 @@ class Piece:
     """What one step added to a request (a plain slotted class: one is made per token frame)."""
 
     __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "stop", "prefill_ms",
-                 "decode_ms", "prompt_logprobs", "spec")
+                 "decode_ms", "prompt_logprobs", "spec", "embedding")
 
     def __init__(self, token_ids: list[int], text: str, logprobs: list[float] = (),
                  top_logprobs: list[list[tuple[int, float]]] = (), finish_reason: str = "", stop: str | None = None,
@@ -83,6 +83,7 @@ class Piece:
         self.decode_ms = decode_ms
         self.prompt_logprobs = prompt_logprobs  # first piece, when asked
         self.spec = (0, 0)  # speculative decoding in its step: (tokens proposed, accepted)
+        self.embedding = b""  # a pooling request's vector (wire.TokenFrame.embedding), on its only piece
 
 
 class Deadline:
@@ -212,6 +213,8 @@ class Generation:
                       f.decode_ms, f.prompt_logprobs)
             if f.spec_draft:
                 p.spec = (f.spec_draft, f.spec_accepted)
+            if f.embedding:
+                p.embedding = f.embedding
             return p
         text, stop = self.matcher.push(self.detok.push(f.token_ids))
         if stop is None and f.finish_reason:

@@ -13,7 +13,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
-from mindie.contract.errors import FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINISH_STOP_TOKEN, UnknownAdapterError
+import numpy as np
+
+from mindie.contract.errors import (FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FINISH_POOLED, FINISH_STOP_TOKEN,
+                                   UnknownAdapterError)
 from mindie.contract.grammar import ERROR_STATUS, ConstraintError
 from mindie.contract.spec import EngineConfig
 from mindie.contract.wire import Submit
@@ -58,6 +61,7 @@ class StepOutput:
     logprobs: list[float] = field(default_factory=list)  # one per id of token_ids
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # k best per id
     prompt_logprobs: list[float] = field(default_factory=list)  # on the first output only
+    embedding: bytes = b""  # a pooling request's pooled hidden state, float32 little-endian (wire.TokenFrame)
     error: str = ""  # the request failed (a LoRA adapter that could not be read): the message
     error_status: int = 424  # and its HTTP status (400: its constraint, workers/engine/constraints.py)
     spec_draft: int = 0  # speculative decoding: tokens proposed for this step
@@ -79,6 +83,9 @@ class RunnerOutput(list):
         # k + 1 tokens sampled at its rows (the first is also self[i]), and their log-probabilities.
         self.verified: dict[int, list[int]] = {}
         self.verified_logprobs: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}
+        # Pooling requests (SamplingParams.pooling), by batch index: (the chunk's first position, its
+        # part of the pooled vector: model_runner.pool_part, a float32 array or None).
+        self.pooled: dict[int, tuple[int, object]] = {}
 
 
 class Runner(Protocol):
@@ -474,6 +481,7 @@ class Engine:
         token_lps = getattr(sampled, "logprobs", None)
         prompt_lps = getattr(sampled, "prompt_logprobs", None)
         verified = getattr(sampled, "verified", None)
+        pooled = getattr(sampled, "pooled", None)
         for i, (seq, n, tok) in enumerate(zip(batch.seqs, batch.num_tokens, sampled)):
             if seq.finish_reason == FINISH_ABORT:
                 continue  # cancelled while it computed
@@ -499,6 +507,10 @@ class Engine:
                 self.prompt_tokens += n  # a prefill chunk, or a recompute after preemption
             seq.num_computed += n
             self.blocks.register_computed(seq)
+            if pooled and i in pooled:
+                if (out := self._pool_chunk(seq, *pooled[i], now)) is not None:
+                    outputs.append(out)
+                continue
             if tok is None:
                 continue
             first = seq.last_token_t == 0.0  # its first output
@@ -537,6 +549,28 @@ class Engine:
                 self._release_adapter(seq)
             outputs.append(out)
         return outputs
+
+    def _pool_chunk(self, seq: Sequence, p0: int, part, now: float) -> StepOutput | None:
+        """A pooling request's chunk: its part added (a chunk at position 0 starts afresh: a
+        recompute after preemption); the prompt's last chunk ends the request with the pooled
+        vector (no token sampled, its blocks freed now)."""
+        if p0 == 0:
+            seq.pool_sum = None
+        if part is not None:
+            seq.pool_sum = part if seq.pool_sum is None or seq.params.pooling != "mean" else seq.pool_sum + part
+        if seq.num_computed < seq.num_tokens:
+            return None
+        vec = seq.pool_sum / seq.num_tokens if seq.params.pooling == "mean" else seq.pool_sum
+        out = StepOutput(seq, [], FINISH_POOLED, prefill_ms=(now - seq.enqueue_t) * 1000.0,
+                         embedding=np.asarray(vec, dtype="<f4").tobytes())
+        self.ttft_ms.add(out.prefill_ms)
+        seq.finish_reason = FINISH_POOLED
+        if self.finish_hook is not None:
+            self.finish_hook(seq)
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        self._release_adapter(seq)
+        return out
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str:
         """Why ``tok`` (just appended) ends ``seq``, or "". Checked in this order: an EOS id (unless

@@ -80,6 +80,7 @@ class ModelRunner:
         # (batch index, first flat row, first position, count): prompt positions whose next-token
         # log-probability a request asked for (SamplingParams.prompt_logprobs) and does not have yet.
         prompt_spans: list[tuple[int, int, int, int]] = []
+        pool_spans: list[tuple[int, int, int, int]] = []  # (batch index, first row, first position, count)
         want_lp = False
         order = self.flat_order(batch)
         segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter weights)
@@ -123,9 +124,11 @@ class ModelRunner:
             tables.append(seq.block_table)
             starts.append(start)
             counts.append(n)
+            if seq.params.pooling:  # a pooling request: its rows pooled, nothing sampled
+                pool_spans.append((i, len(ids), start, n))
             ids.extend(seq.tokens[start:start + n])
             pos.extend(range(start, start + n))
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens and not seq.params.pooling:
                 last_rows.append(len(ids) - 1)
                 sampled_seqs.append(seq)
                 sampled_idx.append(i)
@@ -155,6 +158,8 @@ class ModelRunner:
                 lsm = torch.log_softmax(self.logits(hidden, next(calls)), dim=-1)
                 values.extend(lsm.gather(1, tgt[a:a + chunk, None])[:, 0].tolist())
             result.prompt_logprobs[i] = (p0, values)
+        for i, row0, p0, cnt in pool_spans:
+            result.pooled[i] = (p0, pool_part(batch.seqs[i], hidden[row0:row0 + cnt], p0))
         if sampled_seqs:
             logits = self.logits(hidden, next(calls))
             # The constrained rows' masks, computed on the mask thread while the model ran.
@@ -168,7 +173,7 @@ class ModelRunner:
             for i in order:  # the order of sampled_seqs
                 seq, n = batch.seqs[i], batch.num_tokens[i]
                 k = len(drafts[i]) if drafts is not None else 0
-                if seq.num_computed + n - k == seq.num_tokens:
+                if seq.num_computed + n - k == seq.num_tokens and not seq.params.pooling:
                     j, tok = next(it)
                     result[i] = int(tok)
                     if lps is not None and lps[j] is not None:
@@ -211,6 +216,19 @@ class ModelRunner:
 
     def prompt_chunk_rows(self) -> int:
         return max(1, self.PROMPT_LOGITS_ELEMS // max(1, self.vocab_size))
+
+
+def pool_part(seq: Sequence, rows: torch.Tensor, p0: int) -> np.ndarray | None:
+    """A pooling request's part of one chunk (``rows``: the final hidden states of its positions
+    p0, p0 + 1, ...), as float32: their sum (mean pooling; the engine adds the chunks and divides),
+    the first position's (CLS, in the chunk at position 0), the last position's (last-token, in the
+    chunk that ends the prompt); None where the chunk holds no pooled position."""
+    kind = seq.params.pooling
+    if kind == "mean":
+        return rows.float().sum(0).cpu().numpy()
+    if kind == "cls":
+        return rows[0].float().cpu().numpy() if p0 == 0 else None
+    return rows[-1].float().cpu().numpy() if p0 + len(rows) == seq.num_tokens else None
 
 
 class DraftRow:
@@ -262,6 +280,8 @@ class NullRunner:
     A constrained row (structured output) takes the first token its mask allows at or after the id
     it would have emitted, so the constraint holds and its cost (the masks, jump-forward) is measured."""
 
+    POOL_DIM = 8  # a pooling request's vector: the pooled one-hot rows of its token ids mod 8
+
     def __init__(self, vocab_size: int = 32000, step_ms: float = 0.0, token_us: float = 0.0):
         self.vocab_size = vocab_size
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -279,6 +299,12 @@ class NullRunner:
             rows, job = batch.masks
             for i, row in zip(rows, job.wait()):
                 out[i] = first_allowed(row, out[i], self.vocab_size)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if seq.params.pooling:  # hidden states of no model: each position's token id as 8 counts
+                out[i] = None
+                ids = np.asarray(seq.tokens[seq.num_computed:seq.num_computed + n]) % self.POOL_DIM
+                rows = torch.from_numpy(np.eye(self.POOL_DIM, dtype=np.float32)[ids])
+                out.pooled[i] = (seq.num_computed, pool_part(seq, rows, seq.num_computed))
         lp = -math.log(self.vocab_size)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             p = seq.params

@@ -15,7 +15,8 @@ Each step:
 2. Waiting sequences are admitted in (priority, arrival) order while the batch cap, the
    prefill-batch cap, the token budget and free blocks allow; a prefix-cache hit skips the
    cached part of the prompt (for a request with ``prompt_logprobs``, only the part whose
-   log-probabilities it already has: the rest is recomputed to get its logits).
+   log-probabilities it already has: the rest is recomputed to get its logits; for a pooling
+   request with mean or CLS pooling, none: every position's hidden state is pooled).
 """
 from __future__ import annotations
 
@@ -268,6 +269,8 @@ class Scheduler:
                 # The positions whose prompt log-probabilities are still missing must run through
                 # the model: reuse only cached blocks wholly before them.
                 hits = hits[:len(seq.prompt_logprobs) // self.blocks.block_size]
+            if hits and seq.params.pooling in ("mean", "cls"):
+                hits = []  # the pooled positions' hidden states are computed, not cached
             n = _prompt_take(seq.num_tokens - len(hits) * self.blocks.block_size, budget, prompt_budget, hold_left)
             if n <= 0:
                 break  # beyond this step's chunk, and not whole within a held step's room

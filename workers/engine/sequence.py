@@ -106,6 +106,10 @@ class Sequence:
     # With params.prompt_logprobs: log P(tokens[p + 1] | tokens[:p + 1]) for prompt positions
     # p = 0, 1, ... as prefill chunks compute them (complete at prompt_len - 1 values).
     prompt_logprobs: list[float] = field(default_factory=list)
+    # A pooling request (params.pooling): the float32 sum of the pooled positions' hidden states so
+    # far and how many prompt positions it covers (a recompute after preemption skips those).
+    pool_sum: Any = None
+    pool_upto: int = 0
     # The LoRA adapter it runs with (workers.engine.lora_manager.Adapter), None = the base model;
     # set while the request holds it (from Engine.add to its end).
     adapter: Any = None
