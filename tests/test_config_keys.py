@@ -213,6 +213,10 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ModelDeployConfig.ModelConfig[].reasoningParser": [
         f"tests/test_reasoning.py::{n}" for n in ("test_config_keys", "test_chosen_by_config",
                                                   "test_qwen3_answer_is_split_as_the_parser_says")],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].embeddingPooling": [
+        f"tests/test_embeddings.py::{n}" for n in ("test_embedding_pooling_key_and_sentence_transformers_files",
+                                                   "test_default_model_last_token_normalised_equals_transformers",
+                                                   "test_sentence_transformers_mean_pooling_equals_transformers")],
     "BackendConfig.ModelDeployConfig.ModelConfig[].moeParallel": [
         f"tests/test_moe.py::{n}" for n in ("test_moe_parallel_key_reaches_the_worker_and_is_checked_at_launch",
                                             "test_tensor_parallel_moe_generates_what_one_process_does")],

@@ -188,3 +188,30 @@ def test_engine_pools_over_prefill_chunks(demo_model, kind):
         assert cosine(np.frombuffer(o.embedding, dtype="<f4"), want) > 1 - 1e-5
         assert sum(len(x.token_ids) for x in outs["g"]) == 3
         assert eng.check_no_leaks()  # its blocks freed at once
+
+
+# -- the pooling rule: sentence-transformers files, ModelConfig.embeddingPooling ---------------------
+def test_embedding_pooling_key_and_sentence_transformers_files(demo_model, tmp_path):
+    from mindie.config import ConfigError, load_config
+    from mindie.text.pooling import load_pooling
+    from tests.harness import write_config
+    cfg = load_config(str(write_config(tmp_path / "c.json", port=2000, run_dir=str(tmp_path), model_path=demo_model,
+                                       model={"embeddingPooling": "mean"})), env={}).config
+    assert cfg.backend.model_deploy.models[0].embedding_pooling == "mean"
+    with pytest.raises(ConfigError, match="embeddingPooling"):
+        load_config(str(write_config(tmp_path / "d.json", port=2000, run_dir=str(tmp_path), model_path=demo_model,
+                                     model={"embeddingPooling": "max"})), env={})
+    plain = load_pooling(demo_model)  # no sentence-transformers files: the plain-decoder default
+    assert (plain.kind, plain.normalize, plain.matryoshka) == ("last", True, False)
+    assert load_pooling(demo_model, "cls").kind == "cls"
+    d = tmp_path / "st"
+    shutil.copytree(demo_model, d)
+    (d / "modules.json").write_text(json.dumps([{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (d / "1_Pooling").mkdir()
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    st = load_pooling(d)
+    assert (st.kind, st.normalize) == ("cls", False)  # no Normalize module listed
+    assert (load_pooling(d, "mean").kind, load_pooling(d, "mean").normalize) == ("mean", False)  # the key wins
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="not served"):
+        load_pooling(d)

@@ -52,6 +52,8 @@ def test_families_of_paths():
         b'event: error\ndata: {"type":"error","code":"BadRequestError","message":"bad","param":"input",'
         b'"sequence_number":0}\n\n')
     assert F.terminator(F.RESPONSES) == b""
+    assert [F.family(p, None) for p in ("/v1/embeddings", "/api/embed", "/v1/embeddingsx")] == \
+        [F.OPENAI, F.OLLAMA, F.OTHER]
     # a path no route serves: Anthropic's shape under /v1/messages, Ollama's under /api/, OpenAI's under /v1/,
     # else MindIE's
     assert [F.unrouted(p) for p in ("/v1/messages/batches", "/v1/nope", "/v1", "/nope", "/api/pull",
