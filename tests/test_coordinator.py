@@ -89,6 +89,8 @@ CASES = [
     ("/v1/messages/count_tokens", {"model": "demo", "messages": [{"role": "user", "content": PROMPT}]}),
     ("/v1/messages", {"model": "nope", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}),
     ("/infer", {"inputs": PROMPT, "parameters": {"top_p": 1.5}}),  # an instance's 422, passed through
+    ("/v1/embeddings", {"model": "demo", "input": [PROMPT, "hi"], "encoding_format": "float"}),  # no PD handoff
+    ("/v1/embeddings", {"model": "demo", "input": "x", "dimensions": 8}),  # an instance's 400, in OpenAI's shape
 ]
 
 

@@ -19,7 +19,7 @@ from mindie.contract.errors import (FINISH_ABORT, FINISH_EOS, FINISH_LENGTH, FIN
                                    UnknownAdapterError)
 from mindie.contract.grammar import ERROR_STATUS, ConstraintError
 from mindie.contract.spec import EngineConfig
-from mindie.contract.wire import Submit
+from mindie.contract.wire import POOLING_KINDS, Submit
 from workers.engine.block_manager import BlockManager
 from workers.engine.constraints import ConstraintState, Grammars, MaskJob
 from workers.engine.lora_manager import Answer, LoraManager
@@ -183,6 +183,7 @@ class Engine:
         assert sub.request_id not in self.requests, f"duplicate request id {sub.request_id}"
         assert 0 < n and 0 < max_new and n + max_new <= self.cfg.max_seq_len, \
             f"{n} input + {max_new} output tokens exceed maxSeqLen {self.cfg.max_seq_len}"
+        assert not sub.params.pooling or sub.params.pooling in POOLING_KINDS, f"unknown pooling {sub.params.pooling!r}"
         assert 0 <= min(sub.token_ids) and max(sub.token_ids) < self.runner.vocab_size, \
             f"an input id is outside the vocabulary [0, {self.runner.vocab_size})"
         need = self.blocks.blocks_needed(n + max_new)
