@@ -215,3 +215,22 @@ def test_embedding_pooling_key_and_sentence_transformers_files(demo_model, tmp_p
     (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="not served"):
         load_pooling(d)
+
+
+def test_engine_pooling_survives_preemption(demo_model):
+    """A pooling request preempted part-way through its chunked prompt is recomputed from its start:
+    the chunks pooled before are dropped, the vector is the one computed alone."""
+    from tests.test_engine import make_engine
+    ids = list(range(5, 75))
+    want = Reference(demo_model).vector(ids, "mean")
+    eng = make_engine(demo_model, num_blocks=8, prefill_chunk_tokens=16, max_prefill_tokens=16)
+    eng.add(Submit("g", "fe", ids[:40], SamplingParams(max_new_tokens=80, ignore_eos=True), priority=1))
+    eng.add(Submit("p", "fe", ids, SamplingParams(max_new_tokens=1, pooling="mean"), priority=5))
+    got = None
+    while eng.has_work():
+        for o in eng.step():
+            if o.seq.request_id == "p":
+                got = np.frombuffer(o.embedding, dtype="<f4")
+    assert eng.scheduler.num_preemptions > 0 and got is not None
+    assert cosine(got, want) > 1 - 1e-5
+    assert eng.check_no_leaks()
