@@ -29,6 +29,7 @@ import numpy as np
 
 from mindie.api.ollama import check_model as ollama_check_model
 from mindie.api.openai import OpenAIResource, _OpenAICodec
+from mindie.api.openai_schema import decode_body
 from mindie.contract import families
 from mindie.contract import wire as P
 from mindie.contract.http_error import ApiError
@@ -53,11 +54,12 @@ def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+_any_json = msgspec.json.Decoder()
+
+
 def _body(body: bytes) -> dict:
-    try:
-        d = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise _bad(f"The body is not valid JSON: {e}", "body") from None
+    # the OpenAI routes' decode: empty and over-deep bodies refused before any recursive decode
+    d = decode_body(_any_json, body)
     if not isinstance(d, dict):
         raise _bad("The body must be a JSON object", "body")
     return d
