@@ -440,8 +440,6 @@ class DeviceClient:
                     link.welcomed = False
                     log.warning("device worker %s stopped", link.ep.worker_id)
                     self._fail_link(link, f"Device worker {link.ep.worker_id} stopped")
-                    if not self.ready_links():
-                        self.ready_event.clear()
                 link.heartbeat = msg
             elif isinstance(msg, P.Stopped):
                 if msg.frontend_id == self.frontend_id:

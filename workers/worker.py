@@ -471,16 +471,16 @@ class Worker:
             except Exception:
                 continue  # undecodable: nothing to answer
             if isinstance(msg, P.Submit):
+                self._frontend(msg.frontend_id)  # publish() sends only to front ends it knows
                 self._fail(msg.frontend_id, msg.request_id, err)
-                self._frontend(msg.frontend_id).requests.add(msg.request_id)
             elif isinstance(msg, P.Cancel):
                 st = self.frontends.get(msg.frontend_id)
                 if st is not None:
                     st.requests.difference_update(msg.request_ids)
+        self.publish()  # frames already due go out first, and their requests leave st.requests
         ended = 0
         for fid, st in self.frontends.items():
-            done = {f.request_id for f in self.pending.get(fid, ()) if f.finish_reason}
-            for rid in st.requests - done:
+            for rid in st.requests:
                 self._fail(fid, rid, err)
                 ended += 1
         self.publish()
