@@ -489,14 +489,7 @@ class Engine:
             if verified and i in verified:
                 out = self._verified(seq, batch.drafts[i], verified[i], sampled.verified_logprobs.get(i), now)
                 if out.finish_reason:
-                    seq.finish_reason = out.finish_reason
-                    if self.speculator.memory is not None:
-                        self.speculator.finished(seq)
-                    if self.finish_hook is not None:  # (as the plain path below does)
-                        self.finish_hook(seq)
-                    self.requests.pop(seq.request_id, None)
-                    self.scheduler.remove(seq)
-                    self._release_adapter(seq)
+                    self._retire(seq, out.finish_reason)
                 outputs.append(out)
                 continue
             if prompt_lps and i in prompt_lps:
@@ -540,16 +533,21 @@ class Engine:
             if seq.grammar is not None and not out.finish_reason:
                 self._advance_grammar(seq, tok, out)
             if out.finish_reason:
-                seq.finish_reason = out.finish_reason
-                if self.speculator.memory is not None:
-                    self.speculator.finished(seq)
-                if self.finish_hook is not None:
-                    self.finish_hook(seq)
-                self.requests.pop(seq.request_id, None)
-                self.scheduler.remove(seq)
-                self._release_adapter(seq)
+                self._retire(seq, out.finish_reason)
             outputs.append(out)
         return outputs
+
+    def _retire(self, seq: Sequence, reason: str, learn: bool = True) -> None:
+        """A sequence that finished in this step: its reason set, the speculator's memory taught
+        (``learn``: a generated answer), the finish hook told, its blocks and adapter released."""
+        seq.finish_reason = reason
+        if learn and self.speculator.memory is not None:
+            self.speculator.finished(seq)
+        if self.finish_hook is not None:
+            self.finish_hook(seq)
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        self._release_adapter(seq)
 
     def _pool_chunk(self, seq: Sequence, p0: int, part, now: float) -> StepOutput | None:
         """A pooling request's chunk: its part added (a chunk at position 0 starts afresh: a
@@ -565,12 +563,7 @@ class Engine:
         out = StepOutput(seq, [], FINISH_POOLED, prefill_ms=(now - seq.enqueue_t) * 1000.0,
                          embedding=np.asarray(vec, dtype="<f4").tobytes())
         self.ttft_ms.add(out.prefill_ms)
-        seq.finish_reason = FINISH_POOLED
-        if self.finish_hook is not None:
-            self.finish_hook(seq)
-        self.requests.pop(seq.request_id, None)
-        self.scheduler.remove(seq)
-        self._release_adapter(seq)
+        self._retire(seq, FINISH_POOLED, learn=False)  # nothing generated to learn from
         return out
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str:
