@@ -404,11 +404,21 @@ class KvTransfer:
             nbytes = sum(v.nbytes for v in views)
             head = KvBlock(out.transfer_id, i, list(seq.tokens[i * self.bm.block_size:(i + 1) * self.bm.block_size]),
                            crc_of(views), nbytes)
-            sock.send_multipart([_enc.encode(head), *views], copy=False)
+            try:
+                # Never block the device loop: with no connected peer (a refused CURVE handshake
+                # drops the pipe before _check_links reads the monitor, a decode worker gone) a
+                # DEALER's send would wait forever. Sent again at the next poll; the monitor or
+                # the lease ends the transfer.
+                sock.send_multipart([_enc.encode(head), *views], copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
             out.bytes += nbytes
             out.next += 1
         if out.finished and not out.done_sent and out.next == out.limit:
-            sock.send(_enc.encode(KvDone(out.transfer_id, out.limit, seq.prompt_len)))
+            try:
+                sock.send(_enc.encode(KvDone(out.transfer_id, out.limit, seq.prompt_len)), zmq.NOBLOCK)
+            except zmq.Again:
+                return
             out.done_sent = True
 
     def _abort_out(self, rid: str, why: str) -> None:
