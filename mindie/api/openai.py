@@ -210,6 +210,8 @@ class _OpenAICodec(Codec):
                                 f"ScheduleConfig.maxN = {self.max_n}.", param="n")
         subs = []
         keep = req.tools.keep_special if req.tools is not None and req.tools.parser is not None else frozenset()
+        if req.reasoning is not None:
+            keep |= getattr(self, "_reasoning_keep", frozenset())
         for p, ids in enumerate(req.prompts):
             mnt = cap_max_new_tokens(params.max_new_tokens, len(ids), self.limits)
             for j in range(n):
@@ -377,6 +379,10 @@ class ChatCompletionsCodec(_OpenAICodec):
                      self.reasoning.name)
         end_id = self.tokenizer.tokenizer.token_to_id(self.reasoning.end) if self.reasoning else None
         self._end_id = end_id  # </think> as one token of the vocabulary (else None)
+        # A format whose markers are special tokens (harmony's): the detokeniser keeps their text for the parser.
+        tok = self.tokenizer
+        self._reasoning_keep = frozenset(i for m in getattr(self.reasoning, "markers", ())
+                                         if (i := tok.tokenizer.token_to_id(m)) is not None and i in tok.special_ids)
         self.tools = ToolSupport(self.template, self.tokenizer, tool_call_parser)
 
     def _encode(self, text: str) -> list[int]:

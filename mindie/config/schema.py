@@ -220,7 +220,7 @@ class ModelConfig(_Section):
     # Project extension: the chat route's reasoning parser (vLLM's --reasoning-parser names;
     # mindie/text/reasoning.py). "auto": MindIE's models.<type>.enable_reasoning where set, else
     # detected from the chat template; "none": off.
-    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = "auto"
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1", "harmony"] = "auto"
     # Project extension: how /v1/embeddings pools the prompt's final hidden states (mindie/text/pooling.py).
     # "auto": the checkpoint's sentence-transformers files (modules.json, 1_Pooling/config.json),
     # else the last token, normalised (a plain decoder: Qwen3-Embedding style); a kind names it.

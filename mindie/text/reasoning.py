@@ -6,6 +6,9 @@ Parsers (vLLM's ``--reasoning-parser`` names):
 - ``qwen3`` (Qwen3, QwQ): the thinking is what the model writes between ``<think>`` and
   ``</think>`` at the start of its answer; an answer that does not open with ``<think>`` is all
   content (``enable_thinking: false``: Qwen3's template closes an empty think block in the prompt).
+- ``harmony`` (GPT-OSS): the ``analysis`` channel of OpenAI's harmony format is the thinking, the
+  ``final`` channel the answer (mindie/text/harmony.py; its tool calls stay in the content for the
+  ``harmony`` tool-call parser).
 - ``deepseek_r1`` (DeepSeek-R1 and its distills): the template opens the think block in the
   prompt (``<think>\\n``), so everything before ``</think>`` is thinking, a leading ``<think>``
   the model writes again included, unless the prompt ends with a closed block.
@@ -32,9 +35,10 @@ from typing import Any
 import msgspec
 
 from mindie.contract.errors import FINISH_LENGTH
+from mindie.text import harmony
 from mindie.text.generation import Piece
 
-__all__ = ["PARSERS", "ReasoningParser", "Splitter", "detect", "choose", "split", "MODEL_TYPE_PARSERS"]
+__all__ = ["PARSERS", "HarmonyParser", "ReasoningParser", "Splitter", "detect", "choose", "split", "MODEL_TYPE_PARSERS"]
 
 START, END = "<think>", "</think>"
 
@@ -60,11 +64,28 @@ class ReasoningParser:
         return Splitter(self, self.initial(prompt))
 
 
+@dataclass(frozen=True)
+class HarmonyParser(ReasoningParser):
+    """GPT-OSS's harmony format (mindie/text/harmony.py): the ``analysis`` channel is the thinking.
+    Its markers are special tokens the chat route keeps in the text (``markers``); ``end`` is the
+    analysis message's end (reasoning tokens are counted up to the first one)."""
+
+    markers: tuple[str, ...] = harmony.MARKERS
+
+    def initial(self, prompt: str) -> bool:
+        return harmony.open_tail(prompt).rstrip().endswith("analysis" + harmony.MESSAGE)
+
+    def splitter(self, prompt: str) -> harmony.HarmonySplitter:  # type: ignore[override]
+        return harmony.HarmonySplitter(harmony.open_tail(prompt))
+
+
 PARSERS = {"qwen3": ReasoningParser("qwen3", starts_inside=False),
-           "deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True)}
+           "deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
+           "harmony": HarmonyParser("harmony", starts_inside=False, start=harmony.CHANNEL + "analysis",
+                                    end=harmony.END)}
 # MindIE's model-type keys under ModelConfig.models (its enable_reasoning docs) and their parser.
 MODEL_TYPE_PARSERS = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseekv2": "deepseek_r1",
-                      "deepseek_v3": "deepseek_r1", "deepseek_v32": "deepseek_r1"}
+                      "deepseek_v3": "deepseek_r1", "deepseek_v32": "deepseek_r1", "gpt_oss": "harmony"}
 
 # Splitter states.
 _PRE, _OPENING, _THINKING, _CLOSED, _CONTENT = range(5)
@@ -171,6 +192,8 @@ def detect(template: Any) -> ReasoningParser | None:
         source = template.source()
     except Exception:  # noqa: BLE001 - several templates without a default: no detection
         return None
+    if harmony.CHANNEL in source and harmony.MESSAGE in source:  # GPT-OSS's harmony format
+        return PARSERS["harmony"]
     if START not in source or END not in source:
         return None
     try:

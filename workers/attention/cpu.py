@@ -156,8 +156,10 @@ class CpuPagedAttention(PagedAttention):
         return out.to(q.dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = self.meta
+        if sinks is not None:  # the kernels have no sink logits: the portable path (its C cache write)
+            return super().__call__(layer, q, k, v, window, sinks)
         if self._seqs is not None and window is None and q.dim() == 3 and q.shape[0] == meta.num_tokens:
             return self._prompts_sdpa(layer, q, k, v)
         chunks = self._chunks
@@ -197,9 +199,9 @@ class CpuPagedAttention(PagedAttention):
                                  src.shape[0], src.stride(0), hkv, bs, d)
 
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                window: int | None) -> torch.Tensor:
-        if self.lib is None:
-            return super()._decode(g, q, kc, vc, window)
+                window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.lib is None or sinks is not None:
+            return super()._decode(g, q, kc, vc, window, sinks)
         B, H, D = q.shape
         qc = q.to(kc.dtype).contiguous()
         out = torch.empty_like(qc)

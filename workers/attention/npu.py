@@ -63,9 +63,11 @@ class NpuPagedAttention:
         self.decode_only = all(n == 1 for n in num_new)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         import torch_npu  # optional (the npu extra): imported only where an NPU step runs
 
+        if sinks is not None:
+            raise NotImplementedError("attention sinks (GPT-OSS) are not implemented on the NPU backend yet")
         if window is not None:
             raise NotImplementedError("sliding-window attention is not implemented on the NPU backend yet")
         kc, vc = self.k_cache[layer], self.v_cache[layer]

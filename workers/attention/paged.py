@@ -159,6 +159,21 @@ def _decode_metadata(block_tables: list[list[int]], start_pos: list[int], block_
                                                               host[3 * b:4 * b]), None, b)
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learned sink logit per query head in each softmax's denominator (GPT-OSS,
+    transformers' eager ``softmax(cat(scores, sink))`` with the sink's column dropped). q [B, H, Q, D],
+    k and v [B, Hkv, K, D], mask [B, 1, Q, K] (True: may attend), sinks [H]; scores in fp32."""
+    h, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+    if h != hkv:
+        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * d ** -0.5
+    s.masked_fill_(~mask, float("-inf"))
+    sink = sinks.float().view(1, h, 1, 1).expand(s.shape[0], h, s.shape[2], 1)
+    p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p.to(v.dtype), v).to(q.dtype)
+
+
 class PagedAttention:
     """The ``attn`` object the model calls per layer; owns the KV cache tensors."""
 
@@ -187,18 +202,19 @@ class PagedAttention:
         self.meta = build_metadata(block_tables, start_pos, num_new, self.block_size, self.k_cache[0].device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``sinks``: one logit per query head [H] in every softmax's denominator (GPT-OSS)."""
         meta = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         self._write(layer, k, v)
         if meta.prefill is None:
-            return self._decode(meta.decode, q, kc, vc, window)
+            return self._decode(meta.decode, q, kc, vc, window, sinks)
         out = torch.empty_like(q)
         if meta.decode is not None:
-            out[meta.decode.rows] = self._decode(meta.decode, q[meta.decode.rows], kc, vc, window)
+            out[meta.decode.rows] = self._decode(meta.decode, q[meta.decode.rows], kc, vc, window, sinks)
         g = meta.prefill
         qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-        if g.fresh and window is None:
+        if g.fresh and window is None and sinks is None:
             kg = k[g.q_index].transpose(1, 2).to(kc.dtype)  # right-padded: causal SDPA stays exact
             vg = v[g.q_index].transpose(1, 2).to(kc.dtype)
             o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=kg.shape[1] != qg.shape[1])
@@ -209,8 +225,9 @@ class PagedAttention:
                 B, kc.shape[1], nb * self.block_size, kc.shape[3])
             vg = self._gather("v", vc, flat).view(B, nb, *vc.shape[1:]).transpose(1, 2).reshape(
                 B, vc.shape[1], nb * self.block_size, vc.shape[3])
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(window, self.block_size),
-                                               enable_gqa=kg.shape[1] != qg.shape[1])
+            mask = g.mask(window, self.block_size)
+            o = (F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=kg.shape[1] != qg.shape[1])
+                 if sinks is None else sink_attention(qg, kg, vg, mask, sinks))
         o = o.transpose(1, 2)  # [B, Q, H, D]
         out[g.q_index[g.q_valid]] = o[g.q_valid]
         return out
@@ -222,7 +239,7 @@ class PagedAttention:
         vc[meta.blocks, :, meta.offsets] = v.to(vc.dtype)
 
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                window: int | None) -> torch.Tensor:
+                window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         B, H, D = q.shape
         nb = g.tables.shape[1]
         hkv, bs = kc.shape[1], kc.shape[2]
@@ -234,7 +251,12 @@ class PagedAttention:
         s = torch.matmul(qg, kb.transpose(-1, -2)).float()  # [B, nb, Hkv, G, bs]
         s.mul_(D ** -0.5)
         s.masked_fill_(~g.mask(window, bs), float("-inf"))
-        p = torch.softmax(s.permute(0, 2, 3, 1, 4).reshape(B, hkv, H // hkv, nb * bs), dim=-1)
+        s = s.permute(0, 2, 3, 1, 4).reshape(B, hkv, H // hkv, nb * bs)
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:  # the sink's column joins the softmax, then is dropped
+            sink = sinks.float().view(1, hkv, H // hkv, 1).expand(B, -1, -1, 1)
+            p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
         p = p.view(B, hkv, H // hkv, nb, bs).permute(0, 3, 1, 2, 4).to(vb.dtype)
         o = torch.matmul(p, vb).sum(1, dtype=torch.float32)  # [B, Hkv, G, D]
         return o.reshape(B, H, D).to(q.dtype)

@@ -95,7 +95,8 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
     engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)
     engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else
-                               MLA_LORA_REFUSAL if runner.model.args.deepseek is not None else "")
+                               MLA_LORA_REFUSAL if runner.model.args.deepseek is not None else
+                               GPT_OSS_LORA_REFUSAL if runner.model.args.gpt_oss is not None else "")
     engine.grammars = grammars(spec.model_path, runner)  # rank 0 samples, so it alone masks
     return Assembly(runner, engine, group, num_blocks, device)
 
@@ -114,6 +115,7 @@ def grammars(model_dir: str, runner: ModelRunner | NullRunner) -> constraints.Gr
 
 
 MLA_LORA_REFUSAL = "LoRA adapters are not served for DeepSeek (multi-head latent attention) models"
+GPT_OSS_LORA_REFUSAL = "LoRA adapters are not served for GPT-OSS models (attention sinks, stacked experts)"
 TP_REFUSAL = "LoRA adapters are not served by tensor-parallel instances (npuDeviceIds entries of several devices)"
 
 

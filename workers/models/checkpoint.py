@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
 from .deepseek_config import is_mtp_tensor
+from .gpt_oss_config import expert_tensors as gpt_oss_tensors
 from .gguf_file import GgufError, open_gguf, plan_tensors, view_source
 from .moe_names import NAMES as MOE_NAMES, expected_tensors as moe_tensors
 
@@ -108,7 +109,9 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             out[f"{pre}self_attn.q_norm.weight"] = (args.head_dim,)
             out[f"{pre}self_attn.k_norm.weight"] = (args.head_dim,)
         moe = args.moe
-        if moe is not None and moe.sparse_layers[i]:  # a mixture-of-experts layer (workers/models/moe.py)
+        if args.gpt_oss is not None:  # its router, experts and sinks (workers/models/gpt_oss.py)
+            out.update(gpt_oss_tensors(pre, hid, inter, args.num_attention_heads, args.gpt_oss))
+        elif moe is not None and moe.sparse_layers[i]:  # a mixture-of-experts layer (workers/models/moe.py)
             out.update(moe_tensors(pre, MOE_NAMES[moe.names], hid, moe.num_experts, moe.moe_intermediate_size,
                                    moe.shared_expert_intermediate_size, moe.shared_expert_gate))
         else:

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from .config_values import config_int
 from .deepseek_config import DeepseekArgs, parse_deepseek
+from .gpt_oss_config import GptOssArgs, parse_gpt_oss
 
 __all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
 
@@ -43,6 +44,9 @@ SUPPORTED_ARCHS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "mixtral": "mixtral",
     "MixtralForCausalLM": "mixtral",
+    # Attention sinks, alternating windows, its own experts: workers/models/gpt_oss.py
+    "gpt_oss": "gpt_oss",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # An MoE family -> the dense family whose attention (biases, q/k norms, windows) it shares.
@@ -121,6 +125,7 @@ class ModelArgs:
     # DeepSeek-V2/V3 (multi-head latent attention, their MoE routing): workers/models/deepseek_config.py
     deepseek: DeepseekArgs | None = None
     moe: MoeArgs | None = None  # mixture of experts (None: every layer dense)
+    gpt_oss: GptOssArgs | None = None  # GPT-OSS's experts and rope: workers/models/gpt_oss_config.py
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -200,7 +205,10 @@ class ModelArgs:
         max_pos = get_int("max_position_embeddings", 4096 if arch == "llama" else None)
 
         # DeepSeek's rope (YaRN with mscale) is its own: deepseek_config.py
-        rope_theta, rope_scaling = (deepseek.rope_theta, None) if deepseek else _parse_rope(cfg, err, max_pos)
+        gpt_oss = parse_gpt_oss(cfg, err) if arch == "gpt_oss" else None
+        # DeepSeek's and GPT-OSS's YaRN are their own (deepseek_config.py, gpt_oss_config.py)
+        own_rope = deepseek or gpt_oss
+        rope_theta, rope_scaling = (own_rope.rope_theta, None) if own_rope else _parse_rope(cfg, err, max_pos)
         if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != head_dim // 2:
             raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, head_dim {head_dim} needs "
                       f"{head_dim // 2}")
@@ -215,8 +223,8 @@ class ModelArgs:
             qkv_bias = o_bias = False
         elif deepseek is not None:  # q_a, kv_a and o projections (attention_bias)
             qkv_bias = o_bias = get_bool("attention_bias", False)
-        else:
-            qkv_bias = o_bias = get_bool("attention_bias", False)
+        else:  # GPT-OSS: q, k, v and o biases unless its config says otherwise
+            qkv_bias = o_bias = get_bool("attention_bias", arch == "gpt_oss")
         mlp_bias = get_bool("mlp_bias", False) if arch == "llama" else False
 
         sliding_window, layer_windows = _parse_sliding_window(cfg, arch_key, n_layers, err)
@@ -263,6 +271,7 @@ class ModelArgs:
             model_type=str(cfg.get("model_type", "")),
             deepseek=deepseek,
             moe=moe,
+            gpt_oss=gpt_oss,
         )
 
     # ---------------------------------------------------------------- helpers
@@ -369,6 +378,8 @@ def _parse_sliding_window(
         window = None
     if window is None:
         return None, (None,) * n_layers
+    if arch == "gpt_oss" and cfg.get("layer_types") is None:  # transformers' default: sliding, full, sliding..
+        cfg = {**cfg, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise err("sliding_window", f"must be a positive integer or null, got {window!r}")
     if arch in ("mistral", "mixtral", "qwen3_moe"):  # Qwen3-MoE: every layer (transformers' Qwen3MoeAttention)

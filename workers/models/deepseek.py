@@ -44,17 +44,22 @@ from .moe import slots as moe_slots
 if TYPE_CHECKING:
     from .sharding import TensorParallel
 
-__all__ = ["DeepseekLM", "DeepseekRope", "kv_bytes_per_token", "param_slots", "rope_inv_freq"]
+__all__ = ["DeepseekLM", "DeepseekRope", "kv_bytes_per_token", "param_slots", "rope_inv_freq", "yarn_inv_freq"]
 
 
 def rope_inv_freq(ds: DeepseekArgs) -> torch.Tensor:
-    """Inverse frequencies [qk_rope_head_dim / 2] in fp32: plain, or YaRN exactly as transformers'
-    ``_compute_yarn_parameters``."""
-    dim, base = ds.qk_rope_head_dim, ds.rope_theta
+    """Inverse frequencies [qk_rope_head_dim / 2] in fp32: plain, or YaRN (``yarn_inv_freq``)."""
+    return yarn_inv_freq(ds.qk_rope_head_dim, ds.rope_theta, ds.yarn)
+
+
+def yarn_inv_freq(dim: int, base: float, yarn: tuple[float, float, float, int, bool] | None) -> torch.Tensor:
+    """Inverse frequencies [dim / 2] in fp32: plain (``yarn`` None), or YaRN exactly as transformers'
+    ``_compute_yarn_parameters``; ``yarn``: (factor, beta_fast, beta_slow, original max positions,
+    truncate). GPT-OSS's rope uses it too (workers/models/gpt_oss.py)."""
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    if ds.yarn is None:
+    if yarn is None:
         return 1.0 / pos_freqs
-    factor, beta_fast, beta_slow, orig, truncate = ds.yarn
+    factor, beta_fast, beta_slow, orig, truncate = yarn
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))

@@ -20,7 +20,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safe
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
 from .gguf_loader import Int8Target, load_gguf
-from . import deepseek
+from . import deepseek, gpt_oss
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
@@ -103,7 +103,9 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
         if att.q_norm is not None and att.k_norm is not None:
             whole(f"{pre}self_attn.q_norm.weight", att.q_norm.weight)
             whole(f"{pre}self_attn.k_norm.weight", att.k_norm.weight)
-        if isinstance(layer.mlp, SparseMoE):  # routed experts, router, shared expert (workers/models/moe.py)
+        if a.gpt_oss is not None:  # router, experts and sinks (workers/models/gpt_oss.py)
+            slots.update(gpt_oss.mlp_slots(layer, pre, Slot))
+        elif isinstance(layer.mlp, SparseMoE):  # routed experts, router, shared expert (workers/models/moe.py)
             assert a.moe is not None
             slots.update(moe_slots(layer.mlp, pre, MOE_NAMES[a.moe.names], Slot, shard is not None))
         else:
@@ -168,7 +170,8 @@ def load_model(
     # Allocate straight on the target device. DecoderLM skips random init, so this is just
     # uninitialised storage that the checkpoint overwrites below (no meta device: its empty_like
     # drags in sympy and costs ~0.5 s on first use).
-    model_cls = deepseek.DeepseekLM if args.deepseek is not None else DecoderLM
+    model_cls = (deepseek.DeepseekLM if args.deepseek is not None else gpt_oss.GptOssLM if args.gpt_oss is not None
+                 else DecoderLM)
     with torch.device(device):
         model = model_cls(args, dtype=dtype, max_positions=max_positions, tp=tp)
     model.eval().requires_grad_(False)

@@ -87,6 +87,8 @@ def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> 
                                 f"size that divides num_attention_heads ({h}), num_key_value_heads ({kv}) or is a "
                                 f"multiple of it, and intermediate_size ({inter})")
 
+    if args.gpt_oss is not None and world > 1:  # stacked experts and per-head sinks are not split (gpt_oss.py)
+        raise ModelConfigError(f"{WORLD_SIZE_KEY}: tensor parallelism is not supported for GPT-OSS; use worldSize 1")
     if h % world:
         raise refuse(f"num_attention_heads {h} is not a multiple of {world}")
     dense = args.moe is None or not all(args.moe.sparse_layers)

@@ -6,7 +6,7 @@ Each name maps to the format it parses. The names are MindIE's registry names fo
 implemented here (its ToolsCallProcessor table: ``hermes``/``qwen3``/``qwen3_moe``, ``qwen2_5``,
 ``llama``/``llama3``/``llama3_1``, ``deepseek_v3``/``deepseekv3``/``deepseek_v2``/``deepseekv2``,
 ``deepseek_v31``/``deepseekv31``) plus vLLM's ``--tool-call-parser`` names for the same formats
-(``llama3_json``, ``mistral``). MindIE's ChatGLM processors are not implemented.
+(``llama3_json``, ``mistral``, ``openai``: GPT-OSS's harmony, also ``harmony``/``gpt_oss``). MindIE's ChatGLM processors are not implemented.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ LLAMA3_JSON = "llama3_json"
 MISTRAL = "mistral"
 DEEPSEEK_V3 = "deepseek_v3"
 DEEPSEEK_V31 = "deepseek_v31"
+HARMONY = "harmony"
 
-FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, DEEPSEEK_V3, DEEPSEEK_V31)
+FORMATS = (HERMES, LLAMA3_JSON, MISTRAL, DEEPSEEK_V3, DEEPSEEK_V31, HARMONY)
 
 # Every accepted name -> its format.
 ALIASES: dict[str, str] = {
@@ -25,6 +26,7 @@ ALIASES: dict[str, str] = {
     MISTRAL: MISTRAL,
     DEEPSEEK_V3: DEEPSEEK_V3, "deepseekv3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V3, "deepseekv2": DEEPSEEK_V3,
     DEEPSEEK_V31: DEEPSEEK_V31, "deepseekv31": DEEPSEEK_V31,
+    HARMONY: HARMONY, "openai": HARMONY, "gpt_oss": HARMONY,
 }
 
 

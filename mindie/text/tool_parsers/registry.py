@@ -12,6 +12,7 @@ from __future__ import annotations
 from mindie.text.tool_parsers import names
 from mindie.text.tool_parsers.base import ToolCallStream, ToolParser, parse_text
 from mindie.text.tool_parsers.deepseek import DeepSeekV3Parser, DeepSeekV31Parser
+from mindie.text.tool_parsers.harmony import HarmonyParser
 from mindie.text.tool_parsers.hermes import HermesParser
 from mindie.text.tool_parsers.llama3 import Llama3JsonParser
 from mindie.text.tool_parsers.mistral import MistralParser
@@ -20,7 +21,7 @@ __all__ = ["PARSERS", "parser_class", "detect", "ToolParser", "ToolCallStream", 
 
 PARSERS: dict[str, type[ToolParser]] = {
     names.HERMES: HermesParser, names.LLAMA3_JSON: Llama3JsonParser, names.MISTRAL: MistralParser,
-    names.DEEPSEEK_V3: DeepSeekV3Parser, names.DEEPSEEK_V31: DeepSeekV31Parser,
+    names.DEEPSEEK_V3: DeepSeekV3Parser, names.DEEPSEEK_V31: DeepSeekV31Parser, names.HARMONY: HarmonyParser,
 }
 assert set(PARSERS) == set(names.FORMATS)
 
@@ -39,7 +40,10 @@ def detect(template: str) -> str | None:
     By the markup the template renders for an assistant's ``tool_calls``: ``[TOOL_CALLS]``
     (Mistral), DeepSeek's ``<｜tool▁calls▁begin｜>`` (v3 when it fences the arguments in a json
     code block, else v3.1), ``<tool_call>`` (Hermes, Qwen2.5, Qwen3), ``<|python_tag|>`` or the
-    ``ipython`` role with ``"parameters"`` (Llama 3.x)."""
+    ``ipython`` role with ``"parameters"`` (Llama 3.x), harmony's ``<|channel|>`` with
+    ``to=functions.`` (GPT-OSS)."""
+    if "<|channel|>" in template and "to=functions." in template:
+        return names.HARMONY
     if "[TOOL_CALLS]" in template:
         return names.MISTRAL
     if "tool▁calls▁begin" in template:
