@@ -37,6 +37,7 @@ NAMES = [f.name for f in FUNCS]
 W_ARGS = {"city": "Zürich \"Île\" \\ ü", "days": 3, "opts": {"units": ["c", "f"], "alerts": True, "x": None, "n": -1.5e3}}
 A_ARGS = {"a": 1, "b": 2}
 
+HC, HM, HK = "<|channel|>", "<|message|>", "<|constrain|>"  # harmony's markers
 B, E, CB, CE, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
 
@@ -69,13 +70,21 @@ CASES = [
                     f"{CB}function{SEP}add\n```json\n{j(A_ARGS)}\n```{CE}{E}", "Hi", [("get_weather", W_ARGS), ("add", A_ARGS)]),
     ("deepseek_v31", f"{B}{CB}get_weather{SEP}{j(W_ARGS)}{CE}{CB}add{SEP}{j(A_ARGS)}{CE}{E} ok", " ok",
      [("get_weather", W_ARGS), ("add", A_ARGS)]),
+    # harmony (GPT-OSS): as the harmony reasoning parser leaves the content, and as the model writes it
+    ("harmony", f"Let me check.{HC}commentary to=functions.get_weather {HK}json{HM}{j(W_ARGS)}<|call|>", "Let me check.",
+     [("get_weather", W_ARGS)]),
+    ("harmony", f"{HC}final{HM}Sure.<|end|><|start|>assistant to=functions.add{HC}commentary json{HM}{j(A_ARGS)}"
+                "<|call|>", "Sure.", [("add", A_ARGS)]),
+    ("harmony", f"{HC}final{HM}a <| b < c<|return|>", "a <| b < c", []),
 ]
 MALFORMED = [
     ("hermes", 'x <tool_call>\n{"name": "add", "arguments": {"a": }\n</tool_call>'),
     ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
     ("deepseek_v3", f"{B}{CB}function{SEP}add\n```json\n{{\"a\": \n```{CE}{E}"),
+    ("harmony", f'{HC}commentary to=functions.add {HK}json{HM}{{"a": }}<|call|>'),
 ]
-MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", B, E, CB, CE, SEP, "tool_call>")
+MARKUP = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", B, E, CB, CE, SEP, "tool_call>",
+          HC, HM, HK, "<|call|>", "<|start|>")
 
 
 def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
@@ -162,6 +171,7 @@ CUT = [  # a call cut off before its end (max_tokens, or the model stopped): (fo
     ("llama3_json", '{"name": "add", "parameters": {"a": 1', "{"),
     ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}', '{"a": 1'),  # the list still open
     ("deepseek_v31", f"{B}{CB}add{SEP}{{\"a\": 10, ", '{"a": 10'),
+    ("harmony", f'{HC}commentary to=functions.add {HK}json{HM}{{"a": 1, "b": "tw', '{"a": 1, "b": "tw'),
 ]
 
 
@@ -223,8 +233,10 @@ def test_detect_from_templates():
     assert detect(f"'{B}' '{CB}' + tool['type'] + '{SEP}' + name + '\\n```json\\n'") == "deepseek_v3"
     assert detect(f"'{B}{CB}' + tool['function']['name'] + '{SEP}'") == "deepseek_v31"
     assert detect("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}") is None
-    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31"}
-    for alias in ("qwen3", "qwen3_moe", "qwen2_5", "llama3", "llama3_1", "deepseekv3", "deepseek_v2", "deepseekv31"):
+    assert detect("{{- '<|start|>assistant<|channel|>commentary to=functions.' + name }}") == "harmony"
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "harmony"}
+    for alias in ("qwen3", "qwen3_moe", "qwen2_5", "llama3", "llama3_1", "deepseekv3", "deepseek_v2", "deepseekv31",
+                  "openai", "gpt_oss"):
         parser_class(alias)
     with pytest.raises(KeyError):
         parser_class("chatglm3")
@@ -237,7 +249,8 @@ def _tokenizers(demo_model: str) -> dict[str, Tokenizer]:
     # Every format's delimiters as special tokens, as Mistral's, Llama 3's and DeepSeek's tokenizers have
     # theirs: the grammar must ask for the token, never its spelling.
     special.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in
-                                ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", B, E, CB, CE, SEP)])
+                                ("[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", B, E, CB, CE, SEP,
+                                 "<|start|>", HC, HM, HK, "<|call|>", "<|end|>", "<|return|>")])
     out["special"] = special
     try:
         from workers.models.default_model import default_model_file
@@ -302,7 +315,11 @@ VALID = {  # a grammar's own rendering of calls (what a model writes under it)
     "mistral": lambda calls: "[TOOL_CALLS] " + j([{"name": n, "arguments": a} for n, a in calls]),
     "deepseek_v3": lambda calls: B + "\n".join(f"{CB}function{SEP}{n}\n```json\n{j(a)}\n```{CE}" for n, a in calls) + E,
     "deepseek_v31": lambda calls: B + "".join(f"{CB}{n}{SEP}{j(a)}{CE}" for n, a in calls) + E,
+    # one call per answer (<|call|> ends GPT-OSS's turn): two are the second answer's
+    "harmony": lambda calls: "<|end|><|start|>assistant".join(
+        f"{HC}commentary to=functions.{n} {HK}json{HM}{j(a)}<|call|>" for n, a in calls),
 }
+ONE_CALL = ("llama3_json", "harmony")  # formats whose grammar writes one call even when parallel
 GOOD = [("get_weather", {"city": "Zürich", "days": 7}), ("add", {"a": 0, "b": 99})]
 
 
@@ -310,7 +327,7 @@ GOOD = [("get_weather", {"city": "Zürich", "days": 7}), ("add", {"a": 0, "b": 9
 def test_grammar_accepts_valid_calls_token_by_token(toks, demo_model, fmt):
     for name, tok in toks.items():
         support = _support(demo_model, tok, fmt)
-        for parallel, calls in ((False, GOOD[:1]), (True, GOOD if fmt != "llama3_json" else GOOD[1:])):
+        for parallel, calls in ((False, GOOD[:1]), (True, GOOD if fmt not in ONE_CALL else GOOD[1:])):
             grammar = support.parser_cls(NAMES).grammar(FUNCS, parallel, support.token)
             m = _matcher(tok, grammar)
             ids = _ids(tok, VALID[fmt](calls))
@@ -352,7 +369,7 @@ def test_grammar_refuses_invalid_calls(toks, demo_model, fmt):
     assert _walk(_matcher(tok, named), ids) < len(ids)
 
 
-@pytest.mark.parametrize("fmt", ["llama3_json", "mistral", "deepseek_v3", "deepseek_v31"])
+@pytest.mark.parametrize("fmt", ["llama3_json", "mistral", "deepseek_v3", "deepseek_v31", "harmony"])
 def test_grammar_asks_for_special_delimiters_as_tokens(toks, demo_model, fmt):
     """Where the tokenizer has a delimiter as a special token, the grammar allows that token and
     not the same text spelled in ordinary tokens (the detokeniser keeps the token's text)."""
