@@ -166,15 +166,17 @@ def test_logits_bf16_within_half_precision_tolerance(model) -> None:
 
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 100, 37, 70)]
+    # the last one repeats itself: the speculator (suffix lookup, on by default) drafts from it
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 100, 37, 70)] + [[7, 8, 9, 10, 11] * 8]
 
 
 def test_engine_greedy_equals_transformers_under_pressure(model, caplog) -> None:
+    """Chunked prefill (chunks of 29), preemption (14 blocks), speculation, a prefix-cache hit."""
     hf, path = model
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
     ps = _prompts()
     want = {f"r{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
-    # 14 blocks of 16 for ~250 tokens of work: preemption; prompts cut into chunks of 29
+    # 14 blocks of 16 for ~300 tokens of work: preemption; prompts cut into chunks of 29
     with caplog.at_level("INFO", logger="workers.backends"):
         eng = make_engine(str(path), num_blocks=14, max_prefill_tokens=29, max_batch_size=4)
     assert "fused decode kernel not used: attention sinks" in caplog.text or "no C kernels" in caplog.text
@@ -182,6 +184,7 @@ def test_engine_greedy_equals_transformers_under_pressure(model, caplog) -> None
     res = run(eng, {f"r{i}": (p, greedy) for i, p in enumerate(ps)})
     assert {k: v[0] for k, v in res.items()} == want
     assert eng.scheduler.num_preemptions > 0
+    assert eng.speculator.draft_tokens > 0  # drafts verified as several query rows after the cached ones
     assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
     hits = eng.blocks.prefix_hits
     again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # the 100-token prompt again: 6 full blocks cached
