@@ -122,11 +122,13 @@ def test_config_errors_name_the_key(tmp_path: Path, patch: dict, key: str) -> No
 # -- logits over the paged latent cache ---------------------------------------------------------------
 
 
-def _paged_logits(model, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+def _paged_logits(model, ids: torch.Tensor, chunks: list[int], attn=None) -> torch.Tensor:
     """Logits of every position: the prompt in ``chunks`` (chunked prefill over the cache), the
-    rest one decode step each (the absorbed path)."""
-    kind, shape = model.kv_layout
-    attn = for_layout(kind)(shape[0], 32, 16, shape[1], shape[2], torch.float32, torch.device("cpu"))
+    rest one decode step each (the absorbed path). ``attn``: a 32-block cache of 16 (default: the
+    model's latent cache; tests/test_gpt_oss.py passes per-head ones)."""
+    if attn is None:
+        kind, shape = model.kv_layout
+        attn = for_layout(kind)(shape[0], 32, 16, shape[1], shape[2], torch.float32, torch.device("cpu"))
     table = list(range(31, -1, -1))  # blocks out of order: the table is what places them
     outs, pos = [], 0
     with torch.no_grad():

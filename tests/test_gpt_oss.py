@@ -43,6 +43,7 @@ from workers.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
+from tests.test_deepseek import _paged_logits as ds_paged_logits, hf_greedy  # noqa: E402
 from tests.test_engine import make_engine, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -70,15 +71,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     hf = _gpt_oss(BASE)
     hf.save_pretrained(path)
     return hf, path
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation (a full forward per token)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 # -- config ------------------------------------------------------------------------------------------
@@ -118,17 +110,10 @@ def test_config_errors_name_the_key(tmp_path: Path, patch: dict, key: str) -> No
 
 
 def _paged_logits(model, cls: type, ids: torch.Tensor, chunks: list[int], dtype=torch.float32) -> torch.Tensor:
-    """Logits of every position: the prompt in ``chunks``, the rest one decode step each."""
+    """Logits of every position over a ``cls`` cache: the prompt in ``chunks``, then decodes."""
     a = model.args
-    attn = cls(a.num_hidden_layers, 32, 16, a.num_key_value_heads, a.head_dim, dtype, torch.device("cpu"))
-    table = list(range(31, -1, -1))  # blocks out of order: the table places them
-    outs, pos = [], 0
-    with torch.no_grad():
-        for n in chunks + [1] * (len(ids) - sum(chunks)):
-            attn.prepare([table], [pos], [n])
-            outs.append(model.compute_logits(model(ids[pos:pos + n], torch.arange(pos, pos + n), attn)))
-            pos += n
-    return torch.cat(outs)
+    return ds_paged_logits(model, ids, chunks, cls(a.num_hidden_layers, 32, 16, a.num_key_value_heads, a.head_dim,
+                                                   dtype, torch.device("cpu")))
 
 
 @pytest.mark.parametrize("cls", [PagedAttention, CpuPagedAttention])

@@ -36,7 +36,7 @@ from .lora import LoraHook
 if TYPE_CHECKING:
     from .sharding import TensorParallel
 
-__all__ = ["GptOssLM", "GptOssMoE", "GptOssRope", "mlp_slots"]
+__all__ = ["GptOssLM", "GptOssMoE", "GptOssRope", "layer_slots"]
 
 FUSED_DECODE_REFUSAL = "attention sinks and GPT-OSS experts (GPT-OSS)"
 
@@ -150,7 +150,7 @@ class GptOssLM(DecoderLM):
         self.rope = GptOssRope(args, max_positions or args.max_position_embeddings)
 
 
-def mlp_slots(layer: GptOssLayer, pre: str, slot: Callable[..., object]) -> dict[str, object]:
+def layer_slots(layer: GptOssLayer, pre: str, slot: Callable[..., object]) -> dict[str, object]:
     """HF name -> loader.Slot for the router, experts and sinks of one layer (``pre``: its prefix)."""
     m = layer.mlp
     sinks = layer.self_attn.sinks

@@ -104,7 +104,7 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
             whole(f"{pre}self_attn.q_norm.weight", att.q_norm.weight)
             whole(f"{pre}self_attn.k_norm.weight", att.k_norm.weight)
         if a.gpt_oss is not None:  # router, experts and sinks (workers/models/gpt_oss.py)
-            slots.update(gpt_oss.mlp_slots(layer, pre, Slot))
+            slots.update(gpt_oss.layer_slots(layer, pre, Slot))
         elif isinstance(layer.mlp, SparseMoE):  # routed experts, router, shared expert (workers/models/moe.py)
             assert a.moe is not None
             slots.update(moe_slots(layer.mlp, pre, MOE_NAMES[a.moe.names], Slot, shard is not None))
