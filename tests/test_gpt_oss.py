@@ -146,6 +146,18 @@ def test_logits_bf16_within_half_precision_tolerance(model) -> None:
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
 
 
+def test_int8_linears_compute_their_dequantised_weights(model) -> None:
+    """w8a16: q/k/v, o and the LM head in int8, the router and experts exact."""
+    from workers.backends.int8 import Int8Kernel, copy_dequantized_into, quantize_model
+    q, args = load_model(model[1], torch.float32)
+    assert quantize_model(q, Int8Kernel()) == 2 * args.num_hidden_layers + 1
+    ref, _ = load_model(model[1], torch.float32)
+    copy_dequantized_into(ref, q)
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+    a, b = _paged_logits(q, PagedAttention, ids, [30]), _paged_logits(ref, PagedAttention, ids, [30])
+    assert (a - b).abs().max().item() <= 1e-4
+
+
 # -- engine: chunked prefill, preemption, prefix cache ------------------------------------------------
 
 

@@ -17,7 +17,9 @@ projection with biases, o bias, RMSNorm and NeoX rope it reuses):
   SwiGLU experts, a different product).
 
 LoRA adapters, tensor parallelism and the fused C decode step are refused for GPT-OSS (assembly,
-sharding, workers/backends/cpu_decode.py read the reasons below).
+sharding, workers/backends/cpu_decode.py read the reasons below). With ``quantize: w8a16`` the
+attention projections and the LM head become int8; the router and the stacked experts keep the
+model dtype (the experts' products are not int8 kernels' shape).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from .lora import LoraHook
 if TYPE_CHECKING:
     from .sharding import TensorParallel
 
-__all__ = ["GptOssLM", "GptOssMoE", "GptOssRope", "layer_slots"]
+__all__ = ["GptOssLM", "GptOssMoE", "GptOssRope", "GptOssRouter", "layer_slots"]
 
 FUSED_DECODE_REFUSAL = "attention sinks and GPT-OSS experts (GPT-OSS)"
 
@@ -69,6 +71,19 @@ class SinkAttention(DecoderAttention):
         return super().forward(x, positions, rope, functools.partial(attn, sinks=self.sinks))
 
 
+class GptOssRouter(nn.Module):
+    """The router's logits ``x @ weight.T + bias``. Not an nn.Linear, so that ``quantize: w8a16``
+    (which turns a model's linears into int8) leaves the expert choice exact, as DeepSeek's router."""
+
+    def __init__(self, hidden: int, experts: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(experts, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class GptOssMoE(nn.Module):
     """Router and experts of one GPT-OSS layer (module docstring); parameters named as the checkpoint's."""
 
@@ -78,7 +93,7 @@ class GptOssMoE(nn.Module):
         assert g is not None
         e, h, i = g.num_experts, args.hidden_size, args.intermediate_size
         self.top_k, self.alpha, self.limit = g.top_k, g.swiglu_alpha, g.swiglu_limit
-        self.router = Linear(h, e, bias=True, dtype=dtype)
+        self.router = GptOssRouter(h, e, dtype)
         self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i, dtype=dtype))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, i, h, dtype=dtype))
