@@ -204,7 +204,6 @@ class ModelArgs:
         n_layers = get_int("num_hidden_layers")
         max_pos = get_int("max_position_embeddings", 4096 if arch == "llama" else None)
 
-        # DeepSeek's rope (YaRN with mscale) is its own: deepseek_config.py
         gpt_oss = parse_gpt_oss(cfg, err) if arch == "gpt_oss" else None
         # DeepSeek's and GPT-OSS's YaRN are their own (deepseek_config.py, gpt_oss_config.py)
         own_rope = deepseek or gpt_oss
