@@ -121,6 +121,9 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
                     out[f"{pre}mlp.{proj}.bias"] = shape[:1]
         out[f"{pre}input_layernorm.weight"] = (hid,)
         out[f"{pre}post_attention_layernorm.weight"] = (hid,)
+    if args.variant is not None:  # GLM-4 / Phi-3's fused tensors and GLM-4's extra norms
+        from .variant_names import expected_tensors as variant_tensors
+        return variant_tensors(args, out)
     return out
 
 

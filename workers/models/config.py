@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from .config_values import config_int
 from .deepseek_config import DeepseekArgs, parse_deepseek
 from .gpt_oss_config import GptOssArgs, parse_gpt_oss
+from .variant_config import VARIANT_ARCHS, VariantArgs, parse_variant
 
 __all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
 
@@ -47,6 +48,9 @@ SUPPORTED_ARCHS: dict[str, str] = {
     # Attention sinks, alternating windows, its own experts: workers/models/gpt_oss.py
     "gpt_oss": "gpt_oss",
     "GptOssForCausalLM": "gpt_oss",
+    # GLM-4, Phi-3 / Phi-4-mini, SmolLM3, Granite: Llama's attention with their own rope, norms or
+    # multipliers (workers/models/variant_config.py, variant.py)
+    **VARIANT_ARCHS,
 }
 
 # An MoE family -> the dense family whose attention (biases, q/k norms, windows) it shares.
@@ -126,6 +130,7 @@ class ModelArgs:
     deepseek: DeepseekArgs | None = None
     moe: MoeArgs | None = None  # mixture of experts (None: every layer dense)
     gpt_oss: GptOssArgs | None = None  # GPT-OSS's experts and rope: workers/models/gpt_oss_config.py
+    variant: VariantArgs | None = None  # GLM-4 / Phi-3 / SmolLM3 / Granite: workers/models/variant_config.py
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -204,13 +209,19 @@ class ModelArgs:
         n_layers = get_int("num_hidden_layers")
         max_pos = get_int("max_position_embeddings", 4096 if arch == "llama" else None)
 
+        variant = variant_windows = None
+        rope_cfg = cfg
+        if arch in VARIANT_ARCHS.values():  # partial / interleaved rope, LongRoPE, NoPE layers, multipliers
+            variant, rope_cfg, variant_windows = parse_variant(cfg, arch, head_dim, n_layers,
+                                                               max_pos, err)
         gpt_oss = parse_gpt_oss(cfg, err) if arch == "gpt_oss" else None
         # DeepSeek's and GPT-OSS's YaRN are their own (deepseek_config.py, gpt_oss_config.py)
         own_rope = deepseek or gpt_oss
-        rope_theta, rope_scaling = (own_rope.rope_theta, None) if own_rope else _parse_rope(cfg, err, max_pos)
-        if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != head_dim // 2:
-            raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, head_dim {head_dim} needs "
-                      f"{head_dim // 2}")
+        rope_theta, rope_scaling = (own_rope.rope_theta, None) if own_rope else _parse_rope(rope_cfg, err, max_pos)
+        rot = variant.rotary_dim if variant is not None else head_dim
+        if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != rot // 2:
+            raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, {rot} rotary dims need "
+                      f"{rot // 2}")
 
         # Bias layout differs per family: Llama/Qwen3 `attention_bias` covers q,k,v,o; Qwen2 always
         # has q,k,v bias and never o bias (its config has no attention_bias key at all).
@@ -218,15 +229,20 @@ class ModelArgs:
             qkv_bias, o_bias = get_bool("qkv_bias", True), False
         elif arch == "qwen2":
             qkv_bias, o_bias = True, False
-        elif arch == "mistral":
+        elif arch in ("mistral", "phi3"):
             qkv_bias = o_bias = False
+        elif arch == "glm4":  # q, k, v only (Glm4Attention's o_proj has no bias)
+            qkv_bias, o_bias = get_bool("attention_bias", True), False
         elif deepseek is not None:  # q_a, kv_a and o projections (attention_bias)
             qkv_bias = o_bias = get_bool("attention_bias", False)
         else:  # GPT-OSS: q, k, v and o biases unless its config says otherwise
             qkv_bias = o_bias = get_bool("attention_bias", arch == "gpt_oss")
-        mlp_bias = get_bool("mlp_bias", False) if arch == "llama" else False
+        mlp_bias = get_bool("mlp_bias", False) if arch in ("llama", "smollm3", "granite") else False
 
         sliding_window, layer_windows = _parse_sliding_window(cfg, arch_key, n_layers, err)
+        if variant_windows is not None:
+            layer_windows = variant_windows
+            sliding_window = next((w for w in layer_windows if w is not None), None)
         moe = _parse_moe(cfg, arch_key, n_layers, err) if arch_key in MOE_BASE else None
 
         dtype = cfg.get("torch_dtype", cfg.get("dtype"))
@@ -271,6 +287,7 @@ class ModelArgs:
             deepseek=deepseek,
             moe=moe,
             gpt_oss=gpt_oss,
+            variant=variant,
         )
 
     # ---------------------------------------------------------------- helpers
@@ -370,7 +387,7 @@ def _parse_sliding_window(
 ) -> tuple[int | None, tuple[int | None, ...]]:
     """Sliding-window attention: Mistral when `sliding_window` is set; Qwen2/3 only when
     `use_sliding_window` is true, and then only on layers >= `max_window_layers` (or as `layer_types` says)."""
-    if arch == "llama" or arch.startswith("deepseek"):
+    if arch in ("llama", *VARIANT_ARCHS.values()) or arch.startswith("deepseek"):  # variants: parse_variant
         return None, (None,) * n_layers
     window = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):

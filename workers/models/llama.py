@@ -290,7 +290,7 @@ class DecoderLM(nn.Module):
         self.lora = LoraHook()
         self.embed_tokens = Embedding(local.vocab_size, args.hidden_size, dtype=dtype)
         moe_shard = tp.shard.moe if tp is not None else None
-        self.layers = nn.ModuleList(DecoderLayer(local, i, dtype, reduce, self.lora, moe_shard)
+        self.layers = nn.ModuleList(self.make_layer(local, i, dtype, reduce, moe_shard)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         # Tied checkpoints reuse the embedding matrix: no separate module, so nothing can untie it.
@@ -300,9 +300,16 @@ class DecoderLM(nn.Module):
         # A device backend's whole-stack kernel for small decode steps (workers/backends/cpu_decode.py):
         # returns the hidden states, or None for a step it does not cover.
         self.fast_decode: Callable | None = None
-        self.rope = RotaryEmbedding(
-            args.head_dim, max_positions or args.max_position_embeddings, args.rope_theta, args.rope_scaling
-        )
+        self.rope = self.make_rope(args, max_positions or args.max_position_embeddings)
+
+    def make_layer(self, args: ModelArgs, i: int, dtype: torch.dtype | None,
+                   reduce: Callable[[torch.Tensor], torch.Tensor] | None, moe_shard: MoeShard | None) -> nn.Module:
+        """Layer ``i`` (a family whose block differs overrides it: workers/models/variant.py)."""
+        return DecoderLayer(args, i, dtype, reduce, self.lora, moe_shard)
+
+    def make_rope(self, args: ModelArgs, max_positions: int) -> nn.Module:
+        """The rotary embedding every layer is passed (``rotate(positions, x)``)."""
+        return RotaryEmbedding(args.head_dim, max_positions, args.rope_theta, args.rope_scaling)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -20,7 +20,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safe
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
 from .gguf_loader import Int8Target, load_gguf
-from . import deepseek, gpt_oss
+from . import deepseek, gpt_oss, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
@@ -114,6 +114,8 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
             row(f"{pre}mlp.down_proj", layer.mlp.down_proj)
         whole(f"{pre}input_layernorm.weight", layer.input_layernorm.weight)
         whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+    if a.variant is not None:  # fused checkpoint tensors, GLM-4's extra norms (workers/models/variant.py)
+        return variant.param_slots(model, slots, Slot, shard)
     return slots
 
 
@@ -171,6 +173,7 @@ def load_model(
     # uninitialised storage that the checkpoint overwrites below (no meta device: its empty_like
     # drags in sympy and costs ~0.5 s on first use).
     model_cls = (deepseek.DeepseekLM if args.deepseek is not None else gpt_oss.GptOssLM if args.gpt_oss is not None
+                 else variant.VariantLM if args.variant is not None
                  else DecoderLM)
     with torch.device(device):
         model = model_cls(args, dtype=dtype, max_positions=max_positions, tp=tp)

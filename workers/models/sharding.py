@@ -89,6 +89,10 @@ def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> 
 
     if args.gpt_oss is not None and world > 1:  # stacked experts and per-head sinks are not split (gpt_oss.py)
         raise ModelConfigError(f"{WORLD_SIZE_KEY}: tensor parallelism is not supported for GPT-OSS; use worldSize 1")
+    if world > 1 and args.variant is not None and args.variant.fused_checkpoint:
+        # each rank would read row ranges of q, k, v (gate, up) out of one stored tensor
+        raise ModelConfigError(f"{WORLD_SIZE_KEY}: {world} ranks: tensor parallelism is not supported for "
+                               f"{args.variant.family} (its checkpoint stores fused qkv_proj / gate_up_proj tensors)")
     if h % world:
         raise refuse(f"num_attention_heads {h} is not a multiple of {world}")
     dense = args.moe is None or not all(args.moe.sparse_layers)
