@@ -417,8 +417,8 @@ def test_refusals_name_the_problem(tiny, tmp_path, cache) -> None:
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"PK\x03\x04 a zip file")
     cases = [
-        (_gemma_file(tmp_path / "gemma.gguf"), r"general\.architecture 'gemma2' is not supported \(supported: llama, "
-                                               r"qwen2, qwen3"),
+        (_gemma_file(tmp_path / "gemma.gguf"), r"general\.architecture 'gemma2' is not supported \(supported: glm4, "
+                                               r"llama, phi3, qwen2, qwen3"),
         (_q2k_file(tiny["qwen3"], tmp_path / "q2k.gguf"), r"tensor type\(s\) not supported: blk\.0\.attn_q\.weight "
                                                            r"\(Q2_K\) \(supported: F32, F16, BF16, Q8_0"),
         (truncated, rf"truncated: tensor \S+ ends at byte \d+, the file has {size - 1000}"),

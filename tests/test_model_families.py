@@ -9,13 +9,17 @@ tiny random fp32 checkpoints built here:
   to long factors); bf16 within transformers' own bf16 error;
 - engine: greedy through chunked prefill, a cache small enough to preempt, and a prefix-cache hit
   equals transformers' greedy continuation;
-- tensor parallelism refused for the fused-tensor checkpoints (Phi-3, GLM-4) naming the family;
+- tensor parallelism: two gloo ranks of Granite and SmolLM3 generate what transformers does; refused
+  for the fused-tensor checkpoints (Phi-3, GLM-4) naming the family;
+- GGUF: Phi-3 and GLM-4 written as llama.cpp's converter writes them (F32, Q8_0) load into the same
+  config and compute transformers' logits on the weights the file holds;
 - the real launch script on a tiny Phi-4-mini-shaped chat model (partial rotary 0.75, LongRoPE):
   /infer_token and the OpenAI chat route equal transformers' greedy output.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -150,6 +154,28 @@ def test_tensor_parallel_refused_for_fused_checkpoints_naming_the_family(models)
     assert plan_shard(ModelArgs.from_dir(models["granite"][1]), 1, 2).heads == 2
 
 
+@pytest.mark.parametrize("case", ["granite", "smollm3"])
+def test_tensor_parallel_two_ranks_generate_what_transformers_does(models, case: str, tmp_path: Path) -> None:
+    """Granite (q/k/v/o biases on rank 0's o, the multipliers around the all-reduces) and SmolLM3
+    (NoPE and sliding layers, tied vocab-parallel embeddings) over two gloo ranks."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+    hf, path = models[case]
+    g = torch.Generator().manual_seed(6)
+    ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 40)]
+    reqs = [{"id": f"g{i}", "prompt": p, "params": {"max_new_tokens": 10, "ignore_eos": True}} for i, p in enumerate(ps)]
+    out = tmp_path / "tp2.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), "2", str(out),
+                           "--requests", json.dumps(reqs)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())["tokens"]
+    assert got == {f"g{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
+
+
 # -- logits ---------------------------------------------------------------------------------------------
 
 
@@ -224,6 +250,53 @@ def test_engine_greedy_equals_transformers_chunked_preempted_and_cached(models, 
     assert run(eng, {"x": (ps[1], greedy)})["x"][0] == want["r1"]
     assert eng.blocks.prefix_hits - hits == 3  # the 60-token prompt's 3 full blocks
     assert eng.check_no_leaks()
+
+
+# -- GGUF (llama.cpp's phi3 and glm4) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["phi3", "glm4"])
+def test_gguf_as_llama_cpp_writes_it_equals_the_checkpoint(case: str, tmp_path: Path) -> None:
+    """The model written as llama.cpp's converter does (F32: the same weights): its metadata read
+    back into the same config (rotary dims, LongRoPE tensors and attention factor, GLM-4's biases),
+    the fused attn_qkv / ffn_up tensors and GLM-4's post norms loaded, logits through the paged cache
+    equal transformers' on the weights the file holds (F32, and Q8_0 dequantised)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, write_gguf
+    from workers.models.gguf_view import ensure_view
+
+    tok = byte_level_tokenizer()
+    vocab = gpt2_vocab(tok)
+    cls, extra = CASES[case]
+    n = tok.get_vocab_size()  # llama.cpp's token list is the model's vocabulary
+    # intermediate 128: Q8_0 blocks of 32 along every row
+    hf = save_random_model(cls, {**BASE, **extra, "vocab_size": n, "intermediate_size": 128}, tmp_path / "hf")
+    path = tmp_path / "hf"
+    torch.manual_seed(3)
+    ids = torch.randint(3, n, (80,))
+    errs = {}
+    for qtype in (Q.F32, Q.Q8_0):
+        # the reference: transformers on the weights the file holds (each matrix through Q8_0 and back)
+        hf_q = copy.deepcopy(hf)
+        if qtype != Q.F32:
+            import gguf
+            with torch.no_grad():
+                for p in hf_q.parameters():
+                    if p.dim() == 2:
+                        p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)))
+        ref = hf_cached_logits(hf_q, ids.tolist(), 40)
+        file = write_gguf(tmp_path / f"{case}-{qtype.name}.gguf", hf, case, vocab, default=qtype)
+        view = ensure_view(file, tmp_path / "views")
+        model, args = load_model(view, torch.float32)
+        want = ModelArgs.from_dir(path)
+        assert args.variant == dataclasses.replace(want.variant, longrope=args.variant.longrope)
+        if case == "phi3":  # the factors went through float32 in the file
+            lr, lw = args.variant.longrope, want.variant.longrope
+            assert lr.long == pytest.approx(lw.long) and lr.attention_factor == pytest.approx(lw.attention_factor)
+        assert (args.attention_bias, args.layer_windows) == (want.attention_bias, want.layer_windows)
+        errs[qtype] = (paged_logits(model, ids, [25, 15]) - ref).abs().max().item()
+    assert max(errs.values()) <= 1e-4, errs
 
 
 # -- the real server -----------------------------------------------------------------------------------

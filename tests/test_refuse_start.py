@@ -61,10 +61,10 @@ def bad_models(tmp_path_factory, demo_model) -> dict[str, tuple[Path, str]]:
     # Real (tiny) checkpoints of two families the decoder does not implement.
     save_random_model("OlmoeConfig", dict(SMALL, num_experts=4, num_experts_per_tok=2), root / "olmoe")
     out["olmoe"] = (_with_tokenizer(root / "olmoe", demo_model),
-                    "model_type: unsupported model type 'olmoe' (supported: deepseek_v2, deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, "
-                    "qwen3, qwen3_moe)")
-    save_random_model("Phi3Config", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2), root / "phi3")
-    out["phi3"] = (_with_tokenizer(root / "phi3", demo_model), "model_type: unsupported model type 'phi3'")
+                    "model_type: unsupported model type 'olmoe' (supported: deepseek_v2, deepseek_v3, glm4, granite, llama, mistral, "
+                    "mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3)")
+    save_random_model("StableLmConfig", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2), root / "stablelm")
+    out["stablelm"] = (_with_tokenizer(root / "stablelm", demo_model), "model_type: unsupported model type 'stablelm'")
 
     # The demo checkpoint split in two shards with an index, the second shard missing.
     tensors = load_file(str(Path(demo_model) / "model.safetensors"))
@@ -108,7 +108,7 @@ def launch_refused(tmp_path, model, **config) -> tuple[int, str, str]:
     return status, srv.log_path.read_text(), run_dir
 
 
-@pytest.mark.parametrize("name", ["olmoe", "phi3", "missing_shard", "truncated", "wrong_shape"])
+@pytest.mark.parametrize("name", ["olmoe", "stablelm", "missing_shard", "truncated", "wrong_shape"])
 def test_a_model_that_cannot_load_is_refused_before_anything_starts(tmp_path, bad_models, name):
     model, message = bad_models[name]
     status, log, run_dir = launch_refused(tmp_path, model)

@@ -113,6 +113,24 @@ def _llama3_factors(dim: int, theta: float, rope: dict[str, Any]) -> np.ndarray:
     return torch.tensor(out, dtype=torch.float32).numpy()
 
 
+def _variant_metadata(w: gguf.GGUFWriter, cfg: Any, arch: str, head_dim: int) -> None:
+    """What convert_hf_to_gguf.py's Phi3MiniModel / Glm4Model add: the rotary dims; Phi-3's sliding
+    window (0: none), original context length, and LongRoPE's attention factor and factor tensors."""
+    import math
+    rope = dict(cfg.rope_parameters or {})
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5 if arch == "glm4" else 1.0)))
+    if arch != "phi3":
+        return
+    w.add_sliding_window(cfg.sliding_window or 0)
+    orig = cfg.original_max_position_embeddings
+    w.add_rope_scaling_orig_ctx_len(orig)
+    if rope.get("long_factor"):
+        scale = cfg.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+
+
 def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, Any], *, name: str = "tiny",
                types: dict[str, Q] | None = None, default: Q = Q.F32, seed: int = 0) -> Path:
     """``model`` (a transformers causal LM) as a GGUF file of architecture ``arch`` (llama, qwen2,
@@ -137,6 +155,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
     if arch == "llama":
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(head_dim)
+    if arch in ("phi3", "glm4"):
+        _variant_metadata(w, cfg, arch, head_dim)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

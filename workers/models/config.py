@@ -220,8 +220,8 @@ class ModelArgs:
         rope_theta, rope_scaling = (own_rope.rope_theta, None) if own_rope else _parse_rope(rope_cfg, err, max_pos)
         rot = variant.rotary_dim if variant is not None else head_dim
         if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != rot // 2:
-            raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, {rot} rotary dims need "
-                      f"{rot // 2}")
+            dims = f"head_dim {head_dim} needs" if variant is None else f"{rot} rotary dims need"
+            raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, {dims} {rot // 2}")
 
         # Bias layout differs per family: Llama/Qwen3 `attention_bias` covers q,k,v,o; Qwen2 always
         # has q,k,v bias and never o bias (its config has no attention_bias key at all).

@@ -11,7 +11,7 @@ no torch:
   tokenizer conversion reads, through transformers) skipped: 0.05 s instead of 4 s for SmolLM2;
   a truncated or corrupt file raises ``GgufError`` saying so;
 - ``hf_config(g)``: the Hugging Face ``config.json`` / ``generation_config.json`` the metadata
-  describes (architectures llama, mistral, qwen2, qwen3; anything else refused, named);
+  describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4; anything else refused, named);
 - ``plan_tensors(g, expected)``: every tensor the model needs (by Hugging Face name, from
   ``workers.models.checkpoint.expected_tensors``) found under its llama.cpp name (the ``gguf``
   package's own name table), with the shape the config implies and a type the loader
@@ -34,6 +34,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 from gguf import get_tensor_name_map
 
+from .gguf_variant import EXTRA_TENSORS, variant_keys
+
 __all__ = ["GgufError", "GgufFile", "LOADABLE_TYPES", "MARKER", "SUPPORTED_ARCHS", "TensorRef", "find_gguf",
            "hf_config", "is_gguf_path", "open_gguf", "plan_tensors", "view_source"]
 
@@ -51,6 +53,9 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    # partial rotary, LongRoPE, fused qkv / gate_up, GLM-4's extra norms: gguf_variant.py
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "glm4": ("glm4", "Glm4ForCausalLM"),
 }
 GGUF_MAGIC = b"GGUF"
 # Llama 3.1+'s rope scaling, stored as a tensor; read into the config, not loaded as a weight.
@@ -285,6 +290,8 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
     if model_type == "llama":  # biases (Llama's attention_bias covers q, k, v and o; mlp_bias the MLP)
         cfg["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
+    if model_type in ("phi3", "glm4"):
+        cfg.update(variant_keys(g, model_type, head_dim, GgufError))
     if model_type == "mistral":  # llama.cpp computes a "llama" file without a window unless it has the key
         cfg["sliding_window"] = g.arch_key("attention.sliding_window")
     rope = str(g.arch_key("rope.scaling.type", "none") or "none")
@@ -355,7 +362,7 @@ def plan_tensors(g: GgufFile, expected: dict[str, tuple[int, ...]], num_layers: 
     for t in g.tensors.values():
         hf = wanted.get(t.name)
         if hf is None:
-            if t.name != ROPE_FREQS:  # read by hf_config
+            if t.name != ROPE_FREQS and t.name not in EXTRA_TENSORS:  # read by hf_config
                 unexpected.append(t.name)
             continue
         if t.shape != tuple(expected[hf]):

@@ -156,7 +156,14 @@ def _write_tokenizer(gguf_path: Path, out: Path) -> None:
     except ImportError as e:
         raise GgufError(f"converting its tokenizer needs transformers (pip install transformers): {e}") from None
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        except ValueError as e:
+            if "is not supported yet" not in str(e):
+                raise
+            # AutoTokenizer maps the file's model config first, which transformers lacks for some
+            # architectures (glm4); its tokenizer converter reads any architecture's vocabulary
+            tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tok.save_pretrained(str(out))
         Tokenizer.from_file(str(out / "tokenizer.json"))
     except Exception as e:  # noqa: BLE001  (transformers raises anything from a file it cannot convert)
