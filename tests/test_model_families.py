@@ -7,6 +7,7 @@ tiny random fp32 checkpoints built here:
 - logits over the paged KV cache (a prompt in two chunks, then one decode step at a time) equal
   transformers' cached forward, Phi-3's decodes crossing original_max_position_embeddings (short
   to long factors); bf16 within transformers' own bf16 error;
+- int8 w8a16: logits equal the model holding the dequantised weights;
 - engine: greedy through chunked prefill, a cache small enough to preempt, and a prefix-cache hit
   equals transformers' greedy continuation;
 - tensor parallelism: two gloo ranks of Granite and SmolLM3 generate what transformers does; refused
@@ -227,6 +228,25 @@ def test_bf16_within_transformers_bf16_error(models, case: str) -> None:
     err = (paged_logits(model, ids, [24], torch.bfloat16) - truth).abs().max().item()
     hf_err = (hf_half - truth).abs().max().item()
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """quantize w8a16 (every linear int8 per output channel) through the worker's assembly: logits
+    equal the fp32 model holding the dequantised weights (within 1e-4 of their range)."""
+    from mindie.contract.spec import EngineConfig, WorkerSpec
+    from workers.backends.cpu import CpuBackend
+    from workers.backends.int8 import copy_dequantized_into
+    from workers.engine.assembly import load_runner
+
+    _, path = models[case]
+    spec = WorkerSpec(worker_id="t", job_endpoint="", pub_endpoint="", model_path=str(path), dtype="float32",
+                      quantize="w8a16", engine=EngineConfig(block_size=16, max_seq_len=256, max_prefill_tokens=256))
+    model = load_runner(spec, CpuBackend(1)).model
+    ref = copy_dequantized_into(load_model(path, torch.float32)[0], model)
+    ids = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(8))
+    got, want = paged_logits(model, ids, [40]), paged_logits(ref, ids, [40])
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
 # -- engine ------------------------------------------------------------------------------------------
