@@ -28,12 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 from mindie.contract.wire import SamplingParams
 from tests.harness import ROOT, demo_server
+from tests.served import assert_chat_equals, infer_ids, metric
 from tests.tiny_hf import random_model, save_chat_model
 from workers.attention import for_layout
 from workers.models.config import ModelArgs, ModelConfigError
@@ -307,10 +307,7 @@ def test_server_infer_token_and_chat_equal_transformers(chat_model, tmp_path: Pa
                          r"qk_rope_head_dim 8\)\); full per-head K/V would take 1920", log), log[-3000:]
 
         def infer(p: list[int]) -> list[int]:
-            r = httpx.post(srv.url + "/infer_token", json={"input_id": p, "parameters": {
-                "max_new_tokens": 16, "ignore_eos": True, "details": True}}, timeout=300)
-            assert r.status_code == 200, r.text
-            return r.json()["details"]["generated_token_ids"]
+            return infer_ids(srv.url, p, 16)
 
         # One at a time, then all at once: long prompts chunked (32 per step), 20 blocks of KV
         # (cpuMemSize 0.00015 GiB) for eight requests (preemption), the long prompts again (prefix hits).
@@ -319,18 +316,6 @@ def test_server_infer_token_and_chat_equal_transformers(chat_model, tmp_path: Pa
         with concurrent.futures.ThreadPoolExecutor(8) as ex:
             got = list(ex.map(infer, ps + [ps[1], ps[5]]))
         assert got == want + [want[1], want[5]]
-        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
-        pre = re.search(r"^num_preemptions_total(?:\{[^}]*\})? (\S+)", metrics, re.M)
-        hit = re.search(r"^npu_prefix_cache_hit_rate(?:\{[^}]*\})? (\S+)", metrics, re.M)
-        assert pre and float(pre.group(1)) > 0, metrics[-2000:]
-        assert hit and float(hit.group(1)) > 0, metrics[-2000:]
-
-        msgs = [{"role": "user", "content": "What is multi-head latent attention?"}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        ref = hf_greedy(hf, list(ids), 12)
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 12, "ignore_eos": True,
-                                                               "temperature": 0}, timeout=300)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["prompt_tokens"] == len(ids)
-        assert body["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+        assert metric(srv.url, "num_preemptions_total") > 0
+        assert metric(srv.url, "npu_prefix_cache_hit_rate") > 0
+        assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), "What is multi-head latent attention?")

@@ -26,12 +26,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 from mindie.contract.wire import SamplingParams
 from tests.harness import demo_server
+from tests.served import assert_chat_equals, infer_ids, metric
 from tests.tiny_hf import save_chat_model, save_random_model
 from workers.attention import PagedAttention
 from workers.models.config import ModelArgs, ModelConfigError
@@ -342,24 +342,7 @@ def test_server_phi4_mini_shape_infer_token_and_chat_equal_transformers(tmp_path
         log = srv.tail(400)
         assert "phi3" in log and "fused decode kernel not used: the phi3 block" in log, log[-3000:]
 
-        def infer(p: list[int]) -> list[int]:
-            r = httpx.post(srv.url + "/infer_token", json={"input_id": p, "parameters": {
-                "max_new_tokens": 16, "ignore_eos": True, "details": True}}, timeout=300)
-            assert r.status_code == 200, r.text
-            return r.json()["details"]["generated_token_ids"]
-
-        assert [infer(p) for p in ps] == [hf_greedy(hf, p, 16) for p in ps]
-        assert infer(ps[1]) == hf_greedy(hf, ps[1], 16)  # again: a prefix-cache hit
-
-        msgs = [{"role": "user", "content": "What does LongRoPE do?"}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        ref = hf_greedy(hf, list(ids), 12)
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 12, "ignore_eos": True,
-                                                               "temperature": 0}, timeout=300)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["prompt_tokens"] == len(ids)
-        assert body["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
-        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
-        hit = re.search(r"^npu_prefix_cache_hit_rate(?:\{[^}]*\})? (\S+)", metrics, re.M)
-        assert hit and float(hit.group(1)) > 0, metrics[-2000:]
+        assert [infer_ids(srv.url, p, 16) for p in ps] == [hf_greedy(hf, p, 16) for p in ps]
+        assert infer_ids(srv.url, ps[1], 16) == hf_greedy(hf, ps[1], 16)  # again: a prefix-cache hit
+        assert metric(srv.url, "npu_prefix_cache_hit_rate") > 0
+        assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), "What does LongRoPE do?")

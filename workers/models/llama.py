@@ -180,20 +180,28 @@ class DecoderAttention(nn.Module):
         if (lora := self.lora.step) is not None:  # adapters' deltas, before the split and rope (as peft)
             lora.apply(self.layer_idx, QKV, x, qkv)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before rope
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(t, self.n_heads, self.head_dim))
-            k = self.k_norm(k.view(t, self.n_kv_heads, self.head_dim))
-            q, k = rope(positions, q, k)
-        else:
-            # q and k are adjacent columns of one matmul output: rotate both in one pass.
-            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
-            q, k = rope.rotate(positions, qk).split([self.n_heads, self.n_kv_heads], dim=1)
+        q, k = self.rotated_qk(qkv, positions, rope)
         h = attn(self.layer_idx, q, k, v, self.window).reshape(t, self.q_size)
         out = self.o_proj(h)
         if lora is not None:
             lora.apply(self.layer_idx, O, h, out)
         return out if self.reduce is None else self.reduce(out)
+
+
+    def rotated_qk(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, Hkv, D] of the fused projection's output, normed (Qwen3) and roped
+        (a family with its own rope or scale overrides it: workers/models/variant.py)."""
+        t = qkv.shape[0]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before rope
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.n_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.n_kv_heads, self.head_dim))
+            return rope(positions, q, k)
+        # q and k are adjacent columns of one matmul output: rotate both in one pass.
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
+        q, k = rope.rotate(positions, qk).split([self.n_heads, self.n_kv_heads], dim=1)
+        return q, k
 
 
 class MLP(nn.Module):

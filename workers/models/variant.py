@@ -29,7 +29,6 @@ from torch import nn
 
 from .config import ModelArgs
 from .llama import MLP, Attention, DecoderAttention, DecoderLM, RMSNorm, rope_inv_freq
-from .lora import O, QKV
 from .moe import MoeShard
 from .variant_config import VariantArgs
 from .variant_names import fuse_names
@@ -104,23 +103,14 @@ class VariantAttention(DecoderAttention):
         # attention scale m instead of 1/sqrt(d): q times m*sqrt(d) before the kernels' 1/sqrt(d)
         self.q_scale = None if v.attention_multiplier is None else v.attention_multiplier * math.sqrt(self.head_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: VariantRope, attn: Attention) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if (lora := self.lora.step) is not None:
-            lora.apply(self.layer_idx, QKV, x, qkv)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.n_kv_heads, self.head_dim)
+    def rotated_qk(self, qkv: torch.Tensor, positions: torch.Tensor, rope: VariantRope
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = qkv.shape[0]
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.n_heads + self.n_kv_heads, self.head_dim)
         if self.use_rope:
             qk = rope.rotate(positions, qk)
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
-        if self.q_scale is not None:
-            q = q * self.q_scale
-        h = attn(self.layer_idx, q, k, v, self.window).reshape(t, self.q_size)
-        out = self.o_proj(h)
-        if lora is not None:
-            lora.apply(self.layer_idx, O, h, out)
-        return out if self.reduce is None else self.reduce(out)
+        return (q, k) if self.q_scale is None else (q * self.q_scale, k)
 
 
 class VariantLayer(nn.Module):
