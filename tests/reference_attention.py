@@ -59,7 +59,8 @@ class DenseCausalAttention:
         return m
 
     def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, *,
+        scale: float | None = None, softcap: float | None = None
     ) -> torch.Tensor:
         t, n_heads, head_dim = q.shape
         if t != self.total:
@@ -68,11 +69,14 @@ class DenseCausalAttention:
         # GQA: every kv head serves n_rep consecutive query heads (transformers' repeat_kv layout).
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=self.mask(window, q.device),
-            scale=head_dim**-0.5,
-        )
+        scale = head_dim**-0.5 if scale is None else scale
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
+        if softcap is not None:  # transformers' eager attention: scaled, capped, masked, fp32 softmax
+            s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+            s = torch.tanh(s / softcap) * softcap
+            s = s.masked_fill(~self.mask(window, q.device), float("-inf"))
+            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(p, vh).transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0),  # [1, H, T, D]
+                                             attn_mask=self.mask(window, q.device), scale=scale)
         return out[0].transpose(0, 1)  # [T, H, D]

@@ -41,9 +41,12 @@ class Attention(Protocol):
         """Once per step, before the layers: the step's block tables and positions."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 window: int | None = None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
         """Write the new k/v rows of ``layer`` into the cache, then attend; [T, H, D]. ``sinks``:
-        a logit per query head [H] in every softmax's denominator (GPT-OSS), or None."""
+        a logit per query head [H] in every softmax's denominator (GPT-OSS), or None; ``scale``:
+        the softmax scale (None: 1/sqrt(head_dim)); ``softcap``: scores capped as
+        softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
 
 
 def for_device(device_type: str) -> type:

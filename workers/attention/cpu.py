@@ -120,7 +120,8 @@ class CpuPagedAttention(PagedAttention):
             out.append((r0, s, n, blocks, _causal_mask(0, n, s) if n <= MASK_ROWS else None))
         return out
 
-    def _prompts_sdpa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _prompts_sdpa(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
         """The step's prompt chunks through SDPA, one sequence at a time, and its decodes."""
         meta = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
@@ -135,36 +136,39 @@ class CpuPagedAttention(PagedAttention):
             if blocks is None:  # fresh: this step's keys are all it sees
                 ks = k[r0:r0 + n].to(dt).transpose(0, 1)[None]
                 vs = v[r0:r0 + n].to(dt).transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa, scale=scale)
             else:  # after a cached prefix: its blocks, in position order, cut at its last key
                 nb = blocks.numel()
                 ks = self._gather("k", kc, blocks).transpose(0, 1).reshape(hkv, nb * bs, d)[None, :, :s + n]
                 vs = self._gather("v", vc, blocks).transpose(0, 1).reshape(hkv, nb * bs, d)[None, :, :s + n]
                 if mask is not None:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa, scale=scale)
                 else:  # a long chunk: MASK_ROWS query rows at a time, so no mask holds n x (s + n)
                     o = torch.cat([F.scaled_dot_product_attention(
                         qs[:, :, a:a + MASK_ROWS], ks[:, :, :s + min(a + MASK_ROWS, n)],
                         vs[:, :, :s + min(a + MASK_ROWS, n)], attn_mask=_causal_mask(a, min(a + MASK_ROWS, n), s),
-                        enable_gqa=gqa) for a in range(0, n, MASK_ROWS)], dim=2)
+                        enable_gqa=gqa, scale=scale) for a in range(0, n, MASK_ROWS)], dim=2)
             out[r0:r0 + n] = o[0].transpose(0, 1)
         if meta.decode is not None:
             rows = meta.decode.rows
-            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, None).to(dt)
+            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, None, scale=scale).to(dt)
         if layer == 0:
             self.sdpa_calls += 1
         return out.to(q.dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 window: int | None = None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+        """As PagedAttention's. The kernels take ``scale``; they have no sink logits and no soft-capping,
+        so a layer with ``sinks`` or ``softcap`` takes the portable torch path (its cache write stays the C one)."""
         meta = self.meta
-        if sinks is not None:  # the kernels have no sink logits: the portable path (its C cache write)
-            return super().__call__(layer, q, k, v, window, sinks)
+        if sinks is not None or softcap is not None:
+            return super().__call__(layer, q, k, v, window, sinks=sinks, scale=scale, softcap=softcap)
         if self._seqs is not None and window is None and q.dim() == 3 and q.shape[0] == meta.num_tokens:
-            return self._prompts_sdpa(layer, q, k, v)
+            return self._prompts_sdpa(layer, q, k, v, scale)
         chunks = self._chunks
         if chunks is None or q.dim() != 3 or q.shape[0] != meta.num_tokens:
-            return super().__call__(layer, q, k, v, window)
+            return super().__call__(layer, q, k, v, window, scale=scale)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         self._write(layer, k, v)
         qc = q.to(kc.dtype).contiguous()
@@ -174,14 +178,14 @@ class CpuPagedAttention(PagedAttention):
         if self.lib.paged_prefill(self.code, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), g.tables.data_ptr(),
                                   g.tables.shape[1], row0.data_ptr(), start.data_ptr(), count.data_ptr(),
                                   count.numel(), qc.shape[1], kc.shape[1], kc.shape[2], qc.shape[2], window or 0,
-                                  qc.shape[2] ** -0.5, out.data_ptr()) != 0:
+                                  qc.shape[2] ** -0.5 if scale is None else scale, out.data_ptr()) != 0:
             self._chunks = None  # a layout the kernel does not cover: SDPA (the write is repeated, same rows)
-            return super().__call__(layer, q, k, v, window)
+            return super().__call__(layer, q, k, v, window, scale=scale)
         if layer == 0:
             self.prefill_calls += 1
         if meta.decode is not None:
             rows = meta.decode.rows
-            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, window).to(qc.dtype)
+            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, window, scale=scale).to(qc.dtype)
         return out.to(q.dtype)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -199,9 +203,10 @@ class CpuPagedAttention(PagedAttention):
                                  src.shape[0], src.stride(0), hkv, bs, d)
 
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if self.lib is None or sinks is not None:
-            return super()._decode(g, q, kc, vc, window, sinks)
+                window: int | None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        if self.lib is None or sinks is not None or softcap is not None:  # neither in the kernel: the portable decode
+            return super()._decode(g, q, kc, vc, window, sinks=sinks, scale=scale, softcap=softcap)
         B, H, D = q.shape
         qc = q.to(kc.dtype).contiguous()
         out = torch.empty_like(qc)
@@ -209,6 +214,6 @@ class CpuPagedAttention(PagedAttention):
         # than 16 query heads per KV head): those take the torch path.
         if self.lib.paged_decode(self.code, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), g.tables.data_ptr(),
                                  g.tables.shape[1], g.pos.data_ptr(), B, H, kc.shape[1], kc.shape[2], D,
-                                 window or 0, D ** -0.5, out.data_ptr()) != 0:
-            return super()._decode(g, q, kc, vc, window)
+                                 window or 0, D ** -0.5 if scale is None else scale, out.data_ptr()) != 0:
+            return super()._decode(g, q, kc, vc, window, scale=scale)
         return out.to(q.dtype)

@@ -63,17 +63,20 @@ class NpuPagedAttention:
         self.decode_only = all(n == 1 for n in num_new)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 window: int | None = None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
         import torch_npu  # optional (the npu extra): imported only where an NPU step runs
 
         if sinks is not None:
             raise NotImplementedError("attention sinks (GPT-OSS) are not implemented on the NPU backend yet")
         if window is not None:
             raise NotImplementedError("sliding-window attention is not implemented on the NPU backend yet")
+        if softcap is not None:  # the fused ops have no soft-capping (Gemma 2)
+            raise NotImplementedError("attention logit soft-capping is not implemented on the NPU backend")
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         torch_npu._npu_reshape_and_cache(k.contiguous(), v.contiguous(), kc, vc, self.slots)
         n_heads = q.shape[1]
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim ** -0.5 if scale is None else scale
         q = q.contiguous()
         if self.decode_only:
             out = torch.empty_like(q)

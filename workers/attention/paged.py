@@ -160,18 +160,33 @@ def _decode_metadata(block_tables: list[list[int]], start_pos: list[int], block_
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   sinks: torch.Tensor) -> torch.Tensor:
+                   sinks: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Attention with a learned sink logit per query head in each softmax's denominator (GPT-OSS,
     transformers' eager ``softmax(cat(scores, sink))`` with the sink's column dropped). q [B, H, Q, D],
     k and v [B, Hkv, K, D], mask [B, 1, Q, K] (True: may attend), sinks [H]; scores in fp32."""
     h, hkv, d = q.shape[1], k.shape[1], q.shape[3]
     if h != hkv:
         k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * d ** -0.5
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
     s.masked_fill_(~mask, float("-inf"))
     sink = sinks.float().view(1, h, 1, 1).expand(s.shape[0], h, s.shape[2], 1)
     p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
     return torch.matmul(p.to(v.dtype), v).to(q.dtype)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+                     softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, q [B, H, Q, D], k/v [B, Hkv, K, D], mask [B, 1, Q, K]:
+    scores in fp32, capped (softcap * tanh(s / softcap)), masked, softmax, values; [B, H, Q, D]."""
+    B, H, Q, D = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(B, hkv, H // hkv, Q, D).to(k.dtype)
+    s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)).float()  # [B, Hkv, G, Q, K]
+    s.mul_(D ** -0.5 if scale is None else scale)
+    s = torch.tanh(s / softcap).mul_(softcap)
+    s.masked_fill_(~mask[:, :, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v[:, :, None]).reshape(B, H, Q, D).to(q.dtype)
 
 
 class PagedAttention:
@@ -202,22 +217,27 @@ class PagedAttention:
         self.meta = build_metadata(block_tables, start_pos, num_new, self.block_size, self.k_cache[0].device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """``sinks``: one logit per query head [H] in every softmax's denominator (GPT-OSS)."""
+                 window: int | None = None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+        """``sinks``: one logit per query head [H] in every softmax's denominator (GPT-OSS); ``scale``:
+        the softmax scale (None: 1/sqrt(head_dim)); ``softcap``: scores become
+        softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
         meta = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         self._write(layer, k, v)
         if meta.prefill is None:
-            return self._decode(meta.decode, q, kc, vc, window, sinks)
+            return self._decode(meta.decode, q, kc, vc, window, sinks=sinks, scale=scale, softcap=softcap)
         out = torch.empty_like(q)
         if meta.decode is not None:
-            out[meta.decode.rows] = self._decode(meta.decode, q[meta.decode.rows], kc, vc, window, sinks)
+            out[meta.decode.rows] = self._decode(meta.decode, q[meta.decode.rows], kc, vc, window, sinks=sinks,
+                                                 scale=scale, softcap=softcap)
         g = meta.prefill
         qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-        if g.fresh and window is None and sinks is None:
+        if g.fresh and window is None and sinks is None and softcap is None:
             kg = k[g.q_index].transpose(1, 2).to(kc.dtype)  # right-padded: causal SDPA stays exact
             vg = v[g.q_index].transpose(1, 2).to(kc.dtype)
-            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=kg.shape[1] != qg.shape[1])
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=kg.shape[1] != qg.shape[1],
+                                               scale=scale)
         else:
             B, nb = g.tables.shape
             flat = g.tables.view(-1)
@@ -226,8 +246,13 @@ class PagedAttention:
             vg = self._gather("v", vc, flat).view(B, nb, *vc.shape[1:]).transpose(1, 2).reshape(
                 B, vc.shape[1], nb * self.block_size, vc.shape[3])
             mask = g.mask(window, self.block_size)
-            o = (F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=kg.shape[1] != qg.shape[1])
-                 if sinks is None else sink_attention(qg, kg, vg, mask, sinks))
+            if sinks is not None:  # SDPA has no sink term
+                o = sink_attention(qg, kg, vg, mask, sinks, scale)
+            elif softcap is not None:  # SDPA has no soft-capping: the eager computation, as transformers' eager attention
+                o = capped_attention(qg, kg, vg, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=kg.shape[1] != qg.shape[1],
+                                                   scale=scale)
         o = o.transpose(1, 2)  # [B, Q, H, D]
         out[g.q_index[g.q_valid]] = o[g.q_valid]
         return out
@@ -239,7 +264,8 @@ class PagedAttention:
         vc[meta.blocks, :, meta.offsets] = v.to(vc.dtype)
 
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         B, H, D = q.shape
         nb = g.tables.shape[1]
         hkv, bs = kc.shape[1], kc.shape[2]
@@ -249,7 +275,9 @@ class PagedAttention:
         vb = self._gather("v", vc, flat).view(B, nb, hkv, bs, D)
         qg = q.view(B, 1, hkv, H // hkv, D).to(kc.dtype)
         s = torch.matmul(qg, kb.transpose(-1, -2)).float()  # [B, nb, Hkv, G, bs]
-        s.mul_(D ** -0.5)
+        s.mul_(D ** -0.5 if scale is None else scale)
+        if softcap is not None:
+            s = torch.tanh(s / softcap).mul_(softcap)
         s.masked_fill_(~g.mask(window, bs), float("-inf"))
         s = s.permute(0, 2, 3, 1, 4).reshape(B, hkv, H // hkv, nb * bs)
         if sinks is None:

@@ -37,13 +37,14 @@ class Attention(Protocol):
     q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim] (rope already applied to q, k);
     window: sliding-window size for this layer or None. A query at position p may attend to keys
     at positions max(0, p - window + 1) .. p of its own sequence (transformers' convention).
-    Returns [T, n_heads, head_dim]. The softmax scale is 1/sqrt(head_dim). ``sinks`` (GPT-OSS):
-    a logit per query head [n_heads] in every softmax's denominator.
+    Returns [T, n_heads, head_dim]. ``sinks`` (GPT-OSS): a logit per query head [n_heads] in every
+    softmax's denominator. The softmax scale is ``scale`` (None: 1/sqrt(head_dim)); ``softcap``
+    (Gemma 2): scores become softcap * tanh(scores / softcap) before the softmax.
     """
 
     def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
-        sinks: torch.Tensor | None = None,
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, *,
+        sinks: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None
     ) -> torch.Tensor: ...
 
 
