@@ -373,8 +373,8 @@ def test_real_tokenizer_special_tokens_eos_and_template(smollm2, smollm2_view) -
 # ----------------------------------------------------------------------------- refusals
 
 
-def _gemma_file(path: Path) -> Path:
-    w = gguf.GGUFWriter(str(path), "gemma2")
+def _falcon_file(path: Path) -> Path:
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
@@ -417,8 +417,8 @@ def test_refusals_name_the_problem(tiny, tmp_path, cache) -> None:
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"PK\x03\x04 a zip file")
     cases = [
-        (_gemma_file(tmp_path / "gemma.gguf"), r"general\.architecture 'gemma2' is not supported \(supported: glm4, "
-                                               r"llama, phi3, qwen2, qwen3"),
+        (_falcon_file(tmp_path / "falcon.gguf"), r"general\.architecture 'falcon' is not supported \(supported: gemma2, "
+                                                 r"gemma3, glm4, llama, phi3, qwen2, qwen3"),
         (_q2k_file(tiny["qwen3"], tmp_path / "q2k.gguf"), r"tensor type\(s\) not supported: blk\.0\.attn_q\.weight "
                                                            r"\(Q2_K\) \(supported: F32, F16, BF16, Q8_0"),
         (truncated, rf"truncated: tensor \S+ ends at byte \d+, the file has {size - 1000}"),

@@ -55,14 +55,15 @@ def bad_models(tmp_path_factory, demo_model) -> dict[str, tuple[Path, str]]:
     from safetensors.torch import load_file, save_file
 
     from tests.tiny_hf import save_random_model
+    from workers.models.config import SUPPORTED_ARCHS
 
     root = tmp_path_factory.mktemp("bad-models")
     out = {}
     # Real (tiny) checkpoints of two families the decoder does not implement.
     save_random_model("OlmoeConfig", dict(SMALL, num_experts=4, num_experts_per_tok=2), root / "olmoe")
     out["olmoe"] = (_with_tokenizer(root / "olmoe", demo_model),
-                    "model_type: unsupported model type 'olmoe' (supported: deepseek_v2, deepseek_v3, glm4, granite, llama, mistral, "
-                    "mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, smollm3)")
+                    "model_type: unsupported model type 'olmoe' (supported: "
+                    f"{', '.join(sorted(k for k in SUPPORTED_ARCHS if k.islower()))})")
     save_random_model("StableLmConfig", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2), root / "stablelm")
     out["stablelm"] = (_with_tokenizer(root / "stablelm", demo_model), "model_type: unsupported model type 'stablelm'")
 

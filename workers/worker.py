@@ -133,6 +133,11 @@ class Worker:
         self.device = built.device
         self.group = built.group  # this process is rank 0 of a tensor-parallel instance
         self.max_positions = _max_positions(spec, self.engine.runner)
+        if self.engine.grammars is not None:
+            # llguidance builds its tokenizer holding the GIL, seconds on end for a large vocabulary
+            # (Gemma 3's 262k tokens: 9 s of 24 on a busy host), which would stop the heartbeat
+            # thread and get a serving worker declared dead: built before the worker is ready
+            self.engine.grammars.wait_tokenizer()
         freeze_heap(log, f"worker {spec.worker_id}", spec.engine.gc_freeze)
         self._locks = [_lock_endpoint(spec.job_endpoint), _lock_endpoint(spec.pub_endpoint)]
         self.ctx = zmq.Context()

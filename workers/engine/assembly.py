@@ -96,7 +96,8 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)
     engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else
                                MLA_LORA_REFUSAL if runner.model.args.deepseek is not None else
-                               GPT_OSS_LORA_REFUSAL if runner.model.args.gpt_oss is not None else "")
+                               GPT_OSS_LORA_REFUSAL if runner.model.args.gpt_oss is not None
+                               else getattr(runner.model, "lora_refusal", ""))
     engine.grammars = grammars(spec.model_path, runner)  # rank 0 samples, so it alone masks
     return Assembly(runner, engine, group, num_blocks, device)
 

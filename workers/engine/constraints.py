@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Iterable, Sequence as Seq
 
 import numpy as np
@@ -127,6 +127,10 @@ class Grammars:
         self.compile_s = 0.0  # total compile time
 
     # -- the tokenizer ------------------------------------------------------------------------
+    def wait_tokenizer(self) -> None:
+        """Block until the tokenizer is built, or failed (its error stays for the requests)."""
+        wait([self._tokenizer])
+
     def tokenizer(self, timeout: float | None = None) -> "LLTokenizer":
         """llguidance's tokenizer (waits for it; raises ConstraintError when it could not be built)."""
         return self._tokenizer.result(timeout)

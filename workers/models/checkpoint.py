@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelArgs
 from .deepseek_config import is_mtp_tensor
 from .gpt_oss_config import expert_tensors as gpt_oss_tensors
+from .gemma_config import extra_tensors as gemma_tensors
 from .gguf_file import GgufError, open_gguf, plan_tensors, view_source
 from .moe_names import NAMES as MOE_NAMES, expected_tensors as moe_tensors
 
@@ -124,6 +125,8 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if args.variant is not None:  # GLM-4 / Phi-3's fused tensors and GLM-4's extra norms
         from .variant_names import expected_tensors as variant_tensors
         return variant_tensors(args, out)
+    if args.gemma is not None:  # Gemma's norms around the feed-forward (workers/models/gemma_config.py)
+        out.update(gemma_tensors(args))
     return out
 
 

@@ -19,6 +19,7 @@ from .config_values import config_int
 from .deepseek_config import DeepseekArgs, parse_deepseek
 from .gpt_oss_config import GptOssArgs, parse_gpt_oss
 from .variant_config import VARIANT_ARCHS, VariantArgs, parse_variant
+from .gemma_config import GEMMA_ARCHS, GemmaArgs, parse_gemma, text_config
 
 __all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
 
@@ -51,6 +52,13 @@ SUPPORTED_ARCHS: dict[str, str] = {
     # GLM-4, Phi-3 / Phi-4-mini, SmolLM3, Granite: Llama's attention with their own rope, norms or
     # multipliers (workers/models/variant_config.py, variant.py)
     **VARIANT_ARCHS,
+    # Gemma 2 / 3 (text): workers/models/gemma.py; a Gemma3ForConditionalGeneration's text part
+    "gemma2": "gemma2",
+    "Gemma2ForCausalLM": "gemma2",
+    "gemma3_text": "gemma3",
+    "Gemma3ForCausalLM": "gemma3",
+    "gemma3": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 
 # An MoE family -> the dense family whose attention (biases, q/k norms, windows) it shares.
@@ -131,6 +139,7 @@ class ModelArgs:
     moe: MoeArgs | None = None  # mixture of experts (None: every layer dense)
     gpt_oss: GptOssArgs | None = None  # GPT-OSS's experts and rope: workers/models/gpt_oss_config.py
     variant: VariantArgs | None = None  # GLM-4 / Phi-3 / SmolLM3 / Granite: workers/models/variant_config.py
+    gemma: GemmaArgs | None = None  # Gemma 2/3 (workers/models/gemma_config.py)
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -184,9 +193,11 @@ class ModelArgs:
 
         arch_key = _arch_of(cfg, err)
         arch = MOE_BASE.get(arch_key, arch_key)
+        if arch in GEMMA_ARCHS:
+            cfg = text_config(cfg)  # a Gemma3ForConditionalGeneration: its text part
 
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu":
+        if act != "silu" and arch not in GEMMA_ARCHS:  # Gemma's GeGLU: parse_gemma checks it
             raise err("hidden_act", f"only 'silu' is supported, got {act!r}")
 
         hidden = get_int("hidden_size")
@@ -207,9 +218,9 @@ class ModelArgs:
         if head_dim % 2:
             raise err("head_dim", f"rotary embeddings need an even head_dim, got {head_dim}")
         n_layers = get_int("num_hidden_layers")
-        max_pos = get_int("max_position_embeddings", 4096 if arch == "llama" else None)
+        max_pos = get_int("max_position_embeddings", {"llama": 4096, "gemma2": 8192, "gemma3": 131072}.get(arch))
 
-        variant = variant_windows = None
+        variant = variant_windows = gemma = None
         rope_cfg = cfg
         if arch in VARIANT_ARCHS.values():  # partial / interleaved rope, LongRoPE, NoPE layers, multipliers
             variant, rope_cfg, variant_windows = parse_variant(cfg, arch, head_dim, n_layers,
@@ -217,7 +228,13 @@ class ModelArgs:
         gpt_oss = parse_gpt_oss(cfg, err) if arch == "gpt_oss" else None
         # DeepSeek's and GPT-OSS's YaRN are their own (deepseek_config.py, gpt_oss_config.py)
         own_rope = deepseek or gpt_oss
-        rope_theta, rope_scaling = (own_rope.rope_theta, None) if own_rope else _parse_rope(rope_cfg, err, max_pos)
+        if arch in GEMMA_ARCHS:  # per-layer-type rope and windows, soft-capping: gemma_config.py
+            gemma, rope_theta, rope_scaling, sliding_window, layer_windows = parse_gemma(
+                cfg, arch, n_layers, err, lambda c: _parse_rope(c, err, max_pos))
+        elif own_rope:
+            rope_theta, rope_scaling = own_rope.rope_theta, None
+        else:
+            rope_theta, rope_scaling = _parse_rope(rope_cfg, err, max_pos)
         rot = variant.rotary_dim if variant is not None else head_dim
         if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != rot // 2:
             dims = f"head_dim {head_dim} needs" if variant is None else f"{rot} rotary dims need"
@@ -239,7 +256,8 @@ class ModelArgs:
             qkv_bias = o_bias = get_bool("attention_bias", arch == "gpt_oss")
         mlp_bias = get_bool("mlp_bias", False) if arch in ("llama", "smollm3", "granite") else False
 
-        sliding_window, layer_windows = _parse_sliding_window(cfg, arch_key, n_layers, err)
+        if gemma is None:
+            sliding_window, layer_windows = _parse_sliding_window(cfg, arch_key, n_layers, err)
         if variant_windows is not None:
             layer_windows = variant_windows
             sliding_window = next((w for w in layer_windows if w is not None), None)
@@ -273,11 +291,11 @@ class ModelArgs:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=get_bool("tie_word_embeddings", False),
+            tie_word_embeddings=get_bool("tie_word_embeddings", gemma is not None),  # Gemma: tied by default
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             sliding_window=sliding_window,
             layer_windows=layer_windows,
             torch_dtype=dtype,
@@ -288,6 +306,7 @@ class ModelArgs:
             moe=moe,
             gpt_oss=gpt_oss,
             variant=variant,
+            gemma=gemma,
         )
 
     # ---------------------------------------------------------------- helpers

@@ -11,7 +11,8 @@ no torch:
   tokenizer conversion reads, through transformers) skipped: 0.05 s instead of 4 s for SmolLM2;
   a truncated or corrupt file raises ``GgufError`` saying so;
 - ``hf_config(g)``: the Hugging Face ``config.json`` / ``generation_config.json`` the metadata
-  describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4; anything else refused, named);
+  describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4, gemma2, gemma3; anything else
+  refused, named; Gemma's keys as llama.cpp reads them: ``_gemma_keys``);
 - ``plan_tensors(g, expected)``: every tensor the model needs (by Hugging Face name, from
   ``workers.models.checkpoint.expected_tensors``) found under its llama.cpp name (the ``gguf``
   package's own name table), with the shape the config implies and a type the loader
@@ -35,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf import get_tensor_name_map
 
 from .gguf_variant import EXTRA_TENSORS, variant_keys
+from .gemma_chat import END_OF_TURN
 
 __all__ = ["GgufError", "GgufFile", "LOADABLE_TYPES", "MARKER", "SUPPORTED_ARCHS", "TensorRef", "find_gguf",
            "hf_config", "is_gguf_path", "open_gguf", "plan_tensors", "view_source"]
@@ -56,6 +58,8 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     # partial rotary, LongRoPE, fused qkv / gate_up, GLM-4's extra norms: gguf_variant.py
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 GGUF_MAGIC = b"GGUF"
 # Llama 3.1+'s rope scaling, stored as a tensor; read into the config, not loaded as a weight.
@@ -294,6 +298,9 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg.update(variant_keys(g, model_type, head_dim, GgufError))
     if model_type == "mistral":  # llama.cpp computes a "llama" file without a window unless it has the key
         cfg["sliding_window"] = g.arch_key("attention.sliding_window")
+    if arch in ("gemma2", "gemma3"):
+        del cfg["hidden_act"]
+        cfg.update(_gemma_keys(g, hidden, heads, head_dim))
     rope = str(g.arch_key("rope.scaling.type", "none") or "none")
     freqs = g.tensors.get(ROPE_FREQS)
     if rope == "linear" and freqs is None:
@@ -327,9 +334,56 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
     # llama.cpp ends generation at any end-of-generation token: eos, and eot/eom where the file has them
     eog = [int(v) for k in ("eos_token_id", "eot_token_id", "eom_token_id")
            if (v := g.get(f"tokenizer.ggml.{k}")) is not None]
+    if arch in ("gemma2", "gemma3") and (eot := token_id(g, END_OF_TURN)) is not None:
+        eog.append(eot)  # llama.cpp's end-of-generation tokens include <end_of_turn> where the vocabulary has it
     if eog:
         gen["eos_token_id"] = list(dict.fromkeys(eog)) if len(set(eog)) > 1 else eog[0]
     return cfg, gen
+
+
+def _gemma_keys(g: GgufFile, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 2/3's config keys as llama.cpp computes such a file (llama-model.cpp): the softmax
+    scale 1/sqrt(head_dim) (the 27B models: 1/sqrt(hidden / heads)); every other layer sliding
+    (Gemma 2) or five of six (Gemma 3) unless the file says ``attention.sliding_window_pattern``;
+    Gemma 3's sliding layers on rope base 10000 unscaled, its global ones on ``rope.freq_base``
+    with the file's scaling; Gemma 2's soft-capping values."""
+    arch, layers = g.arch, _positive(g, "block_count")
+    big = layers == (46 if arch == "gemma2" else 62)  # the 27B models
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh",
+                           "query_pre_attn_scalar": hidden // heads if big else head_dim,
+                           "sliding_window": _positive(g, "attention.sliding_window")}
+    pattern = g.arch_key("attention.sliding_window_pattern")
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        pattern = 2 if arch == "gemma2" else 6
+    out["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = _positive(g, "attn_logit_softcapping", float, 50.0)
+        out["final_logit_softcapping"] = _positive(g, "final_logit_softcapping", float, 30.0)
+    else:
+        out["final_logit_softcapping"] = None
+        out["attn_logit_softcapping"] = None
+        out["rope_local_base_freq"] = 10000.0
+    return out
+
+
+def token_id(g: GgufFile, text: str) -> int | None:
+    """The id of the token ``text`` in the file's vocabulary (``tokenizer.ggml.tokens``), None when
+    absent. Walks the strings in the map and stops at the match (special tokens come early)."""
+    field = g._reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    want = text.encode()
+    if field.data:  # parsed by gguf's own reader
+        return next((i for i, idx in enumerate(field.data) if bytes(field.parts[idx]) == want), None)
+    buf = g._reader.data
+    # key length (u64), key, value type (u32), item type (u32), count (u64), then (u64 length, bytes) items
+    offs = field.offset + 8 + field.parts[1].nbytes + 4 + 4 + 8
+    for i in range(int(field.parts[4][0])):
+        n = int.from_bytes(buf[offs:offs + 8].tobytes(), "little")
+        if n == len(want) and buf[offs + 8:offs + 8 + n].tobytes() == want:
+            return i
+        offs += 8 + n
+    return None
 
 
 def _llama_cpp_arch(g: GgufFile) -> Any:

