@@ -60,6 +60,19 @@ def normal(r: httpx.Response):
         return r.status_code, text
 
 
+def same_answer(a, b) -> bool:
+    """Equal answers, embedding vectors within 1e-5: the two inputs of an embeddings request are two
+    sequences, in one step or in two depending on when each reaches the worker, and a step's row
+    count changes the last bits of its products (docs/design.md: batch invariance)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_answer(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_answer(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5
+    return a == b
+
+
 CASES = [
     ("/infer", {"inputs": PROMPT, "stream": False, "parameters": {"max_new_tokens": 8, "details": True}}),
     ("/infer", {"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 8}}),
@@ -99,7 +112,7 @@ def test_same_answer_as_the_instance(fleet, path, body):
     _, servers, coord = fleet
     direct = normal(httpx.post(servers[0].url + path, json=body, timeout=60))
     via = httpx.post(coord.url + path, json=body, timeout=60)
-    assert normal(via) == direct, via.text[:500]
+    assert same_answer(normal(via), direct), via.text[:500]
     assert via.headers.get("content-type") == httpx.post(servers[1].url + path, json=body,
                                                          timeout=60).headers.get("content-type")
     assert via.headers.get("server") == "MindIE-MS"
