@@ -86,9 +86,15 @@ def constrained_engine(model_dir: str, **kw) -> Engine:
 def drive(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]], timeout: float = 300.0
           ) -> dict[str, tuple[list[int], str, list[float]]]:
     """Submit ``reqs``, step until all end: (ids, finish reason or error message, logprobs) each."""
-    for rid, (ids, params) in reqs.items():
-        engine.add(Submit(rid, "fe", ids, params))
     out = {rid: ([], "", []) for rid in reqs}
+    for rid, (ids, params) in reqs.items():
+        try:
+            engine.add(Submit(rid, "fe", ids, params))
+        except ConstraintRefused as e:
+            # Refused at add: a compile that failed before add looked at its future (a kind the
+            # compiler rejects at once, on a busy host), or a cached error. The worker answers it as
+            # a step's error frame would be (workers/worker.py).
+            out[rid] = ([], str(e), [])
     deadline = time.monotonic() + timeout
     while engine.has_work() or engine.grammar_busy:
         assert time.monotonic() < deadline, "requests did not end"
