@@ -58,7 +58,7 @@ reqlog = logging.getLogger("mindie.coordinator.request")
 ROUTES = [
     ("POST", re.compile(r"/infer|/infer_token|/v1/tokenizer|/generate|/v1/completions|/v1/chat/completions|/"
                         r"|/v1/messages|/v1/messages/count_tokens|/v1/embeddings|/v2/models/[^/]+/(infer|generate)|/api/(chat|generate|show|embed)"
-                        r"|/v1/responses"), False),
+                        r"|/v1/responses|/rerank|/v1/rerank|/v2/rerank|/score|/v1/score"), False),
     ("POST", re.compile(r"/generate_stream|/v2/models/[^/]+/generate_stream"), True),
     ("POST", re.compile(r"/v2/models/[^/]+/stopInfer"), False),
     ("GET", re.compile(r"/v1/models(/[^/]+)?|/v2|/v2/models/[^/]+(/config)?|/info|/api/(tags|ps|version)"
@@ -68,7 +68,8 @@ ROUTES = [
     ("DELETE", re.compile(r"/v1/responses/[^/]+"), False),
 ]
 # POST routes that generate nothing: any ready instance answers them, in PD too (no handoff).
-NOT_GENERATION = frozenset({"/v1/tokenizer", "/api/show", "/api/embed", "/v1/messages/count_tokens", "/v1/embeddings"})
+NOT_GENERATION = frozenset({"/v1/tokenizer", "/api/show", "/api/embed", "/v1/messages/count_tokens", "/v1/embeddings",
+                            "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score"})
 # Not relayed either way: hop-by-hop fields, and those this hop writes itself (uvicorn adds date;
 # a second date from the instance would make the singleton field appear twice).
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

@@ -333,6 +333,9 @@ class Pipeline:
         self.ignored_log = ignored_log or ignored_fields.REPORTER
         self.adapters = Adapters(client)  # the LoRA adapters requests may name (mindie/lora_adapters.py)
         self.structured = Checker(tokenizer)  # structured-output constraints (mindie/text/structured.py)
+        # Why the served model cannot generate ("" = it can): a cross-encoder (mindie/text/rerank.py)
+        # serves pooling submissions only, so every other request is refused before it is sent.
+        self.score_only = ""
 
     async def serve(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, codec: Codec, **kw: Any) -> None:
         """One request, from admission to its last byte, with ``codec``'s shapes."""
@@ -363,6 +366,8 @@ class Pipeline:
             job = await asyncio.to_thread(codec.parse, body, ctx) if len(body) > LARGE_BODY else codec.parse(body, ctx)
             if job.codec is not None:
                 codec = req.context.codec = job.codec
+            if self.score_only and any(not s.params.pooling for s in job.subs):
+                raise ApiError(400, self.score_only)
             if job.checks:
                 await asyncio.to_thread(_run_checks, job.checks)
             if job.ignored:  # accepted as before; named in a header and a rate-limited WARNING

@@ -213,6 +213,12 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ModelDeployConfig.ModelConfig[].reasoningParser": [
         f"tests/test_reasoning.py::{n}" for n in ("test_config_keys", "test_chosen_by_config",
                                                   "test_qwen3_answer_is_split_as_the_parser_says")],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].rerank": [
+        f"tests/test_rerank.py::{n}" for n in ("test_rerank_config_keys", "test_scorer_rules",
+                                               "test_decoder_reranker_equals_transformers",
+                                               "test_plain_model_cannot_rerank")],
+    "BackendConfig.ModelDeployConfig.ModelConfig[].rerankTemplate": [
+        f"tests/test_rerank.py::{n}" for n in ("test_rerank_config_keys", "test_scorer_rules")],
     "BackendConfig.ModelDeployConfig.ModelConfig[].embeddingPooling": [
         f"tests/test_embeddings.py::{n}" for n in ("test_embedding_pooling_key_and_sentence_transformers_files",
                                                    "test_default_model_last_token_normalised_equals_transformers",

@@ -104,6 +104,9 @@ CASES = [
     ("/infer", {"inputs": PROMPT, "parameters": {"top_p": 1.5}}),  # an instance's 422, passed through
     ("/v1/embeddings", {"model": "demo", "input": [PROMPT, "hi"], "encoding_format": "float"}),  # no PD handoff
     ("/v1/embeddings", {"model": "demo", "input": "x", "dimensions": 8}),  # an instance's 400, in OpenAI's shape
+    # the demo model cannot rerank: the instance's 400 (Cohere's shape; /score's OpenAI's), relayed
+    ("/v2/rerank", {"model": "demo", "query": PROMPT, "documents": ["a", "b"]}),
+    ("/score", {"model": "demo", "text_1": PROMPT, "text_2": ["a"]}),
 ]
 
 

@@ -54,6 +54,10 @@ def test_families_of_paths():
     assert F.terminator(F.RESPONSES) == b""
     assert [F.family(p, None) for p in ("/v1/embeddings", "/api/embed", "/v1/embeddingsx")] == \
         [F.OPENAI, F.OLLAMA, F.OTHER]
+    # rerank (Cohere's and Jina's bodies): Cohere's {"message"}; vLLM's /score: OpenAI's
+    assert [F.family(p, None) for p in ("/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score", "/v3/rerank")] == \
+        [F.RERANK, F.RERANK, F.RERANK, F.OPENAI, F.OPENAI, F.OTHER]
+    assert F.error_answer(F.RERANK, ApiError(400, "bad")) == (400, b'{"message":"bad"}')
     # a path no route serves: Anthropic's shape under /v1/messages, Ollama's under /api/, OpenAI's under /v1/,
     # else MindIE's
     assert [F.unrouted(p) for p in ("/v1/messages/batches", "/v1/nope", "/v1", "/nope", "/api/pull",

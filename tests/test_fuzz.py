@@ -71,13 +71,14 @@ ROUTES = ["/infer", "/infer_token", "/health", "/v2/health/live", "/v2/health/re
           "/v2/models/{model}/generate_stream", "/v1/completions", "/v1/chat/completions",
           "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/messages", "/v1/messages/count_tokens",
           "/api/chat", "/api/generate", "/api/tags", "/api/ps", "/api/version", "/api/show", "/api/embed",
-          "/v1/responses", "/v1/responses/{response_id}", "/v1/embeddings"]
+          "/v1/responses", "/v1/responses/{response_id}", "/v1/embeddings",
+          "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score"]
 POST_ROUTES = {"/infer", "/infer_token", "/v1/tokenizer", "/v2/models/{model}/stopInfer", "/generate",
                "/generate_stream", "/", "/v2/models/{model}/infer", "/v2/models/{model}/generate",
                "/v2/models/{model}/generate_stream",
                "/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
                "/v1/messages", "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/show", "/api/embed",
-               "/v1/responses", "/v1/embeddings"}
+               "/v1/responses", "/v1/embeddings", "/rerank", "/v1/rerank", "/v2/rerank", "/score", "/v1/score"}
 # Routes that answer both GET and POST (TGI's POST /, Ollama's GET / "Ollama is running").
 GET_AND_POST = {"/"}
 # Routes that answer GET and DELETE (a stored response of OpenAI's Responses API).
@@ -444,7 +445,8 @@ def exchange(fz: Fuzzed, data: bytes, *, expect: int | None = None, half_close: 
     return rs
 
 
-OPENAI_PATHS = (b"/v1/completions", b"/v1/chat/completions", b"/v1/embeddings")
+OPENAI_PATHS = (b"/v1/completions", b"/v1/chat/completions", b"/v1/embeddings", b"/score", b"/v1/score")
+RERANK_PATHS = (b"/rerank", b"/v1/rerank", b"/v2/rerank")  # Cohere's {"message": "..."}
 
 
 def _responses(bare: bytes) -> bool:
@@ -456,7 +458,7 @@ def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False, path: byt
     """A documented status; JSON or SSE bodies that parse; errors in MindIE's shape (OpenAI's
     {"error": {"message", "type", "param", "code"}} on the OpenAI routes and for a path under /v1/
     that no route serves; Anthropic's {"type": "error", "error": {"type", "message"}} under
-    /v1/messages; Ollama's {"error": "..."} under /api/)."""
+    /v1/messages; Ollama's {"error": "..."} under /api/; Cohere's {"message": "..."} on the rerank routes)."""
     assert r.status in allowed, r  # 503 is not: the worker is alive throughout
     ctype = r.headers.get(b"content-type", b"")
     bare = path.split(b"?")[0]
@@ -501,6 +503,9 @@ def check(r: Resp, allowed: set[int] = DOCUMENTED, head: bool = False, path: byt
         assert list(err) == ["error"] and list(e) == ["message", "type", "param", "code"], r
         assert isinstance(e["message"], str) and isinstance(e["type"], str) and e["code"] == r.status, r
         message = e["message"]
+    elif bare in RERANK_PATHS and isinstance(err, dict) and list(err) == ["message"]:
+        assert isinstance(err["message"], str), r
+        message = err["message"]
     elif ollama and isinstance(err, dict) and list(err) == ["error"]:  # Ollama's {"error": "..."}
         # (a request the HTTP layer refuses before routing, a bad request line, is MindIE's shape)
         assert isinstance(err["error"], str), r

@@ -225,6 +225,13 @@ class ModelConfig(_Section):
     # "auto": the checkpoint's sentence-transformers files (modules.json, 1_Pooling/config.json),
     # else the last token, normalised (a plain decoder: Qwen3-Embedding style); a kind names it.
     embedding_pooling: Literal["auto", "last", "mean", "cls"] = "auto"
+    # Project extension: how /rerank, /v1/rerank, /v2/rerank and /score score a pair (mindie/text/rerank.py).
+    # "auto": a sequence-classification checkpoint is a cross-encoder, a config.json with
+    # classifier_from_token a yes/no decoder reranker, else none; "yes-no": this causal LM is a
+    # Qwen3-Reranker-style decoder reranker (rerankTemplate); "off": none.
+    rerank: Literal["auto", "yes-no", "off"] = "auto"
+    # The decoder reranker's prompt, with {query} and {document}; "" = Qwen3-Reranker's.
+    rerank_template: Annotated[str, Meta(max_length=65536)] = ""
     # MindIE's speculative decoding plugin, a JSON object in a string: {"plugin_type":
     # "memory_decoding", "decoding_length": 1-16, "dynamic_algo": bool} (workers/engine/speculative.py;
     # checked in checks.py). "" = the project's default proposer (n-gram prompt lookup).

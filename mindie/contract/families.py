@@ -7,7 +7,9 @@ used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the c
   the body (``is_vllm_generate``: MindIE's rule); TGI's ``/generate_stream`` and ``/``; Triton's
   ``/v2/models/...``; Ollama's ``/api/...``; Anthropic's ``/v1/messages`` (and paths under it);
   OpenAI's Responses ``/v1/responses`` (and paths under it: its errors are OpenAI's object, its
-  stream's error frame is its own ``error`` event, so it is a family of its own);
+  stream's error frame is its own ``error`` event, so it is a family of its own); rerank's
+  ``/rerank``, ``/v1/rerank``, ``/v2/rerank`` (Jina's and Cohere's bodies; never streamed) and
+  vLLM's ``/score``, ``/v1/score`` (OpenAI's);
   anything else ``OTHER`` (MindIE's shape).
 - ``streams(path, body)``: whether the body asks for a stream (its ``stream`` true; Ollama's chat
   and generate stream unless it is false).
@@ -19,7 +21,8 @@ used by the server (its codecs, mindie/api/ and mindie/pipeline.py) and by the c
   ``{"error": {"message", "type", "param", "code"}}`` (vLLM's types, ``code`` = the status),
   Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (its types by status: a 503
   keeps its status, which the coordinator retries on, with Anthropic's ``overloaded_error``);
-  Ollama's ``{"error": "..."}``.
+  Ollama's ``{"error": "..."}``; rerank's Cohere ``{"message": "..."}`` (what Cohere's API
+  answers; the ``cohere`` client keeps any JSON body as its error's ``body``).
 - ``stream_error(fam, err)``: the bytes that end a stream that failed after it started: the
   family's error frame, then its terminator (``terminator``: OpenAI's ``data: [DONE]``, none
   for the others). Native: ``data: {"error", "error_type"}`` (a deadline: MindIE's raw text);
@@ -40,8 +43,10 @@ import msgspec
 from mindie.contract.http_error import ApiError
 from mindie.contract.sse_framing import DONE, event, json_event, named_event
 
-NATIVE, OPENAI, VLLM, TGI, TRITON, OLLAMA, ANTHROPIC, RESPONSES, OTHER = (
-    "native", "openai", "vllm", "tgi", "triton", "ollama", "anthropic", "responses", "other")
+NATIVE, OPENAI, VLLM, TGI, TRITON, OLLAMA, ANTHROPIC, RESPONSES, RERANK, OTHER = (
+    "native", "openai", "vllm", "tgi", "triton", "ollama", "anthropic", "responses", "rerank", "other")
+RERANK_PATHS = frozenset({"/rerank", "/v1/rerank", "/v2/rerank"})
+SCORE_PATHS = frozenset({"/score", "/v1/score"})  # vLLM's: OpenAI's error object
 OLLAMA_GENERATION = frozenset({"/api/chat", "/api/generate"})  # stream unless the body says "stream": false
 
 # vLLM's error types of OpenAI's error object, by HTTP status.
@@ -71,8 +76,10 @@ def family(path: str, body: Any) -> str:
         return ANTHROPIC
     if path == "/v1/responses" or path.startswith("/v1/responses/"):
         return RESPONSES
-    if (path.startswith("/v1/") and path.endswith("completions")) or path == "/v1/embeddings":
+    if (path.startswith("/v1/") and path.endswith("completions")) or path == "/v1/embeddings" or path in SCORE_PATHS:
         return OPENAI
+    if path in RERANK_PATHS:
+        return RERANK
     if path == "/generate":
         return VLLM if is_vllm_generate(body) else TGI
     if path in ("/generate_stream", "/"):
@@ -127,6 +134,8 @@ def error_answer(fam: str, err: ApiError) -> tuple[int, bytes]:
         return err.status, _encode(openai_error(err))
     if fam == OLLAMA:
         return err.status, _encode({"error": err.message})
+    if fam == RERANK:
+        return err.status, _encode({"message": err.message})
     if fam == ANTHROPIC:
         return err.status, _encode(anthropic_error(err))
     return err.status, err.body()

@@ -71,12 +71,18 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tr
     # Embeddings (issue 54): a pooling request computes its prompt only, samples nothing and ends
     # with its pooled final hidden state (TokenFrame.embedding). "" = generate; else POOLING_KINDS.
     pooling: str = ""
+    # Rerank and score (issue 54) with pooling "score": the last position's logits at these ids (a
+    # decoder reranker's "no" and "yes"); empty: every logit of the model's head (a sequence-
+    # classification model's num_labels).
+    score_tokens: list[int] = []
 
 
 # How a pooling request reduces its prompt's final hidden states (after the final norm) to one
 # vector: their mean, the last position's, the first position's (CLS). The worker pools only;
 # normalising and truncating (Matryoshka ``dimensions``) are the front end's (mindie/api/embeddings.py).
-POOLING_KINDS = ("mean", "last", "cls")
+# "score": the last position's logits through the model's head (``score_tokens``), which the front
+# end turns into a relevance score (mindie/api/rerank.py).
+POOLING_KINDS = ("mean", "last", "cls", "score")
 
 
 class PdOrder(msgspec.Struct, array_like=True, gc=False, frozen=True):

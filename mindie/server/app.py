@@ -12,6 +12,7 @@ import falcon.asgi
 
 from mindie.api.anthropic import anthropic_routes
 from mindie.api.embeddings import embedding_routes
+from mindie.api.rerank import rerank_routes
 from mindie.api.control import StopInferResource, StopServiceResource
 from mindie.api.health import Health, HealthResource, LiveResource, ModelsResource, TimedHealthResource
 from mindie.api.generate import GenerateResource
@@ -38,6 +39,7 @@ from mindie.server.response_store import ResponseStore
 from mindie.api.pd_role import RoleResource
 from mindie.pipeline import Pipeline
 from mindie.text.pooling import load_pooling
+from mindie.text.rerank import load_scorer
 
 log = logging.getLogger("mindie.app")
 
@@ -47,14 +49,15 @@ def _serialize_error(req, resp, exc: falcon.HTTPError) -> None:
     the Accept header says (Falcon's default would send an empty body to an SSE client); a path
     no route serves under ``/v1/`` in OpenAI's shape (Anthropic's under ``/v1/messages``, Ollama's
     under ``/api/``), which those clients read (mindie/contract/families.py ``unrouted``); any
-    error on an Anthropic, Ollama or Responses path in that family's shape."""
+    error on an Anthropic, Ollama, Responses or rerank path in that family's shape."""
     status = exc.status_code
     name = error_type(status)
     resp.content_type = falcon.MEDIA_JSON
     if isinstance(exc, falcon.HTTPRouteNotFound) and (fam := families.unrouted(req.path)) != families.OTHER:
         _, resp.data = families.error_answer(fam, ApiError(404, f"Invalid URL ({req.method} {req.path})"))
         return
-    if (fam := families.family(req.path, None)) in (families.OLLAMA, families.ANTHROPIC, families.RESPONSES):
+    if (fam := families.family(req.path, None)) in (families.OLLAMA, families.ANTHROPIC, families.RESPONSES,
+                                                    families.RERANK):
         # their clients read only their own shape: a wrong method (405) too
         _, resp.data = families.error_answer(fam, ApiError(status, exc.description or exc.title or "Error"))
         return
@@ -107,6 +110,11 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     pooling = load_pooling(fe.model_dir, fe.config.backend.model_deploy.models[0].embedding_pooling)
     log.info("embeddings: %s pooling%s (%s)", pooling.kind, ", normalised" if pooling.normalize else "", pooling.source)
     embeddings, ollama_embed = embedding_routes(fe, pipeline, pooling, pipeline.adapters)  # mindie/api/embeddings.py
+    model_cfg = fe.config.backend.model_deploy.models[0]
+    scorer = load_scorer(fe.model_dir, fe.tokenizer, model_cfg.rerank, model_cfg.rerank_template)
+    log.info("rerank: %s", f"{scorer.kind} ({scorer.source})" if scorer.kind else "off")
+    pipeline.score_only = scorer.generation_refusal  # a cross-encoder generates nothing
+    rerank_v1, rerank_v2, score = rerank_routes(fe, pipeline, scorer, pipeline.adapters)  # mindie/api/rerank.py
     messages, count_tokens = anthropic_routes(pipeline, chat.codec, fe.limits.max_request_length_mb)
     store = ResponseStore(fe.config.server.responses_store_path or os.path.join(fe.run_dir, "responses"))
     responses, stored_response = responses_routes(pipeline, chat.codec, store)  # mindie/api/responses.py
@@ -139,6 +147,8 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
             ("/api/tags", ollama, "tags"), ("/api/ps", ollama, "ps"), ("/api/version", ollama, "version"),
             ("/api/show", ollama, "show"), ("/api/embed", ollama_embed, None),
             ("/v1/embeddings", embeddings, None),
+            ("/rerank", rerank_v1, None), ("/v1/rerank", rerank_v1, None), ("/v2/rerank", rerank_v2, None),
+            ("/score", score, None), ("/v1/score", score, None),
             ("/v1/messages", messages, None),  # mindie/api/anthropic.py
             ("/v1/messages/count_tokens", count_tokens, None),
             ("/v1/responses", responses, None), ("/v1/responses/{response_id}", stored_response, None),

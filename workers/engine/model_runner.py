@@ -133,10 +133,15 @@ class ModelRunner:
                 sampled_seqs.append(seq)
                 sampled_idx.append(i)
                 want_lp = want_lp or seq.params.logprobs >= 0
-        # The LM-head calls of this step, in order: prompt log-probability chunks, then sampling.
+        # The LM-head calls of this step, in order: prompt log-probability chunks, the last rows of
+        # the score requests whose prompt ends here (rerank: one call), then sampling.
         chunk = self.prompt_chunk_rows()
         logit_rows = [list(range(row0 + a, row0 + min(a + chunk, cnt)))
                       for _, row0, _, cnt in prompt_spans for a in range(0, cnt, chunk)]
+        scored = [(i, row0 + cnt - 1) for i, row0, p0, cnt in pool_spans
+                  if batch.seqs[i].params.pooling == "score" and p0 + cnt == batch.seqs[i].num_tokens]
+        if scored:
+            logit_rows.append([row for _, row in scored])
         if sampled_seqs:
             logit_rows.append(last_rows)
         inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows)
@@ -160,6 +165,10 @@ class ModelRunner:
             result.prompt_logprobs[i] = (p0, values)
         for i, row0, p0, cnt in pool_spans:
             result.pooled[i] = (p0, pool_part(batch.seqs[i], hidden[row0:row0 + cnt], p0))
+        if scored:
+            head = self.logits(hidden, next(calls))
+            for j, (i, _) in enumerate(scored):
+                result.pooled[i] = (result.pooled[i][0], score_part(batch.seqs[i], head[j]))
         if sampled_seqs:
             logits = self.logits(hidden, next(calls))
             # The constrained rows' masks, computed on the mask thread while the model ran.
@@ -224,11 +233,20 @@ def pool_part(seq: Sequence, rows: torch.Tensor, p0: int) -> np.ndarray | None:
     the first position's (CLS, in the chunk at position 0), the last position's (last-token, in the
     chunk that ends the prompt); None where the chunk holds no pooled position."""
     kind = seq.params.pooling
+    if kind == "score":  # the logits of the last row: the runner adds them (score_part)
+        return None
     if kind == "mean":
         return rows.float().sum(0).cpu().numpy()
     if kind == "cls":
         return rows[0].float().cpu().numpy() if p0 == 0 else None
     return rows[-1].float().cpu().numpy() if p0 + len(rows) == seq.num_tokens else None
+
+
+def score_part(seq: Sequence, logits: torch.Tensor) -> np.ndarray:
+    """A score request's vector: the fp32 logits of its prompt's last position at its
+    ``score_tokens`` (a decoder reranker's "no", "yes"), or all of them (a classification head)."""
+    ids = seq.params.score_tokens
+    return (logits[list(ids)] if ids else logits).float().cpu().numpy()
 
 
 class DraftRow:
@@ -305,6 +323,8 @@ class NullRunner:
                 ids = np.asarray(seq.tokens[seq.num_computed:seq.num_computed + n]) % self.POOL_DIM
                 rows = torch.from_numpy(np.eye(self.POOL_DIM, dtype=np.float32)[ids])
                 out.pooled[i] = (seq.num_computed, pool_part(seq, rows, seq.num_computed))
+                if seq.params.pooling == "score" and seq.num_computed + n == seq.num_tokens:  # no logits: zeros
+                    out.pooled[i] = (seq.num_computed, np.zeros(len(seq.params.score_tokens) or 1, np.float32))
         lp = -math.log(self.vocab_size)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             p = seq.params

@@ -95,7 +95,9 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     hid, vocab, inter = args.hidden_size, args.vocab_size, args.intermediate_size
     q, kv = args.q_size, args.kv_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hid), "model.norm.weight": (hid,)}
-    if not args.tie_word_embeddings:
+    if args.num_labels:  # a sequence-classification head instead of the LM head
+        out["score.weight"] = (args.num_labels, hid)
+    elif not args.tie_word_embeddings:
         out["lm_head.weight"] = (vocab, hid)
     for i in range(args.num_hidden_layers):
         pre = f"model.layers.{i}."

@@ -59,7 +59,14 @@ SUPPORTED_ARCHS: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "gemma3": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    # Cross-encoders (rerank and score, mindie/api/rerank.py): the dense decoder with a `score` head
+    # of num_labels rows in place of the LM head (ModelArgs.num_labels).
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "MistralForSequenceClassification": "mistral",
 }
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 # An MoE family -> the dense family whose attention (biases, q/k norms, windows) it shares.
 MOE_BASE: dict[str, str] = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
@@ -140,6 +147,9 @@ class ModelArgs:
     gpt_oss: GptOssArgs | None = None  # GPT-OSS's experts and rope: workers/models/gpt_oss_config.py
     variant: VariantArgs | None = None  # GLM-4 / Phi-3 / SmolLM3 / Granite: workers/models/variant_config.py
     gemma: GemmaArgs | None = None  # Gemma 2/3 (workers/models/gemma_config.py)
+    # A sequence-classification checkpoint (architectures *ForSequenceClassification): its `score`
+    # head's rows (num_labels) replace the LM head; 0 = a causal LM.
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -307,6 +317,7 @@ class ModelArgs:
             gpt_oss=gpt_oss,
             variant=variant,
             gemma=gemma,
+            num_labels=_num_labels(cfg, err, dense=deepseek is None and moe is None),
         )
 
     # ---------------------------------------------------------------- helpers
@@ -345,6 +356,21 @@ def _arch_of(cfg: Mapping[str, Any], err: Any) -> str:
         raise err("architectures", f"unsupported architecture {archs!r} (supported: "
                   f"{', '.join(sorted(k for k in SUPPORTED_ARCHS if not k.islower()))})")
     raise err("model_type", "missing (and no 'architectures' either); cannot tell the model family")
+
+
+def _num_labels(cfg: Mapping[str, Any], err: Any, dense: bool) -> int:
+    """A sequence-classification checkpoint's head size (its ``id2label``, else ``num_labels``,
+    else transformers' default 2); 0 for a causal LM."""
+    if not any(str(a).endswith(CLASSIFIER_SUFFIX) for a in cfg.get("architectures") or []):
+        return 0
+    if not dense:
+        raise err("architectures", "sequence classification is served for the dense families only "
+                  "(Llama, Qwen2, Qwen3, Mistral)")
+    labels = cfg.get("id2label")
+    n = len(labels) if isinstance(labels, dict) and labels else cfg.get("num_labels", 2)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise err("num_labels", f"must be a positive integer, got {n!r}")
+    return n
 
 
 def _parse_rope(cfg: Mapping[str, Any], err: Any, max_pos: int) -> tuple[float, RopeScaling | None]:

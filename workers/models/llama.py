@@ -305,6 +305,10 @@ class DecoderLM(nn.Module):
         # Tied checkpoints reuse the embedding matrix: no separate module, so nothing can untie it.
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, local.vocab_size, bias=False,
                                                                      dtype=dtype)
+        if args.num_labels:  # a sequence-classification model: its `score` head is the one head
+            if tp is not None:
+                raise ValueError("a sequence-classification model is served on one device (worldSize 1)")
+            self.lm_head = Linear(args.hidden_size, args.num_labels, bias=False, dtype=dtype)
         self.logits_linear = None
         # A device backend's whole-stack kernel for small decode steps (workers/backends/cpu_decode.py):
         # returns the hidden states, or None for a step it does not cover.

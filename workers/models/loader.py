@@ -84,7 +84,9 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
 
     vocab("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
-    if model.lm_head is not None:
+    if a.num_labels:  # a sequence-classification head (one device: no shard)
+        whole("score.weight", model.lm_head.weight)
+    elif model.lm_head is not None:
         vocab("lm_head.weight", model.lm_head.weight)
     heads = shard.heads if shard else a.num_attention_heads
     kvh = shard.kv_heads if shard else a.num_key_value_heads
