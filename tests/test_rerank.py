@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -128,6 +129,24 @@ def test_cohere_v2_rerank_equals_transformers(cross):
     assert all(getattr(x, "document", None) is None for x in r.results)  # Cohere v2 returns no documents
     top = cross.co.rerank(model="demo", query=QUERY, documents=DOCS, top_n=2)
     _check_ranked(top.results, ref, top_n=2)
+
+
+def _received(srv) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("request_received_total"))
+
+
+def test_counted_in_metrics_and_request_log(cross):
+    before = _received(cross)
+    r = httpx.post(cross.url + "/v2/rerank", json={"model": "demo", "query": QUERY, "documents": DOCS[:2]},
+                   headers={"req-id": "rerank-log-1"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _received(cross) == before + 1  # one request, whatever its pairs
+    n = sum(len(cross.ref.ids(QUERY, d)) for d in DOCS[:2])
+    deadline = time.monotonic() + 10
+    while f"request rerank-log-1 /v2/rerank status=200 in={n} " not in cross.tail(400):
+        assert time.monotonic() < deadline, cross.tail(20)
+        time.sleep(0.2)
 
 
 def test_long_pair_over_prefill_chunks(cross):
