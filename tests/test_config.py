@@ -154,7 +154,8 @@ JSON_KEYS = {
         "fusedDecodeRows", "fusedDecodeMb", "int8Rows", "adaptiveThreads", "prefillAttention",
         "prefillLinears"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
-                                        "maxLoraRank", "LoraModules", "speculationGamma", "loraRoot"},
+                                        "maxLoraRank", "LoraModules", "speculationGamma", "loraRoot",
+                                        "maxLoadedModels", "keepAlive"},
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize",
@@ -294,6 +295,9 @@ RANGE_CASES = [
     ("BackendConfig.ModelDeployConfig.maxLoras", -1, "must be >= 0, got -1"),
     ("BackendConfig.ModelDeployConfig.maxLoras", 4097, "must be <= 4096, got 4097"),
     ("BackendConfig.ModelDeployConfig.maxLoraRank", -1, "must be >= 0, got -1"),
+    ("BackendConfig.ModelDeployConfig.maxLoadedModels", -1, "must be >= 0, got -1"),
+    ("BackendConfig.ModelDeployConfig.maxLoadedModels", 65, "must be <= 64, got 65"),
+    ("BackendConfig.ModelDeployConfig.keepAlive", -2, "must be >= -1.0, got -2"),
     ("BackendConfig.ModelDeployConfig.LoraModules[0].name", "a b", "must match the pattern"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].modelName", "bad name!", "must match the pattern"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].modelName", "x" * 257, "must have length <= 256"),
@@ -513,6 +517,8 @@ def test_env_errors_name_key_and_variable(env: dict, message: str) -> None:
     ({"BackendConfig": {"npuDeviceIds": [[0, 1]], "ModelDeployConfig": {
         "ModelConfig": [{"modelName": "m"}], "LoraModules": [{"name": "a", "path": "x", "baseModelName": "m"}]}}},
      "BackendConfig.ModelDeployConfig.LoraModules: LoRA adapters are not served by tensor-parallel instances"),
+    ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"modelName": "m"}, {"modelName": "m"}]}}},
+     "BackendConfig.ModelDeployConfig.ModelConfig[1].modelName: appears twice: 'm'"),
 ])
 def test_cross_field_checks(tmp_path: Path, data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -744,7 +750,7 @@ def test_a_key_in_the_wrong_section_is_pointed_to_where_it_belongs(tmp_path: Pat
     # A suggestion in the key's own list entry keeps its index; a mapping's own keys are shown as such;
     # a close key of its own section (baseModelName) wins over the same name elsewhere (ModelConfig's modelName).
     path.write_text(json.dumps({"BackendConfig": {"ModelDeployConfig": {
-        "ModelConfig": [{"modelName": "m"}, {"modelName": "m", "chat_template": "t.jinja"}],
+        "ModelConfig": [{"modelName": "m"}, {"modelName": "m2", "chat_template": "t.jinja"}],
         "LoraModules": [{"name": "a", "path": "/a", "baseModelName": "m"},
                         {"name": "c", "path": "/c", "baseModelName": "m", "modelName": "m"}]}}}))
     deploy = "BackendConfig.ModelDeployConfig."

@@ -173,7 +173,7 @@ KEY_TESTS: dict[str, list[str]] = {
         f"{_CFG}::test_max_input_token_len_clamped_and_prefill_tokens_raised"],
     "BackendConfig.ModelDeployConfig.truncation": _here("test_e2e_truncation") + [
         "tests/test_validation.py::test_truncation_config_values"],
-    "BackendConfig.ModelDeployConfig.ModelConfig": _here("test_only_the_first_model_config_is_served",
+    "BackendConfig.ModelDeployConfig.ModelConfig": _here("test_every_model_config_is_a_model",
                                                          "test_unapplied_keys_are_logged"),
     # -- BackendConfig.ModelDeployConfig.ModelConfig[]
     "BackendConfig.ModelDeployConfig.ModelConfig[].modelName": _here("test_e2e_model_name_and_weight_path") + [
@@ -188,6 +188,13 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ModelDeployConfig.ModelConfig[].cpuMemSize": _here("test_npu_and_cpu_mem_size_size_the_kv_cache",
                                                                        "test_e2e_worker_applies_its_keys"),
     "BackendConfig.ModelDeployConfig.ModelConfig[].dtype": _here("test_dtype_is_the_models_dtype"),
+    "BackendConfig.ModelDeployConfig.maxLoadedModels": _here("test_every_model_config_is_a_model") + [
+        "tests/test_many_models.py::test_answers_as_alone_before_and_after_reload",
+        "tests/test_many_models.py::test_concurrent_requests_over_both_models_complete",
+        f"{_CFG}::test_range_violation_names_dotted_key"],
+    "BackendConfig.ModelDeployConfig.keepAlive": _here("test_every_model_config_is_a_model") + [
+        "tests/test_many_models.py::test_ollama_keep_alive_zero_unloads_after_the_request",
+        f"{_CFG}::test_range_violation_names_dotted_key"],
     "BackendConfig.ModelDeployConfig.maxLoras": [
         f"{_LORA}::test_least_recently_used_adapter_leaves_memory_first",
         f"{_LORA}::test_fifth_adapter_evicts_the_least_recently_used", f"{_CFG}::test_lora_keys_mindie_example"],
@@ -539,7 +546,7 @@ def test_log_config_keys_reach_the_launch_environment(tmp_path: Path) -> None:
 def test_unapplied_keys_are_logged(tmp_path: Path) -> None:
     """Version and HealthCheckConfig.npuUsageThreshold are validated but do nothing: load_config
     reports each one the file sets (Loaded.unapplied) and the launcher logs it; a second ModelConfig
-    entry is validated and logged as unused."""
+    entry is a second model (logged; tests/test_many_models.py serves two)."""
     data = {"Version": "2.0.0", "ServerConfig": {"HealthCheckConfig": {"npuUsageThreshold": 50}},
             "BackendConfig": {"ModelDeployConfig": {"ModelConfig": [
                 {"modelName": "first"}, {"modelName": "second"}]}}}
@@ -558,7 +565,7 @@ def test_unapplied_keys_are_logged(tmp_path: Path) -> None:
     for key in ("Version", "ServerConfig.HealthCheckConfig.npuUsageThreshold"):
         assert re.search(rf"{said}{re.escape(key)}: \S", proc.stderr), (key, proc.stderr)
     assert proc.stderr.count(said) == 2
-    assert "ModelConfig has 2 entries: only the first is served" in proc.stderr
+    assert "ModelConfig has 2 entries: each is served under its modelName, at most 2 loaded" in proc.stderr
     # A file without them: not a word.
     (tmp_path / "plain.json").write_text("{}")
     proc = _prepare(tmp_path, tmp_path / "plain.json")
@@ -570,13 +577,21 @@ def test_unapplied_keys_are_logged(tmp_path: Path) -> None:
 # Launch plan, front end, listeners.
 # -------------------------------------------------------------------------------------------------
 
-def test_only_the_first_model_config_is_served(tmp_path: Path) -> None:
+def test_every_model_config_is_a_model(tmp_path: Path) -> None:
+    """Each entry gets its own worker group with its own keys (mindie/model_plan.py;
+    tests/test_many_models.py serves two); maxLoadedModels and keepAlive go into the plan."""
+    from mindie.model_plan import build_many
+
     models = [{"modelName": "first", "modelWeightPath": "/models/a", "dtype": "bfloat16", "cpuMemSize": 2},
               {"modelName": "second", "modelWeightPath": "/models/b", "dtype": "float16", "cpuMemSize": 3}]
-    dep = deployment(tmp_path, {"BackendConfig": {"npuDeviceIds": [[0], [1]],
-                                                  "ModelDeployConfig": {"ModelConfig": models}}})
+    data = {"BackendConfig": {"npuDeviceIds": [[0], [1]], "ModelDeployConfig": {
+        "ModelConfig": models, "maxLoadedModels": 1, "keepAlive": 300}}, "ServerConfig": {"runDir": str(tmp_path / "r")}}
+    dep = build_many(load(tmp_path, data).config)
     assert {(w.model_name, w.model_path, w.dtype, w.cpu_mem_gb) for w in dep.workers} == {
         ("first", "/models/a", "bfloat16", 2.0)}
+    assert {(w.model_name, w.model_path, w.dtype, w.cpu_mem_gb) for w in dep.models[0]} == {
+        ("second", "/models/b", "float16", 3.0)}
+    assert (dep.max_loaded_models, dep.keep_alive_s) == (1, 300.0)
     bad = models[:1] + [{"dtype": "int8"}]
     with pytest.raises(ConfigError, match=r"ModelConfig\[1\]\.dtype: must be one of"):
         load(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": bad}}}, name="bad.json")

@@ -7,14 +7,14 @@ from typing import Any
 import torch
 
 
-def random_model(cls_name: str, config: dict[str, Any]) -> Any:
+def random_model(cls_name: str, config: dict[str, Any], seed: int = 0) -> Any:
     """A ``transformers.<cls_name>(**config)`` causal LM with seeded random weights (eager
-    attention: the textbook math as reference)."""
+    attention: the textbook math as reference; ``seed``: another seed, other weights)."""
     import transformers
 
     cfg = getattr(transformers, cls_name)(**config)
     cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         # Default init leaves norms at 1 and biases at 0, which would hide mapping mistakes.
@@ -31,9 +31,9 @@ def random_model(cls_name: str, config: dict[str, Any]) -> Any:
     return model
 
 
-def save_random_model(cls_name: str, config: dict[str, Any], path: Path) -> Any:
+def save_random_model(cls_name: str, config: dict[str, Any], path: Path, seed: int = 0) -> Any:
     """``random_model``, saved as safetensors in ``path``; returns the model."""
-    model = random_model(cls_name, config)
+    model = random_model(cls_name, config, seed)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -146,7 +146,7 @@ TEXT_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # added, n
 
 
 def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config",
-                    config: dict[str, Any] | None = None) -> Path:
+                    config: dict[str, Any] | None = None, seed: int = 0) -> Path:
     """A tiny random chat model in ``path``: the demo model's byte-level BPE tokenizer with Qwen3's
     chat tokens added (``<|im_start|>``/``<|im_end|>`` special, ``<think>``, ``</think>``,
     ``<tool_call>``, ``</tool_call>`` added as text tokens, as in Qwen3's tokenizer), ``template``
@@ -171,5 +171,5 @@ def save_chat_model(path: Path, template: str, *, cls_name: str = "Qwen3Config",
     save_random_model(cls_name, {**dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                         max_position_embeddings=2048, bos_token_id=1, eos_token_id=eos,
-                                        tie_word_embeddings=True), **(config or {})}, path)
+                                        tie_word_embeddings=True), **(config or {})}, path, seed)
     return path

@@ -97,8 +97,9 @@ def settle_deployment(dep: Deployment) -> Deployment:
     elif not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} has no config.json and no .gguf file (a Hugging Face model "
                          "directory or a .gguf file is expected)")
+    models = [settle_deployment(Deployment(run_dir=dep.run_dir, workers=g)).workers for g in dep.models]
     return msgspec.structs.replace(dep, workers=[settle(s, device_type, model_dir) for s in dep.workers],
-                                   demo_model=demo, default_model=default)
+                                   demo_model=demo, default_model=default, models=models)
 
 
 WEIGHT_PATH_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath"
@@ -132,9 +133,10 @@ def check_deployment(dep: Deployment, role: str = "all") -> None:
     """``check_model`` for the workers this host starts (settled ``dep``): none on a front-end
     host (``role`` "frontends", launch.sh --frontends-only: the weights need not be there), and
     the null model loads nothing."""
-    local = [s for s in dep.workers if not s.remote and not s.null_model]
-    if local and role != "frontends":
-        check_model(local, dep.model_dir)
+    for group in dep.groups:  # every model's workers (several models: mindie/model_plan.py)
+        local = [s for s in group if not s.remote and not s.null_model]
+        if local and role != "frontends":
+            check_model(local, group[0].model_path)
 
 
 def check_model(specs: list[WorkerSpec], model_dir: str) -> None:

@@ -39,6 +39,7 @@ from mindie.runtime.lifecycle import die_with_parent, expected_parent
 from mindie.runtime.log_setup import setup_logging
 from mindie.runtime.start_report import StartWatch
 from mindie.contract.spec import WorkerSpec, encode_spec, read_deployment
+from workers.model_host import ModelHost
 
 log = logging.getLogger("workers.supervisor")
 
@@ -284,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     parent = expected_parent()
     die_with_parent(signal.SIGTERM, parent)  # the launcher dies: stop the workers and exit
+    if dep.models:  # several models: the model host loads, evicts and unloads their groups
+        return _host_models(dep, parent)
     local = [s for s in dep.workers if not s.remote]  # workerHosts: the others run on their own hosts
     if not local:
         log.error("%s lists no device worker for this host (BackendConfig.workerHost is not one of workerHosts)",
@@ -301,6 +304,26 @@ def main(argv: list[str] | None = None) -> None:
     sup.run()
     if sup.exit_status:
         raise SystemExit(sup.exit_status)
+
+
+def _host_models(dep, parent: int) -> None:
+    groups = [[s for s in g if not s.remote] for g in dep.groups]
+    if not all(groups):
+        log.error("several models with workers on other hosts (workerHosts) are not supported")
+        raise SystemExit(2)
+    host = ModelHost(groups, dep.max_loaded_models, dep.keep_alive_s, dep.models_endpoint, parent, dep.run_dir,
+                     Supervisor)
+
+    def _stop(signum, _frame):
+        log.info("signal %s: stopping device workers", signal.Signals(signum).name)
+        host.stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # SIGHUP reloads front ends only
+    host.run()
+    if host.exit_status:
+        raise SystemExit(host.exit_status)
 
 
 if __name__ == "__main__":

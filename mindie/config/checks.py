@@ -77,8 +77,12 @@ def check(config: Config, from_env: Mapping[str, str], source: Optional[str]) ->
         fail("BackendConfig.ModelDeployConfig.LoraModules", "LoRA adapters are not served by tensor-parallel "
              f"instances (npuDeviceIds entries of {len(ids[0])} devices): remove LoraModules or serve the model on "
              "one device per instance")
+    seen_models: set[str] = set()
     for i, m in enumerate(d.models):
         key = f"BackendConfig.ModelDeployConfig.ModelConfig[{i}]"
+        if m.model_name in seen_models:
+            fail(f"{key}.modelName", f"appears twice: {m.model_name!r} (each model is served under its own name)")
+        seen_models.add(m.model_name)
         if m.world_size and m.world_size != len(ids[0]):
             fail(f"{key}.worldSize", f"must equal the number of devices per npuDeviceIds entry "
                  f"({len(ids[0])}), got {m.world_size}")
@@ -197,8 +201,9 @@ def adjust(config: Config) -> list[str]:
         notes.append(f"EnableDynamicAdjustTimeoutConfig: ServerConfig.tokenTimeout set to {MAX_TOKEN_TIMEOUT_S}, "
                      f"e2eTimeout to {MAX_E2E_TIMEOUT_S}")
     if len(d.models) > 1:
-        notes.append(f"BackendConfig.ModelDeployConfig.ModelConfig has {len(d.models)} entries: "
-                     "only the first is served")
+        notes.append(f"BackendConfig.ModelDeployConfig.ModelConfig has {len(d.models)} entries: each is served "
+                     f"under its modelName, at most {d.max_loaded_models or len(d.models)} loaded at once "
+                     "(maxLoadedModels)")
     for m in d.models:
         m.cpu_mem_size = m.cpu_mem_size or 1  # project: 0 = 1 GiB of CPU KV cache
     if d.max_lora_rank > MAX_LORA_RANK:

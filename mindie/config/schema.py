@@ -250,9 +250,18 @@ class ModelDeployConfig(_Section):
     max_seq_len: Annotated[int, Meta(ge=2, le=MAX_TOKEN_LEN)] = 2560
     max_input_token_len: Annotated[int, Meta(ge=1, le=MAX_TOKEN_LEN)] = 2048  # loaded <= max_seq_len - 1
     truncation: Union[bool, Literal[-1, 0, 1]] = False  # false/0 reject, true/-1 right, 1 left
-    # The first entry is served; further entries are validated but unused.
+    # Every entry is a model served under its modelName (docs/design.md, "Several models"); the
+    # first is the default of the routes that name none.
     models: Annotated[list[ModelConfig], Meta(min_length=1)] = field(
         default_factory=lambda: [ModelConfig()], name="ModelConfig")
+    # Project extension (llama.cpp's --models-max): at most this many ModelConfig entries resident
+    # at once; a request for another loads it, evicting the least recently used idle one.
+    # 0 = every entry (all loaded at start).
+    max_loaded_models: Annotated[int, Meta(ge=0, le=64)] = 0
+    # Project extension (Ollama's OLLAMA_KEEP_ALIVE): seconds an idle model stays loaded when
+    # several are configured; negative = for good; 0 = unloaded as soon as its requests end.
+    # Ollama's requests override it with their keep_alive.
+    keep_alive: Annotated[float, Meta(ge=-1, le=31536000)] = -1
     # LoRA adapters (MindIE's keys and defaults; docs/config.md "LoRA adapters"): at most maxLoras
     # resident (0 = as many as LoraModules lists, and none loaded at run time), ranks up to
     # maxLoraRank (0 or above MAX_LORA_RANK = MAX_LORA_RANK), LoraModules loaded at start.

@@ -243,6 +243,18 @@ class Deployment(msgspec.Struct, kw_only=True):
     workers: list[WorkerSpec]
     demo_model: bool = False  # the built-in demo model (random weights), made by workers.prepare
     default_model: bool = False  # the default model (no model configured), found by workers.prepare
+    # Several models (ModelConfig entries after the first; mindie/model_plan.py): each one's worker
+    # group, hosted by workers/model_host.py, which loads, evicts and unloads them; ``workers``
+    # stays the first model's. [] = one model, served as always.
+    models: list[list[WorkerSpec]] = []
+    max_loaded_models: int = 0  # ModelDeployConfig.maxLoadedModels as applied (1..number of models)
+    keep_alive_s: float = -1.0  # ModelDeployConfig.keepAlive; negative = for good
+    models_endpoint: str = ""  # the model host's control socket (front ends connect)
+
+    @property
+    def groups(self) -> list[list[WorkerSpec]]:
+        """Every model's worker group, the first model's first."""
+        return [self.workers, *self.models]
 
     @property
     def model_dir(self) -> str:

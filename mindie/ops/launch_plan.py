@@ -26,7 +26,8 @@ from mindie.contract.spec import write_deployment
 from mindie.text.detokenizer import load_tokenizer
 from mindie.server.listeners import plan_listeners, write_listeners
 from mindie.runtime.tls import TlsError, check_plane, permission_checks_on
-from mindie.topology import build_deployment, usable_cores
+from mindie.model_plan import build_many
+from mindie.topology import usable_cores
 
 log = logging.getLogger("mindie.ops.prepare")
 
@@ -96,11 +97,12 @@ def main() -> None:
                      "PLAIN TCP (BackendConfig.workerInsecureTcp: true): not encrypted, not authenticated")
         level = os.environ.get("MINDIE_LOG_LEVEL") or python_log_level(config.log.dynamic_log_level
                                                                         or config.log.log_level)
-        dep = build_deployment(config, null_model=os.environ.get("MINDIE_NULL_MODEL") == "1",
+        dep = build_many(config, null_model=os.environ.get("MINDIE_NULL_MODEL") == "1",
                                null_step_ms=float(os.environ.get("MINDIE_NULL_STEP_MS") or 0), log_level=level)
         check_cpu_threads(dep)
         if role != "workers":  # a workers-only host serves no HTTP: the front ends' tokenizer is not needed
-            check_tokenizer(dep.model_dir)
+            for group in dep.groups:  # every model's (several models: each ModelConfig entry)
+                check_tokenizer(group[0].model_path)
         out = {
             "MINDIE_RUN_DIR": config.server.run_dir,
             "MINDIE_DEPLOYMENT": write_deployment(dep),
@@ -177,10 +179,12 @@ MODEL_PATH_KEY = "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath
 def check_model_path(loaded) -> None:
     """A configured model path that does not exist: ConfigError naming the key and where the path
     came from, before anything starts (workers.prepare checks what the path holds)."""
-    path = loaded.config.backend.model_deploy.models[0].model_weight_path
-    if path and not os.path.exists(path):
-        raise ConfigError(f"{path} does not exist (a Hugging Face model directory or a .gguf file is expected)",
-                          MODEL_PATH_KEY, env=loaded.env_overrides.get(MODEL_PATH_KEY), source=loaded.source)
+    for i, model in enumerate(loaded.config.backend.model_deploy.models):
+        path = model.model_weight_path
+        key = MODEL_PATH_KEY.replace("[0]", f"[{i}]")
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{path} does not exist (a Hugging Face model directory or a .gguf file is expected)",
+                              key, env=loaded.env_overrides.get(key), source=loaded.source)
 
 
 def check_tokenizer(model_dir: str) -> None:

@@ -87,13 +87,36 @@ def create_app():
     (mindie/server/listeners.py), chosen by the local port of each connection."""
     setup_logging(f"frontend pid {os.getpid()}")
     fe = FrontEnd.from_env()
-    routes = plane_routes(fe)
     listeners = read_listeners(os.environ["MINDIE_LISTENERS"])
+    if fe.deployment.models:
+        return _many_models(fe, listeners)
+    routes = plane_routes(fe)
     # Each listener also answers the other planes' paths with a 404 that says where they live.
     by_port = {li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]
                                    + elsewhere_routes(routes, listeners, li)) for li in listeners}
     router = plane_router(by_port, by_port[listeners[0].port])
     freeze_heap(log, f"front end pid {os.getpid()}", fe.deployment.workers[0].engine.gc_freeze)
+    return router
+
+
+def _many_models(first: FrontEnd, listeners):
+    """Several models (mindie/server/model_router.py): a front end and its plane apps per model."""
+    from mindie.contract.spec import Deployment
+    from mindie.model_plan import config_for
+    from mindie.server.model_router import AnyModelClient, ModelRouter
+
+    dep = first.deployment
+    fronts = [first] + [FrontEnd(config_for(first.config, k), Deployment(run_dir=dep.run_dir, workers=group),
+                                 shared=first) for k, group in enumerate(dep.models, start=1)]
+    first.health_client = AnyModelClient([fe.client for fe in fronts])  # before the health routes take it
+    apps = []
+    for fe in fronts:
+        routes = plane_routes(fe)
+        apps.append({li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]
+                                         + elsewhere_routes(routes, listeners, li)) for li in listeners})
+    router = ModelRouter(fronts, apps, {li.port for li in listeners if "business" in li.planes},
+                         {li.port for li in listeners if "management" in li.planes}, dep.models_endpoint)
+    freeze_heap(log, f"front end pid {os.getpid()}", dep.workers[0].engine.gc_freeze)
     return router
 
 
@@ -120,7 +143,7 @@ def plane_routes(fe: FrontEnd) -> dict[str, list[tuple[str, object, str | None]]
     responses, stored_response = responses_routes(pipeline, chat.codec, store)  # mindie/api/responses.py
     status = StatusRoutes(fe.config, fe.client, fe.model_name, fe.model_dir, engine=fe.deployment.workers[0].engine,
                           roles=fe.roles)
-    health = Health(fe.client, fe.state, fe.admission)
+    health = Health(fe.health_client, fe.state, fe.admission)
     healthz = HealthResource(health, fe.model_name)
     timed = TimedHealthResource(health, probe_token=min(1, max(0, fe.vocab_size - 1)))
     fe.model_listeners.append(lambda vocab: setattr(timed, "probe_token", min(1, max(0, vocab - 1))))

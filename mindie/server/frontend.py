@@ -33,7 +33,9 @@ STARTUP_WAIT_S = 10.0
 
 
 class FrontEnd:
-    def __init__(self, config: Config, deployment: Deployment):
+    def __init__(self, config: Config, deployment: Deployment, shared: "FrontEnd | None" = None):
+        """``shared``: with several models, the first model's front end, whose server-wide state
+        (admission, service state, roles) this model's shares; LoRA adapters stay the first model's."""
         server = config.server
         deploy = config.backend.model_deploy
         self.config = config
@@ -50,17 +52,22 @@ class FrontEnd:
             token_timeout=server.token_timeout, e2e_timeout=server.e2e_timeout)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.metrics = Metrics(self.model_name)
-        self.client = DeviceClient(deployment.workers)
+        self.client = DeviceClient(deployment.workers, shared.client.frontend_id if shared else None)
         self.client.on_welcome = self.learn_model
         # LoRA adapters loaded at run time, loaded again into a worker that restarts (mindie/lora_adapters.py).
         self.loaded_adapters = LoadedAdapters(deployment.run_dir)
-        self.client.on_new_instance = lambda link: restore(self.client, self.loaded_adapters, link)
+        if shared is None:
+            self.client.on_new_instance = lambda link: restore(self.client, self.loaded_adapters, link)
         # Told (vocab_size) whenever the model's figures change (app.py: the health probe's token).
         self.model_listeners: list = []
         # maxLinkNum inference requests server-wide, shared with the other front ends (admission.py).
-        self.admission = Admission(deployment.run_dir, server.max_link_num)
-        self.state = ServiceState(deployment.run_dir)
-        self.roles = RoleState(deployment.run_dir, config.server.pd_role)  # mindie/api/pd_role.py
+        self.admission = shared.admission if shared else Admission(deployment.run_dir, server.max_link_num)
+        self.state = shared.state if shared else ServiceState(deployment.run_dir)
+        self.roles = shared.roles if shared else RoleState(deployment.run_dir, config.server.pd_role)
+        # What the health probes ask (several models: any model's workers, mindie/server/model_router.py).
+        self.health_client = self.client
+        self.primary = shared is None  # the ready line is the first model's
+        self.wait_at_start = True  # several models: only those loaded at start are waited for
         # Cuts what still runs when a stop's drain ends (mindie/server/drain.py).
         self.drain = DrainWatch(self.client, self.state, server.drain_timeout_s)
         self.vocab_size = 0
@@ -94,7 +101,7 @@ class FrontEnd:
     async def process_startup(self, scope, event) -> None:
         await self.client.start()
         self._tasks.append(asyncio.create_task(self.drain.run(), name="drain-watch"))
-        if (path := os.environ.get("MINDIE_LISTENERS")):
+        if self.primary and (path := os.environ.get("MINDIE_LISTENERS")):
             frontends = int(os.environ.get("MINDIE_FRONTENDS") or 1)
             self._tasks.append(asyncio.create_task(
                 announce_when_ready(self.client, read_listeners(path), self.deployment, frontends), name="ready-line"))
@@ -105,7 +112,7 @@ class FrontEnd:
         # others say 200 (connections queue in the shared socket meanwhile). Bounded well under
         # gunicorn's 30 s heartbeat timeout; past it /health says 503 until a worker is ready.
         deadline = time.monotonic() + STARTUP_WAIT_S
-        while not await self.client.wait_ready(0.1):
+        while self.wait_at_start and not await self.client.wait_ready(0.1):
             if STOPPING.is_set():
                 return
             if time.monotonic() >= deadline:

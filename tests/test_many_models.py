@@ -1,0 +1,192 @@
+"""Several models behind one server (docs/design.md, "Several models"): two tiny random chat
+models (different seeds, different chat templates) in one server started by the real launch
+script with ``maxLoadedModels`` 1, so every switch between them evicts one and loads the other.
+
+Each model's greedy answers are first taken from a server of its own (served alone), then must
+come out the same from the shared server: before and after eviction and reload, and from
+concurrent requests over both. Unload is measured on the worker processes (their pids from
+/v1/status, their RSS from /proc), keep_alive 0 unloads after the request, unknown names get each
+API's 404. The in-process tests cover the pieces (keep_alive parsing, the plan's endpoints).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+
+import httpx
+import ollama
+import openai
+import pytest
+
+from tests.harness import Server, demo_server, free_port, rss_mib, short_run_dir, wait_gone, write_config
+from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, save_chat_model
+
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["hello there", "count to three", "what is a model"]
+TOKENS = 12
+
+
+def _chat(client: openai.OpenAI, model: str, prompt: str) -> str:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=TOKENS, temperature=0)
+    return r.choices[0].message.content
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=180, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("many")
+    return {"alpha": save_chat_model(d / "alpha", QWEN3_CHAT_TEMPLATE, seed=1),
+            "beta": save_chat_model(d / "beta", PLAIN_TEMPLATE, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def alone(models, tmp_path_factory) -> dict[str, list[str]]:
+    """Each model's greedy answers to PROMPTS, served alone (one server each, stopped after)."""
+    out = {}
+    for name, path in models.items():
+        with demo_server(tmp_path_factory.mktemp(f"alone-{name}"), str(path), model={"modelName": name}) as s:
+            out[name] = [_chat(_client(s), name, p) for p in PROMPTS]
+    assert out["alpha"] != out["beta"]  # two different models, or the test proves nothing
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    d = tmp_path_factory.mktemp("shared")
+    port = free_port()
+    cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
+                       model_path=str(models["alpha"]), model={"modelName": "alpha"},
+                       deploy={"maxLoadedModels": 1})
+    c = json.loads(cfg.read_text())
+    c["BackendConfig"]["ModelDeployConfig"]["ModelConfig"].append(
+        {"modelName": "beta", "modelWeightPath": str(models["beta"]), "cpuMemSize": 1, "dtype": "float32"})
+    cfg.write_text(json.dumps(c))
+    s = Server(cfg, port)
+    try:
+        s.wait_ready(180)
+        yield s
+    finally:
+        s.stop()
+
+
+def _states(server: Server) -> dict:
+    return httpx.get(server.url + "/v1/status", timeout=10).json()["models"]
+
+
+def _wait_state(server: Server, name: str, state: str, timeout: float = 30) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        st = _states(server)[name]
+        if st["state"] == state:
+            return st
+        assert time.monotonic() < end, f"{name} is {st['state']}, not {state}"
+        time.sleep(0.1)
+
+
+def test_every_model_listed_with_whether_loaded(server) -> None:
+    data = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in data] == ["alpha", "beta"]
+    loaded = {m["id"]: m["loaded"] for m in data}
+    states = _states(server)
+    assert loaded == {n: states[n]["state"] == "loaded" for n in ("alpha", "beta")}
+    assert sum(loaded.values()) <= 1  # maxLoadedModels 1
+    tags = ollama.Client(host=server.url, timeout=30).list()
+    assert sorted(m.model for m in tags.models) == ["alpha", "beta"]
+    status = httpx.get(server.url + "/v1/status", timeout=10).json()
+    assert status["maxLoadedModels"] == 1 and status["models"]["beta"]["threads"] >= 1
+    assert status["models"]["beta"]["kv_gb"] == 1.0
+
+
+def test_unknown_model_is_each_apis_404(server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        _client(server).chat.completions.create(model="gamma", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=2)
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=server.url, timeout=30).chat(model="gamma", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 404 and "gamma" in e.value.error
+    r = httpx.post(server.url + "/models/load", json={"model": "gamma"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = httpx.post(server.url + "/v2/models/gamma/generate", json={"text_input": "x"}, timeout=10)
+    assert r.status_code == 404
+
+
+def test_answers_as_alone_before_and_after_reload(server, alone) -> None:
+    client = _client(server)
+    for name in ("alpha", "beta", "alpha", "beta"):  # each switch evicts the other model
+        assert [_chat(client, name, p) for p in PROMPTS] == alone[name]
+        assert _states(server)[name]["state"] in ("loaded", "draining")
+    log = server.tail(400)
+    assert "evicting model alpha" in log and "evicting model beta" in log
+
+
+def test_concurrent_requests_over_both_models_complete(server, alone) -> None:
+    client = _client(server)
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("alpha", "beta")] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: _chat(client, job[0], PROMPTS[job[1]]), jobs))
+    assert answers == [alone[name][i] for name, i in jobs]
+
+
+def test_unload_frees_the_workers_memory(server) -> None:
+    r = httpx.post(server.url + "/models/load", json={"model": "beta"}, timeout=120)
+    assert r.status_code == 200, r.text
+    st = _wait_state(server, "beta", "loaded")
+    pids = st["pids"]
+    assert pids and set(pids) <= set(server.workers())
+    held = rss_mib(pids)
+    assert held > 50  # a worker process (torch, weights, KV pages touched)
+    r = httpx.post(server.url + "/models/unload", json={"model": "beta"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert wait_gone(pids, 15) is not None
+    assert rss_mib(pids) == 0 and not set(pids) & set(server.workers())
+    assert _states(server)["beta"]["state"] == "unloaded"
+    assert "beta" not in [m.model for m in ollama.Client(host=server.url, timeout=30).ps().models]
+
+
+def test_ollama_keep_alive_zero_unloads_after_the_request(server, alone) -> None:
+    ol = ollama.Client(host=server.url, timeout=180)
+    r = ol.chat(model="alpha", messages=[{"role": "user", "content": PROMPTS[0]}],
+                options={"temperature": 0, "num_predict": TOKENS}, keep_alive=0)
+    assert r.message.content == alone["alpha"][0]
+    _wait_state(server, "alpha", "unloaded", 15)
+    # the next request without keep_alive loads it again, and it stays (the default: for good)
+    assert _chat(_client(server), "alpha", PROMPTS[1]) == alone["alpha"][1]
+    time.sleep(1.0)
+    assert _states(server)["alpha"]["state"] == "loaded"
+    assert [m.model for m in ol.ps().models] == ["alpha"]
+
+
+# -- in process -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value,seconds", [(0, 0.0), (30, 30.0), ("5m", 300.0), ("1h30m", 5400.0), ("-1", -1.0),
+                                           (-5, -1.0), ("10s", 10.0), ("soon", None), (None, None), (True, None)])
+def test_keep_alive_as_ollama_reads_it(value, seconds) -> None:
+    from mindie.server.model_router import keep_alive_seconds
+    assert keep_alive_seconds(value) == seconds
+
+
+def test_plan_gives_each_model_its_own_workers(tmp_path: Path, models) -> None:
+    from mindie.config import load_config
+    from mindie.model_plan import build_many
+
+    port = free_port()
+    cfg = write_config(tmp_path / "c.json", port=port, run_dir=short_run_dir(), workers=2,
+                       model_path=str(models["alpha"]), model={"modelName": "alpha"}, deploy={"maxLoadedModels": 1})
+    c = json.loads(cfg.read_text())
+    c["BackendConfig"]["ModelDeployConfig"]["ModelConfig"].append(
+        {"modelName": "beta", "modelWeightPath": str(models["beta"]), "cpuMemSize": 0.5, "dtype": "bfloat16"})
+    cfg.write_text(json.dumps(c))
+    dep = build_many(load_config(str(cfg), env={}).config)
+    assert [[w.model_name for w in g] for g in dep.groups] == [["alpha", "alpha"], ["beta", "beta"]]
+    endpoints = [w.job_endpoint for g in dep.groups for w in g] + [w.pub_endpoint for g in dep.groups for w in g]
+    assert len(set(endpoints)) == 8
+    assert len({w.worker_id for g in dep.groups for w in g}) == 4
+    beta = dep.models[0][0]
+    assert (beta.dtype, beta.cpu_mem_gb, beta.model_path) == ("bfloat16", 0.5, str(models["beta"]))
+    assert dep.max_loaded_models == 1 and dep.models_endpoint.endswith("models.ipc")
