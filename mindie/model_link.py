@@ -41,6 +41,8 @@ class ModelLink:
         self.keep_alive: dict[str, float] = {}
         self.states: dict[str, W.ModelState] = {}
         self.max_loaded = 0
+        self.sleeping = 0  # the model host's sleep level (vLLM's sleep mode), 0 = awake
+        self.last_report = 0.0  # time.monotonic() of the host's last report
         self._changed = asyncio.Event()
         self._answers: dict[str, asyncio.Future] = {}
         self.ctx = zmq.asyncio.Context()
@@ -65,6 +67,10 @@ class ModelLink:
             self.sock.close(0)
         self.ctx.destroy(linger=0)
 
+    def host_alive(self) -> bool:
+        """The model host reports (it can load a model on demand)."""
+        return time.monotonic() - self.last_report < W.USE_TIMEOUT_S
+
     def state(self, name: str) -> str:
         s = self.states.get(name)
         return s.state if s else W.UNLOADED
@@ -81,6 +87,8 @@ class ModelLink:
             self.keep_alive.pop(name, None)
         else:
             self.keep_alive[name] = keep_alive
+        if self.sleeping:
+            raise ModelUnavailable("The server is sleeping (POST /wake_up wakes it)")
         if self.loaded(name) and self.ready(name):
             self.running[name] += 1
             self._send_use()
@@ -92,6 +100,8 @@ class ModelLink:
         seen_loading = False
         try:
             while not (self.loaded(name) and self.ready(name)):
+                if self.sleeping:
+                    raise ModelUnavailable("The server is sleeping (POST /wake_up wakes it)")
                 st = self.states.get(name)
                 seen_loading = seen_loading or (st is not None and st.state == W.LOADING)
                 if seen_loading and st is not None and st.state in (W.UNLOADING, W.UNLOADED) and st.error:
@@ -114,22 +124,26 @@ class ModelLink:
         self.running[name] -= 1
         self._send_use()
 
-    async def order(self, op: str, name: str, timeout: float) -> W.ModelAnswer:
-        """``POST /models/load`` / ``unload``: the host's answer once done (504 after ``timeout`` s)."""
+    async def order(self, op: str, name: str, timeout: float, level: int = 1) -> W.ModelAnswer:
+        """``POST /models/load`` / ``unload`` / ``sleep`` / ``wake_up``: the host's answer once done
+        (504 after ``timeout`` s)."""
         token = secrets.token_hex(8)
         fut = asyncio.get_running_loop().create_future()
         self._answers[token] = fut
         try:
-            await self.sock.send(W.encode(W.ModelOrder(self.frontend_id, token, op, name)))
+            await self.sock.send(W.encode(W.ModelOrder(self.frontend_id, token, op, name, level)))
             answer = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             return W.ModelAnswer(token, 504, f"model '{name}': {op} did not finish within {timeout:g} s")
         finally:
             self._answers.pop(token, None)
-        if op == "load":  # loaded: wait for this front end's own link to it (its Welcome)
-            end = time.monotonic() + timeout
-            while answer.status == 200 and not self.ready(name) and time.monotonic() < end:
-                await asyncio.sleep(0.02)
+        end = time.monotonic() + timeout
+        names = [name] if op == "load" else [n for n, st in self.states.items() if st.state == W.LOADED] \
+            if op == "wake_up" else []
+        # loaded: wait for this front end's own link to it (its Welcome) and the host's report
+        while answer.status == 200 and time.monotonic() < end and (
+                not all(self.ready(n) for n in names) or (op == "sleep") != bool(self.sleeping)):
+            await asyncio.sleep(0.02)
         return answer
 
     # -- background ----------------------------------------------------------------------------
@@ -155,7 +169,8 @@ class ModelLink:
                 log.warning("undecodable message from the model host")
                 continue
             if isinstance(msg, W.ModelReport):
-                self.states, self.max_loaded = msg.models, msg.max_loaded
+                self.states, self.max_loaded, self.sleeping = msg.models, msg.max_loaded, msg.sleeping
+                self.last_report = time.monotonic()
                 self._changed.set()
             elif isinstance(msg, W.ModelAnswer):
                 fut = self._answers.get(msg.token)

@@ -58,11 +58,12 @@ def _moved(spec: WorkerSpec, k: int, config: Config, threads: int) -> WorkerSpec
 
 
 def build_many(config: Config, **kwargs) -> Deployment:
-    """The launch plan of ``config``: ``build_deployment``'s for one model; with several, every
-    model's worker group (``Deployment.models``) and the model host's settings."""
+    """The launch plan of ``config``: ``build_deployment``'s for one model; with several (or with
+    ``enableSleepMode``), every model's worker group (``Deployment.models``: those after the
+    first) and the model host's settings (``models_endpoint`` set: the model host serves them)."""
     dep = build_deployment(config, **kwargs)
     deploy = config.backend.model_deploy
-    if len(deploy.models) == 1:
+    if len(deploy.models) == 1 and not deploy.enable_sleep_mode:
         return dep
     resident = resident_models(config)
     b = config.backend

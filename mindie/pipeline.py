@@ -340,7 +340,7 @@ class Pipeline:
     async def serve(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, codec: Codec, **kw: Any) -> None:
         """One request, from admission to its last byte, with ``codec``'s shapes."""
         self.metrics.received()
-        rec = RequestRecord("-", req.path)
+        rec = RequestRecord("-", req.path, getattr(self.metrics, "model", ""))
         ctx = Context(req, rec, kw)
         req.context.codec = codec
         slot: Slot | None = None

@@ -155,7 +155,7 @@ JSON_KEYS = {
         "prefillLinears"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
                                         "maxLoraRank", "LoraModules", "speculationGamma", "loraRoot",
-                                        "maxLoadedModels", "keepAlive"},
+                                        "maxLoadedModels", "keepAlive", "enableSleepMode"},
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize",
@@ -411,7 +411,7 @@ def test_unknown_keys_nested_in_lists_and_top_level(tmp_path: Path) -> None:
     loaded = load_dict(tmp_path, data)
     assert loaded.ignored == ["Foo", "BackendConfig.ModelDeployConfig.ModelConfig[1].bar"]
     assert loaded.config.backend.model_deploy.models[0].model_name == "a"
-    assert any("only the first is served" in n for n in loaded.notes)
+    assert any("each is served under its modelName" in n for n in loaded.notes)
 
 
 def test_snake_case_keys_are_not_config_keys(tmp_path: Path) -> None:

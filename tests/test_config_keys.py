@@ -192,6 +192,8 @@ KEY_TESTS: dict[str, list[str]] = {
         "tests/test_many_models.py::test_answers_as_alone_before_and_after_reload",
         "tests/test_many_models.py::test_concurrent_requests_over_both_models_complete",
         f"{_CFG}::test_range_violation_names_dotted_key"],
+    "BackendConfig.ModelDeployConfig.enableSleepMode": [
+        "tests/test_many_models.py::test_sleep_mode_serves_one_model_through_the_host"],
     "BackendConfig.ModelDeployConfig.keepAlive": _here("test_every_model_config_is_a_model") + [
         "tests/test_many_models.py::test_ollama_keep_alive_zero_unloads_after_the_request",
         f"{_CFG}::test_range_violation_names_dotted_key"],

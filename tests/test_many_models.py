@@ -132,6 +132,11 @@ def test_concurrent_requests_over_both_models_complete(server, alone) -> None:
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(lambda job: _chat(client, job[0], PROMPTS[job[1]]), jobs))
     assert answers == [alone[name][i] for name, i in jobs]
+    # metrics and the request log name the model that served each request
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("alpha", "beta"):
+        assert f'request_success_total{{model_name="{name}"}}' in metrics
+        assert f"/v1/chat/completions status=200" in server.tail(400) and f"model={name}" in server.tail(400)
 
 
 def test_unload_frees_the_workers_memory(server) -> None:
@@ -163,6 +168,27 @@ def test_ollama_keep_alive_zero_unloads_after_the_request(server, alone) -> None
     assert [m.model for m in ol.ps().models] == ["alpha"]
 
 
+def test_sleep_frees_every_worker_and_wake_restores_the_answers(server, alone) -> None:
+    client = _client(server)
+    assert _chat(client, "beta", PROMPTS[0]) == alone["beta"][0]
+    pids = server.workers()
+    assert pids and _states(server)["beta"]["state"] == "loaded"
+    assert httpx.post(server.url + "/sleep?level=3", timeout=10).status_code == 400
+    r = httpx.post(server.url + "/sleep?level=1", timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+    assert wait_gone(pids, 15) is not None and server.workers() == []
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # asleep, not broken
+    with pytest.raises(openai.APIStatusError) as e:
+        _chat(client, "alpha", PROMPTS[0])
+    assert e.value.status_code == 503 and "sleeping" in str(e.value)
+    r = httpx.post(server.url + "/wake_up", timeout=120)
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+    assert _states(server)["beta"]["state"] == "loaded"  # what was loaded before the sleep
+    assert [_chat(client, "beta", p) for p in PROMPTS] == alone["beta"]
+
+
 # -- in process -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value,seconds", [(0, 0.0), (30, 30.0), ("5m", 300.0), ("1h30m", 5400.0), ("-1", -1.0),
                                            (-5, -1.0), ("10s", 10.0), ("soon", None), (None, None), (True, None)])
@@ -190,3 +216,18 @@ def test_plan_gives_each_model_its_own_workers(tmp_path: Path, models) -> None:
     beta = dep.models[0][0]
     assert (beta.dtype, beta.cpu_mem_gb, beta.model_path) == ("bfloat16", 0.5, str(models["beta"]))
     assert dep.max_loaded_models == 1 and dep.models_endpoint.endswith("models.ipc")
+
+
+def test_sleep_mode_serves_one_model_through_the_host(tmp_path: Path, models) -> None:
+    """enableSleepMode: one model, planned for the model host (sleep, wake_up, load, unload);
+    without it a single model's plan is as it always was."""
+    from mindie.config import load_config
+    from mindie.model_plan import build_many
+
+    cfg = write_config(tmp_path / "c.json", port=free_port(), run_dir=short_run_dir(), workers=1,
+                       model_path=str(models["alpha"]), deploy={"enableSleepMode": True})
+    dep = build_many(load_config(str(cfg), env={}).config)
+    assert dep.models_endpoint and dep.models == [] and len(dep.groups) == 1
+    cfg = write_config(tmp_path / "d.json", port=free_port(), run_dir=short_run_dir(), workers=1,
+                       model_path=str(models["alpha"]))
+    assert build_many(load_config(str(cfg), env={}).config).models_endpoint == ""

@@ -16,7 +16,9 @@ decides which groups run, from what the front ends tell it over its ROUTER socke
   never cut under a request). One eviction at a time; a model stays at least ``MIN_RESIDENT_S``
   so two models wanted in turn do not thrash;
 - an idle model past its keep_alive (the config default, or an Ollama request's) is unloaded;
-- ``POST /models/unload`` drains and stops one; its answer comes once the processes are gone.
+- ``POST /models/unload`` drains and stops one; its answer comes once the processes are gone;
+- vLLM's ``POST /sleep`` drains and stops every model (no load while asleep: requests get a 503
+  from their front end), ``POST /wake_up`` loads again those that were loaded.
 
 A model that fails to start ``START_ATTEMPTS`` times in a row stops the server when it was one
 loaded at start (as a single model's supervisor does); loaded on demand, it goes back to
@@ -97,6 +99,11 @@ class ModelHost:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._last_report = b""
         self._report_at = 0.0
+        # vLLM's sleep mode: the level (0 = awake), the models to reload on wake_up, who waits
+        self.sleeping = 0
+        self.slept: list[str] = []
+        self.sleep_waiters: list[tuple[bytes, str]] = []
+        self.wake_waiters: list[tuple[bytes, str]] = []
 
     # -- loading and unloading ---------------------------------------------------------------
     def _load(self, m: Hosted, why: str) -> None:
@@ -124,7 +131,8 @@ class ModelHost:
 
     def _answer(self, waiters: list[tuple[bytes, str]], status: int, message: str = "") -> None:
         for ident, token in waiters:
-            self._send(ident, W.ModelAnswer(token, status, message))
+            if ident:  # b"": a wake_up's own mark, nobody to answer
+                self._send(ident, W.ModelAnswer(token, status, message))
         waiters.clear()
 
     # -- front ends ------------------------------------------------------------------------
@@ -151,6 +159,10 @@ class ModelHost:
                 self._order(ident, msg)
 
     def _order(self, ident: bytes, msg: W.ModelOrder) -> None:
+        if msg.op == "sleep":
+            return self._sleep(ident, msg)
+        if msg.op == "wake_up":
+            return self._wake(ident, msg)
         m = self.models.get(msg.model)
         if m is None:
             return self._send(ident, W.ModelAnswer(msg.token, 404, f"model '{msg.model}' not found"))
@@ -167,6 +179,41 @@ class ModelHost:
                 m.state = W.DRAINING if m.state == W.LOADED else m.state
                 if m.state == W.LOADING:  # stop a load in progress at once: nothing runs on it yet
                     self._unload(m, "POST /models/unload")
+
+    def _sleep(self, ident: bytes, msg: W.ModelOrder) -> None:
+        """vLLM's POST /sleep: every model drained and stopped (both levels: the processes go, with
+        their weights and KV cache); those that were loaded come back on wake_up."""
+        if not self.sleeping:
+            self.slept = [m.name for m in self.models.values() if m.state in (W.LOADING, W.LOADED, W.DRAINING)]
+            log.info("sleep (level %d): stopping %s", msg.level, ", ".join(self.slept) or "nothing")
+        self.sleeping = max(self.sleeping, msg.level, 1)
+        self.sleep_waiters.append((ident, msg.token))
+        for m in self.models.values():
+            if m.state == W.LOADED:
+                m.state = W.DRAINING
+            elif m.state == W.LOADING:
+                self._unload(m, "sleep")
+
+    def _wake(self, ident: bytes, msg: W.ModelOrder) -> None:
+        if not self.sleeping:
+            return self._send(ident, W.ModelAnswer(msg.token, 200, "awake"))
+        self.sleeping = 0
+        self.wake_waiters.append((ident, msg.token))
+        for name in self.slept:
+            m = self.models[name]
+            if m.state == W.UNLOADED:
+                self._load(m, "wake_up")
+            else:  # still stopping: loaded again once stopped (below, in tick)
+                m.load_waiters.append((b"", ""))
+
+    def _sleep_progress(self) -> None:
+        if self.sleeping and self.sleep_waiters and all(m.state == W.UNLOADED for m in self.models.values()):
+            log.info("asleep (level %d): every model's workers stopped", self.sleeping)
+            self._answer(self.sleep_waiters, 200, "asleep")
+        if not self.sleeping and self.wake_waiters and all(self.models[n].state == W.LOADED for n in self.slept):
+            log.info("awake: %s loaded again", ", ".join(self.slept) or "nothing to load")
+            self._answer(self.wake_waiters, 200, "awake")
+            self.slept = []
 
     def _usage(self, now: float) -> tuple[dict[str, int], dict[str, int], dict[str, float]]:
         running: dict[str, int] = {}
@@ -205,7 +252,9 @@ class ModelHost:
                 self._answer(m.load_waiters, 200, "loaded")
             if m.state == W.DRAINING and not running.get(m.name):
                 self._unload(m, "evicted" if not m.unload_waiters else "POST /models/unload")
-        self._admit(now, running, waiting)
+        if not self.sleeping:
+            self._admit(now, running, waiting)
+        self._sleep_progress()
         for m in self.models.values():  # keep_alive
             ka = keep.get(m.name, self.keep_alive_s)
             if (m.state == W.LOADED and ka >= 0 and not running.get(m.name) and not waiting.get(m.name)
@@ -258,7 +307,7 @@ class ModelHost:
                 state=m.state, pids=m.pids(), loaded_at=m.loaded_wall if m.state == W.LOADED else 0.0,
                 load_s=m.load_s, expires_at=round(expires), running=running.get(m.name, 0), threads=s.threads,
                 kv_gb=s.cpu_mem_gb if s.device_type == "cpu" else float(s.npu_mem_gb), error=m.error)
-        data = W.encode(W.ModelReport(states, self.max_loaded))
+        data = W.encode(W.ModelReport(states, self.max_loaded, self.sleeping))
         if data == self._last_report and now < self._report_at:
             return
         self._last_report, self._report_at = data, now + W.USE_INTERVAL_S

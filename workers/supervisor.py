@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     parent = expected_parent()
     die_with_parent(signal.SIGTERM, parent)  # the launcher dies: stop the workers and exit
-    if dep.models:  # several models: the model host loads, evicts and unloads their groups
+    if dep.models_endpoint:  # several models (or sleep mode): the model host loads, evicts and unloads them
         return _host_models(dep, parent)
     local = [s for s in dep.workers if not s.remote]  # workerHosts: the others run on their own hosts
     if not local:

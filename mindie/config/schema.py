@@ -262,6 +262,9 @@ class ModelDeployConfig(_Section):
     # several are configured; negative = for good; 0 = unloaded as soon as its requests end.
     # Ollama's requests override it with their keep_alive.
     keep_alive: Annotated[float, Meta(ge=-1, le=31536000)] = -1
+    # Project extension (vLLM's --enable-sleep-mode): serve even one model through the model host,
+    # which gives POST /sleep, /wake_up, /models/load|unload (several models always have them).
+    enable_sleep_mode: bool = False
     # LoRA adapters (MindIE's keys and defaults; docs/config.md "LoRA adapters"): at most maxLoras
     # resident (0 = as many as LoraModules lists, and none loaded at run time), ranks up to
     # maxLoraRank (0 or above MAX_LORA_RANK = MAX_LORA_RANK), LoraModules loaded at start.

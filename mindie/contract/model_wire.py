@@ -7,8 +7,10 @@ A front end's DEALER talks to the model host's ROUTER (``Deployment.models_endpo
   per model (a model with any is busy: never evicted), those waiting for a model to load, and the
   keep_alive its latest Ollama request asked for per model. A front end silent for
   ``USE_TIMEOUT_S`` counts for nothing (it died).
-- ``ModelOrder`` (front end -> host): ``POST /models/load`` and ``/models/unload``; answered by a
-  ``ModelAnswer`` with the same token once done (loaded and ready, or stopped).
+- ``ModelOrder`` (front end -> host): ``POST /models/load`` and ``/models/unload``, vLLM's
+  ``POST /sleep`` and ``/wake_up``; answered by a ``ModelAnswer`` with the same token once done
+  (loaded and ready, or stopped; asleep with every model stopped, or awake with those loaded
+  before reloaded).
 - ``ModelReport`` (host -> every front end heard from, on every change and every
   ``USE_INTERVAL_S``): each model's state.
 
@@ -35,8 +37,9 @@ class ModelUse(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
 class ModelOrder(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
     frontend_id: str
     token: str
-    op: str  # "load" | "unload"
-    model: str
+    op: str  # "load" | "unload" | "sleep" | "wake_up"
+    model: str = ""
+    level: int = 1  # sleep
 
 
 class ModelAnswer(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
@@ -60,6 +63,7 @@ class ModelState(msgspec.Struct):
 class ModelReport(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
     models: dict[str, ModelState]
     max_loaded: int
+    sleeping: int = 0  # the sleep level (vLLM's POST /sleep), 0 = awake
 
 
 ToHost = ModelUse | ModelOrder

@@ -88,7 +88,7 @@ def create_app():
     setup_logging(f"frontend pid {os.getpid()}")
     fe = FrontEnd.from_env()
     listeners = read_listeners(os.environ["MINDIE_LISTENERS"])
-    if fe.deployment.models:
+    if fe.deployment.models_endpoint:  # several models, or sleep mode: the model host serves them
         return _many_models(fe, listeners)
     routes = plane_routes(fe)
     # Each listener also answers the other planes' paths with a 404 that says where they live.

@@ -44,6 +44,7 @@ _PATH_MODEL = re.compile(r"^/v[12]/models/([^/]+)")
 # Business-plane POSTs that never reach a worker: no load for them.
 NO_LOAD = frozenset({"/api/show", "/v1/tokenizer", "/v1/messages/count_tokens"})
 ORDERS = {"/models/load": "load", "/models/unload": "unload"}
+SLEEP_ROUTES = frozenset({("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")})
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -75,13 +76,18 @@ def keep_alive_seconds(value: Any) -> float | None:
 
 class AnyModelClient:
     """The health probes' view of several models' device clients: ready while any model's
-    workers are (an evicted first model must not make the server unhealthy)."""
+    workers are, or while the model host answers (it loads models on demand: no model loaded,
+    evicted, unloaded by keep_alive or asleep is a healthy server, not one to restart)."""
 
     def __init__(self, clients: list[Any]):
         self.clients = clients
+        self.link: ModelLink | None = None  # set by ModelRouter
 
     def ready_links(self) -> list:
-        return [lk for c in self.clients for lk in c.ready_links()]
+        links = [lk for c in self.clients for lk in c.ready_links()]
+        if not links and self.link is not None and self.link.host_alive() and self.started():
+            return [None]  # truthy: the probes' "a worker is ready" holds for a server that can load one
+        return links
 
     def started(self) -> bool:
         return self.clients[0].started() or any(c.started() for c in self.clients[1:])
@@ -138,6 +144,8 @@ class ModelRouter:
         self.max_body = first.config.server.max_request_length * 1024 * 1024
         self.wait_s = float(first.config.server.e2e_timeout)
         self.link = ModelLink(endpoint, first.client.frontend_id, self._ready)
+        if isinstance(first.health_client, AnyModelClient):
+            first.health_client.link = self.link
 
     def _ready(self, name: str) -> bool:
         i = self.index.get(name)
@@ -164,6 +172,8 @@ class ModelRouter:
             return await first_app(scope, receive, send)
         if method == "GET" and path in ("/v1/models", "/api/tags", "/api/ps"):
             return await self._listing(path, port, scope, receive, send)
+        if (method, path) in SLEEP_ROUTES:
+            return await self._sleep_route(path, scope, send)
         body, receive = await self._peek(scope, receive) if method == "POST" else (b"", receive)
         named = _Named()
         if body:
@@ -302,6 +312,26 @@ class ModelRouter:
             err = ApiError(answer.status, answer.message)
         status, data = families.error_answer(families.OPENAI, err)
         await _json_answer(send, status, data)
+
+    async def _sleep_route(self, path: str, scope, send) -> None:
+        """vLLM's sleep mode: ``POST /sleep?level=1|2`` (answered once every model's workers are
+        stopped), ``POST /wake_up`` (once those loaded before are ready again), ``GET /is_sleeping``."""
+        if path == "/is_sleeping":
+            return await _json_answer(send, 200, msgspec.json.encode({"is_sleeping": bool(self.link.sleeping)}))
+        level = 1
+        if path == "/sleep":
+            query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
+            if query.get("level", "1") not in ("1", "2"):
+                status, data = families.error_answer(families.OPENAI, ApiError(
+                    400, f"level must be 1 or 2, got {query.get('level')!r}", param="level"))
+                return await _json_answer(send, status, data)
+            level = int(query.get("level", "1"))
+        answer = await self.link.order(path.strip("/"), "", self.wait_s, level)
+        if answer.status != 200:
+            status, data = families.error_answer(families.OPENAI, ApiError(answer.status, answer.message))
+            return await _json_answer(send, status, data)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
 
     async def _status(self, app, scope, receive, send) -> None:
         """``/v1/status`` of the first model, with every model's state and budgets (``models``)."""

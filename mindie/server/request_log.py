@@ -1,6 +1,6 @@
 """One log line per inference request (logger ``mindie.request``, INFO).
 
-Fields: request id (the ``req-id`` header or the generated one), endpoint, input and output
+Fields: request id (the ``req-id`` header or the generated one), endpoint, the model, input and output
 tokens, time to first token, duration, speculative decoding's proposed and accepted tokens (when
 any were proposed), and how it ended (finish reason, or the HTTP status and
 error text). The same fields ride on the record as ``record.request`` (a dict), which the JSON
@@ -18,11 +18,12 @@ class RequestRecord:
     """What one request did, logged once by ``done``."""
 
     __slots__ = ("request_id", "endpoint", "stream", "t0", "input_tokens", "output_tokens", "ttft_s",
-                 "finish_reason", "status", "error", "_logged", "draft_tokens", "accepted_tokens")
+                 "finish_reason", "status", "error", "_logged", "draft_tokens", "accepted_tokens", "model")
 
-    def __init__(self, request_id: str, endpoint: str):
+    def __init__(self, request_id: str, endpoint: str, model: str = ""):
         self.request_id = request_id
         self.endpoint = endpoint
+        self.model = model  # the served model's name (several models: which one served it)
         self.stream = False
         self.t0 = time.monotonic()
         self.input_tokens = 0
@@ -62,6 +63,8 @@ class RequestRecord:
                   "status": status, "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                   "ttft_ms": round(self.ttft_s * 1000, 2) if self.ttft_s is not None else None,
                   "duration_ms": round(self.duration_s * 1000, 2)}
+        if self.model:
+            fields["model"] = self.model
         if self.draft_tokens:
             fields["spec_draft_tokens"] = self.draft_tokens
             fields["spec_accepted_tokens"] = self.accepted_tokens
@@ -73,6 +76,8 @@ class RequestRecord:
         end = f"finish={finish_reason}" if finish_reason else f"error={error!r}"
         if self.draft_tokens:  # speculative decoding: accepted/proposed tokens
             end += f" spec={self.accepted_tokens}/{self.draft_tokens}"
+        if self.model:
+            end += f" model={self.model}"
         log.info("request %s %s status=%d in=%d out=%d ttft=%s duration=%.1fms %s", self.request_id,
                  self.endpoint, status, self.input_tokens, self.output_tokens, ttft, fields["duration_ms"], end,
                  extra={"request": fields})
