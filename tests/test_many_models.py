@@ -57,18 +57,21 @@ def alone(models, tmp_path_factory) -> dict[str, list[str]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    d = tmp_path_factory.mktemp("shared")
+def _two_models(models, d: Path, max_loaded: int) -> Server:
     port = free_port()
     cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
                        model_path=str(models["alpha"]), model={"modelName": "alpha"},
-                       deploy={"maxLoadedModels": 1})
+                       deploy={"maxLoadedModels": max_loaded})
     c = json.loads(cfg.read_text())
     c["BackendConfig"]["ModelDeployConfig"]["ModelConfig"].append(
         {"modelName": "beta", "modelWeightPath": str(models["beta"]), "cpuMemSize": 1, "dtype": "float32"})
     cfg.write_text(json.dumps(c))
-    s = Server(cfg, port)
+    return Server(cfg, port)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    s = _two_models(models, tmp_path_factory.mktemp("shared"), 1)
     try:
         s.wait_ready(180)
         yield s
@@ -187,6 +190,30 @@ def test_sleep_frees_every_worker_and_wake_restores_the_answers(server, alone) -
     assert httpx.get(server.url + "/is_sleeping", timeout=10).json() == {"is_sleeping": False}
     assert _states(server)["beta"]["state"] == "loaded"  # what was loaded before the sleep
     assert [_chat(client, "beta", p) for p in PROMPTS] == alone["beta"]
+
+
+def test_a_load_does_not_stall_the_other_models_requests(models, alone, tmp_path) -> None:
+    """Both resident (maxLoadedModels 2): while beta loads again, alpha's requests keep being
+    answered, each well within beta's load time."""
+    s = _two_models(models, tmp_path, 2)
+    try:
+        s.wait_ready(180)
+        _wait_state(s, "beta", "loaded", 120)
+        assert httpx.post(s.url + "/models/unload", json={"model": "beta"}, timeout=60).status_code == 200
+        client = _client(s)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(_chat, client, "beta", PROMPTS[0])
+            _wait_state(s, "beta", "loading", 10)
+            times = []
+            while _states(s)["beta"]["state"] == "loading":
+                t0 = time.monotonic()
+                assert _chat(client, "alpha", PROMPTS[2]) == alone["alpha"][2]
+                times.append(time.monotonic() - t0)
+            assert loading.result(120) == alone["beta"][0]
+        load_s = _states(s)["beta"]["load_s"]
+        assert times and max(times) < load_s / 2, (times, load_s)
+    finally:
+        s.stop()
 
 
 # -- in process -------------------------------------------------------------------------------------
