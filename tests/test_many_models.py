@@ -100,6 +100,7 @@ def test_every_model_listed_with_whether_loaded(server) -> None:
     states = _states(server)
     assert loaded == {n: states[n]["state"] == "loaded" for n in ("alpha", "beta")}
     assert sum(loaded.values()) <= 1  # maxLoadedModels 1
+    assert httpx.get(server.url + "/v1/models/beta", timeout=10).json()["id"] == "beta"  # its own app answers
     tags = ollama.Client(host=server.url, timeout=30).list()
     assert sorted(m.model for m in tags.models) == ["alpha", "beta"]
     status = httpx.get(server.url + "/v1/status", timeout=10).json()

@@ -168,8 +168,10 @@ class ModelRouter:
         path, method = scope["path"], scope["method"]
         if port in self.management_ports and method == "GET" and path == "/v1/status":
             return await self._status(first_app, scope, receive, send)
-        if port not in self.business_ports:
-            return await first_app(scope, receive, send)
+        if port not in self.business_ports:  # management, metrics: the first model's, or the one the path names
+            m = _PATH_MODEL.match(path)
+            app = self.apps[self.resolve(unquote(m.group(1)))].get(port) if m else None
+            return await (app or first_app)(scope, receive, send)
         if method == "GET" and path in ("/v1/models", "/api/tags", "/api/ps"):
             return await self._listing(path, port, scope, receive, send)
         if (method, path) in SLEEP_ROUTES:
@@ -186,7 +188,7 @@ class ModelRouter:
         m = _PATH_MODEL.match(path)
         i = self.resolve(unquote(m.group(1)) if m else named.model if named.model is not None else named.name)
         app = self.apps[i].get(port) or first_app
-        if method != "POST" or path in NO_LOAD:
+        if method != "POST" or path in NO_LOAD or path.endswith("/stopInfer"):
             return await app(scope, receive, send)
         name = self.names[i]
         keep = keep_alive_seconds(named.keep_alive) if path.startswith("/api/") else None
