@@ -75,7 +75,10 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     group = join(spec.worker_id, rank, len(spec.device_ids), tp_store, spec.device_type) if tp_store else None
     runner = load_runner(spec, backend, group)
     block_bytes = runner.bytes_per_block(cfg.block_size)
-    num_blocks = kv_cache.blocks_in(kv_cache.budget_bytes(spec, backend.name, backend.free_memory), block_bytes)
+    budget = kv_cache.budget_bytes(spec, backend.name, backend.free_memory)
+    if runner.state_slots:  # a hybrid model's state pool comes out of the same budget
+        budget = state_pool_budget(runner, budget, block_bytes)
+    num_blocks = kv_cache.blocks_in(budget, block_bytes)
     if group is not None:  # every rank allocates the same blocks (what the smallest memory holds)
         group.wait_all("loaded the model")
         num_blocks = group.min_int(num_blocks)
@@ -96,10 +99,29 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)
     engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else
                                MLA_LORA_REFUSAL if runner.model.args.deepseek is not None else
-                               GPT_OSS_LORA_REFUSAL if runner.model.args.gpt_oss is not None
+                               GPT_OSS_LORA_REFUSAL if runner.model.args.gpt_oss is not None else
+                               HYBRID_LORA_REFUSAL if runner.state_slots
                                else getattr(runner.model, "lora_refusal", ""))
     engine.grammars = grammars(spec.model_path, runner)  # rank 0 samples, so it alone masks
     return Assembly(runner, engine, group, num_blocks, device)
+
+
+def state_pool_budget(runner: ModelRunner, budget: int, block_bytes: int) -> int:
+    """The KV cache's part of ``budget`` once a hybrid model's state pool (one slot per running
+    sequence, maxBatchSize slots) is taken out; logs both costs per sequence. ValueError when the
+    pool leaves no room for one KV block."""
+    conv, rec = runner.state_bytes_per_seq()
+    pool = runner.state_slots * (conv + rec)
+    log.info("state pool: %d slots (maxBatchSize) x %d bytes per sequence (conv state %d + recurrent state %d, "
+             "%d linear-attention layers) = %.2f MiB; KV cache %d bytes per token (%d full-attention layers)",
+             runner.state_slots, conv + rec, conv, rec, len(runner.model.args.hybrid.linear_layers), pool / 2**20,
+             runner.bytes_per_block(1),
+             runner.kv_shape[0])
+    if budget - pool < block_bytes:
+        raise ValueError(f"the KV cache budget (cpuMemSize / npuMemSize: {budget} bytes) does not hold the state pool "
+                         f"of a hybrid model ({runner.state_slots} sequences x {conv + rec} bytes) and one KV block; "
+                         "raise the memory size or lower maxBatchSize")
+    return budget - pool
 
 
 def grammars(model_dir: str, runner: ModelRunner | NullRunner) -> constraints.Grammars | None:
@@ -117,6 +139,8 @@ def grammars(model_dir: str, runner: ModelRunner | NullRunner) -> constraints.Gr
 
 MLA_LORA_REFUSAL = "LoRA adapters are not served for DeepSeek (multi-head latent attention) models"
 GPT_OSS_LORA_REFUSAL = "LoRA adapters are not served for GPT-OSS models (attention sinks, stacked experts)"
+HYBRID_LORA_REFUSAL = ("LoRA adapters are not served for hybrid linear-attention models (Qwen3-Next / Qwen3.5): "
+                       "their Gated DeltaNet layers take no adapter")
 TP_REFUSAL = "LoRA adapters are not served by tensor-parallel instances (npuDeviceIds entries of several devices)"
 
 
@@ -200,7 +224,8 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
              args.num_hidden_layers, args.vocab_size, dtype, f" with {spec.quantize} weights" if kernel else "",
              device, time.perf_counter() - t0)
     local = model.local_args  # a TP rank keeps its own KV heads only
-    kv_shape = (args.num_hidden_layers, local.num_key_value_heads, args.head_dim)
+    # a hybrid model caches K and V of its full-attention layers only (model.kv_layers)
+    kv_shape = (getattr(model, "kv_layers", args.num_hidden_layers), local.num_key_value_heads, args.head_dim)
     attention_cls = backend.attention_class()
     layout = getattr(model, "kv_layout", None)  # a model with its own cache layout (DeepSeek's latent cache)
     if layout is not None:
@@ -214,7 +239,10 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
                  args.deepseek.kv_lora_rank, args.deepseek.qk_rope_head_dim, full, full / per_token)
     else:
         log.info("KV cache: %d bytes per token (%d layers x %d KV heads x head_dim %d, K and V)", per_token, *kv_shape)
-    return ModelRunner(model, kv_shape, dtype,
-                       Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)), args.vocab_size,
-                       frozenset(args.eos_token_ids), device, attention_cls=attention_cls,
-                       after_step=backend.after_step, group=group if group is not None and group.rank == 0 else None)
+    runner = ModelRunner(model, kv_shape, dtype,
+                         Sampler(WatermarkConfig(gamma=spec.watermark_gamma, delta=spec.watermark_delta)),
+                         args.vocab_size, frozenset(args.eos_token_ids), device, attention_cls=attention_cls,
+                         after_step=backend.after_step, group=group if group is not None and group.rank == 0 else None)
+    if args.hybrid is not None:  # the state pool: one slot per sequence that may run at once
+        runner.state_slots = spec.engine.max_batch_size
+    return runner

@@ -48,6 +48,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0  # prompt blocks looked up
+        # A hybrid linear-attention model's state pool slots (workers/attention/state_cache.py): free
+        # slot ids, None for a model without one (enable_states).
+        self.free_states: list[int] | None = None
         self.prefix_hits = 0  # of which found in the cache
 
     # -- queries -------------------------------------------------------------------------
@@ -61,6 +64,13 @@ class BlockManager:
     @property
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def enable_states(self, slots: int) -> None:
+        """A hybrid model's state pool of ``slots`` slots: one taken by every admitted sequence,
+        returned with its blocks. Its states are not kept per block, so a cached prefix could not
+        resume them: prefix caching is off (docs/design.md, "State pool")."""
+        self.free_states = list(range(slots - 1, -1, -1))
+        self.enable_prefix_cache = False
 
     # -- allocation ----------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -107,6 +117,10 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(hits)
         seq.num_computed = seq.num_cached = len(hits) * self.block_size
+        if self.free_states is not None:
+            if not self.free_states:  # the pool has maxBatchSize slots: the scheduler admits no more
+                raise RuntimeError("out of state slots (more running sequences than maxBatchSize)")
+            seq.state_slot = self.free_states.pop()
         seq.num_hashed_blocks = len(hits)
 
     def can_grow(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
@@ -151,6 +165,9 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
+        if seq.state_slot >= 0 and self.free_states is not None:
+            self.free_states.append(seq.state_slot)
+        seq.state_slot = -1
 
     # -- holds (prefill/decode disaggregation, workers/pd_transfer.py) ----------------------
     def hold(self, block_id: int) -> None:

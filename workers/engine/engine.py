@@ -30,6 +30,10 @@ from workers.engine.speculative import Controller
 log = logging.getLogger("workers.engine")
 
 
+HYBRID_SPEC_REFUSAL = ("speculative decoding is not supported for hybrid linear-attention models (Qwen3-Next / "
+                       "Qwen3.5): their Gated DeltaNet state cannot be rolled back to the last accepted token")
+
+
 class CapacityError(ValueError):
     """A request that can never run on this worker (its KV blocks exceed the whole cache)."""
 
@@ -147,6 +151,8 @@ class Engine:
         self._inflight: InFlight | None = None
         self._deferred: list[Sequence] = []  # aborted while their step computes: freed at collect
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        if state_slots := getattr(runner, "state_slots", 0):  # a hybrid model's state pool (one slot a sequence)
+            self.blocks.enable_states(state_slots)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.requests: dict[str, Sequence] = {}
         # LoRA adapters (workers/engine/lora_manager.py), set by the assembly; None = none served.
@@ -167,10 +173,13 @@ class Engine:
         self.tbt_ms = RecentMean(1000)
         # Speculative decoding (workers/engine/speculative.py): only with a runner that verifies
         # proposals (ModelRunner; the null model's tokens are no model's).
-        self.speculator = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) else "",
+        # A hybrid model's recurrent state cannot be rolled back to the last accepted token: no speculation.
+        hybrid = bool(state_slots)
+        self.speculator = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) and not hybrid else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
                                cfg.spec_min_acceptance)
         why_off = ("ScheduleConfig.speculativeDecoding: false" if not cfg.spec_method else
+                   HYBRID_SPEC_REFUSAL if hybrid else
                    "the null model runs no model to verify proposals" if not self.speculator.enabled else
                    "ScheduleConfig.speculationMaxBatch: 0" if cfg.spec_max_batch == 0 else "")
         log.info("speculative decoding: %s", f"off ({why_off})" if why_off else self.speculator.describe())
@@ -613,6 +622,7 @@ class Engine:
         """True when no request is left and every block is free (used by tests)."""
         return (not self.requests and self._inflight is None and self.blocks.num_free == self.blocks.num_blocks
                 and all(b.ref_count == 0 for b in self.blocks.blocks)
+                and (self.blocks.free_states is None or len(self.blocks.free_states) == self.runner.state_slots)
                 and (self.lora is None or all(a.refs == 0 and not a.parked for a in self.lora.adapters.values()))
                 and not self._compiling)
 

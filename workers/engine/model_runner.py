@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from workers.attention import PagedAttention, kv_cache
+from workers.attention.state_cache import StateCache
 from workers.engine.engine import RunnerOutput
 from workers.engine.constraints import first_allowed
 from workers.engine.sampler import MAX_TOP_LOGPROBS
@@ -46,6 +47,10 @@ class ModelRunner:
         self.kv_shape = kv_shape  # (num_layers, n_kv_heads, head_dim)
         self.kv_dtype = kv_dtype
         self.attn = None
+        # A hybrid linear-attention model's state pool (workers/attention/state_cache.py): its slot
+        # count (set by the assembly: maxBatchSize), made beside the KV cache by allocate_kv.
+        self.state_slots = 0
+        self.states: StateCache | None = None
         self._lora_stacks = LoraStacks()  # the last step's adapters, stacked (workers/models/lora.py)
         self.sample = sample
         self.vocab_size = vocab_size
@@ -59,6 +64,16 @@ class ModelRunner:
         """The KV cache (workers/attention/kv_cache.py): owned by the attention object."""
         self.attn = kv_cache.allocate(self.attention_cls, self.kv_shape, self.kv_dtype, num_blocks, block_size,
                                       self.device)
+        if self.state_slots:
+            hy = self.model.args.hybrid
+            self.states = StateCache(len(hy.linear_layers), self.state_slots, hy.conv_dim, hy.conv_kernel - 1,
+                                     hy.num_v_heads, hy.head_k_dim, hy.head_v_dim, self.kv_dtype, self.device)
+            self.model.states = self.states
+
+    def state_bytes_per_seq(self) -> tuple[int, int]:
+        """(conv, recurrent) state bytes of one sequence (0, 0 for a model without a state pool)."""
+        hy = getattr(self.model.args, "hybrid", None)
+        return hy.state_bytes(torch.empty((), dtype=self.kv_dtype).element_size()) if hy is not None else (0, 0)
 
     @staticmethod
     def flat_order(batch: ScheduledBatch) -> list[int] | range:
@@ -90,6 +105,7 @@ class ModelRunner:
         # the step's KV before it reads any, so row j sees the rows before it, as a prompt chunk's
         # row would, and an all-decode step keeps the fused decode path.
         tables: list[list[int]] = []
+        slots: list[int] = []  # a hybrid model's state slot per sequence (state_cache.py)
         starts: list[int] = []
         counts: list[int] = []
         drafts = batch.drafts
@@ -122,6 +138,7 @@ class ModelRunner:
                 want_lp = want_lp or seq.params.logprobs >= 0
                 continue
             tables.append(seq.block_table)
+            slots.append(seq.state_slot)
             starts.append(start)
             counts.append(n)
             if seq.params.pooling:  # a pooling request: its rows pooled, nothing sampled
@@ -144,7 +161,7 @@ class ModelRunner:
             logit_rows.append([row for _, row in scored])
         if sampled_seqs:
             logit_rows.append(last_rows)
-        inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows)
+        inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows, state_slots=slots if self.states else [])
         if self.group is not None:
             self.group.send_step(inputs)  # the other ranks of a tensor-parallel instance run it too
         if segments:
@@ -199,6 +216,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over one step's flat batch; the hidden states [T, hidden]."""
         self.attn.prepare(inputs.block_tables, inputs.num_computed, inputs.num_tokens)
+        if self.states is not None:
+            self.states.prepare(inputs.state_slots, inputs.num_computed, inputs.num_tokens)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, self.attn)

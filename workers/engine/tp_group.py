@@ -57,6 +57,8 @@ class StepInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # Flat rows whose logits are computed, one LM-head call (an all-gather) per list, in order.
     logit_rows: list[list[int]] = []
     kind: int = 0  # STEP, NOOP or STOP
+    # A hybrid model's state pool slot of each sequence (workers/attention/state_cache.py); [] = none.
+    state_slots: list[int] = []
 
 
 STEP, NOOP, STOP = 0, 1, 2

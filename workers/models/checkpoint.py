@@ -92,6 +92,9 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if args.deepseek is not None:  # multi-head latent attention and DeepSeek's experts
         from .deepseek_names import expected_tensors as deepseek_tensors
         return deepseek_tensors(args)
+    if args.hybrid is not None:  # Gated DeltaNet layers beside gated full attention (Qwen3-Next, Qwen3.5)
+        from .hybrid_names import expected_tensors as hybrid_tensors
+        return hybrid_tensors(args)
     hid, vocab, inter = args.hidden_size, args.vocab_size, args.intermediate_size
     q, kv = args.q_size, args.kv_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hid), "model.norm.weight": (hid,)}
@@ -194,6 +197,10 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
         for name, shape, dtype in _read_header(file):
             # Some checkpoints drop the "model." prefix of the decoder's tensors.
             key = name if name in expected or name.startswith(("model.", "lm_head.")) else f"model.{name}"
+            if args.hybrid is not None:  # a Qwen3.5 checkpoint's model.language_model. (vision, MTP skipped)
+                from .hybrid_names import checkpoint_key
+                if (key := checkpoint_key(key)) is None:
+                    continue
             if key not in expected:
                 if name.endswith(IGNORED_SUFFIXES):
                     continue

@@ -20,6 +20,7 @@ from .deepseek_config import DeepseekArgs, parse_deepseek
 from .gpt_oss_config import GptOssArgs, parse_gpt_oss
 from .variant_config import VARIANT_ARCHS, VariantArgs, parse_variant
 from .gemma_config import GEMMA_ARCHS, GemmaArgs, parse_gemma, text_config
+from .hybrid_config import HYBRID_ARCHS, HybridArgs, flatten_text_config, parse_hybrid, rope_config
 
 __all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
 
@@ -65,6 +66,13 @@ SUPPORTED_ARCHS: dict[str, str] = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
     "MistralForSequenceClassification": "mistral",
+    # Hybrid linear attention (Gated DeltaNet + gated full attention): workers/models/qwen3_next.py
+    "qwen3_next": "qwen3_next",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "qwen3_5_text": "qwen3_5",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
@@ -150,6 +158,8 @@ class ModelArgs:
     # A sequence-classification checkpoint (architectures *ForSequenceClassification): its `score`
     # head's rows (num_labels) replace the LM head; 0 = a causal LM.
     num_labels: int = 0
+    # Qwen3-Next / Qwen3.5 (Gated DeltaNet layers beside full attention): workers/models/hybrid_config.py
+    hybrid: HybridArgs | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -201,6 +211,7 @@ class ModelArgs:
                 raise err(key, f"must be true or false, got {v!r}")
             return v
 
+        cfg = flatten_text_config(cfg)  # a Qwen3.5 checkpoint's text_config
         arch_key = _arch_of(cfg, err)
         arch = MOE_BASE.get(arch_key, arch_key)
         if arch in GEMMA_ARCHS:
@@ -231,7 +242,7 @@ class ModelArgs:
         max_pos = get_int("max_position_embeddings", {"llama": 4096, "gemma2": 8192, "gemma3": 131072}.get(arch))
 
         variant = variant_windows = gemma = None
-        rope_cfg = cfg
+        rope_cfg = rope_config(cfg) if arch_key in HYBRID_ARCHS else cfg
         if arch in VARIANT_ARCHS.values():  # partial / interleaved rope, LongRoPE, NoPE layers, multipliers
             variant, rope_cfg, variant_windows = parse_variant(cfg, arch, head_dim, n_layers,
                                                                max_pos, err)
@@ -272,6 +283,9 @@ class ModelArgs:
             layer_windows = variant_windows
             sliding_window = next((w for w in layer_windows if w is not None), None)
         moe = _parse_moe(cfg, arch_key, n_layers, err) if arch_key in MOE_BASE else None
+        hybrid = None
+        if arch_key in HYBRID_ARCHS:
+            hybrid, moe = parse_hybrid(cfg, arch_key, n_layers, head_dim, err, _parse_moe)
 
         dtype = cfg.get("torch_dtype", cfg.get("dtype"))
         if dtype is not None and dtype not in _DTYPES:
@@ -305,7 +319,7 @@ class ModelArgs:
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3") or hybrid is not None,
             sliding_window=sliding_window,
             layer_windows=layer_windows,
             torch_dtype=dtype,
@@ -318,6 +332,7 @@ class ModelArgs:
             variant=variant,
             gemma=gemma,
             num_labels=_num_labels(cfg, err, dense=deepseek is None and moe is None),
+            hybrid=hybrid,
         )
 
     # ---------------------------------------------------------------- helpers

@@ -20,7 +20,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safe
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
 from .gguf_loader import Int8Target, load_gguf
-from . import deepseek, gemma, gpt_oss, variant
+from . import deepseek, gemma, gpt_oss, qwen3_next, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
@@ -56,6 +56,8 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
     a = model.args
     if a.deepseek is not None:  # MLA and DeepSeek's experts: workers/models/deepseek.py
         return deepseek.param_slots(model, Slot, shard)
+    if a.hybrid is not None:  # Gated DeltaNet and gated attention layers: workers/models/qwen3_next.py
+        return qwen3_next.param_slots(model, Slot)
     d, hid = a.head_dim, a.hidden_size
     slots: dict[str, Slot] = {}
 
@@ -179,6 +181,7 @@ def load_model(
     model_cls = (deepseek.DeepseekLM if args.deepseek is not None else gpt_oss.GptOssLM if args.gpt_oss is not None
                  else variant.VariantLM if args.variant is not None
                  else gemma.GemmaLM if args.gemma is not None
+                 else qwen3_next.HybridLM if args.hybrid is not None
                  else DecoderLM)
     with torch.device(device):
         model = model_cls(args, dtype=dtype, max_positions=max_positions, tp=tp)

@@ -80,6 +80,10 @@ def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> 
     moeParallel when its experts cannot (``moe_mode`` "tp" or "ep": see the module docstring)."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a world of {world}")
+    if args.hybrid is not None and world > 1:
+        raise ModelConfigError(f"{WORLD_SIZE_KEY}: tensor parallelism is not supported for hybrid linear-attention "
+                               f"models ({args.model_type or args.arch}: Qwen3-Next / Qwen3.5 Gated DeltaNet layers); "
+                               "serve it on one device")
     h, kv, inter = args.num_attention_heads, args.num_key_value_heads, args.intermediate_size
 
     def refuse(what: str) -> ModelConfigError:
