@@ -1,0 +1,275 @@
+"""Hybrid linear attention: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (workers/models/qwen3_next.py,
+gated_deltanet.py; the state pool workers/attention/state_cache.py) on tiny random fp32
+transformers checkpoints (tests/tiny_hf.py).
+
+- config.json: layer_types / full_attention_interval, the linear heads and dims, the partial rotary
+  factor, MoE keys; a published Qwen3.5 checkpoint's nested text_config and model.language_model.
+  names; unsupported keys refused by name.
+- The delta rule's chunked form equals its recurrent form, a state carried across a split.
+- Logits equal transformers' over prompt chunks and decodes, two sequences in one flat batch.
+- The engine: greedy tokens equal transformers' generate alone and batched, with chunked prefill
+  and preemption (a small KV cache), state slots all returned; no prefix-cache reuse, no
+  speculation; tensor parallelism refused naming the key.
+- The real launch script: /infer_token and the OpenAI chat route equal transformers; the load log
+  gives the bytes per sequence of the state pool and per token of the KV cache.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mindie.contract.wire import SamplingParams
+from tests.harness import demo_server
+from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, save_chat_model, save_random_model
+from workers.attention.paged import PagedAttention
+from workers.attention.state_cache import StateCache
+from workers.models.config import ModelArgs, ModelConfigError
+from workers.models.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from workers.models.loader import load_model
+from workers.models.sharding import plan_shard
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_engine import make_engine, run  # noqa: E402
+
+VOCAB = 128
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, bos_token_id=1,
+            eos_token_id=2)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_next": ("Qwen3NextConfig", MOE),  # fused in_proj_qkvz / in_proj_ba, MoE with shared expert
+    "qwen3_5": ("Qwen3_5TextConfig", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", MOE),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return {case: (save_random_model(cls, {**BASE, **extra}, root / case), root / case)
+            for case, (cls, extra) in CASES.items()}
+
+
+def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate with its cache (the prompt in the chunked form, each next token
+    in the recurrent form), EOS not stopping it nor suppressed (ignore_eos)."""
+    cache = transformers.DynamicCache(config=hf.config)
+    out, x = [], torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(hf(x, cache=cache, use_cache=True).logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+def test_config_reads_the_hybrid_keys(models) -> None:
+    args = ModelArgs.from_dir(models["qwen3_next"][1])
+    hy = args.hybrid
+    assert args.arch == "qwen3_next" and hy.layout == "qkvz" and args.qk_norm
+    assert hy.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (hy.num_k_heads, hy.num_v_heads, hy.head_k_dim, hy.head_v_dim, hy.conv_kernel) == (2, 4, 8, 8, 4)
+    assert hy.rotary_dim == 2  # partial_rotary_factor 0.25 of head_dim 8
+    assert args.moe.num_experts == 4 and args.moe.shared_expert_gate and args.moe.norm_topk_prob
+    m = ModelArgs.from_dir(models["qwen3_5_moe"][1])
+    assert m.hybrid.layout == "split" and all(m.moe.sparse_layers) and m.moe.norm_topk_prob
+    assert ModelArgs.from_dir(models["qwen3_5"][1]).moe is None
+    # (conv state, recurrent state) of one sequence: 3 linear layers
+    assert hy.state_bytes(4) == (3 * (2 * 16 + 32) * 3 * 4, 3 * 4 * 8 * 8 * 4)
+
+
+def _cfg(models, case: str) -> dict:
+    return json.loads((models[case][1] / "config.json").read_text())
+
+
+def test_published_qwen3_5_layout_is_read(models, tmp_path: Path) -> None:
+    """A Qwen3.5 checkpoint as published: text_config nested in a qwen3_5 config with mrope keys,
+    the decoder under model.language_model., a vision tower and an MTP head beside it (skipped)."""
+    hf, path = models["qwen3_5"]
+    text = _cfg(models, "qwen3_5")
+    text.pop("layer_types")
+    text["full_attention_interval"] = 4
+    text["rope_parameters"].update(mrope_section=[1, 0, 0], mrope_interleaved=True)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+        "vision_config": {"depth": 1}, "tie_word_embeddings": False}))
+    tensors = load_file(str(path / "model.safetensors"))
+    renamed = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+               for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.weight"] = torch.zeros(2, 2)
+    renamed["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    model, args = load_model(tmp_path, torch.float32)
+    assert args.arch == "qwen3_5" and args.hybrid.layer_types[3] == "full_attention"
+    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (_paged_logits(model, [ids], [[20]]) [0] - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("patch,key", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+    ({"sliding_window": 16}, "sliding_window"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 1.5}}, "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+])
+def test_config_refusals_name_the_key(models, patch: dict, key: str) -> None:
+    with pytest.raises(ModelConfigError, match=key):
+        ModelArgs.from_dict({**_cfg(models, "qwen3_next"), **patch})
+
+
+# ----------------------------------------------------------------------------------- the delta rule
+
+
+def test_chunked_form_equals_recurrent_form_with_a_carried_state() -> None:
+    g = torch.Generator().manual_seed(0)
+    n, hk, hv, dk, dv = 150, 2, 4, 8, 6
+    q, k = torch.randn(n, hk, dk, generator=g), torch.randn(n, hk, dk, generator=g)
+    v = torch.randn(n, hv, dv, generator=g)
+    gate = -torch.rand(n, hv, generator=g)
+    beta = torch.rand(n, hv, generator=g)
+    s0 = torch.randn(hv, dk, dv, generator=g) * 0.1
+    s, rec = s0[None], []
+    for t in range(n):
+        o, s = recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], gate[t:t + 1], beta[t:t + 1], s)
+        rec.append(o[0])
+    rec_out = torch.stack(rec)
+    # the whole sequence at once, and split in two with the state carried (a prefill across steps)
+    whole, s_whole = chunk_gated_delta_rule(q, k, v, gate, beta, s0)
+    a, s_a = chunk_gated_delta_rule(q[:70], k[:70], v[:70], gate[:70], beta[:70], s0)
+    b, s_b = chunk_gated_delta_rule(q[70:], k[70:], v[70:], gate[70:], beta[70:], s_a)
+    for out, last in ((whole, s_whole), (torch.cat((a, b)), s_b)):
+        assert (out - rec_out).abs().max().item() <= 1e-4
+        assert (last - s[0]).abs().max().item() <= 1e-4
+
+
+# ----------------------------------------------------------------------------------- the model
+
+
+def _paged_logits(model, seqs: list[torch.Tensor], chunks: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of every position of each sequence, all of them in each step's flat batch: sequence
+    i's prompt in ``chunks[i]``, then one decode step per remaining token."""
+    a = model.args
+    hy = a.hybrid
+    attn = PagedAttention(model.kv_layers, 32, 16, a.num_key_value_heads, a.head_dim, torch.float32,
+                          torch.device("cpu"))
+    model.states = StateCache(len(hy.linear_layers), 4, hy.conv_dim, hy.conv_kernel - 1, hy.num_v_heads,
+                              hy.head_k_dim, hy.head_v_dim, torch.float32, torch.device("cpu"))
+    plans = [list(c) + [1] * (len(s) - sum(c)) for s, c in zip(seqs, chunks)]
+    tables = [list(range(16 * i + 15, 16 * i - 1, -1)) for i in range(len(seqs))]  # out of order on purpose
+    outs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    pos = [0] * len(seqs)
+    with torch.no_grad():
+        for step in range(max(len(p) for p in plans)):
+            live = [i for i, p in enumerate(plans) if step < len(p)]
+            ns = [plans[i][step] for i in live]
+            attn.prepare([tables[i] for i in live], [pos[i] for i in live], ns)
+            model.states.prepare([3 - i for i in live], [pos[i] for i in live], ns)  # slots out of order too
+            ids = torch.cat([seqs[i][pos[i]:pos[i] + n] for i, n in zip(live, ns)])
+            positions = torch.cat([torch.arange(pos[i], pos[i] + n) for i, n in zip(live, ns)])
+            logits = model.compute_logits(model(ids, positions, attn))
+            row = 0
+            for i, n in zip(live, ns):
+                outs[i].append(logits[row:row + n])
+                row += n
+                pos[i] += n
+    return [torch.cat(o) for o in outs]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(models, case: str) -> None:
+    hf, path = models[case]
+    model, _ = load_model(path, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (90, 30)]
+    with torch.no_grad():
+        refs = [hf(s[None]).logits[0] for s in seqs]
+    # 70 + 12 prompt tokens across two steps (the second from the carried state), then decodes; the
+    # short one's prompt beside the long one's chunks, its decodes beside the long one's prompt
+    outs = _paged_logits(model, seqs, [[70, 12], [20]])
+    for out, ref in zip(outs, refs):
+        assert (out - ref).abs().max().item() <= 1e-4
+
+
+# ----------------------------------------------------------------------------------- the engine
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 80, 23, 50)]
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5"])
+def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> None:
+    hf, path = models[case]
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    ps = _prompts()
+    want = {f"r{i}": hf_greedy(hf, p, 8) for i, p in enumerate(ps)}
+    eng = make_engine(str(path))
+    assert not eng.speculator.enabled and not eng.blocks.enable_prefix_cache
+    assert {f"r{i}": run(eng, {f"r{i}": (p, greedy)})[f"r{i}"][0] for i, p in enumerate(ps)} == want
+    # 8 blocks of 16 for ~200 tokens of work: preemption; prompts cut into chunks of 24.
+    eng = make_engine(str(path), num_blocks=8, max_prefill_tokens=24, max_batch_size=3)
+    assert eng.runner.states.slots == 3
+    res = run(eng, {f"r{i}": (p, greedy) for i, p in enumerate(ps)})
+    assert {k: v[0] for k, v in res.items()} == want
+    assert eng.scheduler.num_preemptions > 0
+    again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # same prompt: recomputed, never resumed from a cache
+    assert again == want["r1"] and eng.blocks.prefix_hits == 0
+    assert eng.check_no_leaks() and sorted(eng.blocks.free_states) == [0, 1, 2]
+
+
+def test_tensor_parallelism_is_refused_naming_the_family(models) -> None:
+    args = ModelArgs.from_dir(models["qwen3_5"][1])
+    with pytest.raises(ModelConfigError, match="worldSize.*hybrid linear-attention.*qwen3_5"):
+        plan_shard(args, 0, 2)
+
+
+# ----------------------------------------------------------------------------------- the server
+
+
+def test_server_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
+    path = save_chat_model(tmp_path / "chat-qwen3_5", QWEN3_CHAT_TEMPLATE, cls_name="Qwen3_5TextConfig",
+                           config=dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                                       linear_key_head_dim=16, linear_value_head_dim=16))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    (tmp_path / "srv").mkdir()
+    with demo_server(tmp_path / "srv", str(path), model={"modelName": "hybrid"},
+                     schedule={"maxBatchSize": 4, "maxPrefillBatchSize": 4}) as srv:
+        n = 10
+        for ids in ([5, 6, 7, 8, 9], list(range(20, 90))):
+            r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "stream": False, "parameters": {
+                "max_new_tokens": n, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=300)
+            assert r.status_code == 200, r.text
+            assert r.json()["details"]["generated_token_ids"] == hf_greedy(hf, ids, n), ids
+        messages = [{"role": "user", "content": "What does a Gated DeltaNet layer keep?"}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        want = hf_greedy(hf, list(ids), n)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={
+            "model": "hybrid", "messages": messages, "max_tokens": n, "temperature": 0}, timeout=300)
+        assert r.status_code == 200, r.text
+        if tok.eos_token_id in want:
+            want = want[:want.index(tok.eos_token_id)]
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
+        log = srv.tail(400)
+        # 3 linear layers x (conv (2*32+64) x 3 + recurrent 4 x 16 x 16 x 4); 1 full layer x K and V x 1 x 32 x 4
+        per_seq = 3 * ((2 * 32 + 64) * 3 * 4 + 4 * 16 * 16 * 4)
+        assert re.search(rf"state pool: 4 slots \(maxBatchSize\) x {per_seq} bytes per sequence", log), log[-3000:]
+        assert "KV cache 256 bytes per token (1 full-attention layers)" in log, log[-3000:]
+        assert "speculative decoding: off (speculative decoding is not supported for hybrid" in log, log[-3000:]
