@@ -158,6 +158,31 @@ def test_chunked_form_equals_recurrent_form_with_a_carried_state() -> None:
         assert (last - s[0]).abs().max().item() <= 1e-4
 
 
+def test_c_recurrent_step_equals_the_torch_reference() -> None:
+    """The CPU's C kernel (cpu_kernels.c gdn_recurrent) against recurrent_gated_delta_rule: three
+    sequences in pool slots out of order, two value heads per key head, the other slots untouched."""
+    from workers.backends.cpu_deltanet import recurrent_step
+    from workers.kernels import cpu_kernels
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.skip(f"no C kernels here: {cpu_kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(4)
+    b, hk, hv, dk, dv = 3, 2, 4, 16, 24
+    q, k, v = torch.randn(b, hk, dk, generator=g), torch.randn(b, hk, dk, generator=g), torch.randn(b, hv, dv, generator=g)
+    gate, beta = -torch.rand(b, hv, generator=g), torch.rand(b, hv, generator=g)
+    pool = torch.randn(5, hv, dk, dv, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    want, want_state = recurrent_gated_delta_rule(q, k, v, gate, beta, pool[slots])
+    got_pool = pool.clone()
+    step = recurrent_step(lib)
+    for _ in range(2):  # twice: the state it wrote is the one it reads next
+        got = step(q, k, v, gate, beta, got_pool, slots)
+        assert (got - want).abs().max().item() <= 1e-5
+        assert (got_pool[slots] - want_state).abs().max().item() <= 1e-5
+        want, want_state = recurrent_gated_delta_rule(q, k, v, gate, beta, want_state)
+    assert torch.equal(got_pool[[1, 3]], pool[[1, 3]])
+
+
 # ----------------------------------------------------------------------------------- the model
 
 
@@ -220,7 +245,7 @@ def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> 
     greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
     ps = _prompts()
     want = {f"r{i}": hf_greedy(hf, p, 8) for i, p in enumerate(ps)}
-    eng = make_engine(str(path))
+    eng = make_engine(str(path))  # the CPU backend: decodes through the C recurrent step where it builds
     assert not eng.speculator.enabled and not eng.blocks.enable_prefix_cache
     assert {f"r{i}": run(eng, {f"r{i}": (p, greedy)})[f"r{i}"][0] for i, p in enumerate(ps)} == want
     # 8 blocks of 16 for ~200 tokens of work: preemption; prompts cut into chunks of 24.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from workers.backends import cpu_decode, cpu_fused, cpu_linear
+from workers.backends import cpu_decode, cpu_deltanet, cpu_fused, cpu_linear
 from workers.backends.cpu_decode import FusedDecode
 
 log = logging.getLogger("workers.backends")
@@ -45,7 +45,8 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
     3. oneDNN packing of every remaining nn.Linear and of a tied head that has no int8 copy
        (cpu_linear.py); Int8Linear layers are not nn.Linear and stay as they are; a mixture of
        experts' stacked expert weights become per-expert packed linears (int8 experts stay);
-    4. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path.
+    4. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path, and the Gated DeltaNet
+       layers' recurrent step (cpu_deltanet.py: Qwen3-Next / Qwen3.5 decodes).
     """
     if cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
         cpu_linear.amx_linears(model, head=True)
@@ -54,7 +55,7 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
     fused = cpu_decode.attach(model)
     amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # steps 1 and 2 may have made them
     packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
-    c_modules = cpu_fused.fuse_model(model)
+    c_modules = cpu_fused.fuse_model(model) + cpu_deltanet.attach(model)  # (Gated DeltaNet decodes: Qwen3-Next/3.5)
     return Specialised(fused, packed, c_modules)
 
 

@@ -1,11 +1,13 @@
-/* C kernels for the CPU backend (built at first use by cpu_kernels.py). Five families:
+/* C kernels for the CPU backend (built at first use by cpu_kernels.py). Six families:
  *   1. paged attention: paged_write (the cache write), paged_decode (decodes), paged_prefill
  *      (prompt chunks, AVX-512 builds): workers/attention/cpu.py;
  *   2. RMSNorm (rms_norm) and 3. rotary embedding (rope_inplace, in place): workers/backends/cpu_fused.py;
  *   4. linear products over weights in the 16-channel layout (linear_rows; int8_unpack_t, the
  *      int8 weight dequantised for oneDNN): workers/backends/int8.py, layout in workers/kernels/cpu_layout.py;
  *   5. the fused decode step (decode_layers: embedding, every layer, the final norm in one
- *      OpenMP region, built from the four above): workers/backends/cpu_decode.py.
+ *      OpenMP region, built from the four above): workers/backends/cpu_decode.py;
+ *   6. the gated delta rule's recurrent step (gdn_recurrent, Qwen3-Next / Qwen3.5 decodes):
+ *      workers/backends/cpu_deltanet.py.
  *
  * The portable torch path must copy every decoding sequence's KV blocks into a scratch tensor
  * (twice per layer) before its batched matmuls can run, and pays ~15 op dispatches per layer;
@@ -2358,3 +2360,57 @@ int decode_layers(int dtype, const dec_step_t *s) {
 }
 
 #pragma GCC pop_options
+
+/* ---------------------------------------------------------------------------------------------
+ * 6. The gated delta rule's recurrent step (Gated DeltaNet decodes of Qwen3-Next / Qwen3.5:
+ *    workers/backends/cpu_deltanet.py, the torch reference workers/models/gated_deltanet.py
+ *    recurrent_gated_delta_rule), fp32. For each sequence b and value head h, with its key head
+ *    h / (Hv / Hk), q and k l2-normalised (eps 1e-6), q scaled by 1/sqrt(Dk), S = state[slots[b], h]
+ *    [Dk, Dv]:
+ *        S' = exp(g) S + k (beta (v - exp(g) S^T k))^T,   out = S'^T q
+ *    computed as one read sweep (a = S^T k, c = S^T q, together) and one update sweep of S in
+ *    place: out = exp(g) c + delta (k . q), delta = beta (v - exp(g) a).
+ *    q, k [B, Hk, Dk]; v, out [B, Hv, Dv]; g, beta [B, Hv]; state [slots, Hv, Dk, Dv]. */
+int gdn_recurrent(int64_t B, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, const float *q, const float *k,
+                  const float *v, const float *g, const float *beta, float *state, const int64_t *slots,
+                  float *out) {
+    if (Dk > 1024 || Dv > 1024 || Hv % Hk) return -1;
+    int64_t rep = Hv / Hk;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < Hv; h++) {
+            const float *qh = q + (b * Hk + h / rep) * Dk, *kh = k + (b * Hk + h / rep) * Dk;
+            const float *vh = v + (b * Hv + h) * Dv;
+            float *S = state + (slots[b] * Hv + h) * Dk * Dv;
+            float qn[1024], kn[1024], a[1024], c[1024];
+            float sq = 0.f, sk = 0.f;
+            for (int64_t i = 0; i < Dk; i++) { sq += qh[i] * qh[i]; sk += kh[i] * kh[i]; }
+            float rq = 1.f / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f), scale = 1.f / sqrtf((float)Dk);
+            float kq = 0.f;
+            for (int64_t i = 0; i < Dk; i++) {
+                qn[i] = qh[i] * rq * scale;
+                kn[i] = kh[i] * rk;
+                kq += kn[i] * qn[i];
+            }
+            for (int64_t j = 0; j < Dv; j++) { a[j] = 0.f; c[j] = 0.f; }
+            for (int64_t i = 0; i < Dk; i++) { /* the read sweep: S^T k and S^T q */
+                const float *row = S + i * Dv;
+                float ki = kn[i], qi = qn[i];
+                for (int64_t j = 0; j < Dv; j++) { a[j] += row[j] * ki; c[j] += row[j] * qi; }
+            }
+            float decay = expf(g[b * Hv + h]), bt = beta[b * Hv + h];
+            float *o = out + (b * Hv + h) * Dv;
+            for (int64_t j = 0; j < Dv; j++) {
+                float delta = (vh[j] - decay * a[j]) * bt;
+                a[j] = delta; /* reused: the row update */
+                o[j] = decay * c[j] + delta * kq;
+            }
+            for (int64_t i = 0; i < Dk; i++) { /* the update sweep, in place */
+                float *row = S + i * Dv;
+                float ki = kn[i];
+                for (int64_t j = 0; j < Dv; j++) row[j] = decay * row[j] + ki * a[j];
+            }
+        }
+    }
+    return 0;
+}

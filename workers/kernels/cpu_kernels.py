@@ -133,6 +133,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.int8_unpack_t.restype = ctypes.c_int
     lib.int8_unpack_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.gdn_recurrent.restype = ctypes.c_int
+    lib.gdn_recurrent.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 8
     lib.decode_layers.restype = ctypes.c_int
     lib.decode_layers.argtypes = [ctypes.c_int, ctypes.c_void_p]
     lib.kernels_have_dpbf16.restype = ctypes.c_int

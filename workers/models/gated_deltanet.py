@@ -19,6 +19,8 @@ put in the [q | k | v | z] order by a fixed permutation after the product.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -150,6 +152,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(hy.num_v_heads, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(hy.head_v_dim, eps, dtype)
         self.out_proj = Linear(hy.value_dim, hidden, bias=False, dtype=dtype)
+        # A device backend's recurrent step (workers/backends/cpu_deltanet.py: the C kernel), the
+        # contract of recurrent_gated_delta_rule except that it updates ``state[slots]`` in place
+        # and returns the output only; None = the torch reference.
+        self.recurrent_kernel: Callable[..., torch.Tensor] | None = None
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(mixed qkv [T, conv_dim], z [T, value_dim], b [T, Hv], a [T, Hv])."""
@@ -176,9 +182,12 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(v)
         if (rows := states.decode_rows) is not None:  # one batched recurrent step
             slots = states.decode_slots
-            o, s = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state[slots])
-            out[rows] = o
-            rec_state[slots] = s
+            if self.recurrent_kernel is not None:
+                out[rows] = self.recurrent_kernel(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state, slots)
+            else:
+                o, s = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state[slots])
+                out[rows] = o
+                rec_state[slots] = s
         for row0, n, slot in states.prefills:  # each prompt chunk from its carried state
             o, s = chunk_gated_delta_rule(q[row0:row0 + n], k[row0:row0 + n], v[row0:row0 + n], g[row0:row0 + n],
                                           beta[row0:row0 + n], rec_state[slot])
