@@ -23,12 +23,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
 from .gated_deltanet import GatedDeltaNet
-from .llama import MLP, Embedding, Linear, RotaryEmbedding, sparse_moe
+from .llama import MLP, DecoderLM, Embedding, Linear, RotaryEmbedding, sparse_moe
 from .lora import LoraHook
 from .moe import QWEN_NAMES, SparseMoE
 from .moe import slots as moe_slots
@@ -171,12 +170,8 @@ class HybridLM(nn.Module):
             x = layer(x, positions, self.rope, attn, self.states)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.logits_linear is not None:
-            return self.logits_linear(hidden).float()
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+    # hidden [N, hidden_size] -> fp32 logits: the Llama family's head (a backend's, lm_head or tied)
+    compute_logits = DecoderLM.compute_logits
 
 
 def param_slots(model: HybridLM, slot: Callable[..., object]) -> dict[str, object]:
