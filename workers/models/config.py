@@ -447,7 +447,8 @@ def _parse_sliding_window(
 ) -> tuple[int | None, tuple[int | None, ...]]:
     """Sliding-window attention: Mistral when `sliding_window` is set; Qwen2/3 only when
     `use_sliding_window` is true, and then only on layers >= `max_window_layers` (or as `layer_types` says)."""
-    if arch in ("llama", *VARIANT_ARCHS.values()) or arch.startswith("deepseek") or arch in HYBRID_ARCHS:  # variants: parse_variant; hybrid: refused in parse_hybrid
+    # variants: parse_variant reads their windows; hybrid: refused in parse_hybrid
+    if arch in ("llama", *VARIANT_ARCHS.values()) or arch.startswith("deepseek") or arch in HYBRID_ARCHS:
         return None, (None,) * n_layers
     window = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
