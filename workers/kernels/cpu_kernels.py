@@ -76,12 +76,13 @@ def _private_dir(d: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(d, os.W_OK)
 
 
-def _build(cc: str, source: Path = SOURCE) -> Path:
+def _build(cc: str, source: Path = SOURCE, flags: list[str] | None = None) -> Path:
+    """The library of ``source`` built with ``flags`` (None: this build's, ``build_flags()``)."""
     src = source.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
-    flags = build_flags()
+    flags = build_flags() if flags is None else flags
     key = hashlib.sha256(src + version + cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
-    name = f"cpu_kernels-{key}.so"
+    name = f"{source.stem}-{key}.so"
     # A read-only home (containers) falls back to a private directory under the temp dir.
     dirs = (cache_dir(), Path(tempfile.gettempdir()) / f"mindie-py-kernels-{os.getuid()}")
     d = next((d for d in dirs if _private_dir(d)), None)
@@ -105,7 +106,8 @@ def _build(cc: str, source: Path = SOURCE) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    log.info("built the CPU kernels (%s) in %.1f s: %s", isa(), time.perf_counter() - t0, out)
+    log.info("built %s (%s) in %.1f s: %s", source.name, " ".join(flags[len(FLAGS):]) or isa(),
+             time.perf_counter() - t0, out)
     return out
 
 

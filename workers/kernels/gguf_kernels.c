@@ -1,0 +1,361 @@
+/* Products of GGUF quantised weights, read in their own blocks (workers/backends/gguf_linear.py).
+ *
+ * The weights stay as the file stores them (ggml's block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+ * Q5_K, Q6_K; one row of N is K / block values of block bytes each). A call computes
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for rows m of x, in one of two modes:
+ *
+ * - mode 0 (integer): x is quantised per 32 values to int8 with one fp32 scale (llama.cpp's Q8_0
+ *   activations, ``gguf_quantize``), and each weight row is unpacked a tile at a time into unsigned
+ *   bytes q (0..255) with one (a, b) pair per 16 values, w = a * q + b (every type fits this form:
+ *   Q8_0 as q + 128, b = -128 d; Q6_K as its 6-bit q, b = -32 d sc). The products are integer
+ *   dot products per 16 values (AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw`` + ``vpmaddwd``, or
+ *   the scalar loop), scaled by a * dx, plus b times the activation's sum over those 16 values;
+ * - mode 1 (float): the weight tile dequantised to fp32 in cache, against fp32 activations (the
+ *   compiler's vectorised FMA loop), the comparison the measurements chose against.
+ *
+ * The instruction set is the build's (``-march=native``; tests build with ``-mno-avx512f`` and
+ * ``-mno-avx`` to run the AVX2 and scalar paths on an AVX-512 host): ``gguf_isa()`` says which.
+ * Parallel over tiles of output rows with OpenMP (torch's libgomp, as cpu_kernels.c).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GG_ISA 2
+#elif defined(__AVX2__)
+#define GG_ISA 1
+#else
+#define GG_ISA 0
+#endif
+
+/* ggml's type ids (gguf.GGMLQuantizationType) */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+#define NT 8   /* weight rows unpacked per tile */
+#define MT 64  /* activation rows per pass over a tile (they stay in cache) */
+
+int gguf_isa(void) { return GG_ISA; }
+
+/* values per block and bytes per block of a type; 0 for a type not covered */
+int64_t gguf_block_values(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+int64_t gguf_block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, f;
+    if (e == 0) {
+        float v = ldexpf((float)m, -24);  /* zero or subnormal */
+        return s ? -v : v;
+    }
+    f = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112) << 23) | (m << 13));
+    float r;
+    memcpy(&r, &f, 4);
+    return r;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v = { (uint32_t)x << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);  /* round to nearest even, as torch does */
+    return (uint16_t)(v.u >> 16);
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4) */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One row of K values: q[K] unsigned, a[K/16], b[K/16] with w = a * q + b per 16 values. */
+static void unpack_row(int type, const uint8_t *src, int64_t K, uint8_t *q, float *a, float *b) {
+    const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *x = src + i * bb;
+        switch (type) {
+        case T_Q4_0: case T_Q4_1: {
+            const float d = f16_to_f32(rd16(x));
+            const float off = type == T_Q4_0 ? -8.0f * d : f16_to_f32(rd16(x + 2));
+            const uint8_t *qs = x + (type == T_Q4_0 ? 2 : 4);
+            uint8_t *o = q + i * 32;
+            for (int j = 0; j < 16; j++) { o[j] = qs[j] & 0xF; o[j + 16] = qs[j] >> 4; }
+            a[2 * i] = a[2 * i + 1] = d;
+            b[2 * i] = b[2 * i + 1] = off;
+            break;
+        }
+        case T_Q5_0: case T_Q5_1: {
+            const float d = f16_to_f32(rd16(x));
+            const float off = type == T_Q5_0 ? -16.0f * d : f16_to_f32(rd16(x + 2));
+            const uint8_t *p = x + (type == T_Q5_0 ? 2 : 4);
+            uint32_t qh;
+            memcpy(&qh, p, 4);
+            const uint8_t *qs = p + 4;
+            uint8_t *o = q + i * 32;
+            for (int j = 0; j < 16; j++) {
+                o[j] = (qs[j] & 0xF) | (((qh >> j) << 4) & 0x10);
+                o[j + 16] = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+            }
+            a[2 * i] = a[2 * i + 1] = d;
+            b[2 * i] = b[2 * i + 1] = off;
+            break;
+        }
+        case T_Q8_0: {
+            const float d = f16_to_f32(rd16(x));
+            const int8_t *qs = (const int8_t *)(x + 2);
+            uint8_t *o = q + i * 32;
+            for (int j = 0; j < 32; j++) o[j] = (uint8_t)(qs[j] + 128);
+            a[2 * i] = a[2 * i + 1] = d;
+            b[2 * i] = b[2 * i + 1] = -128.0f * d;
+            break;
+        }
+        case T_Q4_K: case T_Q5_K: {
+            const float d = f16_to_f32(rd16(x)), dmin = f16_to_f32(rd16(x + 2));
+            const uint8_t *scales = x + 4;
+            const uint8_t *qh = x + 16, *qs = x + (type == T_Q4_K ? 16 : 48);
+            uint8_t *o = q + i * 256;
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *ql = qs + 32 * j;
+                if (type == T_Q4_K) {
+                    for (int l = 0; l < 32; l++) { o[64 * j + l] = ql[l] & 0xF; o[64 * j + 32 + l] = ql[l] >> 4; }
+                } else {
+                    const uint8_t u1 = (uint8_t)(1u << (2 * j)), u2 = (uint8_t)(2u << (2 * j));
+                    for (int l = 0; l < 32; l++) {
+                        o[64 * j + l] = (ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0);
+                        o[64 * j + 32 + l] = (ql[l] >> 4) + (qh[l] & u2 ? 16 : 0);
+                    }
+                }
+                for (int h = 0; h < 2; h++) {
+                    uint8_t sc, m;
+                    scale_min_k4(2 * j + h, scales, &sc, &m);
+                    const int64_t g = i * 16 + 4 * j + 2 * h;
+                    a[g] = a[g + 1] = d * sc;
+                    b[g] = b[g + 1] = -dmin * m;
+                }
+            }
+            break;
+        }
+        case T_Q6_K: {
+            const uint8_t *ql = x, *qh = x + 128;
+            const int8_t *sc = (const int8_t *)(x + 192);
+            const float d = f16_to_f32(rd16(x + 208));
+            uint8_t *o = q + i * 256;
+            for (int n = 0; n < 2; n++) {
+                const uint8_t *l0 = ql + 64 * n, *h0 = qh + 32 * n;
+                uint8_t *y = o + 128 * n;
+                for (int l = 0; l < 32; l++) {
+                    y[l] = (l0[l] & 0xF) | ((h0[l] & 3) << 4);
+                    y[l + 32] = (l0[l + 32] & 0xF) | (((h0[l] >> 2) & 3) << 4);
+                    y[l + 64] = (l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4);
+                    y[l + 96] = (l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4);
+                }
+            }
+            for (int g = 0; g < 16; g++) {
+                a[i * 16 + g] = d * sc[g];
+                b[i * 16 + g] = -32.0f * d * sc[g];
+            }
+            break;
+        }
+        }
+    }
+}
+
+/* Activations: per row, int8 q[K], the scale per 16 values d16[K/16] (one per 32, written twice)
+ * and s16[K/16] = d * (sum of q over those 16 values). dt: 0 fp32, 1 bf16. */
+int gguf_quantize(int dt, const void *x, int64_t M, int64_t K, int8_t *xq, float *d16, float *s16) {
+    if (K % 32) return -1;
+    _Pragma("omp parallel for schedule(static) if (M * K > 65536)")
+    for (int64_t m = 0; m < M; m++) {
+        float v[32];
+        for (int64_t blk = 0; blk < K / 32; blk++) {
+            const int64_t k0 = blk * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                v[j] = dt == 1 ? bf16_to_f32(((const uint16_t *)x)[m * K + k0 + j]) : ((const float *)x)[m * K + k0 + j];
+                amax = fmaxf(amax, fabsf(v[j]));
+            }
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *o = xq + m * K + k0;
+            int s0 = 0, s1 = 0;
+            for (int j = 0; j < 32; j++) {
+                o[j] = (int8_t)nearbyintf(v[j] * id);
+                if (j < 16) s0 += o[j]; else s1 += o[j];
+            }
+            const int64_t g = m * (K / 16) + 2 * blk;
+            d16[g] = d16[g + 1] = d;
+            s16[g] = d * (float)s0;
+            s16[g + 1] = d * (float)s1;
+        }
+    }
+    return 0;
+}
+
+/* sum over 16-value groups of a[g] * dx[g] * (q . xq over g) */
+static inline float idot(const uint8_t *q, const float *a, const int8_t *xq, const float *dx, int64_t K) {
+#if GG_ISA == 2
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(q + k),
+                                              _mm512_loadu_si512(xq + k));
+        const __m128 s = _mm_mul_ps(_mm_loadu_ps(a + k / 16), _mm_loadu_ps(dx + k / 16));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s)), acc);
+    }
+    if (k < K) {  /* 32 values left (K is a multiple of 32) */
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(0xffffffffull, q + k),
+                                              _mm512_maskz_loadu_epi8(0xffffffffull, xq + k));
+        const __m128 s = _mm_mul_ps(_mm_maskz_loadu_ps(3, a + k / 16), _mm_maskz_loadu_ps(3, dx + k / 16));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s)), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#elif GG_ISA == 1
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(q + k)), x = _mm256_loadu_si256((const __m256i *)(xq + k));
+        /* vpmaddubsw saturates pairs at 32767: exact for q <= 127 (every type but Q8_0's shifted
+         * bytes); above it the halves are widened to 16 bits and multiplied exactly */
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        const float s0 = a[k / 16] * dx[k / 16], s1 = a[k / 16 + 1] * dx[k / 16 + 1];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), acc);
+    }
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+#else
+    float acc = 0.0f;
+    for (int64_t g = 0; g < K / 16; g++) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; j++) s += (int32_t)q[g * 16 + j] * xq[g * 16 + j];
+        acc += a[g] * dx[g] * (float)s;
+    }
+    return acc;
+#endif
+}
+
+#if GG_ISA == 1
+/* AVX2 for bytes above 127 (Q8_0): both sides widened to 16 bits, vpmaddwd is exact */
+static inline float idot_wide(const uint8_t *q, const float *a, const int8_t *xq, const float *dx, int64_t K) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + k)));
+        const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + k)));
+        const __m256i p = _mm256_madd_epi16(w, x);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a[k / 16] * dx[k / 16]), acc);
+    }
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+#endif
+
+static inline float fdot(const float *u, const float *v, int64_t n) {
+    float s = 0.0f;
+    _Pragma("omp simd reduction(+:s)")
+    for (int64_t i = 0; i < n; i++) s += u[i] * v[i];
+    return s;
+}
+
+static inline void store(int dt, void *out, int64_t i, float v) {
+    if (dt == 1) ((uint16_t *)out)[i] = f32_to_bf16(v);
+    else ((float *)out)[i] = v;
+}
+
+static inline float load(int dt, const void *p, int64_t i) {
+    return dt == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* out[m * ldo + n] (dt: 0 fp32, 1 bf16; bias of that type or NULL) for the N rows of w (raw
+ * blocks, row after row). mode 0: xq, d16, s16 from gguf_quantize (x unused); mode 1: x fp32
+ * [M, K]. Returns -1 for a type or shape it does not cover. */
+int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x, const int8_t *xq,
+                const float *d16, const float *s16, const uint8_t *w, int64_t N, const void *bias, void *out,
+                int64_t ldo) {
+    const int64_t bv = gguf_block_values(type);
+    if (!bv || K % bv || M < 0 || N < 0) return -1;
+    const int64_t rb = K / bv * gguf_block_bytes(type), G = K / 16;
+    const int64_t tiles = (N + NT - 1) / NT;
+    int failed = 0;
+    _Pragma("omp parallel if (tiles > 1 && M * N * K > 32768)")
+    {
+        uint8_t *q = aligned_alloc(64, (size_t)(NT * K + 64));
+        float *a = aligned_alloc(64, (size_t)(NT * G * 4 + 64)), *b = aligned_alloc(64, (size_t)(NT * G * 4 + 64));
+        float *wf = mode == 1 ? aligned_alloc(64, (size_t)(NT * K * 4 + 64)) : NULL;
+        if (!q || !a || !b || (mode == 1 && !wf)) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t t = 0; t < tiles; t++) {
+            if (failed) continue;
+            const int64_t n0 = t * NT, nt = N - n0 < NT ? N - n0 : NT;
+            for (int64_t r = 0; r < nt; r++) {
+                unpack_row(type, w + (n0 + r) * rb, K, q + r * K, a + r * G, b + r * G);
+                if (mode == 1)
+                    for (int64_t k = 0; k < K; k++)
+                        wf[r * K + k] = a[r * G + k / 16] * (float)q[r * K + k] + b[r * G + k / 16];
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                const int64_t m1 = M - m0 < MT ? M : m0 + MT;
+                for (int64_t m = m0; m < m1; m++) {
+                    for (int64_t r = 0; r < nt; r++) {
+                        float v;
+                        if (mode == 1) {
+                            v = fdot(wf + r * K, x + m * K, K);
+                        } else {
+#if GG_ISA == 1
+                            v = type == T_Q8_0 ? idot_wide(q + r * K, a + r * G, xq + m * K, d16 + m * G, K)
+                                               : idot(q + r * K, a + r * G, xq + m * K, d16 + m * G, K);
+#else
+                            v = idot(q + r * K, a + r * G, xq + m * K, d16 + m * G, K);
+#endif
+                            v += fdot(b + r * G, s16 + m * G, G);
+                        }
+                        if (bias) v += load(dt, bias, n0 + r);
+                        store(dt, out, m * ldo + n0 + r, v);
+                    }
+                }
+            }
+        }
+        free(q);
+        free(a);
+        free(b);
+        free(wf);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,114 @@
+"""Build and call the GGUF block kernels (gguf_kernels.c): products of weights kept in ggml's
+quantised blocks.
+
+Built as cpu_kernels.py builds its library (the same compiler, cache directory, lock and flags,
+``cpuTuning.isa`` included); ``build(flags)`` builds another instruction set's variant (the tests
+run the AVX2 and scalar paths on an AVX-512 host). ``ISA_NAMES`` names what ``gguf_isa()`` reports.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+
+from workers.kernels import cpu_kernels
+
+log = logging.getLogger("workers.backends")
+
+SOURCE = Path(__file__).with_name("gguf_kernels.c")
+ISA_NAMES = {2: "avx512-vnni (vpdpbusd)", 1: "avx2 (vpmaddubsw)", 0: "scalar"}
+# The flags that build each instruction set's path on top of the common ones (a host that has the
+# wider ones can run the narrower: the tests build all three).
+VARIANT_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+# GGML type ids the kernels read (gguf.GGMLQuantizationType values)
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+INTEGER, FLOAT = 0, 1  # gguf_matmul's modes: int8 activations, or fp32 ones over dequantised tiles
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_reason = ""
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gguf_isa.restype = ctypes.c_int
+    lib.gguf_block_values.restype = i64
+    lib.gguf_block_values.argtypes = [ctypes.c_int]
+    lib.gguf_block_bytes.restype = i64
+    lib.gguf_block_bytes.argtypes = [ctypes.c_int]
+    lib.gguf_quantize.restype = ctypes.c_int
+    lib.gguf_quantize.argtypes = [ctypes.c_int, p, i64, i64, p, p, p]
+    lib.gguf_matmul.restype = ctypes.c_int
+    lib.gguf_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, p, p, p, p, p, i64, p, p, i64]
+    lib.isa = int(lib.gguf_isa())
+    return lib
+
+
+def build(variant: str = "native") -> ctypes.CDLL:
+    """This source built for ``variant`` (VARIANT_FLAGS; "native" honours cpuTuning.isa). Raises
+    RuntimeError where it cannot be built."""
+    cc = cpu_kernels._compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC)")
+    flags = cpu_kernels.build_flags() if variant == "native" else cpu_kernels.FLAGS + VARIANT_FLAGS[variant]
+    try:
+        return declare(ctypes.CDLL(str(cpu_kernels._build(cc, SOURCE, flags))))
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        raise RuntimeError(f"build failed: {e}") from e
+
+
+def load() -> ctypes.CDLL | None:
+    """This host's library, or None (``unavailable_reason()``): no compiler, or the C kernels off."""
+    global _lib, _tried, _reason
+    if _tried:
+        return _lib
+    _tried = True
+    if cpu_kernels.load() is None:  # the same switches and compiler: off or failed there, off here
+        _reason = cpu_kernels.unavailable_reason()
+    else:
+        try:
+            _lib = build()
+        except (RuntimeError, ValueError) as e:
+            _reason = str(e)
+    return _lib
+
+
+def unavailable_reason() -> str:
+    return _reason
+
+
+class Activations:
+    """One call's activations quantised per 32 values (``gguf_quantize``), shared by the products
+    of every part of a fused linear (q/k/v, gate/up)."""
+
+    def __init__(self, lib: ctypes.CDLL, x: torch.Tensor):
+        m, k = x.shape
+        self.q = torch.empty((m, k), dtype=torch.int8)
+        self.d = torch.empty((m, k // 16), dtype=torch.float32)
+        self.s = torch.empty((m, k // 16), dtype=torch.float32)
+        code = 1 if x.dtype == torch.bfloat16 else 0
+        if lib.gguf_quantize(code, x.data_ptr(), m, k, self.q.data_ptr(), self.d.data_ptr(), self.s.data_ptr()):
+            raise ValueError(f"gguf_quantize: {k} inputs is not a multiple of 32")
+
+
+def matmul(lib: ctypes.CDLL, type_id: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
+           acts: Activations | None = None, bias: torch.Tensor | None = None, mode: int = INTEGER) -> None:
+    """``out[:, :n] = x @ dequantised(w).T (+ bias)``: ``x`` [M, K] fp32/bf16 contiguous (fp32 for
+    FLOAT), ``w`` uint8 [N, row bytes] (the file's blocks), ``out`` [M, >= N] of x's dtype, rows
+    contiguous (a column slice of a wider output is fine). ``acts``: x already quantised."""
+    m, k = x.shape
+    n = w.shape[0]
+    if mode == INTEGER and acts is None:
+        acts = Activations(lib, x)
+    code = 1 if out.dtype == torch.bfloat16 else 0
+    if bias is not None and bias.dtype != out.dtype:
+        bias = bias.to(out.dtype)
+    rc = lib.gguf_matmul(type_id, mode, code, m, k, x.data_ptr() if mode == FLOAT else None,
+                         None if acts is None else acts.q.data_ptr(), None if acts is None else acts.d.data_ptr(),
+                         None if acts is None else acts.s.data_ptr(), w.data_ptr(), n,
+                         None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), out.stride(0))
+    if rc:
+        raise ValueError(f"gguf_matmul refused type {type_id} with {k} inputs")
