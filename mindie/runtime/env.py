@@ -65,6 +65,7 @@ ENGINE_ENV: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "MINDIE_CPU_ADAPTIVE_THREADS": ("BackendConfig.cpuTuning.adaptiveThreads", _switch, "cpu.adaptive_threads"),
     "MINDIE_CPU_PREFILL_ATTENTION": ("BackendConfig.cpuTuning.prefillAttention", str.lower, "cpu.prefill_attention"),
     "MINDIE_CPU_PREFILL_LINEARS": ("BackendConfig.cpuTuning.prefillLinears", str.lower, "cpu.prefill_linears"),
+    "MINDIE_CPU_GGUF_COMPUTE": ("BackendConfig.cpuTuning.ggufCompute", str.lower, "cpu.gguf_compute"),
 }
 
 

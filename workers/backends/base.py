@@ -58,6 +58,11 @@ class Backend:
         refuses the key at start)."""
         return None
 
+    def gguf_target(self):
+        """What keeps a GGUF file's linears in their quantised blocks on this device (a
+        workers.backends.gguf_linear.NativeTarget), or None: dequantised at load."""
+        return None
+
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16
 

@@ -13,6 +13,7 @@ from workers import settings
 from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide
 from workers.backends.cpu_specialise import specialise_cpu_model, warm_up_cpu_model
+from workers.backends.gguf_linear import native_target
 from workers.backends.int8 import CpuInt8Kernel
 from workers.backends.step_width import narrow_threads_alone
 from workers.kernels import cpu_kernels
@@ -124,6 +125,10 @@ class CpuBackend(Backend):
     def int8_kernel(self):
         # torch._weight_int8pack_mm for decode-sized row counts, dequantise-then-matmul above.
         return CpuInt8Kernel()
+
+    def gguf_target(self):
+        # cpuTuning.ggufCompute: native (the default) or dequantise
+        return native_target()
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32

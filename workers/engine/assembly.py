@@ -213,7 +213,8 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     if group is not None:
         tp = TensorParallel(plan_shard(args, group.rank, group.world, spec.moe_parallel))  # the default (compute) group
     model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp,
-                          int8=Int8Target(kernel) if kernel is not None else None)
+                          int8=Int8Target(kernel) if kernel is not None else None,
+                          gguf_native=backend.gguf_target() if gguf and kernel is None else None)
     # before the backend's rewrites: they keep the int8 layers as they are (a GGUF model's were
     # made while its tensors were read)
     if kernel is not None and not getattr(model, "int8_at_load", False):

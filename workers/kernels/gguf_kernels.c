@@ -39,8 +39,12 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, 
 
 #define NT 8   /* weight rows unpacked per tile */
 #define MT 64  /* activation rows per pass over a tile (they stay in cache) */
+#define DIRECT_ROWS 64  /* up to this many activation rows, each weight row is read from its blocks */
 
 int gguf_isa(void) { return GG_ISA; }
+
+static void init_tables(void);
+__attribute__((constructor)) static void gguf_init(void) { init_tables(); }
 
 /* values per block and bytes per block of a type; 0 for a type not covered */
 int64_t gguf_block_values(int type) {
@@ -66,6 +70,9 @@ int64_t gguf_block_bytes(int type) {
 }
 
 static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, f;
     if (e == 0) {
         float v = ldexpf((float)m, -24);  /* zero or subnormal */
@@ -102,62 +109,83 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
     }
 }
 
+/* 8 bytes at a time in a 64-bit word (SWAR): byte-wise work the compiler otherwise does one byte at
+ * a time through the stack (a tenth of the speed) */
+#define LO4 0x0F0F0F0F0F0F0F0Full
+#define LO1 0x0101010101010101ull
+#define LO2 0x0303030303030303ull
+static inline uint64_t ld8(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline void st8(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+/* bit i of b -> 0x10 in byte i (Q5_0 / Q5_1's fifth bits) */
+static uint64_t bit4_of[256];
+static void init_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        uint64_t v = 0;
+        for (int i = 0; i < 8; i++) if (b >> i & 1) v |= 0x10ull << (8 * i);
+        bit4_of[b] = v;
+    }
+}
+
 /* One row of K values: q[K] unsigned, a[K/16], b[K/16] with w = a * q + b per 16 values. */
 static void unpack_row(int type, const uint8_t *src, int64_t K, uint8_t *q, float *a, float *b) {
     const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *x = src + i * bb;
-        switch (type) {
-        case T_Q4_0: case T_Q4_1: {
+    switch (type) {
+    case T_Q4_0: case T_Q4_1:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = src + i * bb, *qs = x + (type == T_Q4_0 ? 2 : 4);
             const float d = f16_to_f32(rd16(x));
             const float off = type == T_Q4_0 ? -8.0f * d : f16_to_f32(rd16(x + 2));
-            const uint8_t *qs = x + (type == T_Q4_0 ? 2 : 4);
             uint8_t *o = q + i * 32;
-            for (int j = 0; j < 16; j++) { o[j] = qs[j] & 0xF; o[j + 16] = qs[j] >> 4; }
-            a[2 * i] = a[2 * i + 1] = d;
-            b[2 * i] = b[2 * i + 1] = off;
-            break;
-        }
-        case T_Q5_0: case T_Q5_1: {
-            const float d = f16_to_f32(rd16(x));
-            const float off = type == T_Q5_0 ? -16.0f * d : f16_to_f32(rd16(x + 2));
-            const uint8_t *p = x + (type == T_Q5_0 ? 2 : 4);
-            uint32_t qh;
-            memcpy(&qh, p, 4);
-            const uint8_t *qs = p + 4;
-            uint8_t *o = q + i * 32;
-            for (int j = 0; j < 16; j++) {
-                o[j] = (qs[j] & 0xF) | (((qh >> j) << 4) & 0x10);
-                o[j + 16] = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+            for (int j = 0; j < 16; j += 8) {
+                const uint64_t v = ld8(qs + j);
+                st8(o + j, v & LO4);
+                st8(o + 16 + j, (v >> 4) & LO4);
             }
             a[2 * i] = a[2 * i + 1] = d;
             b[2 * i] = b[2 * i + 1] = off;
-            break;
         }
-        case T_Q8_0: {
+        break;
+    case T_Q5_0: case T_Q5_1:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = src + i * bb, *p = x + (type == T_Q5_0 ? 2 : 4), *qs = p + 4;
             const float d = f16_to_f32(rd16(x));
-            const int8_t *qs = (const int8_t *)(x + 2);
+            const float off = type == T_Q5_0 ? -16.0f * d : f16_to_f32(rd16(x + 2));
             uint8_t *o = q + i * 32;
-            for (int j = 0; j < 32; j++) o[j] = (uint8_t)(qs[j] + 128);
+            for (int j = 0; j < 16; j += 8) {  /* qh bit j: value j, bit j + 16: value j + 16 */
+                const uint64_t v = ld8(qs + j);
+                st8(o + j, (v & LO4) | bit4_of[p[j / 8]]);
+                st8(o + 16 + j, ((v >> 4) & LO4) | bit4_of[p[2 + j / 8]]);
+            }
+            a[2 * i] = a[2 * i + 1] = d;
+            b[2 * i] = b[2 * i + 1] = off;
+        }
+        break;
+    case T_Q8_0:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = src + i * bb;
+            const float d = f16_to_f32(rd16(x));
+            for (int j = 0; j < 32; j += 8) st8(q + i * 32 + j, ld8(x + 2 + j) ^ 0x8080808080808080ull);  /* q + 128 */
             a[2 * i] = a[2 * i + 1] = d;
             b[2 * i] = b[2 * i + 1] = -128.0f * d;
-            break;
         }
-        case T_Q4_K: case T_Q5_K: {
+        break;
+    case T_Q4_K: case T_Q5_K:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = src + i * bb;
             const float d = f16_to_f32(rd16(x)), dmin = f16_to_f32(rd16(x + 2));
-            const uint8_t *scales = x + 4;
-            const uint8_t *qh = x + 16, *qs = x + (type == T_Q4_K ? 16 : 48);
+            const uint8_t *scales = x + 4, *qh = x + 16, *qs = x + (type == T_Q4_K ? 16 : 48);
             uint8_t *o = q + i * 256;
             for (int j = 0; j < 4; j++) {
                 const uint8_t *ql = qs + 32 * j;
-                if (type == T_Q4_K) {
-                    for (int l = 0; l < 32; l++) { o[64 * j + l] = ql[l] & 0xF; o[64 * j + 32 + l] = ql[l] >> 4; }
-                } else {
-                    const uint8_t u1 = (uint8_t)(1u << (2 * j)), u2 = (uint8_t)(2u << (2 * j));
-                    for (int l = 0; l < 32; l++) {
-                        o[64 * j + l] = (ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0);
-                        o[64 * j + 32 + l] = (ql[l] >> 4) + (qh[l] & u2 ? 16 : 0);
+                for (int l = 0; l < 32; l += 8) {
+                    uint64_t lo = ld8(ql + l) & LO4, hi = (ld8(ql + l) >> 4) & LO4;
+                    if (type == T_Q5_K) {  /* the fifth bits: bit 2j of qh[l] (low half), 2j + 1 (high) */
+                        const uint64_t h = ld8(qh + l);
+                        lo |= ((h >> (2 * j)) & LO1) << 4;
+                        hi |= ((h >> (2 * j + 1)) & LO1) << 4;
                     }
+                    st8(o + 64 * j + l, lo);
+                    st8(o + 64 * j + 32 + l, hi);
                 }
                 for (int h = 0; h < 2; h++) {
                     uint8_t sc, m;
@@ -167,30 +195,30 @@ static void unpack_row(int type, const uint8_t *src, int64_t K, uint8_t *q, floa
                     b[g] = b[g + 1] = -dmin * m;
                 }
             }
-            break;
         }
-        case T_Q6_K: {
-            const uint8_t *ql = x, *qh = x + 128;
+        break;
+    case T_Q6_K:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = src + i * bb, *ql = x, *qh = x + 128;
             const int8_t *sc = (const int8_t *)(x + 192);
             const float d = f16_to_f32(rd16(x + 208));
-            uint8_t *o = q + i * 256;
             for (int n = 0; n < 2; n++) {
                 const uint8_t *l0 = ql + 64 * n, *h0 = qh + 32 * n;
-                uint8_t *y = o + 128 * n;
-                for (int l = 0; l < 32; l++) {
-                    y[l] = (l0[l] & 0xF) | ((h0[l] & 3) << 4);
-                    y[l + 32] = (l0[l + 32] & 0xF) | (((h0[l] >> 2) & 3) << 4);
-                    y[l + 64] = (l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4);
-                    y[l + 96] = (l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4);
+                uint8_t *y = q + i * 256 + 128 * n;
+                for (int l = 0; l < 32; l += 8) {
+                    const uint64_t a0 = ld8(l0 + l), a1 = ld8(l0 + l + 32), h = ld8(h0 + l);
+                    st8(y + l, (a0 & LO4) | ((h & LO2) << 4));
+                    st8(y + l + 32, (a1 & LO4) | (((h >> 2) & LO2) << 4));
+                    st8(y + l + 64, ((a0 >> 4) & LO4) | (((h >> 4) & LO2) << 4));
+                    st8(y + l + 96, ((a1 >> 4) & LO4) | (((h >> 6) & LO2) << 4));
                 }
             }
             for (int g = 0; g < 16; g++) {
                 a[i * 16 + g] = d * sc[g];
                 b[i * 16 + g] = -32.0f * d * sc[g];
             }
-            break;
         }
-        }
+        break;
     }
 }
 
@@ -284,6 +312,153 @@ static inline float idot_wide(const uint8_t *q, const float *a, const int8_t *xq
 }
 #endif
 
+#if GG_ISA >= 1
+/* ---- Decode rows: each weight row read straight from its blocks (no unpacked copy) ----
+ * A 32-value chunk of the row becomes 32 unsigned bytes in a ymm register, multiplied with the
+ * activation's 32 int8 values into 8 int32 lanes (lanes 0-3: values 0-15, 4-7: 16-31), scaled per
+ * 16 values. */
+static inline __m256i dot32(__m256i w, __m256i x) {
+#if GG_ISA == 2
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i nib32(const uint8_t *qs) {  /* 16 bytes: low nibbles, then high nibbles */
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0xF);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+static inline __m256i fifth_bits(uint32_t x) {  /* bit i of x -> 0x10 in byte i */
+#if GG_ISA == 2
+    return _mm256_maskz_mov_epi8(x, _mm256_set1_epi8(0x10));
+#else
+    const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101ll, 0x0202020202020202ll, 0x0303030303030303ll);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfell));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
+/* for each of the mr (<= 4) activation rows r: acc[r] += dot(w, x_r of chunk c) * (a0 | a1 per 16)
+ * * dx_r, accb[r] += b0 / b1 times the activation's sums: the chunk is decoded once for them all */
+#define CHUNK(W, A0, A1, B0, B1, C) do { \
+        const int64_t c_ = (C); \
+        const __m256i w_ = (W); \
+        const float a0_ = (A0), a1_ = (A1), b0_ = (B0), b1_ = (B1); \
+        for (int r = 0; r < 4; r++) { \
+            if (r >= mr) break; \
+            const int8_t *xr_ = xq + r * K; \
+            const float *dr_ = d16 + r * G, *sr_ = s16 + r * G; \
+            const __m256i p_ = dot32(w_, _mm256_loadu_si256((const __m256i *)(xr_ + 32 * c_))); \
+            const float dx_ = dr_[2 * c_]; \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), \
+                                     _mm256_set_m128(_mm_set1_ps(a1_ * dx_), _mm_set1_ps(a0_ * dx_)), acc[r]); \
+            accb[r] += b0_ * sr_[2 * c_] + b1_ * sr_[2 * c_ + 1]; \
+        } \
+    } while (0)
+
+/* res[r] = row w . activation row r, for mr (1-4) rows from xq, d16, s16 (K and K / 16 apart) */
+static void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d16, const float *s16,
+                    int mr, float *res) {
+    const int64_t G = K / 16;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float accb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    switch (type) {
+    case T_Q4_0: case T_Q4_1:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb;
+            const float d = f16_to_f32(rd16(x)), b = type == T_Q4_0 ? -8.0f * d : f16_to_f32(rd16(x + 2));
+            CHUNK(nib32(x + (type == T_Q4_0 ? 2 : 4)), d, d, b, b, i);
+        }
+        break;
+    case T_Q5_0: case T_Q5_1:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb, *p = x + (type == T_Q5_0 ? 2 : 4);
+            const float d = f16_to_f32(rd16(x)), b = type == T_Q5_0 ? -16.0f * d : f16_to_f32(rd16(x + 2));
+            uint32_t qh;
+            memcpy(&qh, p, 4);
+            CHUNK(_mm256_or_si256(nib32(p + 4), fifth_bits(qh)), d, d, b, b, i);
+        }
+        break;
+    case T_Q8_0:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb;
+            const float d = f16_to_f32(rd16(x));
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(x + 2));
+#if GG_ISA == 2
+            CHUNK(_mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)), d, d, -128.0f * d, -128.0f * d, i);
+#else       /* vpmaddubsw saturates q + 128: |q| times x with q's sign instead */
+            const __m256i av = _mm256_abs_epi8(v);
+            for (int r = 0; r < mr; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * i));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)),
+                                                    _mm256_set1_epi16(1));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * d16[r * G + 2 * i]), acc[r]);
+            }
+#endif
+        }
+        break;
+    case T_Q4_K: case T_Q5_K:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb, *scales = x + 4, *qs = x + (type == T_Q4_K ? 16 : 48);
+            const float d = f16_to_f32(rd16(x)), dmin = f16_to_f32(rd16(x + 2));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 16));
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (type == T_Q5_K) {
+                    const __m256i one = _mm256_set1_epi8(1);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
+                }
+                uint8_t sc0, m0, sc1, m1;
+                scale_min_k4(2 * j, scales, &sc0, &m0);
+                scale_min_k4(2 * j + 1, scales, &sc1, &m1);
+                CHUNK(lo, d * sc0, d * sc0, -dmin * m0, -dmin * m0, 8 * i + 2 * j);
+                CHUNK(hi, d * sc1, d * sc1, -dmin * m1, -dmin * m1, 8 * i + 2 * j + 1);
+            }
+        }
+        break;
+    case T_Q6_K:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb;
+            const int8_t *sc = (const int8_t *)(x + 192);
+            const float d = f16_to_f32(rd16(x + 208));
+            const __m256i m2 = _mm256_set1_epi8(3);
+            for (int n = 0; n < 2; n++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * n));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * n + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * n));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4))};
+                for (int k = 0; k < 4; k++) {
+                    const float a0 = d * sc[8 * n + 2 * k], a1 = d * sc[8 * n + 2 * k + 1];
+                    CHUNK(q[k], a0, a1, -32.0f * a0, -32.0f * a1, 8 * i + 4 * n + k);
+                }
+            }
+        }
+        break;
+    }
+    for (int r = 0; r < mr; r++) res[r] = hsum8(acc[r]) + accb[r];
+}
+#endif
+
 static inline float fdot(const float *u, const float *v, int64_t n) {
     float s = 0.0f;
     _Pragma("omp simd reduction(+:s)")
@@ -311,6 +486,20 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
     const int64_t rb = K / bv * gguf_block_bytes(type), G = K / 16;
     const int64_t tiles = (N + NT - 1) / NT;
     int failed = 0;
+#if GG_ISA >= 1
+    if (mode == 0 && M <= DIRECT_ROWS) {  /* decode steps: each row from its blocks, no unpacked copy */
+        _Pragma("omp parallel for schedule(static) if (N * K > 65536)")
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+                float res[4];
+                row_dot(type, w + n * rb, K, xq + m0 * K, d16 + m0 * G, s16 + m0 * G, mr, res);
+                for (int r = 0; r < mr; r++)
+                    store(dt, out, (m0 + r) * ldo + n, bias ? res[r] + load(dt, bias, n) : res[r]);
+            }
+        return 0;
+    }
+#endif
     _Pragma("omp parallel if (tiles > 1 && M * N * K > 32768)")
     {
         uint8_t *q = aligned_alloc(64, (size_t)(NT * K + 64));
@@ -356,6 +545,47 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
         free(a);
         free(b);
         free(wf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The N rows of w dequantised to out [N, K] (dt: 0 fp32, 1 bf16): large steps' products go to
+ * oneDNN over this transient copy (gguf_linear.py measures where that wins). */
+int gguf_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, int dt, void *out) {
+    const int64_t bv = gguf_block_values(type);
+    if (!bv || K % bv) return -1;
+    const int64_t rb = K / bv * gguf_block_bytes(type), G = K / 16;
+    int failed = 0;
+    _Pragma("omp parallel if (N * K > 65536)")
+    {
+        uint8_t *q = aligned_alloc(64, (size_t)(K + 64));
+        float *a = aligned_alloc(64, (size_t)(G * 4 + 64)), *b = aligned_alloc(64, (size_t)(G * 4 + 64));
+        if (!q || !a || !b) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t n = 0; n < N; n++) {
+            if (failed) continue;
+            unpack_row(type, w + n * rb, K, q, a, b);
+            for (int64_t g = 0; g < G; g++) {  /* 16 values of one scale: the compiler's vector loop */
+                const float ag = a[g], bg = b[g];
+                const uint8_t *qg = q + g * 16;
+                if (dt == 1) {
+                    uint16_t *o = (uint16_t *)out + n * K + g * 16;
+                    for (int j = 0; j < 16; j++) {
+                        union { float f; uint32_t u; } v = { ag * (float)qg[j] + bg };
+                        o[j] = (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);  /* finite: no NaN case */
+                    }
+                } else {
+                    float *o = (float *)out + n * K + g * 16;
+                    for (int j = 0; j < 16; j++) o[j] = ag * (float)qg[j] + bg;
+                }
+            }
+        }
+        free(q);
+        free(a);
+        free(b);
     }
     return failed ? -1 : 0;
 }

@@ -43,6 +43,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_quantize.argtypes = [ctypes.c_int, p, i64, i64, p, p, p]
     lib.gguf_matmul.restype = ctypes.c_int
     lib.gguf_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, p, p, p, p, p, i64, p, p, i64]
+    lib.gguf_dequantize.restype = ctypes.c_int
+    lib.gguf_dequantize.argtypes = [ctypes.c_int, p, i64, i64, ctypes.c_int, p]
     lib.isa = int(lib.gguf_isa())
     return lib
 
@@ -112,3 +114,14 @@ def matmul(lib: ctypes.CDLL, type_id: int, x: torch.Tensor, w: torch.Tensor, out
                          None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), out.stride(0))
     if rc:
         raise ValueError(f"gguf_matmul refused type {type_id} with {k} inputs")
+
+
+def dequantize(lib: ctypes.CDLL, type_id: int, w: torch.Tensor, k: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The [N, k] matrix of ``dtype`` (fp32 or bf16) that ``w``'s blocks stand for."""
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype)
+    if lib.gguf_dequantize(type_id, w.data_ptr(), n, k, 1 if dtype == torch.bfloat16 else 0, out.data_ptr()):
+        raise ValueError(f"gguf_dequantize refused type {type_id} with {k} inputs")
+    return out

@@ -19,7 +19,14 @@ view it calls ``load_gguf`` instead of reading safetensors. For each tensor of t
   load (so the result equals dequantise-then-quantise exactly: the scales are per row), and the
   model-dtype matrix is never filled. A Q8_0 tensor's own int8 values cannot be kept as they
   are: Q8_0 has one scale per 32 inputs, the int8 layout one per output channel; they are kept
-  exactly in a row whose blocks share one scale, and requantised to the row's largest otherwise.
+  exactly in a row whose blocks share one scale, and requantised to the row's largest otherwise;
+- with a ``native`` target (the CPU's ``cpuTuning.ggufCompute: native``,
+  workers/backends/gguf_linear.py) every linear whose tensors are all of a block type the target
+  covers, read whole (no tensor-parallel split), keeps the file's blocks: each tensor's rows are
+  copied as bytes (q/k of a llama-architecture file put back in Hugging Face row order, the same
+  row permutation on whole rows of blocks) and the layer is replaced by the target's, the
+  model-dtype matrix never written; a tied LM head also gets a native copy of the embedding's
+  blocks (the lookup keeps the dequantised embedding).
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ from gguf.quants import dequantize
 
 from .gguf_file import GgufFile
 
-__all__ = ["CHUNK_VALUES", "Int8Target", "load_gguf"]
+__all__ = ["CHUNK_VALUES", "GgufTarget", "Int8Target", "load_gguf"]
 
 log = logging.getLogger("workers.models")
 
@@ -57,6 +64,17 @@ class Int8Target(Protocol):
                device: torch.device) -> torch.nn.Module: ...
 
     def loaded(self, count: int) -> None: ...
+
+
+class GgufTarget(Protocol):
+    """workers/backends/gguf_linear.py ``NativeTarget``: linears computed from the file's blocks."""
+
+    def covers(self, type_id: int, in_features: int) -> bool: ...
+
+    def linear(self, parts: list[tuple[int, int, torch.Tensor]], in_features: int, out_features: int,
+               bias: torch.Tensor | None) -> torch.nn.Module: ...
+
+    def loaded(self, types: set[str]) -> None: ...
 
 
 def _release(g: GgufFile, offset: int, nbytes: int) -> None:
@@ -128,17 +146,19 @@ class _Reader:
 
 
 def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tuple[str, str]], *,
-              shard: Any = None, int8: Int8Target | None = None) -> int:
+              shard: Any = None, int8: Int8Target | None = None, native: GgufTarget | None = None) -> int:
     """Fill ``model`` (built, its parameters allocated) from ``g``: ``entries`` are (GGUF name, HF
     name) as ``gguf_file.plan_tensors`` checked them, ``slots`` the loader's HF name -> Slot. With
-    ``int8``: the linear layers are replaced by int8 ones, quantised chunk by chunk. Returns the
-    bytes of the file read."""
+    ``int8``: the linear layers are replaced by int8 ones, quantised chunk by chunk; with
+    ``native`` (and no ``int8``): the linears it covers keep the file's blocks. Returns the bytes
+    of the file read."""
     t0 = time.monotonic()
     args = model.args
     permute = g.arch == "llama"  # llama.cpp permutes q/k of the llama architecture only (Llama, Mistral)
     dtype = model.embed_tokens.weight.dtype
     device = model.embed_tokens.weight.device
     int8_of = _int8_buffers(model, shard) if int8 is not None else {}
+    native_of = _native_plan(model, slots, g, entries, native) if native is not None and int8 is None else {}
     trim = _malloc_trim()
     nbytes = 0
     with torch.no_grad():
@@ -151,6 +171,18 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             if not slot.rows:
                 continue
             qk = permute and (".attn_q." in gname or ".attn_k." in gname)
+            nat = native_of.get(id(slot.param))
+            if nat is not None or (hf == "model.embed_tokens.weight" and "head" in native_of):
+                part = _raw_rows(t, qk, args.head_dim)
+                b = nat if nat is not None else native_of["head"]
+                b["parts"].append((slot.start, int(t.type), part))
+                b["left"] -= part.shape[0]
+                if b["left"] == 0:
+                    _swap_native(model, b, native)
+                if nat is not None:  # the layer's weight is never written (its pages never touched)
+                    nbytes += t.nbytes
+                    _release(g, t.offset, t.nbytes)
+                    continue
             reader = _Reader(t, unpermute=qk, head_dim=args.head_dim)
             n_rows = t.shape[0]
             if slot.dim is None:
@@ -189,9 +221,15 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                 trim(0)
         if int8 is not None:
             int8.loaded(_swap_int8(model, int8_of, int8, dtype, device))
-    log.info("read %s: %.1f MiB of %s tensors, dequantised to %s%s in %.2f s", g.path.name, nbytes / 2**20,
-             "/".join(sorted({g.tensors[n].type.name for n, _ in entries})), str(dtype).removeprefix("torch."),
-             " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
+        if native is not None:
+            left = [k for k, b in native_of.items() if b["left"]]
+            if left:  # the plan and the entries disagree: never silently half a layer
+                raise RuntimeError(f"native GGUF load: {len(left)} linear layers did not get all their rows")
+            native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for _, t, _ in b["parts"]})
+    log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
+             "/".join(sorted({g.tensors[n].type.name for n, _ in entries})),
+             f"{len(native_of)} linears kept in their blocks, the rest dequantised" if native_of else "dequantised",
+             str(dtype).removeprefix("torch."), " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
     return nbytes
 
 
@@ -244,3 +282,52 @@ def _swap_int8(model: torch.nn.Module, bufs: dict, int8: Int8Target, dtype: torc
         count += 1
     model.int8_at_load = True  # workers/engine/assembly.py: nothing left for quantize_model
     return count
+
+
+def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tuple[str, str]],
+                 native: GgufTarget) -> dict:
+    """id(weight) -> {"parts": [], "left": rows, "lin", "at"} for every linear whose GGUF tensors
+    the target covers whole, and "head" for a tied LM head whose embedding it covers."""
+    linears = {id(lin.weight): (parent, name, lin) for parent, name, lin in _int8_linears(model).values()}
+    parts: dict[int, list] = {}
+    embed = None
+    for gname, hf in entries:
+        slot, t = slots[hf], g.tensors[gname]
+        if id(slot.param) in linears:
+            parts.setdefault(id(slot.param), []).append((slot, t))
+        elif hf == "model.embed_tokens.weight":
+            embed = (slot, t)
+
+    def whole(slot, t) -> bool:
+        return (slot.dim is None and not slot.zero and len(t.shape) == 2 and slot.rows == t.shape[0]
+                and native.covers(int(t.type), t.shape[1]))
+
+    plan: dict = {}
+    for key, found in parts.items():
+        parent, name, lin = linears[key]
+        if all(whole(s, t) for s, t in found) and sum(s.rows for s, _ in found) == lin.out_features:
+            plan[key] = {"parts": [], "left": lin.out_features, "lin": lin, "at": (parent, name)}
+    if model.lm_head is None and embed is not None and whole(*embed) and getattr(model, "tp", None) is None:
+        plan["head"] = {"parts": [], "left": embed[1].shape[0], "embed": model.embed_tokens.weight}
+    return plan
+
+
+def _raw_rows(t: Any, unpermute: bool, head_dim: int) -> torch.Tensor:
+    """A tensor's blocks as uint8 [rows, row bytes], copied out of the file's map; q/k of a
+    llama-architecture file with each head's rows back in Hugging Face order (as _Reader does to
+    the values: a permutation of whole rows)."""
+    raw = np.asarray(t.data).view(np.uint8).reshape(t.shape[0], -1)
+    if unpermute:
+        raw = raw.reshape(-1, head_dim // 2, 2, raw.shape[1]).swapaxes(1, 2).reshape(raw.shape)
+    return torch.from_numpy(np.array(raw, order="C"))
+
+
+def _swap_native(model: torch.nn.Module, b: dict, native: GgufTarget) -> None:
+    """Replace a linear whose blocks all came by the target's (the tied head: model.logits_linear)."""
+    if "embed" in b:
+        vocab, hidden = b["embed"].shape
+        model.logits_linear = native.linear(b["parts"], hidden, vocab, None)
+        return
+    parent, name = b["at"]
+    lin = b["lin"]
+    setattr(parent, name, native.linear(b["parts"], lin.in_features, lin.out_features, lin.bias))

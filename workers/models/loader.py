@@ -19,7 +19,7 @@ from safetensors import safe_open
 from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safetensors_files
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
-from .gguf_loader import Int8Target, load_gguf
+from .gguf_loader import GgufTarget, Int8Target, load_gguf
 from . import deepseek, gemma, gpt_oss, qwen3_next, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
@@ -145,6 +145,7 @@ def load_model(
     args: ModelArgs | None = None,
     tp: TensorParallel | None = None,
     int8: Int8Target | None = None,
+    gguf_native: GgufTarget | None = None,
 ) -> tuple[DecoderLM, ModelArgs]:
     """Build a DecoderLM from a Hugging Face model directory and load its safetensors weights.
 
@@ -156,8 +157,9 @@ def load_model(
     (missing, unexpected or mis-shaped tensors, unreadable or truncated files) before anything
     is allocated. ``int8`` (``quantize: w8a16``; workers/backends/int8.py ``Int8Target``): a GGUF
     model's linears are quantised while they are read (``model.int8_at_load`` set); a safetensors
-    checkpoint ignores it (the caller quantises after the load). Returns the model in eval mode and
-    its ModelArgs.
+    checkpoint ignores it (the caller quantises after the load). ``gguf_native``
+    (workers/backends/gguf_linear.py ``NativeTarget``): a GGUF model's linears keep the file's
+    blocks. Returns the model in eval mode and its ModelArgs.
     """
     path = Path(path)
     t0 = time.monotonic()
@@ -203,7 +205,8 @@ def load_model(
     if checkpoint.gguf:
         (file, entries), = checkpoint.files.items()
         try:
-            load_gguf(model, slots, open_gguf(file), entries, shard=shard, int8=int8)
+            load_gguf(model, slots, open_gguf(file), entries, shard=shard, int8=int8,
+                      native=gguf_native if device.type == "cpu" else None)
         except GgufError as e:
             raise ModelLoadError(f"{file}: {e}") from None
     for n, (file, entries) in enumerate(() if checkpoint.gguf else checkpoint.files.items(), 1):

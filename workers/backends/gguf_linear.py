@@ -1,0 +1,136 @@
+"""A GGUF file's linear layers computed from their quantised blocks (``cpuTuning.ggufCompute:
+native``, the default on the CPU; ``dequantise`` keeps the old path: bf16/fp32 weights at load).
+
+The loader (workers/models/gguf_loader.py) hands each linear's tensors to ``NativeTarget.linear``
+as the file stores them (one part per GGUF tensor: the fused q/k/v and gate/up layers have
+several, each its own block type); the weights then take the file's bytes, not 2-4x them, and a
+decode step reads those bytes. The products are the C kernels' (workers/kernels/gguf_kernels.c):
+
+- up to ``INT_ROWS`` rows (decode steps, small prompt chunks): activations quantised per 32 values
+  to int8 (as llama.cpp's Q8_0), integer dot products with each weight row read from its blocks
+  (AVX-512 VNNI, AVX2, scalar), scaled per 16 values;
+- above (prompts): the layer's weights dequantised to the activation dtype into a transient
+  matrix and multiplied by oneDNN: at 128 rows that is 1.5-1.9x faster than the integer
+  kernels here, whose per-16-value scaling is compute-bound (docs/performance.md, "GGUF blocks").
+
+The activation quantisation changes the results slightly against the dequantised weights
+(~0.3 % of a product's magnitude): greedy text can differ from the ``dequantise`` path where
+two tokens' logits are that close (tests/test_gguf_kernels.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers import settings
+from workers.kernels import gguf_kernels as gk
+
+log = logging.getLogger("workers.backends")
+
+COMPUTES = ("native", "dequantise")
+# Row counts up to this take the integer products (cpu_kernels' decode batches reach 64).
+INT_ROWS = 64
+
+
+def compute() -> str:
+    """``cpuTuning.ggufCompute``: native or dequantise (ValueError for anything else)."""
+    value = settings.cpu().gguf_compute
+    if value not in COMPUTES:
+        raise ValueError(f"cpuTuning.ggufCompute must be one of {', '.join(COMPUTES)}, got {value!r}")
+    return value
+
+
+class GgufLinear(nn.Module):
+    """``x @ W.T (+ bias)`` with W [out_features, in_features] held as ``parts``: (first output row,
+    ggml type id, uint8 [rows, row bytes] blocks) covering every output row once."""
+
+    def __init__(self, lib: ctypes.CDLL, in_features: int, out_features: int,
+                 parts: list[tuple[int, int, torch.Tensor]], bias: torch.Tensor | None):
+        super().__init__()
+        self.lib, self.in_features, self.out_features = lib, in_features, out_features
+        self.parts = sorted(parts, key=lambda p: p[0])
+        covered = sum(raw.shape[0] for _, _, raw in self.parts)
+        if covered != out_features:
+            raise ValueError(f"GGUF linear: parts cover {covered} of {out_features} output rows")
+        self.bias = bias
+        self.calls = {"int": 0, "dequantised": 0}  # which products ran (tests check the path taken)
+
+    def nbytes(self) -> int:
+        return sum(raw.numel() for _, _, raw in self.parts)
+
+    def types(self) -> set[int]:
+        return {t for _, t, _ in self.parts}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        dtype = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        rows = rows.to(dtype).contiguous()
+        m = rows.shape[0]
+        bias = None if self.bias is None else self.bias.detach().to(dtype)
+        if m == 0 or m > INT_ROWS:
+            self.calls["dequantised"] += 1
+            out = F.linear(rows, self.dequantised(dtype), bias)
+        else:
+            self.calls["int"] += 1
+            out = torch.empty((m, self.out_features), dtype=dtype)
+            acts = gk.Activations(self.lib, rows)
+            for r0, tid, raw in self.parts:
+                n = raw.shape[0]
+                gk.matmul(self.lib, tid, rows, raw, out[:, r0:r0 + n], acts=acts,
+                          bias=None if bias is None else bias[r0:r0 + n])
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
+        """The [out, in] weight in ``dtype`` (fp32 or bf16), computed from the blocks (transient)."""
+        w = torch.empty((self.out_features, self.in_features), dtype=dtype)
+        for r0, tid, raw in self.parts:
+            gk.dequantize(self.lib, tid, raw, self.in_features, dtype, out=w[r0:r0 + raw.shape[0]])
+        return w
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """fp32 [out, in] (rare paths and tests: the model's dtype is the rows')."""
+        return self.dequantised(torch.float32)
+
+
+class NativeTarget:
+    """What the GGUF loader builds native linears with (gguf_loader.GgufTarget)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        self.count = 0
+        self.nbytes = 0
+
+    def covers(self, type_id: int, in_features: int) -> bool:
+        bv = self.lib.gguf_block_values(int(type_id))
+        return bv > 0 and in_features % bv == 0
+
+    def linear(self, parts: list[tuple[int, int, torch.Tensor]], in_features: int, out_features: int,
+               bias: torch.Tensor | None) -> nn.Module:
+        lin = GgufLinear(self.lib, in_features, out_features, parts, bias)
+        self.count += 1
+        self.nbytes += lin.nbytes()
+        return lin
+
+    def loaded(self, types: set[str]) -> None:
+        if self.count:
+            log.info("GGUF compute: native, %d linear layers in their blocks (%s, %.1f MiB) on the C kernels: "
+                     "%s integer products up to %d rows, dequantised tiles on oneDNN above",
+                     self.count, "/".join(sorted(types)), self.nbytes / 2**20, gk.ISA_NAMES[self.lib.isa], INT_ROWS)
+
+
+def native_target() -> NativeTarget | None:
+    """The CPU's target for a GGUF model's linears, or None (``ggufCompute: dequantise``, or no C
+    kernels: the reason logged once)."""
+    if compute() != "native":
+        log.info("GGUF compute: dequantise (cpuTuning.ggufCompute): linear weights dequantised at load")
+        return None
+    lib = gk.load()
+    if lib is None:
+        log.info("GGUF compute: dequantise, as the C kernels are unavailable (%s)", gk.unavailable_reason())
+        return None
+    return NativeTarget(lib)
