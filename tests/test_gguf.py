@@ -463,11 +463,13 @@ def test_launch_refuses_a_truncated_file(tiny, tmp_path, cache) -> None:
 
 
 def _start(tmp: Path, model_path: Path, cache: Path, name: str) -> Server:
-    """A one-worker fp32 server on ``model_path`` (not waited for: servers start side by side)."""
+    """A one-worker fp32 server on ``model_path`` (not waited for: servers start side by side),
+    its linears dequantised at load (``cpuTuning.ggufCompute: dequantise``): what transformers
+    computes, exactly. The native blocks' products quantise the activations (tests/test_gguf_kernels.py)."""
     port = free_port()
     cfg = write_config(tmp / f"{name}.json", port=port, run_dir=short_run_dir(), workers=1,
                        model_path=str(model_path), model={"modelName": name, "dtype": "float32"})
-    return Server(cfg, port, env={"MINDIE_CACHE_DIR": str(cache)})
+    return Server(cfg, port, env={"MINDIE_CACHE_DIR": str(cache), "MINDIE_CPU_GGUF_COMPUTE": "dequantise"})
 
 
 @pytest.fixture(scope="module")

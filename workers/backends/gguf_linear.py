@@ -1,5 +1,7 @@
 """A GGUF file's linear layers computed from their quantised blocks (``cpuTuning.ggufCompute:
-native``, the default on the CPU; ``dequantise`` keeps the old path: bf16/fp32 weights at load).
+native``; the default ``dequantise`` keeps the weights dequantised at load to bf16/fp32, where
+the fused decode step reads them: faster at concurrency 1 until that step reads blocks too,
+docs/performance.md "GGUF blocks").
 
 The loader (workers/models/gguf_loader.py) hands each linear's tensors to ``NativeTarget.linear``
 as the file stores them (one part per GGUF tensor: the fused q/k/v and gate/up layers have

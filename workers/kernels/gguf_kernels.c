@@ -359,8 +359,8 @@ static inline float hsum8(__m256 v) {
             const float *dr_ = d16 + r * G, *sr_ = s16 + r * G; \
             const __m256i p_ = dot32(w_, _mm256_loadu_si256((const __m256i *)(xr_ + 32 * c_))); \
             const float dx_ = dr_[2 * c_]; \
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), \
-                                     _mm256_set_m128(_mm_set1_ps(a1_ * dx_), _mm_set1_ps(a0_ * dx_)), acc[r]); \
+            acc[r + 4 * (c_ & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), \
+                _mm256_set_m128(_mm_set1_ps(a1_ * dx_), _mm_set1_ps(a0_ * dx_)), acc[r + 4 * (c_ & 1)]); \
             accb[r] += b0_ * sr_[2 * c_] + b1_ * sr_[2 * c_ + 1]; \
         } \
     } while (0)
@@ -369,7 +369,9 @@ static inline float hsum8(__m256 v) {
 static void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d16, const float *s16,
                     int mr, float *res) {
     const int64_t G = K / 16;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    /* two accumulators per row, even and odd chunks: two FMA chains instead of one */
+    __m256 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
     float accb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
     const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -403,7 +405,8 @@ static void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, con
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * i));
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)),
                                                     _mm256_set1_epi16(1));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * d16[r * G + 2 * i]), acc[r]);
+                acc[r + 4 * (i & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * d16[r * G + 2 * i]),
+                                                       acc[r + 4 * (i & 1)]);
             }
 #endif
         }
@@ -455,7 +458,7 @@ static void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, con
         }
         break;
     }
-    for (int r = 0; r < mr; r++) res[r] = hsum8(acc[r]) + accb[r];
+    for (int r = 0; r < mr; r++) res[r] = hsum8(_mm256_add_ps(acc[r], acc[r + 4])) + accb[r];
 }
 #endif
 
