@@ -204,3 +204,27 @@ def test_default_model_native_greedy_equals_dequantised():
         out_p.append(int(_logits(plain, out_p)[-1].argmax()))
     assert out_n == out_p
     assert "Paris" in tok.decode(out_n[len(ids):])
+
+
+@pytest.mark.parametrize("m", [3, 20, 70])
+def test_gguf_linear_parts_and_row_regimes(lib, m):
+    """A GgufLinear of two parts of different types (a Q4_K_M file's q/k/v: Q4_K beside Q6_K) with
+    a bias, at decode rows (integer products), 20 rows (the scalar build: fp32 over dequantised
+    tiles) and 70 rows (dequantised, oneDNN): each equals x @ W.T + b within the activations'
+    rounding, through the path its regime and instruction set choose."""
+    from workers.backends.gguf_linear import INT_ROWS, SCALAR_FLOAT_ROWS, GgufLinear
+    k = 256
+    a, b = random_weight(Q.Q4_K, 24, k, seed=5), random_weight(Q.Q6_K, 10, k, seed=6)
+    w = torch.cat([torch.from_numpy(dequantize(a, Q.Q4_K)), torch.from_numpy(dequantize(b, Q.Q6_K))]).float()
+    bias = torch.randn(34)
+    lin = GgufLinear(lib, k, 34, [(24, gk.TYPES["Q6_K"], torch.from_numpy(b)), (0, gk.TYPES["Q4_K"], torch.from_numpy(a))],
+                     bias)
+    x = torch.randn(1, m, k, generator=torch.Generator().manual_seed(m))
+    out = lin(x)
+    assert out.shape == (1, m, 34)
+    want = x @ w.T + bias
+    assert (out - want).abs().max() <= 0.02 * want.abs().max()
+    path = ("dequantised" if m > INT_ROWS else "float" if lib.isa == 0 and m >= SCALAR_FLOAT_ROWS else "int")
+    assert lin.calls[path] == 1 and sum(lin.calls.values()) == 1
+    with pytest.raises(ValueError, match="cover 20 of 34"):
+        GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a[:20]))], None)

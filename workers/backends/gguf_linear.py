@@ -10,9 +10,10 @@ decode step reads those bytes. The products are the C kernels' (workers/kernels/
 
 - up to ``INT_ROWS`` rows (decode steps, small prompt chunks): activations quantised per 32 values
   to int8 (as llama.cpp's Q8_0), integer dot products with each weight row read from its blocks
-  (AVX-512 VNNI, AVX2, scalar), scaled per 16 values;
+  (AVX-512 VNNI, AVX2, scalar; the scalar build from ``SCALAR_FLOAT_ROWS`` rows takes fp32
+  products over dequantised tiles instead, its faster mode there), scaled per 16 values;
 - above (prompts): the layer's weights dequantised to the activation dtype into a transient
-  matrix and multiplied by oneDNN: at 128 rows that is 1.5-1.9x faster than the integer
+  matrix and multiplied by oneDNN: at 128 rows that is 1.4-1.8x faster than the integer
   kernels here, whose per-16-value scaling is compute-bound (docs/performance.md, "GGUF blocks").
 
 The activation quantisation changes the results slightly against the dequantised weights
@@ -36,6 +37,9 @@ log = logging.getLogger("workers.backends")
 COMPUTES = ("native", "dequantise")
 # Row counts up to this take the integer products (cpu_kernels' decode batches reach 64).
 INT_ROWS = 64
+# The scalar build (no AVX2): from this many rows the fp32 products over dequantised tiles (the
+# compiler's SSE loop) beat its scalar integer loop (docs/performance.md, "GGUF blocks").
+SCALAR_FLOAT_ROWS = 16
 
 
 def compute() -> str:
@@ -59,7 +63,7 @@ class GgufLinear(nn.Module):
         if covered != out_features:
             raise ValueError(f"GGUF linear: parts cover {covered} of {out_features} output rows")
         self.bias = bias
-        self.calls = {"int": 0, "dequantised": 0}  # which products ran (tests check the path taken)
+        self.calls = {"int": 0, "float": 0, "dequantised": 0}  # which products ran (tests check the path)
 
     def nbytes(self) -> int:
         return sum(raw.numel() for _, _, raw in self.parts)
@@ -76,6 +80,14 @@ class GgufLinear(nn.Module):
         if m == 0 or m > INT_ROWS:
             self.calls["dequantised"] += 1
             out = F.linear(rows, self.dequantised(dtype), bias)
+        elif self.lib.isa == 0 and m >= SCALAR_FLOAT_ROWS:
+            self.calls["float"] += 1
+            out = torch.empty((m, self.out_features), dtype=torch.float32)
+            xf = rows.float().contiguous()
+            for r0, tid, raw in self.parts:
+                n = raw.shape[0]
+                gk.matmul(self.lib, tid, xf, raw, out[:, r0:r0 + n], mode=gk.FLOAT,
+                          bias=None if bias is None else bias[r0:r0 + n].float())
         else:
             self.calls["int"] += 1
             out = torch.empty((m, self.out_features), dtype=dtype)
