@@ -228,6 +228,11 @@ def test_errors_in_anthropics_shape(smol):
         ant.messages.create(model="SmolLM2-135M-Instruct", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
     assert "image" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:  # a schema the grammar compiler refuses: named as sent
+        ant.messages.create(model="SmolLM2-135M-Instruct", max_tokens=4, messages=ask,
+                            output_config={"format": {"type": "json_schema", "schema": {"type": "objec"}}})
+    said = e.value.body["error"]["message"]
+    assert "output_config.format" in said and "response_format" not in said, said
     with pytest.raises(anthropic.BadRequestError) as e:
         ant.messages.create(model="SmolLM2-135M-Instruct", max_tokens=4, messages=ask, tools=[TOOL],
                             tool_choice={"type": "tool", "name": "nope"})

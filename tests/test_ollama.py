@@ -112,6 +112,9 @@ def test_format_json_and_schema(smol):
     g = smol.ol.generate(model=NAME, prompt="Describe a cat.", format=schema, options={"temperature": 0, "num_predict": 60})
     v = json.loads(g.response)
     assert set(v) == {"name", "age"} and isinstance(v["name"], str) and type(v["age"]) is int and 0 <= v["age"] <= 30
+    with pytest.raises(ollama.ResponseError) as e:  # a schema the grammar compiler refuses: named as sent
+        smol.ol.generate(model=NAME, prompt="Describe a cat.", format={"type": "objec"}, options={"num_predict": 4})
+    assert e.value.status_code == 400 and "format" in e.value.error and "response_format" not in e.value.error, e.value
 
 
 TOOLS = [{"type": "function", "function": {

@@ -281,6 +281,11 @@ def test_errors_raise_the_sdks_exceptions(smol):
         with pytest.raises(openai.BadRequestError) as e:
             oai.responses.create(**{"model": MODEL, "input": "hi", "max_output_tokens": 4, **bad})
         assert word in e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError) as e:  # a schema the grammar compiler refuses: named as sent
+        oai.responses.create(model=MODEL, input="hi", max_output_tokens=4, text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "objec"}}})
+    assert "text.format" in e.value.body["message"] and e.value.body["param"] == "text.format", e.value.body
+    assert "response_format" not in e.value.body["message"], e.value.body
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=MODEL, input="hi", tools=[TOOL], tool_choice={"type": "function", "name": "nope"})
     assert "nope" in e.value.body["message"]

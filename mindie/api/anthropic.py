@@ -33,6 +33,7 @@ import falcon.asgi
 import msgspec
 
 from mindie.api import anthropic_schema as A
+from mindie.api import field_names
 from mindie.api.openai import ChatCompletionsCodec, OpenAIRequest, OpenAIResource
 from mindie.contract import families
 from mindie.contract.http_error import ApiError
@@ -79,7 +80,7 @@ class MessagesCodec(Codec):
         self.chat = chat
 
     def refused(self, err: ApiError) -> ApiError:
-        return self.chat.refused(err)
+        return field_names.renamed(self.chat.refused(err), field_names.ANTHROPIC)
 
     def chat_job(self, r: A.MessagesRequest | A.CountTokensRequest) -> Job:
         return self.chat.job_of(A.to_chat(r))

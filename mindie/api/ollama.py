@@ -36,6 +36,7 @@ import falcon.asgi
 import msgspec
 
 from mindie.api import ollama_schema as S
+from mindie.api import field_names
 from mindie.api.openai import ChatCompletionsCodec, CompletionsCodec
 from mindie.contract import families
 from mindie.contract.errors import FINISH_LENGTH
@@ -107,7 +108,8 @@ class _OllamaCodec(Codec):
         self.adapters = adapters
 
     def refused(self, err: ApiError) -> ApiError:
-        return self.chat.refused(err)  # MindIE's 422/424 checks are the client's fault: 400
+        # MindIE's 422/424 checks are the client's fault (400); errors name Ollama's fields
+        return field_names.renamed(self.chat.refused(err), field_names.OLLAMA)
 
     def _job(self, model: str, body: dict, chat: bool, r: S._Generation, raw: bytes, ctx: Context) -> Job:
         """The Ollama job wrapping the OpenAI codec's job of ``body``."""

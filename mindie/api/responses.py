@@ -38,6 +38,7 @@ import falcon.asgi
 import msgspec
 
 from mindie.api import responses_schema as R
+from mindie.api import field_names
 from mindie.api.openai import ChatCompletionsCodec, OpenAIResource
 from mindie.contract import families
 from mindie.contract.http_error import ApiError
@@ -95,7 +96,7 @@ class ResponsesCodec(Codec):
         self.store = store
 
     def refused(self, err: ApiError) -> ApiError:
-        return self.chat.refused(err)
+        return field_names.renamed(self.chat.refused(err), field_names.RESPONSES)
 
     def parse(self, body: bytes, ctx: Context) -> Job:
         r = R.decode(body)
