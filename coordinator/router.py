@@ -102,6 +102,12 @@ def route_info(path: str, body: Any, block_tokens: int, chars_per_token: float) 
     if isinstance(body.get("messages"), list):
         info.keys = chat_keys(body["messages"])
         return info
+    if path == "/v1/responses" and isinstance(body.get("input"), (str, list)):
+        # OpenAI Responses: ``input`` is the conversation (a string: one user message), keyed as a
+        # chat's messages so its next turn, sent whole, finds the instance that holds its prefix.
+        given = body["input"]
+        info.keys = chat_keys([{"role": "user", "content": given}] if isinstance(given, str) else given)
+        return info
     prompt = None
     for k in ("inputs", "prompt", "text_input", "input_id", "input_ids"):
         if k in body:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from coordinator import pd_pairing as pd
 from coordinator.config import CoordinatorConfig
 from coordinator.registry import Instance, Registry
-from coordinator.router import RouteInfo, Router, token_keys
+from coordinator.router import RouteInfo, Router, route_info, token_keys
 
 
 class _Metrics:
@@ -91,3 +91,15 @@ def test_kv_endpoint_choice():
     assert value == b'{"op":"prefill","transferId":"ab-1","kvEndpoint":"tcp://10.0.0.2:1121","kvCurvePublicKey":"' + \
         b"K" * 40 + b'"}'
     assert pd.handoff_header("decode", "ab-1", eps[2], "K")[1] == b'{"op":"decode","transferId":"ab-1","kvEndpoint":"ipc:///r/kv-0.sock"}'
+
+
+def test_a_responses_conversation_is_keyed_as_a_chat():
+    """OpenAI Responses' ``input`` (a string or items) gives cache-affinity keys, the next turn's
+    starting with the first turn's, and the same as the chat route's for the same conversation."""
+    first = route_info("/v1/responses", {"input": "hi"}, 16, 4.0).keys
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+             {"role": "user", "content": "more"}]
+    later = route_info("/v1/responses", {"input": turns}, 16, 4.0).keys
+    assert len(first) == 1 and len(later) == 3 and later[0] == first[0]
+    assert route_info("/v1/chat/completions", {"messages": turns}, 16, 4.0).keys == later
+    assert route_info("/v1/embeddings", {"input": turns}, 16, 4.0).keys == []  # not a conversation
