@@ -132,6 +132,10 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         return variant_tensors(args, out)
     if args.gemma is not None:  # Gemma's norms around the feed-forward (workers/models/gemma_config.py)
         out.update(gemma_tensors(args))
+    if args.glm4_moe is not None:  # GLM-4-MoE's routers' correction biases (workers/models/glm4_moe_config.py)
+        from .glm4_moe_config import router_tensors
+        assert args.moe is not None
+        out.update(router_tensors(args.moe.sparse_layers, args.moe.num_experts))
     return out
 
 
@@ -204,7 +208,7 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
             if key not in expected:
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
-                if args.deepseek is not None and is_mtp_tensor(args.num_hidden_layers, key):
+                if (args.deepseek or args.glm4_moe) is not None and is_mtp_tensor(args.num_hidden_layers, key):
                     mtp += 1  # the MTP head is not served
                     continue
                 if key == "lm_head.weight" and args.tie_word_embeddings:

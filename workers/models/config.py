@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config_values import config_int
+from .config_values import config_bool, config_int
 from .deepseek_config import DeepseekArgs, parse_deepseek
 from .gpt_oss_config import GptOssArgs, parse_gpt_oss
 from .variant_config import VARIANT_ARCHS, VariantArgs, parse_variant
+from .glm4_moe_config import GLM4_MOE_ARCHS, Glm4MoeArgs, parse_glm4_moe
 from .gemma_config import GEMMA_ARCHS, GemmaArgs, parse_gemma, text_config
 from .hybrid_config import HYBRID_ARCHS, HybridArgs, flatten_text_config, parse_hybrid, rope_config
 
@@ -53,6 +54,8 @@ SUPPORTED_ARCHS: dict[str, str] = {
     # GLM-4, Phi-3 / Phi-4-mini, SmolLM3, Granite: Llama's attention with their own rope, norms or
     # multipliers (workers/models/variant_config.py, variant.py)
     **VARIANT_ARCHS,
+    # GLM-4-MoE: Llama's attention with partial rotary, DeepSeek-V3's routing (workers/models/glm4_moe.py)
+    **GLM4_MOE_ARCHS,
     # Gemma 2 / 3 (text): workers/models/gemma.py; a Gemma3ForConditionalGeneration's text part
     "gemma2": "gemma2",
     "Gemma2ForCausalLM": "gemma2",
@@ -155,6 +158,7 @@ class ModelArgs:
     gpt_oss: GptOssArgs | None = None  # GPT-OSS's experts and rope: workers/models/gpt_oss_config.py
     variant: VariantArgs | None = None  # GLM-4 / Phi-3 / SmolLM3 / Granite: workers/models/variant_config.py
     gemma: GemmaArgs | None = None  # Gemma 2/3 (workers/models/gemma_config.py)
+    glm4_moe: Glm4MoeArgs | None = None  # GLM-4-MoE's routing and rotary (workers/models/glm4_moe_config.py)
     # A sequence-classification checkpoint (architectures *ForSequenceClassification): its `score`
     # head's rows (num_labels) replace the LM head; 0 = a causal LM.
     num_labels: int = 0
@@ -204,12 +208,7 @@ class ModelArgs:
             return float(v)
 
         def get_bool(key: str, default: bool) -> bool:
-            v = cfg.get(key, default)
-            if v is None:
-                return default
-            if not isinstance(v, bool):
-                raise err(key, f"must be true or false, got {v!r}")
-            return v
+            return config_bool(cfg, key, err, default)
 
         cfg = flatten_text_config(cfg)  # a Qwen3.5 checkpoint's text_config
         arch_key = _arch_of(cfg, err)
@@ -246,6 +245,10 @@ class ModelArgs:
         if arch in VARIANT_ARCHS.values():  # partial / interleaved rope, LongRoPE, NoPE layers, multipliers
             variant, rope_cfg, variant_windows = parse_variant(cfg, arch, head_dim, n_layers,
                                                                max_pos, err)
+        glm4_moe = glm4_moe_experts = glm4_qk_norm = None
+        if arch in GLM4_MOE_ARCHS.values():  # partial rotary, experts and their routing
+            glm4_moe, glm4_moe_experts, rope_cfg, glm4_qk_norm = parse_glm4_moe(
+                cfg, head_dim, n_layers, max_pos, err, MoeArgs)
         gpt_oss = parse_gpt_oss(cfg, err) if arch == "gpt_oss" else None
         # DeepSeek's and GPT-OSS's YaRN are their own (deepseek_config.py, gpt_oss_config.py)
         own_rope = deepseek or gpt_oss
@@ -256,7 +259,7 @@ class ModelArgs:
             rope_theta, rope_scaling = own_rope.rope_theta, None
         else:
             rope_theta, rope_scaling = _parse_rope(rope_cfg, err, max_pos)
-        rot = variant.rotary_dim if variant is not None else head_dim
+        rot = variant.rotary_dim if variant is not None else glm4_moe.rope.rotary_dim if glm4_moe else head_dim
         if rope_scaling is not None and rope_scaling.factors and len(rope_scaling.factors) != rot // 2:
             dims = f"head_dim {head_dim} needs" if variant is None else f"{rot} rotary dims need"
             raise err("rope_scaling.factors", f"{len(rope_scaling.factors)} factors, {dims} {rot // 2}")
@@ -269,8 +272,8 @@ class ModelArgs:
             qkv_bias, o_bias = True, False
         elif arch in ("mistral", "phi3"):
             qkv_bias = o_bias = False
-        elif arch == "glm4":  # q, k, v only (Glm4Attention's o_proj has no bias)
-            qkv_bias, o_bias = get_bool("attention_bias", True), False
+        elif arch in ("glm4", "glm4_moe"):  # q, k, v only (their o_proj has no bias)
+            qkv_bias, o_bias = get_bool("attention_bias", arch == "glm4"), False
         elif deepseek is not None:  # q_a, kv_a and o projections (attention_bias)
             qkv_bias = o_bias = get_bool("attention_bias", False)
         else:  # GPT-OSS: q, k, v and o biases unless its config says otherwise
@@ -282,7 +285,7 @@ class ModelArgs:
         if variant_windows is not None:
             layer_windows = variant_windows
             sliding_window = next((w for w in layer_windows if w is not None), None)
-        moe = _parse_moe(cfg, arch_key, n_layers, err) if arch_key in MOE_BASE else None
+        moe = _parse_moe(cfg, arch_key, n_layers, err) if arch_key in MOE_BASE else glm4_moe_experts
         hybrid = None
         if arch_key in HYBRID_ARCHS:
             hybrid, moe = parse_hybrid(cfg, arch_key, n_layers, head_dim, err, _parse_moe)
@@ -319,7 +322,7 @@ class ModelArgs:
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=arch in ("qwen3", "gemma3") or hybrid is not None,
+            qk_norm=arch in ("qwen3", "gemma3") or hybrid is not None or bool(glm4_qk_norm),
             sliding_window=sliding_window,
             layer_windows=layer_windows,
             torch_dtype=dtype,
@@ -331,6 +334,7 @@ class ModelArgs:
             gpt_oss=gpt_oss,
             variant=variant,
             gemma=gemma,
+            glm4_moe=glm4_moe,
             num_labels=_num_labels(cfg, err, dense=deepseek is None and moe is None),
             hybrid=hybrid,
         )
@@ -448,7 +452,8 @@ def _parse_sliding_window(
     """Sliding-window attention: Mistral when `sliding_window` is set; Qwen2/3 only when
     `use_sliding_window` is true, and then only on layers >= `max_window_layers` (or as `layer_types` says)."""
     # variants: parse_variant reads their windows; hybrid: refused in parse_hybrid
-    if arch in ("llama", *VARIANT_ARCHS.values()) or arch.startswith("deepseek") or arch in HYBRID_ARCHS:
+    if (arch in ("llama", *VARIANT_ARCHS.values(), *GLM4_MOE_ARCHS.values()) or arch.startswith("deepseek")
+            or arch in HYBRID_ARCHS):
         return None, (None,) * n_layers
     window = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
@@ -484,12 +489,7 @@ def _parse_moe(cfg: Mapping[str, Any], arch: str, n_layers: int, err: Any) -> Mo
         return config_int(cfg, key, err, default, minimum=minimum)
 
     def flag(key: str, default: bool) -> bool:
-        v = cfg.get(key, default)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise err(key, f"must be true or false, got {v!r}")
-        return v
+        return config_bool(cfg, key, err, default)
 
     if arch == "mixtral":
         n = pos_int("num_local_experts", 8)

@@ -16,3 +16,13 @@ def config_int(cfg: Mapping[str, Any], key: str, err: ErrorFactory, default: Any
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise err(key, f"must be an integer >= {minimum}, got {v!r}")
     return v
+
+
+def config_bool(cfg: Mapping[str, Any], key: str, err: ErrorFactory, default: bool) -> bool:
+    """``cfg[key]`` (``default`` when absent or null) as true/false; ``err(key, msg)`` otherwise."""
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise err(key, f"must be true or false, got {v!r}")
+    return v

@@ -20,7 +20,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safe
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
 from .gguf_loader import GgufTarget, Int8Target, load_gguf
-from . import deepseek, gemma, gpt_oss, qwen3_next, variant
+from . import deepseek, gemma, glm4_moe, gpt_oss, qwen3_next, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
@@ -122,6 +122,8 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
         return variant.param_slots(model, slots, Slot, shard)
     if a.gemma is not None:  # the norms around Gemma's feed-forward
         slots.update(gemma.norm_slots(model, Slot))
+    if a.glm4_moe is not None:  # its routers' correction biases (workers/models/glm4_moe.py)
+        slots.update(glm4_moe.router_slots(model, Slot))
     return slots
 
 
@@ -182,6 +184,7 @@ def load_model(
     # drags in sympy and costs ~0.5 s on first use).
     model_cls = (deepseek.DeepseekLM if args.deepseek is not None else gpt_oss.GptOssLM if args.gpt_oss is not None
                  else variant.VariantLM if args.variant is not None
+                 else glm4_moe.Glm4MoeLM if args.glm4_moe is not None
                  else gemma.GemmaLM if args.gemma is not None
                  else qwen3_next.HybridLM if args.hybrid is not None
                  else DecoderLM)
@@ -191,7 +194,8 @@ def load_model(
     model.rope.to_device(device)
     if checkpoint.skipped_mtp:
         log.info("multi-token-prediction head (num_nextn_predict_layers %d): %d tensors not loaded (not served)",
-                 args.deepseek.num_nextn_predict_layers if args.deepseek else 0, checkpoint.skipped_mtp)
+                 (args.deepseek or args.glm4_moe).num_nextn_predict_layers  # type: ignore[union-attr]
+                 if args.deepseek or args.glm4_moe else 0, checkpoint.skipped_mtp)
     shard = tp.shard if tp is not None else None
     if shard is not None:
         with torch.no_grad():  # the vocabulary padding rows of the last rank

@@ -91,6 +91,9 @@ def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> 
                                 f"size that divides num_attention_heads ({h}), num_key_value_heads ({kv}) or is a "
                                 f"multiple of it, and intermediate_size ({inter})")
 
+    if args.glm4_moe is not None and world > 1:  # not built for it (workers/models/glm4_moe.py)
+        raise ModelConfigError(f"{WORLD_SIZE_KEY}: tensor parallelism is not supported for GLM-4-MoE "
+                               f"({args.model_type or args.arch}); use worldSize 1")
     if args.gpt_oss is not None and world > 1:  # stacked experts and per-head sinks are not split (gpt_oss.py)
         raise ModelConfigError(f"{WORLD_SIZE_KEY}: tensor parallelism is not supported for GPT-OSS; use worldSize 1")
     if world > 1 and args.variant is not None and args.variant.fused_checkpoint:
