@@ -7,11 +7,12 @@ shape (mindie/api/status.py, health.py):
 
 - ``GET /health``: 200 or 503 (starting, draining); anything else (404, 501, a 200 page of
   something else with ``/v1/config`` missing) refuses it;
-- ``GET /v1/config``: a JSON object with ``modelName`` (the model the refresh routed to it, when it
-  named one), ``maxSeqLen`` and ``cacheBlockSize``;
+- ``GET /v1/config``: a JSON object with ``modelName`` (its first model), ``maxSeqLen`` and
+  ``cacheBlockSize``;
 - ``GET /v2/status``: a JSON object whose ``resource`` holds the slot and block counts;
 - ``GET /v2/models/{model}/getSlotCount``: ``total_slots``;
-- its business plane, when it has a port of its own: ``GET /v1/models`` lists the model;
+- ``GET /v1/models`` (its business plane, or its management plane when they share a port) lists
+  ``modelName``, and the model the refresh named when it named one (a server may serve several);
 
 and neither of its ports is one of this coordinator's own listeners (by address, and by the
 connection's own ends for a name or an address of this host the refresh could not know).

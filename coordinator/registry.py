@@ -6,8 +6,9 @@ answer the server's own routes in the server's shape, serving the model the refr
 it must not be this coordinator. Each poll asks an admitted instance's management plane for
 ``/health`` (200 = its workers are ready) and ``/v2/status`` (free slots, free KV blocks, waiting
 and running requests; the role it reports and a decode instance's KV endpoints, coordinator/pd_pairing.py);
-admission also reads ``/v1/config`` (model name, KV block size) and
-``/v2/models/{m}/getSlotCount`` (total slots), again after the instance was away. A refused or
+admission also reads ``/v1/config`` (model name, KV block size),
+``/v2/models/{m}/getSlotCount`` (total slots) and ``/v1/models`` (every model it serves:
+coordinator/model_index.py), again after the instance was away. A refused or
 reset poll makes an instance unreachable at once; a poll that times out (a busy instance answers
 late) only the third time in a row. An instance is *ready* (routable) when its last poll
 succeeded, it is online (not taken out by ``/v1/instances/offline``) and its circuit breaker
@@ -42,6 +43,7 @@ import httpx
 from coordinator.admission_check import (ConfigShape, ModelsShape, Refused, SlotsShape, StatusShape,
                                          check_health, shaped, tcp_probe)
 from coordinator.breaker import Breaker
+from coordinator.model_index import ModelIndex, listed
 from coordinator.pd_pairing import role_from_status
 
 log = logging.getLogger("mindie.coordinator.registry")
@@ -61,7 +63,8 @@ class Instance:
     business_port: int
     mgmt_port: int
     metric_port: Optional[int] = None  # None: /metrics is on the management port
-    model_name: str = ""
+    model_name: str = ""  # the first model it serves (its /v1/config)
+    models: dict = field(default_factory=dict)  # every model it serves: id -> its /v1/models item (model_index.py)
     source: str = "config"  # config | refresh
     static_info: dict = field(default_factory=dict)  # as refresh sent it
     online: bool = True  # False after /v1/instances/offline
@@ -148,7 +151,7 @@ class Instance:
 
     def describe(self) -> dict:
         return {"id": self.id, "ip": self.ip, "business_port": self.business_port, "mgmt_port": self.mgmt_port,
-                "model_name": self.model_name, "state": self.state(), "source": self.source,
+                "model_name": self.model_name, "models": list(self.models), "state": self.state(), "source": self.source,
                 "role": self.role, "kv_endpoints": self.kv_endpoints,
                 "avail_slots_num": self.avail_slots, "total_slots_num": self.total_slots,
                 "avail_block_num": self.avail_blocks, "total_block_num": self.total_blocks,
@@ -173,6 +176,14 @@ class Registry:
         self.listeners: list[Callable[[Instance, bool], None]] = []
         self.on_add: list[Callable[[Instance], None]] = []  # the poller schedules a new instance
         self._was_ready: dict[int, bool] = {}
+        self.models = ModelIndex()  # model name -> how many instances list it
+
+    def set_models(self, inst: Instance, models: dict) -> None:
+        """What ``inst`` serves now (its admission read it), counted in the model index while
+        ``inst`` is the registered record of its id."""
+        if self.instances.get(inst.id) is inst:
+            self.models.change(inst.models, models)
+        inst.models = models
 
     def add(self, inst: Instance, quiet: bool = False) -> Instance:
         inst.breaker = Breaker(self.breaker_failures, self.breaker_open_s)
@@ -190,6 +201,7 @@ class Registry:
             old.source = inst.source
             return old
         if old is not None:
+            self.models.change(old.models, ())
             old.polled_ok = False  # replaced: out of the routing index, and detached from it (a
             old._index = None  # poll of it still in flight must not put it back under this id)
             self._was_ready.pop(inst.id, None)
@@ -206,6 +218,7 @@ class Registry:
     def remove(self, iid: int, quiet: bool = False) -> None:
         inst = self.instances.pop(iid, None)
         if inst is not None:
+            self.models.change(inst.models, ())
             inst.polled_ok = False
             inst._index = None
             self._was_ready.pop(iid, None)
@@ -471,23 +484,31 @@ class Poller:
 
     async def _admit(self, inst: Instance, t: float) -> None:
         """The rest of the admission check (admission_check.py): /v1/config, the slot count, and
-        the business plane when it has a port of its own."""
+        the models its business plane lists (the management plane's when they share a port)."""
         conf = await self.client.get(f"{inst.mgmt_url}/v1/config", timeout=t)
         if conf.status_code != 200:
             raise Refused(f"GET /v1/config answered {conf.status_code}")
         c = shaped("GET /v1/config", conf.content, ConfigShape)
-        if inst.model_expected and c.modelName != inst.model_expected:
-            raise Refused(f"it serves the model {c.modelName!r}, not {inst.model_expected!r} it is routed for")
         slots = await self.client.get(f"{inst.mgmt_url}/v2/models/{c.modelName}/getSlotCount", timeout=t)
         if slots.status_code != 200:
             raise Refused(f"GET /v2/models/{c.modelName}/getSlotCount answered {slots.status_code}")
         n = shaped("GET getSlotCount", slots.content, SlotsShape).total_slots
-        if inst.business_port != inst.mgmt_port:
-            models = await self.business.get(f"{inst.base_url}/v1/models", timeout=t)
-            if models.status_code != 200:
-                raise Refused(f"its business plane {inst.base_url}: GET /v1/models answered {models.status_code}")
-            if c.modelName not in {m.id for m in shaped("GET /v1/models", models.content, ModelsShape).data}:
-                raise Refused(f"its business plane {inst.base_url} does not serve {c.modelName!r}")
+        # every model it serves, from its business plane (the management plane when they share a port)
+        split = inst.business_port != inst.mgmt_port
+        where = f"its business plane {inst.base_url}: " if split else ""
+        models = await (self.business.get(f"{inst.base_url}/v1/models", timeout=t) if split
+                        else self.client.get(f"{inst.mgmt_url}/v1/models", timeout=t))
+        if models.status_code != 200:
+            raise Refused(f"{where}GET /v1/models answered {models.status_code}")
+        shaped("GET /v1/models", models.content, ModelsShape)
+        served = listed(models.content)
+        if c.modelName not in served:
+            raise Refused(f"{where}GET /v1/models does not list {c.modelName!r}")
+        if inst.model_expected and inst.model_expected not in served:
+            raise Refused(f"it serves the model{'s' * (len(served) > 1)} {', '.join(map(repr, served))}, "
+                          f"not {inst.model_expected!r} it is routed for")
+        self.registry.set_models(inst, served)
         inst.model_name, inst.block_size, inst.total_slots = c.modelName, c.cacheBlockSize, n
         inst.admitted = True
-        log.info("instance %d %s admitted: a server of %r, %d slots", inst.id, inst.base_url, c.modelName, n)
+        log.info("instance %d %s admitted: a server of %s, %d slots", inst.id, inst.base_url,
+                 ", ".join(repr(m) for m in served), n)

@@ -16,6 +16,12 @@ are never gathered). Failover:
 - the client hangs up: the instance's connection is closed, which the server takes as a cancel
   (its request stops, its KV blocks are freed).
 
+Several models: a request naming a model some instance serves (the path's ``/v2/models/{m}``,
+else the body's ``model``; coordinator/model_index.py) is routed only among the instances that
+list it (503 when none of them is ready); one naming no model, or a model no instance lists, goes
+to any instance (whose own 404 answers an unknown name). ``GET /v1/models`` is answered here:
+every model the ready instances serve, once, with how many serve it.
+
 One request-log line per request (logger ``coordinator.request``) names the instance; it
 is written once the request's work is over (after its last byte). Its counters and latency
 (``coordinator_request_success_total`` and the rest) are recorded just before its last byte goes
@@ -44,6 +50,7 @@ from typing import Any, Optional
 
 import httpx
 
+from coordinator.model_index import aggregate
 from coordinator.pd_pairing import PD_HEADERS, WHOLE_HEADER, handoff_header, pick_endpoint
 from coordinator.upstream import Response, UpstreamError
 from mindie.contract import families
@@ -54,7 +61,8 @@ _TIMEOUT = getattr(asyncio, "timeout", None)  # Python >= 3.11
 log = logging.getLogger("mindie.coordinator")
 reqlog = logging.getLogger("mindie.coordinator.request")
 
-# (method, path pattern, streams by path). GET and DELETE routes are answered by any ready instance.
+# (method, path pattern, streams by path). GET and DELETE routes are answered by any ready instance
+# (of the model the path names; GET /v1/models by the coordinator itself).
 ROUTES = [
     ("POST", re.compile(r"/infer|/infer_token|/v1/tokenizer|/generate|/v1/completions|/v1/chat/completions|/"
                         r"|/v1/messages|/v1/messages/count_tokens|/v1/embeddings|/v2/models/[^/]+/(infer|generate)|/api/(chat|generate|show|embed)"
@@ -222,6 +230,15 @@ class Relay:
                                 (b"server", self.server_name)]})
         await send({"type": "http.response.body", "body": body})
 
+    async def _json(self, send, rec: dict, status: int, body: bytes) -> None:
+        """An answer of the coordinator's own (not an error)."""
+        rec["status"] = status
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"server", self.server_name)]})
+        await send({"type": "http.response.body", "body": body})
+        rec["bytes"] += len(body)
+
     async def _read_body(self, receive) -> Optional[bytes]:
         chunks, size = [], 0
         while True:
@@ -306,7 +323,14 @@ class Relay:
                                                               "Service Unavailable"), "no instance ready")
         if scope["path"].endswith("/stopInfer"):
             return await self._broadcast(scope, send, rec, body, fam)
+        if scope["method"] == "GET" and scope["path"] == "/v1/models":  # the fleet's models, from the registry
+            rec["instance"], rec["decision"] = "-", "models"
+            return await self._json(send, rec, 200, json.dumps(aggregate(reg.ready())).encode())
         info = router.info(scope["path"], parsed)
+        if info.scope and not router.serving_ready(info):
+            return await self._answer(send, rec, fam, ApiError(
+                503, f"No instance serving the model {info.scope!r} is ready", "Service Unavailable"),
+                "no instance of the model ready")
         tried: set[int] = set()
         last: Optional[_Retry] = None
         limit = e.tokenizer_timeout if scope["path"] == "/v1/tokenizer" else e.infer_timeout

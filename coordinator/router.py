@@ -23,6 +23,11 @@ warning lines (free slots / total slots < ``slots_thresh``, or free blocks / tot
 of the request is then recorded for the chosen instance. The table keeps at most ``cache_size``
 thousand keys, least recently used dropped first; keys of an instance that leaves are dropped.
 
+Several models (coordinator/model_index.py): a request naming a model that some instance lists
+(``RouteInfo.scope``) is routed by either rule among the instances that list it only, and its
+prefix keys are salted with the model's name (each model's KV cache is its own); a request naming
+none, or a name no instance lists, is routed among all.
+
 ``deploy_mode: pd_separate`` (``pick_pd``): a prefill instance and a decode instance are chosen
 for each request, each among the ready instances of its role by the rule above (the prefill
 side's and the decode side's prefix tables are apart: both hold prefix caches); with no ready
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mindie.contract.pd import DECODE, FLEX, PREFILL
+from coordinator.model_index import model_of, serves
 from coordinator.registry import Instance, Registry
 
 MAX_KEYS = 64  # prefix keys per request (the leading 64 blocks or messages)
@@ -49,7 +55,8 @@ MAX_KEYS = 64  # prefix keys per request (the leading 64 blocks or messages)
 class RouteInfo:
     """What routing needs of one request."""
     keys: list[bytes] = field(default_factory=list)  # prefix keys, shortest prefix first
-    model: str = ""
+    model: str = ""  # the model the request names ("" = none; coordinator/model_index.py)
+    scope: str = ""  # the model routing is restricted to: ``model`` when an instance lists it, else ""
 
 
 def _h(prev: bytes, part: bytes) -> bytes:
@@ -94,10 +101,9 @@ def text_keys(text: str, chars: int) -> list[bytes]:
 
 def route_info(path: str, body: Any, block_tokens: int, chars_per_token: float) -> RouteInfo:
     """The prefix keys of a parsed request body (any API family); none when it has no prompt."""
-    info = RouteInfo()
+    info = RouteInfo(model=model_of(path, body))
     if not isinstance(body, dict):
         return info
-    info.model = body.get("model") if isinstance(body.get("model"), str) else ""
     chars = max(1, int(block_tokens * chars_per_token))
     if isinstance(body.get("messages"), list):
         info.keys = chat_keys(body["messages"])
@@ -163,9 +169,21 @@ class Router:
             self.last_pick.pop(iid, None)
 
     def info(self, path: str, body: Any) -> RouteInfo:
+        """The request's model scope, and its prefix keys under ``cache_affinity`` (salted with
+        the scope: each model's prefixes are its own, as its KV cache is)."""
         if self.algorithm != "cache_affinity":
-            return RouteInfo()
-        return route_info(path, body, self.block_tokens, self.chars_per_token)
+            info = RouteInfo(model=model_of(path, body))
+        else:
+            info = route_info(path, body, self.block_tokens, self.chars_per_token)
+        info.scope = self.registry.models.scope(info.model)
+        if info.scope:
+            salt = _h(b"model", info.scope.encode("utf-8", "surrogatepass"))
+            info.keys = [_h(salt, k) for k in info.keys]
+        return info
+
+    def serving_ready(self, info: RouteInfo) -> bool:
+        """Is a ready instance serving the request's model (any ready instance when unscoped)?"""
+        return any(serves(i, info.scope) for i in self.registry.ready())
 
     @staticmethod
     def load(i: Instance) -> float:
@@ -186,16 +204,17 @@ class Router:
             return True
         return bool(i.total_blocks) and i.avail_blocks / i.total_blocks < self.block_thresh
 
-    def candidates(self, exclude: set[int], role: Optional[str] = None) -> list[Instance]:
-        return [i for i in self.registry.ready()
-                if i.id not in exclude and self.has_room(i) and (not role or i.role == role)]
+    def candidates(self, exclude: set[int], role: Optional[str] = None, scope: str = "") -> list[Instance]:
+        """Ready instances with room, of ``role`` when given, serving the model ``scope`` when given."""
+        return [i for i in self.registry.ready() if i.id not in exclude and self.has_room(i)
+                and (not role or i.role == role) and serves(i, scope)]
 
     def pick_pd(self, info: RouteInfo, exclude: set[int]) -> tuple[Optional[Instance], Optional[Instance], str]:
         """pd_separate: (prefill, decode, decision) for a handoff; (None, flex, decision) for a
         hybrid instance when no prefill/decode pair is ready; (None, None, "none_ready")."""
         # a decode instance that reports no KV endpoint cannot receive blocks: not a pair's half
         deaf = {i.id for i in self.registry.ready() if i.role == DECODE and not i.kv_endpoints}
-        if self.candidates(exclude, PREFILL) and self.candidates(exclude | deaf, DECODE):
+        if self.candidates(exclude, PREFILL, info.scope) and self.candidates(exclude | deaf, DECODE, info.scope):
             p, dp = self.pick(info, exclude, PREFILL)
             d, _ = self.pick(info, exclude | deaf, DECODE)
             return p, d, dp
@@ -218,7 +237,7 @@ class Router:
         if role is None and self.pd:
             role = FLEX
         table = self.table_d if role == DECODE else self.table
-        cands = self.candidates(exclude, role)
+        cands = self.candidates(exclude, role, info.scope)
         if not cands:
             return None, "none_ready"
         decision = "load"
@@ -230,7 +249,8 @@ class Router:
                 if iid is None:
                     continue
                 inst = self.registry.instances.get(iid)
-                if inst is None or iid in exclude or self.busy(inst) or (role and inst.role != role):
+                if inst is None or iid in exclude or self.busy(inst) or (role and inst.role != role) \
+                        or not serves(inst, info.scope):
                     decision = "affinity_busy"
                 else:
                     chosen, decision = inst, "affinity_hit"

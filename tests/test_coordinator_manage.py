@@ -350,7 +350,8 @@ def test_one_failing_record_never_stops_the_polls_of_the_others():
         answers = {"/health": b"", "/v1/config": b'{"modelName": "demo", "maxSeqLen": 2560, "cacheBlockSize": 128}',
                    "/v2/status": b'{"service": {}, "resource": {"availSlotsNum": 8, "availBlockNum": 100, '
                                  b'"waitingRequestNum": 0, "runningRequestNum": 0, "totalNpuBlockNums": 100}}',
-                   "/v2/models/demo/getSlotCount": b'{"total_slots": 8}'}
+                   "/v2/models/demo/getSlotCount": b'{"total_slots": 8}',
+                   "/v1/models": b'{"object": "list", "data": [{"id": "demo"}]}'}
         asked = {good: 0, bad: 0}
 
         def handler(request: httpx.Request) -> httpx.Response:

@@ -1,0 +1,93 @@
+"""Which instances serve which model: learned at admission, used by routing and ``GET /v1/models``.
+
+A server serves every ``ModelConfig`` entry under its ``modelName`` (and its LoRA adapters),
+loading one on demand when a request names it (docs/design.md, "Several models"). The set of
+names is fixed for a server's life, so the coordinator reads an instance's business-plane
+``GET /v1/models`` once, when it admits it (coordinator/registry.py), and again only when it is
+admitted anew after being away: no cost on the per-interval poll. Whether a model is *loaded*
+changes by the minute and is not tracked: an instance that lists a model can serve it (it loads
+it on demand), so routing goes by "lists", not "loaded".
+
+A request's model name (``model_of``): the model named by the path (``/v2/models/{m}/...``,
+``/v1/models/{m}``), else the JSON body's ``model`` (``name`` for Ollama's ``/api/show``). It
+*scopes* routing (``ModelIndex.scope``) only when some instance lists it (Ollama's ``:latest``
+tag dropped if needed); a request naming a model no instance lists goes to any instance, as one
+naming none does, so its answer is that instance's own (the API's 404 in the API's shape and
+words, or a placeholder name such as ``tgi`` accepted as the server accepts it).
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any, Iterable, Optional
+from urllib.parse import unquote
+
+import msgspec
+
+_PATH_MODEL = re.compile(r"^/v[12]/models/([^/]+)")
+# per instance and per minute: not a property of the model the fleet serves
+_PER_INSTANCE = ("loaded", "status")
+
+
+def model_of(path: str, body: Any) -> str:
+    """The model a request names ("" when none), as the server's model router reads it."""
+    m = _PATH_MODEL.match(path)
+    if m:
+        return unquote(m.group(1))
+    if not isinstance(body, dict):
+        return ""
+    name = body.get("name") if path == "/api/show" and "model" not in body else body.get("model")
+    return name if isinstance(name, str) else ""
+
+
+def listed(content: bytes) -> dict[str, dict]:
+    """The models of a ``GET /v1/models`` answer (already checked to be one): id -> its item,
+    less the fields that say what this instance has loaded now."""
+    out: dict[str, dict] = {}
+    data = msgspec.json.decode(content).get("data") or []
+    for item in data:
+        if isinstance(item, dict) and isinstance(item.get("id"), str):
+            out[item["id"]] = {k: v for k, v in item.items() if k not in _PER_INSTANCE}
+    return out
+
+
+class ModelIndex:
+    """How many known instances list each model name (any state: a model whose instances are all
+    away is still a model of the fleet, answered 503, not routed elsewhere for a 404)."""
+
+    def __init__(self) -> None:
+        self.count: Counter[str] = Counter()
+
+    def change(self, old: Iterable[str], new: Iterable[str]) -> None:
+        self.count.subtract(list(old))  # names (a dict's keys), never a mapping's values as counts
+        self.count.update(list(new))
+        for k in [k for k, n in self.count.items() if n <= 0]:
+            del self.count[k]
+
+    def scope(self, name: str) -> str:
+        """The model name routing is restricted to for a request naming ``name``: itself when
+        an instance lists it (or lists it without Ollama's ``:latest``), else "" (any instance)."""
+        if not name:
+            return ""
+        if name in self.count:
+            return name
+        bare = name.removesuffix(":latest")
+        return bare if bare in self.count else ""
+
+
+def aggregate(instances: Iterable[Any]) -> dict:
+    """``GET /v1/models`` of the fleet: each model the given instances list, once (the first
+    instance's item), with ``instances``: how many of them serve it (a project extension, as
+    MindIE Motor counts instances per model)."""
+    items: dict[str, dict] = {}
+    counts: Counter[str] = Counter()
+    for inst in instances:
+        for mid, item in inst.models.items():
+            items.setdefault(mid, item)
+            counts[mid] += 1
+    return {"object": "list", "data": [{**item, "instances": counts[mid]} for mid, item in items.items()]}
+
+
+def serves(inst: Any, scope: Optional[str]) -> bool:
+    """Does ``inst`` serve the request's scoped model ("" or None: any instance does)?"""
+    return not scope or scope in inst.models
