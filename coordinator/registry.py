@@ -151,7 +151,8 @@ class Instance:
 
     def describe(self) -> dict:
         return {"id": self.id, "ip": self.ip, "business_port": self.business_port, "mgmt_port": self.mgmt_port,
-                "model_name": self.model_name, "models": list(self.models), "state": self.state(), "source": self.source,
+                "model_name": self.model_name, "models": list(self.models), "state": self.state(),
+                "source": self.source,
                 "role": self.role, "kv_endpoints": self.kv_endpoints,
                 "avail_slots_num": self.avail_slots, "total_slots_num": self.total_slots,
                 "avail_block_num": self.avail_blocks, "total_block_num": self.total_blocks,
