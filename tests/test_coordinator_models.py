@@ -110,3 +110,41 @@ def test_models_lists_the_fleet(fleet):
     assert [(m["id"], m["instances"]) for m in raw["data"]] == [("alpha", 1), ("beta", 1)], raw
     # GET /v1/models/{m} reaches an instance serving m
     assert client(coord.url).models.retrieve("beta").id == "beta"
+
+
+def test_model_scope_rules_in_process():
+    """The routing rules on the real Registry and Router (no processes): a name scopes routing
+    only when an instance lists it (Ollama's ``:latest`` dropped), affinity never crosses models,
+    a removed instance's models leave the index, and the fleet's list counts instances."""
+    import msgspec
+    from coordinator.config import CoordinatorConfig
+    from coordinator.model_index import aggregate, model_of
+    from coordinator.registry import Instance, Registry
+    from coordinator.router import Router
+
+    cfg = msgspec.convert({"digs_scheduler_config": {"algorithm_type": "cache_affinity"}}, CoordinatorConfig)
+    reg = Registry(3, 5.0, False, False, 100)
+    lists = [{"alpha": {"id": "alpha"}, "beta": {"id": "beta"}}, {"beta": {"id": "beta"}}]
+    for i, models in enumerate(lists):
+        inst = reg.add(Instance(id=i, ip="127.0.0.1", business_port=3000 + i, mgmt_port=3000 + i), quiet=True)
+        reg.set_models(inst, models)
+        inst.polled_ok = inst.seen = True
+        inst.total_slots = inst.avail_slots = 8
+    router = Router(cfg, reg, None)
+    assert model_of("/api/show", {"name": "alpha"}) == "alpha" and model_of("/v2/models/beta/infer", {}) == "beta"
+    msgs = [{"role": "user", "content": "hello"}]
+    for name, scope in (("alpha", "alpha"), ("alpha:latest", "alpha"), ("gamma", ""), ("tgi", ""), ("", "")):
+        assert router.info("/v1/chat/completions", {"model": name, "messages": msgs}).scope == scope, name
+    for _ in range(4):  # alpha lives on instance 0 only
+        inst, _ = router.pick(router.info("/v1/chat/completions", {"model": "alpha", "messages": msgs}), set())
+        assert inst.id == 0
+    # the same conversation for beta, whose affine instance is free to differ: beta's keys are its own
+    a = router.info("/v1/chat/completions", {"model": "alpha", "messages": msgs}).keys
+    b = router.info("/v1/chat/completions", {"model": "beta", "messages": msgs}).keys
+    assert a and b and not set(a) & set(b)
+    picks = {router.pick(router.info("/v1/completions", {"model": "beta", "prompt": f"p{k}"}), set())[0].id
+             for k in range(4)}
+    assert picks == {0, 1}  # beta is on both: load spreads it
+    assert [(m["id"], m["instances"]) for m in aggregate(reg.ready())["data"]] == [("alpha", 1), ("beta", 2)]
+    reg.remove(0, quiet=True)
+    assert router.info("/v1/completions", {"model": "alpha"}).scope == "" and dict(reg.models.count) == {"beta": 1}
