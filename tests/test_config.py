@@ -159,7 +159,7 @@ JSON_KEYS = {
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize",
-        "moeParallel", "models", "reasoningParser", "embeddingPooling", "plugin_params"},
+        "moeParallel", "models", "reasoningParser", "embeddingPooling", "rerank", "rerankTemplate", "plugin_params"},
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
         "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "decodeHoldWave", "jumpForward",

@@ -38,6 +38,7 @@ KEYS = {
     "cpuTuning.adaptiveThreads": (False, "off", "cpu.adaptive_threads"),
     "cpuTuning.prefillAttention": ("sdpa", "SDPA", "cpu.prefill_attention"),
     "cpuTuning.prefillLinears": ("onednn", "oneDNN", "cpu.prefill_linears"),
+    "cpuTuning.ggufCompute": ("native", "Native", "cpu.gguf_compute"),
 }
 ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "MINDIE_TP_COLLECTIVE_TIMEOUT_S",
        "gcFreeze": "MINDIE_GC_FREEZE", "cpuTuning.kernels": "MINDIE_CPU_KERNELS", "cpuTuning.isa": "MINDIE_CPU_ISA",
@@ -47,7 +48,7 @@ ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "
        "cpuTuning.fusedDecodeMb": "MINDIE_CPU_FUSED_DECODE_MB", "cpuTuning.int8Rows": "MINDIE_CPU_INT8_ROWS",
        "cpuTuning.adaptiveThreads": "MINDIE_CPU_ADAPTIVE_THREADS",
        "cpuTuning.prefillAttention": "MINDIE_CPU_PREFILL_ATTENTION",
-       "cpuTuning.prefillLinears": "MINDIE_CPU_PREFILL_LINEARS"}
+       "cpuTuning.prefillLinears": "MINDIE_CPU_PREFILL_LINEARS", "cpuTuning.ggufCompute": "MINDIE_CPU_GGUF_COMPUTE"}
 
 
 def _engine(tmp_path: Path, backend: dict, env: dict | None = None) -> EngineConfig:
