@@ -78,10 +78,11 @@ class ModelIndex:
 def aggregate(instances: Iterable[Any]) -> dict:
     """``GET /v1/models`` of the fleet: each model the given instances list, once (the first
     instance's item), with ``instances``: how many of them serve it (a project extension, as
-    MindIE Motor counts instances per model)."""
+    MindIE Motor counts instances per model). In the order of the instances' ids, then each
+    instance's own: the same list whichever instance was admitted first."""
     items: dict[str, dict] = {}
     counts: Counter[str] = Counter()
-    for inst in instances:
+    for inst in sorted(instances, key=lambda i: i.id):
         for mid, item in inst.models.items():
             items.setdefault(mid, item)
             counts[mid] += 1

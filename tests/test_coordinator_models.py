@@ -146,5 +146,7 @@ def test_model_scope_rules_in_process():
              for k in range(4)}
     assert picks == {0, 1}  # beta is on both: load spreads it
     assert [(m["id"], m["instances"]) for m in aggregate(reg.ready())["data"]] == [("alpha", 1), ("beta", 2)]
+    # the list does not depend on which instance was admitted (or became ready) first
+    assert aggregate(reversed(reg.ready())) == aggregate(reg.ready())
     reg.remove(0, quiet=True)
     assert router.info("/v1/completions", {"model": "alpha"}).scope == "" and dict(reg.models.count) == {"beta": 1}
