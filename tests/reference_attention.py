@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseCausalAttention"]
+__all__ = ["DenseCausalAttention", "logits_over_cache"]
 
 
 class DenseCausalAttention:
@@ -80,3 +80,16 @@ class DenseCausalAttention:
         out = F.scaled_dot_product_attention(qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0),  # [1, H, T, D]
                                              attn_mask=self.mask(window, q.device), scale=scale)
         return out[0].transpose(0, 1)  # [T, H, D]
+
+
+def logits_over_cache(model, attn, ids: torch.Tensor, chunks: list[int], table: list[int]) -> torch.Tensor:
+    """A model's logits of every position of one sequence over a paged ``attn``: the prompt in
+    ``chunks`` (chunked prefill over the cache), the rest one decode step each; ``table`` is the
+    sequence's block table (tests pass blocks out of order: the table is what places them)."""
+    outs, pos = [], 0
+    with torch.no_grad():
+        for n in chunks + [1] * (len(ids) - sum(chunks)):
+            attn.prepare([table], [pos], [n])
+            outs.append(model.compute_logits(model(ids[pos:pos + n], torch.arange(pos, pos + n), attn)))
+            pos += n
+    return torch.cat(outs)

@@ -35,6 +35,7 @@ from mindie.contract.wire import SamplingParams
 from tests.harness import ROOT, demo_server
 from tests.served import assert_chat_equals, infer_ids, metric
 from tests.tiny_hf import random_model, save_chat_model
+from tests.reference_attention import logits_over_cache
 from workers.attention import for_layout
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.loader import load_model
@@ -129,14 +130,7 @@ def _paged_logits(model, ids: torch.Tensor, chunks: list[int], attn=None) -> tor
     if attn is None:
         kind, shape = model.kv_layout
         attn = for_layout(kind)(shape[0], 32, 16, shape[1], shape[2], torch.float32, torch.device("cpu"))
-    table = list(range(31, -1, -1))  # blocks out of order: the table is what places them
-    outs, pos = [], 0
-    with torch.no_grad():
-        for n in chunks + [1] * (len(ids) - sum(chunks)):
-            attn.prepare([table], [pos], [n])
-            outs.append(model.compute_logits(model(ids[pos:pos + n], torch.arange(pos, pos + n), attn)))
-            pos += n
-    return torch.cat(outs)
+    return logits_over_cache(model, attn, ids, chunks, list(range(31, -1, -1)))  # blocks out of order
 
 
 @pytest.mark.parametrize("case", list(CASES))

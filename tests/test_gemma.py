@@ -32,6 +32,7 @@ import torch
 from mindie.contract.wire import SamplingParams
 from tests.harness import ROOT, demo_server
 from tests.tiny_hf import save_chat_model, save_random_model
+from tests.reference_attention import logits_over_cache
 from workers.attention.cpu import CpuPagedAttention
 from workers.attention.paged import PagedAttention
 from workers.models.config import ModelArgs, ModelConfigError
@@ -116,14 +117,7 @@ def _paged_logits(model, ids: torch.Tensor, chunks: list[int], cls=PagedAttentio
     rest one decode step each; blocks of 4 placed out of order."""
     a = model.args
     attn = cls(a.num_hidden_layers, 32, 4, a.num_key_value_heads, a.head_dim, dtype, torch.device("cpu"))
-    table = list(range(31, -1, -1))
-    outs, pos = [], 0
-    with torch.no_grad():
-        for n in chunks + [1] * (len(ids) - sum(chunks)):
-            attn.prepare([table], [pos], [n])
-            outs.append(model.compute_logits(model(ids[pos:pos + n], torch.arange(pos, pos + n), attn)))
-            pos += n
-    return torch.cat(outs)
+    return logits_over_cache(model, attn, ids, chunks, list(range(31, -1, -1)))  # blocks out of order
 
 
 @pytest.mark.parametrize("cls", [PagedAttention, CpuPagedAttention], ids=["portable", "cpu"])

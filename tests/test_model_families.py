@@ -33,6 +33,7 @@ from mindie.contract.wire import SamplingParams
 from tests.harness import demo_server
 from tests.served import assert_chat_equals, infer_ids, metric
 from tests.tiny_hf import save_chat_model, save_random_model
+from tests.reference_attention import logits_over_cache
 from workers.attention import PagedAttention
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.loader import load_model
@@ -101,14 +102,7 @@ def paged_logits(model: Any, ids: torch.Tensor, chunks: list[int], dtype: torch.
     """Our logits of every position over the paged cache: the prompt in ``chunks``, then decodes."""
     a = model.args
     attn = PagedAttention(a.num_hidden_layers, 16, 8, a.num_key_value_heads, a.head_dim, dtype, torch.device("cpu"))
-    table = list(range(15, -1, -1))  # blocks out of order: the table places them
-    outs, pos = [], 0
-    with torch.no_grad():
-        for n in chunks + [1] * (len(ids) - sum(chunks)):
-            attn.prepare([table], [pos], [n])
-            outs.append(model.compute_logits(model(ids[pos:pos + n], torch.arange(pos, pos + n), attn)))
-            pos += n
-    return torch.cat(outs)
+    return logits_over_cache(model, attn, ids, chunks, list(range(15, -1, -1)))  # blocks out of order
 
 
 # -- config -------------------------------------------------------------------------------------------
