@@ -292,18 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         log.error("%s lists no device worker for this host (BackendConfig.workerHost is not one of workerHosts)",
                   args.deployment)
         raise SystemExit(2)
-    sup = Supervisor(local, parent, dep.run_dir)
-
-    def _stop(signum, _frame):
-        log.info("signal %s: stopping device workers", signal.Signals(signum).name)
-        sup.stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # SIGHUP reloads front ends only
-    sup.run()
-    if sup.exit_status:
-        raise SystemExit(sup.exit_status)
+    _serve(Supervisor(local, parent, dep.run_dir))
 
 
 def _host_models(dep, parent: int) -> None:
@@ -311,19 +300,24 @@ def _host_models(dep, parent: int) -> None:
     if not all(groups):
         log.error("several models with workers on other hosts (workerHosts) are not supported")
         raise SystemExit(2)
-    host = ModelHost(groups, dep.max_loaded_models, dep.keep_alive_s, dep.models_endpoint, parent, dep.run_dir,
-                     Supervisor)
+    _serve(ModelHost(groups, dep.max_loaded_models, dep.keep_alive_s, dep.models_endpoint, parent, dep.run_dir,
+                     Supervisor))
+
+
+def _serve(runner: "Supervisor | ModelHost") -> None:
+    """Run a Supervisor (one model) or a ModelHost (several) until SIGTERM/SIGINT asks it to stop;
+    exit with its status."""
 
     def _stop(signum, _frame):
         log.info("signal %s: stopping device workers", signal.Signals(signum).name)
-        host.stopping = True
+        runner.stopping = True
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # SIGHUP reloads front ends only
-    host.run()
-    if host.exit_status:
-        raise SystemExit(host.exit_status)
+    runner.run()
+    if runner.exit_status:
+        raise SystemExit(runner.exit_status)
 
 
 if __name__ == "__main__":
