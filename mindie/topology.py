@@ -79,6 +79,7 @@ def engine_config(config: Config, *, null_model: bool = False) -> EngineConfig:
         enable_prefix_cache=sched.enable_prefix_cache, prefill_chunk_tokens=sched.prefill_chunk_tokens,
         decode_hold_ms=sched.decode_hold_ms, decode_hold_wave=sched.decode_hold_wave,
         token_timeout_s=float(config.server.token_timeout), jump_forward=sched.jump_forward,
+        batch_invariant=sched.batch_invariant,
         # The null model sleeps through its steps like an accelerator: overlap unless told not to.
         # None (here and in cpu below) = the device's default, settled by workers.prepare.
         overlap=sched.overlap_steps if sched.overlap_steps is not None else (True if null_model else None),

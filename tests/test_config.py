@@ -163,7 +163,7 @@ JSON_KEYS = {
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
         "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "decodeHoldWave", "jumpForward",
-        "speculativeDecoding", "speculationMethod", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance"},
+        "batchInvariant", "speculativeDecoding", "speculationMethod", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 

@@ -261,6 +261,9 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ScheduleConfig.decodeHoldWave": _here("test_decode_hold_wave_prefills_a_burst_before_decodes_resume"),
     "BackendConfig.ScheduleConfig.jumpForward": ["tests/test_constrained.py::test_jump_forward_key_reaches_the_engine",
                                                  "tests/test_constrained.py::test_mixed_batch_and_jump_forward"],
+    "BackendConfig.ScheduleConfig.batchInvariant": [
+        "tests/test_batch_invariance_server.py::test_greedy_answers_and_logprobs_are_the_same_alone_and_in_mixes",
+        "tests/test_engine_settings.py::test_each_key_reaches_the_plan_from_the_file_and_from_its_variable"],
     # -- speculative decoding (tests/test_speculative*.py)
     "BackendConfig.ScheduleConfig.speculativeDecoding": [
         "tests/test_speculative_server.py::test_config_reaches_the_engine",

@@ -25,6 +25,7 @@ KEYS = {
     "tpStartTimeoutS": (12.5, "12.5", "tp_start_timeout_s"),
     "tpCollectiveTimeoutS": (3, "3", "tp_collective_timeout_s"),
     "gcFreeze": (False, "off", "gc_freeze"),
+    "ScheduleConfig.batchInvariant": (True, "on", "batch_invariant"),
     "cpuTuning.kernels": (False, "0", "cpu.kernels"),
     "cpuTuning.isa": ("avx2", "AVX2", "cpu.isa"),
     "cpuTuning.kernelCache": ("/tmp/k", "/tmp/k", "cpu.kernel_cache"),
@@ -41,7 +42,8 @@ KEYS = {
     "cpuTuning.ggufCompute": ("native", "Native", "cpu.gguf_compute"),
 }
 ENV = {"tpStartTimeoutS": "MINDIE_TP_START_TIMEOUT_S", "tpCollectiveTimeoutS": "MINDIE_TP_COLLECTIVE_TIMEOUT_S",
-       "gcFreeze": "MINDIE_GC_FREEZE", "cpuTuning.kernels": "MINDIE_CPU_KERNELS", "cpuTuning.isa": "MINDIE_CPU_ISA",
+       "gcFreeze": "MINDIE_GC_FREEZE", "ScheduleConfig.batchInvariant": "MINDIE_BATCH_INVARIANT",
+       "cpuTuning.kernels": "MINDIE_CPU_KERNELS", "cpuTuning.isa": "MINDIE_CPU_ISA",
        "cpuTuning.kernelCache": "MINDIE_KERNEL_CACHE", "cpuTuning.nativeBf16": "MINDIE_CPU_BF16",
        "cpuTuning.linearBuckets": "MINDIE_CPU_LINEAR_BUCKETS", "cpuTuning.prewarmGflop": "MINDIE_CPU_PREWARM_GFLOP",
        "cpuTuning.fusedDecode": "MINDIE_CPU_FUSED_DECODE", "cpuTuning.fusedDecodeRows": "MINDIE_CPU_FUSED_DECODE_ROWS",

@@ -311,6 +311,10 @@ class ScheduleConfig(_Section):
     # Project extension: structured output emits the tokens a request's grammar forces (each the
     # only token its mask admits) without a model step of their own (jump-forward).
     jump_forward: bool = True
+    # Project extension: batch-invariant mode, every row of a step computed in one order whatever
+    # else the step holds, so a greedy answer and its log-probabilities do not depend on the other
+    # requests (docs/design.md, "Batch invariance"). null = the device's default (workers/prepare.py).
+    batch_invariant: Optional[bool] = None
     # Project extensions: speculative decoding without a draft model (workers/engine/speculative.py):
     # on by default; n-gram lengths the prompt lookup tries; no speculation in steps with more decoding
     # requests than speculationMaxBatch; a request whose recent acceptance falls below

@@ -86,6 +86,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tp_start_timeout_s: float = 600.0  # tpStartTimeoutS: ranks waiting for each other at start
     tp_collective_timeout_s: float = 30.0  # tpCollectiveTimeoutS: one collective
     gc_freeze: bool = True  # gcFreeze: gc.freeze() the start-up heap
+    # Batch-invariant mode (batchInvariant): every row of a step computed in one order whatever
+    # else the step holds (docs/design.md, "Batch invariance"); None (in the plan) = the device's
+    # default, settled by workers.prepare (batch_invariant_default; read as off where unsettled).
+    batch_invariant: bool | None = False
     cpu: CpuTuning = CpuTuning()  # cpuTuning
 
     def unsettled(self) -> list[str]:
@@ -153,6 +157,13 @@ def fused_decode_rows_default(isa: str, cpu_flags: str) -> int:
     return 64 if {"avx2", "fma"} <= flags else 4
 
 
+def batch_invariant_default(device_type: str) -> bool:
+    """ScheduleConfig.batchInvariant's default: off until its cost at concurrency 32 is measured
+    within 10 % (docs/performance.md, "Batch invariance"); on accelerators the mode is not
+    implemented (docs/design.md)."""
+    return False
+
+
 def settle_engine(engine: EngineConfig, device_type: str, cpu_flags: str) -> EngineConfig:
     """``engine`` with every ``None`` replaced by its default for ``device_type`` and this host's
     CPU (``cpu_flags``: its /proc/cpuinfo "flags" line); values already set are kept."""
@@ -166,7 +177,9 @@ def settle_engine(engine: EngineConfig, device_type: str, cpu_flags: str) -> Eng
         overlap=overlap_default(device_type) if engine.overlap is None else engine.overlap,
         prefill_chunk_tokens=prefill_chunk_default(device_type) if engine.prefill_chunk_tokens is None
         else engine.prefill_chunk_tokens,
-        decode_hold_ms=decode_hold_default(device_type) if engine.decode_hold_ms is None else engine.decode_hold_ms)
+        decode_hold_ms=decode_hold_default(device_type) if engine.decode_hold_ms is None else engine.decode_hold_ms,
+        batch_invariant=batch_invariant_default(device_type) if engine.batch_invariant is None
+        else engine.batch_invariant)
 
 
 # The model served when none is configured (workers/models/default_model.py), and its name.

@@ -52,6 +52,7 @@ ENGINE_ENV: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "MINDIE_TP_START_TIMEOUT_S": ("BackendConfig.tpStartTimeoutS", parse_number, "tp_start_timeout_s"),
     "MINDIE_TP_COLLECTIVE_TIMEOUT_S": ("BackendConfig.tpCollectiveTimeoutS", parse_number, "tp_collective_timeout_s"),
     "MINDIE_GC_FREEZE": ("BackendConfig.gcFreeze", _switch, "gc_freeze"),
+    "MINDIE_BATCH_INVARIANT": ("BackendConfig.ScheduleConfig.batchInvariant", _switch, "batch_invariant"),
     "MINDIE_CPU_KERNELS": ("BackendConfig.cpuTuning.kernels", _switch, "cpu.kernels"),
     "MINDIE_CPU_ISA": ("BackendConfig.cpuTuning.isa", str.lower, "cpu.isa"),
     "MINDIE_KERNEL_CACHE": ("BackendConfig.cpuTuning.kernelCache", _path, "cpu.kernel_cache"),

@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from workers import settings
 from workers.attention import kv_cache
 from workers.attention.paged import AttentionMetadata, build_metadata
 
@@ -45,6 +46,7 @@ class MlaPagedAttention:
         self.cache = [kv_cache.zeros((num_blocks, block_size, width), dtype, device) for _ in range(num_layers)]
         self.k_cache, self.v_cache = self.cache, []  # workers.attention.Attention's fields
         self.meta: AttentionMetadata | None = None
+        self.every_row = bool(settings.engine().batch_invariant)  # batch-invariant mode (paged.py)
 
     @staticmethod
     def bytes_per_slot(num_layers: int, n_kv_heads: int, width: int, dtype: torch.dtype) -> int:
@@ -52,7 +54,8 @@ class MlaPagedAttention:
         return num_layers * n_kv_heads * width * torch.empty((), dtype=dtype).element_size()
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
-        self.meta = build_metadata(block_tables, start_pos, num_new, self.block_size, self.cache[0].device)
+        self.meta = build_metadata(block_tables, start_pos, num_new, self.block_size, self.cache[0].device,
+                                   self.every_row)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None = None) -> torch.Tensor:
@@ -113,7 +116,12 @@ class MlaPagedAttention:
 
     def _decode(self, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor, nope: int,
                 scale: float, pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """The absorbed decode: [B, H, v] from the latent rows alone."""
+        """The absorbed decode: [B, H, v] from the latent rows alone (batch-invariant mode: one row
+        per call, over its own blocks)."""
+        if self.every_row and q_nope.shape[0] > 1:
+            bs = self.block_size
+            return torch.cat([self._decode(cache, q_nope[i:i + 1], q_pe[i:i + 1], w, nope, scale, pos[i:i + 1],
+                                           tables[i:i + 1, :p // bs + 1]) for i, p in enumerate(pos.tolist())])
         B, H, _ = q_nope.shape
         nb, bs = tables.shape[1], self.block_size
         R = w.shape[2]

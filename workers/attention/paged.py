@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers import settings
 from workers.attention import kv_cache
 
 
@@ -37,6 +38,12 @@ class _Decode:
     tables: torch.Tensor  # [B, nb]
     pos: torch.Tensor  # [B] position of the query (= context length - 1)
     masks: dict = field(default_factory=dict)
+
+    def each(self, block_size: int) -> list["_Decode"]:
+        """One _Decode per row, its table cut at its own last block (batch-invariant mode: a row's
+        computation then has the same shapes whatever the other rows)."""
+        return [_Decode(self.rows[i:i + 1], self.tables[i:i + 1, :int(p) // block_size + 1], self.pos[i:i + 1])
+                for i, p in enumerate(self.pos.tolist())]
 
     def mask(self, window: int | None, block_size: int) -> torch.Tensor:
         """[B, nb, 1, 1, bs]: which cached positions each query may see."""
@@ -88,12 +95,26 @@ def build_metadata(
     num_new: list[int],
     block_size: int,
     device: torch.device,
+    every_row: bool = False,
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens (``num_new[i]`` from position ``start_pos[i]``)
-    are laid out one sequence after another in the flat batch."""
+    are laid out one sequence after another in the flat batch. ``every_row`` (batch-invariant
+    mode): every new token is a decode row of its own, at its position against its sequence's
+    blocks (the step's keys are written first), so a prompt chunk's and a verify step's rows take
+    the decode computation, and a token's attention is the same in any step."""
+    if every_row and any(n != 1 for n in num_new):
+        return _rows_metadata(block_tables, start_pos, num_new, block_size, device)
     if num_new and all(n == 1 for n in num_new):
         return _decode_metadata(block_tables, start_pos, block_size, device)
     return _mixed_metadata(block_tables, start_pos, num_new, block_size, device)
+
+
+def _rows_metadata(block_tables: list[list[int]], start_pos: list[int], num_new: list[int], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+    """build_metadata(every_row=True): each new token a decode row."""
+    positions = [p for start, n in zip(start_pos, num_new) for p in range(start, start + n)]
+    tables = [t for t, n in zip(block_tables, num_new) for _ in range(n)]
+    return _decode_metadata(tables, positions, block_size, device)
 
 
 def _mixed_metadata(block_tables: list[list[int]], start_pos: list[int], num_new: list[int], block_size: int,
@@ -198,6 +219,8 @@ class PagedAttention:
         self.block_size = block_size
         self.k_cache, self.v_cache = kv_cache.tensors(num_layers, shape, dtype, device)
         self.meta: AttentionMetadata | None = None
+        # batch-invariant mode (ScheduleConfig.batchInvariant): every row a decode, computed alone
+        self.every_row = bool(settings.engine().batch_invariant)
         # Gather buffers reused by every layer: a fresh multi-MB tensor per call costs an
         # mmap/munmap and page faults on CPU, more than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -214,7 +237,8 @@ class PagedAttention:
 
     def prepare(self, block_tables: list[list[int]], start_pos: list[int], num_new: list[int]) -> None:
         """Per-step metadata, built once and used by every layer."""
-        self.meta = build_metadata(block_tables, start_pos, num_new, self.block_size, self.k_cache[0].device)
+        self.meta = build_metadata(block_tables, start_pos, num_new, self.block_size, self.k_cache[0].device,
+                                   self.every_row)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None = None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
@@ -266,6 +290,9 @@ class PagedAttention:
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 window: int | None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        if self.every_row and q.shape[0] > 1:  # batch-invariant: each row alone, its own blocks only
+            return torch.cat([self._decode(one, q[i:i + 1], kc, vc, window, sinks=sinks, scale=scale, softcap=softcap)
+                              for i, one in enumerate(g.each(self.block_size))])
         B, H, D = q.shape
         nb = g.tables.shape[1]
         hkv, bs = kc.shape[1], kc.shape[2]

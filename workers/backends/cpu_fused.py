@@ -83,28 +83,33 @@ def silu_table() -> torch.Tensor:
 
 
 class CpuSwiGLU:
-    """An MLP's ``swiglu`` for bf16 activations as one C pass; other inputs keep torch's."""
+    """An MLP's ``swiglu`` for bf16 activations as one C pass (``fp32``: fp32 ones too, the fused
+    decode step's arithmetic: batch-invariant mode, workers/backends/cpu_invariant.py); other
+    inputs keep torch's."""
 
-    def __init__(self, mlp: MLP, lib, table: torch.Tensor):
+    def __init__(self, mlp: MLP, lib, table: torch.Tensor, fp32: bool = False):
         self.torch_swiglu = mlp.swiglu
         self.size = mlp.intermediate_size
-        self.lib, self.table = lib, table
+        self.lib, self.table, self.fp32 = lib, table, fp32
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         i = self.size
-        if (gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or gate_up.shape[1] != 2 * i
-                or gate_up.stride(1) != 1):
+        dt = gate_up.dtype
+        if (dt not in (torch.bfloat16, torch.float32) or (dt == torch.float32 and not self.fp32)
+                or gate_up.dim() != 2 or gate_up.shape[1] != 2 * i or gate_up.stride(1) != 1):
             return self.torch_swiglu(gate_up)
-        out = torch.empty((gate_up.shape[0], i), dtype=torch.bfloat16)
-        if self.lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], i, gate_up.stride(0), self.table.data_ptr(),
-                                  out.data_ptr()) != 0:
-            return self.torch_swiglu(gate_up)
-        return out
+        out = torch.empty((gate_up.shape[0], i), dtype=dt)
+        if dt == torch.float32:
+            rc = self.lib.silu_mul_f32(gate_up.data_ptr(), gate_up.shape[0], i, gate_up.stride(0), out.data_ptr())
+        else:
+            rc = self.lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], i, gate_up.stride(0),
+                                        self.table.data_ptr(), out.data_ptr())
+        return self.torch_swiglu(gate_up) if rc != 0 else out
 
 
-def fuse_model(model: nn.Module) -> int:
-    """Swap the model's RMSNorms, rope and bf16 SwiGLU for the C versions; returns how many modules
-    changed."""
+def fuse_model(model: nn.Module, fp32_swiglu: bool = False) -> int:
+    """Swap the model's RMSNorms, rope and bf16 SwiGLU (``fp32_swiglu``: fp32 too, on every build:
+    batch-invariant mode) for the C versions; returns how many modules changed."""
     lib = cpu_kernels.load()
     if lib is None:
         return 0
@@ -119,10 +124,10 @@ def fuse_model(model: nn.Module) -> int:
         model.rope = CpuRotaryEmbedding(rope, lib)
         count += 1
     mlps = [m for m in model.modules() if isinstance(m, MLP)]
-    if mlps and lib.has_avx512:  # bf16 activations only; others keep torch's (CpuSwiGLU)
+    if mlps and (lib.has_avx512 or fp32_swiglu):  # bf16 activations (fp32 too in invariant mode)
         table = silu_table()
         for m in mlps:
-            m.swiglu = CpuSwiGLU(m, lib, table)
+            m.swiglu = CpuSwiGLU(m, lib, table, fp32_swiglu)
             count += 1
     log.info("fused C kernels for %d norm/rope/swiglu modules", count)
     return count

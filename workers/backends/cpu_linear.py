@@ -186,11 +186,18 @@ class KernelLinear(nn.Module):
         self.lib = lib
         self.w16a32 = bool(getattr(lib, "has_w16a32", False))  # linear_rows takes fp32 rows (dt 2)
 
+    def code(self, dtype: torch.dtype) -> int | None:
+        """linear_rows' type code for rows of ``dtype`` over this layer's weights: 1 bf16 over bf16,
+        2 fp32 rows over bf16 weights (bf16_weight_linears, AVX2 builds), 0 fp32 over fp32
+        (batch-invariant fp32 models: workers/backends/cpu_invariant.py); None: F.linear."""
+        if self.packed.dtype == torch.bfloat16:
+            return 1 if dtype == torch.bfloat16 else 2 if dtype == torch.float32 and self.w16a32 else None
+        return 0 if self.packed.dtype == torch.float32 and dtype == torch.float32 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        # bf16 rows: dt 1; fp32 rows over these bf16 weights (bf16_weight_linears): dt 2
-        code = 1 if rows.dtype == torch.bfloat16 else 2 if rows.dtype == torch.float32 and self.w16a32 else 0
-        if not code or rows.shape[0] == 0:
+        code = self.code(rows.dtype)
+        if code is None or rows.shape[0] == 0:
             w = self.plain()
             return torch.nn.functional.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         rows = rows.contiguous()
@@ -202,6 +209,9 @@ class KernelLinear(nn.Module):
 
     def plain(self) -> torch.Tensor:
         """The [N, K] weight back from the layout (rare paths: fp32 inputs, no rows)."""
+        if self.packed.dtype != torch.bfloat16:  # [N/16, K, 16]
+            nb, k = self.packed.shape[:2]
+            return self.packed.permute(0, 2, 1).reshape(nb * 16, k)[:self.out_features, :self.in_features]
         nb, kp = self.packed.shape[:2]
         return self.packed.permute(0, 2, 1, 3).reshape(nb * 16, kp * 2)[:self.out_features, :self.in_features]
 

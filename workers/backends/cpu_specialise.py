@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from workers.backends import cpu_decode, cpu_deltanet, cpu_fused, cpu_linear
+from workers.backends import cpu_decode, cpu_deltanet, cpu_fused, cpu_invariant, cpu_linear
 from workers.backends.cpu_decode import FusedDecode
 
 log = logging.getLogger("workers.backends")
@@ -47,15 +47,23 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
        experts' stacked expert weights become per-expert packed linears (int8 experts stay);
     4. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path, and the Gated DeltaNet
        layers' recurrent step (cpu_deltanet.py: Qwen3-Next / Qwen3.5 decodes).
+
+    In batch-invariant mode (``ScheduleConfig.batchInvariant``) step 1 is ``cpu_invariant.prepare``
+    instead: every linear, a tied head and a mixture's experts on the C kernels' products, whose
+    order does not change with the row count (nothing is left for step 3 to pack); step 4 takes the
+    SwiGLU of fp32 models too.
     """
-    if cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
+    invariant = cpu_invariant.enabled()
+    if invariant:
+        cpu_invariant.prepare(model)
+    elif cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
         cpu_linear.amx_linears(model, head=True)
     if bf16_weights and getattr(model, "tp", None) is None:
         cpu_linear.bf16_weight_linears(model)
     fused = cpu_decode.attach(model)
     amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # steps 1 and 2 may have made them
     packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
-    c_modules = cpu_fused.fuse_model(model) + cpu_deltanet.attach(model)  # (Gated DeltaNet decodes: Qwen3-Next/3.5)
+    c_modules = cpu_fused.fuse_model(model, fp32_swiglu=invariant) + cpu_deltanet.attach(model)  # (Gated DeltaNet decodes: Qwen3-Next/3.5)
     return Specialised(fused, packed, c_modules)
 
 

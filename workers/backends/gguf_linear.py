@@ -143,6 +143,10 @@ def native_target() -> NativeTarget | None:
     if compute() != "native":
         log.info("GGUF compute: dequantise (cpuTuning.ggufCompute): linear weights dequantised at load")
         return None
+    if settings.engine().batch_invariant:  # the block products switch to oneDNN above INT_ROWS rows
+        log.info("GGUF compute: dequantise, as ScheduleConfig.batchInvariant is on (the native block products "
+                 "change their order with the row count); linear weights dequantised at load")
+        return None
     lib = gk.load()
     if lib is None:
         log.info("GGUF compute: dequantise, as the C kernels are unavailable (%s)", gk.unavailable_reason())

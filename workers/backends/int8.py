@@ -109,6 +109,8 @@ class CpuInt8Kernel(Int8Kernel):
             max_rows = settings.cpu().int8_rows
         self.max_rows = max_rows if hasattr(torch, "_weight_int8pack_mm") else 0
         self.lib = cpu_kernels.load() if c_kernels else None
+        # batch-invariant mode: the C products at every row count (oneDNN's order changes with it)
+        self.kernel_rows = (1 << 62) if settings.engine().batch_invariant else CPU_INT8_KERNEL_MAX_ROWS
         if self.lib is not None:
             self.name = "cpu (C)"
 
@@ -130,7 +132,7 @@ class CpuInt8Kernel(Int8Kernel):
         if "scale16" in packed:
             q = packed["q"]
             n, k = packed["scale"].numel(), q.shape[1]
-            if m <= CPU_INT8_KERNEL_MAX_ROWS:
+            if m <= self.kernel_rows:
                 x = x.contiguous()
                 out = torch.empty(m, n, dtype=x.dtype)
                 if self.lib.linear_rows(1 if x.dtype == torch.bfloat16 else 0, x.data_ptr(), m, k, q.data_ptr(),

@@ -194,6 +194,9 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     the others)."""
     if not spec.model_path:
         raise ValueError("WorkerSpec.model_path is empty: run python -m workers.prepare on the launch plan")
+    if spec.engine.batch_invariant and backend.name != "cpu":  # refused before the weights are read
+        raise ValueError(f"ScheduleConfig.batchInvariant is implemented for the CPU backend only, not {backend.name} "
+                         "(docs/design.md, \"Batch invariance\"); set it to false")
     t0 = time.perf_counter()
     args = ModelArgs.from_dir(spec.model_path)
     # int8 weights (quantize) have their own products; a GGUF file's (a view folder with its

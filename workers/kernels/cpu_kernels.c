@@ -2233,6 +2233,10 @@ INLINE void dec_linear(int dt, int pt, const dec_step_t *s, const void *in, int6
                 __m512 v = _mm512_loadu_ps(res + m * GROUP * 16 + b * 16);
                 if (bias) v = _mm512_add_ps(v, load16m(dt, bias, n0, k));
                 v = round16(dt, v);
+                /* the sum as it stands: -fassociative-math would otherwise fold an fp32 residual
+                 * add into (x + bias) + sum, where the eager path (and batch-invariant mode: a row
+                 * the same in either) adds x + (sum + bias) */
+                __asm__("" : "+v"(v));
                 store16m(dt, dst, i, residual ? _mm512_add_ps(load16m(dt, dst, i, k), v) : v, k);
             }
         continue;
@@ -2307,9 +2311,28 @@ int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, c
     }
     return 0;
 #else
-    (void)gu; (void)T; (void)I; (void)gu_stride; (void)table; (void)out;
-    return -1;
+    /* the fused step's scalar form (dec_swiglu): the same table and roundings */
+    _Pragma("omp parallel for schedule(static) if (T * I > 65536)")
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++)
+            store_one(1, out, t * I + i, bf16_to_f32(table[gu[t * gu_stride + i]]) * bf16_to_f32(gu[t * gu_stride + I + i]));
+    return 0;
 #endif
+}
+
+/* SwiGLU of fp32 rows for the eager path in batch-invariant mode (cpu_fused.py): out[t, i] =
+ * (g / (1 + expf(-g))) * u, element by element as the fused decode step computes an fp32 step
+ * (dec_swiglu), so a row's activation is the same in either. (torch's silu takes its vectorised
+ * exp in the body of a loop and the scalar one in its tails, whose place moves with the row
+ * count.) */
+int silu_mul_f32(const float *gu, int64_t T, int64_t I, int64_t gu_stride, float *out) {
+    _Pragma("omp parallel for schedule(static) if (T * I > 65536)")
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gu[t * gu_stride + i], u = gu[t * gu_stride + I + i];
+            out[t * I + i] = round_to(0, g / (1.0f + expf(-g))) * u;
+        }
+    return 0;
 }
 
 INLINE void dec_step(int dt, int pt, const dec_step_t *s) {

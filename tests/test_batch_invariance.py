@@ -1,0 +1,156 @@
+"""Batch-invariant mode (ScheduleConfig.batchInvariant; workers/backends/cpu_invariant.py): a
+sequence's rows come out with the same bits whatever else its steps hold, in process, on tiny
+random models of each CPU path (the launch-script proofs: tests/test_batch_invariance_server.py).
+
+One sequence ``A`` is computed alone (its prompt in one step, then one decode per step) and again
+inside mixed steps: its prompt cut into chunks beside other prompts and decodes, its next tokens
+fed three at once (a speculative verify step) and then as decodes among many others, with the
+fused decode step taking the steps it covers. Every row of ``A`` (the final hidden state and the
+logits) must be equal bit for bit. With the mode off the same drive differs on a CPU whose bf16
+products are oneDNN's native ones (AVX512-BF16 / AMX), which the test shows where it runs on one."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from tests.tiny_hf import save_random_model
+from workers import settings
+from workers.backends.cpu import CpuBackend
+from workers.backends.cpu_linear import KernelLinear
+from workers.kernels import cpu_kernels
+from workers.models.loader import load_model
+
+pytest.importorskip("transformers")
+
+LIB = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, intermediate_size=101)),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=16)),
+}
+BLOCK = 16
+PER_SEQ = 16  # blocks per sequence
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("invariant")
+    for case, (cls, extra) in CASES.items():
+        save_random_model(cls, {**BASE, **extra}, root / case)
+    return {case: root / case for case in CASES}
+
+
+def invariant(on: bool) -> None:
+    """This process's settings with batchInvariant ``on`` (read when a model is prepared and an
+    attention object built)."""
+    settings.apply(msgspec.structs.replace(settings.engine(), batch_invariant=on))
+
+
+@pytest.fixture
+def restore_settings():
+    before = settings.engine()
+    yield
+    settings.apply(before)
+
+
+class Driver:
+    """Steps of (sequence, first position, tokens) over one model and cache: each sequence owns
+    PER_SEQ blocks. Returns the final hidden rows and logits of every token fed."""
+
+    def __init__(self, path: Path, dtype: torch.dtype):
+        self.model, _ = load_model(path, dtype)
+        CpuBackend().prepare_model(self.model)
+        a = self.model.args
+        self.attn = CpuBackend().attention_class()(a.num_hidden_layers, 8 * PER_SEQ, BLOCK, a.num_key_value_heads,
+                                                   a.head_dim, dtype, torch.device("cpu"))
+
+    def step(self, parts: list[tuple[int, int, list[int]]]) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        tables = [list(range(s * PER_SEQ, (s + 1) * PER_SEQ)) for s, _, _ in parts]
+        self.attn.prepare(tables, [p for _, p, _ in parts], [len(t) for _, _, t in parts])
+        ids = torch.tensor([t for _, _, toks in parts for t in toks])
+        pos = torch.cat([torch.arange(p, p + len(t)) for _, p, t in parts])
+        with torch.inference_mode():
+            h = self.model(ids, pos, self.attn)
+            logits = self.model.compute_logits(h)
+        out, r = {}, 0
+        for s, p, toks in parts:
+            for i in range(len(toks)):
+                out[(s, p + i)] = (h[r].float().clone(), logits[r].float().clone())
+                r += 1
+        return out
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, BASE["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+A, B, C = 0, 1, 2
+PROMPT_A, PROMPT_B, PROMPT_C = _prompt(1, 70), _prompt(2, 90), _prompt(3, 12)
+
+
+def alone(d: Driver, extra: int = 6) -> tuple[dict, list[int]]:
+    """A's prompt in one step, then ``extra`` greedy decodes one per step."""
+    rows = d.step([(A, 0, PROMPT_A)])
+    toks = [int(rows[(A, len(PROMPT_A) - 1)][1].argmax())]
+    for i in range(extra - 1):
+        p = len(PROMPT_A) + i
+        rows.update(d.step([(A, p, [toks[-1]])]))
+        toks.append(int(rows[(A, p)][1].argmax()))
+    rows.update(d.step([(A, len(PROMPT_A) + extra - 1, [toks[-1]])]))
+    return rows, toks
+
+
+def mixed(d: Driver, toks: list[int]) -> dict:
+    """A among others: its prompt in chunks of 23 and 47 beside B's and C's prompt chunks, its first
+    three generated tokens fed at once (a verify step), the rest as decodes beside B and C (the
+    fused step: at most 64 rows, all decodes)."""
+    n = len(PROMPT_A)
+    rows = d.step([(B, 0, PROMPT_B[:40]), (A, 0, PROMPT_A[:23])])
+    rows.update(d.step([(C, 0, PROMPT_C), (A, 23, PROMPT_A[23:]), (B, 40, PROMPT_B[40:])]))
+    rows.update(d.step([(B, 90, [5]), (A, n, toks[:3]), (C, 12, [7])]))
+    for i in range(3, len(toks)):
+        rows.update(d.step([(C, 12 + i - 2, [9]), (A, n + i, [toks[i]]), (B, 90 + i - 2, [11])]))
+    return rows
+
+
+def _compare(first: dict, second: dict) -> list[tuple[int, int]]:
+    """The (sequence, position) keys of A where the two drives differ (hidden state or logits)."""
+    keys = sorted(k for k in first if k[0] == A)
+    assert keys and all(k in second for k in keys)
+    return [k for k in keys if not (torch.equal(first[k][0], second[k][0]) and torch.equal(first[k][1], second[k][1]))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_sequence_computes_the_same_bits_alone_and_in_mixed_steps(models, case, dtype, restore_settings):
+    invariant(True)
+    d = Driver(models[case], dtype)
+    linears = [m for m in d.model.modules() if isinstance(m, KernelLinear)]
+    assert len(linears) >= 4 * d.model.args.num_hidden_layers  # every product on the C kernels
+    fused = d.model.fast_decode
+    calls = fused.calls if fused is not None else 0
+    ref, toks = alone(d)
+    other = Driver(models[case], dtype)  # a fresh cache: no row of the first drive is read
+    assert _compare(ref, mixed(other, toks)) == []
+    if fused is not None:  # the fused step took the steps of at most 64 rows, in both drives
+        assert fused.calls > calls and other.model.fast_decode.calls > 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_without_the_mode_the_same_drive_differs(models, case, restore_settings):
+    """The drive above finds what the mode removes: with it off, an fp32 model's decodes alone take
+    the fused step's FMAs and its mixed steps oneDNN's products, which sum in another order (on
+    any CPU). (In bf16 this tiny drive finds no difference on a Zen 4, whose oneDNN AVX512-BF16
+    products sum pairs in the fused step's order; the server test on the default model does.)"""
+    invariant(False)
+    d = Driver(models[case], torch.float32)
+    ref, toks = alone(d)
+    assert _compare(ref, mixed(Driver(models[case], torch.float32), toks))

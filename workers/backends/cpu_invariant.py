@@ -1,0 +1,85 @@
+"""Batch-invariant mode on the CPU (``ScheduleConfig.batchInvariant``): every row of a step computed
+in one order whatever else the step holds, so a sequence's tokens and log-probabilities do not
+depend on the other requests, on how its prompt was cut into chunks, on a prefix-cache hit or on
+speculation (docs/design.md, "Batch invariance").
+
+What varies with the step elsewhere, and what this mode puts in its place:
+
+- products: oneDNN picks its blocking (and so the order of a dot product's partial sums) by the
+  row count, and the fused decode step's products differ from it; here every linear layer, a tied
+  LM head and the experts of a mixture are ``KernelLinear`` (the C kernels' ``linear_rows``, whose
+  sum for one output element runs in one order for any row count, on AMX tiles, AVX512-BF16 dot
+  products, AVX-512 / AVX2 FMAs or the portable loops) and the fused decode step reads those same
+  weights through the same products; int8 layers keep their C products at every row count;
+- attention: prompt chunks, decodes and speculative verify rows all take the decode computation,
+  one query row at a time against its sequence's cached keys (workers/attention/paged.py,
+  ``build_metadata(every_row=True)``): the C decode kernel, or the portable torch decode one row
+  per call for layers it does not cover (sinks, soft-capping, MLA);
+- SwiGLU: the C kernels' pass in bf16 and in fp32 (the fused step's own arithmetic), not torch's
+  vectorised silu, whose loop tails round differently;
+- Gated DeltaNet layers: prompt tokens one at a time through the recurrent step decodes use.
+
+Norms, rope, residual adds and the sampler already compute each row alone.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from workers import settings
+from workers.backends.cpu_linear import KernelLinear, _plain_linears, _tied_head
+from workers.kernels import cpu_kernels
+
+log = logging.getLogger("workers.backends")
+
+KEY = "ScheduleConfig.batchInvariant"
+
+
+def enabled() -> bool:
+    """Whether this worker runs batch-invariant (the plan's ``batch_invariant``, settled)."""
+    return bool(settings.engine().batch_invariant)
+
+
+def check(dtype: torch.dtype, lib) -> None:
+    """ValueError naming the keys when the mode cannot hold on this model and host."""
+    if lib is None:
+        raise ValueError(f"{KEY} needs the C kernels (BackendConfig.cpuTuning.kernels is off, or they could not "
+                         "be built: see the worker's log); set batchInvariant false or turn the kernels on")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{KEY} computes float32 and bfloat16 models on the CPU, not {str(dtype).replace('torch.', '')}"
+                         " (ModelConfig dtype); set batchInvariant false or choose another dtype")
+
+
+def invariant_linears(model: nn.Module, lib) -> int:
+    """Every fp32 / bf16 nn.Linear of ``model``, a tied LM head and a mixture's experts as
+    KernelLinear on ``lib``. Returns the count converted."""
+    count = 0
+    for parent, name, child in _plain_linears(model):
+        if child.weight.dtype in (torch.float32, torch.bfloat16):
+            setattr(parent, name, KernelLinear(child, lib))
+            count += 1
+    emb = _tied_head(model)
+    if emb is not None and emb.weight.dtype in (torch.float32, torch.bfloat16):
+        model.logits_linear = KernelLinear(emb, lib, emb.weight)
+        count += 1
+    for mod in model.modules():
+        if callable(getattr(mod, "convert_experts", None)) and mod.lin13 is None and mod.w13.numel():
+
+            def make(w: torch.Tensor) -> nn.Module:
+                return KernelLinear(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"), lib, w.contiguous())
+
+            count += mod.convert_experts(make, "kernel")
+    log.info("batch-invariant mode (%s): %d linear layers on the C kernels' products, one order per output "
+             "element at every row count", KEY, count)
+    return count
+
+
+def prepare(model: nn.Module) -> int:
+    """The mode's rewrites of a loaded model, before the fused decode step attaches (it then reads
+    these layers' weights): its checks, then ``invariant_linears``."""
+    lib = cpu_kernels.load()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    check(dtype, lib)
+    return invariant_linears(model, lib)
