@@ -64,3 +64,40 @@ def test_greedy_answers_and_logprobs_are_the_same_alone_and_in_mixes(demo_server
         results[spec] = alone
     # the verify steps of speculation compute each token as the plain decode steps do
     assert results["on"] == results["off"]
+
+
+def test_lora_rows_mixed_with_the_base_model_are_the_same_as_alone(tmp_path_factory, demo_model):
+    """The demo model in bf16 with two LoRA adapters (their products on the C kernels in this mode):
+    each (adapter, prompt)'s greedy tokens and log-probabilities through /infer_token are the same
+    asked alone and asked all at once beside the base model's rows and long prompts."""
+    pytest.importorskip("peft")
+    from tests.harness import demo_server
+    from tests.test_lora import ADAPTERS, make_adapter
+
+    root = tmp_path_factory.mktemp("inv_lora")
+    paths = {name: make_adapter(demo_model, root / name, seed, **ADAPTERS[name])
+             for seed, name in enumerate(("a1", "a4"))}
+    prompts = [[(97 * i + 31 * j) % 31000 + 500 for j in range(n)] for i, n in enumerate((37, 150, 61))]
+    long_ids = [[(13 * j + k) % 30000 + 400 for j in range(700)] for k in range(2)]
+
+    def ask(url: str, ids: list[int], adapter: str | None, n: int = 16) -> tuple[list[int], list[float]]:
+        params = {"max_new_tokens": n, "details": True, "ignore_eos": True, "do_sample": False}
+        if adapter:
+            params["adapter_id"] = adapter
+        r = httpx.post(url + "/infer_token", json={"input_id": ids, "parameters": params}, timeout=300)
+        assert r.status_code == 200, r.text
+        d = r.json()["details"]
+        return d["generated_token_ids"], [t["logprob"] for t in d.get("tokens", [])]
+
+    with demo_server(root, demo_model, model={"dtype": "bfloat16"}, schedule={**SCHEDULE, "speculativeDecoding": False},
+                     deploy={"maxLoras": 2, "maxLoraRank": 16, "LoraModules": [
+                         {"name": n, "path": str(p), "baseModelName": "demo"} for n, p in paths.items()]}) as srv:
+        cases = [(a, i) for a in (None, "a1", "a4") for i in range(len(prompts))]
+        alone = {c: ask(srv.url, prompts[c[1]], c[0]) for c in cases}
+        assert alone[("a1", 0)][0] != alone[(None, 0)][0]  # the adapter changes the answer: the test can fail
+        with cf.ThreadPoolExecutor(len(cases) + len(long_ids)) as pool:
+            longs = [pool.submit(ask, srv.url, ids, "a4", 4) for ids in long_ids]
+            futures = {c: pool.submit(ask, srv.url, prompts[c[1]], c[0]) for c in reversed(cases)}
+            mixed = {c: f.result() for c, f in futures.items()}
+            [f.result() for f in longs]
+    assert [c for c in cases if mixed[c] != alone[c]] == []

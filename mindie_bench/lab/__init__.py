@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "side-by-side": ("vllm_side_by_side.sh", "this server against vLLM's CPU build (installs vLLM in a venv)"),
     "bench-models": ("bench_models", "a benchmark model's directory by name (bench30m, gpu1b, default), built on first use"),
     "overlap": ("overlap", "step overlap on against off: two servers, mindie-bench compare"),
+    "invariance": ("invariance", "batch-invariant mode on against off: two servers, mindie-bench compare"),
     "overload": ("overload", "admission at 10x maxLinkNum: rejection latency, /health, RSS"),
     "slowloris": ("slowloris", "500 slow connections against 8 normal clients: their p99 with and without them"),
     "multi-workers": ("multi_workers", "one CPU device worker against N on one host"),

@@ -24,6 +24,7 @@ Norms, rope, residual adds and the sampler already compute each row alone.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ from torch import nn
 from workers import settings
 from workers.backends.cpu_linear import KernelLinear, _plain_linears, _tied_head
 from workers.kernels import cpu_kernels
+from workers.kernels.cpu_layout import pack
+from workers.models import lora
 
 log = logging.getLogger("workers.backends")
 
@@ -76,10 +79,41 @@ def invariant_linears(model: nn.Module, lib) -> int:
     return count
 
 
+class RowProduct:
+    """``lora.ROW_PRODUCT`` in this mode: ``x @ w`` on ``linear_rows`` (fp32 or bf16), each
+    adapter matrix packed once into the kernels' layout (kept while the adapter's tensor lives)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.packed: dict[int, torch.Tensor] = {}  # by id(w), dropped when w is freed
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        code = {torch.float32: 0, torch.bfloat16: 1}.get(w.dtype)
+        if code is None or x.dtype != w.dtype or x.shape[0] == 0:
+            return x @ w
+        packed = self.packed.get(id(w))
+        if packed is None:
+            packed = self.packed[id(w)] = pack(w.t().contiguous())
+            weakref.finalize(w, self.packed.pop, id(w), None)
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype)
+        self.lib.linear_rows(code, x.data_ptr(), x.shape[0], w.shape[0], packed.data_ptr(), None, w.shape[1], None,
+                             out.data_ptr())
+        return out
+
+
+def release() -> None:
+    """Outside the mode: LoRA adapters on torch's matmuls again (a process that prepared an
+    invariant model before, such as a test run)."""
+    lora.ROW_PRODUCT = None
+
+
 def prepare(model: nn.Module) -> int:
     """The mode's rewrites of a loaded model, before the fused decode step attaches (it then reads
-    these layers' weights): its checks, then ``invariant_linears``."""
+    these layers' weights): its checks, ``invariant_linears``, and LoRA adapters' products on the
+    C kernels (``lora.ROW_PRODUCT``)."""
     lib = cpu_kernels.load()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     check(dtype, lib)
+    lora.ROW_PRODUCT = RowProduct(lib)
     return invariant_linears(model, lib)

@@ -56,8 +56,10 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
     invariant = cpu_invariant.enabled()
     if invariant:
         cpu_invariant.prepare(model)
-    elif cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
-        cpu_linear.amx_linears(model, head=True)
+    else:
+        cpu_invariant.release()
+        if cpu_linear.prefill_route() == "kernels" and getattr(model, "tp", None) is None:
+            cpu_linear.amx_linears(model, head=True)
     if bf16_weights and getattr(model, "tp", None) is None:
         cpu_linear.bf16_weight_linears(model)
     fused = cpu_decode.attach(model)
