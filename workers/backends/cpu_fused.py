@@ -24,12 +24,17 @@ log = logging.getLogger("workers.backends")
 
 
 class CpuRMSNorm(nn.Module):
-    def __init__(self, norm: RMSNorm, lib):
+    """``copy``: rows of other layouts (Qwen3's per-head q/k norms over a view of the fused
+    projection) are copied into place for the kernel rather than left to torch, whose rsqrt rounds
+    the tail of its loop otherwise than the body (batch-invariant mode)."""
+
+    def __init__(self, norm: RMSNorm, lib, copy: bool = False):
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.eps
         self.fallback = norm
         self.lib = lib
+        self.copy = copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         code = cpu_kernels.dtype_code(self.lib, x.dtype)
@@ -37,6 +42,9 @@ class CpuRMSNorm(nn.Module):
         if x.dim() == 2 and x.stride(1) == 1:
             rows, stride = x, x.stride(0)
         elif x.is_contiguous():
+            rows, stride = x.view(-1, c), c
+        elif self.copy:
+            x = x.contiguous()
             rows, stride = x.view(-1, c), c
         else:
             return self.fallback(x)
@@ -107,9 +115,11 @@ class CpuSwiGLU:
         return self.torch_swiglu(gate_up) if rc != 0 else out
 
 
-def fuse_model(model: nn.Module, fp32_swiglu: bool = False) -> int:
-    """Swap the model's RMSNorms, rope and bf16 SwiGLU (``fp32_swiglu``: fp32 too, on every build:
-    batch-invariant mode) for the C versions; returns how many modules changed."""
+def fuse_model(model: nn.Module, invariant: bool = False) -> int:
+    """Swap the model's RMSNorms, rope and bf16 SwiGLU for the C versions (``invariant``:
+    batch-invariant mode, fp32 SwiGLU too, on every build, and norms of any layout); returns how
+    many modules changed."""
+    fp32_swiglu = invariant
     lib = cpu_kernels.load()
     if lib is None:
         return 0
@@ -117,7 +127,7 @@ def fuse_model(model: nn.Module, fp32_swiglu: bool = False) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
-                setattr(parent, name, CpuRMSNorm(child, lib))
+                setattr(parent, name, CpuRMSNorm(child, lib, copy=fp32_swiglu))
                 count += 1
     rope = getattr(model, "rope", None)
     if isinstance(rope, RotaryEmbedding):

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from workers import settings
+from workers.backends.cpu_fused import silu_table
 from workers.backends.cpu_linear import KernelLinear, _plain_linears, _tied_head
 from workers.kernels import cpu_kernels
 from workers.kernels.cpu_layout import pack
-from workers.models import lora
+from workers.models import row_ops
 
 log = logging.getLogger("workers.backends")
 
@@ -80,21 +81,32 @@ def invariant_linears(model: nn.Module, lib) -> int:
 
 
 class RowProduct:
-    """``lora.ROW_PRODUCT`` in this mode: ``x @ w`` on ``linear_rows`` (fp32 or bf16), each
-    adapter matrix packed once into the kernels' layout (kept while the adapter's tensor lives)."""
+    """``row_ops.ROW_PRODUCT`` in this mode: ``x @ w`` on ``linear_rows`` (fp32 or bf16), each
+    matrix packed once into the kernels' layout. A matrix is known by its base tensor (an adapter's
+    A or B, an expert's slice of a stacked parameter) and its place in it; the packed copies go
+    when the base tensor is freed."""
 
     def __init__(self, lib):
         self.lib = lib
-        self.packed: dict[int, torch.Tensor] = {}  # by id(w), dropped when w is freed
+        self.packed: dict[int, dict[tuple, torch.Tensor]] = {}  # id(base) -> view key -> packed
+
+    def _packed(self, w: torch.Tensor) -> torch.Tensor:
+        base = w if w._base is None else w._base
+        views = self.packed.get(id(base))
+        if views is None:
+            views = self.packed[id(base)] = {}
+            weakref.finalize(base, self.packed.pop, id(base), None)
+        key = (w.storage_offset(), tuple(w.shape), w.stride(), w.dtype)
+        packed = views.get(key)
+        if packed is None:
+            packed = views[key] = pack(w.t().contiguous())
+        return packed
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         code = {torch.float32: 0, torch.bfloat16: 1}.get(w.dtype)
-        if code is None or x.dtype != w.dtype or x.shape[0] == 0:
+        if code is None or x.dtype != w.dtype or x.dim() != 2 or w.dim() != 2 or x.shape[0] == 0:
             return x @ w
-        packed = self.packed.get(id(w))
-        if packed is None:
-            packed = self.packed[id(w)] = pack(w.t().contiguous())
-            weakref.finalize(w, self.packed.pop, id(w), None)
+        packed = self._packed(w)
         x = x.contiguous()
         out = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype)
         self.lib.linear_rows(code, x.data_ptr(), x.shape[0], w.shape[0], packed.data_ptr(), None, w.shape[1], None,
@@ -102,18 +114,39 @@ class RowProduct:
         return out
 
 
+def swiglu(lib):
+    """``row_ops.SWIGLU`` in this mode: the C kernels' SwiGLU (the fused decode step's
+    arithmetic), fp32 and bf16."""
+    table = silu_table()
+
+    def run(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        if gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+            gate, up = gate_up.split(inter, dim=-1)
+            return torch.nn.functional.silu(gate) * up
+        out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+        if gate_up.dtype == torch.float32:
+            lib.silu_mul_f32(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), out.data_ptr())
+        else:
+            lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), table.data_ptr(),
+                              out.data_ptr())
+        return out
+
+    return run
+
+
 def release() -> None:
-    """Outside the mode: LoRA adapters on torch's matmuls again (a process that prepared an
-    invariant model before, such as a test run)."""
-    lora.ROW_PRODUCT = None
+    """Outside the mode: torch's products and SwiGLU again (a process that prepared an invariant
+    model before, such as a test run)."""
+    row_ops.ROW_PRODUCT = row_ops.SWIGLU = None
 
 
 def prepare(model: nn.Module) -> int:
     """The mode's rewrites of a loaded model, before the fused decode step attaches (it then reads
     these layers' weights): its checks, ``invariant_linears``, and LoRA adapters' products on the
-    C kernels (``lora.ROW_PRODUCT``)."""
+    C kernels (``row_ops``: LoRA deltas, GPT-OSS's router and experts, a mixture's SwiGLU)."""
     lib = cpu_kernels.load()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     check(dtype, lib)
-    lora.ROW_PRODUCT = RowProduct(lib)
+    row_ops.ROW_PRODUCT = RowProduct(lib)
+    row_ops.SWIGLU = swiglu(lib)
     return invariant_linears(model, lib)

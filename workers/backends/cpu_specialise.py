@@ -65,7 +65,7 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
     fused = cpu_decode.attach(model)
     amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # steps 1 and 2 may have made them
     packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
-    c_modules = cpu_fused.fuse_model(model, fp32_swiglu=invariant) + cpu_deltanet.attach(model)  # (Gated DeltaNet decodes: Qwen3-Next/3.5)
+    c_modules = cpu_fused.fuse_model(model, invariant=invariant) + cpu_deltanet.attach(model)  # (Gated DeltaNet decodes: Qwen3-Next/3.5)
     return Specialised(fused, packed, c_modules)
 
 

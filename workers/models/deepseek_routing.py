@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import row_ops
 from .deepseek_config import DeepseekArgs
 
 __all__ = ["DeepseekRouter"]
@@ -38,7 +39,7 @@ class DeepseekRouter(nn.Module):
         self.norm, self.scale, self.version = ds.norm_topk_prob, ds.routed_scaling_factor, ds.version
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden.float(), self.weight.float())
+        logits = row_ops.matmul(hidden.float(), self.weight.float().t())
         t, e = logits.shape
         if self.scoring == "sigmoid":  # V3: noaux_tc
             scores = logits.sigmoid()

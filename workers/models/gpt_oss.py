@@ -33,6 +33,7 @@ from torch import nn
 from .config import ModelArgs
 from .deepseek import yarn_inv_freq
 from .llama import DecoderAttention, DecoderLM, Embedding, Linear, RMSNorm, RotaryEmbedding
+from . import row_ops
 from .lora import LoraHook
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class GptOssRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(experts, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if row_ops.invariant():
+            return row_ops.matmul(x, self.weight.t()) + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -115,8 +118,8 @@ class GptOssMoE(nn.Module):
             rows = order[start:start + n]
             start += n
             tok = rows // self.top_k
-            gate_up = x[tok] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-            h = self.glu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]
+            gate_up = row_ops.matmul(x[tok], self.gate_up_proj[e]) + self.gate_up_proj_bias[e]
+            h = row_ops.matmul(self.glu(gate_up), self.down_proj[e]) + self.down_proj_bias[e]
             out.index_add_(0, tok, (h * weights.view(-1)[rows, None]).to(x.dtype))
         return out
 

@@ -17,10 +17,10 @@ holds one, every layer reads it, the runner sets it around a forward.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from safetensors import safe_open
+
+from . import row_ops
 
 from .config import ModelArgs
 from .lora_adapter import TARGETS, AdapterPlan
@@ -129,12 +129,6 @@ class LoraStacks:
         return self.cache[key]
 
 
-# Batch-invariant mode (workers/backends/cpu_invariant.py) sets this: ``(x [M, in], w [in, out]) -> x @ w``
-# with one order per output element whatever M (the C kernels' products). Then every adapter's rows
-# get their own two products through it, never the stacked batched matmuls, whose torch kernels
-# (like oneDNN's) sum in an order that follows the shapes. None: torch's matmuls.
-ROW_PRODUCT: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
 # Steps of at most this many rows with several adapters use the batched matmuls (a handful of ops
 # per projection whatever the number of adapters); larger ones (prompt chunks), where the ops are
 # few beside the work, go adapter by adapter.
@@ -160,7 +154,7 @@ class LoraStep:
         self.segments = segments
         self.rows = rows
         self.stacks = stacks.use(tuple(w for _, _, w in segments)) \
-            if stacks is not None and len(segments) > 1 and 0 < rows <= STACK_ROWS and ROW_PRODUCT is None else None
+            if stacks is not None and len(segments) > 1 and 0 < rows <= STACK_ROWS and not row_ops.invariant() else None
         self.gather = self.valid = self.dest = None
         if self.stacks is not None:
             m = max(b - a for a, b, _ in segments)
@@ -194,8 +188,9 @@ class LoraStep:
             if ab is None:
                 continue
             a, b = ab
-            if ROW_PRODUCT is not None:
-                out[r0:r1].add_(ROW_PRODUCT(ROW_PRODUCT(x[r0:r1].to(a.dtype), a), b).to(out.dtype))
+            if row_ops.invariant():  # batch-invariant mode: the C kernels' products (row_ops.py)
+                mm = row_ops.matmul
+                out[r0:r1].add_(mm(mm(x[r0:r1].to(a.dtype), a), b).to(out.dtype))
             elif x.dtype == a.dtype:
                 out[r0:r1].addmm_(torch.mm(x[r0:r1], a), b)
             else:

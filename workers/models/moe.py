@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import row_ops
 # The checkpoint names live in a torch-free module (the launch step checks headers without torch).
 from .moe_names import DEEPSEEK_NAMES, MIXTRAL_NAMES, QWEN_NAMES, ExpertNames, expected_tensors
 
@@ -68,8 +69,7 @@ class SwiGLU(nn.Module):
         self.down_proj = _Linear(inter, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(row_ops.swiglu(self.gate_up_proj(x), self.intermediate_size))
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -86,7 +86,7 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        probs = torch.softmax(row_ops.matmul(x, self.weight.t()).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -217,10 +217,8 @@ class SparseMoE(nn.Module):
         """Local expert ``e``'s SwiGLU on rows h [n, H]."""
         i = self.shard.inter
         if self.lin13 is not None and self.lin2 is not None:
-            gate, up = self.lin13[e](h).split(i, dim=-1)
-            return self.lin2[e](F.silu(gate) * up)
-        gate, up = F.linear(h, self.w13[e]).split(i, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2[e])
+            return self.lin2[e](row_ops.swiglu(self.lin13[e](h), i))
+        return F.linear(row_ops.swiglu(F.linear(h, self.w13[e]), i), self.w2[e])
 
     def convert_experts(self, make_linear: Callable[[torch.Tensor], nn.Module], kind: str) -> int:
         """Replace the stacked expert weights by per-expert linear modules ``make_linear(weight [N,
