@@ -2,8 +2,9 @@
 (SmolLM2-135M-Instruct, in the dtype this CPU computes best) answers each greedy chat question with
 the same tokens and the same log-probabilities, bit for bit, asked alone and asked among others
 while long prompts arrive (its prompt then cut into other chunks, beside other prompts and
-decodes; a repeated prompt hitting the prefix cache), with speculative decoding on and off (a
-verify step computes a token as a decode step does). In-process proofs per model family:
+decodes; a repeated prompt hitting the prefix cache; preempted and recomputed when the cache runs
+short), with speculative decoding on and off (a verify step computes a token as a decode step
+does); and LoRA adapters' rows mixed with the base model's. In-process proofs per model family:
 tests/test_batch_invariance.py."""
 from __future__ import annotations
 
@@ -27,8 +28,17 @@ SCHEDULE = {"batchInvariant": True, "prefillChunkTokens": 64, "maxPrefillTokens"
 
 
 def _servers(demo_servers) -> dict[str, object]:
-    return {spec: demo_servers.get("", model=DEFAULT_MODEL, schedule={**SCHEDULE, "speculativeDecoding": spec == "on"})
+    """Speculation on, and off with a KV cache small enough that the mixes preempt (about 2,200
+    tokens: the long prompts alone take 2,100)."""
+    return {spec: demo_servers.get("", model={**DEFAULT_MODEL, **({} if spec == "on" else {"cpuMemSize": 0.05})},
+                                   schedule={**SCHEDULE, "speculativeDecoding": spec == "on"})
             for spec in ("on", "off")}
+
+
+def _preemptions(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_preemptions_total"))
 
 
 def _chat(port: int, text: str, max_tokens: int = 24) -> tuple[list[str], list[float]]:
@@ -62,7 +72,9 @@ def test_greedy_answers_and_logprobs_are_the_same_alone_and_in_mixes(demo_server
             differ = [QUESTIONS[i] for i in alone if mixed[i] != alone[i]]
             assert not differ, (spec, differ)
         results[spec] = alone
-    # the verify steps of speculation compute each token as the plain decode steps do
+    assert _preemptions(servers["off"].port) > 0  # the small cache's mixes preempted and recomputed
+    # the verify steps of speculation compute each token as the plain decode steps do, and a cache
+    # of another size changes no bit either
     assert results["on"] == results["off"]
 
 

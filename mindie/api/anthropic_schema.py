@@ -154,9 +154,12 @@ def _tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any
             kind = t.get("type") if isinstance(t, dict) else None
             raise _bad(f"tools[{i}]: only client tools ({{name, description, input_schema}}) are supported, got "
                        f"type {kind!r}.", "tools")
-        fn: dict[str, Any] = {"name": t.get("name"), "parameters": t.get("input_schema")}
+        # OpenAI's key order (name, description, parameters): templates render the tools as JSON,
+        # so the same tools give the chat route's prompt token for token
+        fn: dict[str, Any] = {"name": t.get("name")}
         if t.get("description") is not None:
             fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema")
         out.append({"type": "function", "function": fn})
     return out
 
