@@ -5,8 +5,10 @@ random models of each CPU path (the launch-script proofs: tests/test_batch_invar
 One sequence ``A`` is computed alone (its prompt in one step, then one decode per step) and again
 inside mixed steps: its prompt cut into chunks beside other prompts and decodes, its next tokens
 fed three at once (a speculative verify step) and then as decodes among many others, with the
-fused decode step taking the steps it covers. Every row of ``A`` (the final hidden state and the
-logits) must be equal bit for bit. With the mode off the same drive differs on a CPU whose bf16
+fused decode step taking the steps it covers; and once more as a preempted sequence is recomputed
+(its prompt and generated tokens as one prompt). Every row of ``A`` (the final hidden state and the
+logits) must be equal bit for bit. Families: Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Gemma 2 and 3,
+GPT-OSS. With the mode off the same drive differs on a CPU whose bf16
 products are oneDNN's native ones (AVX512-BF16 / AMX), which the test shows where it runs on one."""
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                          decoder_sparse_step=1)),  # router, experts and their SwiGLU
     "gemma2": ("Gemma2Config", dict(head_dim=16, attn_logit_softcapping=3.0, final_logit_softcapping=2.0,
                                     sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0)),  # torch attention
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, sliding_window_pattern=2,
+                                        query_pre_attn_scalar=24, pad_token_id=0)),  # GeGLU, q/k norms
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                     sliding_window=12)),  # sinks, router, stacked experts, clamped SwiGLU
 }
 BLOCK = 16
 PER_SEQ = 16  # blocks per sequence
@@ -126,6 +132,15 @@ def mixed(d: Driver, toks: list[int]) -> dict:
     return rows
 
 
+def recomputed(d: Driver, toks: list[int]) -> dict:
+    """A preempted A: its prompt and the tokens it had generated computed again as one prompt (the
+    scheduler's recompute), beside another prompt, then its last token decoded."""
+    n, k = len(PROMPT_A), len(toks)
+    rows = d.step([(C, 0, PROMPT_C), (A, 0, PROMPT_A + toks[:k - 1])])
+    rows.update(d.step([(A, n + k - 1, [toks[-1]]), (C, 12, [9])]))
+    return rows
+
+
 def _compare(first: dict, second: dict) -> list[tuple[int, int]]:
     """The (sequence, position) keys of A where the two drives differ (hidden state or logits)."""
     keys = sorted(k for k in first if k[0] == A)
@@ -146,6 +161,7 @@ def test_a_sequence_computes_the_same_bits_alone_and_in_mixed_steps(models, case
     ref, toks = alone(d)
     other = Driver(models[case], dtype)  # a fresh cache: no row of the first drive is read
     assert _compare(ref, mixed(other, toks)) == []
+    assert _compare(ref, recomputed(Driver(models[case], dtype), toks)) == []
     if fused is not None:  # the fused step took the steps of at most 64 rows, in both drives
         assert fused.calls > calls and other.model.fast_decode.calls > 0
 

@@ -90,7 +90,7 @@ def _zmm_instructions(lib: Path) -> int:
 @pytest.mark.timeout(900)
 def test_kernels_without_avx512_build_and_pass(tmp_path):
     """Build the kernels with -mno-avx512f into a fresh cache and run the kernel test files (the
-    fused decode step's included: its portable products) against that build; the library has no
+    fused decode step's included: its portable products; batch invariance on its 8-lane products) against that build; the library has no
     AVX-512 (zmm) instruction while the native build on an AVX-512 host has some (so the flag
     really took the path out). The bf16 products' tests (tests/test_cpu_linear_rows.py) there
     check the tiled AVX2 path, which only such builds have."""
@@ -100,7 +100,7 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
     # the same whatever the flags: tests/test_cpu_kernels.py runs it) or a whole server.
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                            "tests/test_cpu_kernels.py", "tests/test_cpu_decode.py", "tests/test_cpu_linear_rows.py",
-                           "-m", "not server"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "tests/test_batch_invariance.py", "-m", "not server"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mindie.contract.spec import cpu_flags
+from workers import settings
 from workers.attention.cpu import amx_prefill_covers, prompt_route
 from workers.backends.gguf_linear import INT_ROWS, GgufLinear
 from workers.kernels.gguf_kernels import ISA_NAMES
@@ -128,6 +129,11 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
                     "C avx2 products of bf16 weights on fp32 rows (linear_rows, register-tiled from 4 rows)"
                     if dtype == torch.float32 else
                     "C avx2 bf16 products (linear_rows, register-tiled from 4 rows; oneDNN cannot pack bf16 here)")
+    if settings.engine().batch_invariant and lib is not None:  # workers/backends/cpu_invariant.py
+        kind = ("amx_bf16 tiles" if getattr(lib, "amx_rows", 0) and dtype == torch.bfloat16 else
+                "avx512_bf16 dot products" if lib.has_dpbf16 and dtype == torch.bfloat16 else f"{_kernel_isa(lib)} FMAs")
+        products = f"C {kind} (linear_rows, batch-invariant: one order at every row count)"
+        prefill = "the decode kernel, a token at a time (batch-invariant)"
     gguf = [m for m in model.modules() if isinstance(m, GgufLinear)]
     if gguf:  # a GGUF file's linears in their blocks (cpuTuning.ggufCompute: native)
         products = (f"C GGUF blocks ({ISA_NAMES[gguf[0].lib.isa]} integer products up to {INT_ROWS} rows, "

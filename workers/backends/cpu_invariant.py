@@ -138,6 +138,8 @@ def release() -> None:
     """Outside the mode: torch's products and SwiGLU again (a process that prepared an invariant
     model before, such as a test run)."""
     row_ops.ROW_PRODUCT = row_ops.SWIGLU = None
+    row_ops.ROWWISE = False
+    log.info("batch-invariant mode off (%s false): a row's last bits may follow the batch around it", KEY)
 
 
 def prepare(model: nn.Module) -> int:
@@ -149,4 +151,5 @@ def prepare(model: nn.Module) -> int:
     check(dtype, lib)
     row_ops.ROW_PRODUCT = RowProduct(lib)
     row_ops.SWIGLU = swiglu(lib)
+    row_ops.ROWWISE = True
     return invariant_linears(model, lib)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import row_ops
 from .config import ModelArgs
 from .llama import Embedding, Linear, RotaryEmbedding
 from .lora import LoraHook
@@ -111,6 +112,10 @@ class GemmaAttention(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
+def _geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class GemmaMLP(nn.Module):
     """GeGLU: down(gelu_tanh(gate) * up), gate and up fused into one matmul (rows [gate; up])."""
 
@@ -124,7 +129,7 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        out = self.down_proj(row_ops.rowwise(_geglu, gate, up))
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -196,7 +201,7 @@ class GemmaLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight)
         cap = self.args.gemma.final_logit_softcapping
         if cap is not None:  # per vocabulary column: a tensor-parallel rank caps its own slice
-            logits = torch.tanh(logits / cap) * cap
+            logits = row_ops.rowwise(lambda v: torch.tanh(v / cap) * cap, logits)
         logits = logits.float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
 

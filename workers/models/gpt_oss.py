@@ -125,8 +125,11 @@ class GptOssMoE(nn.Module):
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of interleaved [gate, up] columns."""
-        gate = gate_up[..., ::2].clamp(min=None, max=self.limit)
-        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return row_ops.rowwise(self._glu, gate_up[..., ::2], gate_up[..., 1::2])
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
