@@ -79,7 +79,7 @@ def test_greedy_answers_and_logprobs_are_the_same_alone_and_in_mixes(demo_server
 
 def test_lora_rows_mixed_with_the_base_model_are_the_same_as_alone(tmp_path_factory, demo_model):
     """The demo model in bf16 with two LoRA adapters (their products on the C kernels in this mode):
-    each (adapter, prompt)'s greedy tokens and log-probabilities through /infer_token are the same
+    each (adapter, prompt)'s greedy tokens and log-probabilities (OpenAI completions on token ids) are the same
     asked alone and asked all at once beside the base model's rows and long prompts."""
     pytest.importorskip("peft")
     from tests.harness import demo_server
@@ -91,14 +91,14 @@ def test_lora_rows_mixed_with_the_base_model_are_the_same_as_alone(tmp_path_fact
     prompts = [[(97 * i + 31 * j) % 31000 + 500 for j in range(n)] for i, n in enumerate((37, 150, 61))]
     long_ids = [[(13 * j + k) % 30000 + 400 for j in range(700)] for k in range(2)]
 
-    def ask(url: str, ids: list[int], adapter: str | None, n: int = 16) -> tuple[list[int], list[float]]:
-        params = {"max_new_tokens": n, "details": True, "ignore_eos": True, "do_sample": False}
-        if adapter:
-            params["adapter_id"] = adapter
-        r = httpx.post(url + "/infer_token", json={"input_id": ids, "parameters": params}, timeout=300)
+    def ask(url: str, ids: list[int], adapter: str | None, n: int = 16) -> tuple[list[str], list[float]]:
+        """OpenAI completions on token ids (``model`` names the adapter): tokens and log-probabilities."""
+        r = httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": adapter or "demo", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1})
         assert r.status_code == 200, r.text
-        d = r.json()["details"]
-        return d["generated_token_ids"], [t["logprob"] for t in d.get("tokens", [])]
+        lp = r.json()["choices"][0]["logprobs"]
+        return lp["tokens"], lp["token_logprobs"]
 
     with demo_server(root, demo_model, model={"dtype": "bfloat16"}, schedule={**SCHEDULE, "speculativeDecoding": False},
                      deploy={"maxLoras": 2, "maxLoraRank": 16, "LoraModules": [
