@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from mindie.topology import usable_cores  # noqa: E402
-from mindie_bench.lab.serving import start_server  # noqa: E402
+from mindie_bench.lab.serving import start_server, stop_servers  # noqa: E402
 
 
 def _spin() -> None:  # a busy neighbour: one core's worth of pure Python
@@ -94,12 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                     p.terminate()
                     p.join(5)
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers([proc for proc, _ in procs])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from mindie_bench.lab.bench_models import resolve
-from mindie_bench.lab.serving import start_server
+from mindie_bench.lab.serving import start_server, stop_servers
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,13 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd += ["--out", args.out]
         subprocess.run(cmd, check=True)
     finally:
-        for proc in servers:
-            proc.terminate()
-        for proc in servers:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_servers(servers)
 
 
 if __name__ == "__main__":

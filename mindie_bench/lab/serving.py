@@ -136,6 +136,18 @@ def start_server(model: str, port: int, *, workers: int = 2, frontends: int = 1,
     sys.exit(f"server not ready in 120 s; log: {tmp / 'server.log'}")
 
 
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """Stop servers start_server started: SIGTERM to each (their drains run together), then wait up
+    to 30 s for each before SIGKILL."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model dir (default: the bench30m preset)")
