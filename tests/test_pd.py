@@ -46,8 +46,11 @@ def fleet(tmp_path_factory, demo_model):
                # so its 16-token prompt chunks keep the transfer spread over ~120 steps for the kill test.
                "K": _start(tmp, "k", "flex", schedule=plain_decode({"prefillChunkTokens": 16})),
                # a decode instance whose KV cache (cpuMemSize 0.0012 GiB: ~19 blocks at 4 KiB a token)
-               # is too small for four of the requests of the preemption test at once
-               "S": _start(tmp, "s", "decode", model={"cpuMemSize": 0.0012})}
+               # is too small for two of the requests of the preemption test at once; one token a
+               # step (plain_decode), so that each request runs its 160 steps long enough for the
+               # others' handoffs to arrive beside it (speculation finished the demo model's
+               # repetitive text in a few steps, and the handoffs then ran one after another)
+               "S": _start(tmp, "s", "decode", schedule=plain_decode(), model={"cpuMemSize": 0.0012})}
     try:
         for s in servers.values():
             s.wait_ready(180)
@@ -200,10 +203,11 @@ def test_constrained_output_equals_hybrid(fleet):
 
 
 def test_preemption_on_the_decode_side_keeps_the_output(fleet):
-    """Four handoffs at once to a decode instance whose KV cache holds about three of them: it preempts
-    (and recomputes) some, and every answer is still the hybrid instance's."""
+    """Four handoffs at once to a decode instance whose KV cache holds one of them whole (53 + 160
+    tokens: 14 of its ~19 blocks): it preempts (and recomputes) some, and every answer is still the
+    hybrid instance's."""
     bodies = [{"input_id": _prompt(3 * BLOCK + 5, 40 + i),
-               "parameters": {"max_new_tokens": 80, "details": True, "ignore_eos": True}} for i in range(4)]
+               "parameters": {"max_new_tokens": 160, "details": True, "ignore_eos": True}} for i in range(4)]
     want = [_ids(httpx.post(fleet["H"].url + "/infer_token", json=b, timeout=120)) for b in bodies]
 
     def metric() -> float:
