@@ -313,7 +313,9 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.cpuTuning.fusedDecodeRows": _ES + [
         "tests/test_cpu_decode.py::test_large_steps_and_prefills_keep_the_eager_path"],
     "BackendConfig.cpuTuning.ggufCompute": _ES + ["tests/test_gguf_kernels.py::test_tiny_model_native_against_dequantised",
-                                                  "tests/test_gguf.py::test_real_file_dequantised_as_transformers"],
+                                                  "tests/test_gguf.py::test_real_file_dequantised_as_transformers",
+                                                  "tests/test_gguf_native_server.py::"
+                                                  "test_auto_keeps_the_blocks_where_the_cpu_has_no_native_bf16"],
     "BackendConfig.cpuTuning.fusedDecodeMb": _ES + ["tests/test_cpu_decode.py::test_models_and_settings_it_does_not_cover"],
     "BackendConfig.cpuTuning.int8Rows": _ES,
     "BackendConfig.cpuTuning.adaptiveThreads": _ES + ["tests/test_step_width.py::test_worker_steps_narrow_on_a_busy_host"],

@@ -61,9 +61,9 @@ def test_kernel_matches_dequantised_reference(lib, qtype, m, n, k):
     # the activations: per 32 values one scale max|x| / 127, q = round(x / scale)
     blocks = x.view(m, k // 32, 32)
     scale = blocks.abs().amax(-1) / 127
-    assert torch.allclose(acts.d.view(m, -1, 2)[..., 0], scale)
+    assert torch.equal(acts.d.view(m, -1, 8), scale[..., None].expand(m, k // 32, 8))  # one per 4 values
     assert (acts.q.view(m, -1, 32).float() - blocks / scale[..., None]).abs().max() <= 0.5 + 1e-3
-    xq = acts.q.float().view(m, -1, 32) * acts.d.view(m, -1, 2)[..., :1]
+    xq = acts.q.float().view(m, -1, 32) * acts.d.view(m, -1, 8)[..., :1]
     tol = 2e-5 * (xq.view(m, k).abs() @ ref_w.abs().T) + 1e-6
     out = torch.full((m, n + 3), 7.0)
     gk.matmul(lib, gk.TYPES[qtype.name], x, torch.from_numpy(w), out[:, 1:n + 1], acts=acts, bias=bias)
@@ -228,3 +228,59 @@ def test_gguf_linear_parts_and_row_regimes(lib, m):
     assert lin.calls[path] == 1 and sum(lin.calls.values()) == 1
     with pytest.raises(ValueError, match="cover 20 of 34"):
         GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a[:20]))], None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
+    """The fused decode step (cpu_decode.py) takes a native GGUF model's decode steps, reading each
+    linear's blocks in place (no copy of the layer weights) through gguf_rows, the products the
+    eager GgufLinear runs for decode-sized row counts: bf16 rows are bit-identical to the eager
+    path at 1, 3 and 16 sequences. In fp32 torch's SiLU exp and the C library's differ in the last
+    bit (as for every fp32 model: tests/test_cpu_decode.py), and an activation that lands on the
+    other side of an int8 rounding step moves a product by up to a quantum: within 2 % of the
+    rows' magnitude."""
+    from tests.test_cpu_decode import _decode_run
+    from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf
+    from workers.backends.cpu import CpuBackend
+    from workers.backends.cpu_decode import _Gguf
+    cls, arch, config, options = MODEL_CASES[case]
+    vocab = gpt2_vocab(byte_level_tokenizer())
+    (tmp_path / case).mkdir()
+    path = write_gguf(tmp_path / case / f"{case}.gguf", tiny_model(cls, len(vocab["tokens"]), **config), arch,
+                      vocab, **options)
+    native, _, _, _ = _pair(path, tmp_path / "cache", dtype)
+    CpuBackend().prepare_model(native)
+    fused = native.fast_decode
+    assert fused is not None
+    layers = native.args.num_hidden_layers
+    assert sum(isinstance(v, _Gguf) for w in fused.weights for v in w.values()) == 5 * layers  # qkv o gate up down
+    assert not any(k.endswith("_w") and v is not None for w in fused.weights for k, v in w.items())
+    prompts = [[(7 * i + j) % 150 + 3 for j in range(2 + (5 * i) % 19)] for i in range(16)]
+    for batch in (1, 3, 16):
+        eager_h, eager_kv, _, fed = _decode_run(native, dtype, False, prompts[:batch], 6)
+        fused_h, fused_kv, calls, _ = _decode_run(native, dtype, True, prompts[:batch], 6, fed)
+        assert calls == 6, "every decode step ran in the fused kernel"
+        for a, b in zip(eager_h, fused_h):
+            if dtype == torch.bfloat16:
+                assert torch.equal(a, b), (batch, (a - b).abs().max())
+            else:
+                assert (a - b).abs().max() <= 0.02 * a.abs().max(), (batch, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 65, 200])
+def test_invariant_mode_computes_a_row_the_same_at_any_row_count(lib, m):
+    """gguf_matmul's mode 2 (ScheduleConfig.batchInvariant): a row's products come out with the
+    same bits whatever the call's row count, past the 64 rows where mode 0 switches to its tiles;
+    equal to mode 0's decode-row products at 1 row."""
+    for qtype in (Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
+        w = torch.from_numpy(random_weight(qtype, 40, k, seed=3))
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+        x[m // 2] = torch.linspace(-2, 2, k)  # the row followed at every count
+        tid = gk.TYPES[qtype.name]
+        out = torch.empty(m, 40, dtype=torch.bfloat16)
+        gk.matmul(lib, tid, x, w, out, mode=gk.INVARIANT)
+        one = torch.empty(1, 40, dtype=torch.bfloat16)
+        gk.matmul(lib, tid, x[m // 2:m // 2 + 1].contiguous(), w, one)
+        assert torch.equal(out[m // 2], one[0]), qtype.name

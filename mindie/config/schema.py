@@ -344,7 +344,7 @@ class CpuTuningConfig(_Section):
     adaptive_threads: bool = True
     prefill_attention: Literal["kernels", "sdpa"] = "kernels"
     prefill_linears: Literal["kernels", "onednn"] = "kernels"
-    gguf_compute: Literal["native", "dequantise"] = "dequantise"
+    gguf_compute: Literal["auto", "native", "dequantise"] = "auto"
 
 
 class BackendConfig(_Section):

@@ -35,7 +35,7 @@ class CpuTuning(msgspec.Struct, kw_only=True, frozen=True):
     adaptive_threads: bool = True  # each step's thread count chosen from measured step times (step_width.py)
     prefill_attention: str = "kernels"  # prompt chunks: kernels (paged_prefill) | sdpa (attention/cpu.py)
     prefill_linears: str = "kernels"  # bf16 linears on AMX: kernels (linear_rows' tiles) | onednn (cpu_linear.py)
-    gguf_compute: str = "dequantise"  # GGUF linears: dequantise (at load) | native (their blocks, gguf_kernels.c)
+    gguf_compute: str = "auto"  # GGUF linears: auto | dequantise (at load) | native (their blocks, gguf_kernels.c)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from mindie.contract.spec import WorkerSpec, native_bf16_default
+from mindie.contract.spec import WorkerSpec, cpu_flags, native_bf16_default
 from workers import settings
 from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide
@@ -127,8 +127,9 @@ class CpuBackend(Backend):
         return CpuInt8Kernel()
 
     def gguf_target(self):
-        # cpuTuning.ggufCompute: native (the default) or dequantise
-        return native_target()
+        # cpuTuning.ggufCompute: auto (native where this CPU has no native bf16), native or dequantise
+        flags = settings.cpu().native_bf16
+        return native_target(bf16=native_bf16_default(cpu_flags()) if flags is None else flags)
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32

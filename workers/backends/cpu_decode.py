@@ -21,7 +21,10 @@ larger models keep the eager path.
 ``cpuTuning.fusedDecode: false`` turns it off (each key's
 environment override: docs/config.md). Int8 weights (``quantize: w8a16``) are kept in this
 layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel reads those same
-tensors, no copy, with their scales applied to the fp32 sums. An fp32 model whose linears keep
+tensors, no copy, with their scales applied to the fp32 sums. A GGUF file's blocks
+(``ggufCompute: native``: workers/backends/gguf_linear.py) are read in place too, each linear
+as a ``dec_gguf_t`` of its parts, through gguf_kernels.c's ``gguf_rows`` (a pointer in the step),
+over the layer's input quantised per 32 values into the step's scratch. An fp32 model whose linears keep
 bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is computed in fp32
 over those same tensors (kernel code 2), no copy either. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
@@ -38,8 +41,9 @@ from workers import settings
 from workers.backends import cpu_linear
 from workers.backends.cpu_fused import silu_table
 from workers.backends.cpu_linear import KernelLinear
+from workers.backends.gguf_linear import GgufLinear
 from workers.backends.int8 import Int8Linear
-from workers.kernels import cpu_kernels
+from workers.kernels import cpu_kernels, gguf_kernels
 from workers.kernels.cpu_layout import pack, pack_scales
 
 log = logging.getLogger("workers.backends")
@@ -47,17 +51,28 @@ log = logging.getLogger("workers.backends")
 _c_void_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+GGUF_PARTS = 4  # DEC_GGUF_PARTS in cpu_kernels.c
+
+
+class _Gguf(ctypes.Structure):
+    """dec_gguf_t: a GgufLinear's rows (or a slice of them) read in their blocks."""
+    _fields_ = [("n_parts", _i64)] + [(n, _i64 * GGUF_PARTS) for n in ("first", "rows", "type")] \
+        + [("data", _c_void_p * GGUF_PARTS)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(n, _c_void_p) for n in ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_w", "gate_b",
                                          "up_w", "up_b", "down_w", "down_b", "qkv_s", "o_s", "gate_s", "up_s",
-                                         "down_s", "k_cache", "v_cache")] + [("window", _i64)]
+                                         "down_s", "k_cache", "v_cache")] + [("window", _i64)] \
+        + [(n, _c_void_p) for n in ("qkv_g", "o_g", "gate_g", "up_g", "down_g")]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "C", "H", "Hkv", "D", "I", "bs", "max_blocks", "max_pos", "M")] \
         + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))] \
         + [(n, _c_void_p) for n in ("embed", "ids", "pos", "blocks", "offsets", "tables", "cos_t", "sin_t",
-                                    "final_norm", "silu_bf16", "x", "xn", "qkv", "att", "act", "out")]
+                                    "final_norm", "silu_bf16", "x", "xn", "qkv", "att", "act", "out",
+                                    "gg_rows", "gg_quantize", "gg_xq", "gg_d4", "gg_s16")]
 
 
 MAX_ROWS = 64  # DEC_MAX_ROWS in cpu_kernels.c
@@ -122,7 +137,8 @@ class FusedDecode:
             lay = arr[i]
             for name in _Layer._fields_:
                 if name[0] in w:
-                    setattr(lay, name[0], _ptr(w[name[0]]))
+                    v = w[name[0]]
+                    setattr(lay, name[0], ctypes.addressof(v) if isinstance(v, _Gguf) else _ptr(v))
             lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
             lay.window = self.windows[i]
         self._layers, self._attn, self._cos = arr, attn, getattr(self.rope, "cos", None)
@@ -137,12 +153,26 @@ class FusedDecode:
                              torch.empty(n, nq, dtype=e), torch.empty(n, self.H * self.D, dtype=e),
                              torch.empty(n, self.I, dtype=e))
         x, xn, qkv, att, act = (t.data_ptr() for t in self._scratch)  # the kernel uses the first M rows
+        gg = self._gguf_scratch()
         self._step = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
                            bs=attn.block_size, max_pos=self.rope.max_positions, eps=self.eps,
                            scale=self.D ** -0.5, layers=self._layers, embed=self.embed.data_ptr(),
                            cos_t=self.rope.cos.data_ptr(), sin_t=self.rope.sin.data_ptr(),
                            final_norm=self.final_norm.data_ptr(), silu_bf16=_ptr(self.silu),
-                           x=x, xn=xn, qkv=qkv, att=att, act=act)
+                           x=x, xn=xn, qkv=qkv, att=att, act=act, **gg)
+
+    def _gguf_scratch(self) -> dict[str, int]:
+        """The GGUF layers' pointers and scratch (the input of a layer quantised per 32 values), or
+        nothing where every layer is packed for gemv_group."""
+        if not any(isinstance(v, _Gguf) for w in self.weights for v in w.values()):
+            return {}
+        lib = gguf_kernels.load()
+        k = max(self.C, self.H * self.D, self.I)
+        self._gg = (torch.empty(self.max_rows, k, dtype=torch.int8),
+                    torch.empty(self.max_rows, k // 4), torch.empty(self.max_rows, k // 16))
+        fn = ctypes.cast(lib.gguf_rows, _c_void_p).value, ctypes.cast(lib.gguf_quantize_row, _c_void_p).value
+        return dict(gg_rows=fn[0], gg_quantize=fn[1], gg_xq=self._gg[0].data_ptr(), gg_d4=self._gg[1].data_ptr(),
+                    gg_s16=self._gg[2].data_ptr())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         meta = getattr(attn, "meta", None)
@@ -180,13 +210,30 @@ def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
     return (start // 16, -(-stop // 16)) if start % 16 == 0 and (stop % 16 == 0 or stop == n) else None
 
 
+def _gguf(mod: GgufLinear, rows: slice | None) -> _Gguf | None:
+    """The parts of ``mod`` holding output rows ``rows`` (all of them: None), as the kernel reads
+    them, or None where a part straddles the slice or there are too many."""
+    start = 0 if rows is None else rows.start or 0
+    stop = mod.out_features if rows is None or rows.stop is None else rows.stop
+    parts = [(r0, t, raw) for r0, t, raw in mod.parts if start <= r0 < stop]
+    if not parts or len(parts) > GGUF_PARTS or any(r0 + raw.shape[0] > stop for r0, _, raw in parts) \
+            or sum(raw.shape[0] for _, _, raw in parts) != stop - start:
+        return None
+    g = _Gguf(n_parts=len(parts))
+    for i, (r0, t, raw) in enumerate(parts):
+        g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, raw.shape[0], t, raw.data_ptr()
+    return g
+
+
 def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None, w16: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | _Gguf | None:
     """(packed weight, scales or None) of a plain, a KernelLinear or an int8 (CPU kernel) linear,
     or of the output rows ``rows`` of it; None for anything else. A layer that keeps this layout
     already is shared, not copied, where the rows fall on its 16-channel blocks. ``w16``: the
     step computes in fp32 over bf16 weights (decode_layers' dtype 2), and reads only those."""
     sel = rows if rows is not None else slice(None)
+    if isinstance(mod, GgufLinear):  # the file's blocks, read in place (ggufCompute: native)
+        return None if w16 or mod.lib.isa < 1 else _gguf(mod, rows)
     if isinstance(mod, nn.Linear):
         return None if w16 else (pack(mod.weight[sel]), None)
     if isinstance(mod, KernelLinear):  # AMX CPUs (amx_linears), bf16 weights of fp32 models (bf16_weight_linears)
@@ -230,8 +277,11 @@ def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | Non
         w = {"in_norm": _vec(layer.input_layernorm.weight), "post_norm": _vec(layer.post_attention_layernorm.weight),
              "qkv_b": _vec(a.qkv_proj.bias), "o_b": _vec(a.o_proj.bias), "down_b": _vec(f.down_proj.bias),
              "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:])}
-        for name, (packed, scale) in mats.items():
-            w[f"{name}_w"], w[f"{name}_s"] = packed, scale
+        for name, m in mats.items():
+            if isinstance(m, _Gguf):
+                w[f"{name}_g"] = m
+            else:
+                w[f"{name}_w"], w[f"{name}_s"] = m
         weights.append(w)
     shared = {t.untyped_storage().data_ptr() for t in model.buffers()} | {
         m.packed.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, KernelLinear)}
@@ -296,9 +346,11 @@ def attach(model: nn.Module) -> FusedDecode | None:
         return None
     fused = FusedDecode(model, lib, code, weights, max_rows)
     model.fast_decode = fused
-    int8 = weights[0]["qkv_s"] is not None
+    int8 = weights[0].get("qkv_s") is not None
+    blocks = sum(isinstance(v, _Gguf) for w in weights for v in w.values())
     log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; %s)", fused.max_rows,
-             "int8 weight" if int8 else "AMX-BF16" if getattr(lib, "amx_rows", 0) and code == 1
+             f"GGUF block ({blocks} matrices, {gguf_kernels.ISA_NAMES[gguf_kernels.load().isa]})" if blocks
+             else "int8 weight" if int8 else "AMX-BF16" if getattr(lib, "amx_rows", 0) and code == 1
              else "AVX512-BF16" if lib.has_dpbf16 and code == 1
              else "bf16 weight, fp32 row" if code == 2 else "fp32-accumulated",
              f"keeps a {size / (1 << 20):.1f} MiB copy of the layer weights" if size

@@ -136,8 +136,9 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
         prefill = "the decode kernel, a token at a time (batch-invariant)"
     gguf = [m for m in model.modules() if isinstance(m, GgufLinear)]
     if gguf:  # a GGUF file's linears in their blocks (cpuTuning.ggufCompute: native)
-        products = (f"C GGUF blocks ({ISA_NAMES[gguf[0].lib.isa]} integer products up to {INT_ROWS} rows, "
-                    f"dequantised on oneDNN above) for {len(gguf)} layers"
+        rows = ("at every row count, batch-invariant" if gguf[0].invariant
+                else f"up to {INT_ROWS} rows, dequantised on oneDNN above")
+        products = (f"C GGUF blocks ({ISA_NAMES[gguf[0].lib.isa]} integer products {rows}) for {len(gguf)} layers"
                     + (f", {products} for the rest" if packed or kernel else ""))
     return Dispatch(isa_name(flags, lib), products, step, decode, prefill,
                     str(dtype).replace("torch.", ""))

@@ -1,20 +1,22 @@
 """A GGUF file's linear layers computed from their quantised blocks (``cpuTuning.ggufCompute:
-native``; the default ``dequantise`` keeps the weights dequantised at load to bf16/fp32, where
-the fused decode step reads them: faster at concurrency 1 until that step reads blocks too,
-docs/performance.md "GGUF blocks").
+native``, or ``auto`` on a CPU without native bf16; ``dequantise`` keeps the weights dequantised
+at load to bf16/fp32: docs/config.md, docs/performance.md "GGUF blocks").
 
 The loader (workers/models/gguf_loader.py) hands each linear's tensors to ``NativeTarget.linear``
 as the file stores them (one part per GGUF tensor: the fused q/k/v and gate/up layers have
 several, each its own block type); the weights then take the file's bytes, not 2-4x them, and a
-decode step reads those bytes. The products are the C kernels' (workers/kernels/gguf_kernels.c):
+decode step reads those bytes: the fused decode step (cpu_decode.py) reads them in place. The
+products are the C kernels' (workers/kernels/gguf_kernels.c):
 
 - up to ``INT_ROWS`` rows (decode steps, small prompt chunks): activations quantised per 32 values
   to int8 (as llama.cpp's Q8_0), integer dot products with each weight row read from its blocks
   (AVX-512 VNNI, AVX2, scalar; the scalar build from ``SCALAR_FLOAT_ROWS`` rows takes fp32
   products over dequantised tiles instead, its faster mode there), scaled per 16 values;
 - above (prompts): the layer's weights dequantised to the activation dtype into a transient
-  matrix and multiplied by oneDNN: at 128 rows that is 1.4-1.8x faster than the integer
-  kernels here, whose per-16-value scaling is compute-bound (docs/performance.md, "GGUF blocks").
+  matrix and multiplied by oneDNN, faster there than the integer kernels, whose per-16-value
+  scaling is compute-bound (docs/performance.md, "GGUF blocks");
+- in batch-invariant mode (ScheduleConfig.batchInvariant) the integer products at every row
+  count (``gguf_matmul`` mode 2), so a row's result never depends on its step.
 
 The activation quantisation changes the results slightly against the dequantised weights
 (~0.3 % of a product's magnitude): greedy text can differ from the ``dequantise`` path where
@@ -34,7 +36,7 @@ from workers.kernels import gguf_kernels as gk
 
 log = logging.getLogger("workers.backends")
 
-COMPUTES = ("native", "dequantise")
+COMPUTES = ("auto", "native", "dequantise")
 # Row counts up to this take the integer products (cpu_kernels' decode batches reach 64).
 INT_ROWS = 64
 # The scalar build (no AVX2): from this many rows the fp32 products over dequantised tiles (the
@@ -42,11 +44,18 @@ INT_ROWS = 64
 SCALAR_FLOAT_ROWS = 16
 
 
-def compute() -> str:
-    """``cpuTuning.ggufCompute``: native or dequantise (ValueError for anything else)."""
+def compute(bf16: bool = True) -> str:
+    """``cpuTuning.ggufCompute`` resolved: native or dequantise (ValueError for anything else).
+    ``auto``: native where the CPU has no native bf16 (``bf16`` False: AVX-512 without
+    avx512_bf16, AVX2), where the dequantised weights would be computed in fp32 or as bf16 weights
+    under fp32 rows, 2-4x the file's bytes per token; dequantise where it has them (AVX512-BF16,
+    AMX), whose bf16 products beat the integer ones from 4 rows and on prompts (docs/performance.md,
+    "GGUF blocks")."""
     value = settings.cpu().gguf_compute
     if value not in COMPUTES:
         raise ValueError(f"cpuTuning.ggufCompute must be one of {', '.join(COMPUTES)}, got {value!r}")
+    if value == "auto":
+        return "dequantise" if bf16 else "native"
     return value
 
 
@@ -63,6 +72,8 @@ class GgufLinear(nn.Module):
         if covered != out_features:
             raise ValueError(f"GGUF linear: parts cover {covered} of {out_features} output rows")
         self.bias = bias
+        # batch-invariant mode: the integer products at every row count (prompts included)
+        self.invariant = settings.engine().batch_invariant
         self.calls = {"int": 0, "float": 0, "dequantised": 0}  # which products ran (tests check the path)
 
     def nbytes(self) -> int:
@@ -77,7 +88,15 @@ class GgufLinear(nn.Module):
         rows = rows.to(dtype).contiguous()
         m = rows.shape[0]
         bias = None if self.bias is None else self.bias.detach().to(dtype)
-        if m == 0 or m > INT_ROWS:
+        if m and self.invariant:  # one order per row at any row count (ScheduleConfig.batchInvariant)
+            self.calls["int"] += 1
+            out = torch.empty((m, self.out_features), dtype=dtype)
+            acts = gk.Activations(self.lib, rows)
+            for r0, tid, raw in self.parts:
+                n = raw.shape[0]
+                gk.matmul(self.lib, tid, rows, raw, out[:, r0:r0 + n], acts=acts, mode=gk.INVARIANT,
+                          bias=None if bias is None else bias[r0:r0 + n])
+        elif m == 0 or m > INT_ROWS:
             self.calls["dequantised"] += 1
             out = F.linear(rows, self.dequantised(dtype), bias)
         elif self.lib.isa == 0 and m >= SCALAR_FLOAT_ROWS:
@@ -132,20 +151,21 @@ class NativeTarget:
 
     def loaded(self, types: set[str]) -> None:
         if self.count:
-            log.info("GGUF compute: native, %d linear layers in their blocks (%s, %.1f MiB) on the C kernels: "
-                     "%s integer products up to %d rows, dequantised tiles on oneDNN above",
-                     self.count, "/".join(sorted(types)), self.nbytes / 2**20, gk.ISA_NAMES[self.lib.isa], INT_ROWS)
+            rows = ("at every row count (ScheduleConfig.batchInvariant: one order per row, prompts included)"
+                    if settings.engine().batch_invariant else
+                    f"up to {INT_ROWS} rows, dequantised tiles on oneDNN above")
+            log.info("GGUF compute: native (cpuTuning.ggufCompute %s%s), %d linear layers in their blocks (%s, "
+                     "%.1f MiB) on the C kernels: %s integer products %s", settings.cpu().gguf_compute,
+                     ": no native bf16 on this CPU" if settings.cpu().gguf_compute == "auto" else "", self.count, "/".join(sorted(types)), self.nbytes / 2**20,
+                     gk.ISA_NAMES[self.lib.isa], rows)
 
 
-def native_target() -> NativeTarget | None:
+def native_target(bf16: bool = True) -> NativeTarget | None:
     """The CPU's target for a GGUF model's linears, or None (``ggufCompute: dequantise``, or no C
     kernels: the reason logged once)."""
-    if compute() != "native":
-        log.info("GGUF compute: dequantise (cpuTuning.ggufCompute): linear weights dequantised at load")
-        return None
-    if settings.engine().batch_invariant:  # the block products switch to oneDNN above INT_ROWS rows
-        log.info("GGUF compute: dequantise, as ScheduleConfig.batchInvariant is on (the native block products "
-                 "change their order with the row count); linear weights dequantised at load")
+    if compute(bf16) != "native":
+        log.info("GGUF compute: dequantise (cpuTuning.ggufCompute %s%s): linear weights dequantised at load",
+                 settings.cpu().gguf_compute, ": this CPU computes bf16 natively" if bf16 else "")
         return None
     lib = gk.load()
     if lib is None:

@@ -2163,12 +2163,27 @@ int rope_inplace(int dtype, void *x, int64_t T, int64_t t_stride, int64_t H, int
  * at batch 1 costs as much as streaming the weights (docs/performance.md). Every intermediate is
  * rounded to the activation type where torch's eager ops round, so results follow the unfused path
  * (the products' sums can differ in order from oneDNN's, i.e. in the last bits of fp32). */
+/* A linear layer kept in a GGUF file's quantised blocks (workers/backends/gguf_linear.py): up to 4
+ * parts (one per GGUF tensor, each its own ggml type), computed by gguf_kernels.c's gguf_rows
+ * through the step's pointer over activations quantised by its gguf_quantize_row */
+#define DEC_GGUF_PARTS 4
+typedef struct {
+    int64_t n_parts;
+    int64_t first[DEC_GGUF_PARTS], rows[DEC_GGUF_PARTS], type[DEC_GGUF_PARTS];  /* output rows, ggml type */
+    const void *data[DEC_GGUF_PARTS];  /* [rows][row bytes] */
+} dec_gguf_t;
+
+typedef void (*gguf_rows_fn)(int type, const void *w, int64_t K, const int8_t *xq, const float *d4,
+                             const float *s16, int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr);
+typedef void (*gguf_quantize_fn)(int dt, const void *x, int64_t K, int8_t *xq, float *d4, float *s16);
+
 typedef struct {
     /* weights packed for gemv_group; gate and up as two matrices of I rows */
     const void *in_norm, *qkv_w, *qkv_b, *o_w, *o_b, *post_norm, *gate_w, *gate_b, *up_w, *up_b, *down_w, *down_b;
     const float *qkv_s, *o_s, *gate_s, *up_s, *down_s;  /* int8 weights: their scales; else NULL */
     void *k_cache, *v_cache;
     int64_t window;  /* <= 0: none */
+    const dec_gguf_t *qkv_g, *o_g, *gate_g, *up_g, *down_g;  /* GGUF blocks instead of *_w; else NULL */
 } dec_layer_t;
 
 typedef struct {
@@ -2188,6 +2203,10 @@ typedef struct {
     void *att;     /* [M, H D] */
     void *act;     /* [M, I] */
     void *out;     /* [M, C]: the final norm's output */
+    gguf_rows_fn gg_rows;          /* GGUF layers: gguf_kernels.c's products, or NULL */
+    gguf_quantize_fn gg_quantize;
+    int8_t *gg_xq;                 /* [M, max K]: a GGUF layer's input quantised per 32 values */
+    float *gg_d4, *gg_s16;         /* [M, max K / 4], [M, max K / 16] */
 } dec_step_t;
 
 #if HAVE_AVX512BW
@@ -2214,17 +2233,41 @@ INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst)
     for (int64_t m = 0; m < s->M; m++) rms_row(dt, s->x, m * s->C, w, dst, m * s->C, s->C, s->eps, buf);
 }
 
+/* A GGUF layer's input rows quantised into the step's scratch (the team's rows split, then a barrier) */
+INLINE void dec_gguf_quantize(int dt, const dec_step_t *s, const void *in, int64_t K) {
+    const int64_t es = dt == 0 ? 4 : 2;
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < s->M; m++)
+        s->gg_quantize(dt, (const char *)in + m * K * es, K, s->gg_xq + m * K, s->gg_d4 + m * (K / 4),
+                       s->gg_s16 + m * (K / 16));
+}
+
+/* gemv_group's sums for the 16-channel blocks g0 .. g0 + nb of a GGUF layer, from its parts */
+INLINE void gguf_group(const dec_step_t *s, const dec_gguf_t *g, int64_t K, int64_t N, int64_t g0, int64_t nb,
+                       float *res) {
+    const int64_t lo = g0 * 16, hi = (g0 + nb) * 16 < N ? (g0 + nb) * 16 : N;
+    for (int64_t p = 0; p < g->n_parts; p++) {
+        const int64_t a = g->first[p] > lo ? g->first[p] : lo, e = g->first[p] + g->rows[p];
+        const int64_t b = e < hi ? e : hi;
+        if (a < b)
+            s->gg_rows((int)g->type[p], g->data[p], K, s->gg_xq, s->gg_d4, s->gg_s16, s->M, a - g->first[p],
+                       b - g->first[p], res + (a - lo), GROUP * 16);
+    }
+}
+
 /* x[M, K] @ w^T (+ b): out[m, n] = round(sum), or with residual x[m, n] = round(x + round(sum));
  * pt: the products' type code (dt, or 2: fp32 rows over bf16 weights, gemv_group's dt 2) */
 INLINE void dec_linear(int dt, int pt, const dec_step_t *s, const void *in, int64_t K, const void *w,
-                       const float *sc, const void *bias, int64_t N, void *dst, int residual) {
+                       const float *sc, const dec_gguf_t *gg, const void *bias, int64_t N, void *dst, int residual) {
     float res[DEC_MAX_ROWS * GROUP * 16];
     const int64_t NB = (N + 15) / 16;
     int64_t b0, b1;
+    if (gg) dec_gguf_quantize(dt, s, in, K);
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        gemv_group(sc ? dt : pt, in, s->M, K, w, sc, g0, nb, res);
+        if (gg) gguf_group(s, gg, K, N, g0, nb, res);
+        else gemv_group(sc ? dt : pt, in, s->M, K, w, sc, g0, nb, res);
 #if HAVE_AVX512BW
         for (int64_t m = 0; m < s->M; m++)
             for (int64_t b = 0; b < nb; b++) {
@@ -2256,11 +2299,14 @@ INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L
     float rg[DEC_MAX_ROWS * GROUP * 16], ru[DEC_MAX_ROWS * GROUP * 16];
     const int64_t I = s->I, NB = (I + 15) / 16;
     int64_t b0, b1;
+    if (L->gate_g || L->up_g) dec_gguf_quantize(dt, s, s->xn, s->C);  /* one input for both */
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        gemv_group(L->gate_s ? dt : pt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
-        gemv_group(L->up_s ? dt : pt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
+        if (L->gate_g) gguf_group(s, L->gate_g, s->C, I, g0, nb, rg);
+        else gemv_group(L->gate_s ? dt : pt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
+        if (L->up_g) gguf_group(s, L->up_g, s->C, I, g0, nb, ru);
+        else gemv_group(L->up_s ? dt : pt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
 #if HAVE_AVX512BW
         if (dt == 1 && s->silu_bf16) {
             for (int64_t m = 0; m < s->M; m++)
@@ -2344,7 +2390,7 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
     for (int64_t l = 0; l < s->n_layers; l++) {
         const dec_layer_t *L = &s->layers[l];
         dec_norm_rows(dt, s, L->in_norm, s->xn);
-        dec_linear(dt, pt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_b, NQ, s->qkv, 0);
+        dec_linear(dt, pt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_g, L->qkv_b, NQ, s->qkv, 0);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
             rope_token(dt, s->qkv, m * NQ, H + Hkv, D, s->cos_t + s->pos[m] * half, s->sin_t + s->pos[m] * half);
@@ -2358,10 +2404,10 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
             attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
                         s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, i % Hkv, (char *)s->att + m * H * D * es);
         }
-        dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_b, C, s->x, 1);
+        dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, C, s->x, 1);
         dec_norm_rows(dt, s, L->post_norm, s->xn);
         dec_swiglu(dt, pt, s, L);
-        dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_b, C, s->x, 1);
+        dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, C, s->x, 1);
     }
     dec_norm_rows(dt, s, s->final_norm, s->out);
 }

@@ -11,7 +11,10 @@
  *   dot products per 16 values (AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw`` + ``vpmaddwd``, or
  *   the scalar loop), scaled by a * dx, plus b times the activation's sum over those 16 values;
  * - mode 1 (float): the weight tile dequantised to fp32 in cache, against fp32 activations (the
- *   compiler's vectorised FMA loop), the comparison the measurements chose against.
+ *   compiler's vectorised FMA loop), the comparison the measurements chose against;
+ * - mode 2 (integer, batch-invariant): mode 0's decode-row products at every row count, so a row's
+ *   result never depends on how many rows the call has (AVX2 and AVX-512 builds; the scalar build
+ *   computes mode 0's tiles at any count, whose per-row order does not depend on it either).
  *
  * The instruction set is the build's (``-march=native``; tests build with ``-mno-avx512f`` and
  * ``-mno-avx`` to run the AVX2 and scalar paths on an AVX-512 host): ``gguf_isa()`` says which.
@@ -222,37 +225,42 @@ static void unpack_row(int type, const uint8_t *src, int64_t K, uint8_t *q, floa
     }
 }
 
-/* Activations: per row, int8 q[K], the scale per 16 values d16[K/16] (one per 32, written twice)
- * and s16[K/16] = d * (sum of q over those 16 values). dt: 0 fp32, 1 bf16. */
-int gguf_quantize(int dt, const void *x, int64_t M, int64_t K, int8_t *xq, float *d16, float *s16) {
-    if (K % 32) return -1;
-    _Pragma("omp parallel for schedule(static) if (M * K > 65536)")
-    for (int64_t m = 0; m < M; m++) {
-        float v[32];
-        for (int64_t blk = 0; blk < K / 32; blk++) {
-            const int64_t k0 = blk * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                v[j] = dt == 1 ? bf16_to_f32(((const uint16_t *)x)[m * K + k0 + j]) : ((const float *)x)[m * K + k0 + j];
-                amax = fmaxf(amax, fabsf(v[j]));
-            }
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *o = xq + m * K + k0;
-            int s0 = 0, s1 = 0;
-            for (int j = 0; j < 32; j++) {
-                o[j] = (int8_t)nearbyintf(v[j] * id);
-                if (j < 16) s0 += o[j]; else s1 += o[j];
-            }
-            const int64_t g = m * (K / 16) + 2 * blk;
-            d16[g] = d16[g + 1] = d;
-            s16[g] = d * (float)s0;
-            s16[g + 1] = d * (float)s1;
+/* Activations: per row, int8 q[K], the scale per 4 values d4[K/4] (one per 32, written 8 times:
+ * the lanes of a vpdpbusd result load it directly) and s16[K/16] = d * (sum of q over those 16
+ * values). dt: 0 fp32, 1 bf16. One row here (the fused
+ * decode step in cpu_kernels.c calls it through a pointer), many in gguf_quantize. */
+void gguf_quantize_row(int dt, const void *x, int64_t K, int8_t *xq, float *d4, float *s16) {
+    float v[32];
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        const int64_t k0 = blk * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            v[j] = dt == 1 ? bf16_to_f32(((const uint16_t *)x)[k0 + j]) : ((const float *)x)[k0 + j];
+            amax = fmaxf(amax, fabsf(v[j]));
         }
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *o = xq + k0;
+        int s0 = 0, s1 = 0;
+        for (int j = 0; j < 32; j++) {
+            o[j] = (int8_t)nearbyintf(v[j] * id);
+            if (j < 16) s0 += o[j]; else s1 += o[j];
+        }
+        for (int j = 0; j < 8; j++) d4[8 * blk + j] = d;
+        s16[2 * blk] = d * (float)s0;
+        s16[2 * blk + 1] = d * (float)s1;
     }
+}
+
+int gguf_quantize(int dt, const void *x, int64_t M, int64_t K, int8_t *xq, float *d4, float *s16) {
+    if (K % 32) return -1;
+    const int64_t es = dt == 1 ? 2 : 4;
+    _Pragma("omp parallel for schedule(static) if (M * K > 65536)")
+    for (int64_t m = 0; m < M; m++)
+        gguf_quantize_row(dt, (const char *)x + m * K * es, K, xq + m * K, d4 + m * (K / 4), s16 + m * (K / 16));
     return 0;
 }
 
-/* sum over 16-value groups of a[g] * dx[g] * (q . xq over g) */
+/* sum over 16-value groups of a[g] * dx[4 g] * (q . xq over g) (dx: d4) */
 static inline float idot(const uint8_t *q, const float *a, const int8_t *xq, const float *dx, int64_t K) {
 #if GG_ISA == 2
     const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -261,14 +269,16 @@ static inline float idot(const uint8_t *q, const float *a, const int8_t *xq, con
     for (; k + 64 <= K; k += 64) {
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(q + k),
                                               _mm512_loadu_si512(xq + k));
-        const __m128 s = _mm_mul_ps(_mm_loadu_ps(a + k / 16), _mm_loadu_ps(dx + k / 16));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s)), acc);
+        const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(a + k / 16))),
+                                       _mm512_loadu_ps(dx + k / 4));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
     }
     if (k < K) {  /* 32 values left (K is a multiple of 32) */
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(0xffffffffull, q + k),
                                               _mm512_maskz_loadu_epi8(0xffffffffull, xq + k));
-        const __m128 s = _mm_mul_ps(_mm_maskz_loadu_ps(3, a + k / 16), _mm_maskz_loadu_ps(3, dx + k / 16));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s)), acc);
+        const __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(3, a + k / 16))),
+                                       _mm512_maskz_loadu_ps(0xff, dx + k / 4));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
     }
     return _mm512_reduce_add_ps(acc);
 #elif GG_ISA == 1
@@ -279,7 +289,7 @@ static inline float idot(const uint8_t *q, const float *a, const int8_t *xq, con
         /* vpmaddubsw saturates pairs at 32767: exact for q <= 127 (every type but Q8_0's shifted
          * bytes); above it the halves are widened to 16 bits and multiplied exactly */
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-        const float s0 = a[k / 16] * dx[k / 16], s1 = a[k / 16 + 1] * dx[k / 16 + 1];
+        const float s0 = a[k / 16] * dx[k / 4], s1 = a[k / 16 + 1] * dx[k / 4 + 4];
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), acc);
     }
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -290,7 +300,7 @@ static inline float idot(const uint8_t *q, const float *a, const int8_t *xq, con
     for (int64_t g = 0; g < K / 16; g++) {
         int32_t s = 0;
         for (int j = 0; j < 16; j++) s += (int32_t)q[g * 16 + j] * xq[g * 16 + j];
-        acc += a[g] * dx[g] * (float)s;
+        acc += a[g] * dx[4 * g] * (float)s;
     }
     return acc;
 #endif
@@ -304,7 +314,7 @@ static inline float idot_wide(const uint8_t *q, const float *a, const int8_t *xq
         const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + k)));
         const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + k)));
         const __m256i p = _mm256_madd_epi16(w, x);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a[k / 16] * dx[k / 16]), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a[k / 16] * dx[k / 4]), acc);
     }
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -356,19 +366,19 @@ static inline float hsum8(__m256 v) {
         for (int r = 0; r < 4; r++) { \
             if (r >= mr) break; \
             const int8_t *xr_ = xq + r * K; \
-            const float *dr_ = d16 + r * G, *sr_ = s16 + r * G; \
+            const float *dr_ = d4 + r * G4, *sr_ = s16 + r * G; \
             const __m256i p_ = dot32(w_, _mm256_loadu_si256((const __m256i *)(xr_ + 32 * c_))); \
-            const float dx_ = dr_[2 * c_]; \
+            const float dx_ = dr_[8 * c_]; \
             acc[r + 4 * (c_ & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), \
                 _mm256_set_m128(_mm_set1_ps(a1_ * dx_), _mm_set1_ps(a0_ * dx_)), acc[r + 4 * (c_ & 1)]); \
             accb[r] += b0_ * sr_[2 * c_] + b1_ * sr_[2 * c_ + 1]; \
         } \
     } while (0)
 
-/* res[r] = row w . activation row r, for mr (1-4) rows from xq, d16, s16 (K and K / 16 apart) */
-static void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d16, const float *s16,
+/* res[r] = row w . activation row r, for mr (1-4) rows from xq, d4, s16 (K, K / 4 and K / 16 apart) */
+static void row_dot256(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                     int mr, float *res) {
-    const int64_t G = K / 16;
+    const int64_t G = K / 16, G4 = K / 4;
     /* two accumulators per row, even and odd chunks: two FMA chains instead of one */
     __m256 acc[8];
     for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
@@ -405,7 +415,7 @@ static void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, con
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * i));
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)),
                                                     _mm256_set1_epi16(1));
-                acc[r + 4 * (i & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * d16[r * G + 2 * i]),
+                acc[r + 4 * (i & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * d4[r * G4 + 8 * i]),
                                                        acc[r + 4 * (i & 1)]);
             }
 #endif
@@ -460,6 +470,192 @@ static void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, con
     }
     for (int r = 0; r < mr; r++) res[r] = hsum8(_mm256_add_ps(acc[r], acc[r + 4])) + accb[r];
 }
+
+#if GG_ISA == 2
+/* ---- The same rows 64 values at a time (AVX-512 VNNI) ----
+ * A 64-value chunk of the row becomes 64 unsigned bytes in natural order in a zmm register, with
+ * its four 16-value groups' (a, b) in two xmm; for each activation row, one vpdpbusd gives 16 int32
+ * lanes (lane j: values 4j .. 4j + 3, group j / 4), scaled by a * dx per group and accumulated;
+ * b times the activation's group sums goes to a second, 4-lane accumulator. A chunk is decoded
+ * once for up to 4 activation rows. About a third of row_dot256's instructions per product. */
+#define ROW64(r, ACC, ACCB) do { \
+            if (MR > (r)) { \
+                const int8_t *x_ = xq + (r) * K + k0_; \
+                const float *d_ = d4 + (r) * G4 + k0_ / 4, *s_ = s16 + (r) * G + g0_; \
+                const __m512i p_ = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_, \
+                    tail_ ? _mm512_maskz_loadu_epi8(0xffffffffull, x_) : _mm512_loadu_si512(x_)); \
+                ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_), _mm512_mul_ps(av_, \
+                    tail_ ? _mm512_maskz_loadu_ps(0xff, d_) : _mm512_loadu_ps(d_)), ACC); \
+                ACCB = _mm_fmadd_ps(b4_, tail_ ? _mm_maskz_loadu_ps(3, s_) : _mm_loadu_ps(s_), ACCB); \
+            } \
+        } while (0)
+/* accumulators as named variables (an array of them stays in memory); TAIL (a constant): the
+ * chunk is the last 32 values of the row, the loads past them masked off */
+#define CONSUME64(W, A4, B4, K0, TAIL) do { \
+        const __m512i w_ = (W); \
+        const __m128 a4_ = (A4), b4_ = (B4); \
+        const int64_t k0_ = (K0), g0_ = k0_ / 16; \
+        const int tail_ = (TAIL); \
+        const __m512 av_ = _mm512_permutexvar_ps(grp, _mm512_castps128_ps512(a4_)); \
+        ROW64(0, acc0, accb0); \
+        ROW64(1, acc1, accb1); \
+        ROW64(2, acc2, accb2); \
+        ROW64(3, acc3, accb3); \
+    } while (0)
+
+/* two 32-value blocks' 16 bytes of nibbles -> 64 values in order (low nibbles first per block) */
+static inline __m512i nib64(const uint8_t *q0, const uint8_t *q1) {
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)q0)),
+                                              _mm_loadu_si128((const __m128i *)q1), 1);
+    const __m256i m = _mm256_set1_epi8(0xF);
+    const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(v, m));
+    const __m512i hi = _mm512_castsi256_si512(_mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+    return _mm512_permutex2var_epi64(lo, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi);
+}
+
+static inline __m512i two32(__m256i a, __m256i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+/* two 32-value blocks x0, x1 of a 32-block type -> 64 unsigned bytes in order, with each block's
+ * (a, b): w = a * q + b */
+static inline __attribute__((always_inline)) __m512i pair32(const int type, const uint8_t *x0, const uint8_t *x1,
+                                                           float *a0, float *a1, float *b0, float *b1) {
+    const float d0 = f16_to_f32(rd16(x0)), d1 = f16_to_f32(rd16(x1));
+    *a0 = d0;
+    *a1 = d1;
+    if (type == T_Q8_0) {
+        *b0 = -128.0f * d0;
+        *b1 = -128.0f * d1;
+        return _mm512_xor_si512(two32(_mm256_loadu_si256((const __m256i *)(x0 + 2)),
+                                      _mm256_loadu_si256((const __m256i *)(x1 + 2))), _mm512_set1_epi8((char)0x80));
+    }
+    const int q5 = type == T_Q5_0 || type == T_Q5_1, hd = type == T_Q4_1 || type == T_Q5_1 ? 4 : 2;
+    __m512i v = nib64(x0 + hd + (q5 ? 4 : 0), x1 + hd + (q5 ? 4 : 0));
+    if (q5) {  /* the fifth bits: bit j of qh -> 0x10 in value j */
+        uint32_t h0, h1;
+        memcpy(&h0, x0 + hd, 4);
+        memcpy(&h1, x1 + hd, 4);
+        v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(((__mmask64)h1 << 32) | h0, _mm512_set1_epi8(0x10)));
+    }
+    *b0 = type == T_Q4_0 ? -8.0f * d0 : type == T_Q5_0 ? -16.0f * d0 : f16_to_f32(rd16(x0 + 2));
+    *b1 = type == T_Q4_0 ? -8.0f * d1 : type == T_Q5_0 ? -16.0f * d1 : f16_to_f32(rd16(x1 + 2));
+    return v;
+}
+
+/* type and MR (the activation rows, 1-4) are constants in each of row_dot512's calls: the
+ * accumulators stay in registers and the type's branches fold away */
+static inline __attribute__((always_inline)) void rows512(const int type, const int MR, const uint8_t *w, int64_t K,
+                                                          const int8_t *xq, const float *d4, const float *s16,
+                                                          float *res) {
+    const int64_t G = K / 16, G4 = K / 4;
+    const __m512i grp = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m128 accb0 = _mm_setzero_ps(), accb1 = accb0, accb2 = accb0, accb3 = accb0;
+    const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: {
+        int64_t i = 0;
+        for (; i + 1 < nb; i += 2) {
+            float a0, a1, b0, b1;
+            const __m512i v = pair32(type, w + i * bb, w + (i + 1) * bb, &a0, &a1, &b0, &b1);
+            CONSUME64(v, _mm_set_ps(a1, a1, a0, a0), _mm_set_ps(b1, b1, b0, b0), i * 32, 0);
+        }
+        if (i < nb) {  /* an odd block at the end: paired with itself, its second half's activations masked off */
+            float a0, a1, b0, b1;
+            const __m512i v = pair32(type, w + i * bb, w + i * bb, &a0, &a1, &b0, &b1);
+            CONSUME64(v, _mm_set_ps(0.0f, 0.0f, a0, a0), _mm_set_ps(0.0f, 0.0f, b0, b0), i * 32, 1);
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb, *scales = x + 4, *qs = x + (type == T_Q4_K ? 16 : 48);
+            const float d = f16_to_f32(rd16(x)), dmin = f16_to_f32(rd16(x + 2));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 16)), m4 = _mm256_set1_epi8(0xF);
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (type == T_Q5_K) {
+                    const __m256i one = _mm256_set1_epi8(1);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
+                }
+                uint8_t sc0, m0, sc1, m1;
+                scale_min_k4(2 * j, scales, &sc0, &m0);
+                scale_min_k4(2 * j + 1, scales, &sc1, &m1);
+                const float a0 = d * sc0, a1 = d * sc1, b0 = -dmin * m0, b1 = -dmin * m1;
+                CONSUME64(two32(lo, hi), _mm_set_ps(a1, a1, a0, a0), _mm_set_ps(b1, b1, b0, b0), i * 256 + 64 * j, 0);
+            }
+        }
+        break;
+    case T_Q6_K:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb;
+            const int8_t *sc = (const int8_t *)(x + 192);
+            const float d = f16_to_f32(rd16(x + 208));
+            const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+            for (int n = 0; n < 2; n++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * n));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * n + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * n));
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4))};
+                for (int k = 0; k < 4; k += 2) {  /* q[k], q[k + 1]: values 32k .. 32k + 63 of this half */
+                    const int8_t *s4 = sc + 8 * n + 2 * k;
+                    const __m128 a4 = _mm_mul_ps(_mm_set1_ps(d), _mm_cvtepi32_ps(_mm_cvtepi8_epi32(
+                        _mm_cvtsi32_si128(*(const int *)s4))));
+                    CONSUME64(two32(q[k], q[k + 1]), a4, _mm_mul_ps(_mm_set1_ps(-32.0f), a4),
+                              i * 256 + 128 * n + 32 * k, 0);
+                }
+            }
+        }
+        break;
+    }
+    const __m512 acc[4] = {acc0, acc1, acc2, acc3};
+    const __m128 accb[4] = {accb0, accb1, accb2, accb3};
+    for (int r = 0; r < MR; r++) {
+        const __m128 b = accb[r], b2 = _mm_add_ps(b, _mm_movehl_ps(b, b));
+        res[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(b2, _mm_shuffle_ps(b2, b2, 1)));
+    }
+}
+
+#define ROWS512_MR(T) do { switch (mr) {                                   \
+    case 4: rows512(T, 4, w, K, xq, d4, s16, res); break;                \
+    case 3: rows512(T, 3, w, K, xq, d4, s16, res); break;                \
+    case 2: rows512(T, 2, w, K, xq, d4, s16, res); break;                \
+    default: rows512(T, 1, w, K, xq, d4, s16, res); break; } } while (0)
+
+static void row_dot512(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
+                       int mr, float *res) {
+    switch (type) {
+    case T_Q4_0: ROWS512_MR(T_Q4_0); break;
+    case T_Q4_1: ROWS512_MR(T_Q4_1); break;
+    case T_Q5_0: ROWS512_MR(T_Q5_0); break;
+    case T_Q5_1: ROWS512_MR(T_Q5_1); break;
+    case T_Q8_0: ROWS512_MR(T_Q8_0); break;
+    case T_Q4_K: ROWS512_MR(T_Q4_K); break;
+    case T_Q5_K: ROWS512_MR(T_Q5_K); break;
+    case T_Q6_K: ROWS512_MR(T_Q6_K); break;
+    }
+}
+#endif
+
+/* res[r] = row w . activation row r, for mr (1-4) rows from xq, d4, s16 (K, K / 4 and K / 16 apart) */
+static inline void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4,
+                           const float *s16, int mr, float *res) {
+#if GG_ISA == 2
+    row_dot512(type, w, K, xq, d4, s16, mr, res);
+#else
+    row_dot256(type, w, K, xq, d4, s16, mr, res);
+#endif
+}
 #endif
 
 static inline float fdot(const float *u, const float *v, int64_t n) {
@@ -467,6 +663,32 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
     _Pragma("omp simd reduction(+:s)")
     for (int64_t i = 0; i < n; i++) s += u[i] * v[i];
     return s;
+}
+
+/* Weight rows n0 .. n1 of w (raw blocks) against M activation rows quantised by gguf_quantize_row:
+ * res[m * ldr + n - n0] = the sum, no bias, one thread (the caller splits rows over its team: the
+ * fused decode step in cpu_kernels.c, through a pointer). Each row as gguf_matmul's decode path
+ * computes it, so a step's rows come out the same in either. */
+void gguf_rows(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
+               int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr) {
+    const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), G = K / 16;
+#if GG_ISA >= 1
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+            float r4[4];
+            row_dot(type, w + n * rb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, r4);
+            for (int r = 0; r < mr; r++) res[(m0 + r) * ldr + n - n0] = r4[r];
+        }
+#else  /* the scalar build: gguf_matmul's integer mode, a row unpacked at a time */
+    uint8_t q[K];
+    float a[G], b[G];
+    for (int64_t n = n0; n < n1; n++) {
+        unpack_row(type, w + n * rb, K, q, a, b);
+        for (int64_t m = 0; m < M; m++)
+            res[m * ldr + n - n0] = idot(q, a, xq + m * K, d4 + m * (K / 4), K) + fdot(b, s16 + m * G, G);
+    }
+#endif
 }
 
 static inline void store(int dt, void *out, int64_t i, float v) {
@@ -479,10 +701,10 @@ static inline float load(int dt, const void *p, int64_t i) {
 }
 
 /* out[m * ldo + n] (dt: 0 fp32, 1 bf16; bias of that type or NULL) for the N rows of w (raw
- * blocks, row after row). mode 0: xq, d16, s16 from gguf_quantize (x unused); mode 1: x fp32
+ * blocks, row after row). mode 0: xq, d4, s16 from gguf_quantize (x unused); mode 1: x fp32
  * [M, K]. Returns -1 for a type or shape it does not cover. */
 int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x, const int8_t *xq,
-                const float *d16, const float *s16, const uint8_t *w, int64_t N, const void *bias, void *out,
+                const float *d4, const float *s16, const uint8_t *w, int64_t N, const void *bias, void *out,
                 int64_t ldo) {
     const int64_t bv = gguf_block_values(type);
     if (!bv || K % bv || M < 0 || N < 0) return -1;
@@ -490,16 +712,22 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
     const int64_t tiles = (N + NT - 1) / NT;
     int failed = 0;
 #if GG_ISA >= 1
-    if (mode == 0 && M <= DIRECT_ROWS) {  /* decode steps: each row from its blocks, no unpacked copy */
-        _Pragma("omp parallel for schedule(static) if (N * K > 65536)")
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
-                float res[4];
-                row_dot(type, w + n * rb, K, xq + m0 * K, d16 + m0 * G, s16 + m0 * G, mr, res);
-                for (int r = 0; r < mr; r++)
-                    store(dt, out, (m0 + r) * ldo + n, bias ? res[r] + load(dt, bias, n) : res[r]);
-            }
+    /* decode steps (and mode 2 at any row count): each row from its blocks, no unpacked copy, one
+     * summation order per row whatever M is; 64 activation rows at a time stay in cache while
+     * the weights stream past them */
+    if ((mode == 0 && M <= DIRECT_ROWS) || mode == 2) {
+        for (int64_t t0 = 0; t0 < M; t0 += DIRECT_ROWS) {
+            const int64_t t1 = M - t0 < DIRECT_ROWS ? M : t0 + DIRECT_ROWS;
+            _Pragma("omp parallel for schedule(static) if (N * K > 65536)")
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t m0 = t0; m0 < t1; m0 += 4) {
+                    const int mr = t1 - m0 < 4 ? (int)(t1 - m0) : 4;
+                    float res[4];
+                    row_dot(type, w + n * rb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, res);
+                    for (int r = 0; r < mr; r++)
+                        store(dt, out, (m0 + r) * ldo + n, bias ? res[r] + load(dt, bias, n) : res[r]);
+                }
+        }
         return 0;
     }
 #endif
@@ -531,10 +759,10 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
                             v = fdot(wf + r * K, x + m * K, K);
                         } else {
 #if GG_ISA == 1
-                            v = type == T_Q8_0 ? idot_wide(q + r * K, a + r * G, xq + m * K, d16 + m * G, K)
-                                               : idot(q + r * K, a + r * G, xq + m * K, d16 + m * G, K);
+                            v = type == T_Q8_0 ? idot_wide(q + r * K, a + r * G, xq + m * K, d4 + m * (K / 4), K)
+                                               : idot(q + r * K, a + r * G, xq + m * K, d4 + m * (K / 4), K);
 #else
-                            v = idot(q + r * K, a + r * G, xq + m * K, d16 + m * G, K);
+                            v = idot(q + r * K, a + r * G, xq + m * K, d4 + m * (K / 4), K);
 #endif
                             v += fdot(b + r * G, s16 + m * G, G);
                         }

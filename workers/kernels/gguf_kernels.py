@@ -25,7 +25,9 @@ ISA_NAMES = {2: "avx512-vnni (vpdpbusd)", 1: "avx2 (vpmaddubsw)", 0: "scalar"}
 VARIANT_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 # GGML type ids the kernels read (gguf.GGMLQuantizationType values)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-INTEGER, FLOAT = 0, 1  # gguf_matmul's modes: int8 activations, or fp32 ones over dequantised tiles
+# gguf_matmul's modes: int8 activations, fp32 ones over dequantised tiles, and int8 activations with
+# each row's products in one order at any row count (batch-invariant mode)
+INTEGER, FLOAT, INVARIANT = 0, 1, 2
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -43,6 +45,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_quantize.argtypes = [ctypes.c_int, p, i64, i64, p, p, p]
     lib.gguf_matmul.restype = ctypes.c_int
     lib.gguf_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, p, p, p, p, p, i64, p, p, i64]
+    lib.gguf_quantize_row.restype = None  # the fused decode step calls these two through pointers
+    lib.gguf_rows.restype = None
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [ctypes.c_int, p, i64, i64, ctypes.c_int, p]
     lib.isa = int(lib.gguf_isa())
@@ -89,7 +93,7 @@ class Activations:
     def __init__(self, lib: ctypes.CDLL, x: torch.Tensor):
         m, k = x.shape
         self.q = torch.empty((m, k), dtype=torch.int8)
-        self.d = torch.empty((m, k // 16), dtype=torch.float32)
+        self.d = torch.empty((m, k // 4), dtype=torch.float32)  # the scale per 4 values (d4)
         self.s = torch.empty((m, k // 16), dtype=torch.float32)
         code = 1 if x.dtype == torch.bfloat16 else 0
         if lib.gguf_quantize(code, x.data_ptr(), m, k, self.q.data_ptr(), self.d.data_ptr(), self.s.data_ptr()):
@@ -103,7 +107,7 @@ def matmul(lib: ctypes.CDLL, type_id: int, x: torch.Tensor, w: torch.Tensor, out
     contiguous (a column slice of a wider output is fine). ``acts``: x already quantised."""
     m, k = x.shape
     n = w.shape[0]
-    if mode == INTEGER and acts is None:
+    if mode != FLOAT and acts is None:
         acts = Activations(lib, x)
     code = 1 if out.dtype == torch.bfloat16 else 0
     if bias is not None and bias.dtype != out.dtype:
