@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 
-from tests.tiny_hf import save_random_model
+from tests.tiny_hf import save_random_models
 from workers import settings
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_linear import KernelLinear
@@ -53,10 +53,7 @@ PER_SEQ = 16  # blocks per sequence
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("invariant")
-    for case, (cls, extra) in CASES.items():
-        save_random_model(cls, {**BASE, **extra}, root / case)
-    return {case: root / case for case in CASES}
+    return save_random_models(tmp_path_factory.mktemp("invariant"), CASES, BASE)
 
 
 def invariant(on: bool) -> None:
@@ -176,3 +173,22 @@ def test_without_the_mode_the_same_drive_differs(models, case, restore_settings)
     d = Driver(models[case], torch.float32)
     ref, toks = alone(d)
     assert _compare(ref, mixed(Driver(models[case], torch.float32), toks))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("starts,counts", [([0], [7]), ([0, 30, 5], [23, 1, 40]), ([17, 0, 64], [3, 0, 1]),
+                                          ([0, 0], [1, 2])])
+def test_every_row_metadata_is_the_decode_metadata_of_its_tokens(starts, counts, block_size):
+    """build_metadata(every_row=True) builds its per-token tables with tensor ops; they must be
+    what the decode metadata of the tokens' own positions and tables is (the list form)."""
+    from workers.attention.paged import _decode_metadata, build_metadata
+    tables = [list(range(100 * i + 40, 100 * i, -1))[:-(-(s + n) // block_size) + i] for i, (s, n) in
+              enumerate(zip(starts, counts))]  # out of order, of different lengths
+    cpu = torch.device("cpu")
+    got = build_metadata(tables, starts, counts, block_size, cpu, every_row=True)
+    want = _decode_metadata([t for t, n in zip(tables, counts) for _ in range(n)],
+                            [p for s, n in zip(starts, counts) for p in range(s, s + n)], block_size, cpu)
+    assert got.num_tokens == want.num_tokens and got.prefill is None
+    for a, b in ((got.blocks, want.blocks), (got.offsets, want.offsets), (got.decode.rows, want.decode.rows),
+                 (got.decode.tables, want.decode.tables), (got.decode.pos, want.decode.pos)):
+        assert a.dtype == b.dtype and torch.equal(a, b)

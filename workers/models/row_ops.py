@@ -15,8 +15,6 @@ import torch.nn.functional as F
 ROW_PRODUCT: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 # (gate_up [M, 2 * I], I) -> silu(gate) * up, or None: torch's.
 SWIGLU: Callable[[torch.Tensor, int], torch.Tensor] | None = None
-# Elementwise functions row-block by row-block in one layout (``rowwise``).
-ROWWISE = False
 # torch splits an elementwise loop over threads above this many elements (at::internal::GRAIN_SIZE),
 # and its vectorised loops take 2 vectors a pass (64 bf16 or 32 fp32 values on AVX-512)
 GRAIN, LANES = 32768, 64
@@ -37,12 +35,12 @@ def swiglu(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 
 def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
     """``fn(*xs)`` for [M, n] tensors of one shape, an elementwise function of them with an [M, n]
-    result. With ROWWISE (batch-invariant mode), each row's elements meet torch's kernels at the same
+    result. In batch-invariant mode (``invariant()``), each row's elements meet torch's kernels at the same
     places whatever the other rows: rows padded with zeros to a multiple of LANES, fed in blocks of
     one fixed row count of at most GRAIN elements (one row a call beyond it; the last block padded
     with zero rows), so no value falls in a loop's scalar tail or at a thread split, whose
     transcendental functions round otherwise than the vectorised body."""
-    if not ROWWISE or xs[0].dim() != 2 or xs[0].shape[0] == 0:
+    if not invariant() or xs[0].dim() != 2 or xs[0].shape[0] == 0:
         return fn(*xs)
     m, n = xs[0].shape
     width = -(-n // LANES) * LANES
