@@ -17,7 +17,10 @@ What varies with the step elsewhere, and what this mode puts in its place:
   per call for layers it does not cover (sinks, soft-capping, MLA);
 - SwiGLU: the C kernels' pass in bf16 and in fp32 (the fused step's own arithmetic), not torch's
   vectorised silu, whose loop tails round differently;
-- Gated DeltaNet layers: prompt tokens one at a time through the recurrent step decodes use.
+- Gated DeltaNet layers (workers/models/gated_deltanet.py, the state pool's ``waves``): prompt
+  tokens one at a time through the recurrent step decodes use, the convolution tap by tap;
+- elementwise functions with a transcendental part (activations, gates, norms' rsqrt): through
+  ``row_ops.rowwise`` / ``row_ops.elementwise``, every value in the body of torch's vectorised loop.
 
 Norms, rope, residual adds and the sampler already compute each row alone.
 """

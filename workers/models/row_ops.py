@@ -1,6 +1,6 @@
 """The row-wise work a model does with torch outside its linear layers, behind hooks: products
-(LoRA adapters' deltas, GPT-OSS's router and stacked experts) and the SwiGLU of a mixture's
-experts. Batch-invariant mode (workers/backends/cpu_invariant.py) sets the hooks to the C kernels,
+(LoRA adapters' deltas, GPT-OSS's router and stacked experts), the SwiGLU of a mixture's
+experts, and elementwise functions with a transcendental part (activations, gates, a norm's rsqrt). Batch-invariant mode (workers/backends/cpu_invariant.py) sets the hooks to the C kernels,
 which compute a row in one order whatever the rows beside it, where torch's products (oneDNN's)
 sum in an order that follows the shapes and its vectorised silu rounds the tails of its loops
 with the scalar exp."""
@@ -60,6 +60,23 @@ def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         first = False
         out[r0:r1] = y[:r1 - r0, :n]
     return out
+
+
+def elementwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """``fn(*xs)`` for tensors of one shape (any), an elementwise function of them with a result of
+    that shape. In batch-invariant mode the values are laid out as rows of LANES (padded) and go
+    through ``rowwise``: every value in the vectorised body of torch's loop, where all lanes compute
+    alike, so a gate or a norm's scale of a column [T, 1] rounds the same whatever T is."""
+    if not invariant() or xs[0].numel() == 0:
+        return fn(*xs)
+    shape, n = xs[0].shape, xs[0].numel()
+    width = -(-n // LANES) * LANES
+    flat = []
+    for x in xs:
+        f = x.new_zeros(width)
+        f[:n] = x.reshape(-1)
+        flat.append(f.view(-1, LANES))
+    return rowwise(fn, *flat).reshape(-1)[:n].reshape(shape)
 
 
 def invariant() -> bool:
