@@ -1,9 +1,11 @@
 """The row-wise work a model does with torch outside its linear layers, behind hooks: products
 (LoRA adapters' deltas, GPT-OSS's router and stacked experts), the SwiGLU of a mixture's
-experts, and elementwise functions with a transcendental part (activations, gates, a norm's rsqrt). Batch-invariant mode (workers/backends/cpu_invariant.py) sets the hooks to the C kernels,
+experts, and elementwise functions with a transcendental part (activations, gates, a norm's
+rsqrt). Batch-invariant mode (workers/backends/cpu_invariant.py) sets the hooks to the C kernels,
 which compute a row in one order whatever the rows beside it, where torch's products (oneDNN's)
 sum in an order that follows the shapes and its vectorised silu rounds the tails of its loops
-with the scalar exp."""
+with the scalar exp; the elementwise functions are laid out so that every value falls in the body
+of torch's vectorised loop."""
 from __future__ import annotations
 
 from typing import Callable
