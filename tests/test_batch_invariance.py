@@ -8,8 +8,11 @@ fed three at once (a speculative verify step) and then as decodes among many oth
 fused decode step taking the steps it covers; and once more as a preempted sequence is recomputed
 (its prompt and generated tokens as one prompt). Every row of ``A`` (the final hidden state and the
 logits) must be equal bit for bit. Families: Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE, Gemma 2 and 3,
-GPT-OSS. With the mode off the same drive differs on a CPU whose bf16
-products are oneDNN's native ones (AVX512-BF16 / AMX), which the test shows where it runs on one."""
+GPT-OSS, the hybrid Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet: every token one recurrent step, the
+state pool's slot per sequence), DeepSeek-V3 and V2 (MLA's latent cache) and GLM-4-MoE. With the mode
+off the same drive differs in fp32 (the hybrids' prompts then take the chunked form); in bf16 on a CPU
+whose bf16 products are oneDNN's native ones (AVX512-BF16 / AMX). Also: the every-row attention
+metadata built with tensor ops equals the decode metadata of the tokens."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,8 +22,10 @@ import msgspec
 import pytest
 import torch
 
-from tests.tiny_hf import save_random_model
+from tests.tiny_hf import save_random_models
 from workers import settings
+from workers.attention import for_layout
+from workers.attention.state_cache import StateCache
 from workers.backends.cpu import CpuBackend
 from workers.backends.cpu_linear import KernelLinear
 from workers.kernels import cpu_kernels
@@ -33,6 +38,12 @@ pytestmark = pytest.mark.skipif(LIB is None, reason=f"C kernels unavailable: {cp
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+HYBRID = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+MLA = dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+           num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=16)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, intermediate_size=101)),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
@@ -46,6 +57,19 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                         query_pre_attn_scalar=24, pad_token_id=0)),  # GeGLU, q/k norms
     "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                                      sliding_window=12)),  # sinks, router, stacked experts, clamped SwiGLU
+    # Gated DeltaNet (the recurrent step for every token, the convolution tap by tap), gated norms and
+    # output gates; Qwen3-Next's fused in_proj_qkvz and shared expert with its sigmoid gate
+    "qwen3_next": ("Qwen3NextConfig", dict(HYBRID, **HYBRID_MOE)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(HYBRID, **HYBRID_MOE)),
+    # MLA (the absorbed decode one row a call), the grouped sigmoid router, shared experts
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, n_group=4, topk_group=2)),
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None, topk_method="greedy")),
+    # q/k norms, partial rotary, DeepSeek-V3's router over the correction bias
+    "glm4_moe": ("Glm4MoeConfig", dict(head_dim=16, attention_bias=True, use_qk_norm=True, moe_intermediate_size=32,
+                                       n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                                       topk_group=2, first_k_dense_replace=1, pad_token_id=0,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5})),
 }
 BLOCK = 16
 PER_SEQ = 16  # blocks per sequence
@@ -53,10 +77,7 @@ PER_SEQ = 16  # blocks per sequence
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("invariant")
-    for case, (cls, extra) in CASES.items():
-        save_random_model(cls, {**BASE, **extra}, root / case)
-    return {case: root / case for case in CASES}
+    return save_random_models(tmp_path_factory.mktemp("invariant"), CASES, BASE)
 
 
 def invariant(on: bool) -> None:
@@ -80,12 +101,24 @@ class Driver:
         self.model, _ = load_model(path, dtype)
         CpuBackend().prepare_model(self.model)
         a = self.model.args
-        self.attn = CpuBackend().attention_class()(a.num_hidden_layers, 8 * PER_SEQ, BLOCK, a.num_key_value_heads,
-                                                   a.head_dim, dtype, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        layout = getattr(self.model, "kv_layout", None)
+        if layout is not None:  # MLA's latent cache
+            kind, (layers, heads, width) = layout
+            self.attn = for_layout(kind)(layers, 8 * PER_SEQ, BLOCK, heads, width, dtype, cpu)
+        else:
+            self.attn = CpuBackend().attention_class()(getattr(self.model, "kv_layers", a.num_hidden_layers),
+                                                       8 * PER_SEQ, BLOCK, a.num_key_value_heads, a.head_dim, dtype,
+                                                       cpu)
+        if (hy := a.hybrid) is not None:  # the state pool: sequence s in slot s
+            self.model.states = StateCache(len(hy.linear_layers), 4, hy.conv_dim, hy.conv_kernel - 1, hy.num_v_heads,
+                                           hy.head_k_dim, hy.head_v_dim, dtype, cpu)
 
     def step(self, parts: list[tuple[int, int, list[int]]]) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
         tables = [list(range(s * PER_SEQ, (s + 1) * PER_SEQ)) for s, _, _ in parts]
         self.attn.prepare(tables, [p for _, p, _ in parts], [len(t) for _, _, t in parts])
+        if getattr(self.model, "states", None) is not None:
+            self.model.states.prepare([s for s, _, _ in parts], [p for _, p, _ in parts], [len(t) for _, _, t in parts])
         ids = torch.tensor([t for _, _, toks in parts for t in toks])
         pos = torch.cat([torch.arange(p, p + len(t)) for _, p, t in parts])
         with torch.inference_mode():
@@ -176,3 +209,22 @@ def test_without_the_mode_the_same_drive_differs(models, case, restore_settings)
     d = Driver(models[case], torch.float32)
     ref, toks = alone(d)
     assert _compare(ref, mixed(Driver(models[case], torch.float32), toks))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("starts,counts", [([0], [7]), ([0, 30, 5], [23, 1, 40]), ([17, 0, 64], [3, 0, 1]),
+                                          ([0, 0], [1, 2])])
+def test_every_row_metadata_is_the_decode_metadata_of_its_tokens(starts, counts, block_size):
+    """build_metadata(every_row=True) builds its per-token tables with tensor ops; they must be
+    what the decode metadata of the tokens' own positions and tables is (the list form)."""
+    from workers.attention.paged import _decode_metadata, build_metadata
+    tables = [list(range(100 * i + 40, 100 * i, -1))[:-(-(s + n) // block_size) + i] for i, (s, n) in
+              enumerate(zip(starts, counts))]  # out of order, of different lengths
+    cpu = torch.device("cpu")
+    got = build_metadata(tables, starts, counts, block_size, cpu, every_row=True)
+    want = _decode_metadata([t for t, n in zip(tables, counts) for _ in range(n)],
+                            [p for s, n in zip(starts, counts) for p in range(s, s + n)], block_size, cpu)
+    assert got.num_tokens == want.num_tokens and got.prefill is None
+    for a, b in ((got.blocks, want.blocks), (got.offsets, want.offsets), (got.decode.rows, want.decode.rows),
+                 (got.decode.tables, want.decode.tables), (got.decode.pos, want.decode.pos)):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import demo_server
-from tests.tiny_hf import save_random_model
+from tests.tiny_hf import save_random_model, save_random_models
 from mindie.contract.spec import cpu_flags
 from workers import settings
 from workers.kernels import cpu_kernels
@@ -51,10 +51,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("fused")
-    for case, (cls, extra) in CASES.items():
-        save_random_model(cls, {**BASE, **extra}, root / case)
-    return {case: root / case for case in CASES}
+    return save_random_models(tmp_path_factory.mktemp("fused"), CASES, BASE)
 
 
 def _prepared(path: Path, dtype: torch.dtype):

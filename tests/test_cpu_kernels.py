@@ -461,13 +461,13 @@ def test_swiglu_kernel_equals_torch_bit_for_bit():
     """The bf16 SwiGLU kernel (the MLP's silu(gate) * up in one pass) gives torch's bits for every
     row count, strided rows (a slice of a wider projection), infinities, NaN and signed zeros;
     fp32 activations keep torch's own code."""
-    from workers.backends.cpu_fused import CpuSwiGLU, silu_table
+    from workers.backends.cpu_fused import CpuSwiGLU
     from workers.models.config import ModelArgs
     from workers.models.llama import MLP
     lib = cpu_kernels.load()
     mlp = MLP(ModelArgs(arch="llama", vocab_size=8, hidden_size=16, intermediate_size=37, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=2, head_dim=8), torch.bfloat16)
-    fused = CpuSwiGLU(mlp, lib, silu_table())
+    fused = CpuSwiGLU(mlp, lib)
     g = torch.Generator().manual_seed(4)
     for rows in (1, 5, 300):
         wide = (torch.randn(rows, 2 * 37 + 3, generator=g) * 6).to(torch.bfloat16)

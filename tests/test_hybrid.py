@@ -10,6 +10,8 @@ transformers checkpoints (tests/tiny_hf.py).
 - The engine: greedy tokens equal transformers' generate alone and batched, with chunked prefill
   and preemption (a small KV cache), state slots all returned; no prefix-cache reuse, no
   speculation; tensor parallelism refused naming the key.
+- Batch-invariant mode's form (every token one recurrent step, the convolution tap by tap) equals
+  transformers too (its bits alone and in mixes: tests/test_batch_invariance.py).
 - The real launch script: /infer_token and the OpenAI chat route equal transformers; the load log
   gives the bytes per sequence of the state pool and per token of the KV cache.
 """
@@ -229,6 +231,39 @@ def test_logits_match_transformers(models, case: str) -> None:
     outs = _paged_logits(model, seqs, [[70, 12], [20]])
     for out, ref in zip(outs, refs):
         assert (out - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5"])
+def test_batch_invariant_form_matches_transformers(models, case: str) -> None:
+    """Batch-invariant mode (ScheduleConfig.batchInvariant): every token through the recurrent step
+    (the state pool's waves, prompts token by token) and the convolution summed tap by tap; the
+    logits over prompt chunks and decodes equal transformers' fed one token at a time (its
+    recurrent form for every token). Its bits alone and among other requests:
+    tests/test_batch_invariance.py."""
+    import msgspec
+
+    from workers import settings
+    hf, path = models[case]
+    model, _ = load_model(path, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=g) for n in (75, 20)]
+    refs = []
+    with torch.no_grad():
+        for s in seqs:
+            cache = transformers.DynamicCache(config=hf.config)
+            refs.append(torch.cat([hf(s[None, i:i + 1], cache=cache, use_cache=True).logits[0]
+                                   for i in range(len(s))]))
+    before = settings.engine()
+    settings.apply(msgspec.structs.replace(before, batch_invariant=True))
+    try:
+        outs = _paged_logits(model, seqs, [[40, 30], [20]])
+        assert model.states.every_row and len(model.states.waves) == 1  # the last step: one wave of decodes
+    finally:
+        settings.apply(before)
+    # fp32 sums in another order than transformers' over 75 recurrent steps (its own chunked and
+    # recurrent forms differ by up to 6e-5 on these logits of |4|), widened by a router near a tie
+    for out, ref in zip(outs, refs):
+        assert (out - ref).abs().max().item() <= 2.5e-4
 
 
 def test_bf16_within_transformers_own_bf16_error(models) -> None:

@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU with gloo (issue 15): sharding, exactness against a single worker,
-per-rank memory, and a real server of two 2-rank instances with a rank killed under load."""
+per-rank memory, batch-invariant mode's same bits alone and together on four ranks (issue 57), and a
+real server of two 2-rank instances with a rank killed under load."""
 from __future__ import annotations
 
 import json
@@ -58,11 +59,13 @@ def _requests() -> list[dict]:
     return reqs
 
 
-def _run(model: Path, world: int, tmp: Path) -> dict:
-    out = tmp / f"out-{model.name}-{world}.json"
+def _run(model: Path, world: int, tmp: Path, env: dict[str, str] | None = None,
+         requests: list[dict] | None = None) -> dict:
+    """tests/tp_instance.py's result; ``env``: its TP_TEST_* switches (batch-invariant mode, requests alone)."""
+    out = tmp / f"out-{model.name}-{world}-{len(list(tmp.glob('out-*')))}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(model), str(world), str(out),
-                           "--requests", json.dumps(_requests())], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+                           "--requests", json.dumps(requests or _requests())], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -82,6 +85,27 @@ def test_tp2_generates_what_one_worker_does(models: dict[str, Path], case: str, 
 def test_tp4_with_replicated_kv_heads(models: dict[str, Path], tmp_path: Path) -> None:
     """Four ranks over 4 query heads and 2 KV heads: each KV head is kept by two ranks."""
     assert _run(models["llama_bias"], 4, tmp_path)["tokens"] == _run(models["llama_bias"], 1, tmp_path)["tokens"]
+
+
+def test_batch_invariant_mode_gives_the_same_bits_alone_and_together_on_four_ranks(models: dict[str, Path],
+                                                                                  tmp_path: Path) -> None:
+    """Batch-invariant mode (ScheduleConfig.batchInvariant) on a 4-rank instance: each request's
+    tokens and their log-probabilities are the same bits run all together (prompt chunks beside
+    other prompts and decodes) and then alone (one request at a time in the same instance, its
+    prompt a prefix-cache hit where blocks remain). Each rank computes its shard of a row alone (the
+    C kernels' products, per-row attention); the cross-rank sums add the ranks' parts in rank order
+    (TensorParallel.all_reduce ``ordered``: gloo's ring orders an element's additions by the
+    buffer's size, which here gave other log-probabilities alone). Two ranks' sum is one addition
+    and needs no order."""
+    reqs = [{**r, "params": {**r["params"], "logprobs": 0, "max_new_tokens": 12}} for r in _requests()[:5]]
+    out = _run(models["qwen2"], 4, tmp_path, {"TP_TEST_INVARIANT": "1", "TP_TEST_ALONE": "1"}, reqs)
+    ids = [r["id"] for r in reqs]
+    together = {k: {i: out[k][i] for i in ids} for k in ("tokens", "logprobs")}
+    alone = {k: {i: out[k][i + "/alone"] for i in ids} for k in ("tokens", "logprobs")}
+    assert all(len(t) == 12 for t in together["tokens"].values())
+    assert all(len(together["logprobs"][k]) == 12 for k in together["tokens"])
+    assert alone["tokens"] == together["tokens"]
+    assert alone["logprobs"] == together["logprobs"]  # floats through JSON: equal bits
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -38,6 +38,16 @@ def save_random_model(cls_name: str, config: dict[str, Any], path: Path, seed: i
     return model
 
 
+def save_random_models(root: Path, cases: dict[str, tuple[str, dict[str, Any]]],
+                       base: dict[str, Any]) -> dict[str, Path]:
+    """Each case ``name: (config class, extra keys)`` saved by ``save_random_model`` with the
+    config ``{**base, **extra}`` in ``root / name``; returns name -> its folder (a test module's
+    family fixture)."""
+    for case, (cls, extra) in cases.items():
+        save_random_model(cls, {**base, **extra}, root / case)
+    return {case: root / case for case in cases}
+
+
 # Qwen3's chat template (tokenizer_config.json of the Qwen3 checkpoints): the model thinks in
 # <think>...</think> at the start of its answer; `enable_thinking: false` writes an empty, closed
 # think block into the prompt; past assistant turns are rendered without their thinking.

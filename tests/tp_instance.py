@@ -5,8 +5,11 @@
 Starts WORLD processes as the supervisor would: rank 0 builds the real engine (workers.engine.assembly's
 build: rendezvous, sharded load, KV blocks broadcast) and the others run
 workers.tp_rank.follow. Rank 0 submits the requests, steps the engine until all finish and writes
-{request_id: [token ids]} plus the per-rank parameter bytes to OUT.json. WORLD 1 runs the same
-engine without tensor parallelism, as the reference.
+{request_id: [token ids]} (and their log-probabilities, where a request asks them) plus the
+per-rank parameter bytes to OUT.json. WORLD 1 runs the same engine without tensor parallelism, as
+the reference. ``TP_TEST_INVARIANT=1``: batch-invariant mode (ScheduleConfig.batchInvariant);
+``TP_TEST_ALONE=1``: after the requests all at once, each again alone (run to its end before the
+next is submitted), its results under ``id + "/alone"``.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ def make_spec(model: str, world: int) -> WorkerSpec:
                       moe_parallel=os.environ.get("TP_TEST_MOE_PARALLEL", "tp"),
                       device_ids=list(range(world)), model_path=model, dtype="float32", cpu_mem_gb=0.02, threads=1,
                       engine=EngineConfig(block_size=16, max_seq_len=512, max_batch_size=16,
-                                          max_prefill_batch_size=16, max_prefill_tokens=64, overlap=False))
+                                          max_prefill_batch_size=16, max_prefill_tokens=64, overlap=False,
+                                          batch_invariant=os.environ.get("TP_TEST_INVARIANT") == "1"))
 
 
 def run_rank0(spec: WorkerSpec, store: str, requests: list[dict], out: str) -> None:
@@ -37,16 +41,29 @@ def run_rank0(spec: WorkerSpec, store: str, requests: list[dict], out: str) -> N
     from workers.engine.assembly import build
 
     engine = build(spec, tp_store=store).engine
+    result: dict[str, list[int]] = {r["id"]: [] for r in requests}
+    logprobs: dict[str, list[float]] = {r["id"]: [] for r in requests}
+
+    def drain() -> None:
+        while engine.has_work():
+            for o in engine.step():
+                result[o.seq.request_id].extend(o.token_ids)
+                logprobs[o.seq.request_id].extend(o.logprobs)
+
     for r in requests:
         engine.add(P.Submit(r["id"], "fe", r["prompt"], P.SamplingParams(**r["params"])))
-    result: dict[str, list[int]] = {r["id"]: [] for r in requests}
-    while engine.has_work():
-        for o in engine.step():
-            result[o.seq.request_id].extend(o.token_ids)
+    drain()
+    if os.environ.get("TP_TEST_ALONE") == "1":  # then each again, alone in the engine: id + "/alone"
+        for r in requests:
+            rid = r["id"] + "/alone"
+            result[rid], logprobs[rid] = [], []
+            engine.add(P.Submit(rid, "fe", r["prompt"], P.SamplingParams(**r["params"])))
+            drain()
     group = engine.runner.group
     if group is not None:
         group.stop()
-    Path(out).write_text(json.dumps({"tokens": result, "param_bytes": parameter_bytes(engine.runner.model),
+    Path(out).write_text(json.dumps({"tokens": result, "logprobs": logprobs,
+                                     "param_bytes": parameter_bytes(engine.runner.model),
                                      "kv_blocks": engine.blocks.num_blocks}))
 
 
@@ -67,6 +84,8 @@ def main() -> None:
         raise SystemExit(max(codes))
     spec = decode_spec(os.environ["TP_TEST_SPEC"])
     store = os.environ["TP_TEST_STORE"]
+    from workers import settings
+    settings.apply(spec.engine)  # as workers.worker does: the modules that read the plan's settings
     from mindie.runtime.log_setup import setup_logging
     setup_logging(f"rank {rank}", "INFO")
     if rank == 0:

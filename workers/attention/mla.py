@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from workers import settings
 from workers.attention import kv_cache
-from workers.attention.paged import AttentionMetadata, build_metadata
+from workers.attention.paged import AttentionMetadata, _Decode, build_metadata
 
 
 class MlaPagedAttention:
@@ -72,10 +72,10 @@ class MlaPagedAttention:
         vd = w.shape[1] - nope
         cache[meta.blocks, meta.offsets] = latent.to(cache.dtype)
         if meta.prefill is None:
-            return self._decode(cache, q_nope, q_pe, w, nope, scale, meta.decode.pos, meta.decode.tables)
+            return self._decode(cache, q_nope, q_pe, w, nope, scale, meta.decode)
         out = q_nope.new_empty(T, H, vd)
         if (d := meta.decode) is not None:
-            out[d.rows] = self._decode(cache, q_nope[d.rows], q_pe[d.rows], w, nope, scale, d.pos, d.tables)
+            out[d.rows] = self._decode(cache, q_nope[d.rows], q_pe[d.rows], w, nope, scale, d)
         g = meta.prefill
         B, nb = g.tables.shape
         bs = self.block_size
@@ -115,13 +115,13 @@ class MlaPagedAttention:
         return torch.einsum("bhr,hvr->bhv", o_lat.to(w.dtype), w[:, nope:]).to(q_nope.dtype)
 
     def _decode(self, cache: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor, nope: int,
-                scale: float, pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+                scale: float, g: _Decode) -> torch.Tensor:
         """The absorbed decode: [B, H, v] from the latent rows alone (batch-invariant mode: one row
-        per call, over its own blocks)."""
+        per call, over its own blocks, ``_Decode.each``)."""
         if self.every_row and q_nope.shape[0] > 1:
-            bs = self.block_size
-            return torch.cat([self._decode(cache, q_nope[i:i + 1], q_pe[i:i + 1], w, nope, scale, pos[i:i + 1],
-                                           tables[i:i + 1, :p // bs + 1]) for i, p in enumerate(pos.tolist())])
+            return torch.cat([self._decode(cache, q_nope[i:i + 1], q_pe[i:i + 1], w, nope, scale, one)
+                              for i, one in enumerate(g.each(self.block_size))])
+        pos, tables = g.pos, g.tables
         B, H, _ = q_nope.shape
         nb, bs = tables.shape[1], self.block_size
         R = w.shape[2]

@@ -111,10 +111,23 @@ def build_metadata(
 
 def _rows_metadata(block_tables: list[list[int]], start_pos: list[int], num_new: list[int], block_size: int,
                    device: torch.device) -> AttentionMetadata:
-    """build_metadata(every_row=True): each new token a decode row."""
-    positions = [p for start, n in zip(start_pos, num_new) for p in range(start, start + n)]
-    tables = [t for t, n in zip(block_tables, num_new) for _ in range(n)]
-    return _decode_metadata(tables, positions, block_size, device)
+    """build_metadata(every_row=True): each new token a decode row, its sequence's table padded to
+    the step's longest (``_decode_metadata`` of the tokens' positions and tables, built with tensor
+    ops: a long prompt chunk has thousands of rows)."""
+    counts = torch.tensor(num_new, dtype=torch.long)
+    t = int(counts.sum())
+    seq = torch.repeat_interleave(torch.arange(len(num_new)), counts)  # [T] each token's sequence
+    first = counts.cumsum(0) - counts  # each sequence's first row
+    rows = torch.arange(t)
+    positions = torch.tensor(start_pos, dtype=torch.long)[seq] + rows - first[seq]
+    nb = -(-max(s + n for s, n in zip(start_pos, num_new) if n) // block_size)
+    tables = _pad_tables(block_tables, nb)[seq]  # [T, nb]
+    blocks = tables.gather(1, (positions // block_size)[:, None]).squeeze(1)
+    meta = AttentionMetadata(blocks, positions % block_size, _Decode(rows, tables, positions), None, t)
+    if device.type != "cpu":
+        meta = AttentionMetadata(blocks.to(device), meta.offsets.to(device),
+                                 _Decode(rows.to(device), tables.to(device), positions.to(device)), None, t)
+    return meta
 
 
 def _mixed_metadata(block_tables: list[list[int]], start_pos: list[int], num_new: list[int], block_size: int,

@@ -14,10 +14,19 @@ block tables: the flat batch's sequences in order, their slot, first position an
 layers then read ``decode_rows`` / ``decode_slots`` (sequences computing one token after their
 first: one batched recurrent step) and ``prefills`` ((first row, rows, slot) of each prompt
 chunk: the chunked form from the carried state).
+
+Batch-invariant mode (``ScheduleConfig.batchInvariant``, ``every_row``): where a prompt's chunk
+boundaries fall depends on the scheduler (the other requests), and the chunked form's sums follow
+them, so there every token takes the recurrent step: ``waves`` lists (rows, slots) of the step's
+j-th token of every sequence that has one, j = 0, 1, ..; each wave is one recurrent step from the
+state the previous one left, a decode step is one wave, and ``decode_rows`` / ``prefills`` are
+empty. ``sequences``: (first row, rows, slot) of every sequence of the step (the convolution's).
 """
 from __future__ import annotations
 
 import torch
+
+from workers import settings
 
 __all__ = ["StateCache"]
 
@@ -33,6 +42,9 @@ class StateCache:
         self.decode_rows: torch.Tensor | None = None
         self.decode_slots: torch.Tensor | None = None
         self.prefills: list[tuple[int, int, int]] = []
+        self.sequences: list[tuple[int, int, int]] = []
+        self.waves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.every_row = bool(settings.engine().batch_invariant)  # batch-invariant mode
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +62,16 @@ class StateCache:
         dec_rows: list[int] = []
         dec_slots: list[int] = []
         self.prefills = []
+        self.sequences = [(row0, n, slot) for row0, n, slot in zip(_firsts(counts), counts, slots)]
+        dev = self.conv.device
+        self.waves = []
+        if self.every_row:
+            self.decode_rows = self.decode_slots = None
+            for j in range(max(counts, default=0)):
+                wave = [(row0 + j, slot) for row0, n, slot in self.sequences if n > j]
+                self.waves.append((torch.tensor([r for r, _ in wave], dtype=torch.long, device=dev),
+                                   torch.tensor([s for _, s in wave], dtype=torch.long, device=dev)))
+            return
         row = 0
         for slot, start, n in zip(slots, starts, counts):
             # transformers: the recurrent form for one token after a cached state, else the chunked form
@@ -59,6 +81,14 @@ class StateCache:
             else:
                 self.prefills.append((row, n, slot))
             row += n
-        dev = self.conv.device
         self.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev) if dec_rows else None
         self.decode_slots = torch.tensor(dec_slots, dtype=torch.long, device=dev) if dec_slots else None
+
+
+def _firsts(counts: list[int]) -> list[int]:
+    """The first flat-batch row of each sequence of ``counts`` rows."""
+    out, row = [], 0
+    for n in counts:
+        out.append(row)
+        row += n
+    return out

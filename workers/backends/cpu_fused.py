@@ -12,6 +12,7 @@ torch code.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -82,12 +83,31 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         return x
 
 
+@functools.cache
 def silu_table() -> torch.Tensor:
     """torch's bf16 silu of every bf16 value, indexed by its bits (int16 [65536 + 2]): the two
-    spare entries let a kernel's 4-byte vector gather read the last one."""
+    spare entries let a kernel's 4-byte vector gather read the last one. Built once per process
+    (read-only: the fused step, the MLPs and batch-invariant mode's hook share it)."""
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     table = torch.nn.functional.silu(every).view(torch.int16).roll(-32768)
     return torch.cat([table, table.new_zeros(2)])
+
+
+def c_swiglu(lib, gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``[gate | up]`` columns [M, 2 * inter] as one C pass (``silu_mul_f32``
+    or ``silu_mul_bf16``: the fused decode step's arithmetic), or None where the kernels do not
+    cover the input (another dtype or layout) and the caller keeps torch's."""
+    dt = gate_up.dtype
+    if (dt not in (torch.bfloat16, torch.float32) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter
+            or gate_up.stride(1) != 1):
+        return None
+    out = torch.empty((gate_up.shape[0], inter), dtype=dt)
+    if dt == torch.float32:
+        rc = lib.silu_mul_f32(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), out.data_ptr())
+    else:
+        rc = lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0),
+                               silu_table().data_ptr(), out.data_ptr())
+    return None if rc != 0 else out
 
 
 class CpuSwiGLU:
@@ -95,31 +115,22 @@ class CpuSwiGLU:
     decode step's arithmetic: batch-invariant mode, workers/backends/cpu_invariant.py); other
     inputs keep torch's."""
 
-    def __init__(self, mlp: MLP, lib, table: torch.Tensor, fp32: bool = False):
+    def __init__(self, mlp: MLP, lib, fp32: bool = False):
         self.torch_swiglu = mlp.swiglu
         self.size = mlp.intermediate_size
-        self.lib, self.table, self.fp32 = lib, table, fp32
+        self.lib, self.fp32 = lib, fp32
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        i = self.size
-        dt = gate_up.dtype
-        if (dt not in (torch.bfloat16, torch.float32) or (dt == torch.float32 and not self.fp32)
-                or gate_up.dim() != 2 or gate_up.shape[1] != 2 * i or gate_up.stride(1) != 1):
-            return self.torch_swiglu(gate_up)
-        out = torch.empty((gate_up.shape[0], i), dtype=dt)
-        if dt == torch.float32:
-            rc = self.lib.silu_mul_f32(gate_up.data_ptr(), gate_up.shape[0], i, gate_up.stride(0), out.data_ptr())
-        else:
-            rc = self.lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], i, gate_up.stride(0),
-                                        self.table.data_ptr(), out.data_ptr())
-        return self.torch_swiglu(gate_up) if rc != 0 else out
+        out = None
+        if gate_up.dtype == torch.bfloat16 or self.fp32:
+            out = c_swiglu(self.lib, gate_up, self.size)
+        return self.torch_swiglu(gate_up) if out is None else out
 
 
 def fuse_model(model: nn.Module, invariant: bool = False) -> int:
     """Swap the model's RMSNorms, rope and bf16 SwiGLU for the C versions (``invariant``:
     batch-invariant mode, fp32 SwiGLU too, on every build, and norms of any layout); returns how
     many modules changed."""
-    fp32_swiglu = invariant
     lib = cpu_kernels.load()
     if lib is None:
         return 0
@@ -127,17 +138,16 @@ def fuse_model(model: nn.Module, invariant: bool = False) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
-                setattr(parent, name, CpuRMSNorm(child, lib, copy=fp32_swiglu))
+                setattr(parent, name, CpuRMSNorm(child, lib, copy=invariant))
                 count += 1
     rope = getattr(model, "rope", None)
     if isinstance(rope, RotaryEmbedding):
         model.rope = CpuRotaryEmbedding(rope, lib)
         count += 1
     mlps = [m for m in model.modules() if isinstance(m, MLP)]
-    if mlps and (lib.has_avx512 or fp32_swiglu):  # bf16 activations (fp32 too in invariant mode)
-        table = silu_table()
+    if mlps and (lib.has_avx512 or invariant):  # bf16 activations (fp32 too in invariant mode)
         for m in mlps:
-            m.swiglu = CpuSwiGLU(m, lib, table, fp32_swiglu)
+            m.swiglu = CpuSwiGLU(m, lib, invariant)
             count += 1
     log.info("fused C kernels for %d norm/rope/swiglu modules", count)
     return count

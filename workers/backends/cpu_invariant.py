@@ -17,7 +17,10 @@ What varies with the step elsewhere, and what this mode puts in its place:
   per call for layers it does not cover (sinks, soft-capping, MLA);
 - SwiGLU: the C kernels' pass in bf16 and in fp32 (the fused step's own arithmetic), not torch's
   vectorised silu, whose loop tails round differently;
-- Gated DeltaNet layers: prompt tokens one at a time through the recurrent step decodes use.
+- Gated DeltaNet layers (workers/models/gated_deltanet.py, the state pool's ``waves``): prompt
+  tokens one at a time through the recurrent step decodes use, the convolution tap by tap;
+- elementwise functions with a transcendental part (activations, gates, norms' rsqrt): through
+  ``row_ops.rowwise`` / ``row_ops.elementwise``, every value in the body of torch's vectorised loop.
 
 Norms, rope, residual adds and the sampler already compute each row alone.
 """
@@ -30,8 +33,8 @@ import torch
 from torch import nn
 
 from workers import settings
-from workers.backends.cpu_fused import silu_table
-from workers.backends.cpu_linear import KernelLinear, _plain_linears, _tied_head
+from workers.backends.cpu_fused import c_swiglu
+from workers.backends.cpu_linear import KernelLinear, _to_kernel_linears
 from workers.kernels import cpu_kernels
 from workers.kernels.cpu_layout import pack
 from workers.models import row_ops
@@ -59,25 +62,20 @@ def check(dtype: torch.dtype, lib) -> None:
 def invariant_linears(model: nn.Module, lib) -> int:
     """Every fp32 / bf16 nn.Linear of ``model``, a tied LM head and a mixture's experts as
     KernelLinear on ``lib``. Returns the count converted."""
-    count = 0
-    for parent, name, child in _plain_linears(model):
-        if child.weight.dtype in (torch.float32, torch.bfloat16):
-            setattr(parent, name, KernelLinear(child, lib))
-            count += 1
-    emb = _tied_head(model)
-    if emb is not None and emb.weight.dtype in (torch.float32, torch.bfloat16):
-        model.logits_linear = KernelLinear(emb, lib, emb.weight)
-        count += 1
+    count = _to_kernel_linears(model, lib, True, "the C kernels' products, one order per output element at every "
+                               f"row count (batch-invariant mode, {KEY})",
+                               lambda w: w.dtype in (torch.float32, torch.bfloat16))
+    experts = 0
     for mod in model.modules():
         if callable(getattr(mod, "convert_experts", None)) and mod.lin13 is None and mod.w13.numel():
 
             def make(w: torch.Tensor) -> nn.Module:
                 return KernelLinear(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"), lib, w.contiguous())
 
-            count += mod.convert_experts(make, "kernel")
-    log.info("batch-invariant mode (%s): %d linear layers on the C kernels' products, one order per output "
-             "element at every row count", KEY, count)
-    return count
+            experts += mod.convert_experts(make, "kernel")
+    if experts:
+        log.info("batch-invariant mode (%s): %d experts' products on the C kernels", KEY, experts)
+    return count + experts
 
 
 class RowProduct:
@@ -116,19 +114,13 @@ class RowProduct:
 
 def swiglu(lib):
     """``row_ops.SWIGLU`` in this mode: the C kernels' SwiGLU (the fused decode step's
-    arithmetic), fp32 and bf16."""
-    table = silu_table()
+    arithmetic), fp32 and bf16; torch's for inputs they do not cover."""
 
     def run(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        if gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        out = c_swiglu(lib, gate_up, inter)
+        if out is None:
             gate, up = gate_up.split(inter, dim=-1)
             return torch.nn.functional.silu(gate) * up
-        out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
-        if gate_up.dtype == torch.float32:
-            lib.silu_mul_f32(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), out.data_ptr())
-        else:
-            lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), table.data_ptr(),
-                              out.data_ptr())
         return out
 
     return run
@@ -138,7 +130,6 @@ def release() -> None:
     """Outside the mode: torch's products and SwiGLU again (a process that prepared an invariant
     model before, such as a test run)."""
     row_ops.ROW_PRODUCT = row_ops.SWIGLU = None
-    row_ops.ROWWISE = False
     log.info("batch-invariant mode off (%s false): a row's last bits may follow the batch around it", KEY)
 
 
@@ -151,5 +142,4 @@ def prepare(model: nn.Module) -> int:
     check(dtype, lib)
     row_ops.ROW_PRODUCT = RowProduct(lib)
     row_ops.SWIGLU = swiglu(lib)
-    row_ops.ROWWISE = True
     return invariant_linears(model, lib)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -290,22 +291,33 @@ def dpbf16_linears(model: nn.Module) -> int:
     return _to_kernel_linears(model, lib if ok else None, False, "the C kernels' AVX512-BF16 products")
 
 
-def _to_kernel_linears(model: nn.Module, lib, head: bool, where: str) -> int:
-    """amx_linears and dpbf16_linears: the swap itself, on ``lib`` (None: nothing to do)."""
+def _even_bf16(w: torch.Tensor) -> bool:
+    """Weights the AMX / AVX512-BF16 products take: bf16 with an even K (pairs of values)."""
+    return w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
+
+
+def _to_kernel_linears(model: nn.Module, lib, head: bool, where: str,
+                       takes: Callable[[torch.Tensor], bool] = _even_bf16) -> int:
+    """The swap itself, on ``lib`` (None: nothing to do): every nn.Linear whose weight ``takes``
+    accepts, and with ``head`` a tied LM head, as KernelLinear (amx_linears, dpbf16_linears,
+    batch-invariant mode's cpu_invariant.invariant_linears)."""
     if lib is None:
         return 0
+    dtypes: set[str] = set()
     count = 0
     for parent, name, child in _plain_linears(model):
-        if child.weight.dtype == torch.bfloat16 and child.in_features % 2 == 0:
+        if takes(child.weight):
             setattr(parent, name, KernelLinear(child, lib))
+            dtypes.add(str(child.weight.dtype).replace("torch.", ""))
             count += 1
     emb = _tied_head(model) if head else None
-    if emb is not None and emb.weight.dtype == torch.bfloat16 and emb.weight.shape[1] % 2 == 0:
+    if emb is not None and takes(emb.weight):
         model.logits_linear = KernelLinear(emb, lib, emb.weight)
+        dtypes.add(str(emb.weight.dtype).replace("torch.", ""))
         count += 1
     if count:
-        log.info("%d bf16 linear layers on %s (one copy of the weights, shared with the fused decode step)",
-                 count, where)
+        log.info("%d %s linear layers on %s (one copy of the weights, shared with the fused decode step)",
+                 count, "/".join(sorted(dtypes)), where)
     return count
 
 

@@ -214,7 +214,8 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     device = backend.device()
     tp = None
     if group is not None:
-        tp = TensorParallel(plan_shard(args, group.rank, group.world, spec.moe_parallel))  # the default (compute) group
+        tp = TensorParallel(plan_shard(args, group.rank, group.world, spec.moe_parallel),  # the default (compute) group
+                            ordered=bool(spec.engine.batch_invariant))
     model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp,
                           int8=Int8Target(kernel) if kernel is not None else None,
                           gguf_native=backend.gguf_target() if gguf and kernel is None else None)

@@ -42,7 +42,7 @@ class DeepseekRouter(nn.Module):
         logits = row_ops.matmul(hidden.float(), self.weight.float().t())
         t, e = logits.shape
         if self.scoring == "sigmoid":  # V3: noaux_tc
-            scores = logits.sigmoid()
+            scores = row_ops.elementwise(torch.sigmoid, logits)
             choice = scores + self.e_score_correction_bias
             groups = choice.view(t, self.n_group, e // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
             choice = choice.masked_fill(~self._group_mask(groups, e), float("-inf"))

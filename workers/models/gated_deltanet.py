@@ -11,7 +11,12 @@ short causal depthwise convolution (``linear_conv_kernel_dim`` taps, SiLU) over 
 output projection. A sequence's state is its convolution's last ``K - 1`` inputs and ``S`` [heads,
 d_k, d_v] (fp32): the state pool's slot (workers/attention/state_cache.py), carried from one step
 to the next. Prompt chunks use the chunked (parallel) form, 64 tokens a chunk from the carried
-state; decodes the recurrent form, one batched step over all decoding sequences.
+state; decodes the recurrent form, one batched step over all decoding sequences. In
+batch-invariant mode (``ScheduleConfig.batchInvariant``: the state pool's ``waves``) every token
+takes the recurrent form, a prompt token by token from the carried state, and the convolution is
+summed tap by tap in one order for every token (``_conv_rows``): the chunked form's sums follow the
+chunk boundaries, which the scheduler sets by the other requests. The gates, the gated norm's
+rsqrt and the SiLUs go through ``row_ops.elementwise``.
 
 Projections: Qwen3.5 stores ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next
 ``in_proj_qkvz`` and ``in_proj_ba`` grouped by key head ([q k v z] per group), whose columns are
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import row_ops
 from .hybrid_config import HybridArgs
 from .llama import Linear
 
@@ -111,9 +117,9 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * row_ops.elementwise(torch.rsqrt, h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.to(torch.float32))).to(dtype)
+        return (h * row_ops.elementwise(F.silu, gate.to(torch.float32))).to(dtype)
 
 
 def _qkvz_order(hy: HybridArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,17 +183,13 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, hy.num_k_heads, hy.head_k_dim)
         k = k.reshape(t, hy.num_k_heads, hy.head_k_dim)
         v = v.reshape(t, hy.num_v_heads, hy.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = row_ops.elementwise(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * row_ops.elementwise(F.softplus, a.float() + self.dt_bias)
         out = torch.empty_like(v)
+        for rows, slots in states.waves:  # batch-invariant mode: every token one recurrent step
+            self._recurrent(out, rows, slots, q, k, v, g, beta, rec_state)
         if (rows := states.decode_rows) is not None:  # one batched recurrent step
-            slots = states.decode_slots
-            if self.recurrent_kernel is not None:
-                out[rows] = self.recurrent_kernel(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state, slots)
-            else:
-                o, s = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state[slots])
-                out[rows] = o
-                rec_state[slots] = s
+            self._recurrent(out, rows, states.decode_slots, q, k, v, g, beta, rec_state)
         for row0, n, slot in states.prefills:  # each prompt chunk from its carried state
             o, s = chunk_gated_delta_rule(q[row0:row0 + n], k[row0:row0 + n], v[row0:row0 + n], g[row0:row0 + n],
                                           beta[row0:row0 + n], rec_state[slot])
@@ -196,10 +198,30 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(out.reshape(-1, hy.head_v_dim), z.reshape(-1, hy.head_v_dim))
         return self.out_proj(o.reshape(t, hy.value_dim))
 
+    def _recurrent(self, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   rec_state: torch.Tensor) -> None:
+        """One recurrent step of the sequences of ``rows`` (one token each) from their ``slots``'
+        states, updated in place; ``out[rows]`` their outputs. The C kernel computes each (sequence,
+        head) alone; the torch reference batches them, which in batch-invariant mode it may not (its
+        norms' sums and exps would follow the batch), so there it takes one row a call."""
+        if self.recurrent_kernel is not None:
+            out[rows] = self.recurrent_kernel(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state, slots)
+            return
+        if row_ops.invariant() and rows.numel() > 1:
+            for i in range(rows.numel()):
+                self._recurrent(out, rows[i:i + 1], slots[i:i + 1], q, k, v, g, beta, rec_state)
+            return
+        o, s = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_state[slots])
+        out[rows] = o
+        rec_state[slots] = s
+
     def _conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, states) -> torch.Tensor:
         """The causal depthwise convolution + SiLU over each sequence's rows, its window starting
         with the carried last K - 1 inputs (zeros for a new sequence: transformers' zero padding);
         the state updated to the last K - 1 inputs."""
+        if states.waves:
+            return self._conv_rows(mixed, conv_state, states)
         w = self.conv_weight
         out = torch.empty_like(mixed)
         keep = self.hy.conv_kernel - 1
@@ -214,3 +236,22 @@ class GatedDeltaNet(nn.Module):
             out[row0:row0 + n] = F.silu(y).T.to(mixed.dtype)
             conv_state[slot] = window[:, -keep:]
         return out
+
+    def _conv_rows(self, mixed: torch.Tensor, conv_state: torch.Tensor, states) -> torch.Tensor:
+        """``_conv`` in batch-invariant mode: a token's output is its K taps' products summed in fp32
+        in one order (tap 0 first), elementwise, so a prompt token's is computed as a decode's
+        whatever the chunk around it (F.conv1d's order follows the shapes); SiLU through
+        ``row_ops.elementwise``."""
+        w = self.conv_weight
+        taps = w[:, 0].float()  # [C, K]
+        kk = self.hy.conv_kernel
+        y = torch.empty(mixed.shape, dtype=torch.float32)
+        for row0, n, slot in states.sequences:
+            window = torch.cat((conv_state[slot], mixed[row0:row0 + n].to(w.dtype).T), dim=-1)  # [C, K - 1 + n]
+            wf = window.float()
+            acc = wf[:, 0:n] * taps[:, 0:1]
+            for j in range(1, kk):
+                acc = acc + wf[:, j:j + n] * taps[:, j:j + 1]
+            y[row0:row0 + n] = acc.T
+            conv_state[slot] = window[:, -(kk - 1):]
+        return row_ops.elementwise(F.silu, y.to(w.dtype)).to(mixed.dtype)

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import row_ops
 from .config import ModelArgs
 from .deepseek import yarn_inv_freq
 from .llama import DecoderAttention, DecoderLM, Embedding, Linear, RMSNorm, RotaryEmbedding
-from . import row_ops
 from .lora import LoraHook
 
 if TYPE_CHECKING:

@@ -21,7 +21,6 @@ import torch
 from safetensors import safe_open
 
 from . import row_ops
-
 from .config import ModelArgs
 from .lora_adapter import TARGETS, AdapterPlan
 

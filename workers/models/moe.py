@@ -175,7 +175,7 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = row_ops.elementwise(torch.sigmoid, self.shared_expert_gate(x)) * shared
             out = out + shared
         return out if self.reduce is None else self.reduce(out)
 

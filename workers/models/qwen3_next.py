@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import row_ops
 from .config import ModelArgs
 from .gated_deltanet import GatedDeltaNet
 from .llama import MLP, DecoderLM, Embedding, Linear, RotaryEmbedding, sparse_moe
@@ -45,7 +46,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * row_ops.elementwise(torch.rsqrt, h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
@@ -88,7 +89,7 @@ class GatedAttention(nn.Module):
         k = rope(positions, self.k_norm(self.k_proj(x).view(t, self.hkv, self.d)))
         v = self.v_proj(x).view(t, self.hkv, self.d)
         o = attn(self.kv_index, q, k, v, None).reshape(t, self.h * self.d)
-        return self.o_proj(o * torch.sigmoid(gate))
+        return self.o_proj(o * row_ops.elementwise(torch.sigmoid, gate))
 
 
 class HybridLayer(nn.Module):

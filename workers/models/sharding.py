@@ -132,15 +132,30 @@ def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> 
 class TensorParallel:
     """The collectives of one rank's forward, over ``group`` (torch.distributed)."""
 
-    def __init__(self, shard: Shard, group=None):
+    def __init__(self, shard: Shard, group=None, ordered: bool = False):
+        """``ordered`` (batch-invariant mode, ScheduleConfig.batchInvariant): sums of more than two
+        ranks in rank order (``all_reduce``)."""
         self.shard = shard
         self.group = group
+        self.ordered = ordered
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of the ranks' partial outputs of a row-parallel layer, in place."""
+        """Sum of the ranks' partial outputs of a row-parallel layer, in place. Two ranks' sum is
+        one addition, the same bits in either order; of more, gloo's ring starts each piece of the
+        buffer at another rank and cuts the pieces by the buffer's size (the step's rows), so an
+        element's order of additions follows the step: ``ordered`` gathers the parts and adds them
+        in rank order instead (world - 1 times the bytes moved)."""
         import torch.distributed as dist
-        dist.all_reduce(x, group=self.group)
-        return x
+        world = self.shard.world
+        if not self.ordered or world <= 2:
+            dist.all_reduce(x, group=self.group)
+            return x
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return x.copy_(total)
 
     def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: each rank fills the rows of the ids it holds, zeros elsewhere, and
