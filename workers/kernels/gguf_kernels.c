@@ -477,7 +477,7 @@ static void row_dot256(int type, const uint8_t *w, int64_t K, const int8_t *xq, 
  * its four 16-value groups' (a, b) in two xmm; for each activation row, one vpdpbusd gives 16 int32
  * lanes (lane j: values 4j .. 4j + 3, group j / 4), scaled by a * dx per group and accumulated;
  * b times the activation's group sums goes to a second, 4-lane accumulator. A chunk is decoded
- * once for up to 4 activation rows. About a third of row_dot256's instructions per product. */
+ * once for up to 8 activation rows. About a third of row_dot256's instructions per product. */
 #define ROW64(r, ACC, ACCB) do { \
             if (MR > (r)) { \
                 const int8_t *x_ = xq + (r) * K + k0_; \
@@ -501,6 +501,10 @@ static void row_dot256(int type, const uint8_t *w, int64_t K, const int8_t *xq, 
         ROW64(1, acc1, accb1); \
         ROW64(2, acc2, accb2); \
         ROW64(3, acc3, accb3); \
+        ROW64(4, acc4, accb4); \
+        ROW64(5, acc5, accb5); \
+        ROW64(6, acc6, accb6); \
+        ROW64(7, acc7, accb7); \
     } while (0)
 
 /* two 32-value blocks' 16 bytes of nibbles -> 64 values in order (low nibbles first per block) */
@@ -543,15 +547,17 @@ static inline __attribute__((always_inline)) __m512i pair32(const int type, cons
     return v;
 }
 
-/* type and MR (the activation rows, 1-4) are constants in each of row_dot512's calls: the
+/* type and MR (the activation rows, 1-8) are constants in each of row_dot512's calls: the
  * accumulators stay in registers and the type's branches fold away */
 static inline __attribute__((always_inline)) void rows512(const int type, const int MR, const uint8_t *w, int64_t K,
                                                           const int8_t *xq, const float *d4, const float *s16,
                                                           float *res) {
     const int64_t G = K / 16, G4 = K / 4;
     const __m512i grp = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    __m128 accb0 = _mm_setzero_ps(), accb1 = accb0, accb2 = accb0, accb3 = accb0;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0, acc6 = acc0,
+           acc7 = acc0;
+    __m128 accb0 = _mm_setzero_ps(), accb1 = accb0, accb2 = accb0, accb3 = accb0, accb4 = accb0, accb5 = accb0,
+           accb6 = accb0, accb7 = accb0;
     const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
     switch (type) {
     case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: {
@@ -618,8 +624,8 @@ static inline __attribute__((always_inline)) void rows512(const int type, const 
         }
         break;
     }
-    const __m512 acc[4] = {acc0, acc1, acc2, acc3};
-    const __m128 accb[4] = {accb0, accb1, accb2, accb3};
+    const __m512 acc[8] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7};
+    const __m128 accb[8] = {accb0, accb1, accb2, accb3, accb4, accb5, accb6, accb7};
     for (int r = 0; r < MR; r++) {
         const __m128 b = accb[r], b2 = _mm_add_ps(b, _mm_movehl_ps(b, b));
         res[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(_mm_add_ss(b2, _mm_shuffle_ps(b2, b2, 1)));
@@ -627,6 +633,10 @@ static inline __attribute__((always_inline)) void rows512(const int type, const 
 }
 
 #define ROWS512_MR(T) do { switch (mr) {                                   \
+    case 8: rows512(T, 8, w, K, xq, d4, s16, res); break;                \
+    case 7: rows512(T, 7, w, K, xq, d4, s16, res); break;                \
+    case 6: rows512(T, 6, w, K, xq, d4, s16, res); break;                \
+    case 5: rows512(T, 5, w, K, xq, d4, s16, res); break;                \
     case 4: rows512(T, 4, w, K, xq, d4, s16, res); break;                \
     case 3: rows512(T, 3, w, K, xq, d4, s16, res); break;                \
     case 2: rows512(T, 2, w, K, xq, d4, s16, res); break;                \
@@ -647,7 +657,14 @@ static void row_dot512(int type, const uint8_t *w, int64_t K, const int8_t *xq, 
 }
 #endif
 
-/* res[r] = row w . activation row r, for mr (1-4) rows from xq, d4, s16 (K, K / 4 and K / 16 apart) */
+/* activation rows per row_dot call: a weight chunk is decoded once for them all */
+#if GG_ISA == 2
+#define ROW_BLOCK 8
+#else
+#define ROW_BLOCK 4
+#endif
+
+/* res[r] = row w . activation row r, for mr (1-ROW_BLOCK) rows from xq, d4, s16 (K, K / 4 and K / 16 apart) */
 static inline void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4,
                            const float *s16, int mr, float *res) {
 #if GG_ISA == 2
@@ -674,9 +691,9 @@ void gguf_rows(int type, const uint8_t *w, int64_t K, const int8_t *xq, const fl
     const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), G = K / 16;
 #if GG_ISA >= 1
     for (int64_t n = n0; n < n1; n++)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
-            float r4[4];
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int mr = M - m0 < ROW_BLOCK ? (int)(M - m0) : ROW_BLOCK;
+            float r4[ROW_BLOCK];
             row_dot(type, w + n * rb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, r4);
             for (int r = 0; r < mr; r++) res[(m0 + r) * ldr + n - n0] = r4[r];
         }
@@ -720,9 +737,9 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
             const int64_t t1 = M - t0 < DIRECT_ROWS ? M : t0 + DIRECT_ROWS;
             _Pragma("omp parallel for schedule(static) if (N * K > 65536)")
             for (int64_t n = 0; n < N; n++)
-                for (int64_t m0 = t0; m0 < t1; m0 += 4) {
-                    const int mr = t1 - m0 < 4 ? (int)(t1 - m0) : 4;
-                    float res[4];
+                for (int64_t m0 = t0; m0 < t1; m0 += ROW_BLOCK) {
+                    const int mr = t1 - m0 < ROW_BLOCK ? (int)(t1 - m0) : ROW_BLOCK;
+                    float res[ROW_BLOCK];
                     row_dot(type, w + n * rb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, res);
                     for (int r = 0; r < mr; r++)
                         store(dt, out, (m0 + r) * ldo + n, bias ? res[r] + load(dt, bias, n) : res[r]);
