@@ -128,6 +128,34 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
         assert _zmm_instructions(native_lib) > 0
 
 
+def _count(lib: Path, mnemonic: str) -> int:
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
+                         timeout=120).stdout
+    return sum(1 for line in out.splitlines() if mnemonic in line)
+
+
+@pytest.mark.skipif(not AVX512_HOST, reason="needs an AVX-512 host")
+@pytest.mark.timeout(600)
+def test_kernels_without_avx512_bf16_build_and_pass(tmp_path):
+    """MINDIE_CPU_ISA=avx512 builds the kernels as an AVX-512 CPU without native bf16 (Skylake-SP
+    to Ice Lake) runs them: no vdpbf16ps in the library, AVX-512 kept, and bf16 weights widened in
+    registers (``has_w16a32``: fp32 rows over bf16 weights, the register tiles) where such a CPU
+    would otherwise compute bf16 in the portable loops and an fp32 model over fp32 copies. The
+    bf16 products' and the fused decode step's tests pass on that build."""
+    env = {**os.environ, "MINDIE_CPU_ISA": "avx512", "MINDIE_KERNEL_CACHE": str(tmp_path / "avx512")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           "tests/test_cpu_linear_rows.py", "tests/test_cpu_decode.py", "-m", "not server"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=550)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    [built] = list((tmp_path / "avx512").glob("cpu_kernels-*.so"))
+    assert _count(built, "vdpbf16ps") == 0 and _zmm_instructions(built) > 0
+    caps = subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; lib = cpu_kernels.load(); "
+                           "print(lib.has_avx512, lib.has_dpbf16, lib.has_w16a32)"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout.split()
+    assert caps == ["True", "False", "True"], caps
+
+
 def test_bad_isa_name_falls_back_with_a_reason(tmp_path):
     """In a process without a plan a bad MINDIE_CPU_ISA leaves the kernels unavailable with the
     reason; the server's launch refuses it naming the key and the variable (the config)."""
@@ -135,9 +163,9 @@ def test_bad_isa_name_falls_back_with_a_reason(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; "
                           "print(cpu_kernels.load(), cpu_kernels.unavailable_reason())"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.startswith("None") and "cpuTuning.isa (MINDIE_CPU_ISA) must be one of native, avx2" in out.stdout, out
+    assert out.stdout.startswith("None") and "cpuTuning.isa (MINDIE_CPU_ISA) must be one of native, avx2, avx512" in out.stdout, out
     from mindie.config import ConfigError, load_config
-    with pytest.raises(ConfigError, match=r'^BackendConfig\.cpuTuning\.isa: must be one of "native", "avx2", got "sse9" '
+    with pytest.raises(ConfigError, match=r'^BackendConfig\.cpuTuning\.isa: must be one of "native", "avx2", "avx512", got "sse9" '
                                           r"\(from environment variable MINDIE_CPU_ISA\)"):
         load_config(env={"MINDIE_CPU_ISA": "sse9"})
 

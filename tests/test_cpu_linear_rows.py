@@ -18,7 +18,7 @@ from workers.kernels.cpu_layout import pack
 
 LIB = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"C kernels unavailable: {cpu_kernels.unavailable_reason()}")
-TILED = LIB is not None and LIB.has_avx2  # builds with the tiled bf16 path (AVX2 without AVX-512)
+TILED = LIB is not None and LIB.has_w16a32  # builds with the tiled bf16 path (AVX2, or AVX-512 without avx512_bf16)
 NEVER = 1 << 40
 
 ROWS = [1, 2, 3, 4, 5, 7, 8, 13, 64, 95, 96, 97, 191, 600]
@@ -94,8 +94,8 @@ def test_tiled_and_row_paths_agree_with_torch_and_each_other(k, n, threads, thre
 
 
 def test_threshold_reports_the_build():
-    """AVX2 builds take the tiled path from a few rows (decodes of 1-3 rows keep the row path);
-    builds without it (AVX-512, portable) report 0 and keep their own products."""
+    """AVX2 builds and AVX-512 builds without avx512_bf16 take the tiled path from a few rows (decodes of
+    1-3 rows keep the row path); builds without it (AVX512-BF16, portable) report 0 and keep their own products."""
     assert hasattr(LIB, "kernels_tile_rows")
     got = LIB.kernels_tile_rows(0)
     if TILED:

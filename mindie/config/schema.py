@@ -332,7 +332,7 @@ class CpuTuningConfig(_Section):
     (mindie.contract.spec.CpuTuning; docs/config.md). null = the host's default."""
 
     kernels: bool = True
-    isa: Literal["native", "avx2"] = "native"
+    isa: Literal["native", "avx2", "avx512"] = "native"
     kernel_cache: str = ""  # "" = $XDG_CACHE_HOME/mindie-py/kernels; made absolute by load_config
     native_bf16: Optional[bool] = None
     linear_buckets: bool = True

@@ -23,7 +23,7 @@ class CpuTuning(msgspec.Struct, kw_only=True, frozen=True):
     = the host's default, settled in the plan by workers.prepare (``settle_cpu``)."""
 
     kernels: bool = True  # the C kernels (cpu_kernels.c); false = the portable torch attention, norms, rope
-    isa: str = "native"  # native (-march=native) | avx2 (also -mno-avx512f)
+    isa: str = "native"  # native (-march=native) | avx2 (also -mno-avx512f) | avx512 (no avx512_bf16 / AMX)
     kernel_cache: str = ""  # where the kernels are built; "" = $XDG_CACHE_HOME (~/.cache)/mindie-py/kernels
     native_bf16: bool | None = None  # whether the CPU computes bf16 natively; None = detected
     linear_buckets: bool = True  # pad linear row counts to buckets (cpu_linear.py)

@@ -45,14 +45,15 @@ def native_bf16(cpu_flags: str | None = None) -> bool:
 
 
 def bf16_tiles() -> bool:
-    """Whether bf16 products run on the C kernels' register-tiled AVX2 paths here (an AVX2 build
-    with ``kernels_tile_rows``; workers/backends/cpu_linear.py, ``KernelLinear``): on a CPU
+    """Whether bf16 products run on the C kernels' register-tiled AVX2 paths here (an AVX2 build,
+    or an AVX-512 one without avx512_bf16: ``has_w16a32``; workers/backends/cpu_linear.py,
+    ``KernelLinear``): on a CPU
     without native bf16 they beat oneDNN's fp32 products from 4 rows (docs/performance.md,
     "AVX2-only AMD EPYC (Zen 3)"). False with the kernels off or unbuilt."""
     from workers.kernels import cpu_kernels
 
     lib = cpu_kernels.load()
-    return lib is not None and getattr(lib, "has_avx2", False) and hasattr(lib, "kernels_tile_rows")
+    return lib is not None and getattr(lib, "has_w16a32", False) and hasattr(lib, "kernels_tile_rows")
 
 
 class CpuBackend(Backend):

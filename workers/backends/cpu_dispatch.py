@@ -61,6 +61,8 @@ def isa_name(flags: set[str], lib: ctypes.CDLL | None) -> str:
         name = "no avx2"
     if lib is not None and "avx512f" in flags and not lib.has_avx512:
         name += ", kernels built for avx2"
+    elif lib is not None and "avx512_bf16" in flags and lib.has_avx512 and not lib.has_dpbf16:
+        name += ", kernels built without avx512_bf16"
     return name
 
 

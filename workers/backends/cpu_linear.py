@@ -218,10 +218,10 @@ class KernelLinear(nn.Module):
 
 
 def _kernel_linears_lib():
-    """The C kernels where they compute bf16 products faster than torch can here (AVX2 builds),
-    else None."""
+    """The C kernels where they compute bf16 products faster than torch can here (AVX2 builds and
+    AVX-512 builds without avx512_bf16: bf16 weights widened in registers), else None."""
     lib = cpu_kernels.load()
-    return lib if lib is not None and getattr(lib, "has_avx2", False) else None
+    return lib if lib is not None and getattr(lib, "has_w16a32", False) else None
 
 
 def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

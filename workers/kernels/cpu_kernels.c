@@ -82,6 +82,15 @@ static inline int decode16c_enabled(void) { return __atomic_load_n(&decode16c_on
 #else
 #define HAVE_AVX2 0
 #endif
+/* bf16 weights widened in registers for fp32 FMAs (the 8-lane bf16_rows8 and register tiles), on
+ * CPUs without a native bf16 dot product: AVX2 builds, and AVX-512 builds without avx512_bf16
+ * (Skylake-SP to Ice Lake, cpuTuning.isa avx512 on any AVX-512 CPU), whose bf16 products would
+ * otherwise take the portable loops and whose fp32 models would otherwise read fp32 copies */
+#if HAVE_AVX2 || (HAVE_AVX512 && !HAVE_DPBF16 && defined(__AVX2__) && defined(__FMA__))
+#define HAVE_W16 1
+#else
+#define HAVE_W16 0
+#endif
 /* AMX-BF16 tiles (Intel Sapphire Rapids and later, -march=native on such a CPU): the decode
  * step's bf16 products from AMX_ROWS rows, where the AVX512-BF16 dot products are compute bound */
 #if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -989,8 +998,8 @@ void paged_write(int64_t elem_size, const void *k, void *cache, const int64_t *b
 int kernels_have_dpbf16(void) { return HAVE_DPBF16; }
 int kernels_have_avx512(void) { return HAVE_AVX512; }
 int kernels_have_avx2(void) { return HAVE_AVX2; }
-/* linear_rows' dt 2: fp32 rows and outputs over bf16 weights (AVX2 builds) */
-int kernels_have_w16a32(void) { return HAVE_AVX2; }
+/* linear_rows' dt 2: fp32 rows and outputs over bf16 weights (HAVE_W16 builds) */
+int kernels_have_w16a32(void) { return HAVE_W16; }
 /* whether paged_prefill computes prompt chunks in this build (else it returns -1) */
 int kernels_have_prefill(void) { return HAVE_AVX512 || HAVE_AVX2; }
 
@@ -1111,7 +1120,7 @@ INLINE void q8_rows(int dt, const void *x, int64_t K, const int8_t *q, const flo
 }
 #endif
 
-#if HAVE_AVX2
+#if HAVE_W16
 /* AVX2 products over the same packed layout, each block's 16 channels as two 8-lane halves. Up
  * to two rows take two blocks per pass, more rows one (accumulators: rows x blocks x 2 <= 8 of the
  * 16 vector registers, enough to keep both FMA units busy). Each lane sums in K order within a
@@ -1198,7 +1207,7 @@ INLINE void bf16_rows8(const void *x, int64_t K, const uint16_t *wb, int64_t g0,
 }
 #endif
 
-#if HAVE_AVX2
+#if HAVE_W16
 /* ---- bf16 products for many rows (prompt chunks) on AVX2, linear_rows from TILE_ROWS rows ----
  * bf16_rows8 reads the weights once per four rows and widens each x element in a general register
  * (shift, move, broadcast): 32-35 GFLOP/s a core on a Zen 3, below oneDNN's fp32. Here rows are
@@ -1817,7 +1826,7 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
         return;
     }
 #endif
-#if HAVE_AVX2
+#if HAVE_W16
     if ((dt == 1 || dt == 2) && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
         bf16_group_tiles8(x, dt == 2, M, K, (const uint16_t *)pw, g0, nb, res);
         return;
@@ -1836,6 +1845,13 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
             BY_ROWS(mm, fma_rows, (const float *)x, K, (const float *)pw, g0, nb, m0, res);
             continue;
         }
+#if HAVE_W16  /* no avx512_bf16: bf16 weights widened in registers */
+        if (dt == 2)
+            BY_ROWS(mm, bf16_rows8, x, K, (const uint16_t *)pw, g0, nb, m0, res, 1);
+        else
+            BY_ROWS(mm, bf16_rows8, x, K, (const uint16_t *)pw, g0, nb, m0, res, 0);
+        continue;
+#endif
 #endif
 #if HAVE_AVX2
         if (dt == 0) {
@@ -1948,13 +1964,13 @@ INLINE void store_group(int dt, const float *res, int64_t mm, int64_t m0, int64_
 /* out[M, N] = x[M, K] @ w^T (+ bias), rounded to the element type, w packed as above (int8 with
  * scales when scale != NULL): the decode step's products on their own, and the CPU's int8 linears
  * at small row counts (workers/backends/int8.py). Rows go DEC_MAX_ROWS at a time through each group,
- * whose weights stay in cache meanwhile. dt 2 (AVX2 builds): x, bias and out fp32 over bf16 weights
+ * whose weights stay in cache meanwhile. dt 2 (HAVE_W16 builds): x, bias and out fp32 over bf16 weights
  * (a model computed in fp32 that reads half the bytes; each lane sums as for dt 1). */
 int linear_rows(int dt, const void *x, int64_t M, int64_t K, const void *pw, const float *scale, int64_t N,
                 const void *bias, void *out) {
-    if (dt < 0 || dt > 2 || M < 1 || (dt == 2 && (scale || !HAVE_AVX2))) return -1;
+    if (dt < 0 || dt > 2 || M < 1 || (dt == 2 && (scale || !HAVE_W16))) return -1;
     const int64_t NB = (N + 15) / 16, es = dt == 1 ? 2 : 4;
-#if HAVE_AVX2
+#if HAVE_W16
     if ((dt == 1 || dt == 2) && !scale && M >= __atomic_load_n(&tile_rows_from, __ATOMIC_RELAXED)) {
         int failed = 0;
         _Pragma("omp parallel reduction(|: failed)")
@@ -2412,11 +2428,11 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
     dec_norm_rows(dt, s, s->final_norm, s->out);
 }
 
-/* dtype 0 fp32, 1 bf16, 2 (AVX2 builds): fp32 activations over bf16 layer weights (linear_rows' dt 2;
+/* dtype 0 fp32, 1 bf16, 2 (HAVE_W16 builds): fp32 activations over bf16 layer weights (linear_rows' dt 2;
  * int8 layers keep their own products). Returns 0, or -1 (before touching anything) for shapes
  * beyond the static buffers or a position outside the rope table. */
 int decode_layers(int dtype, const dec_step_t *s) {
-    if (dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_AVX2) || s->M < 1 || s->M > DEC_MAX_ROWS || s->D > MAX_D
+    if (dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_W16) || s->M < 1 || s->M > DEC_MAX_ROWS || s->D > MAX_D
         || s->D % 2 || s->Hkv <= 0 || s->H % s->Hkv || s->H / s->Hkv > MAX_G || s->C > 65536)
         return -1;
     for (int64_t m = 0; m < s->M; m++)

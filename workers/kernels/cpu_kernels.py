@@ -35,8 +35,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 BUILD_TIMEOUT_S = 180
 # cpuTuning.isa avx2 (MINDIE_CPU_ISA=avx2) builds without the AVX-512 instructions -march=native would use (the path
-# AVX2-only CPUs run; tests build both on a machine that has AVX-512).
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+# AVX2-only CPUs run), avx512 without AVX-512's bf16 and AMX (the path of Skylake-SP to Ice Lake Xeons); tests build
+# them all on a machine that has more.
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"],
+             "avx512": ["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]}
 
 
 def isa() -> str:
