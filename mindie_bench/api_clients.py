@@ -228,16 +228,16 @@ class OpenAIHandler(StreamHandler):
             self.fail(_error_text(obj))
             return
         for ch in obj.get("choices") or ():
-            if isinstance(ch, dict) and (n := self.choice_tokens(ch)):
+            if not isinstance(ch, dict):
+                continue
+            ids = ch.get("token_ids")  # when the server sends them, the exact count
+            if n := len(ids) if ids else self.choice_tokens(ch):
                 self.tokens(n, t)
         if obj.get("usage"):
             self.usage = obj["usage"]
 
     def choice_tokens(self, ch: dict[str, Any]) -> int:
-        """Tokens in one choice of a chunk: its ``token_ids`` when sent, else one per text chunk."""
-        ids = ch.get("token_ids")
-        if ids:
-            return len(ids)
+        """Tokens in one choice of a chunk without ``token_ids``: one per text chunk."""
         text = ch.get("text")
         # An empty text is still a token (incomplete UTF-8) unless the chunk only
         # announces the finish reason.
@@ -252,9 +252,6 @@ class ChatHandler(OpenAIHandler):
     server's ``usage.completion_tokens`` when it sends usage."""
 
     def choice_tokens(self, ch: dict[str, Any]) -> int:
-        ids = ch.get("token_ids")
-        if ids:
-            return len(ids)
         d = ch.get("delta")
         if not isinstance(d, dict):
             return 0

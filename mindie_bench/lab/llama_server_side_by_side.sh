@@ -123,17 +123,13 @@ OURS_URL="http://127.0.0.1:$OURS_PORT"
 echo "model: $GGUF"
 echo "llama-server: $LLAMA_BIN"
 
-# GET URL; exit 0 on HTTP 200 (no curl dependency).
-probe() {
-    "$PY" - "$1" <<'PY'
-import sys, urllib.request
-try:
-    with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
-        sys.exit(0 if r.status == 200 else 1)
-except Exception:
-    sys.exit(1)
-PY
-}
+# probe, bench_setup, bench_levels
+source "$REPO/mindie_bench/lab/side_by_side_common.sh"
+EXTRA=()
+[[ "$PLOT" == 1 ]] && EXTRA+=(--plot)
+[[ -n "$WARMUP" ]] && EXTRA+=(--warmup "$WARMUP")
+bench_setup  # checks --num-prompts before anything starts
+
 probe "$LLAMA_URL/health" && die "something already answers on $LLAMA_URL; pick another --llama-port"
 probe "$OURS_URL/health" && die "something already answers on $OURS_URL; pick another --ours-port"
 
@@ -178,33 +174,6 @@ echo "starting llama-server on $LLAMA_URL: ${LARGS[*]} ${LLAMA_ARGS[*]:-} (log: 
 LLAMA_PID=$!
 wait_ready llama-server "$LLAMA_PID" "$LLAMA_URL" "$LLAMA_LOG"
 
-if [[ -n "${MINDIE_BENCH:-}" ]]; then
-    read -r -a BENCH <<<"$MINDIE_BENCH"
-else
-    BENCH=("$PY" -m mindie_bench)  # this checkout's (PYTHONPATH above), not another install's
-fi
-EXTRA=()
-[[ "$PLOT" == 1 ]] && EXTRA+=(--plot)
-[[ -n "$WARMUP" ]] && EXTRA+=(--warmup "$WARMUP")
-IFS=, read -r -a LEVELS <<<"$CONC"
-IFS=, read -r -a COUNTS <<<"$NUM_PROMPTS"
-(( ${#COUNTS[@]} <= 1 || ${#COUNTS[@]} == ${#LEVELS[@]} )) || die "--num-prompts: one count, or one per level (${#LEVELS[@]})"
-
-# compare ARGS...: once for all levels, or once per level when the request counts differ.
-compare() {
-    local rc=0 i
-    if (( ${#COUNTS[@]} <= 1 )); then
-        local n=(); [[ -n "$NUM_PROMPTS" ]] && n=(--num-prompts "$NUM_PROMPTS")
-        "${BENCH[@]}" compare "$@" --concurrency "$CONC" "${n[@]}" "${EXTRA[@]}" "${BENCH_ARGS[@]}" || rc=$?
-        return "$rc"
-    fi
-    for i in "${!LEVELS[@]}"; do
-        "${BENCH[@]}" compare "$@" --concurrency "${LEVELS[$i]}" --num-prompts "${COUNTS[$i]}" \
-            "${EXTRA[@]}" "${BENCH_ARGS[@]}" || rc=$?
-    done
-    return "$rc"
-}
-
 # --- 2. this server, once per speculation setting, and the comparison ----------------
 rc=0
 for s in "${SPECS[@]}"; do
@@ -219,7 +188,7 @@ for s in "${SPECS[@]}"; do
     OURS_PID=$!
     wait_ready "this server" "$OURS_PID" "$OURS_URL" "$OURS_LOG"
     set +e
-    compare --workload chat --output-len "$OUTPUT_LEN" \
+    bench_levels compare --workload chat --output-len "$OUTPUT_LEN" \
         --url-a "$OURS_URL" --api-a chat --label-a "mindie-py-spec-$s" \
         --url-b "$LLAMA_URL" --api-b chat --label-b llama.cpp --rounds "$ROUNDS" --out "$OUT"
     r=$?
