@@ -103,8 +103,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="random prompt ids are uniform in [3, V): ids 0-2 (unk/bos/eos) are avoided; keep V at "
                         "most the model's vocabulary size (default 32000)")
     w.add_argument("--tokenizer", metavar="PATH",
-                   help="model directory or tokenizer.json; used by --api tgi to decode random ids into text and "
-                        "to count JSONL text prompts. Without it, TGI prompts are one common English word per id "
+                   help="model directory or tokenizer.json; used by --api tgi and chat to decode random ids into "
+                        "text and to count JSONL text prompts. Without it, their prompts are one common English word per id "
                         "(about one token each)")
     w.add_argument("--seed", type=int, default=0,
                    help="seed for prompt ids, lengths and Poisson arrivals (default 0); warm-up prompts use "
@@ -128,7 +128,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                          "error (default 600)")
     ld.add_argument("--no-ignore-eos", action="store_true",
                     help="do not send ignore_eos/min_tokens (outputs may end early at EOS; such requests are "
-                         "counted in 'other output length')")
+                         "counted in 'other output length'); --workload chat never sends them")
     ld.add_argument("--insecure", action="store_true", help="with https URLs, do not verify the certificate")
     ld.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop even if uvloop is "
                                                              "installed")
@@ -158,7 +158,7 @@ def _endpoint_args(p: argparse.ArgumentParser, suffix: str, who: str, url: str, 
                    help=f"model name sent to {who} (openai, chat; default: the first id from GET /v1/models)")
     g.add_argument(f"--endpoint{suffix}", metavar="PATH", help="override the API's path (e.g. /infer)")
     g.add_argument(f"--extra-params{suffix}", type=_json_obj, default={}, metavar="JSON",
-                   help="extra fields merged into the request's parameters (native, tgi) or body (openai), "
+                   help="extra fields merged into the request's parameters (native, tgi) or body (openai, chat), "
                         "e.g. '{\"temperature\": 0.7, \"do_sample\": true}'")
     if suffix:
         g.add_argument(f"--label{suffix}", default=f"{suffix.strip('-').upper()}",
