@@ -187,6 +187,7 @@ for s in "${SPECS[@]}"; do
         >"$OURS_LOG" 2>&1 &
     OURS_PID=$!
     wait_ready "this server" "$OURS_PID" "$OURS_URL" "$OURS_LOG"
+    kill -0 "$LLAMA_PID" 2>/dev/null || { tail -n 20 "$LLAMA_LOG" >&2; die "llama-server exited (log: $LLAMA_LOG)"; }
     set +e
     bench_levels compare --workload chat --output-len "$OUTPUT_LEN" \
         --url-a "$OURS_URL" --api-a chat --label-a "mindie-py-spec-$s" \
