@@ -19,6 +19,8 @@ Token counting per API:
 * OpenAI ``/v1/completions``: ``token_ids`` in a chunk when the server sends them, else
   one token per chunk with text; the total is replaced by ``usage.completion_tokens``
   (``stream_options.include_usage``) when present, since a chunk may hold several tokens;
+* OpenAI ``/v1/chat/completions`` (``chat``): one token per chunk whose ``delta`` has content,
+  replaced by ``usage.completion_tokens`` like ``/v1/completions``;
 * TGI ``/generate_stream``: one token per event (``token.id``, int or list).
 """
 from __future__ import annotations
@@ -42,7 +44,7 @@ try:  # msgspec is a server dependency and decodes small JSON frames ~3x faster
 except ImportError:  # pragma: no cover
     _loads = json.loads
 
-APIS = ("native", "openai", "tgi")
+APIS = ("native", "openai", "chat", "tgi")
 MAX_HEAD = 64 * 1024
 MAX_ERROR_BODY = 2048
 
@@ -226,17 +228,35 @@ class OpenAIHandler(StreamHandler):
             self.fail(_error_text(obj))
             return
         for ch in obj.get("choices") or ():
-            ids = ch.get("token_ids")
-            if ids:
-                self.tokens(len(ids), t)
+            if not isinstance(ch, dict):
                 continue
-            text = ch.get("text")
-            # An empty text is still a token (incomplete UTF-8) unless the chunk only
-            # announces the finish reason.
-            if text or (text == "" and ch.get("finish_reason") is None):
-                self.tokens(1, t)
+            ids = ch.get("token_ids")  # when the server sends them, the exact count
+            if n := len(ids) if ids else self.choice_tokens(ch):
+                self.tokens(n, t)
         if obj.get("usage"):
             self.usage = obj["usage"]
+
+    def choice_tokens(self, ch: dict[str, Any]) -> int:
+        """Tokens in one choice of a chunk without ``token_ids``: one per text chunk."""
+        text = ch.get("text")
+        # An empty text is still a token (incomplete UTF-8) unless the chunk only
+        # announces the finish reason.
+        return 1 if text or (text == "" and ch.get("finish_reason") is None) else 0
+
+
+class ChatHandler(OpenAIHandler):
+    """``/v1/chat/completions`` chunks (this server, vLLM, llama.cpp's llama-server): one token
+    per chunk whose ``delta`` carries content (answer, reasoning or a tool call). Chunks without
+    any (the role announcement, empty deltas, the finish chunk, llama-server's ``timings``, the
+    usage chunk) are not token frames, so TTFT is the first content's arrival; the total is the
+    server's ``usage.completion_tokens`` when it sends usage."""
+
+    def choice_tokens(self, ch: dict[str, Any]) -> int:
+        d = ch.get("delta")
+        if not isinstance(d, dict):
+            return 0
+        return 1 if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls") \
+            else 0
 
 
 # ----------------------------------------------------------------------------- HTTP client
@@ -567,6 +587,28 @@ class OpenAIAdapter(Adapter):
         return body
 
 
+class ChatAdapter(Adapter):
+    """OpenAI ``POST /v1/chat/completions`` (this server, vLLM, llama-server): the prompt as one
+    user message (text: see ``workload.text_of``), greedy, streamed with usage."""
+
+    api, path, handler_cls = "chat", "/v1/chat/completions", ChatHandler
+
+    def body(self, spec: RequestSpec) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": text_of(spec, self.tokenizer)}],
+            "max_tokens": spec.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:  # never with the chat workload: its answers end where the model ends them
+            body["ignore_eos"] = True
+            body["min_tokens"] = spec.output_len
+        body.update(self.extra)
+        return body
+
+
 class TGIAdapter(Adapter):
     """TGI ``POST /generate_stream``; text only, see ``workload.text_of`` for how ids
     become text."""
@@ -581,7 +623,8 @@ class TGIAdapter(Adapter):
         return {"inputs": text_of(spec, self.tokenizer), "parameters": params}
 
 
-ADAPTERS: dict[str, type[Adapter]] = {"native": NativeAdapter, "openai": OpenAIAdapter, "tgi": TGIAdapter}
+ADAPTERS: dict[str, type[Adapter]] = {"native": NativeAdapter, "openai": OpenAIAdapter, "chat": ChatAdapter,
+                                      "tgi": TGIAdapter}
 
 
 def make_adapter(api: str, url: str, **kw: Any) -> Adapter:

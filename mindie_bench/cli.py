@@ -16,7 +16,7 @@ from mindie_bench.compare import Endpoint, compare_table, run_compare
 from mindie_bench.runner import (LoadConfig, plot_cdfs, plot_sweep, result_path, run_async, run_document,
                                  run_sweep, server_info, sweep_table, write_json)
 from mindie_bench.stats import format_report
-from mindie_bench.workload import load_tokenizer, make_workload, parse_range
+from mindie_bench.workload import CHAT_MAX_TOKENS, load_tokenizer, make_workload, parse_range
 
 DESCRIPTION = """\
 Load generator for LLM serving endpoints, with the metrics of `vllm bench serve`:
@@ -36,6 +36,10 @@ examples:
   # A/B: ours (A) against vLLM (B), 3 alternating rounds per level; ratio = A/B
   mindie-bench compare --url-a http://127.0.0.1:1025 --api-a native --label-a mindie-py \\
       --url-b http://127.0.0.1:8100 --api-b openai --label-b vllm --concurrency 1,8,32 --rounds 3
+  # real traffic: English chat questions, greedy, answers of their own length (<= 256 tokens),
+  # streamed through /v1/chat/completions on both (here against llama.cpp's llama-server)
+  mindie-bench compare --workload chat --url-a http://127.0.0.1:1025 --label-a mindie-py \\
+      --url-b http://127.0.0.1:8200 --label-b llama.cpp --concurrency 1,8 --rounds 3
 """
 
 
@@ -75,11 +79,19 @@ def _range(text: str) -> str:
 
 def _common(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=("random", "chat"), default="random",
+                   help="random (default): prompts of random token ids (--prompt-len, or --jsonl), each answer "
+                        "exactly --output-len tokens long; chat: real traffic, 96 English chat questions "
+                        "(mindie_bench/chat_questions.py) in a --seed order, each one user message to "
+                        "POST /v1/chat/completions (--api chat, its default and only API), greedy, streamed "
+                        "with usage, each answer as long as the model makes it up to --output-len (default 256; "
+                        "no ignore_eos or min_tokens); warm-up uses 16 questions that are never measured")
     w.add_argument("--prompt-len", type=_range, default="128", metavar="N|LO:HI",
                    help="prompt tokens per request: a fixed N, or uniform in [LO, HI] per request (default 128)")
-    w.add_argument("--output-len", type=_range, default="128", metavar="N|LO:HI",
+    w.add_argument("--output-len", type=_range, metavar="N|LO:HI",
                    help="tokens to generate per request, fixed or LO:HI (default 128); requests ask for an exact "
-                        "length (ignore_eos, and min_tokens on OpenAI)")
+                        "length (ignore_eos, and min_tokens on OpenAI). With --workload chat: the max_tokens cap "
+                        "of every answer (default 256)")
     w.add_argument("--jsonl", metavar="FILE",
                    help="take requests from a JSONL file instead, one per line: {\"prompt_len\", \"output_len\"} "
                         "(random ids), {\"prompt_ids\": [...], \"output_len\"} or {\"prompt\": \"text\", "
@@ -91,8 +103,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="random prompt ids are uniform in [3, V): ids 0-2 (unk/bos/eos) are avoided; keep V at "
                         "most the model's vocabulary size (default 32000)")
     w.add_argument("--tokenizer", metavar="PATH",
-                   help="model directory or tokenizer.json; used by --api tgi to decode random ids into text and "
-                        "to count JSONL text prompts. Without it, TGI prompts are one common English word per id "
+                   help="model directory or tokenizer.json; used by --api tgi and chat to decode random ids into "
+                        "text and to count JSONL text prompts. Without it, their prompts are one common English word per id "
                         "(about one token each)")
     w.add_argument("--seed", type=int, default=0,
                    help="seed for prompt ids, lengths and Poisson arrivals (default 0); warm-up prompts use "
@@ -116,7 +128,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                          "error (default 600)")
     ld.add_argument("--no-ignore-eos", action="store_true",
                     help="do not send ignore_eos/min_tokens (outputs may end early at EOS; such requests are "
-                         "counted in 'other output length')")
+                         "counted in 'other output length'); --workload chat never sends them")
     ld.add_argument("--insecure", action="store_true", help="with https URLs, do not verify the certificate")
     ld.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop even if uvloop is "
                                                              "installed")
@@ -137,15 +149,16 @@ def _endpoint_args(p: argparse.ArgumentParser, suffix: str, who: str, url: str, 
     g = p.add_argument_group(f"endpoint{(' ' + suffix.strip('-').upper()) if suffix else ''}")
     g.add_argument(f"--url{suffix}", default=url,
                    help=f"base URL of {who} (default {url}); the API's path is appended")
-    g.add_argument(f"--api{suffix}", choices=APIS, default=api,
-                   help=f"API of {who} (default {api}): native = POST /infer_token with input_id, "
-                        "openai = POST /v1/completions with a token-id prompt, tgi = POST /generate_stream "
-                        "with text (see --tokenizer)")
+    g.add_argument(f"--api{suffix}", choices=APIS,
+                   help=f"API of {who} (default {api}; chat with --workload chat): native = POST /infer_token "
+                        "with input_id, openai = POST /v1/completions with a token-id prompt, chat = POST "
+                        "/v1/chat/completions with the prompt as text in one user message (this server, vLLM, "
+                        "llama.cpp's llama-server), tgi = POST /generate_stream with text (see --tokenizer)")
     g.add_argument(f"--model{suffix}", metavar="NAME",
-                   help=f"model name sent to {who} (OpenAI API; default: the first id from GET /v1/models)")
+                   help=f"model name sent to {who} (openai, chat; default: the first id from GET /v1/models)")
     g.add_argument(f"--endpoint{suffix}", metavar="PATH", help="override the API's path (e.g. /infer)")
     g.add_argument(f"--extra-params{suffix}", type=_json_obj, default={}, metavar="JSON",
-                   help="extra fields merged into the request's parameters (native, tgi) or body (openai), "
+                   help="extra fields merged into the request's parameters (native, tgi) or body (openai, chat), "
                         "e.g. '{\"temperature\": 0.7, \"do_sample\": true}'")
     if suffix:
         g.add_argument(f"--label{suffix}", default=f"{suffix.strip('-').upper()}",
@@ -184,14 +197,32 @@ def _load_config(args: argparse.Namespace, levels: Sequence[Optional[int]]) -> L
                       progress=not args.no_progress, save_itl=args.save_itl, insecure=args.insecure)
 
 
-def _make(args: argparse.Namespace, sfx: str, tokenizer: Any) -> Adapter:
+def _make(args: argparse.Namespace, sfx: str, tokenizer: Any, default_api: str) -> Adapter:
     g = lambda name: getattr(args, name + sfx.replace("-", "_"))  # noqa: E731
-    return make_adapter(g("api"), g("url"), model=g("model"), ignore_eos=not args.no_ignore_eos,
+    chat = args.workload == "chat"
+    api = g("api") or ("chat" if chat else default_api)
+    if chat and api != "chat":
+        raise SystemExit(f"mindie-bench: --workload chat streams through /v1/chat/completions: --api{sfx} chat "
+                         f"(its default), not {api}")
+    # The chat workload's answers end where the model ends them: never ignore_eos/min_tokens.
+    return make_adapter(api, g("url"), model=g("model"), ignore_eos=not (args.no_ignore_eos or chat),
                         extra=g("extra_params"), path=g("endpoint"), tokenizer=tokenizer)
 
 
+def _workload(args: argparse.Namespace, tok: Any) -> Any:
+    chat = args.workload == "chat"
+    if chat and args.jsonl:
+        raise SystemExit("mindie-bench: --workload chat has its own questions; it takes no --jsonl")
+    out = args.output_len or (str(CHAT_MAX_TOKENS) if chat else "128")
+    try:
+        return make_workload(prompt_len=args.prompt_len, output_len=out, jsonl=args.jsonl,
+                             vocab_size=args.vocab_size, tokenizer=tok, kind=args.workload)
+    except ValueError as e:
+        raise SystemExit(f"mindie-bench: {e}") from None
+
+
 async def _ensure_model(ad: Adapter, insecure: bool) -> None:
-    if ad.api == "openai" and not ad.model:
+    if ad.api in ("openai", "chat") and not ad.model:
         client = HttpClient(insecure=insecure)
         try:
             ad.model = await resolve_model(client, ad.base)
@@ -213,9 +244,8 @@ def _check(args: argparse.Namespace) -> list[Optional[int]]:
 def cmd_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     levels = _check(args)
     tok = load_tokenizer(args.tokenizer)
-    workload = make_workload(prompt_len=args.prompt_len, output_len=args.output_len, jsonl=args.jsonl,
-                             vocab_size=args.vocab_size, tokenizer=tok)
-    adapter = _make(args, "", tok)
+    workload = _workload(args, tok)
+    adapter = _make(args, "", tok, "native")
     cfg = _load_config(args, levels)
 
     async def go() -> tuple[dict[str, Any], list[Any]]:
@@ -249,10 +279,9 @@ def cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.rounds < 1:
         raise SystemExit("mindie-bench: --rounds must be >= 1")
     tok = load_tokenizer(args.tokenizer)
-    workload = make_workload(prompt_len=args.prompt_len, output_len=args.output_len, jsonl=args.jsonl,
-                             vocab_size=args.vocab_size, tokenizer=tok)
-    a = Endpoint(args.label_a, _make(args, "-a", tok))
-    b = Endpoint(args.label_b, _make(args, "-b", tok))
+    workload = _workload(args, tok)
+    a = Endpoint(args.label_a, _make(args, "-a", tok, "native"))
+    b = Endpoint(args.label_b, _make(args, "-b", tok, "openai"))
     cfg = _load_config(args, levels)
 
     async def go() -> tuple[dict[str, Any], dict[str, Any], Any]:

@@ -234,7 +234,8 @@ async def run_segment(adapter: Adapter, workload: WorkloadFn, cfg: LoadConfig, l
     try:
         nw = cfg.warmups()
         if nw > 0:
-            wspecs = workload(nw, cfg.seed + WARMUP_SEED_OFFSET)
+            warm = getattr(workload, "warmup", workload)  # the chat workload's own warm-up questions
+            wspecs = warm(nw, cfg.seed + WARMUP_SEED_OFFSET)
             wres, _, _ = await drive(adapter, client, wspecs, concurrency=cfg.concurrency or nw,
                                      timeout=cfg.timeout,
                                      progress=Progress(f"{label} warm-up", nw, None, cfg.progress))

@@ -130,6 +130,8 @@ def aggregate(results: Sequence[RequestResult], duration: float) -> dict[str, An
         "tpot_ms": summarize((t for r in ok if (t := tpot(r)) is not None), 1000.0),
         "itl_ms": summarize((g for r in ok for g in itls(r)), 1000.0),
         "e2e_ms": summarize((r.e2e for r in ok), 1000.0),
+        # answers of their own length (the chat workload): how long they were
+        "output_len": summarize(r.output_tokens for r in ok),
     }
 
 
@@ -149,6 +151,11 @@ def format_report(stats: dict[str, Any], title: str = "") -> str:
     row("Total generated tokens:", stats["total_output_tokens"])
     if stats["output_len_mismatch"]:
         row("Requests with other output length:", stats["output_len_mismatch"])
+        ol = stats.get("output_len")
+        if ol and ol["n"]:
+            row("Output tokens per request (min):", int(ol["min"]))
+            row("Output tokens per request (median):", ol["p50"])
+            row("Output tokens per request (max):", int(ol["max"]))
     row("Request throughput (req/s):", stats["request_throughput"])
     row("Output token throughput (tok/s):", stats["output_throughput"])
     row("Total token throughput (tok/s):", stats["total_token_throughput"])

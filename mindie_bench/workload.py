@@ -1,11 +1,14 @@
 """Workloads: what each benchmark request asks for.
 
-Three sources, all deterministic for a given seed:
+Four sources, all deterministic for a given seed:
 
 * fixed lengths (``--prompt-len 128 --output-len 128``) with random token ids;
 * uniform ranges (``--prompt-len 64:256``), each request drawing its own lengths;
 * a JSONL file, one request per line: ``{"prompt_len": P, "output_len": O}`` (random
-  ids), ``{"prompt_ids": [...], "output_len": O}`` or ``{"prompt": "text", "output_len": O}``.
+  ids), ``{"prompt_ids": [...], "output_len": O}`` or ``{"prompt": "text", "output_len": O}``;
+* the chat workload (``--workload chat``): English questions (mindie_bench/chat_questions.py)
+  in a seeded order, each sent as one user message with ``output_len`` as its ``max_tokens``
+  cap, answered greedily at whatever length the model chooses (no ignore_eos, no min_tokens).
 
 Random ids are drawn from ``[FIRST_ID, vocab_size)``: ids 0-2 are ``<unk>``/``<s>``/``</s>``
 (pad/bos/eos) in Llama-family vocabularies, and an EOS in the prompt or a BOS in the
@@ -156,11 +159,51 @@ def text_of(spec: RequestSpec, tokenizer: Any = None) -> str:
 
 WorkloadFn = Callable[[int, int], list[RequestSpec]]
 
+CHAT_MAX_TOKENS = 256  # the chat workload's default cap per answer
+
+
+def chat_specs(n: int, seed: int, max_tokens: int = CHAT_MAX_TOKENS,
+               questions: Sequence[str] = ()) -> list[RequestSpec]:
+    """``n`` chat requests: the questions in an order shuffled by ``seed``, cycled when ``n`` is
+    larger. ``prompt_len`` is the question's word count, an estimate the server's ``usage``
+    replaces (it counts the chat template too); ``output_len`` is the cap, not a target."""
+    if not questions:
+        from mindie_bench.chat_questions import QUESTIONS
+        questions = QUESTIONS
+    order = list(questions)
+    random.Random(seed).shuffle(order)
+    return [RequestSpec(i, len(q.split()), max_tokens, prompt_text=q)
+            for i, q in enumerate(order[i % len(order)] for i in range(n))]
+
+
+class ChatWorkload:
+    """The chat workload as a ``WorkloadFn``; its ``warmup`` draws from questions that are never
+    measured (runner.run_segment uses a workload's ``warmup`` when it has one), so a warm-up
+    request does not put a measured question into the server's prefix cache."""
+
+    def __init__(self, max_tokens: int = CHAT_MAX_TOKENS) -> None:
+        self.max_tokens = max_tokens
+
+    def __call__(self, n: int, seed: int) -> list[RequestSpec]:
+        return chat_specs(n, seed, self.max_tokens)
+
+    def warmup(self, n: int, seed: int) -> list[RequestSpec]:
+        from mindie_bench.chat_questions import WARMUP_QUESTIONS
+        return chat_specs(n, seed, self.max_tokens, WARMUP_QUESTIONS)
+
 
 def make_workload(*, prompt_len: str = "128", output_len: str = "128", jsonl: Optional[str] = None,
-                  vocab_size: int = 32000, tokenizer: Any = None) -> WorkloadFn:
+                  vocab_size: int = 32000, tokenizer: Any = None, kind: str = "random") -> WorkloadFn:
     """A function ``(n, seed) -> specs`` for the chosen source (seeded, so the same
-    ``(n, seed)`` gives the same requests: that is what makes A/B comparisons fair)."""
+    ``(n, seed)`` gives the same requests: that is what makes A/B comparisons fair).
+    ``kind="chat"``: the chat workload, ``output_len`` a single N (the max_tokens cap)."""
+    if kind == "chat":
+        lo, hi = parse_range(output_len)
+        if lo != hi:
+            raise ValueError(f"the chat workload takes one max_tokens cap, not a range ({output_len!r})")
+        return ChatWorkload(hi)
+    if kind != "random":
+        raise ValueError(f"unknown workload {kind!r}: random or chat")
     if jsonl:
         return lambda n, seed: from_jsonl(jsonl, n, seed, vocab_size, tokenizer)
     p, o = parse_range(prompt_len), parse_range(output_len)

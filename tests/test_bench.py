@@ -25,8 +25,8 @@ from mindie_bench.api_clients import (HttpClient, RequestResult, SSEParser, _Con
                                    make_adapter)
 from mindie_bench.compare import Endpoint, run_compare  # noqa: E402
 from mindie_bench.runner import LoadConfig, run_segment  # noqa: E402
-from mindie_bench.workload import (FIRST_ID, RequestSpec, from_jsonl, make_workload, parse_range,  # noqa: E402
-                                   synthetic, text_of, words_for_ids)
+from mindie_bench.workload import (FIRST_ID, ChatWorkload, RequestSpec, chat_specs, from_jsonl,  # noqa: E402
+                                   make_workload, parse_range, synthetic, text_of, words_for_ids)
 
 FIRST_DELAY = 0.05  # the fake server's prefill time
 GAP = 0.003  # and its decode step
@@ -136,6 +136,44 @@ class OpenAI(_Base):
         yield b"data: [DONE]\n\n"
 
 
+def answer_len(question: str, cap: int) -> int:
+    """The fake chat model's answer length: its own per question, at most ``cap``."""
+    return min(cap, 2 + sum(map(ord, question)) % 9)
+
+
+class Chat(_Base):
+    """``/v1/chat/completions``: mode ``llama`` streams like llama.cpp's llama-server (a role
+    chunk with null content, an empty delta, the finish chunk with usage and ``timings``, then
+    the usage-only chunk), otherwise like vLLM and this server (a role chunk with content "",
+    the finish chunk, a usage chunk with no choices)."""
+
+    bodies: list[dict[str, Any]] = []
+
+    async def frames(self, mode: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        Chat.bodies.append(body)
+        q = body["messages"][-1]["content"]
+        n = answer_len(q, int(body["max_tokens"]))
+        base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        chunk = lambda delta, fin=None, **kw: ("data: " + _j({**base, "choices": [  # noqa: E731
+            {"index": 0, "delta": delta, "finish_reason": fin}], **kw}) + "\n\n").encode()
+        usage = {"prompt_tokens": len(q.split()) + 9, "completion_tokens": n, "total_tokens": len(q.split()) + 9 + n}
+        yield chunk({"role": "assistant", "content": None if mode == "llama" else ""})
+        await asyncio.sleep(FIRST_DELAY)
+        for i in range(n):
+            yield chunk({"content": f"w{i} "})
+            if mode == "llama" and i == 0:
+                yield chunk({})  # an empty delta
+            await asyncio.sleep(GAP)
+        if mode == "llama":
+            timings = {"prompt_n": usage["prompt_tokens"], "predicted_n": n, "predicted_per_second": 100.0}
+            yield chunk({}, "stop", usage=usage, timings=timings)
+            yield ("data: " + _j({**base, "choices": [], "usage": usage, "timings": timings}) + "\n\n").encode()
+        else:
+            yield chunk({"content": ""}, "stop")
+            yield ("data: " + _j({**base, "choices": [], "usage": usage}) + "\n\n").encode()
+        yield b"data: [DONE]\n\n"
+
+
 class TGI(_Base):
     async def frames(self, mode: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
         if mode == "sseerr":
@@ -167,6 +205,7 @@ def make_app() -> Any:
     for prefix in ("", "/{mode}"):
         app.add_route(prefix + "/infer_token", Native())
         app.add_route(prefix + "/v1/completions", OpenAI())
+        app.add_route(prefix + "/v1/chat/completions", Chat())
         app.add_route(prefix + "/generate_stream", TGI())
         app.add_route(prefix + "/v1/models", Models())
     return app
@@ -274,6 +313,7 @@ def test_aggregate() -> None:
     assert s["itl_ms"]["n"] == 4 and s["itl_ms"]["max"] == pytest.approx(200.0)
     assert s["tpot_ms"]["p50"] == pytest.approx(np.percentile([100.0, 200.0], 50))
     assert s["e2e_ms"]["p50"] == pytest.approx(450.0)
+    assert (s["output_len"]["min"], s["output_len"]["max"]) == (2, 4)
     assert "HTTP 422" in stats.format_report(s, "t")
 
 
@@ -317,6 +357,39 @@ def test_jsonl_workload(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"output_len": 1}\n')
     with pytest.raises(ValueError, match="need prompt_len"):
         from_jsonl(tmp_path / "bad.jsonl", None, 0, 100)
+
+
+def test_chat_workload_questions_and_order() -> None:
+    """The chat workload: at least 64 distinct English questions, a seeded order (same seed, same
+    requests; another seed, another order), cycled past the list, the cap as ``output_len``, and
+    warm-up questions that are never measured."""
+    from mindie_bench.chat_questions import QUESTIONS, WARMUP_QUESTIONS
+    assert len(set(QUESTIONS)) == len(QUESTIONS) >= 64 and all(q.isascii() and q.strip() == q for q in QUESTIONS)
+    assert not set(WARMUP_QUESTIONS) & set(QUESTIONS)
+    wl = make_workload(output_len="256", kind="chat")
+    a, b, c = wl(len(QUESTIONS), 3), wl(len(QUESTIONS), 3), wl(len(QUESTIONS), 4)
+    assert a == b and [s.prompt_text for s in a] != [s.prompt_text for s in c]
+    assert sorted(s.prompt_text for s in a) == sorted(QUESTIONS)  # a permutation: each once
+    assert all(s.output_len == 256 and s.prompt_ids is None for s in a)
+    assert [s.index for s in a] == list(range(len(QUESTIONS)))
+    long = chat_specs(len(QUESTIONS) + 5, 3)
+    assert [s.prompt_text for s in long[-5:]] == [s.prompt_text for s in a[:5]]
+    assert isinstance(wl, ChatWorkload) and {s.prompt_text for s in wl.warmup(40, 1)} <= set(WARMUP_QUESTIONS)
+    assert make_workload(output_len="32", kind="chat")(1, 0)[0].output_len == 32
+    with pytest.raises(ValueError, match="one max_tokens cap"):
+        make_workload(output_len="8:16", kind="chat")
+
+
+def test_chat_request_body() -> None:
+    """Chat requests: one user message with the question, max_tokens the cap, greedy, streamed with
+    usage; no ignore_eos or min_tokens (the chat workload never asks for them)."""
+    sp = chat_specs(1, 0, 256)[0]
+    b = make_adapter("chat", "http://x", model="m", ignore_eos=False).body(sp)
+    assert b == {"model": "m", "messages": [{"role": "user", "content": sp.prompt_text}], "max_tokens": 256,
+                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    ad = make_adapter("chat", "http://x/", model="m")
+    assert ad.url == "http://x/v1/chat/completions"
+    assert ad.body(spec(4))["messages"][0]["content"] == words_for_ids([3, 4, 5, 6, 7])  # ids become text
 
 
 def test_text_for_tgi() -> None:
@@ -489,6 +562,18 @@ def test_openai_422(server: str) -> None:
     assert not r.ok and r.error is not None and r.error.startswith("HTTP 422")
 
 
+@pytest.mark.parametrize("mode", ["", "/llama"])
+def test_chat_adapter(server: str, mode: str) -> None:
+    """The chat stream of vLLM/this server and of llama-server: role chunks, empty deltas, the finish
+    chunk, ``timings`` and usage chunks are not tokens; the first content is the first token."""
+    sp = chat_specs(1, 5, 256)[0]
+    n = answer_len(sp.prompt_text or "", 256)
+    r = send(server + mode, "chat", sp, ignore_eos=False)
+    assert r.ok, r.error
+    assert r.output_tokens == len(r.chunk_times) == n and r.prompt_tokens == len(sp.prompt_text.split()) + 9
+    assert r.ttft is not None and r.ttft >= FIRST_DELAY  # not the role chunk sent at once
+
+
 def test_tgi_adapter(server: str) -> None:
     r = send(server, "tgi", spec(8, n_in=5))
     assert r.ok, r.error
@@ -589,6 +674,34 @@ def test_compare(server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "median" in out and "ours / theirs" in out
 
 
+def test_cli_chat_workload(server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--workload chat``: chat API by default on both sides, answers of their own lengths (the
+    mismatch against the cap is the point, not an error), no ignore_eos on the wire; a non-chat
+    --api and --jsonl are refused."""
+    Chat.bodies.clear()
+    rc = cli.main(["compare", "--workload", "chat", "--url-a", server, "--url-b", server + "/llama",
+                   "--num-prompts", "6", "--concurrency", "2", "--rounds", "1", "--warmup", "2",
+                   "--out", str(tmp_path), "--no-progress", "--seed", "1"])
+    assert rc == 0
+    doc = json.loads(next(tmp_path.glob("compare-chat-vs-chat-*.json")).read_text())
+    sec = doc["compare"]
+    assert sec["A"]["api"] == sec["B"]["api"] == "chat" and sec["A"]["ignore_eos"] is False
+    rnd = sec["levels"][0]["rounds"][0]
+    for side in "AB":
+        reqs = rnd[side]["requests"]
+        assert [q["output_tokens"] for q in reqs] == [answer_len(s.prompt_text or "", 256)
+                                                      for s in chat_specs(6, 1)]
+        assert rnd[side]["stats"]["output_len"]["max"] == max(q["output_tokens"] for q in reqs)
+    assert len(Chat.bodies) == 2 * (6 + 2)
+    assert not any("ignore_eos" in b or "min_tokens" in b for b in Chat.bodies)
+    assert all(b["max_tokens"] == 256 and b["stream"] is True for b in Chat.bodies)
+    from mindie_bench.chat_questions import WARMUP_QUESTIONS
+    assert sum(b["messages"][0]["content"] in WARMUP_QUESTIONS for b in Chat.bodies) == 4
+    for bad, msg in ((["--api", "openai"], "--workload chat streams through"), (["--jsonl", "x"], "no --jsonl")):
+        with pytest.raises(SystemExit, match=msg):
+            cli.main(["run", "--workload", "chat", "--url", server, *bad])
+
+
 def test_compare_order_is_alternating(server: str) -> None:
     seen: list[str] = []
 
@@ -618,7 +731,7 @@ def test_cli_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["run", "--help"])
     text = capsys.readouterr().out
     for flag in ("--url", "--api", "--model", "--prompt-len", "--output-len", "--num-prompts", "--concurrency",
-                 "--request-rate", "--warmup", "--seed", "--out", "--plot", "--jsonl", "--timeout"):
+                 "--request-rate", "--warmup", "--seed", "--out", "--plot", "--jsonl", "--timeout", "--workload"):
         assert flag in text
 
 
@@ -743,3 +856,22 @@ def test_side_by_side_script_checks_its_model_and_our_server() -> None:
     r = subprocess.run(["bash", script, "--model", "demo", "--no-vllm", "--ours", "http://127.0.0.1:9"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "does not answer at http://127.0.0.1:9" in r.stderr
+
+
+def test_llama_side_by_side_script_checks_before_starting() -> None:
+    """llama_server_side_by_side.sh: --help documents its knobs; a missing llama-server binary, or a bad
+    --speculation, fails with a message (exit 2) before anything is started."""
+    import subprocess
+
+    from mindie_bench import lab
+    script = str(lab.HERE / "llama_server_side_by_side.sh")
+    r = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    for word in ("LLAMA_SERVER", "--gguf", "--threads", "--parallel", "--speculation", "--workload chat",
+                 "speculativeDecoding"):
+        assert word in r.stdout, word
+    r = subprocess.run(["bash", script, "--llama-server", "/nonexistent/llama-server"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "llama-server not found ('/nonexistent/llama-server')" in r.stderr
+    r = subprocess.run(["bash", script, "--speculation", "maybe"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--speculation: on, off or on,off" in r.stderr

