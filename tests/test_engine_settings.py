@@ -93,7 +93,7 @@ def test_each_key_reaches_the_plan_from_the_file_and_from_its_variable(tmp_path:
     ("MINDIE_CPU_FUSED_DECODE_ROWS", "65", "BackendConfig.cpuTuning.fusedDecodeRows: must be <= 64, got 65"),
     ("MINDIE_CPU_FUSED_DECODE_MB", "nan", "BackendConfig.cpuTuning.fusedDecodeMb: must be >= 0.0, got NaN"),
     ("MINDIE_CPU_FUSED_DECODE_MB", "-1", "BackendConfig.cpuTuning.fusedDecodeMb: must be >= 0.0, got -1"),
-    ("MINDIE_CPU_ISA", "sse9", 'BackendConfig.cpuTuning.isa: must be one of "native", "avx2", got "sse9"'),
+    ("MINDIE_CPU_ISA", "sse9", 'BackendConfig.cpuTuning.isa: must be one of "native", "avx2", "avx512", got "sse9"'),
     ("MINDIE_CPU_BF16", "yes", "BackendConfig.cpuTuning.nativeBf16: must be true, false or null"),
     ("MINDIE_CPU_INT8_ROWS", "-3", "BackendConfig.cpuTuning.int8Rows: must be >= 0, got -3"),
     ("MINDIE_TP_START_TIMEOUT_S", "0", "BackendConfig.tpStartTimeoutS: must be > 0.0, got 0"),
