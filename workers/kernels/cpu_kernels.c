@@ -1845,19 +1845,14 @@ static void gemv_group(int dt, const void *x, int64_t M, int64_t K, const void *
             BY_ROWS(mm, fma_rows, (const float *)x, K, (const float *)pw, g0, nb, m0, res);
             continue;
         }
-#if HAVE_W16  /* no avx512_bf16: bf16 weights widened in registers */
-        if (dt == 2)
-            BY_ROWS(mm, bf16_rows8, x, K, (const uint16_t *)pw, g0, nb, m0, res, 1);
-        else
-            BY_ROWS(mm, bf16_rows8, x, K, (const uint16_t *)pw, g0, nb, m0, res, 0);
-        continue;
-#endif
 #endif
 #if HAVE_AVX2
         if (dt == 0) {
             BY_ROWS(mm, fma_rows8, (const float *)x, K, (const float *)pw, g0, nb, m0, res);
             continue;
         }
+#endif
+#if HAVE_W16  /* bf16 weights widened in registers (AVX2, AVX-512 without avx512_bf16) */
         if (dt == 2)
             BY_ROWS(mm, bf16_rows8, x, K, (const uint16_t *)pw, g0, nb, m0, res, 1);
         else

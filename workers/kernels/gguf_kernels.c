@@ -375,8 +375,23 @@ static inline float hsum8(__m256 v) {
         } \
     } while (0)
 
+/* Q6_K block x, half n: its 128 values as four 32-byte runs of 6-bit q (low 4 bits from ql, high
+ * 2 from qh): values 32k .. 32k + 31 of the half in q[k] */
+static inline void q6k_quads(const uint8_t *x, int n, __m256i *q) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * n));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * n + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * n));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+}
+
 /* res[r] = row w . activation row r, for mr (1-4) rows from xq, d4, s16 (K, K / 4 and K / 16 apart) */
-static void row_dot256(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
+__attribute__((unused)) static void row_dot256(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                     int mr, float *res) {
     const int64_t G = K / 16, G4 = K / 4;
     /* two accumulators per row, even and odd chunks: two FMA chains instead of one */
@@ -447,19 +462,9 @@ static void row_dot256(int type, const uint8_t *w, int64_t K, const int8_t *xq, 
             const uint8_t *x = w + i * bb;
             const int8_t *sc = (const int8_t *)(x + 192);
             const float d = f16_to_f32(rd16(x + 208));
-            const __m256i m2 = _mm256_set1_epi8(3);
             for (int n = 0; n < 2; n++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * n));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * n + 32));
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * n));
-                const __m256i q[4] = {
-                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
-                    _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4))};
+                __m256i q[4];
+                q6k_quads(x, n, q);
                 for (int k = 0; k < 4; k++) {
                     const float a0 = d * sc[8 * n + 2 * k], a1 = d * sc[8 * n + 2 * k + 1];
                     CHUNK(q[k], a0, a1, -32.0f * a0, -32.0f * a1, 8 * i + 4 * n + k);
@@ -600,19 +605,9 @@ static inline __attribute__((always_inline)) void rows512(const int type, const 
             const uint8_t *x = w + i * bb;
             const int8_t *sc = (const int8_t *)(x + 192);
             const float d = f16_to_f32(rd16(x + 208));
-            const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
             for (int n = 0; n < 2; n++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(x + 64 * n));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(x + 64 * n + 32));
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 128 + 32 * n));
-                const __m256i q[4] = {
-                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
-                    _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4))};
+                __m256i q[4];
+                q6k_quads(x, n, q);
                 for (int k = 0; k < 4; k += 2) {  /* q[k], q[k + 1]: values 32k .. 32k + 63 of this half */
                     const int8_t *s4 = sc + 8 * n + 2 * k;
                     const __m128 a4 = _mm_mul_ps(_mm_set1_ps(d), _mm_cvtepi32_ps(_mm_cvtepi8_epi32(
