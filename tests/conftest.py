@@ -13,6 +13,7 @@ at the spawn (an audit hook), so the fast lane stays free of servers.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import os
 import sys
@@ -61,8 +62,17 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
+# Import opcodes name their module and attribute in co_names: a code object naming none of these
+# imports none of them (its nested functions are read on their own).
+_IMPORT_WORDS = SPAWN_MODULES | LAUNCH_HELPERS
+
+
+@functools.cache
 def _imports_in_code(code: types.CodeType) -> bool:
-    """Whether a function imports a launch helper or a spawning module in its body."""
+    """Whether a function imports a launch helper or a spawning module in its body (cached per code
+    object: a helper shared by many tests is read once, not once per test)."""
+    if _IMPORT_WORDS.isdisjoint(code.co_names):
+        return any(_imports_in_code(c) for c in code.co_consts if isinstance(c, types.CodeType))
     module = ""
     for ins in dis.get_instructions(code):
         if ins.opname == "IMPORT_NAME":
