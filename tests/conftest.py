@@ -13,6 +13,7 @@ at the spawn (an audit hook), so the fast lane stays free of servers.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import os
 import sys
@@ -30,6 +31,13 @@ HARNESS_MODULES = frozenset({"harness", "coord_harness"})
 SERVER_FIXTURES = frozenset({"demo_servers"})
 # Modules whose use in a test's code means it starts subprocesses.
 SPAWN_MODULES = frozenset({"subprocess", "multiprocessing"})
+# Files holding tests of a minute or more on 2 cores (the durations every run prints), longest
+# first: handed out first within their lane. With `-n 2 --dist loadfile --no-loadscope-reorder`
+# (setup.cfg) files go out in collection order, and a long file handed out last would keep one
+# worker busy while the other idles (longest first is the classic rule against that tail).
+LONG_FILES = ("test_batch_invariance_server.py", "test_gemma.py", "test_cpu_isa.py", "test_memory.py",
+              "test_step_width.py", "test_refuse_start.py", "test_launch.py", "test_gguf.py", "test_motor_heal.py",
+              "test_gguf_kernels.py", "test_embeddings.py", "test_fuzz.py")
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +69,17 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
+# Import opcodes name their module and attribute in co_names: a code object naming none of these
+# imports none of them (its nested functions are read on their own).
+_IMPORT_WORDS = SPAWN_MODULES | LAUNCH_HELPERS
+
+
+@functools.cache
 def _imports_in_code(code: types.CodeType) -> bool:
-    """Whether a function imports a launch helper or a spawning module in its body."""
+    """Whether a function imports a launch helper or a spawning module in its body (cached per code
+    object: a helper shared by many tests is read once, not once per test)."""
+    if _IMPORT_WORDS.isdisjoint(code.co_names):
+        return any(_imports_in_code(c) for c in code.co_consts if isinstance(c, types.CodeType))
     module = ""
     for ins in dis.get_instructions(code):
         if ins.opname == "IMPORT_NAME":
@@ -140,8 +157,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         if _in_server_lane(item, cache) and not item.get_closest_marker("server"):
             item.add_marker(pytest.mark.server)
-    # In process first; stable, so each module's tests keep their order (and module fixtures their span).
-    items.sort(key=lambda it: it.get_closest_marker("server") is not None)
+    # In process first, the long files first within each lane; stable, so each module's tests keep
+    # their order (and module fixtures their span).
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda it: (it.get_closest_marker("server") is not None, rank.get(it.path.name, len(rank))))
 
 
 # -- the guard: no project process from a test outside the server lane ---------------------------------

@@ -9,6 +9,7 @@ conversation (greedy)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import httpx
@@ -17,14 +18,20 @@ import pydantic
 import pytest
 
 from tests.harness import default_model_server
+from tests.lazy_modules import lazy_module
 
-openai = pytest.importorskip("openai")
-agents = pytest.importorskip("agents")
-from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
+agents = lazy_module("agents")  # imported where a test uses it (tests/lazy_modules.py)
+responses_types = lazy_module("openai.types.responses")
 
 pytestmark = pytest.mark.timeout(600)
 
-EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+
+@functools.cache
+def _event() -> pydantic.TypeAdapter:
+    """The Responses API's stream events, as the openai package types them."""
+    return pydantic.TypeAdapter(responses_types.ResponseStreamEvent)
+
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK = "What is the weather in Paris?"
@@ -52,10 +59,10 @@ class _Recorder:
                 self.ignored.append(response.headers.get("x-ignored-fields"))
                 if response.headers.get("content-type", "").startswith("application/json"):
                     await response.aread()  # the whole object, validated strictly (the SDK does not)
-                    self.responses.append(Response.model_validate_json(response.content))
+                    self.responses.append(responses_types.Response.model_validate_json(response.content))
 
         self.ignored: list[str | None] = []
-        self.responses: list[Response] = []
+        self.responses: list[responses_types.Response] = []
         http = httpx.AsyncClient(timeout=120, event_hooks={"request": [keep], "response": [answered]})
         self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, http_client=http)
 
@@ -128,7 +135,7 @@ def test_runner_run_streamed_tool_loop(smol):
         raw, items = [], []
         async for event in result.stream_events():
             if event.type == "raw_response_event":  # each event as the openai package types it, strictly
-                raw.append(EVENT.validate_python(event.data.model_dump(mode="json")).type)
+                raw.append(_event().validate_python(event.data.model_dump(mode="json")).type)
             elif event.type == "run_item_stream_event":
                 items.append(event.name)
         return result, raw, items

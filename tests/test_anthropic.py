@@ -15,9 +15,10 @@ import pytest
 from mindie.contract import families
 from mindie.contract.http_error import ApiError
 from tests.harness import default_model_server, named_events, r1_server
+from tests.lazy_modules import lazy_module
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
+anthropic = lazy_module("anthropic")  # imported where a test uses it (tests/lazy_modules.py)
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import re
 
 import httpx
-import openai
 import pytest
 
 from tests.coord_harness import Coordinator, start_instances
+from tests.lazy_modules import LazyModule
+
+openai = LazyModule("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 NAMES = ("alpha", "beta")
 

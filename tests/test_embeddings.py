@@ -15,9 +15,10 @@ import pytest
 
 from mindie.contract.wire import SamplingParams, Submit
 from tests.harness import DEFAULT_MODEL
+from tests.lazy_modules import lazy_module
 
-openai = pytest.importorskip("openai")
-ollama = pytest.importorskip("ollama")
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
+ollama = lazy_module("ollama")  # imported where a test uses it (tests/lazy_modules.py)
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

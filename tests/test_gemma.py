@@ -280,6 +280,10 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
 
     cache = tmp_path / "views"
     srv = _start(tmp_path, gemma_file, cache, "gemma-3-270m")  # its launch step makes the model view
+    # transformers' reference on one thread: two OpenMP threads on two cores shared with the server
+    # under test spin against each other (as tests/test_gguf.py's references run)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         ref, tok = reference(gemma_file), ref_tokenizer(gemma_file)  # while the server starts
         srv.wait_ready(600)
@@ -310,4 +314,5 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
         answer = body["choices"][0]["message"]["content"]
         assert answer and answer == tok.decode(want(ids, 32), skip_special_tokens=True)
     finally:
+        torch.set_num_threads(threads)
         srv.stop()

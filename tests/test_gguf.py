@@ -17,6 +17,7 @@ one), served as transformers serves the same file.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import re
@@ -107,19 +108,29 @@ class _PlainViewReader(gguf.GGUFReader):
         return super()._get(offset, dtype, count, override_order)
 
 
-def reference(path: Path):
-    """transformers' own load of the GGUF file, fp32. Sped up without changing what it computes
-    (SmolLM2: 23 s -> 8 s): gguf's tensor-name table made once per architecture instead of once
-    per module (397 times), and gguf's reader on a plain view of its map (``_PlainViewReader``)."""
+@contextlib.contextmanager
+def _fast_gguf_reads():
+    """gguf's tensor-name table made once per architecture instead of once per module (397 times),
+    and gguf's reader on a plain view of its map (``_PlainViewReader``): what transformers reads
+    from a GGUF file is unchanged, only faster."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
         mp.setattr(gguf, "GGUFReader", _PlainViewReader)
+        yield
+
+
+def reference(path: Path):
+    """transformers' own load of the GGUF file, fp32 (``_fast_gguf_reads``: SmolLM2 23 s -> 8 s)."""
+    with _fast_gguf_reads():
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                  dtype=torch.float32).eval()
 
 
 def ref_tokenizer(path: Path):
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    """transformers' own tokenizer of the GGUF file (``_fast_gguf_reads``: Gemma 3's 262k-token
+    vocabulary 16 s -> 8 s of CPU, the same tokenizer)."""
+    with _fast_gguf_reads():
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def greedy(model, ids: list[int], n: int) -> list[int]:

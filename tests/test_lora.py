@@ -28,12 +28,13 @@ import torch
 from mindie.contract.spec import EngineConfig, LoraModule, WorkerSpec
 from mindie.contract.wire import SamplingParams, Submit
 from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
+from tests.lazy_modules import lazy_module
 from tests.reference_attention import DenseCausalAttention
 from tests.tiny_hf import save_random_model
 from workers.models.lora_adapter import AdapterError, check_adapter
 
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+peft = lazy_module("peft")  # imported where a test uses it (tests/lazy_modules.py)
 
 pytestmark = pytest.mark.timeout(600)
 

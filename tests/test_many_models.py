@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import httpx
-import ollama
-import openai
 import pytest
 
 from tests.harness import Server, demo_server, free_port, rss_mib, short_run_dir, wait_gone, write_config
+from tests.lazy_modules import LazyModule
 from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, save_chat_model
+
+ollama = LazyModule("ollama")  # imported where a test uses it (tests/lazy_modules.py)
+openai = LazyModule("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")

@@ -12,9 +12,10 @@ import httpx
 import pytest
 
 from tests.harness import DEFAULT_MODEL
+from tests.lazy_modules import lazy_module
 
-ollama = pytest.importorskip("ollama")
-openai = pytest.importorskip("openai")
+ollama = lazy_module("ollama")  # imported where a test uses it (tests/lazy_modules.py)
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,8 +16,9 @@ import pytest
 from mindie.text.chat_template import load_chat_template
 from mindie.text.detokenizer import load_tokenizer
 from tests.harness import Server, demo_server, free_port, short_run_dir, write_config
+from tests.lazy_modules import lazy_module
 
-openai = pytest.importorskip("openai")
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 pytestmark = pytest.mark.timeout(600)
 

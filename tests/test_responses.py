@@ -18,8 +18,9 @@ from mindie.contract import families
 from mindie.contract.http_error import ApiError
 from mindie.server.response_store import ResponseStore, new_id
 from tests.harness import DEFAULT_MODEL, default_model_server, demo_server, named_events, r1_server
+from tests.lazy_modules import lazy_module
 
-openai = pytest.importorskip("openai")
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 pytestmark = pytest.mark.timeout(600)
 

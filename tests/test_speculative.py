@@ -8,13 +8,15 @@ import random
 
 import numpy as np
 import pytest
-from scipy import stats  # setup.cfg [test]
 
 from mindie.contract.wire import SamplingParams
+from tests.lazy_modules import lazy_module
 from tests.test_engine import make_engine, run
 from tests.tiny_hf import random_model
 from workers.engine.speculative import (ROW_COST, STRONG_MATCH, Controller, SpecStats, SuffixMemory, accepted_prefix,
                                         ngram_propose, rejection_sample, suffix_propose)
+
+stats = lazy_module("scipy.stats")  # setup.cfg [test]; imported where a test uses it (tests/lazy_modules.py)
 
 
 

@@ -34,8 +34,9 @@ from mindie.contract.grammar import ConstraintError
 from mindie.text.structured import (Checker, from_guided, from_response_format, from_structured_outputs,
                                     from_tgi_grammar, json_schema_constraint, one_of)
 from tests.harness import DEFAULT_MODEL
+from tests.lazy_modules import lazy_module
 
-openai = pytest.importorskip("openai")
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 pydantic = pytest.importorskip("pydantic")
 
 pytestmark = pytest.mark.timeout(600)

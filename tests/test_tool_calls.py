@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Annotated, Literal  # module level: LangChain's @tool resolves the string annotations here
 
 import httpx
+import pydantic
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
@@ -41,8 +42,9 @@ from mindie.pipeline import Output
 from mindie.text.tool_calls import configured_options
 from mindie.text.validation import Limits
 from tests.harness import DEFAULT_MODEL, demo_server
+from tests.lazy_modules import LazyModule, lazy_module
 
-openai = pytest.importorskip("openai")
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -346,14 +348,12 @@ def test_what_each_tool_choice_asks(demo_model):
 
 
 # -- the real launch script ------------------------------------------------------------------------------
-try:
-    import pydantic
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-except ImportError:  # the [test] extras have them; these tests then say so
-    ChatOpenAI = None
-needs_langchain = pytest.mark.skipif(ChatOpenAI is None, reason="langchain-openai is not installed (setup.cfg [test])")
+# LangChain takes seconds to import: loaded where a test uses it (tests/lazy_modules.py), not at collection
+# The [test] extras have it; where it is missing these tests say so.
+needs_langchain = pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None,
+                                     reason="langchain-openai is not installed (setup.cfg [test])")
+lc_messages, lc_tools, lc_openai = (LazyModule(m) for m in ("langchain_core.messages", "langchain_core.tools",
+                                                             "langchain_openai"))
 
 
 @pytest.fixture(scope="module")
@@ -524,12 +524,12 @@ def test_openai_round_trip_and_parse(srv):
 
 
 def _lc_tools():
-    @tool
+    @lc_tools.tool
     def get_weather(city: Literal["Paris", "London", "Zürich"], days: Annotated[int, pydantic.Field(ge=1, le=7)]) -> str:
         """The weather of a city for some days."""
         return f"sunny in {city} for {days} days"
 
-    @tool
+    @lc_tools.tool
     def add(a: Annotated[int, pydantic.Field(ge=0, le=99)], b: Annotated[int, pydantic.Field(ge=0, le=99)]) -> int:
         """Add two numbers."""
         return a + b
@@ -542,16 +542,16 @@ def _agent_round_trip(url: str, model: str) -> tuple:
     back, take the answer; the forced call streamed; with_structured_output by function calling.
     Returns (the call, the answer, the structured report)."""
     tools = _lc_tools()
-    llm = ChatOpenAI(base_url=url + "/v1", api_key="none", model=model, max_tokens=200, max_retries=0, timeout=120,
+    llm = lc_openai.ChatOpenAI(base_url=url + "/v1", api_key="none", model=model, max_tokens=200, max_retries=0, timeout=120,
                      temperature=0.7, seed=11)
     # strict: every property required, no others (LangChain writes additionalProperties false)
     forced = llm.bind_tools(list(tools.values()), tool_choice="required", strict=True, parallel_tool_calls=False)
-    question = HumanMessage("What is the weather in Paris for 2 days?")
+    question = lc_messages.HumanMessage("What is the weather in Paris for 2 days?")
     ai = forced.invoke([question])
     assert len(ai.tool_calls) == 1 and not ai.invalid_tool_calls, ai
     call = ai.tool_calls[0]
     out = tools[call["name"]].invoke(call)  # runs the tool on the model's arguments (validated by pydantic)
-    assert isinstance(out, ToolMessage) and out.tool_call_id == call["id"]
+    assert isinstance(out, lc_messages.ToolMessage) and out.tool_call_id == call["id"]
     answer = llm.bind_tools(list(tools.values()), tool_choice="none").invoke([question, ai, out])
     assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
     merged = None
