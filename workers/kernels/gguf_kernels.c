@@ -375,6 +375,29 @@ static inline float hsum8(__m256 v) {
         } \
     } while (0)
 
+/* Q4_K / Q5_K block x, values 64j .. 64j + 63: sub-block 2j's 32 values in lo, 2j + 1's in hi (each
+ * w = a * q + b with its own 6-bit scale and minimum) */
+static inline void k45_pair(int type, const uint8_t *x, int j, __m256i *lo, __m256i *hi, float *a0, float *a1,
+                            float *b0, float *b1) {
+    const uint8_t *scales = x + 4, *qs = x + (type == T_Q4_K ? 16 : 48);
+    const float d = f16_to_f32(rd16(x)), dmin = f16_to_f32(rd16(x + 2));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j)), m4 = _mm256_set1_epi8(0xF);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (type == T_Q5_K) {  /* the fifth bits: bit 2j of qh[l] (low half), 2j + 1 (high) */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 16)), one = _mm256_set1_epi8(1);
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
+    }
+    uint8_t sc0, m0, sc1, m1;
+    scale_min_k4(2 * j, scales, &sc0, &m0);
+    scale_min_k4(2 * j + 1, scales, &sc1, &m1);
+    *a0 = d * sc0;
+    *a1 = d * sc1;
+    *b0 = -dmin * m0;
+    *b1 = -dmin * m1;
+}
+
 /* Q6_K block x, half n: its 128 values as four 32-byte runs of 6-bit q (low 4 bits from ql, high
  * 2 from qh): values 32k .. 32k + 31 of the half in q[k] */
 static inline void q6k_quads(const uint8_t *x, int n, __m256i *q) {
@@ -399,7 +422,6 @@ __attribute__((unused)) static void row_dot256(int type, const uint8_t *w, int64
     for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
     float accb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     switch (type) {
     case T_Q4_0: case T_Q4_1:
         for (int64_t i = 0; i < nb; i++) {
@@ -438,22 +460,12 @@ __attribute__((unused)) static void row_dot256(int type, const uint8_t *w, int64
         break;
     case T_Q4_K: case T_Q5_K:
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *x = w + i * bb, *scales = x + 4, *qs = x + (type == T_Q4_K ? 16 : 48);
-            const float d = f16_to_f32(rd16(x)), dmin = f16_to_f32(rd16(x + 2));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 16));
             for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (type == T_Q5_K) {
-                    const __m256i one = _mm256_set1_epi8(1);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
-                }
-                uint8_t sc0, m0, sc1, m1;
-                scale_min_k4(2 * j, scales, &sc0, &m0);
-                scale_min_k4(2 * j + 1, scales, &sc1, &m1);
-                CHUNK(lo, d * sc0, d * sc0, -dmin * m0, -dmin * m0, 8 * i + 2 * j);
-                CHUNK(hi, d * sc1, d * sc1, -dmin * m1, -dmin * m1, 8 * i + 2 * j + 1);
+                __m256i lo, hi;
+                float a0, a1, b0, b1;
+                k45_pair(type, w + i * bb, j, &lo, &hi, &a0, &a1, &b0, &b1);
+                CHUNK(lo, a0, a0, b0, b0, 8 * i + 2 * j);
+                CHUNK(hi, a1, a1, b1, b1, 8 * i + 2 * j + 1);
             }
         }
         break;
@@ -581,21 +593,10 @@ static inline __attribute__((always_inline)) void rows512(const int type, const 
     }
     case T_Q4_K: case T_Q5_K:
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *x = w + i * bb, *scales = x + 4, *qs = x + (type == T_Q4_K ? 16 : 48);
-            const float d = f16_to_f32(rd16(x)), dmin = f16_to_f32(rd16(x + 2));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(x + 16)), m4 = _mm256_set1_epi8(0xF);
             for (int j = 0; j < 4; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (type == T_Q5_K) {
-                    const __m256i one = _mm256_set1_epi8(1);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j), one), 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * j + 1), one), 4));
-                }
-                uint8_t sc0, m0, sc1, m1;
-                scale_min_k4(2 * j, scales, &sc0, &m0);
-                scale_min_k4(2 * j + 1, scales, &sc1, &m1);
-                const float a0 = d * sc0, a1 = d * sc1, b0 = -dmin * m0, b1 = -dmin * m1;
+                __m256i lo, hi;
+                float a0, a1, b0, b1;
+                k45_pair(type, w + i * bb, j, &lo, &hi, &a0, &a1, &b0, &b1);
                 CONSUME64(two32(lo, hi), _mm_set_ps(a1, a1, a0, a0), _mm_set_ps(b1, b1, b0, b0), i * 256 + 64 * j, 0);
             }
         }
