@@ -128,6 +128,7 @@ class FusedDecode:
         self._cos = None
         self._step: _Step | None = None
         self._scratch: tuple[torch.Tensor, ...] | None = None
+        self._gg: dict[str, int] | None = None  # the GGUF layers' step fields (_gguf_scratch)
 
     def _bind(self, attn) -> None:
         """Per-layer pointers, including this attention object's caches (bound once per KV
@@ -153,13 +154,14 @@ class FusedDecode:
                              torch.empty(n, nq, dtype=e), torch.empty(n, self.H * self.D, dtype=e),
                              torch.empty(n, self.I, dtype=e))
         x, xn, qkv, att, act = (t.data_ptr() for t in self._scratch)  # the kernel uses the first M rows
-        gg = self._gguf_scratch()
+        if self._gg is None:  # once: the scratch does not depend on the KV allocation
+            self._gg = self._gguf_scratch()
         self._step = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
                            bs=attn.block_size, max_pos=self.rope.max_positions, eps=self.eps,
                            scale=self.D ** -0.5, layers=self._layers, embed=self.embed.data_ptr(),
                            cos_t=self.rope.cos.data_ptr(), sin_t=self.rope.sin.data_ptr(),
                            final_norm=self.final_norm.data_ptr(), silu_bf16=_ptr(self.silu),
-                           x=x, xn=xn, qkv=qkv, att=att, act=act, **gg)
+                           x=x, xn=xn, qkv=qkv, att=att, act=act, **self._gg)
 
     def _gguf_scratch(self) -> dict[str, int]:
         """The GGUF layers' pointers and scratch (the input of a layer quantised per 32 values), or
@@ -168,11 +170,11 @@ class FusedDecode:
             return {}
         lib = gguf_kernels.load()
         k = max(self.C, self.H * self.D, self.I)
-        self._gg = (torch.empty(self.max_rows, k, dtype=torch.int8),
-                    torch.empty(self.max_rows, k // 4), torch.empty(self.max_rows, k // 16))
-        fn = ctypes.cast(lib.gguf_rows, _c_void_p).value, ctypes.cast(lib.gguf_quantize_row, _c_void_p).value
-        return dict(gg_rows=fn[0], gg_quantize=fn[1], gg_xq=self._gg[0].data_ptr(), gg_d4=self._gg[1].data_ptr(),
-                    gg_s16=self._gg[2].data_ptr())
+        self._gg_scratch = (torch.empty(self.max_rows, k, dtype=torch.int8),  # the step reads them: kept here
+                            torch.empty(self.max_rows, k // 4), torch.empty(self.max_rows, k // 16))
+        xq, d4, s16 = (t.data_ptr() for t in self._gg_scratch)
+        return dict(gg_rows=ctypes.cast(lib.gguf_rows, _c_void_p).value,
+                    gg_quantize=ctypes.cast(lib.gguf_quantize_row, _c_void_p).value, gg_xq=xq, gg_d4=d4, gg_s16=s16)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor | None:
         meta = getattr(attn, "meta", None)

@@ -88,18 +88,10 @@ class GgufLinear(nn.Module):
         rows = rows.to(dtype).contiguous()
         m = rows.shape[0]
         bias = None if self.bias is None else self.bias.detach().to(dtype)
-        if m and self.invariant:  # one order per row at any row count (ScheduleConfig.batchInvariant)
-            self.calls["int"] += 1
-            out = torch.empty((m, self.out_features), dtype=dtype)
-            acts = gk.Activations(self.lib, rows)
-            for r0, tid, raw in self.parts:
-                n = raw.shape[0]
-                gk.matmul(self.lib, tid, rows, raw, out[:, r0:r0 + n], acts=acts, mode=gk.INVARIANT,
-                          bias=None if bias is None else bias[r0:r0 + n])
-        elif m == 0 or m > INT_ROWS:
+        if m == 0 or (not self.invariant and m > INT_ROWS):
             self.calls["dequantised"] += 1
             out = F.linear(rows, self.dequantised(dtype), bias)
-        elif self.lib.isa == 0 and m >= SCALAR_FLOAT_ROWS:
+        elif not self.invariant and self.lib.isa == 0 and m >= SCALAR_FLOAT_ROWS:
             self.calls["float"] += 1
             out = torch.empty((m, self.out_features), dtype=torch.float32)
             xf = rows.float().contiguous()
@@ -107,13 +99,14 @@ class GgufLinear(nn.Module):
                 n = raw.shape[0]
                 gk.matmul(self.lib, tid, xf, raw, out[:, r0:r0 + n], mode=gk.FLOAT,
                           bias=None if bias is None else bias[r0:r0 + n].float())
-        else:
+        else:  # decode rows; in batch-invariant mode every row count, one order per row
             self.calls["int"] += 1
             out = torch.empty((m, self.out_features), dtype=dtype)
             acts = gk.Activations(self.lib, rows)
             for r0, tid, raw in self.parts:
                 n = raw.shape[0]
                 gk.matmul(self.lib, tid, rows, raw, out[:, r0:r0 + n], acts=acts,
+                          mode=gk.INVARIANT if self.invariant else gk.INTEGER,
                           bias=None if bias is None else bias[r0:r0 + n])
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
@@ -154,10 +147,11 @@ class NativeTarget:
             rows = ("at every row count (ScheduleConfig.batchInvariant: one order per row, prompts included)"
                     if settings.engine().batch_invariant else
                     f"up to {INT_ROWS} rows, dequantised tiles on oneDNN above")
+            setting = settings.cpu().gguf_compute
             log.info("GGUF compute: native (cpuTuning.ggufCompute %s%s), %d linear layers in their blocks (%s, "
-                     "%.1f MiB) on the C kernels: %s integer products %s", settings.cpu().gguf_compute,
-                     ": no native bf16 on this CPU" if settings.cpu().gguf_compute == "auto" else "", self.count, "/".join(sorted(types)), self.nbytes / 2**20,
-                     gk.ISA_NAMES[self.lib.isa], rows)
+                     "%.1f MiB) on the C kernels: %s integer products %s", setting,
+                     ": no native bf16 on this CPU" if setting == "auto" else "", self.count, "/".join(sorted(types)),
+                     self.nbytes / 2**20, gk.ISA_NAMES[self.lib.isa], rows)
 
 
 def native_target(bf16: bool = True) -> NativeTarget | None:
