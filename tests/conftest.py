@@ -12,11 +12,13 @@ at the spawn (an audit hook), so the fast lane stays free of servers.
 """
 from __future__ import annotations
 
+import collections
 import dis
 import functools
 import inspect
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -182,11 +184,62 @@ def _spawn_guard(event: str, args: tuple) -> None:
     if event != "subprocess.Popen":
         return
     item = _current["item"]
-    if item is None or item.get_closest_marker("server"):
+    if item is None:
         return
     argv = args[1] if len(args) > 1 else None
     words = [os.fsdecode(a) for a in argv] if isinstance(argv, (list, tuple)) else [os.fsdecode(argv or "")]
+    if item.get_closest_marker("server"):
+        _count_start(item, words)
+        return
     if any(p in w for w in words for p in _PROJECT):
         raise RuntimeError(f"{item.nodeid} starts {' '.join(words)[:200]} but is not in the server lane: "
                            "mark it @pytest.mark.server (tests/conftest.py reads the launch helpers and "
                            "the subprocess module from the test's code and fixtures)")
+
+
+# -- where the time goes: each lane's test time and the servers each file starts ---------------------
+# A server start is a launch of scripts/launch.sh or scripts/motor.sh from the test process (the
+# launches a started program makes itself, mindie_bench's soak say, are not seen). Each xdist
+# worker sends its counts to the controller in ``workeroutput``; the controller prints them.
+_STARTS = ("launch.sh", "motor.sh")
+_starts: collections.Counter = collections.Counter()
+_lane_seconds: collections.Counter = collections.Counter()
+_lane_tests: collections.Counter = collections.Counter()
+_t0 = time.monotonic()
+
+
+def _count_start(item: pytest.Item, words: list[str]) -> None:
+    if any(w.endswith(_STARTS) for w in words):
+        _starts[item.path.name] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # an xdist worker: the controller adds the counts up
+        out["server_starts"] = dict(_starts)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _starts.update(getattr(node, "workeroutput", {}).get("server_starts", {}))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    lane = "server" if "server" in report.keywords else "in-process"
+    _lane_seconds[lane] += report.duration
+    if report.when == "call":
+        _lane_tests[lane] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    if not _lane_tests:
+        return
+    tr = terminalreporter
+    tr.section("where the time goes")
+    for lane in ("in-process", "server"):
+        tr.write_line(f"{lane} lane: {_lane_tests[lane]} tests, {_lane_seconds[lane]:.0f} s of test time "
+                      "(setup, call and teardown, summed over the workers)")
+    total = sum(_starts.values())
+    top = ", ".join(f"{name} {n}" for name, n in _starts.most_common(15))
+    tr.write_line(f"server starts (launch.sh, motor.sh): {total} in {len(_starts)} files; most: {top}")
+    tr.write_line(f"session wall time {time.monotonic() - _t0:.0f} s")
