@@ -349,6 +349,7 @@ class ModelRouter:
         if cap.status == 200 and isinstance(body, dict):
             body["models"] = {name: msgspec.to_builtins(self._state(name)) for name in self.names}
             body["maxLoadedModels"] = self.link.max_loaded
+            body["maxLoadedMemSize"] = self.link.max_mem_gb
             return await _json_answer(send, 200, msgspec.json.encode(body))
         await send({"type": "http.response.start", "status": cap.status, "headers": cap.headers})
         await send({"type": "http.response.body", "body": cap.body})
