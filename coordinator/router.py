@@ -262,7 +262,7 @@ class Router:
                 if inst is None or iid in exclude or self.busy(inst) or (role and inst.role != role) \
                         or not serves(inst, info.scope):
                     decision = "affinity_busy"
-                elif hot and inst not in hot:
+                elif hot and all(h.id != iid for h in hot):
                     decision = "affinity_cold"
                 else:
                     chosen, decision = inst, "affinity_hit"
