@@ -53,8 +53,15 @@ class Resource(_S):
     totalNpuBlockNums: Count = 0
 
 
+class ModelStateShape(_S):
+    state: str = ""
+
+
 class StatusShape(_S):
     resource: Resource
+    # a server of several models (or in sleep mode): each model's state (docs/design.md, "Several
+    # models"); absent from a one-model server, whose model is always loaded
+    models: Optional[dict[str, ModelStateShape]] = None
 
 
 class SlotsShape(_S):

@@ -8,7 +8,7 @@ Coordinator metrics (prefix ``coordinator_``; MindIE's request counter names aft
 ``coordinator_request_failed_total`` (by ``code``), ``coordinator_request_refused_total`` (by
 ``reason``: max_requests), ``coordinator_retries_total`` (by ``reason``),
 ``coordinator_routing_decisions_total`` (by ``decision``: load, affinity_hit, affinity_miss,
-affinity_busy, and ``instance``), ``coordinator_breaker_trips_total`` (by ``instance``),
+affinity_busy, affinity_cold, and ``instance``), ``coordinator_breaker_trips_total`` (by ``instance``),
 ``coordinator_streams_cut_total``, ``coordinator_client_disconnects_total``,
 ``coordinator_requests_inflight`` and ``coordinator_instance_ready`` (by ``instance``),
 ``coordinator_e2e_request_latency_seconds`` and ``coordinator_time_to_first_token_seconds``

@@ -1,12 +1,17 @@
-"""Which instances serve which model: learned at admission, used by routing and ``GET /v1/models``.
+"""Which instances serve which model, and where each is loaded: used by routing and by the
+coordinator's own ``GET /v1/models`` and ``GET /api/tags``.
 
 A server serves every ``ModelConfig`` entry under its ``modelName`` (and its LoRA adapters),
 loading one on demand when a request names it (docs/design.md, "Several models"). The set of
 names is fixed for a server's life, so the coordinator reads an instance's business-plane
-``GET /v1/models`` once, when it admits it (coordinator/registry.py), and again only when it is
-admitted anew after being away: no cost on the per-interval poll. Whether a model is *loaded*
-changes by the minute and is not tracked: an instance that lists a model can serve it (it loads
-it on demand), so routing goes by "lists", not "loaded".
+``GET /v1/models`` (and Ollama's ``GET /api/tags``) once, when it admits it
+(coordinator/registry.py), and again only when it is admitted anew after being away: no cost on
+the per-interval poll. Which of them are *loaded* changes by the minute: the poll's
+``/v2/status`` carries it (``models``, each model's state, from a server of several models; a
+one-model server has no such field and its model is always loaded). ``loaded_names`` reads it;
+``warm`` says whether an instance has a model loaded (or loading: it is on its way). Routing
+(coordinator/router.py) sends a request for a model to the instances where it is warm when one of
+them can take it, else to any that lists it, which loads it on demand.
 
 A request's model name (``model_of``): the model named by the path (``/v2/models/{m}/...``,
 ``/v1/models/{m}``), else the JSON body's ``model`` (``name`` for Ollama's ``/api/show``). It
@@ -27,6 +32,8 @@ import msgspec
 _PATH_MODEL = re.compile(r"^/v[12]/models/([^/]+)")
 # per instance and per minute: not a property of the model the fleet serves
 _PER_INSTANCE = ("loaded", "status")
+# the states of a model that is loaded or on its way (mindie/contract/model_wire.py)
+WARM = frozenset({"loaded", "loading"})
 
 
 def model_of(path: str, body: Any) -> str:
@@ -40,15 +47,25 @@ def model_of(path: str, body: Any) -> str:
     return name if isinstance(name, str) else ""
 
 
-def listed(content: bytes) -> dict[str, dict]:
+def listed(content: bytes, key: str = "data", name: str = "id") -> dict[str, dict]:
     """The models of a ``GET /v1/models`` answer (already checked to be one): id -> its item,
-    less the fields that say what this instance has loaded now."""
+    less the fields that say what this instance has loaded now. ``key="models", name="name"``:
+    those of Ollama's ``GET /api/tags``."""
     out: dict[str, dict] = {}
-    data = msgspec.json.decode(content).get("data") or []
+    data = msgspec.json.decode(content).get(key) or []
     for item in data:
-        if isinstance(item, dict) and isinstance(item.get("id"), str):
-            out[item["id"]] = {k: v for k, v in item.items() if k not in _PER_INSTANCE}
+        if isinstance(item, dict) and isinstance(item.get(name), str):
+            out[item[name]] = {k: v for k, v in item.items() if k not in _PER_INSTANCE}
     return out
+
+
+def loaded_names(models: Optional[dict]) -> Optional[frozenset]:
+    """The models loaded (or loading) on an instance, from its ``/v2/status`` ``models`` (name ->
+    a struct with ``state``); None when it has no such field: a one-model server, whose model is
+    always loaded."""
+    if models is None:
+        return None
+    return frozenset(name for name, st in models.items() if st.state in WARM)
 
 
 class ModelIndex:
@@ -75,6 +92,31 @@ class ModelIndex:
         return bare if bare in self.count else ""
 
 
+def aggregate_tags(instances: Iterable[Any]) -> dict:
+    """Ollama's ``GET /api/tags`` of the fleet: each model the given instances list, once (the
+    first instance's item, by id, as ``aggregate``)."""
+    items: dict[str, dict] = {}
+    for inst in sorted(instances, key=lambda i: i.id):
+        for name, item in inst.tags.items():
+            items.setdefault(name, item)
+    return {"models": list(items.values())}
+
+
+def merge_ps(answers: Iterable[Any]) -> dict:
+    """Ollama's ``GET /api/ps`` of the fleet from its instances' own answers (None: none): each
+    loaded model once, with the latest ``expires_at`` (the fleet holds it at least that long)."""
+    items: dict[str, dict] = {}
+    for answer in answers:
+        models = answer.get("models") if isinstance(answer, dict) else None
+        for item in models if isinstance(models, list) else []:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                continue
+            known = items.get(item["name"])
+            if known is None or str(item.get("expires_at", "")) > str(known.get("expires_at", "")):
+                items[item["name"]] = item
+    return {"models": list(items.values())}
+
+
 def aggregate(instances: Iterable[Any]) -> dict:
     """``GET /v1/models`` of the fleet: each model the given instances list, once (the first
     instance's item), with ``instances``: how many of them serve it (a project extension, as
@@ -92,3 +134,17 @@ def aggregate(instances: Iterable[Any]) -> dict:
 def serves(inst: Any, scope: Optional[str]) -> bool:
     """Does ``inst`` serve the request's scoped model ("" or None: any instance does)?"""
     return not scope or scope in inst.models
+
+
+def warm(inst: Any, scope: Optional[str]) -> bool:
+    """Is the request's scoped model loaded (or loading) on ``inst``, as its last poll said (or
+    as this coordinator's latest routing there implies)? Unscoped: yes."""
+    return not scope or inst.loaded is None or scope in inst.loaded
+
+
+def mark_warm(inst: Any, scope: Optional[str]) -> None:
+    """``inst`` was just sent a request for ``scope``: it loads the model now if it had not, so
+    the next request for it goes there too, not to a third instance, before the next poll says
+    what is loaded (which then replaces this guess)."""
+    if scope and inst.loaded is not None and scope not in inst.loaded:
+        inst.loaded = inst.loaded | {scope}

@@ -5,10 +5,11 @@ it is routed to it is *admitted* (coordinator/admission_check.py): its managemen
 answer the server's own routes in the server's shape, serving the model the refresh named, and
 it must not be this coordinator. Each poll asks an admitted instance's management plane for
 ``/health`` (200 = its workers are ready) and ``/v2/status`` (free slots, free KV blocks, waiting
-and running requests; the role it reports and a decode instance's KV endpoints, coordinator/pd_pairing.py);
+and running requests; the role it reports and a decode instance's KV endpoints, coordinator/pd_pairing.py;
+which of its models are loaded, coordinator/model_index.py);
 admission also reads ``/v1/config`` (model name, KV block size),
-``/v2/models/{m}/getSlotCount`` (total slots) and ``/v1/models`` (every model it serves:
-coordinator/model_index.py), again after the instance was away. A refused or
+``/v2/models/{m}/getSlotCount`` (total slots), ``/v1/models`` and ``/api/tags`` (every model it
+serves: coordinator/model_index.py), again after the instance was away. A refused or
 reset poll makes an instance unreachable at once; a poll that times out (a busy instance answers
 late) only the third time in a row. An instance is *ready* (routable) when its last poll
 succeeded, it is online (not taken out by ``/v1/instances/offline``) and its circuit breaker
@@ -39,11 +40,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import httpx
+import msgspec
 
 from coordinator.admission_check import (ConfigShape, ModelsShape, Refused, SlotsShape, StatusShape,
                                          check_health, shaped, tcp_probe)
 from coordinator.breaker import Breaker
-from coordinator.model_index import ModelIndex, listed
+from coordinator.model_index import ModelIndex, listed, loaded_names
 from coordinator.pd_pairing import role_from_status
 
 log = logging.getLogger("mindie.coordinator.registry")
@@ -65,6 +67,8 @@ class Instance:
     metric_port: Optional[int] = None  # None: /metrics is on the management port
     model_name: str = ""  # the first model it serves (its /v1/config)
     models: dict = field(default_factory=dict)  # every model it serves: id -> its /v1/models item (model_index.py)
+    tags: dict = field(default_factory=dict)  # the same as Ollama's /api/tags lists them: name -> its item
+    loaded: Optional[frozenset] = None  # the models loaded or loading there (None: all it serves; model_index.py)
     source: str = "config"  # config | refresh
     static_info: dict = field(default_factory=dict)  # as refresh sent it
     online: bool = True  # False after /v1/instances/offline
@@ -152,6 +156,7 @@ class Instance:
     def describe(self) -> dict:
         return {"id": self.id, "ip": self.ip, "business_port": self.business_port, "mgmt_port": self.mgmt_port,
                 "model_name": self.model_name, "models": list(self.models), "state": self.state(),
+                "loaded": list(self.models) if self.loaded is None else sorted(self.loaded),
                 "source": self.source,
                 "role": self.role, "kv_endpoints": self.kv_endpoints,
                 "avail_slots_num": self.avail_slots, "total_slots_num": self.total_slots,
@@ -447,6 +452,7 @@ class Poller:
             inst.total_blocks = res.totalNpuBlockNums or inst.total_blocks
             inst.waiting, inst.running = res.waitingRequestNum, res.runningRequestNum
             inst.inflight_at_poll = asked_with
+            inst.loaded = loaded_names(status.models)
         ok = health == 200 and inst.admitted
         inst.seen = inst.seen or ok
         inst.polled_ok = ok
@@ -509,6 +515,13 @@ class Poller:
             raise Refused(f"it serves the model{'s' * (len(served) > 1)} {', '.join(map(repr, served))}, "
                           f"not {inst.model_expected!r} it is routed for")
         self.registry.set_models(inst, served)
+        # Ollama's names and cards for the fleet's /api/tags (optional: a server without it is still one)
+        tags = await (self.business.get(f"{inst.base_url}/api/tags", timeout=t) if split
+                      else self.client.get(f"{inst.mgmt_url}/api/tags", timeout=t))
+        try:
+            inst.tags = listed(tags.content, "models", "name") if tags.status_code == 200 else {}
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            inst.tags = {}
         inst.model_name, inst.block_size, inst.total_slots = c.modelName, c.cacheBlockSize, n
         inst.admitted = True
         log.info("instance %d %s admitted: a server of %s, %d slots", inst.id, inst.base_url,

@@ -19,8 +19,10 @@ are never gathered). Failover:
 Several models: a request naming a model some instance serves (the path's ``/v2/models/{m}``,
 else the body's ``model``; coordinator/model_index.py) is routed only among the instances that
 list it (503 when none of them is ready); one naming no model, or a model no instance lists, goes
-to any instance (whose own 404 answers an unknown name). ``GET /v1/models`` is answered here:
-every model the ready instances serve, once, with how many serve it.
+to any instance (whose own 404 answers an unknown name). ``GET /v1/models`` and Ollama's
+``GET /api/tags`` are answered here: every model the ready instances serve, once (``/v1/models``
+with how many serve it), from what their admission read; Ollama's ``GET /api/ps`` asks every
+ready instance's ``/api/ps`` at once and lists each model loaded somewhere once.
 
 One request-log line per request (logger ``coordinator.request``) names the instance; it
 is written once the request's work is over (after its last byte). Its counters and latency
@@ -50,7 +52,7 @@ from typing import Any, Optional
 
 import httpx
 
-from coordinator.model_index import aggregate
+from coordinator.model_index import aggregate, aggregate_tags, merge_ps
 from coordinator.pd_pairing import PD_HEADERS, WHOLE_HEADER, handoff_header, pick_endpoint
 from coordinator.upstream import Response, UpstreamError
 from mindie.contract import families
@@ -326,6 +328,11 @@ class Relay:
         if scope["method"] == "GET" and scope["path"] == "/v1/models":  # the fleet's models, from the registry
             rec["instance"], rec["decision"] = "-", "models"
             return await self._json(send, rec, 200, json.dumps(aggregate(reg.ready())).encode())
+        if scope["method"] == "GET" and scope["path"] == "/api/tags":  # the same, in Ollama's shape
+            rec["instance"], rec["decision"] = "-", "models"
+            return await self._json(send, rec, 200, json.dumps(aggregate_tags(reg.ready())).encode())
+        if scope["method"] == "GET" and scope["path"] == "/api/ps":
+            return await self._ps(send, rec)
         info = router.info(scope["path"], parsed)
         if info.scope and not router.serving_ready(info):
             return await self._answer(send, rec, fam, ApiError(
@@ -600,6 +607,22 @@ class Relay:
             # a non-stream answer cannot carry an error once its body began: it ends short of its
             # Content-Length, which every HTTP client reports as an incomplete answer
             rec["cut"] = True
+
+    async def _ps(self, send, rec) -> None:
+        """Ollama's ``GET /api/ps`` of the fleet: every ready instance's, merged (model_index.merge_ps);
+        an instance that does not answer in time counts as having nothing loaded."""
+        coord = self.coord
+        insts = coord.registry.ready()
+
+        async def one(inst):
+            try:
+                r = await coord.business.get(inst.base_url + "/api/ps", timeout=5.0)
+                return r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+        answers = await asyncio.gather(*(one(i) for i in insts))
+        rec["instance"], rec["decision"] = ",".join(str(i.id) for i in insts), "models"
+        await self._json(send, rec, 200, json.dumps(merge_ps(answers)).encode())
 
     async def _broadcast(self, scope, send, rec, body: bytes, fam: str) -> None:
         """stopInfer: the coordinator does not know which instance holds the id; ask every ready one."""

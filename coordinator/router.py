@@ -26,7 +26,13 @@ thousand keys, least recently used dropped first; keys of an instance that leave
 Several models (coordinator/model_index.py): a request naming a model that some instance lists
 (``RouteInfo.scope``) is routed by either rule among the instances that list it only, and its
 prefix keys are salted with the model's name (each model's KV cache is its own); a request naming
-none, or a name no instance lists, is routed among all.
+none, or a name no instance lists, is routed among all. Among those that list the model, the
+instances where it is loaded (or loading, ``model_index.warm``) are preferred whenever one of
+them has room: the others only when none has, and then the chosen one loads it on demand (and
+counts as warm for the next request until a poll says otherwise), so requests for a model
+gather where it is resident instead of making every instance load it in turn. An affine instance
+where the model is not loaded while it is elsewhere is not taken (its KV cache of that model
+left with the model): ``affinity_cold``, by load among the warm ones.
 
 ``deploy_mode: pd_separate`` (``pick_pd``): a prefill instance and a decode instance are chosen
 for each request, each among the ready instances of its role by the rule above (the prefill
@@ -45,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mindie.contract.pd import DECODE, FLEX, PREFILL
-from coordinator.model_index import model_of, serves
+from coordinator.model_index import mark_warm, model_of, serves, warm
 from coordinator.registry import Instance, Registry
 
 MAX_KEYS = 64  # prefix keys per request (the leading 64 blocks or messages)
@@ -232,7 +238,8 @@ class Router:
 
     def pick(self, info: RouteInfo, exclude: set[int], role: Optional[str] = None) -> tuple[Optional[Instance], str]:
         """(instance, decision) or (None, why): decision is one of load, affinity_hit,
-        affinity_busy (the affine instance was busy: by load), affinity_miss (by load).
+        affinity_busy (the affine instance was busy: by load), affinity_cold (the model is not
+        loaded there but is elsewhere: by load), affinity_miss (by load).
         ``role``: only instances of that role (pd_separate; in single_node every instance)."""
         if role is None and self.pd:
             role = FLEX
@@ -240,6 +247,9 @@ class Router:
         cands = self.candidates(exclude, role, info.scope)
         if not cands:
             return None, "none_ready"
+        hot = [i for i in cands if warm(i, info.scope)]
+        if hot:  # the model is resident somewhere with room: there, not a load elsewhere
+            cands = hot
         decision = "load"
         chosen: Optional[Instance] = None
         if self.algorithm == "cache_affinity":
@@ -252,12 +262,15 @@ class Router:
                 if inst is None or iid in exclude or self.busy(inst) or (role and inst.role != role) \
                         or not serves(inst, info.scope):
                     decision = "affinity_busy"
+                elif hot and all(h.id != iid for h in hot):
+                    decision = "affinity_cold"
                 else:
                     chosen, decision = inst, "affinity_hit"
                 break
         if chosen is None:
             chosen = min(cands, key=lambda i: (round(self.load(i), 6), self.last_pick.get(i.id, 0.0), i.id))
         self.last_pick[chosen.id] = time.monotonic()
+        mark_warm(chosen, info.scope)
         if info.keys:
             for k in info.keys:
                 table[k] = chosen.id

@@ -41,6 +41,7 @@ class ModelLink:
         self.keep_alive: dict[str, float] = {}
         self.states: dict[str, W.ModelState] = {}
         self.max_loaded = 0
+        self.max_mem_gb = 0.0  # the host's maxLoadedMemSize (0 = no bound)
         self.sleeping = 0  # the model host's sleep level (vLLM's sleep mode), 0 = awake
         self.last_report = 0.0  # time.monotonic() of the host's last report
         self._changed = asyncio.Event()
@@ -89,6 +90,7 @@ class ModelLink:
             self.keep_alive[name] = keep_alive
         if self.sleeping:
             raise ModelUnavailable("The server is sleeping (POST /wake_up wakes it)")
+        self._check_refused(name)
         if self.loaded(name) and self.ready(name):
             self.running[name] += 1
             self._send_use()
@@ -102,6 +104,7 @@ class ModelLink:
             while not (self.loaded(name) and self.ready(name)):
                 if self.sleeping:
                     raise ModelUnavailable("The server is sleeping (POST /wake_up wakes it)")
+                self._check_refused(name)
                 st = self.states.get(name)
                 seen_loading = seen_loading or (st is not None and st.state == W.LOADING)
                 if seen_loading and st is not None and st.state in (W.UNLOADING, W.UNLOADED) and st.error:
@@ -119,6 +122,13 @@ class ModelLink:
             self._send_use()
         if time.monotonic() - t0 > 0.05:
             log.info("request waited %.2f s for model %s to load", time.monotonic() - t0, name)
+
+    def _check_refused(self, name: str) -> None:
+        """A model the host never loads (alone more than maxLoadedMemSize): fail at once, not
+        after the request's whole timeout."""
+        st = self.states.get(name)
+        if st is not None and st.refused:
+            raise ModelUnavailable(st.error)
 
     def release(self, name: str) -> None:
         self.running[name] -= 1
@@ -170,6 +180,7 @@ class ModelLink:
                 continue
             if isinstance(msg, W.ModelReport):
                 self.states, self.max_loaded, self.sleeping = msg.models, msg.max_loaded, msg.sleeping
+                self.max_mem_gb = msg.max_mem_gb
                 self.last_report = time.monotonic()
                 self._changed.set()
             elif isinstance(msg, W.ModelAnswer):

@@ -79,4 +79,5 @@ def build_many(config: Config, **kwargs) -> Deployment:
                        for g in groups))
     return msgspec.structs.replace(dep, workers=groups[0], models=groups[1:], max_loaded_models=resident,
                                    keep_alive_s=float(deploy.keep_alive),
+                                   max_loaded_mem_gb=float(deploy.max_loaded_mem_size),
                                    models_endpoint=f"ipc://{config.server.run_dir}/{MODELS_SOCKET}")

@@ -41,12 +41,14 @@ def free_ports(n: int) -> list[int]:
 
 def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model_path: str | None = None,
                  schedule: dict | None = None, deploy: dict | None = None, server: dict | None = None,
-                 model: dict | None = None) -> Path:
+                 model: dict | None = None, more_models: list[dict] | None = None) -> Path:
     """``model_path`` None: the random demo model (its directory, as a test names it); "": no
-    modelWeightPath, the default model."""
+    modelWeightPath, the default model. ``more_models``: further ModelConfig entries (several
+    models in one server), each on top of the first entry's weights, dtype and KV budget."""
     if model_path is None:
         from workers.models.demo import ensure_demo_model
         model_path = str(ensure_demo_model())
+    base = {"modelName": "demo", "modelWeightPath": model_path, "cpuMemSize": 1, "dtype": "float32"}
     cfg = {
         # One listener for MindIE's three planes (ALL_SAME): tests talk to one port unless they
         # split the planes on purpose.
@@ -58,8 +60,7 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
             "cpuThreadsPerWorker": 1,
             "ModelDeployConfig": {
                 "maxSeqLen": 2560, "maxInputTokenLen": 2048, "truncation": False,
-                "ModelConfig": [{"modelName": "demo", "modelWeightPath": model_path, "cpuMemSize": 1,
-                                 "dtype": "float32", **(model or {})}],
+                "ModelConfig": [{**base, **(model or {})}] + [{**base, **m} for m in more_models or []],
                 **(deploy or {}),
             },
             "ScheduleConfig": {"cacheBlockSize": 16, "maxBatchSize": 64, "maxPrefillBatchSize": 32,

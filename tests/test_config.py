@@ -155,7 +155,7 @@ JSON_KEYS = {
         "prefillLinears", "ggufCompute"},
     "BackendConfig.ModelDeployConfig": {"maxSeqLen", "maxInputTokenLen", "truncation", "ModelConfig", "maxLoras",
                                         "maxLoraRank", "LoraModules", "speculationGamma", "loraRoot",
-                                        "maxLoadedModels", "keepAlive", "enableSleepMode"},
+                                        "maxLoadedModels", "keepAlive", "enableSleepMode", "maxLoadedMemSize"},
     "BackendConfig.ModelDeployConfig.LoraModules[]": {"name", "path", "baseModelName"},
     "BackendConfig.ModelDeployConfig.ModelConfig[]": {
         "modelName", "modelWeightPath", "worldSize", "cpuMemSize", "npuMemSize", "dtype", "quantize",
@@ -298,6 +298,7 @@ RANGE_CASES = [
     ("BackendConfig.ModelDeployConfig.maxLoadedModels", -1, "must be >= 0, got -1"),
     ("BackendConfig.ModelDeployConfig.maxLoadedModels", 65, "must be <= 64, got 65"),
     ("BackendConfig.ModelDeployConfig.keepAlive", -2, "must be >= -1.0, got -2"),
+    ("BackendConfig.ModelDeployConfig.maxLoadedMemSize", -1, "must be >= 0, got -1"),
     ("BackendConfig.ModelDeployConfig.LoraModules[0].name", "a b", "must match the pattern"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].modelName", "bad name!", "must match the pattern"),
     ("BackendConfig.ModelDeployConfig.ModelConfig[0].modelName", "x" * 257, "must have length <= 256"),

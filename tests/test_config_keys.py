@@ -192,6 +192,10 @@ KEY_TESTS: dict[str, list[str]] = {
         "tests/test_many_models.py::test_answers_as_alone_before_and_after_reload",
         "tests/test_many_models.py::test_concurrent_requests_over_both_models_complete",
         f"{_CFG}::test_range_violation_names_dotted_key"],
+    "BackendConfig.ModelDeployConfig.maxLoadedMemSize": _here("test_every_model_config_is_a_model") + [
+        "tests/test_many_models.py::test_memory_bound_evicts_idle_models_and_refuses_one_too_big",
+        "tests/test_many_models.py::test_a_model_alone_over_the_memory_bound_is_refused",
+        f"{_CFG}::test_range_violation_names_dotted_key"],
     "BackendConfig.ModelDeployConfig.enableSleepMode": [
         "tests/test_many_models.py::test_sleep_mode_serves_one_model_through_the_host"],
     "BackendConfig.ModelDeployConfig.keepAlive": _here("test_every_model_config_is_a_model") + [
@@ -588,19 +592,21 @@ def test_unapplied_keys_are_logged(tmp_path: Path) -> None:
 
 def test_every_model_config_is_a_model(tmp_path: Path) -> None:
     """Each entry gets its own worker group with its own keys (mindie/model_plan.py;
-    tests/test_many_models.py serves two); maxLoadedModels and keepAlive go into the plan."""
+    tests/test_many_models.py serves two); maxLoadedModels, keepAlive and maxLoadedMemSize go into
+    the plan."""
     from mindie.model_plan import build_many
 
     models = [{"modelName": "first", "modelWeightPath": "/models/a", "dtype": "bfloat16", "cpuMemSize": 2},
               {"modelName": "second", "modelWeightPath": "/models/b", "dtype": "float16", "cpuMemSize": 3}]
     data = {"BackendConfig": {"npuDeviceIds": [[0], [1]], "ModelDeployConfig": {
-        "ModelConfig": models, "maxLoadedModels": 1, "keepAlive": 300}}, "ServerConfig": {"runDir": str(tmp_path / "r")}}
+        "ModelConfig": models, "maxLoadedModels": 1, "keepAlive": 300, "maxLoadedMemSize": 6.5}},
+        "ServerConfig": {"runDir": str(tmp_path / "r")}}
     dep = build_many(load(tmp_path, data).config)
     assert {(w.model_name, w.model_path, w.dtype, w.cpu_mem_gb) for w in dep.workers} == {
         ("first", "/models/a", "bfloat16", 2.0)}
     assert {(w.model_name, w.model_path, w.dtype, w.cpu_mem_gb) for w in dep.models[0]} == {
         ("second", "/models/b", "float16", 3.0)}
-    assert (dep.max_loaded_models, dep.keep_alive_s) == (1, 300.0)
+    assert (dep.max_loaded_models, dep.keep_alive_s, dep.max_loaded_mem_gb) == (1, 300.0, 6.5)
     bad = models[:1] + [{"dtype": "int8"}]
     with pytest.raises(ConfigError, match=r"ModelConfig\[1\]\.dtype: must be one of"):
         load(tmp_path, {"BackendConfig": {"ModelDeployConfig": {"ModelConfig": bad}}}, name="bad.json")

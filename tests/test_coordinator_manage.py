@@ -351,7 +351,8 @@ def test_one_failing_record_never_stops_the_polls_of_the_others():
                    "/v2/status": b'{"service": {}, "resource": {"availSlotsNum": 8, "availBlockNum": 100, '
                                  b'"waitingRequestNum": 0, "runningRequestNum": 0, "totalNpuBlockNums": 100}}',
                    "/v2/models/demo/getSlotCount": b'{"total_slots": 8}',
-                   "/v1/models": b'{"object": "list", "data": [{"id": "demo"}]}'}
+                   "/v1/models": b'{"object": "list", "data": [{"id": "demo"}]}',
+                   "/api/tags": b'{"models": [{"name": "demo", "model": "demo"}]}'}
         asked = {good: 0, bad: 0}
 
         def handler(request: httpx.Request) -> httpx.Response:

@@ -1,12 +1,16 @@
 """The coordinator over instances that serve different models (issue 56, item 5): two real
-instances (scripts/launch.sh) serving the demo model as ``alpha`` and as ``beta``, behind a real
+instances (scripts/launch.sh) serving the demo model as ``alpha`` and ``shared``, and as ``beta``
+and ``shared``, each with ``maxLoadedModels`` 1 (its first model loaded at start), behind a real
 coordinator (``python -m coordinator``). A request naming a model goes only to an instance that
-serves it (the coordinator's request log and the instances' own counters say which); a model no
-instance serves is the instance's 404 in its API's shape; ``GET /v1/models`` lists the fleet's
-models once each, with how many instances serve them."""
+serves it (the coordinator's request log and the instances' own counters say which), and to one
+where it is loaded when there is one (``shared``: loaded by the first request on demand, then
+every later request goes there); a model no instance serves is the instance's 404 in its API's
+shape; ``GET /v1/models`` and Ollama's ``/api/tags`` list the fleet's models once each,
+``/api/ps`` those loaded somewhere."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -15,6 +19,7 @@ from tests.coord_harness import Coordinator, start_instances
 from tests.lazy_modules import LazyModule
 
 openai = LazyModule("openai")  # imported where a test uses it (tests/lazy_modules.py)
+ollama = LazyModule("ollama")  # imported where a test uses it (tests/lazy_modules.py)
 
 NAMES = ("alpha", "beta")
 
@@ -22,7 +27,9 @@ NAMES = ("alpha", "beta")
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("coord_models")
-    servers = start_instances(tmp, 2, per_instance=[{"model": {"modelName": n}} for n in NAMES])
+    servers = start_instances(tmp, 2, deploy={"maxLoadedModels": 1},
+                              per_instance=[{"model": {"modelName": n}, "more_models": [{"modelName": "shared"}]}
+                                            for n in NAMES])
     coord = None
     try:
         coord = Coordinator(tmp, servers, config={"digs_scheduler_config": {"algorithm_type": "cache_affinity"}})
@@ -50,7 +57,7 @@ def client(url: str) -> openai.OpenAI:
 def test_instances_learn_their_models(fleet):
     _, coord = fleet
     models = {i["id"]: i["models"] for i in coord.info()["instances"]}
-    assert models == {0: ["alpha"], 1: ["beta"]}, models
+    assert models == {0: ["alpha", "shared"], 1: ["beta", "shared"]}, models
 
 
 def test_requests_go_to_the_instance_serving_their_model(fleet):
@@ -107,11 +114,46 @@ def test_unknown_model_is_the_apis_404(fleet):
 def test_models_lists_the_fleet(fleet):
     _, coord = fleet
     listed = client(coord.url).models.list()
-    assert [m.id for m in listed.data] == list(NAMES)
+    assert [m.id for m in listed.data] == ["alpha", "shared", "beta"]
     raw = httpx.get(coord.url + "/v1/models", timeout=10).json()
-    assert [(m["id"], m["instances"]) for m in raw["data"]] == [("alpha", 1), ("beta", 1)], raw
+    assert [(m["id"], m["instances"]) for m in raw["data"]] == [("alpha", 1), ("shared", 2), ("beta", 1)], raw
     # GET /v1/models/{m} reaches an instance serving m
     assert client(coord.url).models.retrieve("beta").id == "beta"
+
+
+def _loaded(coord) -> dict:
+    return {i["id"]: i["loaded"] for i in coord.info()["instances"]}
+
+
+def _wait_loaded(coord, want: dict, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while (got := _loaded(coord)) != want:
+        assert time.monotonic() < end, got
+        time.sleep(0.2)
+
+
+def test_requests_go_where_their_model_is_loaded(fleet):
+    """``shared`` is on both instances, loaded on neither: its first request loads it on one of
+    them (evicting that one's first model: maxLoadedModels 1), and every later request, each a new
+    conversation (no affinity), goes there too, not to the other to load it a second time."""
+    servers, coord = fleet
+    _wait_loaded(coord, {0: ["alpha"], 1: ["beta"]})  # what their /v2/status says: the first models
+    n_lines = len(coord.settled_request_lines())
+    for turn in range(4):
+        msgs = [{"role": "user", "content": f"Tell {turn} things about sharing"}]
+        r = client(coord.url).chat.completions.create(model="shared", messages=msgs, max_tokens=4, temperature=0)
+        assert r.model == "shared"
+    lines = coord.settled_request_lines()[n_lines:]
+    where = {int(re.search(r"-> instance (\d)\(", ln).group(1)) for ln in lines}
+    assert len(lines) == 4 and len(where) == 1, lines
+    k = where.pop()
+    _wait_loaded(coord, {k: ["shared"], 1 - k: [NAMES[1 - k]]})
+    assert "loading model shared" in servers[k].tail(400)
+    assert "loading model shared" not in servers[1 - k].tail(400)
+    # Ollama's model lists of the fleet: every model once; those loaded somewhere
+    ol = ollama.Client(host=coord.url, timeout=30)
+    assert [m.model for m in ol.list().models] == ["alpha", "shared", "beta"]
+    assert sorted(m.model for m in ol.ps().models) == sorted(["shared", NAMES[1 - k]])
 
 
 def test_model_scope_rules_in_process():
@@ -147,6 +189,18 @@ def test_model_scope_rules_in_process():
     picks = {router.pick(router.info("/v1/completions", {"model": "beta", "prompt": f"p{k}"}), set())[0].id
              for k in range(4)}
     assert picks == {0, 1}  # beta is on both: load spreads it
+    # beta loaded on neither (as their polls say): the first request loads it on one, and the next
+    # ones, new prompts, follow it there
+    reg.instances[0].loaded, reg.instances[1].loaded = frozenset({"alpha"}), frozenset()
+    chat = router.info("/v1/chat/completions", {"model": "beta", "messages": [{"role": "user", "content": "x"}]})
+    first, _ = router.pick(chat, set())
+    assert {router.pick(router.info("/v1/completions", {"model": "beta", "prompt": f"q{k}"}), set())[0].id
+            for k in range(4)} == {first.id}
+    # a poll says beta is loaded on the other one only: the conversation's affine instance is cold
+    other = reg.instances[1 - first.id]
+    first.loaded, other.loaded = frozenset(), frozenset({"beta"})
+    assert router.pick(chat, set()) == (other, "affinity_cold")
+    first.loaded = other.loaded = None  # one-model servers: every model they list is loaded
     assert [(m["id"], m["instances"]) for m in aggregate(reg.ready())["data"]] == [("alpha", 1), ("beta", 2)]
     # the list does not depend on which instance was admitted (or became ready) first
     assert aggregate(reversed(reg.ready())) == aggregate(reg.ready())

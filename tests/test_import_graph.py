@@ -34,7 +34,7 @@ LAYERS = {
     "workers.engine": 4,
 }
 # The process entry points (and the empty top package), above everything (exact names).
-ENTRY_POINTS = {"workers": 5, "workers.worker": 5, "workers.tp_rank": 5, "workers.supervisor": 5, "workers.model_host": 5, "workers.pd_transfer": 5,
+ENTRY_POINTS = {"workers": 5, "workers.worker": 5, "workers.tp_rank": 5, "workers.supervisor": 5, "workers.model_host": 5, "workers.model_memory": 5, "workers.pd_transfer": 5,
                 "workers.prepare": 5}
 
 # Known circles awaiting their fix, each with its reason (none: keep it that way).

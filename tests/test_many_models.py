@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 from pathlib import Path
 
@@ -59,21 +60,20 @@ def alone(models, tmp_path_factory) -> dict[str, list[str]]:
     return out
 
 
-def _two_models(models, d: Path, max_loaded: int) -> Server:
+def _two_models(models, d: Path, max_loaded: int, deploy: dict | None = None, more: list | None = None) -> Server:
     port = free_port()
     cfg = write_config(d / "config.json", port=port, run_dir=short_run_dir(), workers=1,
                        model_path=str(models["alpha"]), model={"modelName": "alpha"},
-                       deploy={"maxLoadedModels": max_loaded})
-    c = json.loads(cfg.read_text())
-    c["BackendConfig"]["ModelDeployConfig"]["ModelConfig"].append(
-        {"modelName": "beta", "modelWeightPath": str(models["beta"]), "cpuMemSize": 1, "dtype": "float32"})
-    cfg.write_text(json.dumps(c))
+                       deploy={"maxLoadedModels": max_loaded, **(deploy or {})},
+                       more_models=[{"modelName": "beta", "modelWeightPath": str(models["beta"])}, *(more or [])])
     return Server(cfg, port)
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    s = _two_models(models, tmp_path_factory.mktemp("shared"), 1)
+    # a third model, "huge", whose KV budget alone is more than maxLoadedMemSize: listed, never loaded
+    s = _two_models(models, tmp_path_factory.mktemp("shared"), 1, deploy={"maxLoadedMemSize": 8},
+                    more=[{"modelName": "huge", "cpuMemSize": 16}])
     try:
         s.wait_ready(180)
         yield s
@@ -97,17 +97,30 @@ def _wait_state(server: Server, name: str, state: str, timeout: float = 30) -> d
 
 def test_every_model_listed_with_whether_loaded(server) -> None:
     data = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
-    assert [m["id"] for m in data] == ["alpha", "beta"]
+    assert [m["id"] for m in data] == ["alpha", "beta", "huge"]
     loaded = {m["id"]: m["loaded"] for m in data}
     states = _states(server)
-    assert loaded == {n: states[n]["state"] == "loaded" for n in ("alpha", "beta")}
+    assert loaded == {n: states[n]["state"] == "loaded" for n in ("alpha", "beta", "huge")}
     assert sum(loaded.values()) <= 1  # maxLoadedModels 1
     assert httpx.get(server.url + "/v1/models/beta", timeout=10).json()["id"] == "beta"  # its own app answers
     tags = ollama.Client(host=server.url, timeout=30).list()
-    assert sorted(m.model for m in tags.models) == ["alpha", "beta"]
+    assert sorted(m.model for m in tags.models) == ["alpha", "beta", "huge"]
     status = httpx.get(server.url + "/v1/status", timeout=10).json()
     assert status["maxLoadedModels"] == 1 and status["models"]["beta"]["threads"] >= 1
     assert status["models"]["beta"]["kv_gb"] == 1.0
+    assert status["maxLoadedMemSize"] == 8 and 1.0 < status["models"]["beta"]["mem_gb"] < 1.05
+    assert status["models"]["huge"]["refused"] and not status["models"]["beta"]["refused"]
+
+
+def test_a_model_alone_over_the_memory_bound_is_refused(server) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        _chat(_client(server), "huge", PROMPTS[0])
+    assert e.value.status_code == 503 and "maxLoadedMemSize" in str(e.value) and "huge" in str(e.value)
+    assert time.monotonic() - t0 < 10  # at once, not after the request's timeout
+    r = httpx.post(server.url + "/models/load", json={"model": "huge"}, timeout=60)
+    assert r.status_code == 503 and "maxLoadedMemSize" in r.json()["error"]["message"], r.text
+    assert _states(server)["huge"]["state"] == "unloaded" and "loading model huge" not in server.tail(2000)
 
 
 def test_unknown_model_is_each_apis_404(server) -> None:
@@ -215,6 +228,14 @@ def test_a_load_does_not_stall_the_other_models_requests(models, alone, tmp_path
             assert loading.result(120) == alone["beta"][0]
         load_s = _states(s)["beta"]["load_s"]
         assert times and max(times) < load_s / 2, (times, load_s)
+        # the workers' figures of every model on /metrics (the first model's route adds beta's)
+        assert _chat(client, "beta", PROMPTS[1]) == alone["beta"][1]
+        text = httpx.get(s.url + "/metrics", timeout=10).text
+        for name in ("alpha", "beta"):
+            assert f'num_requests_running{{model_name="{name}"}}' in text
+        assert text.count("# TYPE num_requests_running gauge") == 1  # one family, a sample per model
+        gen = re.search(r'^avg_generation_throughput_toks_per_s\{model_name="beta"\} (\S+)$', text, re.M)
+        assert gen and float(gen.group(1)) > 0, text
     finally:
         s.stop()
 
@@ -261,3 +282,90 @@ def test_sleep_mode_serves_one_model_through_the_host(tmp_path: Path, models) ->
     cfg = write_config(tmp_path / "d.json", port=free_port(), run_dir=short_run_dir(), workers=1,
                        model_path=str(models["alpha"]))
     assert build_many(load_config(str(cfg), env={}).config).models_endpoint == ""
+
+
+def test_weight_estimate_is_the_models_parameters(models) -> None:
+    """workers/model_memory.py reads the safetensors headers: the bytes of the model's own
+    parameters at the served dtype (fp32 as stored, bf16 half of it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from workers.model_memory import weight_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(models["alpha"], dtype=torch.float32)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes(str(models["alpha"]), "float32") == weight_bytes(str(models["alpha"]), "auto") == params
+    assert weight_bytes(str(models["alpha"]), "bfloat16") == params // 2
+
+
+class _FakeGroup:
+    """A worker group that is ready once started and gone once stopped (the host's policy only)."""
+
+    def __init__(self, specs, parent, run_dir) -> None:
+        from types import SimpleNamespace
+        self.children = [SimpleNamespace(ready=False, procs=[])]
+        self.exit_status, self.failure = 0, ""
+
+    def start(self) -> None:
+        self.children[0].ready = True
+
+    def poll_once(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.children[0].ready = False
+
+
+def test_memory_bound_evicts_idle_models_and_refuses_one_too_big(models, monkeypatch) -> None:
+    """maxLoadedMemSize on the real ModelHost policy: the models loaded at start are those that
+    fit; a load past the bound evicts the least recently used idle model (not the busy one); a
+    model that alone exceeds it is never loaded, its load order and its requests refused naming
+    the key."""
+    import asyncio
+
+    from mindie.contract import model_wire as W
+    from mindie.contract.spec import WorkerSpec
+    from mindie.model_link import ModelLink, ModelUnavailable
+    from workers import model_host
+    from workers.model_memory import GIB
+
+    monkeypatch.setattr(model_host, "MIN_RESIDENT_S", 0.0)
+    kv = {"a": 1.0, "b": 1.0, "c": 1.4, "d": 3.0}
+    groups = [[WorkerSpec(worker_id=n, job_endpoint="", pub_endpoint="", model_name=n, dtype="float32",
+                          model_path=str(models["alpha"]), cpu_mem_gb=g)] for n, g in kv.items()]
+    host = model_host.ModelHost(groups, 3, -1, "inproc://unused", 0, "/tmp", _FakeGroup, max_mem_gb=2.5)
+    sent: list = []
+    monkeypatch.setattr(host, "_send", lambda ident, msg: sent.append(msg))
+
+    def settle(use: W.ModelUse | None = None) -> dict:
+        for _ in range(40):
+            if use is not None:
+                host.frontends[b"fe"] = (time.monotonic(), use)
+            host.tick()
+            time.sleep(0.005)
+        return {n: m.state for n, m in host.models.items()}
+
+    weights = host.models["a"].mem - GIB
+    assert 0 < weights < 0.05 * GIB  # a tiny model: the KV budget dominates
+    host.load_at_start()  # the first three (maxLoadedModels 3), of which a and b fit
+    assert settle() == {"a": "loaded", "b": "loaded", "c": "unloaded", "d": "unloaded"}
+    assert host.fits(host.models["c"]) is False  # 1 + 1 + 1.4 GiB > 2.5
+    # c is wanted while a runs a request: b (idle) goes, a stays; 1 + 1.4 GiB fit
+    states = settle(W.ModelUse("fe", {"a": 1}, {"c": 1}))
+    assert states == {"a": "loaded", "b": "unloaded", "c": "loaded", "d": "unloaded"}
+    # d alone (3 GiB + weights) is more than the bound: never loaded
+    states = settle(W.ModelUse("fe", {}, {"d": 1}))
+    assert states["d"] == "unloaded" and states["a"] == states["c"] == "loaded"
+    report = {n: m for n, m in host.models.items()}
+    assert report["d"].refused and "maxLoadedMemSize 2.5 GiB" in report["d"].refused
+    host._order(b"fe", W.ModelOrder("fe", "t1", "load", "d"))
+    assert sent and sent[-1].status == 503 and "maxLoadedMemSize" in sent[-1].message
+    # a front end's request for it fails at once with that reason
+    link = ModelLink("inproc://unused", "fe", lambda name: True)
+    link.states = {"d": W.ModelState(refused=True, error=report["d"].refused, mem_gb=round(report["d"].mem / GIB, 3))}
+    t0 = time.monotonic()
+    with pytest.raises(ModelUnavailable, match="maxLoadedMemSize"):
+        asyncio.run(link.acquire("d", 30.0))
+    assert time.monotonic() - t0 < 1.0
+    link.ctx.destroy(linger=0)
+    host.sock.close(0)
+    host.ctx.term()

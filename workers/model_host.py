@@ -8,9 +8,10 @@ model that loads, drains or unloads never stalls the requests of the others. Thi
 decides which groups run, from what the front ends tell it over its ROUTER socket
 (mindie/contract/model_wire.py):
 
-- at start it loads the first ``max_loaded`` models (config order);
+- at start it loads the first ``max_loaded`` models (config order) that fit ``max_mem``;
 - a model that requests wait for (or ``POST /models/load`` names) and that is not loaded is
-  started; when ``max_loaded`` are resident, the least recently used loaded model is chosen
+  started; when ``max_loaded`` are resident, or its estimated memory (workers/model_memory.py)
+  beside theirs would pass ``max_mem`` (``maxLoadedMemSize``), the least recently used loaded model is chosen
   first among the idle ones (no request running), and it is *drained*: front ends send it no
   new request, those running finish, and only then are its processes stopped (a busy model is
   never cut under a request). One eviction at a time; a model stays at least ``MIN_RESIDENT_S``
@@ -20,7 +21,8 @@ decides which groups run, from what the front ends tell it over its ROUTER socke
 - vLLM's ``POST /sleep`` drains and stops every model (no load while asleep: requests get a 503
   from their front end), ``POST /wake_up`` loads again those that were loaded.
 
-A model that fails to start ``START_ATTEMPTS`` times in a row stops the server when it was one
+A model whose estimate alone passes ``max_mem`` is refused for good: its requests and loads get
+a 503 naming the key, at once. A model that fails to start ``START_ATTEMPTS`` times in a row stops the server when it was one
 loaded at start (as a single model's supervisor does); loaded on demand, it goes back to
 ``unloaded`` with the reason, which the front ends give the requests waiting for it (503).
 """
@@ -38,6 +40,7 @@ import zmq
 
 from mindie.contract import model_wire as W
 from mindie.contract.spec import WorkerSpec
+from workers.model_memory import GIB, resident_bytes
 
 log = logging.getLogger("workers.model_host")
 
@@ -61,6 +64,8 @@ class Hosted:
     load_s: float = 0.0
     last_used: float = 0.0
     error: str = ""
+    mem: int = 0  # estimated resident bytes (weights + KV budget of every worker)
+    refused: str = ""  # why it is never loaded (alone more than maxLoadedMemSize)
     stopper: threading.Thread | None = None
     load_waiters: list[tuple[bytes, str]] = field(default_factory=list)
     unload_waiters: list[tuple[bytes, str]] = field(default_factory=list)
@@ -78,13 +83,21 @@ class Hosted:
 
 class ModelHost:
     def __init__(self, groups: list[list[WorkerSpec]], max_loaded: int, keep_alive_s: float, endpoint: str,
-                 parent: int, run_dir: str, make_group: Callable[..., Any]):
+                 parent: int, run_dir: str, make_group: Callable[..., Any], max_mem_gb: float = 0.0):
         """``make_group(specs, parent, run_dir)``: a worker group's supervisor (workers.supervisor.Supervisor,
-        passed in by it: this module is its helper, not the other way round)."""
+        passed in by it: this module is its helper, not the other way round). ``max_mem_gb``:
+        maxLoadedMemSize (0 = no bound)."""
         self.make_group = make_group
-        self.models = {g[0].model_name: Hosted(g[0].model_name, g) for g in groups}
+        self.models = {g[0].model_name: Hosted(g[0].model_name, g, mem=resident_bytes(g)) for g in groups}
         self.order = list(self.models)
         self.max_loaded = max(1, min(max_loaded or len(groups), len(groups)))
+        self.max_mem_gb = max(0.0, max_mem_gb)
+        self.max_mem = int(self.max_mem_gb * GIB)
+        for m in self.models.values():
+            if self.max_mem and m.mem > self.max_mem:
+                m.refused = m.error = (f"model '{m.name}' needs about {m.mem / GIB:.2f} GiB (weights + KV budget), "
+                                       f"more than ModelDeployConfig.maxLoadedMemSize {self.max_mem_gb:g} GiB: "
+                                       "it is not loaded")
         self.keep_alive_s = keep_alive_s
         self.endpoint = endpoint
         self.parent = parent
@@ -110,9 +123,9 @@ class ModelHost:
         m.sup = self.make_group(m.specs, self.parent, self.run_dir)
         m.state, m.error, m.load_started = W.LOADING, "", time.monotonic()
         s = m.specs[0]
-        log.info("loading model %s (%s): %d worker(s), %d CPU threads each, KV %s per worker", m.name, why,
-                 len(m.specs), s.threads, f"{s.cpu_mem_gb:g} GiB" if s.device_type == "cpu" else
-                 f"{s.npu_mem_gb:g} GB" if s.npu_mem_gb > 0 else "auto")
+        log.info("loading model %s (%s): %d worker(s), %d CPU threads each, KV %s per worker, about %.2f GiB "
+                 "resident", m.name, why, len(m.specs), s.threads, f"{s.cpu_mem_gb:g} GiB" if s.device_type == "cpu"
+                 else f"{s.npu_mem_gb:g} GB" if s.npu_mem_gb > 0 else "auto", m.mem / GIB)
         m.sup.start()
 
     def _unload(self, m: Hosted, why: str) -> None:
@@ -167,6 +180,8 @@ class ModelHost:
         if m is None:
             return self._send(ident, W.ModelAnswer(msg.token, 404, f"model '{msg.model}' not found"))
         if msg.op == "load":
+            if m.refused:
+                return self._send(ident, W.ModelAnswer(msg.token, 503, m.refused))
             if m.state == W.LOADED:
                 return self._send(ident, W.ModelAnswer(msg.token, 200, "already loaded"))
             m.load_waiters.append((ident, msg.token))
@@ -262,12 +277,22 @@ class ModelHost:
                 self._unload(m, f"idle for its keep_alive of {ka:g} s")
         self._report(now, running, keep)
 
+    def fits(self, m: Hosted) -> bool:
+        """Can ``m`` be loaded beside the resident models (maxLoadedModels, maxLoadedMemSize)?"""
+        resident = [x for x in self.models.values() if x.resident]
+        return len(resident) < self.max_loaded and (
+            not self.max_mem or sum(x.mem for x in resident) + m.mem <= self.max_mem)
+
     def _admit(self, now: float, running: dict[str, int], waiting: dict[str, int]) -> None:
-        """Start the models requests wait for, evicting one when the resident ones are at the bound."""
+        """Start the models requests wait for, evicting one when the resident ones are at a bound
+        (one eviction at a time: a load that needs the room of several evicts them in turn)."""
         for m in sorted(self.models.values(), key=lambda x: x.last_used):
             if m.state != W.UNLOADED or not (waiting.get(m.name) or m.load_waiters):
                 continue
-            if sum(x.resident for x in self.models.values()) < self.max_loaded:
+            if m.refused:  # front ends fail its requests from the report; a load order is answered here
+                self._answer(m.load_waiters, 503, m.refused)
+                continue
+            if self.fits(m):
                 self._load(m, "requested")
                 continue
             if any(x.state in (W.DRAINING, W.UNLOADING) for x in self.models.values()):
@@ -278,9 +303,9 @@ class ModelHost:
                 return
             victim = min(victims, key=lambda x: (bool(running.get(x.name)), x.last_used))
             victim.state = W.DRAINING
-            log.info("evicting model %s (least recently used%s) to load %s (maxLoadedModels %d)", victim.name,
+            log.info("evicting model %s (least recently used%s) to load %s (maxLoadedModels %d%s)", victim.name,
                      ", idle" if not running.get(victim.name) else f", draining {running[victim.name]} request(s)",
-                     m.name, self.max_loaded)
+                     m.name, self.max_loaded, f", maxLoadedMemSize {self.max_mem_gb:g} GiB" if self.max_mem else "")
             if not running.get(victim.name):
                 self._unload(victim, "evicted")
             return
@@ -306,8 +331,9 @@ class ModelHost:
             states[m.name] = W.ModelState(
                 state=m.state, pids=m.pids(), loaded_at=m.loaded_wall if m.state == W.LOADED else 0.0,
                 load_s=m.load_s, expires_at=round(expires), running=running.get(m.name, 0), threads=s.threads,
-                kv_gb=s.cpu_mem_gb if s.device_type == "cpu" else float(s.npu_mem_gb), error=m.error)
-        data = W.encode(W.ModelReport(states, self.max_loaded, self.sleeping))
+                kv_gb=s.cpu_mem_gb if s.device_type == "cpu" else float(s.npu_mem_gb), error=m.error,
+                refused=bool(m.refused), mem_gb=round(m.mem / GIB, 3))
+        data = W.encode(W.ModelReport(states, self.max_loaded, self.sleeping, self.max_mem_gb))
         if data == self._last_report and now < self._report_at:
             return
         self._last_report, self._report_at = data, now + W.USE_INTERVAL_S
@@ -318,13 +344,25 @@ class ModelHost:
                 pass
 
     # -- process ---------------------------------------------------------------------------
+    def load_at_start(self) -> None:
+        """The first ``max_loaded`` models, those of them that fit ``max_mem`` (config order)."""
+        for name in self.order[:self.max_loaded]:
+            m = self.models[name]
+            if m.refused:
+                log.error("%s", m.refused)
+            elif self.fits(m):
+                m.initial = True
+                self._load(m, "at start")
+            else:
+                log.warning("model %s not loaded at start: beside those loaded it would pass "
+                            "ModelDeployConfig.maxLoadedMemSize %g GiB (loaded on demand)", name, self.max_mem_gb)
+
     def run(self) -> None:
         self.sock.bind(self.endpoint)
-        for name in self.order[:self.max_loaded]:
-            self.models[name].initial = True
-            self._load(self.models[name], "at start")
-        log.info("model host: %d models (%s), at most %d loaded at once, keep_alive %s; control socket %s",
-                 len(self.models), ", ".join(self.order), self.max_loaded,
+        self.load_at_start()
+        log.info("model host: %d models (%s), at most %d loaded at once%s, keep_alive %s; control socket %s",
+                 len(self.models), ", ".join(f"{n} ~{self.models[n].mem / GIB:.2f} GiB" for n in self.order),
+                 self.max_loaded, f" and {self.max_mem_gb:g} GiB (maxLoadedMemSize)" if self.max_mem else "",
                  "for good" if self.keep_alive_s < 0 else f"{self.keep_alive_s:g} s", self.endpoint)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)

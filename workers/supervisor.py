@@ -301,7 +301,7 @@ def _host_models(dep, parent: int) -> None:
         log.error("several models with workers on other hosts (workerHosts) are not supported")
         raise SystemExit(2)
     _serve(ModelHost(groups, dep.max_loaded_models, dep.keep_alive_s, dep.models_endpoint, parent, dep.run_dir,
-                     Supervisor))
+                     Supervisor, max_mem_gb=dep.max_loaded_mem_gb))
 
 
 def _serve(runner: "Supervisor | ModelHost") -> None:

@@ -32,6 +32,7 @@ class MetricsResource:
         self.metrics = metrics
         self.client = client
         self.workers = WorkerCollector(metrics.model, client.heartbeats)
+        self.others: list[WorkerCollector] = []  # the other models' of a server of several (app.py)
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if not monitor_enabled():
@@ -39,7 +40,7 @@ class MetricsResource:
             resp.content_type = falcon.MEDIA_JSON
             resp.data = MONITOR_OFF.body()
             return
-        data, ctype = self.metrics.render(self.workers)
+        data, ctype = self.metrics.render(self.workers, *self.others)
         resp.content_type = ctype
         resp.data = data
 

@@ -258,6 +258,11 @@ class ModelDeployConfig(_Section):
     # at once; a request for another loads it, evicting the least recently used idle one.
     # 0 = every entry (all loaded at start).
     max_loaded_models: Annotated[int, Meta(ge=0, le=64)] = 0
+    # Project extension beside maxLoadedModels: GiB the resident models may hold together, each
+    # counted as its weights plus its KV budget per worker (workers/model_memory.py); a load past
+    # it evicts the least recently used idle models first, a model that alone exceeds it is
+    # refused. 0 = no bound.
+    max_loaded_mem_size: Union[Annotated[int, Meta(ge=0, le=1048576)], Annotated[float, Meta(ge=0, le=1048576)]] = 0
     # Project extension (Ollama's OLLAMA_KEEP_ALIVE): seconds an idle model stays loaded when
     # several are configured; negative = for good; 0 = unloaded as soon as its requests end.
     # Ollama's requests override it with their keep_alive.

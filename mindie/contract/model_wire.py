@@ -57,13 +57,16 @@ class ModelState(msgspec.Struct):
     running: int = 0  # requests running on it, over every front end
     threads: int = 0  # CPU threads of each of its workers
     kv_gb: float = 0.0  # KV budget of each of its workers (cpuMemSize, or npuMemSize on an accelerator)
-    error: str = ""  # why its last load failed
+    error: str = ""  # why its last load failed, or why it is never loaded (``refused``)
+    refused: bool = False  # alone more than maxLoadedMemSize: requests for it fail at once (503)
+    mem_gb: float = 0.0  # its estimated resident GiB (weights + KV budget; workers/model_memory.py)
 
 
 class ModelReport(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
     models: dict[str, ModelState]
     max_loaded: int
     sleeping: int = 0  # the sleep level (vLLM's POST /sleep), 0 = awake
+    max_mem_gb: float = 0.0  # ModelDeployConfig.maxLoadedMemSize, 0 = no bound
 
 
 ToHost = ModelUse | ModelOrder

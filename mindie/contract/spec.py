@@ -263,6 +263,7 @@ class Deployment(msgspec.Struct, kw_only=True):
     models: list[list[WorkerSpec]] = []
     max_loaded_models: int = 0  # ModelDeployConfig.maxLoadedModels as applied (1..number of models)
     keep_alive_s: float = -1.0  # ModelDeployConfig.keepAlive; negative = for good
+    max_loaded_mem_gb: float = 0.0  # ModelDeployConfig.maxLoadedMemSize (GiB of resident models); 0 = no bound
     models_endpoint: str = ""  # the model host's control socket (front ends connect)
 
     @property

@@ -109,11 +109,15 @@ def _many_models(first: FrontEnd, listeners):
     fronts = [first] + [FrontEnd(config_for(first.config, k), Deployment(run_dir=dep.run_dir, workers=group),
                                  shared=first) for k, group in enumerate(dep.models, start=1)]
     first.health_client = AnyModelClient([fe.client for fe in fronts])  # before the health routes take it
-    apps = []
+    apps, scrapes = [], []
     for fe in fronts:
         routes = plane_routes(fe)
+        scrapes.append(next(res for path, res, _ in routes["metrics"] if path == "/metrics"))
         apps.append({li.port: _plane_app(fe, [r for plane in li.planes for r in routes[plane]]
                                          + elsewhere_routes(routes, listeners, li)) for li in listeners})
+    # /metrics is the first model's route: it adds the other models' worker figures, each labelled
+    # with its model_name (their request figures are in the shared multiprocess files already)
+    scrapes[0].others = [res.workers for res in scrapes[1:]]
     router = ModelRouter(fronts, apps, {li.port for li in listeners if "business" in li.planes},
                          {li.port for li in listeners if "management" in li.planes}, dep.models_endpoint)
     freeze_heap(log, f"front end pid {os.getpid()}", dep.workers[0].engine.gc_freeze)

@@ -122,10 +122,16 @@ class Metrics:
         """The /metrics body and its content type: the request metrics, then what each of
         ``collectors`` derives from the workers and from those request metrics."""
         fams = self.families()
-        extra: list[Metric] = []
+        extra: dict[str, Metric] = {}
         for c in collectors:
-            extra.extend(c.collect(fams))
-        return generate_latest(_Families(fams + extra)), CONTENT_TYPE
+            for fam in c.collect(fams):
+                # several models' collectors derive the same families: one family each (a name's
+                # HELP and TYPE once, as the exposition format wants), a sample per model_name
+                if fam.name in extra:
+                    extra[fam.name].samples.extend(fam.samples)
+                else:
+                    extra[fam.name] = fam
+        return generate_latest(_Families(fams + list(extra.values()))), CONTENT_TYPE
 
 
 class _Families:

@@ -17,7 +17,8 @@ layer in front of them:
 - answers what spans the models: ``GET /v1/models`` and ``/api/tags`` (every model, with
   ``loaded`` and llama.cpp's ``status``), ``GET /api/ps`` (the loaded ones, with their
   keep_alive expiry), ``POST /models/load`` and ``/models/unload`` (llama.cpp's router bodies,
-  ``{"model": name}``), and adds ``models`` (state, pids, thread and KV budget) to ``/v1/status``.
+  ``{"model": name}``), and adds ``models`` (state, pids, thread and KV budget) to ``/v1/status``
+  and ``/v2/status``.
 
 Ollama's ``keep_alive`` (seconds, or a duration as "5m") is passed to the model host with the
 request; the management and metrics planes are the first model's (health: any model's workers).
@@ -166,7 +167,7 @@ class ModelRouter:
         if scope["type"] != "http":
             return await first_app(scope, receive, send)
         path, method = scope["path"], scope["method"]
-        if port in self.management_ports and method == "GET" and path == "/v1/status":
+        if port in self.management_ports and method == "GET" and path in ("/v1/status", "/v2/status"):
             return await self._status(first_app, scope, receive, send)
         if port not in self.business_ports:  # management, metrics: the first model's, or the one the path names
             m = _PATH_MODEL.match(path)
@@ -336,7 +337,9 @@ class ModelRouter:
         await send({"type": "http.response.body", "body": b""})
 
     async def _status(self, app, scope, receive, send) -> None:
-        """``/v1/status`` of the first model, with every model's state and budgets (``models``)."""
+        """``/v1/status`` and ``/v2/status`` of the first model, with every model's state and
+        budgets (``models``): the coordinator's poll of ``/v2/status`` learns from it which models
+        are loaded here (coordinator/model_index.py)."""
         cap = _Captured()
         await app(scope, receive, cap.send)
         try:
@@ -346,6 +349,7 @@ class ModelRouter:
         if cap.status == 200 and isinstance(body, dict):
             body["models"] = {name: msgspec.to_builtins(self._state(name)) for name in self.names}
             body["maxLoadedModels"] = self.link.max_loaded
+            body["maxLoadedMemSize"] = self.link.max_mem_gb
             return await _json_answer(send, 200, msgspec.json.encode(body))
         await send({"type": "http.response.start", "status": cap.status, "headers": cap.headers})
         await send({"type": "http.response.body", "body": cap.body})
