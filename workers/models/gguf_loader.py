@@ -164,7 +164,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
     with torch.no_grad():
         for gname, hf in entries:
             slot = slots[hf]
-            t = g.tensors[gname]
+            t = g.ref(gname)
             if slot.zero:
                 slot.param[slot.start:slot.start + slot.rows].zero_()
                 continue
@@ -227,7 +227,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                 raise RuntimeError(f"native GGUF load: {len(left)} linear layers did not get all their rows")
             native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for _, t, _ in b["parts"]})
     log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
-             "/".join(sorted({g.tensors[n].type.name for n, _ in entries})),
+             "/".join(sorted({g.ref(n).type.name for n, _ in entries})),
              f"{len(native_of)} linears kept in their blocks, the rest dequantised" if native_of else "dequantised",
              str(dtype).removeprefix("torch."), " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
     return nbytes
@@ -241,6 +241,8 @@ def _int8_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, st
         if not (parent_name == "layers" or parent_name.startswith("layers.") or parent_name == ""):
             continue
         for name, child in parent.named_children():
+            if name == "shared_expert_gate":  # [1, H]: kept exact, as quantize_model keeps it
+                continue
             if isinstance(child, torch.nn.Linear) and (parent_name or name == "lm_head"):
                 out[f"{parent_name}.{name}" if parent_name else name] = (parent, name, child)
     return out
@@ -280,6 +282,10 @@ def _swap_int8(model: torch.nn.Module, bufs: dict, int8: Int8Target, dtype: torc
         elif "lin" in b:  # a linear whose rows did not all come: the loader and checkpoint.py disagree
             raise RuntimeError(f"int8 load: {b['left']} rows of a linear layer were not read")
         count += 1
+    for mod in model.modules():  # a mixture of experts' stacked experts: quantised once loaded, per expert
+        if callable(getattr(mod, "quantize_experts", None)):
+            count += mod.quantize_experts(lambda w: int8.linear(*int8.quantize_(w.detach().float().clone()), None,
+                                                                dtype, device))
     model.int8_at_load = True  # workers/engine/assembly.py: nothing left for quantize_model
     return count
 
@@ -292,7 +298,7 @@ def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list
     parts: dict[int, list] = {}
     embed = None
     for gname, hf in entries:
-        slot, t = slots[hf], g.tensors[gname]
+        slot, t = slots[hf], g.ref(gname)
         if id(slot.param) in linears:
             parts.setdefault(id(slot.param), []).append((slot, t))
         elif hf == "model.embed_tokens.weight":
