@@ -15,8 +15,7 @@ transformers computes them:
 - ``quantize: w8a16`` straight from the file equals load-then-quantise (experts included, the
   shared expert gate kept exact); ``ggufCompute: native`` keeps the other linears' blocks beside
   the dequantised experts; tensor-parallel ranks hold their experts' slices;
-- refusals: llama.cpp's hybrid Qwen files and Mixtral (``llama`` with experts) named; a stack whose
-  expert count is not the metadata's.
+- refusals: Mixtral (``llama`` with experts) named; a stack whose expert count is not the metadata's.
 """
 from __future__ import annotations
 
@@ -193,10 +192,6 @@ def test_tensor_parallel_ranks_hold_their_experts_slices(files, cache) -> None:
 
 
 def test_refusals_name_the_architecture_and_tensor(files, tmp_path, cache) -> None:
-    for arch in ("qwen3next", "qwen35", "qwen35moe"):
-        with pytest.raises(GgufError, match=rf"general\.architecture '{arch}' \(hybrid linear attention\) is not "
-                                            r"served from GGUF yet"):
-            ensure_view(copy_gguf(files["qwen2moe"], tmp_path / f"{arch}.gguf", arch=arch), cache)
     with pytest.raises(GgufError, match=r"general\.architecture 'llama' with llama\.expert_count \(Mixtral as "
                                         r"llama\.cpp writes it\) is not served from GGUF yet"):
         ensure_view(copy_gguf(files["qwen2moe"], tmp_path / "mixtral.gguf", arch="llama"), cache)

@@ -177,11 +177,48 @@ def _moe_tensors(hf: str, data: np.ndarray, names: Any, fuse: bool) -> list[tupl
     return []
 
 
+def _hybrid_metadata(w: gguf.GGUFWriter, cfg: Any, head_dim: int) -> None:
+    """What convert_hf_to_gguf.py's Qwen3NextModel adds (with Qwen2MoeModel's expert keys)."""
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
+    w.add_rope_dimension_count(int(head_dim * dict(cfg.rope_parameters or {}).get("partial_rotary_factor", 0.25)))
+
+
+def _hybrid_tensors(hf: str, data: np.ndarray, names: Any, cfg: Any) -> list[tuple[str, np.ndarray]]:
+    """(llama.cpp name, values) of a Qwen3-Next tensor as Qwen3NextModel.modify_tensors rewrites it:
+    in_proj_qkvz split into attn_qkv (q, k, v of every key head in turn) and attn_gate (z),
+    A_log as -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed, the (1 + w) norms stored as
+    1 + w; [] for a tensor it keeps."""
+    layer = hf.split(".")[2] if hf.startswith("model.layers.") else ""
+    name = hf.partition(".linear_attn.")[2]
+    if name == "in_proj_qkvz.weight":
+        nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        rv = cfg.linear_num_value_heads // nk * cfg.linear_value_head_dim
+        heads = data.T.reshape(cfg.hidden_size, nk, 2 * dk + 2 * rv)
+        q, k, v, z = np.split(heads, [dk, 2 * dk, 2 * dk + rv], axis=-1)
+        flat = [x.reshape(cfg.hidden_size, -1) for x in (q, k, v, z)]
+        return [(f"blk.{layer}.attn_qkv.weight", np.ascontiguousarray(np.concatenate(flat[:3], -1).T)),
+                (f"blk.{layer}.attn_gate.weight", np.ascontiguousarray(flat[3].T))]
+    if name == "A_log":
+        return [(f"blk.{layer}.ssm_a", -np.exp(data))]
+    if name == "dt_bias":
+        return [(f"blk.{layer}.ssm_dt.bias", data)]
+    if name == "conv1d.weight":
+        return [(f"blk.{layer}.ssm_conv1d.weight", data.squeeze(1))]
+    if hf.endswith("norm.weight") and name != "norm.weight":
+        return [(f"{names.get_name(hf.removesuffix('.weight'))}.weight", data + 1)]
+    return []
+
+
 def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, Any], *, name: str = "tiny",
                types: dict[str, Q] | None = None, default: Q = Q.F32, seed: int = 0, mtp: int = 0,
                fuse_gate_up_exps: bool = False, sync: bool = False) -> Path:
     """``model`` (a transformers causal LM) as a GGUF file of architecture ``arch`` (llama, qwen2,
-    qwen3, phi3, glm4, qwen2moe, qwen3moe, glm4moe; Mistral: "llama" with a name saying mistral,
+    qwen3, phi3, glm4, qwen2moe, qwen3moe, glm4moe, qwen3next; Mistral: "llama" with a name saying mistral,
     as llama.cpp writes it). ``types``: the type of each 2-D or stacked tensor by its llama.cpp
     kind ("token_embd", "output", "attn_q", "ffn_gate_exps", ...), else ``default``. ``mtp``:
     that many extra multi-token-prediction blocks (GLM-4-MoE; a few of their tensors, random).
@@ -208,8 +245,10 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
         w.add_rope_dimension_count(head_dim)
     if arch in ("phi3", "glm4"):
         _variant_metadata(w, cfg, arch, head_dim)
-    if arch in ("qwen2moe", "qwen3moe", "glm4moe"):
-        _moe_metadata(w, cfg, arch, head_dim, mtp)
+    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "qwen3next"):
+        _moe_metadata(w, cfg, "qwen2moe" if arch == "qwen3next" else arch, head_dim, mtp)
+    if arch == "qwen3next":
+        _hybrid_metadata(w, cfg, head_dim)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("qwen3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -246,6 +285,10 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
         moe = _moe_tensors(hf, data, names, fuse_gate_up_exps)
         if moe:
             tensors += [(hf, gname, part) for gname, part in moe]
+            continue
+        rewritten = _hybrid_tensors(hf, data, names, cfg) if arch == "qwen3next" else []
+        if rewritten:  # values or row order rewritten: not synced back (the test rounds them itself)
+            tensors += [("", gname, part) for gname, part in rewritten]
             continue
         base, _, suffix = hf.rpartition(".")
         gname = f"{names.get_name(base)}.{suffix}"

@@ -11,8 +11,9 @@ no torch:
   tokenizer conversion reads, through transformers) skipped: 0.05 s instead of 4 s for SmolLM2;
   a truncated or corrupt file raises ``GgufError`` saying so;
 - ``hf_config(g)``: the Hugging Face ``config.json`` / ``generation_config.json`` the metadata
-  describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4, gemma2, gemma3, and the
-  mixtures of experts qwen2moe, qwen3moe, glm4moe: gguf_moe.py; anything else refused, named;
+  describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4, gemma2, gemma3, the
+  mixtures of experts qwen2moe, qwen3moe, glm4moe: gguf_moe.py, and the hybrid qwen3next:
+  gguf_hybrid.py; anything else refused, named;
   Gemma's keys as llama.cpp reads them: ``_gemma_keys``);
 - ``plan_tensors(g, expected)``: every tensor the model needs (by Hugging Face name, from
   ``workers.models.checkpoint.expected_tensors``) found under its llama.cpp name (the ``gguf``
@@ -37,7 +38,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 from gguf import get_tensor_name_map
 
-from .gguf_moe import HYBRID_ARCHS, MOE_ARCHS, expert_part, moe_keys, mtp_layers
+from .gguf_hybrid import HYBRID_ARCHS, NOT_YET, hybrid_keys, linear_attn_parts
+from .gguf_moe import MOE_ARCHS, expert_part, moe_keys, mtp_layers
 from .gguf_variant import EXTRA_TENSORS, variant_keys
 from .gemma_chat import END_OF_TURN
 
@@ -65,6 +67,8 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     # mixtures of experts: stacked experts, shared experts, routers (gguf_moe.py)
     **MOE_ARCHS,
+    # Gated DeltaNet layers beside gated attention, Qwen2-MoE's experts (gguf_hybrid.py)
+    **HYBRID_ARCHS,
 }
 GGUF_MAGIC = b"GGUF"
 # Llama 3.1+'s rope scaling, stored as a tensor; read into the config, not loaded as a weight.
@@ -187,7 +191,8 @@ class GgufFile:
     def ref(self, name: str) -> TensorRef:
         """A tensor of the file by name, or a part of one (``plan_tensors`` names them): ``NAME@E``
         the E-th matrix of a stacked [E, rows, cols] tensor (one expert), ``NAME@E:A:B`` its rows
-        A..B, ``NAME@row`` a 1-D tensor as one row [1, n]. A part's bytes are a view of the map."""
+        A..B, ``NAME@rows:A:B`` rows A..B of a matrix, ``NAME@row`` a 1-D tensor as one row [1, n],
+        ``NAME@unsqueeze1`` a [C, K] matrix as [C, 1, K]. A part's bytes are a view of the map."""
         t = self.tensors.get(name)
         if t is not None:
             return t
@@ -195,9 +200,18 @@ class GgufFile:
         t = self.tensors[base]
         if spec == "row":
             return TensorRef(name, t.type, (1, *t.shape), t.data.reshape(1, -1), t.offset, t.nbytes)
-        e, *rows = (int(x) for x in spec.split(":"))
+        if spec == "unsqueeze1":
+            return TensorRef(name, t.type, (t.shape[0], 1, *t.shape[1:]), t.data.reshape(t.shape[0], 1, -1), t.offset,
+                             t.nbytes)
+        kind, *rows = spec.split(":")
+        if kind == "rows":  # a row range of a matrix
+            r0, r1 = int(rows[0]), int(rows[1])
+            row_bytes = t.nbytes // t.shape[0]
+            return TensorRef(name, t.type, (r1 - r0, *t.shape[1:]), t.data[r0:r1], t.offset + r0 * row_bytes,
+                             (r1 - r0) * row_bytes)
+        e = int(kind)
         per = t.nbytes // t.shape[0]
-        r0, r1 = rows if rows else (0, t.shape[1])
+        r0, r1 = (int(rows[0]), int(rows[1])) if rows else (0, t.shape[1])
         row_bytes = per // t.shape[1]
         return TensorRef(name, t.type, (r1 - r0, *t.shape[2:]), t.data[e, r0:r1], t.offset + e * per + r0 * row_bytes,
                          (r1 - r0) * row_bytes)
@@ -289,9 +303,9 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
     """(config.json, generation_config.json) of the model the metadata describes; GgufError for an
     architecture the decoder does not have, or metadata it cannot serve."""
     arch = g.arch
-    if arch in HYBRID_ARCHS:
-        raise GgufError(f"general.architecture {arch!r} (hybrid linear attention) is not served from GGUF yet: serve "
-                        "the model's Hugging Face checkpoint (config.json and safetensors)")
+    if arch in NOT_YET:
+        raise GgufError(f"general.architecture {arch!r} (Qwen3.5, hybrid linear attention) is not served from GGUF "
+                        "yet: serve the model's Hugging Face checkpoint (config.json and safetensors)")
     if arch == "llama" and g.arch_key("expert_count"):
         raise GgufError("general.architecture 'llama' with llama.expert_count (Mixtral as llama.cpp writes it) is "
                         "not served from GGUF yet: serve the model's Hugging Face checkpoint")
@@ -327,6 +341,8 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg.update(variant_keys(g, model_type, head_dim, GgufError))
     if arch in MOE_ARCHS:
         cfg.update(moe_keys(g, head_dim, GgufError))
+    if arch in HYBRID_ARCHS:
+        cfg.update(hybrid_keys(g, head_dim, GgufError))
     if model_type == "mistral":  # llama.cpp computes a "llama" file without a window unless it has the key
         cfg["sliding_window"] = g.arch_key("attention.sliding_window")
     if arch in ("gemma2", "gemma3"):
@@ -439,19 +455,24 @@ def plan_tensors(g: GgufFile, expected: dict[str, tuple[int, ...]], num_layers: 
     GLM-4-MoE's multi-token-prediction layers are left out (gguf_moe.py)."""
     mtp = mtp_layers(g)
     name_map = get_tensor_name_map(_llama_cpp_arch(g), num_layers + mtp)
-    moe_inter = g.arch_key("expert_feed_forward_length", 0) if g.arch in MOE_ARCHS else 0
-    wanted: dict[str, str] = {}
+    moe_inter = g.arch_key("expert_feed_forward_length", 0) if g.arch in MOE_ARCHS or g.arch in HYBRID_ARCHS else 0
+    wanted: dict[str, str] = {}  # part or tensor name -> HF name (#ROW: its rows from ROW on)
     for hf in expected:
         if hf.endswith(".e_score_correction_bias"):  # the converter's name: e_score_correction.bias
             hf_base = hf.removesuffix("_bias") + ".bias"
         else:
             hf_base = hf
+        pieces = linear_attn_parts(hf, g) if g.arch in HYBRID_ARCHS else None
+        if pieces is not None:
+            for gn, dst in pieces:
+                wanted[gn] = f"{hf}#{dst}" if len(pieces) > 1 else hf
+            continue
         gn = expert_part(hf, g.tensors, int(moe_inter or 0)) if moe_inter else None
         gn = gn or gguf_name(name_map, hf_base)
         if gn is None:  # the decoder and gguf's table disagree: a bug, not the file's fault
             raise RuntimeError(f"no llama.cpp name for {hf}")
         wanted[gn] = hf
-    parts: dict[str, list[str]] = {}  # stacked tensor -> its wanted parts, in expert order
+    parts: dict[str, list[str]] = {}  # stored tensor -> its wanted parts, in order
     for gn in wanted:
         if "@" in gn:
             parts.setdefault(gn.partition("@")[0], []).append(gn)
@@ -466,7 +487,7 @@ def plan_tensors(g: GgufFile, expected: dict[str, tuple[int, ...]], num_layers: 
             if t.name != ROPE_FREQS and t.name not in EXTRA_TENSORS:  # read by hf_config
                 unexpected.append(t.name)
             continue
-        if t.name in parts:  # one expert's slice each: the stack holds exactly the experts the metadata says
+        if t.name in parts and len(t.shape) == 3:  # experts: the stack holds exactly those the metadata says
             n = len({p.partition("@")[2].split(":")[0] for p in names})
             if t.shape[0] != n:
                 raise GgufError(f"tensor {t.name} has shape {list(t.shape)}: {t.shape[0]} experts, the metadata "
@@ -478,8 +499,11 @@ def plan_tensors(g: GgufFile, expected: dict[str, tuple[int, ...]], num_layers: 
             bad_type.append(f"{t.name} ({t.type.name})")
             continue
         for name in names:
-            want = tuple(expected[wanted[name]])
-            if g.ref(name).shape != want:
+            hf, _, dst = wanted[name].partition("#")
+            ref = g.ref(name)
+            want, got = tuple(expected[hf]), ref.shape
+            fits = got == want if not dst else (got[1:] == want[1:] and int(dst) + got[0] <= want[0])
+            if not fits or len(ref.data) != got[0]:  # a part past the end of a short tensor
                 raise GgufError(f"tensor {t.name} has shape {list(t.shape)}, the metadata implies "
                                 f"{list(want) if name == t.name else 'parts of ' + str(list(want))}")
             out.append((name, wanted[name]))

@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .gguf_file import GgufFile
+from .gguf_hybrid import value_map
 
 __all__ = ["CHUNK_VALUES", "GgufTarget", "Int8Target", "load_gguf"]
 
@@ -162,8 +163,11 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
     trim = _malloc_trim()
     nbytes = 0
     with torch.no_grad():
-        for gname, hf in entries:
+        for gname, entry in entries:
+            hf, _, dst = entry.partition("#")  # "#ROW": this part's rows go from the slot's row ROW on
             slot = slots[hf]
+            if dst:
+                slot = slot._replace(start=slot.start + int(dst), rows=g.ref(gname).shape[0])
             t = g.ref(gname)
             if slot.zero:
                 slot.param[slot.start:slot.start + slot.rows].zero_()
@@ -194,9 +198,12 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             target = int8_of.get(id(slot.param))
             # llama.cpp stores Gemma's norm weights as 1 + w: back to w in fp32, as transformers' GGUF loader
             shift = g.arch in NORM_PLUS_ONE and gname.endswith("norm.weight")
+            undo = value_map(g.arch, gname)  # what else llama.cpp's converter rewrote (gguf_hybrid.py)
             for off, values in reader.chunks(r0, r1, c0, c1):
                 if shift:
                     values = np.asarray(values, dtype=np.float32) - np.float32(1.0)
+                if undo is not None:
+                    values = undo(values)
                 if not values.flags.writeable or not values.flags.c_contiguous:  # F32: a view of the read-only map
                     values = np.array(values, dtype=np.float32, order="C")
                 src = torch.from_numpy(values)  # fp32, this chunk's own (quantize_ overwrites it)
@@ -297,8 +304,11 @@ def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list
     linears = {id(lin.weight): (parent, name, lin) for parent, name, lin in _int8_linears(model).values()}
     parts: dict[int, list] = {}
     embed = None
-    for gname, hf in entries:
+    for gname, entry in entries:
+        hf, _, dst = entry.partition("#")
         slot, t = slots[hf], g.ref(gname)
+        if dst:  # a row range of its layer: never native (the layer is dequantised)
+            continue
         if id(slot.param) in linears:
             parts.setdefault(id(slot.param), []).append((slot, t))
         elif hf == "model.embed_tokens.weight":

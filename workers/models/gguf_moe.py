@@ -22,16 +22,14 @@ What convert_hf_to_gguf.py writes for them (conversion/qwen.py ``Qwen2MoeModel``
 - GLM-4-MoE's multi-token-prediction layers (``block_count`` counts them, ``nextn_predict_layers``
   says how many, the last ones): not loaded, as from safetensors.
 
-The hybrid Qwen files (llama.cpp's ``qwen3next``, ``qwen35``, ``qwen35moe``) are refused, named
-(``HYBRID_ARCHS``): their converter reorders the linear-attention projections and rewrites
-norms and decay parameters, which is not mapped back yet.
+The hybrid Qwen3-Next (``qwen3next``, whose experts are these) is gguf_hybrid.py's.
 """
 from __future__ import annotations
 
 import re
 from typing import Any
 
-__all__ = ["HYBRID_ARCHS", "MOE_ARCHS", "expert_part", "moe_keys", "mtp_layers"]
+__all__ = ["MOE_ARCHS", "expert_part", "moe_keys", "mtp_layers"]
 
 # general.architecture -> (model_type, class), the mixtures of experts served from GGUF
 MOE_ARCHS: dict[str, tuple[str, str]] = {
@@ -39,8 +37,6 @@ MOE_ARCHS: dict[str, tuple[str, str]] = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
 }
-# Refused with their own message (served from safetensors only)
-HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|"
                      r"w1|w3|w2)\.weight")
