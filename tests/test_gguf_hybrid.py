@@ -1,7 +1,7 @@
 """GGUF Qwen3-Next (issue 53, item 5): llama.cpp's ``qwen3next`` file, written here as
 convert_hf_to_gguf.py's Qwen3NextModel writes it (tests/tiny_gguf.py: ``in_proj_qkvz`` split into
 ``attn_qkv`` / ``attn_gate``, ``ssm_a`` = -exp(A_log), ``ssm_dt.bias``, the squeezed
-``ssm_conv1d``, the (1 + w) norms stored as 1 + w, Qwen2-MoE's stacked experts), against
+``ssm_conv1d``, the (1 + w) norms stored as 1 + w, Qwen2-MoE's stacked experts, an MTP block), against
 transformers on the safetensors it was written from (transformers has no GGUF loader for it):
 
 - every weight of the decoder loaded from the file equals the decoder's load of the checkpoint
@@ -53,7 +53,7 @@ def written(tmp_path_factory):
             if getattr(layer, "linear_attn", None) is not None:
                 w = layer.linear_attn.in_proj_qkvz.weight
                 w.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), Q.Q8_0), Q.Q8_0)))
-    path = write_gguf(root / "qwen3next.gguf", hf, "qwen3next", vocab, sync=True, types=TYPES)
+    path = write_gguf(root / "qwen3next.gguf", hf, "qwen3next", vocab, sync=True, types=TYPES, mtp=1)
     hf.save_pretrained(root / "st")
     return hf, path, root / "st"
 
@@ -62,11 +62,13 @@ def test_weights_equal_the_checkpoints(written, tmp_path) -> None:
     hf, path, st = written
     names = open_gguf(path).tensors
     assert {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_a", "blk.0.ssm_dt.bias",
-            "blk.0.ssm_conv1d.weight", "blk.0.ffn_gate_exps.weight", "blk.3.attn_q.weight"} <= names.keys()
+            "blk.0.ssm_conv1d.weight", "blk.0.ffn_gate_exps.weight", "blk.3.attn_q.weight",
+            "blk.4.nextn.eh_proj.weight"} <= names.keys()  # blk.4: the MTP block (not loaded)
     assert names["blk.0.ssm_conv1d.weight"].shape == (2 * 2 * 32 + 4 * 32, 4)
     ours, args = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
     mine, ref_args = load_model(st, torch.float32)
     assert args.hybrid == ref_args.hybrid and args.moe == ref_args.moe and args.hybrid.layout == "qkvz"
+    assert args.num_hidden_layers == 4
     theirs = dict(mine.state_dict())
     rewritten = 0
     for name, t in ours.state_dict().items():

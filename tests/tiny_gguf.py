@@ -177,7 +177,7 @@ def _moe_tensors(hf: str, data: np.ndarray, names: Any, fuse: bool) -> list[tupl
     return []
 
 
-def _hybrid_metadata(w: gguf.GGUFWriter, cfg: Any, head_dim: int) -> None:
+def _hybrid_metadata(w: gguf.GGUFWriter, cfg: Any, head_dim: int, mtp: int) -> None:
     """What convert_hf_to_gguf.py's Qwen3NextModel adds (with Qwen2MoeModel's expert keys)."""
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
     w.add_ssm_state_size(cfg.linear_key_head_dim)
@@ -186,6 +186,8 @@ def _hybrid_metadata(w: gguf.GGUFWriter, cfg: Any, head_dim: int) -> None:
     w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
     w.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
     w.add_rope_dimension_count(int(head_dim * dict(cfg.rope_parameters or {}).get("partial_rotary_factor", 0.25)))
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
 
 
 def _hybrid_tensors(hf: str, data: np.ndarray, names: Any, cfg: Any) -> list[tuple[str, np.ndarray]]:
@@ -221,7 +223,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
     qwen3, phi3, glm4, qwen2moe, qwen3moe, glm4moe, qwen3next; Mistral: "llama" with a name saying mistral,
     as llama.cpp writes it). ``types``: the type of each 2-D or stacked tensor by its llama.cpp
     kind ("token_embd", "output", "attn_q", "ffn_gate_exps", ...), else ``default``. ``mtp``:
-    that many extra multi-token-prediction blocks (GLM-4-MoE; a few of their tensors, random).
+    that many extra multi-token-prediction blocks (GLM-4-MoE, Qwen3-Next; a few of their tensors, random).
     ``sync``: the model's parameters are set to what the file holds (its dequantised values), so
     that transformers on the model computes what the file says (for architectures transformers'
     GGUF loader does not read)."""
@@ -248,7 +250,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
     if arch in ("qwen2moe", "qwen3moe", "glm4moe", "qwen3next"):
         _moe_metadata(w, cfg, "qwen2moe" if arch == "qwen3next" else arch, head_dim, mtp)
     if arch == "qwen3next":
-        _hybrid_metadata(w, cfg, head_dim)
+        _hybrid_metadata(w, cfg, head_dim, mtp)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("qwen3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -17,7 +17,8 @@ module maps each rewrite back:
 - keys: ``ssm.conv_kernel``, ``ssm.state_size`` (the key head dim), ``ssm.group_count`` (key
   heads), ``ssm.time_step_rank`` (value heads), ``ssm.inner_size`` (value heads x value head dim),
   ``full_attention_interval``, ``rope.dimension_count`` (partial rotary), and Qwen2-MoE's expert
-  keys with the top-k renormalised (qwen3next.cpp).
+  keys with the top-k renormalised (qwen3next.cpp); the multi-token-prediction blocks the converter
+  appends (``nextn_predict_layers`` of ``block_count``) are not loaded, as from safetensors.
 
 Qwen3.5 (llama.cpp's ``qwen35``, ``qwen35moe``) is refused: its converter also reorders the value
 heads (``_LinearAttentionVReorderBase``), not mapped back yet.
@@ -27,6 +28,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+
+from .gguf_moe import mtp_layers
 
 __all__ = ["HYBRID_ARCHS", "NOT_YET", "hybrid_keys", "linear_attn_parts", "value_map"]
 
@@ -48,7 +51,11 @@ def hybrid_keys(g: Any, head_dim: int, err: type[Exception]) -> dict[str, Any]:
     inner = _int(g, "ssm.inner_size", err)
     if inner % nv:
         raise err(f"metadata {g.arch}.ssm.inner_size {inner} is not a multiple of ssm.time_step_rank {nv}")
+    blocks, mtp = _int(g, "block_count", err), mtp_layers(g)
+    if mtp >= blocks:
+        raise err(f"metadata {g.arch}.nextn_predict_layers {mtp} leaves no layer of its {blocks} blocks")
     out: dict[str, Any] = {
+        "num_hidden_layers": blocks - mtp,  # the MTP blocks (the last ones) are not served
         "linear_conv_kernel_dim": _int(g, "ssm.conv_kernel", err), "linear_key_head_dim": _int(g, "ssm.state_size", err),
         "linear_num_key_heads": _int(g, "ssm.group_count", err), "linear_num_value_heads": nv,
         "linear_value_head_dim": inner // nv, "full_attention_interval": _int(g, "full_attention_interval", err, 4),
