@@ -284,9 +284,14 @@ def test_tensor_parallel_ranks_hold_their_slice(case, tiny, cache) -> None:
     """Each rank of a 2-way instance holds exactly its slice of every tensor: rows of q/k/v,
     gate/up and the vocabulary, input columns of o and down (qwen2's 48-column halves fall inside
     the 32-wide blocks: dequantised a chunk of rows at a time, then cut)."""
+    check_tp_slices(ensure_view(tiny[case], cache))
+
+
+def check_tp_slices(view: Path) -> None:
+    """Each rank of a 2-way instance of ``view`` holds exactly its slice of every tensor the
+    whole model holds (a tensor another rank holds: 0 rows here)."""
     from workers.models.loader import _param_slots
     from workers.models.sharding import TensorParallel, plan_shard
-    view = ensure_view(tiny[case], cache)
     full, args = load_model(view, torch.float32)
     whole = _param_slots(full)
     for rank in range(2):
@@ -392,28 +397,35 @@ def _falcon_file(path: Path) -> Path:
     return path
 
 
-def _q2k_file(src: Path, path: Path) -> Path:
-    """``src`` with blk.0.attn_q.weight stored as Q2_K (a type the loader does not take)."""
+def copy_gguf(src: Path, path: Path, arch: str | None = None, tensors: dict | None = None) -> Path:
+    """``src`` rewritten: under another architecture name (its ``{arch}.*`` keys renamed), and
+    ``tensors``: name -> (array, type) in place of the file's."""
     g = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(path), g.fields["general.architecture"].contents())
+    old = g.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(path), arch or old)
     for key, field in g.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         vtype = field.types[0]
         value = field.contents()
+        key = key.replace(f"{old}.", f"{arch}.", 1) if arch else key
         if vtype == gguf.GGUFValueType.ARRAY:
             w.add_array(key, value)
         else:
             w.add_key_value(key, value, vtype)
     for t in g.tensors:
-        if t.name == "blk.0.attn_q.weight":
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            block, size = gguf.GGML_QUANT_SIZES[Q.Q2_K]
-            w.add_tensor(t.name, np.zeros((shape[0], shape[1] // block * size), dtype=np.uint8), raw_dtype=Q.Q2_K)
-        else:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        data, qtype = (tensors or {}).get(t.name, (np.asarray(t.data), t.tensor_type))
+        w.add_tensor(t.name, data, raw_dtype=qtype)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
+
+
+def _q2k_file(src: Path, path: Path) -> Path:
+    """``src`` with blk.0.attn_q.weight stored as Q2_K (a type the loader does not take)."""
+    t = open_gguf(src).tensors["blk.0.attn_q.weight"]
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q2_K]
+    zeros = np.zeros((t.shape[0], t.shape[1] // block * size), dtype=np.uint8)
+    return copy_gguf(src, path, tensors={t.name: (zeros, Q.Q2_K)})
 
 
 def test_refusals_name_the_problem(tiny, tmp_path, cache) -> None:
@@ -429,7 +441,8 @@ def test_refusals_name_the_problem(tiny, tmp_path, cache) -> None:
     not_gguf.write_bytes(b"PK\x03\x04 a zip file")
     cases = [
         (_falcon_file(tmp_path / "falcon.gguf"), r"general\.architecture 'falcon' is not supported \(supported: gemma2, "
-                                                 r"gemma3, glm4, llama, phi3, qwen2, qwen3"),
+                                                 r"gemma3, glm4, glm4moe, llama, phi3, qwen2, qwen2moe, qwen3, "
+                                                 r"qwen3moe"),
         (_q2k_file(tiny["qwen3"], tmp_path / "q2k.gguf"), r"tensor type\(s\) not supported: blk\.0\.attn_q\.weight "
                                                            r"\(Q2_K\) \(supported: F32, F16, BF16, Q8_0"),
         (truncated, rf"truncated: tensor \S+ ends at byte \d+, the file has {size - 1000}"),

@@ -85,12 +85,13 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _random_k_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+def _random_k_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random blocks for a matrix (or a stack of them: experts) of ``shape``, as bytes per row."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
     for offset, value in _K_SCALES[qtype]:
         raw[..., offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
-    return raw.reshape(shape[0], -1)
+    return raw.reshape(*shape[:-1], -1)
 
 
 def _llama3_factors(dim: int, theta: float, rope: dict[str, Any]) -> np.ndarray:
@@ -131,18 +132,107 @@ def _variant_metadata(w: gguf.GGUFWriter, cfg: Any, arch: str, head_dim: int) ->
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
+def _moe_metadata(w: gguf.GGUFWriter, cfg: Any, arch: str, head_dim: int, mtp: int) -> None:
+    """What convert_hf_to_gguf.py's Qwen2MoeModel / Qwen3MoeModel / Glm4MoeModel add."""
+    w.add_expert_count(next(getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                            if getattr(cfg, k, None)))
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch != "glm4moe":
+        return
+    w.add_rope_dimension_count(int(head_dim * dict(cfg.rope_parameters or {}).get("partial_rotary_factor", 0.5)))
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
+
+
+def _moe_tensors(hf: str, data: np.ndarray, names: Any, fuse: bool) -> list[tuple[str, np.ndarray]]:
+    """(llama.cpp name, values) of one tensor of a transformers MoE model: the fused
+    ``experts.gate_up_proj`` [E, 2I, H] as ``ffn_gate_exps`` and ``ffn_up_exps`` (``fuse``:
+    ``ffn_gate_up_exps``, the converter's --fuse-gate-up-exps), ``experts.down_proj`` as
+    ``ffn_down_exps``, the [1, H] shared expert gate squeezed, the correction bias as
+    ``exp_probs_b.bias``; [] for any other tensor."""
+    if hf.endswith(".experts.gate_up_proj"):
+        bid = hf.split(".")[2]
+        if fuse:
+            return [(f"blk.{bid}.ffn_gate_up_exps.weight", data)]
+        inter = data.shape[1] // 2
+        base = hf.removesuffix("gate_up_proj")
+        return [(f"{names.get_name(base + 'gate_proj')}.weight", data[:, :inter]),
+                (f"{names.get_name(base + 'up_proj')}.weight", data[:, inter:])]
+    if hf.endswith(".experts.down_proj"):
+        return [(f"{names.get_name(hf)}.weight", data)]
+    if hf.endswith(".shared_expert_gate.weight"):
+        return [(f"{names.get_name(hf.removesuffix('.weight'))}.weight", data.reshape(-1))]
+    if hf.endswith(".e_score_correction_bias"):
+        return [(f"{names.get_name(hf.removesuffix('_bias'))}.bias", data)]
+    return []
+
+
+def _hybrid_metadata(w: gguf.GGUFWriter, cfg: Any, head_dim: int, mtp: int) -> None:
+    """What convert_hf_to_gguf.py's Qwen3NextModel adds (with Qwen2MoeModel's expert keys)."""
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
+    w.add_rope_dimension_count(int(head_dim * dict(cfg.rope_parameters or {}).get("partial_rotary_factor", 0.25)))
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
+
+
+def _hybrid_tensors(hf: str, data: np.ndarray, names: Any, cfg: Any) -> list[tuple[str, np.ndarray]]:
+    """(llama.cpp name, values) of a Qwen3-Next tensor as Qwen3NextModel.modify_tensors rewrites it:
+    in_proj_qkvz split into attn_qkv (q, k, v of every key head in turn) and attn_gate (z),
+    A_log as -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed, the (1 + w) norms stored as
+    1 + w; [] for a tensor it keeps."""
+    layer = hf.split(".")[2] if hf.startswith("model.layers.") else ""
+    name = hf.partition(".linear_attn.")[2]
+    if name == "in_proj_qkvz.weight":
+        nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        rv = cfg.linear_num_value_heads // nk * cfg.linear_value_head_dim
+        heads = data.T.reshape(cfg.hidden_size, nk, 2 * dk + 2 * rv)
+        q, k, v, z = np.split(heads, [dk, 2 * dk, 2 * dk + rv], axis=-1)
+        flat = [x.reshape(cfg.hidden_size, -1) for x in (q, k, v, z)]
+        return [(f"blk.{layer}.attn_qkv.weight", np.ascontiguousarray(np.concatenate(flat[:3], -1).T)),
+                (f"blk.{layer}.attn_gate.weight", np.ascontiguousarray(flat[3].T))]
+    if name == "A_log":
+        return [(f"blk.{layer}.ssm_a", -np.exp(data))]
+    if name == "dt_bias":
+        return [(f"blk.{layer}.ssm_dt.bias", data)]
+    if name == "conv1d.weight":
+        return [(f"blk.{layer}.ssm_conv1d.weight", data.squeeze(1))]
+    if hf.endswith("norm.weight") and name != "norm.weight":
+        return [(f"{names.get_name(hf.removesuffix('.weight'))}.weight", data + 1)]
+    return []
+
+
 def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, Any], *, name: str = "tiny",
-               types: dict[str, Q] | None = None, default: Q = Q.F32, seed: int = 0) -> Path:
+               types: dict[str, Q] | None = None, default: Q = Q.F32, seed: int = 0, mtp: int = 0,
+               fuse_gate_up_exps: bool = False, sync: bool = False) -> Path:
     """``model`` (a transformers causal LM) as a GGUF file of architecture ``arch`` (llama, qwen2,
-    qwen3; Mistral: "llama" with a name saying mistral, as llama.cpp writes it). ``types``: the
-    type of each 2-D tensor by its llama.cpp kind ("token_embd", "output", "attn_q", ...), else
-    ``default``."""
+    qwen3, phi3, glm4, qwen2moe, qwen3moe, glm4moe, qwen3next; Mistral: "llama" with a name saying mistral,
+    as llama.cpp writes it). ``types``: the type of each 2-D or stacked tensor by its llama.cpp
+    kind ("token_embd", "output", "attn_q", "ffn_gate_exps", ...), else ``default``. ``mtp``:
+    that many extra multi-token-prediction blocks (GLM-4-MoE, Qwen3-Next; a few of their tensors, random).
+    ``sync``: the model's parameters are set to what the file holds (its dequantised values), so
+    that transformers on the model computes what the file says (for architectures transformers'
+    GGUF loader does not read)."""
     cfg = model.config
     types = types or {}
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + mtp)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -157,7 +247,11 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
         w.add_rope_dimension_count(head_dim)
     if arch in ("phi3", "glm4"):
         _variant_metadata(w, cfg, arch, head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch == "qwen3":
+    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "qwen3next"):
+        _moe_metadata(w, cfg, "qwen2moe" if arch == "qwen3next" else arch, head_dim, mtp)
+    if arch == "qwen3next":
+        _hybrid_metadata(w, cfg, head_dim, mtp)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("qwen3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -183,30 +277,66 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
         w.add_tensor("rope_freqs.weight", _llama3_factors(head_dim, theta, rope))
 
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
-    for hf, t in model.state_dict().items():
+    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers + mtp)
+    state = model.state_dict()
+    tensors: list[tuple[str, str, np.ndarray]] = []  # (HF name, llama.cpp name, values)
+    for hf, t in state.items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = t.detach().float().numpy()
+        moe = _moe_tensors(hf, data, names, fuse_gate_up_exps)
+        if moe:
+            tensors += [(hf, gname, part) for gname, part in moe]
+            continue
+        rewritten = _hybrid_tensors(hf, data, names, cfg) if arch == "qwen3next" else []
+        if rewritten:  # values or row order rewritten: not synced back (the test rounds them itself)
+            tensors += [("", gname, part) for gname, part in rewritten]
             continue
         base, _, suffix = hf.rpartition(".")
         gname = f"{names.get_name(base)}.{suffix}"
-        data = t.detach().float().numpy()
         if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             data = _permute(data, cfg.num_attention_heads if ".attn_q." in gname else cfg.num_key_value_heads)
+        tensors.append((hf, gname, data))
+    for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp):  # what llama.cpp's nextn blocks hold
+        h = cfg.hidden_size
+        tensors += [("", f"blk.{i}.nextn.eh_proj.weight", rng.normal(0, 0.08, (h, 2 * h)).astype(np.float32)),
+                    ("", f"blk.{i}.nextn.enorm.weight", np.ones(h, np.float32)),
+                    ("", f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))]
+    stored: dict[str, list[np.ndarray]] = {}
+    for hf, gname, data in tensors:
         kind = gname.split(".")[-2] if gname.startswith("blk.") else gname.split(".")[0]
-        qtype = types.get(kind, default) if data.ndim == 2 else Q.F32
+        qtype = types.get(kind, default) if data.ndim >= 2 else Q.F32
         if qtype == Q.F32:
-            w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+            raw = np.ascontiguousarray(data, dtype=np.float32)
+            w.add_tensor(gname, raw)
         elif qtype == Q.F16:
-            w.add_tensor(gname, data.astype(np.float16))
+            raw = data.astype(np.float16)
+            w.add_tensor(gname, raw)
         elif qtype in K_QUANTS:
-            w.add_tensor(gname, _random_k_blocks(qtype, data.shape, rng), raw_dtype=qtype)
+            raw = _random_k_blocks(qtype, data.shape, rng)
+            w.add_tensor(gname, raw, raw_dtype=qtype)
         else:
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            raw = gguf.quants.quantize(np.ascontiguousarray(data), qtype)
+            w.add_tensor(gname, raw, raw_dtype=qtype)
+        if sync and hf:
+            stored.setdefault(hf, []).append(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
+    if sync:
+        _sync(model, state, stored, arch)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _sync(model: torch.nn.Module, state: dict, stored: dict[str, list[np.ndarray]], arch: str) -> None:
+    """Set ``model``'s tensors to the file's dequantised values (the writer's pieces put back)."""
+    assert arch != "llama", "q/k would need their rope order undone"
+    with torch.no_grad():
+        for hf, pieces in stored.items():
+            t = state[hf]
+            values = np.concatenate(pieces, axis=1) if hf.endswith(".experts.gate_up_proj") else pieces[0]
+            t.copy_(torch.from_numpy(values.reshape(t.shape)))
 
 
 def tiny_model(cls_name: str, vocab_size: int, **config: Any) -> torch.nn.Module:

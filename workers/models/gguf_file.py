@@ -11,11 +11,14 @@ no torch:
   tokenizer conversion reads, through transformers) skipped: 0.05 s instead of 4 s for SmolLM2;
   a truncated or corrupt file raises ``GgufError`` saying so;
 - ``hf_config(g)``: the Hugging Face ``config.json`` / ``generation_config.json`` the metadata
-  describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4, gemma2, gemma3; anything else
-  refused, named; Gemma's keys as llama.cpp reads them: ``_gemma_keys``);
+  describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4, gemma2, gemma3, the
+  mixtures of experts qwen2moe, qwen3moe, glm4moe: gguf_moe.py, and the hybrid qwen3next:
+  gguf_hybrid.py; anything else refused, named;
+  Gemma's keys as llama.cpp reads them: ``_gemma_keys``);
 - ``plan_tensors(g, expected)``: every tensor the model needs (by Hugging Face name, from
   ``workers.models.checkpoint.expected_tensors``) found under its llama.cpp name (the ``gguf``
-  package's own name table), with the shape the config implies and a type the loader
+  package's own name table; a mixture of experts' per-expert tensors as parts of llama.cpp's
+  stacked ones, ``GgufFile.ref``), with the shape the config implies and a type the loader
   dequantises (``LOADABLE_TYPES``); missing, unexpected, mis-shaped or unsupported tensors named;
 - ``view_source(dir)``: the GGUF file behind a model view (the folder ``gguf_view`` makes, whose
   ``mindie_gguf.json`` names the file), refused when the file changed since the view was made.
@@ -35,6 +38,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 from gguf import get_tensor_name_map
 
+from .gguf_hybrid import HYBRID_ARCHS, NOT_YET, hybrid_keys, linear_attn_parts
+from .gguf_moe import MOE_ARCHS, expert_part, moe_keys, mtp_layers
 from .gguf_variant import EXTRA_TENSORS, variant_keys
 from .gemma_chat import END_OF_TURN
 
@@ -60,6 +65,10 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     "glm4": ("glm4", "Glm4ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    # mixtures of experts: stacked experts, shared experts, routers (gguf_moe.py)
+    **MOE_ARCHS,
+    # Gated DeltaNet layers beside gated attention, Qwen2-MoE's experts (gguf_hybrid.py)
+    **HYBRID_ARCHS,
 }
 GGUF_MAGIC = b"GGUF"
 # Llama 3.1+'s rope scaling, stored as a tensor; read into the config, not loaded as a weight.
@@ -179,6 +188,34 @@ class GgufFile:
             self.tensors[t.name] = TensorRef(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())),
                                              t.data, int(t.data_offset), int(t.n_bytes))
 
+    def ref(self, name: str) -> TensorRef:
+        """A tensor of the file by name, or a part of one (``plan_tensors`` names them): ``NAME@E``
+        the E-th matrix of a stacked [E, rows, cols] tensor (one expert), ``NAME@E:A:B`` its rows
+        A..B, ``NAME@rows:A:B`` rows A..B of a matrix, ``NAME@row`` a 1-D tensor as one row [1, n],
+        ``NAME@unsqueeze1`` a [C, K] matrix as [C, 1, K]. A part's bytes are a view of the map."""
+        t = self.tensors.get(name)
+        if t is not None:
+            return t
+        base, _, spec = name.partition("@")
+        t = self.tensors[base]
+        if spec == "row":
+            return TensorRef(name, t.type, (1, *t.shape), t.data.reshape(1, -1), t.offset, t.nbytes)
+        if spec == "unsqueeze1":
+            return TensorRef(name, t.type, (t.shape[0], 1, *t.shape[1:]), t.data.reshape(t.shape[0], 1, -1), t.offset,
+                             t.nbytes)
+        kind, *rows = spec.split(":")
+        if kind == "rows":  # a row range of a matrix
+            r0, r1 = int(rows[0]), int(rows[1])
+            row_bytes = t.nbytes // t.shape[0]
+            return TensorRef(name, t.type, (r1 - r0, *t.shape[1:]), t.data[r0:r1], t.offset + r0 * row_bytes,
+                             (r1 - r0) * row_bytes)
+        e = int(kind)
+        per = t.nbytes // t.shape[0]
+        r0, r1 = (int(rows[0]), int(rows[1])) if rows else (0, t.shape[1])
+        row_bytes = per // t.shape[1]
+        return TensorRef(name, t.type, (r1 - r0, *t.shape[2:]), t.data[e, r0:r1], t.offset + e * per + r0 * row_bytes,
+                         (r1 - r0) * row_bytes)
+
     def get(self, key: str, default: Any = None) -> Any:
         """A scalar or string metadata value (``default`` when absent; arrays: see ``array_length``)."""
         field = self._reader.fields.get(key)
@@ -266,6 +303,12 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
     """(config.json, generation_config.json) of the model the metadata describes; GgufError for an
     architecture the decoder does not have, or metadata it cannot serve."""
     arch = g.arch
+    if arch in NOT_YET:
+        raise GgufError(f"general.architecture {arch!r} (Qwen3.5, hybrid linear attention) is not served from GGUF "
+                        "yet: serve the model's Hugging Face checkpoint (config.json and safetensors)")
+    if arch == "llama" and g.arch_key("expert_count"):
+        raise GgufError("general.architecture 'llama' with llama.expert_count (Mixtral as llama.cpp writes it) is "
+                        "not served from GGUF yet: serve the model's Hugging Face checkpoint")
     if arch not in SUPPORTED_ARCHS:
         raise GgufError(f"general.architecture {arch!r} is not supported (supported: "
                         f"{', '.join(sorted(SUPPORTED_ARCHS))}, and mistral as llama.cpp writes it: llama)")
@@ -296,6 +339,10 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in g.tensors
     if model_type in ("phi3", "glm4"):
         cfg.update(variant_keys(g, model_type, head_dim, GgufError))
+    if arch in MOE_ARCHS:
+        cfg.update(moe_keys(g, head_dim, GgufError))
+    if arch in HYBRID_ARCHS:
+        cfg.update(hybrid_keys(g, head_dim, GgufError))
     if model_type == "mistral":  # llama.cpp computes a "llama" file without a window unless it has the key
         cfg["sliding_window"] = g.arch_key("attention.sliding_window")
     if arch in ("gemma2", "gemma3"):
@@ -403,39 +450,74 @@ def gguf_name(name_map: Any, hf_name: str) -> str | None:
 def plan_tensors(g: GgufFile, expected: dict[str, tuple[int, ...]], num_layers: int) -> list[tuple[str, str]]:
     """(GGUF name, Hugging Face name) of every tensor of ``expected`` (HF name -> shape), in file
     order; GgufError naming tensors that are missing, unexpected, of another shape or of a type the
-    loader does not dequantise."""
-    name_map = get_tensor_name_map(_llama_cpp_arch(g), num_layers)
-    wanted: dict[str, str] = {}
+    loader does not dequantise. A mixture of experts' per-expert tensors are parts of the stacked
+    ones (``GgufFile.ref``: ``NAME@E``); a [1, n] tensor the converter squeezed to [n] is ``NAME@row``;
+    GLM-4-MoE's multi-token-prediction layers are left out (gguf_moe.py)."""
+    mtp = mtp_layers(g)
+    name_map = get_tensor_name_map(_llama_cpp_arch(g), num_layers + mtp)
+    moe_inter = g.arch_key("expert_feed_forward_length", 0) if g.arch in MOE_ARCHS or g.arch in HYBRID_ARCHS else 0
+    wanted: dict[str, str] = {}  # part or tensor name -> HF name (#ROW: its rows from ROW on)
     for hf in expected:
-        gn = gguf_name(name_map, hf)
+        if hf.endswith(".e_score_correction_bias"):  # the converter's name: e_score_correction.bias
+            hf_base = hf.removesuffix("_bias") + ".bias"
+        else:
+            hf_base = hf
+        pieces = linear_attn_parts(hf, g) if g.arch in HYBRID_ARCHS else None
+        if pieces is not None:
+            for gn, dst in pieces:
+                wanted[gn] = f"{hf}#{dst}" if len(pieces) > 1 else hf
+            continue
+        gn = expert_part(hf, g.tensors, int(moe_inter or 0)) if moe_inter else None
+        gn = gn or gguf_name(name_map, hf_base)
         if gn is None:  # the decoder and gguf's table disagree: a bug, not the file's fault
             raise RuntimeError(f"no llama.cpp name for {hf}")
         wanted[gn] = hf
+    parts: dict[str, list[str]] = {}  # stored tensor -> its wanted parts, in order
+    for gn in wanted:
+        if "@" in gn:
+            parts.setdefault(gn.partition("@")[0], []).append(gn)
+    mtp_prefixes = tuple(f"blk.{i}." for i in range(num_layers, num_layers + mtp))
     out: list[tuple[str, str]] = []
     unexpected, bad_type = [], []
     for t in g.tensors.values():
-        hf = wanted.get(t.name)
-        if hf is None:
+        names = parts.get(t.name) or ([t.name] if t.name in wanted else [])
+        if not names:
+            if t.name.startswith(mtp_prefixes):  # GLM-4-MoE's MTP layers: not served
+                continue
             if t.name != ROPE_FREQS and t.name not in EXTRA_TENSORS:  # read by hf_config
                 unexpected.append(t.name)
             continue
-        if t.shape != tuple(expected[hf]):
-            raise GgufError(f"tensor {t.name} has shape {list(t.shape)}, the metadata implies {list(expected[hf])}")
+        if t.name in parts and len(t.shape) == 3:  # experts: the stack holds exactly those the metadata says
+            n = len({p.partition("@")[2].split(":")[0] for p in names})
+            if t.shape[0] != n:
+                raise GgufError(f"tensor {t.name} has shape {list(t.shape)}: {t.shape[0]} experts, the metadata "
+                                f"implies {n}")
+        elif len(t.shape) == 1 and tuple(expected[wanted[t.name]]) == (1, *t.shape):
+            wanted[f"{t.name}@row"] = wanted.pop(t.name)  # [1, n] squeezed by the converter
+            names = [f"{t.name}@row"]
         if t.type not in LOADABLE_TYPES:
             bad_type.append(f"{t.name} ({t.type.name})")
             continue
-        out.append((t.name, hf))
+        for name in names:
+            hf, _, dst = wanted[name].partition("#")
+            ref = g.ref(name)
+            want, got = tuple(expected[hf]), ref.shape
+            fits = got == want if not dst else (got[1:] == want[1:] and int(dst) + got[0] <= want[0])
+            if not fits or len(ref.data) != got[0]:  # a part past the end of a short tensor
+                raise GgufError(f"tensor {t.name} has shape {list(t.shape)}, the metadata implies "
+                                f"{list(want) if name == t.name else 'parts of ' + str(list(want))}")
+            out.append((name, wanted[name]))
     if bad_type:
         raise GgufError(f"tensor type(s) not supported: {_names(bad_type)} (supported: "
                         f"{', '.join(x.name for x in LOADABLE_TYPES)})")
-    missing = [n for n in wanted if n not in g.tensors]
+    missing = list(dict.fromkeys(n.partition("@")[0] for n in wanted if n.partition("@")[0] not in g.tensors))
     if missing or unexpected:
-        parts = []
+        msgs = []
         if missing:
-            parts.append(f"missing tensors: {_names(missing)}")
+            msgs.append(f"missing tensors: {_names(missing)}")
         if unexpected:
-            parts.append(f"unexpected tensors: {_names(unexpected)}")
-        raise GgufError(f"tensors do not match its metadata ({g.arch}): " + "; ".join(parts))
+            msgs.append(f"unexpected tensors: {_names(unexpected)}")
+        raise GgufError(f"tensors do not match its metadata ({g.arch}): " + "; ".join(msgs))
     return out
 
 

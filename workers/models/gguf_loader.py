@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .gguf_file import GgufFile
+from .gguf_hybrid import value_map
 
 __all__ = ["CHUNK_VALUES", "GgufTarget", "Int8Target", "load_gguf"]
 
@@ -162,9 +163,12 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
     trim = _malloc_trim()
     nbytes = 0
     with torch.no_grad():
-        for gname, hf in entries:
+        for gname, entry in entries:
+            hf, _, dst = entry.partition("#")  # "#ROW": this part's rows go from the slot's row ROW on
             slot = slots[hf]
-            t = g.tensors[gname]
+            if dst:
+                slot = slot._replace(start=slot.start + int(dst), rows=g.ref(gname).shape[0])
+            t = g.ref(gname)
             if slot.zero:
                 slot.param[slot.start:slot.start + slot.rows].zero_()
                 continue
@@ -194,9 +198,12 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             target = int8_of.get(id(slot.param))
             # llama.cpp stores Gemma's norm weights as 1 + w: back to w in fp32, as transformers' GGUF loader
             shift = g.arch in NORM_PLUS_ONE and gname.endswith("norm.weight")
+            undo = value_map(g.arch, gname)  # what else llama.cpp's converter rewrote (gguf_hybrid.py)
             for off, values in reader.chunks(r0, r1, c0, c1):
                 if shift:
                     values = np.asarray(values, dtype=np.float32) - np.float32(1.0)
+                if undo is not None:
+                    values = undo(values)
                 if not values.flags.writeable or not values.flags.c_contiguous:  # F32: a view of the read-only map
                     values = np.array(values, dtype=np.float32, order="C")
                 src = torch.from_numpy(values)  # fp32, this chunk's own (quantize_ overwrites it)
@@ -227,7 +234,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                 raise RuntimeError(f"native GGUF load: {len(left)} linear layers did not get all their rows")
             native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for _, t, _ in b["parts"]})
     log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
-             "/".join(sorted({g.tensors[n].type.name for n, _ in entries})),
+             "/".join(sorted({g.ref(n).type.name for n, _ in entries})),
              f"{len(native_of)} linears kept in their blocks, the rest dequantised" if native_of else "dequantised",
              str(dtype).removeprefix("torch."), " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
     return nbytes
@@ -241,6 +248,8 @@ def _int8_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, st
         if not (parent_name == "layers" or parent_name.startswith("layers.") or parent_name == ""):
             continue
         for name, child in parent.named_children():
+            if name == "shared_expert_gate":  # [1, H]: kept exact, as quantize_model keeps it
+                continue
             if isinstance(child, torch.nn.Linear) and (parent_name or name == "lm_head"):
                 out[f"{parent_name}.{name}" if parent_name else name] = (parent, name, child)
     return out
@@ -280,6 +289,10 @@ def _swap_int8(model: torch.nn.Module, bufs: dict, int8: Int8Target, dtype: torc
         elif "lin" in b:  # a linear whose rows did not all come: the loader and checkpoint.py disagree
             raise RuntimeError(f"int8 load: {b['left']} rows of a linear layer were not read")
         count += 1
+    for mod in model.modules():  # a mixture of experts' stacked experts: quantised once loaded, per expert
+        if callable(getattr(mod, "quantize_experts", None)):
+            count += mod.quantize_experts(lambda w: int8.linear(*int8.quantize_(w.detach().float().clone()), None,
+                                                                dtype, device))
     model.int8_at_load = True  # workers/engine/assembly.py: nothing left for quantize_model
     return count
 
@@ -291,8 +304,11 @@ def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list
     linears = {id(lin.weight): (parent, name, lin) for parent, name, lin in _int8_linears(model).values()}
     parts: dict[int, list] = {}
     embed = None
-    for gname, hf in entries:
-        slot, t = slots[hf], g.tensors[gname]
+    for gname, entry in entries:
+        hf, _, dst = entry.partition("#")
+        slot, t = slots[hf], g.ref(gname)
+        if dst:  # a row range of its layer: never native (the layer is dequantised)
+            continue
         if id(slot.param) in linears:
             parts.setdefault(id(slot.param), []).append((slot, t))
         elif hf == "model.embed_tokens.weight":

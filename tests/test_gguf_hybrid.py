@@ -1,0 +1,132 @@
+"""GGUF Qwen3-Next (issue 53, item 5): llama.cpp's ``qwen3next`` file, written here as
+convert_hf_to_gguf.py's Qwen3NextModel writes it (tests/tiny_gguf.py: ``in_proj_qkvz`` split into
+``attn_qkv`` / ``attn_gate``, ``ssm_a`` = -exp(A_log), ``ssm_dt.bias``, the squeezed
+``ssm_conv1d``, the (1 + w) norms stored as 1 + w, Qwen2-MoE's stacked experts, an MTP block), against
+transformers on the safetensors it was written from (transformers has no GGUF loader for it):
+
+- every weight of the decoder loaded from the file equals the decoder's load of the checkpoint
+  (Q8_0 / Q5_1 / Q4_0 tensors: the checkpoint holds their values), A_log and the norms to the
+  float rounding of llama.cpp's rewrite and its inverse (within 2e-7);
+- logits over the paged cache and the state pool (a prompt in two chunks, then decodes) within
+  transformers' 1e-4 (tests/test_hybrid.py), and transformers' greedy continuation;
+- ``ggufCompute: native``: the layers read whole keep their blocks, ``in_proj_qkvz`` (pieces of
+  two tensors) is dequantised;
+- Qwen3.5's files (``qwen35``, ``qwen35moe``) refused, named.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from tests.test_gguf import copy_gguf  # noqa: E402
+from tests.test_hybrid import _paged_logits, hf_greedy  # noqa: E402
+from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf  # noqa: E402
+from workers.models.gguf_file import GgufError, open_gguf  # noqa: E402
+from workers.models.gguf_view import ensure_view  # noqa: E402
+from workers.models.loader import load_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+CONFIG = dict(num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+              linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+TYPES = {"attn_qkv": Q.Q8_0, "attn_gate": Q.Q8_0, "ssm_ba": Q.Q8_0, "ssm_out": Q.Q4_0, "attn_q": Q.Q8_0,
+         "ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q5_1, "ffn_down_exps": Q.Q8_0, "token_embd": Q.Q8_0}
+REWRITTEN = ("A_log", "norm.weight")  # the values llama.cpp's converter rewrites (not linear_attn.norm)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """(transformers model holding the file's values, the GGUF file, its safetensors folder)."""
+    root = tmp_path_factory.mktemp("gguf-hybrid")
+    vocab = gpt2_vocab(byte_level_tokenizer())
+    hf = tiny_model("Qwen3NextConfig", len(vocab["tokens"]), **CONFIG)
+    with torch.no_grad():  # in_proj_qkvz rounded to Q8_0 (the converter only reorders its rows: the file holds these)
+        for layer in hf.model.layers:
+            if getattr(layer, "linear_attn", None) is not None:
+                w = layer.linear_attn.in_proj_qkvz.weight
+                w.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), Q.Q8_0), Q.Q8_0)))
+    path = write_gguf(root / "qwen3next.gguf", hf, "qwen3next", vocab, sync=True, types=TYPES, mtp=1)
+    hf.save_pretrained(root / "st")
+    return hf, path, root / "st"
+
+
+def test_weights_equal_the_checkpoints(written, tmp_path) -> None:
+    hf, path, st = written
+    names = open_gguf(path).tensors
+    assert {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_a", "blk.0.ssm_dt.bias",
+            "blk.0.ssm_conv1d.weight", "blk.0.ffn_gate_exps.weight", "blk.3.attn_q.weight",
+            "blk.4.nextn.eh_proj.weight"} <= names.keys()  # blk.4: the MTP block (not loaded)
+    assert names["blk.0.ssm_conv1d.weight"].shape == (2 * 2 * 32 + 4 * 32, 4)
+    ours, args = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
+    mine, ref_args = load_model(st, torch.float32)
+    assert args.hybrid == ref_args.hybrid and args.moe == ref_args.moe and args.hybrid.layout == "qkvz"
+    assert args.num_hidden_layers == 4
+    theirs = dict(mine.state_dict())
+    rewritten = 0
+    for name, t in ours.state_dict().items():
+        if name.endswith(REWRITTEN) and not name.endswith("linear_attn.norm.weight"):
+            assert (t - theirs[name]).abs().max() <= 2e-7, name
+            rewritten += 1
+        else:
+            assert torch.equal(t, theirs[name]), name
+    assert rewritten == 3 + 4 * 2 + 2 + 1  # A_log x3, two norms a layer, q/k norms, the final norm
+
+
+def test_logits_and_greedy_equal_transformers(written, tmp_path) -> None:
+    hf, path, _ = written
+    model, _ = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 300, (n,), generator=g) for n in (60, 24)]
+    with torch.no_grad():
+        refs = [hf(s[None]).logits[0] for s in seqs]
+    for out, ref in zip(_paged_logits(model, seqs, [[40, 12], [24]]), refs):
+        assert (out - ref).abs().max().item() <= 1e-4
+    prompt = seqs[1].tolist()
+    seq = list(prompt)
+    for _ in range(8):  # greedy, the whole sequence through the pool each step
+        seq.append(int(_paged_logits(model, [torch.tensor(seq)], [[len(seq)]])[0][-1].argmax()))
+    assert seq[len(prompt):] == hf_greedy(hf, prompt, 8)
+
+
+def test_qwen35_files_refused_named(written, tmp_path) -> None:
+    _, path, _ = written
+    for arch in ("qwen35", "qwen35moe"):
+        with pytest.raises(GgufError, match=rf"general\.architecture '{arch}' \(Qwen3\.5, hybrid linear attention\) "
+                                            r"is not served from GGUF yet"):
+            ensure_view(copy_gguf(path, tmp_path / f"{arch}.gguf", arch=arch), tmp_path / "cache")
+
+
+def test_native_blocks_in_the_hybrid_layers(written, tmp_path) -> None:
+    """``ggufCompute: native`` (the default on a CPU without native bf16): the linears read whole
+    keep their blocks (``in_proj_ba``, ``out_proj``, attention), ``in_proj_qkvz`` (pieces of two
+    tensors) is dequantised. Each block linear computes its dequantised weights' product to the
+    int8 activations' error (tests/test_gguf_kernels.py); the logits stay near, an expert choice
+    flipped by that error moving a position further (the median position is compared)."""
+    from workers.backends.gguf_linear import GgufLinear, NativeTarget
+    from workers.kernels import gguf_kernels as gk
+    _, path, _ = written
+    view = ensure_view(path, tmp_path / "cache")
+    ref, _ = load_model(view, torch.float32)
+    ours, _ = load_model(view, torch.float32, gguf_native=NativeTarget(gk.load()))
+    la = ours.layers[0].linear_attn
+    assert isinstance(la.in_proj_ba, GgufLinear) and isinstance(la.out_proj, GgufLinear)
+    assert not isinstance(la.in_proj_qkvz, GgufLinear)
+    assert torch.equal(la.in_proj_qkvz.weight, ref.layers[0].linear_attn.in_proj_qkvz.weight)
+    native = [(n, m) for n, m in ours.named_modules() if isinstance(m, GgufLinear)]
+    assert len(native) >= 6  # in_proj_ba and out_proj (Q8_0, Q4_0) of each Gated DeltaNet layer
+    for name, m in native:
+        r = ref.get_submodule(name)
+        x = torch.randn(5, r.weight.shape[1], generator=torch.Generator().manual_seed(3))
+        want = torch.nn.functional.linear(x, r.weight, r.bias)
+        assert (m(x) - want).abs().max() < 0.02 * want.abs().max(), name
+    seq = [torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(2))]
+    got, want = _paged_logits(ours, seq, [[40]])[0], _paged_logits(ref, seq, [[40]])[0]
+    assert (got - want).abs().amax(1).median() < 0.05 * (want.max() - want.min())
