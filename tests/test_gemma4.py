@@ -1,0 +1,260 @@
+"""Gemma 4 (text) against transformers 5.25's Gemma4ForCausalLM (issue 53, item 2), on tiny random
+fp32 checkpoints built here:
+
+- config: Gemma 4's keys read (per-layer-type head_dim and KV heads, from ``global_head_dim`` /
+  ``num_global_key_value_heads`` or the ``per_layer_config`` transformers saves, attention_k_eq_v,
+  per-layer-type rope, KV sharing, per-layer inputs, double-wide MLP), a
+  Gemma4ForConditionalGeneration config's text part, refusals naming the key (the MoE block);
+- logits: our decoder over the split paged cache (portable torch and the CPU kernels' class; a
+  prompt in two chunks, then decodes) equals transformers' with a prompt longer than the sliding
+  window, with and without KV sharing / k_eq_v / per-layer inputs; the window and the partial rope
+  proven to matter; a multimodal checkpoint's ``model.language_model.*`` names (towers skipped);
+- the cache: KV-shared layers own no cache tensors, each geometry its own tensors;
+- engine: greedy through chunked prefill, a small cache (preemption) and a prefix-cache hit equals
+  transformers' greedy;
+- the real launch script on a tiny Gemma 4 chat model: /infer_token and chat equal transformers.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mindie.contract.wire import SamplingParams
+from tests.harness import demo_server
+from tests.reference_attention import logits_over_cache
+from tests.tiny_hf import random_model, save_chat_model
+from workers.attention import split_attention
+from workers.attention.cpu import CpuPagedAttention
+from workers.attention.paged import PagedAttention
+from workers.models.config import ModelArgs, ModelConfigError
+from workers.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_deepseek import hf_greedy  # noqa: E402  (transformers' greedy, a full forward per token)
+from tests.test_engine import make_engine, run  # noqa: E402
+from tests.test_gemma import CHAT_TEMPLATE  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+VOCAB = 160
+WINDOW = 8
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, global_head_dim=32, max_position_embeddings=512, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0, sliding_window=WINDOW, final_logit_softcapping=5.0,
+            layer_types=["sliding_attention", "full_attention"] * 3)
+CASES: dict[str, dict[str, Any]] = {
+    # everything: k_eq_v with one global KV head, per-layer inputs, the last two layers KV-shared
+    # (double-wide MLPs), proportional rope on the full layers (the default rope_parameters)
+    "e2b": dict(attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True),
+    # the plain layout: own v_proj everywhere, no per-layer inputs, no sharing, every layer writes
+    "dense": dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_bias=True,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                      "rope_theta": 1e6}}),
+}
+PROMPT_LEN = 30  # longer than the window
+
+
+def _random(config: dict[str, Any], seed: int = 0):
+    """transformers' model with random weights and random layer scalars (ones would hide them)."""
+    hf = random_model("Gemma4TextConfig", config, seed)
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    root = tmp_path_factory.mktemp("gemma4")
+    out = {}
+    for case, extra in CASES.items():
+        hf = _random({**BASE, **extra})
+        hf.save_pretrained(root / case, safe_serialization=True)
+        out[case] = (hf, root / case)
+    return out
+
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_config_reads_gemma4_keys(models) -> None:
+    a = ModelArgs.from_dir(models["e2b"][1])  # as transformers 5.25 saves it: per_layer_config
+    g = a.gemma4
+    assert a.arch == "gemma4" and a.tie_word_embeddings and a.layer_windows == (WINDOW, None) * 3
+    assert g.head_dims == (16, 32) * 3 and g.kv_heads == (2, 1) * 3 and g.k_eq_v == (False, True) * 3
+    assert g.kv_source == (0, 1, 2, 3, 2, 3) and g.intermediate == (112,) * 4 + (224,) * 2
+    assert (g.ple_dim, g.ple_vocab, g.final_logit_softcapping) == (8, VOCAB, 5.0)
+    full = g.ropes["full_attention"]
+    assert (full.rope_type, full.theta, full.partial_rotary_factor) == ("proportional", 1e6, 0.25)
+    # a Hub config of the multimodal layout: global_head_dim / num_global_key_value_heads in text_config
+    text = {k: v for k, v in BASE.items() if k != "eos_token_id"}
+    mm = ModelArgs.from_dict({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+                              "text_config": dict(text, attention_k_eq_v=True, num_global_key_value_heads=1),
+                              "vision_config": {}, "audio_config": {}, "eos_token_id": [1, 106]})
+    assert mm.arch == "gemma4" and mm.model_type == "gemma4_text" and mm.eos_token_ids == [1, 106]
+    assert mm.gemma4.head_dims == g.head_dims and mm.gemma4.kv_heads == g.kv_heads
+    assert mm.gemma4.ple_dim == 256  # transformers' default
+
+
+@pytest.mark.parametrize("patch, key", [
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"hidden_activation": "silu"}, "hidden_activation"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"num_kv_shared_layers": 6}, "num_kv_shared_layers"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "rope_parameters.sliding_attention.rope_type"),
+])
+def test_config_errors_name_the_key(models, tmp_path: Path, patch: dict, key: str) -> None:
+    cfg = json.loads((models["dense"][1] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **patch}))
+    with pytest.raises(ModelConfigError, match=key.replace(".", r"\.")):
+        ModelArgs.from_dir(tmp_path)
+
+
+# -- logits over the paged cache ---------------------------------------------------------------------
+
+
+def _paged_logits(model, ids: torch.Tensor, chunks: list[int], base=PagedAttention) -> torch.Tensor:
+    attn = split_attention(base, model.kv_layout[1])(0, 32, 4, 0, 0, torch.float32, torch.device("cpu"))
+    return logits_over_cache(model, attn, ids, chunks, list(range(31, -1, -1)))  # blocks out of order
+
+
+@pytest.mark.parametrize("base", [PagedAttention, CpuPagedAttention], ids=["portable", "cpu"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(models, case: str, base) -> None:
+    hf, path = models[case]
+    model, _ = load_model(path, torch.float32)
+    torch.manual_seed(1)
+    ids = torch.randint(3, VOCAB, (PROMPT_LEN + 10,))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (_paged_logits(model, ids, [PROMPT_LEN - 11, 11], base) - ref).abs().max().item() <= 1e-4
+    if base is not PagedAttention:
+        return
+    # the window and the partial rotary share each change the answer: neither is idle
+    rope = copy.deepcopy(hf.config.rope_parameters)
+    rope["full_attention"]["partial_rotary_factor"] = 1.0
+    for name, edit in (("window", dict(sliding_window=10_000)), ("rope", dict(rope_parameters=rope))):
+        other = copy.deepcopy(hf.config)
+        for k, v in edit.items():
+            setattr(other, k, v)
+        twin = transformers.AutoModelForCausalLM.from_config(other).eval()
+        twin.load_state_dict(hf.state_dict())
+        with torch.no_grad():
+            assert (twin(ids[None]).logits[0] - ref).abs().max().item() > 1e-3, name
+
+
+def test_cache_geometries_and_shared_layers_own_no_blocks(models) -> None:
+    """e2b: 4 writing layers (2 sliding [2 heads x 16], 2 full [1 head x 32]); the 2 shared layers
+    read their sources' tensors and add no bytes per token."""
+    model, _ = load_model(models["e2b"][1], torch.float32)
+    assert model.kv_layout == ("per_kind", ((2, 2, 16), (2, 1, 32))) and model.kv_layers == 4
+    assert [layer.self_attn.cache_index for layer in model.layers] == [0, 2, 1, 3, 1, 3]
+    cls = split_attention(PagedAttention, model.kv_layout[1])
+    assert cls.bytes_per_slot(0, 0, 0, torch.float32) == 4 * 2 * (2 * 2 * 16 + 2 * 1 * 32)
+    attn = cls(0, 8, 4, 0, 0, torch.float32, torch.device("cpu"))
+    assert [tuple(t.shape) for t in attn.k_cache] == [(8, 2, 4, 16)] * 2 + [(8, 1, 4, 32)] * 2
+
+
+def test_multimodal_checkpoint_names(models, tmp_path: Path, caplog) -> None:
+    """A Gemma4ForConditionalGeneration checkpoint: the decoder under model.language_model., tower
+    tensors beside it (skipped, counted), the shared layers' k/v tensors transformers ignores."""
+    hf, path = models["e2b"]
+    cfg = json.loads((path / "config.json").read_text())
+    outer = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+             "text_config": {**cfg, "model_type": "gemma4_text"}, "vision_config": {"hidden_size": 8},
+             "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(path / "model.safetensors").items()}
+    tensors["model.vision_tower.encoder.weight"] = torch.zeros(4, 4)
+    tensors["model.embed_vision.embedding_projection.weight"] = torch.zeros(4, 4)
+    tensors["model.language_model.layers.4.self_attn.k_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    import logging
+    with caplog.at_level(logging.INFO, logger="workers.models"):
+        model, _ = load_model(tmp_path, torch.float32)
+    assert any("2 tensors of the vision/audio towers not loaded" in r.getMessage() for r in caplog.records)
+    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (_paged_logits(model, ids, [13]) - ref).abs().max().item() <= 1e-4
+
+
+def test_tensor_parallel_and_lora_refused(models) -> None:
+    from workers.models.gemma4 import Gemma4LM
+    from workers.models.sharding import TensorParallel
+
+    args = ModelArgs.from_dir(models["e2b"][1])
+    with pytest.raises(ValueError, match="tensor parallelism is not supported for Gemma 4"):
+        Gemma4LM(args, torch.float32, 64, tp=object.__new__(TensorParallel))
+    assert Gemma4LM.lora_refusal == "LoRA adapters are not served for Gemma 4 models"
+
+
+# -- engine ------------------------------------------------------------------------------------------
+
+
+def test_engine_greedy_equals_transformers_under_pressure(models) -> None:
+    hf, path = models["e2b"]
+    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 70, 23, 48)]
+    want = {f"r{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
+    # 8 blocks of 16 for ~190 tokens of work: preemption; prompts cut into chunks of 19
+    eng = make_engine(str(path), num_blocks=8, max_prefill_tokens=19, max_batch_size=4)
+    res = run(eng, {k: (p, greedy) for k, p in zip(want, ps)})
+    assert {k: v[0] for k, v in res.items()} == want
+    assert eng.scheduler.num_preemptions > 0
+    assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
+    hits = eng.blocks.prefix_hits
+    again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # the 70-token prompt again: 4 full blocks cached
+    assert eng.blocks.prefix_hits - hits == 4 and again == want["r1"]
+    assert eng.check_no_leaks()
+
+
+# -- the real server -----------------------------------------------------------------------------------
+
+
+def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_path: Path) -> None:
+    """The launch script on a tiny Gemma 4 chat model (every feature of the e2b case): prompts longer
+    than its window through /infer_token (chunked, a prefix-cache hit) and the OpenAI chat route
+    equal transformers."""
+    path = tmp_path_factory.mktemp("gemma4_chat") / "tiny-gemma4"
+    cfg = {k: v for k, v in BASE.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    save_chat_model(path, CHAT_TEMPLATE, cls_name="Gemma4TextConfig",
+                    config=dict(cfg, **{**CASES["e2b"], "vocab_size_per_layer_input": 33000}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 9)]
+    with demo_server(tmp_path, str(path), schedule={"prefillChunkTokens": 16}) as srv:
+        def infer(p: list[int]) -> list[int]:
+            r = httpx.post(srv.url + "/infer_token", json={"input_id": p, "parameters": {
+                "max_new_tokens": 12, "ignore_eos": True, "details": True}}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["details"]["generated_token_ids"]
+
+        want = [hf_greedy(hf, p, 12) for p in ps]
+        assert [infer(p) for p in ps + [ps[0]]] == want + [want[0]]
+        msgs = [{"role": "user", "content": "Which layers share their keys and values?"}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ref = hf_greedy(hf, list(ids), 12)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 12,
+                                                               "ignore_eos": True, "temperature": 0}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
+        tail = srv.tail(400)
+        assert "gemma4" in tail and "KV cache geometries" in tail
