@@ -4,10 +4,11 @@ fp32 checkpoints built here:
 - config: Gemma 4's keys read (per-layer-type head_dim and KV heads, from ``global_head_dim`` /
   ``num_global_key_value_heads`` or the ``per_layer_config`` transformers saves, attention_k_eq_v,
   per-layer-type rope, KV sharing, per-layer inputs, double-wide MLP), a
-  Gemma4ForConditionalGeneration config's text part, refusals naming the key (the MoE block);
+  Gemma4ForConditionalGeneration config's text part, refusals naming the key;
 - logits: our decoder over the split paged cache (portable torch and the CPU kernels' class; a
   prompt in two chunks, then decodes) equals transformers' with a prompt longer than the sliding
-  window, with and without KV sharing / k_eq_v / per-layer inputs; the window and the partial rope
+  window, with and without KV sharing / k_eq_v / per-layer inputs, with the MoE block (an expert
+  no token picked never read); the window and the partial rope
   proven to matter; a multimodal checkpoint's ``model.language_model.*`` names (towers skipped);
 - the cache: KV-shared layers own no cache tensors, each geometry its own tensors;
 - engine: greedy through chunked prefill, a small cache (preemption) and a prefix-cache hit equals
@@ -60,14 +61,21 @@ CASES: dict[str, dict[str, Any]] = {
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                                       "rope_theta": 1e6}}),
+    # the MoE block beside every MLP (router on the residual, GeGLU experts, three more norms)
+    "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+                hidden_size_per_layer_input=0, num_kv_shared_layers=1),
 }
 PROMPT_LEN = 30  # longer than the window
 
 
 def _random(config: dict[str, Any], seed: int = 0):
-    """transformers' model with random weights and random layer scalars (ones would hide them)."""
+    """transformers' model with random weights and random layer scalars (ones would hide them);
+    router scales large enough that the routing is no near-tie (the default init's 0.08 is)."""
     hf = random_model("Gemma4TextConfig", config, seed)
     with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("router.scale", "router.per_expert_scale")):
+                p.uniform_(1.0, 3.0)
         for name, b in hf.named_buffers():
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
@@ -108,7 +116,8 @@ def test_config_reads_gemma4_keys(models) -> None:
 
 
 @pytest.mark.parametrize("patch, key", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}, "enable_moe_block"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8}, "top_k_experts"),
+    ({"enable_moe_block": True, "top_k_experts": 2, "moe_intermediate_size": 8}, "num_experts"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"hidden_activation": "silu"}, "hidden_activation"),
     ({"layer_types": ["sliding_attention"]}, "layer_types"),
@@ -206,8 +215,9 @@ def test_tensor_parallel_and_lora_refused(models) -> None:
 # -- engine ------------------------------------------------------------------------------------------
 
 
-def test_engine_greedy_equals_transformers_under_pressure(models) -> None:
-    hf, path = models["e2b"]
+@pytest.mark.parametrize("case", ["e2b", "moe"])
+def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> None:
+    hf, path = models[case]
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 70, 23, 48)]
@@ -258,3 +268,27 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
         assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
         tail = srv.tail(400)
         assert "gemma4" in tail and "KV cache geometries" in tail
+
+
+def test_moe_block_reads_only_picked_experts(models) -> None:
+    """One token routes to top_k = 2 of 4 experts per layer: the others' weights NaN change nothing
+    (an expert no token picked is never touched: moe.py's experts_forward), the logits still
+    transformers'."""
+    hf, path = models["moe"]
+    model, _ = load_model(path, torch.float32)
+    ids = torch.tensor([17])
+    picked: list[set[int]] = []
+    hooks = [layer.moe.gate.register_forward_hook(lambda m, i, o: picked.append(set(o[1].reshape(-1).tolist())))
+             for layer in model.layers]
+    first = _paged_logits(model, ids, [1])
+    for hk in hooks:
+        hk.remove()
+    with torch.no_grad():
+        for layer, used in zip(model.layers, picked):
+            for e in sorted(set(range(4)) - used):
+                layer.moe.w13[e].fill_(float("nan"))
+                layer.moe.w2[e].fill_(float("nan"))
+        ref = hf(ids[None]).logits[0]
+    got = _paged_logits(model, ids, [1])
+    assert all(len(u) == 2 for u in picked) and torch.equal(got, first)
+    assert (got - ref).abs().max().item() <= 1e-4

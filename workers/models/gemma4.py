@@ -17,7 +17,9 @@ as transformers 5.25's ``Gemma4TextModel`` (its keys: workers/models/gemma4_conf
   ``per_layer_model_projection`` of the embedding (times hidden ** -0.5), times 2 ** -0.5; each layer
   adds ``post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(h)) * ple_i))``;
 - four norms around attention and MLP, the layer's output times ``layer_scalar``, the embedding times
-  sqrt(hidden) (rounded to the model dtype), final logits soft-capped.
+  sqrt(hidden) (rounded to the model dtype), final logits soft-capped;
+- ``enable_moe_block``: routed experts beside the MLP (workers/models/gemma4_moe.py), with three more
+  norms: ``post_ff_norm(post_ff_norm_1(mlp) + post_ff_norm_2(experts(pre_ff_norm_2(h))))``.
 
 The KV cache: ``kv_layout`` ("per_kind", geometries) gives one cache geometry (layers, KV heads,
 head_dim) per distinct head geometry of the writing layers (workers/attention/split.py), each layer
@@ -36,6 +38,7 @@ from . import row_ops
 from .config import ModelArgs
 from .gemma import GemmaMLP, _geglu
 from .gemma4_config import LayerRope
+from .gemma4_moe import Gemma4MoE, Gemma4Router, moe_slots
 from .llama import Embedding, Linear, RotaryEmbedding
 from .lora import LoraHook
 
@@ -156,6 +159,14 @@ class Gemma4Layer(nn.Module):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hid, eps, dtype)
         self.mlp = GemmaMLP(dataclasses.replace(args, intermediate_size=g.intermediate[i]), dtype)
         self.post_feedforward_layernorm = Gemma4RMSNorm(hid, eps, dtype)
+        self.moe = self.post_feedforward_layernorm_1 = self.post_feedforward_layernorm_2 = None
+        self.pre_feedforward_layernorm_2 = None
+        if g.num_experts:
+            router = Gemma4Router(hid, g.num_experts, g.top_k, Gemma4RMSNorm(hid, eps, dtype, with_scale=False), dtype)
+            self.moe = Gemma4MoE(hid, g.num_experts, g.top_k, g.moe_intermediate_size, dtype, router=router)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hid, eps, dtype)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hid, eps, dtype)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hid, eps, dtype)
         self.layer_scalar = nn.Parameter(torch.ones(1, dtype=dtype))
         self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
         if g.ple_dim:
@@ -166,7 +177,11 @@ class Gemma4Layer(nn.Module):
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn, kv: KvRows) -> torch.Tensor:
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rope, attn, kv))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe is not None:  # experts routed on the residual, beside the MLP
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(
+                self.moe.route(h, self.pre_feedforward_layernorm_2(h)))
+        h = h + self.post_feedforward_layernorm(m)
         if ple is not None:
             gated = row_ops.rowwise(_geglu, self.per_layer_input_gate(h), ple)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -301,9 +316,12 @@ def param_slots(model: Gemma4LM, slot: Callable[..., object]) -> dict[str, objec
         out[f"{pre}mlp.gate_proj.weight"] = slot(w, 0, inter)
         out[f"{pre}mlp.up_proj.weight"] = slot(w, inter, inter)
         whole(f"{pre}mlp.down_proj.weight", layer.mlp.down_proj.weight)
+        if layer.moe is not None:
+            out.update(moe_slots(layer.moe, pre, slot))
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm", "per_layer_input_gate", "per_layer_projection",
-                     "post_per_layer_input_norm"):
+                     "post_per_layer_input_norm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"):
             if getattr(layer, name) is not None:
                 whole(f"{pre}{name}.weight", getattr(layer, name).weight)
     return out

@@ -16,10 +16,11 @@ and ``num_key_value_heads`` are the sliding layers'), with transformers 5.25's d
 - per-layer input embeddings (``hidden_size_per_layer_input``, ``vocab_size_per_layer_input``);
 - ``num_kv_shared_layers``: the last layers read the KV cache of the last earlier layer of their type
   (``kv_source``) and have no k/v projections; ``use_double_wide_mlp`` doubles their MLP;
-- ``final_logit_softcapping``.
+- ``final_logit_softcapping``;
+- ``enable_moe_block``: every layer adds routed experts beside its MLP (``num_experts``,
+  ``top_k_experts``, ``moe_intermediate_size``).
 
-Refused by name: ``enable_moe_block`` (the MoE block is not implemented), bidirectional attention,
-other activations, other rope types.
+Refused by name: bidirectional attention, other activations, other rope types.
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ class Gemma4Args:
     ple_vocab: int
     intermediate: tuple[int, ...]  # per layer (double-wide on the shared layers)
     final_logit_softcapping: float | None
+    num_experts: int = 0  # enable_moe_block: experts beside every layer's MLP (0: none)
+    top_k: int = 0
+    moe_intermediate_size: int = 0
 
     def shared(self, i: int) -> bool:
         """Layer ``i`` reads another layer's KV cache and writes none."""
@@ -129,8 +133,13 @@ def parse_gemma4(cfg: Mapping[str, Any], n_layers: int, head_dim: int, n_kv: int
         raise err("hidden_activation", f"only gelu_pytorch_tanh is supported for Gemma 4, got {act!r}")
     if cfg.get("use_bidirectional_attention"):
         raise err("use_bidirectional_attention", "bidirectional attention is not served")
+    experts = top_k = moe_inter = 0
     if cfg.get("enable_moe_block"):
-        raise err("enable_moe_block", "the Gemma 4 MoE block (router + experts beside the MLP) is not supported yet")
+        experts = _positive_int(cfg, "num_experts", None, err)
+        top_k = _positive_int(cfg, "top_k_experts", None, err)
+        moe_inter = _positive_int(cfg, "moe_intermediate_size", None, err)
+        if top_k > experts:
+            raise err("top_k_experts", f"{top_k} exceeds num_experts={experts}")
     window = _positive_int(cfg, "sliding_window", 512, err)
     types = cfg.get("layer_types")
     if types is None:
@@ -194,5 +203,6 @@ def parse_gemma4(cfg: Mapping[str, Any], n_layers: int, head_dim: int, n_kv: int
         k_eq_v=tuple(k_eq_v and t == "full_attention" for t in types), kv_source=tuple(source), ropes=ropes,
         ple_dim=ple, ple_vocab=ple_vocab,
         intermediate=tuple(inter * (2 if double and i >= first and shared_n else 1) for i in range(n_layers)),
-        final_logit_softcapping=None if cap is None else float(cap))
+        final_logit_softcapping=None if cap is None else float(cap), num_experts=experts, top_k=top_k,
+        moe_intermediate_size=moe_inter)
     return args, window, tuple(window if t == "sliding_attention" else None for t in types)

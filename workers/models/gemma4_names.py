@@ -63,6 +63,13 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             out[f"{pre}{norm}.weight"] = (hid,)
+        if g.num_experts:  # the MoE block beside the MLP, with its three norms
+            e, mi = g.num_experts, g.moe_intermediate_size
+            out.update({f"{pre}router.proj.weight": (e, hid), f"{pre}router.scale": (hid,),
+                        f"{pre}router.per_expert_scale": (e,), f"{pre}experts.gate_up_proj": (e, 2 * mi, hid),
+                        f"{pre}experts.down_proj": (e, hid, mi)})
+            for norm in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+                out[f"{pre}{norm}.weight"] = (hid,)
         if g.ple_dim:
             out[f"{pre}per_layer_input_gate.weight"] = (g.ple_dim, hid)
             out[f"{pre}per_layer_projection.weight"] = (hid, g.ple_dim)
