@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,22 @@ def test_logits_match_transformers(models, case: str, base) -> None:
             assert (twin(ids[None]).logits[0] - ref).abs().max().item() > 1e-3, name
 
 
+@pytest.mark.parametrize("case", ["e2b", "moe"])
+def test_logits_bf16_within_transformers_bf16_error(models, case: str) -> None:
+    """bf16 weights, activations and cache against the fp32 truth: never much worse than
+    transformers' own bf16 run on the same weights."""
+    hf, path = models[case]
+    model, _ = load_model(path, torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (PROMPT_LEN + 6,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        truth = hf(ids[None]).logits[0]
+        hf_half = copy.deepcopy(hf).to(torch.bfloat16)(ids[None]).logits[0].float()
+    attn = split_attention(PagedAttention, model.kv_layout[1])(0, 32, 4, 0, 0, torch.bfloat16, torch.device("cpu"))
+    out = logits_over_cache(model, attn, ids, [PROMPT_LEN], list(range(31, -1, -1)))
+    err, hf_err = (out - truth).abs().max().item(), (hf_half - truth).abs().max().item()
+    assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
+
+
 def test_cache_geometries_and_shared_layers_own_no_blocks(models) -> None:
     """e2b: 4 writing layers (2 sliding [2 heads x 16], 2 full [1 head x 32]); the 2 shared layers
     read their sources' tensors and add no bytes per token."""
@@ -267,7 +284,8 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
         assert r.json()["usage"]["prompt_tokens"] == len(ids)
         assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
         tail = srv.tail(400)
-        assert "gemma4" in tail and "KV cache geometries" in tail
+        # 4 writing layers of 6: 2 sliding (2 KV heads x 16) + 2 full (1 x 32)
+        assert "gemma4" in tail and re.search(r"KV cache: \d+ bytes per token \(K and V of 2x2x16 \+ 2x1x32 layers", tail)
 
 
 def test_moe_block_reads_only_picked_experts(models) -> None:
