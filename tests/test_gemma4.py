@@ -23,13 +23,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mindie.contract.wire import SamplingParams
-from tests.harness import demo_server
 from tests.reference_attention import logits_over_cache
 from tests.tiny_hf import random_model, save_chat_model
 from workers.attention import split_attention
@@ -40,9 +37,8 @@ from workers.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_deepseek import hf_greedy  # noqa: E402  (transformers' greedy, a full forward per token)
-from tests.test_engine import make_engine, run  # noqa: E402
-from tests.test_gemma import CHAT_TEMPLATE  # noqa: E402
+from tests.test_gemma import (CHAT_TEMPLATE, engine_greedy_equals_transformers,  # noqa: E402
+                              served_greedy_equals_transformers)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -234,21 +230,7 @@ def test_tensor_parallel_and_lora_refused(models) -> None:
 
 @pytest.mark.parametrize("case", ["e2b", "moe"])
 def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> None:
-    hf, path = models[case]
-    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    g = torch.Generator().manual_seed(5)
-    ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 70, 23, 48)]
-    want = {f"r{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
-    # 8 blocks of 16 for ~190 tokens of work: preemption; prompts cut into chunks of 19
-    eng = make_engine(str(path), num_blocks=8, max_prefill_tokens=19, max_batch_size=4)
-    res = run(eng, {k: (p, greedy) for k, p in zip(want, ps)})
-    assert {k: v[0] for k, v in res.items()} == want
-    assert eng.scheduler.num_preemptions > 0
-    assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
-    hits = eng.blocks.prefix_hits
-    again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # the 70-token prompt again: 4 full blocks cached
-    assert eng.blocks.prefix_hits - hits == 4 and again == want["r1"]
-    assert eng.check_no_leaks()
+    engine_greedy_equals_transformers(*models[case])
 
 
 # -- the real server -----------------------------------------------------------------------------------
@@ -262,30 +244,9 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
     cfg = {k: v for k, v in BASE.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
     save_chat_model(path, CHAT_TEMPLATE, cls_name="Gemma4TextConfig",
                     config=dict(cfg, **{**CASES["e2b"], "vocab_size_per_layer_input": 33000}))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    g = torch.Generator().manual_seed(7)
-    ps = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 9)]
-    with demo_server(tmp_path, str(path), schedule={"prefillChunkTokens": 16}) as srv:
-        def infer(p: list[int]) -> list[int]:
-            r = httpx.post(srv.url + "/infer_token", json={"input_id": p, "parameters": {
-                "max_new_tokens": 12, "ignore_eos": True, "details": True}}, timeout=300)
-            assert r.status_code == 200, r.text
-            return r.json()["details"]["generated_token_ids"]
-
-        want = [hf_greedy(hf, p, 12) for p in ps]
-        assert [infer(p) for p in ps + [ps[0]]] == want + [want[0]]
-        msgs = [{"role": "user", "content": "Which layers share their keys and values?"}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        ref = hf_greedy(hf, list(ids), 12)
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 12,
-                                                               "ignore_eos": True, "temperature": 0}, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["prompt_tokens"] == len(ids)
-        assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
-        tail = srv.tail(400)
-        # 4 writing layers of 6: 2 sliding (2 KV heads x 16) + 2 full (1 x 32)
-        assert "gemma4" in tail and re.search(r"KV cache: \d+ bytes per token \(K and V of 2x2x16 \+ 2x1x32 layers", tail)
+    tail = served_greedy_equals_transformers(tmp_path, path, "Which layers share their keys and values?")
+    # 4 writing layers of 6: 2 sliding (2 KV heads x 16) + 2 full (1 x 32)
+    assert "gemma4" in tail and re.search(r"KV cache: \d+ bytes per token \(K and V of 2x2x16 \+ 2x1x32 layers", tail)
 
 
 def test_moe_block_reads_only_picked_experts(models) -> None:

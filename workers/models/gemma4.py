@@ -31,12 +31,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import row_ops
 from .config import ModelArgs
-from .gemma import GemmaMLP, _geglu
+from .gemma import GemmaMLP, _geglu, capped_logits
 from .gemma4_config import LayerRope
 from .gemma4_moe import Gemma4MoE, Gemma4Router, moe_slots
 from .llama import Embedding, Linear, RotaryEmbedding
@@ -272,16 +271,7 @@ class Gemma4LM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> fp32 logits [N, vocab_size], soft-capped where the model says."""
-        if self.logits_linear is not None:
-            logits = self.logits_linear(hidden)
-        elif self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        else:
-            logits = F.linear(hidden, self.embed_tokens.weight)
-        cap = self.args.gemma4.final_logit_softcapping
-        if cap is not None:
-            logits = row_ops.rowwise(lambda v: torch.tanh(v / cap) * cap, logits)
-        return logits.float()
+        return capped_logits(self, hidden, self.args.gemma4.final_logit_softcapping).float()
 
 
 def param_slots(model: Gemma4LM, slot: Callable[..., object]) -> dict[str, object]:
