@@ -11,8 +11,8 @@ fp32 checkpoints built here:
   no token picked never read); the window and the partial rope
   proven to matter; a multimodal checkpoint's ``model.language_model.*`` names (towers skipped);
 - the cache: KV-shared layers own no cache tensors, each geometry its own tensors;
-- engine: greedy through chunked prefill, a small cache (preemption) and a prefix-cache hit equals
-  transformers' greedy;
+- engine: greedy through chunked prefill, a small cache (preemption), a prefix-cache hit and
+  speculative drafts equals transformers' greedy (with and without the MoE block);
 - the real launch script on a tiny Gemma 4 chat model: /infer_token and chat equal transformers.
 """
 from __future__ import annotations
@@ -271,3 +271,19 @@ def test_moe_block_reads_only_picked_experts(models) -> None:
     got = _paged_logits(model, ids, [1])
     assert all(len(u) == 2 for u in picked) and torch.equal(got, first)
     assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_speculation_verifies_drafts_over_shared_layers(models) -> None:
+    """A prompt that repeats itself: the speculator (suffix lookup, on by default) drafts, and the
+    verified rows (several query rows per sequence, KV-shared layers reading their source's rows of
+    the same step) keep greedy equal to transformers'."""
+    from mindie.contract.wire import SamplingParams
+    from tests.test_deepseek import hf_greedy
+    from tests.test_engine import make_engine, run
+
+    hf, path = models["e2b"]
+    prompt = [7, 8, 9, 10, 11] * 8
+    eng = make_engine(str(path), num_blocks=32)
+    got = run(eng, {"s": (prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))})["s"][0]
+    assert got == hf_greedy(hf, prompt, 16)
+    assert eng.speculator.draft_tokens > 0 and eng.check_no_leaks()
