@@ -172,7 +172,12 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> None:
-    hf, path = models[case]
+    engine_greedy_equals_transformers(*models[case])
+
+
+def engine_greedy_equals_transformers(hf, path: Path) -> None:
+    """Checks the engine on the model at ``path`` (fp32) against transformers' ``hf``: four prompts
+    through chunked prefill and a small cache (preemption), then a prefix-cache hit, greedy."""
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
     ps = _prompts()
     want = {f"r{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
@@ -230,6 +235,14 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
     save_chat_model(path, CHAT_TEMPLATE, cls_name="Gemma3TextConfig",
                     config=dict(cfg, sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE,
                                 final_logit_softcapping=5.0, num_hidden_layers=4, head_dim=16))
+    tail = served_greedy_equals_transformers(tmp_path, path, "What does a sliding window attend to?")
+    assert "loaded" in tail and "gemma3" in tail
+
+
+def served_greedy_equals_transformers(tmp_path: Path, path: Path, question: str) -> str:
+    """Checks the launch script serving the chat model at ``path``: two prompts (one longer than 16
+    tokens: chunked prefill, then again: a prefix-cache hit) through /infer_token and ``question``
+    through the OpenAI chat route, greedy, equal transformers; returns the server log's tail."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     g = torch.Generator().manual_seed(7)
@@ -243,7 +256,7 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
 
         want = [hf_greedy(hf, p, 12) for p in ps]
         assert [infer(p) for p in ps + [ps[0]]] == want + [want[0]]
-        msgs = [{"role": "user", "content": "What does a sliding window attend to?"}]
+        msgs = [{"role": "user", "content": question}]
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
         ref = hf_greedy(hf, list(ids), 12)
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 12,
@@ -251,7 +264,7 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(ids)
         assert r.json()["choices"][0]["message"]["content"] == tok.decode(ref, skip_special_tokens=True)
-        assert "loaded" in srv.tail(400) and "gemma3" in srv.tail(400)
+        return srv.tail(400)
 
 
 # -- the real Gemma 3 270M GGUF ------------------------------------------------------------------------

@@ -116,6 +116,8 @@ class HostStaging:
         self.k, self.v = k_cache, v_cache
         self.layers = len(k_cache)
         self.block_bytes = k_cache[0][0].numel() * k_cache[0].element_size()
+        # bytes of each frame (layer by layer, K then V): layers may differ (Gemma 4's split cache)
+        self.frame_bytes = [c[0].numel() * c.element_size() for c in k_cache for _ in (0, 1)]
 
     def export(self, block_id: int) -> list[memoryview]:
         out = []
@@ -486,9 +488,11 @@ class KvTransfer:
         bs = self.bm.block_size
         if msg.seq != t.next:
             self._fail_in(t, f"sequence gap: block {msg.seq} arrived, {t.next} expected")
-        elif len(payload) != 2 * self.staging.layers or any(p.nbytes != self.staging.block_bytes for p in payload):
+        elif len(payload) != 2 * self.staging.layers or any(
+                p.nbytes != n for p, n in zip(payload, self.staging.frame_bytes)):
             self._fail_in(t, f"block {msg.seq}: payload of {len(payload)} frames / {msg.nbytes} bytes does not "
-                          f"match this cache's layout ({2 * self.staging.layers} frames of {self.staging.block_bytes})")
+                          f"match this cache's layout ({2 * self.staging.layers} frames of "
+                          f"{sorted(set(self.staging.frame_bytes))} bytes)")
         elif crc_of(payload) != msg.crc:
             self._fail_in(t, f"block {msg.seq}: checksum mismatch (corrupted payload)")
         elif len(msg.token_ids) != bs:

@@ -5,6 +5,8 @@
 - ``npu.py``: torch_npu's fused paged-attention ops (their own cache layout);
 - ``mla.py``: multi-head latent attention over a cache of compressed latents (DeepSeek-V2/V3),
   chosen by the model's ``kv_layout`` ("mla") on every device (``for_layout``);
+- ``split.py``: a cache of several geometries (layers, KV heads, head_dim) over one block table,
+  one object of the backend's class per geometry (Gemma 4's sliding and full layers);
 - ``kv_cache.py``: the cache itself: tensors, sizing (bytes per block, blocks in a budget),
   allocation, and the block-table contract the engine's block manager fills in.
 
@@ -22,6 +24,7 @@ from workers.attention.cpu import CpuPagedAttention
 from workers.attention.mla import MlaPagedAttention
 from workers.attention.npu import NpuPagedAttention
 from workers.attention.paged import PagedAttention
+from workers.attention.split import split_attention
 from workers.kernels import cpu_kernels
 
 
@@ -69,4 +72,4 @@ def for_layout(kind: str) -> type:
 
 
 __all__ = ["Attention", "CpuPagedAttention", "MlaPagedAttention", "NpuPagedAttention", "PagedAttention", "for_device",
-           "for_layout"]
+           "for_layout", "split_attention"]

@@ -28,7 +28,7 @@ import torch
 
 from mindie.contract.spec import WorkerSpec
 
-from workers.attention import for_layout, kv_cache
+from workers.attention import for_layout, kv_cache, split_attention
 from workers.backends import get_backend
 from workers.backends.base import Backend
 from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, Int8Target, quantize_model
@@ -233,7 +233,9 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     kv_shape = (getattr(model, "kv_layers", args.num_hidden_layers), local.num_key_value_heads, args.head_dim)
     attention_cls = backend.attention_class()
     layout = getattr(model, "kv_layout", None)  # a model with its own cache layout (DeepSeek's latent cache)
-    if layout is not None:
+    if layout is not None and layout[0] == "per_kind":  # layers of several geometries (Gemma 4): split.py
+        attention_cls = split_attention(attention_cls, layout[1])
+    elif layout is not None:
         attention_cls, kv_shape = for_layout(layout[0]), layout[1]
     per_token = attention_cls.bytes_per_slot(*kv_shape, dtype)
     if args.deepseek is not None:
@@ -242,6 +244,9 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
         log.info("KV cache: %d bytes per token (MLA latent: %d layers x (kv_lora_rank %d + qk_rope_head_dim %d)); "
                  "full per-head K/V would take %d (%.1fx)", per_token, args.num_hidden_layers,
                  args.deepseek.kv_lora_rank, args.deepseek.qk_rope_head_dim, full, full / per_token)
+    elif layout is not None and layout[0] == "per_kind":
+        log.info("KV cache: %d bytes per token (K and V of %s layers x KV heads x head_dim: one cache geometry "
+                 "each)", per_token, " + ".join("%dx%dx%d" % g for g in layout[1]))
     else:
         log.info("KV cache: %d bytes per token (%d layers x %d KV heads x head_dim %d, K and V)", per_token, *kv_shape)
     runner = ModelRunner(model, kv_shape, dtype,

@@ -59,6 +59,7 @@ class Checkpoint:
     nbytes: int  # the shard files' sizes together
     gguf: bool = False
     skipped_mtp: int = 0  # DeepSeek's multi-token-prediction tensors, not loaded
+    skipped_towers: int = 0  # a multimodal Gemma 4's vision/audio tensors, not loaded
 
     @property
     def tensors(self) -> int:
@@ -95,6 +96,9 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     if args.hybrid is not None:  # Gated DeltaNet layers beside gated full attention (Qwen3-Next, Qwen3.5)
         from .hybrid_names import expected_tensors as hybrid_tensors
         return hybrid_tensors(args)
+    if args.gemma4 is not None:  # per-layer head geometries, KV sharing, per-layer inputs (Gemma 4)
+        from .gemma4_names import expected_tensors as gemma4_tensors
+        return gemma4_tensors(args)
     hid, vocab, inter = args.hidden_size, args.vocab_size, args.intermediate_size
     q, kv = args.q_size, args.kv_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hid), "model.norm.weight": (hid,)}
@@ -194,7 +198,7 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
     seen: dict[str, Path] = {}
     unexpected: list[str] = []
     nbytes = 0
-    mtp = 0
+    mtp = towers = 0
     for file in safetensors_files(path):
         nbytes += os.path.getsize(file)
         entries = files[file] = []
@@ -204,6 +208,11 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
             if args.hybrid is not None:  # a Qwen3.5 checkpoint's model.language_model. (vision, MTP skipped)
                 from .hybrid_names import checkpoint_key
                 if (key := checkpoint_key(key)) is None:
+                    continue
+            if args.gemma4 is not None:  # model.language_model. (towers, shared layers' k/v skipped)
+                from .gemma4_names import TOWERS, checkpoint_key as gemma4_key
+                towers += name.startswith(TOWERS)
+                if (key := gemma4_key(key, args)) is None:
                     continue
             if key not in expected:
                 if name.endswith(IGNORED_SUFFIXES):
@@ -233,4 +242,4 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
         if unexpected:
             parts.append(f"unexpected tensors: {_names(unexpected)}")
         raise ModelLoadError(f"{path}: checkpoint does not match its config.json ({args.arch}): " + "; ".join(parts))
-    return Checkpoint(files, nbytes, skipped_mtp=mtp)
+    return Checkpoint(files, nbytes, skipped_mtp=mtp, skipped_towers=towers)

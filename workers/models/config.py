@@ -21,6 +21,7 @@ from .gpt_oss_config import GptOssArgs, parse_gpt_oss
 from .variant_config import VARIANT_ARCHS, VariantArgs, parse_variant
 from .glm4_moe_config import GLM4_MOE_ARCHS, Glm4MoeArgs, parse_glm4_moe
 from .gemma_config import GEMMA_ARCHS, GemmaArgs, parse_gemma, text_config
+from .gemma4_config import GEMMA4_ARCHS, Gemma4Args, parse_gemma4
 from .hybrid_config import HYBRID_ARCHS, HybridArgs, flatten_text_config, parse_hybrid, rope_config
 
 __all__ = ["ModelArgs", "ModelConfigError", "MoeArgs", "RopeScaling", "SUPPORTED_ARCHS"]
@@ -63,6 +64,11 @@ SUPPORTED_ARCHS: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "gemma3": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    # Gemma 4 (text): workers/models/gemma4.py; a Gemma4ForConditionalGeneration's text part
+    "gemma4_text": "gemma4",
+    "Gemma4ForCausalLM": "gemma4",
+    "gemma4": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
     # Cross-encoders (rerank and score, mindie/api/rerank.py): the dense decoder with a `score` head
     # of num_labels rows in place of the LM head (ModelArgs.num_labels).
     "LlamaForSequenceClassification": "llama",
@@ -158,6 +164,7 @@ class ModelArgs:
     gpt_oss: GptOssArgs | None = None  # GPT-OSS's experts and rope: workers/models/gpt_oss_config.py
     variant: VariantArgs | None = None  # GLM-4 / Phi-3 / SmolLM3 / Granite: workers/models/variant_config.py
     gemma: GemmaArgs | None = None  # Gemma 2/3 (workers/models/gemma_config.py)
+    gemma4: Gemma4Args | None = None  # Gemma 4 text (workers/models/gemma4_config.py)
     glm4_moe: Glm4MoeArgs | None = None  # GLM-4-MoE's routing and rotary (workers/models/glm4_moe_config.py)
     # A sequence-classification checkpoint (architectures *ForSequenceClassification): its `score`
     # head's rows (num_labels) replace the LM head; 0 = a causal LM.
@@ -213,11 +220,11 @@ class ModelArgs:
         cfg = flatten_text_config(cfg)  # a Qwen3.5 checkpoint's text_config
         arch_key = _arch_of(cfg, err)
         arch = MOE_BASE.get(arch_key, arch_key)
-        if arch in GEMMA_ARCHS:
-            cfg = text_config(cfg)  # a Gemma3ForConditionalGeneration: its text part
+        if arch in GEMMA_ARCHS + GEMMA4_ARCHS:
+            cfg = text_config(cfg)  # a Gemma3/4ForConditionalGeneration: its text part
 
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu" and arch not in GEMMA_ARCHS:  # Gemma's GeGLU: parse_gemma checks it
+        if act != "silu" and arch not in GEMMA_ARCHS + GEMMA4_ARCHS:  # Gemma's GeGLU: parse_gemma(4) checks it
             raise err("hidden_act", f"only 'silu' is supported, got {act!r}")
 
         hidden = get_int("hidden_size")
@@ -238,9 +245,10 @@ class ModelArgs:
         if head_dim % 2:
             raise err("head_dim", f"rotary embeddings need an even head_dim, got {head_dim}")
         n_layers = get_int("num_hidden_layers")
-        max_pos = get_int("max_position_embeddings", {"llama": 4096, "gemma2": 8192, "gemma3": 131072}.get(arch))
+        max_pos = get_int("max_position_embeddings", {"llama": 4096, "gemma2": 8192, "gemma3": 131072,
+                                                      "gemma4": 131072}.get(arch))
 
-        variant = variant_windows = gemma = None
+        variant = variant_windows = gemma = gemma4 = None
         rope_cfg = rope_config(cfg) if arch_key in HYBRID_ARCHS else cfg
         if arch in VARIANT_ARCHS.values():  # partial / interleaved rope, LongRoPE, NoPE layers, multipliers
             variant, rope_cfg, variant_windows = parse_variant(cfg, arch, head_dim, n_layers,
@@ -255,6 +263,10 @@ class ModelArgs:
         if arch in GEMMA_ARCHS:  # per-layer-type rope and windows, soft-capping: gemma_config.py
             gemma, rope_theta, rope_scaling, sliding_window, layer_windows = parse_gemma(
                 cfg, arch, n_layers, err, lambda c: _parse_rope(c, err, max_pos))
+        elif arch in GEMMA4_ARCHS:  # per-layer head geometry, rope, KV sharing, PLE: gemma4_config.py
+            gemma4, sliding_window, layer_windows = parse_gemma4(
+                cfg, n_layers, head_dim, n_kv, n_heads, get_int("intermediate_size"), err)
+            rope_theta, rope_scaling = gemma4.ropes["full_attention"].theta, None
         elif own_rope:
             rope_theta, rope_scaling = own_rope.rope_theta, None
         else:
@@ -280,7 +292,7 @@ class ModelArgs:
             qkv_bias = o_bias = get_bool("attention_bias", arch == "gpt_oss")
         mlp_bias = get_bool("mlp_bias", False) if arch in ("llama", "smollm3", "granite") else False
 
-        if gemma is None:
+        if gemma is None and gemma4 is None:
             sliding_window, layer_windows = _parse_sliding_window(cfg, arch_key, n_layers, err)
         if variant_windows is not None:
             layer_windows = variant_windows
@@ -318,7 +330,7 @@ class ModelArgs:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=get_bool("tie_word_embeddings", gemma is not None),  # Gemma: tied by default
+            tie_word_embeddings=get_bool("tie_word_embeddings", gemma is not None or gemma4 is not None),  # Gemma: tied
             attention_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=mlp_bias,
@@ -334,6 +346,7 @@ class ModelArgs:
             gpt_oss=gpt_oss,
             variant=variant,
             gemma=gemma,
+            gemma4=gemma4,
             glm4_moe=glm4_moe,
             num_labels=_num_labels(cfg, err, dense=deepseek is None and moe is None),
             hybrid=hybrid,

@@ -37,7 +37,7 @@ from .lora import LoraHook
 if TYPE_CHECKING:
     from .sharding import TensorParallel
 
-__all__ = ["GemmaLM", "GemmaRMSNorm", "norm_slots", "GGUF_NORM_OFFSET"]
+__all__ = ["GemmaLM", "GemmaRMSNorm", "capped_logits", "norm_slots", "GGUF_NORM_OFFSET"]
 
 # llama.cpp stores Gemma's norm weights as 1 + w (convert_hf_to_gguf.py); the loader subtracts it, as
 # transformers' GGUF loader does (Gemma2TensorProcessor).
@@ -193,17 +193,22 @@ class GemmaLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> fp32 logits [N, vocab_size], soft-capped where the model says."""
-        if self.logits_linear is not None:
-            logits = self.logits_linear(hidden)
-        elif self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        else:
-            logits = F.linear(hidden, self.embed_tokens.weight)
-        cap = self.args.gemma.final_logit_softcapping
-        if cap is not None:  # per vocabulary column: a tensor-parallel rank caps its own slice
-            logits = row_ops.rowwise(lambda v: torch.tanh(v / cap) * cap, logits)
-        logits = logits.float()
+        logits = capped_logits(self, hidden, self.args.gemma.final_logit_softcapping).float()
         return logits if self.tp is None else self.tp.gather_logits(logits)
+
+
+def capped_logits(model: nn.Module, hidden: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The LM head's logits of ``hidden`` (``logits_linear``, ``lm_head`` or the tied embedding) in
+    the model dtype, soft-capped ``tanh(v / cap) * cap`` when ``cap`` is set, as transformers."""
+    if model.logits_linear is not None:
+        logits = model.logits_linear(hidden)
+    elif model.lm_head is not None:
+        logits = model.lm_head(hidden)
+    else:
+        logits = F.linear(hidden, model.embed_tokens.weight)
+    if cap is not None:  # per vocabulary column: a tensor-parallel rank caps its own slice
+        logits = row_ops.rowwise(lambda v: torch.tanh(v / cap) * cap, logits)
+    return logits
 
 
 def norm_slots(model: GemmaLM, slot: Callable[..., object]) -> dict[str, object]:

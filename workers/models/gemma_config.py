@@ -42,12 +42,12 @@ class GemmaArgs:
 
 
 def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A Gemma3ForConditionalGeneration config's text part (``text_config``, model_type
-    gemma3_text), its ids from the outer config where the text part has none; else ``cfg``."""
-    if cfg.get("model_type") != "gemma3" or not isinstance(cfg.get("text_config"), dict):
+    """A Gemma3/Gemma4ForConditionalGeneration config's text part (``text_config``, model_type
+    gemma3_text / gemma4_text), its ids from the outer config where the text part has none; else ``cfg``."""
+    if cfg.get("model_type") not in ("gemma3", "gemma4") or not isinstance(cfg.get("text_config"), dict):
         return cfg
     text = dict(cfg["text_config"])
-    text.setdefault("model_type", "gemma3_text")
+    text.setdefault("model_type", f"{cfg['model_type']}_text")
     for key in ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
         if key in cfg and key not in text:
             text[key] = cfg[key]

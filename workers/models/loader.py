@@ -20,7 +20,7 @@ from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safe
 from .config import ModelArgs, ModelConfigError
 from .gguf_file import GgufError, open_gguf
 from .gguf_loader import GgufTarget, Int8Target, load_gguf
-from . import deepseek, gemma, glm4_moe, gpt_oss, qwen3_next, variant
+from . import deepseek, gemma, gemma4, glm4_moe, gpt_oss, qwen3_next, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
@@ -58,6 +58,8 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
         return deepseek.param_slots(model, Slot, shard)
     if a.hybrid is not None:  # Gated DeltaNet and gated attention layers: workers/models/qwen3_next.py
         return qwen3_next.param_slots(model, Slot)
+    if a.gemma4 is not None:  # per-layer geometries, KV sharing, per-layer inputs: workers/models/gemma4.py
+        return gemma4.param_slots(model, Slot)
     d, hid = a.head_dim, a.hidden_size
     slots: dict[str, Slot] = {}
 
@@ -186,6 +188,7 @@ def load_model(
                  else variant.VariantLM if args.variant is not None
                  else glm4_moe.Glm4MoeLM if args.glm4_moe is not None
                  else gemma.GemmaLM if args.gemma is not None
+                 else gemma4.Gemma4LM if args.gemma4 is not None
                  else qwen3_next.HybridLM if args.hybrid is not None
                  else DecoderLM)
     with torch.device(device):
@@ -196,6 +199,8 @@ def load_model(
         log.info("multi-token-prediction head (num_nextn_predict_layers %d): %d tensors not loaded (not served)",
                  (args.deepseek or args.glm4_moe).num_nextn_predict_layers  # type: ignore[union-attr]
                  if args.deepseek or args.glm4_moe else 0, checkpoint.skipped_mtp)
+    if checkpoint.skipped_towers:
+        log.info("%d tensors of the vision/audio towers not loaded (text only)", checkpoint.skipped_towers)
     shard = tp.shard if tp is not None else None
     if shard is not None:
         with torch.no_grad():  # the vocabulary padding rows of the last rank
