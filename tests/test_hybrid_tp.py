@@ -10,7 +10,8 @@ sharding.py) on tiny random fp32 transformers checkpoints (tests/tiny_hf.py), ov
   what transformers does and, greedy and seeded sampling, what one process does: chunked prompts
   beside decodes; one KV head replicated (Qwen3.5 dense); experts split (MoE); the state pool of
   each rank half of one process's (the load log).
-- The real launch script with worldSize 2: /infer_token and the OpenAI chat route equal transformers.
+- The real launch script with worldSize 2: concurrent /infer_token requests and the OpenAI chat
+  route equal transformers.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +155,10 @@ def test_two_ranks_generate_what_transformers_and_one_process_do(models, case: s
 @pytest.mark.timeout(600)
 def test_server_of_a_two_rank_instance_equals_transformers(tmp_path: Path) -> None:
     """The real launch script: a Qwen3.5 instance of two ranks (npuDeviceIds [[0, 1]], worldSize 2)
-    answers /infer_token and the OpenAI chat route as transformers does."""
+    answers concurrent /infer_token requests (prompts beside decodes, each in its own state slot on
+    both ranks) and the OpenAI chat route (its client package) as transformers does."""
+    import openai
+
     path = save_chat_model(tmp_path / "chat-qwen3_5", QWEN3_CHAT_TEMPLATE, cls_name="Qwen3_5TextConfig",
                            config=dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
                                        linear_key_head_dim=16, linear_value_head_dim=16))
@@ -161,29 +166,30 @@ def test_server_of_a_two_rank_instance_equals_transformers(tmp_path: Path) -> No
     tok = transformers.AutoTokenizer.from_pretrained(path)
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=str(path),
-                       model={"modelName": "hybrid", "worldSize": 2},
+                       model={"modelName": "hybrid", "worldSize": 2}, backend={"npuDeviceIds": [[0, 1]]},
                        schedule={"maxBatchSize": 4, "maxPrefillBatchSize": 4})
-    data = json.loads(cfg.read_text())
-    data["BackendConfig"]["npuDeviceIds"] = [[0, 1]]
-    cfg.write_text(json.dumps(data, indent=2))
     srv = Server(cfg, port)
+    n = 10
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 90)), list(range(200, 230)), [7] * 12]
+
+    def infer(ids: list[int]) -> list[int]:
+        r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "stream": False, "parameters": {
+            "max_new_tokens": n, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["details"]["generated_token_ids"]
+
     try:
         srv.wait_ready(180)
-        n = 10
-        for ids in ([5, 6, 7, 8, 9], list(range(20, 90))):
-            r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "stream": False, "parameters": {
-                "max_new_tokens": n, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=300)
-            assert r.status_code == 200, r.text
-            assert r.json()["details"]["generated_token_ids"] == hf_greedy(hf, ids, n), ids
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(infer, prompts))
+        assert got == [hf_greedy(hf, p, n) for p in prompts]
         messages = [{"role": "user", "content": "How are the heads of a Gated DeltaNet layer split?"}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         want = hf_greedy(hf, list(ids), n)
-        r = httpx.post(srv.url + "/v1/chat/completions", json={
-            "model": "hybrid", "messages": messages, "max_tokens": n, "temperature": 0}, timeout=300)
-        assert r.status_code == 200, r.text
-        if tok.eos_token_id in want:
-            want = want[:want.index(tok.eos_token_id)]
-        assert r.json()["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
+        want = want[:want.index(tok.eos_token_id)] if tok.eos_token_id in want else want
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        answer = client.chat.completions.create(model="hybrid", messages=messages, max_tokens=n, temperature=0)
+        assert answer.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
         log = srv.tail(600)
         # per rank: 3 linear layers x (conv (2*16+32) x 3 x 4 + recurrent 2 x 16 x 16 x 4)
         per_rank = 3 * ((2 * 16 + 32) * 3 * 4 + 2 * 16 * 16 * 4)
