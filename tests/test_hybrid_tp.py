@@ -8,8 +8,9 @@ sharding.py) on tiny random fp32 transformers checkpoints (tests/tiny_hf.py), ov
   checkpoint.
 - A 2-rank instance (tests/tp_instance.py: one process per rank, the real engine) generates greedy
   what transformers does and, greedy and seeded sampling, what one process does: chunked prompts
-  beside decodes; one KV head replicated (Qwen3.5 dense); experts split (MoE); the state pool of
-  each rank half of one process's (the load log).
+  beside decodes; one KV head replicated (Qwen3.5 dense); experts split (Qwen3.5-MoE,
+  moeParallel "tp") or whole per rank (Qwen3-Next, "ep"); the state pool of each rank half of one
+  process's (the load log).
 - The real launch script with worldSize 2: concurrent /infer_token requests and the OpenAI chat
   route equal transformers.
 """
@@ -117,11 +118,12 @@ def test_each_rank_loads_its_heads(models, case: str) -> None:
             assert args.num_key_value_heads >= 2 or torch.equal(kv[1], fa.k_proj.weight)  # replicated
 
 
-def _run(path: Path, world: int, tmp: Path, requests: list[dict]) -> dict:
+def _run(path: Path, world: int, tmp: Path, requests: list[dict], moe_mode: str = "tp") -> dict:
+    """tests/tp_instance.py's result and its log; ``moe_mode``: moeParallel."""
     out = tmp / f"out-{world}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), str(world), str(out),
                            "--requests", json.dumps(requests)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=dict(os.environ))
+                          env={**os.environ, "TP_TEST_MOE_PARALLEL": moe_mode})
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     result["log"] = proc.stderr
@@ -139,7 +141,9 @@ def test_two_ranks_generate_what_transformers_and_one_process_do(models, case: s
     reqs += [{"id": f"s{i}", "prompt": p, "params": {"max_new_tokens": n, "ignore_eos": True, "do_sample": True,
                                                     "temperature": 0.9, "top_k": 40, "seed": 11 + i}}
              for i, p in enumerate(prompts)]
-    one, two = _run(path, 1, tmp_path, reqs), _run(path, 2, tmp_path, reqs)
+    # Qwen3-Next's experts whole on each rank (moeParallel "ep"), Qwen3.5-MoE's split ("tp")
+    mode = "ep" if case == "qwen3_next" else "tp"
+    one, two = _run(path, 1, tmp_path, reqs), _run(path, 2, tmp_path, reqs, mode)
     assert [two["tokens"][f"g{i}"] for i in range(len(prompts))] == [hf_greedy(hf, p, n) for p in prompts]
     assert two["tokens"] == one["tokens"]
     assert any(one["tokens"][f"g{i}"] != one["tokens"][f"s{i}"] for i in range(len(prompts)))
@@ -150,6 +154,8 @@ def test_two_ranks_generate_what_transformers_and_one_process_do(models, case: s
                          rf"{2 * r}\.\.{2 * r + 1}, .*state pool {full // 2} bytes per sequence per rank",
                          two["log"]), two["log"][-3000:]
         assert f"[rank {r}] workers.engine: state pool: 16 slots (maxBatchSize) x {full // 2} bytes" in two["log"]
+    if case == "qwen3_next":
+        assert "rank 1 holds experts 2..3" in two["log"], two["log"][-3000:]
 
 
 @pytest.mark.timeout(600)
