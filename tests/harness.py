@@ -41,10 +41,12 @@ def free_ports(n: int) -> list[int]:
 
 def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model_path: str | None = None,
                  schedule: dict | None = None, deploy: dict | None = None, server: dict | None = None,
-                 model: dict | None = None, more_models: list[dict] | None = None) -> Path:
+                 model: dict | None = None, more_models: list[dict] | None = None,
+                 backend: dict | None = None) -> Path:
     """``model_path`` None: the random demo model (its directory, as a test names it); "": no
     modelWeightPath, the default model. ``more_models``: further ModelConfig entries (several
-    models in one server), each on top of the first entry's weights, dtype and KV budget."""
+    models in one server), each on top of the first entry's weights, dtype and KV budget.
+    ``backend``: BackendConfig keys over the defaults (``npuDeviceIds`` [[0, 1]]: a 2-rank instance)."""
     if model_path is None:
         from workers.models.demo import ensure_demo_model
         model_path = str(ensure_demo_model())
@@ -65,6 +67,7 @@ def write_config(path: Path, *, port: int, run_dir: str, workers: int = 2, model
             },
             "ScheduleConfig": {"cacheBlockSize": 16, "maxBatchSize": 64, "maxPrefillBatchSize": 32,
                                "maxPrefillTokens": 4096, "maxIterTimes": 512, **(schedule or {})},
+            **(backend or {}),
         },
     }
     path.write_text(json.dumps(cfg, indent=2))

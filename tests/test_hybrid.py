@@ -9,7 +9,7 @@ transformers checkpoints (tests/tiny_hf.py).
 - Logits equal transformers' over prompt chunks and decodes, two sequences in one flat batch.
 - The engine: greedy tokens equal transformers' generate alone and batched, with chunked prefill
   and preemption (a small KV cache), state slots all returned; no prefix-cache reuse, no
-  speculation; tensor parallelism refused naming the key.
+  speculation. Tensor parallelism: tests/test_hybrid_tp.py.
 - Batch-invariant mode's form (every token one recurrent step, the convolution tap by tap) equals
   transformers too (its bits alone and in mixes: tests/test_batch_invariance.py).
 - The real launch script: /infer_token and the OpenAI chat route equal transformers; the load log
@@ -35,7 +35,6 @@ from workers.attention.state_cache import StateCache
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.gated_deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from workers.models.loader import load_model
-from workers.models.sharding import plan_shard
 
 transformers = pytest.importorskip("transformers")
 
@@ -308,12 +307,6 @@ def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> 
     again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # same prompt: recomputed, never resumed from a cache
     assert again == want["r1"] and eng.blocks.prefix_hits == 0
     assert eng.check_no_leaks() and sorted(eng.blocks.free_states) == [0, 1, 2]
-
-
-def test_tensor_parallelism_is_refused_naming_the_family(models) -> None:
-    args = ModelArgs.from_dir(models["qwen3_5"][1])
-    with pytest.raises(ModelConfigError, match="worldSize.*hybrid linear-attention.*qwen3_5"):
-        plan_shard(args, 0, 2)
 
 
 # ----------------------------------------------------------------------------------- the server

@@ -65,14 +65,14 @@ class ModelRunner:
         self.attn = kv_cache.allocate(self.attention_cls, self.kv_shape, self.kv_dtype, num_blocks, block_size,
                                       self.device)
         if self.state_slots:
-            hy = self.model.args.hybrid
+            hy = self.model.local_args.hybrid  # a TP rank's pool holds its own heads' states
             self.states = StateCache(len(hy.linear_layers), self.state_slots, hy.conv_dim, hy.conv_kernel - 1,
                                      hy.num_v_heads, hy.head_k_dim, hy.head_v_dim, self.kv_dtype, self.device)
             self.model.states = self.states
 
     def state_bytes_per_seq(self) -> tuple[int, int]:
         """(conv, recurrent) state bytes of one sequence (0, 0 for a model without a state pool)."""
-        hy = getattr(self.model.args, "hybrid", None)
+        hy = getattr(getattr(self.model, "local_args", self.model.args), "hybrid", None)  # a TP rank's heads
         return hy.state_bytes(torch.empty((), dtype=self.kv_dtype).element_size()) if hy is not None else (0, 0)
 
     @staticmethod

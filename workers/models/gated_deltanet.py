@@ -138,10 +138,13 @@ class GatedDeltaNet(nn.Module):
     """One linear-attention layer (module docstring). ``forward(x [T, H], states)``: ``states`` is
     the step's state pool view (workers/attention/state_cache.py ``StateCache`` after ``prepare``)."""
 
-    def __init__(self, hy: HybridArgs, hidden: int, eps: float, layer: int, dtype: torch.dtype | None) -> None:
-        """``layer``: this layer's index among the linear layers (its row of the state pool)."""
+    def __init__(self, hy: HybridArgs, hidden: int, eps: float, layer: int, dtype: torch.dtype | None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``layer``: this layer's index among the linear layers (its row of the state pool);
+        ``hy``: this rank's heads and ``reduce`` the all-reduce of the row-parallel out_proj under
+        tensor parallelism (workers/models/qwen3_next.py)."""
         super().__init__()
-        self.hy, self.layer = hy, layer
+        self.hy, self.layer, self.reduce = hy, layer, reduce
         if hy.layout == "qkvz":
             self.in_proj_qkvz = Linear(hidden, hy.conv_dim + hy.value_dim, bias=False, dtype=dtype)
             self.in_proj_ba = Linear(hidden, 2 * hy.num_v_heads, bias=False, dtype=dtype)
@@ -196,7 +199,8 @@ class GatedDeltaNet(nn.Module):
             out[row0:row0 + n] = o
             rec_state[slot] = s
         o = self.norm(out.reshape(-1, hy.head_v_dim), z.reshape(-1, hy.head_v_dim))
-        return self.out_proj(o.reshape(t, hy.value_dim))
+        o = self.out_proj(o.reshape(t, hy.value_dim))
+        return o if self.reduce is None else self.reduce(o)
 
     def _recurrent(self, out: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -24,7 +24,7 @@ from . import deepseek, gemma, gemma4, glm4_moe, gpt_oss, qwen3_next, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
-from .sharding import Shard, TensorParallel
+from .sharding import WORLD_SIZE_KEY, Shard, TensorParallel
 
 __all__ = ["load_model", "ModelConfigError", "ModelLoadError", "parameter_bytes", "safetensors_files"]
 
@@ -57,7 +57,7 @@ def _param_slots(model: DecoderLM, shard: Shard | None = None) -> dict[str, Slot
     if a.deepseek is not None:  # MLA and DeepSeek's experts: workers/models/deepseek.py
         return deepseek.param_slots(model, Slot, shard)
     if a.hybrid is not None:  # Gated DeltaNet and gated attention layers: workers/models/qwen3_next.py
-        return qwen3_next.param_slots(model, Slot)
+        return qwen3_next.param_slots(model, Slot, shard)
     if a.gemma4 is not None:  # per-layer geometries, KV sharing, per-layer inputs: workers/models/gemma4.py
         return gemma4.param_slots(model, Slot)
     d, hid = a.head_dim, a.hidden_size
@@ -211,6 +211,9 @@ def load_model(
     slots = _param_slots(model, shard)
     if slots.keys() != expected.keys():  # the model and checkpoint.py disagree: a bug, not a checkpoint's fault
         raise RuntimeError(f"loader and checkpoint.expected_tensors disagree on {sorted(slots.keys() ^ expected.keys())}")
+    if checkpoint.gguf and any(isinstance(s, list) for s in slots.values()):
+        raise ModelConfigError(f"{WORLD_SIZE_KEY}: tensor parallelism of a hybrid model is not supported from a "
+                               "GGUF file; use worldSize 1 or its safetensors checkpoint")
     if checkpoint.gguf:
         (file, entries), = checkpoint.files.items()
         try:
@@ -223,15 +226,16 @@ def load_model(
         nbytes = 0
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name, key in entries:
-                slot = slots[key]
-                with torch.no_grad():
-                    if slot.zero:
-                        slot.param[slot.start:slot.start + slot.rows].zero_()
-                    elif slot.rows:
-                        tensor = _read(f, name, slot)
-                        # casts to the model dtype and device
-                        slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
-                        nbytes += tensor.numel() * tensor.element_size()
+                # a list: several row ranges of one tensor (a hybrid model's [q | k | v] heads of a TP rank)
+                for slot in slots[key] if isinstance(slots[key], list) else (slots[key],):
+                    with torch.no_grad():
+                        if slot.zero:
+                            slot.param[slot.start:slot.start + slot.rows].zero_()
+                        elif slot.rows:
+                            tensor = _read(f, name, slot)
+                            # casts to the model dtype and device
+                            slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
+                            nbytes += tensor.numel() * tensor.element_size()
         log.info(
             "loaded shard %d/%d %s (%.1f MiB) in %.2fs", n, len(checkpoint.files), file.name, nbytes / 2**20,
             time.monotonic() - t_shard,

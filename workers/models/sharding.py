@@ -14,6 +14,10 @@ the weights and does 1/world of the matmul work:
 - KV heads are split when there are at least as many as ranks, otherwise replicated: each rank
   keeps the one KV head its query heads use;
 - norms (and Qwen3's q/k norms) are replicated;
+- a hybrid model's (Qwen3-Next, Qwen3.5: workers/models/qwen3_next.py) Gated DeltaNet layers split
+  by key head, each rank with its value heads: their projections and the convolution's [q | k | v]
+  channels column-parallel, the per-head A_log / dt_bias with them, out_proj row-parallel; the
+  state pool of each rank holds its heads' states only;
 - a mixture of experts' sparse layers (workers/models/moe.py) split by ``moeParallel``: "tp" (the
   default) column/row-splits every expert like the dense MLP, "ep" gives each rank
   ``num_experts / world`` whole experts; the shared expert is split like the dense MLP either way,
@@ -69,9 +73,13 @@ class Shard:
 
     def local_args(self, args: ModelArgs) -> ModelArgs:
         """The shapes this rank builds its modules with (norm sizes and everything else unchanged)."""
+        hy = args.hybrid
+        if hy is not None:  # a hybrid model's linear heads: 1/world of the key heads, each with its value heads
+            hy = dataclasses.replace(hy, num_k_heads=hy.num_k_heads // self.world,
+                                     num_v_heads=hy.num_v_heads // self.world)
         return dataclasses.replace(args, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
                                    intermediate_size=self.inter, vocab_size=self.vocab,
-                                   layer_windows=args.layer_windows)
+                                   layer_windows=args.layer_windows, hybrid=hy)
 
 
 def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> Shard:
@@ -80,10 +88,12 @@ def plan_shard(args: ModelArgs, rank: int, world: int, moe_mode: str = "tp") -> 
     moeParallel when its experts cannot (``moe_mode`` "tp" or "ep": see the module docstring)."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a world of {world}")
-    if args.hybrid is not None and world > 1:
-        raise ModelConfigError(f"{WORLD_SIZE_KEY}: tensor parallelism is not supported for hybrid linear-attention "
-                               f"models ({args.model_type or args.arch}: Qwen3-Next / Qwen3.5 Gated DeltaNet layers); "
-                               "serve it on one device")
+    if args.hybrid is not None and args.hybrid.num_k_heads % world:
+        # Gated DeltaNet layers split by key head, each with its value heads (workers/models/qwen3_next.py)
+        hy = args.hybrid
+        raise ModelConfigError(f"{WORLD_SIZE_KEY}: {world} ranks cannot split the Gated DeltaNet layers: "
+                               f"linear_num_key_heads {hy.num_k_heads} (linear_num_value_heads {hy.num_v_heads}) "
+                               f"is not a multiple of {world}; use a world size that divides linear_num_key_heads")
     h, kv, inter = args.num_attention_heads, args.num_key_value_heads, args.intermediate_size
 
     def refuse(what: str) -> ModelConfigError:
