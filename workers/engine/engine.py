@@ -374,8 +374,7 @@ class Engine:
             return None
         self.steps += 1
         if self.blocks.free_states is not None:  # a hybrid model: restores and checkpoints of the step
-            batch.state_plans = [self.blocks.plan_states(s, n) if not (batch.drafts and batch.drafts[i]) else
-                                 (self.blocks.plan_states(s, 0)[0], [])
+            batch.state_plans = [self.blocks.plan_states(s, 0 if batch.drafts and batch.drafts[i] else n)
                                  for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))]
         # Constrained rows sampled this step: their masks computed on the mask thread beside the step.
         drafts = batch.drafts
