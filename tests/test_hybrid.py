@@ -8,17 +8,20 @@ transformers checkpoints (tests/tiny_hf.py).
 - The delta rule's chunked form equals its recurrent form, a state carried across a split.
 - Logits equal transformers' over prompt chunks and decodes, two sequences in one flat batch.
 - The engine: greedy tokens equal transformers' generate alone and batched, with chunked prefill
-  and preemption (a small KV cache), state slots all returned; no prefix-cache reuse, no
-  speculation. Tensor parallelism: tests/test_hybrid_tp.py.
+  and preemption (a small KV cache), state slots all returned; prefix hits resuming from the states
+  kept at block boundaries (saved inside prompt chunks, both forms), speculative decoding with its
+  verify states rolled back to the last accepted token, all at once with preemption. Tensor parallelism: tests/test_hybrid_tp.py.
 - Batch-invariant mode's form (every token one recurrent step, the convolution tap by tap) equals
   transformers too (its bits alone and in mixes: tests/test_batch_invariance.py).
-- The real launch script: /infer_token and the OpenAI chat route equal transformers; the load log
-  gives the bytes per sequence of the state pool and per token of the KV cache.
+- The real launch script: /infer_token and the OpenAI chat route equal transformers, with a prefix
+  hit and speculation (/metrics counts both); the load log gives the bytes per sequence of the
+  state pool (slots, checkpoints, verify rows) and per token of the KV cache.
 """
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from mindie.contract.wire import SamplingParams
 from tests.harness import demo_server
+from tests.served import metric
 from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, save_chat_model, save_random_model
 from workers.attention.paged import PagedAttention
 from workers.attention.state_cache import StateCache
@@ -295,17 +299,139 @@ def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> 
     greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
     ps = _prompts()
     want = {f"r{i}": hf_greedy(hf, p, 8) for i, p in enumerate(ps)}
-    eng = make_engine(str(path))  # the CPU backend: decodes through the C recurrent step where it builds
+    # the CPU backend: decodes through the C recurrent step where it builds; no prefix cache, no
+    # speculation (the pool then has no checkpoint nor scratch rows)
+    eng = make_engine(str(path), enable_prefix_cache=False, spec_method="")
     assert not eng.speculator.enabled and not eng.blocks.enable_prefix_cache
+    assert eng.runner.states.rows == eng.runner.states.slots
     assert {f"r{i}": run(eng, {f"r{i}": (p, greedy)})[f"r{i}"][0] for i, p in enumerate(ps)} == want
     # 8 blocks of 16 for ~200 tokens of work: preemption; prompts cut into chunks of 24.
-    eng = make_engine(str(path), num_blocks=8, max_prefill_tokens=24, max_batch_size=3)
+    eng = make_engine(str(path), num_blocks=8, max_prefill_tokens=24, max_batch_size=3, enable_prefix_cache=False,
+                      spec_method="")
     assert eng.runner.states.slots == 3
     res = run(eng, {f"r{i}": (p, greedy) for i, p in enumerate(ps)})
     assert {k: v[0] for k, v in res.items()} == want
     assert eng.scheduler.num_preemptions > 0
     again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # same prompt: recomputed, never resumed from a cache
     assert again == want["r1"] and eng.blocks.prefix_hits == 0
+    assert eng.check_no_leaks() and sorted(eng.blocks.free_states) == [0, 1, 2]
+
+
+def hf_logprobs(hf: Any, prompt: list[int], out: list[int]) -> list[float]:
+    """transformers' log-probability of each token of ``out`` after ``prompt`` (one forward)."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out)[:, None])[:, 0].tolist()
+
+
+def run_logged(eng, reqs: dict[str, tuple[list[int], SamplingParams]]) -> tuple[dict, dict, list[tuple[int, int]]]:
+    """``run`` also collecting each request's log-probabilities and the steps' (proposed, accepted)."""
+    from mindie.contract.wire import Submit
+    for rid, (ids, params) in reqs.items():
+        eng.add(Submit(rid, "fe", ids, params, 5))
+    toks: dict[str, list[int]] = {rid: [] for rid in reqs}
+    lps: dict[str, list[float]] = {rid: [] for rid in reqs}
+    spec: list[tuple[int, int]] = []
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.seq.request_id] += o.token_ids
+            lps[o.seq.request_id] += o.logprobs
+            if o.spec_draft:
+                spec.append((o.spec_draft, o.spec_accepted))
+    return toks, lps, spec
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["chunked-form", "batch-invariant"])
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5"])
+def test_prefix_hits_resume_saved_states(models, case: str, invariant: bool) -> None:
+    """Prefix caching: the linear layers' state kept at the prompt's last full block and at every
+    ``state_every``-th block (here every 2nd: 32 tokens), saved inside prompt chunks of 24 that
+    cross those boundaries; a repeat of the prompt and a prompt sharing its first 40 tokens resume
+    from the saved states (4 and 2 cached blocks) and answer as transformers does, tokens equal
+    and log-probabilities within 1e-4; a checkpoint is dropped with its evicted block."""
+    import msgspec
+
+    from workers import settings
+    hf, path = models[case]
+    g = torch.Generator().manual_seed(11)
+    p = torch.randint(3, VOCAB, (80,), generator=g).tolist()
+    q = p[:40] + torch.randint(3, VOCAB, (30,), generator=g).tolist()
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0)
+    want = {k: hf_greedy(hf, x, 6) for k, x in (("p", p), ("q", q))}
+    before = settings.engine()
+    settings.apply(msgspec.structs.replace(before, batch_invariant=invariant))
+    try:
+        eng = make_engine(str(path), num_blocks=24, max_prefill_tokens=24, max_batch_size=4, spec_method="")
+        eng.blocks.state_every = 2
+        assert eng.runner.states.checkpoints == 4 and eng.blocks.enable_prefix_cache
+        for rid, prompt, hits in (("p", p, 0), ("p", p, 4), ("q", q, 2)):
+            before_hits = eng.blocks.prefix_hits
+            toks, lps, _ = run_logged(eng, {rid: (prompt, greedy)})
+            assert toks[rid] == want[rid], (rid, hits)
+            assert max(abs(a - b) for a, b in zip(lps[rid], hf_logprobs(hf, prompt, want[rid]))) <= 1e-4
+            assert eng.blocks.prefix_hits - before_hits == hits
+        # p's checkpoints: after blocks 2 and 4 (32, 64 tokens); q's after its block 4 (64 of 70)
+        kept = sorted(i for i, b in enumerate(eng.blocks.blocks) if b.state_row >= 0)
+        assert len(kept) == 3 and eng.check_no_leaks()
+        # other prompts' fresh blocks evict p's and q's, their checkpoints freed or taken with them
+        filler = torch.randint(3, VOCAB, (200,), generator=g).tolist()
+        run_logged(eng, {"f": (filler, SamplingParams(max_new_tokens=1)), "f2": (filler[1:], SamplingParams(max_new_tokens=1))})
+        from workers.engine.sequence import Sequence
+        assert not eng.blocks.match_prefix(Sequence(request_id="x", frontend_id="fe", prompt_len=80, tokens=list(p), params=greedy, max_new_tokens=6))
+        assert eng.check_no_leaks()
+    finally:
+        settings.apply(before)
+
+
+def oracle_proposals(eng, want: dict[str, list[int]]) -> None:
+    """The engine's proposer replaced by one that knows the answers: 3 tokens a step, all right,
+    the last one wrong, or the first one wrong, by turns (every kind of verify outcome, each often)."""
+    turn = iter(range(1 << 30))
+
+    def propose(seq, room: int) -> list[int]:
+        done, t = seq.num_output, next(turn) % 3
+        draft = list(want[seq.request_id][done:done + min(3, room)])
+        if draft and t:
+            j = len(draft) - 1 if t == 1 else 0
+            draft[j] = (draft[j] + 1) % VOCAB
+        return draft
+    eng.speculator.propose = propose
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5"])
+def test_speculation_with_prefix_hits_chunks_and_preemption(models, case: str) -> None:
+    """Speculative decoding on a hybrid model: the verify rows run the recurrent step token by
+    token keeping the state after each, and the state after the last accepted token is the one kept
+    (proposals accepted whole, rejected part-way and at once); with prefix hits, prompts in chunks
+    of 24 and preemption (6 blocks of 16) at once, every answer equals transformers' (tokens, and
+    log-probabilities within 1e-4 alone). Memory decoding's own proposals (a prompt again) verify
+    too, here and through the launch script below."""
+    hf, path = models[case]
+    g = torch.Generator().manual_seed(7)
+    motif = torch.randint(3, VOCAB, (6,), generator=g).tolist()
+    ps = [motif * 8 + torch.randint(3, VOCAB, (n,), generator=g).tolist() + motif * 2 for n in (3, 20, 9)]
+    ps.append(ps[0])  # a prefix hit once the first has finished or been preempted
+    n = 12
+    want = {f"r{i}": hf_greedy(hf, x, n) for i, x in enumerate(ps)}
+    greedy = SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=0)
+    eng = make_engine(str(path), spec_method="memory_decoding", spec_tokens=4)
+    assert eng.speculator.enabled and eng.runner.states.scratch == 8 * 4  # speculationMaxBatch x gamma
+    assert run_logged(eng, {"r0": (ps[0], greedy)})[0]["r0"] == want["r0"]
+    # the same prompt again: a prefix hit, and memory decoding proposes the first answer's tokens
+    toks, _, spec = run_logged(eng, {"r3": (ps[3], greedy)})
+    assert toks["r3"] == want["r3"] and eng.blocks.prefix_hits > 0 and any(a > 0 for _, a in spec), spec
+    oracle_proposals(eng, want)
+    toks, lps, spec = run_logged(eng, {"r1": (ps[1], greedy)})
+    assert toks["r1"] == want["r1"]
+    assert max(abs(a - b) for a, b in zip(lps["r1"], hf_logprobs(hf, ps[1], want["r1"]))) <= 1e-4
+    assert {d == a for d, a in spec} == {True, False} and any(0 < a < d for d, a in spec) and any(
+        a == 0 for _, a in spec), spec
+    eng = make_engine(str(path), num_blocks=6, max_prefill_tokens=24, max_batch_size=3, spec_method="suffix",
+                      spec_tokens=4)
+    oracle_proposals(eng, want)
+    toks, _, spec = run_logged(eng, {f"r{i}": (x, greedy) for i, x in enumerate(ps)})
+    assert toks == want
+    assert eng.scheduler.num_preemptions > 0 and eng.blocks.prefix_hits > 0 and any(0 < a < d for d, a in spec)
     assert eng.check_no_leaks() and sorted(eng.blocks.free_states) == [0, 1, 2]
 
 
@@ -319,14 +445,23 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     (tmp_path / "srv").mkdir()
-    with demo_server(tmp_path / "srv", str(path), model={"modelName": "hybrid"},
+    with demo_server(tmp_path / "srv", str(path), model={"modelName": "hybrid", "plugin_params":
+                     '{"plugin_type":"memory_decoding","decoding_length":8}'},
                      schedule={"maxBatchSize": 4, "maxPrefillBatchSize": 4}) as srv:
         n = 10
-        for ids in ([5, 6, 7, 8, 9], list(range(20, 90))):
+        # the 70-token prompt twice: the second resumes from the state kept after its 4th block of 16
+        # (a prefix hit) and speculates (memory decoding proposes the first answer's tokens)
+        for ids in ([5, 6, 7, 8, 9], list(range(20, 90)), list(range(20, 90))):
             r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "stream": False, "parameters": {
                 "max_new_tokens": n, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=300)
             assert r.status_code == 200, r.text
             assert r.json()["details"]["generated_token_ids"] == hf_greedy(hf, ids, n), ids
+        deadline = time.monotonic() + 15  # the figures come with the worker's heartbeats
+        while time.monotonic() < deadline and not (metric(srv.url, "npu_prefix_cache_hit_rate") > 0 and metric(
+                srv.url, "vllm:spec_decode_num_drafts_total") > 0):
+            time.sleep(0.5)
+        assert metric(srv.url, "npu_prefix_cache_hit_rate") > 0
+        assert metric(srv.url, "vllm:spec_decode_num_accepted_tokens_total") > 0
         messages = [{"role": "user", "content": "What does a Gated DeltaNet layer keep?"}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         want = hf_greedy(hf, list(ids), n)
@@ -339,6 +474,9 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
         log = srv.tail(400)
         # 3 linear layers x (conv (2*32+64) x 3 + recurrent 4 x 16 x 16 x 4); 1 full layer x K and V x 1 x 32 x 4
         per_seq = 3 * ((2 * 32 + 64) * 3 * 4 + 4 * 16 * 16 * 4)
-        assert re.search(rf"state pool: 4 slots \(maxBatchSize\) x {per_seq} bytes per sequence", log), log[-3000:]
+        # + 4 prefix-cache checkpoints (one a slot) + 4 x 8 verify rows (min(speculationMaxBatch 8, 4) x 8 tokens)
+        assert re.search(rf"state pool: 4 slots \(maxBatchSize\) x {per_seq} bytes per sequence .*, \+ 4 prefix-cache "
+                         rf"checkpoints \+ 32 speculative verify rows of the same size = {40 * per_seq / 2**20:.2f} MiB",
+                         log), log[-3000:]
         assert "KV cache 256 bytes per token (1 full-attention layers)" in log, log[-3000:]
-        assert "speculative decoding: off (speculative decoding is not supported for hybrid" in log, log[-3000:]
+        assert "speculative decoding: memory_decoding" in log, log[-3000:]

@@ -111,16 +111,18 @@ def state_pool_budget(runner: ModelRunner, budget: int, block_bytes: int) -> int
     sequence, maxBatchSize slots) is taken out; logs both costs per sequence. ValueError when the
     pool leaves no room for one KV block."""
     conv, rec = runner.state_bytes_per_seq()
-    pool = runner.state_slots * (conv + rec)
+    rows = runner.state_slots + runner.state_checkpoints + runner.state_scratch
+    pool = rows * (conv + rec)
     log.info("state pool: %d slots (maxBatchSize) x %d bytes per sequence (conv state %d + recurrent state %d, "
-             "%d linear-attention layers) = %.2f MiB; KV cache %d bytes per token (%d full-attention layers)",
-             runner.state_slots, conv + rec, conv, rec, len(runner.model.args.hybrid.linear_layers), pool / 2**20,
-             runner.bytes_per_block(1),
+             "%d linear-attention layers), + %d prefix-cache checkpoints + %d speculative verify rows of the same "
+             "size = %.2f MiB; KV cache %d bytes per token (%d full-attention layers)",
+             runner.state_slots, conv + rec, conv, rec, len(runner.model.args.hybrid.linear_layers),
+             runner.state_checkpoints, runner.state_scratch, pool / 2**20, runner.bytes_per_block(1),
              runner.kv_shape[0])
     if budget - pool < block_bytes:
         raise ValueError(f"the KV cache budget (cpuMemSize / npuMemSize: {budget} bytes) does not hold the state pool "
-                         f"of a hybrid model ({runner.state_slots} sequences x {conv + rec} bytes) and one KV block; "
-                         "raise the memory size or lower maxBatchSize")
+                         f"of a hybrid model ({rows} rows x {conv + rec} bytes: sequences, prefix checkpoints, verify rows) "
+                         "and one KV block; raise the memory size or lower maxBatchSize (or speculationGamma)")
     return budget - pool
 
 
@@ -254,5 +256,11 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
                          args.vocab_size, frozenset(args.eos_token_ids), device, attention_cls=attention_cls,
                          after_step=backend.after_step, group=group if group is not None and group.rank == 0 else None)
     if args.hybrid is not None:  # the state pool: one slot per sequence that may run at once
-        runner.state_slots = spec.engine.max_batch_size
+        cfg = spec.engine
+        runner.state_slots = cfg.max_batch_size
+        # prefix caching: as many boundary checkpoints as slots; speculation: a state per verify row
+        # but each sequence's last (docs/design.md, "Hybrid linear attention")
+        runner.state_checkpoints = cfg.max_batch_size if cfg.enable_prefix_cache else 0
+        runner.state_scratch = (min(cfg.spec_max_batch, cfg.max_batch_size) * cfg.spec_tokens
+                                if cfg.spec_method else 0)
     return runner

@@ -12,6 +12,13 @@ allocation time, so a request can never read a block another request is still fi
 
 The block ids and tables it hands out follow the KV cache's contract (workers/attention/kv_cache.py):
 ids in [0, num_blocks), a sequence's blocks in position order.
+
+A hybrid linear-attention model (``enable_states``) also has a state pool: a slot per running
+sequence, and checkpoint rows keeping the linear layers' state at some prompt block boundaries
+(``plan_states``: the last full block of each prompt, and every ``state_every``-th block), each
+tied to the KV block that ends there and dropped with it (eviction) or taken by a newer boundary
+(the least recently freed cached block's first). A prefix hit then resumes from the last matched
+block that has one (``resumable``; docs/design.md, "Hybrid linear attention").
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = field(default_factory=tuple)
+    state_row: int = -1  # a hybrid model's state checkpoint at this block's end (pool row; -1: none)
 
 
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
@@ -51,6 +59,8 @@ class BlockManager:
         # A hybrid linear-attention model's state pool slots (workers/attention/state_cache.py): free
         # slot ids, None for a model without one (enable_states).
         self.free_states: list[int] | None = None
+        self.free_checkpoints: list[int] = []  # pool rows of unused state checkpoints
+        self.state_every = 0  # a checkpoint at every state_every-th block of a prompt (0: the last one only)
         self.prefix_hits = 0  # of which found in the cache
 
     # -- queries -------------------------------------------------------------------------
@@ -65,12 +75,66 @@ class BlockManager:
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
-    def enable_states(self, slots: int) -> None:
-        """A hybrid model's state pool of ``slots`` slots: one taken by every admitted sequence,
-        returned with its blocks. Its states are not kept per block, so a cached prefix could not
-        resume them: prefix caching is off (docs/design.md, "State pool")."""
+    def enable_states(self, slots: int, checkpoints: int = 0, every: int = 16) -> None:
+        """A hybrid model's state pool of ``slots`` slots (rows 0 .. slots - 1: one taken by every
+        admitted sequence, returned with its blocks) and ``checkpoints`` rows after them keeping
+        states at block boundaries (module docstring). Without checkpoints a cached prefix could
+        not resume the linear layers: prefix caching is off."""
         self.free_states = list(range(slots - 1, -1, -1))
-        self.enable_prefix_cache = False
+        self.free_checkpoints = list(range(slots + checkpoints - 1, slots - 1, -1))
+        self.state_every = every
+        if not checkpoints:
+            self.enable_prefix_cache = False
+
+    def resumable(self, hits: list[int]) -> list[int]:
+        """``hits`` cut after the last block holding a state checkpoint (all of them for a model
+        without a state pool): a hybrid model resumes its linear layers from there."""
+        if self.free_states is None:
+            return hits
+        for i in range(len(hits), 0, -1):
+            if self.blocks[hits[i - 1]].state_row >= 0:
+                return hits[:i]
+        return []
+
+    def plan_states(self, seq: Sequence, n: int) -> tuple[int, list[tuple[int, int]]]:
+        """For a step computing ``n`` tokens of ``seq``: the pool row to restore its state from
+        (a prefix hit's checkpoint, taken once) and the checkpoints to save [(after m rows, row)]:
+        at the end of the prompt's last full block (the one a repeat of the prompt hits) and of every
+        ``state_every``-th block, within the prompt, each tied to the block ending there."""
+        restore, seq.state_restore = seq.state_restore, -1
+        saves: list[tuple[int, int]] = []
+        if not self.enable_prefix_cache:
+            return restore, saves
+        bs, start = self.block_size, seq.num_computed
+        last = (seq.prompt_len - 1) // bs
+        for b in range(start // bs + 1, min((start + n) // bs, last) + 1):
+            if b != last and not (self.state_every and b % self.state_every == 0):
+                continue
+            block = self.blocks[seq.block_table[b - 1]]
+            if block.state_row >= 0 or block.hash is not None:
+                continue
+            row = self._take_checkpoint()
+            if row < 0:
+                break
+            block.state_row = row
+            saves.append((b * bs - start, row))
+        return restore, saves
+
+    def _take_checkpoint(self) -> int:
+        """A free checkpoint row, else the one of the least recently freed cached block; -1: all in use."""
+        if self.free_checkpoints:
+            return self.free_checkpoints.pop()
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            if block.state_row >= 0:
+                row, block.state_row = block.state_row, -1
+                return row
+        return -1
+
+    def _drop_checkpoint(self, block: Block) -> None:
+        if block.state_row >= 0:
+            self.free_checkpoints.append(block.state_row)
+            block.state_row = -1
 
     # -- allocation ----------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -81,6 +145,7 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash = None
             block.token_ids = ()
+        self._drop_checkpoint(block)
         block.ref_count = 1
         return block_id
 
@@ -121,6 +186,8 @@ class BlockManager:
             if not self.free_states:  # the pool has maxBatchSize slots: the scheduler admits no more
                 raise RuntimeError("out of state slots (more running sequences than maxBatchSize)")
             seq.state_slot = self.free_states.pop()
+            # a hit resumes the linear layers from its last block's checkpoint (hits are resumable())
+            seq.state_restore = self.blocks[hits[-1]].state_row if hits else -1
         seq.num_hashed_blocks = len(hits)
 
     def can_grow(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
@@ -147,6 +214,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 assert block.hash is None, "a block holding uncomputed tokens was registered"
+                self._drop_checkpoint(block)
                 self.free[block_id] = None
                 self.free.move_to_end(block_id, last=False)
 
@@ -158,6 +226,7 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.hash is None:
                     # Unhashed content is useless: put it first in line for reuse.
+                    self._drop_checkpoint(block)
                     self.free[block_id] = None
                     self.free.move_to_end(block_id, last=False)
                 else:
@@ -168,6 +237,7 @@ class BlockManager:
         if seq.state_slot >= 0 and self.free_states is not None:
             self.free_states.append(seq.state_slot)
         seq.state_slot = -1
+        seq.state_restore = -1
 
     # -- holds (prefill/decode disaggregation, workers/pd_transfer.py) ----------------------
     def hold(self, block_id: int) -> None:
@@ -214,6 +284,9 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.hash = h
             block.token_ids = ids
-            self.hash_to_block.setdefault(h, block.block_id)
+            first = self.blocks[self.hash_to_block.setdefault(h, block.block_id)]
+            if first is not block and block.state_row >= 0 and first.state_row < 0:
+                # the same prefix computed twice: the block a hit finds gets the state checkpoint
+                first.state_row, block.state_row = block.state_row, -1
             prev = h
         seq.num_hashed_blocks = full

@@ -30,8 +30,8 @@ from workers.engine.speculative import Controller
 log = logging.getLogger("workers.engine")
 
 
-HYBRID_SPEC_REFUSAL = ("speculative decoding is not supported for hybrid linear-attention models (Qwen3-Next / "
-                       "Qwen3.5): their Gated DeltaNet state cannot be rolled back to the last accepted token")
+HYBRID_SPEC_REFUSAL = ("a hybrid linear-attention model (Qwen3-Next / Qwen3.5) keeps no states for verify rows "
+                       "(speculationMaxBatch x speculationGamma state scratch rows: 0)")
 
 
 class CapacityError(ValueError):
@@ -152,7 +152,7 @@ class Engine:
         self._deferred: list[Sequence] = []  # aborted while their step computes: freed at collect
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
         if state_slots := getattr(runner, "state_slots", 0):  # a hybrid model's state pool (one slot a sequence)
-            self.blocks.enable_states(state_slots)
+            self.blocks.enable_states(state_slots, getattr(runner, "state_checkpoints", 0))
         self.scheduler = Scheduler(cfg, self.blocks)
         self.requests: dict[str, Sequence] = {}
         # LoRA adapters (workers/engine/lora_manager.py), set by the assembly; None = none served.
@@ -173,8 +173,8 @@ class Engine:
         self.tbt_ms = RecentMean(1000)
         # Speculative decoding (workers/engine/speculative.py): only with a runner that verifies
         # proposals (ModelRunner; the null model's tokens are no model's).
-        # A hybrid model's recurrent state cannot be rolled back to the last accepted token: no speculation.
-        hybrid = bool(state_slots)
+        # A hybrid model speculates where its runner keeps the verify rows' states (state scratch).
+        hybrid = bool(state_slots) and not getattr(runner, "state_scratch", 0)
         self.speculator = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) and not hybrid else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
                                cfg.spec_min_acceptance)
@@ -373,6 +373,9 @@ class Engine:
         if batch.empty:
             return None
         self.steps += 1
+        if self.blocks.free_states is not None:  # a hybrid model: restores and checkpoints of the step
+            batch.state_plans = [self.blocks.plan_states(s, 0 if batch.drafts and batch.drafts[i] else n)
+                                 for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))]
         # Constrained rows sampled this step: their masks computed on the mask thread beside the step.
         drafts = batch.drafts
         constrained = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
@@ -460,6 +463,8 @@ class Engine:
                 break
         # Computed now: the last sampled token and the emitted proposed ones (all but the last emitted).
         emitted = len(out.token_ids)
+        if seq.state_slot >= 0:  # a hybrid model: its state after the last computed row (state scratch)
+            self.runner.rollback_state(seq.state_slot, emitted, len(draft) + 1)
         seq.num_computed += emitted
         self.blocks.trim(seq)
         self.blocks.register_computed(seq)
@@ -623,6 +628,10 @@ class Engine:
         return (not self.requests and self._inflight is None and self.blocks.num_free == self.blocks.num_blocks
                 and all(b.ref_count == 0 for b in self.blocks.blocks)
                 and (self.blocks.free_states is None or len(self.blocks.free_states) == self.runner.state_slots)
+                # every state checkpoint free or tied to a cached block, each once
+                and len(self.blocks.free_checkpoints) + sum(b.state_row >= 0 for b in self.blocks.blocks)
+                == len(set(self.blocks.free_checkpoints) | {b.state_row for b in self.blocks.blocks if b.state_row >= 0})
+                == getattr(self.runner, "state_checkpoints", 0)
                 and (self.lora is None or all(a.refs == 0 and not a.parked for a in self.lora.adapters.values()))
                 and not self._compiling)
 

@@ -50,7 +50,13 @@ class ModelRunner:
         # A hybrid linear-attention model's state pool (workers/attention/state_cache.py): its slot
         # count (set by the assembly: maxBatchSize), made beside the KV cache by allocate_kv.
         self.state_slots = 0
+        # ... and its rows keeping states at prompt block boundaries (prefix caching), and for verify
+        # rows (speculative decoding: speculationMaxBatch x speculationGamma), set by the assembly too.
+        self.state_checkpoints = 0
+        self.state_scratch = 0
         self.states: StateCache | None = None
+        self._scratch_of: dict[int, int] = {}  # the last step's verifying slots -> their first scratch row
+        self._state_copies: list[tuple[int, int]] = []  # rollbacks made at the next step's start
         self._lora_stacks = LoraStacks()  # the last step's adapters, stacked (workers/models/lora.py)
         self.sample = sample
         self.vocab_size = vocab_size
@@ -67,8 +73,16 @@ class ModelRunner:
         if self.state_slots:
             hy = self.model.local_args.hybrid  # a TP rank's pool holds its own heads' states
             self.states = StateCache(len(hy.linear_layers), self.state_slots, hy.conv_dim, hy.conv_kernel - 1,
-                                     hy.num_v_heads, hy.head_k_dim, hy.head_v_dim, self.kv_dtype, self.device)
+                                     hy.num_v_heads, hy.head_k_dim, hy.head_v_dim, self.kv_dtype, self.device,
+                                     self.state_checkpoints, self.state_scratch)
             self.model.states = self.states
+
+    def rollback_state(self, slot: int, kept: int, rows: int) -> None:
+        """A sequence of state slot ``slot`` verified ``rows`` rows last step and keeps the first
+        ``kept``: its state becomes the one after them (kept in the scratch row of its save after
+        ``kept`` rows), copied at the next step's start (before any slot is restored or reused)."""
+        if 0 < kept < rows:
+            self._state_copies.append((self._scratch_of[slot] + kept - 1, slot))
 
     def state_bytes_per_seq(self) -> tuple[int, int]:
         """(conv, recurrent) state bytes of one sequence (0, 0 for a model without a state pool)."""
@@ -105,13 +119,28 @@ class ModelRunner:
         # the step's KV before it reads any, so row j sees the rows before it, as a prompt chunk's
         # row would, and an all-decode step keeps the fused decode path.
         tables: list[list[int]] = []
-        slots: list[int] = []  # a hybrid model's state slot per sequence (state_cache.py)
         starts: list[int] = []
         counts: list[int] = []
         drafts = batch.drafts
+        # A hybrid model's state pool per sequence (state_cache.py): slot, first position, rows,
+        # restore, saves, verify. A verify of k proposed tokens keeps its state after each of its
+        # first k rows in scratch rows (k from its own first row), one of which rollback_state keeps.
+        st: tuple[list, ...] = ([], [], [], [], [], [])
+        self._scratch_of = {}
+        scratch = self.state_slots + self.state_checkpoints
         for i in order:
             seq, n = batch.seqs[i], batch.num_tokens[i]
             draft = drafts[i] if drafts is not None else ()
+            if self.states is not None:
+                restore, saves = batch.state_plans[i] if batch.state_plans is not None else (-1, [])
+                if draft:
+                    if scratch + len(draft) > self.states.rows:
+                        raise RuntimeError(f"more verify rows than the state scratch ({self.state_scratch} rows)")
+                    self._scratch_of[seq.state_slot] = scratch
+                    saves = [(j, scratch + j - 1) for j in range(1, len(draft) + 1)]
+                    scratch += len(draft)
+                for lst, v in zip(st, (seq.state_slot, seq.num_computed, n, restore, saves, bool(draft))):
+                    lst.append(v)
             if batch.adapters is not None and (w := batch.adapters[i]) is not None:
                 if segments and segments[-1][2] is w:
                     segments[-1] = (segments[-1][0], len(ids) + n, w)
@@ -138,7 +167,6 @@ class ModelRunner:
                 want_lp = want_lp or seq.params.logprobs >= 0
                 continue
             tables.append(seq.block_table)
-            slots.append(seq.state_slot)
             starts.append(start)
             counts.append(n)
             if seq.params.pooling:  # a pooling request: its rows pooled, nothing sampled
@@ -161,7 +189,11 @@ class ModelRunner:
             logit_rows.append([row for _, row in scored])
         if sampled_seqs:
             logit_rows.append(last_rows)
-        inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows, state_slots=slots if self.states else [])
+        inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows)
+        if self.states is not None:
+            (inputs.state_slots, inputs.state_starts, inputs.state_counts, inputs.state_restores, inputs.state_saves,
+             inputs.state_verify) = st
+            inputs.state_copies, self._state_copies = self._state_copies, []
         if self.group is not None:
             self.group.send_step(inputs)  # the other ranks of a tensor-parallel instance run it too
         if segments:
@@ -217,7 +249,8 @@ class ModelRunner:
         """The model over one step's flat batch; the hidden states [T, hidden]."""
         self.attn.prepare(inputs.block_tables, inputs.num_computed, inputs.num_tokens)
         if self.states is not None:
-            self.states.prepare(inputs.state_slots, inputs.num_computed, inputs.num_tokens)
+            self.states.prepare(inputs.state_slots, inputs.state_starts, inputs.state_counts, inputs.state_restores,
+                                inputs.state_saves, inputs.state_verify, inputs.state_copies)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, self.attn)

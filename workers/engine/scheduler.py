@@ -58,6 +58,9 @@ class ScheduledBatch:
     # Constrained sequences verifying proposed tokens: batch index -> the masks of their rows after
     # the first (ConstraintState.draft_masks), set by the engine at launch.
     draft_masks: dict | None = None
+    # A hybrid model's state plan per sequence, set by the engine at launch (BlockManager.plan_states):
+    # (pool row its state is restored from or -1, [(after m rows, checkpoint row)]); None = no state pool.
+    state_plans: list[tuple[int, list[tuple[int, int]]]] | None = None
 
     @property
     def empty(self) -> bool:
@@ -271,6 +274,7 @@ class Scheduler:
                 hits = hits[:len(seq.prompt_logprobs) // self.blocks.block_size]
             if hits and seq.params.pooling in ("mean", "cls"):
                 hits = []  # the pooled positions' hidden states are computed, not cached
+            hits = self.blocks.resumable(hits)  # a hybrid model: up to a block with a state checkpoint
             n = _prompt_take(seq.num_tokens - len(hits) * self.blocks.block_size, budget, prompt_budget, hold_left)
             if n <= 0:
                 break  # beyond this step's chunk, and not whole within a held step's room

@@ -93,6 +93,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     state_slot: int = -1  # a hybrid model's state pool slot (BlockManager.admit; -1: none held)
+    # a prefix hit's state checkpoint (pool row) its slot starts from at its next step (-1: none)
+    state_restore: int = -1
     num_cached: int = 0  # prompt tokens served from the prefix cache at admission
     num_hashed_blocks: int = 0  # leading full blocks already registered in the prefix cache
     preemptions: int = 0

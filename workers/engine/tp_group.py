@@ -57,8 +57,16 @@ class StepInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # Flat rows whose logits are computed, one LM-head call (an all-gather) per list, in order.
     logit_rows: list[list[int]] = []
     kind: int = 0  # STEP, NOOP or STOP
-    # A hybrid model's state pool slot of each sequence (workers/attention/state_cache.py); [] = none.
+    # A hybrid model's state pool (workers/attention/state_cache.py ``prepare``), per sequence: its
+    # slot, first position, rows, the row restored from, the saves, whether its rows verify a
+    # proposal; and the copies made first ([] = no state pool).
     state_slots: list[int] = []
+    state_starts: list[int] = []
+    state_counts: list[int] = []
+    state_restores: list[int] = []
+    state_saves: list[list[tuple[int, int]]] = []
+    state_verify: list[bool] = []
+    state_copies: list[tuple[int, int]] = []
 
 
 STEP, NOOP, STOP = 0, 1, 2

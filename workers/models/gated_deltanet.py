@@ -189,15 +189,21 @@ class GatedDeltaNet(nn.Module):
         beta = row_ops.elementwise(torch.sigmoid, b)
         g = -self.A_log.float().exp() * row_ops.elementwise(F.softplus, a.float() + self.dt_bias)
         out = torch.empty_like(v)
-        for rows, slots in states.waves:  # batch-invariant mode: every token one recurrent step
+        # batch-invariant mode, and speculative verify rows: every token one recurrent step, the
+        # state after some kept in pool rows (a prefix checkpoint, a verify's scratch)
+        for rows, slots, save_from, save_to in states.waves:
             self._recurrent(out, rows, slots, q, k, v, g, beta, rec_state)
+            if save_from is not None:
+                rec_state[save_to] = rec_state[save_from]
         if (rows := states.decode_rows) is not None:  # one batched recurrent step
             self._recurrent(out, rows, states.decode_slots, q, k, v, g, beta, rec_state)
-        for row0, n, slot in states.prefills:  # each prompt chunk from its carried state
+        for row0, n, slot, keep in states.prefills:  # each prompt chunk (piece) from its carried state
             o, s = chunk_gated_delta_rule(q[row0:row0 + n], k[row0:row0 + n], v[row0:row0 + n], g[row0:row0 + n],
                                           beta[row0:row0 + n], rec_state[slot])
             out[row0:row0 + n] = o
             rec_state[slot] = s
+            if keep >= 0:  # a prefix checkpoint at the block boundary this piece ends on
+                rec_state[keep] = s
         o = self.norm(out.reshape(-1, hy.head_v_dim), z.reshape(-1, hy.head_v_dim))
         o = self.out_proj(o.reshape(t, hy.value_dim))
         return o if self.reduce is None else self.reduce(o)
@@ -224,7 +230,7 @@ class GatedDeltaNet(nn.Module):
         """The causal depthwise convolution + SiLU over each sequence's rows, its window starting
         with the carried last K - 1 inputs (zeros for a new sequence: transformers' zero padding);
         the state updated to the last K - 1 inputs."""
-        if states.waves:
+        if states.every_row:
             return self._conv_rows(mixed, conv_state, states)
         w = self.conv_weight
         out = torch.empty_like(mixed)
@@ -234,11 +240,13 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((conv_state[slots], mixed[rows].to(w.dtype)[:, :, None]), dim=-1)  # [B, C, K]
             out[rows] = F.silu(F.conv1d(window, w, groups=w.shape[0]))[:, :, 0].to(mixed.dtype)
             conv_state[slots] = window[:, :, -keep:]
-        for row0, n, slot in states.prefills:
+        for row0, n, slot in states.chunks:
             window = torch.cat((conv_state[slot], mixed[row0:row0 + n].to(w.dtype).T), dim=-1)  # [C, K - 1 + n]
             y = F.conv1d(window[None], w, groups=w.shape[0])[0]  # [C, n]
             out[row0:row0 + n] = F.silu(y).T.to(mixed.dtype)
             conv_state[slot] = window[:, -keep:]
+            for m, row in states.saves_by_slot.get(slot, ()):  # its state after m rows: their last K - 1 inputs
+                conv_state[row] = window[:, m:m + keep]
         return out
 
     def _conv_rows(self, mixed: torch.Tensor, conv_state: torch.Tensor, states) -> torch.Tensor:
@@ -258,4 +266,6 @@ class GatedDeltaNet(nn.Module):
                 acc = acc + wf[:, j:j + n] * taps[:, j:j + 1]
             y[row0:row0 + n] = acc.T
             conv_state[slot] = window[:, -(kk - 1):]
+            for m, row in states.saves_by_slot.get(slot, ()):
+                conv_state[row] = window[:, m:m + kk - 1]
         return row_ops.elementwise(F.silu, y.to(w.dtype)).to(mixed.dtype)
