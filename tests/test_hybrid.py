@@ -341,6 +341,40 @@ def run_logged(eng, reqs: dict[str, tuple[list[int], SamplingParams]]) -> tuple[
     return toks, lps, spec
 
 
+class _PoolRunner:
+    """What state_pool_budget reads of a runner: 4 slots, a row of 1,000 bytes, 3 linear layers."""
+
+    def __init__(self, checkpoints: int, scratch: int) -> None:
+        from types import SimpleNamespace
+        self.state_slots, self.state_checkpoints, self.state_scratch = 4, checkpoints, scratch
+        self.kv_shape = (1, 1, 8)
+        self.model = SimpleNamespace(args=SimpleNamespace(hybrid=SimpleNamespace(linear_layers=[0, 1, 2])))
+
+    def state_bytes_per_seq(self) -> tuple[int, int]:
+        return 100, 900
+
+    def bytes_per_block(self, n: int) -> int:
+        return 10 * n
+
+
+def test_state_pool_extras_take_at_most_half_of_what_the_slots_leave(caplog) -> None:
+    """The slots are needed; the prefix checkpoints (first, as many as fit) and the verify rows (all
+    or none: speculation off) share half of the rest, so a large state never crowds the KV cache out."""
+    from workers.engine.assembly import state_pool_budget
+    r = _PoolRunner(4, 8)
+    assert state_pool_budget(r, 4000 + 2 * 12_000, 10) == 4000 + 2 * 12_000 - 16_000  # everything fits
+    assert (r.state_checkpoints, r.state_scratch) == (4, 8)
+    r = _PoolRunner(4, 8)
+    with caplog.at_level("WARNING", logger="workers.engine"):
+        kv = state_pool_budget(r, 4000 + 2 * 3_050, 10)
+    assert (r.state_checkpoints, r.state_scratch) == (3, 0) and kv == 4000 + 2 * 3_050 - 7_000
+    text = caplog.text
+    assert "keeps 3 state checkpoints, not 4" in text and "speculative decoding off" in text
+    assert "speculationGamma" in text
+    with pytest.raises(ValueError, match="lower maxBatchSize"):
+        state_pool_budget(_PoolRunner(4, 8), 4005, 10)
+
+
 @pytest.mark.parametrize("invariant", [False, True], ids=["chunked-form", "batch-invariant"])
 @pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5"])
 def test_prefix_hits_resume_saved_states(models, case: str, invariant: bool) -> None:

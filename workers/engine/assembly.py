@@ -107,22 +107,42 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
 
 
 def state_pool_budget(runner: ModelRunner, budget: int, block_bytes: int) -> int:
-    """The KV cache's part of ``budget`` once a hybrid model's state pool (one slot per running
-    sequence, maxBatchSize slots) is taken out; logs both costs per sequence. ValueError when the
-    pool leaves no room for one KV block."""
+    """The KV cache's part of ``budget`` once a hybrid model's state pool is taken out; logs both
+    costs per sequence. The slots (one per running sequence, maxBatchSize) are needed: ValueError
+    when they leave no room for one KV block. The prefix checkpoints and the speculative verify
+    rows are not: together they take at most half of what the slots leave, so that a large model's
+    states (Qwen3.5-0.8B: ~19 MB a row) never crowd the KV cache out of the default budget. The
+    checkpoints go first (a conversation's next turn resumes from them), as many as fit; the verify
+    rows only all together (a verify needs a row per proposed token), else speculation is off for
+    the model, both said in a WARNING naming the keys."""
     conv, rec = runner.state_bytes_per_seq()
+    row = conv + rec
+    if budget - runner.state_slots * row < block_bytes:
+        raise ValueError(f"the KV cache budget (cpuMemSize / npuMemSize: {budget} bytes) does not hold the state pool "
+                         f"of a hybrid model ({runner.state_slots} sequences x {row} bytes) and one KV block; raise the "
+                         "memory size or lower maxBatchSize")
+    room = (budget - runner.state_slots * row) // 2
+    wanted = runner.state_checkpoints
+    runner.state_checkpoints = min(wanted, room // row)
+    if runner.state_checkpoints < wanted:
+        log.warning("prefix caching keeps %d state checkpoints, not %d (maxBatchSize): %d bytes each, at most half of "
+                    "the budget the state slots leave; raise cpuMemSize / npuMemSize for more prefix hits",
+                    runner.state_checkpoints, wanted, row)
+    room -= runner.state_checkpoints * row
+    if runner.state_scratch * row > room:
+        log.warning("speculative decoding off for this model: its %d verify rows (min(speculationMaxBatch, "
+                    "maxBatchSize) x speculationGamma) x %d bytes do not fit in half of the budget the state slots "
+                    "leave; raise cpuMemSize / npuMemSize or lower speculationGamma / speculationMaxBatch",
+                    runner.state_scratch, row)
+        runner.state_scratch = 0
     rows = runner.state_slots + runner.state_checkpoints + runner.state_scratch
-    pool = rows * (conv + rec)
+    pool = rows * row
     log.info("state pool: %d slots (maxBatchSize) x %d bytes per sequence (conv state %d + recurrent state %d, "
              "%d linear-attention layers), + %d prefix-cache checkpoints + %d speculative verify rows of the same "
              "size = %.2f MiB; KV cache %d bytes per token (%d full-attention layers)",
-             runner.state_slots, conv + rec, conv, rec, len(runner.model.args.hybrid.linear_layers),
+             runner.state_slots, row, conv, rec, len(runner.model.args.hybrid.linear_layers),
              runner.state_checkpoints, runner.state_scratch, pool / 2**20, runner.bytes_per_block(1),
              runner.kv_shape[0])
-    if budget - pool < block_bytes:
-        raise ValueError(f"the KV cache budget (cpuMemSize / npuMemSize: {budget} bytes) does not hold the state pool "
-                         f"of a hybrid model ({rows} rows x {conv + rec} bytes: sequences, prefix checkpoints, verify rows) "
-                         "and one KV block; raise the memory size or lower maxBatchSize (or speculationGamma)")
     return budget - pool
 
 
