@@ -208,6 +208,19 @@ _lane_tests: collections.Counter = collections.Counter()
 _t0 = time.monotonic()
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """The machine's (busy, total) CPU ticks since boot (/proc/stat), None off Linux."""
+    try:
+        fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+_ticks0 = _cpu_ticks()
+
+
 def _count_start(item: pytest.Item, words: list[str]) -> None:
     if any(w.endswith(_STARTS) for w in words):
         _starts[item.path.name] += 1
@@ -224,8 +237,13 @@ def pytest_testnodedown(node, error) -> None:
     _starts.update(getattr(node, "workeroutput", {}).get("server_starts", {}))
 
 
+_server_phase: dict = {}  # when the first server-lane report came: time and CPU ticks
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     lane = "server" if "server" in report.keywords else "in-process"
+    if lane == "server" and not _server_phase:
+        _server_phase.update(t=time.monotonic(), ticks=_cpu_ticks())
     _lane_seconds[lane] += report.duration
     if report.when == "call":
         _lane_tests[lane] += 1
@@ -242,4 +260,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     total = sum(_starts.values())
     top = ", ".join(f"{name} {n}" for name, n in _starts.most_common(15))
     tr.write_line(f"server starts (launch.sh, motor.sh): {total} in {len(_starts)} files; most: {top}")
+    ticks = _cpu_ticks()
+
+    def busy(a, b) -> str:
+        return f"{100 * (b[0] - a[0]) / max(1, b[1] - a[1]):.0f} %" if a and b else "?"
+    if ticks and _ticks0:
+        mid = _server_phase.get("ticks") or ticks
+        t_mid = _server_phase.get("t", time.monotonic())
+        tr.write_line(f"the machine's {os.cpu_count()} CPUs busy: {busy(_ticks0, mid)} until the first server-lane "
+                      f"result ({t_mid - _t0:.0f} s), {busy(mid, ticks)} after it (every process on the machine)")
     tr.write_line(f"session wall time {time.monotonic() - _t0:.0f} s")
