@@ -94,6 +94,33 @@ def test_config_reads_gemma_keys(models) -> None:
     assert mm.rope_scaling.factor == 8.0 and mm.gemma.local_rope_theta == 1e4
 
 
+@pytest.mark.parametrize("layout", ["model.language_model.", "language_model.model."])
+def test_multimodal_gemma3_checkpoint_serves_its_text_part(models, tmp_path: Path, caplog, layout: str) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (the published 4B-27B models): the decoder under
+    ``model.language_model.`` (transformers 4.52+) or ``language_model.model.`` (older saves, the
+    towers at the top level), the vision tower and projector beside it skipped and counted; the text
+    part computes what the text model does."""
+    from safetensors.torch import load_file, save_file
+    hf, path = models["gemma3"]
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {**cfg, "model_type": "gemma3_text"}, "vision_config": {"hidden_size": 8},
+        "eos_token_id": cfg["eos_token_id"]}))
+    towers = "model." if layout.startswith("model.") else ""
+    tensors = {k.replace("model.", layout, 1): v for k, v in load_file(path / "model.safetensors").items()}
+    tensors[f"{towers}vision_tower.vision_model.post_layernorm.weight"] = torch.zeros(8)
+    tensors[f"{towers}multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.INFO, logger="workers.models"):
+        model, _ = load_model(tmp_path, torch.float32)
+    assert any("2 tensors of the vision/audio towers not loaded" in r.getMessage() for r in caplog.records)
+    ids = torch.randint(3, VOCAB, (PROMPT_LEN + 4,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert (_paged_logits(model, ids, [PROMPT_LEN]) - ref).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("patch, key", [
     ({"hidden_activation": "silu"}, "hidden_activation"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),

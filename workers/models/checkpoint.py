@@ -59,7 +59,7 @@ class Checkpoint:
     nbytes: int  # the shard files' sizes together
     gguf: bool = False
     skipped_mtp: int = 0  # DeepSeek's multi-token-prediction tensors, not loaded
-    skipped_towers: int = 0  # a multimodal Gemma 4's vision/audio tensors, not loaded
+    skipped_towers: int = 0  # a multimodal Gemma 3/4's vision/audio tensors, not loaded
 
     @property
     def tensors(self) -> int:
@@ -210,10 +210,17 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
                 if (key := checkpoint_key(key)) is None:
                     continue
             if args.gemma4 is not None:  # model.language_model. (towers, shared layers' k/v skipped)
-                from .gemma4_names import TOWERS, checkpoint_key as gemma4_key
-                towers += name.startswith(TOWERS)
+                from .gemma4_names import checkpoint_key as gemma4_key
+                from .multimodal_names import TOWERS
+                towers += key.startswith(TOWERS)
                 if (key := gemma4_key(key, args)) is None:
                     continue
+            elif args.gemma is not None:  # a multimodal Gemma 3's decoder (towers skipped)
+                from .multimodal_names import text_key
+                if (text := text_key(key)) is None:
+                    towers += 1
+                    continue
+                key = text
             if key not in expected:
                 if name.endswith(IGNORED_SUFFIXES):
                     continue

@@ -4,27 +4,26 @@
 
 A ``Gemma4ForConditionalGeneration`` checkpoint stores the decoder under ``model.language_model.``
 beside the vision and audio towers and their embedders: ``checkpoint_key`` maps the first to the
-text model's names and skips the others (not served: counted and logged by the loader). The k/v
+text model's names and skips the others (workers/models/multimodal_names.py: not served, counted and
+logged by the loader). The k/v
 projections and norms of a KV-shared layer, which transformers ignores on load, are skipped too."""
 from __future__ import annotations
 
 import re
 
 from .config import ModelArgs
+from .multimodal_names import text_key
 
-__all__ = ["TOWERS", "checkpoint_key", "expected_tensors"]
+__all__ = ["checkpoint_key", "expected_tensors"]
 
-TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _KV = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 
 
 def checkpoint_key(name: str, args: ModelArgs) -> str | None:
     """The text model's name of checkpoint tensor ``name``; None: not served (a tower, or a
     KV-shared layer's unused k/v tensors)."""
-    if name.startswith(TOWERS):
+    if (name := text_key(name)) is None:
         return None
-    if name.startswith("model.language_model."):
-        name = "model." + name[len("model.language_model."):]
     m = _KV.match(name)
     g = args.gemma4
     if m and g is not None and int(m.group(1)) < len(g.kv_source) and g.shared(int(m.group(1))):
