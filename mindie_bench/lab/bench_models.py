@@ -75,8 +75,8 @@ def resolve(name: str, *, ours: bool = False) -> str:
     if path.is_file() and path.suffix == ".gguf":  # a GGUF file: this server and llama.cpp read it as it is
         return str(path.resolve())
     if not (path / "config.json").is_file():
-        raise SystemExit(f"bench_models: {name!r} is neither a preset ({', '.join([*PRESETS, *hybrid_models.PRESETS])}), "
-                         "'default', "
+        names = ", ".join([*PRESETS, *hybrid_models.PRESETS])
+        raise SystemExit(f"bench_models: {name!r} is neither a preset ({names}), 'default', "
                          "a .gguf file, nor a directory with a config.json")
     return str(path.resolve())
 

@@ -3,7 +3,7 @@
 output tokens/s against transformers' ``generate`` on the same weights, side by side in one process,
 and the memory a sequence costs against the same-size full-attention twin.
 
-    python -m mindie_bench.lab.hybrid --concurrency 1,32 --threads 2   # = mindie-bench hybrid
+    python -m mindie_bench.lab.hybrid --concurrency 1,32 --threads 1   # = mindie-bench hybrid
 
 The models are ``mindie-bench bench-models qwen35-1b`` and ``qwen35-1b-twin`` (hybrid_models.py;
 ``--preset qwen35-tiny`` is the same at a toy size). Each level runs one wave of ``c`` requests
@@ -29,7 +29,6 @@ import logging
 import random
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -103,27 +102,18 @@ def memory_rows(hybrid: dict[str, int], twin: dict[str, int], contexts: list[int
     return rows
 
 
-def hf_throughput(model: Any, conc: int, prompt_len: int, output_len: int, vocab: int, rng: random.Random) -> float:
-    """transformers' output tokens/s of one batched greedy ``generate`` over ``conc`` prompts."""
-    ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(conc)])
-    kw = dict(do_sample=False, top_k=None, top_p=None, temperature=None, pad_token_id=0)
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                             min_new_tokens=output_len, **kw)
-    return (out.shape[1] - prompt_len) * conc / (time.perf_counter() - t0)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen35-1b", help="hybrid preset (its twin is PRESET-twin); default qwen35-1b")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--concurrency", default="1,32", help="comma-separated levels (default 1,32)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--concurrency", default="1,32")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--rounds", type=int, default=1, help="each level this many times (default 1)")
     ap.add_argument("--contexts", default="1024,8192,32768", help="context lengths of the memory table")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default 2)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both sides (default 1: on the shared 2-core machines two OpenMP "
+                         "threads spin against other processes; a 32-token c=1 request took minutes)")
     ap.add_argument("--memory-only", action="store_true", help="the memory figures alone, no tokens/s")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -131,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
 
     from mindie_bench.lab import hybrid_models
+    from mindie_bench.lab.deepseek import hf_throughput
     from mindie_bench.lab.engine import throughput
     hybrid_dir = hybrid_models.ensure(args.preset)
     twin_dir = hybrid_models.ensure(f"{args.preset}-twin")
@@ -141,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, logged in (("hybrid", logged_hybrid), ("twin", logged_twin)):
         want = {k: computed[name][k] for k in logged}
         if logged != want:
-            raise SystemExit(f"hybrid: the load log's bytes of the {name} model {logged} differ from its config's {want}")
+            raise SystemExit(f"hybrid: the load log's bytes of the {name} model {logged} "
+                             f"differ from its config's {want}")
     memory = memory_rows(computed["hybrid"], computed["twin"], [int(c) for c in args.contexts.split(",")])
     print(json.dumps({"bytes": computed, "load_log_agrees": True}))
     for row in memory:
@@ -156,12 +148,12 @@ def main(argv: list[str] | None = None) -> None:
         summary["parameters"] = n_params
         print(f"{args.preset}: {n_params / 1e9:.2f}B parameters, {args.dtype}, {torch.get_num_threads()} threads",
               file=sys.stderr)
-        hf_throughput(hf, 1, 16, 2, runner.vocab_size, random.Random(0))  # warm-up (ours warms in throughput)
         for rnd in range(args.rounds):
             for conc in levels:
                 ours = throughput(runner, engine_cfg, num_blocks, conc, conc, args.prompt_len, args.output_len,
                                   random.Random(conc))["output_tok_s"]
-                ref = hf_throughput(hf, conc, args.prompt_len, args.output_len, runner.vocab_size, random.Random(conc))
+                ref = hf_throughput(hf, conc, args.prompt_len, args.output_len, runner.vocab_size,
+                                    random.Random(conc))["output_tok_s"]  # a warm-up generate first, untimed
                 row = {"round": rnd + 1, "concurrency": conc, "ours_tok_s": round(ours, 2),
                        "transformers_tok_s": round(ref, 2), "ratio": round(ours / ref, 2)}
                 summary["results"].append(row)
