@@ -42,6 +42,14 @@ def test_presets_are_real_checkpoints_built_once(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "mindie_bench", "bench-models", "qwen35-tiny"], cwd=ROOT, timeout=300,
                        capture_output=True, text=True, env={**os.environ, "MINDIE_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0 and r.stdout.strip() == str(hybrid), r.stderr
+    # the benchmark config on it with room for the state pool (vllm_side_by_side.sh --ours-max-batch)
+    cfg_file = tmp_path / "ours.json"
+    r = subprocess.run([sys.executable, "-m", "mindie_bench", "bench-models", "qwen35-tiny", "--config", str(cfg_file),
+                        "--max-batch", "8"], cwd=ROOT, timeout=300, capture_output=True, text=True,
+                       env={**os.environ, "MINDIE_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    schedule = json.loads(cfg_file.read_text())["BackendConfig"]["ScheduleConfig"]
+    assert (schedule["maxBatchSize"], schedule["maxPrefillBatchSize"]) == (8, 8)
     with pytest.raises(KeyError, match="qwen35-1b"):
         hybrid_models.ensure("qwen35-nope", tmp_path)
 

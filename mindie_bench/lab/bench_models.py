@@ -18,7 +18,8 @@ With ``--ours``, prints what this server is given instead (the GGUF file for ``d
 ``--config FILE --port P`` also writes the benchmark configuration of this server on that model
 (``serving.bench_config``: two CPU workers, 1 GiB of KV), which ``vllm_side_by_side.sh --start-ours``
 launches; ``--threads N`` and ``--no-speculation`` set ``cpuThreadsPerWorker`` and
-``ScheduleConfig.speculativeDecoding`` in it (``llama_server_side_by_side.sh``).
+``ScheduleConfig.speculativeDecoding`` in it (``llama_server_side_by_side.sh``), ``--max-batch N`` its
+``maxBatchSize`` (a hybrid model's state pool: ``vllm_side_by_side.sh --ours-max-batch``).
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="BackendConfig.cpuThreadsPerWorker in that config (default 0: the cores shared evenly)")
     ap.add_argument("--no-speculation", action="store_true",
                     help="ScheduleConfig.speculativeDecoding false in that config (default: the server's, on)")
+    ap.add_argument("--max-batch", type=int, default=0,
+                    help="ScheduleConfig.maxBatchSize in that config (default 0: the benchmark config's 512); a hybrid "
+                         "model's state pool holds that many sequences inside --kv-gib")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     path = resolve(args.name, ours=args.ours or bool(args.config))
@@ -103,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from mindie_bench.lab.serving import bench_config
         run_dir = Path(tempfile.mkdtemp(prefix="sbs", dir="/tmp"))  # private ipc sockets (0700)
+        schedule: dict = {"speculativeDecoding": False} if args.no_speculation else {}
+        if args.max_batch:
+            schedule.update(maxBatchSize=args.max_batch, maxPrefillBatchSize=min(64, args.max_batch))
         cfg = bench_config(path, args.port, run_dir, workers=args.workers, dtype=args.dtype, kv_gib=args.kv_gib,
                            backend={"cpuThreadsPerWorker": args.threads} if args.threads else None,
-                           schedule={"speculativeDecoding": False} if args.no_speculation else None)
+                           schedule=schedule or None)
         Path(args.config).write_text(json.dumps(cfg, indent=1))
     print(path)
     return 0
