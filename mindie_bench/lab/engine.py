@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 
 def load(model: str, dtype: str, *, threads: int = 0, block_size: int = 128, kv_gb: float = 1.0,
-         quantize: str = "", preset: str = "demo"):
+         quantize: str = "", preset: str = "demo", max_batch_size: int = 256):
     """(runner, engine config, KV blocks): a CPU worker's model as load_runner builds it, KV allocated.
-    ``model`` "" = the built-in demo model of ``preset``."""
+    ``model`` "" = the built-in demo model of ``preset``; ``max_batch_size`` also sizes a hybrid
+    model's state pool (one slot a sequence)."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends.cpu import CpuBackend
     from workers.engine.assembly import load_runner
@@ -42,7 +43,7 @@ def load(model: str, dtype: str, *, threads: int = 0, block_size: int = 128, kv_
     if not model:
         from workers.models.demo import PRESETS, ensure_demo_model
         model = str(ensure_demo_model(**dataclasses.asdict(PRESETS[preset])))
-    engine_cfg = EngineConfig(block_size=block_size, max_seq_len=4096, max_batch_size=256,
+    engine_cfg = EngineConfig(block_size=block_size, max_seq_len=4096, max_batch_size=max_batch_size,
                               max_prefill_batch_size=64, max_prefill_tokens=8192, enable_prefix_cache=False)
     spec = WorkerSpec(worker_id="bench", job_endpoint="", pub_endpoint="", model_path=model, dtype=dtype,
                       engine=engine_cfg, quantize=quantize)

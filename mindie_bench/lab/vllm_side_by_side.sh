@@ -27,6 +27,7 @@ START_OURS=0
 OURS_PORT=18601
 OURS_DTYPE=""
 OURS_WORKERS=2
+OURS_MAX_BATCH=0
 NO_VLLM=0
 NUM_PROMPTS=""
 WARMUP=""
@@ -60,6 +61,8 @@ Options:
   --ours-port PORT     its port with --start-ours (default $OURS_PORT)
   --ours-dtype T       its ModelConfig dtype with --start-ours (default: --dtype)
   --ours-workers N     its CPU device workers with --start-ours (default $OURS_WORKERS)
+  --ours-max-batch N   its ScheduleConfig.maxBatchSize with --start-ours (default: the benchmark config's 512;
+                       a hybrid model's state pool, one slot a sequence, must fit in the KV GiB: qwen35-1b 32)
   --no-vllm            measure this server alone (mindie-bench run), no vLLM install or start
   --ours URL           base URL of this server (default $OURS_URL; with --start-ours: its port)
   --ours-api API       API used for this server: native|openai|chat|tgi (default $OURS_API; chat with --workload chat)
@@ -106,6 +109,7 @@ while [[ $# -gt 0 ]]; do
         --ours-port) OURS_PORT="${2:?}"; shift 2 ;;
         --ours-dtype) OURS_DTYPE="${2:?}"; shift 2 ;;
         --ours-workers) OURS_WORKERS="${2:?}"; shift 2 ;;
+        --ours-max-batch) OURS_MAX_BATCH="${2:?}"; shift 2 ;;
         --no-vllm) NO_VLLM=1; shift ;;
         --ours) OURS_URL="${2:?}"; shift 2 ;;
         --ours-api) OURS_API="${2:?}"; shift 2 ;;
@@ -199,7 +203,8 @@ if [[ "$START_OURS" == 1 ]]; then
     probe "$OURS_URL/health" && die "something already answers on $OURS_URL; pick another --ours-port"
     OURS_CFG="$OUT/ours-config-$(date -u +%Y%m%d-%H%M%S).json"
     OURS_MODEL="$("$PY" -m mindie_bench.lab.bench_models "$MODEL_NAME" --config "$OURS_CFG" --port "$OURS_PORT" \
-        --dtype "${OURS_DTYPE:-$DTYPE}" --workers "$OURS_WORKERS" --kv-gib "$KV_GIB")" || die "cannot write $OURS_CFG"
+        --dtype "${OURS_DTYPE:-$DTYPE}" --workers "$OURS_WORKERS" --kv-gib "$KV_GIB" \
+        --max-batch "$OURS_MAX_BATCH")" || die "cannot write $OURS_CFG"
     OURS_LOG="${OURS_CFG%.json}.log"
     echo "starting this server on $OURS_URL: $OURS_MODEL, dtype ${OURS_DTYPE:-$DTYPE} (log: $OURS_LOG)"
     MINDIE_LOG_LEVEL="${MINDIE_LOG_LEVEL:-WARNING}" PYTHON="$PY" bash "$REPO/scripts/launch.sh" --config "$OURS_CFG" \
