@@ -342,11 +342,11 @@ def run_logged(eng, reqs: dict[str, tuple[list[int], SamplingParams]]) -> tuple[
 
 
 class _PoolRunner:
-    """What state_pool_budget reads of a runner: 4 slots, a row of 1,000 bytes, 3 linear layers."""
+    """What state_pool_budget reads of a runner: a row of 1,000 bytes, 3 linear layers."""
 
-    def __init__(self, checkpoints: int, scratch: int) -> None:
+    def __init__(self, slots: int, checkpoints: int, scratch: int) -> None:
         from types import SimpleNamespace
-        self.state_slots, self.state_checkpoints, self.state_scratch = 4, checkpoints, scratch
+        self.state_slots, self.state_checkpoints, self.state_scratch = slots, checkpoints, scratch
         self.kv_shape = (1, 1, 8)
         self.model = SimpleNamespace(args=SimpleNamespace(hybrid=SimpleNamespace(linear_layers=[0, 1, 2])))
 
@@ -357,22 +357,29 @@ class _PoolRunner:
         return 10 * n
 
 
-def test_state_pool_extras_take_at_most_half_of_what_the_slots_leave(caplog) -> None:
-    """The slots are needed; the prefix checkpoints (first, as many as fit) and the verify rows (all
-    or none: speculation off) share half of the rest, so a large state never crowds the KV cache out."""
+def test_state_pool_is_fitted_to_the_budget(caplog) -> None:
+    """A large state never refuses the budget: the slots take at most half of it (fewer sequences at
+    once); the prefix checkpoints (first, as many as fit) and the verify rows (all or none:
+    speculation off) share half of the rest; each cut is a WARNING naming the keys."""
+    from types import SimpleNamespace
     from workers.engine.assembly import state_pool_budget
-    r = _PoolRunner(4, 8)
-    assert state_pool_budget(r, 4000 + 2 * 12_000, 10) == 4000 + 2 * 12_000 - 16_000  # everything fits
-    assert (r.state_checkpoints, r.state_scratch) == (4, 8)
-    r = _PoolRunner(4, 8)
+    cfg = SimpleNamespace(spec_max_batch=2, spec_tokens=4)  # 2 x 4 verify rows
+    r = _PoolRunner(4, 4, 8)
+    assert state_pool_budget(r, 40_000, 10, cfg) == 40_000 - 16_000  # everything fits
+    assert (r.state_slots, r.state_checkpoints, r.state_scratch) == (4, 4, 8)
+    r = _PoolRunner(4, 4, 8)
     with caplog.at_level("WARNING", logger="workers.engine"):
-        kv = state_pool_budget(r, 4000 + 2 * 3_050, 10)
-    assert (r.state_checkpoints, r.state_scratch) == (3, 0) and kv == 4000 + 2 * 3_050 - 7_000
-    text = caplog.text
-    assert "keeps 3 state checkpoints, not 4" in text and "speculative decoding off" in text
-    assert "speculationGamma" in text
-    with pytest.raises(ValueError, match="lower maxBatchSize"):
-        state_pool_budget(_PoolRunner(4, 8), 4005, 10)
+        kv = state_pool_budget(r, 10_200, 10, cfg)  # slots 4 (4,000 <= 5,100); 3 checkpoints in 3,100
+    assert (r.state_slots, r.state_checkpoints, r.state_scratch) == (4, 3, 0) and kv == 10_200 - 7_000
+    assert "keeps 3 state checkpoints, not 4" in caplog.text and "speculative decoding off" in caplog.text
+    caplog.clear()
+    r = _PoolRunner(200, 200, 8)  # maxBatchSize 200: 5 slots in half of 11,000, verify rows of 2 x 4
+    with caplog.at_level("WARNING", logger="workers.engine"):
+        kv = state_pool_budget(r, 11_000, 10, cfg)
+    assert (r.state_slots, r.state_checkpoints, r.state_scratch) == (5, 3, 0) and kv == 11_000 - 8_000
+    assert "runs at most 5 sequences at once, not 200 (maxBatchSize)" in caplog.text
+    with pytest.raises(ValueError, match="one sequence's state"):
+        state_pool_budget(_PoolRunner(4, 4, 8), 1005, 10, cfg)
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["chunked-form", "batch-invariant"])

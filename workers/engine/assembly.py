@@ -24,9 +24,10 @@ import os
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
-from mindie.contract.spec import WorkerSpec
+from mindie.contract.spec import EngineConfig, WorkerSpec
 
 from workers.attention import for_layout, kv_cache, split_attention
 from workers.backends import get_backend
@@ -77,7 +78,9 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     block_bytes = runner.bytes_per_block(cfg.block_size)
     budget = kv_cache.budget_bytes(spec, backend.name, backend.free_memory)
     if runner.state_slots:  # a hybrid model's state pool comes out of the same budget
-        budget = state_pool_budget(runner, budget, block_bytes)
+        budget = state_pool_budget(runner, budget, block_bytes, cfg)
+        if runner.state_slots < cfg.max_batch_size:  # the sequences that have a state slot run at once
+            cfg = msgspec.structs.replace(cfg, max_batch_size=runner.state_slots)
     num_blocks = kv_cache.blocks_in(budget, block_bytes)
     if group is not None:  # every rank allocates the same blocks (what the smallest memory holds)
         group.wait_all("loaded the model")
@@ -106,29 +109,37 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
     return Assembly(runner, engine, group, num_blocks, device)
 
 
-def state_pool_budget(runner: ModelRunner, budget: int, block_bytes: int) -> int:
+def state_pool_budget(runner: ModelRunner, budget: int, block_bytes: int, cfg: EngineConfig) -> int:
     """The KV cache's part of ``budget`` once a hybrid model's state pool is taken out; logs both
-    costs per sequence. The slots (one per running sequence, maxBatchSize) are needed: ValueError
-    when they leave no room for one KV block. The prefix checkpoints and the speculative verify
-    rows are not: together they take at most half of what the slots leave, so that a large model's
-    states (Qwen3.5-0.8B: ~19 MB a row) never crowd the KV cache out of the default budget. The
-    checkpoints go first (a conversation's next turn resumes from them), as many as fit; the verify
-    rows only all together (a verify needs a row per proposed token), else speculation is off for
-    the model, both said in a WARNING naming the keys."""
+    costs per sequence. A large model's state is large (Qwen3.5-0.8B: ~19 MB a sequence), so the
+    pool is fitted to the budget instead of refusing the default one: the slots (one per running
+    sequence) take at most half of it, as many as fit up to maxBatchSize (fewer: the engine runs
+    fewer sequences at once); the prefix checkpoints and the speculative verify rows together at
+    most half of what the slots leave, the checkpoints first (a conversation's next turn resumes
+    from them), the verify rows only all together (a verify needs a row per proposed token), else
+    speculation is off for the model. Each cut is a WARNING naming the keys. ValueError when not
+    even one slot and one KV block fit."""
     conv, rec = runner.state_bytes_per_seq()
     row = conv + rec
+    wanted = runner.state_slots
+    runner.state_slots = max(1, min(wanted, budget // 2 // row))
     if budget - runner.state_slots * row < block_bytes:
-        raise ValueError(f"the KV cache budget (cpuMemSize / npuMemSize: {budget} bytes) does not hold the state pool "
-                         f"of a hybrid model ({runner.state_slots} sequences x {row} bytes) and one KV block; raise the "
-                         "memory size or lower maxBatchSize")
+        raise ValueError(f"the KV cache budget (cpuMemSize / npuMemSize: {budget} bytes) does not hold one sequence's "
+                         f"state of a hybrid model ({row} bytes) and one KV block; raise the memory size")
+    if runner.state_slots < wanted:
+        log.warning("this hybrid model runs at most %d sequences at once, not %d (maxBatchSize): a sequence's state "
+                    "takes %d bytes and the state slots at most half of the budget; raise cpuMemSize / npuMemSize "
+                    "for more", runner.state_slots, wanted, row)
     room = (budget - runner.state_slots * row) // 2
-    wanted = runner.state_checkpoints
+    wanted = min(runner.state_checkpoints, runner.state_slots)
     runner.state_checkpoints = min(wanted, room // row)
     if runner.state_checkpoints < wanted:
-        log.warning("prefix caching keeps %d state checkpoints, not %d (maxBatchSize): %d bytes each, at most half of "
-                    "the budget the state slots leave; raise cpuMemSize / npuMemSize for more prefix hits",
+        log.warning("prefix caching keeps %d state checkpoints, not %d: %d bytes each, at most half of the budget the "
+                    "state slots leave; raise cpuMemSize / npuMemSize for more prefix hits",
                     runner.state_checkpoints, wanted, row)
     room -= runner.state_checkpoints * row
+    if runner.state_scratch:
+        runner.state_scratch = min(cfg.spec_max_batch, runner.state_slots) * cfg.spec_tokens
     if runner.state_scratch * row > room:
         log.warning("speculative decoding off for this model: its %d verify rows (min(speculationMaxBatch, "
                     "maxBatchSize) x speculationGamma) x %d bytes do not fit in half of the budget the state slots "
