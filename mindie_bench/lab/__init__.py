@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "side-by-side": ("vllm_side_by_side.sh", "this server against vLLM's CPU build (installs vLLM in a venv)"),
     "llama-side-by-side": ("llama_server_side_by_side.sh", "this server against llama.cpp's llama-server on one GGUF file, chat workload, speculation on and off"),
     "bench-models": ("bench_models", "a benchmark model's directory by name (bench30m, gpu1b, qwen35-1b, default), built on first use"),
+    "model-lifecycle": ("model_lifecycle", "several models: load (evicting the idle one), unload, sleep and wake times and the memory freed"),
     "overlap": ("overlap", "step overlap on against off: two servers, mindie-bench compare"),
     "invariance": ("invariance", "batch-invariant mode on against off: two servers, mindie-bench compare"),
     "overload": ("overload", "admission at 10x maxLinkNum: rejection latency, /health, RSS"),
