@@ -193,3 +193,20 @@ def test_qwen35_logits_and_greedy_equal_transformers(written35, tmp_path) -> Non
     for _ in range(8):
         seq.append(int(_paged_logits(model, [torch.tensor(seq)], [[len(seq)]])[0][-1].argmax()))
     assert seq[len(prompt):] == hf_greedy(hf, prompt, 8)
+
+
+def test_qwen35_native_keeps_only_unpermuted_blocks(written35, tmp_path) -> None:
+    """``ggufCompute: native``: a tensor whose rows or columns the converter permuted (every Gated
+    DeltaNet projection here) is dequantised and put back in order; the attention keeps its blocks."""
+    from workers.backends.gguf_linear import GgufLinear, NativeTarget
+    from workers.kernels import gguf_kernels as gk
+    _, path, _ = written35
+    view = ensure_view(path, tmp_path / "cache")
+    ref, _ = load_model(view, torch.float32)
+    ours, _ = load_model(view, torch.float32, gguf_native=NativeTarget(gk.load()))
+    la = ours.layers[0].linear_attn
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        lin = getattr(la, name)
+        assert not isinstance(lin, GgufLinear), name
+        assert torch.equal(lin.weight, getattr(ref.layers[0].linear_attn, name).weight), name
+    assert isinstance(ours.layers[3].self_attn.q_proj, GgufLinear)
