@@ -210,3 +210,19 @@ def test_qwen35_native_keeps_only_unpermuted_blocks(written35, tmp_path) -> None
         assert not isinstance(lin, GgufLinear), name
         assert torch.equal(lin.weight, getattr(ref.layers[0].linear_attn, name).weight), name
     assert isinstance(ours.layers[3].self_attn.q_proj, GgufLinear)
+
+
+def test_qwen35_w8a16_straight_equals_load_then_quantise(written35, tmp_path) -> None:
+    """``quantize: w8a16`` read straight to int8: the reordered projections' int8 rows and scales
+    are those of the fp32 load (in order) quantised afterwards."""
+    from workers.backends.int8 import Int8Kernel, Int8Linear, Int8Target, quantize_model
+    kernel = Int8Kernel()
+    view = ensure_view(written35[1], tmp_path / "cache")
+    ref, _ = load_model(view, torch.float32)
+    quantize_model(ref, kernel)
+    ours, _ = load_model(view, torch.float32, int8=Int8Target(kernel))
+    want = {n: m for n, m in ref.named_modules() if isinstance(m, Int8Linear)}
+    got = {n: m for n, m in ours.named_modules() if isinstance(m, Int8Linear)}
+    assert got.keys() == want.keys() and "layers.0.linear_attn.out_proj" in got
+    for n, m in got.items():
+        assert torch.equal(m.q, want[n].q) and torch.equal(m.scale, want[n].scale), n
