@@ -1,4 +1,4 @@
-"""GGUF Qwen3-Next (issue 53, item 5): llama.cpp's ``qwen3next`` file, written here as
+"""GGUF Qwen3-Next and Qwen3.5 (issue 53, item 5): llama.cpp's ``qwen3next`` file, written here as
 convert_hf_to_gguf.py's Qwen3NextModel writes it (tests/tiny_gguf.py: ``in_proj_qkvz`` split into
 ``attn_qkv`` / ``attn_gate``, ``ssm_a`` = -exp(A_log), ``ssm_dt.bias``, the squeezed
 ``ssm_conv1d``, the (1 + w) norms stored as 1 + w, Qwen2-MoE's stacked experts, an MTP block), against
