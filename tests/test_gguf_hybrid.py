@@ -69,23 +69,36 @@ def test_weights_equal_the_checkpoints(written, tmp_path) -> None:
             "blk.0.ssm_conv1d.weight", "blk.0.ffn_gate_exps.weight", "blk.3.attn_q.weight",
             "blk.4.nextn.eh_proj.weight"} <= names.keys()  # blk.4: the MTP block (not loaded)
     assert names["blk.0.ssm_conv1d.weight"].shape == (2 * 2 * 32 + 4 * 32, 4)
+    _, rewritten = _check_weights(path, st, tmp_path, "qkvz")
+    assert len(rewritten) == 3 + 4 * 2 + 2 + 1  # A_log x3, two norms a layer, q/k norms, the final norm
+
+
+def _check_weights(path: Path, st: Path, tmp_path: Path, layout: str) -> tuple[dict, list[str]]:
+    """Every weight loaded from the file against the decoder's load of the checkpoint ``st``:
+    equal, or (the values llama.cpp rewrites) within their fp32 round trip; (the checkpoint's
+    state, the rewritten names)."""
     ours, args = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
     mine, ref_args = load_model(st, torch.float32)
-    assert args.hybrid == ref_args.hybrid and args.moe == ref_args.moe and args.hybrid.layout == "qkvz"
-    assert args.num_hidden_layers == 4
+    assert args.hybrid == ref_args.hybrid and args.moe == ref_args.moe and args.hybrid.layout == layout
+    assert args.arch == ref_args.arch and args.num_hidden_layers == 4
     theirs = dict(mine.state_dict())
-    rewritten = 0
+    rewritten = []
     for name, t in ours.state_dict().items():
         if name.endswith(REWRITTEN) and not name.endswith("linear_attn.norm.weight"):
             assert (t - theirs[name]).abs().max() <= 2e-7, name
-            rewritten += 1
+            rewritten.append(name)
         else:
             assert torch.equal(t, theirs[name]), name
-    assert rewritten == 3 + 4 * 2 + 2 + 1  # A_log x3, two norms a layer, q/k norms, the final norm
+    return theirs, rewritten
 
 
 def test_logits_and_greedy_equal_transformers(written, tmp_path) -> None:
-    hf, path, _ = written
+    _check_logits_and_greedy(*written[:2], tmp_path)
+
+
+def _check_logits_and_greedy(hf, path: Path, tmp_path: Path) -> None:
+    """The file's model against transformers on the checkpoint: logits over the paged cache and the
+    state pool (a prompt in two chunks, then decodes) within 1e-4, and the greedy continuation."""
     model, _ = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 300, (n,), generator=g) for n in (60, 24)]
@@ -153,24 +166,13 @@ def written35(request, tmp_path_factory):
 
 
 def test_qwen35_weights_equal_the_checkpoints(written35, tmp_path, monkeypatch) -> None:
-    hf, path, st = written35
+    _, path, st = written35
     g = open_gguf(path)
     assert {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight",
             "blk.0.ssm_out.weight", "blk.3.attn_q.weight", "blk.4.nextn.eh_proj.weight"} <= g.tensors.keys()
-    ours, args = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
-    mine, ref_args = load_model(st, torch.float32)
-    assert args.hybrid == ref_args.hybrid and args.moe == ref_args.moe and args.hybrid.layout == "split"
-    assert args.arch == ref_args.arch and args.num_hidden_layers == 4
-    theirs = dict(mine.state_dict())
-    rewritten = reordered = 0
-    for name, t in ours.state_dict().items():
-        if name.endswith(REWRITTEN) and not name.endswith("linear_attn.norm.weight"):
-            assert (t - theirs[name]).abs().max() <= 2e-7, name
-            rewritten += 1
-        else:
-            assert torch.equal(t, theirs[name]), name
-        reordered += name.endswith(REORDERED)
-    assert rewritten == 3 + 4 * 2 + 2 + 1 and reordered == 3 * len(REORDERED)
+    theirs, rewritten = _check_weights(path, st, tmp_path, "split")
+    assert len(rewritten) == 3 + 4 * 2 + 2 + 1
+    assert sum(name.endswith(REORDERED) for name in theirs) == 3 * len(REORDERED)
     # the same file read without the inverse reorder: every reordered tensor differs
     monkeypatch.setattr("workers.models.gguf_loader.v_order", lambda g, name: (None, None))
     raw, _ = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
@@ -180,19 +182,8 @@ def test_qwen35_weights_equal_the_checkpoints(written35, tmp_path, monkeypatch) 
 
 
 def test_qwen35_logits_and_greedy_equal_transformers(written35, tmp_path) -> None:
-    hf, path, _ = written35
-    model, _ = load_model(ensure_view(path, tmp_path / "cache"), torch.float32)
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(3, 300, (n,), generator=g) for n in (60, 24)]
-    with torch.no_grad():
-        refs = [hf(s[None]).logits[0] for s in seqs]
-    for out, ref in zip(_paged_logits(model, seqs, [[40, 12], [24]]), refs):
-        assert (out - ref).abs().max().item() <= 1e-4
-    prompt = seqs[1].tolist()
-    seq = list(prompt)
-    for _ in range(8):
-        seq.append(int(_paged_logits(model, [torch.tensor(seq)], [[len(seq)]])[0][-1].argmax()))
-    assert seq[len(prompt):] == hf_greedy(hf, prompt, 8)
+    _check_logits_and_greedy(*written35[:2], tmp_path)
+
 
 
 def test_qwen35_native_keeps_only_unpermuted_blocks(written35, tmp_path) -> None:
