@@ -15,8 +15,9 @@ transformers on the safetensors it was written from (transformers has no GGUF lo
   value heads reordered (grouped by key head -> tiled; 2 key heads, 6 value heads: the reorder is
   not its own inverse) across ``attn_qkv``, the convolution, ``attn_gate``, ``ssm_beta`` /
   ``ssm_alpha``, ``ssm_a`` / ``ssm_dt.bias`` and the columns of ``ssm_out`` (Q8_0 over 16-wide
-  heads: the blocks straddle heads): the same weight equality, logits and greedy, and the same
-  load without the inverse (``v_order`` as stored) differs from the checkpoint.
+  heads: the blocks straddle heads), layer types from ``attention.recurrent_layers``: the same
+  weight equality, logits and greedy, and the same load without the inverse (``v_order`` as
+  stored) differs from the checkpoint.
 """
 from __future__ import annotations
 
@@ -141,7 +142,9 @@ def test_native_blocks_in_the_hybrid_layers(written, tmp_path) -> None:
     assert (got - want).abs().amax(1).median() < 0.05 * (want.max() - want.min())
 
 
-QWEN35 = dict(num_hidden_layers=4, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+# layer types off full_attention_interval's pattern: read from attention.recurrent_layers
+QWEN35 = dict(num_hidden_layers=4, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                "linear_attention"], head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6)
 QWEN35_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
 QWEN35_TYPES = {"attn_qkv": Q.Q8_0, "attn_gate": Q.Q8_0, "ssm_beta": Q.Q8_0, "ssm_alpha": Q.Q5_1,
@@ -169,7 +172,8 @@ def test_qwen35_weights_equal_the_checkpoints(written35, tmp_path, monkeypatch) 
     _, path, st = written35
     g = open_gguf(path)
     assert {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight",
-            "blk.0.ssm_out.weight", "blk.3.attn_q.weight", "blk.4.nextn.eh_proj.weight"} <= g.tensors.keys()
+            "blk.0.ssm_out.weight", "blk.2.attn_q.weight", "blk.3.ssm_out.weight",
+            "blk.4.nextn.eh_proj.weight"} <= g.tensors.keys()
     theirs, rewritten = _check_weights(path, st, tmp_path, "split")
     assert len(rewritten) == 3 + 4 * 2 + 2 + 1
     assert sum(name.endswith(REORDERED) for name in theirs) == 3 * len(REORDERED)
@@ -200,7 +204,7 @@ def test_qwen35_native_keeps_only_unpermuted_blocks(written35, tmp_path) -> None
         lin = getattr(la, name)
         assert not isinstance(lin, GgufLinear), name
         assert torch.equal(lin.weight, getattr(ref.layers[0].linear_attn, name).weight), name
-    assert isinstance(ours.layers[3].self_attn.q_proj, GgufLinear)
+    assert isinstance(ours.layers[2].self_attn.q_proj, GgufLinear)
 
 
 def test_qwen35_w8a16_straight_equals_load_then_quantise(written35, tmp_path) -> None:

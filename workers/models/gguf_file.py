@@ -227,6 +227,22 @@ class GgufFile:
             return default
         return field.contents()
 
+    def array(self, key: str) -> list | None:
+        """A numeric metadata array's values (a per-layer list: the header read skips arrays'
+        contents, so they are read here from the map); None when absent or not numeric."""
+        field = self._reader.fields.get(key)
+        if field is None or not field.types or field.types[0] != GGUFValueType.ARRAY:
+            return None
+        if field.data:
+            return field.contents()
+        np_type = self._reader.gguf_scalar_to_np.get(field.types[-1])
+        if np_type is None:
+            return None
+        n = int(field.parts[-1][0])
+        start = field.offset + 8 + len(field.parts[1]) + 4 + 12  # key length, key, value type, item type, count
+        raw = np.asarray(self._reader.data[start:start + n * np.dtype(np_type).itemsize])
+        return raw.view(np_type).tolist()
+
     def array_length(self, key: str) -> int | None:
         field = self._reader.fields.get(key)
         if field is None or not field.types or field.types[0] != GGUFValueType.ARRAY:

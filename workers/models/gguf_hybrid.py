@@ -76,7 +76,7 @@ def hybrid_keys(g: Any, head_dim: int, err: type[Exception]) -> dict[str, Any]:
     if nv % out["linear_num_key_heads"]:
         raise err(f"metadata {g.arch}.ssm.time_step_rank {nv} is not a multiple of ssm.group_count "
                   f"{out['linear_num_key_heads']}")
-    recurrent = g.get(f"{g.arch}.attention.recurrent_layers")
+    recurrent = g.array(f"{g.arch}.attention.recurrent_layers")
     if recurrent is not None:  # one flag per block (the MTP blocks' too): the layer types
         if not isinstance(recurrent, list) or len(recurrent) != blocks:
             raise err(f"metadata {g.arch}.attention.recurrent_layers must hold {blocks} flags, got {recurrent!r}")
