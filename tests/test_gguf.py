@@ -442,7 +442,7 @@ def test_refusals_name_the_problem(tiny, tmp_path, cache) -> None:
     cases = [
         (_falcon_file(tmp_path / "falcon.gguf"), r"general\.architecture 'falcon' is not supported \(supported: gemma2, "
                                                  r"gemma3, glm4, glm4moe, llama, phi3, qwen2, qwen2moe, qwen3, "
-                                                 r"qwen3moe"),
+                                                 r"qwen35, qwen35moe, qwen3moe, qwen3next"),
         (_q2k_file(tiny["qwen3"], tmp_path / "q2k.gguf"), r"tensor type\(s\) not supported: blk\.0\.attn_q\.weight "
                                                            r"\(Q2_K\) \(supported: F32, F16, BF16, Q8_0"),
         (truncated, rf"truncated: tensor \S+ ends at byte \d+, the file has {size - 1000}"),

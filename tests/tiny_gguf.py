@@ -32,6 +32,7 @@ CORPUS = ("The quick brown fox jumps over the lazy dog. Hello, world! What is de
           "def main():\n    return 42\n  indented   spaces\tand tabs. Numbers 12345 and 67.89; "
           "über café naïve — 你好世界 こんにちは 🙂🚀 ") * 20
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # Gated DeltaNet files
 # Where each K-quant keeps its fp16 super-block scale(s) in a block, and a value that keeps the
 # dequantised weights under ~0.1 (ggml's block_q4_K / block_q5_K: d, dmin first; block_q6_K: d last).
 _K_SCALES = {Q.Q4_K: ((0, 1e-4), (2, 1e-4)), Q.Q5_K: ((0, 5e-5), (2, 5e-5)), Q.Q6_K: ((208, 2e-5),)}
@@ -190,6 +191,31 @@ def _hybrid_metadata(w: gguf.GGUFWriter, cfg: Any, head_dim: int, mtp: int) -> N
         w.add_nextn_predict_layers(mtp)
 
 
+def _v_reorder(hf: str, cfg: Any) -> tuple[int, np.ndarray] | None:
+    """(axis, index) of the value-head reorder Qwen3.5's converter applies to the tensor ``hf``
+    (``_LinearAttentionVReorderBase``: grouped by key head -> tiled; the file's entry i along the
+    axis is the checkpoint's ``index[i]``); None for a tensor it keeps."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    name = hf.partition(".linear_attn.")[2]
+    if not name or nk == nv:
+        return None
+
+    def tiled(n_heads_dim: int, base: int = 0) -> np.ndarray:  # _reorder_v_heads on an arange
+        d = n_heads_dim // nv
+        return base + np.arange(n_heads_dim).reshape(nk, nv // nk, d).transpose(1, 0, 2).reshape(-1)
+
+    qk, value = 2 * nk * cfg.linear_key_head_dim, nv * cfg.linear_value_head_dim
+    if name in ("in_proj_qkv.weight", "conv1d.weight"):  # only the v rows (channels)
+        return 0, np.concatenate([np.arange(qk), tiled(value, qk)])
+    if name == "in_proj_z.weight":
+        return 0, tiled(value)
+    if name in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        return 0, tiled(nv)
+    if name == "out_proj.weight":
+        return 1, tiled(value)
+    return None
+
+
 def _hybrid_tensors(hf: str, data: np.ndarray, names: Any, cfg: Any) -> list[tuple[str, np.ndarray]]:
     """(llama.cpp name, values) of a Qwen3-Next tensor as Qwen3NextModel.modify_tensors rewrites it:
     in_proj_qkvz split into attn_qkv (q, k, v of every key head in turn) and attn_gate (z),
@@ -220,10 +246,10 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
                types: dict[str, Q] | None = None, default: Q = Q.F32, seed: int = 0, mtp: int = 0,
                fuse_gate_up_exps: bool = False, sync: bool = False) -> Path:
     """``model`` (a transformers causal LM) as a GGUF file of architecture ``arch`` (llama, qwen2,
-    qwen3, phi3, glm4, qwen2moe, qwen3moe, glm4moe, qwen3next; Mistral: "llama" with a name saying mistral,
+    qwen3, phi3, glm4, qwen2moe, qwen3moe, glm4moe, qwen3next, qwen35, qwen35moe; Mistral: "llama" with a name saying mistral,
     as llama.cpp writes it). ``types``: the type of each 2-D or stacked tensor by its llama.cpp
     kind ("token_embd", "output", "attn_q", "ffn_gate_exps", ...), else ``default``. ``mtp``:
-    that many extra multi-token-prediction blocks (GLM-4-MoE, Qwen3-Next; a few of their tensors, random).
+    that many extra multi-token-prediction blocks (GLM-4-MoE, the hybrid Qwens; a few of their tensors, random).
     ``sync``: the model's parameters are set to what the file holds (its dequantised values), so
     that transformers on the model computes what the file says (for architectures transformers'
     GGUF loader does not read)."""
@@ -247,11 +273,15 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
         w.add_rope_dimension_count(head_dim)
     if arch in ("phi3", "glm4"):
         _variant_metadata(w, cfg, arch, head_dim)
-    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "qwen3next"):
-        _moe_metadata(w, cfg, "qwen2moe" if arch == "qwen3next" else arch, head_dim, mtp)
-    if arch == "qwen3next":
+    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "qwen3next", "qwen35moe"):
+        _moe_metadata(w, cfg, "qwen2moe" if arch in HYBRID else arch, head_dim, mtp)
+    if arch in HYBRID:
         _hybrid_metadata(w, cfg, head_dim, mtp)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("qwen3", "qwen3moe"):
+    if arch in ("qwen35", "qwen35moe"):  # _Qwen35MRopeMixin; add_recurrent_layers from layer_types
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_array(f"{arch}.attention.recurrent_layers",
+                    [t == "linear_attention" for t in cfg.layer_types] + [False] * mtp)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("qwen3", "qwen3moe", "qwen35", "qwen35moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -280,6 +310,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers + mtp)
     state = model.state_dict()
     tensors: list[tuple[str, str, np.ndarray]] = []  # (HF name, llama.cpp name, values)
+    unorder: dict[str, tuple[int, np.ndarray]] = {}  # llama.cpp name -> the value-head reorder it holds
     for hf, t in state.items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -288,12 +319,17 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
         if moe:
             tensors += [(hf, gname, part) for gname, part in moe]
             continue
-        rewritten = _hybrid_tensors(hf, data, names, cfg) if arch == "qwen3next" else []
+        order = _v_reorder(hf, cfg) if arch in ("qwen35", "qwen35moe") else None
+        if order is not None:
+            data = np.take(data, order[1], axis=order[0])
+        rewritten = _hybrid_tensors(hf, data, names, cfg) if arch in HYBRID else []
         if rewritten:  # values or row order rewritten: not synced back (the test rounds them itself)
             tensors += [("", gname, part) for gname, part in rewritten]
             continue
         base, _, suffix = hf.rpartition(".")
         gname = f"{names.get_name(base)}.{suffix}"
+        if order is not None:
+            unorder[gname] = order
         if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             data = _permute(data, cfg.num_attention_heads if ".attn_q." in gname else cfg.num_key_value_heads)
         tensors.append((hf, gname, data))
@@ -319,7 +355,11 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, vocab: dict[str, A
             raw = gguf.quants.quantize(np.ascontiguousarray(data), qtype)
             w.add_tensor(gname, raw, raw_dtype=qtype)
         if sync and hf:
-            stored.setdefault(hf, []).append(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
+            values = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
+            if gname in unorder:  # back in the checkpoint's head order
+                axis, idx = unorder[gname]
+                values = np.take(values, np.argsort(idx), axis=axis)
+            stored.setdefault(hf, []).append(values)
     if sync:
         _sync(model, state, stored, arch)
     w.write_header_to_file()

@@ -12,8 +12,8 @@ no torch:
   a truncated or corrupt file raises ``GgufError`` saying so;
 - ``hf_config(g)``: the Hugging Face ``config.json`` / ``generation_config.json`` the metadata
   describes (architectures llama, mistral, qwen2, qwen3, phi3, glm4, gemma2, gemma3, the
-  mixtures of experts qwen2moe, qwen3moe, glm4moe: gguf_moe.py, and the hybrid qwen3next:
-  gguf_hybrid.py; anything else refused, named;
+  mixtures of experts qwen2moe, qwen3moe, glm4moe: gguf_moe.py, and the hybrid qwen3next,
+  qwen35, qwen35moe: gguf_hybrid.py; anything else refused, named;
   Gemma's keys as llama.cpp reads them: ``_gemma_keys``);
 - ``plan_tensors(g, expected)``: every tensor the model needs (by Hugging Face name, from
   ``workers.models.checkpoint.expected_tensors``) found under its llama.cpp name (the ``gguf``
@@ -38,7 +38,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 from gguf import get_tensor_name_map
 
-from .gguf_hybrid import HYBRID_ARCHS, NOT_YET, hybrid_keys, linear_attn_parts
+from .gguf_hybrid import HYBRID_ARCHS, hybrid_keys, linear_attn_parts
 from .gguf_moe import MOE_ARCHS, expert_part, moe_keys, mtp_layers
 from .gguf_variant import EXTRA_TENSORS, variant_keys
 from .gemma_chat import END_OF_TURN
@@ -227,6 +227,22 @@ class GgufFile:
             return default
         return field.contents()
 
+    def array(self, key: str) -> list | None:
+        """A numeric metadata array's values (a per-layer list: the header read skips arrays'
+        contents, so they are read here from the map); None when absent or not numeric."""
+        field = self._reader.fields.get(key)
+        if field is None or not field.types or field.types[0] != GGUFValueType.ARRAY:
+            return None
+        if field.data:
+            return field.contents()
+        np_type = self._reader.gguf_scalar_to_np.get(field.types[-1])
+        if np_type is None:
+            return None
+        n = int(field.parts[-1][0])
+        start = field.offset + 8 + len(field.parts[1]) + 4 + 12  # key length, key, value type, item type, count
+        raw = np.asarray(self._reader.data[start:start + n * np.dtype(np_type).itemsize])
+        return raw.view(np_type).tolist()
+
     def array_length(self, key: str) -> int | None:
         field = self._reader.fields.get(key)
         if field is None or not field.types or field.types[0] != GGUFValueType.ARRAY:
@@ -303,9 +319,6 @@ def hf_config(g: GgufFile) -> tuple[dict[str, Any], dict[str, Any]]:
     """(config.json, generation_config.json) of the model the metadata describes; GgufError for an
     architecture the decoder does not have, or metadata it cannot serve."""
     arch = g.arch
-    if arch in NOT_YET:
-        raise GgufError(f"general.architecture {arch!r} (Qwen3.5, hybrid linear attention) is not served from GGUF "
-                        "yet: serve the model's Hugging Face checkpoint (config.json and safetensors)")
     if arch == "llama" and g.arch_key("expert_count"):
         raise GgufError("general.architecture 'llama' with llama.expert_count (Mixtral as llama.cpp writes it) is "
                         "not served from GGUF yet: serve the model's Hugging Face checkpoint")

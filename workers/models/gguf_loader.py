@@ -42,7 +42,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .gguf_file import GgufFile
-from .gguf_hybrid import value_map
+from .gguf_hybrid import v_order, value_map
 
 __all__ = ["CHUNK_VALUES", "GgufTarget", "Int8Target", "load_gguf"]
 
@@ -199,7 +199,10 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             # llama.cpp stores Gemma's norm weights as 1 + w: back to w in fp32, as transformers' GGUF loader
             shift = g.arch in NORM_PLUS_ONE and gname.endswith("norm.weight")
             undo = value_map(g.arch, gname)  # what else llama.cpp's converter rewrote (gguf_hybrid.py)
-            for off, values in reader.chunks(r0, r1, c0, c1):
+            rows_of, cols_of = v_order(g, gname)  # Qwen3.5's value heads, reordered by the converter
+            chunks = (reader.chunks(r0, r1, c0, c1) if rows_of is None and cols_of is None else
+                      _reordered(reader, n_rows, r0, r1, c0, c1, rows_of, cols_of))
+            for off, values in chunks:
                 if shift:
                     values = np.asarray(values, dtype=np.float32) - np.float32(1.0)
                 if undo is not None:
@@ -238,6 +241,20 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
              f"{len(native_of)} linears kept in their blocks, the rest dequantised" if native_of else "dequantised",
              str(dtype).removeprefix("torch."), " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
     return nbytes
+
+
+def _reordered(reader: _Reader, n_rows: int, r0: int, r1: int, c0: int | None, c1: int | None,
+               rows_of: np.ndarray | None, cols_of: np.ndarray | None):
+    """One chunk: Hugging Face rows r0..r1 (columns c0..c1) of a tensor whose rows / columns the
+    converter permuted (``rows_of`` / ``cols_of``: the file's index of each HF one), from the
+    whole tensor dequantised (a Gated DeltaNet projection: small beside the model)."""
+    values = np.concatenate([v for _, v in reader.chunks(0, n_rows)], axis=0)
+    values = values[rows_of[r0:r1]] if rows_of is not None else values[r0:r1]
+    if cols_of is not None:
+        values = values[:, cols_of if c0 is None else cols_of[c0:c1]]
+    elif c0 is not None:
+        values = values[:, c0:c1]
+    yield 0, np.ascontiguousarray(values, dtype=np.float32)
 
 
 def _int8_linears(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str, torch.nn.Linear]]:
@@ -307,7 +324,7 @@ def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list
     for gname, entry in entries:
         hf, _, dst = entry.partition("#")
         slot, t = slots[hf], g.ref(gname)
-        if dst:  # a row range of its layer: never native (the layer is dequantised)
+        if dst or any(o is not None for o in v_order(g, gname)):  # a row range, or rows permuted: dequantised
             continue
         if id(slot.param) in linears:
             parts.setdefault(id(slot.param), []).append((slot, t))

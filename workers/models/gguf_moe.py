@@ -54,8 +54,9 @@ def _int(g: Any, suffix: str, err: type[Exception], default: int | None = None, 
 
 def mtp_layers(g: Any) -> int:
     """The multi-token-prediction layers counted in ``block_count``, the last ones (GLM-4-MoE's;
-    Qwen3-Next's, which the converter's ``_QwenMtpMixin`` appends the same way); 0 elsewhere."""
-    n = g.arch_key("nextn_predict_layers", 0) if g.arch in ("glm4moe", "qwen3next") else 0
+    Qwen3-Next's and Qwen3.5's, which the converter's ``_QwenMtpMixin`` appends the same way); 0
+    elsewhere."""
+    n = g.arch_key("nextn_predict_layers", 0) if g.arch in ("glm4moe", "qwen3next", "qwen35", "qwen35moe") else 0
     return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
