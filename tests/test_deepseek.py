@@ -195,7 +195,9 @@ def test_cache_holds_the_latent_only(models) -> None:
 
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 150, 37, 90, 16, 140)]
+    # the last one repeats itself: the speculator (suffix lookup, on by default) drafts from it
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 150, 37, 90, 16, 140)] + [
+        [7, 8, 9, 10, 11] * 8]
 
 
 def test_engine_greedy_equals_transformers_under_pressure(models) -> None:
@@ -211,6 +213,7 @@ def test_engine_greedy_equals_transformers_under_pressure(models) -> None:
     res = run(eng, {f"r{i}": (p, greedy) for i, p in enumerate(ps)})
     assert {k: v[0] for k, v in res.items()} == want
     assert eng.scheduler.num_preemptions > 0
+    assert eng.speculator.draft_tokens > 0  # drafts verified over the latent cache
     assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
     hits = eng.blocks.prefix_hits
     again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # the 150-token prompt again: its 9 full blocks are cached
