@@ -193,6 +193,14 @@ def test_cache_holds_the_latent_only(models) -> None:
 # -- engine: chunked prefill, preemption, prefix cache, log-probabilities --------------------------------
 
 
+@pytest.mark.parametrize("case", ["v3_yarn", "v2_lite"])
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """Every linear int8, the latent projections and the routed experts included, over the latent
+    cache (tests/test_model_families.py's check)."""
+    from tests.test_model_families import int8_check
+    int8_check(models[case][1], lambda m, ids, chunks, cls: _paged_logits(m, ids, chunks), vocab=VOCAB)
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     # the last one repeats itself: the speculator (suffix lookup, on by default) drafts from it

@@ -189,6 +189,13 @@ def test_logits_bf16_within_transformers_bf16_error(models, case: str) -> None:
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """Every linear int8 (tests/test_model_families.py's check over this file's cache layout)."""
+    from tests.test_model_families import int8_check
+    int8_check(models[case][1], _paged_logits)
+
+
 # -- engine ------------------------------------------------------------------------------------------
 
 
