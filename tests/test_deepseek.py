@@ -324,3 +324,14 @@ def test_server_infer_token_and_chat_equal_transformers(chat_model, tmp_path: Pa
         assert metric(srv.url, "num_preemptions_total") > 0
         assert metric(srv.url, "npu_prefix_cache_hit_rate") > 0
         assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), "What is multi-head latent attention?")
+
+
+def test_lora_refused_naming_deepseek(models) -> None:
+    """A LoRA adapter cannot be combined with multi-head latent attention: the worker's refusal (a load answered 400
+    with it, LoraModules refused at start) names both; a tensor-parallel instance names its own."""
+    from workers.engine.assembly import lora_refusal
+    model, _ = load_model(models["v2_lite"][1], torch.float32)
+    assert re.fullmatch(
+        r"LoRA adapters are not served for DeepSeek \(multi-head latent attention\).*",
+        lora_refusal(model, False))
+    assert "tensor-parallel" in lora_refusal(model, True)

@@ -531,3 +531,15 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
                          log), log[-3000:]
         assert "KV cache 256 bytes per token (1 full-attention layers)" in log, log[-3000:]
         assert "speculative decoding: memory_decoding" in log, log[-3000:]
+
+
+def test_lora_refused_naming_the_hybrid_layers(models) -> None:
+    """A LoRA adapter cannot be combined with a Gated DeltaNet layer: the worker's refusal (a load
+    answered 400 with it, LoraModules refused at start) names both; a tensor-parallel instance
+    names its own."""
+    from workers.engine.assembly import lora_refusal
+    model, _ = load_model(models["qwen3_5"][1], torch.float32)
+    assert re.fullmatch(
+        r"LoRA adapters are not served for hybrid linear-attention models \(Qwen3-Next / Qwen3\.5\).*",
+        lora_refusal(model, False))
+    assert "tensor-parallel" in lora_refusal(model, True)
