@@ -149,3 +149,22 @@ def test_bf16_within_transformers_bf16_error(models, case: str) -> None:
 def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
     """Every linear int8, the routed experts' stacked weights included (the router stays fp32)."""
     int8_check(models[case][1])
+
+
+# -- the real server -----------------------------------------------------------------------------------
+
+
+@pytest.mark.server
+def test_server_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
+    """The launch script on a tiny GLM-4.5-shaped chat model (the grouped case's routing, q/k norms
+    and biases): /infer_token (a prompt in chunks of 16, then again: a prefix-cache hit) and the
+    OpenAI chat route equal transformers' greedy output (tests/test_gemma.py's check)."""
+    from tests.test_gemma import CHAT_TEMPLATE, served_greedy_equals_transformers
+    from tests.tiny_hf import save_chat_model
+
+    cfg = {k: v for k, v in BASE.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    path = save_chat_model(tmp_path / "tiny-glm4-moe", CHAT_TEMPLATE, cls_name="Glm4MoeConfig",
+                           config={**cfg, **CASES["grouped"]})
+    (tmp_path / "srv").mkdir()
+    tail = served_greedy_equals_transformers(tmp_path / "srv", path, "Which experts answer?")
+    assert "glm4_moe" in tail, tail[-2000:]
