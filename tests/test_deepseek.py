@@ -193,9 +193,19 @@ def test_cache_holds_the_latent_only(models) -> None:
 # -- engine: chunked prefill, preemption, prefix cache, log-probabilities --------------------------------
 
 
+@pytest.mark.parametrize("case", ["v3_yarn", "v2_lite"])
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """Every linear int8, the latent projections and the routed experts included, over the latent
+    cache (tests/test_model_families.py's check)."""
+    from tests.test_model_families import int8_check
+    int8_check(models[case][1], lambda m, ids, chunks, cls: _paged_logits(m, ids, chunks), vocab=VOCAB)
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 150, 37, 90, 16, 140)]
+    # the last one repeats itself: the speculator (suffix lookup, on by default) drafts from it
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 150, 37, 90, 16, 140)] + [
+        [7, 8, 9, 10, 11] * 8]
 
 
 def test_engine_greedy_equals_transformers_under_pressure(models) -> None:
@@ -211,6 +221,7 @@ def test_engine_greedy_equals_transformers_under_pressure(models) -> None:
     res = run(eng, {f"r{i}": (p, greedy) for i, p in enumerate(ps)})
     assert {k: v[0] for k, v in res.items()} == want
     assert eng.scheduler.num_preemptions > 0
+    assert eng.speculator.draft_tokens > 0  # drafts verified over the latent cache
     assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
     hits = eng.blocks.prefix_hits
     again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # the 150-token prompt again: its 9 full blocks are cached
@@ -313,3 +324,14 @@ def test_server_infer_token_and_chat_equal_transformers(chat_model, tmp_path: Pa
         assert metric(srv.url, "num_preemptions_total") > 0
         assert metric(srv.url, "npu_prefix_cache_hit_rate") > 0
         assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), "What is multi-head latent attention?")
+
+
+def test_lora_refused_naming_deepseek(models) -> None:
+    """A LoRA adapter cannot be combined with multi-head latent attention: the worker's refusal (a load answered 400
+    with it, LoraModules refused at start) names both; a tensor-parallel instance names its own."""
+    from workers.engine.assembly import lora_refusal
+    model, _ = load_model(models["v2_lite"][1], torch.float32)
+    assert re.fullmatch(
+        r"LoRA adapters are not served for DeepSeek \(multi-head latent attention\).*",
+        lora_refusal(model, False))
+    assert "tensor-parallel" in lora_refusal(model, True)

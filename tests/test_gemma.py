@@ -189,12 +189,20 @@ def test_logits_bf16_within_transformers_bf16_error(models, case: str) -> None:
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """Every linear int8 (tests/test_model_families.py's check over this file's cache layout)."""
+    from tests.test_model_families import int8_check
+    int8_check(models[case][1], _paged_logits)
+
+
 # -- engine ------------------------------------------------------------------------------------------
 
 
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 70, 23, 48)]
+    # the last one repeats itself: the speculator (suffix lookup, on by default) drafts from it
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 70, 23, 48)] + [[7, 8, 9, 10, 11] * 8]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -204,15 +212,17 @@ def test_engine_greedy_equals_transformers_under_pressure(models, case: str) -> 
 
 def engine_greedy_equals_transformers(hf, path: Path) -> None:
     """Checks the engine on the model at ``path`` (fp32) against transformers' ``hf``: four prompts
-    through chunked prefill and a small cache (preemption), then a prefix-cache hit, greedy."""
+    through chunked prefill and a small cache (preemption), speculation (drafts verified), then a
+    prefix-cache hit, greedy."""
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
     ps = _prompts()
     want = {f"r{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
-    # 8 blocks of 16 for ~190 tokens of work: preemption; prompts cut into chunks of 19
+    # 8 blocks of 16 for ~240 tokens of work: preemption; prompts cut into chunks of 19
     eng = make_engine(str(path), num_blocks=8, max_prefill_tokens=19, max_batch_size=4)
     res = run(eng, {k: (p, greedy) for k, p in zip(want, ps)})
     assert {k: v[0] for k, v in res.items()} == want
     assert eng.scheduler.num_preemptions > 0
+    assert eng.speculator.draft_tokens > 0
     assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
     hits = eng.blocks.prefix_hits
     again = run(eng, {"x": (ps[1], greedy)})["x"][0]  # the 70-token prompt again: 4 full blocks cached

@@ -225,6 +225,14 @@ def test_tensor_parallel_and_lora_refused(models) -> None:
     assert Gemma4LM.lora_refusal == "LoRA adapters are not served for Gemma 4 models"
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """Every linear int8, the MoE block's experts and the per-layer input projections included
+    (tests/test_model_families.py's check over this file's cache geometries)."""
+    from tests.test_model_families import int8_check
+    int8_check(models[case][1], lambda m, ids, chunks, cls: _paged_logits(m, ids, chunks, base=cls))
+
+
 # -- engine ------------------------------------------------------------------------------------------
 
 

@@ -8,8 +8,9 @@ checkpoints built here:
   transformers' cached forward within 1e-4: grouped routing with a random correction bias,
   routed_scaling_factor and q/k norms; and ungrouped routing without renormalisation, two dense
   layers, partial rotary 0.75 and tied embeddings, its checkpoint holding an MTP layer (skipped);
-- engine: greedy through chunked prefill, a cache small enough to preempt and a prefix-cache hit
-  equals transformers' greedy continuation.
+- bf16 within transformers' own bf16 error; int8 w8a16 equal to the dequantised weights;
+- engine: greedy through chunked prefill, a cache small enough to preempt, speculation and a
+  prefix-cache hit equals transformers' greedy continuation.
 """
 from __future__ import annotations
 
@@ -20,10 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_model_families import hf_cached_logits, paged_logits
-# imported under another name: pytest does not collect it here with test_model_families' cases
-from tests.test_model_families import (  # noqa: E501
-    test_engine_greedy_equals_transformers_chunked_preempted_and_cached as engine_check)
+from tests.test_model_families import bf16_check, engine_check, hf_cached_logits, int8_check, paged_logits
 from tests.tiny_hf import random_model
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.glm4_moe import Glm4MoeLM
@@ -137,6 +135,36 @@ def test_logits_match_transformers_through_the_paged_cache(models, case: str, ca
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_greedy_equals_transformers_chunked_preempted_and_cached(models, case: str) -> None:
-    """tests/test_model_families.py's check (4 prompts up to 60 tokens, chunks of 20, 6 blocks of 16:
-    preemption; then the 60-token prompt again: 3 prefix-cache blocks hit) on these models."""
-    engine_check(models, case)
+    """tests/test_model_families.py's check (5 prompts up to 60 tokens, chunks of 20, 6 blocks of 16:
+    preemption; speculation drafting; then the 60-token prompt again: 3 prefix-cache blocks hit)."""
+    engine_check(*models[case])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_within_transformers_bf16_error(models, case: str) -> None:
+    bf16_check(*models[case])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """Every linear int8, the routed experts' stacked weights included (the router stays fp32)."""
+    int8_check(models[case][1])
+
+
+# -- the real server -----------------------------------------------------------------------------------
+
+
+@pytest.mark.server
+def test_server_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
+    """The launch script on a tiny GLM-4.5-shaped chat model (the grouped case's routing, q/k norms
+    and biases): /infer_token (a prompt in chunks of 16, then again: a prefix-cache hit) and the
+    OpenAI chat route equal transformers' greedy output (tests/test_gemma.py's check)."""
+    from tests.test_gemma import CHAT_TEMPLATE, served_greedy_equals_transformers
+    from tests.tiny_hf import save_chat_model
+
+    cfg = {k: v for k, v in BASE.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    path = save_chat_model(tmp_path / "tiny-glm4-moe", CHAT_TEMPLATE, cls_name="Glm4MoeConfig",
+                           config={**cfg, **CASES["grouped"]})
+    (tmp_path / "srv").mkdir()
+    tail = served_greedy_equals_transformers(tmp_path / "srv", path, "Which experts answer?")
+    assert "glm4_moe" in tail, tail[-2000:]

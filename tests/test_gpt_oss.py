@@ -370,3 +370,13 @@ def test_server_infer_token_and_harmony_chat(chat_model: Path, tmp_path: Path) -
         assert calls[0]["function"]["name"] == "get_weather"
         assert "".join(t["function"].get("arguments", "") for t in calls) == call["function"]["arguments"]
         assert not "".join(d.get("content") or "" for d in deltas)
+
+
+def test_lora_refused_naming_gpt_oss(model) -> None:
+    """A LoRA adapter cannot be combined with attention sinks and stacked experts: the worker's
+    refusal (a load answered 400 with it, LoraModules refused at start) names both."""
+    from workers.engine.assembly import lora_refusal
+    ours, _ = load_model(model[1], torch.float32)
+    assert lora_refusal(ours, False) == ("LoRA adapters are not served for GPT-OSS models "
+                                         "(attention sinks, stacked experts)")
+    assert "tensor-parallel" in lora_refusal(ours, True)

@@ -269,11 +269,12 @@ def test_batch_invariant_form_matches_transformers(models, case: str) -> None:
         assert (out - ref).abs().max().item() <= 2.5e-4
 
 
-def test_bf16_within_transformers_own_bf16_error(models) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_within_transformers_own_bf16_error(models, case: str) -> None:
     """bf16 weights, activations, KV and conv states (the recurrent state stays fp32) against the
     fp32 truth: never much worse than transformers' own bf16 run on the same weights."""
     import copy
-    hf, path = models["qwen3_next"]
+    hf, path = models[case]
     model, _ = load_model(path, torch.bfloat16)
     ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -281,8 +282,17 @@ def test_bf16_within_transformers_own_bf16_error(models) -> None:
         hf_half = copy.deepcopy(hf).to(torch.bfloat16)(ids[None]).logits[0].float()
     err = (_paged_logits(model, [ids], [[40]], torch.bfloat16)[0] - truth).abs().max().item()
     hf_err = (hf_half - truth).abs().max().item()
-    # (measured: ours 1.475, transformers' 1.479 on this model's large random logits)
+    # (measured on qwen3_next: ours 1.475, transformers' 1.479 on its large random logits)
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    """Every linear int8, the Gated DeltaNet projections and the experts included (the recurrent
+    state and the convolution stay in the model dtype): tests/test_model_families.py's check over
+    this file's paged cache and state pool, the prompt in two chunks carrying the state."""
+    from tests.test_model_families import int8_check
+    int8_check(models[case][1], lambda m, ids, chunks, cls: _paged_logits(m, [ids], [chunks + [12]])[0], vocab=VOCAB)
 
 
 # ----------------------------------------------------------------------------------- the engine
@@ -439,7 +449,7 @@ def oracle_proposals(eng, want: dict[str, list[int]]) -> None:
     eng.speculator.propose = propose
 
 
-@pytest.mark.parametrize("case", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_speculation_with_prefix_hits_chunks_and_preemption(models, case: str) -> None:
     """Speculative decoding on a hybrid model: the verify rows run the recurrent step token by
     token keeping the state after each, and the state after the last accepted token is the one kept
@@ -521,3 +531,15 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
                          log), log[-3000:]
         assert "KV cache 256 bytes per token (1 full-attention layers)" in log, log[-3000:]
         assert "speculative decoding: memory_decoding" in log, log[-3000:]
+
+
+def test_lora_refused_naming_the_hybrid_layers(models) -> None:
+    """A LoRA adapter cannot be combined with a Gated DeltaNet layer: the worker's refusal (a load
+    answered 400 with it, LoraModules refused at start) names both; a tensor-parallel instance
+    names its own."""
+    from workers.engine.assembly import lora_refusal
+    model, _ = load_model(models["qwen3_5"][1], torch.float32)
+    assert re.fullmatch(
+        r"LoRA adapters are not served for hybrid linear-attention models \(Qwen3-Next / Qwen3\.5\).*",
+        lora_refusal(model, False))
+    assert "tensor-parallel" in lora_refusal(model, True)

@@ -8,8 +8,9 @@ tiny random fp32 checkpoints built here:
   transformers' cached forward, Phi-3's decodes crossing original_max_position_embeddings (short
   to long factors); bf16 within transformers' own bf16 error;
 - int8 w8a16: logits equal the model holding the dequantised weights;
-- engine: greedy through chunked prefill, a cache small enough to preempt, and a prefix-cache hit
-  equals transformers' greedy continuation;
+- engine: greedy through chunked prefill, a cache small enough to preempt, speculation (drafts
+  verified) and a prefix-cache hit equals transformers' greedy continuation (``engine_check``,
+  ``bf16_check`` and ``int8_check`` are reused by the other families' files);
 - tensor parallelism: two gloo ranks of Granite and SmolLM3 generate what transformers does; refused
   for the fused-tensor checkpoints (Phi-3, GLM-4) naming the family;
 - GGUF: Phi-3 and GLM-4 written as llama.cpp's converter writes them (F32, Q8_0) load into the same
@@ -24,7 +25,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ from tests.served import assert_chat_equals, infer_ids, metric
 from tests.tiny_hf import save_chat_model, save_random_model
 from tests.reference_attention import logits_over_cache
 from workers.attention import PagedAttention
+from workers.attention.cpu import CpuPagedAttention
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.loader import load_model
 from workers.models.sharding import plan_shard
@@ -98,10 +100,11 @@ def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def paged_logits(model: Any, ids: torch.Tensor, chunks: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def paged_logits(model: Any, ids: torch.Tensor, chunks: list[int], dtype: torch.dtype = torch.float32,
+                 cls: type = PagedAttention) -> torch.Tensor:
     """Our logits of every position over the paged cache: the prompt in ``chunks``, then decodes."""
     a = model.args
-    attn = PagedAttention(a.num_hidden_layers, 16, 8, a.num_key_value_heads, a.head_dim, dtype, torch.device("cpu"))
+    attn = cls(a.num_hidden_layers, 16, 8, a.num_key_value_heads, a.head_dim, dtype, torch.device("cpu"))
     return logits_over_cache(model, attn, ids, chunks, list(range(15, -1, -1)))  # blocks out of order
 
 
@@ -212,34 +215,44 @@ def test_longrope_switch_matters(models) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_within_transformers_bf16_error(models, case: str) -> None:
-    hf, path = models[case]
+    bf16_check(*models[case])
+
+
+def bf16_check(hf: Any, path: Path, logits: Callable = paged_logits, vocab: int = VOCAB) -> None:
+    """Our bf16 logits (the prompt in chunks over the cache, then decodes) are no further from
+    transformers' fp32 ones than transformers' own bf16 logits are (x1.5 + 1e-3)."""
     model, _ = load_model(path, torch.bfloat16)
     torch.manual_seed(2)
-    ids = torch.randint(3, VOCAB, (40,))
+    ids = torch.randint(3, vocab, (40,))
     with torch.no_grad():
         truth = hf(ids[None]).logits[0]
         hf_half = copy.deepcopy(hf).to(torch.bfloat16)(ids[None]).logits[0].float()
-    err = (paged_logits(model, ids, [24], torch.bfloat16) - truth).abs().max().item()
+    err = (logits(model, ids, [24], torch.bfloat16).float() - truth).abs().max().item()
     hf_err = (hf_half - truth).abs().max().item()
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
+    int8_check(models[case][1])
+
+
+def int8_check(path: Path, logits: Callable = paged_logits, vocab: int = VOCAB) -> None:
     """quantize w8a16 (every linear int8 per output channel) through the worker's assembly: logits
     equal the fp32 model holding the dequantised weights (within 1e-4 of their range)."""
     from mindie.contract.spec import EngineConfig, WorkerSpec
     from workers.backends.cpu import CpuBackend
-    from workers.backends.int8 import copy_dequantized_into
+    from workers.backends.int8 import Int8Linear, copy_dequantized_into
     from workers.engine.assembly import load_runner
 
-    _, path = models[case]
     spec = WorkerSpec(worker_id="t", job_endpoint="", pub_endpoint="", model_path=str(path), dtype="float32",
                       quantize="w8a16", engine=EngineConfig(block_size=16, max_seq_len=256, max_prefill_tokens=256))
     model = load_runner(spec, CpuBackend(1)).model
+    assert any(isinstance(m, Int8Linear) for m in model.layers.modules())  # the decoder's linears, not only the head
     ref = copy_dequantized_into(load_model(path, torch.float32)[0], model)
-    ids = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(8))
-    got, want = paged_logits(model, ids, [40]), paged_logits(ref, ids, [40])
+    ids = torch.randint(3, vocab, (70,), generator=torch.Generator().manual_seed(8))
+    # the CPU backend's cache: a model it fused a decode step for reads the cache through its pointers
+    got, want = logits(model, ids, [40], cls=CpuPagedAttention), logits(ref, ids, [40], cls=CpuPagedAttention)
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
@@ -248,17 +261,24 @@ def test_int8_w8a16_equals_the_dequantised_weights(models, case: str) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_greedy_equals_transformers_chunked_preempted_and_cached(models, case: str) -> None:
-    hf, path = models[case]
+    engine_check(*models[case])
+
+
+def engine_check(hf: Any, path: Path, vocab: int = VOCAB) -> None:
+    """Greedy through the engine equals transformers' greedy continuation with every feature on at
+    once: prompts cut into chunks of 20, a cache of 6 blocks of 16 for ~240 tokens of work
+    (preemption), speculation (suffix lookup, on by default: the last prompt repeats itself, so it
+    drafts), then the 60-token prompt again: its 3 full blocks hit the prefix cache."""
     g = torch.Generator().manual_seed(5)
     # prompts up to 60 tokens (Phi-3: within the original length, decodes crossing it)
-    ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 60, 37, 48)]
+    ps = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 60, 37, 48)] + [[7, 8, 9, 10, 11] * 8]
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
     want = {f"r{i}": hf_greedy(hf, p, 12) for i, p in enumerate(ps)}
-    # 6 blocks of 16 for ~200 tokens of work: preemption; prompts cut into chunks of 20
     eng = make_engine(str(path), num_blocks=6, max_prefill_tokens=20, max_batch_size=4)
     res = run(eng, {f"r{i}": (p, greedy) for i, p in enumerate(ps)})
     assert {k: v[0] for k, v in res.items()} == want
     assert eng.scheduler.num_preemptions > 0
+    assert eng.speculator.draft_tokens > 0  # drafts verified as several query rows after the cached ones
     assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]
     hits = eng.blocks.prefix_hits
     assert run(eng, {"x": (ps[1], greedy)})["x"][0] == want["r1"]

@@ -183,6 +183,27 @@ def test_logits_half_precision(hf_models: dict[str, tuple[Any, Path]], case: str
     assert err <= 1.5 * hf_err + 1e-3, (err, hf_err)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_within_transformers_bf16_error(hf_models: dict[str, tuple[Any, Path]], case: str) -> None:
+    """Over the paged cache, chunked, against transformers' own bf16 error (tests/test_model_families.py)."""
+    from tests.test_model_families import bf16_check  # here: that module imports this one
+    bf16_check(*hf_models[case])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int8_w8a16_equals_the_dequantised_weights(hf_models: dict[str, tuple[Any, Path]], case: str) -> None:
+    from tests.test_model_families import int8_check
+    int8_check(hf_models[case][1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_greedy_equals_transformers_chunked_preempted_speculated_and_cached(
+        hf_models: dict[str, tuple[Any, Path]], case: str) -> None:
+    """tests/test_model_families.py's engine check: chunks of 20, preemption, drafts verified, a prefix hit."""
+    from tests.test_model_families import engine_check
+    engine_check(*hf_models[case])
+
+
 @pytest.mark.parametrize("case", ["mistral", "qwen2", "qwen3"])
 def test_flat_batch_equals_each_sequence_alone(hf_models: dict[str, tuple[Any, Path]], case: str) -> None:
     _, path = hf_models[case]

@@ -39,6 +39,8 @@ from workers.models.moe import MoeShard, SparseMoE
 
 transformers = pytest.importorskip("transformers")
 
+from tests.test_model_families import bf16_check, engine_check, int8_check  # noqa: E402
+
 BASE = dict(vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -202,6 +204,25 @@ def test_int8_experts_compute_their_dequantised_weights(models: dict[str, Path],
     # and close to the unquantised model (a near tie in the router may pick another expert: mean, not max)
     full, _ = load_model(models[case])
     assert (_logits(q, PROMPTS) - _logits(full, PROMPTS)).abs().mean() < 0.05
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_greedy_equals_transformers_chunked_preempted_speculated_and_cached(models: dict[str, Path],
+                                                                                    case: str) -> None:
+    """tests/test_model_families.py's engine check: chunks of 20, preemption, drafts verified, a prefix hit."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models[case], dtype=torch.float32).eval()
+    engine_check(hf, models[case], vocab=BASE["vocab_size"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_within_transformers_bf16_error(models: dict[str, Path], case: str) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(models[case], dtype=torch.float32).eval()
+    bf16_check(hf, models[case], vocab=BASE["vocab_size"])
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe"])  # qwen2_moe and mixtral: test_int8_experts_compute_their_dequantised_weights
+def test_int8_w8a16_through_the_assembly(models: dict[str, Path], case: str) -> None:
+    int8_check(models[case], vocab=BASE["vocab_size"])
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])

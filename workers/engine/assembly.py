@@ -100,11 +100,7 @@ def build(spec: WorkerSpec, rank: int = 0, tp_store: str = "") -> Assembly:
              else "every step decodes every running request")
     device = backend.describe() if group is None else f"{backend.describe()}, tensor parallel x{group.world}"
     engine = Engine(runner, cfg, num_blocks, thread_init=backend.bind_thread)
-    engine.lora = lora_manager(spec, runner, TP_REFUSAL if group is not None else
-                               MLA_LORA_REFUSAL if runner.model.args.deepseek is not None else
-                               GPT_OSS_LORA_REFUSAL if runner.model.args.gpt_oss is not None else
-                               HYBRID_LORA_REFUSAL if runner.state_slots
-                               else getattr(runner.model, "lora_refusal", ""))
+    engine.lora = lora_manager(spec, runner, lora_refusal(runner.model, group is not None))
     engine.grammars = grammars(spec.model_path, runner)  # rank 0 samples, so it alone masks
     return Assembly(runner, engine, group, num_blocks, device)
 
@@ -175,6 +171,16 @@ GPT_OSS_LORA_REFUSAL = "LoRA adapters are not served for GPT-OSS models (attenti
 HYBRID_LORA_REFUSAL = ("LoRA adapters are not served for hybrid linear-attention models (Qwen3-Next / Qwen3.5): "
                        "their Gated DeltaNet layers take no adapter")
 TP_REFUSAL = "LoRA adapters are not served by tensor-parallel instances (npuDeviceIds entries of several devices)"
+
+
+def lora_refusal(model: torch.nn.Module, tensor_parallel: bool) -> str:
+    """Why this model serves no LoRA adapter ("" when it does): each message names LoRA and the
+    family (or the tensor-parallel instance) it cannot be combined with. A mixture of experts is
+    refused per adapter instead (workers/models/lora_adapter.py: its dense layers could take one)."""
+    args = model.args
+    return (TP_REFUSAL if tensor_parallel else MLA_LORA_REFUSAL if args.deepseek is not None else
+            GPT_OSS_LORA_REFUSAL if args.gpt_oss is not None else HYBRID_LORA_REFUSAL if args.hybrid is not None
+            else getattr(model, "lora_refusal", ""))
 
 
 def lora_manager(spec: WorkerSpec, runner: ModelRunner | None, refusal: str) -> LoraManager:
