@@ -16,7 +16,8 @@ tiny random fp32 checkpoints built here:
 - GGUF: Phi-3 and GLM-4 written as llama.cpp's converter writes them (F32, Q8_0) load into the same
   config and compute transformers' logits on the weights the file holds;
 - the real launch script on a tiny Phi-4-mini-shaped chat model (partial rotary 0.75, LongRoPE):
-  /infer_token and the OpenAI chat route equal transformers' greedy output.
+  /infer_token and the OpenAI chat route equal transformers' greedy output; and one server holding
+  six more families as six models (Qwen2, Mistral, GLM-4, SmolLM3, Granite, Gemma 2), each equal too.
 """
 from __future__ import annotations
 
@@ -360,3 +361,34 @@ def test_server_phi4_mini_shape_infer_token_and_chat_equal_transformers(tmp_path
         assert infer_ids(srv.url, ps[1], 16) == hf_greedy(hf, ps[1], 16)  # again: a prefix-cache hit
         assert metric(srv.url, "npu_prefix_cache_hit_rate") > 0
         assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), "What does LongRoPE do?")
+
+
+# Families without a launch-script test of their own, served together as the models of one server
+# (docs/design.md, "Several models": a worker group each): family -> (config class, keys).
+SERVED = {
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),
+    "glm4": CASES["glm4"],
+    "smollm3": CASES["smollm3"],
+    "granite": CASES["granite"],
+    "gemma2": ("Gemma2Config", dict(query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=3.0,
+                                    final_logit_softcapping=2.0)),
+}
+
+
+def test_server_of_six_families_equals_transformers(tmp_path: Path) -> None:
+    """Each family through the launch script: /infer_token (a prompt over two prefill chunks, a short
+    one, the first again: a prefix-cache hit) and the OpenAI chat route, greedy, equal transformers."""
+    paths = {name: save_chat_model(tmp_path / name, CHAT_TEMPLATE, cls_name=cls, config={**extra, "pad_token_id": 0})
+             for name, (cls, extra) in SERVED.items()}
+    entries = [{"modelName": n, "modelWeightPath": str(p), "cpuMemSize": 0.02} for n, p in paths.items()]
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (40, 9)]
+    with demo_server(tmp_path, entries[0]["modelWeightPath"], model=entries[0], more_models=entries[1:],
+                     deploy={"maxLoadedModels": len(SERVED)}, schedule={"prefillChunkTokens": 16}) as srv:
+        for name, path in paths.items():
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+            want = [hf_greedy(hf, p, 12) for p in ps]
+            assert [infer_ids(srv.url, p, 12, model=name) for p in ps + [ps[0]]] == want + [want[0]], name
+            assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), f"Who serves {name}?", model=name)
