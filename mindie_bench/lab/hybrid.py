@@ -76,7 +76,7 @@ def logged_bytes(path: Path, dtype: str, threads: int, slots: int, keep: bool = 
         loaded = load(str(path), dtype, threads=threads, kv_gb=0.25, max_batch_size=slots)
         runner = loaded[0]
         if runner.state_slots:
-            state_pool_budget(runner, 1 << 40, runner.bytes_per_block(128))
+            state_pool_budget(runner, 1 << 40, runner.bytes_per_block(128), loaded[1])
     finally:
         root.removeHandler(lines)
         root.setLevel(level)
