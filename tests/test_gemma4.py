@@ -37,7 +37,7 @@ from workers.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_gemma import (CHAT_TEMPLATE, engine_greedy_equals_transformers,  # noqa: E402
+from tests.test_gemma import (CHAT_TEMPLATE, edits_change_logits, engine_greedy_equals_transformers,  # noqa: E402
                               served_greedy_equals_transformers)
 
 pytestmark = pytest.mark.timeout(900)
@@ -153,14 +153,7 @@ def test_logits_match_transformers(models, case: str, base) -> None:
     # the window and the partial rotary share each change the answer: neither is idle
     rope = copy.deepcopy(hf.config.rope_parameters)
     rope["full_attention"]["partial_rotary_factor"] = 1.0
-    for name, edit in (("window", dict(sliding_window=10_000)), ("rope", dict(rope_parameters=rope))):
-        other = copy.deepcopy(hf.config)
-        for k, v in edit.items():
-            setattr(other, k, v)
-        twin = transformers.AutoModelForCausalLM.from_config(other).eval()
-        twin.load_state_dict(hf.state_dict())
-        with torch.no_grad():
-            assert (twin(ids[None]).logits[0] - ref).abs().max().item() > 1e-3, name
+    edits_change_logits(hf, ids, ref, [("window", dict(sliding_window=10_000)), ("rope", dict(rope_parameters=rope))])
 
 
 @pytest.mark.parametrize("case", ["e2b", "moe"])
