@@ -173,6 +173,19 @@ _PROJECT = ("launch.sh", "motor.sh", "coordinator", "workers.", "mindie", "tests
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _current["item"] = item
+    _one_torch_thread()
+
+
+def _one_torch_thread() -> None:
+    """One intra-op torch thread in the test process: xdist runs a test process per core, and each
+    process's OpenMP pool of a thread per core oversubscribes the machine, its threads spinning
+    for each other (tests/test_sampler.py alone: 49 CPU-s with two threads, 36 with one). A test
+    about thread counts sets its own and puts this one back; the servers a test starts get theirs
+    from the config (cpuThreadsPerWorker), not from here."""
+    torch = sys.modules.get("torch")
+    if torch is not None and not _current.get("one_thread"):
+        torch.set_num_threads(1)
+        _current["one_thread"] = True
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem) -> None:
@@ -205,6 +218,7 @@ _STARTS = ("launch.sh", "motor.sh")
 _starts: collections.Counter = collections.Counter()
 _lane_seconds: collections.Counter = collections.Counter()
 _lane_tests: collections.Counter = collections.Counter()
+_file_seconds: dict[str, collections.Counter] = {"in-process": collections.Counter(), "server": collections.Counter()}
 _t0 = time.monotonic()
 
 
@@ -245,6 +259,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if lane == "server" and not _server_phase:
         _server_phase.update(t=time.monotonic(), ticks=_cpu_ticks())
     _lane_seconds[lane] += report.duration
+    _file_seconds[lane][report.nodeid.split("::")[0].rsplit("/", 1)[-1]] += report.duration
     if report.when == "call":
         _lane_tests[lane] += 1
 
@@ -257,6 +272,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     for lane in ("in-process", "server"):
         tr.write_line(f"{lane} lane: {_lane_tests[lane]} tests, {_lane_seconds[lane]:.0f} s of test time "
                       "(setup, call and teardown, summed over the workers)")
+        top = ", ".join(f"{name} {s:.0f}" for name, s in _file_seconds[lane].most_common(12))
+        tr.write_line(f"  its files with the most (s): {top}")
     total = sum(_starts.values())
     top = ", ".join(f"{name} {n}" for name, n in _starts.most_common(15))
     tr.write_line(f"server starts (launch.sh, motor.sh): {total} in {len(_starts)} files; most: {top}")
