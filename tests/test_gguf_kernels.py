@@ -21,7 +21,10 @@ from workers.kernels import gguf_kernels as gk
 FLAGS = Path("/proc/cpuinfo").read_text()
 # each variant and the gguf_isa() it must report on this host (None: this host cannot run it)
 VARIANTS = {"native": 2 if " avx512_vnni" in FLAGS and " avx512bw" in FLAGS else 1 if " avx2" in FLAGS else 0,
+            # AVX-512 without avx512_bf16 (the fp32 tiles), where native is the bf16 build
+            "avx512": 2 if " avx512_bf16" in FLAGS and " avx512_vnni" in FLAGS else None,
             "avx2": 1 if " avx2" in FLAGS else None, "scalar": 0}
+BF16_BUILD = " avx512_bf16" in FLAGS and VARIANTS["native"] == 2  # the native build's tiles are bf16
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Built at collection, as the other kernel tests load theirs (a compiler is not a process the
 # in-process lane may start from a test); cached, about a second each the first time.
@@ -77,6 +80,36 @@ def test_kernel_matches_dequantised_reference(lib, qtype, m, n, k):
     gk.matmul(lib, gk.TYPES[qtype.name], x, torch.from_numpy(w), flt, bias=bias, mode=gk.FLOAT)
     tol = 2e-5 * (x.abs() @ ref_w.abs().T) + 1e-6
     assert ((flt - exact).abs() <= tol).all(), (flt - exact).abs().max()
+    _check_tiles(lib, qtype, x, w, ref_w, bias)
+
+
+def _check_tiles(lib, qtype, x, w, ref_w, bias):
+    """Mode 3 (the dequantised tiles) in fp32 and bf16 rows: fp32 rows equal x @ W.T to fp32
+    rounding; bf16 rows equal the bf16 rows times the weights, summed in fp32, then rounded to
+    bf16: on the avx512_bf16 build the weights rounded to bf16 (as gguf_dequantize rounds them, the
+    ``dequantise`` path's weights), elsewhere in fp32 (the fp32 tiles). The scalar build has no
+    mode 3."""
+    m, n = x.shape[0], w.shape[0]
+    wt = torch.from_numpy(w)
+    if lib.isa == 0:
+        with pytest.raises(ValueError, match="refused"):
+            gk.matmul(lib, gk.TYPES[qtype.name], x, wt, torch.empty(m, n), mode=gk.TILE)
+        return
+    out = torch.full((m, n + 2), 7.0)
+    gk.matmul(lib, gk.TYPES[qtype.name], x, wt, out[:, 1:n + 1], bias=bias, mode=gk.TILE)
+    want = x @ ref_w.T + bias
+    tol = 2e-5 * (x.abs() @ ref_w.abs().T) + 1e-6
+    assert ((out[:, 1:n + 1] - want).abs() <= tol).all(), (out[:, 1:n + 1] - want).abs().max()
+    assert (out[:, 0] == 7).all() and (out[:, n + 1] == 7).all()
+    xb, wb = x.bfloat16(), ref_w.bfloat16()
+    assert torch.equal(gk.dequantize(lib, gk.TYPES[qtype.name], wt, ref_w.shape[1], torch.bfloat16), wb)
+    if not (BF16_BUILD and lib is LIBS["native"]):
+        wb = ref_w
+    got = torch.empty(m, n, dtype=torch.bfloat16)
+    gk.matmul(lib, gk.TYPES[qtype.name], xb, wt, got, bias=bias.bfloat16(), mode=gk.TILE)
+    want = xb.float() @ wb.float().T + bias.bfloat16().float()
+    tol = 2 ** -8 * want.abs() + 2e-5 * (xb.float().abs() @ wb.float().abs().T) + 1e-6
+    assert ((got.float() - want).abs() <= tol).all(), (got.float() - want).abs().max()
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q6_K), ids=lambda t: t.name)
@@ -206,26 +239,44 @@ def test_default_model_native_greedy_equals_dequantised():
     assert "Paris" in tok.decode(out_n[len(ids):])
 
 
-@pytest.mark.parametrize("m", [3, 20, 70])
-def test_gguf_linear_parts_and_row_regimes(lib, m):
+def _expected_path(variant: str, lib, type_name: str, m: int, dtype: torch.dtype) -> str:
+    """The products gguf_kernels.c's measured ranges give ``m`` rows (its constants, restated)."""
+    from workers.backends.gguf_linear import INT_ROWS, SCALAR_FLOAT_ROWS
+    if lib.isa == 0:
+        return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
+    if lib.isa == 1:  # AVX2: tiles from 8 to 128 rows in either dtype
+        lo, hi = 8, 128
+    elif variant == "native" and BF16_BUILD and dtype == torch.bfloat16:  # avx512_bf16 tiles from 8 (Q6_K 16)
+        lo, hi = 16 if type_name == "Q6_K" else 8, 0
+    else:  # AVX-512's fp32 tiles lose to VNNI up to 64 rows and to the transient matrix above
+        lo, hi = 0, 0
+    if lo and m >= lo and (not hi or m <= hi):
+        return "tile"
+    return "int" if m <= INT_ROWS else "dequantised"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("m", [3, 7, 8, 15, 16, 20, 70, 129])
+def test_gguf_linear_parts_and_row_regimes(lib, m, dtype):
     """A GgufLinear of two parts of different types (a Q4_K_M file's q/k/v: Q4_K beside Q6_K) with
-    a bias, at decode rows (integer products), 20 rows (the scalar build: fp32 over dequantised
-    tiles) and 70 rows (dequantised, oneDNN): each equals x @ W.T + b within the activations'
-    rounding, through the path its regime and instruction set choose."""
-    from workers.backends.gguf_linear import INT_ROWS, SCALAR_FLOAT_ROWS, GgufLinear
+    a bias, at row counts on both sides of each crossover (integer products, the dequantised tiles,
+    the scalar build's fp32 tiles, a transient matrix on oneDNN): each equals x @ W.T + b within
+    the activations' rounding, through the path its regime, type and instruction set choose."""
+    from workers.backends.gguf_linear import GgufLinear
+    variant = next(v for v, built in LIBS.items() if built is lib)
     k = 256
     a, b = random_weight(Q.Q4_K, 24, k, seed=5), random_weight(Q.Q6_K, 10, k, seed=6)
     w = torch.cat([torch.from_numpy(dequantize(a, Q.Q4_K)), torch.from_numpy(dequantize(b, Q.Q6_K))]).float()
     bias = torch.randn(34)
     lin = GgufLinear(lib, k, 34, [(24, gk.TYPES["Q6_K"], torch.from_numpy(b)), (0, gk.TYPES["Q4_K"], torch.from_numpy(a))],
                      bias)
-    x = torch.randn(1, m, k, generator=torch.Generator().manual_seed(m))
+    x = torch.randn(1, m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     out = lin(x)
-    assert out.shape == (1, m, 34)
-    want = x @ w.T + bias
-    assert (out - want).abs().max() <= 0.02 * want.abs().max()
-    path = ("dequantised" if m > INT_ROWS else "float" if lib.isa == 0 and m >= SCALAR_FLOAT_ROWS else "int")
-    assert lin.calls[path] == 1 and sum(lin.calls.values()) == 1
+    assert out.shape == (1, m, 34) and out.dtype == dtype
+    want = x.float() @ w.T + bias
+    assert (out.float() - want).abs().max() <= 0.02 * want.abs().max()
+    paths = {_expected_path(variant, lib, t, m, dtype) for t in ("Q4_K", "Q6_K")}
+    assert {p for p, c in lin.calls.items() if c} == paths and all(lin.calls[p] == 1 for p in paths), lin.calls
     with pytest.raises(ValueError, match="cover 20 of 34"):
         GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a[:20]))], None)
 

@@ -24,7 +24,9 @@ layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel 
 tensors, no copy, with their scales applied to the fp32 sums. A GGUF file's blocks
 (``ggufCompute: native``: workers/backends/gguf_linear.py) are read in place too, each linear
 as a ``dec_gguf_t`` of its parts, through gguf_kernels.c's ``gguf_rows`` (a pointer in the step),
-over the layer's input quantised per 32 values into the step's scratch. An fp32 model whose linears keep
+over the layer's input quantised per 32 values into the step's scratch, or over the input itself
+against weight tiles dequantised in cache from the row counts where those win (gguf_kernels.c's
+measured ranges, as the eager GgufLinear; never in batch-invariant mode). An fp32 model whose linears keep
 bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is computed in fp32
 over those same tensors (kernel code 2), no copy either. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
@@ -57,7 +59,7 @@ GGUF_PARTS = 4  # DEC_GGUF_PARTS in cpu_kernels.c
 class _Gguf(ctypes.Structure):
     """dec_gguf_t: a GgufLinear's rows (or a slice of them) read in their blocks."""
     _fields_ = [("n_parts", _i64)] + [(n, _i64 * GGUF_PARTS) for n in ("first", "rows", "type")] \
-        + [("data", _c_void_p * GGUF_PARTS)]
+        + [("data", _c_void_p * GGUF_PARTS), ("tiles", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -221,7 +223,7 @@ def _gguf(mod: GgufLinear, rows: slice | None) -> _Gguf | None:
     if not parts or len(parts) > GGUF_PARTS or any(r0 + raw.shape[0] > stop for r0, _, raw in parts) \
             or sum(raw.shape[0] for _, _, raw in parts) != stop - start:
         return None
-    g = _Gguf(n_parts=len(parts))
+    g = _Gguf(n_parts=len(parts), tiles=0 if mod.invariant else 1)  # batch-invariant: integer products only
     for i, (r0, t, raw) in enumerate(parts):
         g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, raw.shape[0], t, raw.data_ptr()
     return g

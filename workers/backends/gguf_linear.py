@@ -74,7 +74,8 @@ class GgufLinear(nn.Module):
         self.bias = bias
         # batch-invariant mode: the integer products at every row count (prompts included)
         self.invariant = settings.engine().batch_invariant
-        self.calls = {"int": 0, "float": 0, "dequantised": 0}  # which products ran (tests check the path)
+        # which products ran, counted once a call per kind (tests check the path)
+        self.calls = {"int": 0, "tile": 0, "float": 0, "dequantised": 0}
 
     def nbytes(self) -> int:
         return sum(raw.numel() for _, _, raw in self.parts)
@@ -82,32 +83,49 @@ class GgufLinear(nn.Module):
     def types(self) -> set[int]:
         return {t for _, t, _ in self.parts}
 
+    def path(self, type_id: int, m: int, dtype: torch.dtype) -> str:
+        """Which products compute ``m`` rows of ``dtype`` for a part of ``type_id``: "int" (integer,
+        or batch-invariant), "tile" (dequantised tiles in cache), "float" (the scalar build's fp32
+        tiles) or "dequantised" (a transient matrix on oneDNN); gguf_kernels.c's measured ranges."""
+        if self.invariant and m:
+            return "int"
+        if m == 0:
+            return "dequantised"
+        if self.lib.isa == 0:
+            return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
+        lo, hi = gk.tile_rows(self.lib, type_id, dtype)
+        if lo and m >= lo and (not hi or m <= hi):
+            return "tile"
+        return "int" if m <= INT_ROWS else "dequantised"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         dtype = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16) else torch.float32
         rows = rows.to(dtype).contiguous()
         m = rows.shape[0]
         bias = None if self.bias is None else self.bias.detach().to(dtype)
-        if m == 0 or (not self.invariant and m > INT_ROWS):
-            self.calls["dequantised"] += 1
+        paths = [self.path(tid, m, dtype) for _, tid, _ in self.parts]
+        for p in set(paths):
+            self.calls[p] += 1
+        if all(p == "dequantised" for p in paths):
             out = F.linear(rows, self.dequantised(dtype), bias)
-        elif not self.invariant and self.lib.isa == 0 and m >= SCALAR_FLOAT_ROWS:
-            self.calls["float"] += 1
-            out = torch.empty((m, self.out_features), dtype=torch.float32)
-            xf = rows.float().contiguous()
-            for r0, tid, raw in self.parts:
-                n = raw.shape[0]
-                gk.matmul(self.lib, tid, xf, raw, out[:, r0:r0 + n], mode=gk.FLOAT,
-                          bias=None if bias is None else bias[r0:r0 + n].float())
-        else:  # decode rows; in batch-invariant mode every row count, one order per row
-            self.calls["int"] += 1
-            out = torch.empty((m, self.out_features), dtype=dtype)
-            acts = gk.Activations(self.lib, rows)
-            for r0, tid, raw in self.parts:
-                n = raw.shape[0]
-                gk.matmul(self.lib, tid, rows, raw, out[:, r0:r0 + n], acts=acts,
-                          mode=gk.INVARIANT if self.invariant else gk.INTEGER,
-                          bias=None if bias is None else bias[r0:r0 + n])
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        out = torch.empty((m, self.out_features), dtype=torch.float32 if "float" in paths else dtype)
+        acts = gk.Activations(self.lib, rows) if "int" in paths else None
+        xf = rows.float().contiguous() if "float" in paths else None
+        for (r0, tid, raw), p in zip(self.parts, paths):
+            n = raw.shape[0]
+            b = None if bias is None else bias[r0:r0 + n]
+            dst = out[:, r0:r0 + n]
+            if p == "int":  # decode rows; in batch-invariant mode every row count, one order per row
+                gk.matmul(self.lib, tid, rows, raw, dst, acts=acts, bias=b,
+                          mode=gk.INVARIANT if self.invariant else gk.INTEGER)
+            elif p == "tile":
+                gk.matmul(self.lib, tid, rows, raw, dst, bias=b, mode=gk.TILE)
+            elif p == "float":
+                gk.matmul(self.lib, tid, xf, raw, dst, mode=gk.FLOAT, bias=None if b is None else b.float())
+            else:
+                dst.copy_(F.linear(rows, gk.dequantize(self.lib, tid, raw, self.in_features, dtype), b))
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantised(self, dtype: torch.dtype) -> torch.Tensor:

@@ -2182,10 +2182,13 @@ typedef struct {
     int64_t n_parts;
     int64_t first[DEC_GGUF_PARTS], rows[DEC_GGUF_PARTS], type[DEC_GGUF_PARTS];  /* output rows, ggml type */
     const void *data[DEC_GGUF_PARTS];  /* [rows][row bytes] */
+    int64_t tiles;  /* 1: gguf_rows may take its dequantised tiles from the rows they win at; 0:
+                     * the integer products at every row count (batch-invariant mode) */
 } dec_gguf_t;
 
 typedef void (*gguf_rows_fn)(int type, const void *w, int64_t K, const int8_t *xq, const float *d4,
-                             const float *s16, int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr);
+                             const float *s16, int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr,
+                             int dt, const void *x);
 typedef void (*gguf_quantize_fn)(int dt, const void *x, int64_t K, int8_t *xq, float *d4, float *s16);
 
 typedef struct {
@@ -2253,16 +2256,17 @@ INLINE void dec_gguf_quantize(int dt, const dec_step_t *s, const void *in, int64
                        s->gg_s16 + m * (K / 16));
 }
 
-/* gemv_group's sums for the 16-channel blocks g0 .. g0 + nb of a GGUF layer, from its parts */
-INLINE void gguf_group(const dec_step_t *s, const dec_gguf_t *g, int64_t K, int64_t N, int64_t g0, int64_t nb,
-                       float *res) {
+/* gemv_group's sums for the 16-channel blocks g0 .. g0 + nb of a GGUF layer, from its parts (in:
+ * the layer's input rows of type dt, for gguf_rows' dequantised tiles) */
+INLINE void gguf_group(int dt, const dec_step_t *s, const dec_gguf_t *g, const void *in, int64_t K, int64_t N,
+                       int64_t g0, int64_t nb, float *res) {
     const int64_t lo = g0 * 16, hi = (g0 + nb) * 16 < N ? (g0 + nb) * 16 : N;
     for (int64_t p = 0; p < g->n_parts; p++) {
         const int64_t a = g->first[p] > lo ? g->first[p] : lo, e = g->first[p] + g->rows[p];
         const int64_t b = e < hi ? e : hi;
         if (a < b)
             s->gg_rows((int)g->type[p], g->data[p], K, s->gg_xq, s->gg_d4, s->gg_s16, s->M, a - g->first[p],
-                       b - g->first[p], res + (a - lo), GROUP * 16);
+                       b - g->first[p], res + (a - lo), GROUP * 16, dt, g->tiles ? in : NULL);
     }
 }
 
@@ -2277,7 +2281,7 @@ INLINE void dec_linear(int dt, int pt, const dec_step_t *s, const void *in, int6
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        if (gg) gguf_group(s, gg, K, N, g0, nb, res);
+        if (gg) gguf_group(dt, s, gg, in, K, N, g0, nb, res);
         else gemv_group(sc ? dt : pt, in, s->M, K, w, sc, g0, nb, res);
 #if HAVE_AVX512BW
         for (int64_t m = 0; m < s->M; m++)
@@ -2314,9 +2318,9 @@ INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        if (L->gate_g) gguf_group(s, L->gate_g, s->C, I, g0, nb, rg);
+        if (L->gate_g) gguf_group(dt, s, L->gate_g, s->xn, s->C, I, g0, nb, rg);
         else gemv_group(L->gate_s ? dt : pt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
-        if (L->up_g) gguf_group(s, L->up_g, s->C, I, g0, nb, ru);
+        if (L->up_g) gguf_group(dt, s, L->up_g, s->xn, s->C, I, g0, nb, ru);
         else gemv_group(L->up_s ? dt : pt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
 #if HAVE_AVX512BW
         if (dt == 1 && s->silu_bf16) {
