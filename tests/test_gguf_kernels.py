@@ -281,13 +281,34 @@ def test_gguf_linear_parts_and_row_regimes(lib, m, dtype):
         GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a[:20]))], None)
 
 
+def test_batch_invariant_linear_keeps_one_path(lib):
+    """Batch-invariant mode: a GgufLinear computes every row count with mode 2's integer products
+    (a row the same bits alone or among 8, 16, 70 rows), never the tiles, and hands the fused
+    decode step no tile range (dec_gguf_t.tile_from 0)."""
+    from workers.backends.cpu_decode import _gguf
+    from workers.backends.gguf_linear import GgufLinear
+    k = 256
+    a = random_weight(Q.Q4_K, 24, k, seed=5)
+    lin = GgufLinear(lib, k, 24, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a))], None)
+    lin.invariant = True
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    one = lin(x[5:6])
+    for m in (8, 16, 70):
+        assert torch.equal(lin(x[:m])[5], one[0]), m
+    assert lin.calls["int"] == 4 and lin.calls["tile"] == 0
+    if lib.isa:
+        g = _gguf(lin, None, torch.bfloat16)
+        assert list(g.tile_from) == [0] * len(g.tile_from)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", list(MODEL_CASES))
 def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
     """The fused decode step (cpu_decode.py) takes a native GGUF model's decode steps, reading each
     linear's blocks in place (no copy of the layer weights) through gguf_rows, the products the
-    eager GgufLinear runs for decode-sized row counts: bf16 rows are bit-identical to the eager
-    path at 1, 3 and 16 sequences. In fp32 torch's SiLU exp and the C library's differ in the last
+    eager GgufLinear runs for decode-sized row counts (the integer products, and from 8 rows the
+    dequantised tiles where they win, per part): bf16 rows are bit-identical to the eager path at
+    1, 3, 8 and 16 sequences. In fp32 torch's SiLU exp and the C library's differ in the last
     bit (as for every fp32 model: tests/test_cpu_decode.py), and an activation that lands on the
     other side of an int8 rounding step moves a product by up to a quantum: within 2 % of the
     rows' magnitude."""
@@ -308,7 +329,7 @@ def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
     assert sum(isinstance(v, _Gguf) for w in fused.weights for v in w.values()) == 5 * layers  # qkv o gate up down
     assert not any(k.endswith("_w") and v is not None for w in fused.weights for k, v in w.items())
     prompts = [[(7 * i + j) % 150 + 3 for j in range(2 + (5 * i) % 19)] for i in range(16)]
-    for batch in (1, 3, 16):
+    for batch in (1, 3, 8, 16):  # the integer products, then (bf16 on an avx512_bf16 or AVX2 build) the tiles
         eager_h, eager_kv, _, fed = _decode_run(native, dtype, False, prompts[:batch], 6)
         fused_h, fused_kv, calls, _ = _decode_run(native, dtype, True, prompts[:batch], 6, fed)
         assert calls == 6, "every decode step ran in the fused kernel"

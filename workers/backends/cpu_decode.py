@@ -59,7 +59,7 @@ GGUF_PARTS = 4  # DEC_GGUF_PARTS in cpu_kernels.c
 class _Gguf(ctypes.Structure):
     """dec_gguf_t: a GgufLinear's rows (or a slice of them) read in their blocks."""
     _fields_ = [("n_parts", _i64)] + [(n, _i64 * GGUF_PARTS) for n in ("first", "rows", "type")] \
-        + [("data", _c_void_p * GGUF_PARTS), ("tiles", _i64)]
+        + [("data", _c_void_p * GGUF_PARTS), ("tile_from", _i64 * GGUF_PARTS), ("tile_to", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -214,7 +214,7 @@ def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
     return (start // 16, -(-stop // 16)) if start % 16 == 0 and (stop % 16 == 0 or stop == n) else None
 
 
-def _gguf(mod: GgufLinear, rows: slice | None) -> _Gguf | None:
+def _gguf(mod: GgufLinear, rows: slice | None, dtype: torch.dtype) -> _Gguf | None:
     """The parts of ``mod`` holding output rows ``rows`` (all of them: None), as the kernel reads
     them, or None where a part straddles the slice or there are too many."""
     start = 0 if rows is None else rows.start or 0
@@ -223,7 +223,9 @@ def _gguf(mod: GgufLinear, rows: slice | None) -> _Gguf | None:
     if not parts or len(parts) > GGUF_PARTS or any(r0 + raw.shape[0] > stop for r0, _, raw in parts) \
             or sum(raw.shape[0] for _, _, raw in parts) != stop - start:
         return None
-    g = _Gguf(n_parts=len(parts), tiles=0 if mod.invariant else 1)  # batch-invariant: integer products only
+    g = _Gguf(n_parts=len(parts))
+    for i, (_, t, _) in enumerate(parts):  # the eager GgufLinear's ranges (one path in batch-invariant mode)
+        g.tile_from[i], g.tile_to = mod.tile_range(t, dtype)
     for i, (r0, t, raw) in enumerate(parts):
         g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, raw.shape[0], t, raw.data_ptr()
     return g
@@ -237,7 +239,7 @@ def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None, w16: 
     step computes in fp32 over bf16 weights (decode_layers' dtype 2), and reads only those."""
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, GgufLinear):  # the file's blocks, read in place (ggufCompute: native)
-        return None if w16 or mod.lib.isa < 1 else _gguf(mod, rows)
+        return None if w16 or mod.lib.isa < 1 else _gguf(mod, rows, dtype)
     if isinstance(mod, nn.Linear):
         return None if w16 else (pack(mod.weight[sel]), None)
     if isinstance(mod, KernelLinear):  # AMX CPUs (amx_linears), bf16 weights of fp32 models (bf16_weight_linears)

@@ -83,19 +83,26 @@ class GgufLinear(nn.Module):
     def types(self) -> set[int]:
         return {t for _, t, _ in self.parts}
 
+    def tile_range(self, type_id: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(from, to) rows where a part of ``type_id`` takes the dequantised tiles (gk.tile_rows;
+        (0, 0) in batch-invariant mode, whose one path at every row count is mode 2's integer
+        products: the tiles would cost concurrency 1's decode rows ~1.25x, docs/performance.md)."""
+        return (0, 0) if self.invariant else gk.tile_rows(self.lib, type_id, dtype)
+
     def path(self, type_id: int, m: int, dtype: torch.dtype) -> str:
-        """Which products compute ``m`` rows of ``dtype`` for a part of ``type_id``: "int" (integer,
-        or batch-invariant), "tile" (dequantised tiles in cache), "float" (the scalar build's fp32
-        tiles) or "dequantised" (a transient matrix on oneDNN); gguf_kernels.c's measured ranges."""
-        if self.invariant and m:
-            return "int"
+        """Which products compute ``m`` rows of ``dtype`` for a part of ``type_id``: "int" (integer;
+        mode 2 in batch-invariant mode), "tile" (dequantised tiles in cache), "float" (the scalar
+        build's fp32 tiles) or "dequantised" (a transient matrix on oneDNN); gguf_kernels.c's
+        measured ranges. Batch-invariant mode keeps one path at every row count: mode 2."""
         if m == 0:
             return "dequantised"
-        if self.lib.isa == 0:
-            return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
-        lo, hi = gk.tile_rows(self.lib, type_id, dtype)
+        lo, hi = self.tile_range(type_id, dtype)
         if lo and m >= lo and (not hi or m <= hi):
             return "tile"
+        if self.invariant:
+            return "int"
+        if self.lib.isa == 0:
+            return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
         return "int" if m <= INT_ROWS else "dequantised"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,7 @@ int64_t gguf_tile_to(int dt) {
     return TILE_TO;
 }
 
+
 static void init_tables(void);
 __attribute__((constructor)) static void gguf_init(void) { init_tables(); }
 
@@ -731,7 +732,10 @@ static inline void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *
 #endif
 #define TN 4                /* weight rows per register block */
 #define TILE_BYTES 24576    /* dequantised weight rows per tile: within a 32 KiB L1 with the activations' block */
-#define TILE_TASK_ROWS 64   /* weight rows per parallel task of gguf_matmul's mode 3 */
+#define TILE_TASK_ROWS 64   /* weight rows dequantised at a time (a parallel task of gguf_matmul's mode 3) */
+#define TILE_PREFETCH 4096  /* bytes ahead of the row being decoded: the weights stream from memory */
+#define TILE_TASK_M 512     /* activation rows per task of mode 3: its sums, 128 KiB, stay in L2 */
+#define TILE_X_BYTES 262144 /* activation rows per pass over them: within L2 (Zen 4: 1 MiB) */
 #if defined(__AVX512F__)
 #define TM 4                /* activation rows per register block: 16 zmm accumulators */
 #define VW 16
@@ -812,18 +816,48 @@ static inline void emit32(__m256i q, float a0, float a1, float b0, float b1, voi
     emit16(_mm256_extracti128_si256(q, 1), a1, b1, dst, k0 + 16, bf);
 }
 
+/* two runs of 32 4-bit values (lo: scale a0, b0; hi: a1, b1) into bf16 through one table of both
+ * (entries 0-15 lo's, 16-31 hi's): half emit32's FMAs and conversions */
+static inline void emit64_4(__m256i lo, __m256i hi, float a0, float a1, float b0, float b1, void *dst, int64_t k0,
+                            int bf) {
+#if TILE_BF16
+    if (bf) {
+        const __m512 i0 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(_mm512_set1_ps(a1), i0, _mm512_set1_ps(b1)),
+                                                         _mm512_fmadd_ps(_mm512_set1_ps(a0), i0, _mm512_set1_ps(b0)));
+        uint16_t *o = (uint16_t *)dst + k0;
+        _mm512_storeu_si512(o, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), tab));
+        _mm512_storeu_si512(o + 32, _mm512_permutexvar_epi16(
+            _mm512_cvtepu8_epi16(_mm256_or_si256(hi, _mm256_set1_epi8(16))), tab));
+        return;
+    }
+#endif
+    emit32(lo, a0, a0, b0, b0, dst, k0, bf, 0);
+    emit32(hi, a1, a1, b1, b1, dst, k0 + 32, bf, 0);
+}
+
 /* one weight row dequantised into the tile (bf: bf16, else fp32), decoded in registers as
  * row_dot256 decodes it */
 static void tile_row(int type, const uint8_t *w, int64_t K, int bf, void *dst) {
     const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
+    for (int64_t o = 0; o < nb * bb; o += 64) _mm_prefetch((const char *)w + TILE_PREFETCH + o, _MM_HINT_T0);
     switch (type) {
-    case T_Q4_0: case T_Q4_1:
-        for (int64_t i = 0; i < nb; i++) {
+    case T_Q4_0: case T_Q4_1: {
+        const int hd = type == T_Q4_0 ? 2 : 4;
+        int64_t i = 0;
+        for (; i + 1 < nb; i += 2) {
+            const uint8_t *x = w + i * bb, *y = x + bb;
+            const float d0 = f16_to_f32(rd16(x)), b0 = type == T_Q4_0 ? -8.0f * d0 : f16_to_f32(rd16(x + 2));
+            const float d1 = f16_to_f32(rd16(y)), b1 = type == T_Q4_0 ? -8.0f * d1 : f16_to_f32(rd16(y + 2));
+            emit64_4(nib32(x + hd), nib32(y + hd), d0, d1, b0, b1, dst, 32 * i, bf);
+        }
+        if (i < nb) {
             const uint8_t *x = w + i * bb;
             const float d = f16_to_f32(rd16(x)), b = type == T_Q4_0 ? -8.0f * d : f16_to_f32(rd16(x + 2));
-            emit32(nib32(x + (type == T_Q4_0 ? 2 : 4)), d, d, b, b, dst, 32 * i, bf, 1);
+            emit32(nib32(x + hd), d, d, b, b, dst, 32 * i, bf, 1);
         }
         break;
+    }
     case T_Q5_0: case T_Q5_1:
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *x = w + i * bb, *p = x + (type == T_Q5_0 ? 2 : 4);
@@ -837,6 +871,16 @@ static void tile_row(int type, const uint8_t *w, int64_t K, int bf, void *dst) {
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *x = w + i * bb;
             const float d = f16_to_f32(rd16(x));
+#if TILE_BF16
+            if (bf) {  /* d * q rounded once, as unpack_row's a * (q + 128) + b with one FMA */
+                const __m128i q0 = _mm_loadu_si128((const __m128i *)(x + 2)), q1 = _mm_loadu_si128((const __m128i *)(x + 18));
+                const __m512 dv = _mm512_set1_ps(d);
+                _mm512_storeu_si512((uint16_t *)dst + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))),
+                    _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)))));
+                continue;
+            }
+#endif
             const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + 2)), _mm256_set1_epi8((char)0x80));
             emit32(v, d, d, -128.0f * d, -128.0f * d, dst, 32 * i, bf, 0);  /* q + 128, as unpack_row */
         }
@@ -847,8 +891,12 @@ static void tile_row(int type, const uint8_t *w, int64_t K, int bf, void *dst) {
                 __m256i lo, hi;
                 float a0, a1, b0, b1;
                 k45_pair(type, w + i * bb, j, &lo, &hi, &a0, &a1, &b0, &b1);
-                emit32(lo, a0, a0, b0, b0, dst, 256 * i + 64 * j, bf, 1);
-                emit32(hi, a1, a1, b1, b1, dst, 256 * i + 64 * j + 32, bf, 1);
+                if (type == T_Q4_K) {
+                    emit64_4(lo, hi, a0, a1, b0, b1, dst, 256 * i + 64 * j, bf);
+                } else {
+                    emit32(lo, a0, a0, b0, b0, dst, 256 * i + 64 * j, bf, 1);
+                    emit32(hi, a1, a1, b1, b1, dst, 256 * i + 64 * j + 32, bf, 1);
+                }
             }
         break;
     case T_Q6_K:
@@ -936,31 +984,57 @@ static void tile_block(int bf, int xdt, int mr, const void *x, const void *w, in
     else TL_SWITCH(TL_F32_0);
 }
 
+/* This thread's tile buffer of at least n bytes, kept between calls: a fresh one per call is an
+ * mmap above glibc's threshold (128 KiB: 64 rows of 1536 bf16), whose page faults cost the fused
+ * decode step a third of its time at 8 rows */
+static void *tile_buffer(size_t n) {
+    static __thread void *buf;
+    static __thread size_t have;
+    if (n > have) {
+        free(buf);
+        buf = aligned_alloc(64, n);
+        have = buf ? n : 0;
+    }
+    return buf;
+}
+
 /* res[m * ldr + n - n0] = weight row n . activation row m, for n0 <= n < n1 and the M rows of x
- * (dt 0 fp32, 1 bf16, K apart); one thread. -1 where a buffer cannot be had. */
+ * (dt 0 fp32, 1 bf16, K apart); one thread. Up to TILE_TASK_ROWS weight rows are dequantised at
+ * a time (once, whatever M is), then taken TILE_BYTES at a time (in L1) against blocks of
+ * activation rows that stay in L2 (TILE_X_BYTES): a prompt's rows are not streamed from memory
+ * once per tile. Each sum is the same whatever the blocking (one order per (m, n)). -1 where a
+ * buffer cannot be had. */
 static int tile_rows(int type, const uint8_t *w, int64_t K, int dt, const void *x, int64_t M, int64_t n0, int64_t n1,
                      float *res, int64_t ldr) {
     const int bf = TILE_BF16 && dt == 1;
     const int64_t es = bf ? 2 : 4, xes = dt == 1 ? 2 : 4;
     const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type);
-    int64_t nt = TILE_BYTES / (K * es) / TN * TN;
+    int64_t nt = TILE_BYTES / (K * es) / TN * TN, mb = TILE_X_BYTES / (K * xes) / TM * TM;
     if (nt < TN) nt = TN;
-    if (nt > n1 - n0) nt = (n1 - n0 + TN - 1) / TN * TN;
-    void *wt = aligned_alloc(64, (size_t)((nt * K * es + 63) / 64 * 64));
-    int rc = wt ? 0 : -1;
-    for (int64_t t0 = n0; !rc && t0 < n1; t0 += nt) {
-        const int64_t rows = n1 - t0 < nt ? n1 - t0 : nt;
-        for (int64_t r = 0; r < rows; r++) tile_row(type, w + (t0 + r) * rb, K, bf, (char *)wt + r * K * es);
+    if (mb < TM) mb = TM;
+    /* one pass over the activations (decode steps, short prompts): nt rows at a time, written and
+     * read in L1; more: a task's rows at once, dequantised once for every pass */
+    const int64_t cap = M <= mb ? nt : (TILE_TASK_ROWS + TN - 1) / TN * TN;
+    void *wt = tile_buffer((size_t)((cap * K * es + 63) / 64 * 64));
+    if (!wt) return -1;
+    for (int64_t c0 = n0; c0 < n1; c0 += cap) {
+        const int64_t rows = n1 - c0 < cap ? n1 - c0 : cap;
+        for (int64_t r = 0; r < rows; r++) tile_row(type, w + (c0 + r) * rb, K, bf, (char *)wt + r * K * es);
         if (rows % TN) memset((char *)wt + rows * K * es, 0, (size_t)((TN - rows % TN) * K * es));
-        for (int64_t m0 = 0; m0 < M; m0 += TM) {
-            const int mr = M - m0 < TM ? (int)(M - m0) : TM;
-            for (int64_t j = 0; j < rows; j += TN)
-                tile_block(bf, dt, mr, (const char *)x + m0 * K * xes, (const char *)wt + j * K * es, K,
-                           res + m0 * ldr + (t0 - n0) + j, ldr, rows - j < TN ? (int)(rows - j) : TN);
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = M - m0 < mb ? M : m0 + mb;
+            for (int64_t t0 = 0; t0 < rows; t0 += nt) {
+                const int64_t t1 = rows - t0 < nt ? rows : t0 + nt;
+                for (int64_t m = m0; m < m1; m += TM) {
+                    const int mr = m1 - m < TM ? (int)(m1 - m) : TM;
+                    for (int64_t j = t0; j < t1; j += TN)
+                        tile_block(bf, dt, mr, (const char *)x + m * K * xes, (const char *)wt + j * K * es, K,
+                                   res + m * ldr + (c0 - n0) + j, ldr, t1 - j < TN ? (int)(t1 - j) : TN);
+                }
+            }
         }
     }
-    free(wt);
-    return rc;
+    return 0;
 }
 #endif
 
@@ -975,13 +1049,13 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
  * res[m * ldr + n - n0] = the sum, no bias, one thread (the caller splits rows over its team: the
  * fused decode step in cpu_kernels.c, through a pointer). Each row as gguf_matmul's decode path
  * computes it, so a step's rows come out the same in either; with x (the same rows unquantised, dt 0
- * fp32, 1 bf16; NULL in batch-invariant mode) from gguf_tile_from(dt) rows on, as mode 3 does. */
+ * fp32, 1 bf16: the caller's choice, at the row counts gguf_tile_from and gguf_tile_to give;
+ * never in batch-invariant mode) mode 3's tiles instead. */
 void gguf_rows(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr, int dt, const void *x) {
     const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), G = K / 16;
 #if GG_ISA >= 1
-    const int64_t from = gguf_tile_from(type, dt), to = gguf_tile_to(dt);
-    if (x && from && M >= from && (!to || M <= to) && !tile_rows(type, w, K, dt, x, M, n0, n1, res, ldr)) return;
+    if (x && !tile_rows(type, w, K, dt, x, M, n0, n1, res, ldr)) return;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int mr = M - m0 < ROW_BLOCK ? (int)(M - m0) : ROW_BLOCK;
@@ -1023,21 +1097,26 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
     int failed = 0;
     if (mode == 3) {
 #if GG_ISA >= 1
-        const int64_t tasks = (N + TILE_TASK_ROWS - 1) / TILE_TASK_ROWS;
-        _Pragma("omp parallel if (tasks > 1 && M * N * K > 65536)")
+        /* tasks: TILE_TASK_ROWS weight rows against TILE_TASK_M activation rows (a prompt's sums
+         * stay in L2 before their store; the weights are dequantised once per TILE_TASK_M rows) */
+        const int64_t nt = (N + TILE_TASK_ROWS - 1) / TILE_TASK_ROWS, mt = (M + TILE_TASK_M - 1) / TILE_TASK_M;
+        const int64_t xes = dt == 1 ? 2 : 4, mc = M < TILE_TASK_M ? M : TILE_TASK_M;
+        _Pragma("omp parallel if (nt * mt > 1 && M * N * K > 65536)")
         {
-            float *res = malloc((size_t)(M * TILE_TASK_ROWS * 4 + 64));
+            float *res = malloc((size_t)(mc * TILE_TASK_ROWS * 4 + 64));
             _Pragma("omp for schedule(static)")
-            for (int64_t t = 0; t < tasks; t++) {
-                const int64_t n0 = t * TILE_TASK_ROWS, n1 = N - n0 < TILE_TASK_ROWS ? N : n0 + TILE_TASK_ROWS;
-                if (failed || !res || tile_rows(type, w, K, dt, x, M, n0, n1, res, TILE_TASK_ROWS)) {
+            for (int64_t t = 0; t < nt * mt; t++) {
+                const int64_t m0 = t / nt * TILE_TASK_M, m1 = M - m0 < TILE_TASK_M ? M : m0 + TILE_TASK_M;
+                const int64_t n0 = t % nt * TILE_TASK_ROWS, n1 = N - n0 < TILE_TASK_ROWS ? N : n0 + TILE_TASK_ROWS;
+                if (failed || !res ||
+                    tile_rows(type, w, K, dt, (const char *)x + m0 * K * xes, m1 - m0, n0, n1, res, TILE_TASK_ROWS)) {
                     _Pragma("omp atomic write")
                     failed = 1;
                     continue;
                 }
-                for (int64_t m = 0; m < M; m++)
+                for (int64_t m = m0; m < m1; m++)
                     for (int64_t n = n0; n < n1; n++) {
-                        const float v = res[m * TILE_TASK_ROWS + n - n0];
+                        const float v = res[(m - m0) * TILE_TASK_ROWS + n - n0];
                         store(dt, out, m * ldo + n, bias ? v + load(dt, bias, n) : v);
                     }
             }
