@@ -356,3 +356,22 @@ def test_invariant_mode_computes_a_row_the_same_at_any_row_count(lib, m):
         one = torch.empty(1, 40, dtype=torch.bfloat16)
         gk.matmul(lib, tid, x[m // 2:m // 2 + 1].contiguous(), w, one)
         assert torch.equal(out[m // 2], one[0]), qtype.name
+
+
+@pytest.mark.parametrize("setting, bf16, invariant, want", [
+    ("auto", False, True, "native"), ("auto", False, False, "native"),
+    ("auto", True, False, "native"),  # bf16 CPU, one order per row not asked: the tiles from 8 rows
+    ("auto", True, True, "dequantise"),  # bf16 CPU, batch-invariant: the integer products would be its one path
+    ("native", True, True, "native"), ("dequantise", False, False, "dequantise")])
+def test_auto_resolution(setting, bf16, invariant, want):
+    """``cpuTuning.ggufCompute`` resolved per CPU kind and ScheduleConfig.batchInvariant."""
+    import msgspec
+
+    from workers import settings
+    from workers.backends.gguf_linear import compute
+    before = settings.engine()
+    settings.apply(msgspec.structs.replace(settings.with_cpu(gguf_compute=setting), batch_invariant=invariant))
+    try:
+        assert compute(bf16) == want
+    finally:
+        settings.apply(before)
