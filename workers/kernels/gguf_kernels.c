@@ -51,26 +51,27 @@ int gguf_isa(void) { return GG_ISA; }
  * build: from gguf_tile_from(type, dt) rows (0: never) up to gguf_tile_to(dt) (0: no limit).
  * Measured one thread, x[M, 576] @ W[1536, 576]^T (K-quants K 768), CPU us per call
  * (mindie-bench gguf-blocks --what kernels [--variant V --dtype D], 12-07, Zen 4):
- * - avx512_bf16 build, bf16 rows, Q4_1 int / tile / transient: M=4 97 / 99 / 649, 8 167 / 134 / 699,
- *   64 1503 / 597 / 1113, 128 4522 / 1139 / 1620, 512 18235 / 4474 / 4831 (bf16 F.linear over
- *   a dequantised copy: 97, 128, 569, 1090, 4185); Q4_K M=4 131 / 144, 8 217 / 187; Q8_0 8 164 /
- *   148; Q6_K (no table decode: 6 bits, a scale per 16 values) 8 230 / 231, 16 440 / 321;
+ * - avx512_bf16 build, bf16 rows, Q4_1 int / tile: M=1 59 / 71, 4 97 / 93, 8 174 / 127, 64 1601 /
+ *   623, 128 4599 / 1172 (bf16 F.linear over a dequantised copy: 81, 102, 157, 665, 1233; over a
+ *   transient one 684 to 1791), 512 18235 / 4474 (dense 4185, transient 4831); Q4_K M=4 137 / 142,
+ *   8 222 / 189; Q8_0 8 167 / 125; Q6_K (no table decode: 6 bits, a scale per 16 values) 8 225 /
+ *   239, 16 463 / 327;
  * - AVX-512 without avx512_bf16, fp32 rows (the FMA tiles): VNNI's integer products win up to 64
  *   rows (Q4_1 M=8 153 / 244, 64 1531 / 1501) and the transient matrix above (128: 2741 / 2947);
  * - AVX2, fp32 rows: M=4 152 / 160, 8 298 / 246, 64 2505 / 1429, 128 7334 / 2897 / 2833 (Q4_K
  *   6959 / 3957 / 3755), 256 15001 / 5641 / 5192: tiles from 8 to 128 rows. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define TILE_BF16 1          /* the tiles in bf16 for bf16 rows (vdpbf16ps) */
 #define TILE_FROM_BF16 8     /* Q6_K: 16 */
-#define TILE_BF16_BUILD 1
 #define TILE_FROM_F32 0
 #define TILE_TO 0
 #elif defined(__AVX512F__)
-#define TILE_BF16_BUILD 0
+#define TILE_BF16 0
 #define TILE_FROM_BF16 0
 #define TILE_FROM_F32 0
 #define TILE_TO 0
 #else
-#define TILE_BF16_BUILD 0
+#define TILE_BF16 0
 #define TILE_FROM_BF16 8
 #define TILE_FROM_F32 8
 #define TILE_TO 128
@@ -78,7 +79,7 @@ int gguf_isa(void) { return GG_ISA; }
 int64_t gguf_tile_from(int type, int dt) {
 #if GG_ISA >= 1
     const int64_t from = dt == 1 ? TILE_FROM_BF16 : TILE_FROM_F32;
-    return type == T_Q6_K && TILE_BF16_BUILD && dt == 1 ? 16 : from;
+    return type == T_Q6_K && TILE_BF16 && dt == 1 ? 16 : from;
 #else
     (void)type;
     (void)dt;
@@ -725,11 +726,6 @@ static inline void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *
  * (bf16 where the build has avx512_bf16 and the activations are bf16, else fp32), then every
  * activation row goes against the tile, TM activation rows x TN weight rows per register block
  * (vdpbf16ps on bf16, FMAs on fp32; fp32 sums), with no transient copy of the whole matrix. */
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define TILE_BF16 1
-#else
-#define TILE_BF16 0
-#endif
 #define TN 4                /* weight rows per register block */
 #define TILE_BYTES 24576    /* dequantised weight rows per tile: within a 32 KiB L1 with the activations' block */
 #define TILE_TASK_ROWS 64   /* weight rows dequantised at a time (a parallel task of gguf_matmul's mode 3) */
