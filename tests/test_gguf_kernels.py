@@ -21,7 +21,10 @@ from workers.kernels import gguf_kernels as gk
 FLAGS = Path("/proc/cpuinfo").read_text()
 # each variant and the gguf_isa() it must report on this host (None: this host cannot run it)
 VARIANTS = {"native": 2 if " avx512_vnni" in FLAGS and " avx512bw" in FLAGS else 1 if " avx2" in FLAGS else 0,
+            # AVX-512 without avx512_bf16 (the fp32 tiles), where native is the bf16 build
+            "avx512": 2 if " avx512_bf16" in FLAGS and " avx512_vnni" in FLAGS else None,
             "avx2": 1 if " avx2" in FLAGS else None, "scalar": 0}
+BF16_BUILD = " avx512_bf16" in FLAGS and VARIANTS["native"] == 2  # the native build's tiles are bf16
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Built at collection, as the other kernel tests load theirs (a compiler is not a process the
 # in-process lane may start from a test); cached, about a second each the first time.
@@ -77,6 +80,36 @@ def test_kernel_matches_dequantised_reference(lib, qtype, m, n, k):
     gk.matmul(lib, gk.TYPES[qtype.name], x, torch.from_numpy(w), flt, bias=bias, mode=gk.FLOAT)
     tol = 2e-5 * (x.abs() @ ref_w.abs().T) + 1e-6
     assert ((flt - exact).abs() <= tol).all(), (flt - exact).abs().max()
+    _check_tiles(lib, qtype, x, w, ref_w, bias)
+
+
+def _check_tiles(lib, qtype, x, w, ref_w, bias):
+    """Mode 3 (the dequantised tiles) in fp32 and bf16 rows: fp32 rows equal x @ W.T to fp32
+    rounding; bf16 rows equal the bf16 rows times the weights, summed in fp32, then rounded to
+    bf16: on the avx512_bf16 build the weights rounded to bf16 (as gguf_dequantize rounds them, the
+    ``dequantise`` path's weights), elsewhere in fp32 (the fp32 tiles). The scalar build has no
+    mode 3."""
+    m, n = x.shape[0], w.shape[0]
+    wt = torch.from_numpy(w)
+    if lib.isa == 0:
+        with pytest.raises(ValueError, match="refused"):
+            gk.matmul(lib, gk.TYPES[qtype.name], x, wt, torch.empty(m, n), mode=gk.TILE)
+        return
+    out = torch.full((m, n + 2), 7.0)
+    gk.matmul(lib, gk.TYPES[qtype.name], x, wt, out[:, 1:n + 1], bias=bias, mode=gk.TILE)
+    want = x @ ref_w.T + bias
+    tol = 2e-5 * (x.abs() @ ref_w.abs().T) + 1e-6
+    assert ((out[:, 1:n + 1] - want).abs() <= tol).all(), (out[:, 1:n + 1] - want).abs().max()
+    assert (out[:, 0] == 7).all() and (out[:, n + 1] == 7).all()
+    xb, wb = x.bfloat16(), ref_w.bfloat16()
+    assert torch.equal(gk.dequantize(lib, gk.TYPES[qtype.name], wt, ref_w.shape[1], torch.bfloat16), wb)
+    if not (BF16_BUILD and lib is LIBS["native"]):
+        wb = ref_w
+    got = torch.empty(m, n, dtype=torch.bfloat16)
+    gk.matmul(lib, gk.TYPES[qtype.name], xb, wt, got, bias=bias.bfloat16(), mode=gk.TILE)
+    want = xb.float() @ wb.float().T + bias.bfloat16().float()
+    tol = 2 ** -8 * want.abs() + 2e-5 * (xb.float().abs() @ wb.float().abs().T) + 1e-6
+    assert ((got.float() - want).abs() <= tol).all(), (got.float() - want).abs().max()
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q6_K), ids=lambda t: t.name)
@@ -206,28 +239,66 @@ def test_default_model_native_greedy_equals_dequantised():
     assert "Paris" in tok.decode(out_n[len(ids):])
 
 
-@pytest.mark.parametrize("m", [3, 20, 70])
-def test_gguf_linear_parts_and_row_regimes(lib, m):
+def _expected_path(variant: str, lib, type_name: str, m: int, dtype: torch.dtype) -> str:
+    """The products gguf_kernels.c's measured ranges give ``m`` rows (its constants, restated)."""
+    from workers.backends.gguf_linear import INT_ROWS, SCALAR_FLOAT_ROWS
+    if lib.isa == 0:
+        return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
+    if lib.isa == 1:  # AVX2: tiles from 8 to 128 rows in either dtype
+        lo, hi = 8, 128
+    elif variant == "native" and BF16_BUILD and dtype == torch.bfloat16:  # avx512_bf16 tiles from 8 (Q6_K 16)
+        lo, hi = 16 if type_name == "Q6_K" else 8, 0
+    else:  # AVX-512's fp32 tiles lose to VNNI up to 64 rows and to the transient matrix above
+        lo, hi = 0, 0
+    if lo and m >= lo and (not hi or m <= hi):
+        return "tile"
+    return "int" if m <= INT_ROWS else "dequantised"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("m", [3, 7, 8, 15, 16, 20, 70, 129])
+def test_gguf_linear_parts_and_row_regimes(lib, m, dtype):
     """A GgufLinear of two parts of different types (a Q4_K_M file's q/k/v: Q4_K beside Q6_K) with
-    a bias, at decode rows (integer products), 20 rows (the scalar build: fp32 over dequantised
-    tiles) and 70 rows (dequantised, oneDNN): each equals x @ W.T + b within the activations'
-    rounding, through the path its regime and instruction set choose."""
-    from workers.backends.gguf_linear import INT_ROWS, SCALAR_FLOAT_ROWS, GgufLinear
+    a bias, at row counts on both sides of each crossover (integer products, the dequantised tiles,
+    the scalar build's fp32 tiles, a transient matrix on oneDNN): each equals x @ W.T + b within
+    the activations' rounding, through the path its regime, type and instruction set choose."""
+    from workers.backends.gguf_linear import GgufLinear
+    variant = next(v for v, built in LIBS.items() if built is lib)
     k = 256
     a, b = random_weight(Q.Q4_K, 24, k, seed=5), random_weight(Q.Q6_K, 10, k, seed=6)
     w = torch.cat([torch.from_numpy(dequantize(a, Q.Q4_K)), torch.from_numpy(dequantize(b, Q.Q6_K))]).float()
     bias = torch.randn(34)
     lin = GgufLinear(lib, k, 34, [(24, gk.TYPES["Q6_K"], torch.from_numpy(b)), (0, gk.TYPES["Q4_K"], torch.from_numpy(a))],
                      bias)
-    x = torch.randn(1, m, k, generator=torch.Generator().manual_seed(m))
+    x = torch.randn(1, m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     out = lin(x)
-    assert out.shape == (1, m, 34)
-    want = x @ w.T + bias
-    assert (out - want).abs().max() <= 0.02 * want.abs().max()
-    path = ("dequantised" if m > INT_ROWS else "float" if lib.isa == 0 and m >= SCALAR_FLOAT_ROWS else "int")
-    assert lin.calls[path] == 1 and sum(lin.calls.values()) == 1
+    assert out.shape == (1, m, 34) and out.dtype == dtype
+    want = x.float() @ w.T + bias
+    assert (out.float() - want).abs().max() <= 0.02 * want.abs().max()
+    paths = {_expected_path(variant, lib, t, m, dtype) for t in ("Q4_K", "Q6_K")}
+    assert {p for p, c in lin.calls.items() if c} == paths and all(lin.calls[p] == 1 for p in paths), lin.calls
     with pytest.raises(ValueError, match="cover 20 of 34"):
         GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a[:20]))], None)
+
+
+def test_batch_invariant_linear_keeps_one_path(lib):
+    """Batch-invariant mode: a GgufLinear computes every row count with mode 2's integer products
+    (a row the same bits alone or among 8, 16, 70 rows), never the tiles, and hands the fused
+    decode step no tile range (dec_gguf_t.tile_from 0)."""
+    from workers.backends.cpu_decode import _gguf
+    from workers.backends.gguf_linear import GgufLinear
+    k = 256
+    a = random_weight(Q.Q4_K, 24, k, seed=5)
+    lin = GgufLinear(lib, k, 24, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a))], None)
+    lin.invariant = True
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    one = lin(x[5:6])
+    for m in (8, 16, 70):
+        assert torch.equal(lin(x[:m])[5], one[0]), m
+    assert lin.calls["int"] == 4 and lin.calls["tile"] == 0
+    if lib.isa:
+        g = _gguf(lin, None, torch.bfloat16)
+        assert list(g.tile_from) == [0] * len(g.tile_from)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -235,8 +306,9 @@ def test_gguf_linear_parts_and_row_regimes(lib, m):
 def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
     """The fused decode step (cpu_decode.py) takes a native GGUF model's decode steps, reading each
     linear's blocks in place (no copy of the layer weights) through gguf_rows, the products the
-    eager GgufLinear runs for decode-sized row counts: bf16 rows are bit-identical to the eager
-    path at 1, 3 and 16 sequences. In fp32 torch's SiLU exp and the C library's differ in the last
+    eager GgufLinear runs for decode-sized row counts (the integer products, and from 8 rows the
+    dequantised tiles where they win, per part): bf16 rows are bit-identical to the eager path at
+    1, 3, 8 and 16 sequences. In fp32 torch's SiLU exp and the C library's differ in the last
     bit (as for every fp32 model: tests/test_cpu_decode.py), and an activation that lands on the
     other side of an int8 rounding step moves a product by up to a quantum: within 2 % of the
     rows' magnitude."""
@@ -257,7 +329,7 @@ def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
     assert sum(isinstance(v, _Gguf) for w in fused.weights for v in w.values()) == 5 * layers  # qkv o gate up down
     assert not any(k.endswith("_w") and v is not None for w in fused.weights for k, v in w.items())
     prompts = [[(7 * i + j) % 150 + 3 for j in range(2 + (5 * i) % 19)] for i in range(16)]
-    for batch in (1, 3, 16):
+    for batch in (1, 3, 8, 16):  # the integer products, then (bf16 on an avx512_bf16 or AVX2 build) the tiles
         eager_h, eager_kv, _, fed = _decode_run(native, dtype, False, prompts[:batch], 6)
         fused_h, fused_kv, calls, _ = _decode_run(native, dtype, True, prompts[:batch], 6, fed)
         assert calls == 6, "every decode step ran in the fused kernel"
@@ -284,3 +356,22 @@ def test_invariant_mode_computes_a_row_the_same_at_any_row_count(lib, m):
         one = torch.empty(1, 40, dtype=torch.bfloat16)
         gk.matmul(lib, tid, x[m // 2:m // 2 + 1].contiguous(), w, one)
         assert torch.equal(out[m // 2], one[0]), qtype.name
+
+
+@pytest.mark.parametrize("setting, bf16, invariant, want", [
+    ("auto", False, True, "native"), ("auto", False, False, "native"),
+    ("auto", True, False, "native"),  # bf16 CPU, one order per row not asked: the tiles from 8 rows
+    ("auto", True, True, "dequantise"),  # bf16 CPU, batch-invariant: the integer products would be its one path
+    ("native", True, True, "native"), ("dequantise", False, False, "dequantise")])
+def test_auto_resolution(setting, bf16, invariant, want):
+    """``cpuTuning.ggufCompute`` resolved per CPU kind and ScheduleConfig.batchInvariant."""
+    import msgspec
+
+    from workers import settings
+    from workers.backends.gguf_linear import compute
+    before = settings.engine()
+    settings.apply(msgspec.structs.replace(settings.with_cpu(gguf_compute=setting), batch_invariant=invariant))
+    try:
+        assert compute(bf16) == want
+    finally:
+        settings.apply(before)

@@ -10,9 +10,11 @@ times CPU seconds (``time.process_time``), which a shared machine disturbs least
 time wall seconds. ``--invariant`` sets ScheduleConfig.batchInvariant in this process (the CPU
 default in a server: the integer products at every row count, prompts included).
 
-``--what kernels``: one linear [1536, 576] (K-quants [1536, 768]) of each block type, the integer
-products of ``gguf_matmul`` against torch's bf16 ``F.linear`` over random weights, per row count,
-microseconds per call (best of 5) and the integer products' GMAC/s.
+``--what kernels``: one linear [1536, 576] (K-quants [1536, 768]) of each block type over random
+blocks, per row count, microseconds per call (best of 5): ``gguf_matmul``'s integer products and
+its dequantised tiles (mode 3) against torch's ``F.linear`` over the dequantised weights (the
+``dequantise`` path) and over a transient copy dequantised per call; ``--variant`` times another
+instruction set's build (``avx512``: without avx512_bf16, ``avx2``), ``--dtype`` the rows' type.
 
     python -m mindie_bench.lab.gguf_blocks --batch 1,4,8 --invariant
     python -m mindie_bench.lab.gguf_blocks --what kernels
@@ -92,7 +94,7 @@ def _kernels(args) -> None:
 
     from tests.test_gguf_kernels import random_weight
     from workers.kernels import gguf_kernels as gk
-    lib = gk.load()
+    lib = gk.load() if args.variant == "native" else gk.build(args.variant)
 
     def best(f, reps: int = 20) -> float:
         f()
@@ -104,20 +106,31 @@ def _kernels(args) -> None:
             out = min(out, (time.process_time() - t0) / reps)
         return out * 1e6
 
-    print(f"gguf_kernels: {gk.ISA_NAMES[lib.isa]}, 1 thread, CPU us per call (int: gguf_matmul's integer "
-          f"products, activations quantised beforehand; bf16: torch F.linear)")
+    dtype = getattr(torch, args.dtype)
+    print(f"gguf_kernels {args.variant} build: {gk.ISA_NAMES[lib.isa]}, {args.dtype} rows, 1 thread, CPU us per "
+          f"call (int: gguf_matmul's integer products, activations quantised beforehand; tile: mode 3, the "
+          f"dequantised tiles, this build's choice (Q4_1) from {gk.tile_rows(lib, 3, dtype)[0] or 'never'} "
+          f"rows to {gk.tile_rows(lib, 3, dtype)[1] or 'any'}; dense: torch F.linear over a {args.dtype} copy, the dequantise path; transient: the blocks "
+          f"dequantised, then F.linear)")
     for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         n, k = 1536, 768 if qt in (Q.Q4_K, Q.Q6_K) else 576
-        w, wb = torch.from_numpy(random_weight(qt, n, k)), torch.randn(n, k).bfloat16()
+        tid = gk.TYPES[qt.name]
+        w = torch.from_numpy(random_weight(qt, n, k))
+        wb = gk.dequantize(lib, tid, w, k, dtype)
         row = []
         for m in args.batch:
-            x = torch.randn(m, k).bfloat16()
-            out = torch.empty(m, n, dtype=torch.bfloat16)
+            x = torch.randn(m, k).to(dtype)
+            out = torch.empty(m, n, dtype=dtype)
             acts = gk.Activations(lib, x)
-            t_int = best(lambda: gk.matmul(lib, gk.TYPES[qt.name], x, w, out, acts=acts))
-            t_bf16 = best(lambda: F.linear(x, wb))
-            row.append(f"M={m}: int {t_int:.0f} bf16 {t_bf16:.0f} ({m * n * k / t_int / 1e3:.1f} GMAC/s)")
+            t_int = best(lambda: gk.matmul(lib, tid, x, w, out, acts=acts))
+            t_tile = best(lambda: gk.matmul(lib, tid, x, w, out, mode=gk.TILE)) if lib.isa else float("nan")
+            t_dense = best(lambda: F.linear(x, wb))
+            t_tr = best(lambda: F.linear(x, gk.dequantize(lib, tid, w, k, dtype)))
+            row.append(f"M={m}: int {t_int:.0f} tile {t_tile:.0f} dense {t_dense:.0f} transient {t_tr:.0f}")
         print(qt.name, " | ".join(row), flush=True)
+
+
+VARIANTS = ("native", "avx512", "avx2", "scalar")
 
 
 def main(argv=None) -> int:
@@ -132,6 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per round (default 20)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--variant", choices=tuple(VARIANTS), default="native",
+                   help="kernels: the library build (gguf_kernels.VARIANT_FLAGS; default this host's)")
     p.add_argument("--invariant", action="store_true", help="ScheduleConfig.batchInvariant on (the CPU default)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

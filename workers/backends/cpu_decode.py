@@ -24,7 +24,9 @@ layout by the CPU's int8 linears already (workers/backends/int8.py): the kernel 
 tensors, no copy, with their scales applied to the fp32 sums. A GGUF file's blocks
 (``ggufCompute: native``: workers/backends/gguf_linear.py) are read in place too, each linear
 as a ``dec_gguf_t`` of its parts, through gguf_kernels.c's ``gguf_rows`` (a pointer in the step),
-over the layer's input quantised per 32 values into the step's scratch. An fp32 model whose linears keep
+over the layer's input quantised per 32 values into the step's scratch, or over the input itself
+against weight tiles dequantised in cache from the row counts where those win (gguf_kernels.c's
+measured ranges, as the eager GgufLinear; never in batch-invariant mode). An fp32 model whose linears keep
 bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is computed in fp32
 over those same tensors (kernel code 2), no copy either. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
@@ -57,7 +59,7 @@ GGUF_PARTS = 4  # DEC_GGUF_PARTS in cpu_kernels.c
 class _Gguf(ctypes.Structure):
     """dec_gguf_t: a GgufLinear's rows (or a slice of them) read in their blocks."""
     _fields_ = [("n_parts", _i64)] + [(n, _i64 * GGUF_PARTS) for n in ("first", "rows", "type")] \
-        + [("data", _c_void_p * GGUF_PARTS)]
+        + [("data", _c_void_p * GGUF_PARTS), ("tile_from", _i64 * GGUF_PARTS), ("tile_to", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -212,7 +214,7 @@ def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
     return (start // 16, -(-stop // 16)) if start % 16 == 0 and (stop % 16 == 0 or stop == n) else None
 
 
-def _gguf(mod: GgufLinear, rows: slice | None) -> _Gguf | None:
+def _gguf(mod: GgufLinear, rows: slice | None, dtype: torch.dtype) -> _Gguf | None:
     """The parts of ``mod`` holding output rows ``rows`` (all of them: None), as the kernel reads
     them, or None where a part straddles the slice or there are too many."""
     start = 0 if rows is None else rows.start or 0
@@ -222,6 +224,8 @@ def _gguf(mod: GgufLinear, rows: slice | None) -> _Gguf | None:
             or sum(raw.shape[0] for _, _, raw in parts) != stop - start:
         return None
     g = _Gguf(n_parts=len(parts))
+    for i, (_, t, _) in enumerate(parts):  # the eager GgufLinear's ranges (one path in batch-invariant mode)
+        g.tile_from[i], g.tile_to = mod.tile_range(t, dtype)
     for i, (r0, t, raw) in enumerate(parts):
         g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, raw.shape[0], t, raw.data_ptr()
     return g
@@ -235,7 +239,7 @@ def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None, w16: 
     step computes in fp32 over bf16 weights (decode_layers' dtype 2), and reads only those."""
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, GgufLinear):  # the file's blocks, read in place (ggufCompute: native)
-        return None if w16 or mod.lib.isa < 1 else _gguf(mod, rows)
+        return None if w16 or mod.lib.isa < 1 else _gguf(mod, rows, dtype)
     if isinstance(mod, nn.Linear):
         return None if w16 else (pack(mod.weight[sel]), None)
     if isinstance(mod, KernelLinear):  # AMX CPUs (amx_linears), bf16 weights of fp32 models (bf16_weight_linears)

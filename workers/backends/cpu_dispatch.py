@@ -29,7 +29,7 @@ import torch
 from mindie.contract.spec import cpu_flags
 from workers import settings
 from workers.attention.cpu import amx_prefill_covers, prompt_route
-from workers.backends.gguf_linear import INT_ROWS, GgufLinear
+from workers.backends.gguf_linear import GgufLinear, regimes
 from workers.kernels.gguf_kernels import ISA_NAMES
 
 
@@ -138,9 +138,7 @@ def decide(model: torch.nn.Module, lib: ctypes.CDLL | None, flags_line: str | No
         prefill = "the decode kernel, a token at a time (batch-invariant)"
     gguf = [m for m in model.modules() if isinstance(m, GgufLinear)]
     if gguf:  # a GGUF file's linears in their blocks (cpuTuning.ggufCompute: native)
-        rows = ("at every row count, batch-invariant" if gguf[0].invariant
-                else f"up to {INT_ROWS} rows, dequantised on oneDNN above")
-        products = (f"C GGUF blocks ({ISA_NAMES[gguf[0].lib.isa]} integer products {rows}) for {len(gguf)} layers"
+        products = (f"C GGUF blocks ({ISA_NAMES[gguf[0].lib.isa]}: {regimes(gguf[0].lib, dtype)}) for {len(gguf)} layers"
                     + (f", {products} for the rest" if packed or kernel else ""))
     return Dispatch(isa_name(flags, lib), products, step, decode, prefill,
                     str(dtype).replace("torch.", ""))

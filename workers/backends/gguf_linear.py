@@ -1,6 +1,7 @@
 """A GGUF file's linear layers computed from their quantised blocks (``cpuTuning.ggufCompute:
-native``, or ``auto`` on a CPU without native bf16; ``dequantise`` keeps the weights dequantised
-at load to bf16/fp32: docs/config.md, docs/performance.md "GGUF blocks").
+native``, or ``auto`` on a CPU without native bf16 or with ScheduleConfig.batchInvariant off;
+``dequantise`` keeps the weights dequantised at load to bf16/fp32: docs/config.md,
+docs/performance.md "GGUF blocks").
 
 The loader (workers/models/gguf_loader.py) hands each linear's tensors to ``NativeTarget.linear``
 as the file stores them (one part per GGUF tensor: the fused q/k/v and gate/up layers have
@@ -8,13 +9,16 @@ several, each its own block type); the weights then take the file's bytes, not 2
 decode step reads those bytes: the fused decode step (cpu_decode.py) reads them in place. The
 products are the C kernels' (workers/kernels/gguf_kernels.c):
 
-- up to ``INT_ROWS`` rows (decode steps, small prompt chunks): activations quantised per 32 values
-  to int8 (as llama.cpp's Q8_0), integer dot products with each weight row read from its blocks
-  (AVX-512 VNNI, AVX2, scalar; the scalar build from ``SCALAR_FLOAT_ROWS`` rows takes fp32
-  products over dequantised tiles instead, its faster mode there), scaled per 16 values;
-- above (prompts): the layer's weights dequantised to the activation dtype into a transient
-  matrix and multiplied by oneDNN, faster there than the integer kernels, whose per-16-value
-  scaling is compute-bound (docs/performance.md, "GGUF blocks");
+- few rows (decode steps): activations quantised per 32 values to int8 (as llama.cpp's Q8_0),
+  integer dot products with each weight row read from its blocks (AVX-512 VNNI, AVX2, scalar; the
+  scalar build from ``SCALAR_FLOAT_ROWS`` rows takes fp32 products over dequantised tiles
+  instead, its faster mode there), scaled per 16 values: compute-bound from a few rows;
+- from the row counts gguf_kernels.c measured (``gk.tile_rows``: 8 on the avx512_bf16 and AVX2
+  builds, Q6_K 16 in bf16; never on AVX-512 without bf16, where VNNI wins): weight tiles
+  dequantised in cache against the activations as they are (``gguf_matmul`` mode 3: bf16
+  vdpbf16ps or fp32 FMAs), per part, no transient copy of the matrix;
+- above ``INT_ROWS`` where the tiles do not reach: the layer's weights dequantised to the
+  activation dtype into a transient matrix and multiplied by oneDNN;
 - in batch-invariant mode (ScheduleConfig.batchInvariant) the integer products at every row
   count (``gguf_matmul`` mode 2), so a row's result never depends on its step.
 
@@ -48,15 +52,34 @@ def compute(bf16: bool = True) -> str:
     """``cpuTuning.ggufCompute`` resolved: native or dequantise (ValueError for anything else).
     ``auto``: native where the CPU has no native bf16 (``bf16`` False: AVX-512 without
     avx512_bf16, AVX2), where the dequantised weights would be computed in fp32 or as bf16 weights
-    under fp32 rows, 2-4x the file's bytes per token; dequantise where it has them (AVX512-BF16,
-    AMX), whose bf16 products beat the integer ones from 4 rows and on prompts (docs/performance.md,
-    "GGUF blocks")."""
+    under fp32 rows, 2-4x the file's bytes per token; and where it has them (AVX512-BF16, AMX) with
+    ScheduleConfig.batchInvariant off, where the dequantised tiles (gguf_kernels.c mode 3) tie or
+    beat the bf16 copies from 8 rows and on prompts and the integer products win one row.
+    dequantise on a bf16 CPU in batch-invariant mode (the CPU default), whose one path at every
+    row count is the integer products: they lose to bf16 from 4-8 rows and on prompts
+    (docs/performance.md, "GGUF blocks")."""
     value = settings.cpu().gguf_compute
     if value not in COMPUTES:
         raise ValueError(f"cpuTuning.ggufCompute must be one of {', '.join(COMPUTES)}, got {value!r}")
     if value == "auto":
-        return "dequantise" if bf16 else "native"
+        return "dequantise" if bf16 and settings.engine().batch_invariant else "native"
     return value
+
+
+def regimes(lib: ctypes.CDLL, dtype: torch.dtype) -> str:
+    """The products a native linear takes per row count on this build (a Q4_1 part), in words."""
+    if settings.engine().batch_invariant:
+        return "integer products at every row count (ScheduleConfig.batchInvariant: one order per row, prompts included)"
+    if lib.isa == 0:
+        return (f"integer products up to {SCALAR_FLOAT_ROWS - 1} rows, fp32 tiles to {INT_ROWS}, "
+                "a transient dequantised matrix on oneDNN above")
+    lo, hi = gk.tile_rows(lib, gk.TYPES["Q4_1"], dtype)
+    if not lo:
+        return f"integer products up to {INT_ROWS} rows, a transient dequantised matrix on oneDNN above"
+    # bf16 tiles: bf16 rows on the avx512_bf16 build (the one build whose fp32 rows take no tiles)
+    kind = "bf16" if dtype == torch.bfloat16 and not gk.tile_rows(lib, gk.TYPES["Q4_1"], torch.float32)[0] else "fp32"
+    return (f"integer products up to {lo - 1} rows, {kind} dequantised tiles from {lo}"
+            + (f" to {hi} rows, a transient dequantised matrix on oneDNN above" if hi else " rows on"))
 
 
 class GgufLinear(nn.Module):
@@ -74,7 +97,8 @@ class GgufLinear(nn.Module):
         self.bias = bias
         # batch-invariant mode: the integer products at every row count (prompts included)
         self.invariant = settings.engine().batch_invariant
-        self.calls = {"int": 0, "float": 0, "dequantised": 0}  # which products ran (tests check the path)
+        # which products ran, counted once a call per kind (tests check the path)
+        self.calls = {"int": 0, "tile": 0, "float": 0, "dequantised": 0}
 
     def nbytes(self) -> int:
         return sum(raw.numel() for _, _, raw in self.parts)
@@ -82,32 +106,56 @@ class GgufLinear(nn.Module):
     def types(self) -> set[int]:
         return {t for _, t, _ in self.parts}
 
+    def tile_range(self, type_id: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(from, to) rows where a part of ``type_id`` takes the dequantised tiles (gk.tile_rows;
+        (0, 0) in batch-invariant mode, whose one path at every row count is mode 2's integer
+        products: the tiles would cost concurrency 1's decode rows ~1.25x, docs/performance.md)."""
+        return (0, 0) if self.invariant else gk.tile_rows(self.lib, type_id, dtype)
+
+    def path(self, type_id: int, m: int, dtype: torch.dtype) -> str:
+        """Which products compute ``m`` rows of ``dtype`` for a part of ``type_id``: "int" (integer;
+        mode 2 in batch-invariant mode), "tile" (dequantised tiles in cache), "float" (the scalar
+        build's fp32 tiles) or "dequantised" (a transient matrix on oneDNN); gguf_kernels.c's
+        measured ranges. Batch-invariant mode keeps one path at every row count: mode 2."""
+        if m == 0:
+            return "dequantised"
+        lo, hi = self.tile_range(type_id, dtype)
+        if lo and m >= lo and (not hi or m <= hi):
+            return "tile"
+        if self.invariant:
+            return "int"
+        if self.lib.isa == 0:
+            return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
+        return "int" if m <= INT_ROWS else "dequantised"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         dtype = rows.dtype if rows.dtype in (torch.float32, torch.bfloat16) else torch.float32
         rows = rows.to(dtype).contiguous()
         m = rows.shape[0]
         bias = None if self.bias is None else self.bias.detach().to(dtype)
-        if m == 0 or (not self.invariant and m > INT_ROWS):
-            self.calls["dequantised"] += 1
+        paths = [self.path(tid, m, dtype) for _, tid, _ in self.parts]
+        for p in set(paths):
+            self.calls[p] += 1
+        if all(p == "dequantised" for p in paths):
             out = F.linear(rows, self.dequantised(dtype), bias)
-        elif not self.invariant and self.lib.isa == 0 and m >= SCALAR_FLOAT_ROWS:
-            self.calls["float"] += 1
-            out = torch.empty((m, self.out_features), dtype=torch.float32)
-            xf = rows.float().contiguous()
-            for r0, tid, raw in self.parts:
-                n = raw.shape[0]
-                gk.matmul(self.lib, tid, xf, raw, out[:, r0:r0 + n], mode=gk.FLOAT,
-                          bias=None if bias is None else bias[r0:r0 + n].float())
-        else:  # decode rows; in batch-invariant mode every row count, one order per row
-            self.calls["int"] += 1
-            out = torch.empty((m, self.out_features), dtype=dtype)
-            acts = gk.Activations(self.lib, rows)
-            for r0, tid, raw in self.parts:
-                n = raw.shape[0]
-                gk.matmul(self.lib, tid, rows, raw, out[:, r0:r0 + n], acts=acts,
-                          mode=gk.INVARIANT if self.invariant else gk.INTEGER,
-                          bias=None if bias is None else bias[r0:r0 + n])
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        out = torch.empty((m, self.out_features), dtype=torch.float32 if "float" in paths else dtype)
+        acts = gk.Activations(self.lib, rows) if "int" in paths else None
+        xf = rows.float().contiguous() if "float" in paths else None
+        for (r0, tid, raw), p in zip(self.parts, paths):
+            n = raw.shape[0]
+            b = None if bias is None else bias[r0:r0 + n]
+            dst = out[:, r0:r0 + n]
+            if p == "int":  # decode rows; in batch-invariant mode every row count, one order per row
+                gk.matmul(self.lib, tid, rows, raw, dst, acts=acts, bias=b,
+                          mode=gk.INVARIANT if self.invariant else gk.INTEGER)
+            elif p == "tile":
+                gk.matmul(self.lib, tid, rows, raw, dst, bias=b, mode=gk.TILE)
+            elif p == "float":
+                gk.matmul(self.lib, tid, xf, raw, dst, mode=gk.FLOAT, bias=None if b is None else b.float())
+            else:
+                dst.copy_(F.linear(rows, gk.dequantize(self.lib, tid, raw, self.in_features, dtype), b))
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
@@ -126,8 +174,8 @@ class GgufLinear(nn.Module):
 class NativeTarget:
     """What the GGUF loader builds native linears with (gguf_loader.GgufTarget)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, bf16: bool = False):
+        self.lib, self.bf16 = lib, bf16  # bf16: the CPU computes bf16 natively (the log's reason)
         self.count = 0
         self.nbytes = 0
 
@@ -142,27 +190,27 @@ class NativeTarget:
         self.nbytes += lin.nbytes()
         return lin
 
-    def loaded(self, types: set[str]) -> None:
+    def loaded(self, types: set[str], dtype: torch.dtype = torch.bfloat16) -> None:
         if self.count:
-            rows = ("at every row count (ScheduleConfig.batchInvariant: one order per row, prompts included)"
-                    if settings.engine().batch_invariant else
-                    f"up to {INT_ROWS} rows, dequantised tiles on oneDNN above")
             setting = settings.cpu().gguf_compute
+            why = (": no native bf16 on this CPU" if not self.bf16 else ": ScheduleConfig.batchInvariant off")
             log.info("GGUF compute: native (cpuTuning.ggufCompute %s%s), %d linear layers in their blocks (%s, "
-                     "%.1f MiB) on the C kernels: %s integer products %s", setting,
-                     ": no native bf16 on this CPU" if setting == "auto" else "", self.count, "/".join(sorted(types)),
-                     self.nbytes / 2**20, gk.ISA_NAMES[self.lib.isa], rows)
+                     "%.1f MiB) on the C kernels (%s): %s", setting, why if setting == "auto" else "", self.count,
+                     "/".join(sorted(types)), self.nbytes / 2**20, gk.ISA_NAMES[self.lib.isa],
+                     regimes(self.lib, dtype))
 
 
 def native_target(bf16: bool = True) -> NativeTarget | None:
     """The CPU's target for a GGUF model's linears, or None (``ggufCompute: dequantise``, or no C
     kernels: the reason logged once)."""
     if compute(bf16) != "native":
+        auto = settings.cpu().gguf_compute == "auto"
         log.info("GGUF compute: dequantise (cpuTuning.ggufCompute %s%s): linear weights dequantised at load",
-                 settings.cpu().gguf_compute, ": this CPU computes bf16 natively" if bf16 else "")
+                 settings.cpu().gguf_compute,
+                 ": this CPU computes bf16 natively and the worker runs batch-invariant" if auto else "")
         return None
     lib = gk.load()
     if lib is None:
         log.info("GGUF compute: dequantise, as the C kernels are unavailable (%s)", gk.unavailable_reason())
         return None
-    return NativeTarget(lib)
+    return NativeTarget(lib, bf16)

@@ -2182,10 +2182,26 @@ typedef struct {
     int64_t n_parts;
     int64_t first[DEC_GGUF_PARTS], rows[DEC_GGUF_PARTS], type[DEC_GGUF_PARTS];  /* output rows, ggml type */
     const void *data[DEC_GGUF_PARTS];  /* [rows][row bytes] */
+    /* part p takes gguf_rows' dequantised tiles from tile_from[p] rows (0: never, the integer
+     * products) to tile_to (0: no limit); batch-invariant mode: 1 or 0, one path at every count */
+    int64_t tile_from[DEC_GGUF_PARTS], tile_to;
 } dec_gguf_t;
 
+INLINE int dec_gguf_tile(const dec_gguf_t *g, int64_t p, int64_t M) {
+    return g->tile_from[p] && M >= g->tile_from[p] && (!g->tile_to || M <= g->tile_to);
+}
+
+/* whether every part of g takes the tiles at this step's rows (no quantised input needed) */
+INLINE int dec_gguf_tiled(const dec_gguf_t *g, int64_t M) {
+    if (!g) return 1;
+    for (int64_t p = 0; p < g->n_parts; p++)
+        if (!dec_gguf_tile(g, p, M)) return 0;
+    return 1;
+}
+
 typedef void (*gguf_rows_fn)(int type, const void *w, int64_t K, const int8_t *xq, const float *d4,
-                             const float *s16, int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr);
+                             const float *s16, int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr,
+                             int dt, const void *x);
 typedef void (*gguf_quantize_fn)(int dt, const void *x, int64_t K, int8_t *xq, float *d4, float *s16);
 
 typedef struct {
@@ -2253,16 +2269,17 @@ INLINE void dec_gguf_quantize(int dt, const dec_step_t *s, const void *in, int64
                        s->gg_s16 + m * (K / 16));
 }
 
-/* gemv_group's sums for the 16-channel blocks g0 .. g0 + nb of a GGUF layer, from its parts */
-INLINE void gguf_group(const dec_step_t *s, const dec_gguf_t *g, int64_t K, int64_t N, int64_t g0, int64_t nb,
-                       float *res) {
+/* gemv_group's sums for the 16-channel blocks g0 .. g0 + nb of a GGUF layer, from its parts (in:
+ * the layer's input rows of type dt, for gguf_rows' dequantised tiles) */
+INLINE void gguf_group(int dt, const dec_step_t *s, const dec_gguf_t *g, const void *in, int64_t K, int64_t N,
+                       int64_t g0, int64_t nb, float *res) {
     const int64_t lo = g0 * 16, hi = (g0 + nb) * 16 < N ? (g0 + nb) * 16 : N;
     for (int64_t p = 0; p < g->n_parts; p++) {
         const int64_t a = g->first[p] > lo ? g->first[p] : lo, e = g->first[p] + g->rows[p];
         const int64_t b = e < hi ? e : hi;
         if (a < b)
             s->gg_rows((int)g->type[p], g->data[p], K, s->gg_xq, s->gg_d4, s->gg_s16, s->M, a - g->first[p],
-                       b - g->first[p], res + (a - lo), GROUP * 16);
+                       b - g->first[p], res + (a - lo), GROUP * 16, dt, dec_gguf_tile(g, p, s->M) ? in : NULL);
     }
 }
 
@@ -2273,11 +2290,11 @@ INLINE void dec_linear(int dt, int pt, const dec_step_t *s, const void *in, int6
     float res[DEC_MAX_ROWS * GROUP * 16];
     const int64_t NB = (N + 15) / 16;
     int64_t b0, b1;
-    if (gg) dec_gguf_quantize(dt, s, in, K);
+    if (gg && !dec_gguf_tiled(gg, s->M)) dec_gguf_quantize(dt, s, in, K);
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        if (gg) gguf_group(s, gg, K, N, g0, nb, res);
+        if (gg) gguf_group(dt, s, gg, in, K, N, g0, nb, res);
         else gemv_group(sc ? dt : pt, in, s->M, K, w, sc, g0, nb, res);
 #if HAVE_AVX512BW
         for (int64_t m = 0; m < s->M; m++)
@@ -2310,13 +2327,14 @@ INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L
     float rg[DEC_MAX_ROWS * GROUP * 16], ru[DEC_MAX_ROWS * GROUP * 16];
     const int64_t I = s->I, NB = (I + 15) / 16;
     int64_t b0, b1;
-    if (L->gate_g || L->up_g) dec_gguf_quantize(dt, s, s->xn, s->C);  /* one input for both */
+    if ((L->gate_g || L->up_g) && !(dec_gguf_tiled(L->gate_g, s->M) && dec_gguf_tiled(L->up_g, s->M)))
+        dec_gguf_quantize(dt, s, s->xn, s->C);  /* one input for both */
     my_blocks(NB, &b0, &b1);
     for (int64_t g0 = b0; g0 < b1; g0 += GROUP) {
         const int64_t nb = b1 - g0 < GROUP ? b1 - g0 : GROUP;
-        if (L->gate_g) gguf_group(s, L->gate_g, s->C, I, g0, nb, rg);
+        if (L->gate_g) gguf_group(dt, s, L->gate_g, s->xn, s->C, I, g0, nb, rg);
         else gemv_group(L->gate_s ? dt : pt, s->xn, s->M, s->C, L->gate_w, L->gate_s, g0, nb, rg);
-        if (L->up_g) gguf_group(s, L->up_g, s->C, I, g0, nb, ru);
+        if (L->up_g) gguf_group(dt, s, L->up_g, s->xn, s->C, I, g0, nb, ru);
         else gemv_group(L->up_s ? dt : pt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
 #if HAVE_AVX512BW
         if (dt == 1 && s->silu_bf16) {

@@ -46,6 +46,53 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, 
 
 int gguf_isa(void) { return GG_ISA; }
 
+/* The row counts where the dequantised tiles (mode 3) beat both the integer products and a
+ * transient dequantised matrix on oneDNN, for activations of type dt (0 fp32, 1 bf16) on this
+ * build: from gguf_tile_from(type, dt) rows (0: never) up to gguf_tile_to(dt) (0: no limit).
+ * Measured one thread, x[M, 576] @ W[1536, 576]^T (K-quants K 768), CPU us per call
+ * (mindie-bench gguf-blocks --what kernels [--variant V --dtype D], 12-07, Zen 4):
+ * - avx512_bf16 build, bf16 rows, Q4_1 int / tile: M=1 59 / 71, 4 97 / 93, 8 174 / 127, 64 1601 /
+ *   623, 128 4599 / 1172 (bf16 F.linear over a dequantised copy: 81, 102, 157, 665, 1233; over a
+ *   transient one 684 to 1791), 512 18235 / 4474 (dense 4185, transient 4831); Q4_K M=4 137 / 142,
+ *   8 222 / 189; Q8_0 8 167 / 125; Q6_K (no table decode: 6 bits, a scale per 16 values) 8 225 /
+ *   239, 16 463 / 327;
+ * - AVX-512 without avx512_bf16, fp32 rows (the FMA tiles): VNNI's integer products win up to 64
+ *   rows (Q4_1 M=8 153 / 244, 64 1531 / 1501) and the transient matrix above (128: 2741 / 2947);
+ * - AVX2, fp32 rows: M=4 152 / 160, 8 298 / 246, 64 2505 / 1429, 128 7334 / 2897 / 2833 (Q4_K
+ *   6959 / 3957 / 3755), 256 15001 / 5641 / 5192: tiles from 8 to 128 rows. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define TILE_BF16 1          /* the tiles in bf16 for bf16 rows (vdpbf16ps) */
+#define TILE_FROM_BF16 8     /* Q6_K: 16 */
+#define TILE_FROM_F32 0
+#define TILE_TO 0
+#elif defined(__AVX512F__)
+#define TILE_BF16 0
+#define TILE_FROM_BF16 0
+#define TILE_FROM_F32 0
+#define TILE_TO 0
+#else
+#define TILE_BF16 0
+#define TILE_FROM_BF16 8
+#define TILE_FROM_F32 8
+#define TILE_TO 128
+#endif
+int64_t gguf_tile_from(int type, int dt) {
+#if GG_ISA >= 1
+    const int64_t from = dt == 1 ? TILE_FROM_BF16 : TILE_FROM_F32;
+    return type == T_Q6_K && TILE_BF16 && dt == 1 ? 16 : from;
+#else
+    (void)type;
+    (void)dt;
+    return 0;
+#endif
+}
+
+int64_t gguf_tile_to(int dt) {
+    (void)dt;
+    return TILE_TO;
+}
+
+
 static void init_tables(void);
 __attribute__((constructor)) static void gguf_init(void) { init_tables(); }
 
@@ -671,6 +718,322 @@ static inline void row_dot(int type, const uint8_t *w, int64_t K, const int8_t *
 }
 #endif
 
+#if GG_ISA >= 1
+/* ---- Mid and large row counts: dequantised tiles against every activation row (mode 3) ----
+ * The integer products scale every 16 values of every (weight row, activation row) pair, which
+ * makes them compute-bound from a few rows (they lose to bf16 oneDNN from ~4-8 rows on a bf16
+ * CPU). Here TILE_BYTES of weight rows are dequantised at a time into a buffer that stays in L1
+ * (bf16 where the build has avx512_bf16 and the activations are bf16, else fp32), then every
+ * activation row goes against the tile, TM activation rows x TN weight rows per register block
+ * (vdpbf16ps on bf16, FMAs on fp32; fp32 sums), with no transient copy of the whole matrix. */
+#define TN 4                /* weight rows per register block */
+#define TILE_BYTES 24576    /* dequantised weight rows per tile: within a 32 KiB L1 with the activations' block */
+#define TILE_TASK_ROWS 64   /* weight rows dequantised at a time (a parallel task of gguf_matmul's mode 3) */
+#define TILE_PREFETCH 4096  /* bytes ahead of the row being decoded: the weights stream from memory */
+#define TILE_TASK_M 512     /* activation rows per task of mode 3: its sums, 128 KiB, stay in L2 */
+#define TILE_X_BYTES 262144 /* activation rows per pass over them: within L2 (Zen 4: 1 MiB) */
+#if defined(__AVX512F__)
+#define TM 4                /* activation rows per register block: 16 zmm accumulators */
+#define VW 16
+typedef __m512 vf_t;
+#define VZERO() _mm512_setzero_ps()
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VLOADB(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32( \
+    _mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+static inline __m256 to8(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+#define TM 2                /* 8 ymm accumulators, 4 weight registers: within AVX2's 16 */
+#define VW 8
+typedef __m256 vf_t;
+#define VZERO() _mm256_setzero_ps()
+#define VLOADF(p) _mm256_loadu_ps(p)
+#define VLOADB(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32( \
+    _mm_loadu_si128((const __m128i *)(p))), 16))
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline __m256 to8(__m256 v) { return v; }
+#endif
+
+/* the four sums of a, b, c, d in one xmm */
+static inline __m128 hsum4(vf_t a, vf_t b, vf_t c, vf_t d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(to8(a), to8(b)), _mm256_hadd_ps(to8(c), to8(d)));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+static inline void store4(__m128 v, float *p, int nr) {
+    if (nr == 4) {
+        _mm_storeu_ps(p, v);
+        return;
+    }
+    float t[4];
+    _mm_storeu_ps(t, v);
+    for (int j = 0; j < nr; j++) p[j] = t[j];
+}
+
+/* 16 unsigned bytes q -> a * q + b into dst at value k0 (bf16, rounded to nearest even as
+ * gguf_dequantize rounds, or fp32) */
+static inline void emit16(__m128i q, float a, float b, void *dst, int64_t k0, int bf) {
+#if defined(__AVX512F__)
+    const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(b));
+#if TILE_BF16
+    if (bf) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + k0), (__m256i)_mm512_cvtneps_pbh(v));
+        return;
+    }
+#endif
+    _mm512_storeu_ps((float *)dst + k0, v);
+#else
+    (void)bf;
+    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+    _mm256_storeu_ps((float *)dst + k0, _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), bv));
+    _mm256_storeu_ps((float *)dst + k0 + 8,
+                     _mm256_fmadd_ps(av, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), bv));
+#endif
+}
+
+/* 32 unsigned bytes of at most 5 bits (Q4/Q5 types, one scale per 32 values): into bf16 through a
+ * table of the 32 possible values (one FMA and one conversion per 32 values instead of per 16
+ * each, then vpermw); else each 16 through emit16 */
+static inline void emit32(__m256i q, float a0, float a1, float b0, float b1, void *dst, int64_t k0, int bf, int lut) {
+#if TILE_BF16
+    if (bf && lut) {
+        const __m512 i0 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512 av = _mm512_set1_ps(a0), bv = _mm512_set1_ps(b0);
+        const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(av, _mm512_add_ps(i0, _mm512_set1_ps(16.0f)), bv),
+                                                         _mm512_fmadd_ps(av, i0, bv));
+        _mm512_storeu_si512((uint16_t *)dst + k0, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), tab));
+        return;
+    }
+#endif
+    (void)lut;
+    emit16(_mm256_castsi256_si128(q), a0, b0, dst, k0, bf);
+    emit16(_mm256_extracti128_si256(q, 1), a1, b1, dst, k0 + 16, bf);
+}
+
+/* two runs of 32 4-bit values (lo: scale a0, b0; hi: a1, b1) into bf16 through one table of both
+ * (entries 0-15 lo's, 16-31 hi's): half emit32's FMAs and conversions */
+static inline void emit64_4(__m256i lo, __m256i hi, float a0, float a1, float b0, float b1, void *dst, int64_t k0,
+                            int bf) {
+#if TILE_BF16
+    if (bf) {
+        const __m512 i0 = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i tab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(_mm512_set1_ps(a1), i0, _mm512_set1_ps(b1)),
+                                                         _mm512_fmadd_ps(_mm512_set1_ps(a0), i0, _mm512_set1_ps(b0)));
+        uint16_t *o = (uint16_t *)dst + k0;
+        _mm512_storeu_si512(o, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), tab));
+        _mm512_storeu_si512(o + 32, _mm512_permutexvar_epi16(
+            _mm512_cvtepu8_epi16(_mm256_or_si256(hi, _mm256_set1_epi8(16))), tab));
+        return;
+    }
+#endif
+    emit32(lo, a0, a0, b0, b0, dst, k0, bf, 0);
+    emit32(hi, a1, a1, b1, b1, dst, k0 + 32, bf, 0);
+}
+
+/* one weight row dequantised into the tile (bf: bf16, else fp32), decoded in registers as
+ * row_dot256 decodes it */
+static void tile_row(int type, const uint8_t *w, int64_t K, int bf, void *dst) {
+    const int64_t nb = K / gguf_block_values(type), bb = gguf_block_bytes(type);
+    for (int64_t o = 0; o < nb * bb; o += 64) _mm_prefetch((const char *)w + TILE_PREFETCH + o, _MM_HINT_T0);
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: {
+        const int hd = type == T_Q4_0 ? 2 : 4;
+        int64_t i = 0;
+        for (; i + 1 < nb; i += 2) {
+            const uint8_t *x = w + i * bb, *y = x + bb;
+            const float d0 = f16_to_f32(rd16(x)), b0 = type == T_Q4_0 ? -8.0f * d0 : f16_to_f32(rd16(x + 2));
+            const float d1 = f16_to_f32(rd16(y)), b1 = type == T_Q4_0 ? -8.0f * d1 : f16_to_f32(rd16(y + 2));
+            emit64_4(nib32(x + hd), nib32(y + hd), d0, d1, b0, b1, dst, 32 * i, bf);
+        }
+        if (i < nb) {
+            const uint8_t *x = w + i * bb;
+            const float d = f16_to_f32(rd16(x)), b = type == T_Q4_0 ? -8.0f * d : f16_to_f32(rd16(x + 2));
+            emit32(nib32(x + hd), d, d, b, b, dst, 32 * i, bf, 1);
+        }
+        break;
+    }
+    case T_Q5_0: case T_Q5_1:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb, *p = x + (type == T_Q5_0 ? 2 : 4);
+            const float d = f16_to_f32(rd16(x)), b = type == T_Q5_0 ? -16.0f * d : f16_to_f32(rd16(x + 2));
+            uint32_t qh;
+            memcpy(&qh, p, 4);
+            emit32(_mm256_or_si256(nib32(p + 4), fifth_bits(qh)), d, d, b, b, dst, 32 * i, bf, 1);
+        }
+        break;
+    case T_Q8_0:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb;
+            const float d = f16_to_f32(rd16(x));
+#if TILE_BF16
+            if (bf) {  /* d * q rounded once, as unpack_row's a * (q + 128) + b with one FMA */
+                const __m128i q0 = _mm_loadu_si128((const __m128i *)(x + 2)), q1 = _mm_loadu_si128((const __m128i *)(x + 18));
+                const __m512 dv = _mm512_set1_ps(d);
+                _mm512_storeu_si512((uint16_t *)dst + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))),
+                    _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)))));
+                continue;
+            }
+#endif
+            const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + 2)), _mm256_set1_epi8((char)0x80));
+            emit32(v, d, d, -128.0f * d, -128.0f * d, dst, 32 * i, bf, 0);  /* q + 128, as unpack_row */
+        }
+        break;
+    case T_Q4_K: case T_Q5_K:
+        for (int64_t i = 0; i < nb; i++)
+            for (int j = 0; j < 4; j++) {
+                __m256i lo, hi;
+                float a0, a1, b0, b1;
+                k45_pair(type, w + i * bb, j, &lo, &hi, &a0, &a1, &b0, &b1);
+                if (type == T_Q4_K) {
+                    emit64_4(lo, hi, a0, a1, b0, b1, dst, 256 * i + 64 * j, bf);
+                } else {
+                    emit32(lo, a0, a0, b0, b0, dst, 256 * i + 64 * j, bf, 1);
+                    emit32(hi, a1, a1, b1, b1, dst, 256 * i + 64 * j + 32, bf, 1);
+                }
+            }
+        break;
+    case T_Q6_K:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *x = w + i * bb;
+            const int8_t *sc = (const int8_t *)(x + 192);
+            const float d = f16_to_f32(rd16(x + 208));
+            for (int n = 0; n < 2; n++) {
+                __m256i q[4];
+                q6k_quads(x, n, q);
+                for (int k = 0; k < 4; k++) {
+                    const float a0 = d * sc[8 * n + 2 * k], a1 = d * sc[8 * n + 2 * k + 1];
+                    emit32(q[k], a0, a1, -32.0f * a0, -32.0f * a1, dst, 256 * i + 128 * n + 32 * k, bf, 0);
+                }
+            }
+        }
+        break;
+    }
+}
+
+/* accumulators as named variables (an array of them stays in memory); MR and XDT are constants in
+ * each call, so the unused rows and the other activation type fold away */
+#define TL_ACC vf_t c00 = VZERO(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00, \
+    c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00
+#define TL_OUT(r) do { if (MR > (r)) store4(hsum4(c##r##0, c##r##1, c##r##2, c##r##3), res + (r) * ldr, nr); } while (0)
+#define TL_OUTS do { TL_OUT(0); TL_OUT(1); TL_OUT(2); TL_OUT(3); } while (0)
+#define TL_ROW(r) do { if (MR > (r)) { \
+        const vf_t x_ = XDT ? VLOADB((const uint16_t *)x + (r) * ldx + k) : VLOADF((const float *)x + (r) * ldx + k); \
+        c##r##0 = VFMA(x_, w0, c##r##0); c##r##1 = VFMA(x_, w1, c##r##1); \
+        c##r##2 = VFMA(x_, w2, c##r##2); c##r##3 = VFMA(x_, w3, c##r##3); } } while (0)
+
+/* res[r * ldr + j] = x row r . w row j (fp32 weights, K apart), r < MR, j < nr */
+static inline __attribute__((always_inline)) void tile_f32(const int MR, const int XDT, const void *x, int64_t ldx,
+                                                           const float *w, int64_t K, float *res, int64_t ldr, int nr) {
+    TL_ACC;
+    for (int64_t k = 0; k < K; k += VW) {
+        const vf_t w0 = VLOADF(w + k), w1 = VLOADF(w + K + k), w2 = VLOADF(w + 2 * K + k), w3 = VLOADF(w + 3 * K + k);
+        TL_ROW(0); TL_ROW(1); TL_ROW(2); TL_ROW(3);
+    }
+    TL_OUTS;
+}
+
+#if TILE_BF16
+#define TB_ROW(r) do { if (MR > (r)) { \
+        const __m512bh x_ = (__m512bh)_mm512_loadu_si512(x + (r) * ldx + k); \
+        c##r##0 = _mm512_dpbf16_ps(c##r##0, x_, w0); c##r##1 = _mm512_dpbf16_ps(c##r##1, x_, w1); \
+        c##r##2 = _mm512_dpbf16_ps(c##r##2, x_, w2); c##r##3 = _mm512_dpbf16_ps(c##r##3, x_, w3); } } while (0)
+
+/* the same over bf16 rows and weights, 32 values per vdpbf16ps */
+static inline __attribute__((always_inline)) void tile_bf16(const int MR, const uint16_t *x, int64_t ldx,
+                                                            const uint16_t *w, int64_t K, float *res, int64_t ldr,
+                                                            int nr) {
+    TL_ACC;
+    for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + K + k),
+                       w2 = (__m512bh)_mm512_loadu_si512(w + 2 * K + k),
+                       w3 = (__m512bh)_mm512_loadu_si512(w + 3 * K + k);
+        TB_ROW(0); TB_ROW(1); TB_ROW(2); TB_ROW(3);
+    }
+    TL_OUTS;
+}
+#endif
+
+#if TM == 4
+#define TL_SWITCH(CALL) do { switch (mr) { case 4: CALL(4); break; case 3: CALL(3); break; \
+    case 2: CALL(2); break; default: CALL(1); } } while (0)
+#else
+#define TL_SWITCH(CALL) do { if (mr == 2) CALL(2); else CALL(1); } while (0)
+#endif
+#define TL_F32_0(M_) tile_f32(M_, 0, x, K, (const float *)w, K, res, ldr, nr)
+#define TL_F32_1(M_) tile_f32(M_, 1, x, K, (const float *)w, K, res, ldr, nr)
+#define TL_B16(M_) tile_bf16(M_, (const uint16_t *)x, K, (const uint16_t *)w, K, res, ldr, nr)
+
+/* one register block: mr (1-TM) activation rows of type xdt against TN tile rows (nr of them kept) */
+static void tile_block(int bf, int xdt, int mr, const void *x, const void *w, int64_t K, float *res, int64_t ldr,
+                       int nr) {
+#if TILE_BF16
+    if (bf) {
+        TL_SWITCH(TL_B16);
+        return;
+    }
+#endif
+    (void)bf;
+    if (xdt) TL_SWITCH(TL_F32_1);
+    else TL_SWITCH(TL_F32_0);
+}
+
+/* This thread's tile buffer of at least n bytes, kept between calls: a fresh one per call is an
+ * mmap above glibc's threshold (128 KiB: 64 rows of 1536 bf16), whose page faults cost the fused
+ * decode step a third of its time at 8 rows */
+static void *tile_buffer(size_t n) {
+    static __thread void *buf;
+    static __thread size_t have;
+    if (n > have) {
+        free(buf);
+        buf = aligned_alloc(64, n);
+        have = buf ? n : 0;
+    }
+    return buf;
+}
+
+/* res[m * ldr + n - n0] = weight row n . activation row m, for n0 <= n < n1 and the M rows of x
+ * (dt 0 fp32, 1 bf16, K apart); one thread. Up to TILE_TASK_ROWS weight rows are dequantised at
+ * a time (once, whatever M is), then taken TILE_BYTES at a time (in L1) against blocks of
+ * activation rows that stay in L2 (TILE_X_BYTES): a prompt's rows are not streamed from memory
+ * once per tile. Each sum is the same whatever the blocking (one order per (m, n)). -1 where a
+ * buffer cannot be had. */
+static int tile_rows(int type, const uint8_t *w, int64_t K, int dt, const void *x, int64_t M, int64_t n0, int64_t n1,
+                     float *res, int64_t ldr) {
+    const int bf = TILE_BF16 && dt == 1;
+    const int64_t es = bf ? 2 : 4, xes = dt == 1 ? 2 : 4;
+    const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type);
+    int64_t nt = TILE_BYTES / (K * es) / TN * TN, mb = TILE_X_BYTES / (K * xes) / TM * TM;
+    if (nt < TN) nt = TN;
+    if (mb < TM) mb = TM;
+    /* one pass over the activations (decode steps, short prompts): nt rows at a time, written and
+     * read in L1; more: a task's rows at once, dequantised once for every pass */
+    const int64_t cap = M <= mb ? nt : (TILE_TASK_ROWS + TN - 1) / TN * TN;
+    void *wt = tile_buffer((size_t)((cap * K * es + 63) / 64 * 64));
+    if (!wt) return -1;
+    for (int64_t c0 = n0; c0 < n1; c0 += cap) {
+        const int64_t rows = n1 - c0 < cap ? n1 - c0 : cap;
+        for (int64_t r = 0; r < rows; r++) tile_row(type, w + (c0 + r) * rb, K, bf, (char *)wt + r * K * es);
+        if (rows % TN) memset((char *)wt + rows * K * es, 0, (size_t)((TN - rows % TN) * K * es));
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = M - m0 < mb ? M : m0 + mb;
+            for (int64_t t0 = 0; t0 < rows; t0 += nt) {
+                const int64_t t1 = rows - t0 < nt ? rows : t0 + nt;
+                for (int64_t m = m0; m < m1; m += TM) {
+                    const int mr = m1 - m < TM ? (int)(m1 - m) : TM;
+                    for (int64_t j = t0; j < t1; j += TN)
+                        tile_block(bf, dt, mr, (const char *)x + m * K * xes, (const char *)wt + j * K * es, K,
+                                   res + m * ldr + (c0 - n0) + j, ldr, t1 - j < TN ? (int)(t1 - j) : TN);
+                }
+            }
+        }
+    }
+    return 0;
+}
+#endif
+
 static inline float fdot(const float *u, const float *v, int64_t n) {
     float s = 0.0f;
     _Pragma("omp simd reduction(+:s)")
@@ -681,11 +1044,14 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
 /* Weight rows n0 .. n1 of w (raw blocks) against M activation rows quantised by gguf_quantize_row:
  * res[m * ldr + n - n0] = the sum, no bias, one thread (the caller splits rows over its team: the
  * fused decode step in cpu_kernels.c, through a pointer). Each row as gguf_matmul's decode path
- * computes it, so a step's rows come out the same in either. */
+ * computes it, so a step's rows come out the same in either; with x (the same rows unquantised, dt 0
+ * fp32, 1 bf16: the caller's choice, at the row counts gguf_tile_from and gguf_tile_to give;
+ * never in batch-invariant mode) mode 3's tiles instead. */
 void gguf_rows(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
-               int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr) {
+               int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr, int dt, const void *x) {
     const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), G = K / 16;
 #if GG_ISA >= 1
+    if (x && !tile_rows(type, w, K, dt, x, M, n0, n1, res, ldr)) return;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int mr = M - m0 < ROW_BLOCK ? (int)(M - m0) : ROW_BLOCK;
@@ -714,8 +1080,9 @@ static inline float load(int dt, const void *p, int64_t i) {
 }
 
 /* out[m * ldo + n] (dt: 0 fp32, 1 bf16; bias of that type or NULL) for the N rows of w (raw
- * blocks, row after row). mode 0: xq, d4, s16 from gguf_quantize (x unused); mode 1: x fp32
- * [M, K]. Returns -1 for a type or shape it does not cover. */
+ * blocks, row after row). mode 0 and 2: xq, d4, s16 from gguf_quantize (x unused); mode 1: x fp32
+ * [M, K]; mode 3 (AVX2 and AVX-512 builds): x [M, K] of type dt, the dequantised tiles.
+ * Returns -1 for a type or shape it does not cover. */
 int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x, const int8_t *xq,
                 const float *d4, const float *s16, const uint8_t *w, int64_t N, const void *bias, void *out,
                 int64_t ldo) {
@@ -724,6 +1091,38 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
     const int64_t rb = K / bv * gguf_block_bytes(type), G = K / 16;
     const int64_t tiles = (N + NT - 1) / NT;
     int failed = 0;
+    if (mode == 3) {
+#if GG_ISA >= 1
+        /* tasks: TILE_TASK_ROWS weight rows against TILE_TASK_M activation rows (a prompt's sums
+         * stay in L2 before their store; the weights are dequantised once per TILE_TASK_M rows) */
+        const int64_t nt = (N + TILE_TASK_ROWS - 1) / TILE_TASK_ROWS, mt = (M + TILE_TASK_M - 1) / TILE_TASK_M;
+        const int64_t xes = dt == 1 ? 2 : 4, mc = M < TILE_TASK_M ? M : TILE_TASK_M;
+        _Pragma("omp parallel if (nt * mt > 1 && M * N * K > 65536)")
+        {
+            float *res = malloc((size_t)(mc * TILE_TASK_ROWS * 4 + 64));
+            _Pragma("omp for schedule(static)")
+            for (int64_t t = 0; t < nt * mt; t++) {
+                const int64_t m0 = t / nt * TILE_TASK_M, m1 = M - m0 < TILE_TASK_M ? M : m0 + TILE_TASK_M;
+                const int64_t n0 = t % nt * TILE_TASK_ROWS, n1 = N - n0 < TILE_TASK_ROWS ? N : n0 + TILE_TASK_ROWS;
+                if (failed || !res ||
+                    tile_rows(type, w, K, dt, (const char *)x + m0 * K * xes, m1 - m0, n0, n1, res, TILE_TASK_ROWS)) {
+                    _Pragma("omp atomic write")
+                    failed = 1;
+                    continue;
+                }
+                for (int64_t m = m0; m < m1; m++)
+                    for (int64_t n = n0; n < n1; n++) {
+                        const float v = res[(m - m0) * TILE_TASK_ROWS + n - n0];
+                        store(dt, out, m * ldo + n, bias ? v + load(dt, bias, n) : v);
+                    }
+            }
+            free(res);
+        }
+        return failed ? -1 : 0;
+#else
+        return -1;  /* the scalar build has mode 1 instead */
+#endif
+    }
 #if GG_ISA >= 1
     /* decode steps (and mode 2 at any row count): each row from its blocks, no unpacked copy, one
      * summation order per row whatever M is; 64 activation rows at a time stay in cache while

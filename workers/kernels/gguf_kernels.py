@@ -22,12 +22,15 @@ SOURCE = Path(__file__).with_name("gguf_kernels.c")
 ISA_NAMES = {2: "avx512-vnni (vpdpbusd)", 1: "avx2 (vpmaddubsw)", 0: "scalar"}
 # The flags that build each instruction set's path on top of the common ones (a host that has the
 # wider ones can run the narrower: the tests build all three).
-VARIANT_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+VARIANT_FLAGS = {"native": [], "avx512": cpu_kernels.ISA_FLAGS["avx512"], "avx2": ["-mno-avx512f"],
+                 "scalar": ["-mno-avx"]}
 # GGML type ids the kernels read (gguf.GGMLQuantizationType values)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-# gguf_matmul's modes: int8 activations, fp32 ones over dequantised tiles, and int8 activations with
-# each row's products in one order at any row count (batch-invariant mode)
-INTEGER, FLOAT, INVARIANT = 0, 1, 2
+# gguf_matmul's modes: int8 activations, fp32 ones over dequantised tiles (the scalar build's), int8
+# activations with each row's products in one order at any row count (batch-invariant mode), and
+# the activations as they are against weight tiles dequantised in cache (bf16 vdpbf16ps or fp32
+# FMAs, register-tiled: mid and large row counts on the AVX2 and AVX-512 builds)
+INTEGER, FLOAT, INVARIANT, TILE = 0, 1, 2, 3
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -37,6 +40,10 @@ _reason = ""
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gguf_isa.restype = ctypes.c_int
+    lib.gguf_tile_from.restype = i64
+    lib.gguf_tile_from.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.gguf_tile_to.restype = i64
+    lib.gguf_tile_to.argtypes = [ctypes.c_int]
     lib.gguf_block_values.restype = i64
     lib.gguf_block_values.argtypes = [ctypes.c_int]
     lib.gguf_block_bytes.restype = i64
@@ -100,19 +107,31 @@ class Activations:
             raise ValueError(f"gguf_quantize: {k} inputs is not a multiple of 32")
 
 
+def tile_rows(lib: ctypes.CDLL, type_id: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(from, to): the row counts where this build's TILE products are the fastest for ``type_id``
+    and activations of ``dtype`` (from 0: never; to 0: no upper limit), as gguf_kernels.c measured."""
+    code = 1 if dtype == torch.bfloat16 else 0
+    return int(lib.gguf_tile_from(int(type_id), code)), int(lib.gguf_tile_to(code))
+
+
 def matmul(lib: ctypes.CDLL, type_id: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
            acts: Activations | None = None, bias: torch.Tensor | None = None, mode: int = INTEGER) -> None:
     """``out[:, :n] = x @ dequantised(w).T (+ bias)``: ``x`` [M, K] fp32/bf16 contiguous (fp32 for
-    FLOAT), ``w`` uint8 [N, row bytes] (the file's blocks), ``out`` [M, >= N] of x's dtype, rows
-    contiguous (a column slice of a wider output is fine). ``acts``: x already quantised."""
+    FLOAT; out's dtype for TILE), ``w`` uint8 [N, row bytes] (the file's blocks), ``out`` [M, >= N]
+    of x's dtype, rows contiguous (a column slice of a wider output is fine). ``acts``: x already
+    quantised (INTEGER, INVARIANT)."""
     m, k = x.shape
     n = w.shape[0]
-    if mode != FLOAT and acts is None:
+    if mode == TILE:
+        if x.dtype != out.dtype or not x.is_contiguous():
+            raise ValueError("gguf_matmul TILE: x must be contiguous and of out's dtype")
+        acts = None
+    elif mode != FLOAT and acts is None:
         acts = Activations(lib, x)
     code = 1 if out.dtype == torch.bfloat16 else 0
     if bias is not None and bias.dtype != out.dtype:
         bias = bias.to(out.dtype)
-    rc = lib.gguf_matmul(type_id, mode, code, m, k, x.data_ptr() if mode == FLOAT else None,
+    rc = lib.gguf_matmul(type_id, mode, code, m, k, x.data_ptr() if mode in (FLOAT, TILE) else None,
                          None if acts is None else acts.q.data_ptr(), None if acts is None else acts.d.data_ptr(),
                          None if acts is None else acts.s.data_ptr(), w.data_ptr(), n,
                          None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), out.stride(0))

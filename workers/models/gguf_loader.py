@@ -235,7 +235,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             left = [k for k, b in native_of.items() if b["left"]]
             if left:  # the plan and the entries disagree: never silently half a layer
                 raise RuntimeError(f"native GGUF load: {len(left)} linear layers did not get all their rows")
-            native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for _, t, _ in b["parts"]})
+            native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for _, t, _ in b["parts"]}, dtype)
     log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
              "/".join(sorted({g.ref(n).type.name for n, _ in entries})),
              f"{len(native_of)} linears kept in their blocks, the rest dequantised" if native_of else "dequantised",
