@@ -27,6 +27,7 @@ from tests.tiny_hf import save_random_model
 from workers.backends.cpu import CpuBackend
 from workers.backends.cuda import CudaBackend
 from workers.backends.gguf_linear import GgufLinear
+from workers.backends.int8 import weight_bytes
 from workers.engine.assembly import load_runner, start_refusal
 from workers.models.config import ModelConfigError
 from workers.models.loader import load_model
@@ -113,6 +114,8 @@ def test_quantize_w8a8_against_float_and_dequantised(tiny) -> None:
     assert all(t == {8} for t in (m.types() for m in lins.values()))  # Q8_0
     fp32 = sum(m.in_features * m.out_features * 4 for m in lins.values())
     assert sum(m.nbytes() for m in lins.values()) == fp32 * 34 // 128
+    embed = model.embed_tokens.weight
+    assert weight_bytes(model) >= sum(m.nbytes() for m in lins.values()) + embed.numel() * embed.element_size()
     ref, _ = load_model(tiny["float"], torch.float32)
     plain = dict(ref.named_modules())
     flt, _ = load_model(tiny["float"], torch.float32)

@@ -331,6 +331,10 @@ def weight_bytes(model: nn.Module) -> int:
             add(t)
         for v in vars(m).values():
             add(v)
+            if isinstance(v, list):  # a GgufLinear's parts: (first row, type, blocks)
+                for part in v:
+                    for t in part if isinstance(part, tuple) else (part,):
+                        add(t)
     head = getattr(model, "logits_linear", None)
     if head is not None and not isinstance(head, nn.Module):
         for v in vars(head).values():
