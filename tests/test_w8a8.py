@@ -211,3 +211,53 @@ def test_refusals_name_the_key(tiny, tmp_path) -> None:
         assembly.get_backend = real
     with pytest.raises(RuntimeError, match='quantize "w8a8": the cuda backend has no W8A8'):
         load_runner(_spec(tiny["float"], "w8a8", device="cuda"), Cuda())
+
+
+def _export_w8a8(src: Path, dst: Path) -> None:
+    """``src`` (a float checkpoint with its tokenizer) as a compressed-tensors W8A8 checkpoint:
+    every decoder linear int8 with a per-channel scale, the head left in float ("ignore")."""
+    import shutil
+
+    from safetensors.torch import load_file
+    shutil.copytree(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    for name, w in list(state.items()):
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            w = w.float()
+            scale = (w.abs().amax(1, keepdim=True) / 127).half().float()
+            state[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+            state[name + "_scale"] = scale
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": W8A8_CONFIG}))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"))
+
+
+def test_served_w8a8_checkpoint_answers_as_in_process(tmp_path) -> None:
+    """A compressed-tensors W8A8 export of a tiny demo model (real tokenizer) through the launch
+    script, quantize not set: the worker logs its W8A8 linears and the fused decode step over
+    them; /infer_token's greedy tokens are the in-process model's (the same blocks) wherever its
+    top-2 margin is clear (teacher-forced on the served tokens)."""
+    from tests.harness import demo_server
+    from tests.served import infer_ids
+    from workers.backends.w8a8 import target
+    from workers.models.demo import ensure_demo_model
+    export = tmp_path / "w8a8"
+    _export_w8a8(Path(ensure_demo_model(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
+                                        max_position_embeddings=512)), export)
+    prompt = [5, 17, 99, 230, 31, 8]
+    (tmp_path / "srv").mkdir()
+    with demo_server(tmp_path / "srv", str(export)) as srv:
+        log = srv.tail(400)
+        assert "W8A8: 8 linear layers read from the checkpoint's int8 weights" in log, log[-3000:]
+        assert "fused decode kernel on" in log, log[-3000:]
+        served = infer_ids(srv.url, prompt, 12)
+    model, _ = load_model(export, torch.float32, w8a8=target())
+    ids, clear = list(prompt), 0
+    for tok in served:
+        logits = _logits(model, ids)[-1]
+        top = torch.topk(logits, 2).values
+        if top[0] - top[1] > 2 * LOGIT_TOL * float(logits.max() - logits.min()):
+            assert tok == int(logits.argmax()), (ids, tok)
+            clear += 1
+        ids.append(tok)
+    assert clear >= 4
