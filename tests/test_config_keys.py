@@ -243,7 +243,9 @@ KEY_TESTS: dict[str, list[str]] = {
         f"tests/test_int8.py::{n}" for n in ("test_quantize_reaches_the_worker_spec", "test_int8_path_is_used_when_configured",
                                              "test_backend_without_int8_refuses_the_key",
                                              "test_whole_model_logits_match_the_dequantised_reference",
-                                             "test_nothing_changes_when_not_configured")],
+                                             "test_nothing_changes_when_not_configured")] + [
+        f"tests/test_w8a8.py::{n}" for n in ("test_quantize_w8a8_against_float_and_dequantised",
+                                             "test_refusals_name_the_key")],
     # -- BackendConfig.ScheduleConfig
     "BackendConfig.ScheduleConfig.cacheBlockSize": _here("test_cache_block_size_is_the_engines_block_size",
                                                          "test_e2e_worker_applies_its_keys"),

@@ -73,8 +73,9 @@ def test_quantize_reaches_the_worker_spec(tmp_path: Path) -> None:
     old = json.loads(encode_spec(spec))
     del old["quantize"]
     assert decode_spec(json.dumps(old)).quantize == ""
+    assert _deploy(tmp_path, {"quantize": "w8a8"}).workers[0].quantize == "w8a8"  # tests/test_w8a8.py
     with pytest.raises(ConfigError, match=r"ModelConfig\[0\]\.quantize: must be one of"):
-        _deploy(tmp_path, {"quantize": "w8a8"})
+        _deploy(tmp_path, {"quantize": "w4a8"})
 
 
 # ------------------------------------------------------------------------------ quantisation, kernels

@@ -151,7 +151,7 @@ def check_model(specs: list[WorkerSpec], model_dir: str) -> None:
         check_tensor_parallel(spec, args)
     try:
         checkpoint = check_checkpoint(model_dir, args)
-    except ModelLoadError as e:
+    except (ModelLoadError, ModelConfigError) as e:  # ModelConfigError: a quantization_config it does not serve
         raise SystemExit(f"{WEIGHT_PATH_KEY}: {model_dir} cannot be served: {e}") from None
     device = check_device(specs)
     adapters = check_lora_modules(specs[0], args)
@@ -181,7 +181,7 @@ def check_device(specs: list[WorkerSpec]) -> str:
     the last one; SystemExit naming the key. Returns a note for the log line ("" on the CPU)."""
     first = specs[0]
     if first.device_type == "cpu":
-        return ""  # the CPU backend refuses nothing at start (it has an int8 kernel): no torch import here
+        return ""  # the CPU backend refuses nothing at start (it has int8 kernels): no torch import here
     from workers.engine.assembly import start_refusal  # lazy: imports torch (see the module docstring)
     from workers.backends import get_backend
     for spec in specs:

@@ -208,8 +208,9 @@ class ModelConfig(_Section):
     npu_mem_size: Annotated[int, Meta(ge=-1, le=65536)] = -1  # KV-cache GB per NPU/GPU; -1 = auto fraction
     dtype: DType = "auto"  # project extension; "auto" = the checkpoint's torch_dtype
     # MindIE's name (its weights' config.json); here quantised at load from the checkpoint.
-    # null/"" = none; "w8a16" = weight-only int8 linears (workers/backends/int8.py).
-    quantize: Optional[Literal["", "w8a16"]] = None
+    # null/"" = none; "w8a16" = weight-only int8 linears (workers/backends/int8.py); "w8a8" = int8
+    # weights and activations on the CPU's GGUF Q8_0 kernels (workers/backends/w8a8.py).
+    quantize: Optional[Literal["", "w8a16", "w8a8"]] = None
     # Project extension: how a tensor-parallel instance (worldSize > 1) splits a mixture of experts'
     # routed experts: "tp" every expert sharded across the ranks (the default: balanced whatever the
     # routing), "ep" whole experts split across them (num_experts / worldSize each). workers/models/sharding.py.

@@ -224,7 +224,8 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     watermark_delta: float = 2.0
     log_level: str = "INFO"
     engine: EngineConfig = EngineConfig()
-    # ModelConfig[].quantize: "" = the model dtype; "w8a16" = weight-only int8 linears.
+    # ModelConfig[].quantize: "" = the model dtype; "w8a16" = weight-only int8 linears; "w8a8" = int8
+    # weights (Q8_0 blocks) and activations on the CPU.
     quantize: str = ""
     # ModelConfig[].moeParallel: "tp" | "ep" (a tensor-parallel instance's split of the routed experts).
     moe_parallel: str = "tp"

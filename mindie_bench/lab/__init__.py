@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prompt-products": ("prompt_products", "a model's steps with its linears on oneDNN against the C kernels' AMX tiles, alternating"),
     "isa": ("isa", "this CPU's instruction sets, the kernels dispatched here, product GFLOP/s per row count, kernel timings"),
     "int8-quality": ("int8_quality", "w8a16 against bf16: agreement, logit error, weight bytes, tokens/s"),
+    "w8a8": ("w8a8_bench", "bf16 vs quantize w8a16 vs w8a8, one thread: weight bytes, decode tokens/s, a prompt's time, logits vs bf16"),
     "gguf-blocks": ("gguf_blocks", "a GGUF file's linears from their blocks against dequantised: decode/prompt steps, kernels"),
     "gguf-load": ("gguf_load", "a GGUF model's load time and peak memory against its weights, per dtype"),
     "detokenizer": ("detokenizer", "streaming detokenisation: mindie.text.detokenizer against DecodeStream"),

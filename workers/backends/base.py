@@ -58,6 +58,12 @@ class Backend:
         refuses the key at start)."""
         return None
 
+    def w8a8_target(self):
+        """What computes W8A8 int8 linears (``quantize: "w8a8"``, a compressed-tensors W8A8
+        checkpoint) on this device: a workers.backends.gguf_linear.NativeTarget over Q8_0 blocks,
+        or None (the worker then refuses them at start)."""
+        return None
+
     def gguf_target(self):
         """What keeps a GGUF file's linears in their quantised blocks on this device (a
         workers.backends.gguf_linear.NativeTarget), or None: dequantised at load."""

@@ -13,6 +13,7 @@ from workers import settings
 from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide
 from workers.backends.cpu_specialise import specialise_cpu_model, warm_up_cpu_model
+from workers.backends import w8a8
 from workers.backends.gguf_linear import native_target
 from workers.backends.int8 import CpuInt8Kernel
 from workers.backends.step_width import narrow_threads_alone
@@ -126,6 +127,10 @@ class CpuBackend(Backend):
     def int8_kernel(self):
         # torch._weight_int8pack_mm for decode-sized row counts, dequantise-then-matmul above.
         return CpuInt8Kernel()
+
+    def w8a8_target(self):
+        # the GGUF block kernels over Q8_0 blocks, whatever cpuTuning.ggufCompute says
+        return w8a8.target()
 
     def gguf_target(self):
         # cpuTuning.ggufCompute: auto (native where this CPU has no native bf16), native or dequantise

@@ -36,7 +36,7 @@ from workers.kernels.cpu_layout import pack, pack_scales
 log = logging.getLogger("workers.backends")
 
 QUANTIZE_KEY = "ModelConfig[].quantize"
-SCHEMES = ("w8a16",)
+SCHEMES = ("w8a16", "w8a8")  # w8a8: workers/backends/w8a8.py
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,11 +248,11 @@ class Int8Target:
                  self.kernel.name)
 
 
-def quantize_model(model: nn.Module, kernel: Int8Kernel,
-                   include: Callable[[str], bool] | None = None) -> int:
-    """Replace every nn.Linear under ``model.layers`` and the LM head by an Int8Linear; a tied
-    head gets ``model.logits_linear`` from an int8 copy of the embedding. Returns the count."""
-    count = 0
+def quantisable_linears(model: nn.Module, include: Callable[[str], bool] | None = None
+                        ) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) of every nn.Linear under ``model.layers`` and the LM head, but
+    a shared expert's [1, H] gate: what a ``quantize`` scheme replaces (``include``: by full name)."""
+    out = []
     for parent_name, parent in list(model.named_modules()):
         if not (parent_name == "layers" or parent_name.startswith("layers.") or parent_name == ""):
             continue
@@ -266,8 +266,18 @@ def quantize_model(model: nn.Module, kernel: Int8Kernel,
                 continue
             if include is not None and not include(full):
                 continue
-            setattr(parent, name, Int8Linear(child.weight, child.bias, kernel))
-            count += 1
+            out.append((parent, name, child))
+    return out
+
+
+def quantize_model(model: nn.Module, kernel: Int8Kernel,
+                   include: Callable[[str], bool] | None = None) -> int:
+    """Replace every nn.Linear under ``model.layers`` and the LM head by an Int8Linear; a tied
+    head gets ``model.logits_linear`` from an int8 copy of the embedding. Returns the count."""
+    count = 0
+    for parent, name, child in quantisable_linears(model, include):
+        setattr(parent, name, Int8Linear(child.weight, child.bias, kernel))
+        count += 1
     for name, mod in list(model.named_modules()):  # mixture-of-experts layers: every expert's two matrices
         if callable(getattr(mod, "quantize_experts", None)) and (include is None or include(name)):
             count += mod.quantize_experts(lambda w: Int8Linear(w, None, kernel))
@@ -321,6 +331,10 @@ def weight_bytes(model: nn.Module) -> int:
             add(t)
         for v in vars(m).values():
             add(v)
+            if isinstance(v, list):  # a GgufLinear's parts: (first row, type, blocks)
+                for part in v:
+                    for t in part if isinstance(part, tuple) else (part,):
+                        add(t)
     head = getattr(model, "logits_linear", None)
     if head is not None and not isinstance(head, nn.Module):
         for v in vars(head).values():

@@ -32,6 +32,7 @@ from mindie.contract.spec import EngineConfig, WorkerSpec
 from workers.attention import for_layout, kv_cache, split_attention
 from workers.backends import get_backend
 from workers.backends.base import Backend
+from workers.backends import w8a8
 from workers.backends.int8 import QUANTIZE_KEY, SCHEMES, Int8Target, quantize_model
 from workers.engine import constraints
 from workers.engine.engine import Engine
@@ -40,10 +41,11 @@ from workers.engine.model_runner import ModelRunner, NullRunner
 from workers.engine.sampler import Sampler
 from workers.engine.tp_group import Group, join
 from workers.engine.watermark import WatermarkConfig
-from workers.models.config import ModelArgs
+from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.gguf_file import MARKER as GGUF_MARKER
 from workers.models.loader import load_model
 from workers.models.sharding import TensorParallel, plan_shard
+from workers.models.w8a8_config import checkpoint_scheme
 
 log = logging.getLogger("workers.engine")
 
@@ -216,14 +218,42 @@ def start_refusal(spec: WorkerSpec) -> str | None:
     backend = get_backend(spec.device_type, spec.threads)
     if why := backend.unavailable():
         return f"BackendConfig.deviceType: {why}"
-    if spec.quantize and backend.int8_kernel() is None:
+    try:
+        quantize = _quantize(spec)
+    except ModelConfigError as e:
+        return str(e)
+    if quantize == w8a8.SCHEME and backend.w8a8_target() is None:
+        return _no_w8a8(spec, backend)
+    if quantize and quantize != w8a8.SCHEME and backend.int8_kernel() is None:
         return _no_int8(spec, backend)
     return None
+
+
+def _quantize(spec: WorkerSpec) -> str:
+    """The scheme the worker computes: ``quantize``, or "w8a8" for a compressed-tensors W8A8
+    checkpoint (workers/models/w8a8.py); ModelConfigError for a quantization_config it does not
+    serve, or a W8A8 checkpoint with another ``quantize``."""
+    if spec.model_path and checkpoint_scheme(spec.model_path) is not None:
+        if spec.quantize not in ("", w8a8.SCHEME):
+            raise ModelConfigError(f"{QUANTIZE_KEY} {spec.quantize!r}: the checkpoint is W8A8 already (config.json "
+                                   f"quantization_config, compressed-tensors); remove the key or set it to \"w8a8\"")
+        return w8a8.SCHEME
+    return spec.quantize or ""
 
 
 def _no_int8(spec: WorkerSpec, backend: Backend) -> str:
     return (f"{QUANTIZE_KEY} {spec.quantize!r}: the {backend.name} backend has no weight-only int8 kernel; remove "
             f"the key (or set it to \"\") to serve the model unquantised")
+
+
+def _no_w8a8(spec: WorkerSpec, backend: Backend) -> str:
+    what = (f"{QUANTIZE_KEY} \"w8a8\"" if spec.quantize else
+            "config.json quantization_config (a compressed-tensors W8A8 checkpoint)")
+    why = f"the C kernels do not load: {w8a8.unavailable_reason()}" if backend.name == "cpu" else \
+        "only the CPU backend's C kernels compute int8 weights with int8 activations"
+    return (f"{what}: the {backend.name} backend has no W8A8 int8 kernel ({why}); "
+            + ("use \"w8a16\" (weight-only int8) or remove the key" if spec.quantize
+               else "serve the unquantised checkpoint"))
 
 
 def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) -> ModelRunner:
@@ -241,31 +271,43 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     # int8 weights (quantize) have their own products; a GGUF file's (a view folder with its
     # marker) are dequantised at load, and the backend may keep them in another dtype than its rows
     gguf = os.path.exists(os.path.join(spec.model_path, GGUF_MARKER))
-    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype, plain_weights=not spec.quantize and not gguf,
-                                  gguf=gguf and not spec.quantize)
-    kernel = None
-    if spec.quantize:
-        if spec.quantize not in SCHEMES:
-            raise ValueError(f"{QUANTIZE_KEY}: unknown scheme {spec.quantize!r} (supported: {', '.join(SCHEMES)})")
-        kernel = backend.int8_kernel()
-        if kernel is None:  # refused before the weights are read
-            raise RuntimeError(_no_int8(spec, backend))
+    quantize = _quantize(spec)
+    dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype, plain_weights=not quantize and not gguf,
+                                  gguf=gguf and not quantize)
+    kernel = q8 = None
+    if quantize:
+        if quantize not in SCHEMES:
+            raise ValueError(f"{QUANTIZE_KEY}: unknown scheme {quantize!r} (supported: {', '.join(SCHEMES)})")
+        if quantize == w8a8.SCHEME:  # Q8_0 blocks on the GGUF kernels (workers/backends/w8a8.py)
+            q8 = backend.w8a8_target()
+            if q8 is None:  # refused before the weights are read
+                raise RuntimeError(_no_w8a8(spec, backend))
+        else:
+            kernel = backend.int8_kernel()
+            if kernel is None:  # refused before the weights are read
+                raise RuntimeError(_no_int8(spec, backend))
     device = backend.device()
     tp = None
     if group is not None:
         tp = TensorParallel(plan_shard(args, group.rank, group.world, spec.moe_parallel),  # the default (compute) group
                             ordered=bool(spec.engine.batch_invariant))
+    # w8a8 of a GGUF file: its blocks on the same kernels, whatever cpuTuning.ggufCompute says
     model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp,
                           int8=Int8Target(kernel) if kernel is not None else None,
-                          gguf_native=backend.gguf_target() if gguf and kernel is None else None)
+                          gguf_native=(q8 or backend.gguf_target()) if gguf and kernel is None else None, w8a8=q8)
     # before the backend's rewrites: they keep the int8 layers as they are (a GGUF model's were
     # made while its tensors were read)
     if kernel is not None and not getattr(model, "int8_at_load", False):
         quantize_model(model, kernel)
+    if q8 is not None and not gguf:
+        if checkpoint_scheme(spec.model_path) is not None:  # its int8 linears were read into blocks
+            w8a8.loaded(q8, q8.count, "read from the checkpoint's int8 weights and per-channel scales")
+        else:
+            w8a8.quantize_model(model, q8)
     backend.prepare_model(model)
     backend.warm_up(model, spec)
     log.info("loaded %s (%s, %d layers, vocab %d) as %s%s on %s in %.2f s", spec.model_path, args.arch,
-             args.num_hidden_layers, args.vocab_size, dtype, f" with {spec.quantize} weights" if kernel else "",
+             args.num_hidden_layers, args.vocab_size, dtype, f" with {quantize} weights" if quantize else "",
              device, time.perf_counter() - t0)
     local = model.local_args  # a TP rank keeps its own KV heads only
     # a hybrid model caches K and V of its full-attention layers only (model.kv_layers)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -34,6 +34,7 @@ from .deepseek_config import is_mtp_tensor
 from .gpt_oss_config import expert_tensors as gpt_oss_tensors
 from .gemma_config import extra_tensors as gemma_tensors
 from .gguf_file import GgufError, open_gguf, plan_tensors, view_source
+from .w8a8_config import AUX_SUFFIXES, Int8Tensor, check_scale, checkpoint_scheme
 from .moe_names import NAMES as MOE_NAMES, expected_tensors as moe_tensors
 
 __all__ = ["FLOAT_DTYPES", "Checkpoint", "ModelLoadError", "check_checkpoint", "expected_tensors",
@@ -60,6 +61,9 @@ class Checkpoint:
     gguf: bool = False
     skipped_mtp: int = 0  # DeepSeek's multi-token-prediction tensors, not loaded
     skipped_towers: int = 0  # a multimodal Gemma 3/4's vision/audio tensors, not loaded
+    # a compressed-tensors W8A8 checkpoint's int8 linear weights (not in ``files``): expected name ->
+    # where it and its scale are (workers/models/w8a8.py)
+    int8: dict[str, Int8Tensor] = field(default_factory=dict)
 
     @property
     def tensors(self) -> int:
@@ -199,10 +203,16 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
     unexpected: list[str] = []
     nbytes = 0
     mtp = towers = 0
+    w8a8 = checkpoint_scheme(path) is not None  # ModelConfigError for a scheme it does not serve
+    int8: dict[str, tuple[Path, str]] = {}  # expected name -> (file, stored name) of an int8 weight
+    aux: dict[str, tuple[Path, tuple[int, ...], str]] = {}  # its scales and zero points
     for file in safetensors_files(path):
         nbytes += os.path.getsize(file)
         entries = files[file] = []
         for name, shape, dtype in _read_header(file):
+            if w8a8 and name.endswith(AUX_SUFFIXES):
+                aux[name] = (file, shape, dtype)
+                continue
             # Some checkpoints drop the "model." prefix of the decoder's tensors.
             key = name if name in expected or name.startswith(("model.", "lm_head.")) else f"model.{name}"
             if args.hybrid is not None:  # a Qwen3.5 checkpoint's model.language_model. (vision, MTP skipped)
@@ -236,11 +246,15 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
             seen[key] = file
             if shape != expected[key]:
                 raise ModelLoadError(f"{file}: tensor {name} has shape {shape}, config.json implies {expected[key]}")
+            if w8a8 and dtype == "I8" and key.endswith(".weight"):
+                int8[key] = (file, name)  # read with its scale (loader.py, w8a8.read_blocks)
+                continue
             if dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{file}: tensor {name} is stored as {dtype}; only floating-point weights "
                                      f"({', '.join(FLOAT_DTYPES)}) are loaded (a pre-quantised checkpoint is not "
                                      "supported: serve the unquantised one, with ModelConfig quantize if wanted)")
             entries.append((name, key))
+    int8_tensors = _int8_tensors(int8, aux, expected, path)
     missing = [k for k in expected if k not in seen]
     if missing or unexpected:
         parts = []
@@ -249,4 +263,24 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
         if unexpected:
             parts.append(f"unexpected tensors: {_names(unexpected)}")
         raise ModelLoadError(f"{path}: checkpoint does not match its config.json ({args.arch}): " + "; ".join(parts))
-    return Checkpoint(files, nbytes, skipped_mtp=mtp, skipped_towers=towers)
+    return Checkpoint(files, nbytes, skipped_mtp=mtp, skipped_towers=towers, int8=int8_tensors)
+
+
+def _int8_tensors(int8: dict[str, tuple[Path, str]], aux: dict[str, tuple[Path, tuple[int, ...], str]],
+                  expected: dict[str, tuple[int, ...]], path: Path) -> dict[str, Int8Tensor]:
+    """Each int8 weight of a W8A8 checkpoint with its per-channel scale (and zero point, if
+    stored); ModelLoadError for a weight without a scale, a scale of another shape or type, or a
+    scale or zero point of no int8 weight."""
+    out: dict[str, Int8Tensor] = {}
+    for key, (file, name) in int8.items():
+        scale = aux.pop(name + "_scale", None)
+        if scale is None:
+            raise ModelLoadError(f"{file}: int8 tensor {name} has no {name}_scale beside it")
+        if scale[2] not in FLOAT_DTYPES or (why := check_scale(name + "_scale", scale[1], expected[key][0])):
+            raise ModelLoadError(f"{scale[0]}: {why if scale[2] in FLOAT_DTYPES else name + '_scale is ' + scale[2]}")
+        zp = aux.pop(name + "_zero_point", None)
+        out[key] = Int8Tensor(file, name, scale[0], name + "_scale", (zp[0], name + "_zero_point") if zp else None)
+    if aux:
+        raise ModelLoadError(f"{path}: checkpoint does not match its config.json: scales of no int8 weight: "
+                             f"{_names(sorted(aux))}")
+    return out

@@ -25,6 +25,7 @@ from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
 from .sharding import WORLD_SIZE_KEY, Shard, TensorParallel
+from .w8a8 import load_int8_linears
 
 __all__ = ["load_model", "ModelConfigError", "ModelLoadError", "parameter_bytes", "safetensors_files"]
 
@@ -150,6 +151,7 @@ def load_model(
     tp: TensorParallel | None = None,
     int8: Int8Target | None = None,
     gguf_native: GgufTarget | None = None,
+    w8a8: GgufTarget | None = None,
 ) -> tuple[DecoderLM, ModelArgs]:
     """Build a DecoderLM from a Hugging Face model directory and load its safetensors weights.
 
@@ -163,7 +165,9 @@ def load_model(
     model's linears are quantised while they are read (``model.int8_at_load`` set); a safetensors
     checkpoint ignores it (the caller quantises after the load). ``gguf_native``
     (workers/backends/gguf_linear.py ``NativeTarget``): a GGUF model's linears keep the file's
-    blocks. Returns the model in eval mode and its ModelArgs.
+    blocks. ``w8a8`` (the same target): a compressed-tensors W8A8 checkpoint's int8 linears
+    become Q8_0 blocks (workers/models/w8a8.py); without it such a checkpoint is refused.
+    Returns the model in eval mode and its ModelArgs.
     """
     path = Path(path)
     t0 = time.monotonic()
@@ -241,6 +245,16 @@ def load_model(
             time.monotonic() - t_shard,
         )
 
+    if checkpoint.int8:  # a W8A8 checkpoint's int8 linears, into Q8_0 blocks
+        if w8a8 is None or tp is not None:
+            raise ModelLoadError(f"{path}: a W8A8 (compressed-tensors int8) checkpoint is computed by the CPU's "
+                                 "C kernels only, in one process (config.json quantization_config)")
+        try:
+            count = load_int8_linears(model, slots, checkpoint.int8, w8a8)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+        log.info("W8A8 checkpoint: %d linear layers from int8 weights with per-channel scales, as Q8_0 blocks",
+                 count)
     log.info(
         "model ready: %.1fM parameters in %.2fs",
         sum(p.numel() for p in model.parameters()) / 1e6, time.monotonic() - t0,
