@@ -460,6 +460,25 @@ static inline void q6k_quads(const uint8_t *x, int n, __m256i *q) {
                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
 }
 
+/* a Q5_0 / Q5_1 block: its 32 values (0-31) and the scale d and offset b of value = d * q + b */
+static inline __m256i q5_block(int type, const uint8_t *x, float *d, float *b) {
+    const uint8_t *p = x + (type == T_Q5_0 ? 2 : 4);
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    *d = f16_to_f32(rd16(x));
+    *b = type == T_Q5_0 ? -16.0f * *d : f16_to_f32(rd16(x + 2));
+    return _mm256_or_si256(nib32(p + 4), fifth_bits(qh));
+}
+
+/* half n (0, 1) of a Q6_K block: its 4 chunks of 32 values (0-63) and each chunk's two 16-value
+ * scales a[2k], a[2k + 1] (value = a * (q - 32)); a half at a time keeps AVX2's 16 registers enough */
+static inline void q6k_half(const uint8_t *x, int n, __m256i q[4], float a[8]) {
+    const int8_t *sc = (const int8_t *)(x + 192) + 8 * n;
+    const float d = f16_to_f32(rd16(x + 208));
+    q6k_quads(x, n, q);
+    for (int c = 0; c < 8; c++) a[c] = d * sc[c];
+}
+
 /* res[r] = row w . activation row r, for mr (1-4) rows from xq, d4, s16 (K, K / 4 and K / 16 apart) */
 __attribute__((unused)) static void row_dot256(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                     int mr, float *res) {
@@ -479,11 +498,9 @@ __attribute__((unused)) static void row_dot256(int type, const uint8_t *w, int64
         break;
     case T_Q5_0: case T_Q5_1:
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *x = w + i * bb, *p = x + (type == T_Q5_0 ? 2 : 4);
-            const float d = f16_to_f32(rd16(x)), b = type == T_Q5_0 ? -16.0f * d : f16_to_f32(rd16(x + 2));
-            uint32_t qh;
-            memcpy(&qh, p, 4);
-            CHUNK(_mm256_or_si256(nib32(p + 4), fifth_bits(qh)), d, d, b, b, i);
+            float d, b;
+            const __m256i q = q5_block(type, w + i * bb, &d, &b);
+            CHUNK(q, d, d, b, b, i);
         }
         break;
     case T_Q8_0:
@@ -518,16 +535,12 @@ __attribute__((unused)) static void row_dot256(int type, const uint8_t *w, int64
         break;
     case T_Q6_K:
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *x = w + i * bb;
-            const int8_t *sc = (const int8_t *)(x + 192);
-            const float d = f16_to_f32(rd16(x + 208));
             for (int n = 0; n < 2; n++) {
                 __m256i q[4];
-                q6k_quads(x, n, q);
-                for (int k = 0; k < 4; k++) {
-                    const float a0 = d * sc[8 * n + 2 * k], a1 = d * sc[8 * n + 2 * k + 1];
-                    CHUNK(q[k], a0, a1, -32.0f * a0, -32.0f * a1, 8 * i + 4 * n + k);
-                }
+                float a[8];
+                q6k_half(w + i * bb, n, q, a);
+                for (int k = 0; k < 4; k++)
+                    CHUNK(q[k], a[2 * k], a[2 * k + 1], -32.0f * a[2 * k], -32.0f * a[2 * k + 1], 8 * i + 4 * n + k);
             }
         }
         break;
@@ -856,11 +869,9 @@ static void tile_row(int type, const uint8_t *w, int64_t K, int bf, void *dst) {
     }
     case T_Q5_0: case T_Q5_1:
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *x = w + i * bb, *p = x + (type == T_Q5_0 ? 2 : 4);
-            const float d = f16_to_f32(rd16(x)), b = type == T_Q5_0 ? -16.0f * d : f16_to_f32(rd16(x + 2));
-            uint32_t qh;
-            memcpy(&qh, p, 4);
-            emit32(_mm256_or_si256(nib32(p + 4), fifth_bits(qh)), d, d, b, b, dst, 32 * i, bf, 1);
+            float d, b;
+            const __m256i q = q5_block(type, w + i * bb, &d, &b);
+            emit32(q, d, d, b, b, dst, 32 * i, bf, 1);
         }
         break;
     case T_Q8_0:
@@ -897,16 +908,13 @@ static void tile_row(int type, const uint8_t *w, int64_t K, int bf, void *dst) {
         break;
     case T_Q6_K:
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *x = w + i * bb;
-            const int8_t *sc = (const int8_t *)(x + 192);
-            const float d = f16_to_f32(rd16(x + 208));
             for (int n = 0; n < 2; n++) {
                 __m256i q[4];
-                q6k_quads(x, n, q);
-                for (int k = 0; k < 4; k++) {
-                    const float a0 = d * sc[8 * n + 2 * k], a1 = d * sc[8 * n + 2 * k + 1];
-                    emit32(q[k], a0, a1, -32.0f * a0, -32.0f * a1, dst, 256 * i + 128 * n + 32 * k, bf, 0);
-                }
+                float a[8];
+                q6k_half(w + i * bb, n, q, a);
+                for (int k = 0; k < 4; k++)
+                    emit32(q[k], a[2 * k], a[2 * k + 1], -32.0f * a[2 * k], -32.0f * a[2 * k + 1], dst,
+                           256 * i + 128 * n + 32 * k, bf, 0);
             }
         }
         break;
