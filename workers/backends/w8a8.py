@@ -1,9 +1,9 @@
 """W8A8 int8 on the CPU (``ModelConfig[].quantize: "w8a8"``, and compressed-tensors W8A8
 checkpoints): weights in GGUF Q8_0 blocks (int8 per 32 values of a row, an fp16 scale each:
 workers/models/w8a8.py), computed by the GGUF block kernels (workers/backends/gguf_linear.py,
-workers/kernels/gguf_kernels.c) with int8 activations per 32 values: integer dot products
-(AVX-512 VNNI, AVX2, scalar) up to ``INT_ROWS`` rows, the fused decode step reading the blocks in
-place, dequantised tiles on oneDNN for prompts. The linears are those ``quantize: "w8a16"``
+workers/kernels/gguf_kernels.c), the GGUF linears' products at each row count (``regimes``:
+integer dot products over int8 activations per 32 values for decode rows, dequantised tiles in
+cache from the measured row counts), the fused decode step reading the blocks in place. The linears are those ``quantize: "w8a16"``
 quantises (workers/backends/int8.py ``quantisable_linears``: the decoder layers', every expert's,
 the LM head, a tied head as an int8 copy of the embedding); a linear whose inputs are not whole
 blocks of 32 stays in the model dtype. Only the CPU backend has these kernels: the others refuse
@@ -15,8 +15,9 @@ import logging
 
 from torch import nn
 
-from workers import settings
-from workers.backends.gguf_linear import INT_ROWS, NativeTarget
+import torch
+
+from workers.backends.gguf_linear import NativeTarget, regimes
 from workers.backends.int8 import quantisable_linears
 from workers.kernels import gguf_kernels as gk
 from workers.models.w8a8 import BLOCK, Q8_0, quantize_q8_0
@@ -36,9 +37,9 @@ def unavailable_reason() -> str:
     return gk.unavailable_reason()
 
 
-def quantize_model(model: nn.Module, tgt: NativeTarget) -> int:
+def quantize_model(model: nn.Module, tgt: NativeTarget, dtype: torch.dtype) -> int:
     """Replace the linears ``quantize: "w8a16"`` would by Q8_0 ones from ``tgt`` (the tied head:
-    ``model.logits_linear`` from the embedding). Returns the count."""
+    ``model.logits_linear`` from the embedding); ``dtype``: the model's rows. Returns the count."""
 
     def make(w, bias, halves: bool = False):
         n, k = w.shape
@@ -59,7 +60,7 @@ def quantize_model(model: nn.Module, tgt: NativeTarget) -> int:
         count += 1
     for mod in list(model.modules()):  # mixture-of-experts layers: every expert's two matrices
         if callable(getattr(mod, "quantize_experts", None)):
-            if mod.w13.shape[-1] % BLOCK or mod.w2.shape[-1] % BLOCK:
+            if not (tgt.covers(Q8_0, mod.w13.shape[-1]) and tgt.covers(Q8_0, mod.w2.shape[-1])):
                 kept += 1
                 continue
             count += mod.quantize_experts(lambda w: make(w, None))
@@ -68,15 +69,13 @@ def quantize_model(model: nn.Module, tgt: NativeTarget) -> int:
         if head is not None:
             model.logits_linear = head
             count += 1
-    loaded(tgt, count, "quantised at load", kept)
+    loaded(tgt, count, "quantised at load", dtype, kept)
     return count
 
 
-def loaded(tgt: NativeTarget, count: int, how: str, kept: int = 0) -> None:
-    """The worker's one line on its W8A8 linears."""
-    rows = ("at every row count (ScheduleConfig.batchInvariant)" if settings.engine().batch_invariant
-            else f"up to {INT_ROWS} rows, dequantised tiles on oneDNN above")
+def loaded(tgt: NativeTarget, count: int, how: str, dtype: torch.dtype, kept: int = 0) -> None:
+    """The worker's one line on its W8A8 linears (``dtype``: the model's rows)."""
     log.info("W8A8: %d linear layers %s into Q8_0 blocks (int8 per %d weights, fp16 scales; %.1f MiB)%s on the C "
-             "kernels: %s integer products over int8 activations per %d values %s", count, how, BLOCK,
-             tgt.nbytes / 2**20, f", {kept} kept in the model dtype (inputs not whole blocks of {BLOCK})"
-             if kept else "", gk.ISA_NAMES[tgt.lib.isa], BLOCK, rows)
+             "kernels (%s): %s", count, how, BLOCK, tgt.nbytes / 2**20,
+             f", {kept} kept in the model dtype (inputs not whole blocks of {BLOCK})" if kept else "",
+             gk.ISA_NAMES[tgt.lib.isa], regimes(tgt.lib, dtype))

@@ -301,9 +301,9 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
         quantize_model(model, kernel)
     if q8 is not None and not gguf:
         if checkpoint_scheme(spec.model_path) is not None:  # its int8 linears were read into blocks
-            w8a8.loaded(q8, q8.count, "read from the checkpoint's int8 weights and per-channel scales")
+            w8a8.loaded(q8, q8.count, "read from the checkpoint's int8 weights and per-channel scales", dtype)
         else:
-            w8a8.quantize_model(model, q8)
+            w8a8.quantize_model(model, q8, dtype)
     backend.prepare_model(model)
     backend.warm_up(model, spec)
     log.info("loaded %s (%s, %d layers, vocab %d) as %s%s on %s in %.2f s", spec.model_path, args.arch,
