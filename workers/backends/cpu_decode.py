@@ -224,10 +224,10 @@ def _gguf(mod: GgufLinear, rows: slice | None, dtype: torch.dtype) -> _Gguf | No
             or sum(raw.shape[0] for _, _, raw in parts) != stop - start:
         return None
     g = _Gguf(n_parts=len(parts))
-    for i, (_, t, _) in enumerate(parts):  # the eager GgufLinear's ranges (one path in batch-invariant mode)
-        g.tile_from[i], g.tile_to = mod.tile_range(t, dtype)
     for i, (r0, t, raw) in enumerate(parts):
         g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, raw.shape[0], t, raw.data_ptr()
+        # the eager GgufLinear's ranges (one path in batch-invariant mode)
+        g.tile_from[i], g.tile_to = mod.tile_range(t, dtype)
     return g
 
 

@@ -97,6 +97,10 @@ class GgufLinear(nn.Module):
         self.bias = bias
         # batch-invariant mode: the integer products at every row count (prompts included)
         self.invariant = settings.engine().batch_invariant
+        # each part type's tile ranges per activation dtype, asked of the library once: forward
+        # chooses a path per part on every call
+        self._tiles = {(t, dt): gk.tile_rows(lib, t, dt) for _, t, _ in self.parts
+                       for dt in (torch.float32, torch.bfloat16)}
         # which products ran, counted once a call per kind (tests check the path)
         self.calls = {"int": 0, "tile": 0, "float": 0, "dequantised": 0}
 
@@ -110,7 +114,7 @@ class GgufLinear(nn.Module):
         """(from, to) rows where a part of ``type_id`` takes the dequantised tiles (gk.tile_rows;
         (0, 0) in batch-invariant mode, whose one path at every row count is mode 2's integer
         products: the tiles would cost concurrency 1's decode rows ~1.25x, docs/performance.md)."""
-        return (0, 0) if self.invariant else gk.tile_rows(self.lib, type_id, dtype)
+        return (0, 0) if self.invariant else self._tiles[type_id, dtype]
 
     def path(self, type_id: int, m: int, dtype: torch.dtype) -> str:
         """Which products compute ``m`` rows of ``dtype`` for a part of ``type_id``: "int" (integer;
