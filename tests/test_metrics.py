@@ -50,9 +50,9 @@ MINDIE_BUCKETS = {
 
 
 def hb(worker="w0", instance="a", *, running=0, waiting=0, free=100, total=100, preempted=0, hit=0.0,
-       prompt=0, generated=0, ttft=0.0, tbt=0.0, swapped=0, holds=0) -> P.Heartbeat:
+       prompt=0, generated=0, ttft=0.0, tbt=0.0, swapped=0, holds=0, uptime=0.0) -> P.Heartbeat:
     return P.Heartbeat(worker, instance, "cpu:0", 1, MODEL, running, waiting, free, total, preempted, hit, 16, 0,
-                       True, 64, prompt, generated, ttft, tbt, swapped, holds)
+                       True, 64, prompt, generated, ttft, tbt, swapped, holds, uptime_s=uptime)
 
 
 def parse(text: str) -> dict:
@@ -109,6 +109,17 @@ def test_rates_cover_the_last_window_only():
     assert h3.rates(now=102.0)[1] == pytest.approx(10.0)
     # A worker not heard of any more stops counting once its samples leave the window.
     assert h3.rates(now=130.0) == (0.0, 0.0)
+    # A worker first heard within a window of its start (a model loaded on demand answered at
+    # once): its counters were 0 at its start, so what it did before the first sample counts.
+    h4 = HeartbeatHistory(window_s=10.0)
+    h4.record([hb(generated=24, prompt=30, uptime=2.0)], now=50.0)
+    assert h4.rates(now=50.0) == (pytest.approx(15.0), pytest.approx(12.0))
+    assert h4.rates(now=54.0)[1] == pytest.approx(4.0)  # 24 tokens over the 6 s since it started
+    # Started longer ago than the window: its counters cover unknown time, the first sample is the baseline.
+    h5 = HeartbeatHistory(window_s=10.0)
+    h5.record([hb(generated=24, uptime=60.0)], now=50.0)
+    h5.record([hb(generated=24, uptime=61.0)], now=51.0)
+    assert h5.rates(now=51.0) == (0.0, 0.0)
 
 
 def test_worker_families_aggregate_the_latest_heartbeats():

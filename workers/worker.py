@@ -133,6 +133,7 @@ class Worker:
         self.device = built.device
         self.group = built.group  # this process is rank 0 of a tensor-parallel instance
         self.max_positions = _max_positions(spec, self.engine.runner)
+        self.t_built = time.monotonic()  # the engine's counters start here (Heartbeat.uptime_s)
         if self.engine.grammars is not None:
             # llguidance builds its tokenizer holding the GIL, seconds on end for a large vocabulary
             # (Gemma 3's 262k tokens: 9 s of 24 on a busy host), which would stop the heartbeat
@@ -401,7 +402,8 @@ class Worker:
             eng.generated_tokens, eng.ttft_ms.mean, eng.tbt_ms.mean, eng.num_swapped, eng.scheduler.num_decode_holds,
             self._adapter_infos(), self.kv.held if self.kv is not None else 0,
             self.kv.active if self.kv is not None else 0, eng.speculator.drafts, eng.speculator.draft_tokens,
-            eng.speculator.accepted_tokens, list(eng.speculator.accepted_per_pos))
+            eng.speculator.accepted_tokens, list(eng.speculator.accepted_per_pos),
+            time.monotonic() - self.t_built)
 
     def _adapter_infos(self) -> list[P.AdapterInfo]:
         """``Heartbeat.adapters``, rebuilt only when the manager's listing changed (the heartbeat

@@ -269,6 +269,9 @@ class Heartbeat(Message, tag=6):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Seconds since the worker's engine was built (its counters' 0): a front end that first hears
+    # a worker minutes after it started counts the tokens of its first seconds too.
+    uptime_s: float = 0.0
 
 
 class Stopped(Message, tag=8):

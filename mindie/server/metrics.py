@@ -167,7 +167,8 @@ class HeartbeatHistory:
     """Per-worker history of the cumulative token counters of the heartbeats a front end heard,
     for the throughput gauges. Counters belong to a worker *instance*: a restarted worker starts
     again from 0, which counts as an increase of its whole new value (Prometheus ``rate()``
-    semantics), never as a negative one. Thread-safe (a sampler thread records; scrapes record
+    semantics), never as a negative one; a worker first heard within a window of its start
+    (``Heartbeat.uptime_s``) counts from 0 at its start. Thread-safe (a sampler thread records; scrapes record
     and read)."""
 
     def __init__(self, window_s: float = RATE_WINDOW_S):
@@ -178,7 +179,14 @@ class HeartbeatHistory:
     def record(self, heartbeats: Iterable[P.Heartbeat], now: float) -> None:
         with self._lock:
             for hb in heartbeats:
-                q = self._by_worker.setdefault(hb.worker_id, collections.deque())
+                q = self._by_worker.get(hb.worker_id)
+                if q is None:
+                    q = self._by_worker[hb.worker_id] = collections.deque()
+                    if 0 < hb.uptime_s <= self.window_s:
+                        # First heard within a window of its start (a model loaded on demand
+                        # serves at once): its counters were 0 then, so the tokens of its first
+                        # moments count, instead of making the first sample the baseline.
+                        q.append(_Sample(now - hb.uptime_s, hb.instance, 0, 0))
                 if q and q[-1].t > now:
                     continue  # out of order (two recorders): keep the history monotonic
                 q.append(_Sample(now, hb.instance, hb.prompt_tokens, hb.generated_tokens))
