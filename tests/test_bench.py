@@ -216,7 +216,10 @@ def server() -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(make_app(), log_level="critical", lifespan="off")
+    # asyncio's loop, not uvloop: libuv times a timer from the loop's clock as cached at the start of
+    # its iteration, so under load the fake prefill's sleep can end a few ms before FIRST_DELAY has
+    # passed since the request came, and the TTFT floors below would fail on the test server itself.
+    config = uvicorn.Config(make_app(), log_level="critical", lifespan="off", loop="asyncio")
     srv = uvicorn.Server(config)
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()

@@ -17,7 +17,8 @@ import time
 import httpx
 import pytest
 
-from tests.harness import ROOT, InferStreams, Server, alive, descendants, free_port, short_run_dir, write_config
+from tests.harness import (ROOT, InferStreams, Server, alive, descendants, free_port, plain_decode, short_run_dir,
+                           write_config)
 from tests.test_worker_curve import make_keys, port_pair
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,8 +141,9 @@ def _start_workers_host(tmp_path, name, demo_model, keys, wport, host, hosts):
     """A workers-only launch bound to ``host`` (its own process group, so that it can be stopped whole)."""
     d = tmp_path / name
     d.mkdir()
+    # one token per step (plain_decode): the streams must still run when a test stops a host
     write_config(d / "config.json", port=_plane_port(wport, 1), run_dir=short_run_dir(), workers=1,
-                 model_path=demo_model)
+                 model_path=demo_model, schedule=plain_decode())
     cfg = json.loads((d / "config.json").read_text())
     cfg["BackendConfig"].update(workerHost=host, workerHosts=hosts, workerPort=wport, workerCurveKeyDir=str(keys))
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
