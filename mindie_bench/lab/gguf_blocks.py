@@ -13,14 +13,15 @@ default in a server: one path at every row count, prompts included); on the avx5
 bf16 a third model, ``native int2``, times that mode's other native path (mode 2's integer products).
 
 ``--what kernels``: one linear [1536, 576] (K-quants [1536, 768]) of each block type over random
-blocks, per row count, microseconds per call (best of 5): ``gguf_matmul``'s integer products and
+blocks (``--file``: a GGUF file's own linears, as below), per row count, microseconds per call (best of 5): ``gguf_matmul``'s integer products and
 its dequantised tiles (mode 3) against torch's ``F.linear`` over the dequantised weights (the
 ``dequantise`` path) and over a transient copy dequantised per call; ``--variant`` times another
 instruction set's build (``avx512``: without avx512_bf16, ``avx2``), ``--dtype`` the rows' type.
 ``--invariant`` instead times the three batch-invariant candidates, each computing a row in one
 order at any row count: ``rows`` (the dequantised weights on the C kernels' ``linear_rows``, what
 ``ggufCompute: dequantise`` runs in that mode), ``int2`` (mode 2's integer products) and ``tile``
-(mode 3); with ``--file`` over a GGUF file's own linears (one of each shape and type of its first
+(mode 3; ``rows`` runs this host's cpu_kernels build whatever ``--variant`` says); with
+``--file`` over a GGUF file's own linears (one of each shape and type of its first
 two layers, and the head where the rows are decode-sized, up to 64), else the random ones.
 
     python -m mindie_bench.lab.gguf_blocks --batch 1,4,8 --invariant
@@ -131,7 +132,7 @@ def _kernels(args) -> None:
           f"dequantised tiles, this build's choice (Q4_1) from {gk.tile_rows(lib, 3, dtype)[0] or 'never'} "
           f"rows to {gk.tile_rows(lib, 3, dtype)[1] or 'any'}; dense: torch F.linear over a {args.dtype} copy, the dequantise path; transient: the blocks "
           f"dequantised, then F.linear)")
-    for name, tid, w, k in _linears(args, lib):
+    for name, tid, w, k in _linears(args):
         n = w.shape[0]
         wb = gk.dequantize(lib, tid, w, k, dtype)
         row = []
@@ -147,15 +148,16 @@ def _kernels(args) -> None:
         print(name, " | ".join(row), flush=True)
 
 
-def _linears(args, lib) -> list[tuple[str, int, torch.Tensor, int]]:
+def _linears(args) -> list[tuple[str, int, torch.Tensor, int]]:
     """(name, ggml type id, uint8 [N, row bytes] blocks, K) of the linears to time: a GGUF file's
     (``--file``: one per name, shape and type in its first two layers, then the head) or random
     blocks of five types, [1536, 576] (K-quants [1536, 768]), named by their type."""
+    from workers.kernels import gguf_kernels as gk
     if not args.file:
         from gguf import GGMLQuantizationType as Q
 
         from tests.test_gguf_kernels import random_weight
-        return [(qt.name, gk_types()[qt.name], torch.from_numpy(random_weight(qt, 1536, k)), k)
+        return [(qt.name, gk.TYPES[qt.name], torch.from_numpy(random_weight(qt, 1536, k)), k)
                 for qt, k in ((Q.Q4_0, 576), (Q.Q4_1, 576), (Q.Q8_0, 576), (Q.Q4_K, 768), (Q.Q6_K, 768))]
     from gguf import GGUFReader
     reader = GGUFReader(args.file)
@@ -163,7 +165,7 @@ def _linears(args, lib) -> list[tuple[str, int, torch.Tensor, int]]:
     for t in reader.tensors:
         name = t.name.split(".", 2)[-1].removesuffix(".weight")
         head = t.name in ("output.weight", "token_embd.weight")
-        if t.tensor_type.name not in gk_types() or len(t.shape) != 2 or not (t.name.startswith(("blk.0.", "blk.1.")) or head):
+        if t.tensor_type.name not in gk.TYPES or len(t.shape) != 2 or not (t.name.startswith(("blk.0.", "blk.1.")) or head):
             continue
         key = (name, t.tensor_type.name, tuple(int(v) for v in t.shape))
         if key in seen or (head and any(n == "head" for n, *_ in out)):
@@ -171,15 +173,10 @@ def _linears(args, lib) -> list[tuple[str, int, torch.Tensor, int]]:
         seen.add(key)
         k, n = int(t.shape[0]), int(t.shape[1])
         blocks = torch.from_numpy(t.data.reshape(n, -1).copy())
-        out.append(("head" if head else name, gk_types()[t.tensor_type.name], blocks, k))
+        out.append(("head" if head else name, gk.TYPES[t.tensor_type.name], blocks, k))
     # token_embd is the head only where the file has no output tensor
     heads = [i for i, (n, *_) in enumerate(out) if n == "head"]
     return [o for i, o in enumerate(out) if i not in heads[1:]]
-
-
-def gk_types() -> dict[str, int]:
-    from workers.kernels import gguf_kernels as gk
-    return gk.TYPES
 
 
 def _invariant_kernels(args, lib, dtype: torch.dtype, best) -> None:
@@ -193,7 +190,7 @@ def _invariant_kernels(args, lib, dtype: torch.dtype, best) -> None:
     print(f"batch-invariant candidates, gguf_kernels {args.variant} build ({gk.ISA_NAMES[lib.isa]}), {args.dtype} "
           f"rows, 1 thread, CPU us per call (best of 5): rows = the dequantised {args.dtype} weights on linear_rows "
           f"(ggufCompute dequantise), int2 = gguf_matmul mode 2 (activations quantised in the call), tile = mode 3")
-    for name, tid, w, k in _linears(args, lib):
+    for name, tid, w, k in _linears(args):
         n = w.shape[0]
         dense = KernelLinear(torch.nn.Linear(k, n, bias=False, device="meta"), ck,
                              gk.dequantize(lib, tid, w, k, dtype))
@@ -209,7 +206,8 @@ def _invariant_kernels(args, lib, dtype: torch.dtype, best) -> None:
             t_tile = best(lambda: gk.matmul(lib, tid, x, w, out, mode=gk.TILE), reps) if lib.isa else float("nan")
             row.append(f"M={m}: rows {t_rows:.0f} int2 {t_int:.0f} tile {t_tile:.0f} "
                        f"({t_tile / min(t_rows, t_int):.2f}x)")
-        print(f"{name} {names[tid]} [{n}, {k}]:", " | ".join(row), flush=True)
+        label = name if name == names[tid] else f"{name} {names[tid]}"
+        print(f"{label} [{n}, {k}]:", " | ".join(row), flush=True)
 
 
 VARIANTS = ("native", "avx512", "avx2", "scalar")
