@@ -97,8 +97,13 @@ class Driver:
     """Steps of (sequence, first position, tokens) over one model and cache: each sequence owns
     PER_SEQ blocks. Returns the final hidden rows and logits of every token fed."""
 
-    def __init__(self, path: Path, dtype: torch.dtype):
-        self.model, _ = load_model(path, dtype)
+    def __init__(self, path: Path, dtype: torch.dtype, gguf_native: bool = False):
+        if gguf_native:  # a GGUF file's linears computed from their blocks (ggufCompute: native)
+            from workers.backends.gguf_linear import NativeTarget
+            from workers.kernels import gguf_kernels
+            self.model, _ = load_model(path, dtype, gguf_native=NativeTarget(gguf_kernels.load()))
+        else:
+            self.model, _ = load_model(path, dtype)
         CpuBackend().prepare_model(self.model)
         a = self.model.args
         cpu = torch.device("cpu")
@@ -197,6 +202,53 @@ def test_a_sequence_computes_the_same_bits_alone_and_in_mixed_steps(models, case
     assert _compare(ref, recomputed(Driver(models[case], dtype), toks)) == []
     if fused is not None:  # the fused step took the steps of at most 64 rows, in both drives
         assert fused.calls > calls and other.model.fast_decode.calls > 0
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Model views of tiny GGUF files covering every block type the kernels read
+    (tests/test_gguf_kernels.py MODEL_CASES: Q4_0-Q8_0 in one, the K-quants in the other)."""
+    from tests.test_gguf_kernels import MODEL_CASES
+    from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf
+    from workers.models.gguf_view import ensure_view
+    root = tmp_path_factory.mktemp("invariant-gguf")
+    vocab = gpt2_vocab(byte_level_tokenizer())
+    out = {}
+    for case, (cls, arch, config, options) in MODEL_CASES.items():
+        (root / case).mkdir()
+        path = write_gguf(root / case / f"{case}.gguf", tiny_model(cls, len(vocab["tokens"]), **config), arch, vocab,
+                          **options)
+        out[case] = ensure_view(path, root / "cache")
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", ["llama", "qwen2"])
+def test_a_native_gguf_sequence_computes_the_same_bits_alone_and_in_mixed_steps(gguf_models, case, dtype,
+                                                                                 restore_settings):
+    """The same drives on a GGUF model whose linears stay in their blocks (``ggufCompute:
+    native``): bf16 rows on the avx512_bf16 build take mode 3's tiles at every row count (prompt
+    chunks, verify rows, recompute, and the fused decode step's gguf_rows), else mode 2's integer
+    products; either way a row's bits do not depend on its step."""
+    from workers.backends.gguf_linear import GgufLinear
+    from workers.kernels import gguf_kernels
+    invariant(True)
+    d = Driver(gguf_models[case], dtype, gguf_native=True)
+    linears = [m for m in d.model.modules() if isinstance(m, GgufLinear)]
+    assert len(linears) == 4 * d.model.args.num_hidden_layers + 1  # and the head
+    fused = d.model.fast_decode
+    assert fused is not None
+    ref, toks = alone(d)
+    other = Driver(gguf_models[case], dtype, gguf_native=True)
+    assert _compare(ref, mixed(other, toks)) == []
+    third = Driver(gguf_models[case], dtype, gguf_native=True)
+    assert _compare(ref, recomputed(third, toks)) == []
+    assert fused.calls > 0 and other.model.fast_decode.calls > 0
+    tiles = gguf_kernels.load().tile_bf16 and dtype == torch.bfloat16
+    path = "tile" if tiles else "int"
+    for drive in (d, other, third):
+        calls = {k for m in drive.model.modules() if isinstance(m, GgufLinear) for k, v in m.calls.items() if v}
+        assert calls == {path}, calls
 
 
 @pytest.mark.parametrize("case", list(CASES))

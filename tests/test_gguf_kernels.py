@@ -281,24 +281,63 @@ def test_gguf_linear_parts_and_row_regimes(lib, m, dtype):
         GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a[:20]))], None)
 
 
-def test_batch_invariant_linear_keeps_one_path(lib):
-    """Batch-invariant mode: a GgufLinear computes every row count with mode 2's integer products
-    (a row the same bits alone or among 8, 16, 70 rows), never the tiles, and hands the fused
-    decode step no tile range (dec_gguf_t.tile_from 0)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_batch_invariant_linear_keeps_one_path(lib, dtype):
+    """Batch-invariant mode: a GgufLinear of two parts (Q4_K beside Q6_K) computes every row count
+    through one path, a row the same bits alone or among 2, 8, 16, 70, 600 rows: mode 3's tiles
+    for bf16 rows on the avx512_bf16 build (whose bf16 tiles beat the integer products from a few
+    rows and on prompts: docs/performance.md "GGUF blocks"), else mode 2's integer products; and
+    hands the fused decode step the same choice (dec_gguf_t.tile_from 1 at every count, or 0)."""
     from workers.backends.cpu_decode import _gguf
     from workers.backends.gguf_linear import GgufLinear
+    variant = next(v for v, built in LIBS.items() if built is lib)
     k = 256
-    a = random_weight(Q.Q4_K, 24, k, seed=5)
-    lin = GgufLinear(lib, k, 24, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a))], None)
+    a, b = random_weight(Q.Q4_K, 24, k, seed=5), random_weight(Q.Q6_K, 10, k, seed=6)
+    lin = GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a)),
+                                  (24, gk.TYPES["Q6_K"], torch.from_numpy(b))], torch.randn(34))
     lin.invariant = True
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4)).bfloat16()
-    one = lin(x[5:6])
-    for m in (8, 16, 70):
-        assert torch.equal(lin(x[:m])[5], one[0]), m
-    assert lin.calls["int"] == 4 and lin.calls["tile"] == 0
+    tiles = variant == "native" and BF16_BUILD and dtype == torch.bfloat16
+    assert lin.invariant_tiles == (variant == "native" and BF16_BUILD)
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(4)).to(dtype)
+    one = lin(x[1:2])
+    for m in (2, 8, 16, 70, 600):
+        assert torch.equal(lin(x[:m])[1], one[0]), m
+    path = "tile" if tiles else "int"
+    assert lin.calls[path] == 6 and sum(lin.calls.values()) == 6, lin.calls
     if lib.isa:
-        g = _gguf(lin, None, torch.bfloat16)
-        assert list(g.tile_from) == [0] * len(g.tile_from)
+        g = _gguf(lin, None, dtype)
+        assert list(g.tile_from)[:2] == [int(tiles)] * 2 and g.tile_to == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_tiles_compute_a_row_the_same_at_any_row_count(lib, qtype, dtype):
+    """gguf_matmul's mode 3 (the dequantised tiles; batch-invariant mode's path for bf16 rows on the
+    avx512_bf16 build): every row computed alone equals, bit for bit, the same row inside calls of
+    2 to 40 rows (the register block's remainders of 1-3 rows), 64, 65 and 600 rows (the activation
+    blocks of TILE_X_BYTES, a prompt's tasks of TILE_TASK_M = 512 rows), with a bias, over 70 weight
+    rows (tasks of 64, a tile's remainder of 2). The scalar build has no mode 3 (refused:
+    _check_tiles)."""
+    if lib.isa == 0:
+        with pytest.raises(ValueError, match="refused"):
+            gk.matmul(lib, gk.TYPES[qtype.name], torch.randn(1, 256), torch.from_numpy(random_weight(qtype, 4, 256)),
+                      torch.empty(1, 4), mode=gk.TILE)
+        return
+    k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
+    n, tid = 70, gk.TYPES[qtype.name]
+    w = torch.from_numpy(random_weight(qtype, n, k, seed=3))
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(600, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    followed = list(range(40)) + [63, 64, 100, 511, 512, 599]
+    alone = {}
+    for i in followed:
+        alone[i] = torch.empty(1, n, dtype=dtype)
+        gk.matmul(lib, tid, x[i:i + 1], w, alone[i], bias=bias, mode=gk.TILE)
+    for m in list(range(2, 41)) + [64, 65, 600]:
+        out = torch.empty(m, n, dtype=dtype)
+        gk.matmul(lib, tid, x[:m], w, out, bias=bias, mode=gk.TILE)
+        differ = [i for i in followed if i < m and not torch.equal(out[i], alone[i][0])]
+        assert differ == [], (m, differ)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -361,7 +400,8 @@ def test_invariant_mode_computes_a_row_the_same_at_any_row_count(lib, m):
 @pytest.mark.parametrize("setting, bf16, invariant, want", [
     ("auto", False, True, "native"), ("auto", False, False, "native"),
     ("auto", True, False, "native"),  # bf16 CPU, one order per row not asked: the tiles from 8 rows
-    ("auto", True, True, "dequantise"),  # bf16 CPU, batch-invariant: the integer products would be its one path
+    # bf16 CPU, batch-invariant: the bf16 tiles at every row count, its native path, lose prompts to bf16
+    ("auto", True, True, "dequantise"),
     ("native", True, True, "native"), ("dequantise", False, False, "dequantise")])
 def test_auto_resolution(setting, bf16, invariant, want):
     """``cpuTuning.ggufCompute`` resolved per CPU kind and ScheduleConfig.batchInvariant."""

@@ -5,19 +5,28 @@ the same file dequantised at load, side by side in one process.
 ``--what steps`` (default): the default model's file (or ``--file``) loaded both ways in
 ``--dtype``, each prepared as a CPU worker prepares it (the fused decode step reading the blocks,
 or its dequantised weights); per batch, a prompt of ``--prompt`` tokens per sequence, then
-``--steps`` decode steps, the two models alternating in ``--rounds``. ``--threads 1`` (default)
+``--steps`` decode steps, each with its logits (the LM head: a decode row's, a prompt's last
+row's, as a server computes them), the models alternating in ``--rounds``. ``--threads 1`` (default)
 times CPU seconds (``time.process_time``), which a shared machine disturbs least; more threads
 time wall seconds. ``--invariant`` sets ScheduleConfig.batchInvariant in this process (the CPU
-default in a server: the integer products at every row count, prompts included).
+default in a server: one path at every row count, prompts included); on the avx512_bf16 build in
+bf16 a third model, ``native int2``, times that mode's other native path (mode 2's integer products).
 
 ``--what kernels``: one linear [1536, 576] (K-quants [1536, 768]) of each block type over random
-blocks, per row count, microseconds per call (best of 5): ``gguf_matmul``'s integer products and
+blocks (``--file``: a GGUF file's own linears, as below), per row count, microseconds per call (best of 5): ``gguf_matmul``'s integer products and
 its dequantised tiles (mode 3) against torch's ``F.linear`` over the dequantised weights (the
 ``dequantise`` path) and over a transient copy dequantised per call; ``--variant`` times another
 instruction set's build (``avx512``: without avx512_bf16, ``avx2``), ``--dtype`` the rows' type.
+``--invariant`` instead times the three batch-invariant candidates, each computing a row in one
+order at any row count: ``rows`` (the dequantised weights on the C kernels' ``linear_rows``, what
+``ggufCompute: dequantise`` runs in that mode), ``int2`` (mode 2's integer products) and ``tile``
+(mode 3; ``rows`` runs this host's cpu_kernels build whatever ``--variant`` says); with
+``--file`` over a GGUF file's own linears (one of each shape and type of its first
+two layers, and the head where the rows are decode-sized, up to 64), else the random ones.
 
     python -m mindie_bench.lab.gguf_blocks --batch 1,4,8 --invariant
     python -m mindie_bench.lab.gguf_blocks --what kernels
+    python -m mindie_bench.lab.gguf_blocks --what kernels --invariant --batch 1,2,4,8,16,64,512 --file F.gguf
 
 Also ``mindie-bench gguf-blocks ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
@@ -43,7 +52,7 @@ def _steps(args) -> None:
 
     from workers import settings
     from workers.backends.cpu import CpuBackend
-    from workers.backends.gguf_linear import NativeTarget
+    from workers.backends.gguf_linear import GgufLinear, NativeTarget
     from workers.kernels import gguf_kernels as gk
     from workers.models import default_model
     from workers.models.gguf_view import ensure_view
@@ -54,6 +63,12 @@ def _steps(args) -> None:
     view = ensure_view(Path(args.file) if args.file else default_model.default_model_file(), None)
     models = {"native": load_model(view, dtype, gguf_native=NativeTarget(gk.load()))[0],
               "dequantised": load_model(view, dtype)[0]}
+    if args.invariant and gk.load().tile_bf16 and dtype == torch.bfloat16:
+        # the mode's other native path: mode 2's integer products at every row count
+        models["native int2"] = load_model(view, dtype, gguf_native=NativeTarget(gk.load()))[0]
+        for mod in models["native int2"].modules():
+            if isinstance(mod, GgufLinear):
+                mod.invariant_tiles = False
     for m in models.values():
         CpuBackend().prepare_model(m)
 
@@ -67,13 +82,14 @@ def _steps(args) -> None:
         with torch.inference_mode():
             attn.prepare(tables, [0] * batch, [args.prompt] * batch)
             t0 = clock()
-            model(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(args.prompt)] * batch), attn)
+            h = model(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(args.prompt)] * batch), attn)
+            model.compute_logits(h.view(batch, args.prompt, -1)[:, -1])  # a prompt's last row, as a server's
             prompt_s = clock() - t0
             pos, nxt = [args.prompt] * batch, torch.tensor([5] * batch)
             t0 = clock()
             for _ in range(args.steps):
                 attn.prepare(tables, pos, [1] * batch)
-                model(nxt, torch.tensor(pos), attn)
+                model.compute_logits(model(nxt, torch.tensor(pos), attn))
                 pos = [p + 1 for p in pos]
             return (clock() - t0) / args.steps * 1e3, prompt_s * 1e3
 
@@ -82,17 +98,18 @@ def _steps(args) -> None:
     for batch in args.batch:
         for r in range(args.rounds):
             got = {name: run(m, batch) for name, m in models.items()}
-            n, d = got["native"], got["dequantised"]
-            print(f"batch {batch} round {r}: decode step native {n[0]:.2f} / dequantised {d[0]:.2f} ms "
-                  f"({d[0] / n[0]:.2f}x); prompt of {args.prompt} x {batch} native {n[1]:.0f} / dequantised "
-                  f"{d[1]:.0f} ms ({d[1] / n[1]:.2f}x)", flush=True)
+            d = got["dequantised"]
+            natives = [(name, v) for name, v in got.items() if name != "dequantised"]
+            print(f"batch {batch} round {r}: decode step " + " / ".join(f"{k} {v[0]:.2f}" for k, v in natives)
+                  + f" / dequantised {d[0]:.2f} ms (" + ", ".join(f"{d[0] / v[0]:.2f}x" for _, v in natives)
+                  + f"); prompt of {args.prompt} x {batch} " + " / ".join(f"{k} {v[1]:.0f}" for k, v in natives)
+                  + f" / dequantised {d[1]:.0f} ms (" + ", ".join(f"{d[1] / v[1]:.2f}x" for _, v in natives) + ")",
+                  flush=True)
 
 
 def _kernels(args) -> None:
     import torch.nn.functional as F
-    from gguf import GGMLQuantizationType as Q
 
-    from tests.test_gguf_kernels import random_weight
     from workers.kernels import gguf_kernels as gk
     lib = gk.load() if args.variant == "native" else gk.build(args.variant)
 
@@ -107,15 +124,16 @@ def _kernels(args) -> None:
         return out * 1e6
 
     dtype = getattr(torch, args.dtype)
+    if args.invariant:
+        _invariant_kernels(args, lib, dtype, best)
+        return
     print(f"gguf_kernels {args.variant} build: {gk.ISA_NAMES[lib.isa]}, {args.dtype} rows, 1 thread, CPU us per "
           f"call (int: gguf_matmul's integer products, activations quantised beforehand; tile: mode 3, the "
           f"dequantised tiles, this build's choice (Q4_1) from {gk.tile_rows(lib, 3, dtype)[0] or 'never'} "
           f"rows to {gk.tile_rows(lib, 3, dtype)[1] or 'any'}; dense: torch F.linear over a {args.dtype} copy, the dequantise path; transient: the blocks "
           f"dequantised, then F.linear)")
-    for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
-        n, k = 1536, 768 if qt in (Q.Q4_K, Q.Q6_K) else 576
-        tid = gk.TYPES[qt.name]
-        w = torch.from_numpy(random_weight(qt, n, k))
+    for name, tid, w, k in _linears(args):
+        n = w.shape[0]
         wb = gk.dequantize(lib, tid, w, k, dtype)
         row = []
         for m in args.batch:
@@ -127,7 +145,69 @@ def _kernels(args) -> None:
             t_dense = best(lambda: F.linear(x, wb))
             t_tr = best(lambda: F.linear(x, gk.dequantize(lib, tid, w, k, dtype)))
             row.append(f"M={m}: int {t_int:.0f} tile {t_tile:.0f} dense {t_dense:.0f} transient {t_tr:.0f}")
-        print(qt.name, " | ".join(row), flush=True)
+        print(name, " | ".join(row), flush=True)
+
+
+def _linears(args) -> list[tuple[str, int, torch.Tensor, int]]:
+    """(name, ggml type id, uint8 [N, row bytes] blocks, K) of the linears to time: a GGUF file's
+    (``--file``: one per name, shape and type in its first two layers, then the head) or random
+    blocks of five types, [1536, 576] (K-quants [1536, 768]), named by their type."""
+    from workers.kernels import gguf_kernels as gk
+    if not args.file:
+        from gguf import GGMLQuantizationType as Q
+
+        from tests.test_gguf_kernels import random_weight
+        return [(qt.name, gk.TYPES[qt.name], torch.from_numpy(random_weight(qt, 1536, k)), k)
+                for qt, k in ((Q.Q4_0, 576), (Q.Q4_1, 576), (Q.Q8_0, 576), (Q.Q4_K, 768), (Q.Q6_K, 768))]
+    from gguf import GGUFReader
+    reader = GGUFReader(args.file)
+    out, seen = [], set()
+    for t in reader.tensors:
+        name = t.name.split(".", 2)[-1].removesuffix(".weight")
+        head = t.name in ("output.weight", "token_embd.weight")
+        if t.tensor_type.name not in gk.TYPES or len(t.shape) != 2 or not (t.name.startswith(("blk.0.", "blk.1.")) or head):
+            continue
+        key = (name, t.tensor_type.name, tuple(int(v) for v in t.shape))
+        if key in seen or (head and any(n == "head" for n, *_ in out)):
+            continue
+        seen.add(key)
+        k, n = int(t.shape[0]), int(t.shape[1])
+        blocks = torch.from_numpy(t.data.reshape(n, -1).copy())
+        out.append(("head" if head else name, gk.TYPES[t.tensor_type.name], blocks, k))
+    # token_embd is the head only where the file has no output tensor
+    heads = [i for i, (n, *_) in enumerate(out) if n == "head"]
+    return [o for i, o in enumerate(out) if i not in heads[1:]]
+
+
+def _invariant_kernels(args, lib, dtype: torch.dtype, best) -> None:
+    """Per linear and row count: ``rows`` (linear_rows over the dequantised weights), ``int2``
+    (mode 2) and ``tile`` (mode 3), µs per call, and the tiles' ratio to the better of the others."""
+    from workers.backends.cpu_linear import KernelLinear
+    from workers.kernels import cpu_kernels
+    from workers.kernels import gguf_kernels as gk
+    ck = cpu_kernels.load()
+    names = {v: k for k, v in gk.TYPES.items()}
+    print(f"batch-invariant candidates, gguf_kernels {args.variant} build ({gk.ISA_NAMES[lib.isa]}), {args.dtype} "
+          f"rows, 1 thread, CPU us per call (best of 5): rows = the dequantised {args.dtype} weights on linear_rows "
+          f"(ggufCompute dequantise), int2 = gguf_matmul mode 2 (activations quantised in the call), tile = mode 3")
+    for name, tid, w, k in _linears(args):
+        n = w.shape[0]
+        dense = KernelLinear(torch.nn.Linear(k, n, bias=False, device="meta"), ck,
+                             gk.dequantize(lib, tid, w, k, dtype))
+        row = []
+        for m in args.batch:
+            if name == "head" and m > 64:  # a prompt computes the head for its last row only
+                continue
+            x = torch.randn(m, k).to(dtype)
+            out = torch.empty(m, n, dtype=dtype)
+            reps = max(1, min(20, int(2e8 // (m * n * k + 1))))
+            t_rows = best(lambda: dense(x), reps)
+            t_int = best(lambda: gk.matmul(lib, tid, x, w, out, mode=gk.INVARIANT), reps)
+            t_tile = best(lambda: gk.matmul(lib, tid, x, w, out, mode=gk.TILE), reps) if lib.isa else float("nan")
+            row.append(f"M={m}: rows {t_rows:.0f} int2 {t_int:.0f} tile {t_tile:.0f} "
+                       f"({t_tile / min(t_rows, t_int):.2f}x)")
+        label = name if name == names[tid] else f"{name} {names[tid]}"
+        print(f"{label} [{n}, {k}]:", " | ".join(row), flush=True)
 
 
 VARIANTS = ("native", "avx512", "avx2", "scalar")
@@ -147,7 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--variant", choices=tuple(VARIANTS), default="native",
                    help="kernels: the library build (gguf_kernels.VARIANT_FLAGS; default this host's)")
-    p.add_argument("--invariant", action="store_true", help="ScheduleConfig.batchInvariant on (the CPU default)")
+    p.add_argument("--invariant", action="store_true", help="ScheduleConfig.batchInvariant on (the CPU default); kernels: time its candidates")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     (_kernels if args.what == "kernels" else _steps)(args)

@@ -26,7 +26,8 @@ tensors, no copy, with their scales applied to the fp32 sums. A GGUF file's bloc
 as a ``dec_gguf_t`` of its parts, through gguf_kernels.c's ``gguf_rows`` (a pointer in the step),
 over the layer's input quantised per 32 values into the step's scratch, or over the input itself
 against weight tiles dequantised in cache from the row counts where those win (gguf_kernels.c's
-measured ranges, as the eager GgufLinear; never in batch-invariant mode). An fp32 model whose linears keep
+measured ranges, as the eager GgufLinear; in batch-invariant mode at every row count or none, its
+one path). An fp32 model whose linears keep
 bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is computed in fp32
 over those same tensors (kernel code 2), no copy either. Models it does not cover (q/k norms,
 tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.

@@ -19,8 +19,9 @@ products are the C kernels' (workers/kernels/gguf_kernels.c):
   vdpbf16ps or fp32 FMAs), per part, no transient copy of the matrix;
 - above ``INT_ROWS`` where the tiles do not reach: the layer's weights dequantised to the
   activation dtype into a transient matrix and multiplied by oneDNN;
-- in batch-invariant mode (ScheduleConfig.batchInvariant) the integer products at every row
-  count (``gguf_matmul`` mode 2), so a row's result never depends on its step.
+- in batch-invariant mode (ScheduleConfig.batchInvariant) one path at every row count, so a
+  row's result never depends on its step: bf16 rows on the avx512_bf16 build the bf16 tiles
+  (mode 3, each sum in one order at any row count), elsewhere the integer products (mode 2).
 
 The activation quantisation changes the results slightly against the dequantised weights
 (~0.3 % of a product's magnitude): greedy text can differ from the ``dequantise`` path where
@@ -55,9 +56,11 @@ def compute(bf16: bool = True) -> str:
     under fp32 rows, 2-4x the file's bytes per token; and where it has them (AVX512-BF16, AMX) with
     ScheduleConfig.batchInvariant off, where the dequantised tiles (gguf_kernels.c mode 3) tie or
     beat the bf16 copies from 8 rows and on prompts and the integer products win one row.
-    dequantise on a bf16 CPU in batch-invariant mode (the CPU default), whose one path at every
-    row count is the integer products: they lose to bf16 from 4-8 rows and on prompts
-    (docs/performance.md, "GGUF blocks")."""
+    dequantise on a bf16 CPU in batch-invariant mode (the CPU default): that mode's one native
+    path, the bf16 tiles at every row count, ties the bf16 copies on linear_rows (a stream's
+    decode 1.01-1.07x with the head, batches 0.94-0.99x, prompts 0.89-0.96x on Gemma 3 270M) but
+    does not beat them on prompts; mode 2's integer products win one stream and lose 3x on
+    prompts (docs/performance.md, "GGUF blocks")."""
     value = settings.cpu().gguf_compute
     if value not in COMPUTES:
         raise ValueError(f"cpuTuning.ggufCompute must be one of {', '.join(COMPUTES)}, got {value!r}")
@@ -69,7 +72,8 @@ def compute(bf16: bool = True) -> str:
 def regimes(lib: ctypes.CDLL, dtype: torch.dtype) -> str:
     """The products a native linear takes per row count on this build (a Q4_1 part), in words."""
     if settings.engine().batch_invariant:
-        return "integer products at every row count (ScheduleConfig.batchInvariant: one order per row, prompts included)"
+        one = "bf16 dequantised tiles" if lib.tile_bf16 and dtype == torch.bfloat16 else "integer products"
+        return f"{one} at every row count (ScheduleConfig.batchInvariant: one order per row, prompts included)"
     if lib.isa == 0:
         return (f"integer products up to {SCALAR_FLOAT_ROWS - 1} rows, fp32 tiles to {INT_ROWS}, "
                 "a transient dequantised matrix on oneDNN above")
@@ -95,8 +99,10 @@ class GgufLinear(nn.Module):
         if covered != out_features:
             raise ValueError(f"GGUF linear: parts cover {covered} of {out_features} output rows")
         self.bias = bias
-        # batch-invariant mode: the integer products at every row count (prompts included)
+        # batch-invariant mode: one path at every row count (prompts included): mode 3's bf16 tiles
+        # for bf16 rows on the avx512_bf16 build, else mode 2's integer products
         self.invariant = settings.engine().batch_invariant
+        self.invariant_tiles = bool(getattr(lib, "tile_bf16", False))
         # each part type's tile ranges per activation dtype, asked of the library once: forward
         # chooses a path per part on every call
         self._tiles = {(t, dt): gk.tile_rows(lib, t, dt) for _, t, _ in self.parts
@@ -111,16 +117,19 @@ class GgufLinear(nn.Module):
         return {t for _, t, _ in self.parts}
 
     def tile_range(self, type_id: int, dtype: torch.dtype) -> tuple[int, int]:
-        """(from, to) rows where a part of ``type_id`` takes the dequantised tiles (gk.tile_rows;
-        (0, 0) in batch-invariant mode, whose one path at every row count is mode 2's integer
-        products: the tiles would cost concurrency 1's decode rows ~1.25x, docs/performance.md)."""
-        return (0, 0) if self.invariant else self._tiles[type_id, dtype]
+        """(from, to) rows where a part of ``type_id`` takes the dequantised tiles (gk.tile_rows).
+        Batch-invariant mode keeps one path at every row count: (1, 0), the tiles at every count,
+        for bf16 rows on the avx512_bf16 build (each sum in one order whatever the rows around it:
+        tests/test_gguf_kernels.py); else (0, 0), mode 2's integer products."""
+        if self.invariant:
+            return (1, 0) if self.invariant_tiles and dtype == torch.bfloat16 else (0, 0)
+        return self._tiles[type_id, dtype]
 
     def path(self, type_id: int, m: int, dtype: torch.dtype) -> str:
         """Which products compute ``m`` rows of ``dtype`` for a part of ``type_id``: "int" (integer;
         mode 2 in batch-invariant mode), "tile" (dequantised tiles in cache), "float" (the scalar
         build's fp32 tiles) or "dequantised" (a transient matrix on oneDNN); gguf_kernels.c's
-        measured ranges. Batch-invariant mode keeps one path at every row count: mode 2."""
+        measured ranges. Batch-invariant mode keeps one path at every row count (tile_range)."""
         if m == 0:
             return "dequantised"
         lo, hi = self.tile_range(type_id, dtype)

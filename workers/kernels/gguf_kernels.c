@@ -2,7 +2,7 @@
  *
  * The weights stay as the file stores them (ggml's block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
  * Q5_K, Q6_K; one row of N is K / block values of block bytes each). A call computes
- * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for rows m of x, in one of two modes:
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for rows m of x, in one of four modes:
  *
  * - mode 0 (integer): x is quantised per 32 values to int8 with one fp32 scale (llama.cpp's Q8_0
  *   activations, ``gguf_quantize``), and each weight row is unpacked a tile at a time into unsigned
@@ -14,7 +14,11 @@
  *   compiler's vectorised FMA loop), the comparison the measurements chose against;
  * - mode 2 (integer, batch-invariant): mode 0's decode-row products at every row count, so a row's
  *   result never depends on how many rows the call has (AVX2 and AVX-512 builds; the scalar build
- *   computes mode 0's tiles at any count, whose per-row order does not depend on it either).
+ *   computes mode 0's tiles at any count, whose per-row order does not depend on it either);
+ * - mode 3 (tiles, below): the activations as they are against weight tiles dequantised in cache;
+ *   each sum runs in one order whatever the row count too (every row its own accumulators, the
+ *   same horizontal sum; tests/test_gguf_kernels.py checks every type at 1-40, 64, 65, 600 rows),
+ *   so batch-invariant mode takes it at every row count for bf16 rows on the avx512_bf16 build.
  *
  * The instruction set is the build's (``-march=native``; tests build with ``-mno-avx512f`` and
  * ``-mno-avx`` to run the AVX2 and scalar paths on an AVX-512 host): ``gguf_isa()`` says which.
@@ -92,6 +96,9 @@ int64_t gguf_tile_to(int dt) {
     return TILE_TO;
 }
 
+/* 1 where this build's tiles for bf16 rows are bf16 (vdpbf16ps: the avx512_bf16 build), whose mode 3
+ * batch-invariant mode takes at every row count (gguf_linear.GgufLinear.tile_range) */
+int gguf_tile_bf16(void) { return TILE_BF16; }
 
 static void init_tables(void);
 __attribute__((constructor)) static void gguf_init(void) { init_tables(); }
@@ -1053,8 +1060,9 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
  * res[m * ldr + n - n0] = the sum, no bias, one thread (the caller splits rows over its team: the
  * fused decode step in cpu_kernels.c, through a pointer). Each row as gguf_matmul's decode path
  * computes it, so a step's rows come out the same in either; with x (the same rows unquantised, dt 0
- * fp32, 1 bf16: the caller's choice, at the row counts gguf_tile_from and gguf_tile_to give;
- * never in batch-invariant mode) mode 3's tiles instead. */
+ * fp32, 1 bf16: the caller's choice, at the row counts gguf_tile_from and gguf_tile_to give, or
+ * at every count in batch-invariant mode on the avx512_bf16 build) mode 3's tiles instead, each
+ * sum as gguf_matmul's mode 3 computes it. */
 void gguf_rows(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr, int dt, const void *x) {
     const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), G = K / 16;

@@ -44,6 +44,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_tile_from.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.gguf_tile_to.restype = i64
     lib.gguf_tile_to.argtypes = [ctypes.c_int]
+    lib.gguf_tile_bf16.restype = ctypes.c_int
+    lib.gguf_tile_bf16.argtypes = []
     lib.gguf_block_values.restype = i64
     lib.gguf_block_values.argtypes = [ctypes.c_int]
     lib.gguf_block_bytes.restype = i64
@@ -57,6 +59,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [ctypes.c_int, p, i64, i64, ctypes.c_int, p]
     lib.isa = int(lib.gguf_isa())
+    lib.tile_bf16 = bool(lib.gguf_tile_bf16())  # bf16 tiles for bf16 rows (the avx512_bf16 build)
     return lib
 
 
