@@ -379,31 +379,39 @@ def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
                 assert (a - b).abs().max() <= 0.02 * a.abs().max(), (batch, (a - b).abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("m", [1, 5, 64, 65, 200])
-def test_invariant_mode_computes_a_row_the_same_at_any_row_count(lib, m):
+def test_invariant_mode_computes_a_row_the_same_at_any_row_count(lib, m, dtype):
     """gguf_matmul's mode 2 (ScheduleConfig.batchInvariant): a row's products come out with the
-    same bits whatever the call's row count, past the 64 rows where mode 0 switches to its tiles;
-    equal to mode 0's decode-row products at 1 row."""
-    for qtype in (Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+    same bits whatever the call's row count and the row's place in it (every row of 5 and 65
+    checked: the kernel takes rows in blocks of 4, and fp32 shows what bf16 rounding can hide),
+    past the 64 rows where mode 0 switches to its tiles; equal to mode 0's decode-row products at
+    1 row."""
+    for qtype in TYPES:
         k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
         w = torch.from_numpy(random_weight(qtype, 40, k, seed=3))
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
         x[m // 2] = torch.linspace(-2, 2, k)  # the row followed at every count
         tid = gk.TYPES[qtype.name]
-        out = torch.empty(m, 40, dtype=torch.bfloat16)
+        out = torch.empty(m, 40, dtype=dtype)
         gk.matmul(lib, tid, x, w, out, mode=gk.INVARIANT)
-        one = torch.empty(1, 40, dtype=torch.bfloat16)
+        one = torch.empty(1, 40, dtype=dtype)
         gk.matmul(lib, tid, x[m // 2:m // 2 + 1].contiguous(), w, one)
         assert torch.equal(out[m // 2], one[0]), qtype.name
+        for i in (range(m) if m in (5, 65) else ()):
+            gk.matmul(lib, tid, x[i:i + 1].contiguous(), w, one, mode=gk.INVARIANT)
+            assert torch.equal(out[i], one[0]), (qtype.name, i)
 
 
-@pytest.mark.parametrize("setting, bf16, invariant, want", [
-    ("auto", False, True, "native"), ("auto", False, False, "native"),
-    ("auto", True, False, "native"),  # bf16 CPU, one order per row not asked: the tiles from 8 rows
-    # bf16 CPU, batch-invariant: the bf16 tiles at every row count, its native path, lose prompts to bf16
-    ("auto", True, True, "dequantise"),
-    ("native", True, True, "native"), ("dequantise", False, False, "dequantise")])
-def test_auto_resolution(setting, bf16, invariant, want):
+@pytest.mark.parametrize("setting, bf16, invariant, tiles, want", [
+    ("auto", False, True, False, "native"), ("auto", False, False, False, "native"),
+    ("auto", True, False, True, "native"),  # bf16 CPU, one order per row not asked: the tiles from 8 rows
+    # bf16 CPU, batch-invariant: bf16 rows take the bf16 tiles at every row count (a stream 1.26x
+    # faster than the bf16 copies, the file's bytes); fp32 rows would take mode 2's integer
+    # products, 3x slower on prompts
+    ("auto", True, True, True, "native"), ("auto", True, True, False, "dequantise"),
+    ("native", True, True, False, "native"), ("dequantise", False, False, True, "dequantise")])
+def test_auto_resolution(setting, bf16, invariant, tiles, want):
     """``cpuTuning.ggufCompute`` resolved per CPU kind and ScheduleConfig.batchInvariant."""
     import msgspec
 
@@ -412,6 +420,6 @@ def test_auto_resolution(setting, bf16, invariant, want):
     before = settings.engine()
     settings.apply(msgspec.structs.replace(settings.with_cpu(gguf_compute=setting), batch_invariant=invariant))
     try:
-        assert compute(bf16) == want
+        assert compute(bf16, tiles_every_row=tiles) == want
     finally:
         settings.apply(before)

@@ -4,8 +4,9 @@ script: with ``auto`` (the default) on a CPU without native bf16 (emulated here 
 keeps the file's Q4_1/Q8_0 blocks and its fused decode step reads them; its greedy answers are the
 in-process native model's (the same blocks, the same int8 activations); and in batch-invariant
 mode (the CPU default) a question's tokens and log-probabilities are the same alone and asked
-among others while a long prompt arrives (the integer products at every row count). The kernels
-themselves: tests/test_gguf_kernels.py."""
+among others while a long prompt arrives (the integer products at every row count). On a CPU with
+native bf16 the same default keeps the blocks too, computing bf16 rows on the bf16 tiles at every
+row count. The kernels themselves: tests/test_gguf_kernels.py."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -34,6 +35,32 @@ def native_server(tmp_path_factory):
     with demo_server(tmp_path_factory.mktemp("gguf-native"), "", env={"MINDIE_CPU_BF16": "0"},
                      model=DEFAULT_MODEL, schedule={"prefillChunkTokens": 64}) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def bf16_server(tmp_path_factory):
+    """The README's server as it runs on this CPU (no override): on one with avx512_bf16, bf16
+    rows and the bf16 tiles at every row count in batch-invariant mode."""
+    from workers.kernels import gguf_kernels as gk
+    from workers.backends.cpu import native_bf16
+    lib = gk.load()
+    if not native_bf16() or lib is None or not lib.tile_bf16:
+        pytest.skip("needs a CPU with avx512_bf16 (the bf16 tiles)")
+    with demo_server(tmp_path_factory.mktemp("gguf-bf16"), "", model=DEFAULT_MODEL,
+                     schedule={"prefillChunkTokens": 64}) as srv:
+        yield srv
+
+
+def test_auto_keeps_the_blocks_on_a_bf16_cpu_in_batch_invariant_mode(bf16_server):
+    """The default (auto) on a CPU with native bf16, batch-invariant: the file's blocks, bf16
+    tiles at every row count; a question's tokens and log-probabilities are the same alone and
+    among others while a long prompt arrives."""
+    log = bf16_server.tail(2000)
+    assert ("GGUF compute: native (cpuTuning.ggufCompute auto: batch-invariant, bf16 tiles at every row count)"
+            in log), log[-3000:]
+    assert "bf16 dequantised tiles at every row count" in log and "fused decode kernel on" in log, log[-3000:]
+    test_answers_are_the_same_alone_and_in_a_mix(bf16_server)
+    assert "Paris" in "".join(greedy_chat(bf16_server.port, QUESTIONS[0])[0])
 
 
 def test_auto_keeps_the_blocks_where_the_cpu_has_no_native_bf16(native_server):

@@ -49,8 +49,7 @@ from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.default_model import DefaultModelMissing, default_model_file
 from workers.models.lora_adapter import AdapterError, check_adapter
 from workers.models.demo import ensure_demo_model
-from workers.models.gguf_file import GgufError, find_gguf
-from workers.models.gguf_view import ensure_view
+from workers.models.gguf_paths import GgufError, find_gguf
 from workers.supervisor import visibility_env
 
 log = logging.getLogger("workers.prepare")
@@ -119,6 +118,7 @@ def _gguf_view(gguf: Path) -> str:
     directory every process reads as the model's; SystemExit saying why the file cannot be served
     (unreadable, truncated, an unsupported architecture, a tokenizer transformers cannot convert)."""
     try:
+        from workers.models.gguf_view import ensure_view  # reads the file: gguf and numpy, for GGUF files only
         view = ensure_view(gguf)
     except GgufError as e:
         raise SystemExit(f"{WEIGHT_PATH_KEY}: {gguf}: {e}") from None

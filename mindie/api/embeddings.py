@@ -21,11 +21,10 @@ from __future__ import annotations
 import base64
 import time
 from dataclasses import dataclass
-from typing import Any, Container
+from typing import TYPE_CHECKING, Any, Container
 
 import falcon.asgi
 import msgspec
-import numpy as np
 
 from mindie.api.ollama import check_model as ollama_check_model
 from mindie.api.openai import OpenAIResource, _OpenAICodec
@@ -35,6 +34,9 @@ from mindie.contract import wire as P
 from mindie.contract.http_error import ApiError
 from mindie.pipeline import Context, Job, Output, Pipeline, Sub
 from mindie.text.pooling import Pooling
+
+if TYPE_CHECKING:  # numpy is imported by the first answer, not at every front end's start
+    import numpy as np
 
 FORMATS = ("float", "base64")
 
@@ -136,6 +138,8 @@ class EmbeddingsCodec(_OpenAICodec):
     # -- the answer ----------------------------------------------------------------------------
     def vectors(self, job: Job, outs: list[Output]) -> list[np.ndarray]:
         """Each input's vector, truncated to ``dimensions`` and normalised as the model says."""
+        import numpy as np  # the front end's one numpy use besides rerank: imported once, here
+
         dims = job.request.dimensions
         vecs = []
         for o in sorted(outs, key=lambda o: o.index):

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Container
 
 import msgspec
-import numpy as np
 
 from mindie.api.embeddings import _body
 from mindie.api.openai import OpenAIResource, _OpenAICodec
@@ -105,6 +104,8 @@ class _ScoreCodec(_OpenAICodec):
 
     def scores(self, outs: list[Output]) -> list[float]:
         """Each pair's score, in the request's order."""
+        import numpy as np  # imported by the first answer, not at every front end's start
+
         out = []
         for o in sorted(outs, key=lambda o: o.index):
             if not o.embedding:

@@ -64,9 +64,10 @@ class Backend:
         or None (the worker then refuses them at start)."""
         return None
 
-    def gguf_target(self):
+    def gguf_target(self, dtype: torch.dtype = torch.bfloat16):
         """What keeps a GGUF file's linears in their quantised blocks on this device (a
-        workers.backends.gguf_linear.NativeTarget), or None: dequantised at load."""
+        workers.backends.gguf_linear.NativeTarget) computing ``dtype`` rows, or None: dequantised
+        at load."""
         return None
 
     def default_dtype(self) -> torch.dtype:

@@ -132,10 +132,11 @@ class CpuBackend(Backend):
         # the GGUF block kernels over Q8_0 blocks, whatever cpuTuning.ggufCompute says
         return w8a8.target()
 
-    def gguf_target(self):
-        # cpuTuning.ggufCompute: auto (native where this CPU has no native bf16), native or dequantise
+    def gguf_target(self, dtype: torch.dtype = torch.bfloat16):
+        # cpuTuning.ggufCompute: auto (gguf_linear.compute: by the CPU, batchInvariant and the
+        # rows' dtype), native or dequantise
         flags = settings.cpu().native_bf16
-        return native_target(bf16=native_bf16_default(cpu_flags()) if flags is None else flags)
+        return native_target(bf16=native_bf16_default(cpu_flags()) if flags is None else flags, dtype=dtype)
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32

@@ -49,23 +49,24 @@ INT_ROWS = 64
 SCALAR_FLOAT_ROWS = 16
 
 
-def compute(bf16: bool = True) -> str:
+def compute(bf16: bool = True, tiles_every_row: bool = True) -> str:
     """``cpuTuning.ggufCompute`` resolved: native or dequantise (ValueError for anything else).
     ``auto``: native where the CPU has no native bf16 (``bf16`` False: AVX-512 without
     avx512_bf16, AVX2), where the dequantised weights would be computed in fp32 or as bf16 weights
-    under fp32 rows, 2-4x the file's bytes per token; and where it has them (AVX512-BF16, AMX) with
+    under fp32 rows, 2-4x the file's bytes per token; where it has them (AVX512-BF16, AMX) with
     ScheduleConfig.batchInvariant off, where the dequantised tiles (gguf_kernels.c mode 3) tie or
-    beat the bf16 copies from 8 rows and on prompts and the integer products win one row.
-    dequantise on a bf16 CPU in batch-invariant mode (the CPU default): that mode's one native
-    path, the bf16 tiles at every row count, ties the bf16 copies on linear_rows (a stream's
-    decode 1.01-1.07x with the head, batches 0.94-0.99x, prompts 0.89-0.96x on Gemma 3 270M) but
-    does not beat them on prompts; mode 2's integer products win one stream and lose 3x on
+    beat the bf16 copies from 8 rows and on prompts and the integer products win one row; and in
+    batch-invariant mode (the CPU default) where that mode's one path is the bf16 tiles at every
+    row count (``tiles_every_row``: bf16 rows on the avx512_bf16 build): against the bf16 copies
+    on linear_rows a stream decodes 1.26x faster on the default model (even on Gemma 3 270M),
+    prompts take 0.89-0.96x, and the linears keep the file's bytes, not 3.5x them. Otherwise
+    (fp32 rows there) dequantise: mode 2's integer products, that mode's other path, lose 3x on
     prompts (docs/performance.md, "GGUF blocks")."""
     value = settings.cpu().gguf_compute
     if value not in COMPUTES:
         raise ValueError(f"cpuTuning.ggufCompute must be one of {', '.join(COMPUTES)}, got {value!r}")
     if value == "auto":
-        return "dequantise" if bf16 and settings.engine().batch_invariant else "native"
+        return "dequantise" if bf16 and settings.engine().batch_invariant and not tiles_every_row else "native"
     return value
 
 
@@ -206,23 +207,29 @@ class NativeTarget:
     def loaded(self, types: set[str], dtype: torch.dtype = torch.bfloat16) -> None:
         if self.count:
             setting = settings.cpu().gguf_compute
-            why = (": no native bf16 on this CPU" if not self.bf16 else ": ScheduleConfig.batchInvariant off")
+            why = (": no native bf16 on this CPU" if not self.bf16 else
+                   ": batch-invariant, bf16 tiles at every row count" if settings.engine().batch_invariant else
+                   ": ScheduleConfig.batchInvariant off")
             log.info("GGUF compute: native (cpuTuning.ggufCompute %s%s), %d linear layers in their blocks (%s, "
                      "%.1f MiB) on the C kernels (%s): %s", setting, why if setting == "auto" else "", self.count,
                      "/".join(sorted(types)), self.nbytes / 2**20, gk.ISA_NAMES[self.lib.isa],
                      regimes(self.lib, dtype))
 
 
-def native_target(bf16: bool = True) -> NativeTarget | None:
-    """The CPU's target for a GGUF model's linears, or None (``ggufCompute: dequantise``, or no C
-    kernels: the reason logged once)."""
-    if compute(bf16) != "native":
+def native_target(bf16: bool = True, dtype: torch.dtype = torch.bfloat16) -> NativeTarget | None:
+    """The CPU's target for a GGUF model's linears computing ``dtype`` rows, or None
+    (``ggufCompute: dequantise``, or no C kernels: the reason logged once)."""
+    # auto on a bf16 CPU in batch-invariant mode asks the build whether it has bf16 tiles
+    asks = settings.cpu().gguf_compute == "auto" and bf16 and settings.engine().batch_invariant
+    lib = gk.load() if asks and dtype == torch.bfloat16 else None
+    if compute(bf16, tiles_every_row=lib is not None and bool(lib.tile_bf16)) != "native":
         auto = settings.cpu().gguf_compute == "auto"
         log.info("GGUF compute: dequantise (cpuTuning.ggufCompute %s%s): linear weights dequantised at load",
                  settings.cpu().gguf_compute,
-                 ": this CPU computes bf16 natively and the worker runs batch-invariant" if auto else "")
+                 f": this CPU computes bf16 natively and the worker runs batch-invariant with {dtype} rows, "
+                 "whose one native path is the integer products" if auto else "")
         return None
-    lib = gk.load()
+    lib = lib or gk.load()
     if lib is None:
         log.info("GGUF compute: dequantise, as the C kernels are unavailable (%s)", gk.unavailable_reason())
         return None

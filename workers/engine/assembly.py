@@ -42,7 +42,7 @@ from workers.engine.sampler import Sampler
 from workers.engine.tp_group import Group, join
 from workers.engine.watermark import WatermarkConfig
 from workers.models.config import ModelArgs, ModelConfigError
-from workers.models.gguf_file import MARKER as GGUF_MARKER
+from workers.models.gguf_paths import MARKER as GGUF_MARKER
 from workers.models.loader import load_model
 from workers.models.sharding import TensorParallel, plan_shard
 from workers.models.w8a8_config import checkpoint_scheme
@@ -294,7 +294,7 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     # w8a8 of a GGUF file: its blocks on the same kernels, whatever cpuTuning.ggufCompute says
     model, _ = load_model(spec.model_path, dtype, device, max_positions=spec.engine.max_seq_len, args=args, tp=tp,
                           int8=Int8Target(kernel) if kernel is not None else None,
-                          gguf_native=(q8 or backend.gguf_target()) if gguf and kernel is None else None, w8a8=q8)
+                          gguf_native=(q8 or backend.gguf_target(dtype)) if gguf and kernel is None else None, w8a8=q8)
     # before the backend's rewrites: they keep the int8 layers as they are (a GGUF model's were
     # made while its tensors were read)
     if kernel is not None and not getattr(model, "int8_at_load", False):

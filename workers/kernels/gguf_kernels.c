@@ -425,7 +425,10 @@ static inline float hsum8(__m256 v) {
             const float dx_ = dr_[8 * c_]; \
             acc[r + 4 * (c_ & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), \
                 _mm256_set_m128(_mm_set1_ps(a1_ * dx_), _mm_set1_ps(a0_ * dx_)), acc[r + 4 * (c_ & 1)]); \
-            accb[r] += b0_ * sr_[2 * c_] + b1_ * sr_[2 * c_ + 1]; \
+            /* explicit fmaf, not a * b + c * d + e: the compiler contracts that expression \
+             * differently in its copies of this loop (row 0 peeled), and a row's sum then \
+             * depends on its place in the block: batch-invariant mode needs one order */ \
+            accb[r] = fmaf(b1_, sr_[2 * c_ + 1], fmaf(b0_, sr_[2 * c_], accb[r])); \
         } \
     } while (0)
 

@@ -33,7 +33,7 @@ from .config import ModelArgs
 from .deepseek_config import is_mtp_tensor
 from .gpt_oss_config import expert_tensors as gpt_oss_tensors
 from .gemma_config import extra_tensors as gemma_tensors
-from .gguf_file import GgufError, open_gguf, plan_tensors, view_source
+from .gguf_paths import GgufError, view_source
 from .w8a8_config import AUX_SUFFIXES, Int8Tensor, check_scale, checkpoint_scheme
 from .moe_names import NAMES as MOE_NAMES, expected_tensors as moe_tensors
 
@@ -194,6 +194,7 @@ def check_checkpoint(path: str | Path, args: ModelArgs) -> Checkpoint:
     try:
         source = view_source(path)
         if source is not None:
+            from .gguf_file import open_gguf, plan_tensors  # gguf and numpy: only for a GGUF file
             return Checkpoint({source: plan_tensors(open_gguf(source), expected, args.num_hidden_layers)},
                               os.path.getsize(source), gguf=True)
     except GgufError as e:

@@ -38,6 +38,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 from gguf import get_tensor_name_map
 
+from .gguf_paths import GGUF_MAGIC, MARKER, GgufError, file_key, find_gguf, is_gguf_path, view_source  # noqa: F401
 from .gguf_hybrid import HYBRID_ARCHS, hybrid_keys, linear_attn_parts
 from .gguf_moe import MOE_ARCHS, expert_part, moe_keys, mtp_layers
 from .gguf_variant import EXTRA_TENSORS, variant_keys
@@ -45,9 +46,6 @@ from .gemma_chat import END_OF_TURN
 
 __all__ = ["GgufError", "GgufFile", "LOADABLE_TYPES", "MARKER", "SUPPORTED_ARCHS", "TensorRef", "find_gguf",
            "hf_config", "is_gguf_path", "open_gguf", "plan_tensors", "view_source"]
-
-# The model view's record of the file it stands for (workers/models/gguf_view.py writes it).
-MARKER = "mindie_gguf.json"
 
 T = GGMLQuantizationType
 # The tensor types the loader dequantises (gguf.quants.dequantize has every one of them).
@@ -70,39 +68,8 @@ SUPPORTED_ARCHS: dict[str, tuple[str, str]] = {
     # Gated DeltaNet layers beside gated attention, Qwen2-MoE's experts (gguf_hybrid.py)
     **HYBRID_ARCHS,
 }
-GGUF_MAGIC = b"GGUF"
 # Llama 3.1+'s rope scaling, stored as a tensor; read into the config, not loaded as a weight.
 ROPE_FREQS = "rope_freqs.weight"
-
-
-class GgufError(ValueError):
-    """The GGUF file cannot be served; the message says why (the caller names the file/key)."""
-
-
-def is_gguf_path(path: str | os.PathLike[str]) -> bool:
-    """``path`` is a file that starts with the GGUF magic (cheap: 4 bytes)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
-
-
-def find_gguf(path: str | os.PathLike[str]) -> Path | None:
-    """The GGUF file ``path`` (``modelWeightPath``) stands for, or None when it is not one (a
-    Hugging Face folder, or nothing there). A file is taken when its name ends in ``.gguf`` or it
-    starts with the GGUF magic; a folder without config.json holding ``*.gguf`` files must hold
-    exactly one (several: GgufError naming them, so that the operator names the one to serve)."""
-    p = Path(path)
-    if p.is_file():
-        return p if p.suffix.lower() == ".gguf" or is_gguf_path(p) else None
-    if not p.is_dir() or (p / "config.json").is_file():
-        return None
-    found = sorted(f for f in p.iterdir() if f.suffix.lower() == ".gguf" and f.is_file())
-    if len(found) > 1:
-        raise GgufError(f"holds {len(found)} GGUF files ({', '.join(f.name for f in found)}): set modelWeightPath to "
-                        "the one to serve")
-    return found[0] if found else None
 
 
 class _HeaderReader(GGUFReader):
@@ -538,28 +505,3 @@ def _names(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def file_key(path: Path) -> dict[str, Any]:
-    """What identifies the file a view was made from: its path, size and modification time."""
-    st = path.stat()
-    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def view_source(model_dir: str | os.PathLike[str]) -> Path | None:
-    """The GGUF file behind the model view ``model_dir`` (None: not a view, an ordinary Hugging
-    Face folder); GgufError when the file is gone or changed since the view was made."""
-    marker = Path(model_dir) / MARKER
-    if not marker.is_file():
-        return None
-    try:
-        rec = json.loads(marker.read_text(encoding="utf-8"))
-        path = Path(rec["gguf"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise GgufError(f"{marker}: unreadable ({e})") from None
-    try:
-        now = file_key(path)
-    except OSError as e:
-        raise GgufError(f"{path} (the GGUF file of {model_dir}): {e}") from None
-    if (now["size"], now["mtime_ns"]) != (rec.get("size"), rec.get("mtime_ns")):
-        raise GgufError(f"{path} changed since its model view {model_dir} was made (size or modification time): "
-                        "restart the server to read it again")
-    return path

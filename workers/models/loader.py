@@ -11,21 +11,23 @@ import math
 import logging
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from safetensors import safe_open
 
 from .checkpoint import ModelLoadError, check_checkpoint, expected_tensors, safetensors_files
 from .config import ModelArgs, ModelConfigError
-from .gguf_file import GgufError, open_gguf
-from .gguf_loader import GgufTarget, Int8Target, load_gguf
+from .gguf_paths import GgufError
 from . import deepseek, gemma, gemma4, glm4_moe, gpt_oss, qwen3_next, variant
 from .llama import DecoderLM
 from .moe import SparseMoE, slots as moe_slots
 from .moe_names import NAMES as MOE_NAMES
 from .sharding import WORLD_SIZE_KEY, Shard, TensorParallel
 from .w8a8 import load_int8_linears
+
+if TYPE_CHECKING:  # gguf_loader imports gguf and numpy: only a GGUF model's load pays for them
+    from .gguf_loader import GgufTarget, Int8Target
 
 __all__ = ["load_model", "ModelConfigError", "ModelLoadError", "parameter_bytes", "safetensors_files"]
 
@@ -220,6 +222,8 @@ def load_model(
                                "GGUF file; use worldSize 1 or its safetensors checkpoint")
     if checkpoint.gguf:
         (file, entries), = checkpoint.files.items()
+        from .gguf_file import open_gguf
+        from .gguf_loader import load_gguf
         try:
             load_gguf(model, slots, open_gguf(file), entries, shard=shard, int8=int8,
                       native=gguf_native if device.type == "cpu" else None)
