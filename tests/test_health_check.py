@@ -396,9 +396,9 @@ def _stop_service_then_probes_fail_and_prestop_drains(srv: Server, env: dict) ->
 
 def test_prestop_drains_in_flight_requests_and_leaves_nothing(split) -> None:
     """The Kubernetes preStop hook alone: it returns 0 only once the request in flight finished
-    and every process of the server has exited. On the module's server, which it stops: the last
-    test of this file to use it (a start of its own cost a start; the tests above left it serving,
-    as wait_ready confirms)."""
+    and every process of the server has exited. On the module's server (not a start of its own),
+    which it stops: it is the last test of this file to use it, and the tests above leave it
+    serving, as wait_ready confirms."""
     srv = split
     try:
         srv.wait_ready(60)
