@@ -166,7 +166,14 @@ def test_probes_say_starting_then_one_ready_line_and_a_quiet_stop(tmp_path, demo
             time.sleep(0.01)
         held = int(m.group(1))
         os.kill(held, signal.SIGSTOP)
-        while "device worker w0 ready" not in srv.tail(100000):
+
+        def seen_by_both(worker: str) -> bool:
+            # Each front end logs "device worker wN ready" once it knows (its own link to the
+            # worker): until both did, the one that answers may not know yet.
+            return len(set(re.findall(rf"\[frontend pid (\d+)\] \S+: device worker {worker} ready$",
+                                      srv.tail(100000), re.M))) == 2
+
+        while not seen_by_both("w0"):
             assert time.monotonic() < deadline and srv.proc.poll() is None, srv.tail(3000)
             time.sleep(0.1)
         assert "device worker w1 ready" not in srv.tail(100000), "w1 was ready before it could be held"
@@ -178,6 +185,10 @@ def test_probes_say_starting_then_one_ready_line_and_a_quiet_stop(tmp_path, demo
         assert "mindie-py ready:" not in srv.tail(100000), "a ready line with one of two workers ready"
         os.kill(held, signal.SIGCONT)
         held = None
+        deadline = time.monotonic() + 60
+        while not seen_by_both("w1"):
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.tail(3000)
+            time.sleep(0.1)
         srv.wait_ready(60)
         for path in ("/health", "/v2/health/ready", "/v2/health/live"):
             assert httpx.get(mgmt + path, timeout=10).status_code == 200, f"{path}: not 200 with both workers ready"
