@@ -6,7 +6,7 @@ Exit statuses (mindie/ops/probe.py): 0 healthy, 1 unhealthy, 2 usage/config, 3 n
 4 timeout, 5 TLS error, 6 starting, 7 stopped, 8 busy.
 
 Needs the management routes /health/timed-N and /stopService (MindIE semantics, mindie.md
-§2.3): test_timed_probe_runs_an_inference, test_stop_service_then_probes_fail_and_prestop_drains
+§2.3): test_timed_probe_runs_an_inference, test_https_and_mutual_tls_then_stop_service_and_prestop
 and test_prestop_drains_in_flight_requests_and_leaves_nothing fail until they exist.
 """
 from __future__ import annotations
@@ -323,17 +323,6 @@ def test_the_address_the_launcher_would_bind(tmp_path) -> None:
 
 
 # -- drain ---------------------------------------------------------------------------------------
-def _start(tmp: Path, demo_model: str) -> Server:
-    tmp.mkdir(parents=True, exist_ok=True)
-    port, mport = free_ports(2)
-    cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model, workers=1,
-                       server={"managementIpAddress": "127.0.0.2", "managementPort": mport,
-                               "metricsPort": free_port()})
-    srv = Server(cfg, port, health_url=f"http://127.0.0.2:{mport}/health")
-    srv.cfg, srv.mport = cfg, mport
-    return srv
-
-
 class Streaming(threading.Thread):
     """A streaming request in flight: ``started`` once its first frame arrived."""
 
@@ -347,7 +336,8 @@ class Streaming(threading.Thread):
         body = {"input_id": [5618, 19678, 701], "stream": True,
                 "parameters": {"max_new_tokens": self.tokens, "details": True}}
         try:
-            with httpx.stream("POST", self.srv.url + "/infer_token", json=body, timeout=120) as r:
+            with httpx.stream("POST", self.srv.url + "/infer_token", json=body, timeout=120,
+                              verify=self.srv.tls or True) as r:
                 self.status = r.status_code
                 for chunk in r.iter_bytes():
                     self.body += chunk
@@ -366,55 +356,52 @@ def _all_gone(srv: Server, pids: list[int], timeout: float = 40) -> None:
         {p: r for p, r in process_roles(srv.proc.pid).items()}, srv.tail())
 
 
-def test_stop_service_then_probes_fail_and_prestop_drains(tmp_path, demo_model) -> None:
+def _stop_service_then_probes_fail_and_prestop_drains(srv: Server, env: dict) -> None:
     """GET /stopService (it answers once the in-flight request finished, then the server exits);
-    the probes fail from then on; prestop.sh after it exits 0 and nothing is left."""
-    srv = _start(tmp_path / "a", demo_model)
-    try:
-        first = check(srv.cfg, "readiness")  # right after the launch: not ready yet
-        assert first.rc in (probe.NOT_RUNNING, probe.STARTING), first
-        srv.wait_ready()
-        pids = list(process_roles(srv.proc.pid))
-        req = Streaming(srv)
-        req.start()
-        assert req.started.wait(60) and req.error is None, req.error
-        stop_answer = {}
+    the probes fail from then on; prestop.sh after it exits 0 and nothing is left. ``env``: the
+    probes' client identity (mutual TLS)."""
+    pids = list(process_roles(srv.proc.pid))
+    req = Streaming(srv)
+    req.start()
+    assert req.started.wait(60) and req.error is None, req.error
+    stop_answer = {}
 
-        def stop_service():
-            try:
-                stop_answer["r"] = httpx.get(f"http://127.0.0.2:{srv.mport}/stopService", timeout=120)
-            except httpx.HTTPError as e:
-                stop_answer["r"] = e
+    def stop_service():
+        try:
+            stop_answer["r"] = httpx.get(srv.health_url.replace("/health", "/stopService"), timeout=120,
+                                         verify=srv.tls or True)
+        except httpx.HTTPError as e:
+            stop_answer["r"] = e
 
-        stopper = threading.Thread(target=stop_service, daemon=True)
-        stopper.start()
-        # Draining once /stopService has arrived (later on a loaded machine): not ready (503
-        # "stopped" from /v2/health/ready, or gone already).
-        r = poll(lambda: check(srv.cfg, "readiness"), lambda r: r.rc != 0, timeout=20)
-        assert r.rc in (probe.STOPPED, probe.STARTING, probe.NOT_RUNNING), r
-        one_line(r)
-        stopper.join(120)
-        req.join(120)
-        assert isinstance(stop_answer.get("r"), httpx.Response) and stop_answer["r"].status_code == 200, stop_answer
-        # The in-flight request finished normally before the answer.
-        assert req.status == 200 and req.error is None, (req.status, req.error)
-        assert req.frames()[-1]["details"]["finish_reason"] in ("length", "eos_token", "stop"), req.body[-300:]
-        r = run_script(PRESTOP, "--config", str(srv.cfg), "--wait", "60")
-        assert r.rc == 0 and r.line.startswith("drained: "), r
-        one_line(r)
-        _all_gone(srv, pids)
-        r = check(srv.cfg, "readiness")
-        assert r.rc == probe.NOT_RUNNING and "connection refused" in r.line, r
-    finally:
-        srv.stop()
+    stopper = threading.Thread(target=stop_service, daemon=True)
+    stopper.start()
+    # Draining once /stopService has arrived (later on a loaded machine): not ready (503
+    # "stopped" from /v2/health/ready, or gone already).
+    r = poll(lambda: check(srv.cfg, "readiness", env=env), lambda r: r.rc != 0, timeout=20)
+    assert r.rc in (probe.STOPPED, probe.STARTING, probe.NOT_RUNNING), f"ready while draining: {r}"
+    one_line(r)
+    stopper.join(120)
+    req.join(120)
+    assert isinstance(stop_answer.get("r"), httpx.Response) and stop_answer["r"].status_code == 200, stop_answer
+    # The in-flight request finished normally before the answer.
+    assert req.status == 200 and req.error is None, (req.status, req.error)
+    assert req.frames()[-1]["details"]["finish_reason"] in ("length", "eos_token", "stop"), req.body[-300:]
+    r = run_script(PRESTOP, "--config", str(srv.cfg), "--wait", "60", env=env)
+    assert r.rc == 0 and r.line.startswith("drained: "), f"prestop after /stopService: {r}"
+    one_line(r)
+    _all_gone(srv, pids)
+    r = check(srv.cfg, "readiness", env=env)
+    assert r.rc == probe.NOT_RUNNING and "connection refused" in r.line, r
 
 
-def test_prestop_drains_in_flight_requests_and_leaves_nothing(tmp_path, demo_model) -> None:
+def test_prestop_drains_in_flight_requests_and_leaves_nothing(split) -> None:
     """The Kubernetes preStop hook alone: it returns 0 only once the request in flight finished
-    and every process of the server has exited."""
-    srv = _start(tmp_path / "b", demo_model)
+    and every process of the server has exited. On the module's server (not a start of its own),
+    which it stops: it is the last test of this file to use it, and the tests above leave it
+    serving, as wait_ready confirms."""
+    srv = split
     try:
-        srv.wait_ready()
+        srv.wait_ready(60)
         pids = list(process_roles(srv.proc.pid))
         req = Streaming(srv)
         req.start()
@@ -433,7 +420,12 @@ def test_prestop_drains_in_flight_requests_and_leaves_nothing(tmp_path, demo_mod
 
 
 # -- HTTPS, mutual TLS -----------------------------------------------------------------------------
-def test_https_and_mutual_tls(tmp_path, demo_model) -> None:
+def test_https_and_mutual_tls_then_stop_service_and_prestop(tmp_path, demo_model) -> None:
+    """The probes over mutual TLS: right after the launch not ready, then healthy with a client
+    certificate and refused without one, with a stranger's, a revoked one, against another CA or
+    another name. Then, on the same server, GET /stopService with a request in flight: the probes
+    fail from then on and prestop.sh after it exits 0 with nothing left (one start for what were
+    test_https_and_mutual_tls and test_stop_service_then_probes_fail_and_prestop_drains)."""
     pki = Pki(tmp_path / "pki")
     port, mport, xport = free_ports(3)
     cfg = write_config(pki.root / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
@@ -443,9 +435,12 @@ def test_https_and_mutual_tls(tmp_path, demo_model) -> None:
     ctx = ssl.create_default_context(cafile=str(pki.root / "security/ca/ca.pem"))
     ctx.load_cert_chain(client_cert, client_key)
     srv = Server(cfg, port, tls=ctx, health_url=f"https://127.0.0.2:{mport}/health")
+    srv.cfg = cfg
+    env = {"MINDIE_PROBE_CERT": client_cert, "MINDIE_PROBE_KEY": client_key}
     try:
+        first = check(cfg, "readiness", env=env)  # right after the launch: not ready yet
+        assert first.rc in (probe.NOT_RUNNING, probe.STARTING), first
         srv.wait_ready()
-        env = {"MINDIE_PROBE_CERT": client_cert, "MINDIE_PROBE_KEY": client_key}
         r = check(cfg, "readiness", env=env)
         assert r.rc == 0 and r.line.startswith(f"healthy: 200 from https://127.0.0.2:{mport}/v2/health/ready"), r
         r = check(cfg, "--cert", client_cert, "--key", client_key, "liveness")
@@ -474,6 +469,7 @@ def test_https_and_mutual_tls(tmp_path, demo_model) -> None:
         # Plain HTTP config against the TLS port: no HTTP answer, not healthy.
         plain = _cfg(tmp_path, mport)
         assert check(plain, "--timeout", "3", "readiness").rc not in (0, probe.NOT_RUNNING)
+        _stop_service_then_probes_fail_and_prestop_drains(srv, env)
     finally:
         assert srv.stop() == 0, srv.tail()
 

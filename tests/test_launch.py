@@ -69,11 +69,14 @@ def test_a_moved_plane_out_of_range_names_the_key_and_the_variable():
 
 
 def test_two_servers_started_with_only_p_run_side_by_side(tmp_path):
-    """The README's case: no config file, two servers, only -p differs."""
+    """The README's case: no config file, two servers, only -p differs. Both serve the demo model
+    (--demo-model, the same flag for both): what lets them run side by side is the planes and the
+    per-port run directories -p moves, not the model, and the default model's start without a
+    config file (ten times the demo model's load) is tests/test_step_width.py's."""
     a, b = free_triple(), None
     while b is None or abs(b - a) < 3:
         b = free_triple()
-    servers = [Server(None, base, frontends=1, args=["-p", str(base)], env={"MINDIE_RUN_DIR": ""},
+    servers = [Server(None, base, frontends=1, args=["-p", str(base), "--demo-model"], env={"MINDIE_RUN_DIR": ""},
                       health_url=f"http://127.0.0.2:{base + 1}/health") for base in (a, b)]
     try:
         for s in servers:
@@ -139,52 +142,21 @@ def test_sighup_reloads_the_front_ends_however_the_server_was_started(tmp_path, 
 
 
 # -- output -----------------------------------------------------------------------------------------
-def test_one_ready_line_and_a_quiet_stop(tmp_path, demo_model):
-    """Two workers, two front ends: the ready line comes once, after both workers are ready, with
-    every plane's URL; gunicorn's listen line names the planes; a clean stop logs no error."""
+def test_probes_say_starting_then_one_ready_line_and_a_quiet_stop(tmp_path, demo_model):
+    """Two workers, two front ends. One worker ready, the other still loading (held here with
+    SIGSTOP): the probes answer 503 "starting" (an orchestrator must not count the server up at
+    half its capacity), requests are served by the ready worker meanwhile, and no ready line is
+    logged. Once the other worker is ready, the probes answer 200 and the ready line comes once,
+    after both workers said ready, with every plane's URL and "2 of 2"; gunicorn's listen lines
+    name the business plane; a clean stop logs no error and leaves nothing. (One start for what
+    were test_probes_say_starting_until_every_worker_is_ready and test_one_ready_line_and_a_quiet_stop.)"""
+    import re
     base = free_triple()
     run_dir = short_run_dir()
     cfg = write_config(tmp_path / "config.json", port=base, run_dir=run_dir, workers=2,
                        model_path=demo_model,
                        server={"managementPort": base + 1, "metricsPort": base + 2, "managementIpAddress": "127.0.0.1"})
     srv = Server(cfg, base, frontends=2, health_url=f"http://127.0.0.1:{base + 1}/health")
-    try:
-        srv.wait_ready(120)
-        deadline = time.monotonic() + 30
-        while "mindie-py ready:" not in srv.tail(400) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        pids = descendants(srv.proc.pid)
-    finally:
-        code = srv.stop()
-    log = srv.log_path.read_text()
-    ready = [ln for ln in log.splitlines() if "mindie-py ready:" in ln]
-    assert len(ready) == 1, ready
-    line = ready[0]
-    for want in (f"business http://127.0.0.1:{base}", f"management http://127.0.0.1:{base + 1}",
-                 f"metrics http://127.0.0.1:{base + 2}", "model demo", "2 of 2 device workers ready", "2 front ends"):
-        assert want in line, (want, line)
-    # after both workers said ready
-    assert log.index(line) > max(log.index("worker w0 ready"), log.index("worker w1 ready"))
-    listen = [ln for ln in log.splitlines() if "Listening at:" in ln]
-    assert listen and all(f"http://127.0.0.1:{base}" in ln for ln in listen), listen
-    assert code == 0
-    for noise in ("Error while closing socket", "Traceback", "[ERROR]", " ERROR "):
-        assert noise not in log, noise
-    assert not [p for p in pids if alive(p)]
-    assert leftovers(run_dir) == []
-
-
-def test_probes_say_starting_until_every_worker_is_ready(tmp_path, demo_model):
-    """One of two workers ready, the other still loading (held here with SIGSTOP): the probes
-    answer 503 "starting" (an orchestrator must not count the server up at half its capacity),
-    requests are served by the ready worker meanwhile, and no ready line is logged; once the other
-    worker is ready, the probes answer 200 and the ready line says 2 of 2."""
-    import re
-    base = free_triple()
-    cfg = write_config(tmp_path / "config.json", port=base, run_dir=short_run_dir(), workers=2,
-                       model_path=demo_model,
-                       server={"managementPort": base + 1, "metricsPort": base + 2, "managementIpAddress": "127.0.0.1"})
-    srv = Server(cfg, base, frontends=1, health_url=f"http://127.0.0.1:{base + 1}/health")
     mgmt = f"http://127.0.0.1:{base + 1}"
     held = None
     try:
@@ -194,26 +166,53 @@ def test_probes_say_starting_until_every_worker_is_ready(tmp_path, demo_model):
             time.sleep(0.01)
         held = int(m.group(1))
         os.kill(held, signal.SIGSTOP)
-        while "device worker w0 ready" not in srv.tail(100000):
+
+        def seen_by_both(worker: str) -> bool:
+            # Each front end logs "device worker wN ready" once it knows (its own link to the
+            # worker): until both did, the one that answers may not know yet.
+            return len(set(re.findall(rf"\[frontend pid (\d+)\] \S+: device worker {worker} ready$",
+                                      srv.tail(100000), re.M))) == 2
+
+        while not seen_by_both("w0"):
             assert time.monotonic() < deadline and srv.proc.poll() is None, srv.tail(3000)
             time.sleep(0.1)
         assert "device worker w1 ready" not in srv.tail(100000), "w1 was ready before it could be held"
         for path in ("/health", "/v2/health/ready", "/v2/health/live", "/health/timed-5"):
-            assert httpx.get(mgmt + path, timeout=10).status_code == 503, path
+            assert httpx.get(mgmt + path, timeout=10).status_code == 503, f"{path}: not 503 with w1 still loading"
         r = httpx.post(srv.url + "/infer_token", json={"input_id": [5, 6, 7], "stream": False,
                                                        "parameters": {"max_new_tokens": 4}}, timeout=60)
-        assert r.status_code == 200, r.text
-        assert "mindie-py ready:" not in srv.tail(100000)
+        assert r.status_code == 200, f"not served by the ready worker while the other loads: {r.text}"
+        assert "mindie-py ready:" not in srv.tail(100000), "a ready line with one of two workers ready"
         os.kill(held, signal.SIGCONT)
         held = None
+        deadline = time.monotonic() + 60
+        while not seen_by_both("w1"):
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.tail(3000)
+            time.sleep(0.1)
         srv.wait_ready(60)
         for path in ("/health", "/v2/health/ready", "/v2/health/live"):
-            assert httpx.get(mgmt + path, timeout=10).status_code == 200, path
-        deadline = time.monotonic() + 10
+            assert httpx.get(mgmt + path, timeout=10).status_code == 200, f"{path}: not 200 with both workers ready"
+        deadline = time.monotonic() + 30
         while "mindie-py ready:" not in srv.tail(100000) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "2 of 2 device workers ready" in srv.tail(100000)
+        pids = descendants(srv.proc.pid)
     finally:
         if held is not None:
             os.kill(held, signal.SIGCONT)
-        srv.stop()
+        code = srv.stop()
+    log = srv.log_path.read_text()
+    ready = [ln for ln in log.splitlines() if "mindie-py ready:" in ln]
+    assert len(ready) == 1, f"not one ready line: {ready}"
+    line = ready[0]
+    for want in (f"business http://127.0.0.1:{base}", f"management http://127.0.0.1:{base + 1}",
+                 f"metrics http://127.0.0.1:{base + 2}", "model demo", "2 of 2 device workers ready", "2 front ends"):
+        assert want in line, (want, line)
+    # after both workers said ready
+    assert log.index(line) > max(log.index("worker w0 ready"), log.index("worker w1 ready")), "ready line too early"
+    listen = [ln for ln in log.splitlines() if "Listening at:" in ln]
+    assert listen and all(f"http://127.0.0.1:{base}" in ln for ln in listen), listen
+    assert code == 0, log[-3000:]
+    for noise in ("Error while closing socket", "Traceback", "[ERROR]", " ERROR "):
+        assert noise not in log, (noise, log[-3000:])
+    assert not [p for p in pids if alive(p)], "a process outlived the stop"
+    assert leftovers(run_dir) == []

@@ -28,7 +28,8 @@ KILLS = {
     "supervisor": (137, [SUP_KILLED]),
     "master": (137, [MASTER_KILLED]),
     "supervisor+master": (137, [SUP_KILLED, MASTER_KILLED]),  # the issue's drill
-    "launcher": (None, []),
+    # "launcher" alone: test_start_after_a_crash_cleans_up_and_stop_leaves_nothing (its crash is that
+    # test's first half, and the next start on the run dir it leaves its second)
     "launcher+master": (None, []),  # the front ends must stop on their own: nobody else is left
 }
 
@@ -132,26 +133,33 @@ def test_lock_file_never_locks_an_unlinked_file(tmp_path):
 
 
 # -- kill -9 of each process of a real server -------------------------------------------------------
+def _kill_9(srv: Server, victims: str) -> tuple[int, dict[str, int]]:
+    """kill -9 of ``victims`` ("+"-joined roles) of a ready server with two front ends and one
+    worker: every process of it is gone within a few seconds. Returns the launcher's status and
+    the pid of each role."""
+    srv.wait_ready()
+    roles = process_roles(srv.proc.pid)
+    assert sorted(roles.values()) == ["frontend", "frontend", "master", "supervisor", "worker"], roles
+    pid_of = {r: p for p, r in roles.items()}
+    pid_of["launcher"] = srv.proc.pid
+    everything = [srv.proc.pid, *roles]
+    for role in victims.split("+"):
+        os.kill(pid_of[role], signal.SIGKILL)
+    elapsed = wait_gone(everything, 20)
+    left = {p: roles.get(p, "launcher") for p in everything if alive(p)}
+    assert elapsed is not None, f"still running: {left}\n{srv.tail()}"
+    # "Within a few seconds": the launcher drains the front ends first, which end their requests
+    # (none here) and stop at once.
+    assert elapsed < 8, elapsed
+    return srv.proc.wait(5), pid_of
+
+
 @pytest.mark.parametrize("victims", list(KILLS))
 def test_kill_9_leaves_no_process(tmp_path, demo_model, victims):
     srv, run_dir = _start(tmp_path, demo_model)
     try:
-        srv.wait_ready()
-        roles = process_roles(srv.proc.pid)
-        assert sorted(roles.values()) == ["frontend", "frontend", "master", "supervisor", "worker"], roles
-        pid_of = {r: p for p, r in roles.items()}
-        pid_of["launcher"] = srv.proc.pid
-        everything = [srv.proc.pid, *roles]
-        for role in victims.split("+"):
-            os.kill(pid_of[role], signal.SIGKILL)
-        elapsed = wait_gone(everything, 20)
-        left = {p: roles.get(p, "launcher") for p in everything if alive(p)}
-        assert elapsed is not None, f"still running: {left}\n{srv.tail()}"
-        # "Within a few seconds": the launcher drains the front ends first, which end their requests
-        # (none here) and stop at once.
-        assert elapsed < 8, elapsed
+        status, pid_of = _kill_9(srv, victims)
         code, messages = KILLS[victims]
-        status = srv.proc.wait(5)
     finally:
         srv.stop()
     log = srv.log_path.read_text()
@@ -201,14 +209,21 @@ def test_kill_9_of_a_front_end_and_a_worker_replaces_them_and_stop_leaves_nothin
 
 
 def test_start_after_a_crash_cleans_up_and_stop_leaves_nothing(tmp_path, demo_model):
-    srv, run_dir = _start(tmp_path / "a", demo_model, frontends=1)
-    srv.wait_ready()
-    everything = [srv.proc.pid, *process_roles(srv.proc.pid)]
-    os.kill(srv.proc.pid, signal.SIGKILL)
-    assert wait_gone(everything, 20) is not None
-    srv.stop()
+    """kill -9 of the launcher leaves no process but its run directory as it was (nobody is left
+    to clean it); the next start on that run directory removes the stale state and serves; while
+    it runs, a second server on its run directory or its port is refused and changes nothing of
+    it; /stopService's stop then leaves the run directory empty. (One crash and one restart for
+    what were three tests of a start each: test_kill_9_leaves_no_process[launcher] and
+    test_a_second_server_on_the_same_run_dir_or_port_is_refused are its first and middle parts.)"""
+    srv, run_dir = _start(tmp_path / "a", demo_model)
+    try:
+        status, _ = _kill_9(srv, "launcher")
+    finally:
+        srv.stop()
+    assert status == -signal.SIGKILL, srv.tail()
     stale = lifecycle.leftovers(run_dir)
-    assert "server.lock" in stale and "deployment.json" in stale
+    # Nobody was left to clean up: the next start does.
+    assert "server.lock" in stale and "deployment.json" in stale, stale
 
     # Same run dir: the stale state is removed (and said so), the server serves.
     srv2, _ = _start(tmp_path / "b", demo_model, run_dir=run_dir, frontends=1)
@@ -216,6 +231,7 @@ def test_start_after_a_crash_cleans_up_and_stop_leaves_nothing(tmp_path, demo_mo
         srv2.wait_ready()
         assert _serves(srv2)
         assert "removed what a server that stopped uncleanly left in" in srv2.tail(200)
+        _second_server_is_refused(tmp_path, demo_model, srv2, run_dir)
         everything = [srv2.proc.pid, *process_roles(srv2.proc.pid)]
         # What /stopService calls: the launcher stops everything and cleans the run dir.
         assert lifecycle.request_stop(run_dir) == srv2.proc.pid
@@ -229,31 +245,29 @@ def test_start_after_a_crash_cleans_up_and_stop_leaves_nothing(tmp_path, demo_mo
         lifecycle.request_stop(run_dir)
 
 
-def test_a_second_server_on_the_same_run_dir_or_port_is_refused(tmp_path, demo_model):
-    srv, run_dir = _start(tmp_path / "a", demo_model, frontends=1)
-    try:
-        srv.wait_ready()
-        deadline = time.monotonic() + 30  # the ready line's file comes just after /health says 200
-        while not os.path.exists(os.path.join(run_dir, "ready.announced")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        state = {n: os.stat(os.path.join(run_dir, n)).st_ino for n in os.listdir(run_dir)}
-        plan = Path(run_dir, "deployment.json").read_bytes()
-        # Same run dir (the default run dir is per port, so also "same port, default run dir").
-        same_dir, _ = _start(tmp_path / "b", demo_model, run_dir=run_dir, port=srv.port)
-        assert same_dir.proc.wait(30) == 2
-        same_dir.stop()
-        assert f"{run_dir} is in use by a running server (launcher pid {srv.proc.pid})" in \
-            same_dir.log_path.read_text()
-        # Same port, another run dir: gunicorn refuses the port (reuse_port would share it).
-        same_port, other_dir = _start(tmp_path / "c", demo_model, port=srv.port)
-        assert same_port.proc.wait(60) == 1
-        same_port.stop()
-        assert "is already in use (another server?)" in same_port.log_path.read_text()
-        assert lifecycle.leftovers(other_dir) == []
-        # The first server's state is untouched and it still serves.
-        assert {n: os.stat(os.path.join(run_dir, n)).st_ino for n in os.listdir(run_dir)} == state
-        assert Path(run_dir, "deployment.json").read_bytes() == plan
-        assert _serves(srv)
-    finally:
-        assert srv.stop() == 0
-    assert lifecycle.leftovers(run_dir) == []
+def _second_server_is_refused(tmp_path: Path, demo_model: str, srv: Server, run_dir: str) -> None:
+    """A second server on ``srv``'s run directory, then on its port: each refused, the first
+    server's files (inode by inode) and plan unchanged, and it still serves."""
+    deadline = time.monotonic() + 30  # the ready line's file comes just after /health says 200
+    while not os.path.exists(os.path.join(run_dir, "ready.announced")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = {n: os.stat(os.path.join(run_dir, n)).st_ino for n in os.listdir(run_dir)}
+    plan = Path(run_dir, "deployment.json").read_bytes()
+    # Same run dir (the default run dir is per port, so also "same port, default run dir").
+    same_dir, _ = _start(tmp_path / "c", demo_model, run_dir=run_dir, port=srv.port)
+    assert same_dir.proc.wait(30) == 2, same_dir.tail()
+    same_dir.stop()
+    assert f"{run_dir} is in use by a running server (launcher pid {srv.proc.pid})" in \
+        same_dir.log_path.read_text(), "second server on the same run dir: not refused as in use"
+    # Same port, another run dir: gunicorn refuses the port (reuse_port would share it).
+    same_port, other_dir = _start(tmp_path / "d", demo_model, port=srv.port)
+    assert same_port.proc.wait(60) == 1, same_port.tail()
+    same_port.stop()
+    assert "is already in use (another server?)" in same_port.log_path.read_text(), \
+        "second server on the same port: not refused as in use"
+    assert lifecycle.leftovers(other_dir) == []
+    # The first server's state is untouched and it still serves.
+    assert {n: os.stat(os.path.join(run_dir, n)).st_ino for n in os.listdir(run_dir)} == state, \
+        "a refused second server changed the first one's run dir"
+    assert Path(run_dir, "deployment.json").read_bytes() == plan
+    assert _serves(srv), "the first server stopped serving after a second one was refused"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -335,22 +336,26 @@ def test_responses_store_path_key(tmp_path):
 
 def test_a_stored_response_survives_a_restart(smol, tmp_path):
     """ServerConfig.responsesStorePath names the store: a response stored by one server is read,
-    continued and deleted by the next server started on that directory."""
-    store = tmp_path / "store"
-    for d in ("a", "b"):
-        (tmp_path / d).mkdir()
+    continued and deleted, after that server stopped, by another server on that directory. The
+    other server is the shared one (its store is <runDir>/responses, the default): the first one
+    is told that directory, so one start of the default model does what two did; what a restart
+    needs of the store (nothing in memory: every read is of the directory) is what the other
+    server relies on here."""
+    config = json.loads((smol.log_path.parent / "config.json").read_text())
+    store = Path(config["ServerConfig"]["runDir"]) / "responses"
+    (tmp_path / "a").mkdir()
     with demo_server(tmp_path / "a", "", model=DEFAULT_MODEL, server={"responsesStorePath": str(store)}) as a:
         first = _with_client(a).oai.responses.create(model=MODEL, input="What is the capital of France?",
                                                      max_output_tokens=12, temperature=0)
-    assert (store / f"{first.id}.json").is_file()
-    with demo_server(tmp_path / "b", "", model=DEFAULT_MODEL, server={"responsesStorePath": str(store)}) as b:
-        oai = _with_client(b).oai
-        assert oai.responses.retrieve(first.id).output_text == first.output_text
-        nxt = oai.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
-                                   max_output_tokens=12, temperature=0, store=False)
-        chat = smol.oai.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
-            {"role": "user", "content": "What is the capital of France?"},
-            {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And of Italy?"}])
-        assert nxt.output_text == chat.choices[0].message.content
-        oai.responses.delete(first.id)
-        assert not (store / f"{first.id}.json").exists()
+    assert (store / f"{first.id}.json").is_file(), "not stored where responsesStorePath says"
+    assert a.proc.returncode == 0, a.tail()
+    oai = smol.oai
+    assert oai.responses.retrieve(first.id).output_text == first.output_text
+    nxt = oai.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
+                               max_output_tokens=12, temperature=0, store=False)
+    chat = oai.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And of Italy?"}])
+    assert nxt.output_text == chat.choices[0].message.content
+    oai.responses.delete(first.id)
+    assert not (store / f"{first.id}.json").exists()
