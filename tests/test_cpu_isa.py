@@ -81,10 +81,52 @@ def test_bf16_tiles_follow_the_kernels(monkeypatch):
     assert cpu_backend.bf16_tiles() is False
 
 
-def _zmm_instructions(lib: Path) -> int:
+def _count(lib: Path, mnemonic: str) -> int:
+    """Lines of the library's disassembly that name ``mnemonic`` (an instruction or a register)."""
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
                          timeout=120).stdout
-    return sum(1 for line in out.splitlines() if "%zmm" in line)
+    return sum(1 for line in out.splitlines() if mnemonic in line)
+
+
+def _zmm_instructions(lib: Path) -> int:
+    return _count(lib, "%zmm")
+
+
+# The kernel tests that run the build's own code paths, and not the ones whose code is the same in
+# every build (deselected by -k on a rerun; they run on the native build in the suite):
+# - the SDPA route (cpuTuning.prefillAttention sdpa): its prompt chunks go through torch's SDPA, and
+#   with a sliding window through the same kernel call, on the same inputs, as the kernels route;
+# - head size 320: beyond the kernels, the whole attention object is torch's (decided in Python);
+# - prompt chunks over fp16 caches or of head size 80: the prefill kernel never sees them (decided
+#   in Python from the cache's dtype and head size); their 1-token decode entry is the decode
+#   kernel's, which test_decode_matches_portable runs in every dtype and head size;
+# - the every-row metadata, the route key, the shape guard: Python and torch only.
+# That leaves the decode and prefill kernels (every layout they take or refuse themselves), the
+# norms, rope and SwiGLU, the fused decode step, the products and batch invariance.
+BUILD_INDEPENDENT = ("not sdpa and not (decode_matches_portable and 2-2-320)"
+                     " and not (prefill_chunks_match_portable and (dt2 or 6-1-80))"
+                     " and not every_row_metadata and not prompt_route_is_the_key and not mismatched_shapes")
+# pytest in a fresh process, then the capabilities of the library that process loaded (one
+# process, one torch import: not a second process to ask the same build).
+RERUN = ("import sys, pytest\n"
+         "rc = pytest.main(sys.argv[1:])\n"
+         "from workers.kernels import cpu_kernels\n"
+         "lib = cpu_kernels.load()\n"
+         "print('CAPS', *(getattr(lib, k, None) for k in ('has_avx512', 'has_avx2', 'has_prefill', 'has_dpbf16',"
+         " 'has_w16a32')), cpu_kernels.unavailable_reason())\n"
+         "sys.exit(rc)\n")
+
+
+def _rerun(env: dict, files: list[str], timeout: float, k: str | None = None) -> dict[str, str]:
+    """The in-process lane of ``files`` on the build ``env`` selects: it must pass. Returns that
+    build's capabilities (has_avx512, has_avx2, has_prefill, has_dpbf16, has_w16a32: "True"/"False")."""
+    proc = subprocess.run([sys.executable, "-c", RERUN, "-q", "-x", "-p", "no:cacheprovider", *files,
+                           "-m", "not server", *(["-k", k] if k else [])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    caps = next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("CAPS ")).split()[1:]
+    return dict(zip(("has_avx512", "has_avx2", "has_prefill", "has_dpbf16", "has_w16a32"), caps))
 
 
 @pytest.mark.timeout(900)
@@ -93,27 +135,22 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
     fused decode step's included: its portable products; batch invariance on its 8-lane products) against that build; the library has no
     AVX-512 (zmm) instruction while the native build on an AVX-512 host has some (so the flag
     really took the path out). The bf16 products' tests (tests/test_cpu_linear_rows.py) there
-    check the tiled AVX2 path, which only such builds have."""
+    check the tiled AVX2 path, which only such builds have. Tests whose code is the same in every
+    build are left out (BUILD_INDEPENDENT)."""
     env = {**os.environ, "MINDIE_CPU_ISA": "avx2", "MINDIE_KERNEL_CACHE": str(tmp_path / "avx2")}
     # The in-process lane of those files: what runs on that build. The server lane there starts
-    # fresh processes that build their own libraries in caches of their own (the build's plumbing,
-    # the same whatever the flags: tests/test_cpu_kernels.py runs it) or a whole server.
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "tests/test_cpu_kernels.py", "tests/test_cpu_decode.py", "tests/test_cpu_linear_rows.py",
-                           "tests/test_batch_invariance.py", "-m", "not server"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    # fresh processes that find or build their own libraries (the build's plumbing, the same
+    # whatever the flags: the fresh builds here, and tests/test_cpu_kernels.py's cache lookups) or
+    # a whole server.
+    caps = _rerun(env, ["tests/test_cpu_kernels.py", "tests/test_cpu_decode.py", "tests/test_cpu_linear_rows.py",
+                        "tests/test_batch_invariance.py"], 800, k=BUILD_INDEPENDENT)
     built = list((tmp_path / "avx2").glob("cpu_kernels-*.so"))
     assert len(built) == 1, built
     assert _zmm_instructions(built[0]) == 0
     # the 8-lane AVX2+FMA paths are what that build runs (every AVX-512 CPU has AVX2 and FMA)
-    caps = subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; lib = cpu_kernels.load(); "
-                           "print(lib.has_avx512, lib.has_avx2, lib.has_prefill)"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout.split()
     flags = Path("/proc/cpuinfo").read_text()
     if " avx2 " in flags and " fma " in flags:
-        assert caps == ["False", "True", "True"], caps
+        assert [caps["has_avx512"], caps["has_avx2"], caps["has_prefill"]] == ["False", "True", "True"], caps
     if AVX512_HOST:
         # The native build: this process's own when it is one (the kernel tests built it), else a fresh one.
         lib = cpu_kernels.load()
@@ -128,12 +165,6 @@ def test_kernels_without_avx512_build_and_pass(tmp_path):
         assert _zmm_instructions(native_lib) > 0
 
 
-def _count(lib: Path, mnemonic: str) -> int:
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
-                         timeout=120).stdout
-    return sum(1 for line in out.splitlines() if mnemonic in line)
-
-
 @pytest.mark.skipif(not AVX512_HOST, reason="needs an AVX-512 host")
 @pytest.mark.timeout(600)
 def test_kernels_without_avx512_bf16_build_and_pass(tmp_path):
@@ -141,19 +172,16 @@ def test_kernels_without_avx512_bf16_build_and_pass(tmp_path):
     to Ice Lake) runs them: no vdpbf16ps in the library, AVX-512 kept, and bf16 weights widened in
     registers (``has_w16a32``: fp32 rows over bf16 weights, the register tiles) where such a CPU
     would otherwise compute bf16 in the portable loops and an fp32 model over fp32 copies. The
-    bf16 products' and the fused decode step's tests pass on that build."""
+    bf16 products' and the fused decode step's tests pass on that build, and so do the bf16 prompt
+    chunks of the prefill kernel, which such a build scores in fp32 (no vdpbf16ps): the one
+    attention path that differs from the native build's (decode attention, the norms and rope do
+    not depend on avx512_bf16)."""
     env = {**os.environ, "MINDIE_CPU_ISA": "avx512", "MINDIE_KERNEL_CACHE": str(tmp_path / "avx512")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "tests/test_cpu_linear_rows.py", "tests/test_cpu_decode.py", "-m", "not server"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=550)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    caps = _rerun(env, ["tests/test_cpu_linear_rows.py", "tests/test_cpu_decode.py", "tests/test_cpu_kernels.py"], 550,
+                  k="not test_cpu_kernels.py or (prefill and not sdpa and not dt0 and not dt2)")
     [built] = list((tmp_path / "avx512").glob("cpu_kernels-*.so"))
     assert _count(built, "vdpbf16ps") == 0 and _zmm_instructions(built) > 0
-    caps = subprocess.run([sys.executable, "-c", "from workers.kernels import cpu_kernels; lib = cpu_kernels.load(); "
-                           "print(lib.has_avx512, lib.has_dpbf16, lib.has_w16a32)"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout.split()
-    assert caps == ["True", "False", "True"], caps
+    assert [caps["has_avx512"], caps["has_dpbf16"], caps["has_w16a32"]] == ["True", "False", "True"], caps
 
 
 def test_bad_isa_name_falls_back_with_a_reason(tmp_path):

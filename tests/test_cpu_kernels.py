@@ -324,18 +324,45 @@ def _run_fresh(code: str, **env) -> str:
 
 PROBE = ("from workers.backends.cpu import CpuBackend; from workers.kernels import cpu_kernels; "
          "print(CpuBackend().attention_class().__name__, '|', cpu_kernels.unavailable_reason())")
+# The same, and the file of the library the fresh process loaded.
+PROBE_FILE = ("from workers.backends.cpu import CpuBackend; from workers.kernels import cpu_kernels; "
+              "print(CpuBackend().attention_class().__name__, '|', cpu_kernels.unavailable_reason(), '|', "
+              "getattr(cpu_kernels.load(), '_name', None))")
+
+
+def _place_this_build(d) -> str:
+    """A copy of this process's kernel library in directory ``d`` (made private, as the loader
+    requires), under its own name: the name is the key of the source, compiler, CPU flags and build
+    flags, so a fresh process with this environment computes it and loads the file without a compile
+    (~6 CPU-s saved per test). That the compile itself works is proven wherever a cache starts
+    empty: tests/test_cpu_isa.py builds into fresh cache dirs every run, and so does every test
+    process on a clean machine (CI)."""
+    import shutil
+    lib = cpu_kernels.load()
+    assert lib is not None, cpu_kernels.unavailable_reason()
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return shutil.copy2(lib._name, d)
 
 
 def test_cpu_backend_uses_kernels_when_built(tmp_path):
-    out = _run_fresh(PROBE, MINDIE_KERNEL_CACHE=str(tmp_path))
-    assert out.startswith("CpuPagedAttention |"), out
-    assert list(tmp_path.glob("cpu_kernels-*.so")), "kernel not built into the cache dir"
+    """A fresh process with MINDIE_KERNEL_CACHE pointing at a cache that holds the build finds it
+    there (its key computed alike: no second build) and the CPU backend takes the kernels'
+    attention."""
+    placed = _place_this_build(tmp_path)
+    name, why, loaded = (s.strip() for s in _run_fresh(PROBE_FILE, MINDIE_KERNEL_CACHE=str(tmp_path)).split("|"))
+    assert name == "CpuPagedAttention", (name, why)
+    assert loaded == placed, f"loaded {loaded}, not the cached {placed}"
+    assert [str(f) for f in tmp_path.glob("cpu_kernels-*.so")] == [placed], "a second build beside the cached one"
 
 
 def test_unwritable_cache_dir_falls_back_to_the_temp_dir(tmp_path):
-    out = _run_fresh(PROBE, MINDIE_KERNEL_CACHE="/proc/no-such-dir", TMPDIR=str(tmp_path))
-    assert out.startswith("CpuPagedAttention |"), out
-    assert list(tmp_path.glob("mindie-py-kernels-*/cpu_kernels-*.so"))
+    """A cache dir that cannot be created (a read-only home) falls back to the private directory
+    under the temp dir: the library is looked for (and built) there."""
+    placed = _place_this_build(tmp_path / f"mindie-py-kernels-{os.getuid()}")
+    name, why, loaded = (s.strip() for s in _run_fresh(PROBE_FILE, MINDIE_KERNEL_CACHE="/proc/no-such-dir",
+                                                       TMPDIR=str(tmp_path)).split("|"))
+    assert name == "CpuPagedAttention", (name, why)
+    assert loaded == placed, f"loaded {loaded}, not the one in the temp dir's cache {placed}"
 
 
 @pytest.mark.parametrize("env,reason", [({"MINDIE_CPU_KERNELS": "0"}, "disabled by cpuTuning.kernels (MINDIE_CPU_KERNELS)"),

@@ -1,17 +1,26 @@
 """Flat memory (issue 13, item 4): the real server (scripts/launch.sh, two CPU device workers, one
-front end) under a minute of steady mixed load, every process sampled by mindie_bench/lab/soak.py.
+front end) under 40 s of steady mixed load, every process sampled by mindie_bench/lab/soak.py.
 
 The bound (7 %) is looser than the soak's 3 % over 10 minutes because the baseline here is taken
-after 25 s instead of 90 s. The row-count buckets of the packed linears (about 3 MiB each for the
+after 10 s instead of 90 s. The row-count buckets of the packed linears (about 3 MiB each for the
 demo model's five weight shapes, per thread count) used to be met during the load, at its own
 pace on a shared machine: the worst worker grew 1.6-9.7 % (six runs), a flaky test. Those
 primitives are a bounded cache, not a leak, so this test has the workers create them all at
 start (``MINDIE_CPU_PREWARM_GFLOP=150``: ``cpu_linear.prewarm``, off by default for its memory
 and start time) and then measures what is left to grow: worst worker 0.68, 2.34, -0.20 % (three
-runs, 2026-12-01). Without bucketing (the tree
-before issue 13's fix, same test) the workers grew 9.8 % and 24.4 % in these 35 s, from a heap
-already twice as large (docs/reliability.md, "Flat memory"). The KV cache is kept at 0.25 GiB per worker so that it
-fills before the baseline.
+runs of the former 60 s form, baseline at 25 s, 2026-12-01). Without bucketing (the tree
+before issue 13's fix, same test) the workers grew 9.8 % and 24.4 % in 35 s, from a heap
+already twice as large (docs/reliability.md, "Flat memory").
+
+The load lasts 40 s with the baseline at 10 s (it was 60 s and 25 s: a third less CPU for a
+test that keeps both cores busy throughout): with the primitives pre-warmed the workers' heap
+(RSS outside the KV cache) is at its plateau within 5 s of load (samples of 2026-12-07, even on
+a host at a load average of 12), so the earlier baseline measures the same plateau, and the
+window that a leak must grow in is 30 s instead of 35 s (a leak that grows with the requests
+served shows 6/7 of its former growth; new row counts, the defect above, are met most often early
+in a load, which the window now includes); worst worker -0.51 % (2026-12-07). The KV cache
+(0.25 GiB per worker) fills during the window; it is not part of the heap the bound applies to,
+and the checks below still see it mapped, resident and within cpuMemSize.
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ CPU_MEM_GIB = 0.25
 def test_rss_flat_under_mixed_load(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "mindie_bench.lab.soak", "--seconds", "60", "--warmup", "25",
+        [sys.executable, "-m", "mindie_bench.lab.soak", "--seconds", "40", "--warmup", "10",
          "--interval", "2.5", "--max-growth", str(MAX_GROWTH_PCT), "--cpu-mem-gib", str(CPU_MEM_GIB),
          "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=420,
         env={**os.environ, "MINDIE_CPU_PREWARM_GFLOP": "150"})
