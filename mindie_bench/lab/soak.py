@@ -16,7 +16,7 @@ KV cache is mapped or resident beyond cpuMemSize, or if requests failed. Exit st
 1 = a check failed, 2 = the run itself did not work.
 
     python -m mindie_bench.lab.soak                                  # 10 minutes, 3 % bound
-    python -m mindie_bench.lab.soak --seconds 60 --warmup 25 --max-growth 7 --cpu-mem-gib 0.25   # the test's run
+    python -m mindie_bench.lab.soak --seconds 40 --warmup 10 --max-growth 7 --cpu-mem-gib 0.25   # the test's run
 
 Also ``mindie-bench soak ...`` (mindie_bench/lab/__init__.py lists the lab's commands).
 
