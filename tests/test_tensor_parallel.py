@@ -206,111 +206,99 @@ def _slots_full(srv: Server, want: int, timeout: float) -> dict:
     raise AssertionError(f"slots {st} never reached {want}:\n{srv.tail()}")
 
 
-@pytest.fixture(scope="module")
-def tp_server(tmp_path_factory: pytest.TempPathFactory, demo_model: str):
-    """One server of two 2-rank instances for both fault tests (MINDIE_TP_COLLECTIVE_TIMEOUT_S 3 s:
-    the hung-rank test's; the kill test's streams run under it as well). Each test leaves it as it
-    found it: serving, with all four ranks up (one group new), and reads the ranks it faults from the
-    server as it finds it. Stopped after both, with every rank process either test saw gone."""
-    srv = _tp_server(tmp_path_factory.mktemp("tp-srv"), demo_model, env={"MINDIE_TP_COLLECTIVE_TIMEOUT_S": "3"})
-    srv.seen = set()  # every rank process a test saw
-    try:
-        srv.wait_ready(120)
-        yield srv
-    finally:
-        assert srv.stop() == 0, srv.tail()
-    assert not [p for p in srv.seen if alive(p)]
-
-
-def _serving_ranks(srv: Server) -> dict[tuple[str, int], int]:
-    """Both instances' ranks, once all their slots are free (the server as a fault test finds it)."""
-    _slots_full(srv, 2 * 64, 90)
-    ranks = _ranks(srv)
-    assert sorted(ranks) == [("w0", 0), ("w0", 1), ("w1", 0), ("w1", 1)], ranks
-    srv.seen |= set(ranks.values())
-    return ranks
-
-
 @pytest.mark.timeout(300)
-def test_server_of_two_tp_instances_survives_a_rank_kill(tp_server: Server) -> None:
+def test_server_of_two_tp_instances_survives_a_rank_kill(tmp_path: Path, demo_model: str) -> None:
     """npuDeviceIds [[0,1],[2,3]], worldSize 2, deviceType cpu: two instances of two processes.
     16 concurrent streams complete through both; kill -9 of rank 1 of one instance ends that
     instance's streams with errors within seconds while the other's finish, and the group comes
     back (new processes for both of its ranks) and serves again."""
-    srv = tp_server
-    before = _serving_ranks(srv)
+    srv = _tp_server(tmp_path, demo_model)
+    try:
+        srv.wait_ready(120)
+        _slots_full(srv, 2 * 64, 60)
+        before = _ranks(srv)
+        assert sorted(before) == [("w0", 0), ("w0", 1), ("w1", 0), ("w1", 1)], before
 
-    # 16 concurrent streams, while /v2/status shows KV blocks taken on both instances. The
-    # idle figures are read first: once streams run, a heartbeat may already count blocks.
-    idle = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
-    streams = InferStreams(srv.url, 16, 48, lambda i: [5 + i, 6, 7])
-    used: set[str] = set()
-    deadline = time.monotonic() + 60
-    while len(used) < 2 and time.monotonic() < deadline and any(t.is_alive() for t in streams.threads):
-        now = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
-        used |= {k for k, v in now.items() if v < max(idle.values())}
-        time.sleep(0.02)
-    streams.join()
-    assert used == {"0", "1"}, (idle, used)
-    assert streams.outcome() == ([], 16)
-    assert all(ev[-1]["generated_text"] is not None for ev in streams.events)
+        # 16 concurrent streams, while /v2/status shows KV blocks taken on both instances. The
+        # idle figures are read first: once streams run, a heartbeat may already count blocks.
+        idle = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+        streams = InferStreams(srv.url, 16, 48, lambda i: [5 + i, 6, 7])
+        used: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(used) < 2 and time.monotonic() < deadline and any(t.is_alive() for t in streams.threads):
+            now = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+            used |= {k for k, v in now.items() if v < max(idle.values())}
+            time.sleep(0.02)
+        streams.join()
+        assert used == {"0", "1"}, (idle, used)
+        assert streams.outcome() == ([], 16)
+        assert all(ev[-1]["generated_text"] is not None for ev in streams.events)
 
-    # Long streams on both instances, then rank 1 of w0 is killed.
-    streams = InferStreams(srv.url, 8, 500)
-    streams.wait_started()
-    deadline = time.monotonic() + 10  # the next heartbeats carry the blocks taken
-    while True:
-        busy = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
-        if all(v < max(idle.values()) for v in busy.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert all(v < max(idle.values()) for v in busy.values()), (idle, busy)
-    t0 = time.monotonic()
-    os.kill(before[("w0", 1)], signal.SIGKILL)
-    streams.join()
-    failed, finished = streams.outcome()
-    assert failed and finished, srv.tail()
-    assert max(failed) - t0 < 8, "the killed instance's streams did not end within seconds"
+        # Long streams on both instances, then rank 1 of w0 is killed.
+        streams = InferStreams(srv.url, 8, 500)
+        streams.wait_started()
+        deadline = time.monotonic() + 10  # the next heartbeats carry the blocks taken
+        while True:
+            busy = httpx.get(srv.url + "/v2/status", timeout=10).json()["resource"]["dpInstMap"]
+            if all(v < max(idle.values()) for v in busy.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert all(v < max(idle.values()) for v in busy.values()), (idle, busy)
+        t0 = time.monotonic()
+        os.kill(before[("w0", 1)], signal.SIGKILL)
+        streams.join()
+        failed, finished = streams.outcome()
+        assert failed and finished, srv.tail()
+        assert max(failed) - t0 < 8, "the killed instance's streams did not end within seconds"
 
-    # The group comes back: both of w0's ranks are new processes, and it serves.
-    after = _serving_ranks(srv)
-    assert after[("w0", 0)] != before[("w0", 0)] and after[("w0", 1)] != before[("w0", 1)], (before, after)
-    assert after[("w1", 0)] == before[("w1", 0)] and after[("w1", 1)] == before[("w1", 1)]
-    assert "rank 1 of worker w0 killed by SIGKILL" in srv.tail(400)
-    for i in range(6):
-        r = httpx.post(srv.url + "/infer", json={"input_id": [5, 6, 7 + i], "parameters": {
-            "max_new_tokens": 8, "ignore_eos": True, "details": True}}, timeout=60)
-        assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 8, r.text
+        # The group comes back: both of w0's ranks are new processes, and it serves.
+        _slots_full(srv, 2 * 64, 90)
+        after = _ranks(srv)
+        assert after[("w0", 0)] != before[("w0", 0)] and after[("w0", 1)] != before[("w0", 1)], (before, after)
+        assert after[("w1", 0)] == before[("w1", 0)] and after[("w1", 1)] == before[("w1", 1)]
+        assert "rank 1 of worker w0 killed by SIGKILL" in srv.tail(400)
+        for i in range(6):
+            r = httpx.post(srv.url + "/infer", json={"input_id": [5, 6, 7 + i], "parameters": {
+                "max_new_tokens": 8, "ignore_eos": True, "details": True}}, timeout=60)
+            assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 8, r.text
+    finally:
+        assert srv.stop() == 0, srv.tail()
+    assert not [p for p in before.values() if alive(p)]
 
 
 @pytest.mark.timeout(300)
-def test_a_hung_rank_is_detected_by_the_collective_timeout(tp_server: Server) -> None:
+def test_a_hung_rank_is_detected_by_the_collective_timeout(tmp_path: Path, demo_model: str) -> None:
     """A rank that stops answering (SIGSTOP) is not a silent stall: rank 0's next collective times
     out (MINDIE_TP_COLLECTIVE_TIMEOUT_S, 3 s here), the instance's streams end with errors, and
     the supervisor restarts the whole group."""
-    srv = tp_server
-    before = _serving_ranks(srv)
-    streams = InferStreams(srv.url, 6, 500)
-    streams.wait_started()
-    t0 = time.monotonic()
-    os.kill(before[("w1", 1)], signal.SIGSTOP)
-    streams.join()
-    failed, finished = streams.outcome()
-    assert failed and finished, srv.tail()
-    assert max(failed) - t0 < 3 + 6, "the stalled instance's streams did not end soon after the timeout"
-    # The restarted group's new ranks (polled: the other instance's streams may end before the
-    # supervisor has noticed the exit, e.g. with speculative decoding's shorter runs, and the
-    # last heartbeat still shows the old group's free slots)
-    deadline = time.monotonic() + 90
-    while True:
-        after = _ranks(srv)
-        if (after.get(("w1", 0), before[("w1", 0)]) != before[("w1", 0)]
-                and after.get(("w1", 1), before[("w1", 1)]) != before[("w1", 1)]):
-            break
-        assert time.monotonic() < deadline, f"w1 was not restarted: {after}\n{srv.tail()}"
-        time.sleep(0.2)
-    _serving_ranks(srv)
-    assert not alive(before[("w1", 1)]), "the stopped rank was left behind"
+    srv = _tp_server(tmp_path, demo_model, env={"MINDIE_TP_COLLECTIVE_TIMEOUT_S": "3"})
+    try:
+        srv.wait_ready(120)
+        _slots_full(srv, 2 * 64, 60)
+        before = _ranks(srv)
+        streams = InferStreams(srv.url, 6, 500)
+        streams.wait_started()
+        t0 = time.monotonic()
+        os.kill(before[("w1", 1)], signal.SIGSTOP)
+        streams.join()
+        failed, finished = streams.outcome()
+        assert failed and finished, srv.tail()
+        assert max(failed) - t0 < 3 + 6, "the stalled instance's streams did not end soon after the timeout"
+        # The restarted group's new ranks (polled: the other instance's streams may end before the
+        # supervisor has noticed the exit, e.g. with speculative decoding's shorter runs, and the
+        # last heartbeat still shows the old group's free slots)
+        deadline = time.monotonic() + 90
+        while True:
+            after = _ranks(srv)
+            if (after.get(("w1", 0), before[("w1", 0)]) != before[("w1", 0)]
+                    and after.get(("w1", 1), before[("w1", 1)]) != before[("w1", 1)]):
+                break
+            assert time.monotonic() < deadline, f"w1 was not restarted: {after}\n{srv.tail()}"
+            time.sleep(0.2)
+        _slots_full(srv, 2 * 64, 90)
+        assert not alive(before[("w1", 1)]), "the stopped rank was left behind"
+    finally:
+        assert srv.stop() == 0, srv.tail()
 
 
 def test_startup_names_the_rank_that_did_not_come_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
