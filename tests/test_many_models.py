@@ -138,9 +138,7 @@ def test_unknown_model_is_each_apis_404(server) -> None:
 
 def test_answers_as_alone_before_and_after_reload(server, alone) -> None:
     client = _client(server)
-    # each switch evicts the other model: alpha (loaded at start), beta, alpha again (reloaded). Beta
-    # reloaded is test_sleep_frees_every_worker_and_wake_restores_the_answers's (after the wake).
-    for name in ("alpha", "beta", "alpha"):
+    for name in ("alpha", "beta", "alpha", "beta"):  # each switch evicts the other model
         assert [_chat(client, name, p) for p in PROMPTS] == alone[name]
         assert _states(server)[name]["state"] in ("loaded", "draining")
     log = server.tail(400)
@@ -149,9 +147,7 @@ def test_answers_as_alone_before_and_after_reload(server, alone) -> None:
 
 def test_concurrent_requests_over_both_models_complete(server, alone) -> None:
     client = _client(server)
-    # every prompt of both models at once (each switch waits for the other model's requests): one
-    # round is enough to have both models asked at the same time
-    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("alpha", "beta")]
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("alpha", "beta")] * 2
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(lambda job: _chat(client, job[0], PROMPTS[job[1]]), jobs))
     assert answers == [alone[name][i] for name, i in jobs]
