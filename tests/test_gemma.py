@@ -332,10 +332,17 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
     template, ending at <end_of_turn>) equal transformers loading the same file (fp32). The file is
     the pretrained model, not the instruction-tuned one: its chat answers are what it computes, not
     answers (the README shows one)."""
-    from tests.test_gguf import _start, ref_tokenizer, reference
+    from tests.test_gguf import _fast_gguf_reads, _start, ref_tokenizer, reference
+    from workers.models.gguf_view import ensure_view
 
     cache = tmp_path / "views"
-    srv = _start(tmp_path, gemma_file, cache, "gemma-3-270m")  # its launch step makes the model view
+    # Its model view made here, by the launch step's own function, on test_gguf's faster reads of the
+    # file (the same transformers tokenizer conversion at about half the CPU, in a process that has
+    # transformers loaded already): the launch step finds the view and reuses it. (A launch step
+    # making a view itself: tests/test_gguf.py's tiny qwen2 server.)
+    with _fast_gguf_reads():
+        ensure_view(gemma_file, cache)
+    srv = _start(tmp_path, gemma_file, cache, "gemma-3-270m")
     # transformers' reference on one thread: two OpenMP threads on two cores shared with the server
     # under test spin against each other (as tests/test_gguf.py's references run)
     threads = torch.get_num_threads()

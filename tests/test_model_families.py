@@ -33,7 +33,7 @@ import torch
 
 from mindie.contract.wire import SamplingParams
 from tests.harness import demo_server
-from tests.served import assert_chat_equals, infer_ids, metric
+from tests.served import assert_chat_equals, infer_ids
 from tests.tiny_hf import save_chat_model, save_random_model
 from tests.reference_attention import logits_over_cache
 from workers.attention import PagedAttention
@@ -340,29 +340,6 @@ CHAT_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + 
                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def test_server_phi4_mini_shape_infer_token_and_chat_equal_transformers(tmp_path: Path) -> None:
-    path = tmp_path / "tiny-phi4-mini"
-    # head_dim 32: 24 rotary dims (0.75), 12 LongRoPE factors; original length 48, so answers cross it
-    rope = dict(rope_type="longrope", short_factor=[1.0 + 0.05 * i for i in range(12)],
-                long_factor=[1.5 + 0.25 * i for i in range(12)])
-    save_chat_model(path, CHAT_TEMPLATE, cls_name="Phi3Config",
-                    config=dict(partial_rotary_factor=0.75, original_max_position_embeddings=48, rope_scaling=rope,
-                                pad_token_id=0))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    g = torch.Generator().manual_seed(7)
-    ps = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 40, 33)]
-    with demo_server(tmp_path, str(path), model={"cpuMemSize": 0.0002},
-                     schedule={"prefillChunkTokens": 16, "maxBatchSize": 4, "maxPrefillBatchSize": 4}) as srv:
-        log = srv.tail(400)
-        assert "phi3" in log and "fused decode kernel not used: the phi3 block" in log, log[-3000:]
-
-        assert [infer_ids(srv.url, p, 16) for p in ps] == [hf_greedy(hf, p, 16) for p in ps]
-        assert infer_ids(srv.url, ps[1], 16) == hf_greedy(hf, ps[1], 16)  # again: a prefix-cache hit
-        assert metric(srv.url, "npu_prefix_cache_hit_rate") > 0
-        assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), "What does LongRoPE do?")
-
-
 # Families without a launch-script test of their own, served together as the models of one server
 # (docs/design.md, "Several models": a worker group each): family -> (config class, keys).
 SERVED = {
@@ -376,19 +353,65 @@ SERVED = {
 }
 
 
-def test_server_of_six_families_equals_transformers(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def families_server(tmp_path_factory: pytest.TempPathFactory):
+    """One launch for both server tests: the Phi-4-mini-shaped chat model (``phi4``, its KV budget
+    tiny) and SERVED's six families, each a model of the server (a worker each, all loaded at start).
+    Yields (server, {model name: chat model path})."""
+    root = tmp_path_factory.mktemp("families-srv")
+    path = root / "tiny-phi4-mini"
+    # head_dim 32: 24 rotary dims (0.75), 12 LongRoPE factors; original length 48, so answers cross it
+    rope = dict(rope_type="longrope", short_factor=[1.0 + 0.05 * i for i in range(12)],
+                long_factor=[1.5 + 0.25 * i for i in range(12)])
+    paths = {"phi4": save_chat_model(path, CHAT_TEMPLATE, cls_name="Phi3Config",
+                                     config=dict(partial_rotary_factor=0.75, original_max_position_embeddings=48,
+                                                 rope_scaling=rope, pad_token_id=0))}
+    paths.update({name: save_chat_model(root / name, CHAT_TEMPLATE, cls_name=cls, config={**extra, "pad_token_id": 0})
+                  for name, (cls, extra) in SERVED.items()})
+    entries = [{"modelName": "phi4", "modelWeightPath": str(paths["phi4"]), "cpuMemSize": 0.0002}]
+    entries += [{"modelName": n, "modelWeightPath": str(paths[n]), "cpuMemSize": 0.02} for n in SERVED]
+    with demo_server(root, entries[0]["modelWeightPath"], model=entries[0], more_models=entries[1:],
+                     schedule={"prefillChunkTokens": 16, "maxBatchSize": 4, "maxPrefillBatchSize": 4}) as srv:
+        yield srv, paths
+
+
+def _model_metric(url: str, name: str, model: str) -> float:
+    """The value of metric ``name`` for model ``model`` on /metrics (a server of several models
+    gives each its own sample)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    m = re.search(rf'^{re.escape(name)}{{[^}}]*model_name="{re.escape(model)}"[^}}]*}} (\S+)', text, re.M)
+    assert m, text[-3000:]
+    return float(m.group(1))
+
+
+def test_server_phi4_mini_shape_infer_token_and_chat_equal_transformers(families_server) -> None:
+    srv, paths = families_server
+    path = paths["phi4"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 40, 33)]
+    log = srv.tail(3000)  # (phi3 is this model's alone among the server's models)
+    assert "phi3" in log and "fused decode kernel not used: the phi3 block" in log, log[-3000:]
+
+    assert [infer_ids(srv.url, p, 16, model="phi4") for p in ps] == [hf_greedy(hf, p, 16) for p in ps]
+    assert infer_ids(srv.url, ps[1], 16, model="phi4") == hf_greedy(hf, ps[1], 16)  # again: a prefix-cache hit
+    assert _model_metric(srv.url, "npu_prefix_cache_hit_rate", "phi4") > 0
+    assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), "What does LongRoPE do?", model="phi4")
+
+
+def test_server_of_six_families_equals_transformers(families_server) -> None:
     """Each family through the launch script: /infer_token (a prompt over two prefill chunks, a short
     one, the first again: a prefix-cache hit) and the OpenAI chat route, greedy, equal transformers."""
-    paths = {name: save_chat_model(tmp_path / name, CHAT_TEMPLATE, cls_name=cls, config={**extra, "pad_token_id": 0})
-             for name, (cls, extra) in SERVED.items()}
-    entries = [{"modelName": n, "modelWeightPath": str(p), "cpuMemSize": 0.02} for n, p in paths.items()]
+    srv, paths = families_server
     g = torch.Generator().manual_seed(9)
     ps = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (40, 9)]
-    with demo_server(tmp_path, entries[0]["modelWeightPath"], model=entries[0], more_models=entries[1:],
-                     deploy={"maxLoadedModels": len(SERVED)}, schedule={"prefillChunkTokens": 16}) as srv:
-        for name, path in paths.items():
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            tok = transformers.AutoTokenizer.from_pretrained(path)
-            want = [hf_greedy(hf, p, 12) for p in ps]
-            assert [infer_ids(srv.url, p, 12, model=name) for p in ps + [ps[0]]] == want + [want[0]], name
-            assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), f"Who serves {name}?", model=name)
+    for name in SERVED:
+        path = paths[name]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        want = [hf_greedy(hf, p, 12) for p in ps]
+        assert [infer_ids(srv.url, p, 12, model=name) for p in ps + [ps[0]]] == want + [want[0]], name
+        assert_chat_equals(srv.url, tok, lambda ids, n: hf_greedy(hf, ids, n), f"Who serves {name}?", model=name)

@@ -246,7 +246,14 @@ def _requests() -> list[dict]:
     return reqs
 
 
+# One process's results per model: the reference of both of qwen2_moe's modes (moeParallel means
+# nothing to one process), run once instead of once per mode (a torch import and a load fewer).
+_ONE: dict[Path, dict] = {}
+
+
 def _run(model: Path, world: int, tmp: Path, mode: str = "tp") -> dict:
+    if world == 1 and model in _ONE:
+        return _ONE[model]
     out = tmp / f"out-{model.name}-{world}-{mode}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(model), str(world), str(out),
                            "--requests", json.dumps(_requests())], capture_output=True, text=True, timeout=300,
@@ -254,6 +261,8 @@ def _run(model: Path, world: int, tmp: Path, mode: str = "tp") -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     result["log"] = proc.stderr
+    if world == 1:
+        _ONE[model] = result
     return result
 
 
@@ -279,14 +288,29 @@ def _greedy(hf: Any, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_server_expert_parallel_instance_and_int8_experts(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory: pytest.TempPathFactory):
+    """One launch of the real server for every family's chat model and for qwen2_moe's again in bf16
+    with int8 experts (``q``): the models of one server (docs/design.md, "Several models": a worker
+    each, all loaded at start), one start instead of four. Yields (server, chat model paths)."""
+    root = tmp_path_factory.mktemp("moe-srv")
+    paths = {case: save_chat_model(root / f"chat-{case}", QWEN3_CHAT_TEMPLATE, cls_name=cls, config=dict(extra))
+             for case, (cls, extra) in CASES.items()}
+    entries = [{"modelName": case, "modelWeightPath": str(path), "cpuMemSize": 0.02} for case, path in paths.items()]
+    entries.append({"modelName": "q", "modelWeightPath": str(paths["qwen2_moe"]), "cpuMemSize": 0.02,
+                    "dtype": "bfloat16", "quantize": "w8a16"})
+    with demo_server(root, entries[0]["modelWeightPath"], model=entries[0], more_models=entries[1:]) as srv:
+        yield srv, paths
+
+
+def test_server_expert_parallel_instance_and_int8_experts(moe_server, tmp_path: Path) -> None:
     """The real launch script: an instance of two ranks with moeParallel "ep" (each loads half of
     the experts) answers greedy /infer_token as transformers does; a bf16 worker with int8 experts
-    (quantize w8a16) serves and says what it quantised."""
+    (quantize w8a16, model ``q`` of ``moe_server``) serves and says what it quantised."""
     from tests.harness import Server, free_port, short_run_dir, write_config
 
-    cls, extra = CASES["qwen2_moe"]
-    path = save_chat_model(tmp_path / "chat", QWEN3_CHAT_TEMPLATE, cls_name=cls, config=dict(extra))
+    shared, paths = moe_server
+    path = paths["qwen2_moe"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), workers=1, model_path=str(path),
@@ -306,53 +330,51 @@ def test_server_expert_parallel_instance_and_int8_experts(tmp_path: Path) -> Non
         assert "rank 1 holds experts 4..7" in log, log[-3000:]
     finally:
         srv.stop()
-    (tmp_path / "q").mkdir()
-    with demo_server(tmp_path / "q", str(path), model={"modelName": "q", "dtype": "bfloat16",
-                                                        "quantize": "w8a16"}) as q:
-        r = httpx.post(q.url + "/infer_token", json={"input_id": [5, 6, 7], "stream": False, "parameters": {
-            "max_new_tokens": 6, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=120)
-        assert r.status_code == 200 and len(r.json()["details"]["generated_token_ids"]) == 6, r.text
-        log = q.tail(600)
-        # 1 sparse layer x (8 experts x 2 + shared expert 2) + 2 layers x (qkv, o) + dense MLP 2 + tied head
-        assert "quantised 25 linear layers to int8" in log, log[-3000:]
+    r = httpx.post(shared.url + "/infer_token", json={"input_id": [5, 6, 7], "model": "q", "stream": False,
+                                                      "parameters": {"max_new_tokens": 6, "do_sample": False,
+                                                                     "details": True, "ignore_eos": True}}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["details"]["generated_token_ids"]) == 6, r.text
+    log = shared.tail(3000)
+    # 1 sparse layer x (8 experts x 2 + shared expert 2) + 2 layers x (qkv, o) + dense MLP 2 + tied head
+    # (only q quantises among the server's models)
+    assert "quantised 25 linear layers to int8" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_server_infer_token_and_chat_equal_transformers(case: str, tmp_path: Path) -> None:
-    cls, extra = CASES[case]
-    path = save_chat_model(tmp_path / f"chat-{case}", QWEN3_CHAT_TEMPLATE, cls_name=cls,
-                           config={k: v for k, v in extra.items()})
+def test_server_infer_token_and_chat_equal_transformers(moe_server, case: str) -> None:
+    srv, paths = moe_server
+    path = paths[case]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    (tmp_path / "srv").mkdir()
-    with demo_server(tmp_path / "srv", str(path), model={"modelName": case}) as srv:
-        n = 12
-        for ids in ([5, 6, 7, 8, 9], list(range(20, 60))):
-            r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "stream": False, "parameters": {
-                "max_new_tokens": n, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=120)
-            assert r.status_code == 200, r.text
-            assert r.json()["details"]["generated_token_ids"] == _greedy(hf, ids, n), ids
-        messages = [{"role": "user", "content": "Which experts answer this?"}]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        want = _greedy(hf, ids, n)
-        r = httpx.post(srv.url + "/v1/chat/completions", json={
-            "model": case, "messages": messages, "max_tokens": n, "temperature": 0, "logprobs": True,
-            "skip_special_tokens": False}, timeout=120)
+    n = 12
+    for ids in ([5, 6, 7, 8, 9], list(range(20, 60))):
+        r = httpx.post(srv.url + "/infer_token", json={"input_id": ids, "model": case, "stream": False, "parameters": {
+            "max_new_tokens": n, "do_sample": False, "details": True, "ignore_eos": True}}, timeout=120)
         assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        if tok.eos_token_id in want:
-            want = want[:want.index(tok.eos_token_id)]
-        assert choice["message"]["content"] == tok.decode(want, skip_special_tokens=True)
-        # the logprob of each chosen token, against transformers' log-softmax over the same context
-        with torch.no_grad():
-            full = torch.tensor([ids + want])
-            ref = torch.log_softmax(hf(full).logits[0].float(), -1)
-        lps = [t["logprob"] for t in choice["logprobs"]["content"]]
-        assert len(lps) >= len(want)
-        for j, tid in enumerate(want):
-            assert abs(lps[j] - ref[len(ids) + j - 1, tid].item()) <= TOL, (j, lps[j])
-        log = srv.tail(400)
-        assert "mixture of experts" in log and f"top-{extra['num_experts_per_tok']}" in log, log[-3000:]
+        assert r.json()["details"]["generated_token_ids"] == _greedy(hf, ids, n), ids
+    messages = [{"role": "user", "content": "Which experts answer this?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = _greedy(hf, ids, n)
+    r = httpx.post(srv.url + "/v1/chat/completions", json={
+        "model": case, "messages": messages, "max_tokens": n, "temperature": 0, "logprobs": True,
+        "skip_special_tokens": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if tok.eos_token_id in want:
+        want = want[:want.index(tok.eos_token_id)]
+    assert choice["message"]["content"] == tok.decode(want, skip_special_tokens=True)
+    # the logprob of each chosen token, against transformers' log-softmax over the same context
+    with torch.no_grad():
+        full = torch.tensor([ids + want])
+        ref = torch.log_softmax(hf(full).logits[0].float(), -1)
+    lps = [t["logprob"] for t in choice["logprobs"]["content"]]
+    assert len(lps) >= len(want)
+    for j, tid in enumerate(want):
+        assert abs(lps[j] - ref[len(ids) + j - 1, tid].item()) <= TOL, (j, lps[j])
+    # the load log of this model's worker (the server's models each log theirs, naming the model type)
+    log = srv.tail(3000)
+    experts = f"mixture of experts ({case}): 8 experts, top-{CASES[case][1]['num_experts_per_tok']}"
+    assert experts in log, log[-3000:]
 
 
 # ----------------------------------------------------------------------------- the NPU path, on CPU

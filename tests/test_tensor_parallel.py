@@ -59,15 +59,26 @@ def _requests() -> list[dict]:
     return reqs
 
 
+# A single worker's results (the reference) per model, requests and switches: llama_bias's serves
+# both test_tp2_generates_what_one_worker_does and test_tp4_with_replicated_kv_heads, run once.
+_ONE: dict[str, dict] = {}
+
+
 def _run(model: Path, world: int, tmp: Path, env: dict[str, str] | None = None,
          requests: list[dict] | None = None) -> dict:
     """tests/tp_instance.py's result; ``env``: its TP_TEST_* switches (batch-invariant mode, requests alone)."""
+    key = json.dumps([str(model), env or {}, requests or _requests()], sort_keys=True)
+    if world == 1 and key in _ONE:
+        return _ONE[key]
     out = tmp / f"out-{model.name}-{world}-{len(list(tmp.glob('out-*')))}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(model), str(world), str(out),
                            "--requests", json.dumps(requests or _requests())], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if world == 1:
+        _ONE[key] = result
+    return result
 
 
 @pytest.mark.parametrize("case", list(CASES))
