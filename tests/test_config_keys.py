@@ -107,7 +107,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "ServerConfig.fullTextEnabled": _here("test_e2e_full_text_stream"),
     "ServerConfig.tokenTimeout": _here("test_e2e_token_timeout",
                                        "test_dynamic_adjust_timeout_reaches_the_front_end_deadlines"),
-    "ServerConfig.e2eTimeout": [f"{_E2E}::test_timeouts_sighup_and_sigterm"] + _here(
+    "ServerConfig.e2eTimeout": [f"{_E2E}::test_timeouts_sighup_sigterm_and_config_keys_take_effect"] + _here(
         "test_dynamic_adjust_timeout_reaches_the_front_end_deadlines"),
     "ServerConfig.maxRequestLength": [f"{_E2E}::test_body_too_large"],
     "ServerConfig.headTimeoutS": [f"{_CFG}::test_receive_timeouts_from_file_and_environment",
@@ -122,7 +122,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "ServerConfig.watermarkDelta": _here("test_watermark_gamma_and_delta_reach_the_sampler"),
     "ServerConfig.runDir": _here("test_run_dir_holds_the_worker_sockets",
                                  "test_e2e_listens_on_ip_address_port_and_run_dir"),
-    "ServerConfig.frontendCount": [f"{_E2E}::test_config_keys_take_effect",
+    "ServerConfig.frontendCount": [f"{_E2E}::test_timeouts_sighup_sigterm_and_config_keys_take_effect",
                                    f"{_CFG}::test_frontend_count_from_file_and_environment"],
     "ServerConfig.strictConfig": [f"{_CFG}::test_strict_config_refuses_an_unknown_key_naming_it",
                                   f"{_CFG}::test_launcher_warns_on_a_typo_and_refuses_it_with_strict_config"],
@@ -177,7 +177,7 @@ KEY_TESTS: dict[str, list[str]] = {
                                                          "test_unapplied_keys_are_logged"),
     # -- BackendConfig.ModelDeployConfig.ModelConfig[]
     "BackendConfig.ModelDeployConfig.ModelConfig[].modelName": _here("test_e2e_model_name_and_weight_path") + [
-        f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_model_name_follows_the_checkpoint_unless_given"],
+        f"{_E2E}::test_timeouts_sighup_sigterm_and_config_keys_take_effect", f"{_CFG}::test_model_name_follows_the_checkpoint_unless_given"],
     "BackendConfig.ModelDeployConfig.ModelConfig[].modelWeightPath": _here(
         "test_e2e_model_name_and_weight_path", "test_model_weight_path_must_be_a_checkpoint"),
     # worldSize is checked against the groups and against the model's shapes (the groups set the TP size).
@@ -333,7 +333,7 @@ KEY_TESTS: dict[str, list[str]] = {
         "tests/test_cpu_decode.py::test_amx_model_computes_a_prompt_alike_fresh_after_a_prefix_and_in_chunks",
         "tests/test_cpu_decode.py::test_prefill_linears_route_picks_the_products_and_refuses_other_values"],
     # -- LogConfig
-    "LogConfig.dynamicLogLevel": [f"{_E2E}::test_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
+    "LogConfig.dynamicLogLevel": [f"{_E2E}::test_timeouts_sighup_sigterm_and_config_keys_take_effect", f"{_CFG}::test_python_log_level"],
     "LogConfig.logLevel": [f"{THIS}::test_log_config_keys_reach_the_launch_environment"],
     "LogConfig.logFormat": ["tests/test_request_log.py::test_request_lines_as_json_in_log_files",
                             f"{THIS}::test_log_config_keys_reach_the_launch_environment"],

@@ -421,9 +421,12 @@ def test_cancelled_and_cut_requests_count_their_generated_tokens(server):
                 events += line.startswith("data:")
                 if events >= 20:
                     break
-    # One cut by its timeout: 2,400 tokens do not fit in 1 s here.
+    # One cut by its timeout: 2,400 tokens do not fit in 1 s here. Sampled, so that speculative
+    # decoding (on in this server) cannot accept whole runs of the demo model's repetitive greedy
+    # text: one token per step, ~2,400 steps.
     cut = httpx.post(server.url + "/infer_token", headers={"req-id": "gen-cut-1"}, timeout=60, json={
-        "input_id": [7, 8, 9, 10], "parameters": {"max_new_tokens": 2400, "ignore_eos": True, "timeout": 1}})
+        "input_id": [7, 8, 9, 10], "parameters": {"max_new_tokens": 2400, "ignore_eos": True, "timeout": 1,
+                                                  "do_sample": True, "temperature": 1.5, "seed": 11}})
     assert cut.status_code == 500 and "Engine callback timeout" in cut.text, cut.text
     cancelled = _request_line(server, "gen-cancel-1")
     timed_out = _request_line(server, "gen-cut-1")

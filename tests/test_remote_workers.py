@@ -36,7 +36,8 @@ def _plane_port(worker_port: int, n: int) -> int:
 
 def _config(path, demo_model, keys, worker_port):
     port = _plane_port(worker_port, 2)
-    write_config(path, port=port, run_dir=short_run_dir(), workers=2, model_path=demo_model)
+    # one token per step (plain_decode): the long stream must still run when the test kills the host
+    write_config(path, port=port, run_dir=short_run_dir(), workers=2, model_path=demo_model, schedule=plain_decode())
     cfg = json.loads(path.read_text())
     cfg["BackendConfig"].update(workerHost="127.0.0.1", workerPort=worker_port, workerCurveKeyDir=str(keys))
     path.write_text(json.dumps(cfg, indent=2))
