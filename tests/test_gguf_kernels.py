@@ -420,6 +420,6 @@ def test_auto_resolution(setting, bf16, invariant, tiles, want):
     before = settings.engine()
     settings.apply(msgspec.structs.replace(settings.with_cpu(gguf_compute=setting), batch_invariant=invariant))
     try:
-        assert compute(bf16, tiles_every_row=tiles) == want
+        assert compute(bf16, lambda: tiles) == want
     finally:
         settings.apply(before)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ INT_ROWS = 64
 SCALAR_FLOAT_ROWS = 16
 
 
-def compute(bf16: bool = True, tiles_every_row: bool = True) -> str:
+def compute(bf16: bool = True, tiles_every_row: Callable[[], bool] = lambda: True) -> str:
     """``cpuTuning.ggufCompute`` resolved: native or dequantise (ValueError for anything else).
     ``auto``: native where the CPU has no native bf16 (``bf16`` False: AVX-512 without
     avx512_bf16, AVX2), where the dequantised weights would be computed in fp32 or as bf16 weights
@@ -57,7 +58,7 @@ def compute(bf16: bool = True, tiles_every_row: bool = True) -> str:
     ScheduleConfig.batchInvariant off, where the dequantised tiles (gguf_kernels.c mode 3) tie or
     beat the bf16 copies from 8 rows and on prompts and the integer products win one row; and in
     batch-invariant mode (the CPU default) where that mode's one path is the bf16 tiles at every
-    row count (``tiles_every_row``: bf16 rows on the avx512_bf16 build): against the bf16 copies
+    row count (``tiles_every_row()``, asked only there: bf16 rows on the avx512_bf16 build): against the bf16 copies
     on linear_rows a stream decodes 1.26x faster on the default model (even on Gemma 3 270M),
     prompts take 0.89-0.96x, and the linears keep the file's bytes, not 3.5x them. Otherwise
     (fp32 rows there) dequantise: mode 2's integer products, that mode's other path, lose 3x on
@@ -66,7 +67,7 @@ def compute(bf16: bool = True, tiles_every_row: bool = True) -> str:
     if value not in COMPUTES:
         raise ValueError(f"cpuTuning.ggufCompute must be one of {', '.join(COMPUTES)}, got {value!r}")
     if value == "auto":
-        return "dequantise" if bf16 and settings.engine().batch_invariant and not tiles_every_row else "native"
+        return "dequantise" if bf16 and settings.engine().batch_invariant and not tiles_every_row() else "native"
     return value
 
 
@@ -82,7 +83,7 @@ def regimes(lib: ctypes.CDLL, dtype: torch.dtype) -> str:
     if not lo:
         return f"integer products up to {INT_ROWS} rows, a transient dequantised matrix on oneDNN above"
     # bf16 tiles: bf16 rows on the avx512_bf16 build (the one build whose fp32 rows take no tiles)
-    kind = "bf16" if dtype == torch.bfloat16 and not gk.tile_rows(lib, gk.TYPES["Q4_1"], torch.float32)[0] else "fp32"
+    kind = "bf16" if lib.tile_bf16 and dtype == torch.bfloat16 else "fp32"
     return (f"integer products up to {lo - 1} rows, {kind} dequantised tiles from {lo}"
             + (f" to {hi} rows, a transient dequantised matrix on oneDNN above" if hi else " rows on"))
 
@@ -219,10 +220,14 @@ class NativeTarget:
 def native_target(bf16: bool = True, dtype: torch.dtype = torch.bfloat16) -> NativeTarget | None:
     """The CPU's target for a GGUF model's linears computing ``dtype`` rows, or None
     (``ggufCompute: dequantise``, or no C kernels: the reason logged once)."""
-    # auto on a bf16 CPU in batch-invariant mode asks the build whether it has bf16 tiles
-    asks = settings.cpu().gguf_compute == "auto" and bf16 and settings.engine().batch_invariant
-    lib = gk.load() if asks and dtype == torch.bfloat16 else None
-    if compute(bf16, tiles_every_row=lib is not None and bool(lib.tile_bf16)) != "native":
+    lib = None
+
+    def tiles_every_row() -> bool:  # loads the kernels only where auto's answer depends on them
+        nonlocal lib
+        lib = gk.load() if dtype == torch.bfloat16 else None
+        return lib is not None and lib.tile_bf16
+
+    if compute(bf16, tiles_every_row) != "native":
         auto = settings.cpu().gguf_compute == "auto"
         log.info("GGUF compute: dequantise (cpuTuning.ggufCompute %s%s): linear weights dequantised at load",
                  settings.cpu().gguf_compute,

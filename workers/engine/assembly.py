@@ -219,7 +219,7 @@ def start_refusal(spec: WorkerSpec) -> str | None:
     if why := backend.unavailable():
         return f"BackendConfig.deviceType: {why}"
     try:
-        quantize = _quantize(spec)
+        quantize = _quantize(spec, _w8a8_checkpoint(spec))
     except ModelConfigError as e:
         return str(e)
     if quantize == w8a8.SCHEME and backend.w8a8_target() is None:
@@ -229,11 +229,17 @@ def start_refusal(spec: WorkerSpec) -> str | None:
     return None
 
 
-def _quantize(spec: WorkerSpec) -> str:
+def _w8a8_checkpoint(spec: WorkerSpec) -> bool:
+    """Whether the model is a compressed-tensors W8A8 checkpoint (its config.json read here);
+    ModelConfigError for a quantization_config it does not serve."""
+    return bool(spec.model_path) and checkpoint_scheme(spec.model_path) is not None
+
+
+def _quantize(spec: WorkerSpec, w8a8_checkpoint: bool) -> str:
     """The scheme the worker computes: ``quantize``, or "w8a8" for a compressed-tensors W8A8
-    checkpoint (workers/models/w8a8.py); ModelConfigError for a quantization_config it does not
-    serve, or a W8A8 checkpoint with another ``quantize``."""
-    if spec.model_path and checkpoint_scheme(spec.model_path) is not None:
+    checkpoint (workers/models/w8a8.py; ``_w8a8_checkpoint``); ModelConfigError for a W8A8
+    checkpoint with another ``quantize``."""
+    if w8a8_checkpoint:
         if spec.quantize not in ("", w8a8.SCHEME):
             raise ModelConfigError(f"{QUANTIZE_KEY} {spec.quantize!r}: the checkpoint is W8A8 already (config.json "
                                    f"quantization_config, compressed-tensors); remove the key or set it to \"w8a8\"")
@@ -271,7 +277,8 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     # int8 weights (quantize) have their own products; a GGUF file's (a view folder with its
     # marker) are dequantised at load, and the backend may keep them in another dtype than its rows
     gguf = os.path.exists(os.path.join(spec.model_path, GGUF_MARKER))
-    quantize = _quantize(spec)
+    w8a8_checkpoint = _w8a8_checkpoint(spec)
+    quantize = _quantize(spec, w8a8_checkpoint)
     dtype = backend.resolve_dtype(spec.dtype, args.torch_dtype, plain_weights=not quantize and not gguf,
                                   gguf=gguf and not quantize)
     kernel = q8 = None
@@ -300,7 +307,7 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
     if kernel is not None and not getattr(model, "int8_at_load", False):
         quantize_model(model, kernel)
     if q8 is not None and not gguf:
-        if checkpoint_scheme(spec.model_path) is not None:  # its int8 linears were read into blocks
+        if w8a8_checkpoint:  # its int8 linears were read into blocks
             w8a8.loaded(q8, q8.count, "read from the checkpoint's int8 weights and per-channel scales", dtype)
         else:
             w8a8.quantize_model(model, q8, dtype)
