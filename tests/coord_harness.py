@@ -57,7 +57,8 @@ def consecutive_free_ports(n: int, avoid: tuple = ()) -> int:
     """The first of ``n`` consecutive ports free on loopback now (a fleet's instances take
     consecutive ports from ServerConfig.port)."""
     from mindie_bench.lab.fleet import _free_run
-    return _free_run(n, avoid)
+    from tests.harness import port_slice
+    return _free_run(n, avoid, port_slice())
 
 
 class MotorFleet:

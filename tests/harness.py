@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,20 +21,44 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# its own generator: pytest-randomly reseeds the global one at every test, which would hand out
+# the same sequence of ports again and again
+_PORT_RNG = random.Random()
+
+
+def port_slice() -> range:
+    """The ports this test process hands out: its own slice of 20000-32767, one slice per xdist
+    worker, below Linux's ephemeral range (32768-60999), where the kernel picks bind(0)'s ports and
+    outgoing connections' source ports. Two test processes binding port 0 could both get the same
+    port, and the second server to bind it refused to start ("already in use", seen in CI)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    span = (32768 - 20000) // count
+    return range(20000 + index * span, 20000 + (index + 1) * span)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held open together while chosen: separate free_port() calls
-    may return the same port twice, which would merge planes meant to be split)."""
-    socks = [socket.socket() for _ in range(n)]
+    """``n`` distinct ports of this process's slice that are free now (held open together while
+    chosen: separate free_port() calls may return the same port twice, which would merge planes
+    meant to be split)."""
+    ports, socks = port_slice(), []
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        for _ in range(10 * len(ports)):
+            if len(socks) == n:
+                return [s.getsockname()[1] for s in socks]
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", _PORT_RNG.randrange(ports.start, ports.stop)))
+            except OSError:  # taken (or held by this call already): another one
+                s.close()
+                continue
+            socks.append(s)
+        raise RuntimeError(f"no {n} free ports in {ports}")
     finally:
         for s in socks:
             s.close()

@@ -44,12 +44,13 @@ ROOT = Path(__file__).resolve().parents[2]
 MOTOR = ROOT / "scripts" / "motor.sh"
 
 
-def _free_run(n: int, avoid: tuple = ()) -> int:
-    """First of ``n`` consecutive free loopback ports (none of ``avoid`` among them); the tests'
-    fleets take theirs here too (tests/coord_harness.consecutive_free_ports)."""
+def _free_run(n: int, avoid: tuple = (), ports: range = range(20000, 60000)) -> int:
+    """First of ``n`` consecutive free loopback ports within ``ports`` (none of ``avoid`` among
+    them); the tests' fleets take theirs here too, from their process's own slice
+    (tests/coord_harness.consecutive_free_ports)."""
     import socket
     for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(ports.start, ports.stop - n)
         if any(base <= a < base + n for a in avoid):
             continue
         socks = []
