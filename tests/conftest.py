@@ -34,7 +34,7 @@ SERVER_FIXTURES = frozenset({"demo_servers"})
 # Modules whose use in a test's code means it starts subprocesses.
 SPAWN_MODULES = frozenset({"subprocess", "multiprocessing"})
 # Files holding tests of a minute or more on 2 cores (the durations every run prints), longest
-# first: handed out first within their lane. With `-n 2 --dist loadfile --no-loadscope-reorder`
+# first: handed out first within their lane. With `-n 3 --dist loadfile --no-loadscope-reorder`
 # (setup.cfg) files go out in collection order, and a long file handed out last would keep one
 # worker busy while the other idles (longest first is the classic rule against that tail).
 LONG_FILES = ("test_batch_invariance_server.py", "test_gemma.py", "test_cpu_isa.py", "test_memory.py",
