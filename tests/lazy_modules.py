@@ -23,8 +23,11 @@ class LazyModule:
         self._module: types.ModuleType | None = None
 
     def __getattr__(self, attr: str):
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)  # probes (copy, pickle, inspect) import nothing
+        if attr.startswith("_"):
+            # Probes import nothing: dunders (copy, pickle, inspect) and private names, such as the
+            # `_mock_name` pytest's fixture parsing reads off every module-level object (pytest 9),
+            # which imported every lazy package at collection. Tests read public names only.
+            raise AttributeError(attr)
         if self._module is None:
             self._module = importlib.import_module(self._name)
         return getattr(self._module, attr)

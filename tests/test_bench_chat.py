@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-openai = pytest.importorskip("openai")
+from mindie_bench import cli
+from mindie_bench.workload import chat_specs
+from tests.harness import default_model_server
+from tests.lazy_modules import lazy_module
 
-from mindie_bench import cli  # noqa: E402
-from mindie_bench.workload import chat_specs  # noqa: E402
-from tests.harness import default_model_server  # noqa: E402
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 pytestmark = pytest.mark.timeout(300)
 
