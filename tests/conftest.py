@@ -33,13 +33,13 @@ HARNESS_MODULES = frozenset({"harness", "coord_harness"})
 SERVER_FIXTURES = frozenset({"demo_servers"})
 # Modules whose use in a test's code means it starts subprocesses.
 SPAWN_MODULES = frozenset({"subprocess", "multiprocessing"})
-# Files holding tests of a minute or more on 2 cores (the durations every run prints), longest
+# Files of 30 s or more on 2 cores (the per-file times of a full run, 2026-12-07), longest
 # first: handed out first within their lane. With `-n 3 --dist loadfile --no-loadscope-reorder`
 # (setup.cfg) files go out in collection order, and a long file handed out last would keep one
-# worker busy while the other idles (longest first is the classic rule against that tail).
-LONG_FILES = ("test_batch_invariance_server.py", "test_gemma.py", "test_cpu_isa.py", "test_memory.py",
-              "test_step_width.py", "test_refuse_start.py", "test_launch.py", "test_gguf.py", "test_motor_heal.py",
-              "test_gguf_kernels.py", "test_embeddings.py", "test_fuzz.py")
+# worker busy while the others idle (longest first is the classic rule against that tail).
+LONG_FILES = ("test_sampler.py", "test_many_models.py", "test_server_e2e.py", "test_cpu_isa.py", "test_refuse_start.py",
+              "test_memory.py", "test_gemma.py", "test_tensor_parallel.py", "test_pd.py", "test_step_width.py",
+              "test_device_workers.py", "test_stop.py", "test_moe.py", "test_gguf.py", "test_fuzz.py")
 
 
 @pytest.fixture(scope="session")
