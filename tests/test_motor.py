@@ -350,32 +350,16 @@ def test_coordinator_killed_is_restarted_and_stop_service_drains_the_fleet(tmp_p
         fleet.cleanup()
 
 
-def test_motor_killed_leaves_no_process(tmp_path, demo_model) -> None:
-    """SIGKILL to motor.sh: every child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and
-    stops on its own (the instances drain), within a bound."""
-    predict, manage = free_ports(2)
-    base = consecutive_free_ports(2, avoid=(predict, manage))
-    cfg = user_config(tmp_path / "u.json", predict=predict, manage=manage, replicas=1,
-                      server=server_config(demo_model, base))
-    fleet = MotorFleet(tmp_path, cfg)
-    pids: list[int] = []
-    try:
-        fleet.wait_ready(200)
-        pids[:] = fleet.pids()[1:]
-        assert len(pids) >= 5, pids  # coordinator, launch.sh, supervisor, worker, gunicorn (+ front end)
-        fleet.proc.kill()
-        fleet.proc.wait()
-        assert wait_gone(pids, 40) is not None, [p for p in pids if alive(p)]
-    finally:
-        fleet.cleanup(pids)  # what is left, reparented or not
-
-
 def test_tls_fleet(tmp_path, demo_model) -> None:
     """Mutual TLS everywhere, relative paths in user_config.json (taken from its directory):
     the instances' planes (httpsEnabled, client CA), the coordinator's predict and manage ports
     and its client side to the instances. motor.sh waits for both with the probes' client
     (MINDIE_PROBE_CERT/KEY), a request through the coordinator works over HTTPS, and
-    health_check.sh --coordinator probes the HTTPS manage port."""
+    health_check.sh --coordinator probes the HTTPS manage port. Then SIGKILL to motor.sh: every
+    child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops on its own (the instances
+    drain), within a bound. (One fleet start for what were test_tls_fleet and
+    test_motor_killed_leaves_no_process: the stop by SIGTERM is test_fleet_starts_serves_and_drains';
+    motor.sh stops its children by signals, TLS or not.)"""
     import ssl
     from tests.certs import Pki
     pki = Pki(tmp_path)
@@ -413,8 +397,9 @@ def test_tls_fleet(tmp_path, demo_model) -> None:
                             "readiness"], capture_output=True, text=True, env=e, timeout=30, cwd="/")
         assert p.returncode == 0 and p.stdout.startswith("healthy: 200 from https://127.0.0.1:"), (p.stdout, p.stderr)
         pids[:] = fleet.pids()[1:]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(90) == 0, fleet.out()
-        assert wait_gone(pids, 20) is not None
+        assert len(pids) >= 5, pids  # coordinator, launch.sh, supervisor, worker, gunicorn (+ front end)
+        proc.kill()
+        proc.wait()
+        assert wait_gone(pids, 40) is not None, [p for p in pids if alive(p)]
     finally:
-        fleet.cleanup(pids)
+        fleet.cleanup(pids)  # what is left, reparented or not

@@ -5,6 +5,7 @@ as /infer_token), usage counts, logprobs (once the device workers produce them),
 fields, and OpenAI-shaped errors."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import threading
@@ -472,23 +473,38 @@ def test_timeout_disconnect_and_stop_service(tmp_path, demo_model):
         srv.wait_ready(120)
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
         long = dict(model="demo", prompt=PROMPT, max_tokens=2000, extra_body={"ignore_eos": True})
+
+        def non_stream() -> tuple:
+            t0 = time.monotonic()
+            with pytest.raises(openai.InternalServerError) as ei:
+                oai.completions.create(**long)
+            return ei, time.monotonic() - t0
+
+        def chat_stream() -> httpx.Response:
+            return httpx.post(srv.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2000,
+                                                                      "ignore_eos": True, "stream": True}, timeout=60)
+
+        def completion_stream() -> None:
+            with pytest.raises(openai.APIError):
+                for _ in oai.completions.create(stream=True, **long):
+                    pass
+
+        # The three requests that run into the deadline run side by side: the worker decodes for
+        # one e2eTimeout (a batch of three) instead of three in a row, each still timed out by
+        # itself (the deadline is per request).
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            futs = [ex.submit(f) for f in (non_stream, chat_stream, completion_stream)]
+            (ei, took), r, _ = [f.result(timeout=60) for f in futs]
         # non-stream: a 500 InternalServerError naming the deadline
-        t0 = time.monotonic()
-        with pytest.raises(openai.InternalServerError) as ei:
-            oai.completions.create(**long)
-        assert ei.value.status_code == 500 and time.monotonic() - t0 < 10
+        assert ei.value.status_code == 500 and took < 10, took
         assert ei.value.body["message"] == "Engine callback timeout: server e2eTimeout"
         assert ei.value.body["type"] == "InternalServerError"
         # stream: an error event, then [DONE]
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2000,
-                                                               "ignore_eos": True, "stream": True}, timeout=60)
         events = _sse(r)
         assert events[-2] == {"error": {"message": "Engine callback timeout: server e2eTimeout",
                                         "type": "InternalServerError", "param": None, "code": 500}}
         assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        with pytest.raises(openai.APIError):
-            for _ in oai.completions.create(stream=True, **long):
-                pass
+        # (the completions stream raised APIError: completion_stream)
         # a client that hangs up: its request ends at once (logged as 499), the server goes on
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/completions", json={**long, "ignore_eos": True, "n": 2}, timeout=0.5)

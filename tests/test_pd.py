@@ -39,12 +39,16 @@ def _start(tmp, name: str, role: str, policy: str = "recompute", schedule: dict 
 def fleet(tmp_path_factory, demo_model):
     tmp = tmp_path_factory.mktemp("pd")
     _start.model = demo_model
-    servers = {"H": _start(tmp, "h", "flex"), "P": _start(tmp, "p", "prefill"), "D": _start(tmp, "d", "decode"),
+    servers = {"H": _start(tmp, "h", "flex"),
+               # the prefill instance, whose prompts take many steps beside other work (16-token
+               # chunks): the last test kills its worker mid-transfer, with a request served whole
+               # (the coordinator's fallback) decoding beside it one token a step (plain_decode), so
+               # the chunks keep the transfer spread over ~120 steps. (It was a flex instance K of its
+               # own: one server start less. Handoffs prefilled in chunks still equal the hybrid
+               # answer, as D's tail computed after the transferred blocks does.)
+               "P": _start(tmp, "p", "prefill", schedule=plain_decode({"prefillChunkTokens": 16})),
+               "D": _start(tmp, "d", "decode"),
                "F": _start(tmp, "f", "decode", policy="fail"),
-               # a flex instance whose prompts take many steps beside a decode (16-token chunks): its
-               # worker is killed mid-transfer; its plain decode stays one token a step (plain_decode)
-               # so its 16-token prompt chunks keep the transfer spread over ~120 steps for the kill test.
-               "K": _start(tmp, "k", "flex", schedule=plain_decode({"prefillChunkTokens": 16})),
                # a decode instance whose KV cache (cpuMemSize 0.0012 GiB: ~19 blocks at 4 KiB a token)
                # is too small for two of the requests of the preemption test at once; one token a
                # step (plain_decode), so that each request runs its 160 steps long enough for the
@@ -442,22 +446,25 @@ def test_prefill_to_missing_endpoint_is_503(fleet):
 
 
 def test_kill_9_of_the_prefill_worker_mid_transfer(fleet):
-    """kill -9 of K's device worker while its blocks stream to F: F holds what arrived, frees it within
-    the lease; the decode request fails with F's policy (fail: 503); K's worker is restarted."""
-    k, f = fleet["K"], fleet["F"]
+    """kill -9 of P's device worker while its blocks stream to F: F holds what arrived, frees it within
+    the lease; the decode request fails with F's policy (fail: 503); P's worker is restarted. (Last in
+    the file: the tests before it use P's first worker.)"""
+    k, f = fleet["P"], fleet["F"]
     prompt = _prompt(120 * BLOCK, 3)
     body = {"input_id": prompt, "parameters": {"max_new_tokens": 4, "details": True}}
     tid = uuid.uuid4().hex
     hp = {"X-Mindie-PD": json.dumps({"op": "prefill", "transferId": tid, "kvEndpoint": f.kv})}
     hd = {"X-Mindie-PD": json.dumps({"op": "decode", "transferId": tid, "kvEndpoint": f.kv})}
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        # A plain request decoding on K first: beside it K's prompt steps take 16-token chunks
-        # (prefillChunkTokens), so the transfer to F spans ~120 steps.
+        # A request served whole (a prefill instance refuses plain ones) decoding on P first: beside
+        # it P's prompt steps take 16-token chunks (prefillChunkTokens), so the transfer to F spans
+        # ~120 steps.
         ex.submit(httpx.post, k.url + "/infer_token", json={"input_id": [5, 6, 7], "parameters": {
-            "max_new_tokens": 2000, "ignore_eos": True}}, timeout=120)
+            "max_new_tokens": 2000, "ignore_eos": True}}, headers={"X-Mindie-PD": json.dumps({"op": "whole"})},
+            timeout=120)
         deadline = time.monotonic() + 30  # until it runs (not a guessed 0.5 s: later on a loaded machine)
         while httpx.get(k.url + "/v2/status", timeout=10).json()["resource"]["runningRequestNum"] < 1:
-            assert time.monotonic() < deadline, "the plain request never ran on K"
+            assert time.monotonic() < deadline, "the whole request never ran on P"
             time.sleep(0.02)
         pre = ex.submit(httpx.post, k.url + "/infer_token", json=body, headers=hp, timeout=120)
         dec = ex.submit(httpx.post, f.url + "/infer_token", json=body, headers=hd, timeout=120)
