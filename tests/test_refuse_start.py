@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -25,8 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mindie.contract.spec import WorkerSpec
 from mindie.runtime import lifecycle
-from tests.harness import Server, alive, free_port, process_roles, short_run_dir, wait_gone, write_config
+from tests.harness import Server, alive, free_port, short_run_dir, wait_gone, write_config
 from tests.test_worker_curve import port_pair
 from workers.supervisor import START_ATTEMPTS
 
@@ -109,7 +111,15 @@ def launch_refused(tmp_path, model, **config) -> tuple[int, str, str]:
     return status, srv.log_path.read_text(), run_dir
 
 
-@pytest.mark.parametrize("name", ["olmoe", "stablelm", "missing_shard", "truncated", "wrong_shape"])
+# On the real launch script: one unsupported family (ModelArgs' refusal) and one broken weight
+# file (the checkpoint check's): the two ways workers/prepare.py's check_model refuses. Their path
+# from there (exit status 2, "config error: ", no process started, the run directory left clean)
+# is one for every refusal; the other cases are the same check's messages, asserted in process
+# below (test_a_model_that_cannot_load_is_refused_by_the_launch_steps_check), a launch each less.
+LAUNCHED = ["olmoe", "truncated"]
+
+
+@pytest.mark.parametrize("name", LAUNCHED)
 def test_a_model_that_cannot_load_is_refused_before_anything_starts(tmp_path, bad_models, name):
     model, message = bad_models[name]
     status, log, run_dir = launch_refused(tmp_path, model)
@@ -121,6 +131,21 @@ def test_a_model_that_cannot_load_is_refused_before_anything_starts(tmp_path, ba
     assert lifecycle.leftovers(run_dir) == [], log
 
 
+@pytest.mark.parametrize("name", ["stablelm", "missing_shard", "wrong_shape"])
+def test_a_model_that_cannot_load_is_refused_by_the_launch_steps_check(bad_models, name):
+    """The launch step's model check (workers/prepare.py check_model, what launch.sh runs through
+    ``python -m workers.prepare``; its exit path is the launched cases' above) refuses each
+    defect with the message naming the file or key."""
+    from workers.prepare import check_model
+
+    model, message = bad_models[name]
+    spec = WorkerSpec(worker_id="w0", job_endpoint="", pub_endpoint="", device_type="cpu", device_ids=[0])
+    with pytest.raises(SystemExit) as e:
+        check_model([spec], str(model))
+    assert str(e.value.code).startswith(f"{KEY}: {model} cannot be served: "), e.value.code
+    assert message in str(e.value.code), e.value.code
+
+
 def test_the_launch_step_reads_headers_only(tmp_path, caplog):
     """A 13 GiB checkpoint (a Llama-2-7B shape, bf16, as sparse files: nothing on disk) is
     checked from its headers in well under a second, and the check says what it checked; the
@@ -128,7 +153,6 @@ def test_the_launch_step_reads_headers_only(tmp_path, caplog):
     from workers.models.checkpoint import expected_tensors
     from workers.models.config import ModelArgs
     from workers.prepare import check_model
-    from mindie.contract.spec import WorkerSpec
 
     cfg = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -202,6 +226,25 @@ def test_a_device_that_is_not_there_is_refused(tmp_path, demo_model, monkeypatch
     assert lifecycle.leftovers(run_dir) == [], log
 
 
+def _tree(root: int) -> set[int]:
+    """The pids of ``root``'s descendants now, from one pass over /proc: every process a failing
+    start makes (each worker attempt lives a few seconds), each of which must be gone at the end.
+    tests/harness.process_roles runs ps once per process of the tree (~40 ms of CPU a call),
+    which polled 5 times a second for the ~40 s of these tests cost seconds of CPU each."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
+                ppid = int(Path(entry.path, "stat").read_text().rsplit(") ", 1)[1].split()[1])
+                parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [root]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
 @pytest.mark.parametrize("tp", [False, True], ids=["one-process", "tensor-parallel"])
 def test_a_worker_that_cannot_start_stops_the_server(tmp_path, demo_model, tp):
     """The worker's tcp port is held by another program: something only the worker finds out
@@ -224,7 +267,7 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path, demo_model, tp):
     seen: set[int] = set()
     try:
         while srv.proc.poll() is None and time.monotonic() - t0 < 150:
-            seen |= set(process_roles(srv.proc.pid))
+            seen |= _tree(srv.proc.pid)
             time.sleep(0.2)
         status = srv.proc.wait(30)
         elapsed = time.monotonic() - t0

@@ -1,5 +1,6 @@
 """The whole server through scripts/launch.sh on loopback: gunicorn front ends, supervisor,
-two CPU device workers, ZeroMQ, HTTP. Requests and answers are checked on the wire."""
+two CPU device workers (one with step overlap on), ZeroMQ, HTTP. Requests and answers are
+checked on the wire."""
 from __future__ import annotations
 
 import asyncio
@@ -33,11 +34,18 @@ FRAME_RE = re.compile(rb"data: (\{.*?\})\n\n", re.S)
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sequential-steps", "overlapped-steps"])
 def server(tmp_path_factory, demo_model, request):
-    """Every test against this server runs twice: worker loop in turn, and with step overlap."""
+    """The tests that reach the worker loop (generation, seeds, cancel, concurrency) run twice:
+    worker loop in turn (two workers, the CPU default), and with step overlap, the only real
+    server with it on (off by default on CPU). The overlapped server has one worker: what overlap
+    changes is inside a worker (a step computing while the loop takes in, cancels, publishes), and
+    one worker puts every concurrent request in its overlapped batches; the router over two
+    workers and a worker's restart are the sequential server's. Tests of the front ends alone
+    (validation, limits, routes) and the kill of a worker run on the sequential server only
+    (``SEQUENTIAL_ONLY``)."""
     tmp = tmp_path_factory.mktemp("server")
     port = free_port()
     cfg = write_config(tmp / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
-                       server={"maxRequestLength": 1},
+                       workers=1 if request.param else 2, server={"maxRequestLength": 1},
                        # long generations must take many steps here (a worker is killed mid-stream)
                        schedule=plain_decode({"maxIterTimes": 2500, "overlapSteps": request.param}))
     srv = Server(cfg, port, frontends=2)
@@ -45,6 +53,11 @@ def server(tmp_path_factory, demo_model, request):
     srv.tokenizer = load_tokenizer(demo_model)
     yield srv
     srv.stop()
+
+
+# A test whose outcome the worker's step overlap cannot change (the front ends answer it, or the
+# supervisor's restart of a killed worker): on the sequential server only, not once per server.
+SEQUENTIAL_ONLY = pytest.mark.parametrize("server", [False], indirect=True, ids=["sequential-steps"])
 
 
 def post(srv: Server, body, path: str = "/infer_token", **kw) -> httpx.Response:
@@ -106,6 +119,7 @@ def test_seed_request_stream(server):
     assert streamed.count("\ufffd") <= last["generated_text"].count("\ufffd")
 
 
+@SEQUENTIAL_ONLY
 def test_details_false_and_text_input(server):
     r = post(server, {"inputs": "Hello, world", "parameters": {"max_new_tokens": 3}}, path="/infer")
     assert r.status_code == 200, r.text
@@ -178,6 +192,7 @@ BAD = [
 ]
 
 
+@SEQUENTIAL_ONLY
 @pytest.mark.parametrize("body,status,message", BAD, ids=[m[:40] for _, _, m in BAD])
 def test_validation(server, body, status, message):
     r = post(server, body)
@@ -188,12 +203,14 @@ def test_validation(server, body, status, message):
     assert err["error_type"] == {422: "Input Validation Error", 424: "Generation Error"}[status]
 
 
+@SEQUENTIAL_ONLY
 def test_unknown_keys_ignored_and_null_is_absent(server):
     r = post(server, {"input_id": [5, 6], "whatever": 1, "parameters": {
         "max_new_tokens": 2, "stop": ["x"], "ignore_eos": True, "temperature": None, "details": True}})
     assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 2
 
 
+@SEQUENTIAL_ONLY
 def test_body_too_large(server):
     r = post(server, b'{"input_id": [' + b"1," * (600 * 1024) + b"1]}")
     assert r.status_code == 413
@@ -201,6 +218,7 @@ def test_body_too_large(server):
                         "error_type": "Request Entity Too Large"}
 
 
+@SEQUENTIAL_ONLY
 def test_health_models_and_404(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.content == b""
@@ -241,6 +259,7 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+@SEQUENTIAL_ONLY
 def test_kill_device_worker_during_streaming(server):
     body = {"input_id": [9, 10, 11], "stream": True, "parameters": {"max_new_tokens": 3000}}
 
@@ -373,9 +392,12 @@ def _mixed(i: int) -> dict:
     return {"input_id": [(i * 31 + j) % 30000 + 3 for j in range(3 + i % 13)], "parameters": p}
 
 
-def test_seed_same_alone_in_batch_and_after_restart(tmp_path, demo_model):
+def test_seed_same_alone_in_batch_and_after_restart(tmp_path, demo_model, demo_servers):
     # One worker: the seeded request then surely shares its batch with the 31 others (with two,
-    # the router could give it a worker of its own); two starts of one worker, not of two.
+    # the router could give it a worker of its own). Alone and in the batch on the session's
+    # demo server (this very config: one worker, the default schedule; the test only sends
+    # requests), after a restart on a server of its own with the same config: another process
+    # that never served a request.
     port = free_port()
     cfg = write_config(tmp_path / "config.json", port=port, run_dir=short_run_dir(), model_path=demo_model,
                        workers=1)
@@ -387,13 +409,9 @@ def test_seed_same_alone_in_batch_and_after_restart(tmp_path, demo_model):
             rs = await asyncio.gather(*(client.post("/infer_token", content=json.dumps(b)) for b in random_order))
             return [r.json() for r in rs]
 
-    srv = Server(cfg, port)
-    try:
-        srv.wait_ready()
-        alone = post(srv, _seeded(777)).json()
-        in_batch = [r for r in asyncio.run(batch(srv.url)) if r["details"]["seed"] == 777]
-    finally:
-        srv.stop()
+    shared = demo_servers.get(demo_model)
+    alone = post(shared, _seeded(777)).json()
+    in_batch = [r for r in asyncio.run(batch(shared.url)) if r["details"]["seed"] == 777]
     srv = Server(cfg, port)
     try:
         srv.wait_ready()
@@ -459,6 +477,7 @@ def test_priority_one_admitted_first_when_saturated(tmp_path, demo_model):
     assert order[0] == "busy" and order[1] == "p1", order
 
 
+@SEQUENTIAL_ONLY
 def test_bench_native_adapter_against_this_server(server):
     """mindie-bench's native adapter on the real server: exact token counts and timings."""
     from tests.test_bench import send, spec
