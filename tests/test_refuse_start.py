@@ -28,7 +28,7 @@ import pytest
 
 from mindie.contract.spec import WorkerSpec
 from mindie.runtime import lifecycle
-from tests.harness import Server, alive, free_port, short_run_dir, wait_gone, write_config
+from tests.harness import Server, alive, descendants, free_port, short_run_dir, wait_gone, write_config
 from tests.test_worker_curve import port_pair
 from workers.supervisor import START_ATTEMPTS
 
@@ -226,25 +226,6 @@ def test_a_device_that_is_not_there_is_refused(tmp_path, demo_model, monkeypatch
     assert lifecycle.leftovers(run_dir) == [], log
 
 
-def _tree(root: int) -> set[int]:
-    """The pids of ``root``'s descendants now, from one pass over /proc: every process a failing
-    start makes (each worker attempt lives a few seconds), each of which must be gone at the end.
-    tests/harness.process_roles runs ps once per process of the tree (~40 ms of CPU a call),
-    which polled 5 times a second for the ~40 s of these tests cost seconds of CPU each."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile
-                ppid = int(Path(entry.path, "stat").read_text().rsplit(") ", 1)[1].split()[1])
-                parents.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [root]
-    while todo:
-        for child in parents.get(todo.pop(), ()):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
 @pytest.mark.parametrize("tp", [False, True], ids=["one-process", "tensor-parallel"])
 def test_a_worker_that_cannot_start_stops_the_server(tmp_path, demo_model, tp):
     """The worker's tcp port is held by another program: something only the worker finds out
@@ -267,7 +248,7 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path, demo_model, tp):
     seen: set[int] = set()
     try:
         while srv.proc.poll() is None and time.monotonic() - t0 < 150:
-            seen |= _tree(srv.proc.pid)
+            seen |= set(descendants(srv.proc.pid))
             time.sleep(0.2)
         status = srv.proc.wait(30)
         elapsed = time.monotonic() - t0
