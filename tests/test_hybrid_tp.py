@@ -118,15 +118,30 @@ def test_each_rank_loads_its_heads(models, case: str) -> None:
             assert args.num_key_value_heads >= 2 or torch.equal(kv[1], fa.k_proj.weight)  # replicated
 
 
+# One process's results per model and requests: every case's reference comes from one process
+# (tests/tp_instance.py --more: one torch import and engine process instead of one per case).
+_ONE: dict[str, dict] = {}
+
+
 def _run(path: Path, world: int, tmp: Path, requests: list[dict], moe_mode: str = "tp") -> dict:
     """tests/tp_instance.py's result and its log; ``moe_mode``: moeParallel."""
+    key = json.dumps([str(path), requests])
+    if world == 1 and key in _ONE:
+        return _ONE[key]
     out = tmp / f"out-{world}.json"
+    more = [(m, tmp / f"out-{world}-{m.name}.json") for m in (path.parent / c for c in CASES)
+            if world == 1 and m != path and m.is_dir() and json.dumps([str(m), requests]) not in _ONE]
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), str(world), str(out),
-                           "--requests", json.dumps(requests)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           "--requests", json.dumps(requests), "--more", json.dumps([[str(m), str(o)] for m, o in more])],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "TP_TEST_MOE_PARALLEL": moe_mode})
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     result["log"] = proc.stderr
+    if world == 1:
+        _ONE[key] = result
+        for m, o in more:
+            _ONE[json.dumps([str(m), requests])] = json.loads(o.read_text())
     return result
 
 

@@ -1,6 +1,6 @@
 """Run one tensor-parallel instance (or a single worker) on a batch of requests, for the tests.
 
-    python tests/tp_instance.py MODEL_DIR WORLD OUT.json [--requests JSON]
+    python tests/tp_instance.py MODEL_DIR WORLD OUT.json [--requests JSON [--more JSON]]
 
 Starts WORLD processes as the supervisor would: rank 0 builds the real engine (workers.engine.assembly's
 build: rendezvous, sharded load, KV blocks broadcast) and the others run
@@ -9,7 +9,10 @@ workers.tp_rank.follow. Rank 0 submits the requests, steps the engine until all 
 per-rank parameter bytes to OUT.json. WORLD 1 runs the same engine without tensor parallelism, as
 the reference. ``TP_TEST_INVARIANT=1``: batch-invariant mode (ScheduleConfig.batchInvariant);
 ``TP_TEST_ALONE=1``: after the requests all at once, each again alone (run to its end before the
-next is submitted), its results under ``id + "/alone"``.
+next is submitted), its results under ``id + "/alone"``. ``--more`` (WORLD 1 only): a JSON list
+of further [MODEL_DIR, OUT.json] pairs, each run on the same requests in turn in the same process
+after the first (the single-worker references of a test module's models: one torch import and
+process start for all of them instead of one each).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def make_spec(model: str, world: int) -> WorkerSpec:
 
 
 def run_rank0(spec: WorkerSpec, store: str, requests: list[dict], out: str) -> None:
+    """Rank 0 (or the single worker): build the engine, run ``requests``, write ``out``."""
     from workers.models.loader import parameter_bytes
     from workers.engine.assembly import build
 
@@ -70,6 +74,9 @@ def run_rank0(spec: WorkerSpec, store: str, requests: list[dict], out: str) -> N
 def main() -> None:
     model, world, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     requests = json.loads(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--requests" else []
+    more = json.loads(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] == "--more" else []
+    if more and world != 1:
+        raise SystemExit("--more: single-worker runs only (WORLD 1)")
     rank = int(os.environ.get("TP_TEST_RANK", "-1"))
     if rank < 0:  # the launcher: one process per rank, like the supervisor
         import logging
@@ -90,6 +97,8 @@ def main() -> None:
     setup_logging(f"rank {rank}", "INFO")
     if rank == 0:
         run_rank0(spec, store, requests, out)
+        for other, other_out in more:  # WORLD 1: the next model's engine in this process
+            run_rank0(make_spec(other, world), store, requests, other_out)
     else:
         from workers.tp_rank import follow
         raise SystemExit(follow(spec, rank, store))
