@@ -99,8 +99,8 @@ def draw_many(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParam
     """One sampler call: row r of ``logits`` repeated n[r] times, as n[r] requests with
     ``params[r]`` and distinct seeds (from ``seed0`` on) at their first draw. Returns the tokens
     of each row."""
-    rows = [c for r, p in enumerate(params)
-            for c in seq_copies([msgspec.structs.replace(p, seed=seed0 + r * 1_000_003 + s) for s in range(n[r])], ids[r])]
+    rows = [c for r, p in enumerate(params) for c in seq_copies(
+        [msgspec.structs.replace(p, seed=seed0 + r * 1_000_003 + s) for s in range(n[r])], ids[r])]
     big = torch.cat([logits[r:r + 1].expand(n[r], -1) for r in range(len(params))]).contiguous()
     return list(sampler(big, rows).split(n))
 
