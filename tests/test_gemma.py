@@ -340,15 +340,18 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
     # file (the same transformers tokenizer conversion at about half the CPU, in a process that has
     # transformers loaded already): the launch step finds the view and reuses it. (A launch step
     # making a view itself: tests/test_gguf.py's tiny qwen2 server.)
-    with _fast_gguf_reads():
-        ensure_view(gemma_file, cache)
-    srv = _start(tmp_path, gemma_file, cache, "gemma-3-270m")
-    # transformers' reference on one thread: two OpenMP threads on two cores shared with the server
-    # under test spin against each other (as tests/test_gguf.py's references run)
+    # One context for the view and transformers' references: the file's metadata (262k tokens)
+    # parsed once for the three, not once per load (test_gguf's _SharedReader).
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    srv = None
     try:
-        ref, tok = reference(gemma_file), ref_tokenizer(gemma_file)  # while the server starts
+        with _fast_gguf_reads():
+            ensure_view(gemma_file, cache)
+            srv = _start(tmp_path, gemma_file, cache, "gemma-3-270m")
+            # transformers' reference on one thread: two OpenMP threads on two cores shared with the
+            # server under test spin against each other (as tests/test_gguf.py's references run)
+            torch.set_num_threads(1)
+            ref, tok = reference(gemma_file), ref_tokenizer(gemma_file)  # while the server starts
         srv.wait_ready(600)
         eos = [1, tok.convert_tokens_to_ids("<end_of_turn>")]
 
@@ -378,4 +381,5 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
         assert answer and answer == tok.decode(want(ids, 32), skip_special_tokens=True)
     finally:
         torch.set_num_threads(threads)
-        srv.stop()
+        if srv is not None:
+            srv.stop()

@@ -108,15 +108,48 @@ class _PlainViewReader(gguf.GGUFReader):
         return super()._get(offset, dtype, count, override_order)
 
 
+# The readers made inside the outermost ``_fast_gguf_reads`` context, by (file, mode): None outside.
+_READERS: dict[tuple[str, str], "_SharedReader"] | None = None
+
+
+class _SharedReader(_PlainViewReader):
+    """``_PlainViewReader``, one per file inside the outermost ``_fast_gguf_reads`` context:
+    transformers parses the whole file again at each load (the config, the weights, the tokenizer:
+    Gemma 3's 262k-token vocabulary about 3 s of CPU each time) and only reads what it parsed."""
+
+    def __new__(cls, path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if _READERS is not None and key in _READERS:
+            return _READERS[key]
+        return super().__new__(cls)
+
+    def __init__(self, path, mode="r"):
+        if getattr(self, "_parsed", False):  # a reader of this context's, handed out again
+            return
+        super().__init__(path, mode)
+        self._parsed = True
+        if _READERS is not None:
+            _READERS[(str(Path(path).resolve()), mode)] = self
+
+
 @contextlib.contextmanager
 def _fast_gguf_reads():
     """gguf's tensor-name table made once per architecture instead of once per module (397 times),
-    and gguf's reader on a plain view of its map (``_PlainViewReader``): what transformers reads
-    from a GGUF file is unchanged, only faster."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
-        mp.setattr(gguf, "GGUFReader", _PlainViewReader)
-        yield
+    gguf's reader on a plain view of its map (``_PlainViewReader``), and each file parsed once per
+    outermost context (``_SharedReader``): what transformers reads from a GGUF file is unchanged,
+    only faster."""
+    global _READERS
+    outermost = _READERS is None
+    if outermost:
+        _READERS = {}
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+            mp.setattr(gguf, "GGUFReader", _SharedReader)
+            yield
+    finally:
+        if outermost:
+            _READERS = None
 
 
 def reference(path: Path):
@@ -346,8 +379,10 @@ def smollm2_file() -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_file):
-    """transformers' fp32 model and tokenizer of the file (13-40 s to load here)."""
-    return reference(smollm2_file), ref_tokenizer(smollm2_file)
+    """transformers' fp32 model and tokenizer of the file (13-40 s to load here; the file parsed
+    once for both: one ``_fast_gguf_reads`` context)."""
+    with _fast_gguf_reads():
+        return reference(smollm2_file), ref_tokenizer(smollm2_file)
 
 
 @pytest.fixture(scope="module")
@@ -560,7 +595,9 @@ def test_server_greedy_equals_transformers(case, tiny, tiny_servers) -> None:
     transformers' on the same file (fp32)."""
     srv = tiny_servers[case]
     srv.wait_ready(240)
-    _check_server(srv, f"tiny-{case}", reference(tiny[case]), ref_tokenizer(tiny[case]), PROMPTS, 16)
+    with _fast_gguf_reads():  # the file parsed once for both
+        ref, tok = reference(tiny[case]), ref_tokenizer(tiny[case])
+    _check_server(srv, f"tiny-{case}", ref, tok, PROMPTS, 16)
     if case == "qwen2":
         assert "making its model view" in srv.tail(400)
 

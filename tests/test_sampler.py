@@ -3,6 +3,7 @@ semantics checked against transformers' processors (exactly where the result is 
 statistics where it is random), seeded determinism, watermark detection."""
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -36,6 +37,23 @@ def seq(params: SamplingParams, ids: list[int], prompt_len: int | None = None) -
     """A request as the engine holds it: ``ids`` = prompt (+ generated, with ``prompt_len``)."""
     return Sequence(request_id="r", frontend_id="f", prompt_len=len(ids) if prompt_len is None else prompt_len,
                     tokens=list(ids), params=params, max_new_tokens=params.max_new_tokens)
+
+
+def seq_copies(params: list[SamplingParams], ids: list[int], prompt_len: int | None = None,
+               prompt_lens: list[int] | None = None) -> list[Sequence]:
+    """``seq(params[i], ids)`` for each i (with ``prompt_lens[i]`` where given): shallow copies of one
+    Sequence, sharing its token buffer (the sampler only reads it; the engine appends after the
+    call). Thousands of constructions (a token buffer and seven default containers each) cost these
+    draw tests about as much CPU as the sampler's own work; what the sampler sees is the same."""
+    template = seq(params[0], ids, prompt_len)
+    out = []
+    for i, p in enumerate(params):
+        c = copy.copy(template)
+        c.params = p
+        if prompt_lens is not None:
+            c.prompt_len = prompt_lens[i]
+        out.append(c)
+    return out
 
 
 def randn(rows: int, vocab: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -81,8 +99,8 @@ def draw_many(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParam
     """One sampler call: row r of ``logits`` repeated n[r] times, as n[r] requests with
     ``params[r]`` and distinct seeds (from ``seed0`` on) at their first draw. Returns the tokens
     of each row."""
-    rows = [seq(msgspec.structs.replace(p, seed=seed0 + r * 1_000_003 + s), ids[r]) for r, p in enumerate(params)
-            for s in range(n[r])]
+    rows = [c for r, p in enumerate(params) for c in seq_copies(
+        [msgspec.structs.replace(p, seed=seed0 + r * 1_000_003 + s) for s in range(n[r])], ids[r])]
     big = torch.cat([logits[r:r + 1].expand(n[r], -1) for r in range(len(params))]).contiguous()
     return list(sampler(big, rows).split(n))
 
@@ -445,10 +463,10 @@ def test_sampled_frequencies_follow_distribution(params: dict, scale: float, var
     logits = randn(1, vocab, 77, scale)
     p = sp(do_sample=True, **params)
     if vary == "seed":  # n requests with seeds 0..n-1 at their first step
-        rows = [seq(msgspec.structs.replace(p, seed=s), [3]) for s in range(n)]
+        rows = seq_copies([msgspec.structs.replace(p, seed=s) for s in range(n)], [3])
     else:  # one seed at steps 0..n-1: only the draw index (tokens generated) matters, so a
         # negative prompt_len stands for t generated tokens without storing them
-        rows = [seq(msgspec.structs.replace(p, seed=42), [3], prompt_len=1 - t) for t in range(n)]
+        rows = seq_copies([msgspec.structs.replace(p, seed=42)] * n, [3], prompt_lens=[1 - t for t in range(n)])
     assert [r.num_output for r in rows[:3]] == ([0, 0, 0] if vary == "seed" else [0, 1, 2])
     toks = Sampler()(logits.expand(n, vocab).clone(), rows)
     check_draws(toks, references(logits, p, [3]))
