@@ -37,7 +37,8 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from tests.harness import Server, free_port, short_run_dir, write_config  # noqa: E402
 from tests.reference_attention import DenseCausalAttention  # noqa: E402
 from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, spm_vocab, tiny_model, write_gguf  # noqa: E402
-from workers.models.gguf_file import GgufError, find_gguf, open_gguf  # noqa: E402
+from workers.models.gguf_file import open_gguf  # noqa: E402
+from workers.models.gguf_paths import GgufError, find_gguf  # noqa: E402
 from workers.models.gguf_view import ensure_view, view_dir  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
 

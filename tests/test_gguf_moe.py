@@ -33,7 +33,8 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from tests.test_gguf import (MESSAGES, PROMPTS, _check_server, _logits, _start, check_tp_slices,  # noqa: E402
                              copy_gguf, greedy, ref_tokenizer, reference)
 from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf  # noqa: E402
-from workers.models.gguf_file import GgufError, open_gguf  # noqa: E402
+from workers.models.gguf_file import open_gguf  # noqa: E402
+from workers.models.gguf_paths import GgufError  # noqa: E402
 from workers.models.gguf_view import ensure_view  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
 

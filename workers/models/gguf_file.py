@@ -4,8 +4,6 @@ A GGUF file holds the model's hyper-parameters and tokenizer as metadata and its
 llama.cpp's names, in one of ggml's types. This module is everything about such a file that needs
 no torch:
 
-- ``find_gguf(path)``: the file ``modelWeightPath`` names, itself or the one ``*.gguf`` of a folder
-  that has no config.json (several: refused, naming them; a split file: refused);
 - ``open_gguf(path)``: its header, read with the ``gguf`` package's own reader, with the parsing
   of the large metadata arrays (the tokenizer's 50-150k strings, which only the launch step's
   tokenizer conversion reads, through transformers) skipped: 0.05 s instead of 4 s for SmolLM2;
@@ -20,10 +18,8 @@ no torch:
   package's own name table; a mixture of experts' per-expert tensors as parts of llama.cpp's
   stacked ones, ``GgufFile.ref``), with the shape the config implies and a type the loader
   dequantises (``LOADABLE_TYPES``); missing, unexpected, mis-shaped or unsupported tensors named;
-- ``view_source(dir)``: the GGUF file behind a model view (the folder ``gguf_view`` makes, whose
-  ``mindie_gguf.json`` names the file), refused when the file changed since the view was made.
-
-The loader (workers/models/gguf_loader.py) reads the tensors, dequantised with
+Finding the file without reading it (``find_gguf``, the model view's marker, ``view_source``,
+``GgufError``) is workers/models/gguf_paths.py's, which imports neither gguf nor numpy. The loader (workers/models/gguf_loader.py) reads the tensors, dequantised with
 ``gguf.quants.dequantize``; the launch step (workers/prepare.py) makes the view.
 """
 from __future__ import annotations
@@ -38,14 +34,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, MODEL_ARCH_NAMES
 from gguf import get_tensor_name_map
 
-from .gguf_paths import GGUF_MAGIC, MARKER, GgufError, file_key, find_gguf, is_gguf_path, view_source  # noqa: F401
+from .gguf_paths import GGUF_MAGIC, GgufError
 from .gguf_hybrid import HYBRID_ARCHS, hybrid_keys, linear_attn_parts
 from .gguf_moe import MOE_ARCHS, expert_part, moe_keys, mtp_layers
 from .gguf_variant import EXTRA_TENSORS, variant_keys
 from .gemma_chat import END_OF_TURN
 
-__all__ = ["GgufError", "GgufFile", "LOADABLE_TYPES", "MARKER", "SUPPORTED_ARCHS", "TensorRef", "find_gguf",
-           "hf_config", "is_gguf_path", "open_gguf", "plan_tensors", "view_source"]
+__all__ = ["GgufFile", "LOADABLE_TYPES", "SUPPORTED_ARCHS", "TensorRef", "hf_config", "open_gguf", "plan_tensors"]
 
 T = GGMLQuantizationType
 # The tensor types the loader dequantises (gguf.quants.dequantize has every one of them).

@@ -6,7 +6,7 @@ Everything but the weights reads a model as a Hugging Face folder: ``ModelArgs.f
 (tokenizer_config.json / chat_template.jinja, mindie/text/chat_template.py). For a GGUF file the
 launch step (workers/prepare.py) makes such a folder once, from the file's metadata, and serves
 it as the model directory; only the weight loader goes back to the ``.gguf`` file, which the
-view's ``mindie_gguf.json`` names (workers/models/gguf_file.py ``view_source``):
+view's ``mindie_gguf.json`` names (workers/models/gguf_paths.py ``view_source``):
 
 - config.json and generation_config.json: ``gguf_file.hf_config`` (the metadata keys
   llama.cpp writes, mapped to transformers' names);
@@ -40,7 +40,8 @@ from .checkpoint import expected_tensors
 from .config import ModelArgs, ModelConfigError
 from .demo import default_cache_dir
 from .gemma_chat import GEMMA_CHAT_TEMPLATE
-from .gguf_file import MARKER, GgufError, file_key, hf_config, open_gguf, plan_tensors
+from .gguf_file import hf_config, open_gguf, plan_tensors
+from .gguf_paths import MARKER, GgufError, file_key
 
 __all__ = ["VIEW_FILES", "ensure_view", "view_dir"]
 
