@@ -25,7 +25,7 @@ import pytest
 
 # Names whose use means "starts the real server or a process of the project".
 LAUNCH_HELPERS = frozenset({
-    "Server", "demo_server", "r1_server", "start_instances", "MotorFleet", "Coordinator",
+    "Server", "demo_server", "r1_server", "start_instances", "MotorFleet", "Coordinator", "run_tp_instance",
 })
 # Where they live (imported as tests.harness, or as harness with tests/ on sys.path).
 HARNESS_MODULES = frozenset({"harness", "coord_harness"})

@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import httpx
 
@@ -316,6 +316,38 @@ class SharedServers:
     def close(self) -> None:
         for srv in self._servers.values():
             srv.stop()
+
+
+# -- tests/tp_instance.py: one instance (or a single worker) on a batch of requests ------------------
+_TP_REFERENCES: dict[str, dict] = {}  # single-worker results, per model, requests and TP_TEST_* switches
+
+
+def run_tp_instance(model: Path, world: int, tmp: Path, requests: list[dict], env: dict[str, str] | None = None,
+                    siblings: Iterable[Path] = (), timeout: float = 300) -> dict:
+    """tests/tp_instance.py's result for ``model`` on ``world`` ranks, its stderr under "log";
+    ``env``: its TP_TEST_* switches. A single worker's result is the tests' reference: kept for
+    the session per model, requests and ``env``, and the references of ``siblings`` (other model
+    folders) come from the same process (``--more``: one torch import and engine start for all)."""
+    def key(m: Path) -> str:
+        return json.dumps([str(m), env or {}, requests], sort_keys=True)
+
+    if world == 1 and key(model) in _TP_REFERENCES:
+        return _TP_REFERENCES[key(model)]
+    d = Path(tempfile.mkdtemp(prefix=f"tp-{model.name}-{world}-", dir=tmp))
+    more = [(m, d / f"more-{i}.json") for i, m in enumerate(siblings)
+            if world == 1 and m != model and m.is_dir() and key(m) not in _TP_REFERENCES]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(model), str(world),
+                           str(d / "out.json"), "--requests", json.dumps(requests),
+                           "--more", json.dumps([[str(m), str(o)] for m, o in more])],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((d / "out.json").read_text())
+    result["log"] = proc.stderr
+    if world == 1:
+        _TP_REFERENCES[key(model)] = result
+        for m, o in more:
+            _TP_REFERENCES[key(m)] = json.loads(o.read_text())
+    return result
 
 
 # -- process trees (tests/test_processes.py, mindie_bench/lab/chaos.py) -----------------------------------

@@ -23,8 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ import pytest
 import torch
 
 from mindie.contract.wire import SamplingParams
-from tests.harness import ROOT, demo_server
+from tests.harness import demo_server, run_tp_instance
 from tests.served import assert_chat_equals, infer_ids, metric
 from tests.tiny_hf import random_model, save_chat_model
 from tests.reference_attention import logits_over_cache
@@ -261,18 +259,11 @@ def test_tensor_parallel_two_ranks_equal_one(models, tmp_path: Path, mode: str) 
     test_engine_greedy_equals_transformers_under_pressure holds one process to on the same prompts,
     computed once for both; a one-process instance as the reference cost a process start and a
     torch import more), and each rank holds about half of one process's parameter bytes."""
-    import os
-
     from workers.models.loader import parameter_bytes
     path = models["v3_yarn"][1]
     reqs = [{"id": f"g{i}", "prompt": p, "params": {"max_new_tokens": 10, "ignore_eos": True}}
             for i, p in enumerate(_prompts()[:4])]
-    out = tmp_path / "tp2.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), "2", str(out),
-                           "--requests", json.dumps(reqs)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=dict(os.environ, TP_TEST_MOE_PARALLEL=mode))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    two = json.loads(out.read_text())
+    two = run_tp_instance(path, 2, tmp_path, reqs, {"TP_TEST_MOE_PARALLEL": mode})
     assert two["tokens"] == {f"g{i}": w[:10] for i, w in enumerate(_v3_want(models)[:4])}
     one = parameter_bytes(make_engine(str(path), num_blocks=4).runner.model)  # a one-process runner's, CPU-specialised
     assert 0.4 < two["param_bytes"] / one < 0.6

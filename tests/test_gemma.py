@@ -20,8 +20,6 @@ import copy
 import importlib.util
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import pytest
 import torch
 
 from mindie.contract.wire import SamplingParams
-from tests.harness import ROOT, demo_server
+from tests.harness import demo_server, run_tp_instance
 from tests.tiny_hf import save_chat_model, save_random_model
 from tests.reference_attention import logits_over_cache
 from workers.attention.cpu import CpuPagedAttention
@@ -243,11 +241,7 @@ def test_tensor_parallel_two_ranks_equal_transformers(models, tmp_path: Path) ->
     hf = models["gemma3"][0]
     ps = _prompts()[:3]
     reqs = [{"id": f"g{i}", "prompt": p, "params": {"max_new_tokens": 8, "ignore_eos": True}} for i, p in enumerate(ps)]
-    out = tmp_path / "tp2.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), "2", str(out),
-                           "--requests", json.dumps(reqs)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(out.read_text())
+    res = run_tp_instance(path, 2, tmp_path, reqs, timeout=600)
     assert [res["tokens"][f"g{i}"] for i in range(len(ps))] == [hf_greedy(hf, p, 8) for p in ps]
 
 

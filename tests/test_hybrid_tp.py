@@ -17,10 +17,7 @@ sharding.py) on tiny random fp32 transformers checkpoints (tests/tiny_hf.py), ov
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,7 @@ import httpx
 import pytest
 import torch
 
-from tests.harness import ROOT, Server, free_port, short_run_dir, write_config
+from tests.harness import Server, free_port, run_tp_instance, short_run_dir, write_config
 from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, save_chat_model, save_random_model
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.loader import load_model, parameter_bytes
@@ -118,31 +115,11 @@ def test_each_rank_loads_its_heads(models, case: str) -> None:
             assert args.num_key_value_heads >= 2 or torch.equal(kv[1], fa.k_proj.weight)  # replicated
 
 
-# One process's results per model and requests: every case's reference comes from one process
-# (tests/tp_instance.py --more: one torch import and engine process instead of one per case).
-_ONE: dict[str, dict] = {}
-
-
 def _run(path: Path, world: int, tmp: Path, requests: list[dict], moe_mode: str = "tp") -> dict:
-    """tests/tp_instance.py's result and its log; ``moe_mode``: moeParallel."""
-    key = json.dumps([str(path), requests])
-    if world == 1 and key in _ONE:
-        return _ONE[key]
-    out = tmp / f"out-{world}.json"
-    more = [(m, tmp / f"out-{world}-{m.name}.json") for m in (path.parent / c for c in CASES)
-            if world == 1 and m != path and m.is_dir() and json.dumps([str(m), requests]) not in _ONE]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), str(world), str(out),
-                           "--requests", json.dumps(requests), "--more", json.dumps([[str(m), str(o)] for m, o in more])],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "TP_TEST_MOE_PARALLEL": moe_mode})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    result["log"] = proc.stderr
-    if world == 1:
-        _ONE[key] = result
-        for m, o in more:
-            _ONE[json.dumps([str(m), requests])] = json.loads(o.read_text())
-    return result
+    """tests/tp_instance.py's result and its log; ``moe_mode``: moeParallel. Every case's
+    single-worker reference comes from one process."""
+    return run_tp_instance(path, world, tmp, requests, {"TP_TEST_MOE_PARALLEL": moe_mode},
+                           [path.parent / c for c in CASES], timeout=600)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -157,21 +156,13 @@ def test_tensor_parallel_refused_for_fused_checkpoints_naming_the_family(models)
 def test_tensor_parallel_two_ranks_generate_what_transformers_does(models, case: str, tmp_path: Path) -> None:
     """Granite (q/k/v/o biases on rank 0's o, the multipliers around the all-reduces) and SmolLM3
     (NoPE and sliding layers, tied vocab-parallel embeddings) over two gloo ranks."""
-    import os
-    import subprocess
-    import sys
+    from tests.harness import run_tp_instance
 
-    from tests.harness import ROOT
     hf, path = models[case]
     g = torch.Generator().manual_seed(6)
     ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 40)]
     reqs = [{"id": f"g{i}", "prompt": p, "params": {"max_new_tokens": 10, "ignore_eos": True}} for i, p in enumerate(ps)]
-    out = tmp_path / "tp2.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(path), "2", str(out),
-                           "--requests", json.dumps(reqs)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=dict(os.environ))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())["tokens"]
+    got = run_tp_instance(path, 2, tmp_path, reqs)["tokens"]
     assert got == {f"g{i}": hf_greedy(hf, p, 10) for i, p in enumerate(ps)}
 
 

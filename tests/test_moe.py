@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import httpx
 import pytest
 import torch
 
-from tests.harness import ROOT, demo_server
+from tests.harness import demo_server, run_tp_instance
 from tests.test_logprobs import TOL
 from tests.tiny_hf import QWEN3_CHAT_TEMPLATE, save_chat_model, save_random_model
 from tests.reference_attention import DenseCausalAttention
@@ -246,30 +245,12 @@ def _requests() -> list[dict]:
     return reqs
 
 
-# One process's results per model: the reference of both of qwen2_moe's modes (moeParallel means
-# nothing to one process), run once instead of once per mode; both models' references come from one
-# process (tests/tp_instance.py --more: one torch import and engine process instead of two).
-_ONE: dict[Path, dict] = {}
-
-
 def _run(model: Path, world: int, tmp: Path, mode: str = "tp") -> dict:
-    if world == 1 and model in _ONE:
-        return _ONE[model]
-    out = tmp / f"out-{model.name}-{world}-{mode}.json"
-    more = [(m, tmp / f"out-{m.name}-1.json") for m in (model.parent / c for c in ("qwen2_moe", "mixtral"))
-            if world == 1 and m != model and m not in _ONE]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(model), str(world), str(out),
-                           "--requests", json.dumps(_requests()), "--more",
-                           json.dumps([[str(m), str(o)] for m, o in more])], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**__import__("os").environ, "TP_TEST_MOE_PARALLEL": mode})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    result["log"] = proc.stderr
-    if world == 1:
-        _ONE[model] = result
-        for m, o in more:
-            _ONE[m] = json.loads(o.read_text())
-    return result
+    """tests/tp_instance.py's result, moeParallel ``mode``. One process's result (meaningless
+    ``mode`` "tp") is the reference of both of qwen2_moe's modes, and both models' come from one
+    process."""
+    return run_tp_instance(model, world, tmp, _requests(), {"TP_TEST_MOE_PARALLEL": mode},
+                           [model.parent / c for c in ("qwen2_moe", "mixtral")])
 
 
 @pytest.mark.parametrize("case,mode", [("qwen2_moe", "ep"), ("qwen2_moe", "tp"), ("mixtral", "ep")])

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from tests.harness import ROOT, InferStreams, Server, alive, descendants, free_port, short_run_dir, write_config
+from tests.harness import (InferStreams, Server, alive, descendants, free_port, run_tp_instance, short_run_dir,
+                           write_config)
 from tests.tiny_hf import save_random_model
 from workers.models.config import ModelArgs, ModelConfigError
 from workers.models.loader import load_model, parameter_bytes
@@ -59,40 +58,14 @@ def _requests() -> list[dict]:
     return reqs
 
 
-# A single worker's results (the reference) per model, requests and switches: llama_bias's serves
-# both test_tp2_generates_what_one_worker_does and test_tp4_with_replicated_kv_heads, run once. The
-# default requests' references of all CASES come from one process (tests/tp_instance.py --more): one
-# torch import and engine process for the three models instead of one each.
-_ONE: dict[str, dict] = {}
-
-
-def _key(model: Path, env: dict[str, str] | None, requests: list[dict] | None) -> str:
-    return json.dumps([str(model), env or {}, requests or _requests()], sort_keys=True)
-
-
 def _run(model: Path, world: int, tmp: Path, env: dict[str, str] | None = None,
          requests: list[dict] | None = None) -> dict:
-    """tests/tp_instance.py's result; ``env``: its TP_TEST_* switches (batch-invariant mode, requests alone)."""
-    key = _key(model, env, requests)
-    if world == 1 and key in _ONE:
-        return _ONE[key]
-    n = len(list(tmp.glob("out-*")))
-    out = tmp / f"out-{model.name}-{world}-{n}.json"
-    more: list[tuple[Path, Path]] = []
-    if world == 1 and not env and requests is None:  # the other cases' references alongside (models fixture)
-        more = [(m, tmp / f"out-{m.name}-1-{n}.json") for m in (model.parent / c for c in CASES)
-                if m != model and m.is_dir() and _key(m, env, requests) not in _ONE]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_instance.py"), str(model), str(world), str(out),
-                           "--requests", json.dumps(requests or _requests()),
-                           "--more", json.dumps([[str(m), str(o)] for m, o in more])], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    if world == 1:
-        _ONE[key] = result
-        for m, o in more:
-            _ONE[_key(m, env, requests)] = json.loads(o.read_text())
-    return result
+    """tests/tp_instance.py's result; ``env``: its TP_TEST_* switches (batch-invariant mode, requests
+    alone). A single worker's result is the session's reference (llama_bias's serves both
+    test_tp2_generates_what_one_worker_does and test_tp4_with_replicated_kv_heads); with the default
+    requests and switches every case's reference comes from the first one's process."""
+    siblings = [model.parent / c for c in CASES] if env is None and requests is None else []
+    return run_tp_instance(model, world, tmp, requests or _requests(), env, siblings)
 
 
 @pytest.mark.parametrize("case", list(CASES))
