@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math

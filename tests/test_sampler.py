@@ -39,13 +39,12 @@ def seq(params: SamplingParams, ids: list[int], prompt_len: int | None = None) -
                     tokens=list(ids), params=params, max_new_tokens=params.max_new_tokens)
 
 
-def seq_copies(params: list[SamplingParams], ids: list[int], prompt_len: int | None = None,
-               prompt_lens: list[int] | None = None) -> list[Sequence]:
+def seq_copies(params: list[SamplingParams], ids: list[int], prompt_lens: list[int] | None = None) -> list[Sequence]:
     """``seq(params[i], ids)`` for each i (with ``prompt_lens[i]`` where given): shallow copies of one
     Sequence, sharing its token buffer (the sampler only reads it; the engine appends after the
     call). Thousands of constructions (a token buffer and seven default containers each) cost these
     draw tests about as much CPU as the sampler's own work; what the sampler sees is the same."""
-    template = seq(params[0], ids, prompt_len)
+    template = seq(params[0], ids)
     out = []
     for i, p in enumerate(params):
         c = copy.copy(template)
