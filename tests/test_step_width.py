@@ -5,9 +5,6 @@ speed question: ``mindie-bench busy-host`` measures it.)"""
 from __future__ import annotations
 
 import json
-import select
-import subprocess
-import sys
 import time
 
 import httpx
@@ -183,33 +180,6 @@ README_FIRST = {"input_id": [504, 3575, 282, 4649, 314], "stream": False,
                                "typical_p": 0.5, "watermark": False, "priority": 5, "timeout": 10}}
 
 
-def _spin(n: int, deadline_s: float) -> list[subprocess.Popen]:
-    """``n`` processes that each keep a core busy; returned once every one of them is spinning
-    (each says so on its stdout first), so the load is there from the next instruction on."""
-    # Each spinner bounds itself (120 s) and is its own process: killing it leaves no orphan.
-    spin = ("import time\nprint('spinning', flush=True)\n"
-            "end = time.monotonic() + 120\nwhile time.monotonic() < end: pass")
-    procs = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE) for _ in range(n)]
-    waiting, end = {p.stdout: p for p in procs}, time.monotonic() + deadline_s
-    try:
-        while waiting and time.monotonic() < end:
-            for out in select.select(list(waiting), [], [], max(0.0, end - time.monotonic()))[0]:
-                assert out.readline() == b"spinning\n", "a spinner exited before it spun"
-                del waiting[out]
-        if waiting:
-            raise TimeoutError(f"{len(waiting)} of {n} spinners not spinning after {deadline_s} s")
-    except BaseException:
-        _stop(procs)
-        raise
-    return procs
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:  # by pid, ours only
-        p.kill()
-        p.wait(10)
-
-
 @pytest.mark.timeout(420)
 def test_readme_first_request_on_a_busy_host(tmp_path):
     """Issue 52 finding 9: the README's server (no config: the default model, one worker on the
@@ -222,6 +192,7 @@ def test_readme_first_request_on_a_busy_host(tmp_path):
     before the first request; nothing reads the load average), so the busy host meets the
     request exactly as when the spinners also slowed the start, minus their CPU during it
     (most of this test's cost: the start took ~90 s beside them on a loaded 2-core host)."""
+    from mindie_bench.lab.busy_host import spinners
     from workers.models.default_model import DefaultModelMissing, default_model_file
 
     try:
@@ -231,16 +202,14 @@ def test_readme_first_request_on_a_busy_host(tmp_path):
     port, mgmt, met = free_ports(3)
     s = Server(None, port, args=["-p", str(port), "--management-port", str(mgmt), "--metrics-port", str(met)],
                env={"MINDIE_RUN_DIR": short_run_dir()}, health_url=f"http://127.0.0.2:{mgmt}/health")
-    spinners: list[subprocess.Popen] = []
     try:
         s.wait_ready(300)
-        spinners = _spin(4, 60)
-        t0 = time.monotonic()
-        r = httpx.post(s.url + "/infer_token", json=README_FIRST, timeout=60)
-        took = time.monotonic() - t0
+        with spinners(4):
+            t0 = time.monotonic()
+            r = httpx.post(s.url + "/infer_token", json=README_FIRST, timeout=60)
+            took = time.monotonic() - t0
         assert r.status_code == 200, (r.text, took, s.tail(40))
         assert took < 10, (took, s.tail(40))
         assert r.json()["details"]["generated_tokens"] >= 1
     finally:
-        _stop(spinners)
         s.stop()

@@ -18,12 +18,14 @@ come from mindie_bench.lab.bench_models.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import contextlib
 import os
+import select
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -33,9 +35,29 @@ from mindie.topology import usable_cores  # noqa: E402
 from mindie_bench.lab.serving import start_server, stop_servers  # noqa: E402
 
 
-def _spin() -> None:  # a busy neighbour: one core's worth of pure Python
-    while True:
-        pass
+@contextlib.contextmanager
+def spinners(n: int, seconds: float = 120, ready_timeout: float = 60) -> Iterator[list[subprocess.Popen]]:
+    """``n`` busy neighbours (one core's worth of pure Python each), entered once every one of them
+    is spinning (each says so on its stdout first: the load is there from the next instruction on,
+    not after a guessed sleep), killed on exit. Each is its own process and bounds itself
+    (``seconds``): a killed caller leaves no spinner behind for long."""
+    spin = ("import time\nprint('spinning', flush=True)\n"
+            f"end = time.monotonic() + {seconds!r}\nwhile time.monotonic() < end: pass")
+    procs = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE) for _ in range(n)]
+    try:
+        waiting, end = {p.stdout: p for p in procs}, time.monotonic() + ready_timeout
+        while waiting and time.monotonic() < end:
+            for out in select.select(list(waiting), [], [], max(0.0, end - time.monotonic()))[0]:
+                if out.readline() != b"spinning\n":
+                    raise RuntimeError("a spinner exited before it spun")
+                del waiting[out]
+        if waiting:
+            raise TimeoutError(f"{len(waiting)} of {n} spinners not spinning after {ready_timeout} s")
+        yield procs
+    finally:
+        for p in procs:  # by pid, ours only
+            p.kill()
+            p.wait(10)
 
 
 def _compare(urls: tuple[str, str], args, label: str, vocab: int) -> None:
@@ -83,16 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         _compare(urls, args, f"quiet host (load average {os.getloadavg()[0]:.1f})", vocab)
         if not args.quiet_only:
             n = args.spinners or cores
-            spinners = [mp.Process(target=_spin, daemon=True) for _ in range(n)]
-            for p in spinners:
-                p.start()
-            try:
-                time.sleep(1)
+            with spinners(n, seconds=2 * args.timeout):  # outlasting the compare run's own bound
                 _compare(urls, args, f"busy host: {n} spinning processes beside the servers", vocab)
-            finally:
-                for p in spinners:
-                    p.terminate()
-                    p.join(5)
     finally:
         stop_servers([proc for proc, _ in procs])
 
