@@ -38,7 +38,9 @@ no web UI) on 127.0.0.1:LLAMA_PORT, then, once per --speculation setting, this s
 ScheduleConfig.speculativeDecoding on or off), waits for both /health, and runs
 'mindie-bench compare --workload chat' with A = this server and B = llama-server, both through
 POST /v1/chat/completions: English chat questions, greedy, each answer its own length up to
---output-len tokens, A B A B rounds, ratios A/B. Stops both servers at the end.
+--output-len tokens, A B A B rounds, ratios A/B. After each comparison both servers' memory
+(process trees' Pss and summed VmRSS: mindie_bench/lab/tree_memory.py) goes to OUT/memory-STAMP.jsonl.
+Stops both servers at the end.
 
 Start it from the terminal session the servers should share with the load generator (no setsid:
 the kernel groups CPU scheduling by session).
@@ -195,10 +197,13 @@ for s in "${SPECS[@]}"; do
     r=$?
     set -e
     (( r > rc )) && rc=$r
+    # both trees' memory after the load (Pss: shared pages split among this server's processes)
+    "$PY" -m mindie_bench.lab.tree_memory "mindie-py-spec-$s=$OURS_PID" "llama.cpp=$LLAMA_PID" \
+        --json "$OUT/memory-$STAMP.jsonl" || true
     echo "stopping this server (pid $OURS_PID)"
     stop_pid "$OURS_PID" 60
     OURS_PID=""
 done
 
-echo "JSON results (one compare-chat-vs-chat-*.json per mindie-bench call above) and logs: $OUT"
+echo "JSON results (one compare-chat-vs-chat-*.json per mindie-bench call above, memory-$STAMP.jsonl) and logs: $OUT"
 exit "$rc"

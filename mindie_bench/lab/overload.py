@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mindie_bench.lab import serving  # noqa: E402
-from mindie_bench.lab.serving import RssSampler, bench_model, tree_rss  # noqa: E402
+from mindie_bench.lab.serving import RssSampler, bench_model  # noqa: E402
+from mindie_bench.lab.tree_memory import tree_rss  # noqa: E402
 
 
 def admission_cost(n: int = 100_000) -> tuple[float, float]:

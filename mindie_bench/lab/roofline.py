@@ -193,14 +193,40 @@ def kv_bytes(args, elem: int, contexts: list[int]) -> int:
     return total
 
 
-def step_bytes(args, elem: int, contexts: list[int], active: float | None = None) -> dict[str, int]:
+def stored_weight_bytes(model) -> dict[str, int] | None:
+    """Bytes of the weights one decode step reads as the model holds them, for a GGUF file whose
+    linears keep their blocks (``cpuTuning.ggufCompute: native``: workers/backends/gguf_linear.py,
+    the file's own bytes, read in place); None for a model without such linears (``weight_bytes``
+    counts those from the config). The embedding matrix is read one row per sequence
+    (``step_bytes``) unless it is the LM head as well."""
+    from workers.backends.gguf_linear import GgufLinear
+    linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, GgufLinear)]
+    if not linears:
+        return None
+    head = sum(mod.nbytes() for name, mod in linears if name.rsplit(".", 1)[-1] in ("logits_linear", "lm_head"))
+    emb = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    seen: set[int] = set()
+    other = 0
+    for _, p in model.named_parameters():
+        if p.data_ptr() in seen or (emb is not None and p.data_ptr() == emb.data_ptr()):
+            continue
+        seen.add(p.data_ptr())
+        other += p.numel() * p.element_size()
+    if not head and emb is not None:  # a tied head computed on the embedding matrix itself
+        head = emb.numel() * emb.element_size()
+    return {"gguf_linears": sum(mod.nbytes() for _, mod in linears) - head, "lm_head": head, "other": other}
+
+
+def step_bytes(args, elem: int, contexts: list[int], active: float | None = None,
+               stored: dict[str, int] | None = None) -> dict[str, int]:
     """All bytes one decode step of ``len(contexts)`` sequences reads; a mixture of experts reads
     ``active`` experts per sparse layer (None: as many as uniform routing of ``len(contexts)``
-    tokens activates, ``expected_active_experts``)."""
+    tokens activates, ``expected_active_experts``). ``stored``: the weights' bytes as the model
+    holds them (``stored_weight_bytes``: a GGUF file's blocks) instead of the config's count."""
     moe = _moe_view(args)
     if moe is not None and active is None:
         active = expected_active_experts(moe, len(contexts))
-    w = weight_bytes(args, elem, active)
+    w = stored if stored is not None else weight_bytes(args, elem, active)
     weights = sum(w.values())
     emb = len(contexts) * args.hidden_size * elem
     kv = kv_bytes(args, elem, contexts)
@@ -298,7 +324,8 @@ def measure_decode(runner, engine_cfg, num_blocks: int, batch: int, context: int
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="", help="Hugging Face model dir (default: a demo model, see --preset)")
+    ap.add_argument("--model", default="", help="Hugging Face model dir or a .gguf file (its linears' blocks counted "
+                    "as stored where the server keeps them: cpuTuning.ggufCompute) (default: a demo model, see --preset)")
     ap.add_argument("--preset", default="bench30m", help="built-in demo model when --model is not given "
                     "(workers/models/demo.py PRESETS: demo, bench30m, gpu1b)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
@@ -324,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
     model = args.model
+    if model.endswith(".gguf"):  # the file as the server reads it: its view directory, blocks kept
+        from workers.models.gguf_view import ensure_view
+        model = str(ensure_view(model))
     if not model:
         from workers.models.demo import PRESETS, ensure_demo_model
         if args.preset not in PRESETS:
@@ -338,6 +368,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_blocks = blocks_needed(max(batches), args.context, args.steps, args.warm, args.block_size)
     runner.allocate_kv(num_blocks, args.block_size)
     elem = torch.empty((), dtype=runner.kv_dtype).element_size()
+    stored = stored_weight_bytes(runner.model)  # a GGUF file's blocks: its own bytes
+    if stored is not None:
+        log(f"weights as stored (GGUF blocks): {sum(stored.values()) / 2**20:.1f} MiB per step")
     bw_per_round = max(1, args.bw_repeat)
     log(f"bandwidth buffer: {args.bw_mib} MiB, {threads} threads, {bw_per_round} sums per round")
     bw = Bandwidth(args.bw_mib << 20, threads, args.device)
@@ -361,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for b in batches:
         # Bytes per step: the mean over the timed steps (the context grows by one each step).
         acts = runs[b][0]["active_experts"] or [None] * len(runs[b][0]["contexts"])
-        per_step = [step_bytes(margs, elem, ctx, a) for ctx, a in zip(runs[b][0]["contexts"], acts)]
+        per_step = [step_bytes(margs, elem, ctx, a, stored) for ctx, a in zip(runs[b][0]["contexts"], acts)]
         sb = {k: round(statistics.mean(p[k] for p in per_step)) for k in per_step[0]}
         mean_ctx = statistics.mean(c for ctx in runs[b][0]["contexts"] for c in ctx)
         # Measured: batch / the median of all timed steps of all rounds (a step that another

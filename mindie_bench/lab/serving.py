@@ -33,33 +33,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from mindie_bench.lab.tree_memory import tree_rss
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants."""
-    total = 0
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except OSError:
-                pass
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
 
 
 class RssSampler(threading.Thread):
