@@ -227,9 +227,10 @@ def gguf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_native_gguf_sequence_computes_the_same_bits_alone_and_in_mixed_steps(gguf_models, case, dtype,
                                                                                  restore_settings):
     """The same drives on a GGUF model whose linears stay in their blocks (``ggufCompute:
-    native``): bf16 rows on the avx512_bf16 build take mode 3's tiles at every row count (prompt
-    chunks, verify rows, recompute, and the fused decode step's gguf_rows), else mode 2's integer
-    products; either way a row's bits do not depend on its step."""
+    native``): on the AVX-512 VNNI builds the integer products over the blocks interleaved in
+    16-row groups at every row count (prompt chunks, verify rows, recompute, and the fused decode
+    step's gguf_rows), else mode 2's integer products; either way a row's bits do not depend on
+    its step."""
     from workers.backends.gguf_linear import GgufLinear
     from workers.kernels import gguf_kernels
     invariant(True)
@@ -244,7 +245,8 @@ def test_a_native_gguf_sequence_computes_the_same_bits_alone_and_in_mixed_steps(
     third = Driver(gguf_models[case], dtype, gguf_native=True)
     assert _compare(ref, recomputed(third, toks)) == []
     assert fused.calls > 0 and other.model.fast_decode.calls > 0
-    tiles = gguf_kernels.load().tile_bf16 and dtype == torch.bfloat16
+    lib = gguf_kernels.load()
+    tiles = lib.tile_bf16 and dtype == torch.bfloat16 and not lib.x16
     path = "tile" if tiles else "int"
     for drive in (d, other, third):
         calls = {k for m in drive.model.modules() if isinstance(m, GgufLinear) for k, v in m.calls.items() if v}

@@ -193,7 +193,8 @@ def test_tiny_model_native_against_dequantised(case, tmp_path):
     """A tiny GGUF model loaded with its linears in their blocks: every linear (and the LM head,
     tied or not) is a GgufLinear holding the file's bytes; its logits stay within LOGIT_TOL of the
     same file dequantised at load, for decode-sized row counts (integer products) and a 100-token
-    prompt (dequantised tiles on oneDNN); greedy picks agree wherever the margin is clear."""
+    prompt (a transient dequantised matrix on oneDNN; the interleaved integer products on the
+    AVX-512 VNNI builds); greedy picks agree wherever the margin is clear."""
     from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf
     from workers.backends.gguf_linear import GgufLinear
     from workers.models.gguf_file import open_gguf
@@ -211,13 +212,23 @@ def test_tiny_model_native_against_dequantised(case, tmp_path):
     g = open_gguf(path)
     stored = sum(t.nbytes for name, t in g.tensors.items() if name.startswith("blk.") and len(t.shape) == 2)
     stored += g.tensors["output.weight" if "output.weight" in g.tensors else "token_embd.weight"].nbytes
-    assert target.nbytes == stored, "the linears hold the file's bytes, no more"
+    lib = gk.load()
+
+    def file_bytes(m, t, rows):  # the file's bytes of a part's rows
+        return rows * m.in_features // lib.gguf_block_values(t & 0xFF) * lib.gguf_block_bytes(t & 0xFF)
+
+    def held_bytes(m, t, rows):  # as held: the file's, or interleaved in 16-row groups (the last one padded)
+        return -(-rows // 16) * lib.gguf_x16_bytes(t & 0xFF, m.in_features) if t & gk.X16 else file_bytes(m, t, rows)
+    assert sum(file_bytes(m, p.type, p.rows) for m in linears for p in m.parts) == stored
+    assert target.nbytes == sum(held_bytes(m, p.type, p.rows) for m in linears for p in m.parts), \
+        "the linears hold the file's bytes, no more (interleaved: its groups)"
+    assert all(bool(p.type & gk.X16) == lib.x16 for m in linears for p in m.parts)
     types = {t for m in linears for t in m.types()}
     assert types == {gk.TYPES[t.name] for t in options["types"].values() if t.name in gk.TYPES}
     long = list(range(3, 103))
     a, b = _logits(native, long), _logits(plain, long)
     assert (a - b).abs().max() <= LOGIT_TOL * (b.max() - b.min())
-    assert linears[0].calls["dequantised"] >= 1
+    assert linears[0].calls["int" if lib.x16 else "dequantised"] >= 1
     assert _greedy_agree(native, plain, [1, 17, 40, 99, 150], 12) >= 3
 
 
@@ -242,6 +253,8 @@ def test_default_model_native_greedy_equals_dequantised():
 def _expected_path(variant: str, lib, type_name: str, m: int, dtype: torch.dtype) -> str:
     """The products gguf_kernels.c's measured ranges give ``m`` rows (its constants, restated)."""
     from workers.backends.gguf_linear import INT_ROWS, SCALAR_FLOAT_ROWS
+    if lib.x16:  # the AVX-512 VNNI builds: the interleaved integer products at every row count
+        return "int"
     if lib.isa == 0:
         return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
     if lib.isa == 1:  # AVX2: tiles from 8 to 128 rows in either dtype
@@ -284,20 +297,27 @@ def test_gguf_linear_parts_and_row_regimes(lib, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_batch_invariant_linear_keeps_one_path(lib, dtype):
     """Batch-invariant mode: a GgufLinear of two parts (Q4_K beside Q6_K) computes every row count
-    through one path, a row the same bits alone or among 2, 8, 16, 70, 600 rows: mode 3's tiles
-    for bf16 rows on the avx512_bf16 build (whose bf16 tiles beat the integer products from a few
-    rows and on prompts: docs/performance.md "GGUF blocks"), else mode 2's integer products; and
-    hands the fused decode step the same choice (dec_gguf_t.tile_from 1 at every count, or 0)."""
+    through one path, a row the same bits alone or among 2, 8, 16, 70, 600 rows: on the AVX-512
+    VNNI builds (native, avx512) the integer products over the parts interleaved in 16-row groups
+    (the path of every row count there, invariant or not), else mode 2's integer products; and
+    hands the fused decode step the same choice (dec_gguf_t.tile_from 0, the interleaved type)."""
+    import msgspec
+
+    from workers import settings
     from workers.backends.cpu_decode import _gguf
     from workers.backends.gguf_linear import GgufLinear
-    variant = next(v for v, built in LIBS.items() if built is lib)
     k = 256
     a, b = random_weight(Q.Q4_K, 24, k, seed=5), random_weight(Q.Q6_K, 10, k, seed=6)
-    lin = GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a)),
-                                  (24, gk.TYPES["Q6_K"], torch.from_numpy(b))], torch.randn(34))
-    lin.invariant = True
-    tiles = variant == "native" and BF16_BUILD and dtype == torch.bfloat16
-    assert lin.invariant_tiles == (variant == "native" and BF16_BUILD)
+    before = settings.engine()
+    settings.apply(msgspec.structs.replace(before, batch_invariant=True))
+    try:
+        lin = GgufLinear(lib, k, 34, [(0, gk.TYPES["Q4_K"], torch.from_numpy(a)),
+                                      (24, gk.TYPES["Q6_K"], torch.from_numpy(b))], torch.randn(34))
+    finally:
+        settings.apply(before)
+    assert lin.invariant and lin.x16 == (lib.isa == 2) and not lin.invariant_tiles
+    assert [p.type & gk.X16 for p in lin.parts] == [gk.X16 * lin.x16] * 2
+    tiles = False
     x = torch.randn(600, k, generator=torch.Generator().manual_seed(4)).to(dtype)
     one = lin(x[1:2])
     for m in (2, 8, 16, 70, 600):
@@ -307,6 +327,7 @@ def test_batch_invariant_linear_keeps_one_path(lib, dtype):
     if lib.isa:
         g = _gguf(lin, None, dtype)
         assert list(g.tile_from)[:2] == [int(tiles)] * 2 and g.tile_to == 0
+        assert list(g.type)[:2] == [p.type for p in lin.parts] and list(g.rows)[:2] == [24, 10]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -401,6 +422,88 @@ def test_invariant_mode_computes_a_row_the_same_at_any_row_count(lib, m, dtype):
         for i in (range(m) if m in (5, 65) else ()):
             gk.matmul(lib, tid, x[i:i + 1].contiguous(), w, one, mode=gk.INVARIANT)
             assert torch.equal(out[i], one[0]), (qtype.name, i)
+
+
+X16_LIBS = [v for v, built in LIBS.items() if built.x16]
+
+
+@pytest.mark.parametrize("variant", X16_LIBS or ["none"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_interleaved_blocks_hold_the_files_values(variant, qtype):
+    """gguf_x16_pack (the AVX-512 VNNI builds' layout: 16 rows interleaved per 32 values): 37 rows
+    (a last group of 5, the rest zero) dequantise to the same bits as the file's blocks, fp32 and
+    bf16; the other builds refuse to pack."""
+    k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
+    tid = gk.TYPES[qtype.name]
+    w = torch.from_numpy(random_weight(qtype, 37, k, seed=3))
+    for other in (v for v, built in LIBS.items() if not built.x16):
+        with pytest.raises(ValueError, match="refused"):
+            gk.pack_x16(LIBS[other], tid, w, k)
+    if variant == "none":
+        return
+    lib = LIBS[variant]
+    p = gk.pack_x16(lib, tid, w, k)
+    assert p.shape == (3, lib.gguf_x16_bytes(tid, k))
+    if qtype not in (Q.Q4_K, Q.Q5_K):  # the K-quants keep their 6-bit scales as bytes: 64 more per group
+        assert p.shape[1] == 16 * w.shape[1]
+    for dt in (torch.float32, torch.bfloat16):
+        assert torch.equal(gk.dequantize(lib, tid | gk.X16, p, k, dt, rows=37), gk.dequantize(lib, tid, w, k, dt)), dt
+
+
+@pytest.mark.parametrize("variant", X16_LIBS or ["none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_interleaved_products_compute_a_row_the_same_at_any_row_count(variant, qtype, dtype):
+    """The interleaved integer products (modes 0 and 2 of a ``type | X16`` call): against the
+    activations times the dequantised weights within the int8 activations' rounding (as mode 2:
+    equal to it up to fp32 order), with a bias, over 37 weight rows (a last group of 5); every
+    row computed alone equals, bit for bit, the same row inside calls of 2 to 20 rows (the register
+    block of 8 and its remainders), 64, 65 and 150 rows (the passes of 64 rows); and gguf_rows,
+    which the fused decode step calls for its threads' row ranges, gives the same sums for ranges
+    that start and end inside a group."""
+    if variant == "none":
+        pytest.skip("no AVX-512 VNNI build on this host: its kernels cannot run here")
+    lib = LIBS[variant]
+    k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
+    n, tid = 37, gk.TYPES[qtype.name]
+    w = torch.from_numpy(random_weight(qtype, n, k, seed=3))
+    p = gk.pack_x16(lib, tid, w, k)
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    full = torch.empty(150, n, dtype=dtype)
+    gk.matmul(lib, tid | gk.X16, x, p, full, bias=bias, mode=gk.INVARIANT)
+    ref = x.float() @ gk.dequantize(lib, tid, w, k, torch.float32).T + bias.float()
+    assert (full.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    mode2 = torch.empty(150, n, dtype=dtype)
+    gk.matmul(lib, tid, x, w, mode2, bias=bias, mode=gk.INVARIANT)
+    # the same sums in another fp32 order: equal within fp32 rounding, or one bf16 rounding step
+    assert torch.allclose(full.float(), mode2.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 0,
+                          atol=1e-4 * ref.abs().max().item())
+    followed = list(range(20)) + [63, 64, 100, 149]
+    alone = {}
+    for i in followed:
+        alone[i] = torch.empty(1, n, dtype=dtype)
+        gk.matmul(lib, tid | gk.X16, x[i:i + 1], p, alone[i], bias=bias, mode=gk.INTEGER)
+    for m in list(range(2, 21)) + [64, 65, 150]:
+        out = torch.empty(m, n, dtype=dtype)
+        gk.matmul(lib, tid | gk.X16, x[:m], p, out, bias=bias, mode=gk.INVARIANT)
+        differ = [i for i in followed if i < m and not torch.equal(out[i], alone[i][0])]
+        assert differ == [], (m, differ)
+    # gguf_rows (fp32 sums, no bias) over ranges cut inside groups, against the call's own sums
+    import ctypes
+    nobias = torch.empty(9, n, dtype=torch.float32)
+    xf = x[:9].float().contiguous()
+    acts = gk.Activations(lib, xf)
+    gk.matmul(lib, tid | gk.X16, xf, p, nobias, acts=acts)
+    fn = lib.gguf_rows
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                   ctypes.c_void_p]
+    for n0, n1 in ((0, 37), (3, 21), (16, 32), (30, 37)):
+        res = torch.full((9, n1 - n0), float("nan"))
+        fn(tid | gk.X16, p.data_ptr(), k, acts.q.data_ptr(), acts.d.data_ptr(), acts.s.data_ptr(), 9, n0, n1,
+           res.data_ptr(), n1 - n0, 0, None)
+        assert torch.equal(res, nobias[:, n0:n1]), (n0, n1)
 
 
 @pytest.mark.parametrize("setting, bf16, invariant, tiles, want", [

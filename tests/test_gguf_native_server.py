@@ -4,9 +4,9 @@ script: with ``auto`` (the default) on a CPU without native bf16 (emulated here 
 keeps the file's Q4_1/Q8_0 blocks and its fused decode step reads them; its greedy answers are the
 in-process native model's (the same blocks, the same int8 activations); and in batch-invariant
 mode (the CPU default) a question's tokens and log-probabilities are the same alone and asked
-among others while a long prompt arrives (the integer products at every row count). On a CPU with
-native bf16 the same default keeps the blocks too, computing bf16 rows on the bf16 tiles at every
-row count. The kernels themselves: tests/test_gguf_kernels.py."""
+among others while a long prompt arrives (the integer products at every row count: on an AVX-512
+VNNI CPU over the blocks interleaved in 16-row groups). On a CPU with native bf16 the same default
+keeps the blocks too. The kernels themselves: tests/test_gguf_kernels.py."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -40,25 +40,29 @@ def native_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bf16_server(tmp_path_factory):
     """The README's server as it runs on this CPU (no override): on one with avx512_bf16, bf16
-    rows and the bf16 tiles at every row count in batch-invariant mode."""
+    rows in batch-invariant mode, its one path at every row count fast (VNNI's interleaved
+    integer products, else the bf16 tiles)."""
     from workers.kernels import gguf_kernels as gk
     from workers.backends.cpu import native_bf16
     lib = gk.load()
-    if not native_bf16() or lib is None or not lib.tile_bf16:
-        pytest.skip("needs a CPU with avx512_bf16 (the bf16 tiles)")
+    if not native_bf16() or lib is None or not (lib.x16 or lib.tile_bf16):
+        pytest.skip("needs a CPU with avx512_bf16 (and VNNI or the bf16 tiles)")
     with demo_server(tmp_path_factory.mktemp("gguf-bf16"), "", model=DEFAULT_MODEL,
                      schedule={"prefillChunkTokens": 64}) as srv:
         yield srv
 
 
 def test_auto_keeps_the_blocks_on_a_bf16_cpu_in_batch_invariant_mode(bf16_server):
-    """The default (auto) on a CPU with native bf16, batch-invariant: the file's blocks, bf16
-    tiles at every row count; a question's tokens and log-probabilities are the same alone and
-    among others while a long prompt arrives."""
+    """The default (auto) on a CPU with native bf16, batch-invariant: the file's blocks, computed
+    by VNNI's interleaved integer products (else the bf16 tiles) at every row count; a question's
+    tokens and log-probabilities are the same alone and among others while a long prompt arrives."""
+    from workers.kernels import gguf_kernels as gk
     log = bf16_server.tail(2000)
-    assert ("GGUF compute: native (cpuTuning.ggufCompute auto: batch-invariant, bf16 tiles at every row count)"
-            in log), log[-3000:]
-    assert "bf16 dequantised tiles at every row count" in log and "fused decode kernel on" in log, log[-3000:]
+    why, path = (("integer products over 16-row interleaved blocks at every row count",
+                  "integer products over the blocks interleaved in 16-row groups at every row count")
+                 if gk.load().x16 else ("bf16 tiles at every row count", "bf16 dequantised tiles at every row count"))
+    assert f"GGUF compute: native (cpuTuning.ggufCompute auto: batch-invariant, {why})" in log, log[-3000:]
+    assert path in log and "fused decode kernel on" in log, log[-3000:]
     test_answers_are_the_same_alone_and_in_a_mix(bf16_server)
     assert "Paris" in "".join(greedy_chat(bf16_server.port, QUESTIONS[0])[0])
 
@@ -67,7 +71,10 @@ def test_auto_keeps_the_blocks_where_the_cpu_has_no_native_bf16(native_server):
     log = native_server.tail(2000)
     assert "GGUF compute: native (cpuTuning.ggufCompute auto: no native bf16 on this CPU)" in log, log[-3000:]
     assert "fused decode kernel on" in log and "GGUF block (" in log, log[-3000:]
-    assert "integer products at every row count" in log  # batch-invariant mode, the CPU's default
+    from workers.kernels import gguf_kernels as gk
+    # batch-invariant mode, the CPU's default: one path at every row count
+    assert ("integer products over the blocks interleaved in 16-row groups at every row count" if gk.load().x16
+            else "integer products at every row count") in log, log[-3000:]
     conf = httpx.get(native_server.url + "/v1/config", timeout=30).json()
     assert conf["engine"]["batch_invariant"] is True
     assert "GGUF blocks" in str(conf.get("workers", conf)), conf

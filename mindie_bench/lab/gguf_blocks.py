@@ -9,18 +9,22 @@ or its dequantised weights); per batch, a prompt of ``--prompt`` tokens per sequ
 row's, as a server computes them), the models alternating in ``--rounds``. ``--threads 1`` (default)
 times CPU seconds (``time.process_time``), which a shared machine disturbs least; more threads
 time wall seconds. ``--invariant`` sets ScheduleConfig.batchInvariant in this process (the CPU
-default in a server: one path at every row count, prompts included); on the avx512_bf16 build in
-bf16 a third model, ``native int2``, times that mode's other native path (mode 2's integer products).
+default in a server: one path at every row count, prompts included). On the AVX-512 VNNI builds
+(whose native linears interleave the blocks in 16-row groups) a third model, ``native, file's
+blocks``, times the build's paths over the blocks as the file stores them (integer products and
+tiles; mode 2 or the bf16 tiles at every row count with ``--invariant``).
 
 ``--what kernels``: one linear [1536, 576] (K-quants [1536, 768]) of each block type over random
-blocks (``--file``: a GGUF file's own linears, as below), per row count, microseconds per call (best of 5): ``gguf_matmul``'s integer products and
-its dequantised tiles (mode 3) against torch's ``F.linear`` over the dequantised weights (the
+blocks (``--file``: a GGUF file's own linears, as below), per row count, microseconds per call (best of 5): ``gguf_matmul``'s integer products
+over the blocks interleaved in 16-row groups (``x16``: the AVX-512 VNNI builds' one path), over the
+file's blocks, and its dequantised tiles (mode 3) against torch's ``F.linear`` over the dequantised weights (the
 ``dequantise`` path) and over a transient copy dequantised per call; ``--variant`` times another
 instruction set's build (``avx512``: without avx512_bf16, ``avx2``), ``--dtype`` the rows' type.
-``--invariant`` instead times the three batch-invariant candidates, each computing a row in one
+``--invariant`` instead times the batch-invariant candidates, each computing a row in one
 order at any row count: ``rows`` (the dequantised weights on the C kernels' ``linear_rows``, what
-``ggufCompute: dequantise`` runs in that mode), ``int2`` (mode 2's integer products) and ``tile``
-(mode 3; ``rows`` runs this host's cpu_kernels build whatever ``--variant`` says); with
+``ggufCompute: dequantise`` runs in that mode), ``int2`` (mode 2's integer products), ``tile``
+(mode 3) and ``x16`` (the interleaved integer products; ``rows`` runs this host's cpu_kernels build
+whatever ``--variant`` says); with
 ``--file`` over a GGUF file's own linears (one of each shape and type of its first
 two layers, and the head where the rows are decode-sized, up to 64), else the random ones.
 
@@ -52,7 +56,7 @@ def _steps(args) -> None:
 
     from workers import settings
     from workers.backends.cpu import CpuBackend
-    from workers.backends.gguf_linear import GgufLinear, NativeTarget
+    from workers.backends.gguf_linear import NativeTarget
     from workers.kernels import gguf_kernels as gk
     from workers.models import default_model
     from workers.models.gguf_view import ensure_view
@@ -63,12 +67,10 @@ def _steps(args) -> None:
     view = ensure_view(Path(args.file) if args.file else default_model.default_model_file(), None)
     models = {"native": load_model(view, dtype, gguf_native=NativeTarget(gk.load()))[0],
               "dequantised": load_model(view, dtype)[0]}
-    if args.invariant and gk.load().tile_bf16 and dtype == torch.bfloat16:
-        # the mode's other native path: mode 2's integer products at every row count
-        models["native int2"] = load_model(view, dtype, gguf_native=NativeTarget(gk.load()))[0]
-        for mod in models["native int2"].modules():
-            if isinstance(mod, GgufLinear):
-                mod.invariant_tiles = False
+    if gk.load().x16:
+        # the build's paths over the file's blocks as they are (before the 16-row interleaving:
+        # integer products, tiles; mode 2, or the bf16 tiles, at every row count when invariant)
+        models["native, file's blocks"] = load_model(view, dtype, gguf_native=NativeTarget(gk.load(), interleave=False))[0]
     for m in models.values():
         CpuBackend().prepare_model(m)
 
@@ -128,23 +130,28 @@ def _kernels(args) -> None:
         _invariant_kernels(args, lib, dtype, best)
         return
     print(f"gguf_kernels {args.variant} build: {gk.ISA_NAMES[lib.isa]}, {args.dtype} rows, 1 thread, CPU us per "
-          f"call (int: gguf_matmul's integer products, activations quantised beforehand; tile: mode 3, the "
+          f"call (x16: the integer products over the blocks interleaved in 16-row groups, this build's path at "
+          f"every row count where it has them; int: gguf_matmul's integer products over the file's blocks, "
+          f"activations quantised beforehand; tile: mode 3, the "
           f"dequantised tiles, this build's choice (Q4_1) from {gk.tile_rows(lib, 3, dtype)[0] or 'never'} "
           f"rows to {gk.tile_rows(lib, 3, dtype)[1] or 'any'}; dense: torch F.linear over a {args.dtype} copy, the dequantise path; transient: the blocks "
           f"dequantised, then F.linear)")
     for name, tid, w, k in _linears(args):
         n = w.shape[0]
         wb = gk.dequantize(lib, tid, w, k, dtype)
+        w16 = gk.pack_x16(lib, tid, w, k) if lib.x16 else None
         row = []
         for m in args.batch:
             x = torch.randn(m, k).to(dtype)
             out = torch.empty(m, n, dtype=dtype)
             acts = gk.Activations(lib, x)
             t_int = best(lambda: gk.matmul(lib, tid, x, w, out, acts=acts))
+            t_x16 = best(lambda: gk.matmul(lib, tid | gk.X16, x, w16, out, acts=acts)) if lib.x16 else float("nan")
             t_tile = best(lambda: gk.matmul(lib, tid, x, w, out, mode=gk.TILE)) if lib.isa else float("nan")
             t_dense = best(lambda: F.linear(x, wb))
             t_tr = best(lambda: F.linear(x, gk.dequantize(lib, tid, w, k, dtype)))
-            row.append(f"M={m}: int {t_int:.0f} tile {t_tile:.0f} dense {t_dense:.0f} transient {t_tr:.0f}")
+            row.append(f"M={m}: x16 {t_x16:.0f} int {t_int:.0f} tile {t_tile:.0f} dense {t_dense:.0f} "
+                       f"transient {t_tr:.0f}")
         print(name, " | ".join(row), flush=True)
 
 
@@ -181,7 +188,8 @@ def _linears(args) -> list[tuple[str, int, torch.Tensor, int]]:
 
 def _invariant_kernels(args, lib, dtype: torch.dtype, best) -> None:
     """Per linear and row count: ``rows`` (linear_rows over the dequantised weights), ``int2``
-    (mode 2) and ``tile`` (mode 3), µs per call, and the tiles' ratio to the better of the others."""
+    (mode 2), ``tile`` (mode 3) and ``x16`` (the interleaved integer products, where the build
+    has them), µs per call, and x16's (else the tiles') ratio to the best of the others."""
     from workers.backends.cpu_linear import KernelLinear
     from workers.kernels import cpu_kernels
     from workers.kernels import gguf_kernels as gk
@@ -189,11 +197,13 @@ def _invariant_kernels(args, lib, dtype: torch.dtype, best) -> None:
     names = {v: k for k, v in gk.TYPES.items()}
     print(f"batch-invariant candidates, gguf_kernels {args.variant} build ({gk.ISA_NAMES[lib.isa]}), {args.dtype} "
           f"rows, 1 thread, CPU us per call (best of 5): rows = the dequantised {args.dtype} weights on linear_rows "
-          f"(ggufCompute dequantise), int2 = gguf_matmul mode 2 (activations quantised in the call), tile = mode 3")
+          f"(ggufCompute dequantise), int2 = gguf_matmul mode 2 (activations quantised in the call), tile = mode 3, "
+          f"x16 = the integer products over the blocks interleaved in 16-row groups (activations quantised in the call)")
     for name, tid, w, k in _linears(args):
         n = w.shape[0]
         dense = KernelLinear(torch.nn.Linear(k, n, bias=False, device="meta"), ck,
                              gk.dequantize(lib, tid, w, k, dtype))
+        w16 = gk.pack_x16(lib, tid, w, k) if lib.x16 else None
         row = []
         for m in args.batch:
             if name == "head" and m > 64:  # a prompt computes the head for its last row only
@@ -204,8 +214,13 @@ def _invariant_kernels(args, lib, dtype: torch.dtype, best) -> None:
             t_rows = best(lambda: dense(x), reps)
             t_int = best(lambda: gk.matmul(lib, tid, x, w, out, mode=gk.INVARIANT), reps)
             t_tile = best(lambda: gk.matmul(lib, tid, x, w, out, mode=gk.TILE), reps) if lib.isa else float("nan")
-            row.append(f"M={m}: rows {t_rows:.0f} int2 {t_int:.0f} tile {t_tile:.0f} "
-                       f"({t_tile / min(t_rows, t_int):.2f}x)")
+            if w16 is not None:
+                t_x16 = best(lambda: gk.matmul(lib, tid | gk.X16, x, w16, out, mode=gk.INVARIANT), reps)
+                row.append(f"M={m}: rows {t_rows:.0f} int2 {t_int:.0f} tile {t_tile:.0f} x16 {t_x16:.0f} "
+                           f"({t_x16 / min(t_rows, t_int, t_tile):.2f}x)")
+            else:
+                row.append(f"M={m}: rows {t_rows:.0f} int2 {t_int:.0f} tile {t_tile:.0f} "
+                           f"({t_tile / min(t_rows, t_int):.2f}x)")
         label = name if name == names[tid] else f"{name} {names[tid]}"
         print(f"{label} [{n}, {k}]:", " | ".join(row), flush=True)
 

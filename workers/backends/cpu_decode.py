@@ -220,13 +220,14 @@ def _gguf(mod: GgufLinear, rows: slice | None, dtype: torch.dtype) -> _Gguf | No
     them, or None where a part straddles the slice or there are too many."""
     start = 0 if rows is None else rows.start or 0
     stop = mod.out_features if rows is None or rows.stop is None else rows.stop
-    parts = [(r0, t, raw) for r0, t, raw in mod.parts if start <= r0 < stop]
-    if not parts or len(parts) > GGUF_PARTS or any(r0 + raw.shape[0] > stop for r0, _, raw in parts) \
-            or sum(raw.shape[0] for _, _, raw in parts) != stop - start:
+    parts = [p for p in mod.parts if start <= p.first < stop]
+    if not parts or len(parts) > GGUF_PARTS or any(p.first + p.rows > stop for p in parts) \
+            or sum(p.rows for p in parts) != stop - start:
         return None
     g = _Gguf(n_parts=len(parts))
-    for i, (r0, t, raw) in enumerate(parts):
-        g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, raw.shape[0], t, raw.data_ptr()
+    for i, (r0, t, raw, rows) in enumerate(parts):
+        # t with gk.X16: the rows interleaved in 16-row groups, which gguf_rows reads as such
+        g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, rows, t, raw.data_ptr()
         # the eager GgufLinear's ranges (one path in batch-invariant mode)
         g.tile_from[i], g.tile_to = mod.tile_range(t, dtype)
     return g

@@ -9,19 +9,23 @@ several, each its own block type); the weights then take the file's bytes, not 2
 decode step reads those bytes: the fused decode step (cpu_decode.py) reads them in place. The
 products are the C kernels' (workers/kernels/gguf_kernels.c):
 
-- few rows (decode steps): activations quantised per 32 values to int8 (as llama.cpp's Q8_0),
-  integer dot products with each weight row read from its blocks (AVX-512 VNNI, AVX2, scalar; the
-  scalar build from ``SCALAR_FLOAT_ROWS`` rows takes fp32 products over dequantised tiles
-  instead, its faster mode there), scaled per 16 values: compute-bound from a few rows;
-- from the row counts gguf_kernels.c measured (``gk.tile_rows``: 8 on the avx512_bf16 and AVX2
-  builds, Q6_K 16 in bf16; never on AVX-512 without bf16, where VNNI wins): weight tiles
-  dequantised in cache against the activations as they are (``gguf_matmul`` mode 3: bf16
-  vdpbf16ps or fp32 FMAs), per part, no transient copy of the matrix;
-- above ``INT_ROWS`` where the tiles do not reach: the layer's weights dequantised to the
-  activation dtype into a transient matrix and multiplied by oneDNN;
-- in batch-invariant mode (ScheduleConfig.batchInvariant) one path at every row count, so a
-  row's result never depends on its step: bf16 rows on the avx512_bf16 build the bf16 tiles
-  (mode 3, each sum in one order at any row count), elsewhere the integer products (mode 2).
+- on the AVX-512 VNNI builds (with or without avx512_bf16: Zen 4/5, Intel Xeons from Cascade
+  Lake): each part interleaved at load in groups of 16 rows (``gk.pack_x16``, the file's bytes),
+  activations quantised per 32 values to int8 (as llama.cpp's Q8_0), a 32-value block of 16 rows
+  summed exactly in int32 by 8 vpdpbusd and then one scale and two FMAs per block and output, at
+  every row count: 3-4x mode 2's integer products on one row, 4-5x on prompts, level with or
+  ahead of the dequantised tiles and oneDNN over bf16 copies from 64 rows (docs/performance.md
+  "GGUF blocks"); one order per (row, output) whatever the step holds, so batch-invariant mode
+  (ScheduleConfig.batchInvariant) takes it as it is;
+- elsewhere (AVX2, scalar), few rows (decode steps): integer dot products with each weight row
+  read from its blocks, scaled per 16 values (the scalar build from ``SCALAR_FLOAT_ROWS`` rows
+  fp32 products over dequantised tiles instead); from the row counts gguf_kernels.c measured
+  (``gk.tile_rows``: 8 on the AVX2 build): weight tiles dequantised in cache against the
+  activations as they are (``gguf_matmul`` mode 3: fp32 FMAs), per part; above ``INT_ROWS`` where
+  the tiles do not reach: the layer's weights dequantised into a transient matrix on oneDNN;
+- in batch-invariant mode there one path at every row count, so a row's result never depends on
+  its step: mode 2's integer products (the tiles for bf16 rows on an avx512_bf16 build without
+  VNNI, should one exist).
 
 The activation quantisation changes the results slightly against the dequantised weights
 (~0.3 % of a product's magnitude): greedy text can differ from the ``dequantise`` path where
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,29 +54,31 @@ INT_ROWS = 64
 SCALAR_FLOAT_ROWS = 16
 
 
-def compute(bf16: bool = True, tiles_every_row: Callable[[], bool] = lambda: True) -> str:
+def compute(bf16: bool = True, fast_invariant: Callable[[], bool] = lambda: True) -> str:
     """``cpuTuning.ggufCompute`` resolved: native or dequantise (ValueError for anything else).
     ``auto``: native where the CPU has no native bf16 (``bf16`` False: AVX-512 without
     avx512_bf16, AVX2), where the dequantised weights would be computed in fp32 or as bf16 weights
     under fp32 rows, 2-4x the file's bytes per token; where it has them (AVX512-BF16, AMX) with
     ScheduleConfig.batchInvariant off, where the dequantised tiles (gguf_kernels.c mode 3) tie or
     beat the bf16 copies from 8 rows and on prompts and the integer products win one row; and in
-    batch-invariant mode (the CPU default) where that mode's one path is the bf16 tiles at every
-    row count (``tiles_every_row()``, asked only there: bf16 rows on the avx512_bf16 build): against the bf16 copies
-    on linear_rows a stream decodes 1.26x faster on the default model (even on Gemma 3 270M),
-    prompts take 0.89-0.96x, and the linears keep the file's bytes, not 3.5x them. Otherwise
-    (fp32 rows there) dequantise: mode 2's integer products, that mode's other path, lose 3x on
-    prompts (docs/performance.md, "GGUF blocks")."""
+    batch-invariant mode (the CPU default) where that mode's one path is fast at every row count
+    (``fast_invariant()``, asked only there: the AVX-512 VNNI build's interleaved integer products,
+    or the avx512_bf16 build's bf16 tiles for bf16 rows), which decodes faster than the bf16 copies
+    and keeps the file's bytes, not 3.5x them. Otherwise dequantise: mode 2's integer products,
+    that mode's path on other builds, lose 3x on prompts (docs/performance.md, "GGUF blocks")."""
     value = settings.cpu().gguf_compute
     if value not in COMPUTES:
         raise ValueError(f"cpuTuning.ggufCompute must be one of {', '.join(COMPUTES)}, got {value!r}")
     if value == "auto":
-        return "dequantise" if bf16 and settings.engine().batch_invariant and not tiles_every_row() else "native"
+        return "dequantise" if bf16 and settings.engine().batch_invariant and not fast_invariant() else "native"
     return value
 
 
 def regimes(lib: ctypes.CDLL, dtype: torch.dtype) -> str:
     """The products a native linear takes per row count on this build (a Q4_1 part), in words."""
+    if lib.x16:
+        return ("integer products over the blocks interleaved in 16-row groups at every row count "
+                "(one order per row, prompts included)")
     if settings.engine().batch_invariant:
         one = "bf16 dequantised tiles" if lib.tile_bf16 and dtype == torch.bfloat16 else "integer products"
         return f"{one} at every row count (ScheduleConfig.batchInvariant: one order per row, prompts included)"
@@ -88,41 +94,60 @@ def regimes(lib: ctypes.CDLL, dtype: torch.dtype) -> str:
             + (f" to {hi} rows, a transient dequantised matrix on oneDNN above" if hi else " rows on"))
 
 
+class Part(NamedTuple):
+    """Output rows ``first`` .. ``first + rows`` of a GgufLinear: ``data`` uint8, the file's blocks
+    [rows, row bytes] of ggml type ``type``, or (``type`` with gk.X16) those rows interleaved in
+    groups of 16 (gk.pack_x16)."""
+    first: int
+    type: int
+    data: torch.Tensor
+    rows: int
+
+
 class GgufLinear(nn.Module):
     """``x @ W.T (+ bias)`` with W [out_features, in_features] held as ``parts``: (first output row,
     ggml type id, uint8 [rows, row bytes] blocks) covering every output row once."""
 
     def __init__(self, lib: ctypes.CDLL, in_features: int, out_features: int,
-                 parts: list[tuple[int, int, torch.Tensor]], bias: torch.Tensor | None):
+                 parts: list[tuple[int, int, torch.Tensor]], bias: torch.Tensor | None, interleave: bool = True):
         super().__init__()
         self.lib, self.in_features, self.out_features = lib, in_features, out_features
-        self.parts = sorted(parts, key=lambda p: p[0])
-        covered = sum(raw.shape[0] for _, _, raw in self.parts)
+        given = sorted(parts, key=lambda p: p[0])
+        covered = sum(raw.shape[0] for _, _, raw in given)
         if covered != out_features:
             raise ValueError(f"GGUF linear: parts cover {covered} of {out_features} output rows")
         self.bias = bias
-        # batch-invariant mode: one path at every row count (prompts included): mode 3's bf16 tiles
-        # for bf16 rows on the avx512_bf16 build, else mode 2's integer products
+        # The AVX-512 VNNI builds interleave the parts in 16-row groups and take their integer
+        # products at every row count (one order per row: batch-invariant as they are; faster than
+        # the other paths from one row up, level with the tiles on prompts). Elsewhere
+        # batch-invariant mode keeps one path at every row count: mode 3's bf16 tiles for bf16 rows
+        # on an avx512_bf16 build without VNNI (none known), else mode 2's integer products.
         self.invariant = settings.engine().batch_invariant
-        self.invariant_tiles = bool(getattr(lib, "tile_bf16", False))
+        self.x16 = interleave and bool(getattr(lib, "x16", False))  # interleave False: the build's other paths
+        self.invariant_tiles = bool(getattr(lib, "tile_bf16", False)) and not self.x16
+        self.parts = [Part(r0, t | gk.X16, gk.pack_x16(lib, t, raw, in_features), raw.shape[0]) if self.x16
+                      else Part(r0, t, raw, raw.shape[0]) for r0, t, raw in given]
         # each part type's tile ranges per activation dtype, asked of the library once: forward
         # chooses a path per part on every call
-        self._tiles = {(t, dt): gk.tile_rows(lib, t, dt) for _, t, _ in self.parts
+        self._tiles = {(p.type, dt): gk.tile_rows(lib, p.type & 0xFF, dt) for p in self.parts
                        for dt in (torch.float32, torch.bfloat16)}
         # which products ran, counted once a call per kind (tests check the path)
         self.calls = {"int": 0, "tile": 0, "float": 0, "dequantised": 0}
 
     def nbytes(self) -> int:
-        return sum(raw.numel() for _, _, raw in self.parts)
+        return sum(p.data.numel() for p in self.parts)
 
     def types(self) -> set[int]:
-        return {t for _, t, _ in self.parts}
+        """The parts' ggml type ids (without gk.X16)."""
+        return {p.type & 0xFF for p in self.parts}
 
     def tile_range(self, type_id: int, dtype: torch.dtype) -> tuple[int, int]:
         """(from, to) rows where a part of ``type_id`` takes the dequantised tiles (gk.tile_rows).
         Batch-invariant mode keeps one path at every row count: (1, 0), the tiles at every count,
         for bf16 rows on the avx512_bf16 build (each sum in one order whatever the rows around it:
         tests/test_gguf_kernels.py); else (0, 0), mode 2's integer products."""
+        if type_id & gk.X16:
+            return (0, 0)
         if self.invariant:
             return (1, 0) if self.invariant_tiles and dtype == torch.bfloat16 else (0, 0)
         return self._tiles[type_id, dtype]
@@ -137,7 +162,7 @@ class GgufLinear(nn.Module):
         lo, hi = self.tile_range(type_id, dtype)
         if lo and m >= lo and (not hi or m <= hi):
             return "tile"
-        if self.invariant:
+        if self.invariant or type_id & gk.X16:
             return "int"
         if self.lib.isa == 0:
             return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
@@ -149,7 +174,7 @@ class GgufLinear(nn.Module):
         rows = rows.to(dtype).contiguous()
         m = rows.shape[0]
         bias = None if self.bias is None else self.bias.detach().to(dtype)
-        paths = [self.path(tid, m, dtype) for _, tid, _ in self.parts]
+        paths = [self.path(p.type, m, dtype) for p in self.parts]
         for p in set(paths):
             self.calls[p] += 1
         if all(p == "dequantised" for p in paths):
@@ -158,8 +183,7 @@ class GgufLinear(nn.Module):
         out = torch.empty((m, self.out_features), dtype=torch.float32 if "float" in paths else dtype)
         acts = gk.Activations(self.lib, rows) if "int" in paths else None
         xf = rows.float().contiguous() if "float" in paths else None
-        for (r0, tid, raw), p in zip(self.parts, paths):
-            n = raw.shape[0]
+        for (r0, tid, raw, n), p in zip(self.parts, paths):
             b = None if bias is None else bias[r0:r0 + n]
             dst = out[:, r0:r0 + n]
             if p == "int":  # decode rows; in batch-invariant mode every row count, one order per row
@@ -170,14 +194,14 @@ class GgufLinear(nn.Module):
             elif p == "float":
                 gk.matmul(self.lib, tid, xf, raw, dst, mode=gk.FLOAT, bias=None if b is None else b.float())
             else:
-                dst.copy_(F.linear(rows, gk.dequantize(self.lib, tid, raw, self.in_features, dtype), b))
+                dst.copy_(F.linear(rows, gk.dequantize(self.lib, tid, raw, self.in_features, dtype, rows=n), b))
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
         """The [out, in] weight in ``dtype`` (fp32 or bf16), computed from the blocks (transient)."""
         w = torch.empty((self.out_features, self.in_features), dtype=dtype)
-        for r0, tid, raw in self.parts:
-            gk.dequantize(self.lib, tid, raw, self.in_features, dtype, out=w[r0:r0 + raw.shape[0]])
+        for r0, tid, raw, n in self.parts:
+            gk.dequantize(self.lib, tid, raw, self.in_features, dtype, out=w[r0:r0 + n], rows=n)
         return w
 
     @property
@@ -189,8 +213,9 @@ class GgufLinear(nn.Module):
 class NativeTarget:
     """What the GGUF loader builds native linears with (gguf_loader.GgufTarget)."""
 
-    def __init__(self, lib: ctypes.CDLL, bf16: bool = False):
+    def __init__(self, lib: ctypes.CDLL, bf16: bool = False, interleave: bool = True):
         self.lib, self.bf16 = lib, bf16  # bf16: the CPU computes bf16 natively (the log's reason)
+        self.interleave = interleave  # False: the file's blocks as they are (benchmarks compare)
         self.count = 0
         self.nbytes = 0
 
@@ -200,7 +225,7 @@ class NativeTarget:
 
     def linear(self, parts: list[tuple[int, int, torch.Tensor]], in_features: int, out_features: int,
                bias: torch.Tensor | None) -> nn.Module:
-        lin = GgufLinear(self.lib, in_features, out_features, parts, bias)
+        lin = GgufLinear(self.lib, in_features, out_features, parts, bias, self.interleave)
         self.count += 1
         self.nbytes += lin.nbytes()
         return lin
@@ -209,8 +234,9 @@ class NativeTarget:
         if self.count:
             setting = settings.cpu().gguf_compute
             why = (": no native bf16 on this CPU" if not self.bf16 else
-                   ": batch-invariant, bf16 tiles at every row count" if settings.engine().batch_invariant else
-                   ": ScheduleConfig.batchInvariant off")
+                   ": ScheduleConfig.batchInvariant off" if not settings.engine().batch_invariant else
+                   ": batch-invariant, integer products over 16-row interleaved blocks at every row count"
+                   if self.lib.x16 else ": batch-invariant, bf16 tiles at every row count")
             log.info("GGUF compute: native (cpuTuning.ggufCompute %s%s), %d linear layers in their blocks (%s, "
                      "%.1f MiB) on the C kernels (%s): %s", setting, why if setting == "auto" else "", self.count,
                      "/".join(sorted(types)), self.nbytes / 2**20, gk.ISA_NAMES[self.lib.isa],
@@ -222,17 +248,17 @@ def native_target(bf16: bool = True, dtype: torch.dtype = torch.bfloat16) -> Nat
     (``ggufCompute: dequantise``, or no C kernels: the reason logged once)."""
     lib = None
 
-    def tiles_every_row() -> bool:  # loads the kernels only where auto's answer depends on them
+    def fast_invariant() -> bool:  # loads the kernels only where auto's answer depends on them
         nonlocal lib
-        lib = gk.load() if dtype == torch.bfloat16 else None
-        return lib is not None and lib.tile_bf16
+        lib = gk.load()
+        return lib is not None and (lib.x16 or (lib.tile_bf16 and dtype == torch.bfloat16))
 
-    if compute(bf16, tiles_every_row) != "native":
+    if compute(bf16, fast_invariant) != "native":
         auto = settings.cpu().gguf_compute == "auto"
         log.info("GGUF compute: dequantise (cpuTuning.ggufCompute %s%s): linear weights dequantised at load",
                  settings.cpu().gguf_compute,
                  f": this CPU computes bf16 natively and the worker runs batch-invariant with {dtype} rows, "
-                 "whose one native path is the integer products" if auto else "")
+                 "whose one native path on these kernels is mode 2's integer products" if auto else "")
         return None
     lib = lib or gk.load()
     if lib is None:

@@ -284,6 +284,32 @@ static void unpack_row(int type, const uint8_t *src, int64_t K, uint8_t *q, floa
  * values). dt: 0 fp32, 1 bf16. One row here (the fused
  * decode step in cpu_kernels.c calls it through a pointer), many in gguf_quantize. */
 void gguf_quantize_row(int dt, const void *x, int64_t K, int8_t *xq, float *d4, float *s16) {
+#if GG_ISA == 2
+    /* the loop below, 32 values a step (the same values: an exact maximum, the same division and
+     * rounding to nearest even, exact integer sums); a prompt's rows are quantised per linear */
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        const int64_t k0 = blk * 32;
+        __m512 v0, v1;
+        if (dt == 1) {
+            const uint16_t *p = (const uint16_t *)x + k0;
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+        } else {
+            v0 = _mm512_loadu_ps((const float *)x + k0);
+            v1 = _mm512_loadu_ps((const float *)x + k0 + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(xq + k0), _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(xq + k0 + 16), _mm512_cvtepi32_epi8(i1));
+        _mm256_storeu_ps(d4 + 8 * blk, _mm256_set1_ps(d));
+        s16[2 * blk] = d * (float)_mm512_reduce_add_epi32(i0);
+        s16[2 * blk + 1] = d * (float)_mm512_reduce_add_epi32(i1);
+    }
+    return;
+#endif
     float v[32];
     for (int64_t blk = 0; blk < K / 32; blk++) {
         const int64_t k0 = blk * 32;
@@ -1059,6 +1085,378 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
     return s;
 }
 
+/* ---- 16-row interleaved blocks: integer products fast at every row count (AVX-512 VNNI) ----
+ * Mode 2 computes a row's products with the weight row's values along the vector lanes: every
+ * vpdpbusd lane sums 4 products that then need their own conversion, scale and FMA (the scales
+ * change every 16-32 values), about 8 instructions per 64 products, which makes it compute-bound
+ * from one row and 4-5x slower than the dequantised tiles on prompts. Here the weights of 16
+ * output rows are interleaved at load (gguf_x16_pack): a zmm holds 4 consecutive values of each of
+ * the 16 rows, so 8 vpdpbusd (the activation's 4 bytes broadcast) sum a whole 32-value block of 16
+ * rows in int32 exactly, and the block then costs one conversion, one scale and two FMAs for all
+ * 16 outputs: out[m, n] = sum over blocks (in order) of fma(isum, a[n] * dx[m], acc) then
+ * fma(b[n], sx[m], acc), with w = a * q + b as in mode 0 (Q6_K: per 16-value half). Each (row,
+ * output) sum runs in that one order whatever the row count, the register block or the rows beside
+ * it (integer sums are exact, and no horizontal sum is taken), so batch-invariant mode takes it at
+ * every row count. The layout of one group of 16 rows, for each 32 values (K-quants: after each
+ * super-block's d[16], dmin[16] (Q4_K, Q5_K) or d[16] (Q6_K) as the file's fp16):
+ * - scales: d[16] fp16 (+ m[16] fp16: Q4_1, Q5_1); K-quants sc[16], m[16] bytes; Q6_K sc[16] x 2 int8;
+ * - Q5 types: 8 masks of 64 bits (bit 4 o + i of mask t: the fifth bit of value 4 t + i of row o);
+ * - 4-bit values: 4 x 64 bytes, byte 4 o + i of vector u: value 8 u + i (low nibble) and 8 u + 4 + i;
+ *   Q8_0 instead 8 x 64 bytes of q + 128 (vector t: values 4 t .. 4 t + 3 of each row);
+ * - Q6_K's high 2 bits: 2 x 64 bytes, bits 2 s of byte 4 o + i of vector h: value 4 (4 h + s) + i.
+ * Rows past N in the last group are zero (their outputs are never stored). The layout takes the
+ * file's bytes (K-quants 64 bytes more per 16 rows and 256 values: their 6-bit scales as bytes). */
+#define X16 0x100
+
+int gguf_x16_supported(void) { return GG_ISA == 2; }
+
+/* bytes of one group of 16 rows of K values in the interleaved layout; 0 for a type or K not covered */
+int64_t gguf_x16_bytes(int type, int64_t K) {
+    const int64_t bv = gguf_block_values(type);
+    if (!bv || K % bv) return 0;
+    const int64_t n32 = K / 32, n256 = K / 256;
+    switch (type) {
+    case T_Q4_0: return n32 * (32 + 256);
+    case T_Q4_1: return n32 * (64 + 256);
+    case T_Q5_0: return n32 * (32 + 64 + 256);
+    case T_Q5_1: return n32 * (64 + 64 + 256);
+    case T_Q8_0: return n32 * (32 + 512);
+    case T_Q4_K: return n256 * 64 + n32 * (32 + 256);
+    case T_Q5_K: return n256 * 64 + n32 * (32 + 64 + 256);
+    case T_Q6_K: return n256 * 32 + n32 * (32 + 384);
+    default: return 0;
+    }
+}
+
+static inline void wr16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+
+/* the interleaved values of one 32-value block of row o (q: its 32 unsigned values, unpack_row's)
+ * into the block's value section p (after its scales) */
+static void x16_put_values(int type, const uint8_t *q, int o, uint8_t *p) {
+    if (type == T_Q8_0) {
+        for (int t = 0; t < 8; t++)
+            for (int i = 0; i < 4; i++) p[64 * t + 4 * o + i] = q[4 * t + i];
+        return;
+    }
+    if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+        for (int t = 0; t < 8; t++) {
+            uint64_t m;
+            memcpy(&m, p + 8 * t, 8);
+            for (int i = 0; i < 4; i++) m |= (uint64_t)((q[4 * t + i] >> 4) & 1) << (4 * o + i);
+            memcpy(p + 8 * t, &m, 8);
+        }
+        p += 64;
+    }
+    for (int u = 0; u < 4; u++)
+        for (int i = 0; i < 4; i++)
+            p[64 * u + 4 * o + i] = (uint8_t)((q[8 * u + i] & 0xF) | (q[8 * u + 4 + i] & 0xF) << 4);
+    if (type == T_Q6_K)
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < 4; i++) {
+                uint8_t v = 0;
+                for (int s = 0; s < 4; s++) v |= (uint8_t)(((q[4 * (4 * h + s) + i] >> 4) & 3) << (2 * s));
+                p[256 + 64 * h + 4 * o + i] = v;
+            }
+}
+
+/* The value section of one 32-value block of row o back into q (x16_put_values' inverse) */
+static void x16_get_values(int type, const uint8_t *p, int o, uint8_t *q) {
+    if (type == T_Q8_0) {
+        for (int t = 0; t < 8; t++)
+            for (int i = 0; i < 4; i++) q[4 * t + i] = p[64 * t + 4 * o + i];
+        return;
+    }
+    const uint8_t *masks = NULL;
+    if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+        masks = p;
+        p += 64;
+    }
+    for (int u = 0; u < 4; u++)
+        for (int i = 0; i < 4; i++) {
+            q[8 * u + i] = p[64 * u + 4 * o + i] & 0xF;
+            q[8 * u + 4 + i] = p[64 * u + 4 * o + i] >> 4;
+        }
+    if (masks)
+        for (int t = 0; t < 8; t++) {
+            uint64_t m;
+            memcpy(&m, masks + 8 * t, 8);
+            for (int i = 0; i < 4; i++) q[4 * t + i] |= (uint8_t)(((m >> (4 * o + i)) & 1) << 4);
+        }
+    if (type == T_Q6_K)
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int i = 0; i < 4; i++)
+                    q[4 * (4 * h + s) + i] |= (uint8_t)(((p[256 + 64 * h + 4 * o + i] >> (2 * s)) & 3) << 4);
+}
+
+static inline int64_t x16_value_bytes(int type) {
+    return type == T_Q8_0 ? 512 : type == T_Q6_K ? 384 :
+           type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ? 320 : 256;
+}
+
+/* scale bytes before each 32-value block's values (d, m; K-quants sc, m; Q6_K two sc), and each
+ * K-quant super-block's header (d, dmin; Q6_K d) */
+static inline int64_t x16_scale_bytes(int type) {
+    return type == T_Q4_1 || type == T_Q5_1 ? 64 : 32;
+}
+static inline int64_t x16_head_bytes(int type) {
+    return type == T_Q4_K || type == T_Q5_K ? 64 : type == T_Q6_K ? 32 : 0;
+}
+
+/* w [N rows of the file's blocks] -> dst [ceil(N / 16) groups of gguf_x16_bytes]. -1: not covered
+ * (or not this build: the kernels below are AVX-512 VNNI's) */
+int gguf_x16_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *dst) {
+    const int64_t gb = gguf_x16_bytes(type, K);
+    if (!gb || GG_ISA != 2 || N < 0) return -1;
+    const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), groups = (N + 15) / 16;
+    const int64_t G = K / 16, sb = x16_scale_bytes(type), vb = x16_value_bytes(type), hb = x16_head_bytes(type);
+    int failed = 0;
+    _Pragma("omp parallel if (groups > 1 && N * K > 65536)")
+    {
+        uint8_t *q = malloc((size_t)(K + 64));
+        float *a = malloc((size_t)(G * 4 + 64)), *b = malloc((size_t)(G * 4 + 64));
+        if (!q || !a || !b) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < groups; g++) {
+            if (failed) continue;
+            uint8_t *out = dst + g * gb;
+            memset(out, 0, (size_t)gb);
+            for (int o = 0; o < 16 && g * 16 + o < N; o++) {
+                const uint8_t *row = w + (g * 16 + o) * rb;
+                unpack_row(type, row, K, q, a, b);
+                uint8_t *p = out;
+                for (int64_t j = 0; j < K / 32; j++) {
+                    if (hb && j % 8 == 0) {  /* a K-quant super-block's header: the file's d (and dmin) */
+                        const uint8_t *x = row + j / 8 * gguf_block_bytes(type);
+                        if (type == T_Q6_K) {
+                            wr16(p + 2 * o, rd16(x + 208));
+                        } else {
+                            wr16(p + 2 * o, rd16(x));
+                            wr16(p + 32 + 2 * o, rd16(x + 2));
+                        }
+                        p += hb;
+                    }
+                    if (type == T_Q4_K || type == T_Q5_K) {
+                        uint8_t sc, m;
+                        scale_min_k4((int)(j % 8), row + j / 8 * gguf_block_bytes(type) + 4, &sc, &m);
+                        p[o] = sc;
+                        p[16 + o] = m;
+                    } else if (type == T_Q6_K) {
+                        const int8_t *sc = (const int8_t *)(row + j / 8 * gguf_block_bytes(type) + 192);
+                        p[o] = (uint8_t)sc[2 * (j % 8)];
+                        p[16 + o] = (uint8_t)sc[2 * (j % 8) + 1];
+                    } else {
+                        const uint8_t *x = row + j * gguf_block_bytes(type);
+                        wr16(p + 2 * o, rd16(x));
+                        if (type == T_Q4_1 || type == T_Q5_1) wr16(p + 32 + 2 * o, rd16(x + 2));
+                    }
+                    p += sb;
+                    x16_put_values(type, q + 32 * j, o, p);
+                    p += vb;
+                }
+            }
+        }
+        free(q);
+        free(a);
+        free(b);
+    }
+    return failed ? -1 : 0;
+}
+
+/* row o of group gp as unpack_row gives it: q[K], a[K / 16], b[K / 16], the same values */
+static void x16_unpack_row(int type, const uint8_t *gp, int o, int64_t K, uint8_t *q, float *a, float *b) {
+    const int64_t sb = x16_scale_bytes(type), vb = x16_value_bytes(type), hb = x16_head_bytes(type);
+    const uint8_t *p = gp;
+    float d = 0.0f, dmin = 0.0f;
+    for (int64_t j = 0; j < K / 32; j++) {
+        if (hb && j % 8 == 0) {
+            d = f16_to_f32(rd16(p + 2 * o));
+            if (type != T_Q6_K) dmin = f16_to_f32(rd16(p + 32 + 2 * o));
+            p += hb;
+        }
+        float a0, a1, b0, b1;
+        if (type == T_Q4_K || type == T_Q5_K) {
+            const uint8_t sc = p[o], m = p[16 + o];
+            a0 = a1 = d * sc;
+            b0 = b1 = -dmin * m;
+        } else if (type == T_Q6_K) {
+            const int8_t s0 = (int8_t)p[o], s1 = (int8_t)p[16 + o];
+            a0 = d * s0;
+            a1 = d * s1;
+            b0 = -32.0f * d * s0;
+            b1 = -32.0f * d * s1;
+        } else {
+            const float dd = f16_to_f32(rd16(p + 2 * o));
+            a0 = a1 = dd;
+            b0 = b1 = type == T_Q4_0 ? -8.0f * dd : type == T_Q5_0 ? -16.0f * dd : type == T_Q8_0 ? -128.0f * dd
+                    : f16_to_f32(rd16(p + 32 + 2 * o));
+        }
+        a[2 * j] = a0;
+        a[2 * j + 1] = a1;
+        b[2 * j] = b0;
+        b[2 * j + 1] = b1;
+        p += sb;
+        x16_get_values(type, p, o, q + 32 * j);
+        p += vb;
+    }
+}
+
+#if GG_ISA == 2
+static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* one row's 8 x 4-value sums into s (int32 per output), the activation's 4 bytes broadcast */
+#define X16_DOT(S, X, T0) do { \
+        S = _mm512_dpbusd_epi32(S, w[(T0) + 0], _mm512_set1_epi32(ld32((X) + 4 * ((T0) + 0)))); \
+        S = _mm512_dpbusd_epi32(S, w[(T0) + 1], _mm512_set1_epi32(ld32((X) + 4 * ((T0) + 1)))); \
+        S = _mm512_dpbusd_epi32(S, w[(T0) + 2], _mm512_set1_epi32(ld32((X) + 4 * ((T0) + 2)))); \
+        S = _mm512_dpbusd_epi32(S, w[(T0) + 3], _mm512_set1_epi32(ld32((X) + 4 * ((T0) + 3)))); \
+    } while (0)
+#define X16_ROW(r, ACC) do { \
+        if (MR > (r)) { \
+            const int8_t *x_ = xq + (r) * K + 32 * j; \
+            const float dx_ = d4[(r) * G4 + 8 * j]; \
+            const float *s_ = s16 + (r) * G + 2 * j; \
+            __m512i t0_ = _mm512_setzero_si512(); \
+            X16_DOT(t0_, x_, 0); \
+            if (type == T_Q6_K) { \
+                __m512i t1_ = _mm512_setzero_si512(); \
+                X16_DOT(t1_, x_, 4); \
+                ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0_), _mm512_mul_ps(a0, _mm512_set1_ps(dx_)), ACC); \
+                ACC = _mm512_fmadd_ps(b0, _mm512_set1_ps(s_[0]), ACC); \
+                ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1_), _mm512_mul_ps(a1, _mm512_set1_ps(dx_)), ACC); \
+                ACC = _mm512_fmadd_ps(b1, _mm512_set1_ps(s_[1]), ACC); \
+            } else { \
+                X16_DOT(t0_, x_, 4); \
+                ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0_), _mm512_mul_ps(a0, _mm512_set1_ps(dx_)), ACC); \
+                ACC = _mm512_fmadd_ps(b0, _mm512_set1_ps(s_[0] + s_[1]), ACC); \
+            } \
+        } \
+    } while (0)
+
+/* the 16 outputs of group gp for MR (1-8) activation rows: res[r * 16 + o]. type and MR are
+ * constants in each call (x16_group's switch): the accumulators stay in registers */
+static inline __attribute__((always_inline)) void x16_rows(const int type, const int MR, const uint8_t *gp, int64_t K,
+                                                           const int8_t *xq, const float *d4, const float *s16,
+                                                           float *res) {
+    const int64_t G = K / 16, G4 = K / 4, sb = x16_scale_bytes(type), vb = x16_value_bytes(type);
+    const int64_t hb = x16_head_bytes(type);
+    const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3), sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
+           acc6 = acc0, acc7 = acc0;
+    __m512 dv = acc0, dm = acc0;
+    const uint8_t *p = gp;
+    for (int64_t j = 0; j < K / 32; j++) {
+        if (hb && j % 8 == 0) {
+            dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+            if (type != T_Q6_K) dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+            p += hb;
+        }
+        __m512 a0, a1 = acc0, b0, b1 = acc0;
+        if (type == T_Q4_K || type == T_Q5_K) {
+            a0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))));
+            b0 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), sign)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))));
+        } else if (type == T_Q6_K) {
+            const __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+            const __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+            const __m512 d32 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), dv);
+            a0 = _mm512_mul_ps(dv, s0);
+            a1 = _mm512_mul_ps(dv, s1);
+            b0 = _mm512_mul_ps(d32, s0);
+            b1 = _mm512_mul_ps(d32, s1);
+        } else {
+            a0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+            b0 = type == T_Q4_1 || type == T_Q5_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
+               : _mm512_mul_ps(_mm512_set1_ps(type == T_Q4_0 ? -8.0f : type == T_Q5_0 ? -16.0f : -128.0f), a0);
+        }
+        p += sb;
+        __m512i w[8];
+        if (type == T_Q8_0) {
+            for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(p + 64 * t);
+        } else {
+            const uint8_t *v = p + (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ? 64 : 0);
+            for (int u = 0; u < 4; u++) {
+                const __m512i n = _mm512_loadu_si512(v + 64 * u);
+                w[2 * u] = _mm512_and_si512(n, m4);
+                w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
+            }
+            if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+                const __m512i five = _mm512_set1_epi8(0x10);
+                for (int t = 0; t < 8; t++) {
+                    uint64_t mk;
+                    memcpy(&mk, p + 8 * t, 8);
+                    w[t] = _mm512_or_si512(w[t], _mm512_maskz_mov_epi8((__mmask64)mk, five));
+                }
+            }
+            if (type == T_Q6_K)
+                for (int h = 0; h < 2; h++) {
+                    const __m512i hv = _mm512_loadu_si512(p + 256 + 64 * h);
+                    for (int s = 0; s < 4; s++)
+                        w[4 * h + s] = _mm512_or_si512(w[4 * h + s], _mm512_slli_epi16(
+                            _mm512_and_si512(_mm512_srli_epi16(hv, 2 * s), m2), 4));
+                }
+        }
+        p += vb;
+        X16_ROW(0, acc0);
+        X16_ROW(1, acc1);
+        X16_ROW(2, acc2);
+        X16_ROW(3, acc3);
+        X16_ROW(4, acc4);
+        X16_ROW(5, acc5);
+        X16_ROW(6, acc6);
+        X16_ROW(7, acc7);
+    }
+    const __m512 acc[8] = {acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7};
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(res + 16 * r, acc[r]);
+}
+
+#define X16_MR(T) do { switch (mr) {                                   \
+    case 8: x16_rows(T, 8, gp, K, xq, d4, s16, res); break;            \
+    case 7: x16_rows(T, 7, gp, K, xq, d4, s16, res); break;            \
+    case 6: x16_rows(T, 6, gp, K, xq, d4, s16, res); break;            \
+    case 5: x16_rows(T, 5, gp, K, xq, d4, s16, res); break;            \
+    case 4: x16_rows(T, 4, gp, K, xq, d4, s16, res); break;            \
+    case 3: x16_rows(T, 3, gp, K, xq, d4, s16, res); break;            \
+    case 2: x16_rows(T, 2, gp, K, xq, d4, s16, res); break;            \
+    default: x16_rows(T, 1, gp, K, xq, d4, s16, res); break; } } while (0)
+
+static void x16_group(int type, const uint8_t *gp, int64_t K, const int8_t *xq, const float *d4, const float *s16,
+                      int mr, float *res) {
+    switch (type) {
+    case T_Q4_0: X16_MR(T_Q4_0); break;
+    case T_Q4_1: X16_MR(T_Q4_1); break;
+    case T_Q5_0: X16_MR(T_Q5_0); break;
+    case T_Q5_1: X16_MR(T_Q5_1); break;
+    case T_Q8_0: X16_MR(T_Q8_0); break;
+    case T_Q4_K: X16_MR(T_Q4_K); break;
+    case T_Q5_K: X16_MR(T_Q5_K); break;
+    case T_Q6_K: X16_MR(T_Q6_K); break;
+    }
+}
+#endif
+
+#if GG_ISA == 2
+/* rows n0 .. n1 of interleaved weights w against M quantised activation rows: res[m * ldr + n - n0]
+ * (gguf_rows' contract; the fused decode step splits the rows over its team) */
+static void x16_range(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
+                      int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr) {
+    const int64_t gb = gguf_x16_bytes(type, K), G = K / 16;
+    for (int64_t g = n0 / 16; g * 16 < n1; g++) {
+        const int64_t lo = g * 16 > n0 ? g * 16 : n0, hi = g * 16 + 16 < n1 ? g * 16 + 16 : n1;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int mr = M - m0 < 8 ? (int)(M - m0) : 8;
+            float r16[8 * 16];
+            x16_group(type, w + g * gb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, r16);
+            for (int r = 0; r < mr; r++)
+                for (int64_t n = lo; n < hi; n++) res[(m0 + r) * ldr + n - n0] = r16[16 * r + n - g * 16];
+        }
+    }
+}
+#endif
+
 /* Weight rows n0 .. n1 of w (raw blocks) against M activation rows quantised by gguf_quantize_row:
  * res[m * ldr + n - n0] = the sum, no bias, one thread (the caller splits rows over its team: the
  * fused decode step in cpu_kernels.c, through a pointer). Each row as gguf_matmul's decode path
@@ -1068,6 +1466,12 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
  * sum as gguf_matmul's mode 3 computes it. */
 void gguf_rows(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr, int dt, const void *x) {
+#if GG_ISA == 2
+    if (type & X16) {  /* interleaved 16-row groups (gguf_x16_pack): the integer products, one order */
+        x16_range(type & 0xFF, w, K, xq, d4, s16, M, n0, n1, res, ldr);
+        return;
+    }
+#endif
     const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), G = K / 16;
 #if GG_ISA >= 1
     if (x && !tile_rows(type, w, K, dt, x, M, n0, n1, res, ldr)) return;
@@ -1098,6 +1502,32 @@ static inline float load(int dt, const void *p, int64_t i) {
     return dt == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+#if GG_ISA == 2
+/* gguf_matmul of interleaved weights (type | X16): the integer products at every row count, 64
+ * activation rows at a time (they stay in cache while the groups stream past), parallel over groups */
+static int x16_matmul(int type, int dt, int64_t M, int64_t K, const int8_t *xq, const float *d4, const float *s16,
+                      const uint8_t *w, int64_t N, const void *bias, void *out, int64_t ldo) {
+    const int64_t gb = gguf_x16_bytes(type, K), groups = (N + 15) / 16, G = K / 16;
+    if (!gb) return -1;
+    for (int64_t t0 = 0; t0 < M; t0 += DIRECT_ROWS) {
+        const int64_t t1 = M - t0 < DIRECT_ROWS ? M : t0 + DIRECT_ROWS;
+        _Pragma("omp parallel for schedule(static) if (groups > 1 && N * K > 65536)")
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t m0 = t0; m0 < t1; m0 += 8) {
+                const int mr = t1 - m0 < 8 ? (int)(t1 - m0) : 8;
+                float res[8 * 16];
+                x16_group(type, w + g * gb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, res);
+                for (int r = 0; r < mr; r++)
+                    for (int64_t n = g * 16; n < N && n < g * 16 + 16; n++) {
+                        const float v = res[16 * r + n - g * 16];
+                        store(dt, out, (m0 + r) * ldo + n, bias ? v + load(dt, bias, n) : v);
+                    }
+            }
+    }
+    return 0;
+}
+#endif
+
 /* out[m * ldo + n] (dt: 0 fp32, 1 bf16; bias of that type or NULL) for the N rows of w (raw
  * blocks, row after row). mode 0 and 2: xq, d4, s16 from gguf_quantize (x unused); mode 1: x fp32
  * [M, K]; mode 3 (AVX2 and AVX-512 builds): x [M, K] of type dt, the dequantised tiles.
@@ -1105,6 +1535,14 @@ static inline float load(int dt, const void *p, int64_t i) {
 int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x, const int8_t *xq,
                 const float *d4, const float *s16, const uint8_t *w, int64_t N, const void *bias, void *out,
                 int64_t ldo) {
+    if (type & X16) {  /* interleaved 16-row groups: the integer products (modes 0 and 2 alike) */
+#if GG_ISA == 2
+        return (mode == 0 || mode == 2) && M >= 0 && N >= 0 ? x16_matmul(type & 0xFF, dt, M, K, xq, d4, s16, w, N,
+                                                                         bias, out, ldo) : -1;
+#else
+        return -1;
+#endif
+    }
     const int64_t bv = gguf_block_values(type);
     if (!bv || K % bv || M < 0 || N < 0) return -1;
     const int64_t rb = K / bv * gguf_block_bytes(type), G = K / 16;
@@ -1214,8 +1652,10 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
 /* The N rows of w dequantised to out [N, K] (dt: 0 fp32, 1 bf16): large steps' products go to
  * oneDNN over this transient copy (gguf_linear.py measures where that wins). */
 int gguf_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, int dt, void *out) {
-    const int64_t bv = gguf_block_values(type);
-    if (!bv || K % bv) return -1;
+    const int x16 = (type & X16) != 0;  /* interleaved 16-row groups: each row back as unpack_row gives it */
+    type &= 0xFF;
+    const int64_t bv = gguf_block_values(type), gb = x16 ? gguf_x16_bytes(type, K) : 0;
+    if (!bv || K % bv || (x16 && !gb)) return -1;
     const int64_t rb = K / bv * gguf_block_bytes(type), G = K / 16;
     int failed = 0;
     _Pragma("omp parallel if (N * K > 65536)")
@@ -1229,7 +1669,8 @@ int gguf_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, int dt, vo
         _Pragma("omp for schedule(static)")
         for (int64_t n = 0; n < N; n++) {
             if (failed) continue;
-            unpack_row(type, w + n * rb, K, q, a, b);
+            if (x16) x16_unpack_row(type, w + n / 16 * gb, (int)(n % 16), K, q, a, b);
+            else unpack_row(type, w + n * rb, K, q, a, b);
             for (int64_t g = 0; g < G; g++) {  /* 16 values of one scale: the compiler's vector loop */
                 const float ag = a[g], bg = b[g];
                 const uint8_t *qg = q + g * 16;

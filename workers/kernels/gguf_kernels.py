@@ -31,6 +31,9 @@ TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_
 # the activations as they are against weight tiles dequantised in cache (bf16 vdpbf16ps or fp32
 # FMAs, register-tiled: mid and large row counts on the AVX2 and AVX-512 builds)
 INTEGER, FLOAT, INVARIANT, TILE = 0, 1, 2, 3
+# a type id with this bit: the weights interleaved in groups of 16 rows (gguf_x16_pack, the
+# AVX-512 VNNI build's integer products at every row count: gguf_kernels.c "16-row interleaved")
+X16 = 0x100
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -58,7 +61,14 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_rows.restype = None
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [ctypes.c_int, p, i64, i64, ctypes.c_int, p]
+    lib.gguf_x16_supported.restype = ctypes.c_int
+    lib.gguf_x16_supported.argtypes = []
+    lib.gguf_x16_bytes.restype = i64
+    lib.gguf_x16_bytes.argtypes = [ctypes.c_int, i64]
+    lib.gguf_x16_pack.restype = ctypes.c_int
+    lib.gguf_x16_pack.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.isa = int(lib.gguf_isa())
+    lib.x16 = bool(lib.gguf_x16_supported())  # interleaved 16-row groups (the AVX-512 VNNI build)
     lib.tile_bf16 = bool(lib.gguf_tile_bf16())  # bf16 tiles for bf16 rows (the avx512_bf16 build)
     return lib
 
@@ -120,11 +130,11 @@ def tile_rows(lib: ctypes.CDLL, type_id: int, dtype: torch.dtype) -> tuple[int, 
 def matmul(lib: ctypes.CDLL, type_id: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
            acts: Activations | None = None, bias: torch.Tensor | None = None, mode: int = INTEGER) -> None:
     """``out[:, :n] = x @ dequantised(w).T (+ bias)``: ``x`` [M, K] fp32/bf16 contiguous (fp32 for
-    FLOAT; out's dtype for TILE), ``w`` uint8 [N, row bytes] (the file's blocks), ``out`` [M, >= N]
-    of x's dtype, rows contiguous (a column slice of a wider output is fine). ``acts``: x already
-    quantised (INTEGER, INVARIANT)."""
+    FLOAT; out's dtype for TILE), ``w`` uint8 [N, row bytes] (the file's blocks; ``type_id | X16``:
+    pack_x16's groups, N = out's columns), ``out`` [M, >= N] of x's dtype, rows contiguous (a column
+    slice of a wider output is fine). ``acts``: x already quantised (INTEGER, INVARIANT)."""
     m, k = x.shape
-    n = w.shape[0]
+    n = out.shape[1] if type_id & X16 else w.shape[0]
     if mode == TILE:
         if x.dtype != out.dtype or not x.is_contiguous():
             raise ValueError("gguf_matmul TILE: x must be contiguous and of out's dtype")
@@ -142,10 +152,22 @@ def matmul(lib: ctypes.CDLL, type_id: int, x: torch.Tensor, w: torch.Tensor, out
         raise ValueError(f"gguf_matmul refused type {type_id} with {k} inputs")
 
 
+def pack_x16(lib: ctypes.CDLL, type_id: int, w: torch.Tensor, k: int) -> torch.Tensor:
+    """``w``'s N rows of blocks interleaved in groups of 16 rows: uint8 [ceil(N / 16), group bytes],
+    computed as type ``type_id | X16`` (rows past N zero). ValueError where this build or the
+    type does not cover it (``lib.x16`` says whether the build does)."""
+    n, gb = w.shape[0], int(lib.gguf_x16_bytes(int(type_id), k))
+    out = torch.empty(((n + 15) // 16, gb), dtype=torch.uint8)
+    if not gb or lib.gguf_x16_pack(int(type_id), w.contiguous().data_ptr(), n, k, out.data_ptr()):
+        raise ValueError(f"gguf_x16_pack refused type {type_id} with {k} inputs on the {ISA_NAMES[lib.isa]} build")
+    return out
+
+
 def dequantize(lib: ctypes.CDLL, type_id: int, w: torch.Tensor, k: int, dtype: torch.dtype,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """The [N, k] matrix of ``dtype`` (fp32 or bf16) that ``w``'s blocks stand for."""
-    n = w.shape[0]
+               out: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+    """The [N, k] matrix of ``dtype`` (fp32 or bf16) that ``w``'s blocks stand for (``type_id |
+    X16``: ``w`` interleaved by pack_x16, ``rows`` = N)."""
+    n = w.shape[0] if rows is None else rows
     if out is None:
         out = torch.empty((n, k), dtype=dtype)
     if lib.gguf_dequantize(type_id, w.data_ptr(), n, k, 1 if dtype == torch.bfloat16 else 0, out.data_ptr()):
