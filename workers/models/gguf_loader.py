@@ -183,6 +183,11 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                 b["left"] -= part.shape[0]
                 if b["left"] == 0:
                     _swap_native(model, b, native)
+                    # the linear holds what it keeps (interleaved: its own copy): the rows read
+                    # for it go now, and their pages back to the system
+                    b["types"], b["parts"] = {t for _, t, _ in b["parts"]}, []
+                    if trim is not None:
+                        trim(0)
                 if nat is not None:  # the layer's weight is never written (its pages never touched)
                     nbytes += t.nbytes
                     _release(g, t.offset, t.nbytes)
@@ -235,7 +240,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             left = [k for k, b in native_of.items() if b["left"]]
             if left:  # the plan and the entries disagree: never silently half a layer
                 raise RuntimeError(f"native GGUF load: {len(left)} linear layers did not get all their rows")
-            native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for _, t, _ in b["parts"]}, dtype)
+            native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for t in b.get("types", ())}, dtype)
     log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
              "/".join(sorted({g.ref(n).type.name for n, _ in entries})),
              f"{len(native_of)} linears kept in their blocks, the rest dequantised" if native_of else "dequantised",
