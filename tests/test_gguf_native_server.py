@@ -63,6 +63,8 @@ def test_auto_keeps_the_blocks_on_a_bf16_cpu_in_batch_invariant_mode(bf16_server
                  if gk.load().x16 else ("bf16 tiles at every row count", "bf16 dequantised tiles at every row count"))
     assert f"GGUF compute: native (cpuTuning.ggufCompute auto: batch-invariant, {why})" in log, log[-3000:]
     assert path in log and "fused decode kernel on" in log, log[-3000:]
+    if gk.load().x16:  # speculation prices its rows at the interleaved products' cost (Backend.spec_row_cost)
+        assert "worth its rows (25% of a step a row" in log, log[-3000:]
     test_answers_are_the_same_alone_and_in_a_mix(bf16_server)
     assert "Paris" in "".join(greedy_chat(bf16_server.port, QUESTIONS[0])[0])
 

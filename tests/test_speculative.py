@@ -14,7 +14,7 @@ from tests.lazy_modules import lazy_module
 from tests.test_engine import make_engine, run
 from tests.tiny_hf import random_model
 from workers.engine.speculative import (ROW_COST, STRONG_MATCH, Controller, SpecStats, SuffixMemory, accepted_prefix,
-                                        ngram_propose, rejection_sample, suffix_propose)
+                                        ngram_propose, rejection_sample, suffix_propose, worth_keeping)
 
 stats = lazy_module("scipy.stats")  # setup.cfg [test]; imported where a test uses it (tests/lazy_modules.py)
 
@@ -147,6 +147,25 @@ def test_suffix_controller_keeps_what_pays_for_its_rows() -> None:
         c.propose(s, 10)
     assert c.propose(s, 10)[:1] == [3]  # tried again (its first token: the rate is just above the cost)
     assert c.drafts == 8 and c.draft_tokens == 24 and c.accepted_tokens == 0
+
+
+def test_a_proposed_row_must_win_its_share_of_the_step() -> None:
+    """worth_keeping prices rows in the step's expected tokens per unit of time: alone, a token is
+    worth its row when its chance beats the row's cost; in a step of 8 requests free text's rates
+    (p = 0.5) keep nothing where copying's (0.9) still keeps some; cheaper rows keep more."""
+    assert worth_keeping(0.5, 8, 1, 1.0, 0.25) == 1  # (1 + .5) / 1.25 beats 1; (1.75) / 1.5 does not beat that
+    assert worth_keeping(0.2, 8, 1, 1.0, 0.25) == 0  # below the row's cost
+    assert worth_keeping(0.5, 8, 8, 8.0, 0.25) == 0
+    assert worth_keeping(0.9, 8, 8, 8.0, 0.25) >= 1
+    assert worth_keeping(0.8, 16, 1, 1.0, 0.1) > worth_keeping(0.8, 16, 1, 1.0, 0.25) >= 2
+    c = Controller("suffix", num_tokens=16, row_cost=0.25)
+
+    class S:
+        spec_stats = SpecStats(hits=1.0, misses=1.0)  # p = 0.5
+        token_ids = np.array([1, 2, 3, 4, 9, 1, 2])
+    assert c.propose(S(), 10) == [3]  # alone: one token's row pays
+    c.begin_step(8)  # the same request among 7 others
+    assert c.propose(S(), 10) == []
 
 
 # -- the engine, speculation on and off -----------------------------------------------------------
@@ -345,6 +364,9 @@ def test_sampled_distribution_kept(tmp_path, method):
 
     def sample(method: str, seeds) -> tuple[dict, Controller]:
         eng = make_engine(model, spec_method=method, spec_max_batch=512, spec_lookup_min=1, num_blocks=1024)
+        # rows priced free: hundreds of requests per step speculate (worth_keeping would price
+        # them out of so large a step), which is the volume the distribution checks need
+        eng.speculator.row_cost = 0.0
         reqs = {f"s{s}": (prompt, SamplingParams(max_new_tokens=6, ignore_eos=True, do_sample=True, temperature=1.0,
                                                   seed=s)) for s in seeds}
         out = run(eng, reqs)
@@ -457,8 +479,8 @@ def test_spec_counters_on_metrics_are_summed_over_workers():
 
 @pytest.mark.parametrize("overrides, said", [
     ({}, "speculative decoding: suffix, up to 8 proposed tokens per request and step, in steps of up to 8 "
-         "decoding requests, a proposal cut to the tokens its request's recent acceptance makes worth a row "
-         "(10% of a step) unless its match is 8 tokens or longer"),
+         "decoding requests, a proposal cut to the tokens its request's recent acceptance makes worth its rows "
+         "(10% of a step a row, in the step's expected tokens per second) unless its match is 8 tokens or longer"),
     ({"spec_method": "ngram", "spec_lookup_min": 1}, "speculative decoding: ngram, up to 8 proposed tokens per "
      "request and step, n-grams of 1-5 tokens, in steps of up to 8 decoding requests, a request pauses below "
      "30% recent acceptance"),

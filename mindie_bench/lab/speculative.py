@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 uid += 1
-                if engines[name].spec.memory is not None:
-                    engines[name].spec.memory.clear()  # no copying of an earlier round's answer
+                if engines[name].speculator.memory is not None:
+                    engines[name].speculator.memory.clear()  # no copying of an earlier round's answer
                 runs[name].append(run_once(engines[name], reqs_of(uid)))
         out = {}
         for name, rs in runs.items():

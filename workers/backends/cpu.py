@@ -138,6 +138,13 @@ class CpuBackend(Backend):
         flags = settings.cpu().native_bf16
         return native_target(bf16=native_bf16_default(cpu_flags()) if flags is None else flags, dtype=dtype)
 
+    def spec_row_cost(self, model: torch.nn.Module) -> float:
+        # the interleaved GGUF products make one row cheap and each further row compute-bound:
+        # 15-32 % of a one-row step a row (mindie-bench speculative --row-cost), not the 6-10 % of
+        # the other products
+        from workers.engine.speculative import GGUF_ROW_COST, ROW_COST
+        return GGUF_ROW_COST if any(getattr(m, "x16", False) for m in model.modules()) else ROW_COST
+
     def default_dtype(self) -> torch.dtype:
         return torch.float32
 

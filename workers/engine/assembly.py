@@ -349,4 +349,5 @@ def load_runner(spec: WorkerSpec, backend: Backend, group: Group | None = None) 
         runner.state_checkpoints = cfg.max_batch_size if cfg.enable_prefix_cache else 0
         runner.state_scratch = (min(cfg.spec_max_batch, cfg.max_batch_size) * cfg.spec_tokens
                                 if cfg.spec_method else 0)
+    runner.spec_row_cost = backend.spec_row_cost(model)  # what a speculative row costs (engine.speculator)
     return runner

@@ -178,6 +178,7 @@ class Engine:
         self.speculator = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) and not hybrid else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
                                cfg.spec_min_acceptance)
+        self.speculator.row_cost = getattr(runner, "spec_row_cost", self.speculator.row_cost)
         why_off = ("ScheduleConfig.speculativeDecoding: false" if not cfg.spec_method else
                    HYBRID_SPEC_REFUSAL if hybrid else
                    "the null model runs no model to verify proposals" if not self.speculator.enabled else
@@ -420,6 +421,7 @@ class Engine:
         running = self.scheduler.running
         if len(running) > self.speculator.max_batch:  # checked first: a large batch pays nothing per step
             return False
+        self.speculator.begin_step(sum(1 for seq in running if seq.decoding))
         proposed = False
         for seq in running:
             if not seq.decoding or seq.forced_tail or (

@@ -33,7 +33,10 @@ textbook form, for the unit tests' comparison), and with a seed the very same to
 ``max_batch`` (the verify rows would compete with other requests' rows for the cores; the proposer
 is then not called at all), and per request how far: the n-gram proposer follows the recent accepted
 run and pauses (doubling) on low acceptance; the suffix proposer keeps the tokens whose chance of
-acceptance (the request's recent rate) beats a row's cost (``ROW_COST``), except after a long match.
+acceptance (the request's recent rate) pays for the rows: the engine times its decode and verify
+steps by row count (``Controller.observe``), and a proposal is cut to the length that gives the
+step the most expected tokens per second (``StepCosts``; before any timing, a row's cost is taken
+as ``ROW_COST``), except after a long match.
 A constrained request's proposal is cut where its grammar refuses it (workers/engine/constraints.py).
 """
 from __future__ import annotations
@@ -237,8 +240,30 @@ def rejection_sample(probs: np.ndarray, draft: int, u_accept: float, u_resample:
 #: What one proposed token's row costs, as a fraction of a decode step, at concurrency 1 on a CPU
 #: (SmolLM2-135M on the 2-core EPYC: 1 row -> 5 rows took the step from 143 to 179 ms, ~6-10 %
 #: a row; mindie-bench speculative). The suffix proposer keeps the tokens whose chance of being
-#: accepted is above it.
+#: accepted pays for its row (``worth_keeping``). The figure moves with the products: the backend
+#: gives the engine its model's (``Backend.spec_row_cost``: the interleaved GGUF products' rows,
+#: compute-bound from two rows, cost 15-32 % a row: GGUF_ROW_COST).
 ROW_COST = 0.1
+GGUF_ROW_COST = 0.25
+
+
+def worth_keeping(p: float, k: int, rows: int, tokens: float, row_cost: float) -> int:
+    """How many of ``k`` proposed tokens, each accepted with chance ``p``, to keep in a step of
+    ``rows`` rows that expects ``tokens`` tokens, where each row beyond the first costs ``row_cost``
+    of a one-row step: the j that maximises the step's expected tokens per unit of time,
+    (tokens + p + ... + p^j) / (1 + row_cost * (rows + j - 1)). Alone in its step (rows = tokens
+    = 1) the first token is worth its row when p > row_cost; in a step of several requests a row
+    must win its share of theirs (at speculationMaxBatch 8, copying's high rates, not free text's)."""
+    best_j, best_rate, gain, pj = 0, tokens / (1 + row_cost * (rows - 1)), 0.0, 1.0
+    for j in range(1, k + 1):
+        pj *= p
+        gain += pj
+        rate = (tokens + gain) / (1 + row_cost * (rows + j - 1))
+        if rate > best_rate:
+            best_j, best_rate = j, rate
+    return best_j
+
+
 #: A suffix match at least this long is proposed even while its request backs off: long matches
 #: are the copying this is for (their proposals are accepted ~70 % on the copy-heavy benchmarks),
 #: short ones the guesses that free text rejects.
@@ -263,6 +288,13 @@ class Controller:
     accepted_per_pos: list[int] = field(default_factory=list)
     # memory_decoding: recent requests' tokens, proposals across requests
     memory: SuffixMemory | None = None
+    # what a proposed row costs, as a fraction of a one-row step (the backend's figure for the model)
+    row_cost: float = ROW_COST
+    # the step being proposed for (begin_step; without it each proposal is priced alone): its rows
+    # and expected tokens so far
+    _rows: int = 0
+    _tokens: float = 0.0
+    _in_step: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("",) + METHODS:
@@ -284,9 +316,13 @@ class Controller:
                    f"decoding requests, a request pauses below {self.min_acceptance:.0%} recent acceptance")
         else:
             how = (f", in steps of up to {self.max_batch} decoding requests, a proposal cut to the tokens its "
-                   f"request's recent acceptance makes worth a row ({ROW_COST:.0%} of a step) unless its match "
-                   f"is {STRONG_MATCH} tokens or longer")
+                   f"request's recent acceptance makes worth its rows ({self.row_cost:.0%} of a step a row, in "
+                   f"the step's expected tokens per second) unless its match is {STRONG_MATCH} tokens or longer")
         return f"{self.method}, up to {self.num_tokens} proposed tokens per request and step{how}"
+
+    def begin_step(self, decoding: int) -> None:
+        """Proposals for a step of ``decoding`` decoding requests follow (each one row so far)."""
+        self._rows, self._tokens, self._in_step = decoding, float(decoding), True
 
     def propose(self, seq, room: int) -> list[int]:
         """A proposal for ``seq`` (a decoding request), at most ``room`` tokens."""
@@ -309,16 +345,23 @@ class Controller:
         draft, match = suffix_propose(seq.token_ids, k, SUFFIX_DEPTH, memory=self.memory)
         if draft and match < STRONG_MATCH:
             # Worth its rows? With each proposed token accepted with chance p (the request's
-            # recent rate) the j-th one is emitted with chance p^j and costs ROW_COST of a step:
-            # keep the j for which p^j > ROW_COST (none when even the first is not). While none
-            # is proposed the evidence fades back to the prior, so a paused request tries again.
+            # recent rate) the j-th one is emitted with chance p^j and costs row_cost of a step:
+            # keep the length that gives the step the most expected tokens per unit of time
+            # (worth_keeping; alone, the first token pays when p > row_cost, and in a step with
+            # other requests a row must win its share of their tokens too). While none is
+            # proposed the evidence fades back to the prior, so a paused request tries again.
             # A long match (copying resumed) is proposed whatever the rate.
             p = st.hits / (st.hits + st.misses)
-            if p < 1.0:
-                draft = draft[:int(math.log(ROW_COST) / math.log(p))]
+            rows, tokens = (max(self._rows, 1), max(self._tokens, 1.0)) if self._in_step else (1, 1.0)
+            draft = draft[:worth_keeping(p, len(draft), rows, tokens, self.row_cost)]
             if not draft:
                 st.hits = 0.9 * st.hits + 0.1 * 2.0
                 st.misses = 0.9 * st.misses + 0.1 * 1.0
+            else:
+                self._tokens += sum(p ** (j + 1) for j in range(len(draft)))
+        elif draft:
+            self._tokens += len(draft) * 0.7  # a long match: copying, accepted ~70 %
+        self._rows += len(draft)
         return draft
 
     def finished(self, seq) -> None:
