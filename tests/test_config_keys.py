@@ -1454,7 +1454,10 @@ def test_e2e_prompts_go_first_and_are_counted(server) -> None:
         return float(m[1])
 
     before = holds()
-    body = {"input_id": [5, 6, 7], "stream": True, "parameters": {"max_new_tokens": 50, "ignore_eos": True}}
+    # sampled (seeded): the demo model's greedy text repeats itself, which speculation copies many
+    # tokens a step, and the stream could end before the burst arrives; sampled, it takes ~50 steps
+    body = {"input_id": [5, 6, 7], "stream": True,
+            "parameters": {"max_new_tokens": 50, "ignore_eos": True, "do_sample": True, "temperature": 1.0, "seed": 3}}
     for _attempt in range(3):  # the burst must reach the worker while the stream still decodes
         burst: dict[int, list[dict]] = {}
         with httpx.stream("POST", server.url + "/infer_token", content=json.dumps(body), timeout=60) as r:

@@ -480,7 +480,8 @@ def test_spec_counters_on_metrics_are_summed_over_workers():
 @pytest.mark.parametrize("overrides, said", [
     ({}, "speculative decoding: suffix, up to 8 proposed tokens per request and step, in steps of up to 8 "
          "decoding requests, a proposal cut to the tokens its request's recent acceptance makes worth its rows "
-         "(10% of a step a row, in the step's expected tokens per second) unless its match is 8 tokens or longer"),
+         "(10% of a step a row, in the step's expected tokens per second; a match of 8 tokens or longer priced at 90% "
+         "acceptance)"),
     ({"spec_method": "ngram", "spec_lookup_min": 1}, "speculative decoding: ngram, up to 8 proposed tokens per "
      "request and step, n-grams of 1-5 tokens, in steps of up to 8 decoding requests, a request pauses below "
      "30% recent acceptance"),

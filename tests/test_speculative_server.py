@@ -153,7 +153,8 @@ def test_each_worker_says_at_start_whether_it_speculates(servers):
     assert said["on"] and all(line == (
         "suffix, up to 16 proposed tokens per request and step, in steps of up to 8 decoding requests, a proposal "
         "cut to the tokens its request's recent acceptance makes worth its rows (10% of a step a row, in the step's "
-        "expected tokens per second) unless its match is 8 tokens or longer") for line in said["on"]), said["on"]
+        "expected tokens per second; a match of 8 tokens or longer priced at 90% acceptance)") for line in said["on"]), \
+        said["on"]
     assert said["off"] and all(line == "off (ScheduleConfig.speculativeDecoding: false)" for line in said["off"]), \
         said["off"]
 

@@ -266,8 +266,11 @@ def worth_keeping(p: float, k: int, rows: int, tokens: float, row_cost: float) -
 
 #: A suffix match at least this long is proposed even while its request backs off: long matches
 #: are the copying this is for (their proposals are accepted ~70 % on the copy-heavy benchmarks),
-#: short ones the guesses that free text rejects.
+#: short ones the guesses that free text rejects. Its length is priced at STRONG_RATE.
 STRONG_MATCH = 8
+#: The acceptance a long match's proposal is priced at, whatever the request's recent rate: a
+#: copy that resumed tends to go on (worth_keeping then keeps ~9 tokens at a 10 % row, ~6 at 25 %).
+STRONG_RATE = 0.9
 SUFFIX_DEPTH = 32  # the longest suffix looked up (vLLM's suffix_decoding_max_tree_depth is 24)
 
 
@@ -317,7 +320,8 @@ class Controller:
         else:
             how = (f", in steps of up to {self.max_batch} decoding requests, a proposal cut to the tokens its "
                    f"request's recent acceptance makes worth its rows ({self.row_cost:.0%} of a step a row, in "
-                   f"the step's expected tokens per second) unless its match is {STRONG_MATCH} tokens or longer")
+                   f"the step's expected tokens per second; a match of {STRONG_MATCH} tokens or longer priced at "
+                   f"{STRONG_RATE:.0%} acceptance)")
         return f"{self.method}, up to {self.num_tokens} proposed tokens per request and step{how}"
 
     def begin_step(self, decoding: int) -> None:
@@ -343,15 +347,17 @@ class Controller:
         if k <= 0:
             return []
         draft, match = suffix_propose(seq.token_ids, k, SUFFIX_DEPTH, memory=self.memory)
-        if draft and match < STRONG_MATCH:
+        if draft:
             # Worth its rows? With each proposed token accepted with chance p (the request's
-            # recent rate) the j-th one is emitted with chance p^j and costs row_cost of a step:
-            # keep the length that gives the step the most expected tokens per unit of time
-            # (worth_keeping; alone, the first token pays when p > row_cost, and in a step with
-            # other requests a row must win its share of their tokens too). While none is
-            # proposed the evidence fades back to the prior, so a paused request tries again.
-            # A long match (copying resumed) is proposed whatever the rate.
+            # recent rate; after a long match, copying resumed, at least STRONG_RATE) the j-th
+            # one is emitted with chance p^j and costs row_cost of a step: keep the length that
+            # gives the step the most expected tokens per unit of time (worth_keeping; alone, the
+            # first token pays when p > row_cost, and in a step with other requests a row must
+            # win its share of their tokens too). While none is proposed the evidence fades back
+            # to the prior, so a paused request tries again.
             p = st.hits / (st.hits + st.misses)
+            if match >= STRONG_MATCH:
+                p = max(p, STRONG_RATE)
             rows, tokens = (max(self._rows, 1), max(self._tokens, 1.0)) if self._in_step else (1, 1.0)
             draft = draft[:worth_keeping(p, len(draft), rows, tokens, self.row_cost)]
             if not draft:
@@ -359,8 +365,6 @@ class Controller:
                 st.misses = 0.9 * st.misses + 0.1 * 1.0
             else:
                 self._tokens += sum(p ** (j + 1) for j in range(len(draft)))
-        elif draft:
-            self._tokens += len(draft) * 0.7  # a long match: copying, accepted ~70 %
         self._rows += len(draft)
         return draft
 
