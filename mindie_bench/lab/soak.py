@@ -38,24 +38,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from mindie_bench.lab.tree_memory import children as _children
+
 ROOT = Path(__file__).resolve().parents[2]
 KV_MAPPING = "/dev/zero (deleted)"  # a shared anonymous mmap: how Python's mmap.mmap(-1, n) shows
 
 
 # -- processes --------------------------------------------------------------------------------
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

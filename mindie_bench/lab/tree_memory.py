@@ -21,22 +21,28 @@ import sys
 import time
 
 
-def tree_pids(pid: int) -> list[int]:
-    """``pid`` and all its descendants (one pass over /proc)."""
-    children: dict[int, list[int]] = {}
+def children() -> dict[int, list[int]]:
+    """Every process's children, by parent pid (one pass over /proc)."""
+    out: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
             except (OSError, ValueError, IndexError):
-                pass  # gone meanwhile
+                continue  # gone meanwhile
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    kids = children()
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        todo.extend(children.get(p, []))
+        todo.extend(kids.get(p, []))
     return out
 
 

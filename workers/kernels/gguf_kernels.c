@@ -1305,6 +1305,7 @@ static void x16_unpack_row(int type, const uint8_t *gp, int o, int64_t K, uint8_
 }
 
 #if GG_ISA == 2
+#define X16_PREFETCH 2048  /* bytes ahead of the block being read, on a decode row */
 static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* one row's 8 x 4-value sums into s (int32 per output), the activation's 4 bytes broadcast */
@@ -1349,6 +1350,10 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
     __m512 dv = acc0, dm = acc0;
     const uint8_t *p = gp;
     for (int64_t j = 0; j < K / 32; j++) {
+        /* a decode row reads each group once, from memory: ask for the bytes X16_PREFETCH ahead
+         * (past the group's end they are the next group's, which this thread takes next) */
+        if (MR == 1)
+            for (int64_t c = 0; c < sb + vb; c += 64) _mm_prefetch((const char *)p + X16_PREFETCH + c, _MM_HINT_T0);
         if (hb && j % 8 == 0) {
             dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
             if (type != T_Q6_K) dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
