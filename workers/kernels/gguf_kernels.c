@@ -1305,7 +1305,10 @@ static void x16_unpack_row(int type, const uint8_t *gp, int o, int64_t K, uint8_
 }
 
 #if GG_ISA == 2
-#define X16_PREFETCH 2048  /* bytes ahead of the block being read, on a decode row */
+#define X16_PREFETCH 2048  /* bytes ahead of the block being read */
+/* activation rows per register block: 8, Q6_K 4 (its two halves' scales and sums spill 8 rows'
+ * accumulators out of the 32 registers: 2.7x slower at 8 rows) */
+#define X16_ROWS(type) ((type) == T_Q6_K ? 4 : 8)
 static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* one row's 8 x 4-value sums into s (int32 per output), the activation's 4 bytes broadcast */
@@ -1344,16 +1347,15 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
                                                            float *res) {
     const int64_t G = K / 16, G4 = K / 4, sb = x16_scale_bytes(type), vb = x16_value_bytes(type);
     const int64_t hb = x16_head_bytes(type);
-    const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3), sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512i m4 = _mm512_set1_epi8(0xF), sign = _mm512_set1_epi32((int)0x80000000u);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
            acc6 = acc0, acc7 = acc0;
     __m512 dv = acc0, dm = acc0;
     const uint8_t *p = gp;
     for (int64_t j = 0; j < K / 32; j++) {
-        /* a decode row reads each group once, from memory: ask for the bytes X16_PREFETCH ahead
+        /* decode steps read each group once, from memory: ask for the bytes X16_PREFETCH ahead
          * (past the group's end they are the next group's, which this thread takes next) */
-        if (MR == 1)
-            for (int64_t c = 0; c < sb + vb; c += 64) _mm_prefetch((const char *)p + X16_PREFETCH + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < sb + vb; c += 64) _mm_prefetch((const char *)p + X16_PREFETCH + c, _MM_HINT_T0);
         if (hb && j % 8 == 0) {
             dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
             if (type != T_Q6_K) dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
@@ -1396,12 +1398,13 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
                     w[t] = _mm512_or_si512(w[t], _mm512_maskz_mov_epi8((__mmask64)mk, five));
                 }
             }
-            if (type == T_Q6_K)
+            if (type == T_Q6_K)  /* field s (bits 2s, 2s + 1) moved to bits 4-5, then w | (x & 0x30) in one vpternlogd */
                 for (int h = 0; h < 2; h++) {
-                    const __m512i hv = _mm512_loadu_si512(p + 256 + 64 * h);
-                    for (int s = 0; s < 4; s++)
-                        w[4 * h + s] = _mm512_or_si512(w[4 * h + s], _mm512_slli_epi16(
-                            _mm512_and_si512(_mm512_srli_epi16(hv, 2 * s), m2), 4));
+                    const __m512i hv = _mm512_loadu_si512(p + 256 + 64 * h), m30 = _mm512_set1_epi8(0x30);
+                    w[4 * h] = _mm512_ternarylogic_epi32(w[4 * h], _mm512_slli_epi16(hv, 4), m30, 0xF8);
+                    w[4 * h + 1] = _mm512_ternarylogic_epi32(w[4 * h + 1], _mm512_slli_epi16(hv, 2), m30, 0xF8);
+                    w[4 * h + 2] = _mm512_ternarylogic_epi32(w[4 * h + 2], hv, m30, 0xF8);
+                    w[4 * h + 3] = _mm512_ternarylogic_epi32(w[4 * h + 3], _mm512_srli_epi16(hv, 2), m30, 0xF8);
                 }
         }
         p += vb;
@@ -1449,10 +1452,11 @@ static void x16_group(int type, const uint8_t *gp, int64_t K, const int8_t *xq, 
 static void x16_range(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                       int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr) {
     const int64_t gb = gguf_x16_bytes(type, K), G = K / 16;
+    const int rmax = X16_ROWS(type);
     for (int64_t g = n0 / 16; g * 16 < n1; g++) {
         const int64_t lo = g * 16 > n0 ? g * 16 : n0, hi = g * 16 + 16 < n1 ? g * 16 + 16 : n1;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            const int mr = M - m0 < 8 ? (int)(M - m0) : 8;
+        for (int64_t m0 = 0; m0 < M; m0 += rmax) {
+            const int mr = M - m0 < rmax ? (int)(M - m0) : rmax;
             float r16[8 * 16];
             x16_group(type, w + g * gb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, r16);
             for (int r = 0; r < mr; r++)
@@ -1513,13 +1517,14 @@ static inline float load(int dt, const void *p, int64_t i) {
 static int x16_matmul(int type, int dt, int64_t M, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                       const uint8_t *w, int64_t N, const void *bias, void *out, int64_t ldo) {
     const int64_t gb = gguf_x16_bytes(type, K), groups = (N + 15) / 16, G = K / 16;
+    const int rmax = X16_ROWS(type);
     if (!gb) return -1;
     for (int64_t t0 = 0; t0 < M; t0 += DIRECT_ROWS) {
         const int64_t t1 = M - t0 < DIRECT_ROWS ? M : t0 + DIRECT_ROWS;
         _Pragma("omp parallel for schedule(static) if (groups > 1 && N * K > 65536)")
         for (int64_t g = 0; g < groups; g++)
-            for (int64_t m0 = t0; m0 < t1; m0 += 8) {
-                const int mr = t1 - m0 < 8 ? (int)(t1 - m0) : 8;
+            for (int64_t m0 = t0; m0 < t1; m0 += rmax) {
+                const int mr = t1 - m0 < rmax ? (int)(t1 - m0) : rmax;
                 float res[8 * 16];
                 x16_group(type, w + g * gb, K, xq + m0 * K, d4 + m0 * (K / 4), s16 + m0 * G, mr, res);
                 for (int r = 0; r < mr; r++)
