@@ -70,11 +70,11 @@ class Backend:
         at load."""
         return None
 
-    def spec_row_cost(self, model: torch.nn.Module) -> float:
+    def spec_row_cost(self, model: torch.nn.Module) -> float | None:
         """What a speculative proposal's row costs on this device, as a fraction of a one-row
-        decode step of ``model`` (workers/engine/speculative.py prices proposals with it)."""
-        from workers.engine.speculative import ROW_COST
-        return ROW_COST
+        decode step of ``model`` (workers/engine/speculative.py prices proposals with it), or
+        None: the engine's default (speculative.ROW_COST)."""
+        return None
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16

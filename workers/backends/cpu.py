@@ -14,7 +14,7 @@ from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide
 from workers.backends.cpu_specialise import specialise_cpu_model, warm_up_cpu_model
 from workers.backends import w8a8
-from workers.backends.gguf_linear import native_target
+from workers.backends.gguf_linear import X16_ROW_COST, native_target
 from workers.backends.int8 import CpuInt8Kernel
 from workers.backends.step_width import narrow_threads_alone
 from workers.kernels import cpu_kernels
@@ -138,12 +138,11 @@ class CpuBackend(Backend):
         flags = settings.cpu().native_bf16
         return native_target(bf16=native_bf16_default(cpu_flags()) if flags is None else flags, dtype=dtype)
 
-    def spec_row_cost(self, model: torch.nn.Module) -> float:
+    def spec_row_cost(self, model: torch.nn.Module) -> float | None:
         # the interleaved GGUF products make one row cheap and each further row compute-bound:
         # 15-32 % of a one-row step a row (mindie-bench speculative --row-cost), not the 6-10 % of
-        # the other products
-        from workers.engine.speculative import GGUF_ROW_COST, ROW_COST
-        return GGUF_ROW_COST if any(getattr(m, "x16", False) for m in model.modules()) else ROW_COST
+        # the other products (the engine's default)
+        return X16_ROW_COST if any(getattr(m, "x16", False) for m in model.modules()) else None
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32

@@ -47,6 +47,9 @@ from workers.kernels import gguf_kernels as gk
 log = logging.getLogger("workers.backends")
 
 COMPUTES = ("auto", "native", "dequantise")
+# What a speculative proposal's row costs over the interleaved products, as a fraction of a
+# one-row decode step (mindie-bench speculative --row-cost: 15-32 %; CpuBackend.spec_row_cost).
+X16_ROW_COST = 0.25
 # Row counts up to this take the integer products (cpu_kernels' decode batches reach 64).
 INT_ROWS = 64
 # The scalar build (no AVX2): from this many rows the fp32 products over dequantised tiles (the

@@ -178,7 +178,8 @@ class Engine:
         self.speculator = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) and not hybrid else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
                                cfg.spec_min_acceptance)
-        self.speculator.row_cost = getattr(runner, "spec_row_cost", self.speculator.row_cost)
+        if getattr(runner, "spec_row_cost", None) is not None:  # the backend's figure for the model
+            self.speculator.row_cost = runner.spec_row_cost
         why_off = ("ScheduleConfig.speculativeDecoding: false" if not cfg.spec_method else
                    HYBRID_SPEC_REFUSAL if hybrid else
                    "the null model runs no model to verify proposals" if not self.speculator.enabled else

@@ -240,11 +240,10 @@ def rejection_sample(probs: np.ndarray, draft: int, u_accept: float, u_resample:
 #: What one proposed token's row costs, as a fraction of a decode step, at concurrency 1 on a CPU
 #: (SmolLM2-135M on the 2-core EPYC: 1 row -> 5 rows took the step from 143 to 179 ms, ~6-10 %
 #: a row; mindie-bench speculative). The suffix proposer keeps the tokens whose chance of being
-#: accepted pays for its row (``worth_keeping``). The figure moves with the products: the backend
-#: gives the engine its model's (``Backend.spec_row_cost``: the interleaved GGUF products' rows,
-#: compute-bound from two rows, cost 15-32 % a row: GGUF_ROW_COST).
+#: accepted pays for its row (``worth_keeping``). The figure moves with the products: a backend
+#: gives the engine its model's where it differs (``Backend.spec_row_cost``: the interleaved GGUF
+#: products' rows, compute-bound from two rows, cost 15-32 % a row: gguf_linear.X16_ROW_COST).
 ROW_COST = 0.1
-GGUF_ROW_COST = 0.25
 
 
 def worth_keeping(p: float, k: int, rows: int, tokens: float, row_cost: float) -> int:
