@@ -132,7 +132,7 @@ class GgufLinear(nn.Module):
                       else Part(r0, t, raw, raw.shape[0]) for r0, t, raw in given]
         # each part type's tile ranges per activation dtype, asked of the library once: forward
         # chooses a path per part on every call
-        self._tiles = {(p.type, dt): gk.tile_rows(lib, p.type & 0xFF, dt) for p in self.parts
+        self._tiles = {(p.type, dt): gk.tile_rows(lib, p.type, dt) for p in self.parts if not p.type & gk.X16
                        for dt in (torch.float32, torch.bfloat16)}
         # which products ran, counted once a call per kind (tests check the path)
         self.calls = {"int": 0, "tile": 0, "float": 0, "dequantised": 0}

@@ -33,10 +33,10 @@ textbook form, for the unit tests' comparison), and with a seed the very same to
 ``max_batch`` (the verify rows would compete with other requests' rows for the cores; the proposer
 is then not called at all), and per request how far: the n-gram proposer follows the recent accepted
 run and pauses (doubling) on low acceptance; the suffix proposer keeps the tokens whose chance of
-acceptance (the request's recent rate) pays for the rows: the engine times its decode and verify
-steps by row count (``Controller.observe``), and a proposal is cut to the length that gives the
-step the most expected tokens per second (``StepCosts``; before any timing, a row's cost is taken
-as ``ROW_COST``), except after a long match.
+acceptance (the request's recent rate) pays for the rows: a proposal is cut to the length that
+gives the step the most expected tokens per unit of time, each row costing the backend's figure for
+the model (``worth_keeping``, ``Controller.row_cost``; ``ROW_COST`` by default), a long match priced
+at ``STRONG_RATE`` acceptance.
 A constrained request's proposal is cut where its grammar refuses it (workers/engine/constraints.py).
 """
 from __future__ import annotations
@@ -362,9 +362,9 @@ class Controller:
             if not draft:
                 st.hits = 0.9 * st.hits + 0.1 * 2.0
                 st.misses = 0.9 * st.misses + 0.1 * 1.0
-            else:
+            elif self._in_step:  # the step's rows and expected tokens, for the next proposal's price
+                self._rows += len(draft)
                 self._tokens += sum(p ** (j + 1) for j in range(len(draft)))
-        self._rows += len(draft)
         return draft
 
     def finished(self, seq) -> None:

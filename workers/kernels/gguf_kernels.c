@@ -724,28 +724,23 @@ static inline __attribute__((always_inline)) void rows512(const int type, const 
     }
 }
 
-#define ROWS512_MR(T) do { switch (mr) {                                   \
-    case 8: rows512(T, 8, w, K, xq, d4, s16, res); break;                \
-    case 7: rows512(T, 7, w, K, xq, d4, s16, res); break;                \
-    case 6: rows512(T, 6, w, K, xq, d4, s16, res); break;                \
-    case 5: rows512(T, 5, w, K, xq, d4, s16, res); break;                \
-    case 4: rows512(T, 4, w, K, xq, d4, s16, res); break;                \
-    case 3: rows512(T, 3, w, K, xq, d4, s16, res); break;                \
-    case 2: rows512(T, 2, w, K, xq, d4, s16, res); break;                \
-    default: rows512(T, 1, w, K, xq, d4, s16, res); break; } } while (0)
+/* A kernel instantiated per block type and per count of activation rows (1-8), both constants in
+ * each call so that its accumulators stay in registers and its type branches fold away: CALL(T, MR)
+ * for the call's ``type`` and ``mr`` (row_dot512 and, below, the interleaved kernel's x16_group) */
+#define EACH_MR(CALL, T) do { switch (mr) {                                        \
+    case 8: CALL(T, 8); break; case 7: CALL(T, 7); break; case 6: CALL(T, 6); break; \
+    case 5: CALL(T, 5); break; case 4: CALL(T, 4); break; case 3: CALL(T, 3); break; \
+    case 2: CALL(T, 2); break; default: CALL(T, 1); break; } } while (0)
+#define EACH_TYPE_MR(CALL) do { switch (type) {                                                     \
+    case T_Q4_0: EACH_MR(CALL, T_Q4_0); break; case T_Q4_1: EACH_MR(CALL, T_Q4_1); break;             \
+    case T_Q5_0: EACH_MR(CALL, T_Q5_0); break; case T_Q5_1: EACH_MR(CALL, T_Q5_1); break;             \
+    case T_Q8_0: EACH_MR(CALL, T_Q8_0); break; case T_Q4_K: EACH_MR(CALL, T_Q4_K); break;             \
+    case T_Q5_K: EACH_MR(CALL, T_Q5_K); break; case T_Q6_K: EACH_MR(CALL, T_Q6_K); break; } } while (0)
 
+#define ROWS512(T, MR_) rows512(T, MR_, w, K, xq, d4, s16, res)
 static void row_dot512(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                        int mr, float *res) {
-    switch (type) {
-    case T_Q4_0: ROWS512_MR(T_Q4_0); break;
-    case T_Q4_1: ROWS512_MR(T_Q4_1); break;
-    case T_Q5_0: ROWS512_MR(T_Q5_0); break;
-    case T_Q5_1: ROWS512_MR(T_Q5_1); break;
-    case T_Q8_0: ROWS512_MR(T_Q8_0); break;
-    case T_Q4_K: ROWS512_MR(T_Q4_K); break;
-    case T_Q5_K: ROWS512_MR(T_Q5_K); break;
-    case T_Q6_K: ROWS512_MR(T_Q6_K); break;
-    }
+    EACH_TYPE_MR(ROWS512);
 }
 #endif
 
@@ -1130,6 +1125,9 @@ int64_t gguf_x16_bytes(int type, int64_t K) {
 
 static inline void wr16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
 
+/* the 5-bit types: their values' fifth bits go in 8 masks of 64 bits before the nibbles */
+static inline int x16_fifth(int type) { return type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K; }
+
 /* the interleaved values of one 32-value block of row o (q: its 32 unsigned values, unpack_row's)
  * into the block's value section p (after its scales) */
 static void x16_put_values(int type, const uint8_t *q, int o, uint8_t *p) {
@@ -1138,7 +1136,7 @@ static void x16_put_values(int type, const uint8_t *q, int o, uint8_t *p) {
             for (int i = 0; i < 4; i++) p[64 * t + 4 * o + i] = q[4 * t + i];
         return;
     }
-    if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+    if (x16_fifth(type)) {
         for (int t = 0; t < 8; t++) {
             uint64_t m;
             memcpy(&m, p + 8 * t, 8);
@@ -1167,7 +1165,7 @@ static void x16_get_values(int type, const uint8_t *p, int o, uint8_t *q) {
         return;
     }
     const uint8_t *masks = NULL;
-    if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+    if (x16_fifth(type)) {
         masks = p;
         p += 64;
     }
@@ -1191,7 +1189,7 @@ static void x16_get_values(int type, const uint8_t *p, int o, uint8_t *q) {
 
 static inline int64_t x16_value_bytes(int type) {
     return type == T_Q8_0 ? 512 : type == T_Q6_K ? 384 :
-           type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ? 320 : 256;
+           x16_fifth(type) ? 320 : 256;
 }
 
 /* scale bytes before each 32-value block's values (d, m; K-quants sc, m; Q6_K two sc), and each
@@ -1384,13 +1382,13 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
         if (type == T_Q8_0) {
             for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(p + 64 * t);
         } else {
-            const uint8_t *v = p + (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K ? 64 : 0);
+            const uint8_t *v = p + (x16_fifth(type) ? 64 : 0);
             for (int u = 0; u < 4; u++) {
                 const __m512i n = _mm512_loadu_si512(v + 64 * u);
                 w[2 * u] = _mm512_and_si512(n, m4);
                 w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
             }
-            if (type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) {
+            if (x16_fifth(type)) {
                 const __m512i five = _mm512_set1_epi8(0x10);
                 for (int t = 0; t < 8; t++) {
                     uint64_t mk;
@@ -1421,32 +1419,12 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
     for (int r = 0; r < MR; r++) _mm512_storeu_ps(res + 16 * r, acc[r]);
 }
 
-#define X16_MR(T) do { switch (mr) {                                   \
-    case 8: x16_rows(T, 8, gp, K, xq, d4, s16, res); break;            \
-    case 7: x16_rows(T, 7, gp, K, xq, d4, s16, res); break;            \
-    case 6: x16_rows(T, 6, gp, K, xq, d4, s16, res); break;            \
-    case 5: x16_rows(T, 5, gp, K, xq, d4, s16, res); break;            \
-    case 4: x16_rows(T, 4, gp, K, xq, d4, s16, res); break;            \
-    case 3: x16_rows(T, 3, gp, K, xq, d4, s16, res); break;            \
-    case 2: x16_rows(T, 2, gp, K, xq, d4, s16, res); break;            \
-    default: x16_rows(T, 1, gp, K, xq, d4, s16, res); break; } } while (0)
-
+#define X16_ROWS_OF(T, MR_) x16_rows(T, MR_, gp, K, xq, d4, s16, res)
 static void x16_group(int type, const uint8_t *gp, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                       int mr, float *res) {
-    switch (type) {
-    case T_Q4_0: X16_MR(T_Q4_0); break;
-    case T_Q4_1: X16_MR(T_Q4_1); break;
-    case T_Q5_0: X16_MR(T_Q5_0); break;
-    case T_Q5_1: X16_MR(T_Q5_1); break;
-    case T_Q8_0: X16_MR(T_Q8_0); break;
-    case T_Q4_K: X16_MR(T_Q4_K); break;
-    case T_Q5_K: X16_MR(T_Q5_K); break;
-    case T_Q6_K: X16_MR(T_Q6_K); break;
-    }
+    EACH_TYPE_MR(X16_ROWS_OF);
 }
-#endif
 
-#if GG_ISA == 2
 /* rows n0 .. n1 of interleaved weights w against M quantised activation rows: res[m * ldr + n - n0]
  * (gguf_rows' contract; the fused decode step splits the rows over its team) */
 static void x16_range(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
