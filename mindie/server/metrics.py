@@ -317,7 +317,7 @@ def worker_families(model_name: str, heartbeats: Sequence[P.Heartbeat], rates: t
           failed / received if received > 0 else 0.0)
     gauge("npu_cache_usage_perc", "Device KV-cache usage (1 = 100%)", 1.0 - free / total if total else 0.0)
     gauge("cpu_cache_usage_perc", "Host (swap) KV-cache usage: always 0, there is no swap space", 0.0)
-    gauge("npu_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt blocks (1 = 100%)",
+    gauge("npu_prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens (1 = 100%)",
           prefix_hit_rate(heartbeats))
     # Speculative decoding (workers/engine/speculative.py), vLLM's counter names.
     for name, doc, field in (

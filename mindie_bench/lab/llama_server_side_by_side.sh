@@ -32,8 +32,9 @@ usage() {
     cat <<EOF
 Usage: $(basename "$0") [options] [-- extra mindie-bench compare flags]
 
-Starts llama.cpp's llama-server on a GGUF file (-t THREADS, --parallel SLOTS, -c SLOTS x CTX_PER_SLOT,
-no web UI) on 127.0.0.1:LLAMA_PORT, then, once per --speculation setting, this server on the same file
+Once per --speculation setting, both fresh (no prompt cached from the previous setting): llama.cpp's
+llama-server on a GGUF file (-t THREADS, --parallel SLOTS, -c SLOTS x CTX_PER_SLOT, no web UI) on
+127.0.0.1:LLAMA_PORT, and this server on the same file
 (scripts/launch.sh: one CPU worker, cpuThreadsPerWorker THREADS, its defaults otherwise, with
 ScheduleConfig.speculativeDecoding on or off), waits for both /health, and runs
 'mindie-bench compare --workload chat' with A = this server and B = llama-server, both through
@@ -167,18 +168,19 @@ wait_ready() {
     echo "$1 ready after $((SECONDS - t0)) s"
 }
 
-# --- 1. llama-server (a plain child: same session as the load generator) -------------
+# --- once per speculation setting: llama-server and this server, both fresh, and the comparison ---
+# (both restarted: a llama-server kept from the previous setting would answer its repeated
+# questions from its prompt cache while this server's cache starts empty)
 LARGS=(-m "$GGUF" -t "$THREADS" --parallel "$SLOTS" -c "$((SLOTS * CTX_PER_SLOT))" --host 127.0.0.1 --port "$LLAMA_PORT")
 "$LLAMA_BIN" --help 2>&1 | grep -q -- '--no-webui' && LARGS+=(--no-webui)
-LLAMA_LOG="$OUT/llama-server-$STAMP.log"
-echo "starting llama-server on $LLAMA_URL: ${LARGS[*]} ${LLAMA_ARGS[*]:-} (log: $LLAMA_LOG)"
-"$LLAMA_BIN" "${LARGS[@]}" "${LLAMA_ARGS[@]}" >"$LLAMA_LOG" 2>&1 &
-LLAMA_PID=$!
-wait_ready llama-server "$LLAMA_PID" "$LLAMA_URL" "$LLAMA_LOG"
-
-# --- 2. this server, once per speculation setting, and the comparison ----------------
 rc=0
 for s in "${SPECS[@]}"; do
+    # llama-server: a plain child, in the same session as the load generator
+    LLAMA_LOG="$OUT/llama-server-spec-$s-$STAMP.log"
+    echo "starting llama-server on $LLAMA_URL: ${LARGS[*]} ${LLAMA_ARGS[*]:-} (log: $LLAMA_LOG)"
+    "$LLAMA_BIN" "${LARGS[@]}" "${LLAMA_ARGS[@]}" >"$LLAMA_LOG" 2>&1 &
+    LLAMA_PID=$!
+    wait_ready llama-server "$LLAMA_PID" "$LLAMA_URL" "$LLAMA_LOG"
     CFG="$OUT/ours-spec-$s-$STAMP.json"
     NOSPEC=(); [[ "$s" == off ]] && NOSPEC=(--no-speculation)
     "$PY" -m mindie_bench.lab.bench_models "$GGUF" --config "$CFG" --port "$OURS_PORT" --dtype auto \
@@ -200,9 +202,11 @@ for s in "${SPECS[@]}"; do
     # both trees' memory after the load (Pss: shared pages split among this server's processes)
     "$PY" -m mindie_bench.lab.tree_memory "mindie-py-spec-$s=$OURS_PID" "llama.cpp=$LLAMA_PID" \
         --json "$OUT/memory-$STAMP.jsonl" || true
-    echo "stopping this server (pid $OURS_PID)"
+    echo "stopping this server (pid $OURS_PID) and llama-server (pid $LLAMA_PID)"
     stop_pid "$OURS_PID" 60
     OURS_PID=""
+    stop_pid "$LLAMA_PID"
+    LLAMA_PID=""
 done
 
 echo "JSON results (one compare-chat-vs-chat-*.json per mindie-bench call above, memory-$STAMP.jsonl) and logs: $OUT"

@@ -79,6 +79,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
+def copy_blocks(attn, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (source, destination) in every layer's K and V tensors of ``attn`` (a
+    workers.attention.Attention: every layout keeps the block id first): a partial prefix hit's
+    content, whose slots past the hit the step then overwrites."""
+    for cache in (*attn.k_cache, *attn.v_cache):
+        for src, dst in pairs:
+            cache[dst].copy_(cache[src])
+
+
 def allocate(attention_cls: type, kv_shape: KvShape, dtype: torch.dtype, num_blocks: int, block_size: int,
              device: torch.device):
     """The attention object that owns a cache of ``num_blocks`` blocks (workers.attention.Attention)."""

@@ -10,6 +10,17 @@ by a prefix hit until a fresh allocation evicts them (oldest first).
 Blocks are registered only once computed (after the step that filled them), never at
 allocation time, so a request can never read a block another request is still filling.
 
+Partial blocks. A prompt shorter than a block, or the tail after its last full block (a chat's
+system prompt and template, a repeated question), would find nothing by full hashes alone. So the
+computed positions of every block are also indexed every ``PARTIAL_GRAIN`` tokens
+(``partial_index``: the hash of the previous block's hash and the block's first m tokens, m = 16,
+32, ..., below a full block), the block being filled by a running request included (its computed
+slots never change). After its full hits a new request looks up the longest such prefix of its
+next tokens, extends it token by token against that block's known tokens, and takes a fresh block
+that the step's first act fills with the cached block's content (``copies``: source, destination;
+the source pinned until the step is collected, ``unpin``). Its own tokens then overwrite the
+slots past the match. A hybrid model (state pool) has no state at such a point: not used there.
+
 The block ids and tables it hands out follow the KV cache's contract (workers/attention/kv_cache.py):
 ids in [0, num_blocks), a sequence's blocks in position order.
 
@@ -35,6 +46,12 @@ class Block:
     hash: int | None = None
     token_ids: tuple[int, ...] = field(default_factory=tuple)
     state_row: int = -1  # a hybrid model's state checkpoint at this block's end (pool row; -1: none)
+    keys: list[int] = field(default_factory=list)  # its entries in the partial-prefix index
+    indexed: int = 0  # its first positions whose prefixes are indexed (a multiple of PARTIAL_GRAIN)
+
+
+# A partial-block hit is looked up at multiples of this many tokens, then extended token by token.
+PARTIAL_GRAIN = 16
 
 
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
@@ -62,6 +79,12 @@ class BlockManager:
         self.free_checkpoints: list[int] = []  # pool rows of unused state checkpoints
         self.state_every = 0  # a checkpoint at every state_every-th block of a prompt (0: the last one only)
         self.prefix_hits = 0  # of which found in the cache
+        self.query_tokens = 0  # prompt positions that a cache could have held (all but the last)
+        self.hit_tokens = 0  # of which taken from it (full blocks and partial ones)
+        # Partial-block prefixes (module docstring): key -> block; off for blocks of one grain or less.
+        self.partial_index: dict[int, int] = {}
+        self.grain = PARTIAL_GRAIN if block_size > PARTIAL_GRAIN else 0
+        self.copies: list[tuple[int, int]] = []  # (cached block, fresh block) for the step being scheduled
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -73,7 +96,8 @@ class BlockManager:
 
     @property
     def hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        """The share of prompt positions (all but each prompt's last) taken from the cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     def enable_states(self, slots: int, checkpoints: int = 0, every: int = 16) -> None:
         """A hybrid model's state pool of ``slots`` slots (rows 0 .. slots - 1: one taken by every
@@ -81,6 +105,7 @@ class BlockManager:
         states at block boundaries (module docstring). Without checkpoints a cached prefix could
         not resume the linear layers: prefix caching is off."""
         self.free_states = list(range(slots - 1, -1, -1))
+        self.grain = 0  # no partial-block hits: the linear layers have no state inside a block
         self.free_checkpoints = list(range(slots + checkpoints - 1, slots - 1, -1))
         self.state_every = every
         if not checkpoints:
@@ -144,7 +169,11 @@ class BlockManager:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
             block.hash = None
-            block.token_ids = ()
+        block.token_ids = ()
+        for key in block.keys:
+            if self.partial_index.get(key) == block_id:
+                del self.partial_index[key]
+        block.keys, block.indexed = [], 0
         self._drop_checkpoint(block)
         block.ref_count = 1
         return block_id
@@ -171,10 +200,35 @@ class BlockManager:
             prev = h
         return hits
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """Give ``seq`` the cached blocks ``hits`` (from match_prefix) as its first blocks."""
+    def match_partial(self, seq: Sequence, hits: list[int], limit: int) -> tuple[int, int]:
+        """(cached block, k): the block holding the most of the positions after ``hits`` (at most
+        ``limit``, below a block, and never the prompt's last); (-1, 0) when none holds a grain."""
+        if not (self.grain and self.enable_prefix_cache):
+            return -1, 0
+        bs, start = self.block_size, len(hits) * self.block_size
+        limit = min(limit, bs - 1, seq.num_tokens - 1 - start)
+        prev = self.blocks[hits[-1]].hash if hits else seq.cache_salt
+        want = seq.tokens[start:start + limit]
+        for m in range(limit - limit % self.grain, 0, -self.grain):
+            block_id = self.partial_index.get(chain_hash(prev, tuple(want[:m])))
+            if block_id is None:
+                continue
+            known = self.blocks[block_id].token_ids
+            if list(known[:m]) != want[:m]:
+                continue  # a hash collision
+            k = m
+            while k < min(limit, len(known)) and known[k] == want[k]:
+                k += 1
+            return block_id, k
+        return -1, 0
+
+    def admit(self, seq: Sequence, hits: list[int], partial: tuple[int, int] = (-1, 0)) -> None:
+        """Give ``seq`` the cached blocks ``hits`` (from match_prefix) as its first blocks, and the
+        first ``k`` positions of block ``src`` for ``partial = (src, k)`` (match_partial): a fresh
+        block to which the step copies ``src`` first (``copies``; ``src`` pinned until ``unpin``)."""
         self.prefix_queries += max(0, (seq.num_tokens - 1) // self.block_size)
         self.prefix_hits += len(hits)
+        self.query_tokens += seq.num_tokens - 1
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -182,6 +236,14 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(hits)
         seq.num_computed = seq.num_cached = len(hits) * self.block_size
+        src, k = partial
+        if k > 0:
+            self.hold(src)  # before the fresh block is taken: never the source itself
+            dst = self._take_free()
+            self.copies.append((src, dst))
+            seq.block_table.append(dst)
+            seq.num_computed = seq.num_cached = seq.num_computed + k
+        self.hit_tokens += seq.num_computed
         if self.free_states is not None:
             if not self.free_states:  # the pool has maxBatchSize slots: the scheduler admits no more
                 raise RuntimeError("out of state slots (more running sequences than maxBatchSize)")
@@ -189,6 +251,16 @@ class BlockManager:
             # a hit resumes the linear layers from its last block's checkpoint (hits are resumable())
             seq.state_restore = self.blocks[hits[-1]].state_row if hits else -1
         seq.num_hashed_blocks = len(hits)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies the step being scheduled makes first (its sources pinned)."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def unpin(self, copies: list[tuple[int, int]]) -> None:
+        """The step that made ``copies`` is over: their sources are the cache's again."""
+        for src, _ in copies:
+            self.unhold(src)
 
     def can_grow(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
         need = self.blocks_needed(seq.num_computed + num_new_tokens) - len(seq.block_table)
@@ -224,8 +296,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.hash is None:
-                    # Unhashed content is useless: put it first in line for reuse.
+                if not block.token_ids:
+                    # Content never registered is useless: put it first in line for reuse.
                     self._drop_checkpoint(block)
                     self.free[block_id] = None
                     self.free.move_to_end(block_id, last=False)
@@ -253,7 +325,7 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free[block_id] = None
-            if block.hash is None:
+            if not block.token_ids:
                 self.free.move_to_end(block_id, last=False)
 
     def take(self) -> int:
@@ -266,7 +338,22 @@ class BlockManager:
         block = self.blocks[block_id]
         block.hash, block.token_ids = h, token_ids
         self.hash_to_block.setdefault(h, block_id)
+        self._index(block, prev, token_ids)
         return h
+
+    def _index(self, block: Block, prev: int | None, token_ids: tuple[int, ...]) -> None:
+        """Index the computed positions ``token_ids`` of ``block`` every grain (module docstring)."""
+        block.token_ids = token_ids
+        if not self.grain:
+            return
+        top = min(len(token_ids), self.block_size - 1)
+        for m in range(block.indexed + self.grain, top + 1, self.grain):
+            # the newest block holding a prefix answers for it: the least likely to be evicted first,
+            # and the one a repeated request extends furthest
+            key = chain_hash(prev, token_ids[:m])
+            self.partial_index[key] = block.block_id
+            block.keys.append(key)
+            block.indexed = m
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish newly completed full blocks of ``seq`` in the prefix cache."""
@@ -274,8 +361,6 @@ class BlockManager:
             return
         bs = self.block_size
         full = seq.num_computed // bs
-        if full <= seq.num_hashed_blocks:
-            return
         prev = (self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks
                 else seq.cache_salt)
         for i in range(seq.num_hashed_blocks, full):
@@ -283,10 +368,17 @@ class BlockManager:
             h = chain_hash(prev, ids)
             block = self.blocks[seq.block_table[i]]
             block.hash = h
-            block.token_ids = ids
             first = self.blocks[self.hash_to_block.setdefault(h, block.block_id)]
             if first is not block and block.state_row >= 0 and first.state_row < 0:
                 # the same prefix computed twice: the block a hit finds gets the state checkpoint
                 first.state_row, block.state_row = block.state_row, -1
+            self._index(block, prev, ids)
             prev = h
-        seq.num_hashed_blocks = full
+        seq.num_hashed_blocks = max(full, seq.num_hashed_blocks)
+        # The block being filled: its computed positions, once a grain more of them is known.
+        n = seq.num_computed - full * bs
+        if self.grain and n and full == seq.num_hashed_blocks and full < len(seq.block_table):
+            block = self.blocks[seq.block_table[full]]
+            # (its known tokens kept up to date once indexed: a repeat extends past the last grain)
+            if n >= block.indexed + self.grain or (block.keys and n > len(block.token_ids)):
+                self._index(block, prev, tuple(seq.tokens[full * bs:seq.num_computed]))

@@ -374,6 +374,15 @@ class Engine:
                 seq.draft = []  # not scheduled this step (a held decode, no budget): proposed afresh next time
         if batch.empty:
             return None
+        try:
+            return self._start(batch, before, after)
+        except BaseException:
+            self.blocks.unpin(batch.block_copies)  # never started: collect() will not unpin them
+            raise
+
+    def _start(self, batch: ScheduledBatch, before: Callable[[int], object] | None,
+               after: Callable[[], object] | None) -> InFlight:
+        """Launch's second half: the step's plans and masks, then its computation started."""
         self.steps += 1
         if self.blocks.free_states is not None:  # a hybrid model: restores and checkpoints of the step
             batch.state_plans = [self.blocks.plan_states(s, 0 if batch.drafts and batch.drafts[i] else n)
@@ -485,6 +494,7 @@ class Engine:
             sampled = f.future.result()
         finally:
             self._inflight = None
+            self.blocks.unpin(f.batch.block_copies)  # the partial hits' sources: copied (or the step failed)
             if f.batch.masks is not None:  # the matchers are the loop's again (a failed step may not have waited)
                 try:
                     f.batch.masks[1].wait()

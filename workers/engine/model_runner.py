@@ -189,7 +189,7 @@ class ModelRunner:
             logit_rows.append([row for _, row in scored])
         if sampled_seqs:
             logit_rows.append(last_rows)
-        inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows)
+        inputs = StepInputs(ids, pos, tables, starts, counts, logit_rows, block_copies=batch.block_copies)
         if self.states is not None:
             (inputs.state_slots, inputs.state_starts, inputs.state_counts, inputs.state_restores, inputs.state_saves,
              inputs.state_verify) = st
@@ -247,6 +247,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over one step's flat batch; the hidden states [T, hidden]."""
+        if inputs.block_copies:
+            kv_cache.copy_blocks(self.attn, inputs.block_copies)
         self.attn.prepare(inputs.block_tables, inputs.num_computed, inputs.num_tokens)
         if self.states is not None:
             self.states.prepare(inputs.state_slots, inputs.state_starts, inputs.state_counts, inputs.state_restores,

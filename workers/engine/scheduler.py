@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mindie.contract.spec import EngineConfig
 from workers.engine.block_manager import BlockManager
@@ -61,6 +61,9 @@ class ScheduledBatch:
     # A hybrid model's state plan per sequence, set by the engine at launch (BlockManager.plan_states):
     # (pool row its state is restored from or -1, [(after m rows, checkpoint row)]); None = no state pool.
     state_plans: list[tuple[int, list[tuple[int, int]]]] | None = None
+    # Partial prefix hits (BlockManager.match_partial): (cached block, fresh block) copies the step
+    # makes before its forward; the sources stay pinned until the engine collects it (unpin).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -275,16 +278,25 @@ class Scheduler:
             if hits and seq.params.pooling in ("mean", "cls"):
                 hits = []  # the pooled positions' hidden states are computed, not cached
             hits = self.blocks.resumable(hits)  # a hybrid model: up to a block with a state checkpoint
-            n = _prompt_take(seq.num_tokens - len(hits) * self.blocks.block_size, budget, prompt_budget, hold_left)
+            start = len(hits) * self.blocks.block_size
+            # The positions after the full hits that another block holds (copied at the step's start):
+            # never those whose prompt log-probabilities or pooled states must be computed.
+            limit = (0 if seq.params.pooling in ("mean", "cls")
+                     else len(seq.prompt_logprobs) - start if seq.params.prompt_logprobs else seq.num_tokens)
+            for partial in (self.blocks.match_partial(seq, hits, limit), (-1, 0)):
+                n = _prompt_take(seq.num_tokens - start - partial[1], budget, prompt_budget, hold_left)
+                fresh = self.blocks.blocks_needed(start + partial[1] + n) - len(hits)
+                # Cached blocks sitting in the free list are taken too (a partial hit's source is pinned
+                # beside its copy), so count them; a partial hit that does not fit is computed instead.
+                reclaimed = sum(1 for b in hits + [partial[0]] if b >= 0 and self.blocks.blocks[b].ref_count == 0)
+                if n > 0 and fresh + reclaimed <= self.blocks.num_free:
+                    break
             if n <= 0:
                 break  # beyond this step's chunk, and not whole within a held step's room
-            fresh = self.blocks.blocks_needed(len(hits) * self.blocks.block_size + n) - len(hits)
-            # Cached blocks sitting in the free list are taken too, so count them.
-            reclaimed = sum(1 for b in hits if self.blocks.blocks[b].ref_count == 0)
             if fresh + reclaimed > self.blocks.num_free:
                 break  # wait for blocks; never preempt running work for a newcomer
             heapq.heappop(self.waiting)
-            self.blocks.admit(seq, hits)
+            self.blocks.admit(seq, hits, partial)
             self.blocks.grow(seq, n)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -296,4 +308,5 @@ class Scheduler:
             prompt_budget -= n
             hold_left -= n
             prefills += 1
+        out.block_copies = self.blocks.take_copies()
         return out

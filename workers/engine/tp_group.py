@@ -67,6 +67,8 @@ class StepInputs(msgspec.Struct, array_like=True, omit_defaults=True):
     state_saves: list[list[tuple[int, int]]] = []
     state_verify: list[bool] = []
     state_copies: list[tuple[int, int]] = []
+    # KV blocks copied (source, destination) before the forward: partial prefix hits (block_manager.py).
+    block_copies: list[tuple[int, int]] = []
 
 
 STEP, NOOP, STOP = 0, 1, 2
