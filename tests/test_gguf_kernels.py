@@ -23,7 +23,9 @@ FLAGS = Path("/proc/cpuinfo").read_text()
 VARIANTS = {"native": 2 if " avx512_vnni" in FLAGS and " avx512bw" in FLAGS else 1 if " avx2" in FLAGS else 0,
             # AVX-512 without avx512_bf16 (the fp32 tiles), where native is the bf16 build
             "avx512": 2 if " avx512_bf16" in FLAGS and " avx512_vnni" in FLAGS else None,
-            "avx2": 1 if " avx2" in FLAGS else None, "scalar": 0}
+            "avx2": 1 if " avx2" in FLAGS else None,
+            # AVX2 with AVX-VNNI's 256-bit vpdpbusd (Alder Lake and later cores, Zen 4 and 5)
+            "avxvnni": 1 if " avx2" in FLAGS and " avx_vnni" in FLAGS else None, "scalar": 0}
 BF16_BUILD = " avx512_bf16" in FLAGS and VARIANTS["native"] == 2  # the native build's tiles are bf16
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # Built at collection, as the other kernel tests load theirs (a compiler is not a process the
@@ -253,7 +255,7 @@ def test_default_model_native_greedy_equals_dequantised():
 def _expected_path(variant: str, lib, type_name: str, m: int, dtype: torch.dtype) -> str:
     """The products gguf_kernels.c's measured ranges give ``m`` rows (its constants, restated)."""
     from workers.backends.gguf_linear import INT_ROWS, SCALAR_FLOAT_ROWS
-    if lib.x16:  # the AVX-512 VNNI builds: the interleaved integer products at every row count
+    if lib.x16:  # the AVX2 and AVX-512 builds: the interleaved integer products at every row count
         return "int"
     if lib.isa == 0:
         return "int" if m < SCALAR_FLOAT_ROWS else "float" if m <= INT_ROWS else "dequantised"
@@ -297,9 +299,9 @@ def test_gguf_linear_parts_and_row_regimes(lib, m, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_batch_invariant_linear_keeps_one_path(lib, dtype):
     """Batch-invariant mode: a GgufLinear of two parts (Q4_K beside Q6_K) computes every row count
-    through one path, a row the same bits alone or among 2, 8, 16, 70, 600 rows: on the AVX-512
-    VNNI builds (native, avx512) the integer products over the parts interleaved in 16-row groups
-    (the path of every row count there, invariant or not), else mode 2's integer products; and
+    through one path, a row the same bits alone or among 2, 8, 16, 70, 600 rows: on the AVX2 and
+    AVX-512 builds the integer products over the parts interleaved in 16-row groups (the path of
+    every row count there, invariant or not), else (scalar) mode 2's integer products; and
     hands the fused decode step the same choice (dec_gguf_t.tile_from 0, the interleaved type)."""
     import msgspec
 
@@ -315,7 +317,7 @@ def test_batch_invariant_linear_keeps_one_path(lib, dtype):
                                       (24, gk.TYPES["Q6_K"], torch.from_numpy(b))], torch.randn(34))
     finally:
         settings.apply(before)
-    assert lin.invariant and lin.x16 == (lib.isa == 2) and not lin.invariant_tiles
+    assert lin.invariant and lin.x16 == (lib.isa >= 1) and not lin.invariant_tiles
     assert [p.type & gk.X16 for p in lin.parts] == [gk.X16 * lin.x16] * 2
     tiles = False
     x = torch.randn(600, k, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -430,7 +432,7 @@ X16_LIBS = [v for v, built in LIBS.items() if built.x16]
 @pytest.mark.parametrize("variant", X16_LIBS or ["none"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_interleaved_blocks_hold_the_files_values(variant, qtype):
-    """gguf_x16_pack (the AVX-512 VNNI builds' layout: 16 rows interleaved per 32 values): 37 rows
+    """gguf_x16_pack (the AVX2 and AVX-512 builds' layout: 16 rows interleaved per 32 values): 37 rows
     (a last group of 5, the rest zero) dequantise to the same bits as the file's blocks, fp32 and
     bf16; the other builds refuse to pack."""
     k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
@@ -458,11 +460,11 @@ def test_interleaved_products_compute_a_row_the_same_at_any_row_count(variant, q
     activations times the dequantised weights within the int8 activations' rounding (as mode 2:
     equal to it up to fp32 order), with a bias, over 37 weight rows (a last group of 5); every
     row computed alone equals, bit for bit, the same row inside calls of 2 to 20 rows (the register
-    block of 8 and its remainders), 64, 65 and 150 rows (the passes of 64 rows); and gguf_rows,
+    blocks of 2, 4 and 8 and their remainders), 64, 65 and 150 rows (the passes of 64 rows); and gguf_rows,
     which the fused decode step calls for its threads' row ranges, gives the same sums for ranges
     that start and end inside a group."""
     if variant == "none":
-        pytest.skip("no AVX-512 VNNI build on this host: its kernels cannot run here")
+        pytest.skip("no AVX2 or AVX-512 build on this host: its kernels cannot run here")
     lib = LIBS[variant]
     k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
     n, tid = 37, gk.TYPES[qtype.name]
@@ -526,3 +528,29 @@ def test_auto_resolution(setting, bf16, invariant, tiles, want):
         assert compute(bf16, lambda: tiles) == want
     finally:
         settings.apply(before)
+
+
+@pytest.mark.skipif(len(X16_LIBS) < 2, reason="one interleaved build on this host: nothing to compare it with")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_interleaved_products_are_the_same_bits_on_every_build(qtype, dtype):
+    """The AVX2 kernel (two halves of 8 rows; vpmaddubsw pairs, Q8_0 by nibbles; or AVX-VNNI's ymm
+    vpdpbusd) sums the same integers as the AVX-512 VNNI one and then runs the same float steps in
+    the same order: every build that interleaves gives the same bits, at 1, 3, 9 and 70 rows."""
+    k = 512 + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
+    n, tid = 37, gk.TYPES[qtype.name]
+    w = torch.from_numpy(random_weight(qtype, n, k, seed=11))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(12)).to(dtype)
+    outs = {}
+    for variant in X16_LIBS:
+        lib = LIBS[variant]
+        p = gk.pack_x16(lib, tid, w, k)
+        outs[variant] = []
+        for m in (1, 3, 9, 70):
+            out = torch.empty(m, n, dtype=dtype)
+            gk.matmul(lib, tid | gk.X16, x[:m], p, out, mode=gk.INVARIANT)
+            outs[variant].append(out)
+    first = X16_LIBS[0]
+    for variant in X16_LIBS[1:]:
+        for m, a, b in zip((1, 3, 9, 70), outs[first], outs[variant]):
+            assert torch.equal(a, b), (first, variant, m, (a.float() - b.float()).abs().max().item())

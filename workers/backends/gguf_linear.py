@@ -10,22 +10,23 @@ decode step reads those bytes: the fused decode step (cpu_decode.py) reads them 
 products are the C kernels' (workers/kernels/gguf_kernels.c):
 
 - on the AVX-512 VNNI builds (with or without avx512_bf16: Zen 4/5, Intel Xeons from Cascade
-  Lake): each part interleaved at load in groups of 16 rows (``gk.pack_x16``, the file's bytes),
-  activations quantised per 32 values to int8 (as llama.cpp's Q8_0), a 32-value block of 16 rows
-  summed exactly in int32 by 8 vpdpbusd and then one scale and two FMAs per block and output, at
-  every row count: 3-4x mode 2's integer products on one row, 4-5x on prompts, level with or
-  ahead of the dequantised tiles and oneDNN over bf16 copies from 64 rows (docs/performance.md
-  "GGUF blocks"); one order per (row, output) whatever the step holds, so batch-invariant mode
-  (ScheduleConfig.batchInvariant) takes it as it is;
-- elsewhere (AVX2, scalar), few rows (decode steps): integer dot products with each weight row
-  read from its blocks, scaled per 16 values (the scalar build from ``SCALAR_FLOAT_ROWS`` rows
-  fp32 products over dequantised tiles instead); from the row counts gguf_kernels.c measured
-  (``gk.tile_rows``: 8 on the AVX2 build): weight tiles dequantised in cache against the
-  activations as they are (``gguf_matmul`` mode 3: fp32 FMAs), per part; above ``INT_ROWS`` where
-  the tiles do not reach: the layer's weights dequantised into a transient matrix on oneDNN;
+  Lake) and the AVX2 builds (Haswell on, Zen 1-3; AVX-VNNI's ymm vpdpbusd where present): each part
+  interleaved at load in groups of 16 rows (``gk.pack_x16``, the file's bytes), activations
+  quantised per 32 values to int8 (as llama.cpp's Q8_0), a 32-value block of 16 rows (AVX2: two
+  halves of 8) summed exactly in int32 by 8 vpdpbusd (AVX2: vpmaddubsw pairs) and then one scale and
+  two FMAs per block and output, at every row count: 3-4x mode 2's integer products on one row,
+  4-5x on prompts (AVX2: 1.8x and 2.7x), level with or ahead of the dequantised tiles and oneDNN
+  over bf16 copies from 64 rows (docs/performance.md "GGUF blocks"); one order per (row, output)
+  whatever the step holds, so batch-invariant mode (ScheduleConfig.batchInvariant) takes it as it
+  is, and the AVX2 and AVX-512 builds give the same bits;
+- on the scalar build, few rows (decode steps): integer dot products with each weight row read
+  from its blocks, scaled per 16 values; from ``SCALAR_FLOAT_ROWS`` rows fp32 products over
+  dequantised tiles; above ``INT_ROWS`` the layer's weights dequantised into a transient matrix on
+  oneDNN; (``interleave=False``, benchmarks: the SIMD builds' products over the file's blocks as
+  stored: the integer rows, mode 3's tiles from the row counts gguf_kernels.c measured,
+  ``gk.tile_rows``, and the transient matrix);
 - in batch-invariant mode there one path at every row count, so a row's result never depends on
-  its step: mode 2's integer products (the tiles for bf16 rows on an avx512_bf16 build without
-  VNNI, should one exist).
+  its step: mode 2's integer products.
 
 The activation quantisation changes the results slightly against the dequantised weights
 (~0.3 % of a product's magnitude): greedy text can differ from the ``dequantise`` path where
@@ -65,7 +66,7 @@ def compute(bf16: bool = True, fast_invariant: Callable[[], bool] = lambda: True
     ScheduleConfig.batchInvariant off, where the dequantised tiles (gguf_kernels.c mode 3) tie or
     beat the bf16 copies from 8 rows and on prompts and the integer products win one row; and in
     batch-invariant mode (the CPU default) where that mode's one path is fast at every row count
-    (``fast_invariant()``, asked only there: the AVX-512 VNNI build's interleaved integer products,
+    (``fast_invariant()``, asked only there: the SIMD builds' interleaved integer products,
     or the avx512_bf16 build's bf16 tiles for bf16 rows), which decodes faster than the bf16 copies
     and keeps the file's bytes, not 3.5x them. Otherwise dequantise: mode 2's integer products,
     that mode's path on other builds, lose 3x on prompts (docs/performance.md, "GGUF blocks")."""
@@ -120,11 +121,11 @@ class GgufLinear(nn.Module):
         if covered != out_features:
             raise ValueError(f"GGUF linear: parts cover {covered} of {out_features} output rows")
         self.bias = bias
-        # The AVX-512 VNNI builds interleave the parts in 16-row groups and take their integer
+        # The AVX2 and AVX-512 builds interleave the parts in 16-row groups and take their integer
         # products at every row count (one order per row: batch-invariant as they are; faster than
-        # the other paths from one row up, level with the tiles on prompts). Elsewhere
-        # batch-invariant mode keeps one path at every row count: mode 3's bf16 tiles for bf16 rows
-        # on an avx512_bf16 build without VNNI (none known), else mode 2's integer products.
+        # the other paths from one row up, level with the tiles on prompts). Elsewhere (the scalar
+        # build, or interleave False) batch-invariant mode keeps one path at every row count: mode
+        # 3's bf16 tiles for bf16 rows on the avx512_bf16 build, else mode 2's integer products.
         self.invariant = settings.engine().batch_invariant
         self.x16 = interleave and bool(getattr(lib, "x16", False))  # interleave False: the build's other paths
         self.invariant_tiles = bool(getattr(lib, "tile_bf16", False)) and not self.x16

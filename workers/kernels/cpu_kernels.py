@@ -34,10 +34,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          # Let the dot products and row updates vectorise (fp32 reassociation only).
          "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 BUILD_TIMEOUT_S = 180
-# cpuTuning.isa avx2 (MINDIE_CPU_ISA=avx2) builds without the AVX-512 instructions -march=native would use (the path
-# AVX2-only CPUs run), avx512 without AVX-512's bf16 and AMX (the path of Skylake-SP to Ice Lake Xeons); tests build
+# cpuTuning.isa avx2 (MINDIE_CPU_ISA=avx2) builds without the AVX-512 and AVX-VNNI instructions -march=native would
+# use (the path AVX2-only CPUs run), avx512 without AVX-512's bf16 and AMX (the path of Skylake-SP to Ice Lake Xeons); tests build
 # them all on a machine that has more.
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"],
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"],
              "avx512": ["-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]}
 
 

@@ -724,6 +724,8 @@ static inline __attribute__((always_inline)) void rows512(const int type, const 
     }
 }
 
+#endif
+
 /* A kernel instantiated per block type and per count of activation rows (1-8), both constants in
  * each call so that its accumulators stay in registers and its type branches fold away: CALL(T, MR)
  * for the call's ``type`` and ``mr`` (row_dot512 and, below, the interleaved kernel's x16_group) */
@@ -737,6 +739,7 @@ static inline __attribute__((always_inline)) void rows512(const int type, const 
     case T_Q8_0: EACH_MR(CALL, T_Q8_0); break; case T_Q4_K: EACH_MR(CALL, T_Q4_K); break;             \
     case T_Q5_K: EACH_MR(CALL, T_Q5_K); break; case T_Q6_K: EACH_MR(CALL, T_Q6_K); break; } } while (0)
 
+#if GG_ISA == 2
 #define ROWS512(T, MR_) rows512(T, MR_, w, K, xq, d4, s16, res)
 static void row_dot512(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                        int mr, float *res) {
@@ -1080,7 +1083,7 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
     return s;
 }
 
-/* ---- 16-row interleaved blocks: integer products fast at every row count (AVX-512 VNNI) ----
+/* ---- 16-row interleaved blocks: integer products fast at every row count (AVX-512 VNNI; AVX2) ----
  * Mode 2 computes a row's products with the weight row's values along the vector lanes: every
  * vpdpbusd lane sums 4 products that then need their own conversion, scale and FMA (the scales
  * change every 16-32 values), about 8 instructions per 64 products, which makes it compute-bound
@@ -1103,7 +1106,7 @@ static inline float fdot(const float *u, const float *v, int64_t n) {
  * file's bytes (K-quants 64 bytes more per 16 rows and 256 values: their 6-bit scales as bytes). */
 #define X16 0x100
 
-int gguf_x16_supported(void) { return GG_ISA == 2; }
+int gguf_x16_supported(void) { return GG_ISA >= 1; }
 
 /* bytes of one group of 16 rows of K values in the interleaved layout; 0 for a type or K not covered */
 int64_t gguf_x16_bytes(int type, int64_t K) {
@@ -1202,10 +1205,10 @@ static inline int64_t x16_head_bytes(int type) {
 }
 
 /* w [N rows of the file's blocks] -> dst [ceil(N / 16) groups of gguf_x16_bytes]. -1: not covered
- * (or not this build: the kernels below are AVX-512 VNNI's) */
+ * (or the scalar build: the kernels below are AVX-512 VNNI's and AVX2's) */
 int gguf_x16_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *dst) {
     const int64_t gb = gguf_x16_bytes(type, K);
-    if (!gb || GG_ISA != 2 || N < 0) return -1;
+    if (!gb || GG_ISA < 1 || N < 0) return -1;
     const int64_t rb = K / gguf_block_values(type) * gguf_block_bytes(type), groups = (N + 15) / 16;
     const int64_t G = K / 16, sb = x16_scale_bytes(type), vb = x16_value_bytes(type), hb = x16_head_bytes(type);
     int failed = 0;
@@ -1419,6 +1422,157 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
     for (int r = 0; r < MR; r++) _mm512_storeu_ps(res + 16 * r, acc[r]);
 }
 
+#elif GG_ISA == 1
+/* The AVX2 build's interleaved products: the same layout, each group read as two halves of 8 rows
+ * (the second half from cache), a ymm holding 4 values of each of 8 rows. The integer sums are the
+ * VNNI build's (vpmaddubsw pairs, exact: no saturation at these weights' ranges; Q8_0's 8-bit
+ * weights as two nibbles), and the float steps are the same operations in the same order, so the
+ * two builds give the same bits. AVX-VNNI (Alder Lake, Zen 4 and 5) sums 4 products in one vpdpbusd. */
+#define X16_PREFETCH 2048
+/* activation rows per register block: 4 accumulators beside 8 weight vectors and the scales (Q6_K
+ * too: 1.2x faster at 4 than at 2 rows, whatever spills) */
+#define X16_ROWS(type) 4
+static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* s + the 4-product sums (per int32 lane: 4 values of one row) of w[0..3] (unsigned weight bytes)
+ * with the activation's 16 bytes x, each 4 of them broadcast. AVX2 alone: vpmaddubsw's int16 pair
+ * sums added in int16 before one vpmaddwd, as many as cannot overflow (4-5-bit weights 4, 6-bit 2:
+ * a pair is at most 2 x 63 x 128); Q8_0's weights (q + 128, to 255) as two nibbles. */
+static inline __attribute__((always_inline)) __m256i x16_sum4(const int type, __m256i s, const __m256i *w,
+                                                              const int8_t *x) {
+    const __m256i x0 = _mm256_set1_epi32(ld32(x)), x1 = _mm256_set1_epi32(ld32(x + 4));
+    const __m256i x2 = _mm256_set1_epi32(ld32(x + 8)), x3 = _mm256_set1_epi32(ld32(x + 12));
+#if defined(__AVXVNNI__)
+    (void)type;
+    s = _mm256_dpbusd_avx_epi32(s, w[0], x0);
+    s = _mm256_dpbusd_avx_epi32(s, w[1], x1);
+    s = _mm256_dpbusd_avx_epi32(s, w[2], x2);
+    return _mm256_dpbusd_avx_epi32(s, w[3], x3);
+#else
+    const __m256i one = _mm256_set1_epi16(1);
+#define MUB(W, X) _mm256_maddubs_epi16(W, X)
+    if (type == T_Q8_0) {
+        const __m256i m4 = _mm256_set1_epi8(0xF);
+#define LO(i) _mm256_and_si256(w[i], m4)
+#define HI(i) _mm256_and_si256(_mm256_srli_epi16(w[i], 4), m4)
+        const __m256i lo = _mm256_add_epi16(_mm256_add_epi16(MUB(LO(0), x0), MUB(LO(1), x1)),
+                                            _mm256_add_epi16(MUB(LO(2), x2), MUB(LO(3), x3)));
+        const __m256i hi = _mm256_add_epi16(_mm256_add_epi16(MUB(HI(0), x0), MUB(HI(1), x1)),
+                                            _mm256_add_epi16(MUB(HI(2), x2), MUB(HI(3), x3)));
+#undef LO
+#undef HI
+        return _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(lo, one),
+                                                    _mm256_slli_epi32(_mm256_madd_epi16(hi, one), 4)));
+    }
+    const __m256i p01 = _mm256_add_epi16(MUB(w[0], x0), MUB(w[1], x1));
+    const __m256i p23 = _mm256_add_epi16(MUB(w[2], x2), MUB(w[3], x3));
+#undef MUB
+    if (type == T_Q6_K)
+        return _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(p01, one), _mm256_madd_epi16(p23, one)));
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_add_epi16(p01, p23), one));
+#endif
+}
+
+#define X16_DOT2(S, X, T0) S = x16_sum4(type, S, w + (T0), (X) + 4 * (T0))
+#define X16_ROW2(r, ACC) do { \
+        if (MR > (r)) { \
+            const int8_t *x_ = xq + (r) * K + 32 * j; \
+            const float dx_ = d4[(r) * G4 + 8 * j]; \
+            const float *s_ = s16 + (r) * G + 2 * j; \
+            __m256i t0_ = _mm256_setzero_si256(); \
+            X16_DOT2(t0_, x_, 0); \
+            if (type == T_Q6_K) { \
+                __m256i t1_ = _mm256_setzero_si256(); \
+                X16_DOT2(t1_, x_, 4); \
+                ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0_), _mm256_mul_ps(a0, _mm256_set1_ps(dx_)), ACC); \
+                ACC = _mm256_fmadd_ps(b0, _mm256_set1_ps(s_[0]), ACC); \
+                ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1_), _mm256_mul_ps(a1, _mm256_set1_ps(dx_)), ACC); \
+                ACC = _mm256_fmadd_ps(b1, _mm256_set1_ps(s_[1]), ACC); \
+            } else { \
+                X16_DOT2(t0_, x_, 4); \
+                ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0_), _mm256_mul_ps(a0, _mm256_set1_ps(dx_)), ACC); \
+                ACC = _mm256_fmadd_ps(b0, _mm256_set1_ps(s_[0] + s_[1]), ACC); \
+            } \
+        } \
+    } while (0)
+
+static inline __m256 u8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline __m256 i8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* x16_rows' contract (res[r * 16 + o]) for MR (1-4) activation rows, one half of the group at a time */
+static inline __attribute__((always_inline)) void x16_rows(const int type, const int MR, const uint8_t *gp, int64_t K,
+                                                           const int8_t *xq, const float *d4, const float *s16,
+                                                           float *res) {
+    const int64_t G = K / 16, G4 = K / 4, sb = x16_scale_bytes(type), vb = x16_value_bytes(type);
+    const int64_t hb = x16_head_bytes(type);
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {  /* rows 8 h .. 8 h + 7: bytes 32 h .. 32 h + 31 of each 64 */
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, dv = acc0, dm = acc0;
+        const uint8_t *p = gp;
+        for (int64_t j = 0; j < K / 32; j++) {
+            if (!h)  /* the second half reads what the first brought in */
+                for (int64_t c = 0; c < sb + vb; c += 64) _mm_prefetch((const char *)p + X16_PREFETCH + c, _MM_HINT_T0);
+            if (hb && j % 8 == 0) {
+                dv = f16x8(p + 16 * h);
+                if (type != T_Q6_K) dm = f16x8(p + 32 + 16 * h);
+                p += hb;
+            }
+            __m256 a0, a1 = acc0, b0, b1 = acc0;
+            if (type == T_Q4_K || type == T_Q5_K) {
+                a0 = _mm256_mul_ps(dv, u8x8(p + 8 * h));
+                b0 = _mm256_mul_ps(_mm256_xor_ps(dm, _mm256_set1_ps(-0.0f)), u8x8(p + 16 + 8 * h));
+            } else if (type == T_Q6_K) {
+                const __m256 s0 = i8x8(p + 8 * h), s1 = i8x8(p + 16 + 8 * h);
+                const __m256 d32 = _mm256_mul_ps(_mm256_set1_ps(-32.0f), dv);
+                a0 = _mm256_mul_ps(dv, s0);
+                a1 = _mm256_mul_ps(dv, s1);
+                b0 = _mm256_mul_ps(d32, s0);
+                b1 = _mm256_mul_ps(d32, s1);
+            } else {
+                a0 = f16x8(p + 16 * h);
+                b0 = type == T_Q4_1 || type == T_Q5_1 ? f16x8(p + 32 + 16 * h)
+                   : _mm256_mul_ps(_mm256_set1_ps(type == T_Q4_0 ? -8.0f : type == T_Q5_0 ? -16.0f : -128.0f), a0);
+            }
+            p += sb;
+            __m256i w[8];
+            if (type == T_Q8_0) {
+                for (int t = 0; t < 8; t++) w[t] = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h));
+            } else {
+                const uint8_t *v = p + (x16_fifth(type) ? 64 : 0);
+                for (int u = 0; u < 4; u++) {
+                    const __m256i n = _mm256_loadu_si256((const __m256i *)(v + 64 * u + 32 * h));
+                    w[2 * u] = _mm256_and_si256(n, m4);
+                    w[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(n, 4), m4);
+                }
+                if (x16_fifth(type))
+                    for (int t = 0; t < 8; t++) {
+                        uint64_t mk;
+                        memcpy(&mk, p + 8 * t, 8);
+                        w[t] = _mm256_or_si256(w[t], fifth_bits((uint32_t)(mk >> (32 * h))));
+                    }
+                if (type == T_Q6_K)  /* field s (bits 2s, 2s + 1) moved to bits 4-5 */
+                    for (int hh = 0; hh < 2; hh++) {
+                        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 256 + 64 * hh + 32 * h));
+                        w[4 * hh] = _mm256_or_si256(w[4 * hh], _mm256_and_si256(_mm256_slli_epi16(hv, 4), m30));
+                        w[4 * hh + 1] = _mm256_or_si256(w[4 * hh + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), m30));
+                        w[4 * hh + 2] = _mm256_or_si256(w[4 * hh + 2], _mm256_and_si256(hv, m30));
+                        w[4 * hh + 3] = _mm256_or_si256(w[4 * hh + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), m30));
+                    }
+            }
+            p += vb;
+            X16_ROW2(0, acc0);
+            X16_ROW2(1, acc1);
+            X16_ROW2(2, acc2);
+            X16_ROW2(3, acc3);
+        }
+        const __m256 acc[4] = {acc0, acc1, acc2, acc3};
+        for (int r = 0; r < MR && r < 4; r++) _mm256_storeu_ps(res + 16 * r + 8 * h, acc[r]);
+    }
+}
+#endif
+
+#if GG_ISA >= 1
 #define X16_ROWS_OF(T, MR_) x16_rows(T, MR_, gp, K, xq, d4, s16, res)
 static void x16_group(int type, const uint8_t *gp, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                       int mr, float *res) {
@@ -1453,7 +1607,7 @@ static void x16_range(int type, const uint8_t *w, int64_t K, const int8_t *xq, c
  * sum as gguf_matmul's mode 3 computes it. */
 void gguf_rows(int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *d4, const float *s16,
                int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr, int dt, const void *x) {
-#if GG_ISA == 2
+#if GG_ISA >= 1
     if (type & X16) {  /* interleaved 16-row groups (gguf_x16_pack): the integer products, one order */
         x16_range(type & 0xFF, w, K, xq, d4, s16, M, n0, n1, res, ldr);
         return;
@@ -1489,7 +1643,7 @@ static inline float load(int dt, const void *p, int64_t i) {
     return dt == 1 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-#if GG_ISA == 2
+#if GG_ISA >= 1
 /* gguf_matmul of interleaved weights (type | X16): the integer products at every row count, 64
  * activation rows at a time (they stay in cache while the groups stream past), parallel over groups */
 static int x16_matmul(int type, int dt, int64_t M, int64_t K, const int8_t *xq, const float *d4, const float *s16,
@@ -1524,7 +1678,7 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
                 const float *d4, const float *s16, const uint8_t *w, int64_t N, const void *bias, void *out,
                 int64_t ldo) {
     if (type & X16) {  /* interleaved 16-row groups: the integer products (modes 0 and 2 alike) */
-#if GG_ISA == 2
+#if GG_ISA >= 1
         return (mode == 0 || mode == 2) && M >= 0 && N >= 0 ? x16_matmul(type & 0xFF, dt, M, K, xq, d4, s16, w, N,
                                                                          bias, out, ldo) : -1;
 #else

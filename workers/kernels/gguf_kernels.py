@@ -22,8 +22,8 @@ SOURCE = Path(__file__).with_name("gguf_kernels.c")
 ISA_NAMES = {2: "avx512-vnni (vpdpbusd)", 1: "avx2 (vpmaddubsw)", 0: "scalar"}
 # The flags that build each instruction set's path on top of the common ones (a host that has the
 # wider ones can run the narrower: the tests build all three).
-VARIANT_FLAGS = {"native": [], "avx512": cpu_kernels.ISA_FLAGS["avx512"], "avx2": ["-mno-avx512f"],
-                 "scalar": ["-mno-avx"]}
+VARIANT_FLAGS = {"native": [], "avx512": cpu_kernels.ISA_FLAGS["avx512"], "avx2": cpu_kernels.ISA_FLAGS["avx2"],
+                 "avxvnni": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 # GGML type ids the kernels read (gguf.GGMLQuantizationType values)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # gguf_matmul's modes: int8 activations, fp32 ones over dequantised tiles (the scalar build's), int8
@@ -68,7 +68,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_x16_pack.restype = ctypes.c_int
     lib.gguf_x16_pack.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.isa = int(lib.gguf_isa())
-    lib.x16 = bool(lib.gguf_x16_supported())  # interleaved 16-row groups (the AVX-512 VNNI build)
+    lib.x16 = bool(lib.gguf_x16_supported())  # interleaved 16-row groups (the AVX2 and AVX-512 builds)
     lib.tile_bf16 = bool(lib.gguf_tile_bf16())  # bf16 tiles for bf16 rows (the avx512_bf16 build)
     return lib
 
