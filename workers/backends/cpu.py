@@ -140,9 +140,10 @@ class CpuBackend(Backend):
 
     def spec_row_cost(self, model: torch.nn.Module) -> float | None:
         # the interleaved GGUF products make one row cheap and each further row compute-bound:
-        # 15-32 % of a one-row step a row (mindie-bench speculative --row-cost), not the 6-10 % of
-        # the other products (the engine's default)
-        return X16_ROW_COST if any(getattr(m, "x16", False) for m in model.modules()) else None
+        # 7-34 % of a one-row step a row by build (mindie-bench speculative --row-cost), not the
+        # 6-10 % of the other products (the engine's default)
+        x16 = next((m for m in model.modules() if getattr(m, "x16", False)), None)
+        return None if x16 is None else X16_ROW_COST.get(x16.lib.isa, X16_ROW_COST[2])
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32

@@ -49,8 +49,10 @@ log = logging.getLogger("workers.backends")
 
 COMPUTES = ("auto", "native", "dequantise")
 # What a speculative proposal's row costs over the interleaved products, as a fraction of a
-# one-row decode step (mindie-bench speculative --row-cost: 15-32 %; CpuBackend.spec_row_cost).
-X16_ROW_COST = 0.25
+# one-row decode step (mindie-bench speculative --row-cost; CpuBackend.spec_row_cost), per build's
+# gguf_isa(): AVX-512 VNNI 7-32 % (Zen 4, bf16 and fp32 rows), AVX2 27-34 % (its 8-row halves and
+# vpmaddubsw pairs make each further row dearer).
+X16_ROW_COST = {2: 0.25, 1: 0.30}
 # Row counts up to this take the integer products (cpu_kernels' decode batches reach 64).
 INT_ROWS = 64
 # The scalar build (no AVX2): from this many rows the fp32 products over dequantised tiles (the

@@ -242,7 +242,7 @@ def rejection_sample(probs: np.ndarray, draft: int, u_accept: float, u_resample:
 #: a row; mindie-bench speculative). The suffix proposer keeps the tokens whose chance of being
 #: accepted pays for its row (``worth_keeping``). The figure moves with the products: a backend
 #: gives the engine its model's where it differs (``Backend.spec_row_cost``: the interleaved GGUF
-#: products' rows, compute-bound from two rows, cost 15-32 % a row: gguf_linear.X16_ROW_COST).
+#: products' rows, compute-bound from two rows, cost 7-34 % a row by build: gguf_linear.X16_ROW_COST).
 ROW_COST = 0.1
 
 
