@@ -19,36 +19,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 sys.path.insert(0, str(ROOT))
 
-# The code the "rewrite code" task hands the model: a fixed text (the block manager's prefix lookup as of
-# 12-07), so that figures stay comparable as the engine's code changes.
-CODE = '''\
-def match_prefix(self, seq: Sequence) -> list[int]:
-    """Cached blocks for the leading full blocks of ``seq.tokens`` (not yet taken).
-
-    At least one token is always left to compute, since the last position's logits
-    are needed.
-    """
-    if not self.enable_prefix_cache:
-        return []
-    hits: list[int] = []
-    prev: int | None = seq.cache_salt  # a LoRA request's blocks never match another model's
-    bs = self.block_size
-    full = (seq.num_tokens - 1) // bs
-    for i in range(full):
-        ids = tuple(seq.tokens[i * bs:(i + 1) * bs])
-        h = chain_hash(prev, ids)
-        block_id = self.hash_to_block.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != ids:
-            break
-        hits.append(block_id)
-        prev = h
-    return hits'''
+# The code the "rewrite code" task hands the model: the block manager's prefix lookup
+_BM = (ROOT / "workers" / "engine" / "block_manager.py").read_text()
+CODE = textwrap.dedent(_BM[_BM.index("    def match_prefix"):_BM.index("    def match_partial")]).strip()
 DOC = """The lighthouse at Cape Sable was built in 1861 from iron plates shipped from Boston. Its keeper,
 Thomas Ward, kept a log of every ship that passed. In 1874 the light was converted from whale oil to
 kerosene, which burned brighter and cost less. The station had three buildings: the tower, the keeper's

@@ -1305,6 +1305,41 @@ static void x16_unpack_row(int type, const uint8_t *gp, int o, int64_t K, uint8_
     }
 }
 
+/* One activation row r's step of a block j into its accumulator ACC, in x16_rows (its w, a0, b0, a1,
+ * b1, xq, d4, s16, K, G, G4, j, type and MR): the integer sums of the block (X16_DOT, the build's),
+ * then one conversion, one scale and FMAs, in the same order on every build (X16_FMA and the rest are
+ * the build's vector width), which is why the AVX2 and AVX-512 builds give the same bits */
+#define X16_ROW(r, ACC) do { \
+        if (MR > (r)) { \
+            const int8_t *x_ = xq + (r) * K + 32 * j; \
+            const float dx_ = d4[(r) * G4 + 8 * j]; \
+            const float *s_ = s16 + (r) * G + 2 * j; \
+            x16_vi t0_ = X16_ZERO(); \
+            X16_DOT(t0_, x_, 0); \
+            if (type == T_Q6_K) { \
+                x16_vi t1_ = X16_ZERO(); \
+                X16_DOT(t1_, x_, 4); \
+                ACC = X16_FMA(X16_CVT(t0_), X16_MUL(a0, X16_SET1(dx_)), ACC); \
+                ACC = X16_FMA(b0, X16_SET1(s_[0]), ACC); \
+                ACC = X16_FMA(X16_CVT(t1_), X16_MUL(a1, X16_SET1(dx_)), ACC); \
+                ACC = X16_FMA(b1, X16_SET1(s_[1]), ACC); \
+            } else { \
+                X16_DOT(t0_, x_, 4); \
+                ACC = X16_FMA(X16_CVT(t0_), X16_MUL(a0, X16_SET1(dx_)), ACC); \
+                ACC = X16_FMA(b0, X16_SET1(s_[0] + s_[1]), ACC); \
+            } \
+        } \
+    } while (0)
+
+/* Q6_K's two 16-value halves: w = d sc (q - 32), so a = d sc and b = -32 d sc per half */
+#define X16_Q6K_SCALES(DV, S0, S1) do { \
+        const __typeof__(DV) d32_ = X16_MUL(X16_SET1(-32.0f), DV); \
+        a0 = X16_MUL(DV, S0); \
+        a1 = X16_MUL(DV, S1); \
+        b0 = X16_MUL(d32_, S0); \
+        b1 = X16_MUL(d32_, S1); \
+    } while (0)
+
 #if GG_ISA == 2
 #define X16_PREFETCH 2048  /* bytes ahead of the block being read */
 /* activation rows per register block: 8, Q6_K 4 (its two halves' scales and sums spill 8 rows'
@@ -1319,27 +1354,13 @@ static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); retur
         S = _mm512_dpbusd_epi32(S, w[(T0) + 2], _mm512_set1_epi32(ld32((X) + 4 * ((T0) + 2)))); \
         S = _mm512_dpbusd_epi32(S, w[(T0) + 3], _mm512_set1_epi32(ld32((X) + 4 * ((T0) + 3)))); \
     } while (0)
-#define X16_ROW(r, ACC) do { \
-        if (MR > (r)) { \
-            const int8_t *x_ = xq + (r) * K + 32 * j; \
-            const float dx_ = d4[(r) * G4 + 8 * j]; \
-            const float *s_ = s16 + (r) * G + 2 * j; \
-            __m512i t0_ = _mm512_setzero_si512(); \
-            X16_DOT(t0_, x_, 0); \
-            if (type == T_Q6_K) { \
-                __m512i t1_ = _mm512_setzero_si512(); \
-                X16_DOT(t1_, x_, 4); \
-                ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0_), _mm512_mul_ps(a0, _mm512_set1_ps(dx_)), ACC); \
-                ACC = _mm512_fmadd_ps(b0, _mm512_set1_ps(s_[0]), ACC); \
-                ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1_), _mm512_mul_ps(a1, _mm512_set1_ps(dx_)), ACC); \
-                ACC = _mm512_fmadd_ps(b1, _mm512_set1_ps(s_[1]), ACC); \
-            } else { \
-                X16_DOT(t0_, x_, 4); \
-                ACC = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0_), _mm512_mul_ps(a0, _mm512_set1_ps(dx_)), ACC); \
-                ACC = _mm512_fmadd_ps(b0, _mm512_set1_ps(s_[0] + s_[1]), ACC); \
-            } \
-        } \
-    } while (0)
+/* the vector types and float steps X16_ROW (above) takes on this build */
+typedef __m512i x16_vi;
+#define X16_ZERO _mm512_setzero_si512
+#define X16_FMA _mm512_fmadd_ps
+#define X16_CVT _mm512_cvtepi32_ps
+#define X16_MUL _mm512_mul_ps
+#define X16_SET1 _mm512_set1_ps
 
 /* the 16 outputs of group gp for MR (1-8) activation rows: res[r * 16 + o]. type and MR are
  * constants in each call (x16_group's switch): the accumulators stay in registers */
@@ -1370,11 +1391,7 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
         } else if (type == T_Q6_K) {
             const __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
             const __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-            const __m512 d32 = _mm512_mul_ps(_mm512_set1_ps(-32.0f), dv);
-            a0 = _mm512_mul_ps(dv, s0);
-            a1 = _mm512_mul_ps(dv, s1);
-            b0 = _mm512_mul_ps(d32, s0);
-            b1 = _mm512_mul_ps(d32, s1);
+            X16_Q6K_SCALES(dv, s0, s1);
         } else {
             a0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
             b0 = type == T_Q4_1 || type == T_Q5_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
@@ -1473,28 +1490,13 @@ static inline __attribute__((always_inline)) __m256i x16_sum4(const int type, __
 #endif
 }
 
-#define X16_DOT2(S, X, T0) S = x16_sum4(type, S, w + (T0), (X) + 4 * (T0))
-#define X16_ROW2(r, ACC) do { \
-        if (MR > (r)) { \
-            const int8_t *x_ = xq + (r) * K + 32 * j; \
-            const float dx_ = d4[(r) * G4 + 8 * j]; \
-            const float *s_ = s16 + (r) * G + 2 * j; \
-            __m256i t0_ = _mm256_setzero_si256(); \
-            X16_DOT2(t0_, x_, 0); \
-            if (type == T_Q6_K) { \
-                __m256i t1_ = _mm256_setzero_si256(); \
-                X16_DOT2(t1_, x_, 4); \
-                ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0_), _mm256_mul_ps(a0, _mm256_set1_ps(dx_)), ACC); \
-                ACC = _mm256_fmadd_ps(b0, _mm256_set1_ps(s_[0]), ACC); \
-                ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1_), _mm256_mul_ps(a1, _mm256_set1_ps(dx_)), ACC); \
-                ACC = _mm256_fmadd_ps(b1, _mm256_set1_ps(s_[1]), ACC); \
-            } else { \
-                X16_DOT2(t0_, x_, 4); \
-                ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0_), _mm256_mul_ps(a0, _mm256_set1_ps(dx_)), ACC); \
-                ACC = _mm256_fmadd_ps(b0, _mm256_set1_ps(s_[0] + s_[1]), ACC); \
-            } \
-        } \
-    } while (0)
+#define X16_DOT(S, X, T0) S = x16_sum4(type, S, w + (T0), (X) + 4 * (T0))
+typedef __m256i x16_vi;
+#define X16_ZERO _mm256_setzero_si256
+#define X16_FMA _mm256_fmadd_ps
+#define X16_CVT _mm256_cvtepi32_ps
+#define X16_MUL _mm256_mul_ps
+#define X16_SET1 _mm256_set1_ps
 
 static inline __m256 u8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline __m256 i8x8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
@@ -1524,11 +1526,7 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
                 b0 = _mm256_mul_ps(_mm256_xor_ps(dm, _mm256_set1_ps(-0.0f)), u8x8(p + 16 + 8 * h));
             } else if (type == T_Q6_K) {
                 const __m256 s0 = i8x8(p + 8 * h), s1 = i8x8(p + 16 + 8 * h);
-                const __m256 d32 = _mm256_mul_ps(_mm256_set1_ps(-32.0f), dv);
-                a0 = _mm256_mul_ps(dv, s0);
-                a1 = _mm256_mul_ps(dv, s1);
-                b0 = _mm256_mul_ps(d32, s0);
-                b1 = _mm256_mul_ps(d32, s1);
+                X16_Q6K_SCALES(dv, s0, s1);
             } else {
                 a0 = f16x8(p + 16 * h);
                 b0 = type == T_Q4_1 || type == T_Q5_1 ? f16x8(p + 32 + 16 * h)
@@ -1561,10 +1559,10 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
                     }
             }
             p += vb;
-            X16_ROW2(0, acc0);
-            X16_ROW2(1, acc1);
-            X16_ROW2(2, acc2);
-            X16_ROW2(3, acc3);
+            X16_ROW(0, acc0);
+            X16_ROW(1, acc1);
+            X16_ROW(2, acc2);
+            X16_ROW(3, acc3);
         }
         const __m256 acc[4] = {acc0, acc1, acc2, acc3};
         for (int r = 0; r < MR && r < 4; r++) _mm256_storeu_ps(res + 16 * r + 8 * h, acc[r]);
