@@ -5,13 +5,19 @@ cold engine does; the bookkeeping (index, pins, eviction, leaks) checked directl
 from __future__ import annotations
 
 import random
+import time
 
+import httpx
 import pytest
 
 from mindie.contract.wire import SamplingParams, Submit
+from tests.harness import demo_server
+from tests.lazy_modules import lazy_module
 from tests.test_engine import GREEDY, make_engine, run
 from workers.engine.block_manager import PARTIAL_GRAIN, BlockManager
 from workers.engine.sequence import Sequence
+
+openai = lazy_module("openai")  # imported where a test uses it (tests/lazy_modules.py)
 
 BS = 64  # a block of four grains
 
@@ -133,3 +139,35 @@ def test_index_entries_go_with_evicted_blocks_and_sources_stay_pinned():
     bm.admit(c, [])
     bm.grow(c, 3 * BS)
     assert not bm.partial_index and bm.match_partial(_seq("d", list(range(100, 150))), [], 10 ** 6) == (-1, 0)
+
+
+def test_a_short_system_prompt_is_reused_through_the_server(demo_model, tmp_path):
+    """The launch script's server (MindIE's 128-token blocks), through the openai client: chat
+    requests sharing a system prompt far shorter than a block. The first caches nothing anyone
+    had; the second takes the shared positions from the first's block (the prefix-cache hit rate
+    turns positive, which whole blocks alone never make it here); a repeat answers the same."""
+    system = "You are a careful assistant. Answer in one short sentence, and never use lists."
+
+    def hit_rate(url: str) -> float:
+        return next(float(ln.split()[-1]) for ln in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                    if ln.startswith("npu_prefix_cache_hit_rate"))
+
+    with demo_server(tmp_path, demo_model, schedule={"cacheBlockSize": 128}) as srv:  # MindIE's default
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(question: str) -> tuple[str, int]:
+            r = client.chat.completions.create(model="demo", temperature=0, max_tokens=12, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": question}])
+            return r.choices[0].message.content, r.usage.prompt_tokens
+
+        first, n = ask("Where is Lyon?")
+        assert n < 128  # the whole prompt inside one block: whole-block caching finds nothing
+        time.sleep(1.0)  # a few heartbeats (0.25 s): the rate after the first request alone
+        assert hit_rate(srv.url) == 0.0
+        second, _ = ask("Where is Nantes?")
+        deadline = time.monotonic() + 15  # the rate comes with the worker's next heartbeat
+        while hit_rate(srv.url) == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert hit_rate(srv.url) > 0.0
+        assert ask("Where is Nantes?")[0] == second and ask("Where is Lyon?")[0] == first
+
