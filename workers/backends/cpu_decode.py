@@ -110,10 +110,17 @@ class FusedDecode:
     def __init__(self, model: nn.Module, lib: ctypes.CDLL, code: int, weights: list[dict[str, torch.Tensor | None]],
                  max_rows: int):
         args = model.args
-        self.lib, self.code, self.dtype = lib, code, model.embed_tokens.weight.dtype
+        self.lib, self.code, self.dtype = lib, code, embed_dtype(model)
         self.rope = model.rope
-        # The kernel reads these in place: they live as long as this object.
-        self.weights, self.embed, self.final_norm = weights, model.embed_tokens.weight, model.norm.weight
+        # The kernel reads these in place: they live as long as this object. An embedding looked up
+        # from GGUF blocks (gguf_linear.GgufEmbedding) has no dense matrix: its step's rows are
+        # dequantised first into rows [max_rows, C], which the kernel reads at ids 0 .. M - 1.
+        emb = model.embed_tokens
+        self.lookup = emb if hasattr(emb, "lookup") else None
+        self.rows = torch.empty(max_rows, args.hidden_size, dtype=self.dtype) if self.lookup is not None else None
+        self.iota = torch.arange(max_rows, dtype=torch.long) if self.lookup is not None else None
+        self.weights, self.final_norm = weights, model.norm.weight
+        self.embed = self.rows if self.lookup is not None else emb.weight
         self.C, self.H, self.Hkv, self.D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, \
             args.head_dim
         self.I = args.intermediate_size
@@ -191,6 +198,9 @@ class FusedDecode:
             return None
         # The kernel reads these as dense arrays (build_metadata's are; anything else is copied).
         ids = input_ids if input_ids.is_contiguous() else input_ids.contiguous()
+        if self.lookup is not None:  # the step's embedding rows from the blocks, read at ids 0 .. m - 1
+            self.lookup.lookup(ids, out=self.rows[:m])
+            ids = self.iota[:m]
         pos = dec.pos if dec.pos.is_contiguous() else dec.pos.contiguous()
         tables = dec.tables if dec.tables.is_contiguous() else dec.tables.contiguous()
         out = torch.empty(m, self.C, dtype=self.dtype)
@@ -202,6 +212,12 @@ class FusedDecode:
             return None  # refused before touching anything (a position outside the rope table: eager raises)
         self.calls += 1
         return out
+
+
+def embed_dtype(model: nn.Module) -> torch.dtype:
+    """The model dtype its embedding holds (a GgufEmbedding says it; an nn.Embedding's weight has it)."""
+    emb = model.embed_tokens
+    return emb.dtype if isinstance(getattr(emb, "dtype", None), torch.dtype) else emb.weight.dtype
 
 
 def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -272,7 +288,7 @@ def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | Non
     (not shared with the model's layers: int8 and KernelLinear layers keep this layout already).
     ``w16``: every linear must be a KernelLinear over bf16 weights of this fp32 model."""
     weights: list[dict] = []
-    dt = model.embed_tokens.weight.dtype
+    dt = embed_dtype(model)
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
         i = f.intermediate_size
@@ -313,7 +329,7 @@ def attach(model: nn.Module) -> FusedDecode | None:
         return None
     why = None
     args = getattr(model, "args", None)
-    dtype = model.embed_tokens.weight.dtype if hasattr(model, "embed_tokens") else None
+    dtype = embed_dtype(model) if hasattr(model, "embed_tokens") else None
     code = cpu_kernels.dtype_code(lib, dtype) if lib is not None else None
     if lib is None:
         why = "no C kernels"

@@ -1789,9 +1789,17 @@ int gguf_matmul(int type, int mode, int dt, int64_t M, int64_t K, const float *x
     return failed ? -1 : 0;
 }
 
+int gguf_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t N, int64_t K, int dt, void *out);
+
 /* The N rows of w dequantised to out [N, K] (dt: 0 fp32, 1 bf16): large steps' products go to
  * oneDNN over this transient copy (gguf_linear.py measures where that wins). */
 int gguf_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, int dt, void *out) {
+    return gguf_dequantize_rows(type, w, NULL, N, K, dt, out);
+}
+
+/* gguf_dequantize of rows ids[0 .. N - 1] of w (NULL: rows 0 .. N - 1) into out [N, K]: an
+ * embedding's lookup from the blocks (a tied LM head's, interleaved or not) */
+int gguf_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t N, int64_t K, int dt, void *out) {
     const int x16 = (type & X16) != 0;  /* interleaved 16-row groups: each row back as unpack_row gives it */
     type &= 0xFF;
     const int64_t bv = gguf_block_values(type), gb = x16 ? gguf_x16_bytes(type, K) : 0;
@@ -1809,8 +1817,9 @@ int gguf_dequantize(int type, const uint8_t *w, int64_t N, int64_t K, int dt, vo
         _Pragma("omp for schedule(static)")
         for (int64_t n = 0; n < N; n++) {
             if (failed) continue;
-            if (x16) x16_unpack_row(type, w + n / 16 * gb, (int)(n % 16), K, q, a, b);
-            else unpack_row(type, w + n * rb, K, q, a, b);
+            const int64_t r = ids ? ids[n] : n;  /* the source row; n the output row */
+            if (x16) x16_unpack_row(type, w + r / 16 * gb, (int)(r % 16), K, q, a, b);
+            else unpack_row(type, w + r * rb, K, q, a, b);
             for (int64_t g = 0; g < G; g++) {  /* 16 values of one scale: the compiler's vector loop */
                 const float ag = a[g], bg = b[g];
                 const uint8_t *qg = q + g * 16;

@@ -61,6 +61,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_rows.restype = None
     lib.gguf_dequantize.restype = ctypes.c_int
     lib.gguf_dequantize.argtypes = [ctypes.c_int, p, i64, i64, ctypes.c_int, p]
+    lib.gguf_dequantize_rows.restype = ctypes.c_int
+    lib.gguf_dequantize_rows.argtypes = [ctypes.c_int, p, p, i64, i64, ctypes.c_int, p]
     lib.gguf_x16_supported.restype = ctypes.c_int
     lib.gguf_x16_supported.argtypes = []
     lib.gguf_x16_bytes.restype = i64
@@ -172,4 +174,17 @@ def dequantize(lib: ctypes.CDLL, type_id: int, w: torch.Tensor, k: int, dtype: t
         out = torch.empty((n, k), dtype=dtype)
     if lib.gguf_dequantize(type_id, w.data_ptr(), n, k, 1 if dtype == torch.bfloat16 else 0, out.data_ptr()):
         raise ValueError(f"gguf_dequantize refused type {type_id} with {k} inputs")
+    return out
+
+
+def dequantize_rows(lib: ctypes.CDLL, type_id: int, w: torch.Tensor, ids: torch.Tensor, k: int, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` (int64, each in range: the caller's check) of the matrix ``w``'s blocks stand for,
+    [len(ids), k] of ``dtype`` (fp32 or bf16): an embedding looked up from its blocks."""
+    ids = ids.to(torch.int64).contiguous()
+    if out is None:
+        out = torch.empty((ids.numel(), k), dtype=dtype)
+    if lib.gguf_dequantize_rows(type_id, w.data_ptr(), ids.data_ptr(), ids.numel(), k,
+                                1 if dtype == torch.bfloat16 else 0, out.data_ptr()):
+        raise ValueError(f"gguf_dequantize_rows refused type {type_id} with {k} inputs")
     return out

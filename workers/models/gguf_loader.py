@@ -26,7 +26,8 @@ view it calls ``load_gguf`` instead of reading safetensors. For each tensor of t
   copied as bytes (q/k of a llama-architecture file put back in Hugging Face row order, the same
   row permutation on whole rows of blocks) and the layer is replaced by the target's, the
   model-dtype matrix never written; a tied LM head also gets a native copy of the embedding's
-  blocks (the lookup keeps the dequantised embedding).
+  blocks, and the embedding then looks its rows up from them (``GgufTarget.embedding``; its dense
+  matrix never written either).
 """
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ class GgufTarget(Protocol):
 
     def linear(self, parts: list[tuple[int, int, torch.Tensor]], in_features: int, out_features: int,
                bias: torch.Tensor | None) -> torch.nn.Module: ...
+
+    def embedding(self, head: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module | None:
+        """The token embedding looked up from its tied head's blocks, or None (the dense copy)."""
 
     def loaded(self, types: set[str]) -> None: ...
 
@@ -188,7 +192,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                     b["types"], b["parts"] = {t for _, t, _ in b["parts"]}, []
                     if trim is not None:
                         trim(0)
-                if nat is not None:  # the layer's weight is never written (its pages never touched)
+                if nat is not None or b.get("lookup"):  # the weight is never written (its pages never touched)
                     nbytes += t.nbytes
                     _release(g, t.offset, t.nbytes)
                     continue
@@ -365,6 +369,10 @@ def _swap_native(model: torch.nn.Module, b: dict, native: GgufTarget) -> None:
     if "embed" in b:
         vocab, hidden = b["embed"].shape
         model.logits_linear = native.linear(b["parts"], hidden, vocab, None)
+        lookup = native.embedding(model.logits_linear, b["embed"].dtype)
+        if lookup is not None:  # the embedding reads the head's blocks: its dense matrix is never written
+            model.embed_tokens = lookup
+            b["lookup"] = True
         return
     parent, name = b["at"]
     lin = b["lin"]
