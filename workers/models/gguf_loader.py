@@ -247,7 +247,9 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for t in b.get("types", ())}, dtype)
     log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
              "/".join(sorted({g.ref(n).type.name for n, _ in entries})),
-             f"{len(native_of)} linears kept in their blocks, the rest dequantised" if native_of else "dequantised",
+             (f"{len(native_of)} linears kept in their blocks"
+              + (" (the embedding read from the head's)" if native_of.get("head", {}).get("lookup") else "")
+              + ", the rest dequantised") if native_of else "dequantised",
              str(dtype).removeprefix("torch."), " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
     return nbytes
 
