@@ -228,7 +228,6 @@ class GgufEmbedding(nn.Module):
         super().__init__()
         self.lib, self.parts, self.dtype = head.lib, head.parts, dtype  # the head's parts, not a second module
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        self.nbytes = 0  # its own bytes: none beside the head's
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows of ``ids`` (flat int64) into ``out`` [len(ids), embedding_dim] (or a new tensor)."""

@@ -72,13 +72,12 @@ class BlockManager:
         # Free blocks in LRU order: the first is evicted first. Values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self.prefix_queries = 0  # prompt blocks looked up
         # A hybrid linear-attention model's state pool slots (workers/attention/state_cache.py): free
         # slot ids, None for a model without one (enable_states).
         self.free_states: list[int] | None = None
         self.free_checkpoints: list[int] = []  # pool rows of unused state checkpoints
         self.state_every = 0  # a checkpoint at every state_every-th block of a prompt (0: the last one only)
-        self.prefix_hits = 0  # of which found in the cache
+        self.prefix_hits = 0  # whole prompt blocks found in the cache
         self.query_tokens = 0  # prompt positions that a cache could have held (all but the last)
         self.hit_tokens = 0  # of which taken from it (full blocks and partial ones)
         # Partial-block prefixes (module docstring): key -> block; off for blocks of one grain or less.
@@ -226,7 +225,6 @@ class BlockManager:
         """Give ``seq`` the cached blocks ``hits`` (from match_prefix) as its first blocks, and the
         first ``k`` positions of block ``src`` for ``partial = (src, k)`` (match_partial): a fresh
         block to which the step copies ``src`` first (``copies``; ``src`` pinned until ``unpin``)."""
-        self.prefix_queries += max(0, (seq.num_tokens - 1) // self.block_size)
         self.prefix_hits += len(hits)
         self.query_tokens += seq.num_tokens - 1
         for block_id in hits:

@@ -1340,12 +1340,15 @@ static void x16_unpack_row(int type, const uint8_t *gp, int o, int64_t K, uint8_
         b1 = X16_MUL(d32_, S1); \
     } while (0)
 
-#if GG_ISA == 2
+#if GG_ISA >= 1
 #define X16_PREFETCH 2048  /* bytes ahead of the block being read */
+static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+#endif
+
+#if GG_ISA == 2
 /* activation rows per register block: 8, Q6_K 4 (its two halves' scales and sums spill 8 rows'
  * accumulators out of the 32 registers: 2.7x slower at 8 rows) */
 #define X16_ROWS(type) ((type) == T_Q6_K ? 4 : 8)
-static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* one row's 8 x 4-value sums into s (int32 per output), the activation's 4 bytes broadcast */
 #define X16_DOT(S, X, T0) do { \
@@ -1445,11 +1448,9 @@ static inline __attribute__((always_inline)) void x16_rows(const int type, const
  * VNNI build's (vpmaddubsw pairs, exact: no saturation at these weights' ranges; Q8_0's 8-bit
  * weights as two nibbles), and the float steps are the same operations in the same order, so the
  * two builds give the same bits. AVX-VNNI (Alder Lake, Zen 4 and 5) sums 4 products in one vpdpbusd. */
-#define X16_PREFETCH 2048
 /* activation rows per register block: 4 accumulators beside 8 weight vectors and the scales (Q6_K
  * too: 1.2x faster at 4 than at 2 rows, whatever spills) */
 #define X16_ROWS(type) 4
-static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* s + the 4-product sums (per int32 lane: 4 values of one row) of w[0..3] (unsigned weight bytes)
  * with the activation's 16 bytes x, each 4 of them broadcast. AVX2 alone: vpmaddubsw's int16 pair
