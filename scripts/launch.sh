@@ -156,6 +156,16 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+# Paths named relative to the caller's directory: every process below starts in the checkout
+# (cd "$root"), so make them absolute now (a model path only if it names something here).
+for v in MIES_CONFIG_JSON_PATH MINDIE_MODEL_PATH MINDIE_RUN_DIR MINDIE_LOG_PATH; do
+  p="${!v:-}"
+  case "$p" in
+    ""|/*) ;;
+    *) if [ "$v" != MINDIE_MODEL_PATH ] || [ -e "$p" ]; then export "$v=$PWD/$p"; fi ;;
+  esac
+done
+
 # Processes (docs/design.md, "Liveness"): this script -> supervisor -> device workers, and
 # this script -> gunicorn master -> front ends. Each dies with its parent; this script stops the
 # rest when one of its two children dies.

@@ -190,13 +190,14 @@ class Server:
 
     def __init__(self, config: Path | None, port: int, env: dict | None = None, frontends: int | None = 1,
                  args: list[str] | None = None, tls=None, health_url: str | None = None,
-                 wrap: list[str] | None = None, ignore_signals: tuple = ()):
+                 wrap: list[str] | None = None, ignore_signals: tuple = (), cwd: Path | None = None):
         """``config`` None: no --config (the built-in defaults). ``frontends`` None: as the config
         says (ServerConfig.frontendCount). ``tls``: the client's ssl.SSLContext for an HTTPS
         server; ``health_url``: where the management plane answers /health (default: the business
         port, as write_config merges the planes); ``wrap``: a command that starts the launcher
         (``nohup``, ``setsid``, ``unshare ...``); ``ignore_signals``: signals the launcher starts
-        with ignored (as a shell's background job starts with SIGINT ignored)."""
+        with ignored (as a shell's background job starts with SIGINT ignored); ``cwd``: the
+        directory the launcher starts in (default the checkout)."""
         self.port = port
         self.tls = tls
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
@@ -210,7 +211,7 @@ class Server:
         self.proc = subprocess.Popen(
             [*(wrap or []), "bash", str(ROOT / "scripts" / "launch.sh"), *(["--config", str(config)] if config else []),
              *(["--frontends", str(frontends)] if frontends is not None else []), *(args or [])],
-            stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=ROOT,
+            stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=cwd or ROOT,
             preexec_fn=(lambda: [signal.signal(s, signal.SIG_IGN) for s in ignore_signals]) if ignore_signals else None)
 
     def wait_ready(self, timeout: float = 90.0) -> float:

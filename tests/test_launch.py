@@ -92,6 +92,28 @@ def test_two_servers_started_with_only_p_run_side_by_side(tmp_path):
     assert codes == [0, 0], [s.tail() for s in servers]
 
 
+@pytest.mark.parametrize("how", ["config", "flag"])
+def test_paths_relative_to_the_callers_directory(tmp_path, demo_model, how):
+    """launch.sh started from another directory with relative paths: ``--config c.json`` whose
+    modelWeightPath is relative (to the config file's directory), or ``-m model``. Every process
+    starts in the checkout, so the paths must mean the same there: the server serves."""
+    base = free_triple()
+    (tmp_path / "model").symlink_to(demo_model)
+    write_config(tmp_path / "c.json", port=base, run_dir=short_run_dir(), workers=1,
+                 model_path="model" if how == "config" else "/nonexistent/model")
+    args = ["--config", "c.json"] + (["-m", "model"] if how == "flag" else [])
+    srv = Server(None, base, args=args, cwd=tmp_path)
+    try:
+        srv.wait_ready(120)
+        r = httpx.post(srv.url + "/infer_token", json={"input_id": [5, 6, 7], "parameters": {"max_new_tokens": 3}},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert isinstance(r.json()["generated_text"], str), r.text
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.tail(3000)
+
+
 # -- reload -----------------------------------------------------------------------------------------
 def _unshare_works() -> bool:
     try:

@@ -83,7 +83,7 @@ def _load_config(path: Optional[str], env: Mapping[str, str]) -> Loaded:
         e.unknown = unknown
         raise e
     notes = adjust(config) + ([name_note] if name_note else [])
-    resolve_paths(config, os.path.dirname(source) if source else os.getcwd(), env)
+    resolve_paths(config, os.path.dirname(os.path.abspath(source)) if source else os.getcwd(), env)
     for i, m in enumerate(config.backend.model_deploy.models):
         for model_type, opts in m.models.items():
             if opts.chat_template and not os.path.isfile(opts.chat_template):
