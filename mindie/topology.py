@@ -102,7 +102,8 @@ def speculation(config: Config) -> dict:
         tokens = min(deploy.speculation_gamma or default, SPEC_MAX_TOKENS)
     return dict(spec_method=method if sched.speculative_decoding else "", spec_tokens=tokens,
                 spec_lookup_min=sched.prompt_lookup_min, spec_lookup_max=sched.prompt_lookup_max,
-                spec_max_batch=sched.speculation_max_batch, spec_min_acceptance=sched.speculation_min_acceptance)
+                spec_max_batch=sched.speculation_max_batch, spec_min_acceptance=sched.speculation_min_acceptance,
+                spec_max_stretch=sched.speculation_max_stretch)
 
 
 def build_deployment(config: Config, *, null_model: bool = False, null_step_ms: float = 0.0,

@@ -163,7 +163,8 @@ JSON_KEYS = {
     "BackendConfig.ScheduleConfig": {
         "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens", "maxBatchSize", "maxIterTimes", "maxN",
         "enablePrefixCache", "overlapSteps", "prefillChunkTokens", "decodeHoldMs", "decodeHoldWave", "jumpForward",
-        "batchInvariant", "speculativeDecoding", "speculationMethod", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance"},
+        "batchInvariant", "speculativeDecoding", "speculationMethod", "promptLookupMin", "promptLookupMax", "speculationMaxBatch", "speculationMinAcceptance",
+        "speculationMaxStretch"},
     "LogConfig": {"dynamicLogLevel", "logLevel", "logPath", "logFileSize", "logFileNum", "logFormat"},
 }
 

@@ -288,6 +288,11 @@ KEY_TESTS: dict[str, list[str]] = {
     "BackendConfig.ScheduleConfig.speculationMaxBatch": [
         "tests/test_speculative_server.py::test_config_reaches_the_engine",
         "tests/test_speculative.py::test_speculation_max_batch_backs_off_under_load"],
+    "BackendConfig.ScheduleConfig.speculationMaxStretch": [
+        "tests/test_speculative_server.py::test_config_reaches_the_engine",
+        "tests/test_speculative_server.py::test_config_refusals",
+        "tests/test_speculative_server.py::test_each_worker_says_at_start_whether_it_speculates",
+        "tests/test_speculative.py::test_a_step_is_stretched_at_most_max_stretch_times"],
     "BackendConfig.ScheduleConfig.speculationMinAcceptance": [
         "tests/test_speculative_server.py::test_config_reaches_the_engine",
         "tests/test_speculative_server.py::test_config_refusals",

@@ -168,6 +168,32 @@ def test_a_proposed_row_must_win_its_share_of_the_step() -> None:
     assert c.propose(S(), 10) == []
 
 
+def test_a_step_is_stretched_at_most_max_stretch_times() -> None:
+    """A long copy (a strong match, priced at STRONG_RATE) would be proposed whole; max_stretch
+    bounds the step's modelled cost to that many times the step without proposals, so the stream's
+    gap between tokens stays bounded: alone at a 25 % row and 2x, 4 rows beyond its own; in a step
+    of 4 requests (1.75 one-row steps, bound 3.5) 7 rows among them all; 0, or a bound above what
+    the pricing keeps, cuts nothing."""
+    span = list(range(100, 140))
+
+    class S:
+        def __init__(self) -> None:
+            self.spec_stats = SpecStats(hits=9.0, misses=1.0)
+            self.token_ids = np.array(span + span[:20])
+
+    free = Controller("suffix", num_tokens=16, row_cost=0.25, max_stretch=0)
+    priced = free.propose(S(), 16)  # as long as the pricing keeps (p = 0.9: 6 tokens)
+    assert len(priced) > 4
+    c = Controller("suffix", num_tokens=16, row_cost=0.25, max_stretch=2.0)
+    assert c.propose(S(), 16) == span[20:24]
+    c.begin_step(4)
+    got = [c.propose(S(), 16) for _ in range(4)]
+    assert sum(map(len, got)) == 7 and got[0] == span[20:20 + len(got[0])], got
+    wide = Controller("suffix", num_tokens=16, row_cost=0.25, max_stretch=3.0)
+    assert wide.propose(S(), 16) == priced  # a bound of 8 rows above what the pricing keeps: no cut
+    assert "a step at most 2x as long as without its proposals" in c.describe()
+
+
 # -- the engine, speculation on and off -----------------------------------------------------------
 
 def _repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -481,10 +507,10 @@ def test_spec_counters_on_metrics_are_summed_over_workers():
     ({}, "speculative decoding: suffix, up to 8 proposed tokens per request and step, in steps of up to 8 "
          "decoding requests, a proposal cut to the tokens its request's recent acceptance makes worth its rows "
          "(10% of a step a row, in the step's expected tokens per second; a match of 8 tokens or longer priced at 90% "
-         "acceptance)"),
+         "acceptance), a step at most 2x as long as without its proposals"),
     ({"spec_method": "ngram", "spec_lookup_min": 1}, "speculative decoding: ngram, up to 8 proposed tokens per "
      "request and step, n-grams of 1-5 tokens, in steps of up to 8 decoding requests, a request pauses below "
-     "30% recent acceptance"),
+     "30% recent acceptance, a step at most 2x as long as without its proposals"),
     ({"spec_method": ""}, "speculative decoding: off (ScheduleConfig.speculativeDecoding: false)"),
     ({"spec_max_batch": 0}, "speculative decoding: off (ScheduleConfig.speculationMaxBatch: 0)"),
 ])

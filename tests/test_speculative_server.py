@@ -23,7 +23,7 @@ IDS = [5, 91, 340, 1200, 77, 5, 91, 340, 1200, 77, 5, 91, 340, 1200, 77, 5, 91]
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, demo_model):
     on_dir, off_dir = tmp_path_factory.mktemp("spec_on"), tmp_path_factory.mktemp("spec_off")
-    with demo_server(on_dir, demo_model, schedule={"promptLookupMin": 1}) as on, \
+    with demo_server(on_dir, demo_model, schedule={"promptLookupMin": 1, "speculationMaxStretch": 3}) as on, \
             demo_server(off_dir, demo_model, schedule={"speculativeDecoding": False}) as off:
         yield on, off
 
@@ -153,7 +153,8 @@ def test_each_worker_says_at_start_whether_it_speculates(servers):
     assert said["on"] and all(line == (
         "suffix, up to 16 proposed tokens per request and step, in steps of up to 8 decoding requests, a proposal "
         "cut to the tokens its request's recent acceptance makes worth its rows (10% of a step a row, in the step's "
-        "expected tokens per second; a match of 8 tokens or longer priced at 90% acceptance)") for line in said["on"]), \
+        "expected tokens per second; a match of 8 tokens or longer priced at 90% acceptance), a step at most 3x as "
+        "long as without its proposals") for line in said["on"]), \
         said["on"]
     assert said["off"] and all(line == "off (ScheduleConfig.speculativeDecoding: false)" for line in said["off"]), \
         said["off"]
@@ -177,6 +178,7 @@ def test_each_worker_says_at_start_whether_it_speculates(servers):
     ({"speculationGamma": 481}, {}, {}, "speculationGamma", "<= 480"),
     ({}, {}, {"promptLookupMin": 4, "promptLookupMax": 3}, "promptLookupMin", "<= promptLookupMax"),
     ({}, {}, {"speculationMinAcceptance": 1.5}, "speculationMinAcceptance", "<= 1"),
+    ({}, {}, {"speculationMaxStretch": -1}, "speculationMaxStretch", ">= 0"),
 ])
 def test_config_refusals(tmp_path, deploy, model, schedule, key, message):
     cfg = {"BackendConfig": {"ModelDeployConfig": {**deploy, "ModelConfig": [{"modelName": "m", **model}]},
@@ -211,9 +213,11 @@ def test_config_reaches_the_engine(tmp_path):
             model={"plugin_params": '{"plugin_type":"memory_decoding","decoding_length":12,"dynamic_algo":true}'})
     assert (m.spec_method, m.spec_tokens) == ("memory_decoding", 12)
     assert cfg(schedule={"speculativeDecoding": False}).spec_method == ""
+    assert d.spec_max_stretch == 2.0
     s = cfg(schedule={"promptLookupMin": 1, "promptLookupMax": 3, "speculationMaxBatch": 2,
-                      "speculationMinAcceptance": 0.5})
-    assert (s.spec_lookup_min, s.spec_lookup_max, s.spec_max_batch, s.spec_min_acceptance) == (1, 3, 2, 0.5)
+                      "speculationMinAcceptance": 0.5, "speculationMaxStretch": 0})
+    assert (s.spec_lookup_min, s.spec_lookup_max, s.spec_max_batch, s.spec_min_acceptance,
+            s.spec_max_stretch) == (1, 3, 2, 0.5, 0.0)
 
 
 def chat_stop(srv, stop: str) -> dict:

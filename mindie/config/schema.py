@@ -324,13 +324,15 @@ class ScheduleConfig(_Section):
     # Project extensions: speculative decoding without a draft model (workers/engine/speculative.py):
     # on by default; n-gram lengths the prompt lookup tries; no speculation in steps with more decoding
     # requests than speculationMaxBatch; a request whose recent acceptance falls below
-    # speculationMinAcceptance backs off.
+    # speculationMinAcceptance backs off; a step's proposed rows lengthen it at most
+    # speculationMaxStretch times (its stream's gap between tokens stays bounded).
     speculative_decoding: bool = True
     speculation_method: str = "suffix"  # without plugin_params: "suffix" or "ngram" (SPEC_METHODS)
     prompt_lookup_min: Annotated[int, Meta(ge=1, le=16)] = 2
     prompt_lookup_max: Annotated[int, Meta(ge=1, le=16)] = 5
     speculation_max_batch: Annotated[int, Meta(ge=0, le=819200)] = 8
     speculation_min_acceptance: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.3
+    speculation_max_stretch: Annotated[float, Meta(ge=0.0, le=64.0)] = 2.0
 
 
 class CpuTuningConfig(_Section):

@@ -73,13 +73,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # per request and step (speculationGamma / decoding_length), the n-gram lengths looked up
     # (promptLookupMin/Max), no speculation in steps with more decoding requests than
     # spec_max_batch (speculationMaxBatch), and the recent acceptance under which a request backs
-    # off (speculationMinAcceptance).
+    # off (speculationMinAcceptance), and how many times its proposed rows may lengthen a step
+    # (speculationMaxStretch; 0 = unbounded).
     spec_method: str = "suffix"
     spec_tokens: int = 16
     spec_lookup_min: int = 2
     spec_lookup_max: int = 5
     spec_max_batch: int = 8
     spec_min_acceptance: float = 0.3
+    spec_max_stretch: float = 2.0
     # Compute each step on a thread while the worker loop does its I/O (overlapSteps); None (in
     # the plan) = the device's default, settled by workers.prepare.
     overlap: bool | None = False

@@ -177,7 +177,7 @@ class Engine:
         hybrid = bool(state_slots) and not getattr(runner, "state_scratch", 0)
         self.speculator = Controller(cfg.spec_method if getattr(runner, "verifies_drafts", False) and not hybrid else "",
                                cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max, cfg.spec_max_batch,
-                               cfg.spec_min_acceptance)
+                               cfg.spec_min_acceptance, max_stretch=cfg.spec_max_stretch)
         if getattr(runner, "spec_row_cost", None) is not None:  # the backend's figure for the model
             self.speculator.row_cost = runner.spec_row_cost
         why_off = ("ScheduleConfig.speculativeDecoding: false" if not cfg.spec_method else

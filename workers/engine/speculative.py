@@ -283,6 +283,9 @@ class Controller:
     lookup_max: int = 5
     max_batch: int = 8  # no speculation in steps with more running requests than this
     min_acceptance: float = 0.3  # below this recent acceptance a request backs off
+    # a step's proposed rows lengthen it at most this many times (its cost modelled with row_cost
+    # against the step without them), so a stream's gap between tokens stays bounded; 0 = unbounded
+    max_stretch: float = 2.0
     # step totals, for /metrics (vLLM's spec_decode counters) and the worker's status
     drafts: int = 0
     draft_tokens: int = 0
@@ -297,6 +300,7 @@ class Controller:
     _rows: int = 0
     _tokens: float = 0.0
     _in_step: bool = False
+    _decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in ("",) + METHODS:
@@ -321,11 +325,24 @@ class Controller:
                    f"request's recent acceptance makes worth its rows ({self.row_cost:.0%} of a step a row, in "
                    f"the step's expected tokens per second; a match of {STRONG_MATCH} tokens or longer priced at "
                    f"{STRONG_RATE:.0%} acceptance)")
+        if self.max_stretch > 0:
+            how += f", a step at most {self.max_stretch:g}x as long as without its proposals"
         return f"{self.method}, up to {self.num_tokens} proposed tokens per request and step{how}"
 
     def begin_step(self, decoding: int) -> None:
         """Proposals for a step of ``decoding`` decoding requests follow (each one row so far)."""
-        self._rows, self._tokens, self._in_step = decoding, float(decoding), True
+        self._rows, self._tokens, self._in_step, self._decoding = decoding, float(decoding), True, decoding
+
+    def rows_left(self) -> int:
+        """How many proposed rows the step may still take under ``max_stretch``: a step of d
+        decoding requests costs 1 + row_cost * (d - 1) one-row steps, with its proposals at most
+        max_stretch times that. A verify step emits its tokens at once, so without the bound one
+        long proposal is one long gap in its stream (ITL p99) for tokens that mostly come anyway."""
+        if self.max_stretch <= 0 or self.row_cost <= 0:  # unbounded, or rows priced as free
+            return self.num_tokens
+        d, rows = (max(self._decoding, 1), max(self._rows, 1)) if self._in_step else (1, 1)
+        most = 1 + int((self.max_stretch * (1 + self.row_cost * (d - 1)) - 1) / self.row_cost + 1e-9)
+        return max(most - rows, 0)
 
     def propose(self, seq, room: int) -> list[int]:
         """A proposal for ``seq`` (a decoding request), at most ``room`` tokens."""
@@ -337,12 +354,15 @@ class Controller:
             # As many tokens as recent verify steps accepted, plus one and a half: a fully accepted
             # proposal grows the next one, a short run shrinks it (each proposed token is a row the
             # step computes; on a CPU a small model's rows are not free).
-            k = min(self.num_tokens, room, max(1, math.ceil(1.5 * st.run + 1)))
+            k = min(self.num_tokens, room, self.rows_left(), max(1, math.ceil(1.5 * st.run + 1)))
             if k <= 0:
                 return []
-            return ngram_propose(seq.token_ids, self.lookup_min, self.lookup_max, k)
+            draft = ngram_propose(seq.token_ids, self.lookup_min, self.lookup_max, k)
+            if self._in_step:
+                self._rows += len(draft)
+            return draft
         # suffix, memory_decoding: the proposal's length follows its match's (suffix_propose)
-        k = min(self.num_tokens, room)
+        k = min(self.num_tokens, room, self.rows_left())
         if k <= 0:
             return []
         draft, match = suffix_propose(seq.token_ids, k, SUFFIX_DEPTH, memory=self.memory)
