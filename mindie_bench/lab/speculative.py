@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="suffix,ngram",
                     help="comma-separated proposers, each against off: suffix, ngram, memory_decoding")
     ap.add_argument("--spec-tokens", type=int, default=0, help="speculationGamma (0: 16 for suffix, 6 for ngram)")
+    ap.add_argument("--max-stretch", type=float, default=2.0,
+                    help="speculationMaxStretch: how many times a step's proposals may lengthen it (0: unbounded)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--only", choices=["c1", "c32"], default=None, help="only the concurrency-1 rows or the c=32 row")
     ap.add_argument("--row-cost", action="store_true",
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         # No prefix cache: the engines share the runner's KV cache, and rounds must compute their prompts.
         tokens = args.spec_tokens or (6 if method == "ngram" else 16)
         cfg = EngineConfig(block_size=16, spec_method=method, spec_tokens=tokens, max_seq_len=4096,
-                           enable_prefix_cache=False)
+                           enable_prefix_cache=False, spec_max_stretch=args.max_stretch)
         if runner is None:
             spec = WorkerSpec(worker_id="bench", job_endpoint="", pub_endpoint="", model_path=str(view), dtype="auto",
                               engine=cfg)
