@@ -106,6 +106,15 @@ class Job:
         """Prompt tokens of the request, each prompt counted once."""
         return sum({s.prompt: len(s.input_ids) for s in self.subs}.values())
 
+    @staticmethod
+    def cached_tokens(outs: list[Output]) -> int:
+        """Of those, the ones whose KV the prefix cache served: each prompt once, as its first
+        output's worker found them."""
+        first: dict[int, int] = {}
+        for o in outs:
+            first.setdefault(o.sub.prompt, o.gen.cached_tokens)
+        return sum(first.values())
+
 
 @dataclass
 class Output:

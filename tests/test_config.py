@@ -142,7 +142,7 @@ JSON_KEYS = {
         "metricsTlsPkPwd", "metricsTlsCrlPath",
         "metricsTlsCrlFiles", "tokenTimeout", "e2eTimeout", "maxRequestLength", "HealthCheckConfig",
         "watermarkGamma", "watermarkDelta", "runDir", "frontendCount", "strictConfig", "drainTimeoutS",
-        "responsesStorePath",
+        "responsesStorePath", "enablePromptTokensDetails",
         "inferMode", "pdRole", "kvTransferLeaseMs", "kvTransferTimeoutMs", "kvLoadFailurePolicy",
         "interCommPort", "kvTransferHost", "kvTransferTcpOnly", "headTimeoutS", "bodyTimeoutS"},
     "ServerConfig.HealthCheckConfig": {"npuUsageThreshold"},

@@ -130,6 +130,9 @@ KEY_TESTS: dict[str, list[str]] = {
                                    "tests/test_deploy.py::test_deployment_agrees_with_the_config_and_the_scripts"],
     "ServerConfig.responsesStorePath": ["tests/test_responses.py::test_responses_store_path_key",
                                         "tests/test_responses.py::test_store_get_delete_and_another_process_sees_it"],
+    "ServerConfig.enablePromptTokensDetails": [
+        "tests/test_partial_prefix.py::test_a_short_system_prompt_is_reused_through_the_server",
+        "tests/test_openai.py::test_stream_completion"],
     "ServerConfig.inferMode": ["tests/test_pd.py::test_roles_reported_and_enforced"],
     "ServerConfig.pdRole": ["tests/test_pd.py::test_roles_reported_and_enforced"],
     "ServerConfig.kvTransferLeaseMs": ["tests/test_pd.py::test_sender_dies_mid_transfer_blocks_freed_within_lease"],

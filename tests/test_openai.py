@@ -183,6 +183,8 @@ def test_stream_completion(srv):
     events = _sse(r)
     assert all("usage" in e and e["usage"] is None for e in events[:-2])
     assert events[-2]["usage"]["completion_tokens"] == 30
+    # MindIE's three counts only (prompt_tokens_details: ServerConfig.enablePromptTokensDetails)
+    assert set(events[-2]["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
     # without include_usage: no usage anywhere
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True},
                    timeout=120)

@@ -145,29 +145,37 @@ def test_a_short_system_prompt_is_reused_through_the_server(demo_model, tmp_path
     """The launch script's server (MindIE's 128-token blocks), through the openai client: chat
     requests sharing a system prompt far shorter than a block. The first caches nothing anyone
     had; the second takes the shared positions from the first's block (the prefix-cache hit rate
-    turns positive, which whole blocks alone never make it here); a repeat answers the same."""
+    turns positive, which whole blocks alone never make it here); a repeat answers the same. Each
+    answer's usage says how many prompt tokens came from the cache (enablePromptTokensDetails, and
+    the Responses API's always): none, the shared ones, then all but the last of a repeat."""
     system = "You are a careful assistant. Answer in one short sentence, and never use lists."
 
     def hit_rate(url: str) -> float:
         return next(float(ln.split()[-1]) for ln in httpx.get(url + "/metrics", timeout=10).text.splitlines()
                     if ln.startswith("npu_prefix_cache_hit_rate"))
 
-    with demo_server(tmp_path, demo_model, schedule={"cacheBlockSize": 128}) as srv:  # MindIE's default
+    with demo_server(tmp_path, demo_model, schedule={"cacheBlockSize": 128},  # MindIE's default
+                     server={"enablePromptTokensDetails": True}) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
-        def ask(question: str) -> tuple[str, int]:
+        def ask(question: str) -> tuple[str, int, int]:
             r = client.chat.completions.create(model="demo", temperature=0, max_tokens=12, messages=[
                 {"role": "system", "content": system}, {"role": "user", "content": question}])
-            return r.choices[0].message.content, r.usage.prompt_tokens
+            return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
 
-        first, n = ask("Where is Lyon?")
-        assert n < 128  # the whole prompt inside one block: whole-block caching finds nothing
+        first, n, cached = ask("Where is Lyon?")
+        assert n < 128 and cached == 0  # the whole prompt inside one block: whole-block caching finds nothing
         time.sleep(1.0)  # a few heartbeats (0.25 s): the rate after the first request alone
         assert hit_rate(srv.url) == 0.0
-        second, _ = ask("Where is Nantes?")
+        second, m, cached = ask("Where is Nantes?")
+        assert 16 <= cached < m, cached  # the system prompt's positions, not the question's
         deadline = time.monotonic() + 15  # the rate comes with the worker's next heartbeat
         while hit_rate(srv.url) == 0.0 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert hit_rate(srv.url) > 0.0
-        assert ask("Where is Nantes?")[0] == second and ask("Where is Lyon?")[0] == first
+        assert ask("Where is Nantes?") == (second, m, m - 1)  # all but the last position (its logits)
+        assert ask("Where is Lyon?") == (first, n, n - 1)
+        for _ in range(2):  # the Responses API's usage always carries the count
+            r = client.responses.create(model="demo", input="Where is Rennes?", max_output_tokens=8, temperature=0)
+        assert r.usage.input_tokens_details.cached_tokens == r.usage.input_tokens - 1, r.usage
 

@@ -565,7 +565,8 @@ class Worker:
             frame = P.TokenFrame(seq.request_id, out.token_ids, out.finish_reason, out.prefill_ms, out.decode_ms,
                                  logprobs=out.logprobs, top_logprobs=out.top_logprobs,
                                  prompt_logprobs=out.prompt_logprobs, spec_draft=out.spec_draft,
-                                 spec_accepted=out.spec_accepted, embedding=out.embedding)
+                                 spec_accepted=out.spec_accepted, embedding=out.embedding,
+                                 cached_tokens=out.cached_tokens)
             if self.kv is not None and self.kv.hold_frame(frame):
                 continue  # a prefill request's frame waits for its KV transfer's Ack
             self._emit(seq.frontend_id, frame)

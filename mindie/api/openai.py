@@ -119,10 +119,12 @@ class _OpenAICodec(Codec):
     chunk_object = ""
 
     def __init__(self, tokenizer: TextTokenizer, limits: Limits, model_name: str, max_n: int = S.MAX_N,
-                 adapters: Container[str] = (), structured: Checker | None = None):
+                 adapters: Container[str] = (), structured: Checker | None = None, cache_report: bool = False):
         """``max_n``: ScheduleConfig.maxN, the most choices one request may ask (n x prompts);
         ``adapters``: the LoRA adapters ``model`` may name (mindie/lora_adapters.py); ``structured``:
-        the front end's constraint checker (mindie/text/structured.py; None: one of its own)."""
+        the front end's constraint checker (mindie/text/structured.py; None: one of its own);
+        ``cache_report``: ServerConfig.enablePromptTokensDetails (usage's cached prompt tokens)."""
+        self.cache_report = cache_report
         self.tokenizer = tokenizer
         self.structured = structured if structured is not None else Checker(tokenizer)
         self.limits = limits
@@ -228,7 +230,10 @@ class _OpenAICodec(Codec):
     def _usage(self, job: Job, outs: list[Output]) -> dict:
         prompt = job.prompt_tokens()
         completion = sum(len(o.ids) for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.cache_report:  # OpenAI's shape (and vLLM's with --enable-prompt-tokens-details)
+            usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens(outs)}
+        return usage
 
     # -- answers -------------------------------------------------------------------------------
     def reply(self, job: Job, outs: list[Output], ctx: Context) -> bytes:
@@ -584,14 +589,16 @@ def openai_routes(fe, pipeline: Pipeline) -> tuple[OpenAIResource, OpenAIResourc
     """The two resources of a front end (mindie/server/frontend.py FrontEnd)."""
     args = (fe.tokenizer, fe.limits, fe.model_name)
     max_n = fe.config.backend.schedule.max_n
+    report = fe.config.server.enable_prompt_tokens_details
     model = fe.config.backend.model_deploy.models[0]
     enable = {t: o.enable_reasoning for t, o in model.models.items() if o.enable_reasoning is not None}
     early = next((o.early_stopping_text for o in model.models.values() if o.early_stopping_text), None)
     parser, template = configured_options(model.models, fe.model_dir)
     return (OpenAIResource(pipeline, CompletionsCodec(*args, max_n=max_n, adapters=pipeline.adapters,
-                                                      structured=pipeline.structured)),
+                                                      structured=pipeline.structured, cache_report=report)),
             OpenAIResource(pipeline, ChatCompletionsCodec(*args, model_dir=fe.model_dir, max_n=max_n,
                                                           adapters=pipeline.adapters, structured=pipeline.structured,
+                                                          cache_report=report,
                                                           reasoning_parser=model.reasoning_parser,
                                                           enable_reasoning=enable, early_stopping_text=early,
                                                           tool_call_parser=parser, chat_template=template)))

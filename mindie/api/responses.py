@@ -64,11 +64,13 @@ class Turn:
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
-def _usage(chat_usage: dict) -> dict:
+def _usage(chat_usage: dict, cached: int) -> dict:
+    """The Responses API's usage from the chat codec's, with the prompt tokens the prefix cache
+    served (``cached``; always in this shape, whatever ServerConfig.enablePromptTokensDetails says)."""
     details = chat_usage.get("completion_tokens_details") or {}
     return {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
             "total_tokens": chat_usage["total_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)}}
 
 
@@ -148,7 +150,7 @@ class ResponsesCodec(Codec):
             output.append(_message_item(msg.get("content") or "", status))
         for call in calls:
             output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], status))
-        response = self.response(job, status, output, _usage(body["usage"]))
+        response = self.response(job, status, output, _usage(body["usage"], job.cached_tokens(outs)))
         self._keep(job, response)
         return _enc.encode(response)
 
@@ -187,7 +189,7 @@ class ResponsesCodec(Codec):
         if not answered:
             yield from ev.to(("message",), _message_item("", "in_progress"))  # as the answer has one
         yield from ev.stop()
-        response = self.response(job, ev.status, ev.items, _usage(self.chat._usage(job, outs)))
+        response = self.response(job, ev.status, ev.items, _usage(self.chat._usage(job, outs), job.cached_tokens(outs)))
         self._keep(job, response)
         yield ev.emit("response.completed" if ev.status == "completed" else "response.incomplete", response=response)
 

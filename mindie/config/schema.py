@@ -153,6 +153,10 @@ class ServerConfig(_Section):
     # (mindie/server/response_store.py); "" = <runDir>/responses. Behind a coordinator, a volume the
     # instances share lets any of them continue a response (previous_response_id).
     responses_store_path: str = ""
+    # Project extension (vLLM's --enable-prompt-tokens-details): OpenAI completions' and chat
+    # completions' usage also says how many prompt tokens the prefix cache served
+    # (prompt_tokens_details.cached_tokens). Off: usage keeps MindIE's three counts.
+    enable_prompt_tokens_details: bool = False
     # Prefill/decode disaggregation (docs/design.md "Disaggregated prefill/decode"): MindIE's inferMode
     # (standard = hybrid, dmi = PD separated), then project extensions: the start role, the lease of KV
     # blocks held for a transfer, how long a decode request waits for its blocks, and the policy for a

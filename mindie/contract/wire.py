@@ -225,6 +225,8 @@ class TokenFrame(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     # A pooling request's (SamplingParams.pooling) only frame: its pooled hidden state, float32
     # little-endian bytes (compact on the wire; the front end reads them with numpy).
     embedding: bytes = b""
+    # On the first frame: prompt tokens whose KV came from the prefix cache (usage's cached_tokens).
+    cached_tokens: int = 0
 
 
 class FrameBatch(Message, tag=5):

@@ -131,6 +131,7 @@ class Generation:
         self.finish_reason = ""
         self.t0 = time.monotonic()
         self.ttft_s: float | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (the first frame says)
         try:
             extra = {"adapter": adapter} if adapter else {}  # (clients without LoRA take no such argument)
             if pd is not None:
@@ -178,6 +179,8 @@ class Generation:
         every token it accepted; split, each token gets its own text (TGI streams show it per
         token) and a stop string ends the request at the token that completes it, the tokens after
         it dropped (ids, log-probabilities, counts), exactly as without speculation."""
+        if f.token_ids and not self.token_ids:  # the first token's frame (a PD decode instance's later ones: not)
+            self.cached_tokens = f.cached_tokens
         n = len(f.token_ids)
         if n <= 1 or self.detok is None:
             piece = self._piece(f)

@@ -70,6 +70,7 @@ class StepOutput:
     error_status: int = 424  # and its HTTP status (400: its constraint, workers/engine/constraints.py)
     spec_draft: int = 0  # speculative decoding: tokens proposed for this step
     spec_accepted: int = 0  # and accepted
+    cached_tokens: int = 0  # on the first output: prompt tokens the prefix cache served (Sequence.num_cached)
 
 
 class RunnerOutput(list):
@@ -542,6 +543,7 @@ class Engine:
             if first:
                 seq.first_token_step = self.steps  # the step collected (one in flight at most)
                 out.prefill_ms = (now - seq.enqueue_t) * 1000.0
+                out.cached_tokens = seq.num_cached
                 self.ttft_ms.add(out.prefill_ms)
             else:
                 out.decode_ms = (now - seq.last_token_t) * 1000.0
