@@ -15,7 +15,7 @@ import torch
 from workers import settings
 from workers.kernels import cpu_kernels
 from workers.attention.cpu import CpuPagedAttention, amx_prefill_covers, prompt_route
-from workers.backends.cpu_fused import CpuRMSNorm, CpuRotaryEmbedding
+from workers.backends.cpu_fused import CpuGemmaRMSNorm, CpuRMSNorm, CpuRotaryEmbedding
 from workers.attention.paged import PagedAttention
 from workers.models.config import RopeScaling
 from workers.models.llama import RMSNorm, RotaryEmbedding
@@ -408,6 +408,28 @@ def test_rms_norm_matches_transformers(dt, rows, c):
         ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dt]
         torch.testing.assert_close(got.float(), ref.float(), rtol=ulp, atol=ulp)
         if dt != torch.float32:  # in fp32 the sum order shows in the last bit
+            assert (got == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,c", [(1, 640), (7, 256), (300, 1152)])
+def test_gemma_rms_norm_matches_transformers(dt, rows, c):
+    """Gemma's norm (scaled by 1 + w in fp32, one rounding) in one C kernel against transformers'
+    Gemma3RMSNorm arithmetic (GemmaRMSNorm's torch code): rows of a wider tensor, 3-D rows, and the
+    q/k norms' layout (heads of a token inside the fused projection's row: copied into place)."""
+    from workers.models.gemma import GemmaRMSNorm
+    g = torch.Generator().manual_seed(rows * c)
+    norm = GemmaRMSNorm(c, 1e-6, dt)
+    norm.weight.data.copy_((0.3 * torch.randn(c, generator=g)).to(dt))
+    fused = CpuGemmaRMSNorm(norm, cpu_kernels.load())
+    base = (3 * torch.randn(rows, 4 * c + 40, generator=g)).to(dt)
+    for x in (base[:, :c], base[:, :c].contiguous().view(rows, 1, c), base[:, :4 * c].view(rows, 4, c)):
+        with torch.inference_mode():
+            got, ref = fused(x), norm(x)
+        assert got.shape == x.shape and got.dtype == dt
+        ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dt]
+        torch.testing.assert_close(got.float(), ref.float(), rtol=ulp, atol=ulp)
+        if dt != torch.float32:
             assert (got == ref).float().mean() > 0.99
 
 

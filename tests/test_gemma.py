@@ -274,6 +274,11 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
                                 final_logit_softcapping=5.0, num_hidden_layers=4, head_dim=16))
     tail = served_greedy_equals_transformers(tmp_path, path, "What does a sliding window attend to?")
     assert "loaded" in tail and "gemma3" in tail
+    # on the C kernels: each layer's six norms (q, k and the four around its blocks), the final one
+    # and the ropes (cpu_fused.CpuGemmaRMSNorm, CpuRotaryEmbedding), transformers' answers all the same
+    import re
+    fused = re.search(r"fused C kernels for (\d+) norm/rope/swiglu modules", tail)
+    assert fused and int(fused.group(1)) >= 6 * 4 + 1 + 1, tail[-2000:]
 
 
 def served_greedy_equals_transformers(tmp_path: Path, path: Path, question: str) -> str:

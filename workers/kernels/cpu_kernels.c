@@ -2105,6 +2105,35 @@ int rms_norm(int dtype, const void *x, int64_t row_stride, const void *w, void *
     return 0;
 }
 
+INLINE void rms_row_w1(int dtype, const void *x, int64_t off, const float *w1, void *out, int64_t out_off, int64_t C,
+                       float eps, float *buf) {
+    float ss = 0.0f;
+    for (int64_t c = 0; c < C; c++) {
+        buf[c] = load_one(dtype, x, off + c);
+        ss += buf[c] * buf[c];
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)C + eps);
+    for (int64_t c = 0; c < C; c++)
+        store_one(dtype, out, out_off + c, (buf[c] * inv) * w1[c]);
+}
+
+/* Gemma's RMSNorm of N rows: out[r] = to_dtype((x * rsqrt(mean(x^2) + eps)) * w1), w1 = 1 + w in fp32
+ * (transformers' Gemma RMSNorm: both products in fp32, one rounding at the end). Else as rms_norm. */
+int rms_norm_w1(int dtype, const void *x, int64_t row_stride, const float *w1, void *out, int64_t N, int64_t C,
+                float eps) {
+    if (C > 65536 || dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
+    _Pragma("omp parallel for schedule(static) if (N * C > 262144)")
+    for (int64_t r = 0; r < N; r++) {
+        float buf[C];
+        switch (dtype) {
+        case 0: rms_row_w1(0, x, r * row_stride, w1, out, r * C, C, eps, buf); break;
+        case 1: rms_row_w1(1, x, r * row_stride, w1, out, r * C, C, eps, buf); break;
+        default: rms_row_w1(2, x, r * row_stride, w1, out, r * C, C, eps, buf); break;
+        }
+    }
+    return 0;
+}
+
 INLINE void rope_token(int dtype, void *x, int64_t base0, int64_t H, int64_t D, const float *cr, const float *sr) {
     const int64_t half = D / 2;
 #if HAVE_AVX512BW

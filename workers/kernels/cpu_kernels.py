@@ -127,6 +127,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rms_norm.restype = ctypes.c_int
     lib.rms_norm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    lib.rms_norm_w1.restype = ctypes.c_int
+    lib.rms_norm_w1.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     lib.rope_inplace.restype = ctypes.c_int
     lib.rope_inplace.argtypes = [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 4 \
         + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
