@@ -2076,62 +2076,50 @@ int int8_unpack_t(int dt, const int8_t *q, int64_t NB, int64_t K, void *out) {
 #pragma clang fp contract(off)
 #endif
 
-INLINE void rms_row(int dtype, const void *x, int64_t off, const void *w, void *out, int64_t out_off, int64_t C,
-                    float eps, float *buf) {
+/* One row's RMSNorm, statistics in fp32: out = w * to_dtype(x * rsqrt(mean(x^2) + eps)) (transformers'
+ * LlamaRMSNorm), or with w1 (Gemma's 1 + w, fp32) out = to_dtype((x * rsqrt(...)) * w1), both products
+ * in fp32 and one rounding (transformers' Gemma RMSNorm). */
+INLINE void rms_row(int dtype, const void *x, int64_t off, const void *w, const float *w1, void *out,
+                    int64_t out_off, int64_t C, float eps, float *buf) {
     float ss = 0.0f;
     for (int64_t c = 0; c < C; c++) {
         buf[c] = load_one(dtype, x, off + c);
         ss += buf[c] * buf[c];
     }
     const float inv = 1.0f / sqrtf(ss / (float)C + eps);
-    for (int64_t c = 0; c < C; c++)
-        store_one(dtype, out, out_off + c, load_one(dtype, w, c) * round_to(dtype, buf[c] * inv));
+    if (w1 != NULL)
+        for (int64_t c = 0; c < C; c++) store_one(dtype, out, out_off + c, (buf[c] * inv) * w1[c]);
+    else
+        for (int64_t c = 0; c < C; c++)
+            store_one(dtype, out, out_off + c, load_one(dtype, w, c) * round_to(dtype, buf[c] * inv));
 }
 
-/* RMSNorm of N rows of C elements (row r at x + r * row_stride): out[r] = w * to_dtype(x * rsqrt(mean(x^2) + eps)),
- * statistics in fp32, as transformers' LlamaRMSNorm. out is contiguous [N, C]. C <= 65536. */
+static int rms_rows(int dtype, const void *x, int64_t row_stride, const void *w, const float *w1, void *out,
+                    int64_t N, int64_t C, float eps) {
+    if (C > 65536 || dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
+    _Pragma("omp parallel for schedule(static) if (N * C > 262144)")
+    for (int64_t r = 0; r < N; r++) {
+        float buf[C];
+        switch (dtype) {
+        case 0: rms_row(0, x, r * row_stride, w, w1, out, r * C, C, eps, buf); break;
+        case 1: rms_row(1, x, r * row_stride, w, w1, out, r * C, C, eps, buf); break;
+        default: rms_row(2, x, r * row_stride, w, w1, out, r * C, C, eps, buf); break;
+        }
+    }
+    return 0;
+}
+
+/* RMSNorm of N rows of C elements (row r at x + r * row_stride), as transformers' LlamaRMSNorm. out is
+ * contiguous [N, C]. C <= 65536. */
 int rms_norm(int dtype, const void *x, int64_t row_stride, const void *w, void *out, int64_t N, int64_t C,
              float eps) {
-    if (C > 65536 || dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
-    _Pragma("omp parallel for schedule(static) if (N * C > 262144)")
-    for (int64_t r = 0; r < N; r++) {
-        float buf[C];
-        switch (dtype) {
-        case 0: rms_row(0, x, r * row_stride, w, out, r * C, C, eps, buf); break;
-        case 1: rms_row(1, x, r * row_stride, w, out, r * C, C, eps, buf); break;
-        default: rms_row(2, x, r * row_stride, w, out, r * C, C, eps, buf); break;
-        }
-    }
-    return 0;
+    return rms_rows(dtype, x, row_stride, w, NULL, out, N, C, eps);
 }
 
-INLINE void rms_row_w1(int dtype, const void *x, int64_t off, const float *w1, void *out, int64_t out_off, int64_t C,
-                       float eps, float *buf) {
-    float ss = 0.0f;
-    for (int64_t c = 0; c < C; c++) {
-        buf[c] = load_one(dtype, x, off + c);
-        ss += buf[c] * buf[c];
-    }
-    const float inv = 1.0f / sqrtf(ss / (float)C + eps);
-    for (int64_t c = 0; c < C; c++)
-        store_one(dtype, out, out_off + c, (buf[c] * inv) * w1[c]);
-}
-
-/* Gemma's RMSNorm of N rows: out[r] = to_dtype((x * rsqrt(mean(x^2) + eps)) * w1), w1 = 1 + w in fp32
- * (transformers' Gemma RMSNorm: both products in fp32, one rounding at the end). Else as rms_norm. */
+/* Gemma's RMSNorm of N rows (w1 = 1 + w in fp32; cpu_fused.CpuGemmaRMSNorm). Else as rms_norm. */
 int rms_norm_w1(int dtype, const void *x, int64_t row_stride, const float *w1, void *out, int64_t N, int64_t C,
                 float eps) {
-    if (C > 65536 || dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_F16)) return -1;
-    _Pragma("omp parallel for schedule(static) if (N * C > 262144)")
-    for (int64_t r = 0; r < N; r++) {
-        float buf[C];
-        switch (dtype) {
-        case 0: rms_row_w1(0, x, r * row_stride, w1, out, r * C, C, eps, buf); break;
-        case 1: rms_row_w1(1, x, r * row_stride, w1, out, r * C, C, eps, buf); break;
-        default: rms_row_w1(2, x, r * row_stride, w1, out, r * C, C, eps, buf); break;
-        }
-    }
-    return 0;
+    return rms_rows(dtype, x, row_stride, NULL, w1, out, N, C, eps);
 }
 
 INLINE void rope_token(int dtype, void *x, int64_t base0, int64_t H, int64_t D, const float *cr, const float *sr) {
@@ -2286,7 +2274,7 @@ INLINE void my_blocks(int64_t NB, int64_t *b0, int64_t *b1) {
 INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst) {
     float buf[s->C];
     _Pragma("omp for schedule(static)")
-    for (int64_t m = 0; m < s->M; m++) rms_row(dt, s->x, m * s->C, w, dst, m * s->C, s->C, s->eps, buf);
+    for (int64_t m = 0; m < s->M; m++) rms_row(dt, s->x, m * s->C, w, NULL, dst, m * s->C, s->C, s->eps, buf);
 }
 
 /* A GGUF layer's input rows quantised into the step's scratch (the team's rows split, then a barrier) */
