@@ -30,13 +30,21 @@ class CpuRMSNorm(nn.Module):
     projection) are copied into place for the kernel rather than left to torch, whose rsqrt rounds
     the tail of its loop otherwise than the body (batch-invariant mode)."""
 
-    def __init__(self, norm: RMSNorm, lib, copy: bool = False):
+    def __init__(self, norm: nn.Module, lib, copy: bool = False):
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.eps
         self.fallback = norm
         self.lib = lib
         self.copy = copy
+
+    def covers(self, x: torch.Tensor, c: int) -> bool:
+        """The kernel's weight fits rows of ``x`` (``c`` wide)."""
+        return self.weight.dtype == x.dtype and self.weight.is_contiguous() and self.weight.numel() == c
+
+    def kernel(self, code: int, rows: torch.Tensor, stride: int, out: torch.Tensor, c: int) -> int:
+        return self.lib.rms_norm(code, rows.data_ptr(), stride, self.weight.data_ptr(), out.data_ptr(), rows.shape[0],
+                                 c, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         code = cpu_kernels.dtype_code(self.lib, x.dtype)
@@ -50,39 +58,30 @@ class CpuRMSNorm(nn.Module):
             rows, stride = x.view(-1, c), c
         else:
             return self.fallback(x)
-        if code is None or self.weight.dtype != x.dtype or not self.weight.is_contiguous() or self.weight.numel() != c:
+        if code is None or not self.covers(x, c):
             return self.fallback(x)
         out = torch.empty(x.shape, dtype=x.dtype)
-        if self.lib.rms_norm(code, rows.data_ptr(), stride, self.weight.data_ptr(), out.data_ptr(), rows.shape[0],
-                             c, self.eps) != 0:
+        if self.kernel(code, rows, stride, out, c) != 0:
             return self.fallback(x)
         return out
 
 
-class CpuGemmaRMSNorm(nn.Module):
+class CpuGemmaRMSNorm(CpuRMSNorm):
     """Gemma's RMSNorm (scaled by 1 + w in fp32, one rounding) as one C kernel (rms_norm_w1): a
     Gemma 3 decode step runs six per layer (four around the blocks, q and k), ~15 µs each in torch's
     eleven ops. Rows of other layouts (q/k norms over a view of the fused projection) are copied
     into place first; the 1 + w vector is made once, in fp32, from the loaded weight."""
 
     def __init__(self, norm: GemmaRMSNorm, lib):
-        super().__init__()
+        super().__init__(norm, lib, copy=True)
         self.w1 = (1.0 + norm.weight.detach().float()).contiguous()
-        self.eps = norm.eps
-        self.fallback = norm
-        self.lib = lib
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        code = cpu_kernels.dtype_code(self.lib, x.dtype)
-        c = x.shape[-1]
-        if code is None or self.w1.numel() != c:
-            return self.fallback(x)
-        rows = x.reshape(-1, c) if x.is_contiguous() else x.contiguous().view(-1, c)
-        out = torch.empty(x.shape, dtype=x.dtype)
-        if self.lib.rms_norm_w1(code, rows.data_ptr(), c, self.w1.data_ptr(), out.data_ptr(), rows.shape[0], c,
-                                self.eps) != 0:
-            return self.fallback(x)
-        return out
+    def covers(self, x: torch.Tensor, c: int) -> bool:
+        return self.w1.numel() == c
+
+    def kernel(self, code: int, rows: torch.Tensor, stride: int, out: torch.Tensor, c: int) -> int:
+        return self.lib.rms_norm_w1(code, rows.data_ptr(), stride, self.w1.data_ptr(), out.data_ptr(),
+                                    rows.shape[0], c, self.eps)
 
 
 class CpuRotaryEmbedding(RotaryEmbedding):

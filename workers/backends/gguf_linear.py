@@ -110,6 +110,16 @@ class Part(NamedTuple):
     rows: int
 
 
+def _covering(parts: list[tuple[int, int, torch.Tensor]], rows: int, what: str,
+              unit: str = "rows") -> list[tuple[int, int, torch.Tensor]]:
+    """``parts`` (first row, ggml type, blocks) in row order, refused unless they cover ``rows`` rows."""
+    given = sorted(parts, key=lambda p: p[0])
+    covered = sum(raw.shape[0] for _, _, raw in given)
+    if covered != rows:
+        raise ValueError(f"{what}: parts cover {covered} of {rows} {unit}")
+    return given
+
+
 class GgufLinear(nn.Module):
     """``x @ W.T (+ bias)`` with W [out_features, in_features] held as ``parts``: (first output row,
     ggml type id, uint8 [rows, row bytes] blocks) covering every output row once."""
@@ -118,10 +128,7 @@ class GgufLinear(nn.Module):
                  parts: list[tuple[int, int, torch.Tensor]], bias: torch.Tensor | None, interleave: bool = True):
         super().__init__()
         self.lib, self.in_features, self.out_features = lib, in_features, out_features
-        given = sorted(parts, key=lambda p: p[0])
-        covered = sum(raw.shape[0] for _, _, raw in given)
-        if covered != out_features:
-            raise ValueError(f"GGUF linear: parts cover {covered} of {out_features} output rows")
+        given = _covering(parts, out_features, "GGUF linear", "output rows")
         self.bias = bias
         # The AVX2 and AVX-512 builds interleave the parts in 16-row groups and take their integer
         # products at every row count (one order per row: batch-invariant as they are; faster than
@@ -287,10 +294,7 @@ class NativeTarget:
                          embedding_dim: int, dtype: torch.dtype) -> nn.Module:
         """An untied token embedding read from its own tensor's blocks (``parts`` as ``linear``
         takes them), kept as the file stores them: a lookup reads a row's blocks wherever they are."""
-        given = sorted(parts, key=lambda p: p[0])
-        if sum(raw.shape[0] for _, _, raw in given) != num_embeddings:
-            raise ValueError(f"GGUF embedding: parts cover {sum(r.shape[0] for _, _, r in given)} of "
-                             f"{num_embeddings} rows")
+        given = _covering(parts, num_embeddings, "GGUF embedding")
         return GgufEmbedding(self.lib, [Part(r0, t, raw, raw.shape[0]) for r0, t, raw in given], num_embeddings,
                              embedding_dim, dtype)
 
