@@ -245,17 +245,23 @@ def test_tensor_parallel_two_ranks_equal_transformers(models, tmp_path: Path) ->
     assert [res["tokens"][f"g{i}"] for i in range(len(ps))] == [hf_greedy(hf, p, 8) for p in ps]
 
 
-def test_fused_decode_and_lora_decline_gemma(models, caplog) -> None:
+def test_fused_decode_takes_gemma3_and_declines_gemma2_and_lora(models, caplog) -> None:
+    """The CPU's fused decode step computes Gemma 3's layers (tests/test_cpu_decode.py checks it
+    against the eager path); Gemma 2's soft-capped attention logits keep the eager path."""
     from workers.backends import cpu_decode
     from workers.engine.assembly import lora_manager  # noqa: F401  (the refusal's consumer)
 
-    model, _ = load_model(models["gemma3"][1], torch.float32)
+    g3, _ = load_model(models["gemma3"][1], torch.float32)
+    g2, _ = load_model(models["gemma2"][1], torch.float32)
     with caplog.at_level(logging.INFO, logger="workers"):
-        assert cpu_decode.attach(model) is None and model.fast_decode is None
+        fused = cpu_decode.attach(g3)
+        assert cpu_decode.attach(g2) is None and g2.fast_decode is None
     if any("no C kernels" in r.getMessage() for r in caplog.records):
         pytest.skip("the C kernels do not build here: the fused decode kernel is off for every model")
-    assert any("fused decode kernel not used: Gemma's layers" in r.getMessage() for r in caplog.records)
-    assert model.lora_refusal == "LoRA adapters are not served for Gemma models"
+    assert fused is not None and g3.fast_decode is fused
+    assert any("fused decode kernel not used: Gemma 2's soft-capped attention logits" in r.getMessage()
+               for r in caplog.records)
+    assert g3.lora_refusal == "LoRA adapters are not served for Gemma models"
 
 
 # -- the real server -----------------------------------------------------------------------------------
@@ -279,6 +285,8 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
     import re
     fused = re.search(r"fused C kernels for (\d+) norm/rope/swiglu modules", tail)
     assert fused and int(fused.group(1)) >= 6 * 4 + 1 + 1, tail[-2000:]
+    # and its decode steps in the fused step (GeGLU, the sandwich norms, per-layer ropes), the same answers
+    assert "fused decode kernel on for decode steps" in tail, tail[-2000:]
 
 
 def served_greedy_equals_transformers(tmp_path: Path, path: Path, question: str) -> str:
@@ -378,6 +386,8 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
         assert body["usage"]["prompt_tokens"] == len(ids)
         answer = body["choices"][0]["message"]["content"]
         assert answer and answer == tok.decode(want(ids, 32), skip_special_tokens=True)
+        # its decode steps took the fused step (GeGLU, the sandwich norms, per-layer ropes over the blocks)
+        assert "fused decode kernel on for decode steps" in srv.tail(400), srv.tail(400)[-3000:]
     finally:
         torch.set_num_threads(threads)
         if srv is not None:

@@ -29,8 +29,12 @@ against weight tiles dequantised in cache from the row counts where those win (g
 measured ranges, as the eager GgufLinear; in batch-invariant mode at every row count or none, its
 one path). An fp32 model whose linears keep
 bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is computed in fp32
-over those same tensors (kernel code 2), no copy either. Models it does not cover (q/k norms,
-tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
+over those same tensors (kernel code 2), no copy either. Qwen3's per-head q/k norms and Gemma 3's
+layers (its (1 + w) norms, the norms of the attention's and the feed-forward's outputs, GeGLU, a
+rope per layer kind, the scaled embedding: ``norm_w1``, ``attn_out_norm``, ``act_gelu``, the
+layer's ``cos_t`` in cpu_kernels.c's dec_step_t) are computed too. Models it does not cover
+(``fused_decode_refusal``: MLA, mixtures, hybrid layers, Gemma 2's capped logits; tensor-parallel
+ranks, fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from torch import nn
 
 from workers import settings
 from workers.backends import cpu_linear
-from workers.backends.cpu_fused import silu_table
+from workers.backends.cpu_fused import gelu_table, silu_table
 from workers.backends.cpu_linear import KernelLinear
 from workers.backends.gguf_linear import GgufLinear
 from workers.backends.int8 import Int8Linear
@@ -67,15 +71,17 @@ class _Layer(ctypes.Structure):
     _fields_ = [(n, _c_void_p) for n in ("in_norm", "qkv_w", "qkv_b", "o_w", "o_b", "post_norm", "gate_w", "gate_b",
                                          "up_w", "up_b", "down_w", "down_b", "qkv_s", "o_s", "gate_s", "up_s",
                                          "down_s", "k_cache", "v_cache")] + [("window", _i64)] \
-        + [(n, _c_void_p) for n in ("qkv_g", "o_g", "gate_g", "up_g", "down_g")]
+        + [(n, _c_void_p) for n in ("qkv_g", "o_g", "gate_g", "up_g", "down_g", "q_norm", "k_norm",
+                                    "attn_out_norm", "ff_out_norm", "cos_t", "sin_t")]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "C", "H", "Hkv", "D", "I", "bs", "max_blocks", "max_pos", "M")] \
         + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))] \
         + [(n, _c_void_p) for n in ("embed", "ids", "pos", "blocks", "offsets", "tables", "cos_t", "sin_t",
-                                    "final_norm", "silu_bf16", "x", "xn", "qkv", "att", "act", "out",
-                                    "gg_rows", "gg_quantize", "gg_xq", "gg_d4", "gg_s16")]
+                                    "final_norm", "act_bf16", "x", "xn", "qkv", "att", "act", "out",
+                                    "gg_rows", "gg_quantize", "gg_xq", "gg_d4", "gg_s16")] \
+        + [("norm_w1", _i64), ("act_gelu", _i64), ("embed_scale", _f32)]
 
 
 MAX_ROWS = 64  # DEC_MAX_ROWS in cpu_kernels.c
@@ -111,7 +117,9 @@ class FusedDecode:
                  max_rows: int):
         args = model.args
         self.lib, self.code, self.dtype = lib, code, embed_dtype(model)
-        self.rope = model.rope
+        self.rope = model.rope  # Gemma's LayerRopes: a rope per layer kind (_layer_ropes)
+        gemma = getattr(args, "gemma", None)
+        self.gemma = gemma is not None
         # The kernel reads these in place: they live as long as this object. An embedding looked up
         # from GGUF blocks (gguf_linear.GgufEmbedding) has no dense matrix: its step's rows are
         # dequantised first into rows [max_rows, C], which the kernel reads at ids 0 .. M - 1.
@@ -119,17 +127,22 @@ class FusedDecode:
         self.lookup = emb if hasattr(emb, "lookup") else None
         self.rows = torch.empty(max_rows, args.hidden_size, dtype=self.dtype) if self.lookup is not None else None
         self.iota = torch.arange(max_rows, dtype=torch.long) if self.lookup is not None else None
-        self.weights, self.final_norm = weights, model.norm.weight
+        self.weights, self.final_norm = weights, _norm(model.norm.weight, self.gemma)
         self.embed = self.rows if self.lookup is not None else emb.weight
         self.C, self.H, self.Hkv, self.D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, \
             args.head_dim
         self.I = args.intermediate_size
         self.eps = args.rms_norm_eps
+        self.layer_windows = args.layer_windows
         self.windows = [w or 0 for w in args.layer_windows]
-        # silu of every bf16 value, computed by torch: the kernel looks it up, so SwiGLU rounds as eager does
-        self.silu = None
+        # Gemma: its softmax scale, and the embedding times sqrt(C) rounded to the model dtype first
+        self.scale = gemma.scale if gemma is not None else self.D ** -0.5
+        self.embed_scale = float(torch.tensor(model.embed_scale).to(self.dtype)) if gemma is not None else 0.0
+        # silu (Gemma: gelu) of every bf16 value, computed by torch: the kernel looks it up, so the
+        # activation rounds as eager's does
+        self.act_table = None
         if self.dtype == torch.bfloat16:
-            self.silu = silu_table()
+            self.act_table = gelu_table() if self.gemma else silu_table()
         self.max_rows = max_rows
         self.calls = 0  # steps the kernel ran (tests check the path is taken)
         self._layers = None
@@ -140,10 +153,22 @@ class FusedDecode:
         self._scratch: tuple[torch.Tensor, ...] | None = None
         self._gg: dict[str, int] | None = None  # the GGUF layers' step fields (_gguf_scratch)
 
+    def _layer_ropes(self) -> list:
+        """Each layer's rope (its ``cos`` / ``sin`` tables): Gemma's by the layer's window."""
+        of = getattr(self.rope, "of", None)
+        return [of(w) if of is not None else self.rope for w in self.layer_windows]
+
+    def _rope_key(self) -> tuple:
+        """What the bound rope pointers were taken from (a rope moved or rebuilt: bind again)."""
+        of = getattr(self.rope, "of", None)
+        ropes = (self.rope.glob, self.rope.local) if of is not None else (self.rope,)
+        return tuple(id(getattr(r, "cos", None)) for r in ropes)
+
     def _bind(self, attn) -> None:
         """Per-layer pointers, including this attention object's caches (bound once per KV
         allocation), and the step's constant fields, set once: a step only fills in its own."""
         arr = (_Layer * len(self.weights))()
+        ropes = self._layer_ropes()
         for i, w in enumerate(self.weights):
             lay = arr[i]
             for name in _Layer._fields_:
@@ -152,11 +177,14 @@ class FusedDecode:
                     setattr(lay, name[0], ctypes.addressof(v) if isinstance(v, _Gguf) else _ptr(v))
             lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
             lay.window = self.windows[i]
-        self._layers, self._attn, self._cos = arr, attn, getattr(self.rope, "cos", None)
+        self._layers, self._attn, self._cos = arr, attn, self._rope_key()
         self._ok = (getattr(attn, "lib", None) is not None and attn.k_cache[0].dtype == self.dtype
-                    and getattr(self.rope, "cos", None) is not None and self.rope.cos.dtype == torch.float32)
+                    and all(getattr(r, "cos", None) is not None and r.cos.dtype == torch.float32
+                            and r.cos.is_contiguous() and r.sin.is_contiguous() for r in ropes))
         if not self._ok:
             return
+        for lay, r in zip(arr, ropes):
+            lay.cos_t, lay.sin_t = r.cos.data_ptr(), r.sin.data_ptr()
         if self._scratch is None:
             e, n = self.dtype, self.max_rows
             nq = (self.H + 2 * self.Hkv) * self.D
@@ -168,10 +196,11 @@ class FusedDecode:
             self._gg = self._gguf_scratch()
         self._step = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
                            bs=attn.block_size, max_pos=self.rope.max_positions, eps=self.eps,
-                           scale=self.D ** -0.5, layers=self._layers, embed=self.embed.data_ptr(),
-                           cos_t=self.rope.cos.data_ptr(), sin_t=self.rope.sin.data_ptr(),
-                           final_norm=self.final_norm.data_ptr(), silu_bf16=_ptr(self.silu),
-                           x=x, xn=xn, qkv=qkv, att=att, act=act, **self._gg)
+                           scale=self.scale, layers=self._layers, embed=self.embed.data_ptr(),
+                           cos_t=ropes[0].cos.data_ptr(), sin_t=ropes[0].sin.data_ptr(),
+                           final_norm=self.final_norm.data_ptr(), act_bf16=_ptr(self.act_table),
+                           x=x, xn=xn, qkv=qkv, att=att, act=act, norm_w1=int(self.gemma),
+                           act_gelu=int(self.gemma), embed_scale=self.embed_scale, **self._gg)
 
     def _gguf_scratch(self) -> dict[str, int]:
         """The GGUF layers' pointers and scratch (the input of a layer quantised per 32 values), or
@@ -191,7 +220,7 @@ class FusedDecode:
         m = input_ids.shape[0]
         if meta is None or meta.prefill is not None or meta.decode is None or m > self.max_rows:
             return None
-        if attn is not self._attn or getattr(self.rope, "cos", None) is not self._cos:
+        if attn is not self._attn or self._rope_key() != self._cos:
             self._bind(attn)
         dec = meta.decode
         if not self._ok or dec.pos.shape[0] != m or meta.blocks.shape[0] != m:
@@ -222,6 +251,11 @@ def embed_dtype(model: nn.Module) -> torch.dtype:
 
 def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().contiguous()
+
+
+def _norm(w: torch.Tensor, gemma: bool) -> torch.Tensor:
+    """A norm's weight as the kernel reads it: Gemma's as fp32 1 + w (rms_row's w1), else as is."""
+    return (1.0 + w.detach().float()).contiguous() if gemma else _vec(w)
 
 
 def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
@@ -289,6 +323,7 @@ def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | Non
     ``w16``: every linear must be a KernelLinear over bf16 weights of this fp32 model."""
     weights: list[dict] = []
     dt = embed_dtype(model)
+    gemma = getattr(model.args, "gemma", None) is not None
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
         i = f.intermediate_size
@@ -298,9 +333,17 @@ def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | Non
         if any(m is None for m in mats.values()):
             return [], "linear layers of a kind it does not read", 0
         gub = f.gate_up_proj.bias
-        w = {"in_norm": _vec(layer.input_layernorm.weight), "post_norm": _vec(layer.post_attention_layernorm.weight),
+        # Gemma's four norms: before attention, after it, before the feed-forward (the kernel's
+        # post_norm, Llama's post_attention_layernorm) and after it
+        pre_ff = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        w = {"in_norm": _norm(layer.input_layernorm.weight, gemma), "post_norm": _norm(pre_ff.weight, gemma),
              "qkv_b": _vec(a.qkv_proj.bias), "o_b": _vec(a.o_proj.bias), "down_b": _vec(f.down_proj.bias),
              "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:])}
+        if gemma:
+            w["attn_out_norm"] = _norm(layer.post_attention_layernorm.weight, gemma)
+            w["ff_out_norm"] = _norm(layer.post_feedforward_layernorm.weight, gemma)
+        if getattr(a, "q_norm", None) is not None:  # Qwen3, Gemma 3: per head, before rope
+            w["q_norm"], w["k_norm"] = _norm(a.q_norm.weight, gemma), _norm(a.k_norm.weight, gemma)
         for name, m in mats.items():
             if isinstance(m, _Gguf):
                 w[f"{name}_g"] = m
@@ -341,8 +384,6 @@ def attach(model: nn.Module) -> FusedDecode | None:
         why = f"{dtype} (fp32 and bf16 only)"
     elif getattr(args, "moe", None) is not None:
         why = "mixture-of-experts layers (the eager path runs their grouped expert products)"
-    elif args.qk_norm:
-        why = "q/k norms"
     elif args.head_dim > 256 or args.head_dim % 2 or args.num_attention_heads // args.num_key_value_heads > 16:
         why = "head shapes beyond the kernel's buffers"
     weights: list[dict] = []

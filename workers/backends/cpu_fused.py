@@ -1,4 +1,4 @@
-"""RMSNorm, rotary embedding and (bf16) SwiGLU as single C kernels (cpu_kernels.c) for the CPU backend.
+"""RMSNorm, rotary embedding and (bf16) SwiGLU / GeGLU as single C kernels (cpu_kernels.c) for the CPU backend.
 
 In eager torch an RMSNorm is about seven small ops and a rope about eight; at the batch sizes
 of decoding each op costs more in dispatch than in arithmetic (together 15-25 % of a step for
@@ -7,7 +7,7 @@ transformers' eager code op by op (RMSNorm statistics in fp32; rope products and
 to the activation type), so outputs match it. The rope rotates q and k in place inside the
 fused qkv projection's output. SwiGLU in bf16 reads torch's own silu results from a table and
 equals ``F.silu(gate) * up`` bit for bit in one pass (in a prompt step the two bf16 ops cost about
-a seventh of the 40M benchmark model's time). Layouts the kernels do not cover fall back to the
+a seventh of the 40M benchmark model's time); Gemma's GeGLU the same way from a gelu table. Layouts the kernels do not cover fall back to the
 torch code.
 """
 from __future__ import annotations
@@ -19,24 +19,24 @@ import torch
 from torch import nn
 
 from workers.kernels import cpu_kernels
-from workers.models.gemma import GemmaRMSNorm, LayerRopes
+from workers.models.gemma import GemmaMLP, GemmaRMSNorm, LayerRopes
 from workers.models.llama import MLP, RMSNorm, RotaryEmbedding
 
 log = logging.getLogger("workers.backends")
 
 
 class CpuRMSNorm(nn.Module):
-    """``copy``: rows of other layouts (Qwen3's per-head q/k norms over a view of the fused
-    projection) are copied into place for the kernel rather than left to torch, whose rsqrt rounds
-    the tail of its loop otherwise than the body (batch-invariant mode)."""
+    """RMSNorm as one C kernel (rms_norm). Rows of other layouts (Qwen3's per-head q/k norms over a
+    view of the fused projection) are copied into place for it rather than left to torch: the
+    fused decode step norms them with the same code, so prompt and decode rows agree bit for bit,
+    and torch's rsqrt rounds the tail of its loop otherwise than the body (batch-invariant mode)."""
 
-    def __init__(self, norm: nn.Module, lib, copy: bool = False):
+    def __init__(self, norm: nn.Module, lib):
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.eps
         self.fallback = norm
         self.lib = lib
-        self.copy = copy
 
     def covers(self, x: torch.Tensor, c: int) -> bool:
         """The kernel's weight fits rows of ``x`` (``c`` wide)."""
@@ -53,11 +53,9 @@ class CpuRMSNorm(nn.Module):
             rows, stride = x, x.stride(0)
         elif x.is_contiguous():
             rows, stride = x.view(-1, c), c
-        elif self.copy:
+        else:
             x = x.contiguous()
             rows, stride = x.view(-1, c), c
-        else:
-            return self.fallback(x)
         if code is None or not self.covers(x, c):
             return self.fallback(x)
         out = torch.empty(x.shape, dtype=x.dtype)
@@ -69,11 +67,10 @@ class CpuRMSNorm(nn.Module):
 class CpuGemmaRMSNorm(CpuRMSNorm):
     """Gemma's RMSNorm (scaled by 1 + w in fp32, one rounding) as one C kernel (rms_norm_w1): a
     Gemma 3 decode step runs six per layer (four around the blocks, q and k), ~15 µs each in torch's
-    eleven ops. Rows of other layouts (q/k norms over a view of the fused projection) are copied
-    into place first; the 1 + w vector is made once, in fp32, from the loaded weight."""
+    eleven ops. The 1 + w vector is made once, in fp32, from the loaded weight."""
 
     def __init__(self, norm: GemmaRMSNorm, lib):
-        super().__init__(norm, lib, copy=True)
+        super().__init__(norm, lib)
         self.w1 = (1.0 + norm.weight.detach().float()).contiguous()
 
     def covers(self, x: torch.Tensor, c: int) -> bool:
@@ -109,30 +106,42 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         return x
 
 
+def _bf16_table(fn) -> torch.Tensor:
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    table = fn(every).view(torch.int16).roll(-32768)
+    return torch.cat([table, table.new_zeros(2)])
+
+
 @functools.cache
 def silu_table() -> torch.Tensor:
     """torch's bf16 silu of every bf16 value, indexed by its bits (int16 [65536 + 2]): the two
     spare entries let a kernel's 4-byte vector gather read the last one. Built once per process
     (read-only: the fused step, the MLPs and batch-invariant mode's hook share it)."""
-    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    table = torch.nn.functional.silu(every).view(torch.int16).roll(-32768)
-    return torch.cat([table, table.new_zeros(2)])
+    return _bf16_table(torch.nn.functional.silu)
 
 
-def c_swiglu(lib, gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
-    """``silu(gate) * up`` of ``[gate | up]`` columns [M, 2 * inter] as one C pass (``silu_mul_f32``
-    or ``silu_mul_bf16``: the fused decode step's arithmetic), or None where the kernels do not
-    cover the input (another dtype or layout) and the caller keeps torch's."""
+@functools.cache
+def gelu_table() -> torch.Tensor:
+    """As ``silu_table``, of torch's gelu with the tanh approximation (Gemma's GeGLU)."""
+    return _bf16_table(lambda v: torch.nn.functional.gelu(v, approximate="tanh"))
+
+
+def c_swiglu(lib, gate_up: torch.Tensor, inter: int, gelu: bool = False) -> torch.Tensor | None:
+    """``silu(gate) * up`` (``gelu``: Gemma's GeGLU, gelu with the tanh approximation) of ``[gate |
+    up]`` columns [M, 2 * inter] as one C pass (``silu_mul_f32`` / ``gelu_mul_f32`` or
+    ``silu_mul_bf16`` over a table: the fused decode step's arithmetic), or None where the kernels
+    do not cover the input (another dtype or layout) and the caller keeps torch's."""
     dt = gate_up.dtype
     if (dt not in (torch.bfloat16, torch.float32) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter
             or gate_up.stride(1) != 1):
         return None
     out = torch.empty((gate_up.shape[0], inter), dtype=dt)
     if dt == torch.float32:
-        rc = lib.silu_mul_f32(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), out.data_ptr())
+        rc = (lib.gelu_mul_f32 if gelu else lib.silu_mul_f32)(gate_up.data_ptr(), gate_up.shape[0], inter,
+                                                               gate_up.stride(0), out.data_ptr())
     else:
         rc = lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0),
-                               silu_table().data_ptr(), out.data_ptr())
+                               (gelu_table() if gelu else silu_table()).data_ptr(), out.data_ptr())
     return None if rc != 0 else out
 
 
@@ -153,10 +162,25 @@ class CpuSwiGLU:
         return self.torch_swiglu(gate_up) if out is None else out
 
 
+class CpuGeGLU:
+    """A Gemma MLP's ``geglu`` as one C pass, as CpuSwiGLU: bf16 rows (torch's gelu from a table,
+    the same bits), fp32 ones in batch-invariant mode (the fused decode step's fp32 arithmetic)."""
+
+    def __init__(self, mlp: GemmaMLP, lib, fp32: bool = False):
+        self.torch_geglu = mlp.geglu
+        self.size = mlp.intermediate_size
+        self.lib, self.fp32 = lib, fp32
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = None
+        if gate_up.dtype == torch.bfloat16 or self.fp32:
+            out = c_swiglu(self.lib, gate_up, self.size, gelu=True)
+        return self.torch_geglu(gate_up) if out is None else out
+
+
 def fuse_model(model: nn.Module, invariant: bool = False) -> int:
-    """Swap the model's RMSNorms, rope and bf16 SwiGLU for the C versions (``invariant``:
-    batch-invariant mode, fp32 SwiGLU too, on every build, and norms of any layout); returns how
-    many modules changed."""
+    """Swap the model's RMSNorms, rope and bf16 SwiGLU / GeGLU for the C versions (``invariant``:
+    batch-invariant mode, fp32 SwiGLU too, on every build); returns how many modules changed."""
     lib = cpu_kernels.load()
     if lib is None:
         return 0
@@ -164,7 +188,7 @@ def fuse_model(model: nn.Module, invariant: bool = False) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
-                setattr(parent, name, CpuRMSNorm(child, lib, copy=invariant))
+                setattr(parent, name, CpuRMSNorm(child, lib))
                 count += 1
             elif isinstance(child, GemmaRMSNorm):
                 setattr(parent, name, CpuGemmaRMSNorm(child, lib))
@@ -178,10 +202,13 @@ def fuse_model(model: nn.Module, invariant: bool = False) -> int:
         rope.glob = CpuRotaryEmbedding(rope.glob, lib)
         rope.local = rope.glob if local_same else CpuRotaryEmbedding(rope.local, lib)
         count += 1 + (not local_same)
-    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    mlps = [m for m in model.modules() if isinstance(m, (MLP, GemmaMLP))]
     if mlps and (lib.has_avx512 or invariant):  # bf16 activations (fp32 too in invariant mode)
         for m in mlps:
-            m.swiglu = CpuSwiGLU(m, lib, invariant)
+            if isinstance(m, GemmaMLP):
+                m.geglu = CpuGeGLU(m, lib, invariant)
+            else:
+                m.swiglu = CpuSwiGLU(m, lib, invariant)
             count += 1
     log.info("fused C kernels for %d norm/rope/swiglu modules", count)
     return count

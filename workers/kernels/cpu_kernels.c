@@ -2228,6 +2228,10 @@ typedef struct {
     void *k_cache, *v_cache;
     int64_t window;  /* <= 0: none */
     const dec_gguf_t *qkv_g, *o_g, *gate_g, *up_g, *down_g;  /* GGUF blocks instead of *_w; else NULL */
+    /* optional (NULL: none): per-head q and k norms before rope (Qwen3, Gemma 3); Gemma's norms of
+     * the attention's and the feed-forward's outputs before their residual adds */
+    const void *q_norm, *k_norm, *attn_out_norm, *ff_out_norm;
+    const float *cos_t, *sin_t;  /* this layer's rope tables (Gemma's local / global), or NULL: the step's */
 } dec_layer_t;
 
 typedef struct {
@@ -2240,7 +2244,7 @@ typedef struct {
     const int64_t *tables;     /* [M, max_blocks] */
     const float *cos_t, *sin_t;
     const void *final_norm;
-    const uint16_t *silu_bf16; /* [65536 + 2]: silu of every bf16 value as torch computes it, or NULL */
+    const uint16_t *act_bf16;  /* [65536 + 2]: the activation of every bf16 value as torch computes it, or NULL */
     void *x;       /* [M, C] residual stream (scratch) */
     void *xn;      /* [M, C] normed (scratch) */
     void *qkv;     /* [M, (H + 2 Hkv) D] */
@@ -2251,13 +2255,17 @@ typedef struct {
     gguf_quantize_fn gg_quantize;
     int8_t *gg_xq;                 /* [M, max K]: a GGUF layer's input quantised per 32 values */
     float *gg_d4, *gg_s16;         /* [M, max K / 4], [M, max K / 16] */
+    /* Gemma: norms scale by 1 + w (the weights given as fp32 1 + w: rms_row's w1), the feed-forward
+     * is GeGLU (gelu, tanh approximation), the embedding rows times embed_scale (0: none) */
+    int64_t norm_w1, act_gelu;
+    float embed_scale;
 } dec_step_t;
 
 #if HAVE_AVX512BW
-/* round(silu(g)) * u for 16 lanes: g's bf16 bits (each lane's low 16) index torch's own silu
- * results (silu_bf16 tables hold 2 spare entries, so the 4-byte gather of the last one stays
+/* round(act(g)) * u for 16 lanes: g's bf16 bits (each lane's low 16) index torch's own silu (or
+ * gelu) results (the tables hold 2 spare entries, so the 4-byte gather of the last one stays
  * inside); the product in fp32, rounded by the store as torch rounds it */
-INLINE __m512 silu_times16(const uint16_t *table, __m512i gbits, __m512 u) {
+INLINE __m512 act_times16(const uint16_t *table, __m512i gbits, __m512 u) {
     const __m512i t = _mm512_i32gather_epi32(gbits, (const void *)table, 2);
     return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(t, 16)), u);
 }
@@ -2271,10 +2279,30 @@ INLINE void my_blocks(int64_t NB, int64_t *b0, int64_t *b1) {
     *b1 = NB * (t + 1) / T;
 }
 
+/* one row's norm of C values in place or not, Llama's (w) or Gemma's (norm_w1: w is fp32 1 + w) */
+INLINE void dec_rms_row(int dt, const dec_step_t *s, const void *src, int64_t off, const void *w, void *dst,
+                        int64_t C, float *buf) {
+    rms_row(dt, src, off, s->norm_w1 ? NULL : w, s->norm_w1 ? (const float *)w : NULL, dst, off, C, s->eps, buf);
+}
+
 INLINE void dec_norm_rows(int dt, const dec_step_t *s, const void *w, void *dst) {
     float buf[s->C];
     _Pragma("omp for schedule(static)")
-    for (int64_t m = 0; m < s->M; m++) rms_row(dt, s->x, m * s->C, w, NULL, dst, m * s->C, s->C, s->eps, buf);
+    for (int64_t m = 0; m < s->M; m++) dec_rms_row(dt, s, s->x, m * s->C, w, dst, s->C, buf);
+}
+
+/* Gemma's sandwich: x += round(norm(xn)) (xn normed in place first, then the residual add rounded
+ * as torch's x + h) */
+INLINE void dec_norm_add_rows(int dt, const dec_step_t *s, const void *w) {
+    float buf[s->C];
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < s->M; m++) {
+        dec_rms_row(dt, s, s->xn, m * s->C, w, s->xn, s->C, buf);
+        for (int64_t c = 0; c < s->C; c++) {
+            const int64_t i = m * s->C + c;
+            store_one(dt, s->x, i, load_one(dt, s->x, i) + load_one(dt, s->xn, i));
+        }
+    }
 }
 
 /* A GGUF layer's input rows quantised into the step's scratch (the team's rows split, then a barrier) */
@@ -2339,8 +2367,14 @@ INLINE void dec_linear(int dt, int pt, const dec_step_t *s, const void *in, int6
     _Pragma("omp barrier")
 }
 
-/* gate and up for the same outputs together: act = round(round(silu(g)) * u) */
-INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L) {
+/* torch's gelu with the tanh approximation, as its scalar code writes it */
+INLINE float gelu_tanh(float x) {
+    const float beta = (float)0.79788456080286535588, kappa = 0.044715f;  /* sqrt(2 / pi) */
+    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))));
+}
+
+/* gate and up for the same outputs together: act = round(round(silu(g)) * u), or gelu's (GeGLU) */
+INLINE void dec_glu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L) {
     float rg[DEC_MAX_ROWS * GROUP * 16], ru[DEC_MAX_ROWS * GROUP * 16];
     const int64_t I = s->I, NB = (I + 15) / 16;
     int64_t b0, b1;
@@ -2354,7 +2388,7 @@ INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L
         if (L->up_g) gguf_group(dt, s, L->up_g, s->xn, s->C, I, g0, nb, ru);
         else gemv_group(L->up_s ? dt : pt, s->xn, s->M, s->C, L->up_w, L->up_s, g0, nb, ru);
 #if HAVE_AVX512BW
-        if (dt == 1 && s->silu_bf16) {
+        if (dt == 1 && s->act_bf16) {
             for (int64_t m = 0; m < s->M; m++)
                 for (int64_t b = 0; b < nb; b++) {
                     const int64_t n0 = (g0 + b) * 16, r = m * GROUP * 16 + b * 16;
@@ -2362,7 +2396,7 @@ INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L
                     __m512 g = _mm512_loadu_ps(rg + r), u = _mm512_loadu_ps(ru + r);
                     if (L->gate_b) g = _mm512_add_ps(g, load16m(1, L->gate_b, n0, k));
                     if (L->up_b) u = _mm512_add_ps(u, load16m(1, L->up_b, n0, k));
-                    store16m(1, s->act, m * I + n0, silu_times16(s->silu_bf16, bf16_bits16(g), round16(1, u)), k);
+                    store16m(1, s->act, m * I + n0, act_times16(s->act_bf16, bf16_bits16(g), round16(1, u)), k);
                 }
             continue;
         }
@@ -2373,16 +2407,16 @@ INLINE void dec_swiglu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L
                 const float g = round_to(dt, rg[r] + (L->gate_b ? load_one(dt, L->gate_b, n) : 0.0f));
                 const float u = round_to(dt, ru[r] + (L->up_b ? load_one(dt, L->up_b, n) : 0.0f));
                 /* bf16: torch's own results (its vectorised exp differs from expf in the last bit at times) */
-                const float sg = dt == 1 && s->silu_bf16 ? bf16_to_f32(s->silu_bf16[f32_to_bf16(g)])
-                                                         : round_to(dt, g / (1.0f + expf(-g)));
+                const float sg = dt == 1 && s->act_bf16 ? bf16_to_f32(s->act_bf16[f32_to_bf16(g)])
+                               : round_to(dt, s->act_gelu ? gelu_tanh(g) : g / (1.0f + expf(-g)));
                 store_one(dt, s->act, m * I + n, sg * u);
             }
     }
     _Pragma("omp barrier")
 }
 
-/* SwiGLU of bf16 rows for the eager path: out[t, i] = round(round(silu(g)) * u), g = gu[t, i] and
- * u = gu[t, I + i] (rows gu_stride elements apart, out [T, I] contiguous), silu from torch's own
+/* SwiGLU of bf16 rows for the eager path (GeGLU given a gelu table): out[t, i] =
+ * round(round(silu(g)) * u), g = gu[t, i] and u = gu[t, I + i] (rows gu_stride elements apart, out [T, I] contiguous), silu from torch's own
  * results (table: 65536 + 2 entries, cpu_fused.py) and products rounded as torch rounds them, so
  * the output equals F.silu(gate) * up bit for bit; one pass instead of two ops each writing the
  * whole activation. Builds without AVX-512BW return -1 (the caller keeps torch). */
@@ -2398,7 +2432,7 @@ int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, c
             const __m512i gi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g + i));
             const __m512 uf = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, u + i)), 16));
-            store16m(1, out, t * I + i, silu_times16(table, gi, uf), k);
+            store16m(1, out, t * I + i, act_times16(table, gi, uf), k);
         }
     }
     return 0;
@@ -2417,29 +2451,48 @@ int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, c
  * (dec_swiglu), so a row's activation is the same in either. (torch's silu takes its vectorised
  * exp in the body of a loop and the scalar one in its tails, whose place moves with the row
  * count.) */
-int silu_mul_f32(const float *gu, int64_t T, int64_t I, int64_t gu_stride, float *out) {
+static int glu_mul_f32(const float *gu, int64_t T, int64_t I, int64_t gu_stride, int gelu, float *out) {
     _Pragma("omp parallel for schedule(static) if (T * I > 65536)")
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < I; i++) {
             const float g = gu[t * gu_stride + i], u = gu[t * gu_stride + I + i];
-            out[t * I + i] = round_to(0, g / (1.0f + expf(-g))) * u;
+            out[t * I + i] = round_to(0, gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * u;
         }
     return 0;
+}
+
+int silu_mul_f32(const float *gu, int64_t T, int64_t I, int64_t gu_stride, float *out) {
+    return glu_mul_f32(gu, T, I, gu_stride, 0, out);
+}
+
+/* GeGLU of fp32 rows (Gemma's gelu with the tanh approximation), as silu_mul_f32 */
+int gelu_mul_f32(const float *gu, int64_t T, int64_t I, int64_t gu_stride, float *out) {
+    return glu_mul_f32(gu, T, I, gu_stride, 1, out);
 }
 
 INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
     const int64_t M = s->M, C = s->C, H = s->H, Hkv = s->Hkv, D = s->D, half = D / 2;
     const int64_t NQ = (H + 2 * Hkv) * D, es = dt == 0 ? 4 : 2;
     _Pragma("omp for schedule(static)")
-    for (int64_t m = 0; m < M; m++)
-        memcpy((char *)s->x + m * C * es, (const char *)s->embed + s->ids[m] * C * es, C * es);
+    for (int64_t m = 0; m < M; m++) {
+        if (s->embed_scale == 0.0f) {
+            memcpy((char *)s->x + m * C * es, (const char *)s->embed + s->ids[m] * C * es, C * es);
+            continue;
+        }
+        for (int64_t c = 0; c < C; c++)  /* Gemma: x * round(sqrt(C)), rounded as torch's product */
+            store_one(dt, s->x, m * C + c, load_one(dt, s->embed, s->ids[m] * C + c) * s->embed_scale);
+    }
     for (int64_t l = 0; l < s->n_layers; l++) {
         const dec_layer_t *L = &s->layers[l];
+        const float *cos_t = L->cos_t ? L->cos_t : s->cos_t, *sin_t = L->sin_t ? L->sin_t : s->sin_t;
         dec_norm_rows(dt, s, L->in_norm, s->xn);
         dec_linear(dt, pt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_g, L->qkv_b, NQ, s->qkv, 0);
         _Pragma("omp for schedule(static)")
         for (int64_t m = 0; m < M; m++) {
-            rope_token(dt, s->qkv, m * NQ, H + Hkv, D, s->cos_t + s->pos[m] * half, s->sin_t + s->pos[m] * half);
+            float hb[MAX_D];
+            for (int64_t h = 0; L->q_norm && h < H + Hkv; h++)  /* per-head q / k norms, in place */
+                dec_rms_row(dt, s, s->qkv, m * NQ + h * D, h < H ? L->q_norm : L->k_norm, s->qkv, D, hb);
+            rope_token(dt, s->qkv, m * NQ, H + Hkv, D, cos_t + s->pos[m] * half, sin_t + s->pos[m] * half);
             const char *row = (const char *)s->qkv + m * NQ * es;
             paged_write(es, row + H * D * es, L->k_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
             paged_write(es, row + (H + Hkv) * D * es, L->v_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
@@ -2450,10 +2503,20 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
             attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
                         s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, i % Hkv, (char *)s->att + m * H * D * es);
         }
-        dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, C, s->x, 1);
+        if (L->attn_out_norm) {  /* Gemma: x + norm(o(att)) */
+            dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, C, s->xn, 0);
+            dec_norm_add_rows(dt, s, L->attn_out_norm);
+        } else {
+            dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, C, s->x, 1);
+        }
         dec_norm_rows(dt, s, L->post_norm, s->xn);
-        dec_swiglu(dt, pt, s, L);
-        dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, C, s->x, 1);
+        dec_glu(dt, pt, s, L);
+        if (L->ff_out_norm) {  /* Gemma: x + norm(down(act)) */
+            dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, C, s->xn, 0);
+            dec_norm_add_rows(dt, s, L->ff_out_norm);
+        } else {
+            dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, C, s->x, 1);
+        }
     }
     dec_norm_rows(dt, s, s->final_norm, s->out);
 }

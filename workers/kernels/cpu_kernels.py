@@ -137,6 +137,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_mul_bf16.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
     lib.silu_mul_f32.restype = ctypes.c_int
     lib.silu_mul_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    lib.gelu_mul_f32.restype = ctypes.c_int
+    lib.gelu_mul_f32.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
     lib.linear_rows.restype = ctypes.c_int
     lib.linear_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]

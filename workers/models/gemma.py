@@ -18,8 +18,10 @@ modeling files (their keys: workers/models/gemma_config.py):
 - final logits soft-capped (``final_logit_softcapping``), in the model dtype as transformers.
 
 The classes are Gemma's own (not subclasses of llama.py's RMSNorm / MLP / RotaryEmbedding) so a
-backend's swaps for the Llama modules (workers/backends/cpu_fused.py) leave them alone, and the
-fused decode kernel declines the model (``fused_decode_refusal``).
+backend's swaps for the Llama modules (workers/backends/cpu_fused.py) leave them alone. The CPU's
+fused decode step (workers/backends/cpu_decode.py) computes Gemma 3's layers too (its (1 + w) norms,
+GeGLU, q/k norms, per-layer ropes and the scaled embedding); it declines Gemma 2, whose attention
+logits are soft-capped (``fused_decode_refusal``).
 """
 from __future__ import annotations
 
@@ -127,9 +129,13 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False, dtype=dtype)
 
+    def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up of ``[gate | up]`` columns (a backend may set its own: cpu_fused.CpuGeGLU)."""
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return row_ops.rowwise(_geglu, gate, up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(row_ops.rowwise(_geglu, gate, up))
+        out = self.down_proj(self.geglu(self.gate_up_proj(x)))
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -155,8 +161,6 @@ class GemmaLayer(nn.Module):
 class GemmaLM(nn.Module):
     """Gemma 2/3 causal LM over a flat batch (the DecoderLM interface; module docstring)."""
 
-    # workers/backends/cpu_decode.py: the fused decode kernel computes Llama's layer only.
-    fused_decode_refusal = "Gemma's layers (GeGLU, (1 + w) norms, soft-capping, per-layer rope)"
     # workers/engine/assembly.py: the layers read no LoRA hook.
     lora_refusal = "LoRA adapters are not served for Gemma models"
 
@@ -183,7 +187,17 @@ class GemmaLM(nn.Module):
     def layer_windows(self) -> tuple[int | None, ...]:
         return self.args.layer_windows
 
+    @property
+    def fused_decode_refusal(self) -> str | None:
+        """Why the CPU's fused decode step (workers/backends/cpu_decode.py) cannot compute this
+        model, or None: it has no soft-capping of attention logits (Gemma 2's)."""
+        if self.args.gemma.attn_logit_softcapping is not None:
+            return "Gemma 2's soft-capped attention logits"
+        return None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        if self.fast_decode is not None and (hidden := self.fast_decode(input_ids, positions, attn)) is not None:
+            return hidden  # a decode step the CPU's fused step covers: the same normed hidden states
         x = self.embed_tokens(input_ids) if self.tp is None else self.tp.embed(self.embed_tokens.weight, input_ids)
         # transformers: a tensor sqrt(hidden) cast to the weights' dtype, then the product
         x = x * torch.tensor(self.embed_scale).to(x.dtype)
