@@ -223,7 +223,7 @@ def gguf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("case", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
 def test_a_native_gguf_sequence_computes_the_same_bits_alone_and_in_mixed_steps(gguf_models, case, dtype,
                                                                                  restore_settings):
     """The same drives on a GGUF model whose linears stay in their blocks (``ggufCompute:

@@ -152,6 +152,10 @@ MODEL_CASES = {
     "llama_qembed": ("LlamaConfig", "llama", {}, dict(types={
         "attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_1,
         "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0, "output": Q.Q5_0, "token_embd": Q.Q4_1})),
+    # per-head q/k norms (their F32 weights) before rope, in the fused step too
+    "qwen3": ("Qwen3Config", "qwen3", dict(head_dim=16, tie_word_embeddings=True), dict(types={
+        "attn_q": Q.Q4_1, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "attn_output": Q.Q5_1, "ffn_gate": Q.Q4_0,
+        "ffn_up": Q.Q5_0, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0})),
 }
 # |native - dequantise| of a logit over the logits' spread (max - min): the int8 rounding of the activations
 LOGIT_TOL = 0.02  # observed here: up to 0.012 (hidden 64, the 32-value types), 0.002 (K-quants, hidden 256)
