@@ -289,6 +289,14 @@ def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_pa
     assert "fused decode kernel on for decode steps" in tail, tail[-2000:]
 
 
+def _pss_mib(pid: int) -> float:
+    """A process's proportional resident memory (smaps_rollup's Pss), MiB."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no Pss for pid {pid}")
+
+
 def served_greedy_equals_transformers(tmp_path: Path, path: Path, question: str) -> str:
     """Checks the launch script serving the chat model at ``path``: two prompts (one longer than 16
     tokens: chunked prefill, then again: a prefix-cache hit) through /infer_token and ``question``
@@ -388,6 +396,13 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
         assert answer and answer == tok.decode(want(ids, 32), skip_special_tokens=True)
         # its decode steps took the fused step (GeGLU, the sandwich norms, per-layer ropes over the blocks)
         assert "fused decode kernel on for decode steps" in srv.tail(400), srv.tail(400)[-3000:]
+        # The front end holds the 262k-token tokenizer, not the pages its parse freed (mindie/heap.py):
+        # 169 MiB here, 366 before they were handed back (the whole tree was over llama.cpp's memory
+        # plus the KV cache asked for, on the fp32 kinds)
+        from tests.harness import descendants
+        front = [p for p in descendants(srv.proc.pid) if b"gunicorn" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        pss = {p: _pss_mib(p) for p in front}
+        assert front and all(v < 250 for v in pss.values()), pss
     finally:
         torch.set_num_threads(threads)
         if srv is not None:

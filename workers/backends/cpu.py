@@ -1,7 +1,6 @@
 """CPU backend: a "device" is a worker process with its share of the cores."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -9,6 +8,7 @@ import time
 import torch
 
 from mindie.contract.spec import WorkerSpec, cpu_flags, native_bf16_default
+from mindie.heap import malloc_trim
 from workers import settings
 from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide
@@ -22,15 +22,6 @@ from workers.kernels import cpu_kernels
 log = logging.getLogger("workers.backends")
 
 TRIM_INTERVAL_S = 5.0
-
-
-def _malloc_trim():
-    try:
-        fn = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    return fn
 
 
 def native_bf16(cpu_flags: str | None = None) -> bool:
@@ -62,7 +53,7 @@ class CpuBackend(Backend):
 
     def __init__(self, threads: int = 0):
         self.threads = threads
-        self._trim = _malloc_trim()
+        self._trim = malloc_trim()
         self._next_trim = 0.0
         self.dispatch: Dispatch | None = None  # the kernels chosen for the model (prepare_model)
 

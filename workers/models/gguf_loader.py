@@ -31,7 +31,6 @@ view it calls ``load_gguf`` instead of reading safetensors. For each tensor of t
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import time
@@ -41,6 +40,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+
+from mindie.heap import malloc_trim
 
 from .gguf_file import GgufFile
 from .gguf_hybrid import v_order, value_map
@@ -97,18 +98,6 @@ def _release(g: GgufFile, offset: int, nbytes: int) -> None:
         m.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, len(m)) - start)
     except (OSError, ValueError, AttributeError):
         pass
-
-
-def _malloc_trim():
-    """glibc's ``malloc_trim``, None elsewhere. The chunks' temporaries raise glibc's dynamic mmap
-    threshold, after which freed blocks stay in the heap, resident: trimming after each tensor keeps
-    a w8a16 load at 1.4x its weights instead of 2.2x (SmolLM2; docs/performance.md, "GGUF load")."""
-    try:
-        fn = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    return fn
 
 
 class _Reader:
@@ -168,7 +157,10 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
     device = model.embed_tokens.weight.device
     int8_of = _int8_buffers(model, shard) if int8 is not None else {}
     native_of = _native_plan(model, slots, g, entries, native) if native is not None and int8 is None else {}
-    trim = _malloc_trim()
+    # the chunks' temporaries raise glibc's dynamic mmap threshold, after which freed blocks stay in the
+    # heap, resident: trimming after each tensor keeps a w8a16 load at 1.4x its weights instead of 2.2x
+    # (SmolLM2; docs/performance.md, "GGUF load")
+    trim = malloc_trim()
     nbytes = 0
     with torch.no_grad():
         for gname, entry in entries:
