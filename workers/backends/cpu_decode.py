@@ -159,10 +159,15 @@ class FusedDecode:
         return [of(w) if of is not None else self.rope for w in self.layer_windows]
 
     def _rope_key(self) -> tuple:
-        """What the bound rope pointers were taken from (a rope moved or rebuilt: bind again)."""
+        """The tables the bound rope pointers were taken from, held (so none is freed while bound)
+        and compared by identity: a rope moved or rebuilt is bound again."""
         of = getattr(self.rope, "of", None)
         ropes = (self.rope.glob, self.rope.local) if of is not None else (self.rope,)
-        return tuple(id(getattr(r, "cos", None)) for r in ropes)
+        return tuple(getattr(r, "cos", None) for r in ropes)
+
+    def _rope_moved(self) -> bool:
+        key = self._rope_key()
+        return self._cos is None or len(key) != len(self._cos) or any(a is not b for a, b in zip(key, self._cos))
 
     def _bind(self, attn) -> None:
         """Per-layer pointers, including this attention object's caches (bound once per KV
@@ -220,7 +225,7 @@ class FusedDecode:
         m = input_ids.shape[0]
         if meta is None or meta.prefill is not None or meta.decode is None or m > self.max_rows:
             return None
-        if attn is not self._attn or self._rope_key() != self._cos:
+        if attn is not self._attn or self._rope_moved():
             self._bind(attn)
         dec = meta.decode
         if not self._ok or dec.pos.shape[0] != m or meta.blocks.shape[0] != m:

@@ -146,36 +146,21 @@ def c_swiglu(lib, gate_up: torch.Tensor, inter: int, gelu: bool = False) -> torc
 
 
 class CpuSwiGLU:
-    """An MLP's ``swiglu`` for bf16 activations as one C pass (``fp32``: fp32 ones too, the fused
-    decode step's arithmetic: batch-invariant mode, workers/backends/cpu_invariant.py); other
-    inputs keep torch's."""
+    """An MLP's ``swiglu`` (``gelu``: a Gemma MLP's ``geglu``) for bf16 activations as one C pass
+    (torch's silu / gelu from a table, the same bits; ``fp32``: fp32 ones too, the fused decode
+    step's arithmetic: batch-invariant mode, workers/backends/cpu_invariant.py); other inputs keep
+    torch's."""
 
-    def __init__(self, mlp: MLP, lib, fp32: bool = False):
-        self.torch_swiglu = mlp.swiglu
+    def __init__(self, mlp: MLP | GemmaMLP, lib, fp32: bool = False, gelu: bool = False):
+        self.torch_glu = mlp.geglu if gelu else mlp.swiglu
         self.size = mlp.intermediate_size
-        self.lib, self.fp32 = lib, fp32
+        self.lib, self.fp32, self.gelu = lib, fp32, gelu
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = None
         if gate_up.dtype == torch.bfloat16 or self.fp32:
-            out = c_swiglu(self.lib, gate_up, self.size)
-        return self.torch_swiglu(gate_up) if out is None else out
-
-
-class CpuGeGLU:
-    """A Gemma MLP's ``geglu`` as one C pass, as CpuSwiGLU: bf16 rows (torch's gelu from a table,
-    the same bits), fp32 ones in batch-invariant mode (the fused decode step's fp32 arithmetic)."""
-
-    def __init__(self, mlp: GemmaMLP, lib, fp32: bool = False):
-        self.torch_geglu = mlp.geglu
-        self.size = mlp.intermediate_size
-        self.lib, self.fp32 = lib, fp32
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        out = None
-        if gate_up.dtype == torch.bfloat16 or self.fp32:
-            out = c_swiglu(self.lib, gate_up, self.size, gelu=True)
-        return self.torch_geglu(gate_up) if out is None else out
+            out = c_swiglu(self.lib, gate_up, self.size, gelu=self.gelu)
+        return self.torch_glu(gate_up) if out is None else out
 
 
 def fuse_model(model: nn.Module, invariant: bool = False) -> int:
@@ -206,7 +191,7 @@ def fuse_model(model: nn.Module, invariant: bool = False) -> int:
     if mlps and (lib.has_avx512 or invariant):  # bf16 activations (fp32 too in invariant mode)
         for m in mlps:
             if isinstance(m, GemmaMLP):
-                m.geglu = CpuGeGLU(m, lib, invariant)
+                m.geglu = CpuSwiGLU(m, lib, invariant, gelu=True)
             else:
                 m.swiglu = CpuSwiGLU(m, lib, invariant)
             count += 1

@@ -130,7 +130,7 @@ class GemmaMLP(nn.Module):
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False, dtype=dtype)
 
     def geglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gelu_tanh(gate) * up of ``[gate | up]`` columns (a backend may set its own: cpu_fused.CpuGeGLU)."""
+        """gelu_tanh(gate) * up of ``[gate | up]`` columns (a backend may set its own: cpu_fused.CpuSwiGLU)."""
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return row_ops.rowwise(_geglu, gate, up)
 
