@@ -396,7 +396,7 @@ def test_real_gemma3_gguf_served_as_transformers_computes_it(gemma_file, tmp_pat
         assert answer and answer == tok.decode(want(ids, 32), skip_special_tokens=True)
         # its decode steps took the fused step (GeGLU, the sandwich norms, per-layer ropes over the blocks)
         assert "fused decode kernel on for decode steps" in srv.tail(400), srv.tail(400)[-3000:]
-        # The front end holds the 262k-token tokenizer, not the pages its parse freed (mindie/heap.py):
+        # The front end holds the 262k-token tokenizer, not the pages its parse freed (mindie/runtime/heap.py):
         # 169 MiB here, 366 before they were handed back (the whole tree was over llama.cpp's memory
         # plus the KV cache asked for, on the fp32 kinds)
         from tests.harness import descendants

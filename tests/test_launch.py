@@ -16,15 +16,19 @@ import pytest
 
 from mindie.config import load_config
 from mindie.runtime.lifecycle import leftovers
-from tests.harness import ROOT, Server, alive, descendants, free_port, process_roles, short_run_dir, write_config
+from tests.harness import ROOT, Server, alive, descendants, free_port, port_slice, process_roles, short_run_dir, write_config
 
 LAUNCH = ROOT / "scripts" / "launch.sh"
 
 
 def free_triple() -> int:
-    """A base port P with P, P+1 and P+2 free on 127.0.0.1 and 127.0.0.2."""
+    """A base port P with P, P+1 and P+2 free on 127.0.0.1 and 127.0.0.2, from this test process's
+    own slice (harness.port_slice): a port of the kernel's ephemeral range, free when chosen, could
+    be an outgoing connection's source port by the time the server binds it (seen in CI: "already
+    in use" at 57646), and another xdist worker's slice is that worker's to hand out."""
+    ports = port_slice()
     for _ in range(200):
-        base = random.randrange(20000, 60000)
+        base = random.randrange(ports.start, ports.stop - 3)
         try:
             with contextlib.ExitStack() as st:
                 for host in ("127.0.0.1", "127.0.0.2"):

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from mindie.heap import trim
+from mindie.runtime.heap import trim
 
 __all__ = ["TextTokenizer", "IncrementalDetokenizer", "load_tokenizer"]
 

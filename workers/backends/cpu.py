@@ -8,7 +8,7 @@ import time
 import torch
 
 from mindie.contract.spec import WorkerSpec, cpu_flags, native_bf16_default
-from mindie.heap import malloc_trim
+from mindie.runtime.heap import malloc_trim
 from workers import settings
 from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide

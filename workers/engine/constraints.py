@@ -39,7 +39,7 @@ import numpy as np
 
 from mindie.contract.grammar import ConstraintError, first_lines, grammar_text, parser_limits
 from mindie.contract.wire import Constraint
-from mindie.heap import trim
+from mindie.runtime.heap import trim
 
 log = logging.getLogger("workers.engine")
 
@@ -56,7 +56,7 @@ def load_tokenizer(model_dir: str, vocab_size: int, eos_ids: Iterable[int]) -> "
     tokenize with), its mask as wide as the model's logits where the tokenizer allows it, its end of
     sequence the model's EOS ids (those of config.json and generation_config.json; the tokenizer's
     own when there are none, as for the null model). The parse's freed pages go back to the kernel
-    (mindie/heap.py: a large vocabulary's JSON and its Python objects, ~100 MiB for Gemma 3's)."""
+    (mindie/runtime/heap.py: a large vocabulary's JSON and its Python objects, ~100 MiB for Gemma 3's)."""
     try:
         return _build_tokenizer(model_dir, vocab_size, eos_ids)
     finally:

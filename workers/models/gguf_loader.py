@@ -41,7 +41,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from mindie.heap import malloc_trim
+from mindie.runtime.heap import malloc_trim
 
 from .gguf_file import GgufFile
 from .gguf_hybrid import v_order, value_map
