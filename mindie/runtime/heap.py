@@ -4,7 +4,8 @@ Freed memory stays resident in a glibc heap until trimmed: a loader's temporarie
 chunks, the JSON a tokenizer is parsed from) would otherwise count in the process's memory for
 its whole life. Gemma 3's tokenizer (262k tokens) leaves ~190 MiB of such pages in each front end
 that loads it, as much as the model's weights. One home for the binding: the front ends
-(mindie/text/detokenizer.py), the GGUF loader and the CPU backend's periodic trim use it.
+(mindie/text/detokenizer.py), the constraint compiler's tokenizer, the GGUF loader and the CPU
+backend's periodic trim use it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Callable
 
 
 @functools.cache
-def malloc_trim() -> Callable[[int], int] | None:
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim(pad)``, or None where the C library is not glibc."""
     try:
         fn = ctypes.CDLL("libc.so.6").malloc_trim
@@ -27,6 +28,6 @@ def malloc_trim() -> Callable[[int], int] | None:
 
 def trim() -> None:
     """Hand every free page of the heap back now (nothing where there is no glibc)."""
-    fn = malloc_trim()
+    fn = _malloc_trim()
     if fn is not None:
         fn(0)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from mindie.contract.spec import WorkerSpec, cpu_flags, native_bf16_default
-from mindie.runtime.heap import malloc_trim
+from mindie.runtime import heap
 from workers import settings
 from workers.backends.base import Backend
 from workers.backends.cpu_dispatch import Dispatch, decide
@@ -53,7 +53,6 @@ class CpuBackend(Backend):
 
     def __init__(self, threads: int = 0):
         self.threads = threads
-        self._trim = malloc_trim()
         self._next_trim = 0.0
         self.dispatch: Dispatch | None = None  # the kernels chosen for the model (prepare_model)
 
@@ -61,11 +60,10 @@ class CpuBackend(Backend):
         # glibc keeps the pages of freed blocks resident (a prefill step's activations reach
         # tens of MB, then decode steps need a fraction): hand free pages back every few seconds
         # (well under a millisecond each time; docs/reliability.md, "Flat memory").
-        if self._trim is not None:
-            now = time.monotonic()
-            if now >= self._next_trim:
-                self._trim(0)
-                self._next_trim = now + TRIM_INTERVAL_S
+        now = time.monotonic()
+        if now >= self._next_trim:
+            heap.trim()
+            self._next_trim = now + TRIM_INTERVAL_S
 
     def setup(self) -> None:
         if self.threads > 0:
@@ -112,8 +110,7 @@ class CpuBackend(Backend):
             counts.append(narrow)  # a worker alone steps narrow on a busy host
         cfg = spec.engine
         warm_up_cpu_model(model, counts, max_rows=cfg.max_prefill_tokens, max_head_rows=cfg.max_batch_size)
-        if self._trim is not None:
-            self._trim(0)  # the warm-up's activations (up to 8192 rows) are freed: hand their pages back
+        heap.trim()  # the warm-up's activations (up to 8192 rows) are freed: hand their pages back
 
     def int8_kernel(self):
         # torch._weight_int8pack_mm for decode-sized row counts, dequantise-then-matmul above.

@@ -32,7 +32,7 @@ bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is
 over those same tensors (kernel code 2), no copy either. Qwen3's per-head q/k norms and Gemma 3's
 layers (its (1 + w) norms, the norms of the attention's and the feed-forward's outputs, GeGLU, a
 rope per layer kind, the scaled embedding: ``norm_w1``, ``attn_out_norm``, ``act_gelu``, the
-layer's ``cos_t`` in cpu_kernels.c's dec_step_t) are computed too. Models it does not cover
+layer's ``cos_t`` in cpu_kernels.c's dec_layer_t) are computed too. Models it does not cover
 (``fused_decode_refusal``: MLA, mixtures, hybrid layers, Gemma 2's capped logits; tensor-parallel
 ranks, fp16, a KV cache of another type) keep the eager path.
 """
@@ -46,7 +46,7 @@ from torch import nn
 
 from workers import settings
 from workers.backends import cpu_linear
-from workers.backends.cpu_fused import gelu_table, silu_table
+from workers.backends.cpu_fused import gelu_table, one_plus, silu_table
 from workers.backends.cpu_linear import KernelLinear
 from workers.backends.gguf_linear import GgufLinear
 from workers.backends.int8 import Int8Linear
@@ -78,8 +78,7 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [(n, _i64) for n in ("n_layers", "C", "H", "Hkv", "D", "I", "bs", "max_blocks", "max_pos", "M")] \
         + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))] \
-        + [(n, _c_void_p) for n in ("embed", "ids", "pos", "blocks", "offsets", "tables", "cos_t", "sin_t",
-                                    "final_norm", "act_bf16", "x", "xn", "qkv", "att", "act", "out",
+        + [(n, _c_void_p) for n in ("embed", "ids", "pos", "blocks", "offsets", "tables", "final_norm", "act_bf16", "x", "xn", "qkv", "att", "act", "out",
                                     "gg_rows", "gg_quantize", "gg_xq", "gg_d4", "gg_s16")] \
         + [("norm_w1", _i64), ("act_gelu", _i64), ("embed_scale", _f32)]
 
@@ -133,8 +132,7 @@ class FusedDecode:
             args.head_dim
         self.I = args.intermediate_size
         self.eps = args.rms_norm_eps
-        self.layer_windows = args.layer_windows
-        self.windows = [w or 0 for w in args.layer_windows]
+        self.layer_windows = args.layer_windows  # None: a global layer
         # Gemma: its softmax scale, and the embedding times sqrt(C) rounded to the model dtype first
         self.scale = gemma.scale if gemma is not None else self.D ** -0.5
         self.embed_scale = float(torch.tensor(model.embed_scale).to(self.dtype)) if gemma is not None else 0.0
@@ -181,7 +179,7 @@ class FusedDecode:
                     v = w[name[0]]
                     setattr(lay, name[0], ctypes.addressof(v) if isinstance(v, _Gguf) else _ptr(v))
             lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
-            lay.window = self.windows[i]
+            lay.window = self.layer_windows[i] or 0
         self._layers, self._attn, self._cos = arr, attn, self._rope_key()
         self._ok = (getattr(attn, "lib", None) is not None and attn.k_cache[0].dtype == self.dtype
                     and all(getattr(r, "cos", None) is not None and r.cos.dtype == torch.float32
@@ -202,7 +200,6 @@ class FusedDecode:
         self._step = _Step(n_layers=len(self.weights), C=self.C, H=self.H, Hkv=self.Hkv, D=self.D, I=self.I,
                            bs=attn.block_size, max_pos=self.rope.max_positions, eps=self.eps,
                            scale=self.scale, layers=self._layers, embed=self.embed.data_ptr(),
-                           cos_t=ropes[0].cos.data_ptr(), sin_t=ropes[0].sin.data_ptr(),
                            final_norm=self.final_norm.data_ptr(), act_bf16=_ptr(self.act_table),
                            x=x, xn=xn, qkv=qkv, att=att, act=act, norm_w1=int(self.gemma),
                            act_gelu=int(self.gemma), embed_scale=self.embed_scale, **self._gg)
@@ -260,7 +257,7 @@ def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _norm(w: torch.Tensor, gemma: bool) -> torch.Tensor:
     """A norm's weight as the kernel reads it: Gemma's as fp32 1 + w (rms_row's w1), else as is."""
-    return (1.0 + w.detach().float()).contiguous() if gemma else _vec(w)
+    return one_plus(w) if gemma else _vec(w)
 
 
 def _blocks(sel: slice, n: int) -> tuple[int, int] | None:

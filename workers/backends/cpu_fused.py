@@ -7,8 +7,8 @@ transformers' eager code op by op (RMSNorm statistics in fp32; rope products and
 to the activation type), so outputs match it. The rope rotates q and k in place inside the
 fused qkv projection's output. SwiGLU in bf16 reads torch's own silu results from a table and
 equals ``F.silu(gate) * up`` bit for bit in one pass (in a prompt step the two bf16 ops cost about
-a seventh of the 40M benchmark model's time); Gemma's GeGLU the same way from a gelu table. Layouts the kernels do not cover fall back to the
-torch code.
+a seventh of the 40M benchmark model's time); Gemma's GeGLU the same way from a gelu table.
+Layouts the kernels do not cover fall back to the torch code.
 """
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ class CpuRMSNorm(nn.Module):
         return out
 
 
+def one_plus(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's norm weight as the C kernels read it: 1 + w in fp32 (rms_row's w1), made once."""
+    return (1.0 + weight.detach().float()).contiguous()
+
+
 class CpuGemmaRMSNorm(CpuRMSNorm):
     """Gemma's RMSNorm (scaled by 1 + w in fp32, one rounding) as one C kernel (rms_norm_w1): a
     Gemma 3 decode step runs six per layer (four around the blocks, q and k), ~15 µs each in torch's
@@ -71,7 +76,7 @@ class CpuGemmaRMSNorm(CpuRMSNorm):
 
     def __init__(self, norm: GemmaRMSNorm, lib):
         super().__init__(norm, lib)
-        self.w1 = (1.0 + norm.weight.detach().float()).contiguous()
+        self.w1 = one_plus(norm.weight)
 
     def covers(self, x: torch.Tensor, c: int) -> bool:
         return self.w1.numel() == c

@@ -2231,7 +2231,7 @@ typedef struct {
     /* optional (NULL: none): per-head q and k norms before rope (Qwen3, Gemma 3); Gemma's norms of
      * the attention's and the feed-forward's outputs before their residual adds */
     const void *q_norm, *k_norm, *attn_out_norm, *ff_out_norm;
-    const float *cos_t, *sin_t;  /* this layer's rope tables (Gemma's local / global), or NULL: the step's */
+    const float *cos_t, *sin_t;  /* this layer's rope tables (Gemma's local and global ropes differ) */
 } dec_layer_t;
 
 typedef struct {
@@ -2242,7 +2242,6 @@ typedef struct {
     const int64_t *ids, *pos;  /* [M] */
     const int64_t *blocks, *offsets;  /* [M]: the cache slot of each new token */
     const int64_t *tables;     /* [M, max_blocks] */
-    const float *cos_t, *sin_t;
     const void *final_norm;
     const uint16_t *act_bf16;  /* [65536 + 2]: the activation of every bf16 value as torch computes it, or NULL */
     void *x;       /* [M, C] residual stream (scratch) */
@@ -2367,6 +2366,14 @@ INLINE void dec_linear(int dt, int pt, const dec_step_t *s, const void *in, int6
     _Pragma("omp barrier")
 }
 
+/* A block's output projection into the residual stream: x += round(in @ w^T), or with Gemma's
+ * norm of it (out_norm) x += round(norm(round(in @ w^T))), the product landing in xn first */
+INLINE void dec_residual(int dt, int pt, const dec_step_t *s, const void *in, int64_t K, const void *w,
+                         const float *sc, const dec_gguf_t *gg, const void *bias, const void *out_norm) {
+    dec_linear(dt, pt, s, in, K, w, sc, gg, bias, s->C, out_norm ? s->xn : s->x, !out_norm);
+    if (out_norm) dec_norm_add_rows(dt, s, out_norm);
+}
+
 /* torch's gelu with the tanh approximation, as its scalar code writes it */
 INLINE float gelu_tanh(float x) {
     const float beta = (float)0.79788456080286535588, kappa = 0.044715f;  /* sqrt(2 / pi) */
@@ -2416,8 +2423,8 @@ INLINE void dec_glu(int dt, int pt, const dec_step_t *s, const dec_layer_t *L) {
 }
 
 /* SwiGLU of bf16 rows for the eager path (GeGLU given a gelu table): out[t, i] =
- * round(round(silu(g)) * u), g = gu[t, i] and u = gu[t, I + i] (rows gu_stride elements apart, out [T, I] contiguous), silu from torch's own
- * results (table: 65536 + 2 entries, cpu_fused.py) and products rounded as torch rounds them, so
+ * round(round(silu(g)) * u), g = gu[t, i] and u = gu[t, I + i] (rows gu_stride elements apart,
+ * out [T, I] contiguous), silu from torch's own results (table: 65536 + 2 entries, cpu_fused.py) and products rounded as torch rounds them, so
  * the output equals F.silu(gate) * up bit for bit; one pass instead of two ops each writing the
  * whole activation. Builds without AVX-512BW return -1 (the caller keeps torch). */
 int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, const uint16_t *table,
@@ -2437,7 +2444,7 @@ int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, c
     }
     return 0;
 #else
-    /* the fused step's scalar form (dec_swiglu): the same table and roundings */
+    /* the fused step's scalar form (dec_glu): the same table and roundings */
     _Pragma("omp parallel for schedule(static) if (T * I > 65536)")
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < I; i++)
@@ -2448,7 +2455,7 @@ int silu_mul_bf16(const uint16_t *gu, int64_t T, int64_t I, int64_t gu_stride, c
 
 /* SwiGLU of fp32 rows for the eager path in batch-invariant mode (cpu_fused.py): out[t, i] =
  * (g / (1 + expf(-g))) * u, element by element as the fused decode step computes an fp32 step
- * (dec_swiglu), so a row's activation is the same in either. (torch's silu takes its vectorised
+ * (dec_glu), so a row's activation is the same in either. (torch's silu takes its vectorised
  * exp in the body of a loop and the scalar one in its tails, whose place moves with the row
  * count.) */
 static int glu_mul_f32(const float *gu, int64_t T, int64_t I, int64_t gu_stride, int gelu, float *out) {
@@ -2484,7 +2491,6 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
     }
     for (int64_t l = 0; l < s->n_layers; l++) {
         const dec_layer_t *L = &s->layers[l];
-        const float *cos_t = L->cos_t ? L->cos_t : s->cos_t, *sin_t = L->sin_t ? L->sin_t : s->sin_t;
         dec_norm_rows(dt, s, L->in_norm, s->xn);
         dec_linear(dt, pt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_g, L->qkv_b, NQ, s->qkv, 0);
         _Pragma("omp for schedule(static)")
@@ -2492,7 +2498,7 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
             float hb[MAX_D];
             for (int64_t h = 0; L->q_norm && h < H + Hkv; h++)  /* per-head q / k norms, in place */
                 dec_rms_row(dt, s, s->qkv, m * NQ + h * D, h < H ? L->q_norm : L->k_norm, s->qkv, D, hb);
-            rope_token(dt, s->qkv, m * NQ, H + Hkv, D, cos_t + s->pos[m] * half, sin_t + s->pos[m] * half);
+            rope_token(dt, s->qkv, m * NQ, H + Hkv, D, L->cos_t + s->pos[m] * half, L->sin_t + s->pos[m] * half);
             const char *row = (const char *)s->qkv + m * NQ * es;
             paged_write(es, row + H * D * es, L->k_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
             paged_write(es, row + (H + Hkv) * D * es, L->v_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
@@ -2503,20 +2509,10 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
             attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
                         s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, i % Hkv, (char *)s->att + m * H * D * es);
         }
-        if (L->attn_out_norm) {  /* Gemma: x + norm(o(att)) */
-            dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, C, s->xn, 0);
-            dec_norm_add_rows(dt, s, L->attn_out_norm);
-        } else {
-            dec_linear(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, C, s->x, 1);
-        }
+        dec_residual(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, L->attn_out_norm);
         dec_norm_rows(dt, s, L->post_norm, s->xn);
         dec_glu(dt, pt, s, L);
-        if (L->ff_out_norm) {  /* Gemma: x + norm(down(act)) */
-            dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, C, s->xn, 0);
-            dec_norm_add_rows(dt, s, L->ff_out_norm);
-        } else {
-            dec_linear(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, C, s->x, 1);
-        }
+        dec_residual(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, L->ff_out_norm);
     }
     dec_norm_rows(dt, s, s->final_norm, s->out);
 }

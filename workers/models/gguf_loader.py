@@ -41,7 +41,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from mindie.runtime.heap import malloc_trim
+from mindie.runtime import heap
 
 from .gguf_file import GgufFile
 from .gguf_hybrid import v_order, value_map
@@ -157,10 +157,6 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
     device = model.embed_tokens.weight.device
     int8_of = _int8_buffers(model, shard) if int8 is not None else {}
     native_of = _native_plan(model, slots, g, entries, native) if native is not None and int8 is None else {}
-    # the chunks' temporaries raise glibc's dynamic mmap threshold, after which freed blocks stay in the
-    # heap, resident: trimming after each tensor keeps a w8a16 load at 1.4x its weights instead of 2.2x
-    # (SmolLM2; docs/performance.md, "GGUF load")
-    trim = malloc_trim()
     nbytes = 0
     with torch.no_grad():
         for gname, entry in entries:
@@ -187,8 +183,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
                     # the linear holds what it keeps (interleaved: its own copy): the rows read
                     # for it go now, and their pages back to the system
                     b["types"], b["parts"] = {t for _, t, _ in b["parts"]}, []
-                    if trim is not None:
-                        trim(0)
+                    heap.trim()
                 if nat is not None or b.get("lookup"):  # the weight is never written (its pages never touched)
                     nbytes += t.nbytes
                     _release(g, t.offset, t.nbytes)
@@ -233,8 +228,10 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             part = t.nbytes * (r1 - r0) // max(n_rows, 1)
             nbytes += part if c0 is None else part * (c1 - c0) // max(t.shape[1], 1)
             _release(g, t.offset, t.nbytes)
-            if trim is not None:
-                trim(0)
+            # the chunks' temporaries raise glibc's dynamic mmap threshold, after which freed blocks stay
+            # in the heap, resident: trimming after each tensor keeps a w8a16 load at 1.4x its weights
+            # instead of 2.2x (SmolLM2; docs/performance.md, "GGUF load")
+            heap.trim()
         if int8 is not None:
             int8.loaded(_swap_int8(model, int8_of, int8, dtype, device))
         if native is not None:
