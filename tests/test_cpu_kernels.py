@@ -168,6 +168,67 @@ def test_prefill_chunks_match_portable(dt, h, hkv, d, bs, window, fresh, route):
     assert (ker.prefill_calls, ker.sdpa_calls) == (int(covered and not sdpa), int(sdpa)), (covered, sdpa)
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,hkv,d", [(8, 4, 64),  # 2 heads per KV head, D 64: the specialised decode items
+                                     (9, 3, 80),  # 3 heads, D 80: the generic AVX-512 item, 8-lane tiles
+                                     (16, 2, 256)])  # Gemma 2's head size
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("fresh", [True, False])
+@pytest.mark.parametrize("mod", ["softcap", "sinks"])
+def test_capped_scores_and_sinks_match_portable(dt, h, hkv, d, window, fresh, mod):
+    """Gemma 2's soft-capped scores (``softcap``: cap * tanh(s / cap) before the softmax) and
+    GPT-OSS's sinks (a logit per query head in every softmax's denominator) in the C kernels,
+    decodes and prompt chunks, equal the portable torch path's within the dtype's tolerance, with
+    a cap and sinks that change every output: a cap of 1.5 flattens scores spread about +-10 (the
+    queries and keys scaled up), sinks of +-4 take a part of each softmax of scores about +-1 (bf16
+    scores that large would round the portable path's bf16 products too far); the kernel without
+    them is far off."""
+    bs = 16
+    start = [0, 0, 0, 5, 0] if fresh else [0, 40, 2 * bs - 3, 5, 0]
+    new = [37, 2, 16, 1, 33]  # the 1-token entry is a decode
+    nb = sum(-(-(s + n + 1) // bs) for s, n in zip(start, new)) + 2  # room for one decode step after
+    ref, ker, g = _pair(1, nb, bs, hkv, d, dt, seed=h * 11 + d)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for s, n in zip(start, new):
+        k = -(-(s + n + 1) // bs)
+        tables.append(perm[i:i + k])
+        i += k
+    T = sum(new)
+    up = 3 if mod == "softcap" else 1
+    q, k, v = (torch.randn(T, n, d, generator=g).to(dt) * up for n in (h, hkv, hkv))
+    mods = dict(softcap=1.5) if mod == "softcap" else dict(sinks=(torch.rand(h, generator=g) * 8 - 4).to(dt))
+    with torch.inference_mode():
+        outs = []
+        for a, m in ((ref, mods), (ker, mods), (ker, {})):
+            a.prepare(tables, start, new)
+            outs.append(a(0, q, k, v, window, **m).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=TOL[dt], rtol=TOL[dt])
+    assert (outs[2] - outs[0]).abs().max() > 0.1  # the cap or the sinks matter here
+    covered = (ker.lib.has_prefill and dt in (torch.float32, torch.bfloat16)
+               and (fresh or dt == torch.bfloat16 and ker.lib.has_dpbf16))  # as test_prefill_chunks_match_portable
+    assert ker.prefill_calls == 2 * int(covered)  # the call with the cap or sinks and the one without
+    # and one decode step of every sequence, through the decode kernel
+    pos = [s + n for s, n in zip(start, new)]
+    qd, kd, vd = (torch.randn(len(new), n, d, generator=g).to(dt) * up for n in (h, hkv, hkv))
+    with torch.inference_mode():
+        outs = []
+        for a, m in ((ref, mods), (ker, mods), (ker, {})):
+            a.prepare(tables, pos, [1] * len(new))
+            outs.append(a(0, qd, kd, vd, window, **m).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=TOL[dt], rtol=TOL[dt])
+    assert (outs[2] - outs[0]).abs().max() > 0.1
+
+
+def test_sinks_of_another_head_count_are_refused():
+    """The kernels read one sink logit per query head: another count is a ValueError, never a read
+    past the tensor."""
+    _ref, ker, g = _pair(1, 4, 16, 2, 64, torch.float32, seed=4)
+    ker.prepare([[0], [1]], [3, 5], [1, 1])
+    with pytest.raises(ValueError, match="3 logits for 4 query heads"):
+        ker(0, torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64), None, sinks=torch.zeros(3))
+
+
 def test_prefill_kernel_tiles_in_parallel_as_alone(monkeypatch):
     """Many prompts take the OpenMP path over (tile, KV head): each prompt's rows equal those of the
     prompt computed alone (bit for bit through the kernel; within bf16's tolerance on builds

@@ -245,22 +245,20 @@ def test_tensor_parallel_two_ranks_equal_transformers(models, tmp_path: Path) ->
     assert [res["tokens"][f"g{i}"] for i in range(len(ps))] == [hf_greedy(hf, p, 8) for p in ps]
 
 
-def test_fused_decode_takes_gemma3_and_declines_gemma2_and_lora(models, caplog) -> None:
-    """The CPU's fused decode step computes Gemma 3's layers (tests/test_cpu_decode.py checks it
-    against the eager path); Gemma 2's soft-capped attention logits keep the eager path."""
+def test_fused_decode_takes_gemma2_and_gemma3_and_declines_lora(models, caplog) -> None:
+    """The CPU's fused decode step computes both versions' layers (tests/test_cpu_decode.py checks
+    them against the eager path), Gemma 2's soft-capped attention scores included; LoRA is refused."""
     from workers.backends import cpu_decode
     from workers.engine.assembly import lora_manager  # noqa: F401  (the refusal's consumer)
 
     g3, _ = load_model(models["gemma3"][1], torch.float32)
     g2, _ = load_model(models["gemma2"][1], torch.float32)
     with caplog.at_level(logging.INFO, logger="workers"):
-        fused = cpu_decode.attach(g3)
-        assert cpu_decode.attach(g2) is None and g2.fast_decode is None
+        fused3, fused2 = cpu_decode.attach(g3), cpu_decode.attach(g2)
     if any("no C kernels" in r.getMessage() for r in caplog.records):
         pytest.skip("the C kernels do not build here: the fused decode kernel is off for every model")
-    assert fused is not None and g3.fast_decode is fused
-    assert any("fused decode kernel not used: Gemma 2's soft-capped attention logits" in r.getMessage()
-               for r in caplog.records)
+    assert fused3 is not None and g3.fast_decode is fused3 and fused3.softcap == 0.0
+    assert fused2 is not None and g2.fast_decode is fused2 and fused2.softcap == 3.0
     assert g3.lora_refusal == "LoRA adapters are not served for Gemma models"
 
 
@@ -270,21 +268,29 @@ CHAT_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + 
                  "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_path: Path) -> None:
-    """The launch script on a tiny Gemma 3 chat model: prompts longer than its window through
-    /infer_token (chunked, a prefix-cache hit) and the OpenAI chat route equal transformers."""
-    path = tmp_path_factory.mktemp("gemma_chat") / "tiny-gemma3"
+@pytest.mark.parametrize("version", [2, 3])
+def test_server_infer_token_and_chat_equal_transformers(tmp_path_factory, tmp_path: Path, version: int) -> None:
+    """The launch script on a tiny Gemma 2 / Gemma 3 chat model: prompts longer than its window
+    through /infer_token (chunked, a prefix-cache hit) and the OpenAI chat route equal transformers,
+    decode steps in the fused step (Gemma 2: its soft-capped attention scores in the C kernels)."""
+    path = tmp_path_factory.mktemp("gemma_chat") / f"tiny-gemma{version}"
     cfg = {k: v for k, v in BASE.items() if k not in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
-    save_chat_model(path, CHAT_TEMPLATE, cls_name="Gemma3TextConfig",
-                    config=dict(cfg, sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE,
-                                final_logit_softcapping=5.0, num_hidden_layers=4, head_dim=16))
+    if version == 3:
+        save_chat_model(path, CHAT_TEMPLATE, cls_name="Gemma3TextConfig",
+                        config=dict(cfg, sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE,
+                                    final_logit_softcapping=5.0, num_hidden_layers=4, head_dim=16))
+    else:
+        save_chat_model(path, CHAT_TEMPLATE, cls_name="Gemma2Config",
+                        config=dict(cfg, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                                    num_hidden_layers=4, head_dim=16))
     tail = served_greedy_equals_transformers(tmp_path, path, "What does a sliding window attend to?")
-    assert "loaded" in tail and "gemma3" in tail
-    # on the C kernels: each layer's six norms (q, k and the four around its blocks), the final one
-    # and the ropes (cpu_fused.CpuGemmaRMSNorm, CpuRotaryEmbedding), transformers' answers all the same
+    assert "loaded" in tail and f"gemma{version}" in tail
+    # on the C kernels: each layer's norms (Gemma 3: q, k and the four around its blocks; Gemma 2:
+    # those four), the final one and the ropes (cpu_fused.CpuGemmaRMSNorm, CpuRotaryEmbedding),
+    # transformers' answers all the same
     import re
     fused = re.search(r"fused C kernels for (\d+) norm/rope/swiglu modules", tail)
-    assert fused and int(fused.group(1)) >= 6 * 4 + 1 + 1, tail[-2000:]
+    assert fused and int(fused.group(1)) >= (6 if version == 3 else 4) * 4 + 1 + 1, tail[-2000:]
     # and its decode steps in the fused step (GeGLU, the sandwich norms, per-layer ropes), the same answers
     assert "fused decode kernel on for decode steps" in tail, tail[-2000:]
 

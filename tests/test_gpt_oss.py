@@ -3,8 +3,8 @@ tiny random checkpoints built here (fp32, save_pretrained):
 
 - config: GPT-OSS's keys (experts, clamped SwiGLU, YaRN, layer_types windows, biases) read and
   checked, errors naming the key (an MXFP4 checkpoint's ``quantization_config`` among them);
-- logits: our decoder over the paged KV cache (portable torch and the CPU attention, whose sink
-  layers take the portable path) equals transformers' with attention sinks, alternating sliding
+- logits: our decoder over the paged KV cache (portable torch and the CPU attention, whose C
+  kernels take the sinks) equals transformers' with attention sinks, alternating sliding
   and full layers, a prompt longer than the window, in chunks then decodes; the sinks change the
   answer (so a decoder that ignored them would fail); bf16 within transformers' own bf16 error;
 - engine: greedy outputs through chunked prefill, preemption and a prefix-cache hit equal

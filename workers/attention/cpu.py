@@ -159,33 +159,36 @@ class CpuPagedAttention(PagedAttention):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  window: int | None = None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
                  softcap: float | None = None) -> torch.Tensor:
-        """As PagedAttention's. The kernels take ``scale``; they have no sink logits and no soft-capping,
-        so a layer with ``sinks`` or ``softcap`` takes the portable torch path (its cache write stays the C one)."""
+        """As PagedAttention's. The kernels take ``scale``, ``softcap`` (Gemma 2) and ``sinks``
+        (GPT-OSS); prompt chunks the prefill kernel does not cover take the portable torch path (its
+        cache write stays the C one; SDPA has neither a cap nor sinks), their decodes the kernel."""
         meta = self.meta
-        if sinks is not None or softcap is not None:
-            return super().__call__(layer, q, k, v, window, sinks=sinks, scale=scale, softcap=softcap)
-        if self._seqs is not None and window is None and q.dim() == 3 and q.shape[0] == meta.num_tokens:
+        mods = dict(sinks=sinks, scale=scale, softcap=softcap)
+        if (self._seqs is not None and window is None and softcap is None and sinks is None and q.dim() == 3
+                and q.shape[0] == meta.num_tokens):
             return self._prompts_sdpa(layer, q, k, v, scale)
         chunks = self._chunks
         if chunks is None or q.dim() != 3 or q.shape[0] != meta.num_tokens:
-            return super().__call__(layer, q, k, v, window, scale=scale)
+            return super().__call__(layer, q, k, v, window, **mods)
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         self._write(layer, k, v)
         qc = q.to(kc.dtype).contiguous()
         out = torch.empty_like(qc)
         g = meta.prefill
         row0, start, count = chunks
+        sink32 = _sinks(sinks, q.shape[1])
         if self.lib.paged_prefill(self.code, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), g.tables.data_ptr(),
                                   g.tables.shape[1], row0.data_ptr(), start.data_ptr(), count.data_ptr(),
                                   count.numel(), qc.shape[1], kc.shape[1], kc.shape[2], qc.shape[2], window or 0,
-                                  qc.shape[2] ** -0.5 if scale is None else scale, out.data_ptr()) != 0:
+                                  qc.shape[2] ** -0.5 if scale is None else scale, softcap or 0.0,
+                                  _ptr(sink32), out.data_ptr()) != 0:
             self._chunks = None  # a layout the kernel does not cover: SDPA (the write is repeated, same rows)
-            return super().__call__(layer, q, k, v, window, scale=scale)
+            return super().__call__(layer, q, k, v, window, **mods)
         if layer == 0:
             self.prefill_calls += 1
         if meta.decode is not None:
             rows = meta.decode.rows
-            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, window, scale=scale).to(qc.dtype)
+            out[rows] = self._decode(meta.decode, qc[rows], kc, vc, window, **mods).to(qc.dtype)
         return out.to(q.dtype)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -205,15 +208,31 @@ class CpuPagedAttention(PagedAttention):
     def _decode(self, g: _Decode, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 window: int | None, *, sinks: torch.Tensor | None = None, scale: float | None = None,
                 softcap: float | None = None) -> torch.Tensor:
-        if self.lib is None or sinks is not None or softcap is not None:  # neither in the kernel: the portable decode
+        if self.lib is None:
             return super()._decode(g, q, kc, vc, window, sinks=sinks, scale=scale, softcap=softcap)
         B, H, D = q.shape
         qc = q.to(kc.dtype).contiguous()
         out = torch.empty_like(qc)
+        sink32 = _sinks(sinks, H)
         # The kernel refuses, before touching anything, shapes beyond its static buffers (more
         # than 16 query heads per KV head): those take the torch path.
         if self.lib.paged_decode(self.code, qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), g.tables.data_ptr(),
                                  g.tables.shape[1], g.pos.data_ptr(), B, H, kc.shape[1], kc.shape[2], D,
-                                 window or 0, D ** -0.5 if scale is None else scale, out.data_ptr()) != 0:
-            return super()._decode(g, q, kc, vc, window, scale=scale)
+                                 window or 0, D ** -0.5 if scale is None else scale, softcap or 0.0,
+                                 _ptr(sink32), out.data_ptr()) != 0:
+            return super()._decode(g, q, kc, vc, window, sinks=sinks, scale=scale, softcap=softcap)
         return out.to(q.dtype)
+
+
+def _sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """A layer's sink logits as the kernels read them: [heads] fp32, contiguous (None: no sinks).
+    ValueError for another count, before any kernel reads past them."""
+    if sinks is None:
+        return None
+    if sinks.numel() != heads:
+        raise ValueError(f"attention sinks: {sinks.numel()} logits for {heads} query heads")
+    return sinks.detach().reshape(heads).to(torch.float32).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -29,12 +29,12 @@ against weight tiles dequantised in cache from the row counts where those win (g
 measured ranges, as the eager GgufLinear; in batch-invariant mode at every row count or none, its
 one path). An fp32 model whose linears keep
 bf16 weights (a GGUF file on an AVX2 CPU: ``cpu_linear.bf16_weight_linears``) is computed in fp32
-over those same tensors (kernel code 2), no copy either. Qwen3's per-head q/k norms and Gemma 3's
-layers (its (1 + w) norms, the norms of the attention's and the feed-forward's outputs, GeGLU, a
-rope per layer kind, the scaled embedding: ``norm_w1``, ``attn_out_norm``, ``act_gelu``, the
-layer's ``cos_t`` in cpu_kernels.c's dec_layer_t) are computed too. Models it does not cover
-(``fused_decode_refusal``: MLA, mixtures, hybrid layers, Gemma 2's capped logits; tensor-parallel
-ranks, fp16, a KV cache of another type) keep the eager path.
+over those same tensors (kernel code 2), no copy either. Qwen3's per-head q/k norms and Gemma 2's
+and 3's layers (their (1 + w) norms, the norms of the attention's and the feed-forward's outputs,
+GeGLU, a rope per layer kind, the scaled embedding, Gemma 2's soft-capped attention scores:
+``norm_w1``, ``attn_out_norm``, ``act_gelu``, the layer's ``cos_t`` in cpu_kernels.c's dec_layer_t,
+the step's ``softcap``) are computed too. Models it does not cover (``fused_decode_refusal``: MLA,
+mixtures, hybrid layers; tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class _Step(ctypes.Structure):
         + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))] \
         + [(n, _c_void_p) for n in ("embed", "ids", "pos", "blocks", "offsets", "tables", "final_norm", "act_bf16", "x", "xn", "qkv", "att", "act", "out",
                                     "gg_rows", "gg_quantize", "gg_xq", "gg_d4", "gg_s16")] \
-        + [("norm_w1", _i64), ("act_gelu", _i64), ("embed_scale", _f32)]
+        + [("norm_w1", _i64), ("act_gelu", _i64), ("embed_scale", _f32), ("softcap", _f32)]
 
 
 MAX_ROWS = 64  # DEC_MAX_ROWS in cpu_kernels.c
@@ -135,6 +135,8 @@ class FusedDecode:
         self.layer_windows = args.layer_windows  # None: a global layer
         # Gemma: its softmax scale, and the embedding times sqrt(C) rounded to the model dtype first
         self.scale = gemma.scale if gemma is not None else self.D ** -0.5
+        # Gemma 2: its attention scores soft-capped (0: none), as the eager attention's kernels cap them
+        self.softcap = float(gemma.attn_logit_softcapping or 0.0) if gemma is not None else 0.0
         self.embed_scale = float(torch.tensor(model.embed_scale).to(self.dtype)) if gemma is not None else 0.0
         # silu (Gemma: gelu) of every bf16 value, computed by torch: the kernel looks it up, so the
         # activation rounds as eager's does
@@ -202,7 +204,8 @@ class FusedDecode:
                            scale=self.scale, layers=self._layers, embed=self.embed.data_ptr(),
                            final_norm=self.final_norm.data_ptr(), act_bf16=_ptr(self.act_table),
                            x=x, xn=xn, qkv=qkv, att=att, act=act, norm_w1=int(self.gemma),
-                           act_gelu=int(self.gemma), embed_scale=self.embed_scale, **self._gg)
+                           act_gelu=int(self.gemma), embed_scale=self.embed_scale, softcap=self.softcap,
+                           **self._gg)
 
     def _gguf_scratch(self) -> dict[str, int]:
         """The GGUF layers' pointers and scratch (the input of a layer quantised per 32 values), or

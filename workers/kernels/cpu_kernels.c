@@ -147,6 +147,36 @@ INLINE float round_to(int dtype, float x) {
     return x;
 }
 
+/* ---- Soft-capped scores (Gemma 2's attn_logit_softcapping): s becomes cap * tanh(s / cap) ----
+ * tanh as a rational function of degree 13/6 on x clamped to +-7.905 (Eigen's fast float tanh:
+ * within 4e-7 of tanh everywhere, x itself below 4e-4), the same terms in every instruction set.
+ * cap <= 0: no capping. Callers cap only the scores of keys a query sees (a masked -inf stays so). */
+#define TANH_CLAMP 7.90531110763549805f
+#define TANH_A13 -2.76076847742355e-16f
+#define TANH_A11 2.00018790482477e-13f
+#define TANH_A9 -8.60467152213735e-11f
+#define TANH_A7 5.12229709037114e-08f
+#define TANH_A5 1.48572235717979e-05f
+#define TANH_A3 6.37261928875436e-04f
+#define TANH_A1 4.89352455891786e-03f
+#define TANH_B6 1.19825839466702e-06f
+#define TANH_B4 1.18534705686654e-04f
+#define TANH_B2 2.26843463243900e-03f
+#define TANH_B0 4.89352518554385e-03f
+
+INLINE float tanh_one(float x) {
+    if (fabsf(x) < 4e-4f) return x;
+    const float c = x > TANH_CLAMP ? TANH_CLAMP : (x < -TANH_CLAMP ? -TANH_CLAMP : x), x2 = c * c;
+    float p = TANH_A13;
+    p = p * x2 + TANH_A11; p = p * x2 + TANH_A9; p = p * x2 + TANH_A7;
+    p = p * x2 + TANH_A5; p = p * x2 + TANH_A3; p = p * x2 + TANH_A1;
+    float q = TANH_B6;
+    q = q * x2 + TANH_B4; q = q * x2 + TANH_B2; q = q * x2 + TANH_B0;
+    return c * p / q;
+}
+
+INLINE float cap_one(float s, float cap) { return cap > 0.0f ? cap * tanh_one(s / cap) : s; }
+
 /* ---- Parts shared by the two decode items (decode_item16, decode_item) ---- */
 
 /* The query heads of KV head kvh in fp32, pre-scaled; running sums and maxima reset. */
@@ -203,7 +233,23 @@ INLINE float item_rescale(const float *sc, int64_t n, float *m, float *l, float 
     return mb;
 }
 
-INLINE void item_finish(int dt, void *out, int64_t G, int64_t D, int64_t kvh, float (*acc)[MAX_D], const float *l) {
+/* GPT-OSS's sinks: one logit per query head in the softmax's denominator (it has no value row):
+ * the running maximum and sums rescaled as for a chunk of that one score */
+INLINE void item_sink(float sink, float *m, float *l, float *acc, int64_t D) {
+    if (sink > *m) {
+        const float corr = expf(*m - sink);
+        *l *= corr;
+        for (int64_t d = 0; d < D; d++) acc[d] *= corr;
+        *m = sink;
+    }
+    *l += expf(sink - *m);
+}
+
+/* The G heads of KV head kvh: their sinks (when given) joined, their outputs written */
+INLINE void item_finish(int dt, void *out, int64_t G, int64_t D, int64_t kvh, float (*acc)[MAX_D], float *m, float *l,
+                        const float *sinks) {
+    if (sinks != NULL)
+        for (int64_t g = 0; g < G; g++) item_sink(sinks[kvh * G + g], &m[g], &l[g], acc[g], D);
     for (int64_t g = 0; g < G; g++) {
         const float inv = 1.0f / l[g];
         for (int64_t d = 0; d < D; d++) store_one(dt, out, (kvh * G + g) * D + d, acc[g][d] * inv);
@@ -252,6 +298,31 @@ INLINE __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+/* tanh_one in 16 lanes */
+INLINE __m512 tanh16(__m512 x) {
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-TANH_CLAMP)), _mm512_set1_ps(TANH_CLAMP));
+    const __m512 x2 = _mm512_mul_ps(c, c);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(TANH_A13), x2, _mm512_set1_ps(TANH_A11));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A9));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A7));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A5));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A3));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A1));
+    __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(TANH_B6), x2, _mm512_set1_ps(TANH_B4));
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(TANH_B2));
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(TANH_B0));
+    const __m512 t = _mm512_div_ps(_mm512_mul_ps(c, p), q);
+    const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(4e-4f), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(small, t, x);
+}
+
+/* cap_one in 16 lanes */
+INLINE __m512 cap16(__m512 s, float cap) {
+    if (cap <= 0.0f) return s;
+    const __m512 c = _mm512_set1_ps(cap);
+    return _mm512_mul_ps(c, tanh16(_mm512_div_ps(s, c)));
+}
+
 /* item_rescale with the maximum taken 16 scores at a time (the same value: a maximum has no
  * rounding, and a NaN score is skipped as the scalar compare skips it) */
 INLINE float item_rescale16(const float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
@@ -273,7 +344,12 @@ INLINE float item_rescale16(const float *sc, int64_t n, float *m, float *l, floa
 
 /* One chunk's online-softmax step for one head: the running maximum and sums updated
  * (item_rescale16), the scores replaced by their exponentials, whose sum joins the running one */
-INLINE void chunk_softmax16(float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
+INLINE void chunk_softmax16(float *sc, int64_t n, float cap, float *m, float *l, float *acc, int64_t D) {
+    if (cap > 0.0f)
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 k = lanes16(n - j);
+            _mm512_mask_storeu_ps(sc + j, k, cap16(_mm512_maskz_loadu_ps(k, sc + j), cap));
+        }
     const float mb = decode16c_enabled() ? item_rescale16(sc, n, m, l, acc, D) : item_rescale(sc, n, m, l, acc, D);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
@@ -290,7 +366,7 @@ INLINE void chunk_softmax16(float *sc, int64_t n, float *m, float *l, float *acc
  * together (sum16), and the softmax terms take a vector exp. Values accumulate in the same order
  * as decode_item. */
 INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
-                          int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                          int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, float cap, const float *sinks, int64_t kvh,
                           void *out) {
     const int64_t G = H / Hkv, DV = D / 16, es = dt == 0 ? 4 : 2;
     float qf[MAX_G][MAX_D] __attribute__((aligned(64))), acc[MAX_G][MAX_D] __attribute__((aligned(64)));
@@ -315,7 +391,7 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
                 _mm512_storeu_ps(sc[g] + j0, sum16(s)); /* CHUNK is a multiple of 16: in bounds */
             }
         }
-        for (int64_t g = 0; g < G; g++) chunk_softmax16(sc[g], n, &m[g], &l[g], acc[g], D);
+        for (int64_t g = 0; g < G; g++) chunk_softmax16(sc[g], n, cap, &m[g], &l[g], acc[g], D);
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t jn = n - j0 < 16 ? n - j0 : 16;
             prefetch_rows(vc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 16 ? n : j0 + PF_ROWS + 16, D, es);
@@ -330,7 +406,7 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
                 }
         }
     }
-    item_finish(dt, out, G, D, kvh, acc, l);
+    item_finish(dt, out, G, D, kvh, acc, m, l, sinks);
 }
 
 
@@ -343,7 +419,7 @@ INLINE void decode_item16(int dt, const void *q, const void *kc, const void *vc,
 #define C16_G 8
 #define C16_D 128
 INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
-                           int64_t Hkv, int64_t bs, int64_t window, float scale, int64_t kvh, void *out,
+                           int64_t Hkv, int64_t bs, int64_t window, float scale, float cap, const float *sinks, int64_t kvh, void *out,
                            const int G, const int DV) {
     const int64_t D = DV * 16, es = dt == 0 ? 4 : 2;
     float acc[C16_G][MAX_D] __attribute__((aligned(64)));  /* rows as item_finish takes them */
@@ -378,7 +454,7 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
             }
             for (int g = 0; g < G; g++) _mm512_storeu_ps(sc[g] + j0, sum16(s[g]));
         }
-        for (int g = 0; g < G; g++) chunk_softmax16(sc[g], n, &m[g], &l[g], acc[g], D);
+        for (int g = 0; g < G; g++) chunk_softmax16(sc[g], n, cap, &m[g], &l[g], acc[g], D);
         __m512 av[C16_G][C16_D / 16];
         for (int g = 0; g < G; g++)
             for (int v = 0; v < DV; v++) av[g][v] = _mm512_load_ps(acc[g] + v * 16);
@@ -397,7 +473,7 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
         for (int g = 0; g < G; g++)
             for (int v = 0; v < DV; v++) _mm512_store_ps(acc[g] + v * 16, av[g][v]);
     }
-    item_finish(dt, out, G, D, kvh, acc, l);
+    item_finish(dt, out, G, D, kvh, acc, m, l, sinks);
 }
 
 /* The shapes decode_item16c is compiled for: (query heads per KV head, head size) */
@@ -406,23 +482,23 @@ INLINE void decode_item16c(int dt, const void *q, const void *kc, const void *vc
 /* One function per shape, not inlined: each has its own stack frame, and only one is live */
 #define DEC16C_FN(g_, dv_) \
     static __attribute__((noinline)) void decode16c_##g_##_##dv_(int dt, const void *q, const void *kc, \
-            const void *vc, const int64_t *table, int64_t p, int64_t Hkv, int64_t bs, int64_t window, float scale, \
+            const void *vc, const int64_t *table, int64_t p, int64_t Hkv, int64_t bs, int64_t window, float scale, float cap, const float *sinks, \
             int64_t kvh, void *out) { \
-        if (dt == 0) decode_item16c(0, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out, g_, dv_); \
-        else decode_item16c(1, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out, g_, dv_); \
+        if (dt == 0) decode_item16c(0, q, kc, vc, table, p, Hkv, bs, window, scale, cap, sinks, kvh, out, g_, dv_); \
+        else decode_item16c(1, q, kc, vc, table, p, Hkv, bs, window, scale, cap, sinks, kvh, out, g_, dv_); \
     }
 DEC16C_SHAPES(DEC16C_FN)
 #undef DEC16C_FN
 
 /* decode_item16c for the shapes it is compiled for (when switched on); 0 for any other */
 INLINE int decode_item16_by(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
-                            int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                            int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, float cap, const float *sinks, int64_t kvh,
                             void *out) {
     const int64_t G = H / Hkv;
     if (!decode16c_enabled()) return 0;
 #define DEC16C_CALL(g_, dv_) \
     if (G == g_ && D == dv_ * 16) { \
-        decode16c_##g_##_##dv_(dt, q, kc, vc, table, p, Hkv, bs, window, scale, kvh, out); \
+        decode16c_##g_##_##dv_(dt, q, kc, vc, table, p, Hkv, bs, window, scale, cap, sinks, kvh, out); \
         return 1; \
     }
     DEC16C_SHAPES(DEC16C_CALL)
@@ -481,6 +557,31 @@ INLINE __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* tanh_one in 8 lanes */
+INLINE __m256 tanh8(__m256 x) {
+    const __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-TANH_CLAMP)), _mm256_set1_ps(TANH_CLAMP));
+    const __m256 x2 = _mm256_mul_ps(c, c);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(TANH_A13), x2, _mm256_set1_ps(TANH_A11));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A9));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A7));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A5));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A3));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A1));
+    __m256 q = _mm256_fmadd_ps(_mm256_set1_ps(TANH_B6), x2, _mm256_set1_ps(TANH_B4));
+    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(TANH_B2));
+    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(TANH_B0));
+    const __m256 t = _mm256_div_ps(_mm256_mul_ps(c, p), q);
+    const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    return _mm256_blendv_ps(t, x, _mm256_cmp_ps(ax, _mm256_set1_ps(4e-4f), _CMP_LT_OQ));
+}
+
+/* cap_one in 8 lanes */
+INLINE __m256 cap8(__m256 s, float cap) {
+    if (cap <= 0.0f) return s;
+    const __m256 c = _mm256_set1_ps(cap);
+    return _mm256_mul_ps(c, tanh8(_mm256_div_ps(s, c)));
+}
+
 /* lanes ja <= lane < jb all ones */
 INLINE __m256 lanes8(int64_t ja, int64_t jb) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -490,9 +591,14 @@ INLINE __m256 lanes8(int64_t ja, int64_t jb) {
 
 /* chunk_softmax16 in 8 lanes: maximum (a NaN score skipped, as the scalar compare skips it),
  * rescale, exponentials in place and their sum. sc holds n scores, padded to a multiple of 8. */
-INLINE void chunk_softmax8(float *sc, int64_t n, float *m, float *l, float *acc, int64_t D) {
-    __m256 mx = _mm256_set1_ps(*m);
+INLINE void chunk_softmax8(float *sc, int64_t n, float cap, float *m, float *l, float *acc, int64_t D) {
     int64_t j = 0;
+    if (cap > 0.0f) {
+        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(sc + j, cap8(_mm256_loadu_ps(sc + j), cap));
+        for (; j < n; j++) sc[j] = cap_one(sc[j], cap);
+        j = 0;
+    }
+    __m256 mx = _mm256_set1_ps(*m);
     for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(_mm256_loadu_ps(sc + j), mx);
     float mb = hmax8(mx);
     for (; j < n; j++) mb = sc[j] > mb ? sc[j] : mb;
@@ -516,7 +622,7 @@ INLINE void chunk_softmax8(float *sc, int64_t n, float *m, float *l, float *acc,
  * converted to fp32 once for all G query heads, its 8 scores per head summed together (sum8),
  * the softmax terms take a vector exp. */
 INLINE void decode_item8(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
-                         int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                         int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, float cap, const float *sinks, int64_t kvh,
                          void *out) {
     const int64_t G = H / Hkv, DV = D / 8, es = dt == 0 ? 4 : 2;
     float qf[MAX_G][MAX_D] __attribute__((aligned(32))), acc[MAX_G][MAX_D] __attribute__((aligned(32)));
@@ -547,7 +653,7 @@ INLINE void decode_item8(int dt, const void *q, const void *kc, const void *vc, 
                 _mm256_store_ps(sc[g] + j0, sum8(s)); /* CHUNK is a multiple of 8: in bounds */
             }
         }
-        for (int64_t g = 0; g < G; g++) chunk_softmax8(sc[g], n, &m[g], &l[g], acc[g], D);
+        for (int64_t g = 0; g < G; g++) chunk_softmax8(sc[g], n, cap, &m[g], &l[g], acc[g], D);
         for (int64_t j0 = 0; j0 < n; j0 += 8) {
             const int64_t jn = n - j0 < 8 ? n - j0 : 8;
             prefetch_rows(vc, base, j0 + PF_ROWS, n < j0 + PF_ROWS + 8 ? n : j0 + PF_ROWS + 8, D, es);
@@ -562,7 +668,7 @@ INLINE void decode_item8(int dt, const void *q, const void *kc, const void *vc, 
                 }
         }
     }
-    item_finish(dt, out, G, D, kvh, acc, l);
+    item_finish(dt, out, G, D, kvh, acc, m, l, sinks);
 }
 #endif
 
@@ -570,18 +676,18 @@ INLINE void decode_item8(int dt, const void *q, const void *kc, const void *vc, 
  * scores of the chunk for the G query heads, one rescale of the running sums per chunk, then the
  * value rows. Cached rows are read in place and converted to fp32 inside the loops. */
 INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, const int64_t *table, int64_t p,
-                        int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, int64_t kvh,
+                        int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, float cap, const float *sinks, int64_t kvh,
                         void *out) {
 #if HAVE_AVX512
     if ((dt == 0 || dt == 1) && D % 16 == 0) {
-        if (!decode_item16_by(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out))
-            decode_item16(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+        if (!decode_item16_by(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, cap, sinks, kvh, out))
+            decode_item16(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, cap, sinks, kvh, out);
         return;
     }
 #endif
 #if HAVE_AVX2
     if ((dt == 0 || dt == 1) && D % 8 == 0) {
-        decode_item8(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+        decode_item8(dt, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, cap, sinks, kvh, out);
         return;
     }
 #endif
@@ -600,6 +706,8 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
             }
         }
         for (int64_t g = 0; g < G; g++) {
+            if (cap > 0.0f)
+                for (int64_t j = 0; j < n; j++) sc[g][j] = cap_one(sc[g][j], cap);
             const float mb = item_rescale(sc[g], n, &m[g], &l[g], acc[g], D);
             float sum = 0.0f;
             _Pragma("omp simd reduction(+:sum)")
@@ -615,7 +723,7 @@ INLINE void decode_item(int dt, const void *q, const void *kc, const void *vc, c
             }
         }
     }
-    item_finish(dt, out, G, D, kvh, acc, l);
+    item_finish(dt, out, G, D, kvh, acc, m, l, sinks);
 }
 
 /* 1 when decode items of this dtype and shape take decode_item16c (AVX-512 builds, switched on) */
@@ -630,10 +738,12 @@ int kernels_decode_specialised_for(int dtype, int64_t H, int64_t Hkv, int64_t D)
     return 0;
 }
 
-/* dtype: 0 fp32, 1 bf16, 2 fp16. Returns 0, or -1 when a dimension exceeds the static buffers. */
+/* dtype: 0 fp32, 1 bf16, 2 fp16; scale: the softmax scale; cap: scores soft-capped (cap_one; 0:
+ * none); sinks: [H] fp32 logits in the softmax's denominators (item_sink), or NULL. Returns 0, or -1
+ * when a dimension exceeds the static buffers. */
 int paged_decode(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
                  int64_t max_blocks, const int64_t *pos, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
-                 int64_t D, int64_t window, float scale, void *out) {
+                 int64_t D, int64_t window, float scale, float cap, const float *sinks, void *out) {
     if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || dtype < 0 || dtype > 2
         || (dtype == 2 && !HAVE_F16))
         return -1;
@@ -646,9 +756,9 @@ int paged_decode(int dtype, const void *q, const void *kc, const void *vc, const
         void *ob = (char *)out + b * H * D * (dtype == 0 ? 4 : 2);
         const int64_t *table = tables + b * max_blocks;
         switch (dtype) {
-        case 0: decode_item(0, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, kvh, ob); break;
-        case 1: decode_item(1, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, kvh, ob); break;
-        default: decode_item(2, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, kvh, ob); break;
+        case 0: decode_item(0, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, cap, sinks, kvh, ob); break;
+        case 1: decode_item(1, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, cap, sinks, kvh, ob); break;
+        default: decode_item(2, qb, kc, vc, table, pos[b], H, Hkv, bs, D, window, scale, cap, sinks, kvh, ob); break;
         }
     }
     return 0;
@@ -674,7 +784,7 @@ INLINE __mmask16 visible16(int64_t t, int64_t jn, int64_t lo, int64_t hi) {
  * q_stride elements apart. */
 INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *kc, const void *vc,
                            const int64_t *table, int64_t p0, int64_t nq, int64_t H, int64_t Hkv, int64_t bs,
-                           int64_t D, int64_t window, float scale, int64_t kvh, void *out) {
+                           int64_t D, int64_t window, float scale, float cap, const float *sinks, int64_t kvh, void *out) {
     const int64_t G = H / Hkv, DV = D / 16, es = dt == 0 ? 4 : 2, R = nq * G;
     float qf[PRE_ROWS][MAX_D] __attribute__((aligned(64))), acc[PRE_ROWS][MAX_D] __attribute__((aligned(64)));
     float rows[16][MAX_D] __attribute__((aligned(64))), sc[PRE_ROWS][CHUNK] __attribute__((aligned(64)));
@@ -724,8 +834,8 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
                                                   (__m512bh)_mm512_load_si512(kt[w + 1]));
                         }
                     _mm512_storeu_ps(sc[r] + j0, _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY),
-                                                                      _mm512_mul_ps(_mm512_add_ps(a0, a1),
-                                                                                    _mm512_set1_ps(scale))));
+                                                                      cap16(_mm512_mul_ps(_mm512_add_ps(a0, a1),
+                                                                                          _mm512_set1_ps(scale)), cap)));
                 }
                 continue;
             }
@@ -746,7 +856,7 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
                             a = _mm512_fmadd_ps(_mm512_load_ps(qf[r] + v * 16), _mm512_load_ps(rows[j] + v * 16), a);
                     s[j] = a;
                 }
-                _mm512_storeu_ps(sc[r] + j0, _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), sum16(s)));
+                _mm512_storeu_ps(sc[r] + j0, _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), cap16(sum16(s), cap)));
             }
         }
         for (int64_t r = r0; r < r1; r++) {
@@ -780,6 +890,7 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
     }
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = r / G, h = kvh * G + r % G;
+        if (sinks != NULL) item_sink(sinks[h], &m[r], &l[r], acc[r], D);
         const float inv = 1.0f / l[r];
         for (int64_t d = 0; d < D; d++) store_one(dt, out, i * q_stride + h * D + d, acc[r][d] * inv);
     }
@@ -793,7 +904,7 @@ INLINE void prefill_tile16(int dt, const void *q, int64_t q_stride, const void *
  * each 8-key group converted to fp32 once for all rows; a row skips the groups it cannot see. */
 INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *kc, const void *vc,
                           const int64_t *table, int64_t p0, int64_t nq, int64_t H, int64_t Hkv, int64_t bs,
-                          int64_t D, int64_t window, float scale, int64_t kvh, void *out) {
+                          int64_t D, int64_t window, float scale, float cap, const float *sinks, int64_t kvh, void *out) {
     const int64_t G = H / Hkv, DV = D / 8, es = dt == 0 ? 4 : 2, R = nq * G;
     float qf[PRE_ROWS][MAX_D] __attribute__((aligned(32))), acc[PRE_ROWS][MAX_D] __attribute__((aligned(32)));
     float rows[8][MAX_D] __attribute__((aligned(32))), sc[PRE_ROWS][CHUNK] __attribute__((aligned(32)));
@@ -849,7 +960,7 @@ INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *k
                 for (int i = 0; i < 2 && r + i < r1; i++) {
                     /* lanes past jn hold stale keys' scores (or NaN from stale rows): masked here */
                     const __m256 vis = ja[i] < jb[i] ? lanes8(ja[i], jb[i]) : _mm256_setzero_ps();
-                    _mm256_store_ps(sc[r + i] + j0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum8(s[i]), vis));
+                    _mm256_store_ps(sc[r + i] + j0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), cap8(sum8(s[i]), cap), vis));
                 }
             }
         }
@@ -888,6 +999,7 @@ INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *k
     }
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = r / G, h = kvh * G + r % G;
+        if (sinks != NULL) item_sink(sinks[h], &m[r], &l[r], acc[r], D);
         const float inv = 1.0f / l[r];
         for (int64_t d = 0; d < D; d++) store_one(dt, out, i * q_stride + h * D + d, acc[r][d] * inv);
     }
@@ -899,9 +1011,9 @@ INLINE void prefill_tile8(int dt, const void *q, int64_t q_stride, const void *k
 
 /* Attention of prompt chunks: sequence b's nq[b] queries are rows row0[b] .. row0[b] + nq[b] - 1 of
  * q and out ([T, H, D], type dtype), at positions start[b] .. start[b] + nq[b] - 1, and see the
- * cached keys of their sequence up to their own position (this step's keys written first). fp32
- * and bf16 caches with D a multiple of 16, AVX-512 and AVX2 builds: returns -1 otherwise (the caller
- * keeps torch's SDPA), before touching anything. */
+ * cached keys of their sequence up to their own position (this step's keys written first); scale,
+ * cap and sinks as paged_decode's. fp32 and bf16 caches with D a multiple of 16, AVX-512 and AVX2
+ * builds: returns -1 otherwise (the caller keeps torch's SDPA), before touching anything. */
 #if HAVE_AVX512 || HAVE_AVX2
 /* paged_prefill's tiles: each sequence's nq[b] queries QT at a time */
 static int64_t tile_count(const int64_t *nq, int64_t B, int64_t QT) {
@@ -929,13 +1041,16 @@ static int prefill_amx(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
 
 int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, const int64_t *tables,
                   int64_t max_blocks, const int64_t *row0, const int64_t *start, const int64_t *nq, int64_t B,
-                  int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, void *out) {
+                  int64_t H, int64_t Hkv, int64_t bs, int64_t D, int64_t window, float scale, float cap,
+                  const float *sinks, void *out) {
 #if HAVE_AVX512 || HAVE_AVX2
     if (D > MAX_D || D % 16 != 0 || Hkv <= 0 || H % Hkv != 0 || H / Hkv > PRE_ROWS || (dtype != 0 && dtype != 1))
         return -1;
 #if HAVE_AMX
-    if (dtype == 1 && prefill_amx((const uint16_t *)q, (const uint16_t *)kc, (const uint16_t *)vc, tables, max_blocks,
-                                  row0, start, nq, B, H, Hkv, bs, D, window, scale, (uint16_t *)out) == 0)
+    /* the AMX tiles take no soft-capping and no sinks: such chunks take the tiles below */
+    if (dtype == 1 && cap <= 0.0f && sinks == NULL
+        && prefill_amx((const uint16_t *)q, (const uint16_t *)kc, (const uint16_t *)vc, tables, max_blocks,
+                       row0, start, nq, B, H, Hkv, bs, D, window, scale, (uint16_t *)out) == 0)
         return 0;
 #endif
     const int64_t G = H / Hkv, QT = PRE_ROWS / G, es = dtype == 0 ? 4 : 2, tiles = tile_count(nq, B, QT);
@@ -948,16 +1063,16 @@ int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, cons
         const int64_t off = (row0[b] + a) * H * D * es;
         if (dtype == 0)
             prefill_tile(0, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
-                           bs, D, window, scale, kvh, (char *)out + off);
+                           bs, D, window, scale, cap, sinks, kvh, (char *)out + off);
         else
             prefill_tile(1, (const char *)q + off, H * D, kc, vc, tables + b * max_blocks, start[b] + a, n, H, Hkv,
-                           bs, D, window, scale, kvh, (char *)out + off);
+                           bs, D, window, scale, cap, sinks, kvh, (char *)out + off);
     }
     free(tile);
     return 0;
 #else
     (void)dtype; (void)q; (void)kc; (void)vc; (void)tables; (void)max_blocks; (void)row0; (void)start; (void)nq;
-    (void)B; (void)H; (void)Hkv; (void)bs; (void)D; (void)window; (void)scale; (void)out;
+    (void)B; (void)H; (void)Hkv; (void)bs; (void)D; (void)window; (void)scale; (void)cap; (void)sinks; (void)out;
     return -1;
 #endif
 }
@@ -966,9 +1081,9 @@ int paged_prefill(int dtype, const void *q, const void *kc, const void *vc, cons
  * products round exactly as paged_decode's do. */
 static __attribute__((noinline)) void attend_item(int dtype, const void *q, const void *kc, const void *vc,
                                                   const int64_t *table, int64_t p, int64_t H, int64_t Hkv, int64_t bs,
-                                                  int64_t D, int64_t window, float scale, int64_t kvh, void *out) {
-    if (dtype == 0) decode_item(0, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
-    else decode_item(1, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, kvh, out);
+                                                  int64_t D, int64_t window, float scale, float cap, const float *sinks, int64_t kvh, void *out) {
+    if (dtype == 0) decode_item(0, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, cap, sinks, kvh, out);
+    else decode_item(1, q, kc, vc, table, p, H, Hkv, bs, D, window, scale, cap, sinks, kvh, out);
 }
 
 /* Write T new rows into cache[blocks[t], :, offsets[t], :]: token t's [Hkv, D] rows start at
@@ -2258,6 +2373,7 @@ typedef struct {
      * is GeGLU (gelu, tanh approximation), the embedding rows times embed_scale (0: none) */
     int64_t norm_w1, act_gelu;
     float embed_scale;
+    float softcap;  /* Gemma 2: attention scores soft-capped (cap_one); 0: none */
 } dec_step_t;
 
 #if HAVE_AVX512BW
@@ -2507,7 +2623,7 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
         for (int64_t i = 0; i < M * Hkv; i++) {
             const int64_t m = i / Hkv;
             attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
-                        s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, i % Hkv, (char *)s->att + m * H * D * es);
+                        s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, s->softcap, NULL, i % Hkv, (char *)s->att + m * H * D * es);
         }
         dec_residual(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, L->attn_out_norm);
         dec_norm_rows(dt, s, L->post_norm, s->xn);

@@ -115,12 +115,14 @@ def _build(cc: str, source: Path = SOURCE, flags: list[str] | None = None) -> Pa
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the kernels' ctypes signatures and the build's capabilities (``has_*``) on ``lib``."""
+    # ... window, scale, softcap (0: none), sinks ([H] fp32 or NULL), out
+    attend = [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] \
-        + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        + [ctypes.c_int64] * 6 + attend
     lib.paged_prefill.restype = ctypes.c_int
     lib.paged_prefill.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] \
-        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6 + attend
     lib.paged_write.restype = None
     lib.paged_write.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p] + [ctypes.c_int64] * 5

@@ -19,9 +19,9 @@ modeling files (their keys: workers/models/gemma_config.py):
 
 The classes are Gemma's own (not subclasses of llama.py's RMSNorm / MLP / RotaryEmbedding) so a
 backend's swaps for the Llama modules (workers/backends/cpu_fused.py) leave them alone. The CPU's
-fused decode step (workers/backends/cpu_decode.py) computes Gemma 3's layers too (its (1 + w) norms,
-GeGLU, q/k norms, per-layer ropes and the scaled embedding); it declines Gemma 2, whose attention
-logits are soft-capped (``fused_decode_refusal``).
+fused decode step (workers/backends/cpu_decode.py) computes both versions' layers too (the (1 + w)
+norms, GeGLU, Gemma 3's q/k norms, per-layer ropes, the scaled embedding and Gemma 2's soft-capped
+attention scores, which the CPU's attention kernels cap as they go).
 """
 from __future__ import annotations
 
@@ -186,14 +186,6 @@ class GemmaLM(nn.Module):
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         return self.args.layer_windows
-
-    @property
-    def fused_decode_refusal(self) -> str | None:
-        """Why the CPU's fused decode step (workers/backends/cpu_decode.py) cannot compute this
-        model, or None: it has no soft-capping of attention logits (Gemma 2's)."""
-        if self.args.gemma.attn_logit_softcapping is not None:
-            return "Gemma 2's soft-capped attention logits"
-        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         if self.fast_decode is not None and (hidden := self.fast_decode(input_ids, positions, attn)) is not None:
