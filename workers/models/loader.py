@@ -259,10 +259,9 @@ def load_model(
             raise ModelLoadError(f"{path}: {e}") from None
         log.info("W8A8 checkpoint: %d linear layers from int8 weights with per-channel scales, as Q8_0 blocks",
                  count)
-    log.info(
-        "model ready: %.1fM parameters in %.2fs",
-        sum(p.numel() for p in model.parameters()) / 1e6, time.monotonic() - t0,
-    )
+    # the checkpoint's count: a GGUF file's or a W8A8 checkpoint's linears live in blocks, not parameters
+    log.info("model ready: %.1fM parameters in %.2fs", sum(math.prod(s) for s in expected.values()) / 1e6,
+             time.monotonic() - t0)
     if shard is not None:
         mine = parameter_bytes(model)
         full = sum(math.prod(s) for s in expected.values()) * torch.empty((), dtype=dtype).element_size()
