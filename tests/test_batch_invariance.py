@@ -253,6 +253,33 @@ def test_a_native_gguf_sequence_computes_the_same_bits_alone_and_in_mixed_steps(
         assert calls == {path}, calls
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_native_gguf_mixture_computes_the_same_bits_alone_and_in_mixed_steps(tmp_path, dtype, restore_settings):
+    """The same drives on a GGUF Qwen3-MoE whose experts stay in their blocks: each mixture layer's
+    routed experts in one C call (gguf_kernels.c ``gguf_moe``, workers/backends/gguf_experts.py),
+    whose per-token sums do not depend on the other tokens of the step."""
+    from gguf import GGMLQuantizationType as Q
+    from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf
+    from workers.backends.gguf_experts import GgufExperts
+    from workers.models.gguf_view import ensure_view
+    vocab = gpt2_vocab(byte_level_tokenizer())
+    hf = tiny_model("Qwen3MoeConfig", len(vocab["tokens"]), head_dim=16, num_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=64, norm_topk_prob=True)
+    path = ensure_view(write_gguf(tmp_path / "moe.gguf", hf, "qwen3moe", vocab, default=Q.Q8_0,
+                                  types={"ffn_gate_exps": Q.Q4_0, "ffn_up_exps": Q.Q4_1, "ffn_down_exps": Q.Q5_0}),
+                       tmp_path / "cache")
+    invariant(True)
+    d = Driver(path, dtype, gguf_native=True)
+    fused = [m.mlp.fused_experts for m in d.model.layers]
+    assert all(isinstance(f, GgufExperts) for f in fused)
+    ref, toks = alone(d)
+    other = Driver(path, dtype, gguf_native=True)
+    assert _compare(ref, mixed(other, toks)) == []
+    third = Driver(path, dtype, gguf_native=True)
+    assert _compare(ref, recomputed(third, toks)) == []
+    assert all(f.calls > 0 for f in fused)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_without_the_mode_the_same_drive_differs(models, case, restore_settings):
     """The drive above finds what the mode removes: with it off, an fp32 model's decodes alone take

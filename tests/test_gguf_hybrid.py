@@ -116,8 +116,8 @@ def _check_logits_and_greedy(hf, path: Path, tmp_path: Path) -> None:
 
 def test_native_blocks_in_the_hybrid_layers(written, tmp_path) -> None:
     """``ggufCompute: native`` (the default on a CPU without native bf16): the linears read whole
-    keep their blocks (``in_proj_ba``, ``out_proj``, attention), ``in_proj_qkvz`` (pieces of two
-    tensors) is dequantised. Each block linear computes its dequantised weights' product to the
+    keep their blocks (``in_proj_ba``, ``out_proj``, attention, every expert), ``in_proj_qkvz``
+    (pieces of two tensors) is dequantised. Each block linear computes its dequantised weights' product to the
     int8 activations' error (tests/test_gguf_kernels.py); the logits stay near, an expert choice
     flipped by that error moving a position further (the median position is compared)."""
     from workers.backends.gguf_linear import GgufLinear, NativeTarget
@@ -132,10 +132,18 @@ def test_native_blocks_in_the_hybrid_layers(written, tmp_path) -> None:
     assert torch.equal(la.in_proj_qkvz.weight, ref.layers[0].linear_attn.in_proj_qkvz.weight)
     native = [(n, m) for n, m in ours.named_modules() if isinstance(m, GgufLinear)]
     assert len(native) >= 6  # in_proj_ba and out_proj (Q8_0, Q4_0) of each Gated DeltaNet layer
+    experts = [n for n, _ in native if ".lin13." in n or ".lin2." in n]
+    assert experts and all(getattr(ours.get_submodule(n.rsplit(".", 2)[0]), "experts_kind", "") == "gguf"
+                           for n in experts)  # every expert in its blocks too, against the stacked weights
     for name, m in native:
-        r = ref.get_submodule(name)
-        x = torch.randn(5, r.weight.shape[1], generator=torch.Generator().manual_seed(3))
-        want = torch.nn.functional.linear(x, r.weight, r.bias)
+        if name in experts:
+            parent, kind, e = name.rsplit(".", 2)
+            weight, bias = getattr(ref.get_submodule(parent), "w13" if kind == "lin13" else "w2")[int(e)], None
+        else:
+            r = ref.get_submodule(name)
+            weight, bias = r.weight, r.bias
+        x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(3))
+        want = torch.nn.functional.linear(x, weight, bias)
         assert (m(x) - want).abs().max() < 0.02 * want.abs().max(), name
     seq = [torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(2))]
     got, want = _paged_logits(ours, seq, [[40]])[0], _paged_logits(ref, seq, [[40]])[0]

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -169,21 +171,71 @@ def test_w8a16_straight_equals_load_then_quantise(files, cache) -> None:
     assert not isinstance(gate, Int8Linear) and torch.equal(gate.weight, ref.layers[0].mlp.shared_expert_gate.weight)
 
 
-def test_native_blocks_beside_dequantised_experts(files, cache) -> None:
-    """``ggufCompute: native``: the attention linears keep the file's blocks, the stacked experts
-    are the dequantised ones; the logits stay within the integer products' error of the
-    dequantised model's (tests/test_gguf_kernels.py: about 1 % of the spread)."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_experts_stay_in_their_blocks(case, files, cache) -> None:
+    """``ggufCompute: native``: the attention linears and every expert keep the file's blocks (each
+    expert a block linear of its gate and up rows and one of its down rows, the stacked weights
+    never filled: the model holds the experts' file bytes, not a dequantised copy); the logits stay
+    within the integer products' error of the dequantised model's (tests/test_gguf_kernels.py:
+    about 1 % of the spread), and so do the experts' own products."""
     from workers.backends.gguf_linear import GgufLinear, NativeTarget
     from workers.kernels import gguf_kernels as gk
-    view = ensure_view(files["qwen3moe"], cache)
+    view = ensure_view(files[case], cache)
     ref, _ = load_model(view, torch.float32)
     ours, _ = load_model(view, torch.float32, gguf_native=NativeTarget(gk.load()))
     assert isinstance(ours.layers[0].self_attn.qkv_proj, GgufLinear)
-    for a, b in zip(ours.layers, ref.layers):
-        assert torch.equal(a.mlp.w13, b.mlp.w13) and torch.equal(a.mlp.w2, b.mlp.w2)
+    g = open_gguf(files[case])
+    for n, (a, b) in enumerate(zip(ours.layers, ref.layers)):
+        moe = a.mlp
+        assert moe.experts_kind == "gguf" and moe.w13.numel() == 0 and moe.w2.numel() == 0
+        assert all(isinstance(m, GgufLinear) for m in (*moe.lin13, *moe.lin2)) and len(moe.lin13) == 4
+        # the blocks are the file's: as many bytes as its three stacked matrices (the 16-row
+        # interleaved layout of the K-quants adds 1.5 %; a dequantised copy would be 3.6-7x)
+        stacked = sum(g.tensors[f"blk.{n}.ffn_{k}_exps.weight"].nbytes for k in ("gate", "up", "down"))
+        assert stacked <= sum(m.nbytes() for m in (*moe.lin13, *moe.lin2)) <= 1.02 * stacked
+        x = torch.randn(5, b.mlp.hidden, generator=torch.Generator().manual_seed(n))
+        for e in range(4):
+            want = F.linear(x, b.mlp.w13[e])
+            got = moe.lin13[e](x)
+            assert (got - want).abs().max() < 0.05 * (want.max() - want.min()), (n, e)
     ids = PROMPTS[0] + list(range(40, 60))
     got, want = _logits(ours, ids), _logits(ref, ids)
     assert (got - want).abs().max() < 0.05 * (want.max() - want.min())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_experts_in_one_c_call_equal_the_per_expert_path(case, files, cache) -> None:
+    """gguf_kernels.c's ``gguf_moe`` (workers/backends/gguf_experts.py: a layer's routed experts in
+    one call) computes what ``experts_forward`` computes over the same GgufLinear experts, bf16
+    bit for bit (the same integer products, roundings and per-token order) and fp32 up to the
+    SiLU's last bit (which an int8 rounding of the next input can show); a token's result is the same alone and among 1 to 300 others (several passes
+    of 128 tokens), in both dtypes; tokens routed elsewhere (ids outside the layer) add nothing."""
+    from workers.backends import gguf_experts
+    from workers.backends.gguf_linear import NativeTarget
+    from workers.kernels import gguf_kernels as gk
+    view = ensure_view(files[case], cache)
+    for dtype in (torch.bfloat16, torch.float32):
+        model, _ = load_model(view, dtype, gguf_native=NativeTarget(gk.load()))
+        assert gguf_experts.attach(model) == 2
+        moe = model.layers[1].mlp
+        fused = moe.fused_experts
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(300, moe.hidden, generator=g).to(dtype)
+        with torch.no_grad():
+            weights, ids = moe.gate(x)
+            ids[7, 0] = 99  # another rank's expert: skipped by both
+            got = fused(moe, x, weights, ids)
+            want = moe.experts_forward(x, weights, ids)
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want)
+            else:  # fp32: the C SiLU's last bit against torch's moves an int8 rounding of the down
+                # projection's input now and then (0.3 % of the values, by up to 1e-3 of the largest)
+                assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+                assert ((got - want).abs() > 1e-5).float().mean() < 0.02
+            for t in (0, 7, 131, 299):
+                assert torch.equal(fused(moe, x[t:t + 1], weights[t:t + 1], ids[t:t + 1]), got[t:t + 1]), t
+            assert torch.equal(fused(moe, x[:3], weights[:3], ids[:3]), got[:3])
+        assert fused.calls == 6
 
 
 def test_tensor_parallel_ranks_hold_their_experts_slices(files, cache) -> None:
@@ -211,3 +263,38 @@ def test_server_greedy_equals_transformers(files, server) -> None:
     path = files["qwen3moe"]
     _check_server(server, "tiny-qwen3moe", reference(path), ref_tokenizer(path), PROMPTS, 12, MESSAGES)
     assert "mixture of experts (qwen3_moe): 4 experts, top-2 renormalised" in server.tail(400)
+
+
+def test_server_native_experts_decode_greedily(files, cache, tmp_path_factory) -> None:
+    """A real server on the qwen3moe file in native GGUF compute (every expert in its blocks, each
+    layer's routed experts in one C call: the logs say so): each greedy token it answers is the argmax
+    of the in-process native decoder's logits over that prefix, up to a near tie (the server's
+    attention kernels and chunked prefill round otherwise than the dense reference attention)."""
+    from tests.harness import Server, free_port, short_run_dir, write_config
+    from workers.backends.gguf_linear import NativeTarget
+    from workers.kernels import gguf_kernels as gk
+    path = files["qwen3moe"]
+    ensure_view(path, cache)
+    tmp = tmp_path_factory.mktemp("moe-native")
+    port = free_port()
+    cfg = write_config(tmp / "native.json", port=port, run_dir=short_run_dir(), workers=1, model_path=str(path),
+                       model={"modelName": "tiny-qwen3moe", "dtype": "float32"})
+    srv = Server(cfg, port, env={"MINDIE_CACHE_DIR": str(cache), "MINDIE_CPU_GGUF_COMPUTE": "native"})
+    try:
+        srv.wait_ready(240)
+        tail = srv.tail(400)
+        assert "(16 of them the experts of 2 mixture layers)" in tail, tail[-3000:]
+        assert "GGUF experts: 2 mixture layers' routed experts in one C call each" in tail, tail[-3000:]
+        ours, _ = load_model(ensure_view(path, cache), torch.float32, gguf_native=NativeTarget(gk.load()))
+        for prompt in PROMPTS[:2]:
+            r = httpx.post(srv.url + "/infer_token", json={"input_id": prompt, "parameters": {
+                "max_new_tokens": 10, "ignore_eos": True, "details": True}}, timeout=120)
+            assert r.status_code == 200, r.text
+            out = r.json()["details"]["generated_token_ids"]
+            assert len(out) == 10
+            for i, tok in enumerate(out):
+                logits = _logits(ours, prompt + out[:i])[-1]
+                assert logits[tok] >= logits.max() - 1e-3 * (logits.max() - logits.min()), (prompt, i, tok)
+    finally:
+        srv.stop()
+

@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "isa": ("isa", "this CPU's instruction sets, the kernels dispatched here, product GFLOP/s per row count, kernel timings"),
     "int8-quality": ("int8_quality", "w8a16 against bf16: agreement, logit error, weight bytes, tokens/s"),
     "w8a8": ("w8a8_bench", "bf16 vs quantize w8a16 vs w8a8, one thread: weight bytes, decode tokens/s, a prompt's time, logits vs bf16"),
+    "gguf-moe": ("gguf_moe", "a GGUF mixture of experts: experts in their blocks in one C call per layer, one by one, dequantised"),
     "gguf-blocks": ("gguf_blocks", "a GGUF file's linears from their blocks against dequantised: decode/prompt steps, kernels"),
     "gguf-export": ("gguf_export", "a benchmark model (gpu1b, ...) as a GGUF file by llama.cpp's converter and llama-quantize, for both servers"),
     "tree-memory": ("tree_memory", "a server's process tree memory: summed Pss (shared pages split) and VmRSS"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from workers.backends import cpu_decode, cpu_deltanet, cpu_fused, cpu_invariant, cpu_linear
+from workers.backends import cpu_decode, cpu_deltanet, cpu_fused, cpu_invariant, cpu_linear, gguf_experts
 from workers.backends.cpu_decode import FusedDecode
 
 log = logging.getLogger("workers.backends")
@@ -45,8 +45,9 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
     3. oneDNN packing of every remaining nn.Linear and of a tied head that has no int8 copy
        (cpu_linear.py); Int8Linear layers are not nn.Linear and stay as they are; a mixture of
        experts' stacked expert weights become per-expert packed linears (int8 experts stay);
-    4. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path, and the Gated DeltaNet
-       layers' recurrent step (cpu_deltanet.py: Qwen3-Next / Qwen3.5 decodes).
+    4. RMSNorm and rope as single C calls (cpu_fused.py), for the eager path, the Gated DeltaNet
+       layers' recurrent step (cpu_deltanet.py: Qwen3-Next / Qwen3.5 decodes), and a GGUF file's
+       experts kept in their blocks as one C call per mixture layer (gguf_experts.py).
 
     In batch-invariant mode (``ScheduleConfig.batchInvariant``) step 1 is ``cpu_invariant.prepare``
     instead: every linear, a tied head and a mixture's experts on the C kernels' products, whose
@@ -65,7 +66,8 @@ def specialise_cpu_model(model: nn.Module, bf16_weights: bool = False) -> Specia
     fused = cpu_decode.attach(model)
     amx = sum(isinstance(m, cpu_linear.KernelLinear) for m in model.modules())  # steps 1 and 2 may have made them
     packed = amx + cpu_linear.pack_linears(model) + cpu_linear.pack_experts(model)
-    c_modules = cpu_fused.fuse_model(model, invariant=invariant) + cpu_deltanet.attach(model)  # (Gated DeltaNet decodes: Qwen3-Next/3.5)
+    c_modules = (cpu_fused.fuse_model(model, invariant=invariant) + cpu_deltanet.attach(model)  # (Gated DeltaNet: Qwen3-Next/3.5)
+                 + gguf_experts.attach(model))
     return Specialised(fused, packed, c_modules)
 
 

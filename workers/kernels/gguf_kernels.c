@@ -1842,3 +1842,153 @@ int gguf_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t
     }
     return failed ? -1 : 0;
 }
+
+/* ---- A mixture-of-experts layer's routed experts over their blocks (gguf_moe) ----------------------- */
+
+/* One linear's rows in blocks, as a GgufLinear holds them: n_parts parts, part p rows first[p] ..
+ * first[p] + rows[p] - 1 of the output, of ggml type type[p] (| X16: interleaved) at data[p]. */
+#define MOE_PARTS 4
+typedef struct {
+    int64_t n_parts;
+    int64_t first[MOE_PARTS], rows[MOE_PARTS], type[MOE_PARTS];
+    const uint8_t *data[MOE_PARTS];
+} gg_linear_t;
+
+#define MOE_TOKENS 128 /* tokens per pass: their routed outputs wait in fp32 for the per-token sums */
+#define MOE_ROWS 16    /* an expert's rows per task */
+
+static inline float round_dt(int dt, float v) { return dt == 1 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* res[m * ldr + n] for the rows of lin (K columns) against M quantised rows: each part's rows */
+static void moe_rows(const gg_linear_t *lin, int64_t K, const int8_t *xq, const float *d4, const float *s16,
+                     int64_t M, float *res, int64_t ldr, int dt) {
+    for (int64_t p = 0; p < lin->n_parts; p++)
+        gguf_rows((int)lin->type[p], lin->data[p], K, xq, d4, s16, M, 0, lin->rows[p], res + lin->first[p], ldr,
+                  dt, NULL);
+}
+
+/* The routed experts of T tokens: x [T, H] (dt 0 fp32, 1 bf16), token t's k experts ids[t * k + j]
+ * (outside 0 .. E - 1: not this layer's, skipped) with weights wts[t * k + j] (fp32); expert e's
+ * w13[e] [2 I, H] (its gate rows, then its up rows) and w2[e] [H, I]. out[t] = the sum over its
+ * experts in ascending id of round(y * round(w)), y = down(act) rounded to dt, act = silu(gate) *
+ * up of the products rounded to dt (bf16: silu from silu_bf16, torch's bits, as the C SwiGLU pass),
+ * each sum rounded to dt: what SparseMoE.experts_forward computes over GgufLinear experts, in one
+ * call, a token's result whatever else is in the call (the integer products take a row alone).
+ * Returns 0, or -1 (nothing written) for a shape it does not cover. */
+int gguf_moe(int dt, int64_t T, int64_t H, int64_t I, int64_t k, const void *x, const int64_t *ids, const float *wts,
+             int64_t E, const gg_linear_t *w13, const gg_linear_t *w2, const uint16_t *silu_bf16, void *out) {
+    if (T < 0 || k <= 0 || k > 64 || H % 32 || I % 32 || (dt != 0 && dt != 1) || (dt == 1 && !silu_bf16)) return -1;
+    for (int64_t e = 0; e < E; e++)
+        if (w13[e].n_parts < 1 || w13[e].n_parts > MOE_PARTS || w2[e].n_parts < 1 || w2[e].n_parts > MOE_PARTS)
+            return -1;
+    const int64_t es = dt == 1 ? 2 : 4, TB = T < MOE_TOKENS ? T : MOE_TOKENS;
+    int8_t *xq = malloc((size_t)(TB * H + 64));
+    float *d4 = malloc((size_t)(TB * (H / 4) * 4 + 64)), *s16 = malloc((size_t)(TB * (H / 16) * 4 + 64));
+    float *y = malloc((size_t)(TB * k * H * 4 + 64));
+    int64_t *cnt = calloc((size_t)(E + 1), sizeof *cnt), *pair = malloc((size_t)(TB * k + 1) * sizeof *pair);
+    int64_t *task = malloc((size_t)(TB * k + 1) * 2 * sizeof *task);
+    int failed = !xq || !d4 || !s16 || !y || !cnt || !pair || !task;
+    for (int64_t t0 = 0; !failed && t0 < T; t0 += TB) {
+        const int64_t nb = T - t0 < TB ? T - t0 : TB;
+        gguf_quantize(dt, (const char *)x + t0 * H * es, nb, H, xq, d4, s16);
+        /* the (token, slot) pairs grouped by expert: a counting sort, tokens in order within one */
+        memset(cnt, 0, (size_t)(E + 1) * sizeof *cnt);
+        for (int64_t i = 0; i < nb * k; i++) {
+            const int64_t e = ids[t0 * k + i];
+            if (e >= 0 && e < E) cnt[e + 1]++;
+        }
+        for (int64_t e = 0; e < E; e++) cnt[e + 1] += cnt[e];
+        int64_t ntask = 0;
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t a = cnt[e]; a < cnt[e + 1]; a += MOE_ROWS) { task[2 * ntask] = e; task[2 * ntask + 1] = a; ntask++; }
+        {
+            int64_t *fill = malloc((size_t)(E + 1) * sizeof *fill);
+            if (!fill) { failed = 1; break; }
+            memcpy(fill, cnt, (size_t)(E + 1) * sizeof *fill);
+            for (int64_t i = 0; i < nb * k; i++) {
+                const int64_t e = ids[t0 * k + i];
+                if (e >= 0 && e < E) pair[fill[e]++] = i;
+            }
+            free(fill);
+        }
+        _Pragma("omp parallel if (ntask > 1)")
+        {
+            const int64_t R = MOE_ROWS;
+            int8_t *gq = malloc((size_t)(R * (H > I ? H : I) + 64));
+            float *gd4 = malloc((size_t)(R * ((H > I ? H : I) / 4) * 4 + 64));
+            float *gs16 = malloc((size_t)(R * ((H > I ? H : I) / 16) * 4 + 64));
+            float *r13 = malloc((size_t)(R * 2 * I * 4 + 64)), *r2 = malloc((size_t)(R * H * 4 + 64));
+            char *act = malloc((size_t)(R * I * es + 64));
+            if (!gq || !gd4 || !gs16 || !r13 || !r2 || !act) {
+                _Pragma("omp atomic write")
+                failed = 1;
+            }
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (int64_t w = 0; w < ntask; w++) {
+                if (failed) continue;
+                const int64_t e = task[2 * w], a = task[2 * w + 1];
+                const int64_t n = cnt[e + 1] - a < R ? cnt[e + 1] - a : R;
+                for (int64_t r = 0; r < n; r++) {  /* this expert's rows, quantised once for the block */
+                    const int64_t t = pair[a + r] / k;
+                    memcpy(gq + r * H, xq + t * H, (size_t)H);
+                    memcpy(gd4 + r * (H / 4), d4 + t * (H / 4), (size_t)(H / 4) * 4);
+                    memcpy(gs16 + r * (H / 16), s16 + t * (H / 16), (size_t)(H / 16) * 4);
+                }
+                moe_rows(&w13[e], H, gq, gd4, gs16, n, r13, 2 * I, dt);
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t i = 0; i < I; i++) {
+                        const float g = round_dt(dt, r13[r * 2 * I + i]), u = round_dt(dt, r13[r * 2 * I + I + i]);
+                        if (dt == 1)
+                            ((uint16_t *)act)[r * I + i] = f32_to_bf16(bf16_to_f32(silu_bf16[f32_to_bf16(g)]) * u);
+                        else
+                            ((float *)act)[r * I + i] = g / (1.0f + expf(-g)) * u;
+                    }
+                for (int64_t r = 0; r < n; r++)
+                    gguf_quantize_row(dt, act + r * I * es, I, gq + r * I, gd4 + r * (I / 4), gs16 + r * (I / 16));
+                moe_rows(&w2[e], I, gq, gd4, gs16, n, r2, H, dt);
+                for (int64_t r = 0; r < n; r++) {
+                    float *dst = y + pair[a + r] * H;
+                    for (int64_t h = 0; h < H; h++) dst[h] = round_dt(dt, r2[r * H + h]);
+                }
+            }
+            free(gq);
+            free(gd4);
+            free(gs16);
+            free(r13);
+            free(r2);
+            free(act);
+        }
+        if (failed) break;
+        /* per token: its experts' outputs weighted and summed in ascending expert id, rounded as
+         * index_add_ into a zero output of type dt rounds */
+        _Pragma("omp parallel for schedule(static) if (nb * H > 65536)")
+        for (int64_t t = 0; t < nb; t++) {
+            int64_t order[64];
+            int64_t m = 0;
+            for (int64_t j = 0; j < k && m < 64; j++) {
+                const int64_t e = ids[(t0 + t) * k + j];
+                if (e < 0 || e >= E) continue;
+                int64_t at = m++;
+                while (at > 0 && ids[(t0 + t) * k + order[at - 1]] > e) { order[at] = order[at - 1]; at--; }
+                order[at] = j;
+            }
+            for (int64_t h = 0; h < H; h++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < m; i++) {
+                    const int64_t j = order[i];
+                    const float wv = round_dt(dt, wts[(t0 + t) * k + j]);
+                    acc = round_dt(dt, acc + round_dt(dt, y[(t * k + j) * H + h] * wv));
+                }
+                store(dt, out, (t0 + t) * H + h, acc);
+            }
+        }
+    }
+    free(xq);
+    free(d4);
+    free(s16);
+    free(y);
+    free(cnt);
+    free(pair);
+    free(task);
+    return failed ? -1 : 0;
+}

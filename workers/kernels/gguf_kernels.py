@@ -67,6 +67,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gguf_x16_supported.argtypes = []
     lib.gguf_x16_bytes.restype = i64
     lib.gguf_x16_bytes.argtypes = [ctypes.c_int, i64]
+    lib.gguf_moe.restype = ctypes.c_int  # workers/backends/gguf_experts.py
+    lib.gguf_moe.argtypes = [ctypes.c_int, i64, i64, i64, i64, p, p, p, i64, p, p, p, p]
     lib.gguf_x16_pack.restype = ctypes.c_int
     lib.gguf_x16_pack.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.isa = int(lib.gguf_isa())

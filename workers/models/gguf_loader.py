@@ -171,7 +171,7 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
             if not slot.rows:
                 continue
             qk = permute and (".attn_q." in gname or ".attn_k." in gname)
-            nat = native_of.get(id(slot.param))
+            nat = native_of.get(id(slot.param)) or native_of.get(("expert", slot.param.data_ptr()))
             emb = native_of.get("head") or native_of.get("embed") if hf == "model.embed_tokens.weight" else None
             if nat is not None or emb is not None:
                 part = _raw_rows(t, qk, args.head_dim)
@@ -235,14 +235,18 @@ def load_gguf(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tu
         if int8 is not None:
             int8.loaded(_swap_int8(model, int8_of, int8, dtype, device))
         if native is not None:
-            left = [k for k, b in native_of.items() if b["left"]]
+            left = [k for k, b in native_of.items() if b.get("left")]
             if left:  # the plan and the entries disagree: never silently half a layer
                 raise RuntimeError(f"native GGUF load: {len(left)} linear layers did not get all their rows")
-            native.loaded({GGMLQuantizationType(t).name for k, b in native_of.items() if k != "embed"
+            for staged in native_of.get("moe", {}).values():  # each layer's experts, whole
+                staged["moe"].install_experts(staged["13"], staged["2"], "gguf")
+            native.loaded({GGMLQuantizationType(t).name for k, b in native_of.items() if k not in ("embed", "moe")
                            for t in b.get("types", ())}, dtype)
     log.info("read %s: %.1f MiB of %s tensors, %s to %s%s in %.2f s", g.path.name, nbytes / 2**20,
              "/".join(sorted({g.ref(n).type.name for n, _ in entries})),
-             (f"{len(native_of) - ('embed' in native_of)} linears kept in their blocks"
+             (f"{len(native_of) - ('embed' in native_of) - ('moe' in native_of)} linears kept in their blocks"
+              + (f" ({2 * sum(m['moe'].shard.experts for m in native_of['moe'].values())} of them the experts of "
+                 f"{len(native_of['moe'])} mixture layers)" if "moe" in native_of else "")
               + (" (the embedding read from the head's)" if native_of.get("head", {}).get("lookup") else
                  " (the embedding read from its own)" if native_of.get("embed", {}).get("lookup") else "")
               + ", the rest dequantised") if native_of else "dequantised",
@@ -321,13 +325,29 @@ def _swap_int8(model: torch.nn.Module, bufs: dict, int8: Int8Target, dtype: torc
     return count
 
 
+def _expert_views(model: torch.nn.Module) -> dict[int, tuple[Any, str, int]]:
+    """The data pointer of each local expert's stacked rows (``w13[e]``, ``w2[e]`` of every
+    mixture-of-experts layer still holding them) -> (layer, "13" or "2", e)."""
+    out: dict[int, tuple[Any, str, int]] = {}
+    for mod in model.modules():
+        if callable(getattr(mod, "install_experts", None)) and mod.lin13 is None and mod.w13.numel():
+            for e in range(mod.shard.experts):
+                out[mod.w13[e].data_ptr()] = (mod, "13", e)
+                out[mod.w2[e].data_ptr()] = (mod, "2", e)
+    return out
+
+
 def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list[tuple[str, str]],
                  native: GgufTarget) -> dict:
     """id(weight) -> {"parts": [], "left": rows, "lin", "at"} for every linear whose GGUF tensors
-    the target covers whole, "head" for a tied LM head whose embedding it covers, and "embed" for an
-    untied embedding it covers (looked up from its own blocks; an F16/BF16/F32 one stays dense)."""
+    the target covers whole, "head" for a tied LM head whose embedding it covers, "embed" for an
+    untied embedding it covers (looked up from its own blocks; an F16/BF16/F32 one stays dense),
+    ("expert", data pointer) -> {"parts", "left", "expert": (layer, "13" / "2", e)} for each expert's
+    rows of a mixture-of-experts layer whose experts it covers all, and "moe" -> the staging of
+    those layers' expert linears (installed once all came: load_gguf)."""
     linears = {id(lin.weight): (parent, name, lin) for parent, name, lin in _int8_linears(model).values()}
-    parts: dict[int, list] = {}
+    experts = _expert_views(model)
+    parts: dict[Any, list] = {}
     embed = None
     for gname, entry in entries:
         hf, _, dst = entry.partition("#")
@@ -336,6 +356,8 @@ def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list
             continue
         if id(slot.param) in linears:
             parts.setdefault(id(slot.param), []).append((slot, t))
+        elif slot.rows and slot.param.data_ptr() in experts:  # gate and up of one expert share its w13 rows
+            parts.setdefault(("expert", slot.param.data_ptr()), []).append((slot, t))
         elif hf == "model.embed_tokens.weight":
             embed = (slot, t)
 
@@ -344,10 +366,27 @@ def _native_plan(model: torch.nn.Module, slots: dict, g: GgufFile, entries: list
                 and native.covers(int(t.type), t.shape[1]))
 
     plan: dict = {}
+    layers: dict[int, dict] = {}  # a mixture's experts: kept in blocks all of them, or none
     for key, found in parts.items():
+        if isinstance(key, tuple):
+            moe, kind, e = experts[key[1]]
+            rows = 2 * moe.shard.inter if kind == "13" else moe.hidden
+            ok = all(whole(s, t) for s, t in found) and sum(s.rows for s, _ in found) == rows
+            staged = layers.setdefault(id(moe), {"moe": moe, "ok": True, "keys": []})
+            staged["ok"] &= ok
+            staged["keys"].append((key, kind, e, rows, found[0][1].shape[1]))
+            continue
         parent, name, lin = linears[key]
         if all(whole(s, t) for s, t in found) and sum(s.rows for s, _ in found) == lin.out_features:
             plan[key] = {"parts": [], "left": lin.out_features, "lin": lin, "at": (parent, name)}
+    for staged in layers.values():
+        moe = staged["moe"]
+        if not staged["ok"] or len(staged["keys"]) != 2 * moe.shard.experts:
+            continue
+        n = moe.shard.experts
+        plan.setdefault("moe", {})[id(moe)] = out = {"moe": moe, "13": [None] * n, "2": [None] * n}
+        for key, kind, e, rows, cols in staged["keys"]:
+            plan[key] = {"parts": [], "left": rows, "expert": (out, kind, e, cols)}
     if embed is not None and whole(*embed) and getattr(model, "tp", None) is None:
         key = "head" if model.lm_head is None else "embed"
         plan[key] = {"parts": [], "left": embed[1].shape[0], "embed": model.embed_tokens.weight}
@@ -366,7 +405,13 @@ def _raw_rows(t: Any, unpermute: bool, head_dim: int) -> torch.Tensor:
 
 def _swap_native(model: torch.nn.Module, b: dict, native: GgufTarget) -> None:
     """Replace a linear whose blocks all came by the target's (the tied head: model.logits_linear;
-    an untied embedding: a lookup from its blocks)."""
+    an untied embedding: a lookup from its blocks; an expert's rows: its linear, staged for its
+    layer's install_experts)."""
+    if "expert" in b:
+        staged, kind, e, cols = b["expert"]
+        rows = sum(p.shape[0] for _, _, p in b["parts"])
+        staged[kind][e] = native.linear(b["parts"], cols, rows, None)
+        return
     if "embed" in b and model.lm_head is not None:  # untied: the embedding alone
         vocab, hidden = b["embed"].shape
         model.embed_tokens = native.embedding_blocks(b["parts"], vocab, hidden, b["embed"].dtype)

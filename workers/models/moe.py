@@ -20,7 +20,9 @@ gate_up_proj) and ``w2`` [E_local, H, I_local]. A rank holds experts ``expert0 .
 expert0 + E_local`` (expert parallelism: a slice of the experts, each whole) with columns
 ``inter0 .. inter0 + I_local`` of each (expert tensor parallelism: every expert, a slice of its
 intermediate size); ``MoeShard`` says which. ``quantize_experts`` turns the stacked weights into
-per-expert int8 linears (w8a16, workers/backends/int8.py), which ``experts_forward`` runs the same way.
+per-expert int8 linears (w8a16, workers/backends/int8.py), and a GGUF file's experts loaded native
+are per-expert block linears from the start (``install_experts``; workers/models/gguf_loader.py,
+never dequantised), which ``experts_forward`` runs the same way.
 
 Numerics follow transformers (``Qwen2MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``): router
 logits in the model dtype, softmax in fp32, top-k, optional renormalisation; experts visited in
@@ -226,8 +228,16 @@ class SparseMoE(nn.Module):
         count of linears made. A model converted once stays so (a second call does nothing)."""
         if self.lin13 is not None:
             return 0
-        self.lin13 = nn.ModuleList(make_linear(self.w13[e]) for e in range(self.shard.experts))
-        self.lin2 = nn.ModuleList(make_linear(self.w2[e]) for e in range(self.shard.experts))
+        return self.install_experts([make_linear(self.w13[e]) for e in range(self.shard.experts)],
+                                    [make_linear(self.w2[e]) for e in range(self.shard.experts)], kind)
+
+    def install_experts(self, lin13: list[nn.Module], lin2: list[nn.Module], kind: str) -> int:
+        """The local experts as the given linears (``lin13[e]``: [2 * I, H] rows [gate; up],
+        ``lin2[e]``: [H, I]), ``kind`` naming them ("int8", "packed", "gguf": a GGUF file's blocks,
+        never dequantised); the stacked weights let go. Returns the count of linears."""
+        if len(lin13) != self.shard.experts or len(lin2) != self.shard.experts:
+            raise ValueError(f"{len(lin13)} / {len(lin2)} expert linears for {self.shard.experts} experts")
+        self.lin13, self.lin2 = nn.ModuleList(lin13), nn.ModuleList(lin2)
         self.experts_kind = kind
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
