@@ -9,7 +9,8 @@ hidden 1024, expert intermediate 512, 8 layers, Q4_K gate/up and Q6_K down exper
 then for each mode a fresh process (so each one's memory is its own) loads it as a CPU worker does
 (``load_model`` with or without the native target, ``CpuBackend.prepare_model``) and times decode
 steps (attention metadata, forward, LM head, argmax) after a prompt of ``--context`` tokens per
-sequence, the median of ``--steps``. Modes, in rounds (A B C A B C ...):
+sequence, the median of ``--steps``, in batch-invariant mode as a CPU worker runs by default
+(``--no-invariant``: off). Modes, in rounds (A B C A B C ...):
 
 - ``fused``: native blocks, a layer's routed experts in one call (workers/backends/gguf_experts.py);
 - ``per-expert``: native blocks, ``SparseMoE.experts_forward`` over the GgufLinear experts;
@@ -62,15 +63,19 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def measure(view: str, mode: str, batches: list[int], threads: int, context: int, steps: int) -> dict:
+def measure(view: str, mode: str, batches: list[int], threads: int, context: int, steps: int,
+            invariant: bool) -> dict:
     """One mode in this process: resident MiB the load added, and the median decode step per batch."""
+    import msgspec
     import torch
 
+    from workers import settings
     from workers.backends.cpu import CpuBackend
     from workers.backends.gguf_linear import NativeTarget
     from workers.kernels import gguf_kernels
     from workers.models.loader import load_model
     torch.set_num_threads(threads)
+    settings.apply(msgspec.structs.replace(settings.engine(), batch_invariant=invariant))
     dtype = torch.bfloat16
     before = rss_mib()
     model, _ = load_model(view, dtype, gguf_native=None if mode == "dequantised" else NativeTarget(gguf_kernels.load()))
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--no-invariant", action="store_true",
+                    help="ScheduleConfig.batchInvariant off (on by default, as a CPU worker runs)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: measure one mode, print its JSON
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -129,11 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         from workers.models.gguf_view import ensure_view
         view = str(ensure_view(d / name, d / "views"))
-        print(json.dumps(measure(view, args.one, batches, args.threads, args.context, args.steps)))
+        print(json.dumps(measure(view, args.one, batches, args.threads, args.context, args.steps,
+                                 not args.no_invariant)))
         return
     f = build(d / name, args.experts, args.top_k, args.hidden, args.inter, args.layers)
-    print(f"{f.name}: {f.stat().st_size / 2**20:.1f} MiB, bf16, {args.threads} threads, context {args.context}",
-          flush=True)
+    print(f"{f.name}: {f.stat().st_size / 2**20:.1f} MiB, bf16, {args.threads} threads, context {args.context}, "
+          f"batch-invariant {'off' if args.no_invariant else 'on'}", flush=True)
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [sys.executable, "-m", "mindie_bench.lab.gguf_moe", "--dir", args.dir, "--experts", str(args.experts),
                    "--top-k", str(args.top_k), "--hidden", str(args.hidden), "--inter", str(args.inter),
                    "--layers", str(args.layers), "--batch", args.batch, "--threads", str(args.threads),
-                   "--context", str(args.context), "--steps", str(args.steps), "--one", mode]
+                   "--context", str(args.context), "--steps", str(args.steps), "--one", mode,
+                   *(["--no-invariant"] if args.no_invariant else [])]
             res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
             if res.returncode != 0:
                 raise SystemExit(f"{mode}: {res.stderr[-2000:]}")
