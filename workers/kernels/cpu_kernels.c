@@ -164,6 +164,20 @@ INLINE float round_to(int dtype, float x) {
 #define TANH_B2 2.26843463243900e-03f
 #define TANH_B0 4.89352518554385e-03f
 
+/* tanh's numerator (times x) and denominator in x2 = x * x, with the vector type's fma and set1
+ * (the 16- and 8-lane tanh share the terms; tanh_one writes them out) */
+#define TANH_TERMS(fma, set1, x2, p, q) do { \
+        p = fma(set1(TANH_A13), x2, set1(TANH_A11)); \
+        p = fma(p, x2, set1(TANH_A9)); \
+        p = fma(p, x2, set1(TANH_A7)); \
+        p = fma(p, x2, set1(TANH_A5)); \
+        p = fma(p, x2, set1(TANH_A3)); \
+        p = fma(p, x2, set1(TANH_A1)); \
+        q = fma(set1(TANH_B6), x2, set1(TANH_B4)); \
+        q = fma(q, x2, set1(TANH_B2)); \
+        q = fma(q, x2, set1(TANH_B0)); \
+    } while (0)
+
 INLINE float tanh_one(float x) {
     if (fabsf(x) < 4e-4f) return x;
     const float c = x > TANH_CLAMP ? TANH_CLAMP : (x < -TANH_CLAMP ? -TANH_CLAMP : x), x2 = c * c;
@@ -302,15 +316,8 @@ INLINE __m512 exp16(__m512 x) {
 INLINE __m512 tanh16(__m512 x) {
     const __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-TANH_CLAMP)), _mm512_set1_ps(TANH_CLAMP));
     const __m512 x2 = _mm512_mul_ps(c, c);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(TANH_A13), x2, _mm512_set1_ps(TANH_A11));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A9));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A7));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A5));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A3));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_A1));
-    __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(TANH_B6), x2, _mm512_set1_ps(TANH_B4));
-    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(TANH_B2));
-    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(TANH_B0));
+    __m512 p, q;
+    TANH_TERMS(_mm512_fmadd_ps, _mm512_set1_ps, x2, p, q);
     const __m512 t = _mm512_div_ps(_mm512_mul_ps(c, p), q);
     const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(4e-4f), _CMP_LT_OQ);
     return _mm512_mask_blend_ps(small, t, x);
@@ -561,15 +568,8 @@ INLINE __m256 exp8(__m256 x) {
 INLINE __m256 tanh8(__m256 x) {
     const __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-TANH_CLAMP)), _mm256_set1_ps(TANH_CLAMP));
     const __m256 x2 = _mm256_mul_ps(c, c);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(TANH_A13), x2, _mm256_set1_ps(TANH_A11));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A9));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A7));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A5));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A3));
-    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(TANH_A1));
-    __m256 q = _mm256_fmadd_ps(_mm256_set1_ps(TANH_B6), x2, _mm256_set1_ps(TANH_B4));
-    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(TANH_B2));
-    q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(TANH_B0));
+    __m256 p, q;
+    TANH_TERMS(_mm256_fmadd_ps, _mm256_set1_ps, x2, p, q);
     const __m256 t = _mm256_div_ps(_mm256_mul_ps(c, p), q);
     const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
     return _mm256_blendv_ps(t, x, _mm256_cmp_ps(ax, _mm256_set1_ps(4e-4f), _CMP_LT_OQ));
