@@ -257,7 +257,8 @@ def test_a_native_gguf_sequence_computes_the_same_bits_alone_and_in_mixed_steps(
 def test_a_native_gguf_mixture_computes_the_same_bits_alone_and_in_mixed_steps(tmp_path, dtype, restore_settings):
     """The same drives on a GGUF Qwen3-MoE whose experts stay in their blocks: each mixture layer's
     routed experts in one C call (gguf_kernels.c ``gguf_moe``, workers/backends/gguf_experts.py),
-    whose per-token sums do not depend on the other tokens of the step."""
+    whose per-token sums do not depend on the other tokens of the step, and the decodes in the fused
+    step, which hands each mixture to the layer's module between its calls."""
     from gguf import GGMLQuantizationType as Q
     from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf
     from workers.backends.gguf_experts import GgufExperts
@@ -271,13 +272,14 @@ def test_a_native_gguf_mixture_computes_the_same_bits_alone_and_in_mixed_steps(t
     invariant(True)
     d = Driver(path, dtype, gguf_native=True)
     fused = [m.mlp.fused_experts for m in d.model.layers]
-    assert all(isinstance(f, GgufExperts) for f in fused)
+    assert all(isinstance(f, GgufExperts) for f in fused) and d.model.fast_decode is not None
     ref, toks = alone(d)
     other = Driver(path, dtype, gguf_native=True)
     assert _compare(ref, mixed(other, toks)) == []
     third = Driver(path, dtype, gguf_native=True)
     assert _compare(ref, recomputed(third, toks)) == []
-    assert all(f.calls > 0 for f in fused)
+    # the experts' one call in every step, the fused decode step (stopping at each mixture) in the decodes
+    assert all(f.calls > 0 for f in fused) and d.model.fast_decode.calls > 0 and other.model.fast_decode.calls > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -59,6 +59,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # scores spread about +-1.4) and logits
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,
                                     attn_logit_softcapping=1.5, final_logit_softcapping=5.0)),
+    # mixtures of experts: the step stops at each layer's feed-forward norm, the layer's own
+    # module (router, experts; Qwen2-MoE's gated shared expert) adds its mixture, the step resumes
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48)),
 }
 
 

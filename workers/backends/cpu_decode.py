@@ -33,8 +33,12 @@ over those same tensors (kernel code 2), no copy either. Qwen3's per-head q/k no
 and 3's layers (their (1 + w) norms, the norms of the attention's and the feed-forward's outputs,
 GeGLU, a rope per layer kind, the scaled embedding, Gemma 2's soft-capped attention scores:
 ``norm_w1``, ``attn_out_norm``, ``act_gelu``, the layer's ``cos_t`` in cpu_kernels.c's dec_layer_t,
-the step's ``softcap``) are computed too. Models it does not cover (``fused_decode_refusal``: MLA,
-mixtures, hybrid layers; tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
+the step's ``softcap``) are computed too. A mixture-of-experts layer (Qwen2/3-MoE, Mixtral) stops
+the call after its feed-forward norm (``moe``: the step's ``l0`` / ``stopped``): its own module
+(router, experts: gguf_experts.py's one call for a GGUF file's, a shared expert) adds the mixture to
+the residual rows, as the eager layer does, and the next call resumes at the following layer.
+Models it does not cover (``fused_decode_refusal``: MLA, GLM-4-MoE's partial rotary, GPT-OSS's
+sinks, hybrid layers; tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
 
@@ -72,7 +76,7 @@ class _Layer(ctypes.Structure):
                                          "up_w", "up_b", "down_w", "down_b", "qkv_s", "o_s", "gate_s", "up_s",
                                          "down_s", "k_cache", "v_cache")] + [("window", _i64)] \
         + [(n, _c_void_p) for n in ("qkv_g", "o_g", "gate_g", "up_g", "down_g", "q_norm", "k_norm",
-                                    "attn_out_norm", "ff_out_norm", "cos_t", "sin_t")]
+                                    "attn_out_norm", "ff_out_norm", "cos_t", "sin_t")] + [("moe", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -80,7 +84,8 @@ class _Step(ctypes.Structure):
         + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))] \
         + [(n, _c_void_p) for n in ("embed", "ids", "pos", "blocks", "offsets", "tables", "final_norm", "act_bf16", "x", "xn", "qkv", "att", "act", "out",
                                     "gg_rows", "gg_quantize", "gg_xq", "gg_d4", "gg_s16")] \
-        + [("norm_w1", _i64), ("act_gelu", _i64), ("embed_scale", _f32), ("softcap", _f32)]
+        + [("norm_w1", _i64), ("act_gelu", _i64), ("embed_scale", _f32), ("softcap", _f32), ("l0", _i64),
+           ("stopped", _i64)]
 
 
 MAX_ROWS = 64  # DEC_MAX_ROWS in cpu_kernels.c
@@ -127,6 +132,9 @@ class FusedDecode:
         self.rows = torch.empty(max_rows, args.hidden_size, dtype=self.dtype) if self.lookup is not None else None
         self.iota = torch.arange(max_rows, dtype=torch.long) if self.lookup is not None else None
         self.weights, self.final_norm = weights, _norm(model.norm.weight, self.gemma)
+        # a mixture of experts' layers: the step stops after each one's feed-forward norm, and its
+        # own module (router, experts, a shared expert) adds the mixture here, as the eager layer does
+        self.mixtures = {i: layer.mlp for i, layer in enumerate(model.layers) if _is_mixture(layer.mlp)}
         self.embed = self.rows if self.lookup is not None else emb.weight
         self.C, self.H, self.Hkv, self.D = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, \
             args.head_dim
@@ -182,6 +190,7 @@ class FusedDecode:
                     setattr(lay, name[0], ctypes.addressof(v) if isinstance(v, _Gguf) else _ptr(v))
             lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
             lay.window = self.layer_windows[i] or 0
+            lay.moe = int(i in self.mixtures)
         self._layers, self._attn, self._cos = arr, attn, self._rope_key()
         self._ok = (getattr(attn, "lib", None) is not None and attn.k_cache[0].dtype == self.dtype
                     and all(getattr(r, "cos", None) is not None and r.cos.dtype == torch.float32
@@ -242,10 +251,22 @@ class FusedDecode:
         s.M, s.max_blocks = m, tables.shape[1]
         s.ids, s.pos, s.tables, s.out = ids.data_ptr(), pos.data_ptr(), tables.data_ptr(), out.data_ptr()
         s.blocks, s.offsets = meta.blocks.data_ptr(), meta.offsets.data_ptr()
+        s.l0 = 0
         if self.lib.decode_layers(self.code, ctypes.byref(s)) != 0:
             return None  # refused before touching anything (a position outside the rope table: eager raises)
+        while s.stopped >= 0:  # a mixture layer: h + mlp(post_attention_layernorm(h)), as DecoderLayer
+            x, xn = self._scratch[0][:m], self._scratch[1][:m]
+            x.add_(self.mixtures[s.stopped](xn))
+            s.l0 = s.stopped + 1
+            if self.lib.decode_layers(self.code, ctypes.byref(s)) != 0:  # the checks of the first call again
+                raise RuntimeError(f"fused decode step refused layers {s.l0}.. after computing the ones before")
         self.calls += 1
         return out
+
+
+def _is_mixture(mlp: nn.Module) -> bool:
+    """A mixture-of-experts feed-forward (workers/models/moe.py SparseMoE: router, experts)."""
+    return callable(getattr(mlp, "experts_forward", None))
 
 
 def embed_dtype(model: nn.Module) -> torch.dtype:
@@ -318,7 +339,8 @@ def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None, w16: 
 def _copy_bytes(model: nn.Module) -> int:
     """What a copy of the plain linear layers would take (before packing them)."""
     return sum(m.weight.numel() * m.weight.element_size() for layer in model.layers
-               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
+                         getattr(layer.mlp, "down_proj", None))
                if isinstance(m, nn.Linear))
 
 
@@ -331,18 +353,21 @@ def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | Non
     gemma = getattr(model.args, "gemma", None) is not None
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
-        i = f.intermediate_size
-        mats = {"qkv": _matrix(a.qkv_proj, dt, None, w16), "o": _matrix(a.o_proj, dt, None, w16),
-                "gate": _matrix(f.gate_up_proj, dt, slice(0, i), w16),
-                "up": _matrix(f.gate_up_proj, dt, slice(i, 2 * i), w16), "down": _matrix(f.down_proj, dt, None, w16)}
+        mixture = _is_mixture(f)
+        i = 0 if mixture else f.intermediate_size
+        mats = {"qkv": _matrix(a.qkv_proj, dt, None, w16), "o": _matrix(a.o_proj, dt, None, w16)}
+        if not mixture:  # a mixture of experts runs its own module between the step's calls
+            mats.update(gate=_matrix(f.gate_up_proj, dt, slice(0, i), w16),
+                        up=_matrix(f.gate_up_proj, dt, slice(i, 2 * i), w16), down=_matrix(f.down_proj, dt, None, w16))
         if any(m is None for m in mats.values()):
             return [], "linear layers of a kind it does not read", 0
-        gub = f.gate_up_proj.bias
+        gub = None if mixture else f.gate_up_proj.bias
         # Gemma's four norms: before attention, after it, before the feed-forward (the kernel's
         # post_norm, Llama's post_attention_layernorm) and after it
         pre_ff = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
         w = {"in_norm": _norm(layer.input_layernorm.weight, gemma), "post_norm": _norm(pre_ff.weight, gemma),
-             "qkv_b": _vec(a.qkv_proj.bias), "o_b": _vec(a.o_proj.bias), "down_b": _vec(f.down_proj.bias),
+             "qkv_b": _vec(a.qkv_proj.bias), "o_b": _vec(a.o_proj.bias),
+             "down_b": None if mixture else _vec(f.down_proj.bias),
              "gate_b": None if gub is None else _vec(gub[:i]), "up_b": None if gub is None else _vec(gub[i:])}
         if gemma:
             w["attn_out_norm"] = _norm(layer.post_attention_layernorm.weight, gemma)
@@ -387,8 +412,9 @@ def attach(model: nn.Module) -> FusedDecode | None:
         why = model.fused_decode_refusal
     elif code not in (0, 1):
         why = f"{dtype} (fp32 and bf16 only)"
-    elif getattr(args, "moe", None) is not None:
-        why = "mixture-of-experts layers (the eager path runs their grouped expert products)"
+    elif getattr(args, "moe", None) is not None and not all(_is_mixture(layer.mlp) or hasattr(layer.mlp, "gate_up_proj")
+                                                            for layer in model.layers):
+        why = "feed-forward layers of a kind it does not read"
     elif args.head_dim > 256 or args.head_dim % 2 or args.num_attention_heads // args.num_key_value_heads > 16:
         why = "head shapes beyond the kernel's buffers"
     weights: list[dict] = []

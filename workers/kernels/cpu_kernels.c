@@ -2347,6 +2347,7 @@ typedef struct {
      * the attention's and the feed-forward's outputs before their residual adds */
     const void *q_norm, *k_norm, *attn_out_norm, *ff_out_norm;
     const float *cos_t, *sin_t;  /* this layer's rope tables (Gemma's local and global ropes differ) */
+    int64_t moe;  /* a mixture-of-experts layer: the step stops after its feed-forward's norm (dec_step_t l0) */
 } dec_layer_t;
 
 typedef struct {
@@ -2374,6 +2375,10 @@ typedef struct {
     int64_t norm_w1, act_gelu;
     float embed_scale;
     float softcap;  /* Gemma 2: attention scores soft-capped (cap_one); 0: none */
+    /* layers l0 .. on (0: from the embedding); decode_layers sets stopped: the first moe layer it met,
+     * whose attention it added to x and whose feed-forward input it left normed in xn (the caller
+     * adds that layer's mixture to x and calls again from stopped + 1), or -1: done, out written */
+    int64_t l0, stopped;
 } dec_step_t;
 
 #if HAVE_AVX512BW
@@ -2593,11 +2598,11 @@ int gelu_mul_f32(const float *gu, int64_t T, int64_t I, int64_t gu_stride, float
     return glu_mul_f32(gu, T, I, gu_stride, 1, out);
 }
 
-INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
+INLINE void dec_step(int dt, int pt, const dec_step_t *s, int64_t stop) {
     const int64_t M = s->M, C = s->C, H = s->H, Hkv = s->Hkv, D = s->D, half = D / 2;
     const int64_t NQ = (H + 2 * Hkv) * D, es = dt == 0 ? 4 : 2;
     _Pragma("omp for schedule(static)")
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = 0; m < (s->l0 == 0 ? M : 0); m++) {
         if (s->embed_scale == 0.0f) {
             memcpy((char *)s->x + m * C * es, (const char *)s->embed + s->ids[m] * C * es, C * es);
             continue;
@@ -2605,7 +2610,7 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
         for (int64_t c = 0; c < C; c++)  /* Gemma: x * round(sqrt(C)), rounded as torch's product */
             store_one(dt, s->x, m * C + c, load_one(dt, s->embed, s->ids[m] * C + c) * s->embed_scale);
     }
-    for (int64_t l = 0; l < s->n_layers; l++) {
+    for (int64_t l = s->l0; l < (stop < 0 ? s->n_layers : stop + 1); l++) {
         const dec_layer_t *L = &s->layers[l];
         dec_norm_rows(dt, s, L->in_norm, s->xn);
         dec_linear(dt, pt, s, s->xn, C, L->qkv_w, L->qkv_s, L->qkv_g, L->qkv_b, NQ, s->qkv, 0);
@@ -2627,6 +2632,7 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
         }
         dec_residual(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, L->attn_out_norm);
         dec_norm_rows(dt, s, L->post_norm, s->xn);
+        if (l == stop) return;  /* its mixture of experts: the caller's */
         dec_glu(dt, pt, s, L);
         dec_residual(dt, pt, s, s->act, s->I, L->down_w, L->down_s, L->down_g, L->down_b, L->ff_out_norm);
     }
@@ -2636,15 +2642,20 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s) {
 /* dtype 0 fp32, 1 bf16, 2 (HAVE_W16 builds): fp32 activations over bf16 layer weights (linear_rows' dt 2;
  * int8 layers keep their own products). Returns 0, or -1 (before touching anything) for shapes
  * beyond the static buffers or a position outside the rope table. */
-int decode_layers(int dtype, const dec_step_t *s) {
+int decode_layers(int dtype, dec_step_t *s) {
     if (dtype < 0 || dtype > 2 || (dtype == 2 && !HAVE_W16) || s->M < 1 || s->M > DEC_MAX_ROWS || s->D > MAX_D
-        || s->D % 2 || s->Hkv <= 0 || s->H % s->Hkv || s->H / s->Hkv > MAX_G || s->C > 65536)
+        || s->D % 2 || s->Hkv <= 0 || s->H % s->Hkv || s->H / s->Hkv > MAX_G || s->C > 65536
+        || s->l0 < 0 || s->l0 > s->n_layers)  /* l0 = n_layers: the final norm alone */
         return -1;
     for (int64_t m = 0; m < s->M; m++)
         if (s->pos[m] < 0 || s->pos[m] >= s->max_pos || s->offsets[m] < 0 || s->offsets[m] >= s->bs) return -1;
+    int64_t stop = -1;
+    for (int64_t l = s->l0; l < s->n_layers && stop < 0; l++)
+        if (s->layers[l].moe) stop = l;
+    s->stopped = stop;
     _Pragma("omp parallel")
     {
-        if (dtype == 0) dec_step(0, 0, s); else if (dtype == 1) dec_step(1, 1, s); else dec_step(0, 2, s);
+        if (dtype == 0) dec_step(0, 0, s, stop); else if (dtype == 1) dec_step(1, 1, s, stop); else dec_step(0, 2, s, stop);
     }
     return 0;
 }
