@@ -52,7 +52,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          decoder_sparse_step=1)),  # router, experts and their SwiGLU
     "gemma2": ("Gemma2Config", dict(head_dim=16, attn_logit_softcapping=3.0, final_logit_softcapping=2.0,
-                                    sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0)),  # torch attention
+                                    sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0)),  # capped C attention
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8, sliding_window_pattern=2,
                                         query_pre_attn_scalar=24, pad_token_id=0)),  # GeGLU, q/k norms
     "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,

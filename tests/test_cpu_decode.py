@@ -65,6 +65,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                          norm_topk_prob=True)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=48)),
+    # GPT-OSS: the attention's sink logits in the step's C attention, its experts between calls;
+    # sliding and full layers alternating, YaRN rope, q/k/v and o biases
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                     sliding_window=8)),
 }
 
 

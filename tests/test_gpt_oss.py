@@ -8,7 +8,8 @@ tiny random checkpoints built here (fp32, save_pretrained):
   and full layers, a prompt longer than the window, in chunks then decodes; the sinks change the
   answer (so a decoder that ignored them would fail); bf16 within transformers' own bf16 error;
 - engine: greedy outputs through chunked prefill, preemption and a prefix-cache hit equal
-  transformers' greedy continuation; the fused C decode step declines the model;
+  transformers' greedy continuation, the decodes in the fused C step (attention with the sinks,
+  the experts between its calls);
 - harmony: the reasoning and tool-call parsers on token sequences of a tokenizer with harmony's
   special tokens, through the streaming detokeniser token by token, whole and streamed alike;
 - the real launch script on a tiny GPT-OSS chat model: /infer_token equals transformers' greedy
@@ -176,10 +177,11 @@ def test_engine_greedy_equals_transformers_under_pressure(model, caplog) -> None
     # 14 blocks of 16 for ~300 tokens of work: preemption; prompts cut into chunks of 29
     with caplog.at_level("INFO", logger="workers.backends"):
         eng = make_engine(str(path), num_blocks=14, max_prefill_tokens=29, max_batch_size=4)
-    assert "fused decode kernel not used: attention sinks" in caplog.text or "no C kernels" in caplog.text
-    assert eng.runner.model.fast_decode is None
+    fused = eng.runner.model.fast_decode  # its attention halves with the sinks, the experts between calls
+    assert fused is not None or "no C kernels" in caplog.text
     res = run(eng, {f"r{i}": (p, greedy) for i, p in enumerate(ps)})
     assert {k: v[0] for k, v in res.items()} == want
+    assert fused is None or fused.calls > 0
     assert eng.scheduler.num_preemptions > 0
     assert eng.speculator.draft_tokens > 0  # drafts verified as several query rows after the cached ones
     assert run(eng, {"y": (ps[1], greedy)})["y"][0] == want["r1"]

@@ -76,7 +76,8 @@ class _Layer(ctypes.Structure):
                                          "up_w", "up_b", "down_w", "down_b", "qkv_s", "o_s", "gate_s", "up_s",
                                          "down_s", "k_cache", "v_cache")] + [("window", _i64)] \
         + [(n, _c_void_p) for n in ("qkv_g", "o_g", "gate_g", "up_g", "down_g", "q_norm", "k_norm",
-                                    "attn_out_norm", "ff_out_norm", "cos_t", "sin_t")] + [("moe", _i64)]
+                                    "attn_out_norm", "ff_out_norm", "cos_t", "sin_t")] + [("moe", _i64)] \
+        + [("sinks", _c_void_p)]
 
 
 class _Step(ctypes.Structure):
@@ -265,8 +266,9 @@ class FusedDecode:
 
 
 def _is_mixture(mlp: nn.Module) -> bool:
-    """A mixture-of-experts feed-forward (workers/models/moe.py SparseMoE: router, experts)."""
-    return callable(getattr(mlp, "experts_forward", None))
+    """A mixture-of-experts feed-forward (workers/models/moe.py SparseMoE; GPT-OSS's router and
+    stacked experts): its own module runs between the step's calls."""
+    return callable(getattr(mlp, "experts_forward", None)) or hasattr(getattr(mlp, "router", None), "weight")
 
 
 def embed_dtype(model: nn.Module) -> torch.dtype:
@@ -372,6 +374,8 @@ def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | Non
         if gemma:
             w["attn_out_norm"] = _norm(layer.post_attention_layernorm.weight, gemma)
             w["ff_out_norm"] = _norm(layer.post_feedforward_layernorm.weight, gemma)
+        if getattr(a, "sinks", None) is not None:  # GPT-OSS: a sink logit per head in each softmax, fp32
+            w["sinks"] = a.sinks.detach().to(torch.float32).contiguous()
         if getattr(a, "q_norm", None) is not None:  # Qwen3, Gemma 3: per head, before rope
             w["q_norm"], w["k_norm"] = _norm(a.q_norm.weight, gemma), _norm(a.k_norm.weight, gemma)
         for name, m in mats.items():

@@ -2348,6 +2348,7 @@ typedef struct {
     const void *q_norm, *k_norm, *attn_out_norm, *ff_out_norm;
     const float *cos_t, *sin_t;  /* this layer's rope tables (Gemma's local and global ropes differ) */
     int64_t moe;  /* a mixture-of-experts layer: the step stops after its feed-forward's norm (dec_step_t l0) */
+    const float *sinks;  /* GPT-OSS: [H] fp32 sink logits of this layer's softmax (item_sink), or NULL */
 } dec_layer_t;
 
 typedef struct {
@@ -2628,7 +2629,7 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s, int64_t stop) {
         for (int64_t i = 0; i < M * Hkv; i++) {
             const int64_t m = i / Hkv;
             attend_item(dt, (const char *)s->qkv + m * NQ * es, L->k_cache, L->v_cache, s->tables + m * s->max_blocks,
-                        s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, s->softcap, NULL, i % Hkv, (char *)s->att + m * H * D * es);
+                        s->pos[m], H, Hkv, s->bs, D, L->window, s->scale, s->softcap, L->sinks, i % Hkv, (char *)s->att + m * H * D * es);
         }
         dec_residual(dt, pt, s, s->att, H * D, L->o_w, L->o_s, L->o_g, L->o_b, L->attn_out_norm);
         dec_norm_rows(dt, s, L->post_norm, s->xn);

@@ -16,8 +16,9 @@ projection with biases, o bias, RMSNorm and NeoX rope it reuses):
   kept as the checkpoint stores them (workers/models/moe.py's SparseMoE has bias-free [gate; up]
   SwiGLU experts, a different product).
 
-LoRA adapters, tensor parallelism and the fused C decode step are refused for GPT-OSS (assembly,
-sharding, workers/backends/cpu_decode.py read the reasons below). With ``quantize: w8a16`` the
+LoRA adapters and tensor parallelism are refused for GPT-OSS (assembly and sharding read the
+reasons below). The CPU's fused decode step computes its attention halves (sinks included) and
+stops at each layer's feed-forward norm for ``GptOssMoE`` (workers/backends/cpu_decode.py). With ``quantize: w8a16`` the
 attention projections and the LM head become int8; the router and the stacked experts keep the
 model dtype (the experts' products are not int8 kernels' shape).
 """
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["GptOssLM", "GptOssMoE", "GptOssRope", "GptOssRouter", "layer_slots"]
 
-FUSED_DECODE_REFUSAL = "attention sinks and GPT-OSS experts (GPT-OSS)"
 
 
 class GptOssRope(RotaryEmbedding):
@@ -150,9 +150,6 @@ class GptOssLayer(nn.Module):
 
 class GptOssLM(DecoderLM):
     """GPT-OSS causal LM: DecoderLM's forward and logits over GPT-OSS layers (module docstring)."""
-
-    # workers/backends/cpu_decode.py: the fused Llama decode kernel has neither sinks nor these experts.
-    fused_decode_refusal = FUSED_DECODE_REFUSAL
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None, max_positions: int | None = None,
                  tp: TensorParallel | None = None) -> None:
