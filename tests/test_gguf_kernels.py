@@ -601,3 +601,74 @@ def test_interleaved_products_are_the_same_bits_on_every_build(qtype, dtype):
     for variant in X16_LIBS[1:]:
         for m, a, b in zip((1, 3, 9, 70), outs[first], outs[variant]):
             assert torch.equal(a, b), (first, variant, m, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("variant", list(LIBS))
+def test_experts_call_composes_the_builds_own_products(variant):
+    """gguf_moe (a mixture layer's routed experts in one call: workers/backends/gguf_experts.py) on
+    every build, interleaved parts where it interleaves, the file's blocks on the scalar build: bf16
+    bit for bit what that build's own products compose to (gate and up rows of one expert in two
+    parts of other types, SwiGLU from torch's silu bits, the down product over the product
+    quantised again, each token's experts summed in ascending id with the eager roundings); fp32
+    within the SiLU's last bit; and the same bits on every interleaving build."""
+    from workers.backends.cpu_fused import silu_table
+    from workers.backends.gguf_experts import _Linear
+    lib = LIBS[variant]
+    E, H, I, T, K = 4, 256, 256, 11, 2
+    types = {"gate": Q.Q4_K, "up": Q.Q5_0, "down": Q.Q6_K}
+    mats = {(e, n): torch.from_numpy(random_weight(q, I if n != "down" else H, H if n != "down" else I, seed=7 * e + i))
+            for e in range(E) for i, (n, q) in enumerate(types.items())}
+
+    def part(e: int, n: str) -> tuple[int, torch.Tensor]:
+        tid, w = gk.TYPES[types[n].name], mats[(e, n)]
+        return (tid | gk.X16, gk.pack_x16(lib, tid, w, H if n != "down" else I)) if lib.x16 else (tid, w)
+
+    packed = {(e, n): part(e, n) for e in range(E) for n in types}
+    w13, w2 = (_Linear * E)(), (_Linear * E)()
+    for e in range(E):
+        (tg, g), (tu, u), (td, d) = packed[(e, "gate")], packed[(e, "up")], packed[(e, "down")]
+        w13[e].n_parts, w2[e].n_parts = 2, 1
+        w13[e].first[0], w13[e].rows[0], w13[e].type[0], w13[e].data[0] = 0, I, tg, g.data_ptr()
+        w13[e].first[1], w13[e].rows[1], w13[e].type[1], w13[e].data[1] = I, I, tu, u.data_ptr()
+        w2[e].first[0], w2[e].rows[0], w2[e].type[0], w2[e].data[0] = 0, H, td, d.data_ptr()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, generator=g)
+    table = silu_table()
+    results = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(T, H, generator=g).to(dtype)
+        out = torch.empty(T, H, dtype=dtype)
+        assert lib.gguf_moe(int(dtype == torch.bfloat16), T, H, I, K, x.data_ptr(), ids.data_ptr(), wts.data_ptr(),
+                            E, w13, w2, table.data_ptr(), out.data_ptr()) == 0
+        want = torch.empty(T, H, dtype=dtype)
+        for t in range(T):
+            acc = torch.zeros(H, dtype=dtype)
+            for j in sorted(range(K), key=lambda j: int(ids[t, j])):
+                e = int(ids[t, j])
+                gu = [torch.empty(1, I, dtype=dtype) for _ in range(2)]
+                for o, n in zip(gu, ("gate", "up")):
+                    gk.matmul(lib, packed[(e, n)][0], x[t:t + 1], packed[(e, n)][1], o, mode=gk.INVARIANT)
+                if dtype == torch.bfloat16:
+                    silu = table[gu[0].view(torch.int16).long() & 0xFFFF].view(torch.bfloat16)
+                    act = silu * gu[1]
+                else:
+                    act = gu[0] / (1 + torch.exp(-gu[0])) * gu[1]
+                y = torch.empty(1, H, dtype=dtype)
+                gk.matmul(lib, packed[(e, "down")][0], act.contiguous(), packed[(e, "down")][1], y, mode=gk.INVARIANT)
+                acc = acc + y[0] * wts[t, j].to(dtype)
+            want[t] = acc
+        if dtype == torch.bfloat16:
+            assert torch.equal(out, want), (variant, (out.float() - want.float()).abs().max().item())
+        else:  # torch's exp against the C library's: an int8 rounding of the down input may move
+            assert (out - want).abs().max() <= 2e-3 * want.abs().max(), variant
+        results[dtype] = out
+    _MOE_OUTS[variant] = results
+    if lib.x16:
+        firsts = [v for v in X16_LIBS if v in _MOE_OUTS and v != variant]
+        for other in firsts[:1]:
+            for dtype in results:
+                assert torch.equal(results[dtype], _MOE_OUTS[other][dtype]), (variant, other, dtype)
+
+
+_MOE_OUTS: dict[str, dict] = {}  # variant -> its gguf_moe outputs (the interleaving builds must agree)
