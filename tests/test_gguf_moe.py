@@ -285,6 +285,7 @@ def test_server_native_experts_decode_greedily(files, cache, tmp_path_factory) -
         tail = srv.tail(400)
         assert "(16 of them the experts of 2 mixture layers)" in tail, tail[-3000:]
         assert "GGUF experts: 2 mixture layers' routed experts in one C call each" in tail, tail[-3000:]
+        assert "2 mixture-of-experts layers run their own modules between its calls" in tail, tail[-3000:]
         ours, _ = load_model(ensure_view(path, cache), torch.float32, gguf_native=NativeTarget(gk.load()))
         for prompt in PROMPTS[:2]:
             r = httpx.post(srv.url + "/infer_token", json={"input_id": prompt, "parameters": {

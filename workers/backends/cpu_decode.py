@@ -448,11 +448,13 @@ def attach(model: nn.Module) -> FusedDecode | None:
     model.fast_decode = fused
     int8 = weights[0].get("qkv_s") is not None
     blocks = sum(isinstance(v, _Gguf) for w in weights for v in w.values())
-    log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; %s)", fused.max_rows,
+    log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; %s)%s", fused.max_rows,
              f"GGUF block ({blocks} matrices, {gguf_kernels.ISA_NAMES[gguf_kernels.load().isa]})" if blocks
              else "int8 weight" if int8 else "AMX-BF16" if getattr(lib, "amx_rows", 0) and code == 1
              else "AVX512-BF16" if lib.has_dpbf16 and code == 1
              else "bf16 weight, fp32 row" if code == 2 else "fp32-accumulated",
              f"keeps a {size / (1 << 20):.1f} MiB copy of the layer weights" if size
-             else "reads the layers' own weights, no copy")
+             else "reads the layers' own weights, no copy",
+             f"; {len(fused.mixtures)} mixture-of-experts layers run their own modules between its calls"
+             if fused.mixtures else "")
     return fused
