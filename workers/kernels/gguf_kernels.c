@@ -1854,17 +1854,39 @@ typedef struct {
     const uint8_t *data[MOE_PARTS];
 } gg_linear_t;
 
-#define MOE_TOKENS 128 /* tokens per pass: their routed outputs wait in fp32 for the per-token sums */
-#define MOE_ROWS 16    /* an expert's rows per task */
+#define MOE_TOKENS 128 /* tokens per pass: their routed rows wait in fp32 for the per-token sums */
+#define MOE_ROWS 16    /* an expert's routed rows per task */
 
 static inline float round_dt(int dt, float v) { return dt == 1 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
-/* res[m * ldr + n] for the rows of lin (K columns) against M quantised rows: each part's rows */
+/* Output rows n0 .. n1 of lin (K columns) against M quantised rows: res[m * ldr + n] for those n,
+ * from the parts that hold them (gguf_rows on each part's share of the range). */
 static void moe_rows(const gg_linear_t *lin, int64_t K, const int8_t *xq, const float *d4, const float *s16,
-                     int64_t M, float *res, int64_t ldr, int dt) {
-    for (int64_t p = 0; p < lin->n_parts; p++)
-        gguf_rows((int)lin->type[p], lin->data[p], K, xq, d4, s16, M, 0, lin->rows[p], res + lin->first[p], ldr,
-                  dt, NULL);
+                     int64_t M, int64_t n0, int64_t n1, float *res, int64_t ldr, int dt) {
+    for (int64_t p = 0; p < lin->n_parts; p++) {
+        const int64_t a = n0 > lin->first[p] ? n0 : lin->first[p];
+        const int64_t b = n1 < lin->first[p] + lin->rows[p] ? n1 : lin->first[p] + lin->rows[p];
+        if (a < b)
+            gguf_rows((int)lin->type[p], lin->data[p], K, xq, d4, s16, M, a - lin->first[p], b - lin->first[p],
+                      res + a, ldr, dt, NULL);
+    }
+}
+
+/* The tasks of one phase: (expert, first routed row, first output row) for each MOE_ROWS rows of
+ * each expert and each *cols output rows of its N: all N at once where those row chunks give every
+ * thread 4 tasks already, else the N split (whole 16-row groups) until they do (one token's 8
+ * experts on 16 cores). Returns their count. */
+static int64_t moe_tasks(const int64_t *cnt, int64_t E, int64_t N, int64_t threads, int64_t *task, int64_t *cols) {
+    int64_t chunks = 0, n = 0;
+    for (int64_t e = 0; e < E; e++) chunks += (cnt[e + 1] - cnt[e] + MOE_ROWS - 1) / MOE_ROWS;
+    const int64_t want = 4 * threads, split = chunks >= want || !chunks ? 1 : (want + chunks - 1) / chunks;
+    int64_t c0 = (N + split - 1) / split;
+    c0 = (c0 + 15) / 16 * 16;
+    *cols = c0 < N ? c0 : N;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t a = cnt[e]; a < cnt[e + 1]; a += MOE_ROWS)
+            for (int64_t c = 0; c < N; c += *cols) { task[3 * n] = e; task[3 * n + 1] = a; task[3 * n + 2] = c; n++; }
+    return n;
 }
 
 /* The routed experts of T tokens: x [T, H] (dt 0 fp32, 1 bf16), token t's k experts ids[t * k + j]
@@ -1874,121 +1896,123 @@ static void moe_rows(const gg_linear_t *lin, int64_t K, const int8_t *xq, const 
  * up of the products rounded to dt (bf16: silu from silu_bf16, torch's bits, as the C SwiGLU pass),
  * each sum rounded to dt: what SparseMoE.experts_forward computes over GgufLinear experts, in one
  * call, a token's result whatever else is in the call (the integer products take a row alone).
- * Returns 0, or -1 (nothing written) for a shape it does not cover. */
+ * Phases of one parallel region: gate and up, the SwiGLU (its rows quantised again), down, each
+ * task MOE_ROWS routed rows of one expert against its output rows, split where that leaves cores
+ * idle (moe_tasks: one token's 8 experts on 16 cores); then each token's sum. Returns 0, or -1 (nothing written) for a shape
+ * it does not cover or memory it cannot get. */
 int gguf_moe(int dt, int64_t T, int64_t H, int64_t I, int64_t k, const void *x, const int64_t *ids, const float *wts,
              int64_t E, const gg_linear_t *w13, const gg_linear_t *w2, const uint16_t *silu_bf16, void *out) {
     if (T < 0 || k <= 0 || k > 64 || H % 32 || I % 32 || (dt != 0 && dt != 1) || (dt == 1 && !silu_bf16)) return -1;
     for (int64_t e = 0; e < E; e++)
         if (w13[e].n_parts < 1 || w13[e].n_parts > MOE_PARTS || w2[e].n_parts < 1 || w2[e].n_parts > MOE_PARTS)
             return -1;
-    const int64_t es = dt == 1 ? 2 : 4, TB = T < MOE_TOKENS ? T : MOE_TOKENS;
-    int8_t *xq = malloc((size_t)(TB * H + 64));
+    const int64_t es = dt == 1 ? 2 : 4, TB = T < MOE_TOKENS ? T : MOE_TOKENS, P = TB * k;
+    int8_t *xq = malloc((size_t)(TB * H + 64)), *gq = malloc((size_t)(P * H + 64)), *aq = malloc((size_t)(P * I + 64));
     float *d4 = malloc((size_t)(TB * (H / 4) * 4 + 64)), *s16 = malloc((size_t)(TB * (H / 16) * 4 + 64));
-    float *y = malloc((size_t)(TB * k * H * 4 + 64));
-    int64_t *cnt = calloc((size_t)(E + 1), sizeof *cnt), *pair = malloc((size_t)(TB * k + 1) * sizeof *pair);
-    int64_t *task = malloc((size_t)(TB * k + 1) * 2 * sizeof *task);
-    int failed = !xq || !d4 || !s16 || !y || !cnt || !pair || !task;
+    float *gd4 = malloc((size_t)(P * (H / 4) * 4 + 64)), *gs16 = malloc((size_t)(P * (H / 16) * 4 + 64));
+    float *ad4 = malloc((size_t)(P * (I / 4) * 4 + 64)), *as16 = malloc((size_t)(P * (I / 16) * 4 + 64));
+    float *r13 = malloc((size_t)(P * 2 * I * 4 + 64)), *y = malloc((size_t)(P * H * 4 + 64));
+    char *act = malloc((size_t)(P * I * es + 64));
+    int64_t *cnt = calloc((size_t)(E + 1), sizeof *cnt), *fill = malloc((size_t)(E + 1) * sizeof *fill);
+    int64_t *pair = malloc((size_t)(P + 1) * sizeof *pair);
+    const int64_t threads = omp_get_max_threads();
+    const int64_t most = (P / MOE_ROWS + E + 1) * (4 * threads + 1);  /* tasks of a phase, at most */
+    int64_t *task = malloc((size_t)(most + 1) * 3 * sizeof *task), *task2 = malloc((size_t)(most + 1) * 3 * sizeof *task2);
+    int failed = !xq || !gq || !aq || !d4 || !s16 || !gd4 || !gs16 || !ad4 || !as16 || !r13 || !y || !act || !cnt
+                 || !fill || !pair || !task || !task2;
     for (int64_t t0 = 0; !failed && t0 < T; t0 += TB) {
         const int64_t nb = T - t0 < TB ? T - t0 : TB;
         gguf_quantize(dt, (const char *)x + t0 * H * es, nb, H, xq, d4, s16);
-        /* the (token, slot) pairs grouped by expert: a counting sort, tokens in order within one */
+        /* the (token, slot) pairs grouped by expert: a counting sort, tokens in order within one;
+         * pair i of expert e's group is routed row cnt[e] + i, its data at that row of gq, r13, y */
         memset(cnt, 0, (size_t)(E + 1) * sizeof *cnt);
         for (int64_t i = 0; i < nb * k; i++) {
             const int64_t e = ids[t0 * k + i];
             if (e >= 0 && e < E) cnt[e + 1]++;
         }
         for (int64_t e = 0; e < E; e++) cnt[e + 1] += cnt[e];
-        int64_t ntask = 0;
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t a = cnt[e]; a < cnt[e + 1]; a += MOE_ROWS) { task[2 * ntask] = e; task[2 * ntask + 1] = a; ntask++; }
-        {
-            int64_t *fill = malloc((size_t)(E + 1) * sizeof *fill);
-            if (!fill) { failed = 1; break; }
-            memcpy(fill, cnt, (size_t)(E + 1) * sizeof *fill);
-            for (int64_t i = 0; i < nb * k; i++) {
-                const int64_t e = ids[t0 * k + i];
-                if (e >= 0 && e < E) pair[fill[e]++] = i;
-            }
-            free(fill);
+        memcpy(fill, cnt, (size_t)(E + 1) * sizeof *fill);
+        for (int64_t i = 0; i < nb * k; i++) {
+            const int64_t e = ids[t0 * k + i];
+            if (e >= 0 && e < E) pair[fill[e]++] = i;
         }
-        _Pragma("omp parallel if (ntask > 1)")
+        const int64_t routed = cnt[E];
+        int64_t cols13, cols2;
+        const int64_t n13 = moe_tasks(cnt, E, 2 * I, threads, task, &cols13);
+        const int64_t n2 = moe_tasks(cnt, E, H, threads, task2, &cols2);
+        _Pragma("omp parallel if (routed * H > 4096)")
         {
-            const int64_t R = MOE_ROWS;
-            int8_t *gq = malloc((size_t)(R * (H > I ? H : I) + 64));
-            float *gd4 = malloc((size_t)(R * ((H > I ? H : I) / 4) * 4 + 64));
-            float *gs16 = malloc((size_t)(R * ((H > I ? H : I) / 16) * 4 + 64));
-            float *r13 = malloc((size_t)(R * 2 * I * 4 + 64)), *r2 = malloc((size_t)(R * H * 4 + 64));
-            char *act = malloc((size_t)(R * I * es + 64));
-            if (!gq || !gd4 || !gs16 || !r13 || !r2 || !act) {
-                _Pragma("omp atomic write")
-                failed = 1;
+            _Pragma("omp for schedule(static)")
+            for (int64_t r = 0; r < routed; r++) {  /* each routed row's quantised input, grouped by expert */
+                const int64_t t = pair[r] / k;
+                memcpy(gq + r * H, xq + t * H, (size_t)H);
+                memcpy(gd4 + r * (H / 4), d4 + t * (H / 4), (size_t)(H / 4) * 4);
+                memcpy(gs16 + r * (H / 16), s16 + t * (H / 16), (size_t)(H / 16) * 4);
             }
-            _Pragma("omp for schedule(dynamic, 1)")
-            for (int64_t w = 0; w < ntask; w++) {
-                if (failed) continue;
-                const int64_t e = task[2 * w], a = task[2 * w + 1];
-                const int64_t n = cnt[e + 1] - a < R ? cnt[e + 1] - a : R;
-                for (int64_t r = 0; r < n; r++) {  /* this expert's rows, quantised once for the block */
-                    const int64_t t = pair[a + r] / k;
-                    memcpy(gq + r * H, xq + t * H, (size_t)H);
-                    memcpy(gd4 + r * (H / 4), d4 + t * (H / 4), (size_t)(H / 4) * 4);
-                    memcpy(gs16 + r * (H / 16), s16 + t * (H / 16), (size_t)(H / 16) * 4);
+            _Pragma("omp for schedule(dynamic, 1)")  /* gate and up */
+            for (int64_t w = 0; w < n13; w++) {
+                const int64_t e = task[3 * w], a = task[3 * w + 1], c = task[3 * w + 2];
+                const int64_t n = cnt[e + 1] - a < MOE_ROWS ? cnt[e + 1] - a : MOE_ROWS;
+                moe_rows(&w13[e], H, gq + a * H, gd4 + a * (H / 4), gs16 + a * (H / 16), n, c,
+                         c + cols13 < 2 * I ? c + cols13 : 2 * I, r13 + a * 2 * I, 2 * I, dt);
+            }
+            _Pragma("omp for schedule(static)")  /* SwiGLU, each row quantised for the down product */
+            for (int64_t r = 0; r < routed; r++) {
+                for (int64_t i = 0; i < I; i++) {
+                    const float g = round_dt(dt, r13[r * 2 * I + i]), u = round_dt(dt, r13[r * 2 * I + I + i]);
+                    if (dt == 1)
+                        ((uint16_t *)act)[r * I + i] = f32_to_bf16(bf16_to_f32(silu_bf16[f32_to_bf16(g)]) * u);
+                    else
+                        ((float *)act)[r * I + i] = g / (1.0f + expf(-g)) * u;
                 }
-                moe_rows(&w13[e], H, gq, gd4, gs16, n, r13, 2 * I, dt);
+                gguf_quantize_row(dt, act + r * I * es, I, aq + r * I, ad4 + r * (I / 4), as16 + r * (I / 16));
+            }
+            _Pragma("omp for schedule(dynamic, 1)")  /* down */
+            for (int64_t w = 0; w < n2; w++) {
+                const int64_t e = task2[3 * w], a = task2[3 * w + 1], c = task2[3 * w + 2];
+                const int64_t n = cnt[e + 1] - a < MOE_ROWS ? cnt[e + 1] - a : MOE_ROWS;
+                const int64_t c1 = c + cols2 < H ? c + cols2 : H;
+                moe_rows(&w2[e], I, aq + a * I, ad4 + a * (I / 4), as16 + a * (I / 16), n, c, c1, y + a * H, H, dt);
                 for (int64_t r = 0; r < n; r++)
-                    for (int64_t i = 0; i < I; i++) {
-                        const float g = round_dt(dt, r13[r * 2 * I + i]), u = round_dt(dt, r13[r * 2 * I + I + i]);
-                        if (dt == 1)
-                            ((uint16_t *)act)[r * I + i] = f32_to_bf16(bf16_to_f32(silu_bf16[f32_to_bf16(g)]) * u);
-                        else
-                            ((float *)act)[r * I + i] = g / (1.0f + expf(-g)) * u;
+                    for (int64_t h = c; h < c1; h++) y[(a + r) * H + h] = round_dt(dt, y[(a + r) * H + h]);
+            }
+            /* per token: its experts' outputs weighted and summed in ascending expert id, rounded
+             * as index_add_ into a zero output of type dt rounds */
+            _Pragma("omp for schedule(static)")
+            for (int64_t t = 0; t < nb; t++) {
+                int64_t order[64], row[64];
+                int64_t m = 0;
+                for (int64_t j = 0; j < k; j++) {
+                    const int64_t e = ids[(t0 + t) * k + j];
+                    if (e < 0 || e >= E) continue;
+                    /* this slot's routed row: its place among expert e's pairs (tokens in order) */
+                    int64_t lo = cnt[e], hi = cnt[e + 1];
+                    const int64_t want = t * k + j;
+                    while (lo < hi) {
+                        const int64_t mid = (lo + hi) / 2;
+                        if (pair[mid] < want) lo = mid + 1; else hi = mid;
                     }
-                for (int64_t r = 0; r < n; r++)
-                    gguf_quantize_row(dt, act + r * I * es, I, gq + r * I, gd4 + r * (I / 4), gs16 + r * (I / 16));
-                moe_rows(&w2[e], I, gq, gd4, gs16, n, r2, H, dt);
-                for (int64_t r = 0; r < n; r++) {
-                    float *dst = y + pair[a + r] * H;
-                    for (int64_t h = 0; h < H; h++) dst[h] = round_dt(dt, r2[r * H + h]);
+                    int64_t at = m++;
+                    while (at > 0 && ids[(t0 + t) * k + order[at - 1]] > e) {
+                        order[at] = order[at - 1];
+                        row[at] = row[at - 1];
+                        at--;
+                    }
+                    order[at] = j;
+                    row[at] = lo;
                 }
-            }
-            free(gq);
-            free(gd4);
-            free(gs16);
-            free(r13);
-            free(r2);
-            free(act);
-        }
-        if (failed) break;
-        /* per token: its experts' outputs weighted and summed in ascending expert id, rounded as
-         * index_add_ into a zero output of type dt rounds */
-        _Pragma("omp parallel for schedule(static) if (nb * H > 65536)")
-        for (int64_t t = 0; t < nb; t++) {
-            int64_t order[64];
-            int64_t m = 0;
-            for (int64_t j = 0; j < k && m < 64; j++) {
-                const int64_t e = ids[(t0 + t) * k + j];
-                if (e < 0 || e >= E) continue;
-                int64_t at = m++;
-                while (at > 0 && ids[(t0 + t) * k + order[at - 1]] > e) { order[at] = order[at - 1]; at--; }
-                order[at] = j;
-            }
-            for (int64_t h = 0; h < H; h++) {
-                float acc = 0.0f;
-                for (int64_t i = 0; i < m; i++) {
-                    const int64_t j = order[i];
-                    const float wv = round_dt(dt, wts[(t0 + t) * k + j]);
-                    acc = round_dt(dt, acc + round_dt(dt, y[(t * k + j) * H + h] * wv));
+                for (int64_t h = 0; h < H; h++) {
+                    float acc = 0.0f;
+                    for (int64_t i = 0; i < m; i++) {
+                        const float wv = round_dt(dt, wts[(t0 + t) * k + order[i]]);
+                        acc = round_dt(dt, acc + round_dt(dt, y[row[i] * H + h] * wv));
+                    }
+                    store(dt, out, (t0 + t) * H + h, acc);
                 }
-                store(dt, out, (t0 + t) * H + h, acc);
             }
         }
     }
-    free(xq);
-    free(d4);
-    free(s16);
-    free(y);
-    free(cnt);
-    free(pair);
-    free(task);
+    free(xq); free(gq); free(aq); free(d4); free(s16); free(gd4); free(gs16); free(ad4); free(as16);
+    free(r13); free(y); free(act); free(cnt); free(fill); free(pair); free(task); free(task2);
     return failed ? -1 : 0;
 }
