@@ -19,10 +19,10 @@ from tests.harness import ROOT
 STDLIB = set(sys.stdlib_module_names)
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in a file, relative ones resolved."""
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file under ``root``, relative ones resolved."""
     tree = ast.parse(path.read_text(), str(path))
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -37,16 +37,18 @@ def imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def files(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+def files(package: str, root: Path = ROOT) -> list[Path]:
+    return sorted((root / package).rglob("*.py"))
 
 
 def top(module: str) -> str:
     return module.split(".")[0]
 
 
-def violations(package: str, allowed) -> list[str]:
-    return [f"{p.relative_to(ROOT)}:{line}: imports {m}" for p in files(package) for line, m in imports(p)
+def violations(package: str, allowed, root: Path = ROOT) -> list[str]:
+    """``package``'s imports (its tree under ``root``: the repository, or a test's scratch copy)
+    that ``allowed(path, module)`` refuses."""
+    return [f"{p.relative_to(root)}:{line}: imports {m}" for p in files(package, root) for line, m in imports(p, root)
             if not allowed(p, m)]
 
 
@@ -96,13 +98,13 @@ def test_contract_and_runtime_import_only_stdlib_msgspec_and_themselves() -> Non
 
 
 def test_the_scan_sees_a_violation(tmp_path: Path) -> None:
-    """The scanner itself: an import it must flag is flagged (relative forms included)."""
-    probe = ROOT / "mindie" / "_boundary_probe.py"
+    """The scanner itself: an import it must flag is flagged (relative forms included). The probe
+    lives in a scratch tree: one written into the repository would be seen by the other scans of
+    the tree that run beside this test (tests/test_design_map.py, the boundary checks above)."""
+    probe = tmp_path / "mindie" / "_boundary_probe.py"
+    probe.parent.mkdir(parents=True)
     probe.write_text("from workers.engine import engine\nfrom ..workers import spec\nimport workers\n")
-    try:
-        bad = violations("mindie", lambda p, m: top(m) != "workers")
-    finally:
-        probe.unlink()
+    bad = violations("mindie", lambda p, m: top(m) != "workers", root=tmp_path)
     assert len(bad) == 3, bad
 
 
@@ -129,16 +131,16 @@ def imported_names(path: Path) -> list[tuple[int, str]]:
 FLEET_PROBE = "mindie.ops.probe"
 
 
-def _uses_probe(p: Path) -> bool:
-    rel = p.relative_to(ROOT).parts
+def _uses_probe(p: Path, root: Path = ROOT) -> bool:
+    rel = p.relative_to(root).parts
     return "fleet" in rel or rel == ("coordinator", "probe.py")
 
 
-def coordinator_violations() -> list[str]:
+def coordinator_violations(root: Path = ROOT) -> list[str]:
     def ok(p: Path, m: str) -> bool:
-        allowed = COORDINATOR_MAY_IMPORT + ((FLEET_PROBE,) if _uses_probe(p) else ())
+        allowed = COORDINATOR_MAY_IMPORT + ((FLEET_PROBE,) if _uses_probe(p, root) else ())
         return top(m) != "mindie" or any(m == s or m.startswith(s + ".") for s in allowed)
-    return [f"{p.relative_to(ROOT)}:{line}: imports {m}" for p in files("coordinator")
+    return [f"{p.relative_to(root)}:{line}: imports {m}" for p in files("coordinator", root)
             for line, m in imported_names(p) if not ok(p, m)]
 
 
@@ -146,16 +148,15 @@ def test_coordinator_imports_only_the_contract_runtime_and_config_of_mindie() ->
     assert coordinator_violations() == []
 
 
-def test_the_coordinator_scan_sees_a_violation() -> None:
-    """The coordinator's scan itself: the imports it must flag are flagged, allowed ones are not."""
-    probe = ROOT / "coordinator" / "_boundary_probe.py"
+def test_the_coordinator_scan_sees_a_violation(tmp_path: Path) -> None:
+    """The coordinator's scan itself: the imports it must flag are flagged, allowed ones are not
+    (the probe in a scratch tree, as test_the_scan_sees_a_violation's)."""
+    probe = tmp_path / "coordinator" / "_boundary_probe.py"
+    probe.parent.mkdir(parents=True)
     probe.write_text("from mindie.api.openai import error_payload\nfrom mindie import sse\nimport mindie.errors\n"
                      "from mindie.contract import families\nfrom mindie import config\n"
                      "def f():\n    import mindie.text.structured\n")
-    try:
-        bad = [v for v in coordinator_violations() if v.startswith(str(probe.relative_to(ROOT)))]
-    finally:
-        probe.unlink()
+    bad = [v for v in coordinator_violations(tmp_path) if v.startswith(str(probe.relative_to(tmp_path)))]
     assert [v.rsplit(" ", 1)[1] for v in bad] == ["mindie.api.openai.error_payload", "mindie.sse", "mindie.errors",
                                                   "mindie.text.structured"], bad
 
