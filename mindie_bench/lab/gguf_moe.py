@@ -64,7 +64,7 @@ def rss_mib() -> float:
 
 
 def measure(view: str, mode: str, batches: list[int], threads: int, context: int, steps: int,
-            invariant: bool) -> dict:
+            invariant: bool, dtype_name: str = "bfloat16") -> dict:
     """One mode in this process: resident MiB the load added, and the median decode step per batch."""
     import msgspec
     import torch
@@ -76,7 +76,7 @@ def measure(view: str, mode: str, batches: list[int], threads: int, context: int
     from workers.models.loader import load_model
     torch.set_num_threads(threads)
     settings.apply(msgspec.structs.replace(settings.engine(), batch_invariant=invariant))
-    dtype = torch.bfloat16
+    dtype = getattr(torch, dtype_name)
     before = rss_mib()
     model, _ = load_model(view, dtype, gguf_native=None if mode == "dequantised" else NativeTarget(gguf_kernels.load()))
     backend = CpuBackend(threads)
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="activations (float32: what a CPU without native bf16 computes)")
     ap.add_argument("--no-invariant", action="store_true",
                     help="ScheduleConfig.batchInvariant off (on by default, as a CPU worker runs)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: measure one mode, print its JSON
@@ -137,10 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         from workers.models.gguf_view import ensure_view
         view = str(ensure_view(d / name, d / "views"))
         print(json.dumps(measure(view, args.one, batches, args.threads, args.context, args.steps,
-                                 not args.no_invariant)))
+                                 not args.no_invariant, args.dtype)))
         return
     f = build(d / name, args.experts, args.top_k, args.hidden, args.inter, args.layers)
-    print(f"{f.name}: {f.stat().st_size / 2**20:.1f} MiB, bf16, {args.threads} threads, context {args.context}, "
+    print(f"{f.name}: {f.stat().st_size / 2**20:.1f} MiB, {args.dtype}, {args.threads} threads, context {args.context}, "
           f"batch-invariant {'off' if args.no_invariant else 'on'}", flush=True)
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                    "--top-k", str(args.top_k), "--hidden", str(args.hidden), "--inter", str(args.inter),
                    "--layers", str(args.layers), "--batch", args.batch, "--threads", str(args.threads),
                    "--context", str(args.context), "--steps", str(args.steps), "--one", mode,
-                   *(["--no-invariant"] if args.no_invariant else [])]
+                   "--dtype", args.dtype, *(["--no-invariant"] if args.no_invariant else [])]
             res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
             if res.returncode != 0:
                 raise SystemExit(f"{mode}: {res.stderr[-2000:]}")
