@@ -33,12 +33,13 @@ over those same tensors (kernel code 2), no copy either. Qwen3's per-head q/k no
 and 3's layers (their (1 + w) norms, the norms of the attention's and the feed-forward's outputs,
 GeGLU, a rope per layer kind, the scaled embedding, Gemma 2's soft-capped attention scores:
 ``norm_w1``, ``attn_out_norm``, ``act_gelu``, the layer's ``cos_t`` in cpu_kernels.c's dec_layer_t,
-the step's ``softcap``) are computed too. A mixture-of-experts layer (Qwen2/3-MoE, Mixtral) stops
-the call after its feed-forward norm (``moe``: the step's ``l0`` / ``stopped``): its own module
-(router, experts: gguf_experts.py's one call for a GGUF file's, a shared expert) adds the mixture to
-the residual rows, as the eager layer does, and the next call resumes at the following layer.
-Models it does not cover (``fused_decode_refusal``: MLA, GLM-4-MoE's partial rotary, GPT-OSS's
-sinks, hybrid layers; tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path.
+the step's ``softcap``) are computed too, and GPT-OSS's attention sinks (the layer's ``sinks``). A
+mixture-of-experts layer (Qwen2/3-MoE, Mixtral, GPT-OSS) stops the call after its feed-forward norm
+(``moe``: the step's ``l0`` / ``stopped``): its own module (router, experts: gguf_experts.py's one
+call for a GGUF file's, a shared expert) adds the mixture to the residual rows, as the eager layer
+does, and the next call resumes at the following layer. Models it does not cover
+(``fused_decode_refusal``: MLA, GLM-4-MoE's partial rotary, hybrid layers; tensor-parallel ranks,
+fp16, a KV cache of another type) keep the eager path.
 """
 from __future__ import annotations
 
