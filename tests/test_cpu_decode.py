@@ -69,6 +69,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # sliding and full layers alternating, YaRN rope, q/k/v and o biases
     "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                                      sliding_window=8)),
+    # GLM-4-MoE: rope on the first half of each head only (NeoX halves), q/k norms, a dense first
+    # layer, DeepSeek-V3's grouped sigmoid router and a shared expert between the step's calls
+    "glm4_moe": ("Glm4MoeConfig", dict(head_dim=16, attention_bias=True, use_qk_norm=True, moe_intermediate_size=32,
+                                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                       first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                                       routed_scaling_factor=2.0)),
 }
 
 

@@ -38,8 +38,9 @@ mixture-of-experts layer (Qwen2/3-MoE, Mixtral, GPT-OSS) stops the call after it
 (``moe``: the step's ``l0`` / ``stopped``): its own module (router, experts: gguf_experts.py's one
 call for a GGUF file's, a shared expert) adds the mixture to the residual rows, as the eager layer
 does, and the next call resumes at the following layer. Models it does not cover
-(``fused_decode_refusal``: MLA, GLM-4-MoE's partial rotary, hybrid layers; tensor-parallel ranks,
-fp16, a KV cache of another type) keep the eager path.
+(``fused_decode_refusal``: MLA, hybrid layers, the variant families; interleaved rotary pairs;
+tensor-parallel ranks, fp16, a KV cache of another type) keep the eager path. A partial rotary
+(GLM-4-MoE's NeoX halves of the first ``rotary_dim`` dims) turns those dims only (``rot_half``).
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class _Layer(ctypes.Structure):
                                          "down_s", "k_cache", "v_cache")] + [("window", _i64)] \
         + [(n, _c_void_p) for n in ("qkv_g", "o_g", "gate_g", "up_g", "down_g", "q_norm", "k_norm",
                                     "attn_out_norm", "ff_out_norm", "cos_t", "sin_t")] + [("moe", _i64)] \
-        + [("sinks", _c_void_p)]
+        + [("sinks", _c_void_p), ("rot_half", _i64)]
 
 
 class _Step(ctypes.Structure):
@@ -201,6 +202,8 @@ class FusedDecode:
             return
         for lay, r in zip(arr, ropes):
             lay.cos_t, lay.sin_t = r.cos.data_ptr(), r.sin.data_ptr()
+            rd = getattr(r, "rotary_dim", None)  # a partial rotary (VariantRope): its tables are rd / 2 wide
+            lay.rot_half = rd // 2 if rd is not None and rd < self.D else 0
         if self._scratch is None:
             e, n = self.dtype, self.max_rows
             nq = (self.H + 2 * self.Hkv) * self.D
@@ -422,6 +425,8 @@ def attach(model: nn.Module) -> FusedDecode | None:
         why = "feed-forward layers of a kind it does not read"
     elif args.head_dim > 256 or args.head_dim % 2 or args.num_attention_heads // args.num_key_value_heads > 16:
         why = "head shapes beyond the kernel's buffers"
+    elif getattr(getattr(model, "rope", None), "interleaved", False):
+        why = "interleaved rotary pairs (GLM-4's layout)"
     weights: list[dict] = []
     size = 0
     if why is None:

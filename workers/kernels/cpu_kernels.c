@@ -2237,8 +2237,10 @@ int rms_norm_w1(int dtype, const void *x, int64_t row_stride, const float *w1, v
     return rms_rows(dtype, x, row_stride, NULL, w1, out, N, C, eps);
 }
 
-INLINE void rope_token(int dtype, void *x, int64_t base0, int64_t H, int64_t D, const float *cr, const float *sr) {
-    const int64_t half = D / 2;
+/* One token's H heads of D elements at x + base0: the first 2 * half of each head turned (half = D / 2:
+ * all of it; less: a partial rotary, the rest left as it is), cos/sin the token's table rows [half]. */
+INLINE void rope_token(int dtype, void *x, int64_t base0, int64_t H, int64_t D, int64_t half, const float *cr,
+                       const float *sr) {
 #if HAVE_AVX512BW
     if (dtype == 1 && half % 16 == 0 && half <= 128) {
         /* bf16, 16 lanes at a time: the same products, sums and roundings (bf16_bits16 is
@@ -2290,9 +2292,9 @@ int rope_inplace(int dtype, void *x, int64_t T, int64_t t_stride, int64_t H, int
     for (int64_t t = 0; t < T; t++) {
         const float *cr = cos_t + pos[t] * half, *sr = sin_t + pos[t] * half;
         switch (dtype) {
-        case 0: rope_token(0, x, t * t_stride, H, D, cr, sr); break;
-        case 1: rope_token(1, x, t * t_stride, H, D, cr, sr); break;
-        default: rope_token(2, x, t * t_stride, H, D, cr, sr); break;
+        case 0: rope_token(0, x, t * t_stride, H, D, half, cr, sr); break;
+        case 1: rope_token(1, x, t * t_stride, H, D, half, cr, sr); break;
+        default: rope_token(2, x, t * t_stride, H, D, half, cr, sr); break;
         }
     }
     return 0;
@@ -2349,6 +2351,8 @@ typedef struct {
     const float *cos_t, *sin_t;  /* this layer's rope tables (Gemma's local and global ropes differ) */
     int64_t moe;  /* a mixture-of-experts layer: the step stops after its feed-forward's norm (dec_step_t l0) */
     const float *sinks;  /* GPT-OSS: [H] fp32 sink logits of this layer's softmax (item_sink), or NULL */
+    int64_t rot_half;  /* a partial rotary (GLM-4-MoE): the first 2 * rot_half dims of a head turn, its
+                        * tables [max_pos, rot_half]; 0: all D (tables [max_pos, D / 2]) */
 } dec_layer_t;
 
 typedef struct {
@@ -2620,7 +2624,8 @@ INLINE void dec_step(int dt, int pt, const dec_step_t *s, int64_t stop) {
             float hb[MAX_D];
             for (int64_t h = 0; L->q_norm && h < H + Hkv; h++)  /* per-head q / k norms, in place */
                 dec_rms_row(dt, s, s->qkv, m * NQ + h * D, h < H ? L->q_norm : L->k_norm, s->qkv, D, hb);
-            rope_token(dt, s->qkv, m * NQ, H + Hkv, D, L->cos_t + s->pos[m] * half, L->sin_t + s->pos[m] * half);
+            const int64_t hr = L->rot_half ? L->rot_half : half;
+            rope_token(dt, s->qkv, m * NQ, H + Hkv, D, hr, L->cos_t + s->pos[m] * hr, L->sin_t + s->pos[m] * hr);
             const char *row = (const char *)s->qkv + m * NQ * es;
             paged_write(es, row + H * D * es, L->k_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
             paged_write(es, row + (H + Hkv) * D * es, L->v_cache, s->blocks + m, s->offsets + m, 1, NQ, Hkv, s->bs, D);
@@ -2650,6 +2655,8 @@ int decode_layers(int dtype, dec_step_t *s) {
         return -1;
     for (int64_t m = 0; m < s->M; m++)
         if (s->pos[m] < 0 || s->pos[m] >= s->max_pos || s->offsets[m] < 0 || s->offsets[m] >= s->bs) return -1;
+    for (int64_t l = 0; l < s->n_layers; l++)
+        if (s->layers[l].rot_half < 0 || s->layers[l].rot_half > s->D / 2) return -1;
     int64_t stop = -1;
     for (int64_t l = s->l0; l < s->n_layers && stop < 0; l++)
         if (s->layers[l].moe) stop = l;

@@ -9,8 +9,9 @@ assembled from the pieces other families use (keys: workers/models/glm4_moe_conf
   bias, groups, norm_topk_prob, routed_scaling_factor) and the shared experts as one SwiGLU;
 - the MTP layers are not built (checkpoint.py skips their tensors, logged).
 
-Refused: tensor parallelism (workers/models/sharding.py) and the CPU backend's fused decode kernel
-(``fused_decode_refusal``: it computes Llama's full rotary).
+Refused: tensor parallelism (workers/models/sharding.py). The CPU backend's fused decode step turns
+the partial rotary's dims only (its ``rot_half``) and hands each mixture layer to its SparseMoE
+between calls (workers/backends/cpu_decode.py).
 """
 from __future__ import annotations
 
@@ -58,8 +59,6 @@ class Glm4MoeLayer(DecoderLayer):
 
 class Glm4MoeLM(DecoderLM):
     """DecoderLM of a GLM-4-MoE checkpoint (see the module docstring)."""
-
-    fused_decode_refusal = "GLM-4-MoE's layers (partial rotary, DeepSeek-V3 routing: workers/models/glm4_moe.py)"
 
     def make_layer(self, args: ModelArgs, i: int, dtype: torch.dtype | None,
                    reduce: Callable[[torch.Tensor], torch.Tensor] | None, moe_shard: MoeShard | None) -> nn.Module:
