@@ -394,6 +394,39 @@ def _stop_service_then_probes_fail_and_prestop_drains(srv: Server, env: dict) ->
     assert r.rc == probe.NOT_RUNNING and "connection refused" in r.line, r
 
 
+@pytest.mark.parametrize("exits", [True, False], ids=["server-exiting", "certificate-refused"])
+def test_stop_after_a_close_without_answer_over_mutual_tls(monkeypatch, exits) -> None:
+    """prestop's /stopService closed without an answer over mutual TLS (the probe's "client
+    certificate was probably refused"): a server already exiting (a /stopService before this one)
+    refuses connections moments later, and that is a drain; a port that keeps accepting is the
+    refused certificate, reported as the TLS error (CI once saw the first as the second)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    target = probe.Target("127.0.0.1", port, object(), "127.0.0.1")
+    prober = probe.Prober(target, time.monotonic() + 30, None, "", client_cert=True)
+
+    def closed(path):
+        if exits:  # the exiting server's listener goes a moment after the close
+            threading.Timer(0.3, listener.close).start()
+        raise probe.ProbeFailure(probe.TLS_ERROR, "TLS error: closed the connection without an answer", closed=True)
+
+    monkeypatch.setattr(prober, "request", closed)
+    monkeypatch.setattr(probe, "EXIT_GRACE_S", 1.0)
+    try:
+        if exits:
+            code, line = probe.stop(prober, force=False, wait=30)
+            assert code == probe.OK and line.startswith("drained: ") and "already stopping" in line, line
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(probe.ProbeFailure) as e:
+                probe.stop(prober, force=False, wait=30)
+            assert e.value.code == probe.TLS_ERROR and 0.9 < time.monotonic() - t0 < 5, e.value.message
+    finally:
+        listener.close()
+
+
 def test_prestop_drains_in_flight_requests_and_leaves_nothing(split) -> None:
     """The Kubernetes preStop hook alone: it returns 0 only once the request in flight finished
     and every process of the server has exited. On the module's server (not a start of its own),

@@ -121,10 +121,11 @@ MINDIE_PROBE_CERT, MINDIE_PROBE_KEY, MINDIE_PROBE_KEY_PASSWORD_FILE, MINDIE_PROB
 
 
 class ProbeFailure(Exception):
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, closed: bool = False):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.closed = closed  # the server closed the connection without an answer (a reset or an EOF)
 
 
 class _Deadline(BaseException):
@@ -281,12 +282,12 @@ class Prober:
                 if not self.client_cert:
                     raise ProbeFailure(TLS_ERROR, f"TLS error: {t.addr} closed the connection ({type(e).__name__}); "
                                        "the management plane asks for a client certificate: pass --cert/--key "
-                                       "or MINDIE_PROBE_CERT/MINDIE_PROBE_KEY") from None
+                                       "or MINDIE_PROBE_CERT/MINDIE_PROBE_KEY", closed=True) from None
                 raise ProbeFailure(TLS_ERROR, f"TLS error: {t.addr} closed the connection without an answer "
                                    f"({type(e).__name__}): the client certificate was probably refused (not "
-                                   "signed by the plane's CA, revoked or expired)") from None
+                                   "signed by the plane's CA, revoked or expired)", closed=True) from None
             raise ProbeFailure(UNHEALTHY, f"unhealthy: {t.addr} closed the connection without an answer "
-                               f"({type(e).__name__})") from None
+                               f"({type(e).__name__})", closed=True) from None
         except http.client.HTTPException as e:
             raise ProbeFailure(UNHEALTHY, f"unhealthy: bad HTTP answer from {t.url(path)}: "
                                f"{type(e).__name__} {e}") from None
@@ -344,6 +345,11 @@ def probe(prober: Prober, mode: str, n: int, coordinator: bool = False) -> tuple
     return code, f"{line} in {1000 * (time.monotonic() - t0):.0f} ms" if code == OK else line
 
 
+# stop: how long a server that closed /stopService's connection unanswered has to refuse connections
+# before the close counts as a refused client certificate
+EXIT_GRACE_S = 5.0
+
+
 def refuses(target: Target, timeout: float) -> bool:
     """True when nothing accepts TCP connections on the management port any more."""
     try:
@@ -367,6 +373,18 @@ def stop(prober: Prober, force: bool, wait: float) -> tuple[int, str]:
     except ProbeFailure as f:
         if f.code == NOT_RUNNING:
             return OK, f"drained: nothing running on {t.addr} (connection refused)"
+        if f.code == TLS_ERROR and f.closed:
+            # Closed without an answer over mutual TLS: a refused client certificate, or a server
+            # already exiting (a /stopService before this one) whose listener took the connection as
+            # it closed. An exiting server refuses connections within moments; a refused certificate
+            # is refused again while the port keeps accepting.
+            end = time.monotonic() + min(EXIT_GRACE_S, max(0.0, prober.deadline - time.monotonic()))
+            while time.monotonic() < end:
+                if refuses(t, min(1.0, max(0.05, end - time.monotonic()))):
+                    return OK, (f"drained: {t.addr} closed the /stopService connection and then refused "
+                                f"connections after {time.monotonic() - t0:.1f} s (already stopping)")
+                time.sleep(0.1)
+            raise
         if f.code == UNHEALTHY:  # closed as the server exits: it may well be going away
             status, answer = 0, f.message
         else:
