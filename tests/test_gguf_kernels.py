@@ -353,8 +353,7 @@ def test_batch_invariant_linear_keeps_one_path(lib, dtype):
     import msgspec
 
     from workers import settings
-    from workers.backends.cpu_decode import _gguf
-    from workers.backends.gguf_linear import GgufLinear
+    from workers.backends.gguf_linear import GgufLinear, c_parts
     k = 256
     a, b = random_weight(Q.Q4_K, 24, k, seed=5), random_weight(Q.Q6_K, 10, k, seed=6)
     before = settings.engine()
@@ -374,7 +373,7 @@ def test_batch_invariant_linear_keeps_one_path(lib, dtype):
     path = "tile" if tiles else "int"
     assert lin.calls[path] == 6 and sum(lin.calls.values()) == 6, lin.calls
     if lib.isa:
-        g = _gguf(lin, None, dtype)
+        g = c_parts(lin, None, dtype)
         assert list(g.tile_from)[:2] == [int(tiles)] * 2 and g.tile_to == 0
         assert list(g.type)[:2] == [p.type for p in lin.parts] and list(g.rows)[:2] == [24, 10]
 
@@ -424,7 +423,7 @@ def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
     from tests.test_cpu_decode import _decode_run
     from tests.tiny_gguf import byte_level_tokenizer, gpt2_vocab, tiny_model, write_gguf
     from workers.backends.cpu import CpuBackend
-    from workers.backends.cpu_decode import _Gguf
+    from workers.backends.gguf_linear import CParts
     cls, arch, config, options = MODEL_CASES[case]
     vocab = gpt2_vocab(byte_level_tokenizer())
     (tmp_path / case).mkdir()
@@ -435,7 +434,7 @@ def test_fused_decode_step_reads_the_blocks(case, dtype, tmp_path):
     fused = native.fast_decode
     assert fused is not None
     layers = native.args.num_hidden_layers
-    assert sum(isinstance(v, _Gguf) for w in fused.weights for v in w.values()) == 5 * layers  # qkv o gate up down
+    assert sum(isinstance(v, CParts) for w in fused.weights for v in w.values()) == 5 * layers  # qkv o gate up down
     assert not any(k.endswith("_w") and v is not None for w in fused.weights for k, v in w.items())
     prompts = [[(7 * i + j) % 150 + 3 for j in range(2 + (5 * i) % 19)] for i in range(16)]
     for batch in (1, 3, 8, 16):  # the integer products, then (bf16 on an avx512_bf16 or AVX2 build) the tiles
@@ -612,7 +611,7 @@ def test_experts_call_composes_the_builds_own_products(variant):
     quantised again, each token's experts summed in ascending id with the eager roundings); fp32
     within the SiLU's last bit; and the same bits on every interleaving build."""
     from workers.backends.cpu_fused import silu_table
-    from workers.backends.gguf_experts import _Linear
+    from workers.backends.gguf_linear import CParts
     lib = LIBS[variant]
     E, H, I, T, K = 4, 256, 256, 11, 2
     types = {"gate": Q.Q4_K, "up": Q.Q5_0, "down": Q.Q6_K}
@@ -624,7 +623,7 @@ def test_experts_call_composes_the_builds_own_products(variant):
         return (tid | gk.X16, gk.pack_x16(lib, tid, w, H if n != "down" else I)) if lib.x16 else (tid, w)
 
     packed = {(e, n): part(e, n) for e in range(E) for n in types}
-    w13, w2 = (_Linear * E)(), (_Linear * E)()
+    w13, w2 = (CParts * E)(), (CParts * E)()
     for e in range(E):
         (tg, g), (tu, u), (td, d) = packed[(e, "gate")], packed[(e, "up")], packed[(e, "down")]
         w13[e].n_parts, w2[e].n_parts = 2, 1

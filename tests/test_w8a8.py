@@ -129,7 +129,7 @@ def test_quantize_w8a8_against_float_and_dequantised(tiny) -> None:
     assert float((got - base).abs().max()) <= FLOAT_TOL * spread, float((got - base).abs().max()) / spread
     assert _greedy_agree(model, ref, ids[:6], 10) >= 3
     fused = model.fast_decode
-    assert fused is not None and sum(type(v).__name__ == "_Gguf" for w in fused.weights for v in w.values()) == \
+    assert fused is not None and sum(type(v).__name__ == "CParts" for w in fused.weights for v in w.values()) == \
         5 * CONFIG["num_hidden_layers"]
 
 

@@ -54,7 +54,7 @@ from workers import settings
 from workers.backends import cpu_linear
 from workers.backends.cpu_fused import gelu_table, one_plus, silu_table
 from workers.backends.cpu_linear import KernelLinear
-from workers.backends.gguf_linear import GgufLinear
+from workers.backends.gguf_linear import CParts, GgufLinear, c_parts
 from workers.backends.int8 import Int8Linear
 from workers.kernels import cpu_kernels, gguf_kernels
 from workers.kernels.cpu_layout import pack, pack_scales
@@ -62,15 +62,6 @@ from workers.kernels.cpu_layout import pack, pack_scales
 log = logging.getLogger("workers.backends")
 
 _c_void_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-GGUF_PARTS = 4  # DEC_GGUF_PARTS in cpu_kernels.c
-
-
-class _Gguf(ctypes.Structure):
-    """dec_gguf_t: a GgufLinear's rows (or a slice of them) read in their blocks."""
-    _fields_ = [("n_parts", _i64)] + [(n, _i64 * GGUF_PARTS) for n in ("first", "rows", "type")] \
-        + [("data", _c_void_p * GGUF_PARTS), ("tile_from", _i64 * GGUF_PARTS), ("tile_to", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -190,7 +181,7 @@ class FusedDecode:
             for name in _Layer._fields_:
                 if name[0] in w:
                     v = w[name[0]]
-                    setattr(lay, name[0], ctypes.addressof(v) if isinstance(v, _Gguf) else _ptr(v))
+                    setattr(lay, name[0], ctypes.addressof(v) if isinstance(v, CParts) else _ptr(v))
             lay.k_cache, lay.v_cache = attn.k_ptr[i], attn.v_ptr[i]
             lay.window = self.layer_windows[i] or 0
             lay.moe = int(i in self.mixtures)
@@ -224,7 +215,7 @@ class FusedDecode:
     def _gguf_scratch(self) -> dict[str, int]:
         """The GGUF layers' pointers and scratch (the input of a layer quantised per 32 values), or
         nothing where every layer is packed for gemv_group."""
-        if not any(isinstance(v, _Gguf) for w in self.weights for v in w.values()):
+        if not any(isinstance(v, CParts) for w in self.weights for v in w.values()):
             return {}
         lib = gguf_kernels.load()
         k = max(self.C, self.H * self.D, self.I)
@@ -297,33 +288,15 @@ def _blocks(sel: slice, n: int) -> tuple[int, int] | None:
     return (start // 16, -(-stop // 16)) if start % 16 == 0 and (stop % 16 == 0 or stop == n) else None
 
 
-def _gguf(mod: GgufLinear, rows: slice | None, dtype: torch.dtype) -> _Gguf | None:
-    """The parts of ``mod`` holding output rows ``rows`` (all of them: None), as the kernel reads
-    them, or None where a part straddles the slice or there are too many."""
-    start = 0 if rows is None else rows.start or 0
-    stop = mod.out_features if rows is None or rows.stop is None else rows.stop
-    parts = [p for p in mod.parts if start <= p.first < stop]
-    if not parts or len(parts) > GGUF_PARTS or any(p.first + p.rows > stop for p in parts) \
-            or sum(p.rows for p in parts) != stop - start:
-        return None
-    g = _Gguf(n_parts=len(parts))
-    for i, (r0, t, raw, rows) in enumerate(parts):
-        # t with gk.X16: the rows interleaved in 16-row groups, which gguf_rows reads as such
-        g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, rows, t, raw.data_ptr()
-        # the eager GgufLinear's ranges (one path in batch-invariant mode)
-        g.tile_from[i], g.tile_to = mod.tile_range(t, dtype)
-    return g
-
-
 def _matrix(mod: nn.Module, dtype: torch.dtype, rows: slice | None = None, w16: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None] | _Gguf | None:
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | CParts | None:
     """(packed weight, scales or None) of a plain, a KernelLinear or an int8 (CPU kernel) linear,
     or of the output rows ``rows`` of it; None for anything else. A layer that keeps this layout
     already is shared, not copied, where the rows fall on its 16-channel blocks. ``w16``: the
     step computes in fp32 over bf16 weights (decode_layers' dtype 2), and reads only those."""
     sel = rows if rows is not None else slice(None)
     if isinstance(mod, GgufLinear):  # the file's blocks, read in place (ggufCompute: native)
-        return None if w16 or mod.lib.isa < 1 else _gguf(mod, rows, dtype)
+        return None if w16 or mod.lib.isa < 1 else c_parts(mod, rows, dtype)
     if isinstance(mod, nn.Linear):
         return None if w16 else (pack(mod.weight[sel]), None)
     if isinstance(mod, KernelLinear):  # AMX CPUs (amx_linears), bf16 weights of fp32 models (bf16_weight_linears)
@@ -383,7 +356,7 @@ def _collect(model: nn.Module, w16: bool = False) -> tuple[list[dict], str | Non
         if getattr(a, "q_norm", None) is not None:  # Qwen3, Gemma 3: per head, before rope
             w["q_norm"], w["k_norm"] = _norm(a.q_norm.weight, gemma), _norm(a.k_norm.weight, gemma)
         for name, m in mats.items():
-            if isinstance(m, _Gguf):
+            if isinstance(m, CParts):
                 w[f"{name}_g"] = m
             else:
                 w[f"{name}_w"], w[f"{name}_s"] = m
@@ -453,7 +426,7 @@ def attach(model: nn.Module) -> FusedDecode | None:
     fused = FusedDecode(model, lib, code, weights, max_rows)
     model.fast_decode = fused
     int8 = weights[0].get("qkv_s") is not None
-    blocks = sum(isinstance(v, _Gguf) for w in weights for v in w.values())
+    blocks = sum(isinstance(v, CParts) for w in weights for v in w.values())
     log.info("fused decode kernel on for decode steps of up to %d sequences (%s products; %s)%s", fused.max_rows,
              f"GGUF block ({blocks} matrices, {gguf_kernels.ISA_NAMES[gguf_kernels.load().isa]})" if blocks
              else "int8 weight" if int8 else "AMX-BF16" if getattr(lib, "amx_rows", 0) and code == 1

@@ -19,39 +19,19 @@ import torch
 from torch import nn
 
 from workers.backends.cpu_fused import silu_table
+from workers.backends.gguf_linear import CParts, c_parts
 from workers.kernels import gguf_kernels
 
 log = logging.getLogger("workers.backends")
 
-PARTS = 4  # MOE_PARTS in gguf_kernels.c
-_i64 = ctypes.c_int64
-
-
-class _Linear(ctypes.Structure):
-    """gg_linear_t: one GgufLinear's parts."""
-    _fields_ = [("n_parts", _i64)] + [(n, _i64 * PARTS) for n in ("first", "rows", "type")] \
-        + [("data", ctypes.c_void_p * PARTS)]
-
-
-def _linear(lin: nn.Module) -> _Linear | None:
-    """A GgufLinear's parts as gguf_moe reads them (None: more parts than it takes)."""
-    parts = lin.parts
-    if not 0 < len(parts) <= PARTS:
-        return None
-    out = _Linear(n_parts=len(parts))
-    for i, p in enumerate(parts):
-        out.first[i], out.rows[i], out.type[i], out.data[i] = p.first, p.rows, p.type, p.data.data_ptr()
-    return out
-
-
 class GgufExperts:
     """``SparseMoE.fused_experts`` for experts held in GGUF blocks (``experts_kind == "gguf"``)."""
 
-    def __init__(self, moe: nn.Module, lib: ctypes.CDLL, w13: list[_Linear], w2: list[_Linear]):
+    def __init__(self, moe: nn.Module, lib: ctypes.CDLL, w13: list[CParts], w2: list[CParts]):
         self.lib = lib
         self.experts = len(w13)
-        self.w13 = (_Linear * self.experts)(*w13)  # the ctypes arrays point at the linears' blocks: kept with them
-        self.w2 = (_Linear * self.experts)(*w2)
+        self.w13 = (CParts * self.experts)(*w13)  # the ctypes arrays point at the linears' blocks: kept with them
+        self.w2 = (CParts * self.experts)(*w2)
         self.inter, self.hidden = moe.shard.inter, moe.hidden
         self.table = silu_table()
         self.calls = 0  # steps computed here (tests read it)
@@ -84,8 +64,8 @@ def attach(model: nn.Module) -> int:
         lib = lib or gguf_kernels.load()
         if lib is None:
             return 0
-        w13 = [_linear(lin) for lin in mod.lin13]
-        w2 = [_linear(lin) for lin in mod.lin2]
+        w13 = [c_parts(lin) for lin in mod.lin13]
+        w2 = [c_parts(lin) for lin in mod.lin2]
         if any(w is None for w in w13 + w2):
             continue
         mod.fused_experts = GgufExperts(mod, lib, w13, w2)

@@ -223,6 +223,36 @@ class GgufLinear(nn.Module):
         return self.dequantised(torch.float32)
 
 
+C_PARTS = 4  # DEC_GGUF_PARTS in cpu_kernels.c, MOE_PARTS in gguf_kernels.c
+
+
+class CParts(ctypes.Structure):
+    """A GgufLinear's rows as the C kernels read them in place: cpu_kernels.c's ``dec_gguf_t`` (the
+    fused decode step) and gguf_kernels.c's ``gg_linear_t`` (``gguf_moe``), one layout."""
+    _fields_ = [("n_parts", ctypes.c_int64)] + [(n, ctypes.c_int64 * C_PARTS) for n in ("first", "rows", "type")] \
+        + [("data", ctypes.c_void_p * C_PARTS), ("tile_from", ctypes.c_int64 * C_PARTS), ("tile_to", ctypes.c_int64)]
+
+
+def c_parts(mod: "GgufLinear", rows: slice | None = None, dtype: torch.dtype = torch.bfloat16) -> CParts | None:
+    """The parts of ``mod`` holding output rows ``rows`` (all of them: None), as the kernels read
+    them, or None where a part straddles the slice or there are too many. ``dtype``: the
+    activations', for the eager path's tile ranges (the fused step follows them; gguf_moe takes
+    the integer products whatever they say)."""
+    start = 0 if rows is None else rows.start or 0
+    stop = mod.out_features if rows is None or rows.stop is None else rows.stop
+    parts = [p for p in mod.parts if start <= p.first < stop]
+    if not parts or len(parts) > C_PARTS or any(p.first + p.rows > stop for p in parts) \
+            or sum(p.rows for p in parts) != stop - start:
+        return None
+    g = CParts(n_parts=len(parts))
+    for i, (r0, t, raw, n) in enumerate(parts):
+        # t with gk.X16: the rows interleaved in 16-row groups, which gguf_rows reads as such
+        g.first[i], g.rows[i], g.type[i], g.data[i] = r0 - start, n, t, raw.data_ptr()
+        # the eager GgufLinear's ranges (one path in batch-invariant mode)
+        g.tile_from[i], g.tile_to = mod.tile_range(t, dtype)
+    return g
+
+
 class GgufEmbedding(nn.Module):
     """A token embedding looked up from GGUF blocks: its tied LM head's (that head's ``GgufLinear``
     parts, interleaved or not, ``of_head``) or, untied, its own tensor's as the file stores them.

@@ -2308,9 +2308,10 @@ int rope_inplace(int dtype, void *x, int64_t T, int64_t t_stride, int64_t H, int
  * at batch 1 costs as much as streaming the weights (docs/performance.md). Every intermediate is
  * rounded to the activation type where torch's eager ops round, so results follow the unfused path
  * (the products' sums can differ in order from oneDNN's, i.e. in the last bits of fp32). */
-/* A linear layer kept in a GGUF file's quantised blocks (workers/backends/gguf_linear.py): up to 4
- * parts (one per GGUF tensor, each its own ggml type), computed by gguf_kernels.c's gguf_rows
- * through the step's pointer over activations quantised by its gguf_quantize_row */
+/* A linear layer kept in a GGUF file's quantised blocks (workers/backends/gguf_linear.py, whose
+ * CParts is this layout, gguf_kernels.c's gg_linear_t too): up to 4 parts (one per GGUF tensor,
+ * each its own ggml type), computed by gguf_kernels.c's gguf_rows through the step's pointer over
+ * activations quantised by its gguf_quantize_row */
 #define DEC_GGUF_PARTS 4
 typedef struct {
     int64_t n_parts;

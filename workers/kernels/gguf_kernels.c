@@ -1846,12 +1846,15 @@ int gguf_dequantize_rows(int type, const uint8_t *w, const int64_t *ids, int64_t
 /* ---- A mixture-of-experts layer's routed experts over their blocks (gguf_moe) ----------------------- */
 
 /* One linear's rows in blocks, as a GgufLinear holds them: n_parts parts, part p rows first[p] ..
- * first[p] + rows[p] - 1 of the output, of ggml type type[p] (| X16: interleaved) at data[p]. */
+ * first[p] + rows[p] - 1 of the output, of ggml type type[p] (| X16: interleaved) at data[p]. The
+ * layout of cpu_kernels.c's dec_gguf_t (one ctypes structure describes both: gguf_linear.CParts);
+ * gguf_moe takes the integer products and leaves the tile ranges, which the fused step reads. */
 #define MOE_PARTS 4
 typedef struct {
     int64_t n_parts;
     int64_t first[MOE_PARTS], rows[MOE_PARTS], type[MOE_PARTS];
     const uint8_t *data[MOE_PARTS];
+    int64_t tile_from[MOE_PARTS], tile_to;
 } gg_linear_t;
 
 #define MOE_TOKENS 128 /* tokens per pass: their routed rows wait in fp32 for the per-token sums */
