@@ -164,8 +164,8 @@ INLINE float round_to(int dtype, float x) {
 #define TANH_B2 2.26843463243900e-03f
 #define TANH_B0 4.89352518554385e-03f
 
-/* tanh's numerator (times x) and denominator in x2 = x * x, with the vector type's fma and set1
- * (the 16- and 8-lane tanh share the terms; tanh_one writes them out) */
+/* tanh's numerator (times x) and denominator in x2 = x * x, with the type's fma and set1: the
+ * scalar, 16- and 8-lane tanh share the terms */
 #define TANH_TERMS(fma, set1, x2, p, q) do { \
         p = fma(set1(TANH_A13), x2, set1(TANH_A11)); \
         p = fma(p, x2, set1(TANH_A9)); \
@@ -178,14 +178,14 @@ INLINE float round_to(int dtype, float x) {
         q = fma(q, x2, set1(TANH_B0)); \
     } while (0)
 
+INLINE float fma_one(float a, float b, float c) { return a * b + c; }
+INLINE float set1_one(float a) { return a; }
+
 INLINE float tanh_one(float x) {
     if (fabsf(x) < 4e-4f) return x;
     const float c = x > TANH_CLAMP ? TANH_CLAMP : (x < -TANH_CLAMP ? -TANH_CLAMP : x), x2 = c * c;
-    float p = TANH_A13;
-    p = p * x2 + TANH_A11; p = p * x2 + TANH_A9; p = p * x2 + TANH_A7;
-    p = p * x2 + TANH_A5; p = p * x2 + TANH_A3; p = p * x2 + TANH_A1;
-    float q = TANH_B6;
-    q = q * x2 + TANH_B4; q = q * x2 + TANH_B2; q = q * x2 + TANH_B0;
+    float p, q;
+    TANH_TERMS(fma_one, set1_one, x2, p, q);
     return c * p / q;
 }
 
